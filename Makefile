@@ -1,0 +1,27 @@
+# dflash: `make run` trains the embedded default, `make test` runs the suite. Both set up what
+# they need first (libtorch, model, data: scripts/setup.sh, cached in $(DFLASH_CACHE)).
+SHELL := /bin/bash
+DFLASH_CACHE ?= $(HOME)/.cache/dflash
+CONFIG ?= configs/smollm2-chitchat.toml
+CARGO ?= cargo
+
+export DFLASH_CACHE
+export LIBTORCH := $(DFLASH_CACHE)/libtorch
+export LD_LIBRARY_PATH := $(DFLASH_CACHE)/libtorch/lib:$(DFLASH_CACHE)/libtorch-2.11.0/nvidia/cu13/lib$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
+
+.PHONY: setup build run test clean-cache
+
+setup:
+	@scripts/setup.sh
+
+build: setup
+	$(CARGO) build --release --workspace
+
+run: build
+	./target/release/dflash-host train --config $(CONFIG)
+
+test: setup
+	$(CARGO) test --release --workspace
+
+clean-cache:
+	rm -rf $(DFLASH_CACHE)

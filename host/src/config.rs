@@ -1,0 +1,314 @@
+//! The run config: one TOML file. Host settings are typed here (`deny_unknown_fields`); each
+//! plugin section names its plugin (`plugin = "adamw"`) and the rest of the section is that
+//! plugin's own config, which the plugin parses and validates.
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// Experiment name: the folder under `experiments/`.
+    pub name: String,
+    #[serde(default)]
+    pub seed: u64,
+    /// `cpu` or `cuda:N`.
+    #[serde(default = "default_device")]
+    pub device: String,
+    /// `f32` or `bf16`; default f32 on CPU, bf16 on CUDA.
+    #[serde(default)]
+    pub dtype: Option<String>,
+    pub train: TrainConfig,
+    pub target: toml::Table,
+    pub drafter: toml::Table,
+    pub optimizer: toml::Table,
+    pub data: toml::Table,
+}
+
+fn default_device() -> String {
+    "cpu".into()
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Micro-batches per optimizer step (gradient accumulation K).
+    #[serde(default = "one")]
+    pub grad_accum: u64,
+    /// Anchors (blocks) sampled per sequence.
+    #[serde(default = "default_anchors")]
+    pub anchors_per_seq: usize,
+    /// Loss decay gamma; default by block size (7 for 16, 5 for 10, 4 for 8; DFLASH.md).
+    #[serde(default)]
+    pub loss_gamma: Option<f64>,
+    /// Share of steps spent warming the learning rate up linearly.
+    #[serde(default = "default_warmup")]
+    pub warmup_frac: f64,
+    /// Cosine decay floor as a share of the peak learning rate.
+    #[serde(default)]
+    pub min_lr_frac: f64,
+    /// Global gradient-norm clip (0 = off).
+    #[serde(default = "one_f")]
+    pub grad_clip: f64,
+    /// Log a metrics line every N steps.
+    #[serde(default = "default_log_every")]
+    pub log_every: u64,
+    /// Write a checkpoint every N steps (and at the end); 0 = only at the end.
+    #[serde(default)]
+    pub checkpoint_every: u64,
+    /// Checkpoints kept (the newest).
+    #[serde(default = "default_keep")]
+    pub keep_checkpoints: usize,
+}
+
+fn one() -> u64 {
+    1
+}
+fn one_f() -> f64 {
+    1.0
+}
+fn default_anchors() -> usize {
+    512
+}
+fn default_warmup() -> f64 {
+    0.04
+}
+fn default_log_every() -> u64 {
+    10
+}
+fn default_keep() -> usize {
+    2
+}
+
+/// A plugin section: which plugin, and its own config as TOML text.
+#[derive(Debug, Clone)]
+pub struct PluginSection {
+    pub kind: &'static str,
+    pub plugin: String,
+    pub config_toml: String,
+}
+
+impl RunConfig {
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+        let cfg: RunConfig = toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}", toml_error(path, &text, &e)))?;
+        cfg.validate().map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        validate_name(&self.name)?;
+        if self.device != "cpu" && !self.device.strip_prefix("cuda:").is_some_and(|n| n.parse::<u32>().is_ok()) {
+            bail!("field `device`: expected `cpu` or `cuda:N`, got `{}`", self.device);
+        }
+        if let Some(d) = &self.dtype {
+            if d != "f32" && d != "bf16" {
+                bail!("field `dtype`: expected `f32` or `bf16`, got `{d}`");
+            }
+        }
+        let t = &self.train;
+        let range = |field: &str, ok: bool, v: String| -> Result<()> {
+            if ok {
+                Ok(())
+            } else {
+                bail!("field `train.{field}`: out of range: {v}")
+            }
+        };
+        range("steps", t.steps >= 1, format!("{} (must be >= 1)", t.steps))?;
+        range("grad_accum", t.grad_accum >= 1, format!("{} (must be >= 1)", t.grad_accum))?;
+        range("anchors_per_seq", t.anchors_per_seq >= 1, format!("{} (must be >= 1)", t.anchors_per_seq))?;
+        range("warmup_frac", (0.0..=1.0).contains(&t.warmup_frac), format!("{} (must be in [0, 1])", t.warmup_frac))?;
+        range("min_lr_frac", (0.0..=1.0).contains(&t.min_lr_frac), format!("{} (must be in [0, 1])", t.min_lr_frac))?;
+        range("grad_clip", t.grad_clip >= 0.0, format!("{} (must be >= 0)", t.grad_clip))?;
+        range("log_every", t.log_every >= 1, format!("{} (must be >= 1)", t.log_every))?;
+        range("keep_checkpoints", t.keep_checkpoints >= 1, format!("{} (must be >= 1)", t.keep_checkpoints))?;
+        if let Some(g) = t.loss_gamma {
+            range("loss_gamma", g > 0.0, format!("{g} (must be > 0)"))?;
+        }
+        for (kind, table) in self.sections() {
+            match table.get("plugin") {
+                Some(toml::Value::String(_)) => {}
+                Some(_) => bail!("field `{kind}.plugin`: expected a string (the plugin's name)"),
+                None => bail!("section [{kind}]: missing field `plugin` (the plugin's name, e.g. plugin = \"{}\")", default_plugin(kind)),
+            }
+        }
+        Ok(())
+    }
+
+    pub fn dtype(&self) -> &str {
+        match &self.dtype {
+            Some(d) => d,
+            None if self.device == "cpu" => "f32",
+            None => "bf16",
+        }
+    }
+
+    fn sections(&self) -> [(&'static str, &toml::Table); 4] {
+        [("target", &self.target), ("drafter", &self.drafter), ("optimizer", &self.optimizer), ("data", &self.data)]
+    }
+
+    /// The plugin section of `kind`: its plugin name and the rest as TOML text.
+    pub fn section(&self, kind: &str) -> PluginSection {
+        let (kind, table) = self.sections().into_iter().find(|(k, _)| *k == kind).expect("known section");
+        let mut rest = table.clone();
+        let plugin = match rest.remove("plugin") {
+            Some(toml::Value::String(s)) => s,
+            _ => unreachable!("validated"),
+        };
+        PluginSection { kind, plugin, config_toml: toml::to_string(&rest).expect("table serializes") }
+    }
+}
+
+fn default_plugin(kind: &str) -> &'static str {
+    match kind {
+        "target" => "hf",
+        "drafter" => "dflash",
+        "optimizer" => "adamw",
+        _ => "chat",
+    }
+}
+
+/// Experiment names become folder names: refuse anything that could escape `experiments/`.
+pub fn validate_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name != "."
+        && name != ".."
+        && name.len() <= 128
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        && !name.starts_with('.');
+    if !ok {
+        bail!("field `name`: `{name}` is not a valid experiment name (use letters, digits, `-`, `_`, `.`; no path separators or leading dot)");
+    }
+    Ok(())
+}
+
+/// A TOML parse error as `file:line:col: message`.
+pub fn toml_error(path: &Path, text: &str, e: &toml::de::Error) -> String {
+    match e.span() {
+        Some(span) => {
+            let (line, col) = line_col(text, span.start);
+            format!("{}:{line}:{col}: {}", path.display(), e.message())
+        }
+        None => format!("{}: {}", path.display(), e.message()),
+    }
+}
+
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+    (line, col)
+}
+
+/// Where `key` is set inside `[section]` of the config text (1-based line), to point plugin
+/// errors at the file.
+pub fn locate_key(text: &str, section: &str, key: &str) -> Option<usize> {
+    let mut current = String::new();
+    for (i, line) in text.lines().enumerate() {
+        let l = line.trim();
+        if let Some(name) = l.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+            current = name.trim().to_string();
+        } else if current == section {
+            if let Some((k, _)) = l.split_once('=') {
+                if k.trim() == key {
+                    return Some(i + 1);
+                }
+            }
+        }
+    }
+    None
+}
+
+/// For a plugin error like "[optimizer] plugin `adamw`: unknown field `lrr`, ...", the config
+/// line that set the field, if any.
+pub fn locate_plugin_error(text: &str, message: &str) -> Option<usize> {
+    let section = message.strip_prefix('[')?.split(']').next()?;
+    let field = ["unknown field `", "field `"].iter().find_map(|p| {
+        let rest = &message[message.find(p)? + p.len()..];
+        rest.split('`').next()
+    })?;
+    locate_key(text, section, field).or_else(|| {
+        // A missing field has no line: point at the section header instead.
+        text.lines().position(|l| l.trim() == format!("[{section}]")).map(|i| i + 1)
+    })
+}
+
+/// `config_dir` for relative paths in plugin sections.
+pub fn config_dir(path: &Path) -> PathBuf {
+    path.parent().map(Path::to_path_buf).filter(|p| !p.as_os_str().is_empty()).unwrap_or_else(|| PathBuf::from("."))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+name = "t"
+[train]
+steps = 3
+[target]
+plugin = "hf"
+path = "x.gguf"
+[drafter]
+plugin = "dflash"
+[optimizer]
+plugin = "adamw"
+lr = 1e-3
+[data]
+plugin = "chat"
+"#;
+
+    fn parse(text: &str) -> Result<RunConfig> {
+        let p = Path::new("cfg.toml");
+        let cfg: RunConfig = toml::from_str(text).map_err(|e| anyhow::anyhow!("{}", toml_error(p, text, &e)))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    #[test]
+    fn good_config_parses_and_splits_sections() {
+        let cfg = parse(GOOD).unwrap();
+        let opt = cfg.section("optimizer");
+        assert_eq!(opt.plugin, "adamw");
+        assert_eq!(opt.config_toml.trim(), "lr = 0.001");
+        assert_eq!(cfg.dtype(), "f32");
+    }
+
+    #[test]
+    fn unknown_field_is_named_with_its_line() {
+        let text = GOOD.replace("steps = 3", "steps = 3\nstepz = 4");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("cfg.toml:5:") && err.contains("unknown field `stepz`"), "{err}");
+    }
+
+    #[test]
+    fn wrong_type_and_out_of_range_are_named() {
+        let err = parse(&GOOD.replace("steps = 3", "steps = \"many\"")).unwrap_err().to_string();
+        assert!(err.contains("cfg.toml:4:") && err.contains("invalid type"), "{err}");
+        let err = parse(&GOOD.replace("steps = 3", "steps = 3\nwarmup_frac = 1.5")).unwrap_err().to_string();
+        assert!(err.contains("train.warmup_frac") && err.contains("1.5"), "{err}");
+    }
+
+    #[test]
+    fn missing_plugin_name_and_bad_experiment_names_are_refused() {
+        let err = parse(&GOOD.replace("plugin = \"adamw\"\n", "")).unwrap_err().to_string();
+        assert!(err.contains("[optimizer]") && err.contains("plugin"), "{err}");
+        for bad in ["../x", "a/b", "..", ".hidden", ""] {
+            assert!(validate_name(bad).is_err(), "{bad}");
+        }
+        validate_name("smollm2-chitchat_v1.2").unwrap();
+    }
+
+    #[test]
+    fn keys_are_located_in_their_section() {
+        assert_eq!(locate_key(GOOD, "optimizer", "lr"), Some(12));
+        assert_eq!(locate_key(GOOD, "target", "lr"), None);
+        let msg = "[optimizer] plugin `adamw`: field `lr`: must be > 0, got -1";
+        assert_eq!(locate_plugin_error(GOOD, msg), Some(12));
+        let msg = "[data] plugin `chat`: unknown field `pth`, expected one of `path`";
+        assert_eq!(locate_plugin_error(GOOD, msg), Some(13));
+    }
+}

@@ -1,0 +1,12 @@
+//! The host: the fixed training pipeline around the four plugin kinds. `main.rs` is the CLI;
+//! the modules are a library so integration tests (`tests/`) can drive them directly.
+
+pub mod anchors;
+pub mod builtins;
+pub mod config;
+pub mod distill;
+pub mod experiment;
+pub mod loss;
+pub mod plugins;
+pub mod schedule;
+pub mod train;

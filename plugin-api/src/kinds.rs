@@ -1,0 +1,215 @@
+//! The four plugin kinds and the values they exchange.
+//!
+//! Data flows one way: data loader -> target (no grad, hidden states) -> drafter (block hidden
+//! states) -> host loss (shared LM head) -> optimizer. The host owns the schedule, anchors, loss,
+//! accumulation and checkpoints; plugins own their math and their config section.
+//!
+//! Methods are only ever appended (below the `last_prefix_field` marker of each trait) so a plugin
+//! built against an older minor version keeps loading.
+
+use crate::{NamedTensor, PluginError, TensorHandle};
+use abi_stable::{
+    sabi_trait,
+    std_types::{RBox, ROption, RResult, RSlice, RStr, RString, RVec},
+    StableAbi,
+};
+
+/// Facts about a loaded target model that the host, drafter and data loader need.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq)]
+pub struct TargetSpec {
+    /// `llama`, `qwen2`, `qwen3`.
+    pub architecture: RString,
+    pub num_hidden_layers: u32,
+    pub hidden_size: u32,
+    pub vocab_size: u32,
+    pub num_attention_heads: u32,
+    pub num_key_value_heads: u32,
+    pub head_dim: u32,
+    pub intermediate_size: u32,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub bos_token_id: ROption<u32>,
+    pub eos_token_id: u32,
+    pub pad_token_id: ROption<u32>,
+    /// Jinja chat template from the checkpoint (empty if none).
+    pub chat_template: RString,
+    /// Where the weights came from and their SHA-256 (for manifests and caches).
+    pub source: RString,
+    pub source_sha256: RString,
+}
+
+/// The target's forward output.
+#[repr(C)]
+#[derive(StableAbi, Debug)]
+pub struct TargetOutput {
+    /// Features of the requested layers concatenated on the last dim: [B, S, n*H].
+    pub hidden: TensorHandle,
+    /// Logits [B, S, V], only when asked.
+    pub logits: ROption<TensorHandle>,
+}
+
+/// The target LLM: frozen, forward only.
+#[sabi_trait]
+pub trait TargetModel: Send {
+    fn spec(&self) -> TargetSpec;
+
+    /// HF `tokenizer.json` text for the model's tokenizer.
+    fn tokenizer_json(&self) -> RString;
+
+    /// Input embedding matrix [V, H] (frozen; the drafter embeds its blocks with it).
+    fn embedding(&self) -> TensorHandle;
+
+    /// Output head [V, H] (frozen; the drafter's logits go through it).
+    fn lm_head(&self) -> TensorHandle;
+
+    /// Forward over right-padded token ids [B, S] (int64). `layer_ids` pick the features: the
+    /// output of layer `id` (HF `hidden_states[id + 1]`).
+    fn forward(
+        &mut self,
+        input_ids: &TensorHandle,
+        layer_ids: RSlice<'_, u32>,
+        want_logits: bool,
+    ) -> RResult<TargetOutput, PluginError>;
+
+    /// Greedy generation for each prompt (token ids), up to `max_new_tokens` or a stop token
+    /// (included in the result).
+    #[sabi(last_prefix_field)]
+    fn generate(
+        &mut self,
+        prompts: RVec<RVec<u32>>,
+        max_new_tokens: u32,
+        stop_tokens: RSlice<'_, u32>,
+    ) -> RResult<RVec<RVec<u32>>, PluginError>;
+}
+
+/// One training forward's input for the drafter.
+#[repr(C)]
+#[derive(StableAbi, Debug)]
+pub struct DraftInput {
+    /// Target features [B, S, n*H] of the layers the drafter asked for.
+    pub target_hidden: TensorHandle,
+    /// Embedded blocks [B, A*Bk, H]: per anchor `[anchor token, MASK x (Bk-1)]`.
+    pub block_embeds: TensorHandle,
+    /// Anchor positions [B, A] (int64). Block j covers positions `anchors[j] + 0..Bk`.
+    pub anchors: TensorHandle,
+    /// [B, A] bool: padding anchors are false (their outputs are ignored by the loss).
+    pub anchor_valid: TensorHandle,
+}
+
+/// The drafter architecture (dense DFlash, GDN hybrid, ...).
+#[sabi_trait]
+pub trait Drafter: Send {
+    /// The checkpoint's `config.json` (z-lab format for DFlash drafters).
+    fn config_json(&self) -> RString;
+
+    /// Target layers whose outputs the drafter reads, in order.
+    fn target_layer_ids(&self) -> RVec<u32>;
+
+    fn block_size(&self) -> u32;
+
+    fn mask_token_id(&self) -> u32;
+
+    /// Trainable parameters, named as in the checkpoint. Handles share storage with the model, so
+    /// gradients accumulate in them and optimizer updates are seen by the model.
+    fn parameters(&self) -> RVec<NamedTensor>;
+
+    /// Copy weights in by name; every parameter must be present with its shape.
+    fn load_weights(&mut self, weights: RVec<NamedTensor>) -> RResult<(), PluginError>;
+
+    /// Block hidden states after the final norm: [B, A*Bk, H]. Each block sees the context
+    /// strictly before its anchor and itself (bidirectionally), never another block.
+    #[sabi(last_prefix_field)]
+    fn forward(&mut self, input: &DraftInput) -> RResult<TensorHandle, PluginError>;
+}
+
+/// The optimizer: owns per-parameter state, updates parameters in place from their `.grad`.
+#[sabi_trait]
+pub trait Optimizer: Send {
+    /// The parameters to update, once, before the first step.
+    fn init(&mut self, params: RVec<NamedTensor>) -> RResult<(), PluginError>;
+
+    /// One update. `lr_scale` is the host's schedule factor (warm-up, decay) in [0, 1]; the
+    /// optimizer multiplies its configured learning rate(s) by it.
+    fn step(&mut self, lr_scale: f64) -> RResult<(), PluginError>;
+
+    /// The peak learning rate, for logging.
+    fn base_lr(&self) -> f64;
+
+    /// State to checkpoint, named `<param name>.<slot>` plus scalars like `step`.
+    fn state(&self) -> RVec<NamedTensor>;
+
+    #[sabi(last_prefix_field)]
+    fn load_state(&mut self, state: RVec<NamedTensor>) -> RResult<(), PluginError>;
+}
+
+/// A batch of token sequences, right-padded.
+#[repr(C)]
+#[derive(StableAbi, Debug)]
+pub struct Batch {
+    /// [B, S] int64.
+    pub input_ids: TensorHandle,
+    /// [B, S] int64, 1 on tokens the drafter learns to predict (responses), 0 elsewhere.
+    pub loss_mask: TensorHandle,
+    /// Unpadded length of each sequence.
+    pub lengths: RVec<u32>,
+}
+
+/// Where a data loader is, for resume.
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct DataPosition {
+    pub epoch: u64,
+    /// Sequences consumed in this epoch.
+    pub index: u64,
+}
+
+/// What a data loader holds after `open`.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq)]
+pub struct DataSummary {
+    pub sequences: u64,
+    pub tokens: u64,
+    pub loss_tokens: u64,
+    /// Records skipped as malformed (when the config allows skipping).
+    pub skipped: u64,
+    pub description: RString,
+}
+
+/// Prompts for the target to answer greedily; their replies replace the dataset's.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq, Default)]
+pub struct DistillRequest {
+    /// Token ids, each ending with the generation prompt.
+    pub prompts: RVec<RVec<u32>>,
+    pub max_new_tokens: u32,
+    /// Tokens that end a reply (kept in it), e.g. `<|im_end|>`.
+    pub stop_tokens: RVec<u32>,
+}
+
+/// The data loader: records -> tokenized, masked, shuffled batches.
+#[sabi_trait]
+pub trait DataLoader: Send {
+    /// Read and tokenize with the target's tokenizer (`tokenizer.json` text).
+    fn open(&mut self, tokenizer_json: RStr<'_>) -> RResult<DataSummary, PluginError>;
+
+    /// Self-distillation: prompts whose replies the target regenerates (none when it is off).
+    fn distill_request(&self) -> DistillRequest;
+
+    /// The regenerated replies, in `distill_request` order.
+    fn set_distilled(&mut self, replies: RVec<RVec<u32>>) -> RResult<DataSummary, PluginError>;
+
+    /// The next batch, or None at the end of an epoch; the call after that starts the next epoch,
+    /// shuffled anew from the seed and the epoch number.
+    fn next_batch(&mut self) -> RResult<ROption<Batch>, PluginError>;
+
+    fn position(&self) -> DataPosition;
+
+    #[sabi(last_prefix_field)]
+    fn seek(&mut self, position: DataPosition) -> RResult<(), PluginError>;
+}
+
+pub type TargetBox = TargetModel_TO<'static, RBox<()>>;
+pub type DrafterBox = Drafter_TO<'static, RBox<()>>;
+pub type OptimizerBox = Optimizer_TO<'static, RBox<()>>;
+pub type DataLoaderBox = DataLoader_TO<'static, RBox<()>>;

@@ -1,0 +1,244 @@
+//! `drafter_dflash`: the dense DFlash drafter (z-lab architecture) as a plugin.
+//!
+//! Its config section picks the shape of the drafter; everything the target decides (hidden
+//! size, heads, vocabulary, RoPE) comes from the target's spec, so a drafter always fits its target.
+
+pub mod config;
+pub mod model;
+
+use config::{default_target_layer_ids, DFlashConfig, DFlashSection};
+use plugin_api::{
+    abi_stable::{
+        sabi_trait::TD_Opaque,
+        std_types::{RResult, RString, RVec},
+    },
+    tch::{nn, Device, Kind, Tensor},
+    DraftInput, Drafter, Drafter_TO, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind,
+    TargetSpec, TensorHandle,
+};
+use serde::Deserialize;
+
+/// The `[drafter]` config section.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrafterSection {
+    /// Draft decoder layers (z-lab's Qwen3-8B drafter: 5).
+    #[serde(default = "default_layers")]
+    pub num_hidden_layers: usize,
+    /// Tokens per block, the anchor included (16 in the paper).
+    #[serde(default = "default_block")]
+    pub block_size: usize,
+    /// How many target layers feed the drafter; their ids follow DFLASH.md's formula.
+    #[serde(default = "default_n_feat")]
+    pub num_target_features: usize,
+    /// Explicit target layer ids (overrides `num_target_features`).
+    #[serde(default)]
+    pub target_layer_ids: Option<Vec<u32>>,
+    /// Token fed at the masked block positions. Default: the target's pad token when it is not
+    /// its EOS token.
+    #[serde(default)]
+    pub mask_token_id: Option<u32>,
+    /// MLP width (default: the target's).
+    #[serde(default)]
+    pub intermediate_size: Option<usize>,
+}
+
+fn default_layers() -> usize {
+    5
+}
+fn default_block() -> usize {
+    16
+}
+fn default_n_feat() -> usize {
+    5
+}
+
+impl DrafterSection {
+    /// The full drafter config for `target`, validated.
+    pub fn resolve(&self, target: &TargetSpec) -> Result<DFlashConfig, PluginError> {
+        let bad = |field: &str, why: String| Err(PluginError::new(format!("field `{field}`: {why}")));
+        let l = target.num_hidden_layers as usize;
+        if self.num_hidden_layers == 0 || self.num_hidden_layers > 64 {
+            return bad("num_hidden_layers", format!("must be in 1..=64, got {}", self.num_hidden_layers));
+        }
+        if !(2..=64).contains(&self.block_size) {
+            return bad("block_size", format!("must be in 2..=64, got {}", self.block_size));
+        }
+        let ids = match &self.target_layer_ids {
+            Some(ids) => ids.clone(),
+            None => {
+                if self.num_target_features == 0 || self.num_target_features > l {
+                    return bad(
+                        "num_target_features",
+                        format!("must be in 1..={l} (the target's layers), got {}", self.num_target_features),
+                    );
+                }
+                default_target_layer_ids(l, self.num_target_features)
+            }
+        };
+        if let Some(bad_id) = ids.iter().find(|&&i| i as usize >= l) {
+            return bad("target_layer_ids", format!("layer {bad_id} does not exist (the target has {l} layers)"));
+        }
+        if ids.is_empty() {
+            return bad("target_layer_ids", "must not be empty".into());
+        }
+        let mask_token_id = match self.mask_token_id {
+            Some(id) => id,
+            None => match target.pad_token_id.into_option() {
+                Some(pad) if pad != target.eos_token_id => pad,
+                _ => {
+                    return bad(
+                        "mask_token_id",
+                        "not set and the target has no pad token distinct from EOS to use; set it to an unused token id".into(),
+                    )
+                }
+            },
+        };
+        if mask_token_id >= target.vocab_size {
+            return bad("mask_token_id", format!("{mask_token_id} is outside the vocabulary ({})", target.vocab_size));
+        }
+        Ok(DFlashConfig {
+            architectures: vec!["DFlashDraftModel".into()],
+            model_type: "qwen3".into(),
+            hidden_size: target.hidden_size as usize,
+            intermediate_size: self.intermediate_size.unwrap_or(target.intermediate_size as usize),
+            num_hidden_layers: self.num_hidden_layers,
+            num_attention_heads: target.num_attention_heads as usize,
+            num_key_value_heads: target.num_key_value_heads as usize,
+            head_dim: target.head_dim as usize,
+            vocab_size: target.vocab_size as usize,
+            rms_norm_eps: target.rms_norm_eps,
+            rope_theta: target.rope_theta,
+            attention_bias: false,
+            hidden_act: "silu".into(),
+            max_position_embeddings: 32768,
+            tie_word_embeddings: false,
+            block_size: self.block_size,
+            num_target_layers: l,
+            dflash_config: DFlashSection { mask_token_id, target_layer_ids: ids },
+            layer_types: vec!["full_attention".into(); self.num_hidden_layers],
+            sliding_window: None,
+            torch_dtype: "bfloat16".into(),
+        })
+    }
+}
+
+pub struct DFlashPlugin {
+    vs: nn::VarStore,
+    model: model::DFlashDrafter,
+}
+
+impl DFlashPlugin {
+    pub fn new(cfg: &DFlashConfig, device: Device, kind: Kind) -> Self {
+        let (vs, model) = model::build(cfg, device, kind);
+        Self { vs, model }
+    }
+
+    fn load(&mut self, weights: RVec<NamedTensor>) -> Result<(), PluginError> {
+        let mut given: std::collections::HashMap<String, Tensor> =
+            weights.into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect();
+        let _guard = plugin_api::tch::no_grad_guard();
+        for (name, mut var) in self.vs.variables() {
+            let src = given
+                .remove(&name)
+                .ok_or_else(|| PluginError::new(format!("drafter weights: missing tensor `{name}`")))?;
+            if src.size() != var.size() {
+                return Err(PluginError::new(format!(
+                    "drafter weights: tensor `{name}` has shape {:?}, expected {:?}",
+                    src.size(),
+                    var.size()
+                )));
+            }
+            var.f_copy_(&src)?;
+        }
+        if let Some(extra) = given.keys().next() {
+            return Err(PluginError::new(format!("drafter weights: unexpected tensor `{extra}`")));
+        }
+        Ok(())
+    }
+}
+
+impl Drafter for DFlashPlugin {
+    fn config_json(&self) -> RString {
+        serde_json::to_string_pretty(&self.model.cfg).expect("config serializes").into()
+    }
+
+    fn target_layer_ids(&self) -> RVec<u32> {
+        self.model.cfg.dflash_config.target_layer_ids.clone().into()
+    }
+
+    fn block_size(&self) -> u32 {
+        self.model.cfg.block_size as u32
+    }
+
+    fn mask_token_id(&self) -> u32 {
+        self.model.cfg.dflash_config.mask_token_id
+    }
+
+    fn parameters(&self) -> RVec<NamedTensor> {
+        let mut vars: Vec<_> = self.vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        vars.into_iter().map(|(name, t)| NamedTensor::new(name, t)).collect()
+    }
+
+    fn load_weights(&mut self, weights: RVec<NamedTensor>) -> RResult<(), PluginError> {
+        self.load(weights).into()
+    }
+
+    fn forward(&mut self, input: &DraftInput) -> RResult<TensorHandle, PluginError> {
+        plugin_api::catch_plugin_panic(|| {
+            let out = self.model.forward(
+                &input.target_hidden.tensor(),
+                &input.block_embeds.tensor(),
+                &input.anchors.tensor(),
+            );
+            Ok(TensorHandle::new(out))
+        })
+        .into()
+    }
+}
+
+/// `cpu` / `cuda:N` -> tch device.
+pub fn parse_device(s: &str) -> Result<Device, PluginError> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        _ => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(Device::Cuda)
+            .ok_or_else(|| PluginError::new(format!("device `{s}`: expected `cpu` or `cuda:N`"))),
+    }
+}
+
+pub fn parse_dtype(s: &str) -> Result<Kind, PluginError> {
+    match s {
+        "f32" => Ok(Kind::Float),
+        "bf16" => Ok(Kind::BFloat16),
+        _ => Err(PluginError::new(format!("dtype `{s}`: expected `f32` or `bf16`"))),
+    }
+}
+
+fn info() -> PluginInfo {
+    PluginInfo {
+        name: "dflash".into(),
+        kind: PluginKind::Drafter,
+        version: env!("CARGO_PKG_VERSION").into(),
+        description: "DFlash block-diffusion drafter, dense Qwen3 layers (z-lab format)".into(),
+    }
+}
+
+fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
+    let section: DrafterSection = plugin_api::parse_section(config)?;
+    let target = ctx
+        .target
+        .as_ref()
+        .into_option()
+        .ok_or_else(|| PluginError::new("the dflash drafter needs a target model's spec"))?;
+    let cfg = section.resolve(target)?;
+    let device = parse_device(&ctx.device)?;
+    let kind = parse_dtype(&ctx.dtype)?;
+    plugin_api::tch::manual_seed(ctx.seed as i64);
+    Ok(PluginInstance::Drafter(Drafter_TO::from_value(DFlashPlugin::new(&cfg, device, kind), TD_Opaque)))
+}
+
+plugin_api::declare_plugin!(drafter_dflash, info, create);

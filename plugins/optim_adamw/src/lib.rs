@@ -1,0 +1,205 @@
+//! AdamW, exactly as torch.optim.AdamW (single-tensor path) orders its operations
+//! (OPTIMIZERS.md). State and update math in fp32; parameters of another dtype keep an fp32
+//! master copy.
+
+use plugin_api::{
+    abi_stable::{
+        sabi_trait::TD_Opaque,
+        std_types::{RResult, RVec},
+    },
+    tch::{Kind, Tensor},
+    HostContext, NamedTensor, Optimizer, Optimizer_TO, PluginError, PluginInfo, PluginInstance,
+    PluginKind,
+};
+use serde::Deserialize;
+
+/// Hyper-parameters; `Default` is PyTorch's.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ParamsAdamW {
+    pub lr: f64,
+    pub betas: [f64; 2],
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+impl Default for ParamsAdamW {
+    fn default() -> Self {
+        Self { lr: 1e-3, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 1e-2 }
+    }
+}
+
+impl ParamsAdamW {
+    pub fn from_toml(text: &str) -> Result<Self, PluginError> {
+        let p: Self = plugin_api::parse_section(text)?;
+        p.validate()?;
+        Ok(p)
+    }
+
+    fn validate(&self) -> Result<(), PluginError> {
+        let bad = |field: &str, why: &str| Err(PluginError::new(format!("field `{field}`: {why}")));
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
+            return bad("lr", &format!("must be > 0, got {}", self.lr));
+        }
+        for (i, b) in self.betas.iter().enumerate() {
+            if !(0.0..1.0).contains(b) {
+                return bad("betas", &format!("betas[{i}] must be in [0, 1), got {b}"));
+            }
+        }
+        if !(self.eps > 0.0) {
+            return bad("eps", &format!("must be > 0, got {}", self.eps));
+        }
+        if !(self.weight_decay >= 0.0) {
+            return bad("weight_decay", &format!("must be >= 0, got {}", self.weight_decay));
+        }
+        Ok(())
+    }
+}
+
+/// One AdamW update of `p` (fp32) in place, `step` counted from 1. The order of operations is
+/// torch's, so results match it to rounding.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_update(
+    p: &mut Tensor,
+    grad: &Tensor,
+    exp_avg: &mut Tensor,
+    exp_avg_sq: &mut Tensor,
+    step: i64,
+    lr: f64,
+    h: &ParamsAdamW,
+) {
+    let [beta1, beta2] = h.betas;
+    let _ = p.g_mul_scalar_(1.0 - lr * h.weight_decay);
+    let _ = exp_avg.lerp_(grad, 1.0 - beta1);
+    // torch: exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1-beta2), i.e. v + (value*g)*g.
+    let _ = exp_avg_sq.g_mul_scalar_(beta2);
+    let _ = exp_avg_sq.g_add_(&((grad * (1.0 - beta2)) * grad));
+    let bias_correction1 = 1.0 - beta1.powi(step as i32);
+    let bias_correction2 = 1.0 - beta2.powi(step as i32);
+    let step_size = lr / bias_correction1;
+    let denom = (exp_avg_sq.sqrt() / bias_correction2.sqrt()) + h.eps;
+    // torch: p.addcdiv_(exp_avg, denom, value=-step_size), i.e. p + value*(m/denom).
+    let _ = p.g_add_(&((&*exp_avg / denom) * -step_size));
+}
+
+struct Slot {
+    name: String,
+    param: Tensor,
+    /// fp32 master weights when the parameter is not fp32.
+    master: Option<Tensor>,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+}
+
+pub struct AdamW {
+    params: ParamsAdamW,
+    slots: Vec<Slot>,
+    step: i64,
+}
+
+impl AdamW {
+    pub fn new(params: ParamsAdamW) -> Self {
+        Self { params, slots: Vec::new(), step: 0 }
+    }
+}
+
+impl Optimizer for AdamW {
+    fn init(&mut self, params: RVec<NamedTensor>) -> RResult<(), PluginError> {
+        self.slots = params
+            .into_iter()
+            .map(|nt| {
+                let param = nt.tensor.into_tensor();
+                let master = (param.kind() != Kind::Float).then(|| param.detach().to_kind(Kind::Float));
+                let zeros = || Tensor::zeros(param.size(), (Kind::Float, param.device()));
+                Slot { name: nt.name.into(), exp_avg: zeros(), exp_avg_sq: zeros(), master, param }
+            })
+            .collect();
+        RResult::ROk(())
+    }
+
+    fn step(&mut self, lr_scale: f64) -> RResult<(), PluginError> {
+        self.step += 1;
+        let lr = self.params.lr * lr_scale;
+        let _guard = plugin_api::tch::no_grad_guard();
+        for s in &mut self.slots {
+            let grad = s.param.grad();
+            if !grad.defined() {
+                continue; // like torch: parameters without a gradient are left alone
+            }
+            let grad = grad.to_kind(Kind::Float);
+            match &mut s.master {
+                Some(master) => {
+                    adamw_update(master, &grad, &mut s.exp_avg, &mut s.exp_avg_sq, self.step, lr, &self.params);
+                    let _ = s.param.copy_(master);
+                }
+                None => {
+                    adamw_update(&mut s.param, &grad, &mut s.exp_avg, &mut s.exp_avg_sq, self.step, lr, &self.params)
+                }
+            }
+        }
+        RResult::ROk(())
+    }
+
+    fn base_lr(&self) -> f64 {
+        self.params.lr
+    }
+
+    fn state(&self) -> RVec<NamedTensor> {
+        let mut out = vec![NamedTensor::new("step", Tensor::from(self.step))];
+        for s in &self.slots {
+            out.push(NamedTensor::new(format!("{}.exp_avg", s.name), s.exp_avg.shallow_clone()));
+            out.push(NamedTensor::new(format!("{}.exp_avg_sq", s.name), s.exp_avg_sq.shallow_clone()));
+            if let Some(m) = &s.master {
+                out.push(NamedTensor::new(format!("{}.master", s.name), m.shallow_clone()));
+            }
+        }
+        out.into()
+    }
+
+    fn load_state(&mut self, state: RVec<NamedTensor>) -> RResult<(), PluginError> {
+        load_state(self, state).into()
+    }
+}
+
+fn load_state(opt: &mut AdamW, state: RVec<NamedTensor>) -> Result<(), PluginError> {
+    let mut by_name: std::collections::HashMap<String, Tensor> =
+        state.into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect();
+    let step = by_name.remove("step").ok_or_else(|| PluginError::new("optimizer state: missing `step`"))?;
+    opt.step = step.int64_value(&[]);
+    let mut take = |name: String, like: &Tensor| -> Result<Tensor, PluginError> {
+        let t = by_name.remove(&name).ok_or_else(|| PluginError::new(format!("optimizer state: missing `{name}`")))?;
+        if t.size() != like.size() {
+            return Err(PluginError::new(format!(
+                "optimizer state `{name}`: shape {:?}, expected {:?}",
+                t.size(),
+                like.size()
+            )));
+        }
+        Ok(t.to_kind(Kind::Float).to_device(like.device()))
+    };
+    let _guard = plugin_api::tch::no_grad_guard();
+    for s in &mut opt.slots {
+        s.exp_avg = take(format!("{}.exp_avg", s.name), &s.param)?;
+        s.exp_avg_sq = take(format!("{}.exp_avg_sq", s.name), &s.param)?;
+        if s.master.is_some() {
+            s.master = Some(take(format!("{}.master", s.name), &s.param)?);
+        }
+    }
+    Ok(())
+}
+
+fn info() -> PluginInfo {
+    PluginInfo {
+        name: "adamw".into(),
+        kind: PluginKind::Optimizer,
+        version: env!("CARGO_PKG_VERSION").into(),
+        description: "AdamW with decoupled weight decay (torch.optim.AdamW semantics)".into(),
+    }
+}
+
+fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginError> {
+    let params = ParamsAdamW::from_toml(config)?;
+    Ok(PluginInstance::Optimizer(Optimizer_TO::from_value(AdamW::new(params), TD_Opaque)))
+}
+
+plugin_api::declare_plugin!(optim_adamw, info, create);

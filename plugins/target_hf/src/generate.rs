@@ -1,0 +1,69 @@
+//! Batched greedy generation with a KV cache (self-distillation, eval baselines).
+
+use crate::model::{Decoder, KvCache};
+use plugin_api::tch::{Kind, Tensor};
+
+/// Greedy continuation of each prompt, up to `max_new` tokens or a stop token (kept). Prompts
+/// are grouped by length into batches of `batch`, left-padded, and returned in input order.
+pub fn greedy(model: &Decoder, prompts: &[Vec<u32>], max_new: usize, stop: &[u32], batch: usize) -> Vec<Vec<u32>> {
+    let _guard = plugin_api::tch::no_grad_guard();
+    let mut order: Vec<usize> = (0..prompts.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(prompts[i].len()));
+    let mut out = vec![Vec::new(); prompts.len()];
+    for chunk in order.chunks(batch.max(1)) {
+        let group: Vec<&[u32]> = chunk.iter().map(|&i| prompts[i].as_slice()).collect();
+        for (&i, reply) in chunk.iter().zip(greedy_batch(model, &group, max_new, stop)) {
+            out[i] = reply;
+        }
+    }
+    out
+}
+
+fn greedy_batch(model: &Decoder, prompts: &[&[u32]], max_new: usize, stop: &[u32]) -> Vec<Vec<u32>> {
+    let device = model.device();
+    let b = prompts.len() as i64;
+    let l = prompts.iter().map(|p| p.len()).max().unwrap_or(0).max(1) as i64;
+    // 1. Left-pad (id 0; masked out) so every prompt ends at the last column.
+    let mut ids = vec![0i64; (b * l) as usize];
+    let mut valid = vec![false; (b * l) as usize];
+    for (r, p) in prompts.iter().enumerate() {
+        let start = l as usize - p.len();
+        for (c, &t) in p.iter().enumerate() {
+            ids[r * l as usize + start + c] = t as i64;
+            valid[r * l as usize + start + c] = true;
+        }
+    }
+    let ids = Tensor::from_slice(&ids).view([b, l]).to_device(device);
+    let mut key_valid = Tensor::from_slice(&valid).view([b, l]).to_device(device);
+    let positions = (key_valid.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0);
+    // 2. Prefill: causal and not padding; a padding query sees itself so no row is empty.
+    let causal = Tensor::ones([l, l], (Kind::Bool, device)).tril(0).unsqueeze(0);
+    let eye = Tensor::eye(l, (Kind::Bool, device)).unsqueeze(0);
+    let mask = (causal.logical_and(&key_valid.unsqueeze(1))).logical_or(&eye).unsqueeze(1);
+    let mut cache = KvCache::new(model.cfg.num_hidden_layers);
+    let n = model.cfg.num_hidden_layers;
+    let (_, normed) = model.run(&ids, &positions, Some(&mask), Some(&mut cache), n);
+    let mut next = model.logits(&normed.expect("all layers ran").select(1, l - 1)).argmax(-1, false); // [B]
+    let mut pos = positions.select(1, l - 1) + 1;
+    // 3. Decode one token a step for every row until each has stopped.
+    let mut replies = vec![Vec::new(); prompts.len()];
+    let mut done = vec![false; prompts.len()];
+    for step in 0..max_new {
+        let tokens: Vec<i64> = Vec::try_from(&next.to_device(plugin_api::tch::Device::Cpu)).expect("int64 tokens");
+        for (r, &t) in tokens.iter().enumerate() {
+            if !done[r] {
+                replies[r].push(t as u32);
+                done[r] = stop.contains(&(t as u32));
+            }
+        }
+        if step + 1 == max_new || done.iter().all(|&d| d) {
+            break;
+        }
+        key_valid = Tensor::cat(&[&key_valid, &Tensor::ones([b, 1], (Kind::Bool, device))], 1);
+        let mask = key_valid.unsqueeze(1).unsqueeze(1); // [B, 1, 1, T]
+        let (_, normed) = model.run(&next.unsqueeze(1), &pos.unsqueeze(1), Some(&mask), Some(&mut cache), n);
+        next = model.logits(&normed.expect("all layers ran").select(1, 0)).argmax(-1, false);
+        pos += 1;
+    }
+    replies
+}

@@ -1,0 +1,204 @@
+//! `target_hf`: Llama / Qwen2 / Qwen3 decoders in tch, loaded from an HF folder or a GGUF file.
+//! The target is frozen: forward passes run without autograd.
+
+pub mod config;
+pub mod generate;
+pub mod gguf;
+pub mod gguf_tokenizer;
+pub mod load;
+pub mod model;
+
+use model::Decoder;
+use plugin_api::{
+    abi_stable::{
+        sabi_trait::TD_Opaque,
+        std_types::{ROption, RResult, RSlice, RString, RVec},
+    },
+    tch::{Device, Kind, Tensor},
+    HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, TargetModel, TargetModel_TO, TargetOutput,
+    TargetSpec, TensorHandle,
+};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+/// The `[target]` config section.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TargetSection {
+    /// A GGUF file or an HF folder. Relative paths are against the config file's folder;
+    /// a leading `$DFLASH_CACHE/` means the cache folder.
+    pub path: String,
+    /// Prompts generated together during self-distillation.
+    #[serde(default = "default_gen_batch")]
+    pub generate_batch_size: usize,
+}
+
+fn default_gen_batch() -> usize {
+    16
+}
+
+pub fn resolve_path(p: &str, config_dir: &str, cache_dir: &str) -> PathBuf {
+    if let Some(rest) = p.strip_prefix("$DFLASH_CACHE/") {
+        return Path::new(cache_dir).join(rest);
+    }
+    let path = Path::new(p);
+    if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        Path::new(config_dir).join(path)
+    }
+}
+
+pub struct HfTarget {
+    pub model: Decoder,
+    pub tokenizer: tokenizers::Tokenizer,
+    pub spec: TargetSpec,
+    pub generate_batch_size: usize,
+}
+
+impl HfTarget {
+    pub fn load(path: &Path, device: Device, kind: Kind, generate_batch_size: usize) -> Result<Self, String> {
+        let loaded = load::load(path)?;
+        let model = Decoder::new(&loaded.cfg, &loaded.weights, device, kind)?;
+        let cfg = &loaded.cfg;
+        let eos = cfg.eos().ok_or_else(|| format!("{}: no EOS token id", path.display()))?;
+        let spec = TargetSpec {
+            architecture: cfg.model_type.clone().into(),
+            num_hidden_layers: cfg.num_hidden_layers as u32,
+            hidden_size: cfg.hidden_size as u32,
+            vocab_size: cfg.vocab_size as u32,
+            num_attention_heads: cfg.num_attention_heads as u32,
+            num_key_value_heads: cfg.num_kv_heads() as u32,
+            head_dim: cfg.head_dim() as u32,
+            intermediate_size: cfg.intermediate_size as u32,
+            rope_theta: cfg.rope_theta,
+            rms_norm_eps: cfg.rms_norm_eps,
+            bos_token_id: cfg.bos_token_id.into(),
+            eos_token_id: eos,
+            pad_token_id: cfg.pad_token_id.into(),
+            chat_template: loaded.chat_template.clone().into(),
+            source: path.display().to_string().into(),
+            source_sha256: sha256_path(path).map_err(|e| format!("{}: {e}", path.display()))?.into(),
+        };
+        Ok(Self { model, tokenizer: loaded.tokenizer, spec, generate_batch_size })
+    }
+
+    /// Features of `layer_ids` concatenated [B, S, n*H] and optionally logits, for right-padded
+    /// ids (causal attention, so padding at the end changes nothing before it).
+    pub fn features(&self, ids: &Tensor, layer_ids: &[u32], want_logits: bool) -> Result<(Tensor, Option<Tensor>), String> {
+        let n = self.model.cfg.num_hidden_layers;
+        if let Some(bad) = layer_ids.iter().find(|&&i| i as usize >= n) {
+            return Err(format!("layer id {bad} out of range (the target has {n} layers)"));
+        }
+        let _guard = plugin_api::tch::no_grad_guard();
+        let ids = ids.to_device(self.model.device());
+        let (b, s) = (ids.size()[0], ids.size()[1]);
+        let positions = Tensor::arange(s, (Kind::Int64, ids.device())).unsqueeze(0).expand([b, s], false);
+        // Only the layers up to the deepest feature are needed unless logits are.
+        let upto = if want_logits { n } else { layer_ids.iter().max().map_or(0, |&m| m as usize + 1) };
+        let (outs, normed) = self.model.run(&ids, &positions, None, None, upto);
+        let feats: Vec<&Tensor> = layer_ids.iter().map(|&i| &outs[i as usize]).collect();
+        let hidden = Tensor::cat(&feats, -1);
+        let logits = normed.map(|h| self.model.logits(&h));
+        Ok((hidden, logits))
+    }
+}
+
+fn sha256_path(path: &Path) -> std::io::Result<String> {
+    let mut h = Sha256::new();
+    let files: Vec<PathBuf> = if path.is_dir() {
+        let mut f: Vec<_> = std::fs::read_dir(path)?.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect();
+        f.sort();
+        f
+    } else {
+        vec![path.to_path_buf()]
+    };
+    for f in files {
+        let mut file = std::fs::File::open(&f)?;
+        std::io::copy(&mut file, &mut h)?;
+    }
+    Ok(format!("{:x}", h.finalize()))
+}
+
+impl TargetModel for HfTarget {
+    fn spec(&self) -> TargetSpec {
+        self.spec.clone()
+    }
+
+    fn tokenizer_json(&self) -> RString {
+        self.tokenizer.to_string(false).expect("tokenizer serializes").into()
+    }
+
+    fn embedding(&self) -> TensorHandle {
+        TensorHandle::new(self.model.embed_tokens.shallow_clone())
+    }
+
+    fn lm_head(&self) -> TensorHandle {
+        TensorHandle::new(self.model.lm_head.shallow_clone())
+    }
+
+    fn forward(
+        &mut self,
+        input_ids: &TensorHandle,
+        layer_ids: RSlice<'_, u32>,
+        want_logits: bool,
+    ) -> RResult<TargetOutput, PluginError> {
+        plugin_api::catch_plugin_panic(|| {
+            let (hidden, logits) = self.features(&input_ids.tensor(), &layer_ids, want_logits).map_err(PluginError::new)?;
+            Ok(TargetOutput { hidden: hidden.into(), logits: logits.map(TensorHandle::new).into() })
+        })
+        .into()
+    }
+
+    fn generate(
+        &mut self,
+        prompts: RVec<RVec<u32>>,
+        max_new_tokens: u32,
+        stop_tokens: RSlice<'_, u32>,
+    ) -> RResult<RVec<RVec<u32>>, PluginError> {
+        plugin_api::catch_plugin_panic(|| {
+            let prompts: Vec<Vec<u32>> = prompts.into_iter().map(|p| p.into_vec()).collect();
+            let out = generate::greedy(
+                &self.model,
+                &prompts,
+                max_new_tokens as usize,
+                &stop_tokens,
+                self.generate_batch_size,
+            );
+            Ok(out.into_iter().map(RVec::from).collect())
+        })
+        .into()
+    }
+}
+
+fn info() -> PluginInfo {
+    PluginInfo {
+        name: "hf".into(),
+        kind: PluginKind::Target,
+        version: env!("CARGO_PKG_VERSION").into(),
+        description: "Llama / Qwen2 / Qwen3 decoder from an HF folder or a GGUF file".into(),
+    }
+}
+
+fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
+    let section: TargetSection = plugin_api::parse_section(config)?;
+    if section.generate_batch_size == 0 {
+        return Err(PluginError::new("field `generate_batch_size`: must be >= 1"));
+    }
+    let path = resolve_path(&section.path, &ctx.config_dir, &ctx.cache_dir);
+    let device = match ctx.device.as_str() {
+        "cpu" => Device::Cpu,
+        d => Device::Cuda(d.trim_start_matches("cuda:").parse().map_err(|_| PluginError::new(format!("bad device `{d}`")))?),
+    };
+    let kind = if ctx.dtype.as_str() == "bf16" { Kind::BFloat16 } else { Kind::Float };
+    let target = HfTarget::load(&path, device, kind, section.generate_batch_size)
+        .map_err(|e| PluginError::new(format!("field `path`: {e}")))?;
+    Ok(PluginInstance::Target(TargetModel_TO::from_value(target, TD_Opaque)))
+}
+
+plugin_api::declare_plugin!(target_hf, info, create);
+
+// Keep ROption in scope for the trait's generated signatures.
+#[allow(unused)]
+type _Unused = ROption<()>;

@@ -1,0 +1,167 @@
+//! Loading a decoder: from an HF folder (config.json, *.safetensors, tokenizer.json) or from one
+//! GGUF file (dequantised, renamed to HF names, llama's Q/K permutation undone).
+
+use crate::{
+    config::DecoderConfig,
+    gguf::GgufFile,
+    gguf_tokenizer::{chat_template, tokenizer_from_gguf},
+    model::Weights,
+};
+use plugin_api::tch::Tensor;
+use std::{collections::HashMap, path::Path};
+use tokenizers::Tokenizer;
+
+/// Everything a target needs from its files.
+pub struct Loaded {
+    pub cfg: DecoderConfig,
+    pub weights: Weights,
+    pub tokenizer: Tokenizer,
+    pub chat_template: String,
+}
+
+pub fn load(path: &Path) -> Result<Loaded, String> {
+    if path.is_dir() {
+        load_hf_dir(path)
+    } else if path.is_file() {
+        load_gguf(path)
+    } else {
+        Err(format!("{}: no such file or directory", path.display()))
+    }
+}
+
+/// GGUF tensor name -> HF name (one map, STYLE.md).
+fn hf_name(gguf: &str) -> Option<String> {
+    let top = match gguf {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(t) = top {
+        return Some(t.to_string());
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let (part, suffix) = rest.split_once('.')?;
+    let hf = match part {
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+}
+
+/// llama.cpp's converter permutes llama's Q/K rows per head (for its interleaved RoPE); undo it:
+/// (heads, rows/heads/2, 2, cols) -> swap axes 1, 2 -> back (ASSETS.md).
+fn unpermute(w: &Tensor, heads: i64) -> Tensor {
+    let size = w.size();
+    let (rows, rest) = (size[0], &size[1..]);
+    let mut shape = vec![heads, rows / heads / 2, 2];
+    shape.extend_from_slice(rest);
+    w.reshape(&shape).transpose(1, 2).reshape(&size)
+}
+
+pub fn load_gguf(path: &Path) -> Result<Loaded, String> {
+    let g = GgufFile::open(path).map_err(|e| e.to_string())?;
+    let cfg = DecoderConfig::from_gguf(&g).map_err(|e| e.to_string())?;
+    cfg.validate().map_err(|e| format!("{}: {e}", path.display()))?;
+    let permuted = cfg.model_type == "llama";
+    let mut tensors = HashMap::new();
+    let names: Vec<String> = g.tensor_names().map(str::to_string).collect();
+    for name in names {
+        let Some(hf) = hf_name(&name) else {
+            continue; // rope_freqs and other tensors the decoder does not use
+        };
+        let (shape, values) = g.dequantize(&name).map_err(|e| e.to_string())?;
+        let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        let mut t = Tensor::from_slice(&values).reshape(&shape);
+        if permuted && name.ends_with("attn_q.weight") {
+            t = unpermute(&t, cfg.num_attention_heads as i64);
+        } else if permuted && name.ends_with("attn_k.weight") {
+            t = unpermute(&t, cfg.num_kv_heads() as i64);
+        }
+        tensors.insert(hf, t);
+    }
+    let tokenizer = tokenizer_from_gguf(&g).map_err(|e| e.to_string())?;
+    Ok(Loaded {
+        cfg,
+        weights: Weights { tensors, source: path.display().to_string() },
+        tokenizer,
+        chat_template: chat_template(&g).unwrap_or_default(),
+    })
+}
+
+pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
+    let cfg_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    let cfg: DecoderConfig = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    cfg.validate().map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(format!("{}: no *.safetensors files", dir.display()));
+    }
+    let mut tensors = HashMap::new();
+    for f in &files {
+        let read = Tensor::read_safetensors(f).map_err(|e| format!("{}: {e}", f.display()))?;
+        tensors.extend(read);
+    }
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| format!("{}: {e}", tok_path.display()))?;
+    let chat_template = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v.get("chat_template").and_then(|c| c.as_str()).map(str::to_string))
+        .unwrap_or_default();
+    Ok(Loaded { cfg, weights: Weights { tensors, source: dir.display().to_string() }, tokenizer, chat_template })
+}
+
+/// Write an HF folder (config.json, model.safetensors, tokenizer.json): for tests and for users
+/// who want the dequantised model.
+pub fn save_hf_dir(loaded: &Loaded, dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let cfg = serde_json::to_string_pretty(&loaded.cfg).expect("config serializes");
+    std::fs::write(dir.join("config.json"), cfg).map_err(|e| e.to_string())?;
+    let mut named: Vec<(&String, &Tensor)> = loaded.weights.tensors.iter().collect();
+    named.sort_by(|a, b| a.0.cmp(b.0));
+    Tensor::write_safetensors(&named, dir.join("model.safetensors")).map_err(|e| e.to_string())?;
+    loaded.tokenizer.save(dir.join("tokenizer.json"), false).map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gguf_names_map_to_hf() {
+        assert_eq!(hf_name("blk.3.attn_q.weight").unwrap(), "model.layers.3.self_attn.q_proj.weight");
+        assert_eq!(hf_name("blk.0.attn_k.bias").unwrap(), "model.layers.0.self_attn.k_proj.bias");
+        assert_eq!(hf_name("blk.12.ffn_down.weight").unwrap(), "model.layers.12.mlp.down_proj.weight");
+        assert_eq!(hf_name("token_embd.weight").unwrap(), "model.embed_tokens.weight");
+        assert_eq!(hf_name("rope_freqs.weight"), None);
+    }
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() {
+        // llama.cpp: w.reshape(heads, 2, rows/heads/2, cols).swapaxes(1, 2).reshape(rows, cols)
+        let (heads, rows, cols) = (3i64, 12i64, 5i64);
+        let w = Tensor::arange(rows * cols, (plugin_api::tch::Kind::Float, plugin_api::tch::Device::Cpu))
+            .reshape([rows, cols]);
+        let permuted = w.reshape([heads, 2, rows / heads / 2, cols]).transpose(1, 2).reshape([rows, cols]);
+        assert!(unpermute(&permuted, heads).equal(&w));
+    }
+}

@@ -1,0 +1,503 @@
+#!/usr/bin/env python3
+"""Reference fixtures for the Rust DFlash trainer, computed with PyTorch.
+
+Writes two safetensors files (see tests/fixtures/README.md for the layout):
+
+  dflash_loss.safetensors  a tiny random DFlash drafter (2 layers, hidden 64), its forward on fixed
+                           inputs, the DFlash block loss, accuracy/tau_hat and parameter gradients.
+  adamw.safetensors        10 steps of torch.optim.AdamW (single-tensor path) with a cosine lr.
+
+Everything runs on the CPU in float32 with one thread and deterministic algorithms, so the
+numbers do not depend on any GPU. The reference code below is written from the DFlash spec
+(block-diffusion drafter that attends to projected target hidden states), not taken from any
+other project.
+
+Usage (needs torch 2.11 and safetensors):  python3 scripts/make_fixtures.py --out tests/fixtures
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+CONFIG = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "block_size": 4,
+    "num_target_features": 3,
+    "vocab_size": 101,
+    "mask_token_id": 100,
+    "loss_gamma": 2.0,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# DFlash drafter reference
+# ----------------------------------------------------------------------------------------------
+
+
+def make_params(cfg):
+    """Trainable parameters (ordered dict) and frozen tensors, from torch.manual_seed(0).
+
+    Draw order: fc, hidden_norm, norm, then per layer q,k,v,o, q_norm, k_norm, gate, up, down,
+    input_layernorm, post_attention_layernorm; then embed_tokens, lm_head.
+    """
+    torch.manual_seed(0)
+    H = cfg["hidden_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    inter, nf, V = cfg["intermediate_size"], cfg["num_target_features"], cfg["vocab_size"]
+
+    def lin(out_f, in_f, scale=0.1):
+        return torch.randn(out_f, in_f) * scale
+
+    def norm_w(n):
+        return 1.0 + 0.1 * torch.randn(n)
+
+    p = {}
+    p["fc.weight"] = lin(H, nf * H, 0.05)
+    p["hidden_norm.weight"] = norm_w(H)
+    p["norm.weight"] = norm_w(H)
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"layers.{i}."
+        p[pre + "self_attn.q_proj.weight"] = lin(nh * hd, H)
+        p[pre + "self_attn.k_proj.weight"] = lin(nkv * hd, H)
+        p[pre + "self_attn.v_proj.weight"] = lin(nkv * hd, H)
+        p[pre + "self_attn.o_proj.weight"] = lin(H, nh * hd)
+        p[pre + "self_attn.q_norm.weight"] = norm_w(hd)
+        p[pre + "self_attn.k_norm.weight"] = norm_w(hd)
+        p[pre + "mlp.gate_proj.weight"] = lin(inter, H)
+        p[pre + "mlp.up_proj.weight"] = lin(inter, H)
+        p[pre + "mlp.down_proj.weight"] = lin(H, inter)
+        p[pre + "input_layernorm.weight"] = norm_w(H)
+        p[pre + "post_attention_layernorm.weight"] = norm_w(H)
+    frozen = {
+        "embed_tokens": torch.randn(V, H),
+        "lm_head": torch.randn(V, H) * 0.5,
+    }
+    return p, frozen
+
+
+def make_inputs(cfg, B=2, S=24):
+    """Fixed inputs; random parts from torch.manual_seed(1) (target_hidden, then input_ids)."""
+    torch.manual_seed(1)
+    H, nf = cfg["hidden_size"], cfg["num_target_features"]
+    target_hidden = torch.randn(B, S, nf * H)
+    input_ids = torch.randint(0, 100, (B, S), dtype=torch.int64)
+    loss_mask = torch.zeros(B, S, dtype=torch.int64)
+    loss_mask[0, 8:] = 1
+    loss_mask[1, 6:20] = 1
+    anchors = torch.tensor([[8, 11, 15, 20, 22], [6, 9, 13, 18, 0]], dtype=torch.int64)
+    anchor_valid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], dtype=torch.int64)
+    return {
+        "target_hidden": target_hidden,
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "anchors": anchors,
+        "anchor_valid": anchor_valid,
+    }
+
+
+def rms_norm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope_cos_sin(pos, hd, theta, dtype):
+    """pos [B, T] int64 -> cos, sin [B, T, hd] (HF Llama/Qwen3 convention)."""
+    exps = torch.arange(0, hd, 2, dtype=torch.int64).to(dtype) / hd  # 2i/hd, i < hd/2
+    inv_freq = 1.0 / (theta ** exps)  # theta^(-2i/hd)
+    freqs = pos.to(dtype)[..., None] * inv_freq  # [B, T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, hd]
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, heads, T, hd]; cos/sin [B, T, hd]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def decoder_layer(p, i, x, ctx, pos_q, pos_k, mask, cfg):
+    """One drafter layer. x [B,N,H] block tokens, ctx [B,S,H] projected context (not normed here),
+    pos_q [B,N], pos_k [B,S+N], mask [B,N,S+N] bool (True = may attend) or None (attend to all)."""
+    pre = f"layers.{i}."
+    eps = cfg["rms_norm_eps"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    B, N, _ = x.shape
+    S = ctx.shape[1]
+
+    h = rms_norm(x, p[pre + "input_layernorm.weight"], eps)
+    q = (h @ p[pre + "self_attn.q_proj.weight"].T).view(B, N, nh, hd)
+    q = rms_norm(q, p[pre + "self_attn.q_norm.weight"], eps).transpose(1, 2)  # [B,nh,N,hd]
+    kv_in = torch.cat([ctx, h], dim=1)  # [B,S+N,H]: context (un-normed) then the normed block
+    k = (kv_in @ p[pre + "self_attn.k_proj.weight"].T).view(B, S + N, nkv, hd)
+    k = rms_norm(k, p[pre + "self_attn.k_norm.weight"], eps).transpose(1, 2)  # [B,nkv,S+N,hd]
+    v = (kv_in @ p[pre + "self_attn.v_proj.weight"].T).view(B, S + N, nkv, hd).transpose(1, 2)
+
+    cos_q, sin_q = rope_cos_sin(pos_q, hd, cfg["rope_theta"], x.dtype)
+    cos_k, sin_k = rope_cos_sin(pos_k, hd, cfg["rope_theta"], x.dtype)
+    q = apply_rope(q, cos_q, sin_q)
+    k = apply_rope(k, cos_k, sin_k)
+
+    rep = nh // nkv  # query head h uses kv head h // rep: [kv0, kv0, kv1, kv1]
+    T = S + N
+    k = k[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
+    v = v[:, :, None].expand(B, nkv, rep, T, hd).reshape(B, nh, T, hd)
+    scores = (q @ k.transpose(-1, -2)) * (hd ** -0.5)  # [B,nh,N,S+N]
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    attn = torch.softmax(scores, dim=-1) @ v  # [B,nh,N,hd]
+    attn = attn.transpose(1, 2).reshape(B, N, nh * hd)
+    x = x + attn @ p[pre + "self_attn.o_proj.weight"].T
+
+    pn = rms_norm(x, p[pre + "post_attention_layernorm.weight"], eps)
+    gate = pn @ p[pre + "mlp.gate_proj.weight"].T
+    up = pn @ p[pre + "mlp.up_proj.weight"].T
+    x = x + (F.silu(gate) * up) @ p[pre + "mlp.down_proj.weight"].T
+    return x
+
+
+def context_features(p, inp, cfg):
+    """Step 1: ctx = hidden_norm(target_hidden @ fc^T) -> [B,S,H]."""
+    return rms_norm(inp["target_hidden"] @ p["fc.weight"].T, p["hidden_norm.weight"], cfg["rms_norm_eps"])
+
+
+def block_tokens(inp, cfg):
+    """Block ids [B,N] (anchor token then mask tokens) and block positions [B,N] (a_j + k)."""
+    anchors = inp["anchors"]
+    B, A = anchors.shape
+    Bk = cfg["block_size"]
+    ids = torch.full((B, A, Bk), cfg["mask_token_id"], dtype=torch.int64)
+    ids[:, :, 0] = torch.gather(inp["input_ids"], 1, anchors)
+    pos = anchors[:, :, None] + torch.arange(Bk, dtype=torch.int64)
+    return ids.reshape(B, A * Bk), pos.reshape(B, A * Bk)
+
+
+def attention_mask(anchors, S, Bk):
+    """[B, N, S+N] bool: block j sees context s < a_j and its own Bk block keys."""
+    B, A = anchors.shape
+    N = A * Bk
+    blk = torch.arange(N) // Bk  # block index of each query / block key
+    q_anchor = anchors[:, blk]  # [B,N]
+    ctx_ok = torch.arange(S)[None, None, :] < q_anchor[:, :, None]  # [B,N,S]
+    blk_ok = (blk[:, None] == blk[None, :])[None].expand(B, N, N)  # [B,N,N]
+    return torch.cat([ctx_ok, blk_ok], dim=-1)
+
+
+def forward_batched(p, frozen, inp, cfg):
+    """Batched masked forward (the reference). Returns a dict of intermediates."""
+    eps = cfg["rms_norm_eps"]
+    Bk = cfg["block_size"]
+    ctx = context_features(p, inp, cfg)
+    B, S, _ = ctx.shape
+    ids, pos_q = block_tokens(inp, cfg)
+    x = frozen["embed_tokens"][ids]  # [B,N,H]
+    pos_ctx = torch.arange(S, dtype=torch.int64)[None].expand(B, S)
+    pos_k = torch.cat([pos_ctx, pos_q], dim=1)
+    mask = attention_mask(inp["anchors"], S, Bk)
+    layer_out = []
+    for i in range(cfg["num_hidden_layers"]):
+        x = decoder_layer(p, i, x, ctx, pos_q, pos_k, mask, cfg)
+        layer_out.append(x)
+    block_hidden = rms_norm(x, p["norm.weight"], eps)
+    return {
+        "ctx": ctx,
+        "block_ids": ids,
+        "block_pos": pos_q,
+        "attn_mask": mask,
+        "layer_out": layer_out,
+        "block_hidden": block_hidden,
+    }
+
+
+def forward_naive(p, frozen, inp, cfg):
+    """Per-block loop without any mask: block j of row b attends to ctx[b, :a_j] and itself."""
+    eps = cfg["rms_norm_eps"]
+    Bk = cfg["block_size"]
+    ctx = context_features(p, inp, cfg)
+    anchors = inp["anchors"]
+    B, A = anchors.shape
+    rows = []
+    for b in range(B):
+        blocks = []
+        for j in range(A):
+            a = int(anchors[b, j])
+            tok = torch.tensor([int(inp["input_ids"][b, a])] + [cfg["mask_token_id"]] * (Bk - 1))
+            x = frozen["embed_tokens"][tok][None]  # [1,Bk,H]
+            c = ctx[b : b + 1, :a]  # [1,a,H] (may be empty)
+            pos_q = (a + torch.arange(Bk, dtype=torch.int64))[None]
+            pos_k = torch.cat([torch.arange(a, dtype=torch.int64)[None], pos_q], dim=1)
+            for i in range(cfg["num_hidden_layers"]):
+                x = decoder_layer(p, i, x, c, pos_q, pos_k, None, cfg)
+            blocks.append(rms_norm(x, p["norm.weight"], eps)[0])
+        rows.append(torch.cat(blocks, dim=0))
+    return torch.stack(rows, dim=0)  # [B,N,H]
+
+
+def dflash_loss(block_hidden, lm_head, inp, cfg):
+    """Gamma-weighted block CE over positions 1..Bk-1, plus per-position top-1 accuracy."""
+    input_ids, loss_mask = inp["input_ids"], inp["loss_mask"]
+    anchors, anchor_valid = inp["anchors"], inp["anchor_valid"]
+    B, S = input_ids.shape
+    A = anchors.shape[1]
+    Bk, V, gamma = cfg["block_size"], cfg["vocab_size"], cfg["loss_gamma"]
+    dtype = block_hidden.dtype
+
+    logits = (block_hidden @ lm_head.T).view(B, A, Bk, V)
+    k = torch.arange(1, Bk, dtype=torch.int64)  # predicted offsets 1..Bk-1
+    lpos = anchors[:, :, None] + k  # [B,A,Bk-1]
+    in_range = lpos < S
+    lpos_c = lpos.clamp(max=S - 1)
+    labels = torch.gather(input_ids, 1, lpos_c.reshape(B, -1)).view(B, A, Bk - 1)
+    lmask = torch.gather(loss_mask, 1, lpos_c.reshape(B, -1)).view(B, A, Bk - 1)
+    valid = (anchor_valid[:, :, None] == 1) & in_range & (lmask == 1)
+
+    w = torch.exp(-(k - 1).to(dtype) / gamma)  # [Bk-1]
+    lg = logits[:, :, 1:, :]
+    ce = F.cross_entropy(lg.reshape(-1, V), labels.reshape(-1), reduction="none").view(B, A, Bk - 1)
+    wv = valid.to(dtype) * w
+    loss = (wv * ce).sum() / wv.sum()
+
+    with torch.no_grad():
+        pred = lg.argmax(dim=-1)  # [B,A,Bk-1]
+        correct = (pred == labels) & valid
+        valid_count = valid.sum(dim=(0, 1)).to(torch.int64)  # [Bk-1]
+        acc = correct.sum(dim=(0, 1)).to(dtype) / valid_count.clamp(min=1).to(dtype)
+        tau_hat = 1.0 + torch.cumprod(acc, dim=0).sum()
+    return {
+        "loss": loss,
+        "logits": logits,
+        "labels": torch.where(in_range, labels, torch.full_like(labels, -1)),
+        "valid": valid.to(torch.int64),
+        "ce": ce,
+        "pred": pred,
+        "acc": acc,
+        "valid_count": valid_count,
+        "tau_hat": tau_hat,
+    }
+
+
+def make_dflash_fixture(out_dir):
+    cfg = CONFIG
+    params, frozen = make_params(cfg)
+    inp = make_inputs(cfg)
+
+    # --- sanity check in float64: batched masked forward == naive per-block loop -------------
+    p64 = {k: v.double() for k, v in params.items()}
+    f64 = {k: v.double() for k, v in frozen.items()}
+    inp64 = dict(inp, target_hidden=inp["target_hidden"].double())
+    with torch.no_grad():
+        fb64 = forward_batched(p64, f64, inp64, cfg)
+        bh_naive64 = forward_naive(p64, f64, inp64, cfg)
+        loss_b64 = dflash_loss(fb64["block_hidden"], f64["lm_head"], inp64, cfg)["loss"]
+        loss_n64 = dflash_loss(bh_naive64, f64["lm_head"], inp64, cfg)["loss"]
+    d_loss64 = abs(float(loss_b64) - float(loss_n64))
+    d_bh64 = float((fb64["block_hidden"] - bh_naive64).abs().max())
+    print(f"[sanity f64] loss batched={float(loss_b64):.15f} naive={float(loss_n64):.15f} "
+          f"|diff|={d_loss64:.3e}; block_hidden max|diff|={d_bh64:.3e}")
+    assert d_loss64 < 1e-6, "float64 batched vs naive loss mismatch (mask bug?)"
+    assert d_bh64 < 1e-6, "float64 batched vs naive block_hidden mismatch (mask bug?)"
+
+    # --- the float32 reference with gradients ----------------------------------------------
+    p32 = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    fb = forward_batched(p32, frozen, inp, cfg)
+    res = dflash_loss(fb["block_hidden"], frozen["lm_head"], inp, cfg)
+    res["loss"].backward()
+
+    with torch.no_grad():
+        bh_naive = forward_naive(p32, frozen, inp, cfg)
+        loss_n = dflash_loss(bh_naive, frozen["lm_head"], inp, cfg)["loss"]
+    d_loss32 = abs(float(res["loss"]) - float(loss_n))
+    d_bh32 = float((fb["block_hidden"] - bh_naive).abs().max())
+    print(f"[sanity f32] loss batched={float(res['loss']):.9f} naive={float(loss_n):.9f} "
+          f"|diff|={d_loss32:.3e}; block_hidden max|diff|={d_bh32:.3e}")
+    print(f"[sanity f32 vs f64] |loss32 - loss64| = {abs(float(res['loss']) - float(loss_b64)):.3e}")
+    # float32 differs only by summation order; the strict (1e-6) check is the float64 one above.
+    assert d_loss32 <= 1e-4 * max(1.0, abs(float(loss_n))), "float32 batched vs naive loss mismatch"
+    assert d_bh32 < 1e-4, "float32 batched vs naive block_hidden mismatch"
+
+    print(f"[dflash] loss={float(res['loss']):.7f} acc={res['acc'].tolist()} "
+          f"valid_count={res['valid_count'].tolist()} tau_hat={float(res['tau_hat']):.6f}")
+
+    t = {}
+    for name, v in params.items():
+        t[name] = v
+    for name, v in inp.items():
+        t["in." + name] = v
+    for name, v in frozen.items():
+        t["frozen." + name] = v
+    t["out.ctx"] = fb["ctx"]
+    t["out.block_ids"] = fb["block_ids"]
+    t["out.block_pos"] = fb["block_pos"]
+    t["out.attn_mask"] = fb["attn_mask"].to(torch.uint8)
+    for i, x in enumerate(fb["layer_out"]):
+        t[f"out.layer_out.{i}"] = x
+    t["out.block_hidden"] = fb["block_hidden"]
+    t["out.logits"] = res["logits"]
+    t["out.labels"] = res["labels"]
+    t["out.label_valid"] = res["valid"]
+    t["out.ce"] = res["ce"]
+    t["out.pred"] = res["pred"]
+    t["out.loss"] = res["loss"].reshape(())
+    t["out.loss_f64"] = loss_b64.reshape(())
+    t["out.acc"] = res["acc"]
+    t["out.valid_count"] = res["valid_count"]
+    t["out.tau_hat"] = res["tau_hat"].reshape(())
+    for name, v in p32.items():
+        assert v.grad is not None, name
+        t["grad." + name] = v.grad
+    t = {k: v.detach().contiguous() for k, v in t.items()}
+
+    meta = {
+        "config": json.dumps(cfg),
+        "torch_version": torch.__version__,
+        "generator": "scripts/make_fixtures.py",
+        "sanity_f64_loss_abs_diff": f"{d_loss64:.3e}",
+        "sanity_f32_loss_abs_diff": f"{d_loss32:.3e}",
+    }
+    path = os.path.join(out_dir, "dflash_loss.safetensors")
+    save_file(t, path, metadata=meta)
+    return path, t
+
+
+# ----------------------------------------------------------------------------------------------
+# AdamW reference
+# ----------------------------------------------------------------------------------------------
+
+ADAMW_SHAPES = {"p.w": (5, 7), "p.b": (7,), "p.m": (3, 4, 2)}
+ADAMW_HYPER = {"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+               "maximize": False, "foreach": False, "fused": False, "steps": 10, "lr_max": 1e-2}
+
+
+def adamw_lr(t, steps=10, lr_max=1e-2):
+    return lr_max * (0.5 * (1.0 + math.cos(math.pi * (t - 1) / steps)))
+
+
+def manual_adamw(init, grads, lrs, dtype):
+    """Hand-written AdamW (decoupled decay), for a cross-check of torch's numbers. Per step t:
+        p   *= 1 - lr * wd
+        m    = m + (1 - b1) * (g - m)                      (= b1 m + (1 - b1) g)
+        v    = b2 v + (1 - b2) g^2
+        p   -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    with the bias corrections and lr as float64 scalars (as torch's single-tensor path does)."""
+    b1, b2 = ADAMW_HYPER["betas"]
+    eps, wd = ADAMW_HYPER["eps"], ADAMW_HYPER["weight_decay"]
+    out = {}
+    for n, p0 in init.items():
+        p = p0.to(dtype).clone()
+        m = torch.zeros_like(p)
+        v = torch.zeros_like(p)
+        hist = []
+        for t, lr in enumerate(lrs, start=1):
+            g = grads[(n, t)].to(dtype)
+            p = p * (1 - lr * wd)
+            m = m + (1 - b1) * (g - m)
+            v = v * b2 + (1 - b2) * g * g
+            step_size = lr / (1 - b1 ** t)
+            denom = v.sqrt() / math.sqrt(1 - b2 ** t) + eps
+            p = p - step_size * (m / denom)
+            hist.append(p.clone())
+        out[n] = (hist, m, v)
+    return out
+
+
+def make_adamw_fixture(out_dir):
+    steps = ADAMW_HYPER["steps"]
+    torch.manual_seed(0)
+    init = {n: torch.randn(*s) for n, s in ADAMW_SHAPES.items()}
+    grads = {}
+    for t in range(1, steps + 1):
+        for n, s in ADAMW_SHAPES.items():
+            grads[(n, t)] = torch.randn(*s)
+    lrs = [adamw_lr(t, steps, ADAMW_HYPER["lr_max"]) for t in range(1, steps + 1)]
+
+    params = {n: torch.nn.Parameter(init[n].clone()) for n in ADAMW_SHAPES}
+    opt = torch.optim.AdamW(
+        list(params.values()),
+        lr=lrs[0],
+        betas=tuple(ADAMW_HYPER["betas"]),
+        eps=ADAMW_HYPER["eps"],
+        weight_decay=ADAMW_HYPER["weight_decay"],
+        amsgrad=False,
+        maximize=False,
+        foreach=False,
+        fused=False,
+    )
+    t_out = {}
+    for n in ADAMW_SHAPES:
+        t_out[f"init.{n}"] = init[n].clone()
+    for t in range(1, steps + 1):
+        opt.param_groups[0]["lr"] = lrs[t - 1]
+        for n, p in params.items():
+            p.grad = grads[(n, t)].clone()
+            t_out[f"grad.{n}.{t}"] = grads[(n, t)].clone()
+        opt.step()
+        for n, p in params.items():
+            t_out[f"param.{n}.{t}"] = p.detach().clone()
+    for n, p in params.items():
+        st = opt.state[p]
+        t_out[f"exp_avg.{n}"] = st["exp_avg"].detach().clone()
+        t_out[f"exp_avg_sq.{n}"] = st["exp_avg_sq"].detach().clone()
+        assert float(st["step"]) == steps
+    t_out["lr"] = torch.tensor(lrs, dtype=torch.float32)
+
+    # Cross-check against a hand-written AdamW (float32 and float64).
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-5)):
+        ref = manual_adamw(init, grads, lrs, dtype)
+        worst = 0.0
+        for n in ADAMW_SHAPES:
+            hist, m, v = ref[n]
+            for t in range(1, steps + 1):
+                worst = max(worst, float((hist[t - 1].double() - t_out[f"param.{n}.{t}"].double()).abs().max()))
+            worst = max(worst, float((m.double() - t_out[f"exp_avg.{n}"].double()).abs().max()))
+            worst = max(worst, float((v.double() - t_out[f"exp_avg_sq.{n}"].double()).abs().max()))
+        print(f"[sanity adamw] torch vs manual {str(dtype).replace('torch.', '')}: max|diff|={worst:.3e}")
+        assert worst < tol, "AdamW manual cross-check failed"
+
+    t_out = {k: v.contiguous() for k, v in t_out.items()}
+    meta = {
+        "hyper": json.dumps(ADAMW_HYPER),
+        "lr": json.dumps(lrs),  # the exact (float64) learning rates given to torch
+        "torch_version": torch.__version__,
+        "generator": "scripts/make_fixtures.py",
+    }
+    path = os.path.join(out_dir, "adamw.safetensors")
+    save_file(t_out, path, metadata=meta)
+    return path, t_out
+
+
+def main():
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(repo, "tests", "fixtures"), help="output folder")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    torch.set_default_dtype(torch.float32)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    print(f"torch {torch.__version__}, python {sys.version.split()[0]}, device cpu")
+
+    for make in (make_dflash_fixture, make_adamw_fixture):
+        path, tensors = make(args.out)
+        print(f"wrote {path}: {os.path.getsize(path)} bytes, {len(tensors)} tensors")
+        for k, v in tensors.items():
+            print(f"  {k} {str(v.dtype).replace('torch.', '')} {list(v.shape)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+//! End to end through the real binary: a short run on the real SmolLM2 target and chitchat data
+//! writes a complete experiment directory and learns; bad configs fail with one clear line.
+
+use std::{path::PathBuf, process::Command};
+
+fn cache() -> PathBuf {
+    std::env::var_os("DFLASH_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/dflash"))
+}
+
+const TINY: &str = r#"
+name = "tiny"
+seed = 3
+
+[train]
+steps = 8
+anchors_per_seq = 8
+log_every = 1
+checkpoint_every = 4
+keep_checkpoints = 1
+
+[target]
+plugin = "hf"
+path = "$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+[drafter]
+plugin = "dflash"
+num_hidden_layers = 1
+block_size = 4
+num_target_features = 2
+mask_token_id = 16
+
+[optimizer]
+plugin = "adamw"
+lr = 3e-3
+weight_decay = 0.0
+
+[data]
+plugin = "chat"
+path = "$DFLASH_CACHE/chitchat.json"
+format = "chitchat"
+batch_size = 2
+max_len = 96
+max_records = 6
+distill_max_new_tokens = 12
+"#;
+
+fn run(config: &str) -> (std::process::Output, tempfile::TempDir) {
+    assert!(cache().join("SmolLM2-135M-Instruct.Q4_1.gguf").exists(), "model missing: run `make setup`");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(&cfg, config).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .arg("--exp-dir")
+        .arg(dir.path().join("exp"))
+        .env("DFLASH_CACHE", cache())
+        .output()
+        .unwrap();
+    (out, dir)
+}
+
+#[test]
+fn a_short_run_writes_a_complete_experiment_and_learns() {
+    let (out, dir) = run(TINY);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "train failed:\n{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("experiment") && stdout.contains("tau_hat"), "{stdout}");
+    let exp = dir.path().join("exp");
+
+    let metrics: Vec<serde_json::Value> = std::fs::read_to_string(exp.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(metrics.len(), 8);
+    let loss = |i: usize| metrics[i]["loss"].as_f64().unwrap();
+    assert!(loss(7) < loss(0) * 0.5, "loss did not fall: {} -> {}", loss(0), loss(7));
+    for m in &metrics {
+        assert_eq!(m["acc"].as_array().unwrap().len(), 3);
+        for key in ["step", "tokens", "tau_hat", "lr", "grad_norm", "tok_per_s", "elapsed_s"] {
+            assert!(m[key].is_number(), "metrics lack {key}: {m}");
+        }
+    }
+
+    let manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("manifest.json")).unwrap()).unwrap();
+    let names: Vec<&str> = manifest["plugins"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["hf", "dflash", "adamw", "chat"]);
+    assert_eq!(manifest["seed"], 3);
+    assert_eq!(manifest["target_sha256"].as_str().unwrap().len(), 64);
+
+    // Only the newest checkpoint is kept; it holds z-lab-named weights and config.
+    let ckpts: Vec<_> = std::fs::read_dir(exp.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(ckpts, vec![std::ffi::OsString::from("step-8")]);
+    let ck = exp.join("checkpoints/step-8");
+    let weights = plugin_api::tch::Tensor::read_safetensors(ck.join("model.safetensors")).unwrap();
+    let names: Vec<&str> = weights.iter().map(|(n, _)| n.as_str()).collect();
+    for want in ["fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"] {
+        assert!(names.contains(&want), "checkpoint lacks {want}: {names:?}");
+    }
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["block_size"], 4);
+    assert_eq!(cfg["dflash_config"]["mask_token_id"], 16);
+    assert_eq!(cfg["dflash_config"]["target_layer_ids"], serde_json::json!([1, 27]));
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join("trainer_state.json")).unwrap()).unwrap();
+    assert_eq!(state["step"], 8);
+    assert!(exp.join("summary.json").exists() && exp.join("config.toml").exists());
+}
+
+#[test]
+fn config_errors_name_the_file_line_and_field() {
+    let (out, _dir) = run(&TINY.replace("lr = 3e-3", "lr = 3e-3\nlearning_rate = 1"));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("run.toml") && err.contains("[optimizer]") && err.contains("learning_rate"), "{err}");
+
+    let (out, _dir) = run(&TINY.replace("lr = 3e-3", "lr = -1.0"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(err.contains("`lr`") && err.contains("-1"), "{err}");
+
+    let (out, _dir) = run(&TINY.replace("steps = 8", "steps = 0"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("train.steps") && err.contains("run.toml"), "{err}");
+
+    let (out, _dir) = run(&TINY.replace("name = \"tiny\"", "name = \"../escape\""));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a valid experiment name"), "{err}");
+
+    // One line says it all: file, line, section, plugin, field, why.
+    let (out, _dir) = run(&TINY.replace("max_len = 96", "max_len = \"long\""));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
+    assert!(line.contains("run.toml:") && line.contains("[data]") && line.contains("field `max_len`: invalid type"), "{err}");
+}
