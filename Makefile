@@ -20,7 +20,7 @@ build: setup
 run: build
 	./target/release/dflash-host train --config $(CONFIG)
 
-test: setup
+test: build
 	$(CARGO) test --release --workspace
 
 clean-cache:

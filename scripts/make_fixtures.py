@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Reference fixtures for the Rust DFlash trainer, computed with PyTorch.
 
-Writes two safetensors files (see tests/fixtures/README.md for the layout):
+Writes three safetensors files (see tests/fixtures/README.md for the layout):
 
   dflash_loss.safetensors  a tiny random DFlash drafter (2 layers, hidden 64), its forward on fixed
                            inputs, the DFlash block loss, accuracy/tau_hat and parameter gradients.
   adamw.safetensors        10 steps of torch.optim.AdamW (single-tensor path) with a cosine lr.
+  muon.safetensors         10 steps of torch.optim.Muon on tall/wide/square matrices, both lr
+                           scalings, with torch's bf16 Newton-Schulz and with a float32 one.
 
 Everything runs on the CPU in float32 with one thread and deterministic algorithms, so the
 numbers do not depend on any GPU. The reference code below is written from the DFlash spec
@@ -13,9 +15,12 @@ numbers do not depend on any GPU. The reference code below is written from the D
 other project.
 
 Usage (needs torch 2.11 and safetensors):  python3 scripts/make_fixtures.py --out tests/fixtures
+Only some files:  python3 scripts/make_fixtures.py --only muon --out tests/fixtures
 """
 
 import argparse
+import hashlib
+import inspect
 import json
 import math
 import os
@@ -479,11 +484,197 @@ def make_adamw_fixture(out_dir):
     save_file(t_out, path, metadata=meta)
     return path, t_out
 
+# ----------------------------------------------------------------------------------------------
+# Muon reference
+# ----------------------------------------------------------------------------------------------
+
+MUON_SHAPES = {"tall": (12, 5), "wide": (5, 12), "square": (8, 8)}
+MUON_HYPER = {"momentum": 0.95, "nesterov": True, "weight_decay": 0.1, "ns_steps": 5, "eps": 1e-7,
+              "ns_coefficients": [3.4445, -4.7750, 2.0315], "steps": 10, "lr_max": 2e-2}
+# Fixture prefix -> torch's adjust_lr_fn. None is torch's default, the "original" scaling.
+MUON_ADJUST = {"original": None, "match_rms_adamw": "match_rms_adamw"}
+
+
+def newton_schulz(grad, ns_coefficients, ns_steps, eps, dtype):
+    """torch 2.11's Newton-Schulz (torch/optim/_muon.py) computed in `dtype` (torch: bfloat16),
+    the same operations in the same order: transpose a tall matrix; divide by the Frobenius norm
+    clamped below at eps; then ns_steps times A = X X^T, B = b A + c A A and X = a X + B X, the
+    last two as fused addmm calls (one rounding each), as torch does."""
+    a, b, c = ns_coefficients
+    x = grad.to(dtype, copy=True)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def newton_schulz_f32(grad, ns_coefficients, ns_steps, eps, *_unused):
+    """Drop-in for torch's Newton-Schulz (same arguments), in float32."""
+    return newton_schulz(grad, ns_coefficients, ns_steps, eps, torch.float32)
+
+
+def torch_newton_schulz(g):
+    """torch.optim.Muon's own Newton-Schulz on g, with this fixture's hyper-parameters."""
+    fn = torch.optim._muon._zeropower_via_newtonschulz
+    kw = {"use_addmm": False} if "use_addmm" in inspect.signature(fn).parameters else {}
+    return fn(g, tuple(MUON_HYPER["ns_coefficients"]), MUON_HYPER["ns_steps"], MUON_HYPER["eps"], **kw)
+
+
+def run_torch_muon(init, grads, lrs, adjust_lr_fn, ns=None):
+    """10 steps of torch.optim.Muon; with `ns`, its Newton-Schulz is swapped for `ns` (the module
+    global that _single_tensor_muon calls). Returns params after each step and the buffers."""
+    h = MUON_HYPER
+    params = {n: torch.nn.Parameter(init[n].clone()) for n in MUON_SHAPES}
+    opt = torch.optim.Muon(
+        list(params.values()),
+        lr=lrs[0],
+        weight_decay=h["weight_decay"],
+        momentum=h["momentum"],
+        nesterov=h["nesterov"],
+        ns_coefficients=tuple(h["ns_coefficients"]),
+        eps=h["eps"],
+        ns_steps=h["ns_steps"],
+        adjust_lr_fn=adjust_lr_fn,
+    )
+    module = torch.optim._muon
+    original = module._zeropower_via_newtonschulz
+    if ns is not None:
+        module._zeropower_via_newtonschulz = ns
+    try:
+        hist = {}
+        for t in range(1, h["steps"] + 1):
+            opt.param_groups[0]["lr"] = lrs[t - 1]
+            for n, p in params.items():
+                p.grad = grads[(n, t)].clone()
+            opt.step()
+            for n, p in params.items():
+                hist[(n, t)] = p.detach().clone()
+    finally:
+        module._zeropower_via_newtonschulz = original
+    bufs = {n: opt.state[p]["momentum_buffer"].detach().clone() for n, p in params.items()}
+    return hist, bufs
+
+
+def manual_muon(init, grads, lrs, adjust, dtype):
+    """Hand-written Muon in `dtype` throughout (Newton-Schulz included), for a cross-check:
+        buf = mu buf + (1 - mu) g;   u = (1 - mu) g + mu buf   (Nesterov)
+        O = NS5(u) with X0 = u / (||u||_F + eps)   (KellerJordan's normalisation)
+        p *= 1 - lr wd;   p -= lr * ratio * O
+    ratio: original sqrt(max(1, rows/cols)); match_rms_adamw 0.2 sqrt(max(rows, cols))."""
+    h = MUON_HYPER
+    mu, wd, eps = h["momentum"], h["weight_decay"], h["eps"]
+    a, b, c = h["ns_coefficients"]
+
+    def ns5(g):
+        x = g.T if g.shape[0] > g.shape[1] else g
+        x = x / (x.norm() + eps)
+        for _ in range(h["ns_steps"]):
+            s = x @ x.T
+            x = a * x + (b * s + c * (s @ s)) @ x
+        return x.T if g.shape[0] > g.shape[1] else x
+
+    out = {}
+    for n, p0 in init.items():
+        rows, cols = p0.shape
+        ratio = math.sqrt(max(1.0, rows / cols)) if adjust == "original" else 0.2 * math.sqrt(max(rows, cols))
+        p = p0.to(dtype).clone()
+        buf = torch.zeros_like(p)
+        for t, lr in enumerate(lrs, start=1):
+            g = grads[(n, t)].to(dtype)
+            buf = mu * buf + (1 - mu) * g
+            u = (1 - mu) * g + mu * buf
+            p = p * (1 - lr * wd) - (lr * ratio) * ns5(u)
+            out[(n, t)] = p.clone()
+        out[("buf", n)] = buf
+    return out
+
+
+def make_muon_fixture(out_dir):
+    h = MUON_HYPER
+    steps = h["steps"]
+    torch.manual_seed(2)
+    init = {n: torch.randn(*s) for n, s in MUON_SHAPES.items()}
+    grads = {}
+    for t in range(1, steps + 1):
+        for n, s in MUON_SHAPES.items():
+            grads[(n, t)] = torch.randn(*s)
+    lrs = [adamw_lr(t, steps, h["lr_max"]) for t in range(1, steps + 1)]
+
+    # Which dtype does torch's Newton-Schulz use on the CPU? (2.11: x = grad.bfloat16(), always.)
+    ns_dtype = torch_newton_schulz(grads[("tall", 1)]).dtype
+    print(f"[muon] torch.optim.Muon Newton-Schulz dtype for a float32 CPU gradient: {ns_dtype}")
+    source = inspect.getsource(torch.optim._muon)
+
+    # The function above in bfloat16 reproduces torch's own, so the float32 variant differs from
+    # torch in the dtype only.
+    same_as_torch = all(
+        torch.equal(newton_schulz(grads[(n, 1)], h["ns_coefficients"], h["ns_steps"], h["eps"], torch.bfloat16),
+                    torch_newton_schulz(grads[(n, 1)]))
+        for n in MUON_SHAPES)
+    print(f"[sanity muon] newton_schulz(.., bfloat16) == torch's Newton-Schulz, bit for bit: {same_as_torch}")
+
+    t_out = {}
+    for n in MUON_SHAPES:
+        t_out[f"init.{n}"] = init[n].clone()
+        for t in range(1, steps + 1):
+            t_out[f"grad.{n}.{t}"] = grads[(n, t)].clone()
+        t_out[f"ns.bf16.{n}"] = torch_newton_schulz(grads[(n, 1)]).float()
+        t_out[f"ns.f32.{n}"] = newton_schulz_f32(grads[(n, 1)], h["ns_coefficients"], h["ns_steps"], h["eps"])
+    sanity = {}
+    bufs_seen = []
+    for prefix, adjust_lr_fn in MUON_ADJUST.items():
+        for kind, ns in (("bf16", None), ("f32", newton_schulz_f32)):
+            hist, bufs = run_torch_muon(init, grads, lrs, adjust_lr_fn, ns)
+            for (n, t), p in hist.items():
+                t_out[f"{prefix}.{kind}.param.{n}.{t}"] = p
+            bufs_seen.append(bufs)
+        # Cross-check: hand-written float64 Muon vs torch with the float32 / bf16 Newton-Schulz.
+        ref = manual_muon(init, grads, lrs, prefix, torch.float64)
+        for kind in ("f32", "bf16"):
+            worst = max(float((ref[(n, t)] - t_out[f"{prefix}.{kind}.param.{n}.{t}"].double()).abs().max())
+                        for n in MUON_SHAPES for t in range(1, steps + 1))
+            sanity[f"{prefix}.{kind}"] = worst
+            print(f"[sanity muon] {prefix}: torch ({kind} Newton-Schulz) vs manual f64: max|diff| params={worst:.3e}")
+        assert sanity[f"{prefix}.f32"] < 1e-5, "Muon manual cross-check (float32 Newton-Schulz) failed"
+        assert sanity[f"{prefix}.bf16"] > 10 * sanity[f"{prefix}.f32"], "the Newton-Schulz swap had no effect"
+    # The momentum buffers depend on the gradients only: one set for every run.
+    for bufs in bufs_seen[1:]:
+        for n in MUON_SHAPES:
+            assert torch.equal(bufs[n], bufs_seen[0][n]), n
+    for n in MUON_SHAPES:
+        t_out[f"momentum_buffer.{n}"] = bufs_seen[0][n]
+        assert float((ref[("buf", n)] - bufs_seen[0][n].double()).abs().max()) < 1e-6, n
+    t_out["lr"] = torch.tensor(lrs, dtype=torch.float32)
+
+    t_out = {k: v.contiguous() for k, v in t_out.items()}
+    meta = {
+        "hyper": json.dumps(h),
+        "adjust_lr_fn": json.dumps(MUON_ADJUST),
+        "lr": json.dumps(lrs),  # the exact (float64) learning rates given to torch
+        "torch_ns_dtype_cpu": str(ns_dtype).replace("torch.", ""),
+        "sanity_ns_bf16_bitwise_equal_torch": json.dumps(same_as_torch),
+        "torch_muon_source_sha256": hashlib.sha256(source.encode()).hexdigest(),
+        "sanity_manual_f64_max_abs_diff": json.dumps({k: f"{v:.3e}" for k, v in sanity.items()}),
+        "torch_version": torch.__version__,
+        "generator": "scripts/make_fixtures.py",
+    }
+    path = os.path.join(out_dir, "muon.safetensors")
+    save_file(t_out, path, metadata=meta)
+    return path, t_out
+
 
 def main():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(repo, "tests", "fixtures"), help="output folder")
+    makers = {"dflash": make_dflash_fixture, "adamw": make_adamw_fixture, "muon": make_muon_fixture}
+    ap.add_argument("--only", action="append", choices=list(makers),
+                    help="make only this fixture (repeatable); default: all, in the order listed")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -492,7 +683,9 @@ def main():
     torch.use_deterministic_algorithms(True, warn_only=True)
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, device cpu")
 
-    for make in (make_dflash_fixture, make_adamw_fixture):
+    for name, make in makers.items():
+        if args.only and name not in args.only:
+            continue
         path, tensors = make(args.out)
         print(f"wrote {path}: {os.path.getsize(path)} bytes, {len(tensors)} tensors")
         for k, v in tensors.items():

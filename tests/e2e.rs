@@ -57,6 +57,7 @@ fn run(config: &str) -> (std::process::Output, tempfile::TempDir) {
         .arg("--exp-dir")
         .arg(dir.path().join("exp"))
         .env("DFLASH_CACHE", cache())
+        .env_remove("RUST_BACKTRACE") // what a user sees by default
         .output()
         .unwrap();
     (out, dir)

@@ -62,6 +62,9 @@ pub struct TrainConfig {
     /// Checkpoints kept (the newest).
     #[serde(default = "default_keep")]
     pub keep_checkpoints: usize,
+    /// CPU memory (MiB) for target features kept across epochs (0 = recompute every epoch).
+    #[serde(default = "default_cache_mb")]
+    pub hidden_cache_mb: usize,
 }
 
 fn one() -> u64 {
@@ -81,6 +84,9 @@ fn default_log_every() -> u64 {
 }
 fn default_keep() -> usize {
     2
+}
+fn default_cache_mb() -> usize {
+    2048
 }
 
 /// A plugin section: which plugin, and its own config as TOML text.

@@ -2,21 +2,22 @@
 //! data loader's prompts greedily once; the replies are cached by a key over everything that
 //! determines them, so later runs skip the work.
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use plugin_api::{abi_stable::std_types::RVec, DataLoaderBox, DataSummary, TargetBox};
+use crate::train::Components;
+use plugin_api::{abi_stable::std_types::RVec, DataSummary, PluginKind};
 use sha2::{Digest, Sha256};
 use std::path::Path;
 
 /// Prompts per `generate` call: small enough for a live progress bar.
 const CHUNK: usize = 64;
 
-pub fn run(target: &mut TargetBox, data: &mut DataLoaderBox, cache_dir: &Path) -> Result<Option<DataSummary>> {
-    let req = data.distill_request();
+pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<DataSummary>> {
+    let req = c.data.distill_request();
     if req.prompts.is_empty() {
         return Ok(None);
     }
-    let spec = target.spec();
+    let spec = c.target.spec();
     let mut h = Sha256::new();
     h.update(spec.source_sha256.as_bytes());
     h.update(req.max_new_tokens.to_le_bytes());
@@ -49,10 +50,11 @@ pub fn run(target: &mut TargetBox, data: &mut DataLoaderBox, cache_dir: &Path) -
             );
             let mut replies = Vec::with_capacity(req.prompts.len());
             for chunk in req.prompts.chunks(CHUNK) {
-                let out = target
+                let out = c
+                    .target
                     .generate(chunk.iter().cloned().collect::<RVec<_>>(), req.max_new_tokens, req.stop_tokens.as_rslice())
-                    .into_result()
-                    .map_err(|e| anyhow!("target.generate: {e}"))?;
+                    .into_result();
+                let out = out.map_err(c.err(PluginKind::Target, "generate"))?;
                 replies.extend(out.into_iter().map(|r| r.into_vec()));
                 bar.inc(chunk.len() as u64);
             }
@@ -64,9 +66,7 @@ pub fn run(target: &mut TargetBox, data: &mut DataLoaderBox, cache_dir: &Path) -
             replies
         }
     };
-    let summary = data
-        .set_distilled(replies.into_iter().map(RVec::from).collect())
-        .into_result()
-        .map_err(|e| anyhow!("data.set_distilled: {e}"))?;
+    let summary = c.data.set_distilled(replies.into_iter().map(RVec::from).collect()).into_result();
+    let summary = summary.map_err(c.err(PluginKind::DataLoader, "set_distilled"))?;
     Ok(Some(summary))
 }

@@ -1,12 +1,17 @@
 //! The host: the fixed training pipeline around the four plugin kinds. `main.rs` is the CLI;
 //! the modules are a library so integration tests (`tests/`) can drive them directly.
 
+pub mod ab;
 pub mod anchors;
 pub mod builtins;
+pub mod compare;
 pub mod config;
 pub mod distill;
 pub mod experiment;
+pub mod hidden_cache;
 pub mod loss;
 pub mod plugins;
+pub mod run;
 pub mod schedule;
+pub mod tensorboard;
 pub mod train;

@@ -2,10 +2,9 @@
 //! optimizer and data loader are plugins (built in, or `--plugin PATH` shared libraries).
 
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
-use dflash_host::{config, config::RunConfig, experiment, plugins, plugins::Registry, train};
-use serde::Serialize;
+use dflash_host::{ab, config::RunConfig, experiment, plugins, plugins::Registry, run, train};
 use std::{
     path::{Path, PathBuf},
     process::ExitCode,
@@ -35,6 +34,29 @@ enum Command {
         #[arg(long)]
         steps: Option<u64>,
     },
+    /// Compare experiment directories at equal target tokens: report.md, PNG/SVG plots, a table.
+    Compare {
+        /// Experiment directories (each one training run).
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+        /// Output folder (default: <first dir's parent>/compare-<UTC time>).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Group runs by this config key (dotted, e.g. `optimizer.lr`; falls back to manifest.json)
+        /// instead of the manifest's `arm`, else the config's `name`.
+        #[arg(long)]
+        group_by: Option<String>,
+    },
+    /// Run an A/B: arms that differ only in what the A/B config names, each over several seeds,
+    /// side by side in experiments/<name>/, then a comparison report.
+    Ab {
+        /// The A/B config (TOML: name, base, seeds, [arms.<name>]).
+        #[arg(long)]
+        config: PathBuf,
+        /// Seeds 0..N (overrides the file's `seeds`).
+        #[arg(long)]
+        seeds: Option<u64>,
+    },
     /// List or inspect plugins.
     Plugins {
         #[command(subcommand)]
@@ -44,73 +66,35 @@ enum Command {
 
 #[derive(Subcommand)]
 enum PluginsCommand {
-    /// Built-in and loaded plugins.
+    /// Built-in and loaded (`--plugin PATH`) plugins: name, kind, version, ABI, origin, SHA-256.
     List,
+    /// Check one plugin library and show its metadata (runs none of its code but the metadata).
+    Inspect {
+        /// The shared library.
+        path: PathBuf,
+    },
 }
 
-/// `manifest.json`: what produced an experiment.
-#[derive(Serialize)]
-struct Manifest {
-    host_version: &'static str,
-    git_revision: String,
-    command_line: Vec<String>,
-    started_at_unix: u64,
-    seed: u64,
-    device: String,
-    dtype: String,
-    build_id: String,
-    plugins: Vec<plugins::PluginRecord>,
-    target_source: String,
-    target_sha256: String,
-}
 
-fn cache_dir() -> PathBuf {
-    std::env::var_os("DFLASH_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/dflash"))
-}
 
-fn git_revision() -> String {
-    std::process::Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
-}
 
-/// libtorch_cuda.so is dropped by `--as-needed`; load it before the first CUDA op (STACK.md).
-fn enable_cuda() -> bool {
-    // SAFETY: loading libtorch's own CUDA library; it is never unloaded.
-    let lib = unsafe {
-        libloading::os::unix::Library::open(
-            Some("libtorch_cuda.so"),
-            libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
-        )
-    };
-    match lib {
-        Ok(lib) => {
-            std::mem::forget(lib);
-            true
-        }
-        Err(e) => {
-            tracing::warn!("CUDA unavailable: {e}");
-            false
-        }
-    }
-}
 
 fn run() -> Result<ExitCode> {
     let cli = Cli::parse();
     match cli.command {
         Command::Plugins { command: PluginsCommand::List } => {
             let registry = Registry::new(&cli.plugins)?;
-            println!("{:<10} {:<10} {:<8} {:<10} description", "kind", "name", "version", "origin");
-            for p in &registry.plugins {
-                let r = &p.record;
-                println!("{:<10} {:<10} {:<8} {:<10} {}", r.kind, r.name, r.version, r.origin, r.description);
-            }
+            print_plugins(registry.plugins.iter().map(|p| &p.record));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Plugins { command: PluginsCommand::Inspect { path } } => {
+            let plugin = plugins::load_library(&path)?;
+            print_plugins(std::iter::once(&plugin.record));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Compare { dirs, out, group_by } => {
+            let report = dflash_host::compare::run(&dirs, out.as_deref(), group_by.as_deref())?;
+            println!("report: {}", report.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Train { config, exp_dir, steps } => {
@@ -119,43 +103,48 @@ fn run() -> Result<ExitCode> {
                 cfg.train.steps = s;
                 cfg.validate()?;
             }
-            if cfg.device.starts_with("cuda") && !enable_cuda() {
-                anyhow::bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
-            }
-            tch::manual_seed(cfg.seed as i64);
             let registry = Registry::new(&cli.plugins)?;
-            let cache = cache_dir();
-            let config_dir = config::config_dir(&config).canonicalize().context("config folder")?;
-            let components = train::build_components(&cfg, &registry, &config_dir, &cache).map_err(|e| {
-                let msg = format!("{e:#}");
-                let text = std::fs::read_to_string(&config).unwrap_or_default();
-                match config::locate_plugin_error(&text, &msg) {
-                    Some(line) => anyhow::anyhow!("{}:{line}: {msg}", config.display()),
-                    None => anyhow::anyhow!("{}: {msg}", config.display()),
-                }
-            })?;
-            let spec = components.target.spec();
-            let manifest = Manifest {
-                host_version: env!("CARGO_PKG_VERSION"),
-                git_revision: git_revision(),
-                command_line: std::env::args().collect(),
-                started_at_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs(),
-                seed: cfg.seed,
-                device: cfg.device.clone(),
-                dtype: cfg.dtype().into(),
-                build_id: plugin_api::build_id(),
-                plugins: components.records.clone(),
-                target_source: spec.source.to_string(),
-                target_sha256: spec.source_sha256.to_string(),
-            };
             let dir = exp_dir.unwrap_or_else(|| experiment::fresh_dir(Path::new("experiments"), &cfg.name));
-            let resolved = toml::to_string(&cfg)?;
-            let mut exp = experiment::Experiment::create(&dir, &resolved, &manifest)?;
-            tracing::info!("experiment: {}", dir.display());
-            let summary = train::train(&cfg, components, &mut exp, &cache)?;
+            let summary = run::run(run::RunSpec { cfg: &cfg, config_path: &config, exp_dir: &dir, registry: &registry, ab: None })?;
             print_summary(&summary);
             Ok(ExitCode::SUCCESS)
         }
+        Command::Ab { config, seeds } => {
+            let registry = Registry::new(&cli.plugins)?;
+            let runs = ab::plan(&config, seeds, Path::new("experiments"))?;
+            let ab_dir = runs[0].dir.parent().expect("arm dirs live in the A/B's folder").to_path_buf();
+            tracing::info!("A/B {}: {} runs into {}", ab_dir.display(), runs.len(), ab_dir.display());
+            let mut dirs = Vec::new();
+            for (i, r) in runs.iter().enumerate() {
+                tracing::info!("A/B run {}/{}: arm `{}`, seed {}", i + 1, runs.len(), r.arm, r.seed);
+                if r.dir.join("summary.json").exists() {
+                    tracing::info!("{} is complete already; skipping it", r.dir.display());
+                } else {
+                    let _ = std::fs::remove_dir_all(&r.dir); // an unfinished earlier attempt
+                    let ab_name = ab_dir.file_name().unwrap_or_default().to_string_lossy().to_string();
+                    let summary = run::run(run::RunSpec {
+                        cfg: &r.config,
+                        config_path: &r.base_path,
+                        exp_dir: &r.dir,
+                        registry: &registry,
+                        ab: Some((&ab_name, &r.arm)),
+                    })?;
+                    print_summary(&summary);
+                }
+                dirs.push(r.dir.clone());
+            }
+            let report = dflash_host::compare::run(&dirs, Some(&ab_dir.join("report")), None)?;
+            println!("report: {}", report.display());
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn print_plugins<'a>(records: impl Iterator<Item = &'a plugins::PluginRecord>) {
+    println!("{:<10} {:<10} {:<8} {:<6} {:<16} {:<64} origin", "kind", "name", "version", "abi", "sha256", "description");
+    for r in records {
+        let sha = r.sha256.as_deref().map_or("-".to_string(), |s| s[..16].to_string());
+        println!("{:<10} {:<10} {:<8} {:<6} {:<16} {:<64} {}", r.kind, r.name, r.version, r.abi, sha, r.description, r.origin);
     }
 }
 

@@ -1,23 +1,31 @@
 //! The plugin registry: built-ins (linked in, found through inventory) and shared libraries
 //! given with `--plugin PATH`. The host sees every plugin only through `plugin-api`.
+//!
+//! Loading a library checks, in order, each with a one-line error: the path is a file; it is a
+//! shared object; it exports exactly one `dflash_plugin_*` entry symbol (read from the dynamic
+//! symbol table before any of its code runs); its plugin ABI major version is ours; its types'
+//! layouts equal ours (abi_stable); it was built against the same tch / libtorch (build id).
 
 use crate::config::PluginSection;
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
-    abi_stable::library::{LibHeader, RawLibrary},
-    builtin_plugins, HostContext, PluginInfo, PluginInstance, PluginKind, PluginModule_Ref,
+    abi_major,
+    abi_stable::library::{LibHeader, LibraryError, RawLibrary},
+    builtin_plugins, HostContext, PluginInfo, PluginInstance, PluginKind, PluginModule_Ref, ABI_VERSION,
 };
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
-/// Where a plugin came from, for logs and manifests.
+/// What a plugin is and where it came from, for `plugins list` and manifests.
 #[derive(Debug, Clone, Serialize)]
 pub struct PluginRecord {
     pub name: String,
     pub kind: String,
     pub version: String,
     pub description: String,
+    /// Plugin ABI version it was built against.
+    pub abi: String,
     /// `builtin` or the shared library's path.
     pub origin: String,
     pub sha256: Option<String>,
@@ -32,12 +40,13 @@ pub struct Registry {
     pub plugins: Vec<Plugin>,
 }
 
-fn record(info: &PluginInfo, origin: String, sha256: Option<String>) -> PluginRecord {
+fn record(info: &PluginInfo, abi: &str, origin: String, sha256: Option<String>) -> PluginRecord {
     PluginRecord {
         name: info.name.to_string(),
         kind: info.kind.to_string(),
         version: info.version.to_string(),
         description: info.description.to_string(),
+        abi: abi.to_string(),
         origin,
         sha256,
     }
@@ -52,20 +61,21 @@ impl Registry {
         let mut plugins: Vec<Plugin> = builtin_plugins()
             .map(|module| {
                 let info = (module.info())();
-                Plugin { record: record(&info, "builtin".into(), None), module }
+                Plugin { record: record(&info, ABI_VERSION, "builtin".into(), None), module }
             })
             .collect();
+        plugins.sort_by(|a, b| (&a.record.kind, &a.record.name).cmp(&(&b.record.kind, &b.record.name)));
         for path in paths {
             let plugin = load_library(path)?;
             let (kind, name) = (&plugin.record.kind, &plugin.record.name);
             if let Some(i) = plugins.iter().position(|p| &p.record.kind == kind && &p.record.name == name) {
                 if plugins[i].record.origin != "builtin" {
-                    bail!("two plugins named `{name}` ({kind}): {} and {}", plugins[i].record.origin, path.display());
+                    bail!("two {kind} plugins named `{name}`: {} and {}", plugins[i].record.origin, path.display());
                 }
-                tracing::info!("plugin {kind} `{name}` from {} replaces the built-in", path.display());
+                tracing::info!("{kind} plugin `{name}` from {} replaces the built-in", path.display());
                 plugins[i] = plugin;
             } else {
-                tracing::info!("loaded plugin {kind} `{name}` from {}", path.display());
+                tracing::info!("loaded {kind} plugin `{name}` from {}", path.display());
                 plugins.push(plugin);
             }
         }
@@ -74,19 +84,31 @@ impl Registry {
 
     pub fn find(&self, kind: PluginKind, name: &str) -> Result<&Plugin> {
         let kind_s = kind.to_string();
-        self.plugins.iter().find(|p| p.record.kind == kind_s && p.record.name == name).ok_or_else(|| {
-            let known: Vec<_> =
-                self.plugins.iter().filter(|p| p.record.kind == kind_s).map(|p| p.record.name.clone()).collect();
-            anyhow!("no {kind} plugin named `{name}` (available: {}; load others with --plugin PATH)", known.join(", "))
-        })
+        if let Some(p) = self.plugins.iter().find(|p| p.record.kind == kind_s && p.record.name == name) {
+            return Ok(p);
+        }
+        if let Some(other) = self.plugins.iter().find(|p| p.record.name == name) {
+            bail!("plugin `{name}` is a {} plugin, but the [{kind}] section needs a {kind} plugin", other.record.kind);
+        }
+        let known: Vec<_> = self.plugins.iter().filter(|p| p.record.kind == kind_s).map(|p| p.record.name.clone()).collect();
+        bail!("no {kind} plugin named `{name}` (available: {}; load others with --plugin PATH)", known.join(", "))
     }
 
-    /// Create the plugin a config section names.
+    /// Create the plugin a config section names; the instance must be of the section's kind.
     pub fn create(&self, kind: PluginKind, section: &PluginSection, ctx: &HostContext) -> Result<(PluginInstance, PluginRecord)> {
-        let plugin = self.find(kind, &section.plugin)?;
+        let plugin = self.find(kind, &section.plugin).map_err(|e| anyhow!("[{}] {e}", section.kind))?;
         let instance = (plugin.module.create())(section.config_toml.as_str().into(), ctx)
             .into_result()
             .map_err(|e| anyhow!("[{}] plugin `{}`: {e}", section.kind, section.plugin))?;
+        let made = match &instance {
+            PluginInstance::Target(_) => PluginKind::Target,
+            PluginInstance::Drafter(_) => PluginKind::Drafter,
+            PluginInstance::Optimizer(_) => PluginKind::Optimizer,
+            PluginInstance::DataLoader(_) => PluginKind::DataLoader,
+        };
+        if made != kind {
+            bail!("[{}] plugin `{}` says it is a {kind} plugin but created a {made}", section.kind, section.plugin);
+        }
         Ok((instance, plugin.record.clone()))
     }
 }
@@ -98,9 +120,31 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     Ok(format!("{:x}", h.finalize()))
 }
 
-/// Load a plugin shared library: its entry symbol is `dflash_plugin_<crate name>`, the crate
-/// name read from the file name (`liboptim_adamw.so` -> `optim_adamw`).
-fn load_library(path: &Path) -> Result<Plugin> {
+/// The library's `dflash_plugin_*` entry symbol, read from its dynamic symbol table without
+/// loading it.
+fn entry_symbol(path: &Path, bytes: &[u8]) -> Result<String> {
+    use object::{Object, ObjectKind, ObjectSymbol};
+    let shown = path.display();
+    let file = object::File::parse(bytes).map_err(|_| anyhow!("plugin {shown}: not a shared library"))?;
+    if file.kind() != ObjectKind::Dynamic {
+        bail!("plugin {shown}: not a shared library (an object of kind {:?})", file.kind());
+    }
+    let mut found: Vec<String> = file
+        .dynamic_symbols()
+        .filter(|s| s.is_definition())
+        .filter_map(|s| s.name().ok().filter(|n| n.starts_with("dflash_plugin_")).map(str::to_string))
+        .collect();
+    found.sort();
+    found.dedup();
+    match found.len() {
+        0 => bail!("plugin {shown}: no `dflash_plugin_*` entry symbol (not a dflash plugin; declare one with plugin_api::declare_plugin!)"),
+        1 => Ok(found.remove(0)),
+        _ => bail!("plugin {shown}: several entry symbols ({}); a plugin library declares exactly one", found.join(", ")),
+    }
+}
+
+/// Load and check a plugin shared library (see the module doc for the checks).
+pub fn load_library(path: &Path) -> Result<Plugin> {
     let shown = path.display();
     if !path.exists() {
         bail!("plugin {shown}: no such file");
@@ -108,24 +152,34 @@ fn load_library(path: &Path) -> Result<Plugin> {
     if path.is_dir() {
         bail!("plugin {shown}: is a directory, expected a shared library (.so)");
     }
-    let sha = sha256_file(path)?;
-    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
-    let crate_name = stem.strip_prefix("lib").unwrap_or(stem);
-    let symbol = format!("dflash_plugin_{crate_name}\0");
-    let raw = RawLibrary::load_at(path).map_err(|e| anyhow!("plugin {shown}: not a loadable shared library: {e}"))?;
+    let bytes = std::fs::read(path).with_context(|| format!("plugin {shown}"))?;
+    let symbol = entry_symbol(path, &bytes)?;
+    let sha = format!("{:x}", Sha256::digest(&bytes));
+    let raw = RawLibrary::load_at(path).map_err(|e| anyhow!("plugin {shown}: cannot be loaded: {}", first_line(&e.to_string())))?;
     // Libraries are never unloaded: their tensors and vtables may outlive any handle (STACK.md).
     let raw: &'static RawLibrary = Box::leak(Box::new(raw));
     let header: &'static LibHeader = unsafe {
-        *raw.get::<&'static LibHeader>(symbol.as_bytes())
-            .map_err(|_| anyhow!("plugin {shown}: no entry symbol `{}` (not a dflash plugin?)", symbol.trim_end_matches('\0')))?
+        *raw.get::<&'static LibHeader>(format!("{symbol}\0").as_bytes())
+            .map_err(|e| anyhow!("plugin {shown}: entry symbol `{symbol}`: {}", first_line(&e.to_string())))?
     };
-    let module = header
-        .init_root_module::<PluginModule_Ref>()
-        .map_err(|e| anyhow!("plugin {shown}: incompatible with this host: {e}"))?;
-    let theirs = (module.build_id())();
-    if theirs.as_str() != plugin_api::build_id() {
-        bail!("plugin {shown}: built for `{theirs}`, this host is `{}`", plugin_api::build_id());
+    let theirs = header.version_strings().version.to_string();
+    if abi_major(&theirs) != abi_major(ABI_VERSION) {
+        bail!("plugin {shown}: built for plugin ABI {theirs}, this host speaks ABI {ABI_VERSION} (major versions differ; rebuild the plugin against this plugin-api)");
+    }
+    let module = header.init_root_module::<PluginModule_Ref>().map_err(|e| match e {
+        LibraryError::AbiInstability(_) => anyhow!(
+            "plugin {shown}: its plugin-api types differ from this host's (built against another plugin-api {theirs}?); rebuild it"
+        ),
+        other => anyhow!("plugin {shown}: incompatible: {}", first_line(&other.to_string())),
+    })?;
+    let build = (module.build_id())();
+    if build.as_str() != plugin_api::build_id() {
+        bail!("plugin {shown}: built for `{build}`, this host is `{}`: tensors cannot cross between different libtorch builds", plugin_api::build_id());
     }
     let info = (module.info())();
-    Ok(Plugin { record: record(&info, path.display().to_string(), Some(sha)), module })
+    Ok(Plugin { record: record(&info, &theirs, path.display().to_string(), Some(sha)), module })
+}
+
+fn first_line(s: &str) -> String {
+    s.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
 }

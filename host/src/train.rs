@@ -6,6 +6,8 @@ use crate::{
     config::RunConfig,
     distill,
     experiment::Experiment,
+    hidden_cache::HiddenStateCache,
+    tensorboard,
     loss::{default_gamma, dflash_loss, tau_hat, LossInput},
     plugins::{PluginRecord, Registry},
     schedule::lr_scale,
@@ -58,6 +60,18 @@ pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path,
         return Err(wrong(PluginKind::DataLoader));
     };
     Ok(Components { target, drafter, optimizer, data, records })
+}
+
+impl Components {
+    fn name(&self, kind: PluginKind) -> &str {
+        self.records.iter().find(|r| r.kind == kind.as_str()).map_or("?", |r| r.name.as_str())
+    }
+
+    /// An error from a plugin call, naming the plugin and the call.
+    pub fn err(&self, kind: PluginKind, call: &str) -> impl Fn(plugin_api::PluginError) -> anyhow::Error + '_ {
+        let call = call.to_string();
+        move |e| anyhow!("{kind} plugin `{}`: {call}: {e}", self.name(kind))
+    }
 }
 
 /// One metrics.jsonl record.
@@ -128,9 +142,10 @@ impl Window {
     }
 }
 
-fn next_batch(data: &mut DataLoaderBox) -> Result<Batch> {
+fn next_batch(c: &mut Components) -> Result<Batch> {
     for _ in 0..2 {
-        match data.next_batch().into_result().map_err(|e| anyhow!("data.next_batch: {e}"))?.into_option() {
+        let next = c.data.next_batch().into_result();
+        match next.map_err(c.err(PluginKind::DataLoader, "next_batch"))?.into_option() {
             Some(b) => return Ok(b),
             None => continue, // end of epoch: the next call starts the next one
         }
@@ -161,9 +176,9 @@ fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
 pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir: &Path) -> Result<TrainSummary> {
     let t = &cfg.train;
     // 1. Data: tokenize with the target's tokenizer, then self-distil if the loader asks.
-    let summary = c.data.open(c.target.tokenizer_json().as_rstr()).into_result().map_err(|e| anyhow!("data.open: {e}"))?;
+    let summary = c.data.open(c.target.tokenizer_json().as_rstr()).into_result().map_err(c.err(PluginKind::DataLoader, "open"))?;
     tracing::info!("data: {}", summary.description);
-    if let Some(s) = distill::run(&mut c.target, &mut c.data, cache_dir)? {
+    if let Some(s) = distill::run(&mut c, cache_dir)? {
         tracing::info!("data after self-distillation: {}", s.description);
     }
 
@@ -181,31 +196,43 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         "drafter: {:.1}M trainable parameters, block {block_size}, target layers {layer_ids:?}, mask token {mask_token_id}, gamma {gamma}",
         n_params as f64 / 1e6
     );
-    c.optimizer.init(named).into_result().map_err(|e| anyhow!("optimizer.init: {e}"))?;
+    c.optimizer.init(named).into_result().map_err(c.err(PluginKind::Optimizer, "init"))?;
     let sampler = AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed };
+    let mut cache = HiddenStateCache::new(t.hidden_cache_mb << 20);
 
     // 3. The loop.
     let bar = ProgressBar::new(t.steps).with_style(
         ProgressStyle::with_template("train {bar:30} {pos}/{len} steps  {msg}  ETA {eta}").expect("template"),
     );
     let started = Instant::now();
+    // TensorBoard event files beside metrics.jsonl (`tensorboard --logdir experiments/`).
+    let mut tb = tensorboard::EventWriter::create(&exp.dir)?;
     let mut state = TrainerState { step: 0, tokens: 0, draft_tokens: 0, data_epoch: 0, data_index: 0, micro_batches: 0, seed: cfg.seed };
     let mut window = Window { correct: vec![0; block_size as usize - 1], count: vec![0; block_size as usize - 1], ..Default::default() };
     let (mut first, mut last, mut last_ckpt) = (None, None, None);
     for step in 1..=t.steps {
         window.started.get_or_insert_with(Instant::now);
         for _ in 0..t.grad_accum {
-            let batch = next_batch(&mut c.data)?;
+            let batch = next_batch(&mut c)?;
             let input_ids = batch.input_ids.tensor();
             let loss_mask = batch.loss_mask.tensor();
             let tokens: u64 = batch.lengths.iter().map(|&l| l as u64).sum();
             // Target features (no grad inside the plugin).
             let t0 = Instant::now();
-            let out = c
-                .target
-                .forward(&batch.input_ids, layer_ids.as_slice().into(), false)
-                .into_result()
-                .map_err(|e| anyhow!("target.forward: {e}"))?;
+            let seq_len = input_ids.size()[1];
+            let target_hidden = match cache.get(&batch.sequence_ids, seq_len, embedding.device(), embedding.kind()) {
+                Some(h) => h,
+                None => {
+                    let out = c
+                        .target
+                        .forward(&batch.input_ids, layer_ids.as_slice().into(), false)
+                        .into_result()
+                        .map_err(c.err(PluginKind::Target, "forward"))?;
+                    let h = out.hidden.into_tensor();
+                    cache.put(&batch.sequence_ids, &batch.lengths, &h);
+                    h
+                }
+            };
             let t1 = Instant::now();
             window.target_s += (t1 - t0).as_secs_f64();
             let anchors = sampler.sample(&loss_mask, state.micro_batches);
@@ -215,12 +242,12 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
             let block_ids = block_token_ids(&input_ids.to_device(device), &anchor_pos, block_size, mask_token_id);
             let block_embeds = tch::no_grad(|| Tensor::embedding(&embedding, &block_ids, -1, false, false));
             let input = DraftInput {
-                target_hidden: out.hidden,
+                target_hidden: TensorHandle::new(target_hidden),
                 block_embeds: TensorHandle::new(block_embeds),
                 anchors: TensorHandle::new(anchor_pos.shallow_clone()),
                 anchor_valid: TensorHandle::new(anchors.valid.to_device(device)),
             };
-            let block_hidden = c.drafter.forward(&input).into_result().map_err(|e| anyhow!("drafter.forward: {e}"))?.into_tensor();
+            let block_hidden = c.drafter.forward(&input).into_result().map_err(c.err(PluginKind::Drafter, "forward"))?.into_tensor();
             let l = dflash_loss(&LossInput {
                 block_hidden: &block_hidden,
                 lm_head: &lm_head,
@@ -246,7 +273,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         let t2 = Instant::now();
         let grad_norm = clip_grad_norm(&params, t.grad_clip);
         let scale = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac);
-        c.optimizer.step(scale).into_result().map_err(|e| anyhow!("optimizer.step: {e}"))?;
+        c.optimizer.step(scale).into_result().map_err(c.err(PluginKind::Optimizer, "step"))?;
         for p in &params {
             let mut p = p.shallow_clone();
             p.zero_grad();
@@ -277,6 +304,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                 elapsed_s: started.elapsed().as_secs_f64(),
             };
             exp.log(&m)?;
+            tensorboard::log_metrics(&mut tb, &serde_json::to_value(&m)?)?;
             bar.set_message(format!("loss {:.3}  τ̂ {:.3}  {:.0} tok/s", m.loss, m.tau_hat, m.tok_per_s));
             bar.suspend(|| {
                 tracing::info!(

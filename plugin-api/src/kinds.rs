@@ -153,6 +153,9 @@ pub struct Batch {
     pub loss_mask: TensorHandle,
     /// Unpadded length of each sequence.
     pub lengths: RVec<u32>,
+    /// A stable id per sequence (same tokens, same id, every epoch), so the host can cache the
+    /// target's features across epochs.
+    pub sequence_ids: RVec<u64>,
 }
 
 /// Where a data loader is, for resume.

@@ -26,4 +26,5 @@ pub use tensor::{NamedTensor, TensorHandle};
 // Re-exported so plugins and `declare_plugin!` name one version of each.
 pub use abi_stable;
 pub use inventory;
+pub use serde;
 pub use tch;

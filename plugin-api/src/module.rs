@@ -10,14 +10,21 @@ use abi_stable::{
     StableAbi,
 };
 
-/// Major.minor of this ABI. A major change breaks loading; a minor one only appends.
-pub const ABI_VERSION: &str = "1.0";
+/// The ABI version, plugin-api's package version: a plugin built against another major version
+/// is refused; minor versions only append fields and methods.
+pub const ABI_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The ABI's major version.
+pub fn abi_major(version: &str) -> &str {
+    version.split('.').next().unwrap_or(version)
+}
 
 /// What a plugin must have been built against to share tensors with this host: the ABI, tch and
 /// libtorch. abi_stable checks type layouts but sees tensors only as pointers, so this is checked
 /// too (STACK.md).
 pub fn build_id() -> String {
-    format!("dflash-plugin-abi {ABI_VERSION}; tch 0.24.0; libtorch 2.11.0")
+    let libtorch = if cfg!(feature = "test-other-libtorch") { "2.10.0" } else { "2.11.0" };
+    format!("dflash-plugin-abi {}; tch 0.24.0; libtorch {libtorch}", abi_major(ABI_VERSION))
 }
 
 #[repr(u8)]
@@ -55,6 +62,22 @@ pub struct PluginInfo {
     pub kind: PluginKind,
     pub version: RString,
     pub description: RString,
+    /// Test-only: the layout an older plugin-api would have had.
+    #[cfg(feature = "test-old-layout")]
+    pub legacy_flags: u64,
+}
+
+impl PluginInfo {
+    pub fn new(name: &str, kind: PluginKind, version: &str, description: &str) -> Self {
+        Self {
+            name: name.into(),
+            kind,
+            version: version.into(),
+            description: description.into(),
+            #[cfg(feature = "test-old-layout")]
+            legacy_flags: 0,
+        }
+    }
 }
 
 /// What the host tells a plugin at creation.
@@ -103,7 +126,10 @@ impl RootModule for PluginModule_Ref {
     declare_root_module_statics! {PluginModule_Ref}
     const BASE_NAME: &'static str = "dflash_plugin";
     const NAME: &'static str = "dflash_plugin";
+    #[cfg(not(feature = "test-fake-abi-2"))]
     const VERSION_STRINGS: VersionStrings = package_version_strings!();
+    #[cfg(feature = "test-fake-abi-2")]
+    const VERSION_STRINGS: VersionStrings = VersionStrings::new("2.0.0");
 }
 
 /// A plugin linked into the host, registered with `inventory` by [`declare_plugin!`].
@@ -166,9 +192,34 @@ macro_rules! declare_plugin {
     };
 }
 
+thread_local! {
+    /// Set while a plugin call runs under [`catch_plugin_panic`].
+    static IN_PLUGIN_CALL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Wrap the panic hook once (per copy of std: the host's, and each shared library's) so a panic
+/// that [`catch_plugin_panic`] turns into an error prints nothing; the error says it all. With
+/// RUST_BACKTRACE set the usual report is printed too.
+fn quiet_caught_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let caught = IN_PLUGIN_CALL.with(|c| c.get());
+            if !caught || std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
+                previous(info);
+            }
+        }));
+    });
+}
+
 /// Run `f`, turning a panic into a [`PluginError`] so it never unwinds across the ABI.
 pub fn catch_plugin_panic<T>(f: impl FnOnce() -> Result<T, PluginError>) -> Result<T, PluginError> {
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+    quiet_caught_panics();
+    let outer = IN_PLUGIN_CALL.with(|c| c.replace(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    IN_PLUGIN_CALL.with(|c| c.set(outer));
+    match result {
         Ok(r) => r,
         Err(payload) => {
             let msg = payload

@@ -173,7 +173,9 @@ impl ChatData {
     fn encode_record(&self, i: usize, tok: &Tokenizer) -> Result<Option<EncodedChat>, PluginError> {
         let msgs = &self.records[i].messages;
         let assistant_at: Vec<usize> = msgs.iter().enumerate().filter(|(_, m)| m.role == Role::Assistant).map(|(j, _)| j).collect();
-        let Some(&end) = assistant_at.get((mix(self.seed, i as u64) % assistant_at.len().max(1) as u64) as usize) else {
+        // Independent of the run's seed: every seed of an A/B trains on the same dataset (and
+        // shares its self-distillation cache); the seed only orders it.
+        let Some(&end) = assistant_at.get((mix(0, i as u64) % assistant_at.len().max(1) as u64) as usize) else {
             return Ok(None);
         };
         let distill = self.cfg.distill;
@@ -271,11 +273,13 @@ impl ChatData {
             }
         }
         let lengths: Vec<u32> = picked.iter().map(|e| e.ids.len() as u32).collect();
+        let sequence_ids: Vec<u64> = self.order[start..end].iter().map(|&i| i as u64).collect();
         self.pos.index = end as u64;
         Some(Batch {
             input_ids: TensorHandle::new(Tensor::from_slice(&ids).view([b as i64, s as i64])),
             loss_mask: TensorHandle::new(Tensor::from_slice(&mask).view([b as i64, s as i64])),
             lengths: lengths.into(),
+            sequence_ids: sequence_ids.into(),
         })
     }
 
@@ -367,12 +371,12 @@ impl DataLoader for ChatData {
 }
 
 fn info() -> PluginInfo {
-    PluginInfo {
-        name: "chat".into(),
-        kind: PluginKind::DataLoader,
-        version: env!("CARGO_PKG_VERSION").into(),
-        description: "chat records (JSONL or chitchat) in ChatML, assistant-only loss, self-distillation".into(),
-    }
+    PluginInfo::new(
+        "chat",
+        PluginKind::DataLoader,
+        env!("CARGO_PKG_VERSION"),
+        "chat records (JSONL or chitchat) in ChatML, assistant-only loss, self-distillation",
+    )
 }
 
 fn resolve_path(p: &str, ctx: &HostContext) -> std::path::PathBuf {

@@ -219,12 +219,12 @@ pub fn parse_dtype(s: &str) -> Result<Kind, PluginError> {
 }
 
 fn info() -> PluginInfo {
-    PluginInfo {
-        name: "dflash".into(),
-        kind: PluginKind::Drafter,
-        version: env!("CARGO_PKG_VERSION").into(),
-        description: "DFlash block-diffusion drafter, dense Qwen3 layers (z-lab format)".into(),
-    }
+    PluginInfo::new(
+        "dflash",
+        PluginKind::Drafter,
+        env!("CARGO_PKG_VERSION"),
+        "DFlash block-diffusion drafter, dense Qwen3 layers (z-lab format)",
+    )
 }
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {

@@ -11,76 +11,10 @@ use plugin_api::{
     HostContext, NamedTensor, Optimizer, Optimizer_TO, PluginError, PluginInfo, PluginInstance,
     PluginKind,
 };
-use serde::Deserialize;
 
-/// Hyper-parameters; `Default` is PyTorch's.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ParamsAdamW {
-    pub lr: f64,
-    pub betas: [f64; 2],
-    pub eps: f64,
-    pub weight_decay: f64,
-}
-
-impl Default for ParamsAdamW {
-    fn default() -> Self {
-        Self { lr: 1e-3, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 1e-2 }
-    }
-}
-
-impl ParamsAdamW {
-    pub fn from_toml(text: &str) -> Result<Self, PluginError> {
-        let p: Self = plugin_api::parse_section(text)?;
-        p.validate()?;
-        Ok(p)
-    }
-
-    fn validate(&self) -> Result<(), PluginError> {
-        let bad = |field: &str, why: &str| Err(PluginError::new(format!("field `{field}`: {why}")));
-        if !(self.lr > 0.0 && self.lr.is_finite()) {
-            return bad("lr", &format!("must be > 0, got {}", self.lr));
-        }
-        for (i, b) in self.betas.iter().enumerate() {
-            if !(0.0..1.0).contains(b) {
-                return bad("betas", &format!("betas[{i}] must be in [0, 1), got {b}"));
-            }
-        }
-        if !(self.eps > 0.0) {
-            return bad("eps", &format!("must be > 0, got {}", self.eps));
-        }
-        if !(self.weight_decay >= 0.0) {
-            return bad("weight_decay", &format!("must be >= 0, got {}", self.weight_decay));
-        }
-        Ok(())
-    }
-}
-
-/// One AdamW update of `p` (fp32) in place, `step` counted from 1. The order of operations is
-/// torch's, so results match it to rounding.
-#[allow(clippy::too_many_arguments)]
-pub fn adamw_update(
-    p: &mut Tensor,
-    grad: &Tensor,
-    exp_avg: &mut Tensor,
-    exp_avg_sq: &mut Tensor,
-    step: i64,
-    lr: f64,
-    h: &ParamsAdamW,
-) {
-    let [beta1, beta2] = h.betas;
-    let _ = p.g_mul_scalar_(1.0 - lr * h.weight_decay);
-    let _ = exp_avg.lerp_(grad, 1.0 - beta1);
-    // torch: exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1-beta2), i.e. v + (value*g)*g.
-    let _ = exp_avg_sq.g_mul_scalar_(beta2);
-    let _ = exp_avg_sq.g_add_(&((grad * (1.0 - beta2)) * grad));
-    let bias_correction1 = 1.0 - beta1.powi(step as i32);
-    let bias_correction2 = 1.0 - beta2.powi(step as i32);
-    let step_size = lr / bias_correction1;
-    let denom = (exp_avg_sq.sqrt() / bias_correction2.sqrt()) + h.eps;
-    // torch: p.addcdiv_(exp_avg, denom, value=-step_size), i.e. p + value*(m/denom).
-    let _ = p.g_add_(&((&*exp_avg / denom) * -step_size));
-}
+// The update math lives in optim_math (shared with the Muon plugin's AdamW group); re-exported so
+// `optim_adamw::{ParamsAdamW, adamw_update}` keeps working.
+pub use optim_math::{adamw_update, ParamsAdamW};
 
 struct Slot {
     name: String,
@@ -189,12 +123,12 @@ fn load_state(opt: &mut AdamW, state: RVec<NamedTensor>) -> Result<(), PluginErr
 }
 
 fn info() -> PluginInfo {
-    PluginInfo {
-        name: "adamw".into(),
-        kind: PluginKind::Optimizer,
-        version: env!("CARGO_PKG_VERSION").into(),
-        description: "AdamW with decoupled weight decay (torch.optim.AdamW semantics)".into(),
-    }
+    PluginInfo::new(
+        "adamw",
+        PluginKind::Optimizer,
+        env!("CARGO_PKG_VERSION"),
+        "AdamW with decoupled weight decay (torch.optim.AdamW semantics)",
+    )
 }
 
 fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginError> {

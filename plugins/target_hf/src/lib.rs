@@ -173,12 +173,12 @@ impl TargetModel for HfTarget {
 }
 
 fn info() -> PluginInfo {
-    PluginInfo {
-        name: "hf".into(),
-        kind: PluginKind::Target,
-        version: env!("CARGO_PKG_VERSION").into(),
-        description: "Llama / Qwen2 / Qwen3 decoder from an HF folder or a GGUF file".into(),
-    }
+    PluginInfo::new(
+        "hf",
+        PluginKind::Target,
+        env!("CARGO_PKG_VERSION"),
+        "Llama / Qwen2 / Qwen3 decoder from an HF folder or a GGUF file",
+    )
 }
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {

@@ -274,3 +274,97 @@ impl Attention {
         o.transpose(1, 2).reshape([b, l, self.num_heads * self.head_dim]).linear::<&Tensor>(&self.o_proj, None)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{config::DecoderConfig, generate};
+
+    fn tiny(model_type: &str) -> (DecoderConfig, Weights) {
+        let cfg = DecoderConfig {
+            model_type: model_type.into(),
+            hidden_size: 32,
+            intermediate_size: 48,
+            num_hidden_layers: 3,
+            num_attention_heads: 4,
+            num_key_value_heads: Some(2),
+            head_dim: Some(8),
+            vocab_size: 50,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            tie_word_embeddings: model_type == "llama",
+            attention_bias: None,
+            bos_token_id: None,
+            eos_token_id: None,
+            pad_token_id: None,
+        };
+        plugin_api::tch::manual_seed(11);
+        let mut t = HashMap::new();
+        let mut add = |name: String, shape: &[i64], scale: f64| {
+            t.insert(name, Tensor::randn(shape, (Kind::Float, Device::Cpu)) * scale);
+        };
+        add("model.embed_tokens.weight".into(), &[50, 32], 1.0);
+        add("model.norm.weight".into(), &[32], 1.0);
+        if model_type != "llama" {
+            add("lm_head.weight".into(), &[50, 32], 0.5);
+        }
+        for i in 0..3 {
+            let p = format!("model.layers.{i}");
+            for (n, shape) in [
+                ("self_attn.q_proj.weight", vec![32, 32]),
+                ("self_attn.k_proj.weight", vec![16, 32]),
+                ("self_attn.v_proj.weight", vec![16, 32]),
+                ("self_attn.o_proj.weight", vec![32, 32]),
+                ("mlp.gate_proj.weight", vec![48, 32]),
+                ("mlp.up_proj.weight", vec![48, 32]),
+                ("mlp.down_proj.weight", vec![32, 48]),
+                ("input_layernorm.weight", vec![32]),
+                ("post_attention_layernorm.weight", vec![32]),
+            ] {
+                add(format!("{p}.{n}"), &shape, 0.2);
+            }
+            if model_type == "qwen2" {
+                add(format!("{p}.self_attn.q_proj.bias"), &[32], 0.2);
+                add(format!("{p}.self_attn.k_proj.bias"), &[16], 0.2);
+                add(format!("{p}.self_attn.v_proj.bias"), &[16], 0.2);
+            }
+            if model_type == "qwen3" {
+                add(format!("{p}.self_attn.q_norm.weight"), &[8], 1.0);
+                add(format!("{p}.self_attn.k_norm.weight"), &[8], 1.0);
+            }
+        }
+        (cfg, Weights { tensors: t, source: "tiny".into() })
+    }
+
+    #[test]
+    fn every_family_decodes_consistently() {
+        for family in ["llama", "qwen2", "qwen3"] {
+            let (cfg, w) = tiny(family);
+            let model = Decoder::new(&cfg, &w, Device::Cpu, Kind::Float).unwrap();
+            // KV-cache greedy decoding equals recomputing the whole sequence each step.
+            let prompt: Vec<u32> = vec![3, 17, 8, 42, 5];
+            let cached = generate::greedy(&model, std::slice::from_ref(&prompt), 6, &[], 1).remove(0);
+            let mut ids = prompt.clone();
+            for _ in 0..6 {
+                let x = Tensor::from_slice(&ids.iter().map(|&i| i as i64).collect::<Vec<_>>()).unsqueeze(0);
+                let pos = Tensor::arange(ids.len() as i64, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+                let (_, normed) = model.run(&x, &pos, None, None, 3);
+                let next = model.logits(&normed.unwrap()).select(1, ids.len() as i64 - 1).argmax(-1, false);
+                ids.push(next.int64_value(&[0]) as u32);
+            }
+            assert_eq!(cached, ids[prompt.len()..].to_vec(), "{family}");
+        }
+    }
+
+    #[test]
+    fn missing_and_misshapen_weights_are_named() {
+        let (cfg, mut w) = tiny("qwen3");
+        w.tensors.remove("model.layers.1.self_attn.k_norm.weight");
+        let err = Decoder::new(&cfg, &w, Device::Cpu, Kind::Float).err().unwrap();
+        assert!(err.contains("missing tensor `model.layers.1.self_attn.k_norm.weight`"), "{err}");
+        let (cfg, mut w) = tiny("qwen2");
+        w.tensors.insert("model.layers.0.mlp.up_proj.weight".into(), Tensor::zeros([47, 32], (Kind::Float, Device::Cpu)));
+        let err = Decoder::new(&cfg, &w, Device::Cpu, Kind::Float).err().unwrap();
+        assert!(err.contains("`model.layers.0.mlp.up_proj.weight` has shape [47, 32], expected [48, 32]"), "{err}");
+    }
+}

@@ -1,0 +1,1410 @@
+//! `dflash-host compare DIR...`: compare experiment directories at equal target tokens.
+//!
+//! Reads each run's `config.toml`, `manifest.json`, `metrics.jsonl`, `summary.json` (present =
+//! finished) and optional `eval.json` (`tau`: measured acceptance length), groups runs (manifest
+//! `arm`, else config `name`, or `--group-by KEY`), and writes `report.md` plus PNG and SVG plots
+//! into the output folder, and prints the tables. Every run is read at one token count T, the
+//! smallest final token count among finished runs, interpolating linearly between logged records.
+//! Broken or unfinished runs are reported, never fatal.
+
+use anyhow::{anyhow, Context, Result};
+use plotters::{
+    coord::{
+        ranged1d::{AsRangedCoord, DefaultFormatting, KeyPointHint, Ranged, ValueFormatter},
+        Shift,
+    },
+    prelude::*,
+};
+use serde_json::Value;
+use std::{
+    fmt::Write as _,
+    fs,
+    ops::Range,
+    path::{Path, PathBuf},
+    sync::Once,
+};
+
+/// The fields of one `metrics.jsonl` line (`train::StepMetrics`) the report uses.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    pub step: u64,
+    pub tokens: f64,
+    pub loss: f64,
+    /// Top-1 accuracy per block position 1..B-1 over the logging window.
+    pub acc: Vec<f64>,
+    pub tau_hat: f64,
+    pub elapsed_s: f64,
+}
+
+impl Record {
+    /// Parse one line; JSON `null` (how serde_json writes NaN) reads as NaN.
+    pub fn parse(line: &str) -> Result<Self, String> {
+        let v: Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
+        let num = |key: &str| match v.get(key) {
+            Some(Value::Null) => Ok(f64::NAN),
+            Some(x) => x.as_f64().ok_or_else(|| format!("`{key}` is not a number")),
+            None => Err(format!("no `{key}`")),
+        };
+        let acc = match v.get("acc") {
+            Some(Value::Array(a)) => a.iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect(),
+            _ => Vec::new(),
+        };
+        Ok(Self {
+            step: num("step")? as u64,
+            tokens: num("tokens")?,
+            loss: num("loss")?,
+            acc,
+            tau_hat: num("tau_hat")?,
+            elapsed_s: num("elapsed_s").unwrap_or(f64::NAN),
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// `summary.json` written: the run ended.
+    Complete,
+    /// Metrics but no `summary.json`: still running, or stopped.
+    Unfinished,
+    NoMetrics,
+    EmptyMetrics,
+    NotExperiment,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Complete => "complete",
+            Status::Unfinished => "unfinished",
+            Status::NoMetrics => "no metrics",
+            Status::EmptyMetrics => "empty metrics",
+            Status::NotExperiment => "not an experiment",
+        }
+    }
+}
+
+/// One directory as read from disk.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub dir: PathBuf,
+    /// Short name for tables and plots (the folder name, made unique in `load_runs`).
+    pub label: String,
+    pub group: String,
+    pub status: Status,
+    /// Sorted by tokens.
+    pub records: Vec<Record>,
+    /// What was wrong or odd, for the report (empty for a clean complete run).
+    pub notes: Vec<String>,
+    /// `summary.json`'s `wall_s`.
+    pub summary_wall_s: Option<f64>,
+    /// `eval.json`'s `tau` (measured acceptance length), when an eval has run.
+    pub eval_tau: Option<f64>,
+}
+
+impl Run {
+    pub fn has_data(&self) -> bool {
+        !self.records.is_empty()
+    }
+
+    pub fn final_tokens(&self) -> Option<f64> {
+        self.records.last().map(|r| r.tokens)
+    }
+
+    /// Total wall time: `summary.json`'s, else the last record's `elapsed_s`.
+    pub fn wall_s(&self) -> Option<f64> {
+        self.summary_wall_s.or_else(|| self.records.last().map(|r| r.elapsed_s))
+    }
+}
+
+/// Read one directory. Never fails: problems become `status` and `notes`.
+pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
+    let label = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let mut run = Run {
+        dir: dir.to_path_buf(),
+        label: label.clone(),
+        group: label,
+        status: Status::NotExperiment,
+        records: Vec::new(),
+        notes: Vec::new(),
+        summary_wall_s: None,
+        eval_tau: None,
+    };
+    if !dir.is_dir() {
+        run.notes.push(if dir.exists() { "not a directory".into() } else { "does not exist".into() });
+        return run;
+    }
+    let (config_path, manifest_path, metrics_path) =
+        (dir.join("config.toml"), dir.join("manifest.json"), dir.join("metrics.jsonl"));
+    if !config_path.exists() && !manifest_path.exists() && !metrics_path.exists() {
+        run.notes.push(if dir.join("report.md").exists() {
+            "a `compare` report folder, not an experiment".into()
+        } else {
+            "no config.toml, manifest.json or metrics.jsonl".into()
+        });
+        return run;
+    }
+
+    // 1. Config and manifest: only for the group key.
+    let config = read_optional(&config_path, &mut run.notes, |s| toml::from_str::<toml::Value>(s).map_err(|e| e.to_string()));
+    let manifest = read_optional(&manifest_path, &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
+    if let Some(key) = group_by {
+        let value = config.as_ref().and_then(|c| toml_lookup(c, key)).or_else(|| manifest.as_ref().and_then(|m| json_lookup(m, key)));
+        if value.is_none() {
+            run.notes.push(format!("no `{key}` in config.toml or manifest.json"));
+        }
+        run.group = format!("{key}={}", value.unwrap_or_else(|| "?".into()));
+    } else if let Some(arm) = manifest.as_ref().and_then(|m| json_lookup(m, "arm")) {
+        run.group = arm;
+    } else if let Some(name) = config.as_ref().and_then(|c| toml_lookup(c, "name")) {
+        run.group = name;
+    }
+
+    // 2. Metrics: whole lines only; a last line without its newline is a write in progress.
+    if !metrics_path.exists() {
+        run.status = Status::NoMetrics;
+        run.notes.push("no metrics.jsonl".into());
+        return run;
+    }
+    let text = match fs::read(&metrics_path) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(e) => {
+            run.status = Status::NoMetrics;
+            run.notes.push(format!("metrics.jsonl unreadable: {e}"));
+            return run;
+        }
+    };
+    let lines: Vec<&str> = text.split('\n').collect();
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match Record::parse(line) {
+            Ok(r) => run.records.push(r),
+            Err(e) if i + 1 == lines.len() => run.notes.push(format!("truncated last line of metrics.jsonl ignored ({e})")),
+            Err(e) => run.notes.push(format!("metrics.jsonl line {} skipped: {e}", i + 1)),
+        }
+    }
+    if run.records.windows(2).any(|w| w[1].tokens < w[0].tokens) {
+        run.notes.push("tokens decrease somewhere in metrics.jsonl (appended runs?); records sorted by tokens".into());
+        run.records.sort_by(|a, b| a.tokens.total_cmp(&b.tokens));
+    }
+
+    // 3. Finished? Then the eval hook.
+    let summary = read_optional(&dir.join("summary.json"), &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
+    run.summary_wall_s = summary.as_ref().and_then(|s| s.get("wall_s")).and_then(Value::as_f64);
+    run.status = match (run.records.is_empty(), &summary) {
+        (true, _) => {
+            run.notes.push("metrics.jsonl has no complete record".into());
+            Status::EmptyMetrics
+        }
+        (false, Some(_)) => Status::Complete,
+        (false, None) => {
+            if !dir.join("summary.json").exists() {
+                run.notes.push("no summary.json (still running, or stopped)".into());
+            }
+            Status::Unfinished
+        }
+    };
+    let eval = read_optional(&dir.join("eval.json"), &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
+    if let Some(eval) = eval {
+        run.eval_tau = eval.get("tau").and_then(Value::as_f64);
+        if run.eval_tau.is_none() {
+            run.notes.push("eval.json has no numeric `tau`".into());
+        }
+    }
+    run
+}
+
+/// Load every directory; labels made unique by prefixing parent folders where names repeat.
+pub fn load_runs(dirs: &[PathBuf], group_by: Option<&str>) -> Vec<Run> {
+    let mut runs: Vec<Run> = dirs.iter().map(|d| load_run(d, group_by)).collect();
+    let labels: Vec<String> = runs.iter().map(|r| r.label.clone()).collect();
+    for (i, run) in runs.iter_mut().enumerate() {
+        if labels.iter().filter(|l| **l == labels[i]).count() > 1 {
+            let parts: Vec<String> = run.dir.components().rev().take(2).map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+            run.label = parts.into_iter().rev().collect::<Vec<_>>().join("/");
+        }
+    }
+    runs
+}
+
+/// Read and parse a file that may be absent (None, no note) or broken (None, a note).
+fn read_optional<T>(path: &Path, notes: &mut Vec<String>, parse: impl FnOnce(&str) -> Result<T, String>) -> Option<T> {
+    if !path.exists() {
+        return None;
+    }
+    let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    match fs::read_to_string(path).map_err(|e| e.to_string()).and_then(|s| parse(&s)) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            notes.push(format!("{name} unreadable: {}", e.lines().next().unwrap_or("")));
+            None
+        }
+    }
+}
+
+/// `a.b.c` in a TOML document, as text (strings unquoted).
+fn toml_lookup(doc: &toml::Value, key: &str) -> Option<String> {
+    let v = key.split('.').try_fold(doc, |v, k| v.get(k))?;
+    Some(match v {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    })
+}
+
+fn json_lookup(doc: &Value, key: &str) -> Option<String> {
+    let v = key.split('.').try_fold(doc, |v, k| v.get(k))?;
+    match v {
+        Value::Null => None,
+        Value::String(s) => Some(s.clone()),
+        other => Some(other.to_string()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Equal-token comparison
+
+/// One run's metrics at T.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AtTokens {
+    pub loss: f64,
+    /// Lowest loss over the records up to T (and the value at T).
+    pub best_loss: f64,
+    pub tau_hat: f64,
+    pub best_tau_hat: f64,
+    pub acc: Vec<f64>,
+    pub elapsed_s: f64,
+    /// T / elapsed seconds at T: mean training throughput up to T.
+    pub tok_per_s: f64,
+}
+
+fn lerp(a: f64, b: f64, w: f64) -> f64 {
+    a + (b - a) * w
+}
+
+/// The run's metrics at `t` tokens, linearly interpolated between the two records around it;
+/// None when the run's records do not span `t`.
+pub fn at_tokens(records: &[Record], t: f64) -> Option<AtTokens> {
+    let first = records.first()?;
+    let last = records.last()?;
+    if t < first.tokens || t > last.tokens {
+        return None;
+    }
+    let i = records.partition_point(|r| r.tokens < t);
+    let (a, b) = if records[i].tokens == t || i == 0 { (&records[i], &records[i]) } else { (&records[i - 1], &records[i]) };
+    let w = if b.tokens > a.tokens { (t - a.tokens) / (b.tokens - a.tokens) } else { 0.0 };
+    let n = a.acc.len().max(b.acc.len());
+    let acc = (0..n)
+        .map(|k| match (a.acc.get(k), b.acc.get(k)) {
+            (Some(&x), Some(&y)) => lerp(x, y, w),
+            (Some(&x), None) | (None, Some(&x)) => x,
+            (None, None) => f64::NAN,
+        })
+        .collect();
+    let loss = lerp(a.loss, b.loss, w);
+    let tau_hat = lerp(a.tau_hat, b.tau_hat, w);
+    let elapsed_s = lerp(a.elapsed_s, b.elapsed_s, w);
+    let upto = records.iter().filter(|r| r.tokens <= t);
+    let best_loss = upto.clone().map(|r| r.loss).fold(loss, f64::min);
+    let best_tau_hat = upto.map(|r| r.tau_hat).fold(tau_hat, f64::max);
+    Some(AtTokens { loss, best_loss, tau_hat, best_tau_hat, acc, elapsed_s, tok_per_s: t / elapsed_s })
+}
+
+/// Mean and sample standard deviation (n-1; None for one value).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Stat {
+    pub mean: f64,
+    pub std: Option<f64>,
+    pub n: usize,
+}
+
+pub fn stat(xs: impl IntoIterator<Item = f64>) -> Option<Stat> {
+    let xs: Vec<f64> = xs.into_iter().collect();
+    let n = xs.len();
+    if n == 0 {
+        return None;
+    }
+    let mean = xs.iter().sum::<f64>() / n as f64;
+    let std = (n > 1).then(|| (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64).sqrt());
+    Some(Stat { mean, std, n })
+}
+
+#[derive(Debug, Clone)]
+pub struct GroupStats {
+    pub name: String,
+    /// Indices (into the runs) of the runs the statistics cover.
+    pub members: Vec<usize>,
+    /// Runs of the group with metrics, counted or not.
+    pub listed: usize,
+    pub loss: Option<Stat>,
+    pub best_loss: Option<Stat>,
+    pub tau_hat: Option<Stat>,
+    pub best_tau_hat: Option<Stat>,
+    pub acc: Vec<Option<Stat>>,
+    pub elapsed_s: Option<Stat>,
+    pub tok_per_s: Option<Stat>,
+    pub final_tokens: Option<Stat>,
+    pub wall_s: Option<Stat>,
+    pub eval_tau: Option<Stat>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Comparison {
+    /// T: the common token count; None when no run has metrics.
+    pub tokens: Option<f64>,
+    /// True when T comes from finished runs; false when none has finished (provisional).
+    pub from_complete: bool,
+    /// Per run (same order as the runs): metrics at T, when the run reaches T.
+    pub at: Vec<Option<AtTokens>>,
+    /// Whether a run counts in its group's statistics.
+    pub counted: Vec<bool>,
+    pub groups: Vec<GroupStats>,
+}
+
+/// T = smallest final token count among complete runs (or among all runs with metrics when none
+/// is complete); each run read at T; group statistics over the counted runs.
+pub fn compare(runs: &[Run]) -> Comparison {
+    let complete: Vec<f64> = runs.iter().filter(|r| r.status == Status::Complete).filter_map(Run::final_tokens).collect();
+    let from_complete = !complete.is_empty();
+    let pool: Vec<f64> = if from_complete { complete } else { runs.iter().filter_map(Run::final_tokens).collect() };
+    let tokens = pool.into_iter().reduce(f64::min);
+    let at: Vec<Option<AtTokens>> = runs.iter().map(|r| tokens.and_then(|t| at_tokens(&r.records, t))).collect();
+    let counted: Vec<bool> = runs
+        .iter()
+        .zip(&at)
+        .map(|(r, a)| a.is_some() && (r.status == Status::Complete || (!from_complete && r.has_data())))
+        .collect();
+
+    let mut names: Vec<&str> = Vec::new();
+    for r in runs.iter().filter(|r| r.has_data()) {
+        if !names.contains(&r.group.as_str()) {
+            names.push(&r.group);
+        }
+    }
+    let groups = names
+        .into_iter()
+        .map(|name| {
+            let members: Vec<usize> = (0..runs.len()).filter(|&i| counted[i] && runs[i].group == name).collect();
+            let listed = runs.iter().filter(|r| r.has_data() && r.group == name).count();
+            let of = |f: &dyn Fn(&AtTokens) -> f64| stat(members.iter().map(|&i| f(at[i].as_ref().expect("counted runs reach T"))));
+            let positions = members.iter().map(|&i| at[i].as_ref().map_or(0, |a| a.acc.len())).max().unwrap_or(0);
+            let acc = (0..positions)
+                .map(|k| stat(members.iter().filter_map(|&i| at[i].as_ref().and_then(|a| a.acc.get(k).copied()))))
+                .collect();
+            GroupStats {
+                name: name.to_string(),
+                listed,
+                loss: of(&|a| a.loss),
+                best_loss: of(&|a| a.best_loss),
+                tau_hat: of(&|a| a.tau_hat),
+                best_tau_hat: of(&|a| a.best_tau_hat),
+                acc,
+                elapsed_s: of(&|a| a.elapsed_s),
+                tok_per_s: of(&|a| a.tok_per_s),
+                final_tokens: stat(members.iter().filter_map(|&i| runs[i].final_tokens())),
+                wall_s: stat(members.iter().filter_map(|&i| runs[i].wall_s())),
+                eval_tau: stat(members.iter().filter_map(|&i| runs[i].eval_tau)),
+                members,
+            }
+        })
+        .collect();
+    Comparison { tokens, from_complete, at, counted, groups }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tables: one model, two renderings (Markdown, terminal)
+
+struct Table {
+    header: Vec<String>,
+    rows: Vec<Vec<String>>,
+    /// Leading columns that are text (left-aligned); the rest are numbers.
+    text_cols: usize,
+}
+
+impl Table {
+    fn markdown(&self) -> String {
+        let mut s = format!("| {} |\n|", self.header.join(" | "));
+        for c in 0..self.header.len() {
+            s += if c < self.text_cols { " --- |" } else { " ---: |" };
+        }
+        s.push('\n');
+        for row in &self.rows {
+            let cells: Vec<String> = row.iter().map(|c| c.replace('|', "\\|")).collect();
+            let _ = writeln!(s, "| {} |", cells.join(" | "));
+        }
+        s
+    }
+
+    fn terminal(&self) -> String {
+        let width = |s: &str| s.chars().count();
+        let widths: Vec<usize> = (0..self.header.len())
+            .map(|c| self.rows.iter().map(|r| width(&r[c])).chain([width(&self.header[c])]).max().unwrap_or(0))
+            .collect();
+        let line = |cells: &[String]| {
+            let parts: Vec<String> = cells
+                .iter()
+                .enumerate()
+                .map(|(c, cell)| {
+                    let pad = " ".repeat(widths[c] - width(cell));
+                    if c < self.text_cols { format!("{cell}{pad}") } else { format!("{pad}{cell}") }
+                })
+                .collect();
+            parts.join("  ").trim_end().to_string() + "\n"
+        };
+        let mut s = line(&self.header);
+        s += &line(&widths.iter().map(|&w| "-".repeat(w)).collect::<Vec<_>>());
+        for row in &self.rows {
+            s += &line(row);
+        }
+        s
+    }
+}
+
+const DASH: &str = "—";
+
+fn fmt_opt(x: Option<f64>, prec: usize) -> String {
+    match x {
+        Some(x) if x.is_finite() => format!("{x:.prec$}"),
+        Some(x) => format!("{x}"),
+        None => DASH.into(),
+    }
+}
+
+/// `mean ± std`; `mean` alone for one run; `(n=k)` when fewer runs than the group counts.
+fn fmt_stat(s: Option<Stat>, prec: usize, group_n: usize) -> String {
+    let Some(s) = s else { return DASH.into() };
+    let mut out = match s.std {
+        Some(sd) => format!("{:.prec$} ± {sd:.prec$}", s.mean),
+        None => format!("{:.prec$}", s.mean),
+    };
+    if s.n < group_n {
+        let _ = write!(out, " (n={})", s.n);
+    }
+    out
+}
+
+/// 1234567 -> "1,234,567".
+fn fmt_count(x: f64) -> String {
+    let digits = format!("{:.0}", x.max(0.0));
+    let mut out = String::new();
+    for (i, ch) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
+}
+
+/// Axis labels: 950, 12k, 3.5M.
+fn fmt_tokens_short(x: f64) -> String {
+    let a = x.abs();
+    if a >= 1e9 {
+        format!("{}G", trim_num(x / 1e9))
+    } else if a >= 1e6 {
+        format!("{}M", trim_num(x / 1e6))
+    } else if a >= 1e3 {
+        format!("{}k", trim_num(x / 1e3))
+    } else {
+        trim_num(x)
+    }
+}
+
+fn trim_num(x: f64) -> String {
+    trim_decimals(x, 2)
+}
+
+/// `x` with at most `decimals` decimals, trailing zeros dropped.
+fn trim_decimals(x: f64, decimals: usize) -> String {
+    let s = format!("{x:.decimals$}");
+    if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s }
+}
+
+/// Decimals that tell ticks apart on an axis spanning `span` (about ten ticks).
+fn tick_decimals(span: f64) -> usize {
+    if span > 0.0 && span.is_finite() { (1.0 - (span / 10.0).log10().floor()).clamp(0.0, 8.0) as usize } else { 2 }
+}
+
+fn group_table(cmp: &Comparison) -> Table {
+    let header = [
+        "group", "runs", "loss @T", "best loss", "tau_hat @T", "best tau_hat", "acc@1 @T", "wall @T (s)", "tok/s",
+        "final tokens", "wall total (s)", "tau (eval)",
+    ];
+    let rows = cmp
+        .groups
+        .iter()
+        .map(|g| {
+            let n = g.members.len();
+            let runs = if n == g.listed { n.to_string() } else { format!("{n} of {}", g.listed) };
+            vec![
+                g.name.clone(),
+                runs,
+                fmt_stat(g.loss, 4, n),
+                fmt_stat(g.best_loss, 4, n),
+                fmt_stat(g.tau_hat, 3, n),
+                fmt_stat(g.best_tau_hat, 3, n),
+                fmt_stat(g.acc.first().copied().flatten(), 3, n),
+                fmt_stat(g.elapsed_s, 1, n),
+                fmt_stat(g.tok_per_s, 0, n),
+                fmt_stat(g.final_tokens, 0, n),
+                fmt_stat(g.wall_s, 1, n),
+                fmt_stat(g.eval_tau, 3, n),
+            ]
+        })
+        .collect();
+    Table { header: header.map(String::from).to_vec(), rows, text_cols: 2 }
+}
+
+fn run_table(runs: &[Run], cmp: &Comparison) -> Table {
+    let header = [
+        "run", "group", "status", "loss @T", "best loss", "tau_hat @T", "best tau_hat", "acc@1 @T", "wall @T (s)",
+        "tok/s", "final tokens", "wall total (s)", "tau (eval)",
+    ];
+    let rows = runs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let a = cmp.at[i].as_ref();
+            let mut status = r.status.as_str().to_string();
+            if r.has_data() && a.is_none() {
+                status += " (< T)";
+            } else if r.has_data() && !cmp.counted[i] {
+                status += " (not in group stats)";
+            }
+            vec![
+                r.label.clone(),
+                if r.status == Status::NotExperiment { DASH.into() } else { r.group.clone() },
+                status,
+                fmt_opt(a.map(|a| a.loss), 4),
+                fmt_opt(a.map(|a| a.best_loss), 4),
+                fmt_opt(a.map(|a| a.tau_hat), 3),
+                fmt_opt(a.map(|a| a.best_tau_hat), 3),
+                fmt_opt(a.and_then(|a| a.acc.first().copied()), 3),
+                fmt_opt(a.map(|a| a.elapsed_s), 1),
+                fmt_opt(a.map(|a| a.tok_per_s), 0),
+                r.final_tokens().map_or(DASH.into(), |t| format!("{t:.0}")),
+                fmt_opt(r.wall_s(), 1),
+                fmt_opt(r.eval_tau, 3),
+            ]
+        })
+        .collect();
+    Table { header: header.map(String::from).to_vec(), rows, text_cols: 3 }
+}
+
+fn acc_tables(runs: &[Run], cmp: &Comparison) -> (Table, Table) {
+    let positions = cmp.at.iter().flatten().map(|a| a.acc.len()).max().unwrap_or(0);
+    let pos_header = |first: &str| std::iter::once(first.to_string()).chain((1..=positions).map(|k| format!("pos {k}"))).collect();
+    let groups = Table {
+        header: pos_header("group"),
+        rows: cmp
+            .groups
+            .iter()
+            .map(|g| {
+                let n = g.members.len();
+                std::iter::once(g.name.clone())
+                    .chain((0..positions).map(|k| fmt_stat(g.acc.get(k).copied().flatten(), 3, n)))
+                    .collect()
+            })
+            .collect(),
+        text_cols: 1,
+    };
+    let per_run = Table {
+        header: pos_header("run"),
+        rows: runs
+            .iter()
+            .zip(&cmp.at)
+            .filter_map(|(r, a)| a.as_ref().map(|a| (r, a)))
+            .map(|(r, a)| {
+                std::iter::once(r.label.clone()).chain((0..positions).map(|k| fmt_opt(a.acc.get(k).copied(), 3))).collect()
+            })
+            .collect(),
+        text_cols: 1,
+    };
+    (groups, per_run)
+}
+
+fn comparison_sentence(runs: &[Run], cmp: &Comparison) -> String {
+    let Some(t) = cmp.tokens else { return "No run has metrics: nothing to compare.".into() };
+    let n_complete = runs.iter().filter(|r| r.status == Status::Complete && r.has_data()).count();
+    let basis = if cmp.from_complete {
+        format!("the smallest final token count among the {n_complete} complete run(s)")
+    } else {
+        "the smallest token count among the runs with metrics: NO run has finished, so these numbers are provisional"
+            .into()
+    };
+    format!(
+        "Compared at **T = {} target tokens** ({basis}). Each run's metrics at T are linearly interpolated between the \
+         two logged records around T (exact where a record sits at T).",
+        fmt_count(t)
+    )
+}
+
+fn problems(runs: &[Run]) -> Vec<(String, String)> {
+    runs.iter()
+        .filter(|r| !r.notes.is_empty())
+        .map(|r| (r.dir.display().to_string(), format!("{}: {}", r.status.as_str(), r.notes.join("; "))))
+        .collect()
+}
+
+/// The terminal version: comparison point, group and run tables, problems.
+pub fn render_terminal(runs: &[Run], cmp: &Comparison) -> String {
+    let mut s = comparison_sentence(runs, cmp).replace("**", "") + "\n\n";
+    if !cmp.groups.is_empty() {
+        s += if cmp.from_complete { "groups (mean ± std over complete runs)\n" } else { "groups (mean ± std over all runs: none has finished)\n" };
+        s += &group_table(cmp).terminal();
+        s.push('\n');
+    }
+    s += "runs\n";
+    s += &run_table(runs, cmp).terminal();
+    let probs = problems(runs);
+    if !probs.is_empty() {
+        s += "\nproblems\n";
+        for (dir, msg) in probs {
+            let _ = writeln!(s, "  {dir}: {msg}");
+        }
+    }
+    s
+}
+
+/// `report.md`. `plots`: (file stem, title) of the figures written beside it; `plot_errors`
+/// lines for figures that failed.
+pub fn render_markdown(runs: &[Run], cmp: &Comparison, plots: &[(String, String)], plot_errors: &[String]) -> String {
+    let mut s = String::from("# dflash experiment comparison\n\n");
+    let _ = writeln!(s, "Generated {} UTC from {} folder(s):\n", utc_timestamp(unix_now(), true), runs.len());
+    for r in runs {
+        let _ = writeln!(s, "- `{}` ({}): {}", r.label, r.status.as_str(), r.dir.display());
+    }
+    let _ = writeln!(s, "\n{}\n", comparison_sentence(runs, cmp));
+    if !cmp.groups.is_empty() {
+        let over = if cmp.from_complete { "complete runs" } else { "runs (none has finished)" };
+        let _ = write!(
+            s,
+            "## Groups\n\nMean ± sample standard deviation (n−1) over each group's {over} at T; a value alone is one \
+             run; `(n=k)` marks a column only k of the group's runs have.\n\n"
+        );
+        s += &group_table(cmp).markdown();
+        s.push('\n');
+    }
+    s += "## Runs\n\n";
+    s += &run_table(runs, cmp).markdown();
+    s += "\n";
+    let (acc_groups, acc_runs) = acc_tables(runs, cmp);
+    if !acc_runs.rows.is_empty() {
+        s += "## Per-position accuracy at T\n\nTop-1 accuracy of block positions 1..B-1 (the logging window around \
+              T, interpolated).\n\n";
+        s += &acc_groups.markdown();
+        s += "\n";
+        s += &acc_runs.markdown();
+        s += "\n";
+    }
+    if !plots.is_empty() || !plot_errors.is_empty() {
+        s += "## Plots\n\n";
+        for (stem, title) in plots {
+            let _ = writeln!(s, "### {title}\n\n![{title}]({stem}.png)\n\n[SVG]({stem}.svg)\n");
+        }
+        for e in plot_errors {
+            let _ = writeln!(s, "- plot failed: {e}");
+        }
+        s.push('\n');
+    }
+    let probs = problems(runs);
+    if !probs.is_empty() {
+        s += "## Problems\n\n";
+        for (dir, msg) in probs {
+            let _ = writeln!(s, "- `{dir}`: {msg}");
+        }
+        s.push('\n');
+    }
+    s += "## Columns\n\n\
+- **loss @T**, **tau_hat @T**, **acc@1 @T**: the logged window values (`metrics.jsonl`) interpolated to T. \
+tau_hat is the expected acceptance length implied by the per-position accuracies.\n\
+- **best loss**, **best tau_hat**: lowest loss / highest tau_hat among the records up to T and the value at T.\n\
+- **wall @T**: training seconds (`elapsed_s`) to reach T; **tok/s**: T / wall @T.\n\
+- **final tokens**, **wall total**: the run's own end (`summary.json`'s `wall_s`, else the last `elapsed_s`).\n\
+- **tau (eval)**: measured acceptance length from the run's `eval.json` (`tau`), — when none.\n\
+- Group statistics cover complete runs only; an unfinished run that reached T is listed with its values at T.\n";
+    s
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plots
+
+/// Tableau 10: distinct, colour-blind-friendly-ish group colours.
+const COLORS: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+const SIZE: (u32, u32) = (1000, 600);
+const FONT: &str = "sans-serif";
+/// Points drawn per run line at most (SVG size stays small on long runs).
+const MAX_POINTS: usize = 2000;
+
+/// Plotters' `ab_glyph` backend reads no system fonts: register the DejaVu Sans the `dejavu` crate
+/// embeds, so text renders on any machine.
+fn register_fonts() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let ok = plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).is_ok()
+            && plotters::style::register_font(FONT, FontStyle::Bold, dejavu::sans::bold()).is_ok();
+        if !ok {
+            tracing::warn!("could not register the embedded DejaVu font: plot text will fail");
+        }
+    });
+}
+
+fn plot_err(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow!("{e}")
+}
+
+/// A log-scale axis ticked at 1, 2, 5 × 10^k (plotters' `LogCoord` ticks only powers of ten from
+/// the first one inside the range, so a loss between 4 and 9 gets no label).
+#[derive(Clone)]
+struct LogAxis(Range<f64>);
+
+impl LogAxis {
+    /// m × 10^k inside the range, for the mantissas given.
+    fn ticks(&self, mantissas: &[f64]) -> Vec<f64> {
+        let (lo, hi) = (self.0.start, self.0.end);
+        let mut out = Vec::new();
+        for k in lo.log10().floor() as i32..=hi.log10().ceil() as i32 {
+            for m in mantissas {
+                let v = m * 10f64.powi(k);
+                if v >= lo && v <= hi {
+                    out.push(v);
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Ranged for LogAxis {
+    type FormatOption = DefaultFormatting;
+    type ValueType = f64;
+
+    fn map(&self, value: &f64, limit: (i32, i32)) -> i32 {
+        let (a, b) = (self.0.start.ln(), self.0.end.ln());
+        let f = (value.max(f64::MIN_POSITIVE).ln() - a) / (b - a);
+        limit.0 + (f * f64::from(limit.1 - limit.0)).round() as i32
+    }
+
+    fn key_points<Hint: KeyPointHint>(&self, hint: Hint) -> Vec<f64> {
+        let max = hint.max_num_points();
+        let sets: [&[f64]; 3] = [&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], &[1.0, 2.0, 5.0], &[1.0]];
+        sets.iter().map(|m| self.ticks(m)).find(|t| t.len() <= max).unwrap_or_default()
+    }
+
+    fn range(&self) -> Range<f64> {
+        self.0.clone()
+    }
+}
+
+/// A figure drawn the same way on any plotters backend.
+trait Figure {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()>;
+}
+
+/// Write `<stem>.png` and `<stem>.svg`.
+fn save(fig: &impl Figure, out: &Path, stem: &str) -> Result<()> {
+    register_fonts();
+    let png = out.join(format!("{stem}.png"));
+    {
+        let root = BitMapBackend::new(&png, SIZE).into_drawing_area();
+        fig.draw(&root)?;
+        root.present().map_err(plot_err).with_context(|| format!("writing {}", png.display()))?;
+    }
+    let svg = out.join(format!("{stem}.svg"));
+    {
+        let root = SVGBackend::new(&svg, SIZE).into_drawing_area();
+        fig.draw(&root)?;
+        root.present().map_err(plot_err).with_context(|| format!("writing {}", svg.display()))?;
+    }
+    Ok(())
+}
+
+struct Line {
+    group: usize,
+    points: Vec<(f64, f64)>,
+    /// Unfinished runs are dashed.
+    finished: bool,
+}
+
+/// Metric vs tokens: a thin line per run, a thick mean line per group, T marked.
+struct CurveFigure {
+    title: String,
+    y_desc: String,
+    log_y: bool,
+    runs: Vec<Line>,
+    /// (group index, label, mean points).
+    means: Vec<(usize, String, Vec<(f64, f64)>)>,
+    tokens: Option<f64>,
+    legend: SeriesLabelPosition,
+    group_names: Vec<String>,
+}
+
+impl CurveFigure {
+    fn new(title: &str, y_desc: &str, log_y: bool, runs: &[Run], cmp: &Comparison, metric: fn(&Record) -> f64) -> Self {
+        let group_of = |r: &Run| cmp.groups.iter().position(|g| g.name == r.group);
+        let lines = runs
+            .iter()
+            .filter_map(|r| {
+                let group = group_of(r)?;
+                let points = decimate(r.records.iter().map(|x| (x.tokens, metric(x))).filter(|p| p.1.is_finite()).collect());
+                Some(Line { group, points, finished: r.status == Status::Complete })
+            })
+            .collect();
+        let means = cmp
+            .groups
+            .iter()
+            .enumerate()
+            .filter_map(|(gi, g)| {
+                let members: Vec<&Run> = g.members.iter().map(|&i| &runs[i]).collect();
+                let points = mean_curve(&members, metric);
+                (!points.is_empty()).then(|| (gi, format!("{} (n={})", g.name, members.len()), points))
+            })
+            .collect();
+        Self {
+            title: title.into(),
+            y_desc: y_desc.into(),
+            log_y,
+            runs: lines,
+            means,
+            tokens: cmp.tokens,
+            legend: SeriesLabelPosition::UpperRight,
+            group_names: cmp.groups.iter().map(|g| g.name.clone()).collect(),
+        }
+    }
+
+    fn draw_on<DB: DrawingBackend, Y>(&self, root: &DrawingArea<DB, Shift>, y: Y, y_range: (f64, f64)) -> Result<()>
+    where
+        Y: AsRangedCoord<Value = f64>,
+        Y::CoordDescType: Ranged<ValueType = f64> + ValueFormatter<f64>,
+    {
+        let x_max = self.runs.iter().flat_map(|l| l.points.iter().map(|p| p.0)).fold(0.0, f64::max).max(1.0);
+        let mut chart = ChartBuilder::on(root)
+            .caption(&self.title, (FONT, 24))
+            .margin(18)
+            .x_label_area_size(50)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..x_max * 1.02, y)
+            .map_err(plot_err)?;
+        let decimals = tick_decimals(y_range.1 - y_range.0);
+        let y_fmt = |v: &f64| trim_decimals(*v, if self.log_y { decimals.max(1) + 1 } else { decimals });
+        chart
+            .configure_mesh()
+            .x_desc("target tokens")
+            .y_desc(self.y_desc.as_str())
+            .x_label_formatter(&|x| fmt_tokens_short(*x))
+            .y_label_formatter(&y_fmt)
+            .label_style((FONT, 14))
+            .axis_desc_style((FONT, 16))
+            .light_line_style(RGBColor(240, 240, 240))
+            .bold_line_style(RGBColor(215, 215, 215))
+            .draw()
+            .map_err(plot_err)?;
+        let mut labelled: Vec<usize> = self.means.iter().map(|m| m.0).collect();
+        for line in &self.runs {
+            let color = COLORS[line.group % COLORS.len()];
+            let style = color.mix(0.45).stroke_width(1);
+            let drawn = if line.finished {
+                chart.draw_series(LineSeries::new(line.points.iter().copied(), style)).map_err(plot_err)?
+            } else {
+                chart.draw_series(DashedLineSeries::new(line.points.iter().copied(), 6, 4, style)).map_err(plot_err)?
+            };
+            // A group with no mean line (no complete run) still gets a legend entry.
+            if !labelled.contains(&line.group) {
+                labelled.push(line.group);
+                drawn
+                    .label(format!("{} (no complete run)", self.group_names[line.group]))
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(1)));
+            }
+        }
+        for (gi, label, points) in &self.means {
+            let color = COLORS[gi % COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(3)))
+                .map_err(plot_err)?
+                .label(label.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3)));
+        }
+        if let Some(t) = self.tokens {
+            let grey = RGBColor(90, 90, 90);
+            chart
+                .draw_series(DashedLineSeries::new([(t, y_range.0), (t, y_range.1)], 5, 5, grey.stroke_width(1)))
+                .map_err(plot_err)?
+                .label(format!("T = {} tokens", fmt_tokens_short(t)))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], grey.stroke_width(1)));
+        }
+        chart
+            .configure_series_labels()
+            .position(self.legend.clone())
+            .background_style(WHITE.mix(0.9))
+            .border_style(RGBColor(180, 180, 180))
+            .label_font((FONT, 14))
+            .draw()
+            .map_err(plot_err)?;
+        Ok(())
+    }
+}
+
+impl Figure for CurveFigure {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        root.fill(&WHITE).map_err(plot_err)?;
+        let ys: Vec<f64> = self.runs.iter().flat_map(|l| l.points.iter().map(|p| p.1)).filter(|y| y.is_finite()).collect();
+        let (lo, hi) = ys.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &y| (a.min(y), b.max(y)));
+        if !lo.is_finite() {
+            return self.draw_on(root, 0.0..1.0, (0.0, 1.0));
+        }
+        if self.log_y && lo > 0.0 {
+            let (lo, hi) = (lo / 1.15, hi * 1.15);
+            self.draw_on(root, LogAxis(lo..hi), (lo, hi))
+        } else {
+            let pad = ((hi - lo) * 0.08).max(1e-3);
+            self.draw_on(root, (lo - pad)..(hi + pad), (lo - pad, hi + pad))
+        }
+    }
+}
+
+/// Accuracy per block position at T: a line per group (mean), whiskers ± std.
+struct AccFigure {
+    title: String,
+    /// (label, [(position, mean, std)]).
+    groups: Vec<(String, Vec<(f64, f64, f64)>)>,
+}
+
+impl Figure for AccFigure {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        root.fill(&WHITE).map_err(plot_err)?;
+        let positions = self.groups.iter().map(|g| g.1.len()).max().unwrap_or(1).max(1);
+        let hi = self.groups.iter().flat_map(|g| g.1.iter().map(|p| p.1 + p.2)).filter(|v| v.is_finite()).fold(0.0, f64::max);
+        let y_max = (hi * 1.2).clamp(0.01, 1.0);
+        let mut chart = ChartBuilder::on(root)
+            .caption(&self.title, (FONT, 24))
+            .margin(18)
+            .x_label_area_size(50)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.5..positions as f64 + 0.5, 0.0..y_max)
+            .map_err(plot_err)?;
+        chart
+            .configure_mesh()
+            .x_desc("block position")
+            .y_desc("top-1 accuracy")
+            .x_labels(positions.min(32))
+            .x_label_formatter(&|x| if (x - x.round()).abs() < 1e-6 { format!("{x:.0}") } else { String::new() })
+            .y_label_formatter(&|y| trim_decimals(*y, tick_decimals(y_max)))
+            .label_style((FONT, 14))
+            .axis_desc_style((FONT, 16))
+            .light_line_style(RGBColor(240, 240, 240))
+            .bold_line_style(RGBColor(215, 215, 215))
+            .draw()
+            .map_err(plot_err)?;
+        let n = self.groups.len() as f64;
+        for (gi, (label, points)) in self.groups.iter().enumerate() {
+            let color = COLORS[gi % COLORS.len()];
+            // Offset groups a little so whiskers do not overlap.
+            let dx = (gi as f64 - (n - 1.0) / 2.0) * 0.06;
+            let pts: Vec<(f64, f64)> = points.iter().filter(|p| p.1.is_finite()).map(|p| (p.0 + dx, p.1)).collect();
+            chart
+                .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
+                .map_err(plot_err)?
+                .label(label.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(2)));
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled()))).map_err(plot_err)?;
+            let whiskers = points.iter().filter(|p| p.1.is_finite() && p.2 > 0.0).flat_map(|&(x, m, sd)| {
+                let x = x + dx;
+                let (a, b) = ((m - sd).max(0.0), m + sd);
+                [
+                    PathElement::new(vec![(x, a), (x, b)], color.stroke_width(1)),
+                    PathElement::new(vec![(x - 0.05, a), (x + 0.05, a)], color.stroke_width(1)),
+                    PathElement::new(vec![(x - 0.05, b), (x + 0.05, b)], color.stroke_width(1)),
+                ]
+            });
+            chart.draw_series(whiskers).map_err(plot_err)?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(RGBColor(180, 180, 180))
+            .label_font((FONT, 14))
+            .draw()
+            .map_err(plot_err)?;
+        Ok(())
+    }
+}
+
+/// Keep at most MAX_POINTS points, always the last.
+fn decimate(points: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
+    if points.len() <= MAX_POINTS {
+        return points;
+    }
+    let stride = points.len().div_ceil(MAX_POINTS);
+    let last = *points.last().expect("non-empty");
+    let mut out: Vec<(f64, f64)> = points.into_iter().step_by(stride).collect();
+    if out.last() != Some(&last) {
+        out.push(last);
+    }
+    out
+}
+
+/// A group's mean curve over the token range all its runs cover (each run interpolated onto one
+/// grid); one run: its own points.
+fn mean_curve(members: &[&Run], metric: fn(&Record) -> f64) -> Vec<(f64, f64)> {
+    match members {
+        [] => Vec::new(),
+        [one] => decimate(one.records.iter().map(|r| (r.tokens, metric(r))).filter(|p| p.1.is_finite()).collect()),
+        _ => {
+            let lo = members.iter().filter_map(|r| r.records.first()).map(|r| r.tokens).fold(f64::MIN, f64::max);
+            let hi = members.iter().filter_map(|r| r.records.last()).map(|r| r.tokens).fold(f64::MAX, f64::min);
+            if hi < lo {
+                return Vec::new();
+            }
+            // The mean of piecewise-linear curves is piecewise linear with corners at the members'
+            // records: evaluating there is exact.
+            let mut grid: Vec<f64> =
+                members.iter().flat_map(|r| r.records.iter().map(|x| x.tokens)).filter(|&t| t >= lo && t <= hi).collect();
+            grid.sort_by(f64::total_cmp);
+            grid.dedup();
+            let points = grid
+                .into_iter()
+                .filter_map(|t| {
+                    let ys: Vec<f64> = members.iter().filter_map(|r| interp(&r.records, t, metric)).collect();
+                    (ys.len() == members.len()).then(|| (t, ys.iter().sum::<f64>() / ys.len() as f64))
+                })
+                .filter(|p| p.1.is_finite())
+                .collect();
+            decimate(points)
+        }
+    }
+}
+
+fn interp(records: &[Record], t: f64, metric: fn(&Record) -> f64) -> Option<f64> {
+    let i = records.partition_point(|r| r.tokens < t);
+    let b = records.get(i)?;
+    if b.tokens == t || i == 0 {
+        return (b.tokens == t).then(|| metric(b));
+    }
+    let a = &records[i - 1];
+    Some(lerp(metric(a), metric(b), (t - a.tokens) / (b.tokens - a.tokens)))
+}
+
+/// Write the three figures; returns (stem, title) of those written and the errors of the rest.
+pub fn write_plots(runs: &[Run], cmp: &Comparison, out: &Path) -> (Vec<(String, String)>, Vec<String>) {
+    let (mut done, mut errors) = (Vec::new(), Vec::new());
+    if cmp.tokens.is_none() {
+        return (done, errors);
+    }
+    let mut attempt = |stem: &str, title: &str, result: Result<()>| match result {
+        Ok(()) => done.push((stem.to_string(), title.to_string())),
+        Err(e) => errors.push(format!("{stem}: {e:#}")),
+    };
+    let loss = CurveFigure::new("Loss vs target tokens", "loss (log scale)", true, runs, cmp, |r| r.loss);
+    attempt("loss_vs_tokens", "Loss vs tokens", save(&loss, out, "loss_vs_tokens"));
+    let mut tau = CurveFigure::new("tau_hat (expected acceptance length) vs target tokens", "tau_hat", false, runs, cmp, |r| r.tau_hat);
+    tau.legend = SeriesLabelPosition::LowerRight;
+    attempt("tau_hat_vs_tokens", "tau_hat vs tokens", save(&tau, out, "tau_hat_vs_tokens"));
+    let t = cmp.tokens.unwrap_or(0.0);
+    let acc = AccFigure {
+        title: format!("Per-position accuracy at T = {} tokens", fmt_tokens_short(t)),
+        groups: cmp
+            .groups
+            .iter()
+            .filter(|g| !g.members.is_empty())
+            .map(|g| {
+                let pts = g
+                    .acc
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(k, s)| s.map(|s| ((k + 1) as f64, s.mean, s.std.unwrap_or(0.0))))
+                    .collect();
+                (format!("{} (n={})", g.name, g.members.len()), pts)
+            })
+            .collect(),
+    };
+    attempt("acc_at_tokens", "Per-position accuracy at T", save(&acc, out, "acc_at_tokens"));
+    (done, errors)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry point
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// UTC `YYYYMMDD-HHMMSS` (folder names) or `YYYY-MM-DD HH:MM:SS` (text), from Unix seconds.
+fn utc_timestamp(secs: f64, readable: bool) -> String {
+    let secs = secs as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (proleptic Gregorian; eras of 400 years).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let (hh, mm, ss) = (rem / 3600, rem % 3600 / 60, rem % 60);
+    if readable {
+        format!("{y:04}-{m:02}-{d:02} {hh:02}:{mm:02}:{ss:02}")
+    } else {
+        format!("{y:04}{m:02}{d:02}-{hh:02}{mm:02}{ss:02}")
+    }
+}
+
+/// Default output: `<first dir's parent>/compare-<UTC time>` (a fresh name).
+pub fn default_out(dirs: &[PathBuf]) -> PathBuf {
+    let parent = dirs
+        .first()
+        .and_then(|d| d.parent())
+        .filter(|p| !p.as_os_str().is_empty())
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+    crate::experiment::fresh_dir(&parent, &format!("compare-{}", utc_timestamp(unix_now(), false)))
+}
+
+/// `dflash-host compare`: load, compare, write `report.md` + plots into `out`, print the tables.
+/// Returns the report's path.
+pub fn run(dirs: &[PathBuf], out: Option<&Path>, group_by: Option<&str>) -> Result<PathBuf> {
+    let out = out.map_or_else(|| default_out(dirs), Path::to_path_buf);
+    fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let runs = load_runs(dirs, group_by);
+    let cmp = compare(&runs);
+    let (plots, plot_errors) = write_plots(&runs, &cmp, &out);
+    let report = out.join("report.md");
+    fs::write(&report, render_markdown(&runs, &cmp, &plots, &plot_errors))
+        .with_context(|| format!("writing {}", report.display()))?;
+    print!("{}", render_terminal(&runs, &cmp));
+    for e in &plot_errors {
+        println!("plot failed: {e}");
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake experiment: config (name), optional manifest arm, metrics from (tokens, loss, tau,
+    /// acc) rows, summary when `finished`.
+    fn fake_run(root: &Path, dir: &str, name: &str, arm: Option<&str>, rows: &[(u64, f64, f64, [f64; 3])], finished: bool) -> PathBuf {
+        let d = root.join(dir);
+        fs::create_dir_all(&d).unwrap();
+        fs::write(d.join("config.toml"), format!("name = \"{name}\"\nseed = 0\n\n[optimizer]\nlr = 0.0006\n")).unwrap();
+        let manifest = match arm {
+            Some(a) => serde_json::json!({"seed": 0, "arm": a}),
+            None => serde_json::json!({"seed": 0}),
+        };
+        fs::write(d.join("manifest.json"), manifest.to_string()).unwrap();
+        let mut text = String::new();
+        for (i, &(tokens, loss, tau, acc)) in rows.iter().enumerate() {
+            let rec = serde_json::json!({
+                "step": (i + 1) * 10, "epoch": 0, "tokens": tokens, "draft_tokens": tokens * 2, "loss": loss,
+                "acc": acc, "tau_hat": tau, "lr": 1e-4, "grad_norm": 1.0, "tok_per_s": 100.0,
+                "target_s": 0.1, "drafter_s": 0.2, "optim_s": 0.01, "elapsed_s": tokens as f64 / 100.0,
+            });
+            text += &rec.to_string();
+            text.push('\n');
+        }
+        fs::write(d.join("metrics.jsonl"), text).unwrap();
+        if finished {
+            let wall = rows.last().map_or(0.0, |r| r.0 as f64 / 100.0);
+            fs::write(d.join("summary.json"), serde_json::json!({"wall_s": wall, "tokens": rows.last().map(|r| r.0)}).to_string())
+                .unwrap();
+        }
+        d
+    }
+
+    fn rows(scale: f64, last_tokens: u64) -> Vec<(u64, f64, f64, [f64; 3])> {
+        (1..=last_tokens / 1000)
+            .map(|k| {
+                let t = k * 1000;
+                (t, scale * 10.0 / k as f64, 1.0 + 0.1 * k as f64, [0.5 * scale, 0.25 * scale, 0.125 * scale])
+            })
+            .collect()
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9 * (1.0 + a.abs().max(b.abs()))
+    }
+
+    #[test]
+    fn interpolates_linearly_at_equal_tokens() {
+        let recs: Vec<Record> = [(1000.0, 10.0, 1.0, 10.0), (3000.0, 6.0, 2.0, 20.0), (5000.0, 8.0, 1.5, 40.0)]
+            .iter()
+            .enumerate()
+            .map(|(i, &(tokens, loss, tau_hat, elapsed_s))| Record {
+                step: i as u64,
+                tokens,
+                loss,
+                acc: vec![0.2 * (i + 1) as f64, 0.1],
+                tau_hat,
+                elapsed_s,
+            })
+            .collect();
+        let a = at_tokens(&recs, 2000.0).unwrap();
+        assert!(close(a.loss, 8.0), "loss {}", a.loss);
+        assert!(close(a.tau_hat, 1.5), "tau {}", a.tau_hat);
+        assert!(close(a.acc[0], 0.3) && close(a.acc[1], 0.1), "acc {:?}", a.acc);
+        assert!(close(a.elapsed_s, 15.0) && close(a.tok_per_s, 2000.0 / 15.0));
+        assert!(close(a.best_loss, 8.0), "best loss over records ≤ T and T itself: {}", a.best_loss);
+        // At 4000: loss 7 interpolated, best loss 6 (record at 3000); best tau 2.
+        let b = at_tokens(&recs, 4000.0).unwrap();
+        assert!(close(b.loss, 7.0) && close(b.best_loss, 6.0) && close(b.best_tau_hat, 2.0), "{b:?}");
+        // Exact on a record; outside the logged span: None.
+        assert!(close(at_tokens(&recs, 5000.0).unwrap().loss, 8.0));
+        assert!(at_tokens(&recs, 5001.0).is_none() && at_tokens(&recs, 999.0).is_none());
+    }
+
+    #[test]
+    fn mean_and_sample_std() {
+        let s = stat([1.0, 2.0, 3.0, 4.0]).unwrap();
+        assert!(close(s.mean, 2.5));
+        assert!(close(s.std.unwrap(), (5.0f64 / 3.0).sqrt()), "{s:?}");
+        assert_eq!(stat([7.0]).unwrap().std, None);
+        assert!(stat(std::iter::empty()).is_none());
+        assert_eq!(fmt_stat(stat([1.0, 3.0]), 2, 2), "2.00 ± 1.41");
+        assert_eq!(fmt_stat(stat([1.0]), 2, 3), "1.00 (n=1)");
+        assert_eq!(fmt_count(1234567.0), "1,234,567");
+        assert_eq!(fmt_tokens_short(12_500.0), "12.5k");
+    }
+
+    #[test]
+    fn groups_by_arm_then_name_then_config_key() {
+        let root = tempfile::tempdir().unwrap();
+        let a1 = fake_run(root.path(), "a1", "base", Some("A"), &rows(1.0, 5000), true);
+        let a2 = fake_run(root.path(), "a2", "base", Some("A"), &rows(1.2, 6000), true);
+        let b1 = fake_run(root.path(), "b1", "muon", None, &rows(0.8, 4000), true);
+        let dirs = vec![a1.clone(), a2.clone(), b1.clone()];
+        let runs = load_runs(&dirs, None);
+        assert_eq!(runs.iter().map(|r| r.group.as_str()).collect::<Vec<_>>(), ["A", "A", "muon"]);
+        let cmp = compare(&runs);
+        assert_eq!(cmp.tokens, Some(4000.0), "smallest final count among complete runs");
+        assert!(cmp.from_complete);
+        assert_eq!(cmp.groups.len(), 2);
+        let a = &cmp.groups[0];
+        assert_eq!((a.name.as_str(), a.members.as_slice()), ("A", &[0usize, 1][..]));
+        // Loss at 4000 tokens: 10/4 = 2.5 and 12/4 = 3.0 -> mean 2.75, std sqrt(0.125).
+        let loss = a.loss.unwrap();
+        assert!(close(loss.mean, 2.75) && close(loss.std.unwrap(), 0.125f64.sqrt()), "{loss:?}");
+        let acc1 = a.acc[0].unwrap();
+        assert!(close(acc1.mean, 0.55), "{acc1:?}");
+        assert!(close(a.final_tokens.unwrap().mean, 5500.0));
+        assert_eq!(cmp.groups[1].members, vec![2]);
+
+        let by_lr = load_runs(&dirs, Some("optimizer.lr"));
+        assert!(by_lr.iter().all(|r| r.group == "optimizer.lr=0.0006"), "{:?}", by_lr[0].group);
+        let by_missing = load_runs(&[a1], Some("train.nope"));
+        assert_eq!(by_missing[0].group, "train.nope=?");
+        assert!(by_missing[0].notes.iter().any(|n| n.contains("train.nope")));
+    }
+
+    #[test]
+    fn half_written_and_foreign_dirs_are_reported_not_fatal() {
+        let root = tempfile::tempdir().unwrap();
+        let good = fake_run(root.path(), "good", "x", None, &rows(1.0, 3000), true);
+        // Truncated last line, no summary: unfinished, records before the cut kept.
+        let cut = fake_run(root.path(), "cut", "x", None, &rows(1.0, 5000), false);
+        let mut text = fs::read_to_string(cut.join("metrics.jsonl")).unwrap();
+        text += "{\"step\": 60, \"tokens\": 60";
+        fs::write(cut.join("metrics.jsonl"), text).unwrap();
+        let empty = fake_run(root.path(), "empty", "x", None, &[], false);
+        let nometrics = fake_run(root.path(), "nometrics", "x", None, &[], false);
+        fs::remove_file(nometrics.join("metrics.jsonl")).unwrap();
+        let foreign = root.path().join("photos");
+        fs::create_dir_all(&foreign).unwrap();
+        fs::write(foreign.join("cat.jpg"), b"meow").unwrap();
+        let missing = root.path().join("nope");
+        let dirs = vec![good, cut, empty, nometrics, foreign, missing];
+        let runs = load_runs(&dirs, None);
+        let status: Vec<Status> = runs.iter().map(|r| r.status).collect();
+        use Status::*;
+        assert_eq!(status, [Complete, Unfinished, EmptyMetrics, NoMetrics, NotExperiment, NotExperiment]);
+        assert_eq!(runs[1].records.len(), 5);
+        assert!(runs[1].notes.iter().any(|n| n.contains("truncated last line")), "{:?}", runs[1].notes);
+        assert!(runs[1].notes.iter().any(|n| n.contains("no summary.json")));
+
+        // The unfinished run reaches T = 3000 and shows values there, outside group statistics.
+        let cmp = compare(&runs);
+        assert_eq!(cmp.tokens, Some(3000.0));
+        assert!(cmp.at[1].is_some() && !cmp.counted[1]);
+        assert_eq!(cmp.groups[0].members, vec![0]);
+
+        let out = root.path().join("report");
+        fs::create_dir_all(&out).unwrap();
+        let md = render_markdown(&runs, &cmp, &[], &[]);
+        let term = render_terminal(&runs, &cmp);
+        for text in [&md, &term] {
+            for want in ["truncated last line", "unfinished", "empty metrics", "no metrics", "not an experiment", "does not exist"] {
+                assert!(text.contains(want), "missing `{want}` in:\n{text}");
+            }
+        }
+    }
+
+    #[test]
+    fn no_finished_run_gives_a_provisional_comparison() {
+        let root = tempfile::tempdir().unwrap();
+        let a = fake_run(root.path(), "a", "x", None, &rows(1.0, 3000), false);
+        let b = fake_run(root.path(), "b", "x", None, &rows(1.0, 5000), false);
+        let runs = load_runs(&[a, b], None);
+        let cmp = compare(&runs);
+        assert_eq!((cmp.tokens, cmp.from_complete), (Some(3000.0), false));
+        assert_eq!(cmp.groups[0].members, vec![0, 1]);
+        assert!(render_markdown(&runs, &cmp, &[], &[]).contains("provisional"));
+    }
+
+    #[test]
+    fn report_with_tables_and_png_svg_plots() {
+        let root = tempfile::tempdir().unwrap();
+        let mut dirs = Vec::new();
+        for (i, scale) in [1.0, 1.1, 0.9].into_iter().enumerate() {
+            dirs.push(fake_run(root.path(), &format!("base-s{i}"), "base", Some("adamw"), &rows(scale, 8000), true));
+            dirs.push(fake_run(root.path(), &format!("muon-s{i}"), "muon", Some("muon"), &rows(scale * 0.7, 9000), true));
+        }
+        fs::write(dirs[0].join("eval.json"), r#"{"tau": 3.21}"#).unwrap();
+        dirs.push(fake_run(root.path(), "live", "muon", Some("muon"), &rows(0.7, 4000), false));
+        let out = root.path().join("cmp");
+        let report = run(&dirs, Some(&out), None).unwrap();
+        assert_eq!(report, out.join("report.md"));
+        let md = fs::read_to_string(&report).unwrap();
+        assert!(md.contains("| group | runs | loss @T |"), "{md}");
+        assert!(md.contains("| adamw | 3 |"), "{md}");
+        assert!(md.contains("| muon | 3 of 4 |"), "{md}");
+        assert!(md.contains("T = 8,000 target tokens"), "{md}");
+        assert!(md.contains(" ± "));
+        assert!(md.contains("3.210") && md.contains(DASH), "eval tau column");
+        assert!(md.contains("![Loss vs tokens](loss_vs_tokens.png)"));
+        for stem in ["loss_vs_tokens", "tau_hat_vs_tokens", "acc_at_tokens"] {
+            let png = out.join(format!("{stem}.png"));
+            let img = image::open(&png).unwrap_or_else(|e| panic!("{}: {e}", png.display())).to_rgb8();
+            assert_eq!(img.dimensions(), SIZE);
+            // Non-trivial: many distinct colours (lines, text), not a blank canvas.
+            let mut colors: Vec<[u8; 3]> = img.pixels().map(|p| p.0).collect();
+            colors.sort_unstable();
+            colors.dedup();
+            assert!(colors.len() > 20, "{stem}.png has {} colours", colors.len());
+            let svg = fs::read_to_string(out.join(format!("{stem}.svg"))).unwrap();
+            assert!(svg.starts_with("<svg") && svg.contains("<polyline") && svg.contains("<text"), "{stem}.svg");
+            assert!(svg.len() > 5_000, "{stem}.svg is {} bytes", svg.len());
+        }
+    }
+
+    #[test]
+    fn default_out_is_beside_the_first_run() {
+        let root = tempfile::tempdir().unwrap();
+        let out = default_out(&[root.path().join("exp1")]);
+        assert_eq!(out.parent(), Some(root.path()));
+        assert!(out.file_name().unwrap().to_str().unwrap().starts_with("compare-20"));
+        assert_eq!(utc_timestamp(0.0, true), "1970-01-01 00:00:00");
+        assert_eq!(utc_timestamp(951_782_400.0, false), "20000229-000000");
+    }
+}

@@ -1,0 +1,119 @@
+//! One training run from a config: build the plugins, open the experiment directory, train.
+//! Used by `dflash-host train` and by each arm of `dflash-host ab`.
+
+use crate::{
+    config::{self, RunConfig},
+    experiment::Experiment,
+    plugins::{PluginRecord, Registry},
+    train::{self, TrainSummary},
+};
+use anyhow::{Context, Result};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// `manifest.json`: what produced an experiment.
+#[derive(Serialize)]
+pub struct Manifest {
+    pub host_version: &'static str,
+    pub git_revision: String,
+    pub command_line: Vec<String>,
+    pub started_at_unix: u64,
+    pub seed: u64,
+    pub device: String,
+    pub dtype: String,
+    pub build_id: String,
+    pub plugins: Vec<PluginRecord>,
+    pub target_source: String,
+    pub target_sha256: String,
+    /// The A/B this run is an arm of, and which arm (absent for plain runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ab: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arm: Option<String>,
+}
+
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("DFLASH_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/dflash"))
+}
+
+fn git_revision() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// libtorch_cuda.so is dropped by `--as-needed`; load it before the first CUDA op (STACK.md).
+pub fn enable_cuda() -> bool {
+    // SAFETY: loading libtorch's own CUDA library; it is never unloaded.
+    let lib = unsafe {
+        libloading::os::unix::Library::open(
+            Some("libtorch_cuda.so"),
+            libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+        )
+    };
+    match lib {
+        Ok(lib) => {
+            std::mem::forget(lib);
+            true
+        }
+        Err(e) => {
+            tracing::warn!("CUDA unavailable: {e}");
+            false
+        }
+    }
+}
+
+/// What a run needs besides its config.
+pub struct RunSpec<'a> {
+    pub cfg: &'a RunConfig,
+    /// The config file (errors point into it; relative paths resolve from its folder).
+    pub config_path: &'a Path,
+    pub exp_dir: &'a Path,
+    pub registry: &'a Registry,
+    pub ab: Option<(&'a str, &'a str)>,
+}
+
+pub fn run(spec: RunSpec) -> Result<TrainSummary> {
+    let RunSpec { cfg, config_path, exp_dir, registry, ab } = spec;
+    if cfg.device.starts_with("cuda") && !enable_cuda() {
+        anyhow::bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
+    }
+    tch::manual_seed(cfg.seed as i64);
+    let cache = cache_dir();
+    let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
+    let components = train::build_components(cfg, registry, &config_dir, &cache).map_err(|e| {
+        // Point plugin config errors at the line that set the field.
+        let msg = format!("{e:#}");
+        let text = std::fs::read_to_string(config_path).unwrap_or_default();
+        match config::locate_plugin_error(&text, &msg) {
+            Some(line) => anyhow::anyhow!("{}:{line}: {msg}", config_path.display()),
+            None => anyhow::anyhow!("{}: {msg}", config_path.display()),
+        }
+    })?;
+    let spec = components.target.spec();
+    let manifest = Manifest {
+        host_version: env!("CARGO_PKG_VERSION"),
+        git_revision: git_revision(),
+        command_line: std::env::args().collect(),
+        started_at_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs(),
+        seed: cfg.seed,
+        device: cfg.device.clone(),
+        dtype: cfg.dtype().into(),
+        build_id: plugin_api::build_id(),
+        plugins: components.records.clone(),
+        target_source: spec.source.to_string(),
+        target_sha256: spec.source_sha256.to_string(),
+        ab: ab.map(|(name, _)| name.to_string()),
+        arm: ab.map(|(_, arm)| arm.to_string()),
+    };
+    let resolved = toml::to_string(cfg)?;
+    let mut exp = Experiment::create(exp_dir, &resolved, &manifest)?;
+    tracing::info!("experiment: {}", exp_dir.display());
+    train::train(cfg, components, &mut exp, &cache)
+}

@@ -1,0 +1,339 @@
+//! Muon for hidden matrices plus AdamW for everything Muon must not touch (OPTIMIZERS.md).
+//!
+//! The Muon group follows torch.optim.Muon 2.11 step for step: `buf = lerp(buf, g, 1-mu)`;
+//! Nesterov direction `lerp(g, buf, mu)`; Newton-Schulz (`ns_dtype`); `p *= 1 - lr*wd`;
+//! `p -= adjusted_lr(lr, shape) * O`. Parameters the config routes to AdamW (embeddings, LM head,
+//! tensors with < 2 dims or a size-1 dim such as depthwise conv kernels, `adamw_patterns`, and
+//! `no_decay_patterns` without weight decay) get torch.optim.AdamW's update. Fused matrices named
+//! in `split` are orthogonalised part by part along dim 0, each part with its own shape scaling.
+//! Tensors with more than 2 dims (and no size-1 dim) are treated as `[shape[0], rest]` matrices.
+//!
+//! State and math in fp32; parameters of another dtype keep an fp32 master copy (`.master`).
+//! Checkpoint names: `step`, `<param>.momentum_buffer` (Muon group), `<param>.exp_avg` and
+//! `<param>.exp_avg_sq` (AdamW group), `<param>.master` (non-fp32 parameters).
+
+pub mod config;
+
+pub use config::{glob_match, Group, MuonConfig, NsDtype, SplitRule};
+pub use optim_math::{adjusted_lr, muon_update, zeropower_via_newtonschulz5, AdjustLr, NS_COEFFICIENTS};
+
+use optim_math::{adamw_update, ParamsAdamW};
+use plugin_api::{
+    abi_stable::{
+        sabi_trait::TD_Opaque,
+        std_types::{RResult, RVec},
+    },
+    tch::{Kind, Tensor},
+    HostContext, NamedTensor, Optimizer, Optimizer_TO, PluginError, PluginInfo, PluginInstance, PluginKind,
+};
+use std::collections::HashMap;
+
+/// A parameter in the Muon group.
+struct MuonSlot {
+    name: String,
+    param: Tensor,
+    /// fp32 master weights when the parameter is not fp32.
+    master: Option<Tensor>,
+    /// fp32, the parameter's shape.
+    momentum_buffer: Tensor,
+    /// The parameter as a `[rows, cols]` matrix: rows of each part orthogonalised on its own (one
+    /// part = the whole matrix), and the column count.
+    parts: Vec<i64>,
+    cols: i64,
+}
+
+/// A parameter in the AdamW group.
+struct AdamSlot {
+    name: String,
+    param: Tensor,
+    master: Option<Tensor>,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    /// False for `no_decay_patterns`.
+    decay: bool,
+}
+
+pub struct Muon {
+    cfg: MuonConfig,
+    muon: Vec<MuonSlot>,
+    adamw: Vec<AdamSlot>,
+    /// Steps taken (AdamW's bias correction counts from it).
+    step: i64,
+}
+
+/// Contiguous, so a Muon master can always be viewed as `[rows, cols]`.
+fn fp32_master(param: &Tensor) -> Option<Tensor> {
+    (param.kind() != Kind::Float).then(|| param.detach().to_kind(Kind::Float).contiguous())
+}
+
+fn zeros_like_f32(param: &Tensor) -> Tensor {
+    Tensor::zeros(param.size(), (Kind::Float, param.device()))
+}
+
+impl Muon {
+    pub fn new(cfg: MuonConfig) -> Self {
+        Self { cfg, muon: Vec::new(), adamw: Vec::new(), step: 0 }
+    }
+
+    /// Each parameter's group, Muon group first, in `init` order within a group.
+    pub fn groups(&self) -> Vec<(String, Group)> {
+        let muon = self.muon.iter().map(|s| (s.name.clone(), Group::Muon));
+        let adamw =
+            self.adamw.iter().map(|s| (s.name.clone(), if s.decay { Group::AdamW } else { Group::AdamWNoDecay }));
+        muon.chain(adamw).collect()
+    }
+
+    fn init_impl(&mut self, params: RVec<NamedTensor>) -> Result<(), PluginError> {
+        let mut muon = Vec::new();
+        let mut adamw = Vec::new();
+        let mut split_used = vec![false; self.cfg.split.len()];
+        for nt in params {
+            let name = nt.name.into_string();
+            let param = nt.tensor.into_tensor();
+            let shape = param.size();
+            let group = self.cfg.route(&name, &shape);
+            let split = self.cfg.split.iter().position(|r| glob_match(&r.pattern, &name));
+            if let Some(i) = split {
+                split_used[i] = true;
+            }
+            if group != Group::Muon {
+                if let Some(i) = split {
+                    return Err(PluginError::new(format!(
+                        "field `split[{i}].pattern`: `{}` matches parameter `{name}` (shape {shape:?}), which goes to AdamW",
+                        self.cfg.split[i].pattern
+                    )));
+                }
+                let master = fp32_master(&param);
+                let (exp_avg, exp_avg_sq) = (zeros_like_f32(&param), zeros_like_f32(&param));
+                adamw.push(AdamSlot { name, master, exp_avg, exp_avg_sq, decay: group == Group::AdamW, param });
+                continue;
+            }
+            let rows = shape[0];
+            let cols = shape[1..].iter().product::<i64>();
+            let parts = match split {
+                None => vec![rows],
+                Some(i) => {
+                    let rule = &self.cfg.split[i];
+                    let total: i64 = rule.parts.iter().sum();
+                    if total != rows {
+                        return Err(PluginError::new(format!(
+                            "field `split[{i}].parts`: {:?} sum to {total}, but parameter `{name}` has {rows} rows (shape {shape:?})",
+                            rule.parts
+                        )));
+                    }
+                    rule.parts.clone()
+                }
+            };
+            let master = fp32_master(&param);
+            // The update writes through a [rows, cols] view of what it updates (checked here, so a
+            // step never fails half way).
+            if let Err(e) = master.as_ref().unwrap_or(&param).f_view([rows, cols]) {
+                return Err(PluginError::new(format!(
+                    "parameter `{name}` (shape {shape:?}): not viewable as [{rows}, {cols}]: {e}"
+                )));
+            }
+            muon.push(MuonSlot { name, momentum_buffer: zeros_like_f32(&param), master, param, parts, cols });
+        }
+        if let Some(i) = split_used.iter().position(|used| !used) {
+            return Err(PluginError::new(format!(
+                "field `split[{i}].pattern`: `{}` matches no parameter",
+                self.cfg.split[i].pattern
+            )));
+        }
+        self.muon = muon;
+        self.adamw = adamw;
+        self.step = 0;
+        Ok(())
+    }
+
+    fn step_impl(&mut self, lr_scale: f64) -> Result<(), PluginError> {
+        self.step += 1;
+        let c = &self.cfg;
+        let lr = c.lr * lr_scale;
+        let _guard = plugin_api::tch::no_grad_guard();
+        for s in &mut self.muon {
+            let grad = s.param.grad();
+            if !grad.defined() {
+                continue; // like torch: parameters without a gradient are left alone
+            }
+            let rows: i64 = s.parts.iter().sum();
+            let grad = grad.to_kind(Kind::Float).reshape([rows, s.cols]);
+            let buf = s.momentum_buffer.view([rows, s.cols]);
+            let p = s.master.as_mut().unwrap_or(&mut s.param);
+            let _ = p.g_mul_scalar_(1.0 - lr * c.weight_decay);
+            let p2d = p.view([rows, s.cols]); // checked in init
+            let ns_kind = c.ns_dtype.kind(p.device());
+            let mut start = 0;
+            for &n in &s.parts {
+                let update = muon_update(
+                    &grad.narrow(0, start, n),
+                    &mut buf.narrow(0, start, n),
+                    c.momentum,
+                    c.ns_steps,
+                    c.nesterov,
+                    c.eps,
+                    ns_kind,
+                );
+                let step_lr = adjusted_lr(lr, c.adjust_lr, n, s.cols);
+                let _ = p2d.narrow(0, start, n).g_add_(&(update * -step_lr));
+                start += n;
+            }
+            if let Some(master) = &s.master {
+                s.param.copy_(master);
+            }
+        }
+        let adamw_lr = c.adamw.lr * lr_scale;
+        let no_decay = ParamsAdamW { weight_decay: 0.0, ..c.adamw };
+        for s in &mut self.adamw {
+            let grad = s.param.grad();
+            if !grad.defined() {
+                continue;
+            }
+            let grad = grad.to_kind(Kind::Float);
+            let h = if s.decay { &c.adamw } else { &no_decay };
+            let p = s.master.as_mut().unwrap_or(&mut s.param);
+            adamw_update(p, &grad, &mut s.exp_avg, &mut s.exp_avg_sq, self.step, adamw_lr, h);
+            if let Some(master) = &s.master {
+                s.param.copy_(master);
+            }
+        }
+        Ok(())
+    }
+
+    fn state_impl(&self) -> Vec<NamedTensor> {
+        let mut out = vec![NamedTensor::new("step", Tensor::from(self.step))];
+        for s in &self.muon {
+            out.push(NamedTensor::new(format!("{}.momentum_buffer", s.name), s.momentum_buffer.shallow_clone()));
+            if let Some(m) = &s.master {
+                out.push(NamedTensor::new(format!("{}.master", s.name), m.shallow_clone()));
+            }
+        }
+        for s in &self.adamw {
+            out.push(NamedTensor::new(format!("{}.exp_avg", s.name), s.exp_avg.shallow_clone()));
+            out.push(NamedTensor::new(format!("{}.exp_avg_sq", s.name), s.exp_avg_sq.shallow_clone()));
+            if let Some(m) = &s.master {
+                out.push(NamedTensor::new(format!("{}.master", s.name), m.shallow_clone()));
+            }
+        }
+        out
+    }
+
+    /// Replace the state; nothing changes unless every entry is present, shaped right, and no
+    /// entry is left over. The error lists every mismatch by name.
+    fn load_state_impl(&mut self, state: RVec<NamedTensor>) -> Result<(), PluginError> {
+        let mut by_name: HashMap<String, Tensor> =
+            state.into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect();
+        let mut problems = Vec::new();
+        let step = match by_name.remove("step") {
+            Some(t) if t.numel() == 1 => Some(t.int64_value(&[])),
+            Some(t) => {
+                problems.push(format!("`step`: shape {:?}, expected a scalar", t.size()));
+                None
+            }
+            None => {
+                problems.push("missing `step`".to_string());
+                None
+            }
+        };
+        let _guard = plugin_api::tch::no_grad_guard();
+        let mut take = |name: String, like: &Tensor| -> Option<Tensor> {
+            match by_name.remove(&name) {
+                None => {
+                    problems.push(format!("missing `{name}`"));
+                    None
+                }
+                Some(t) if t.size() != like.size() => {
+                    problems.push(format!("`{name}`: shape {:?}, expected {:?}", t.size(), like.size()));
+                    None
+                }
+                // A copy: the caller's tensors (maybe another optimizer's live state) stay untouched.
+                Some(t) => Some(t.to_device(like.device()).to_kind(Kind::Float).copy().contiguous()),
+            }
+        };
+        // Per slot: each state tensor (None: missing or misshapen), and the master when it has one.
+        type Loaded = (Option<Tensor>, Option<Option<Tensor>>);
+        type LoadedAdam = (Option<Tensor>, Option<Tensor>, Option<Option<Tensor>>);
+        let muon: Vec<Loaded> = self
+            .muon
+            .iter()
+            .map(|s| {
+                let buf = take(format!("{}.momentum_buffer", s.name), &s.param);
+                let master = s.master.as_ref().map(|_| take(format!("{}.master", s.name), &s.param));
+                (buf, master)
+            })
+            .collect();
+        let adamw: Vec<LoadedAdam> = self
+            .adamw
+            .iter()
+            .map(|s| {
+                let m = take(format!("{}.exp_avg", s.name), &s.param);
+                let v = take(format!("{}.exp_avg_sq", s.name), &s.param);
+                let master = s.master.as_ref().map(|_| take(format!("{}.master", s.name), &s.param));
+                (m, v, master)
+            })
+            .collect();
+        let mut left: Vec<&String> = by_name.keys().collect();
+        left.sort();
+        problems.extend(left.into_iter().map(|n| format!("unexpected `{n}`")));
+        if !problems.is_empty() {
+            return Err(PluginError::new(format!("optimizer state: {}", problems.join("; "))));
+        }
+        // Everything is present and shaped right: commit.
+        self.step = step.expect("checked");
+        for (s, (buf, master)) in self.muon.iter_mut().zip(muon) {
+            s.momentum_buffer = buf.expect("checked");
+            if let Some(m) = master {
+                s.master = m;
+            }
+        }
+        for (s, (m, v, master)) in self.adamw.iter_mut().zip(adamw) {
+            s.exp_avg = m.expect("checked");
+            s.exp_avg_sq = v.expect("checked");
+            if let Some(m) = master {
+                s.master = m;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Optimizer for Muon {
+    fn init(&mut self, params: RVec<NamedTensor>) -> RResult<(), PluginError> {
+        plugin_api::catch_plugin_panic(|| self.init_impl(params)).into()
+    }
+
+    fn step(&mut self, lr_scale: f64) -> RResult<(), PluginError> {
+        plugin_api::catch_plugin_panic(|| self.step_impl(lr_scale)).into()
+    }
+
+    fn base_lr(&self) -> f64 {
+        self.cfg.lr
+    }
+
+    fn state(&self) -> RVec<NamedTensor> {
+        self.state_impl().into()
+    }
+
+    fn load_state(&mut self, state: RVec<NamedTensor>) -> RResult<(), PluginError> {
+        plugin_api::catch_plugin_panic(|| self.load_state_impl(state)).into()
+    }
+}
+
+fn info() -> PluginInfo {
+    PluginInfo::new(
+        "muon",
+        PluginKind::Optimizer,
+        env!("CARGO_PKG_VERSION"),
+        "Muon (torch.optim.Muon semantics) for hidden matrices, AdamW for the rest",
+    )
+}
+
+fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginError> {
+    let cfg = MuonConfig::from_toml(config)?;
+    Ok(PluginInstance::Optimizer(Optimizer_TO::from_value(Muon::new(cfg), TD_Opaque)))
+}
+
+plugin_api::declare_plugin!(optim_muon, info, create);
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,187 @@
+//! Plugins as shared libraries: an out-of-tree plugin built against plugin-api alone trains
+//! without rebuilding the host; built-ins can be swapped for their .so; every way a library can
+//! be wrong is refused with one line; a panic inside a plugin stops the run cleanly.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    sync::Mutex,
+};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn cache() -> PathBuf {
+    std::env::var_os("DFLASH_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/dflash"))
+}
+
+fn host() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_dflash-host"))
+}
+
+fn sha256(path: &Path) -> String {
+    use sha2::{Digest, Sha256};
+    format!("{:x}", Sha256::digest(std::fs::read(path).unwrap()))
+}
+
+static BUILDS: Mutex<()> = Mutex::new(());
+
+/// Build an out-of-tree plugin crate into the workspace's target dir (sharing its compiled
+/// dependencies) and copy the library to a name of its own.
+fn build_plugin(crate_dir: &str, lib: &str, features: &[&str], name: &str) -> PathBuf {
+    let _one_at_a_time = BUILDS.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = root().join(crate_dir);
+    // The workspace's lock file pins the same dependency versions, so nothing is rebuilt.
+    std::fs::copy(root().join("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.args(["build", "--release", "--quiet", "--manifest-path"])
+        .arg(dir.join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(root().join("target"));
+    if !features.is_empty() {
+        cmd.arg("--features").arg(features.iter().map(|f| format!("plugin-api/{f}")).collect::<Vec<_>>().join(","));
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "building {crate_dir}: {}", String::from_utf8_lossy(&out.stderr));
+    let dest_dir = root().join("target/test-plugins");
+    std::fs::create_dir_all(&dest_dir).unwrap();
+    let dest = dest_dir.join(format!("{name}.so"));
+    std::fs::copy(root().join(format!("target/release/lib{lib}.so")), &dest).unwrap();
+    dest
+}
+
+const TINY: &str = r#"
+name = "so"
+seed = 5
+[train]
+steps = 20
+anchors_per_seq = 8
+log_every = 5
+checkpoint_every = 2
+[target]
+plugin = "hf"
+path = "$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
+[drafter]
+plugin = "dflash"
+num_hidden_layers = 1
+block_size = 4
+num_target_features = 2
+mask_token_id = 16
+[optimizer]
+OPTIMIZER
+[data]
+plugin = "chat"
+path = "$DFLASH_CACHE/chitchat.json"
+format = "chitchat"
+batch_size = 2
+max_len = 96
+max_records = 6
+distill_max_new_tokens = 12
+"#;
+
+fn train(plugins: &[&Path], optimizer: &str) -> (Output, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(&cfg, TINY.replace("OPTIMIZER", optimizer)).unwrap();
+    let mut cmd = Command::new(host());
+    for p in plugins {
+        cmd.arg("--plugin").arg(p);
+    }
+    let out = cmd
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .arg("--exp-dir")
+        .arg(dir.path().join("exp"))
+        .env("DFLASH_CACHE", cache())
+        .env_remove("RUST_BACKTRACE") // what a user sees by default
+        .output()
+        .unwrap();
+    (out, dir)
+}
+
+fn error_line(out: &Output) -> String {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "expected exit code 2, got {:?}:\n{err}", out.status.code());
+    assert!(!err.contains("panicked at") && !err.contains("stack backtrace"), "a panic escaped:\n{err}");
+    err.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("no error line in:\n{err}")).to_string()
+}
+
+fn inspect(path: &Path) -> Output {
+    Command::new(host()).args(["plugins", "inspect"]).arg(path).env_remove("RUST_BACKTRACE").output().unwrap()
+}
+
+#[test]
+fn an_out_of_tree_plugin_trains_without_rebuilding_the_host() {
+    let before = sha256(&host());
+    let so = build_plugin("plugin-template", "optim_sgd", &[], "optim_sgd");
+    let (out, dir) = train(&[&so], "plugin = \"sgd\"\nlr = 0.05\nmomentum = 0.9");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("exp/manifest.json")).unwrap()).unwrap();
+    let sgd = manifest["plugins"].as_array().unwrap().iter().find(|p| p["name"] == "sgd").expect("sgd in manifest");
+    assert_eq!(sgd["origin"], so.display().to_string());
+    assert_eq!(sgd["sha256"], sha256(&so));
+    let metrics = std::fs::read_to_string(dir.path().join("exp/metrics.jsonl")).unwrap();
+    let losses: Vec<f64> = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap()).collect();
+    assert!(losses.last().unwrap() < &(losses[0] * 0.5), "SGD did not train: {losses:?}");
+    assert_eq!(sha256(&host()), before, "the host binary changed");
+}
+
+#[test]
+fn a_built_in_can_be_replaced_by_its_shared_library() {
+    let so = root().join("target/release/liboptim_adamw.so");
+    assert!(so.exists(), "{} missing: `cargo build --release --workspace` builds it (make test does)", so.display());
+    let (out, dir) = train(&[&so], "plugin = \"adamw\"\nlr = 3e-3");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("optimizer plugin `adamw` from") && err.contains("replaces the built-in"), "{err}");
+    let manifest = std::fs::read_to_string(dir.path().join("exp/manifest.json")).unwrap();
+    assert!(manifest.contains(&sha256(&so)));
+}
+
+#[test]
+fn wrong_libraries_are_refused_in_one_line() {
+    let cases: Vec<(PathBuf, &str)> = vec![
+        (PathBuf::from("/no/such/plugin.so"), "no such file"),
+        (root().join("target"), "is a directory"),
+        (root().join("Cargo.toml"), "not a shared library"),
+        (host(), "no `dflash_plugin_*` entry symbol"),
+        (build_plugin("tests/plugins/faulty", "faulty", &["test-fake-abi-2"], "faulty-abi2"), "built for plugin ABI 2.0.0"),
+        (build_plugin("tests/plugins/faulty", "faulty", &["test-old-layout"], "faulty-layout"), "types differ from this host's"),
+        (build_plugin("tests/plugins/faulty", "faulty", &["test-other-libtorch"], "faulty-libtorch"), "libtorch 2.10.0"),
+    ];
+    for (path, want) in cases {
+        let line = error_line(&inspect(&path));
+        assert!(line.contains(want) && line.contains(&path.display().to_string()), "{}: {line}", path.display());
+    }
+    // A good one inspects fine.
+    let ok = build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
+    let out = inspect(&ok);
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("faulty"));
+    // Two libraries with one name.
+    let out = Command::new(host()).args(["--plugin"]).arg(&ok).arg("--plugin").arg(&ok).args(["plugins", "list"]).output().unwrap();
+    assert!(error_line(&out).contains("two optimizer plugins named `faulty`"));
+    // A plugin of the wrong kind for its slot.
+    let (out, _dir) = train(&[], "plugin = \"dflash\"");
+    let line = error_line(&out);
+    assert!(line.contains("[optimizer]") && line.contains("`dflash` is a drafter plugin"), "{line}");
+}
+
+#[test]
+fn a_panic_inside_a_plugin_stops_the_run_with_its_last_checkpoint() {
+    let so = build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
+    let (out, dir) = train(&[&so], "plugin = \"faulty\"\npanic_at_step = 5");
+    let line = error_line(&out);
+    assert!(
+        line.contains("optimizer plugin `faulty`") && line.contains("step") && line.contains("deliberate failure at step 5"),
+        "{line}"
+    );
+    let ckpts = dir.path().join("exp/checkpoints");
+    let names: Vec<String> = std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert!(names.contains(&"step-4".to_string()) && !names.iter().any(|n| n.starts_with("step-5")), "{names:?}");
+    let weights = plugin_api::tch::Tensor::read_safetensors(ckpts.join("step-4/model.safetensors")).unwrap();
+    assert!(!weights.is_empty());
+}
