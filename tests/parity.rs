@@ -15,30 +15,10 @@ use plugin_api::{
     tch::{Device, Kind, Tensor},
     DraftInput, Drafter, NamedTensor, Optimizer, TensorHandle,
 };
-use std::{collections::HashMap, path::Path};
+use std::collections::HashMap;
 
-struct Fixture {
-    tensors: HashMap<String, Tensor>,
-    meta: HashMap<String, String>,
-}
-
-impl Fixture {
-    fn load(name: &str) -> Self {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name);
-        let tensors = Tensor::read_safetensors(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let bytes = std::fs::read(&path).unwrap();
-        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-        Self { tensors: tensors.into_iter().collect(), meta: meta.metadata().clone().unwrap_or_default() }
-    }
-
-    fn get(&self, name: &str) -> Tensor {
-        self.tensors.get(name).unwrap_or_else(|| panic!("fixture tensor `{name}` missing")).shallow_clone()
-    }
-
-    fn json(&self, key: &str) -> serde_json::Value {
-        serde_json::from_str(&self.meta[key]).unwrap()
-    }
-}
+mod common;
+use common::Fixture;
 
 /// ||a - b|| / ||b||, in f64.
 fn rel_err(a: &Tensor, b: &Tensor) -> f64 {

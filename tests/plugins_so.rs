@@ -2,6 +2,8 @@
 //! without rebuilding the host; built-ins can be swapped for their .so; every way a library can
 //! be wrong is refused with one line; a panic inside a plugin stops the run cleanly.
 
+mod common;
+use common::cache;
 use std::{
     path::{Path, PathBuf},
     process::{Command, Output},
@@ -12,11 +14,6 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
-fn cache() -> PathBuf {
-    std::env::var_os("DFLASH_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/dflash"))
-}
 
 fn host() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_dflash-host"))

@@ -3,11 +3,14 @@
 
 pub mod ab;
 pub mod anchors;
+pub mod bench;
 pub mod builtins;
 pub mod compare;
 pub mod config;
 pub mod distill;
+pub mod eval;
 pub mod experiment;
+pub mod export;
 pub mod hidden_cache;
 pub mod loss;
 pub mod plugins;

@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use dflash_host::{ab, config::RunConfig, experiment, plugins, plugins::Registry, run, train};
+use dflash_host::{ab, config::RunConfig, eval, experiment, export, plugins, plugins::Registry, run, train};
 use std::{
     path::{Path, PathBuf},
     process::ExitCode,
@@ -57,10 +57,57 @@ enum Command {
         #[arg(long)]
         seeds: Option<u64>,
     },
+    /// Speculative-decoding eval of an experiment's drafter: real acceptance length tau,
+    /// per-position acceptance, speed-up over the target alone; lossless check. Writes eval.json.
+    Eval {
+        #[arg(long)]
+        exp_dir: PathBuf,
+        /// Checkpoint step (default: the newest).
+        #[arg(long)]
+        checkpoint: Option<u64>,
+        /// Evaluate this z-lab format drafter folder instead of a checkpoint.
+        #[arg(long)]
+        drafter: Option<PathBuf>,
+        /// `holdout` (records the config holds out; never trained on), `humaneval`, or a chat JSONL file.
+        #[arg(long, default_value = "holdout")]
+        prompts: String,
+        /// Prompts to evaluate.
+        #[arg(long, default_value_t = 32)]
+        limit: u32,
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: u32,
+    },
+    /// Export a checkpoint in the z-lab format (config.json + bf16 model.safetensors).
+    Export {
+        #[arg(long)]
+        exp_dir: PathBuf,
+        #[arg(long)]
+        checkpoint: Option<u64>,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCommand,
+    },
     /// List or inspect plugins.
     Plugins {
         #[command(subcommand)]
         command: PluginsCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// The cost of crossing the plugin boundary (ns per call, per tensor handle), and its share
+    /// of a training step of `--exp-dir`'s run. Uses the `adamw` optimizer (built-in, or the
+    /// library given with --plugin).
+    Abi {
+        #[arg(long)]
+        exp_dir: Option<PathBuf>,
+        #[arg(long, default_value_t = 2_000_000)]
+        iters: u64,
     },
 }
 
@@ -107,6 +154,41 @@ fn run() -> Result<ExitCode> {
             let dir = exp_dir.unwrap_or_else(|| experiment::fresh_dir(Path::new("experiments"), &cfg.name));
             let summary = run::run(run::RunSpec { cfg: &cfg, config_path: &config, exp_dir: &dir, registry: &registry, ab: None })?;
             print_summary(&summary);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Eval { exp_dir, checkpoint, drafter, prompts, limit, max_new_tokens } => {
+            let registry = Registry::new(&cli.plugins)?;
+            let (_, mut c) = run::load_experiment(&exp_dir, &registry, checkpoint, drafter.as_deref())?;
+            let opts = eval::EvalOptions { source: prompts, limit, max_new_tokens };
+            let report = eval::evaluate(&mut c, &opts)?;
+            let tau_hat = std::fs::read_to_string(exp_dir.join("metrics.jsonl"))
+                .ok()
+                .and_then(|t| t.lines().last().and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok()))
+                .and_then(|m| m["tau_hat"].as_f64());
+            let mut json = serde_json::to_value(&report)?;
+            json["tau_hat"] = tau_hat.into();
+            std::fs::write(exp_dir.join("eval.json"), serde_json::to_string_pretty(&json)? + "\n")?;
+            println!("prompts      {} ({})", report.prompts, report.source);
+            println!("tau          {:.3}   (tau_hat from training {})", report.tau, tau_hat.map_or("-".into(), |t| format!("{t:.3}")));
+            let acc: Vec<String> = report.acceptance_per_position.iter().map(|a| format!("{a:.2}")).collect();
+            println!("acceptance   {}", acc.join(" "));
+            println!("speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only)", report.speedup, report.spec_tok_per_s, report.target_tok_per_s);
+            println!("lossless     {}", if report.lossless { "yes" } else { "NO" });
+            println!("written      {}", exp_dir.join("eval.json").display());
+            if !report.lossless {
+                anyhow::bail!("speculative decoding differed from the target's greedy output on prompts {:?}", report.mismatches);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench { what: BenchCommand::Abi { exp_dir, iters } } => {
+            let registry = Registry::new(&cli.plugins)?;
+            dflash_host::bench::abi(&registry, exp_dir.as_deref(), iters)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Export { exp_dir, checkpoint, out } => {
+            let ckpt = export::find_checkpoint(&exp_dir, checkpoint)?;
+            export::export(&ckpt, &out)?;
+            println!("exported {} -> {}", ckpt.display(), out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Ab { config, seeds } => {

@@ -25,6 +25,8 @@ pub struct Manifest {
     pub plugins: Vec<PluginRecord>,
     pub target_source: String,
     pub target_sha256: String,
+    /// The config file's folder: relative paths in config.toml resolve from it.
+    pub config_dir: String,
     /// The A/B this run is an arm of, and which arm (absent for plain runs).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ab: Option<String>,
@@ -109,6 +111,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         plugins: components.records.clone(),
         target_source: spec.source.to_string(),
         target_sha256: spec.source_sha256.to_string(),
+        config_dir: config_dir.display().to_string(),
         ab: ab.map(|(name, _)| name.to_string()),
         arm: ab.map(|(_, arm)| arm.to_string()),
     };
@@ -116,4 +119,38 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     let mut exp = Experiment::create(exp_dir, &resolved, &manifest)?;
     tracing::info!("experiment: {}", exp_dir.display());
     train::train(cfg, components, &mut exp, &cache)
+}
+
+/// Rebuild a finished experiment's plugins (eval, export): its resolved config, with the drafter
+/// from `drafter` (a z-lab folder) or else from checkpoint `step` (default: the newest).
+pub fn load_experiment(
+    exp_dir: &Path,
+    registry: &Registry,
+    step: Option<u64>,
+    drafter: Option<&Path>,
+) -> Result<(RunConfig, train::Components)> {
+    let cfg_path = exp_dir.join("config.toml");
+    let mut cfg = RunConfig::load(&cfg_path)?;
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(exp_dir.join("manifest.json")).with_context(|| format!("{}: no manifest.json", exp_dir.display()))?,
+    )?;
+    let config_dir = PathBuf::from(manifest["config_dir"].as_str().unwrap_or("."));
+    if let Some(d) = drafter {
+        let abs = d.canonicalize().with_context(|| format!("{}", d.display()))?;
+        let mut t = toml::Table::new();
+        t.insert("plugin".into(), "dflash".into());
+        t.insert("init_from".into(), abs.display().to_string().into());
+        cfg.drafter = t;
+    }
+    if cfg.device.starts_with("cuda") && !enable_cuda() {
+        anyhow::bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
+    }
+    let mut c = train::build_components(&cfg, registry, &config_dir, &cache_dir())?;
+    if drafter.is_none() {
+        let ckpt = crate::export::find_checkpoint(exp_dir, step)?;
+        let weights = crate::experiment::read_safetensors(&ckpt.join("model.safetensors"))?;
+        c.drafter.load_weights(weights.into()).into_result().map_err(c.err(plugin_api::PluginKind::Drafter, "load_weights"))?;
+        tracing::info!("drafter weights from {}", ckpt.display());
+    }
+    Ok((cfg, c))
 }

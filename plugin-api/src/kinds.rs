@@ -74,13 +74,26 @@ pub trait TargetModel: Send {
 
     /// Greedy generation for each prompt (token ids), up to `max_new_tokens` or a stop token
     /// (included in the result).
-    #[sabi(last_prefix_field)]
     fn generate(
         &mut self,
         prompts: RVec<RVec<u32>>,
         max_new_tokens: u32,
         stop_tokens: RSlice<'_, u32>,
     ) -> RResult<RVec<RVec<u32>>, PluginError>;
+
+    // Incremental decoding (speculative-decoding eval): one sequence's KV cache kept inside the
+    // target. Added in ABI 1.1.
+
+    /// Empty the cache.
+    fn cache_reset(&mut self);
+
+    /// Run `input_ids` [1, L] after the cached tokens (causally, at positions len..len+L): their
+    /// features [1, L, n*H] and logits [1, L, V]; the cache grows by L.
+    fn cache_extend(&mut self, input_ids: &TensorHandle, layer_ids: RSlice<'_, u32>) -> RResult<TargetOutput, PluginError>;
+
+    /// Keep the first `len` cached positions (drops rejected draft tokens).
+    #[sabi(last_prefix_field)]
+    fn cache_truncate(&mut self, len: u32) -> RResult<(), PluginError>;
 }
 
 /// One training forward's input for the drafter.
@@ -208,8 +221,13 @@ pub trait DataLoader: Send {
 
     fn position(&self) -> DataPosition;
 
-    #[sabi(last_prefix_field)]
     fn seek(&mut self, position: DataPosition) -> RResult<(), PluginError>;
+
+    /// Evaluation prompts, never trained on (ABI 1.1): `source` is `holdout` (records the config
+    /// holds out), a named set the plugin knows (`humaneval` for data_chat) or a chat JSONL file;
+    /// each ends with the generation prompt; at most `limit`.
+    #[sabi(last_prefix_field)]
+    fn eval_prompts(&mut self, source: RStr<'_>, limit: u32) -> RResult<RVec<RVec<u32>>, PluginError>;
 }
 
 pub type TargetBox = TargetModel_TO<'static, RBox<()>>;

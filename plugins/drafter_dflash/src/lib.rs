@@ -41,6 +41,10 @@ pub struct DrafterSection {
     /// MLP width (default: the target's).
     #[serde(default)]
     pub intermediate_size: Option<usize>,
+    /// Start from a z-lab format drafter folder (config.json + model.safetensors): its config
+    /// replaces the fields above, its weights the random initialisation.
+    #[serde(default)]
+    pub init_from: Option<String>,
 }
 
 fn default_layers() -> usize {
@@ -134,7 +138,7 @@ impl DFlashPlugin {
         Self { vs, model }
     }
 
-    fn load(&mut self, weights: RVec<NamedTensor>) -> Result<(), PluginError> {
+    pub fn load(&mut self, weights: RVec<NamedTensor>) -> Result<(), PluginError> {
         let mut given: std::collections::HashMap<String, Tensor> =
             weights.into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect();
         let _guard = plugin_api::tch::no_grad_guard();
@@ -149,7 +153,7 @@ impl DFlashPlugin {
                     var.size()
                 )));
             }
-            var.f_copy_(&src)?;
+            var.f_copy_(&src.to_kind(var.kind()).to_device(var.device()))?;
         }
         if let Some(extra) = given.keys().next() {
             return Err(PluginError::new(format!("drafter weights: unexpected tensor `{extra}`")));
@@ -227,6 +231,29 @@ fn info() -> PluginInfo {
     )
 }
 
+/// Read a z-lab format drafter folder: its config, checked against the target, and weights.
+pub fn read_zlab(dir: &std::path::Path, target: &TargetSpec) -> Result<(DFlashConfig, Vec<NamedTensor>), PluginError> {
+    let at = |f: &str| dir.join(f);
+    let text = std::fs::read_to_string(at("config.json")).map_err(|e| PluginError::new(format!("{}: {e}", at("config.json").display())))?;
+    let cfg: DFlashConfig =
+        serde_json::from_str(&text).map_err(|e| PluginError::new(format!("{}: {e}", at("config.json").display())))?;
+    let mismatch = |what: &str, ours: usize, theirs: u32| {
+        Err(PluginError::new(format!("{}: {what} {ours} does not fit the target's {theirs}", dir.display())))
+    };
+    if cfg.hidden_size != target.hidden_size as usize {
+        return mismatch("hidden_size", cfg.hidden_size, target.hidden_size);
+    }
+    if cfg.vocab_size != target.vocab_size as usize {
+        return mismatch("vocab_size", cfg.vocab_size, target.vocab_size);
+    }
+    if let Some(&id) = cfg.dflash_config.target_layer_ids.iter().find(|&&i| i >= target.num_hidden_layers) {
+        return mismatch("target layer", id as usize, target.num_hidden_layers);
+    }
+    let weights = Tensor::read_safetensors(at("model.safetensors"))
+        .map_err(|e| PluginError::new(format!("{}: {e}", at("model.safetensors").display())))?;
+    Ok((cfg, weights.into_iter().map(|(n, t)| NamedTensor::new(n, t)).collect()))
+}
+
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let section: DrafterSection = plugin_api::parse_section(config)?;
     let target = ctx
@@ -234,11 +261,20 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
         .as_ref()
         .into_option()
         .ok_or_else(|| PluginError::new("the dflash drafter needs a target model's spec"))?;
-    let cfg = section.resolve(target)?;
     let device = parse_device(&ctx.device)?;
     let kind = parse_dtype(&ctx.dtype)?;
     plugin_api::tch::manual_seed(ctx.seed as i64);
-    Ok(PluginInstance::Drafter(Drafter_TO::from_value(DFlashPlugin::new(&cfg, device, kind), TD_Opaque)))
+    let drafter = match &section.init_from {
+        Some(dir) => {
+            let dir = std::path::Path::new(ctx.config_dir.as_str()).join(dir);
+            let (cfg, weights) = read_zlab(&dir, target).map_err(|e| e.context("field `init_from`"))?;
+            let mut d = DFlashPlugin::new(&cfg, device, kind);
+            d.load(weights.into()).map_err(|e| e.context(format!("field `init_from`: {}", dir.display())))?;
+            d
+        }
+        None => DFlashPlugin::new(&section.resolve(target)?, device, kind),
+    };
+    Ok(PluginInstance::Drafter(Drafter_TO::from_value(drafter, TD_Opaque)))
 }
 
 plugin_api::declare_plugin!(drafter_dflash, info, create);

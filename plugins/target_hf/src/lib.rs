@@ -55,6 +55,8 @@ pub struct HfTarget {
     pub tokenizer: tokenizers::Tokenizer,
     pub spec: TargetSpec,
     pub generate_batch_size: usize,
+    /// The incremental-decoding session (`cache_*`).
+    pub session: model::KvCache,
 }
 
 impl HfTarget {
@@ -81,7 +83,8 @@ impl HfTarget {
             source: path.display().to_string().into(),
             source_sha256: sha256_path(path).map_err(|e| format!("{}: {e}", path.display()))?.into(),
         };
-        Ok(Self { model, tokenizer: loaded.tokenizer, spec, generate_batch_size })
+        let session = model::KvCache::new(model.cfg.num_hidden_layers);
+        Ok(Self { model, tokenizer: loaded.tokenizer, spec, generate_batch_size, session })
     }
 
     /// Features of `layer_ids` concatenated [B, S, n*H] and optionally logits, for right-padded
@@ -102,6 +105,28 @@ impl HfTarget {
         let hidden = Tensor::cat(&feats, -1);
         let logits = normed.map(|h| self.model.logits(&h));
         Ok((hidden, logits))
+    }
+}
+
+impl HfTarget {
+    /// Extend the session's cache by `ids` [1, L]: features of `layer_ids` and logits.
+    pub fn extend(&mut self, ids: &Tensor, layer_ids: &[u32]) -> Result<(Tensor, Tensor), String> {
+        let n = self.model.cfg.num_hidden_layers;
+        if let Some(bad) = layer_ids.iter().find(|&&i| i as usize >= n) {
+            return Err(format!("layer id {bad} out of range (the target has {n} layers)"));
+        }
+        let _guard = plugin_api::tch::no_grad_guard();
+        let device = self.model.device();
+        let ids = ids.to_device(device);
+        let (past, l) = (self.session.len(), ids.size()[1]);
+        let positions = Tensor::arange_start(past, past + l, (Kind::Int64, device)).unsqueeze(0);
+        // Query i sees every cached key and the new keys up to itself.
+        let q = Tensor::arange_start(past, past + l, (Kind::Int64, device)).unsqueeze(1);
+        let k = Tensor::arange(past + l, (Kind::Int64, device)).unsqueeze(0);
+        let mask = k.le_tensor(&q).unsqueeze(0).unsqueeze(0);
+        let (outs, normed) = self.model.run(&ids, &positions, Some(&mask), Some(&mut self.session), n);
+        let feats: Vec<&Tensor> = layer_ids.iter().map(|&i| &outs[i as usize]).collect();
+        Ok((Tensor::cat(&feats, -1), self.model.logits(&normed.expect("all layers ran"))))
     }
 }
 
@@ -170,6 +195,26 @@ impl TargetModel for HfTarget {
         })
         .into()
     }
+
+    fn cache_reset(&mut self) {
+        self.session = model::KvCache::new(self.model.cfg.num_hidden_layers);
+    }
+
+    fn cache_extend(&mut self, input_ids: &TensorHandle, layer_ids: RSlice<'_, u32>) -> RResult<TargetOutput, PluginError> {
+        plugin_api::catch_plugin_panic(|| {
+            let (hidden, logits) = self.extend(&input_ids.tensor(), &layer_ids).map_err(PluginError::new)?;
+            Ok(TargetOutput { hidden: hidden.into(), logits: ROption::RSome(logits.into()) })
+        })
+        .into()
+    }
+
+    fn cache_truncate(&mut self, len: u32) -> RResult<(), PluginError> {
+        if len as i64 > self.session.len() {
+            return RResult::RErr(PluginError::new(format!("cache_truncate({len}) beyond the cache ({})", self.session.len())));
+        }
+        self.session.truncate(len as i64);
+        RResult::ROk(())
+    }
 }
 
 fn info() -> PluginInfo {
@@ -198,7 +243,3 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
 }
 
 plugin_api::declare_plugin!(target_hf, info, create);
-
-// Keep ROption in scope for the trait's generated signatures.
-#[allow(unused)]
-type _Unused = ROption<()>;

@@ -95,6 +95,14 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Keep the first `len` positions.
+    pub fn truncate(&mut self, len: i64) {
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.narrow(2, 0, len.min(k.size()[2]));
+            *v = v.narrow(2, 0, len.min(v.size()[2]));
+        }
+    }
 }
 
 pub struct Decoder {

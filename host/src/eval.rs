@@ -1,0 +1,203 @@
+//! `dflash-host eval`: real acceptance length by lossless greedy speculative decoding (DFLASH.md,
+//! "Metrics"). Per cycle the drafter proposes a block from the target's features of every
+//! accepted token, the target verifies it in one forward with its KV cache, and the longest
+//! matching prefix plus the target's own next token (the bonus) are kept; the cache is cropped to
+//! what was kept. The output must equal the target's own greedy output token for token.
+
+use crate::{anchors::block_token_ids, train::Components};
+use anyhow::{anyhow, bail, Result};
+use plugin_api::{
+    tch::{self, Device, Kind, Tensor},
+    DraftInput, PluginKind, TensorHandle,
+};
+use serde::Serialize;
+use std::time::Instant;
+
+pub struct EvalOptions {
+    /// `holdout` or a chat JSONL file, through the data plugin.
+    pub source: String,
+    pub limit: u32,
+    pub max_new_tokens: u32,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalReport {
+    pub source: String,
+    pub prompts: usize,
+    pub block_size: usize,
+    /// Mean over responses of (accepted drafts + 1) per draft-verify cycle.
+    pub tau: f64,
+    pub tau_per_response: Vec<f64>,
+    /// Share of full-block cycles whose k-th drafted token was accepted, k = 1..B-1.
+    pub acceptance_per_position: Vec<f64>,
+    pub cycles: usize,
+    pub new_tokens: usize,
+    /// Target-only greedy decoding vs speculative decoding, one sequence at a time.
+    pub target_tok_per_s: f64,
+    pub spec_tok_per_s: f64,
+    pub speedup: f64,
+    /// Every response equal to the target's own greedy output.
+    pub lossless: bool,
+    pub mismatches: Vec<usize>,
+}
+
+fn ids_tensor(ids: &[u32]) -> Tensor {
+    Tensor::from_slice(&ids.iter().map(|&t| t as i64).collect::<Vec<_>>()).unsqueeze(0)
+}
+
+fn argmax_vec(logits: &Tensor) -> Vec<u32> {
+    Vec::<i64>::try_from(logits.argmax(-1, false).to_device(Device::Cpu).flatten(0, -1))
+        .expect("token ids")
+        .into_iter()
+        .map(|t| t as u32)
+        .collect()
+}
+
+/// One draft-verify cycle.
+#[derive(Debug, Clone, Copy)]
+pub struct Cycle {
+    pub accepted: usize,
+    pub drafted: usize,
+    /// Tokens kept: accepted + the bonus, fewer where a stop token or the length cap ended it.
+    pub produced: usize,
+}
+
+/// Greedy speculative decoding of one prompt: the new tokens and its draft-verify cycles.
+pub fn speculative_decode(
+    c: &mut Components,
+    prompt: &[u32],
+    max_new: usize,
+    stop: &[u32],
+    shared: &Shared,
+) -> Result<(Vec<u32>, Vec<Cycle>)> {
+    let _guard = tch::no_grad_guard();
+    let layers = shared.layer_ids.as_slice();
+    c.target.cache_reset();
+    // 1. Prefill: the prompt's features, and the target's first token.
+    let out = c.target.cache_extend(&TensorHandle::new(ids_tensor(prompt)), layers.into()).into_result();
+    let out = out.map_err(c.err(PluginKind::Target, "cache_extend"))?;
+    let mut ctx = out.hidden.into_tensor();
+    let logits = out.logits.into_option().ok_or_else(|| anyhow!("target gave no logits"))?.into_tensor();
+    let mut anchor_tok = *argmax_vec(&logits.select(1, prompt.len() as i64 - 1)).first().expect("one token");
+    let mut anchor_pos = prompt.len();
+    let mut output = vec![anchor_tok];
+    let mut cycles = Vec::new();
+    while output.len() < max_new && !stop.contains(&anchor_tok) {
+        let v = shared.block_size.min(max_new - output.len() + 1);
+        // 2. Draft: [anchor, MASK x (B-1)] over the context strictly before the anchor.
+        let anchors = Tensor::from_slice(&[anchor_pos as i64]).view([1, 1]).to_device(shared.embedding.device());
+        let block = block_token_ids(&ids_tensor(&[anchor_tok]).to_device(anchors.device()), &Tensor::zeros([1, 1], (Kind::Int64, anchors.device())), shared.block_size as i64, shared.mask_token_id);
+        let embeds = Tensor::embedding(&shared.embedding, &block, -1, false, false);
+        let input = DraftInput {
+            target_hidden: TensorHandle::new(ctx.shallow_clone()),
+            block_embeds: TensorHandle::new(embeds),
+            anchors: TensorHandle::new(anchors),
+            anchor_valid: TensorHandle::new(Tensor::ones([1, 1], (Kind::Bool, shared.embedding.device()))),
+        };
+        let h = c.drafter.forward(&input).into_result().map_err(c.err(PluginKind::Drafter, "forward"))?.into_tensor();
+        let drafts = argmax_vec(&h.narrow(1, 1, v as i64 - 1).matmul(&shared.lm_head.tr()));
+        // 3. Verify [anchor, drafts] in one target forward.
+        let mut block_ids = vec![anchor_tok];
+        block_ids.extend_from_slice(&drafts);
+        let out = c.target.cache_extend(&TensorHandle::new(ids_tensor(&block_ids)), layers.into()).into_result();
+        let out = out.map_err(c.err(PluginKind::Target, "cache_extend"))?;
+        let posterior = argmax_vec(&out.logits.into_option().ok_or_else(|| anyhow!("target gave no logits"))?.into_tensor());
+        let accepted = drafts.iter().zip(&posterior).take_while(|(d, p)| d == p).count();
+        // 4. Keep the accepted drafts and the bonus token; crop the cache and extend the context.
+        let kept = (anchor_pos + accepted + 1) as u32;
+        c.target.cache_truncate(kept).into_result().map_err(c.err(PluginKind::Target, "cache_truncate"))?;
+        ctx = Tensor::cat(&[ctx, out.hidden.into_tensor().narrow(1, 0, accepted as i64 + 1)], 1);
+        let mut new: Vec<u32> = drafts[..accepted].to_vec();
+        new.push(posterior[accepted]);
+        let mut produced = 0;
+        for t in new {
+            output.push(t);
+            produced += 1;
+            if stop.contains(&t) || output.len() >= max_new {
+                cycles.push(Cycle { accepted, drafted: v - 1, produced });
+                return Ok((output, cycles));
+            }
+        }
+        cycles.push(Cycle { accepted, drafted: v - 1, produced });
+        anchor_pos += accepted + 1;
+        anchor_tok = *output.last().expect("nonempty");
+    }
+    Ok((output, cycles))
+}
+
+/// Frozen tensors and drafter facts every cycle needs.
+pub struct Shared {
+    pub embedding: Tensor,
+    pub lm_head: Tensor,
+    pub layer_ids: Vec<u32>,
+    pub block_size: usize,
+    pub mask_token_id: i64,
+}
+
+pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
+    let tokenizer = c.target.tokenizer_json();
+    c.data.open(tokenizer.as_rstr()).into_result().map_err(c.err(PluginKind::DataLoader, "open"))?;
+    let prompts = c.data.eval_prompts(opts.source.as_str().into(), opts.limit).into_result();
+    let prompts = prompts.map_err(c.err(PluginKind::DataLoader, "eval_prompts"))?;
+    if prompts.is_empty() {
+        bail!("no evaluation prompts from `{}`", opts.source);
+    }
+    let shared = Shared {
+        embedding: c.target.embedding().into_tensor(),
+        lm_head: c.target.lm_head().into_tensor(),
+        layer_ids: c.drafter.target_layer_ids().into_vec(),
+        block_size: c.drafter.block_size() as usize,
+        mask_token_id: c.drafter.mask_token_id() as i64,
+    };
+    let stop = [c.target.spec().eos_token_id];
+    let bar = indicatif::ProgressBar::new(prompts.len() as u64);
+    let (mut t_target, mut t_spec, mut n_target, mut n_spec) = (0.0, 0.0, 0usize, 0usize);
+    let mut taus = Vec::new();
+    let mut mismatches = Vec::new();
+    let mut accepted_at = vec![0usize; shared.block_size - 1];
+    let (mut full_cycles, mut all_cycles) = (0usize, 0usize);
+    for (i, prompt) in prompts.iter().enumerate() {
+        let t0 = Instant::now();
+        let base = c.target.generate(vec![prompt.clone()].into(), opts.max_new_tokens, stop.as_slice().into()).into_result();
+        let base = base.map_err(c.err(PluginKind::Target, "generate"))?.remove(0).into_vec();
+        t_target += t0.elapsed().as_secs_f64();
+        n_target += base.len();
+        let t1 = Instant::now();
+        let (spec, cycles) = speculative_decode(c, prompt, opts.max_new_tokens as usize, &stop, &shared)?;
+        t_spec += t1.elapsed().as_secs_f64();
+        n_spec += spec.len();
+        if spec != base {
+            tracing::error!("prompt {i}: speculative output differs from the target's greedy output");
+            mismatches.push(i);
+        }
+        // tau per response: mean tokens kept per cycle (the prefill's first token is no cycle).
+        if !cycles.is_empty() {
+            taus.push(cycles.iter().map(|c| c.produced as f64).sum::<f64>() / cycles.len() as f64);
+        }
+        all_cycles += cycles.len();
+        for cy in cycles.iter().filter(|cy| cy.drafted == shared.block_size - 1) {
+            full_cycles += 1;
+            for slot in accepted_at.iter_mut().take(cy.accepted) {
+                *slot += 1;
+            }
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let tau = taus.iter().sum::<f64>() / taus.len().max(1) as f64;
+    Ok(EvalReport {
+        source: opts.source.clone(),
+        prompts: prompts.len(),
+        block_size: shared.block_size,
+        tau,
+        tau_per_response: taus,
+        acceptance_per_position: accepted_at.iter().map(|&n| n as f64 / full_cycles.max(1) as f64).collect(),
+        cycles: all_cycles,
+        new_tokens: n_spec,
+        target_tok_per_s: n_target as f64 / t_target,
+        spec_tok_per_s: n_spec as f64 / t_spec,
+        speedup: t_target / t_spec * (n_spec as f64 / n_target.max(1) as f64),
+        lossless: mismatches.is_empty(),
+        mismatches,
+    })
+}

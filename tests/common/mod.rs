@@ -1,0 +1,42 @@
+//! Helpers shared by the cross-crate tests (each test file includes this with `mod common;`).
+#![allow(dead_code)] // not every test file uses every helper
+
+use plugin_api::tch::Tensor;
+use std::{collections::HashMap, path::Path, path::PathBuf};
+
+/// The asset cache `make setup` fills (DFLASH_CACHE, default ~/.cache/dflash).
+pub fn cache() -> PathBuf {
+    std::env::var_os("DFLASH_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/dflash"))
+}
+
+/// The real SmolLM2 GGUF, or a failure that says how to get it.
+pub fn require_model() {
+    let p = cache().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.exists(), "{} is missing: run `make setup`", p.display());
+}
+
+/// A PyTorch fixture from tests/fixtures/ (scripts/make_fixtures.py): tensors and metadata.
+pub struct Fixture {
+    tensors: HashMap<String, Tensor>,
+    pub meta: HashMap<String, String>,
+}
+
+impl Fixture {
+    pub fn load(name: &str) -> Self {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures").join(name);
+        let tensors = Tensor::read_safetensors(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let bytes = std::fs::read(&path).unwrap();
+        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        Self { tensors: tensors.into_iter().collect(), meta: meta.metadata().clone().unwrap_or_default() }
+    }
+
+    pub fn get(&self, name: &str) -> Tensor {
+        self.tensors.get(name).unwrap_or_else(|| panic!("fixture tensor `{name}` missing")).shallow_clone()
+    }
+
+    pub fn json(&self, key: &str) -> serde_json::Value {
+        serde_json::from_str(&self.meta[key]).unwrap()
+    }
+}
