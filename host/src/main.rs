@@ -167,14 +167,20 @@ fn run() -> Result<ExitCode> {
                 .and_then(|m| m["tau_hat"].as_f64());
             let mut json = serde_json::to_value(&report)?;
             json["tau_hat"] = tau_hat.into();
-            std::fs::write(exp_dir.join("eval.json"), serde_json::to_string_pretty(&json)? + "\n")?;
+            // eval.json is the held-out result `compare` shows; other prompt sets get their own file.
+            let name = match prompts_name(&report.source) {
+                Some(n) => format!("eval-{n}.json"),
+                None => "eval.json".into(),
+            };
+            let written = exp_dir.join(name);
+            std::fs::write(&written, serde_json::to_string_pretty(&json)? + "\n")?;
             println!("prompts      {} ({})", report.prompts, report.source);
             println!("tau          {:.3}   (tau_hat from training {})", report.tau, tau_hat.map_or("-".into(), |t| format!("{t:.3}")));
             let acc: Vec<String> = report.acceptance_per_position.iter().map(|a| format!("{a:.2}")).collect();
             println!("acceptance   {}", acc.join(" "));
             println!("speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only)", report.speedup, report.spec_tok_per_s, report.target_tok_per_s);
             println!("lossless     {}", if report.lossless { "yes" } else { "NO" });
-            println!("written      {}", exp_dir.join("eval.json").display());
+            println!("written      {}", written.display());
             if !report.lossless {
                 anyhow::bail!("speculative decoding differed from the target's greedy output on prompts {:?}", report.mismatches);
             }
@@ -220,6 +226,14 @@ fn run() -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// A file-name-safe name for a non-default prompt set (None for `holdout`).
+fn prompts_name(source: &str) -> Option<String> {
+    (source != "holdout").then(|| {
+        let stem = Path::new(source).file_stem().and_then(|s| s.to_str()).unwrap_or(source);
+        stem.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect()
+    })
 }
 
 fn print_plugins<'a>(records: impl Iterator<Item = &'a plugins::PluginRecord>) {
