@@ -7,7 +7,7 @@ mod common;
 use common::cache;
 
 
-const TINY: &str = r#"
+const HEAD: &str = r#"
 name = "tiny"
 seed = 3
 
@@ -17,33 +17,11 @@ anchors_per_seq = 8
 log_every = 1
 checkpoint_every = 4
 keep_checkpoints = 1
-
-[target]
-plugin = "hf"
-path = "$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-[drafter]
-plugin = "dflash"
-num_hidden_layers = 1
-block_size = 4
-num_target_features = 2
-mask_token_id = 16
-
-[optimizer]
-plugin = "adamw"
-lr = 3e-3
-weight_decay = 0.0
-
-[data]
-plugin = "chat"
-path = "$DFLASH_CACHE/chitchat.json"
-format = "chitchat"
-batch_size = 2
-max_len = 96
-max_records = 6
-eval_holdout = 3
-distill_max_new_tokens = 12
 "#;
+
+fn tiny() -> String {
+    common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3\nweight_decay = 0.0")
+}
 
 fn run(config: &str) -> (std::process::Output, tempfile::TempDir) {
     common::require_model();
@@ -64,7 +42,7 @@ fn run(config: &str) -> (std::process::Output, tempfile::TempDir) {
 
 #[test]
 fn a_short_run_writes_a_complete_experiment_and_learns() {
-    let (out, dir) = run(TINY);
+    let (out, dir) = run(&tiny());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "train failed:\n{stderr}");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -113,26 +91,26 @@ fn a_short_run_writes_a_complete_experiment_and_learns() {
 
 #[test]
 fn config_errors_name_the_file_line_and_field() {
-    let (out, _dir) = run(&TINY.replace("lr = 3e-3", "lr = 3e-3\nlearning_rate = 1"));
+    let (out, _dir) = run(&tiny().replace("lr = 3e-3", "lr = 3e-3\nlearning_rate = 1"));
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("run.toml") && err.contains("[optimizer]") && err.contains("learning_rate"), "{err}");
 
-    let (out, _dir) = run(&TINY.replace("lr = 3e-3", "lr = -1.0"));
+    let (out, _dir) = run(&tiny().replace("lr = 3e-3", "lr = -1.0"));
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2));
     assert!(err.contains("`lr`") && err.contains("-1"), "{err}");
 
-    let (out, _dir) = run(&TINY.replace("steps = 8", "steps = 0"));
+    let (out, _dir) = run(&tiny().replace("steps = 8", "steps = 0"));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("train.steps") && err.contains("run.toml"), "{err}");
 
-    let (out, _dir) = run(&TINY.replace("name = \"tiny\"", "name = \"../escape\""));
+    let (out, _dir) = run(&tiny().replace("name = \"tiny\"", "name = \"../escape\""));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not a valid experiment name"), "{err}");
 
     // One line says it all: file, line, section, plugin, field, why.
-    let (out, _dir) = run(&TINY.replace("max_len = 96", "max_len = \"long\""));
+    let (out, _dir) = run(&tiny().replace("max_len = 96", "max_len = \"long\""));
     let err = String::from_utf8_lossy(&out.stderr);
     let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
     assert!(line.contains("run.toml:") && line.contains("[data]") && line.contains("field `max_len`: invalid type"), "{err}");
@@ -140,7 +118,7 @@ fn config_errors_name_the_file_line_and_field() {
 
 #[test]
 fn eval_is_lossless_and_reports_acceptance() {
-    let (out, dir) = run(TINY);
+    let (out, dir) = run(&tiny());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let exp = dir.path().join("exp");
     let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))

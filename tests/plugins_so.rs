@@ -50,7 +50,7 @@ fn build_plugin(crate_dir: &str, lib: &str, features: &[&str], name: &str) -> Pa
     dest
 }
 
-const TINY: &str = r#"
+const HEAD: &str = r#"
 name = "so"
 seed = 5
 [train]
@@ -58,31 +58,12 @@ steps = 20
 anchors_per_seq = 8
 log_every = 5
 checkpoint_every = 2
-[target]
-plugin = "hf"
-path = "$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
-[drafter]
-plugin = "dflash"
-num_hidden_layers = 1
-block_size = 4
-num_target_features = 2
-mask_token_id = 16
-[optimizer]
-OPTIMIZER
-[data]
-plugin = "chat"
-path = "$DFLASH_CACHE/chitchat.json"
-format = "chitchat"
-batch_size = 2
-max_len = 96
-max_records = 6
-distill_max_new_tokens = 12
 "#;
 
 fn train(plugins: &[&Path], optimizer: &str) -> (Output, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("run.toml");
-    std::fs::write(&cfg, TINY.replace("OPTIMIZER", optimizer)).unwrap();
+    std::fs::write(&cfg, common::tiny_config(HEAD, optimizer)).unwrap();
     let mut cmd = Command::new(host());
     for p in plugins {
         cmd.arg("--plugin").arg(p);

@@ -4,7 +4,6 @@
 use crate::plugins::Registry;
 use anyhow::{anyhow, Result};
 use plugin_api::{
-    abi_stable::std_types::RNone,
     tch::{Kind, Tensor},
     HostContext, PluginInstance, PluginKind, TensorHandle,
 };
@@ -29,14 +28,7 @@ fn ns_per(iters: u64, f: impl Fn()) -> f64 {
 }
 
 pub fn abi(registry: &Registry, exp_dir: Option<&Path>, iters: u64) -> Result<()> {
-    let ctx = HostContext {
-        device: "cpu".into(),
-        dtype: "f32".into(),
-        seed: 0,
-        config_dir: ".".into(),
-        cache_dir: ".".into(),
-        target: RNone,
-    };
+    let ctx = HostContext::cpu();
     let plugin = registry.find(PluginKind::Optimizer, "adamw")?;
     let PluginInstance::Optimizer(opt) = (plugin.module.create())("lr = 1e-3".into(), &ctx).into_result().map_err(|e| anyhow!("{e}"))? else {
         return Err(anyhow!("adamw did not create an optimizer"));

@@ -98,6 +98,20 @@ pub struct HostContext {
     pub target: ROption<TargetSpec>,
 }
 
+impl HostContext {
+    /// CPU, f32, seed 0, no target: for tests and tools that create one plugin on its own.
+    pub fn cpu() -> Self {
+        Self {
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            seed: 0,
+            config_dir: ".".into(),
+            cache_dir: ".".into(),
+            target: ROption::RNone,
+        }
+    }
+}
+
 /// A created plugin instance of one kind.
 #[repr(u8)]
 #[derive(StableAbi)]

@@ -17,6 +17,38 @@ pub fn require_model() {
     assert!(p.exists(), "{} is missing: run `make setup`", p.display());
 }
 
+/// A small run on the real target and data, seconds a step: `head` is the top of the file
+/// (name, seed, `[train]`), `optimizer` the body of `[optimizer]`.
+pub fn tiny_config(head: &str, optimizer: &str) -> String {
+    format!(
+        r#"{head}
+[target]
+plugin = "hf"
+path = "$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+[drafter]
+plugin = "dflash"
+num_hidden_layers = 1
+block_size = 4
+num_target_features = 2
+mask_token_id = 16
+
+[optimizer]
+{optimizer}
+
+[data]
+plugin = "chat"
+path = "$DFLASH_CACHE/chitchat.json"
+format = "chitchat"
+batch_size = 2
+max_len = 96
+max_records = 6
+eval_holdout = 3
+distill_max_new_tokens = 12
+"#
+    )
+}
+
 /// A PyTorch fixture from tests/fixtures/ (scripts/make_fixtures.py): tensors and metadata.
 pub struct Fixture {
     tensors: HashMap<String, Tensor>,

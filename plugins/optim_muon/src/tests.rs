@@ -291,14 +291,7 @@ fn parameters_without_grad_are_skipped() {
 fn plugin_info_and_create() {
     assert_eq!(info().name.as_str(), "muon");
     assert_eq!(info().kind, PluginKind::Optimizer);
-    let ctx = HostContext {
-        device: "cpu".into(),
-        dtype: "f32".into(),
-        seed: 0,
-        config_dir: ".".into(),
-        cache_dir: ".".into(),
-        target: plugin_api::abi_stable::std_types::ROption::RNone,
-    };
+    let ctx = HostContext::cpu();
     let Ok(PluginInstance::Optimizer(opt)) = create("lr = 0.05", &ctx) else { panic!("not an optimizer") };
     assert_eq!(opt.base_lr(), 0.05);
     let Err(e) = create("momentum = 2.0", &ctx) else { panic!("bad config accepted") };
