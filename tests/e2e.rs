@@ -153,3 +153,39 @@ fn eval_is_lossless_and_reports_acceptance() {
         .unwrap();
     assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("lossless     yes"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits_130() {
+    common::require_model();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(&cfg, tiny().replace("steps = 8", "steps = 500").replace("checkpoint_every = 4", "checkpoint_every = 0")).unwrap();
+    let exp = dir.path().join("exp");
+    let child = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .arg("--exp-dir")
+        .arg(&exp)
+        .env("DFLASH_CACHE", cache())
+        .env_remove("RUST_BACKTRACE")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until training is under way (two logged steps), then interrupt.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    while std::fs::read_to_string(exp.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 2 {
+        assert!(std::time::Instant::now() < deadline, "training never started");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let killed = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(killed.success());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(err.contains("SIGINT: stopped after step"), "{err}");
+    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("summary.json")).unwrap()).unwrap();
+    let step = state["steps"].as_u64().unwrap();
+    assert!(step >= 2 && step < 500, "stopped at step {step}");
+    let ckpt = exp.join(format!("checkpoints/step-{step}"));
+    assert!(plugin_api::tch::Tensor::read_safetensors(ckpt.join("model.safetensors")).is_ok(), "{}", ckpt.display());
+}

@@ -154,7 +154,7 @@ fn run() -> Result<ExitCode> {
             let dir = exp_dir.unwrap_or_else(|| experiment::fresh_dir(Path::new("experiments"), &cfg.name));
             let summary = run::run(run::RunSpec { cfg: &cfg, config_path: &config, exp_dir: &dir, registry: &registry, ab: None })?;
             print_summary(&summary);
-            Ok(ExitCode::SUCCESS)
+            Ok(summary.interrupted.map_or(ExitCode::SUCCESS, ExitCode::from))
         }
         Command::Eval { exp_dir, checkpoint, drafter, prompts, limit, max_new_tokens } => {
             let registry = Registry::new(&cli.plugins)?;
@@ -218,6 +218,9 @@ fn run() -> Result<ExitCode> {
                         ab: Some((&ab_name, &r.arm)),
                     })?;
                     print_summary(&summary);
+                    if let Some(code) = summary.interrupted {
+                        return Ok(ExitCode::from(code)); // rerunning the A/B resumes with the next run
+                    }
                 }
                 dirs.push(r.dir.clone());
             }

@@ -21,7 +21,14 @@ use plugin_api::{
     TensorHandle,
 };
 use serde::Serialize;
-use std::{path::Path, time::Instant};
+use std::{
+    path::Path,
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Instant,
+};
 
 /// The four components of a run, created from the config's sections.
 pub struct Components {
@@ -119,6 +126,37 @@ pub struct TrainSummary {
     pub first: Option<StepMetrics>,
     pub last: Option<StepMetrics>,
     pub last_checkpoint: Option<String>,
+    /// Exit code when a signal stopped the run (130 SIGINT, 143 SIGTERM).
+    pub interrupted: Option<u8>,
+}
+
+/// SIGINT / SIGTERM: the first lets the current step finish, then a checkpoint is written and the
+/// run stops (exit 130 / 143); a second one exits at once (checkpoints are written whole or not
+/// at all, so nothing on disk is left half-written).
+pub struct StopSignal {
+    code: Arc<AtomicUsize>,
+}
+
+impl StopSignal {
+    pub fn install() -> Result<Self> {
+        use signal_hook::{consts::*, flag};
+        let code = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(AtomicBool::new(false));
+        for (sig, exit) in [(SIGINT, 130), (SIGTERM, 143)] {
+            flag::register_conditional_shutdown(sig, exit, Arc::clone(&seen))?;
+            flag::register(sig, Arc::clone(&seen))?;
+            flag::register_usize(sig, Arc::clone(&code), exit as usize)?;
+        }
+        Ok(Self { code })
+    }
+
+    /// The exit code if a signal asked to stop.
+    pub fn requested(&self) -> Option<u8> {
+        match self.code.load(Ordering::Relaxed) {
+            0 => None,
+            c => Some(c as u8),
+        }
+    }
 }
 
 /// Window accumulators between two log lines.
@@ -210,6 +248,8 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     let mut state = TrainerState { step: 0, tokens: 0, draft_tokens: 0, data_epoch: 0, data_index: 0, micro_batches: 0, seed: cfg.seed };
     let mut window = Window { correct: vec![0; block_size as usize - 1], count: vec![0; block_size as usize - 1], ..Default::default() };
     let (mut first, mut last, mut last_ckpt) = (None, None, None);
+    let stop = StopSignal::install()?;
+    let mut interrupted = None;
     for step in 1..=t.steps {
         window.started.get_or_insert_with(Instant::now);
         for _ in 0..t.grad_accum {
@@ -322,7 +362,8 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
             last = Some(m);
             window = Window { correct: vec![0; block_size as usize - 1], count: vec![0; block_size as usize - 1], ..Default::default() };
         }
-        if (t.checkpoint_every > 0 && step % t.checkpoint_every == 0) || step == t.steps {
+        interrupted = stop.requested();
+        if (t.checkpoint_every > 0 && step % t.checkpoint_every == 0) || step == t.steps || interrupted.is_some() {
             let dir = exp.save_checkpoint(
                 step,
                 &c.drafter.parameters(),
@@ -334,6 +375,13 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
             last_ckpt = Some(dir.display().to_string());
         }
         bar.inc(1);
+        if let Some(code) = interrupted {
+            bar.suspend(|| {
+                let sig = if code == 130 { "SIGINT" } else { "SIGTERM" };
+                tracing::warn!("{sig}: stopped after step {step}; checkpoint {}", last_ckpt.as_deref().unwrap_or("-"));
+            });
+            break;
+        }
     }
     bar.finish_and_clear();
     let summary = TrainSummary {
@@ -344,6 +392,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         first,
         last,
         last_checkpoint: last_ckpt,
+        interrupted,
     };
     exp.write_summary(&summary)?;
     Ok(summary)
