@@ -1,0 +1,416 @@
+//! The comparison as plots (plotters; PNG and SVG; a bundled font, so no system fonts needed).
+
+use super::*;
+use plotters::{
+    coord::{
+        ranged1d::{AsRangedCoord, DefaultFormatting, KeyPointHint, Ranged, ValueFormatter},
+        Shift,
+    },
+    prelude::*,
+};
+use std::{ops::Range, sync::Once};
+
+
+/// Tableau 10: distinct, colour-blind-friendly-ish group colours.
+pub(super) const COLORS: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+pub(super) const SIZE: (u32, u32) = (1000, 600);
+pub(super) const FONT: &str = "sans-serif";
+/// Points drawn per run line at most (SVG size stays small on long runs).
+pub(super) const MAX_POINTS: usize = 2000;
+
+/// Plotters' `ab_glyph` backend reads no system fonts: register the DejaVu Sans the `dejavu` crate
+/// embeds, so text renders on any machine.
+pub(super) fn register_fonts() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let ok = plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).is_ok()
+            && plotters::style::register_font(FONT, FontStyle::Bold, dejavu::sans::bold()).is_ok();
+        if !ok {
+            tracing::warn!("could not register the embedded DejaVu font: plot text will fail");
+        }
+    });
+}
+
+pub(super) fn plot_err(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow!("{e}")
+}
+
+/// A log-scale axis ticked at 1, 2, 5 × 10^k (plotters' `LogCoord` ticks only powers of ten from
+/// the first one inside the range, so a loss between 4 and 9 gets no label).
+#[derive(Clone)]
+pub(super) struct LogAxis(Range<f64>);
+
+impl LogAxis {
+    /// m × 10^k inside the range, for the mantissas given.
+    fn ticks(&self, mantissas: &[f64]) -> Vec<f64> {
+        let (lo, hi) = (self.0.start, self.0.end);
+        let mut out = Vec::new();
+        for k in lo.log10().floor() as i32..=hi.log10().ceil() as i32 {
+            for m in mantissas {
+                let v = m * 10f64.powi(k);
+                if v >= lo && v <= hi {
+                    out.push(v);
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Ranged for LogAxis {
+    type FormatOption = DefaultFormatting;
+    type ValueType = f64;
+
+    fn map(&self, value: &f64, limit: (i32, i32)) -> i32 {
+        let (a, b) = (self.0.start.ln(), self.0.end.ln());
+        let f = (value.max(f64::MIN_POSITIVE).ln() - a) / (b - a);
+        limit.0 + (f * f64::from(limit.1 - limit.0)).round() as i32
+    }
+
+    fn key_points<Hint: KeyPointHint>(&self, hint: Hint) -> Vec<f64> {
+        let max = hint.max_num_points();
+        let sets: [&[f64]; 3] = [&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], &[1.0, 2.0, 5.0], &[1.0]];
+        sets.iter().map(|m| self.ticks(m)).find(|t| t.len() <= max).unwrap_or_default()
+    }
+
+    fn range(&self) -> Range<f64> {
+        self.0.clone()
+    }
+}
+
+/// A figure drawn the same way on any plotters backend.
+pub(super) trait Figure {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()>;
+}
+
+/// Write `<stem>.png` and `<stem>.svg`.
+pub(super) fn save(fig: &impl Figure, out: &Path, stem: &str) -> Result<()> {
+    register_fonts();
+    let png = out.join(format!("{stem}.png"));
+    {
+        let root = BitMapBackend::new(&png, SIZE).into_drawing_area();
+        fig.draw(&root)?;
+        root.present().map_err(plot_err).with_context(|| format!("writing {}", png.display()))?;
+    }
+    let svg = out.join(format!("{stem}.svg"));
+    {
+        let root = SVGBackend::new(&svg, SIZE).into_drawing_area();
+        fig.draw(&root)?;
+        root.present().map_err(plot_err).with_context(|| format!("writing {}", svg.display()))?;
+    }
+    Ok(())
+}
+
+pub(super) struct Line {
+    group: usize,
+    points: Vec<(f64, f64)>,
+    /// Unfinished runs are dashed.
+    finished: bool,
+}
+
+/// Metric vs tokens: a thin line per run, a thick mean line per group, T marked.
+pub(super) struct CurveFigure {
+    title: String,
+    y_desc: String,
+    log_y: bool,
+    runs: Vec<Line>,
+    /// (group index, label, mean points).
+    means: Vec<(usize, String, Vec<(f64, f64)>)>,
+    tokens: Option<f64>,
+    legend: SeriesLabelPosition,
+    group_names: Vec<String>,
+}
+
+impl CurveFigure {
+    fn new(title: &str, y_desc: &str, log_y: bool, runs: &[Run], cmp: &Comparison, metric: fn(&Record) -> f64) -> Self {
+        let group_of = |r: &Run| cmp.groups.iter().position(|g| g.name == r.group);
+        let lines = runs
+            .iter()
+            .filter_map(|r| {
+                let group = group_of(r)?;
+                let points = decimate(r.records.iter().map(|x| (x.tokens, metric(x))).filter(|p| p.1.is_finite()).collect());
+                Some(Line { group, points, finished: r.status == Status::Complete })
+            })
+            .collect();
+        let means = cmp
+            .groups
+            .iter()
+            .enumerate()
+            .filter_map(|(gi, g)| {
+                let members: Vec<&Run> = g.members.iter().map(|&i| &runs[i]).collect();
+                let points = mean_curve(&members, metric);
+                (!points.is_empty()).then(|| (gi, format!("{} (n={})", g.name, members.len()), points))
+            })
+            .collect();
+        Self {
+            title: title.into(),
+            y_desc: y_desc.into(),
+            log_y,
+            runs: lines,
+            means,
+            tokens: cmp.tokens,
+            legend: SeriesLabelPosition::UpperRight,
+            group_names: cmp.groups.iter().map(|g| g.name.clone()).collect(),
+        }
+    }
+
+    fn draw_on<DB: DrawingBackend, Y>(&self, root: &DrawingArea<DB, Shift>, y: Y, y_range: (f64, f64)) -> Result<()>
+    where
+        Y: AsRangedCoord<Value = f64>,
+        Y::CoordDescType: Ranged<ValueType = f64> + ValueFormatter<f64>,
+    {
+        let x_max = self.runs.iter().flat_map(|l| l.points.iter().map(|p| p.0)).fold(0.0, f64::max).max(1.0);
+        let mut chart = ChartBuilder::on(root)
+            .caption(&self.title, (FONT, 24))
+            .margin(18)
+            .x_label_area_size(50)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..x_max * 1.02, y)
+            .map_err(plot_err)?;
+        let decimals = tick_decimals(y_range.1 - y_range.0);
+        let y_fmt = |v: &f64| trim_decimals(*v, if self.log_y { decimals.max(1) + 1 } else { decimals });
+        chart
+            .configure_mesh()
+            .x_desc("target tokens")
+            .y_desc(self.y_desc.as_str())
+            .x_label_formatter(&|x| fmt_tokens_short(*x))
+            .y_label_formatter(&y_fmt)
+            .label_style((FONT, 14))
+            .axis_desc_style((FONT, 16))
+            .light_line_style(RGBColor(240, 240, 240))
+            .bold_line_style(RGBColor(215, 215, 215))
+            .draw()
+            .map_err(plot_err)?;
+        let mut labelled: Vec<usize> = self.means.iter().map(|m| m.0).collect();
+        for line in &self.runs {
+            let color = COLORS[line.group % COLORS.len()];
+            let style = color.mix(0.45).stroke_width(1);
+            let drawn = if line.finished {
+                chart.draw_series(LineSeries::new(line.points.iter().copied(), style)).map_err(plot_err)?
+            } else {
+                chart.draw_series(DashedLineSeries::new(line.points.iter().copied(), 6, 4, style)).map_err(plot_err)?
+            };
+            // A group with no mean line (no complete run) still gets a legend entry.
+            if !labelled.contains(&line.group) {
+                labelled.push(line.group);
+                drawn
+                    .label(format!("{} (no complete run)", self.group_names[line.group]))
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(1)));
+            }
+        }
+        for (gi, label, points) in &self.means {
+            let color = COLORS[gi % COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(3)))
+                .map_err(plot_err)?
+                .label(label.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(3)));
+        }
+        if let Some(t) = self.tokens {
+            let grey = RGBColor(90, 90, 90);
+            chart
+                .draw_series(DashedLineSeries::new([(t, y_range.0), (t, y_range.1)], 5, 5, grey.stroke_width(1)))
+                .map_err(plot_err)?
+                .label(format!("T = {} tokens", fmt_tokens_short(t)))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], grey.stroke_width(1)));
+        }
+        chart
+            .configure_series_labels()
+            .position(self.legend.clone())
+            .background_style(WHITE.mix(0.9))
+            .border_style(RGBColor(180, 180, 180))
+            .label_font((FONT, 14))
+            .draw()
+            .map_err(plot_err)?;
+        Ok(())
+    }
+}
+
+impl Figure for CurveFigure {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        root.fill(&WHITE).map_err(plot_err)?;
+        let ys: Vec<f64> = self.runs.iter().flat_map(|l| l.points.iter().map(|p| p.1)).filter(|y| y.is_finite()).collect();
+        let (lo, hi) = ys.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &y| (a.min(y), b.max(y)));
+        if !lo.is_finite() {
+            return self.draw_on(root, 0.0..1.0, (0.0, 1.0));
+        }
+        if self.log_y && lo > 0.0 {
+            let (lo, hi) = (lo / 1.15, hi * 1.15);
+            self.draw_on(root, LogAxis(lo..hi), (lo, hi))
+        } else {
+            let pad = ((hi - lo) * 0.08).max(1e-3);
+            self.draw_on(root, (lo - pad)..(hi + pad), (lo - pad, hi + pad))
+        }
+    }
+}
+
+/// Accuracy per block position at T: a line per group (mean), whiskers ± std.
+pub(super) struct AccFigure {
+    title: String,
+    /// (label, [(position, mean, std)]).
+    groups: Vec<(String, Vec<(f64, f64, f64)>)>,
+}
+
+impl Figure for AccFigure {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        root.fill(&WHITE).map_err(plot_err)?;
+        let positions = self.groups.iter().map(|g| g.1.len()).max().unwrap_or(1).max(1);
+        let hi = self.groups.iter().flat_map(|g| g.1.iter().map(|p| p.1 + p.2)).filter(|v| v.is_finite()).fold(0.0, f64::max);
+        let y_max = (hi * 1.2).clamp(0.01, 1.0);
+        let mut chart = ChartBuilder::on(root)
+            .caption(&self.title, (FONT, 24))
+            .margin(18)
+            .x_label_area_size(50)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.5..positions as f64 + 0.5, 0.0..y_max)
+            .map_err(plot_err)?;
+        chart
+            .configure_mesh()
+            .x_desc("block position")
+            .y_desc("top-1 accuracy")
+            .x_labels(positions.min(32))
+            .x_label_formatter(&|x| if (x - x.round()).abs() < 1e-6 { format!("{x:.0}") } else { String::new() })
+            .y_label_formatter(&|y| trim_decimals(*y, tick_decimals(y_max)))
+            .label_style((FONT, 14))
+            .axis_desc_style((FONT, 16))
+            .light_line_style(RGBColor(240, 240, 240))
+            .bold_line_style(RGBColor(215, 215, 215))
+            .draw()
+            .map_err(plot_err)?;
+        let n = self.groups.len() as f64;
+        for (gi, (label, points)) in self.groups.iter().enumerate() {
+            let color = COLORS[gi % COLORS.len()];
+            // Offset groups a little so whiskers do not overlap.
+            let dx = (gi as f64 - (n - 1.0) / 2.0) * 0.06;
+            let pts: Vec<(f64, f64)> = points.iter().filter(|p| p.1.is_finite()).map(|p| (p.0 + dx, p.1)).collect();
+            chart
+                .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
+                .map_err(plot_err)?
+                .label(label.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(2)));
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled()))).map_err(plot_err)?;
+            let whiskers = points.iter().filter(|p| p.1.is_finite() && p.2 > 0.0).flat_map(|&(x, m, sd)| {
+                let x = x + dx;
+                let (a, b) = ((m - sd).max(0.0), m + sd);
+                [
+                    PathElement::new(vec![(x, a), (x, b)], color.stroke_width(1)),
+                    PathElement::new(vec![(x - 0.05, a), (x + 0.05, a)], color.stroke_width(1)),
+                    PathElement::new(vec![(x - 0.05, b), (x + 0.05, b)], color.stroke_width(1)),
+                ]
+            });
+            chart.draw_series(whiskers).map_err(plot_err)?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(RGBColor(180, 180, 180))
+            .label_font((FONT, 14))
+            .draw()
+            .map_err(plot_err)?;
+        Ok(())
+    }
+}
+
+/// Keep at most MAX_POINTS points, always the last.
+pub(super) fn decimate(points: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
+    if points.len() <= MAX_POINTS {
+        return points;
+    }
+    let stride = points.len().div_ceil(MAX_POINTS);
+    let last = *points.last().expect("non-empty");
+    let mut out: Vec<(f64, f64)> = points.into_iter().step_by(stride).collect();
+    if out.last() != Some(&last) {
+        out.push(last);
+    }
+    out
+}
+
+/// A group's mean curve over the token range all its runs cover (each run interpolated onto one
+/// grid); one run: its own points.
+pub(super) fn mean_curve(members: &[&Run], metric: fn(&Record) -> f64) -> Vec<(f64, f64)> {
+    match members {
+        [] => Vec::new(),
+        [one] => decimate(one.records.iter().map(|r| (r.tokens, metric(r))).filter(|p| p.1.is_finite()).collect()),
+        _ => {
+            let lo = members.iter().filter_map(|r| r.records.first()).map(|r| r.tokens).fold(f64::MIN, f64::max);
+            let hi = members.iter().filter_map(|r| r.records.last()).map(|r| r.tokens).fold(f64::MAX, f64::min);
+            if hi < lo {
+                return Vec::new();
+            }
+            // The mean of piecewise-linear curves is piecewise linear with corners at the members'
+            // records: evaluating there is exact.
+            let mut grid: Vec<f64> =
+                members.iter().flat_map(|r| r.records.iter().map(|x| x.tokens)).filter(|&t| t >= lo && t <= hi).collect();
+            grid.sort_by(f64::total_cmp);
+            grid.dedup();
+            let points = grid
+                .into_iter()
+                .filter_map(|t| {
+                    let ys: Vec<f64> = members.iter().filter_map(|r| interp(&r.records, t, metric)).collect();
+                    (ys.len() == members.len()).then(|| (t, ys.iter().sum::<f64>() / ys.len() as f64))
+                })
+                .filter(|p| p.1.is_finite())
+                .collect();
+            decimate(points)
+        }
+    }
+}
+
+pub(super) fn interp(records: &[Record], t: f64, metric: fn(&Record) -> f64) -> Option<f64> {
+    let i = records.partition_point(|r| r.tokens < t);
+    let b = records.get(i)?;
+    if b.tokens == t || i == 0 {
+        return (b.tokens == t).then(|| metric(b));
+    }
+    let a = &records[i - 1];
+    Some(lerp(metric(a), metric(b), (t - a.tokens) / (b.tokens - a.tokens)))
+}
+
+/// Write the three figures; returns (stem, title) of those written and the errors of the rest.
+pub fn write_plots(runs: &[Run], cmp: &Comparison, out: &Path) -> (Vec<(String, String)>, Vec<String>) {
+    let (mut done, mut errors) = (Vec::new(), Vec::new());
+    if cmp.tokens.is_none() {
+        return (done, errors);
+    }
+    let mut attempt = |stem: &str, title: &str, result: Result<()>| match result {
+        Ok(()) => done.push((stem.to_string(), title.to_string())),
+        Err(e) => errors.push(format!("{stem}: {e:#}")),
+    };
+    let loss = CurveFigure::new("Loss vs target tokens", "loss (log scale)", true, runs, cmp, |r| r.loss);
+    attempt("loss_vs_tokens", "Loss vs tokens", save(&loss, out, "loss_vs_tokens"));
+    let mut tau = CurveFigure::new("tau_hat (expected acceptance length) vs target tokens", "tau_hat", false, runs, cmp, |r| r.tau_hat);
+    tau.legend = SeriesLabelPosition::LowerRight;
+    attempt("tau_hat_vs_tokens", "tau_hat vs tokens", save(&tau, out, "tau_hat_vs_tokens"));
+    let t = cmp.tokens.unwrap_or(0.0);
+    let acc = AccFigure {
+        title: format!("Per-position accuracy at T = {} tokens", fmt_tokens_short(t)),
+        groups: cmp
+            .groups
+            .iter()
+            .filter(|g| !g.members.is_empty())
+            .map(|g| {
+                let pts = g
+                    .acc
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(k, s)| s.map(|s| ((k + 1) as f64, s.mean, s.std.unwrap_or(0.0))))
+                    .collect();
+                (format!("{} (n={})", g.name, g.members.len()), pts)
+            })
+            .collect(),
+    };
+    attempt("acc_at_tokens", "Per-position accuracy at T", save(&acc, out, "acc_at_tokens"));
+    (done, errors)
+}
