@@ -135,11 +135,16 @@ impl ChatData {
         cfg.validate()?;
         let (mut records, skipped) = match cfg.format {
             Format::Chitchat => (
-                chitchat::load_chitchat(&path).map_err(|e| PluginError::new(e.to_string()))?.into_iter().map(|(_, r)| r).collect(),
+                chitchat::load_chitchat(&path)
+                    .map_err(|e| PluginError::new(format!("field `path`: {e}")))?
+                    .into_iter()
+                    .map(|(_, r)| r)
+                    .collect(),
                 0,
             ),
             Format::Jsonl => {
-                let report = records::read_jsonl(&path, cfg.on_error).map_err(|e| PluginError::new(e.to_string()))?;
+                let report =
+                    records::read_jsonl(&path, cfg.on_error).map_err(|e| PluginError::new(format!("field `path`: {e}")))?;
                 for (line, why) in &report.skipped {
                     eprintln!("warning: {}:{line}: skipped: {why}", path.display());
                 }
