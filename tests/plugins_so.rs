@@ -163,3 +163,34 @@ fn a_panic_inside_a_plugin_stops_the_run_with_its_last_checkpoint() {
     let weights = plugin_api::tch::Tensor::read_safetensors(ckpts.join("step-4/model.safetensors")).unwrap();
     assert!(!weights.is_empty());
 }
+
+#[test]
+fn a_diverged_run_skips_then_stops_keeping_its_last_good_checkpoint() {
+    let so = build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    let head = HEAD.replace("checkpoint_every = 2", "checkpoint_every = 1\nmax_nonfinite_steps = 2\nkeep_checkpoints = 5");
+    std::fs::write(&cfg, common::tiny_config(&head, "plugin = \"faulty\"\nnan_at_step = 3")).unwrap();
+    let out = Command::new(host())
+        .arg("--plugin")
+        .arg(&so)
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .arg("--exp-dir")
+        .arg(dir.path().join("exp"))
+        .env("DFLASH_CACHE", cache())
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    let line = error_line(&out);
+    assert!(line.contains("2 consecutive steps with a non-finite loss") && line.contains("step-2"), "{line}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("step 3: drafter weights are not finite; checkpoint not written"), "{err}");
+    let ckpts = dir.path().join("exp/checkpoints");
+    let mut names: Vec<String> = std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    assert_eq!(names, ["step-1", "step-2"]);
+    let metrics = std::fs::read_to_string(dir.path().join("exp/metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    assert!(last["skipped_steps"].as_u64().unwrap() <= 2);
+}

@@ -62,6 +62,9 @@ pub struct TrainConfig {
     /// Checkpoints kept (the newest).
     #[serde(default = "default_keep")]
     pub keep_checkpoints: usize,
+    /// Steps with a non-finite loss or gradient are skipped; this many in a row stop the run.
+    #[serde(default = "default_max_nonfinite")]
+    pub max_nonfinite_steps: u64,
     /// CPU memory (MiB) for target features kept across epochs (0 = recompute every epoch).
     #[serde(default = "default_cache_mb")]
     pub hidden_cache_mb: usize,
@@ -84,6 +87,9 @@ fn default_log_every() -> u64 {
 }
 fn default_keep() -> usize {
     2
+}
+fn default_max_nonfinite() -> u64 {
+    10
 }
 fn default_cache_mb() -> usize {
     2048
@@ -131,6 +137,7 @@ impl RunConfig {
         range("grad_clip", t.grad_clip >= 0.0, format!("{} (must be >= 0)", t.grad_clip))?;
         range("log_every", t.log_every >= 1, format!("{} (must be >= 1)", t.log_every))?;
         range("keep_checkpoints", t.keep_checkpoints >= 1, format!("{} (must be >= 1)", t.keep_checkpoints))?;
+        range("max_nonfinite_steps", t.max_nonfinite_steps >= 1, format!("{} (must be >= 1)", t.max_nonfinite_steps))?;
         if let Some(g) = t.loss_gamma {
             range("loss_gamma", g > 0.0, format!("{g} (must be > 0)"))?;
         }

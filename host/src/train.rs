@@ -96,6 +96,8 @@ pub struct StepMetrics {
     pub tau_hat: f64,
     pub lr: f64,
     pub grad_norm: f64,
+    /// Steps skipped so far for a non-finite loss or gradient.
+    pub skipped_steps: u64,
     /// Target tokens per second over the logging window.
     pub tok_per_s: f64,
     /// Seconds per step in each stage over the window: target forward, drafter forward + loss +
@@ -114,7 +116,35 @@ pub struct TrainerState {
     pub data_epoch: u64,
     pub data_index: u64,
     pub micro_batches: u64,
+    pub skipped_steps: u64,
     pub seed: u64,
+}
+
+/// Skips steps whose loss or gradient is not finite, and stops the run after `max` in a row
+/// (a diverged run does not recover by itself; its last good checkpoint is kept).
+pub struct NonFiniteGuard {
+    pub max: u64,
+    pub consecutive: u64,
+}
+
+impl NonFiniteGuard {
+    /// Ok(true): apply the step; Ok(false): skip it; Err: stop the run.
+    pub fn check(&mut self, step: u64, loss: f64, grad_norm: f64) -> Result<bool> {
+        if loss.is_finite() && grad_norm.is_finite() {
+            self.consecutive = 0;
+            return Ok(true);
+        }
+        self.consecutive += 1;
+        tracing::warn!("step {step}: loss {loss}, gradient norm {grad_norm}: step skipped ({} in a row)", self.consecutive);
+        if self.consecutive >= self.max {
+            bail!("{} consecutive steps with a non-finite loss or gradient (up to step {step})", self.consecutive);
+        }
+        Ok(false)
+    }
+}
+
+fn all_finite(params: &[Tensor]) -> bool {
+    params.iter().all(|p| p.isfinite().all().int64_value(&[]) != 0)
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -164,6 +194,8 @@ impl StopSignal {
 struct Window {
     loss_sum: f64,
     micro: u64,
+    /// Micro-batches of skipped steps (not in `loss_sum`).
+    skipped_micro: u64,
     correct: Vec<i64>,
     count: Vec<i64>,
     tokens: u64,
@@ -245,13 +277,24 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     let started = Instant::now();
     // TensorBoard event files beside metrics.jsonl (`tensorboard --logdir experiments/`).
     let mut tb = tensorboard::EventWriter::create(&exp.dir)?;
-    let mut state = TrainerState { step: 0, tokens: 0, draft_tokens: 0, data_epoch: 0, data_index: 0, micro_batches: 0, seed: cfg.seed };
+    let mut state = TrainerState {
+        step: 0,
+        tokens: 0,
+        draft_tokens: 0,
+        data_epoch: 0,
+        data_index: 0,
+        micro_batches: 0,
+        skipped_steps: 0,
+        seed: cfg.seed,
+    };
+    let mut guard = NonFiniteGuard { max: t.max_nonfinite_steps, consecutive: 0 };
     let mut window = Window { correct: vec![0; block_size as usize - 1], count: vec![0; block_size as usize - 1], ..Default::default() };
     let (mut first, mut last, mut last_ckpt) = (None, None, None);
     let stop = StopSignal::install()?;
     let mut interrupted = None;
     for step in 1..=t.steps {
         window.started.get_or_insert_with(Instant::now);
+        let mut step_loss = 0.0;
         for _ in 0..t.grad_accum {
             let batch = next_batch(&mut c)?;
             let input_ids = batch.input_ids.tensor();
@@ -299,7 +342,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                 gamma,
             });
             (&l.loss / t.grad_accum as f64).backward();
-            window.loss_sum += l.loss.double_value(&[]);
+            step_loss += l.loss.double_value(&[]);
             window.drafter_s += t1.elapsed().as_secs_f64();
             window.micro += 1;
             window.tokens += tokens;
@@ -313,7 +356,16 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         let t2 = Instant::now();
         let grad_norm = clip_grad_norm(&params, t.grad_clip);
         let scale = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac);
-        c.optimizer.step(scale).into_result().map_err(c.err(PluginKind::Optimizer, "step"))?;
+        let apply = guard.check(step, step_loss, grad_norm).map_err(|e| {
+            anyhow!("{e:#}; stopped, the last good checkpoint is {}", last_ckpt.as_deref().unwrap_or("(none yet)"))
+        })?;
+        if apply {
+            window.loss_sum += step_loss;
+            c.optimizer.step(scale).into_result().map_err(c.err(PluginKind::Optimizer, "step"))?;
+        } else {
+            state.skipped_steps += 1;
+            window.skipped_micro += t.grad_accum;
+        }
         for p in &params {
             let mut p = p.shallow_clone();
             p.zero_grad();
@@ -332,11 +384,12 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                 epoch: pos.epoch,
                 tokens: state.tokens,
                 draft_tokens: state.draft_tokens,
-                loss: window.loss_sum / window.micro.max(1) as f64,
+                loss: window.loss_sum / (window.micro - window.skipped_micro).max(1) as f64,
                 tau_hat: tau_hat(&acc),
                 acc,
                 lr: scale * c.optimizer.base_lr(),
                 grad_norm,
+                skipped_steps: state.skipped_steps,
                 tok_per_s: window.tokens as f64 / secs.max(1e-9),
                 target_s: window.target_s / window.steps as f64,
                 drafter_s: window.drafter_s / window.steps as f64,
@@ -363,7 +416,11 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
             window = Window { correct: vec![0; block_size as usize - 1], count: vec![0; block_size as usize - 1], ..Default::default() };
         }
         interrupted = stop.requested();
-        if (t.checkpoint_every > 0 && step % t.checkpoint_every == 0) || step == t.steps || interrupted.is_some() {
+        let due = (t.checkpoint_every > 0 && step % t.checkpoint_every == 0) || step == t.steps || interrupted.is_some();
+        if due && !all_finite(&params) {
+            // Never let a diverged state replace a good checkpoint.
+            bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
+        } else if due {
             let dir = exp.save_checkpoint(
                 step,
                 &c.drafter.parameters(),
@@ -396,4 +453,22 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     };
     exp.write_summary(&summary)?;
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_guard_skips_then_stops_after_max_in_a_row() {
+        let mut g = NonFiniteGuard { max: 3, consecutive: 0 };
+        assert!(g.check(1, 2.0, 1.0).unwrap());
+        assert!(!g.check(2, f64::NAN, 1.0).unwrap());
+        assert!(!g.check(3, 2.0, f64::INFINITY).unwrap());
+        assert!(g.check(4, 2.0, 1.0).unwrap(), "a good step resets the count");
+        assert!(!g.check(5, f64::NAN, 1.0).unwrap());
+        assert!(!g.check(6, f64::NAN, 1.0).unwrap());
+        let err = g.check(7, f64::NAN, f64::NAN).unwrap_err().to_string();
+        assert!(err.contains("3 consecutive steps") && err.contains("step 7"), "{err}");
+    }
 }
