@@ -24,20 +24,7 @@ fn tiny() -> String {
 }
 
 fn run(config: &str) -> (std::process::Output, tempfile::TempDir) {
-    common::require_model();
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("run.toml");
-    std::fs::write(&cfg, config).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
-        .args(["train", "--config"])
-        .arg(&cfg)
-        .arg("--exp-dir")
-        .arg(dir.path().join("exp"))
-        .env("DFLASH_CACHE", cache())
-        .env_remove("RUST_BACKTRACE") // what a user sees by default
-        .output()
-        .unwrap();
-    (out, dir)
+    common::train(&[], config)
 }
 
 #[test]

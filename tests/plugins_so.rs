@@ -61,23 +61,7 @@ checkpoint_every = 2
 "#;
 
 fn train(plugins: &[&Path], optimizer: &str) -> (Output, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("run.toml");
-    std::fs::write(&cfg, common::tiny_config(HEAD, optimizer)).unwrap();
-    let mut cmd = Command::new(host());
-    for p in plugins {
-        cmd.arg("--plugin").arg(p);
-    }
-    let out = cmd
-        .args(["train", "--config"])
-        .arg(&cfg)
-        .arg("--exp-dir")
-        .arg(dir.path().join("exp"))
-        .env("DFLASH_CACHE", cache())
-        .env_remove("RUST_BACKTRACE") // what a user sees by default
-        .output()
-        .unwrap();
-    (out, dir)
+    common::train(plugins, &common::tiny_config(HEAD, optimizer))
 }
 
 fn error_line(out: &Output) -> String {

@@ -4,7 +4,7 @@
 //! matching prefix plus the target's own next token (the bonus) are kept; the cache is cropped to
 //! what was kept. The output must equal the target's own greedy output token for token.
 
-use crate::{anchors::block_token_ids, train::Components};
+use crate::train::Components;
 use anyhow::{anyhow, bail, Result};
 use plugin_api::{
     tch::{self, Device, Kind, Tensor},
@@ -86,7 +86,9 @@ pub fn speculative_decode(
         let v = shared.block_size.min(max_new - output.len() + 1);
         // 2. Draft: [anchor, MASK x (B-1)] over the context strictly before the anchor.
         let anchors = Tensor::from_slice(&[anchor_pos as i64]).view([1, 1]).to_device(shared.embedding.device());
-        let block = block_token_ids(&ids_tensor(&[anchor_tok]).to_device(anchors.device()), &Tensor::zeros([1, 1], (Kind::Int64, anchors.device())), shared.block_size as i64, shared.mask_token_id);
+        let mut block = vec![anchor_tok as i64];
+        block.resize(shared.block_size, shared.mask_token_id);
+        let block = Tensor::from_slice(&block).view([1, -1]).to_device(anchors.device());
         let embeds = Tensor::embedding(&shared.embedding, &block, -1, false, false);
         let input = DraftInput {
             target_hidden: TensorHandle::new(ctx.shallow_clone()),

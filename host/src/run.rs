@@ -71,6 +71,14 @@ pub fn enable_cuda() -> bool {
     }
 }
 
+/// Load CUDA when the config asks for it, or say why it cannot run.
+fn ensure_device(cfg: &RunConfig) -> Result<()> {
+    if cfg.device.starts_with("cuda") && !enable_cuda() {
+        anyhow::bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
+    }
+    Ok(())
+}
+
 /// What a run needs besides its config.
 pub struct RunSpec<'a> {
     pub cfg: &'a RunConfig,
@@ -83,9 +91,7 @@ pub struct RunSpec<'a> {
 
 pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     let RunSpec { cfg, config_path, exp_dir, registry, ab } = spec;
-    if cfg.device.starts_with("cuda") && !enable_cuda() {
-        anyhow::bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
-    }
+    ensure_device(cfg)?;
     tch::manual_seed(cfg.seed as i64);
     let cache = cache_dir();
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
@@ -142,9 +148,7 @@ pub fn load_experiment(
         t.insert("init_from".into(), abs.display().to_string().into());
         cfg.drafter = t;
     }
-    if cfg.device.starts_with("cuda") && !enable_cuda() {
-        anyhow::bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
-    }
+    ensure_device(&cfg)?;
     let mut c = train::build_components(&cfg, registry, &config_dir, &cache_dir())?;
     if drafter.is_none() {
         let ckpt = crate::export::find_checkpoint(exp_dir, step)?;

@@ -207,6 +207,11 @@ struct Window {
 }
 
 impl Window {
+    fn new(block_size: i64) -> Self {
+        let positions = block_size as usize - 1;
+        Self { correct: vec![0; positions], count: vec![0; positions], ..Default::default() }
+    }
+
     fn acc(&self) -> Vec<f64> {
         self.correct.iter().zip(&self.count).map(|(&c, &n)| if n > 0 { c as f64 / n as f64 } else { 0.0 }).collect()
     }
@@ -288,7 +293,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         seed: cfg.seed,
     };
     let mut guard = NonFiniteGuard { max: t.max_nonfinite_steps, consecutive: 0 };
-    let mut window = Window { correct: vec![0; block_size as usize - 1], count: vec![0; block_size as usize - 1], ..Default::default() };
+    let mut window = Window::new(block_size);
     let (mut first, mut last, mut last_ckpt) = (None, None, None);
     let stop = StopSignal::install()?;
     let mut interrupted = None;
@@ -413,7 +418,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
             });
             first.get_or_insert_with(|| m.clone());
             last = Some(m);
-            window = Window { correct: vec![0; block_size as usize - 1], count: vec![0; block_size as usize - 1], ..Default::default() };
+            window = Window::new(block_size);
         }
         interrupted = stop.requested();
         let due = (t.checkpoint_every > 0 && step % t.checkpoint_every == 0) || step == t.steps || interrupted.is_some();

@@ -99,6 +99,42 @@ pub struct HostContext {
 }
 
 impl HostContext {
+    /// A path from a config section: `$DFLASH_CACHE/...` is in the cache folder, a relative path
+    /// is against the config file's folder.
+    pub fn resolve_path(&self, p: &str) -> std::path::PathBuf {
+        use std::path::Path;
+        if let Some(rest) = p.strip_prefix("$DFLASH_CACHE/") {
+            return Path::new(self.cache_dir.as_str()).join(rest);
+        }
+        let path = Path::new(p);
+        if path.is_absolute() {
+            path.to_path_buf()
+        } else {
+            Path::new(self.config_dir.as_str()).join(path)
+        }
+    }
+
+    /// `device` as a tch device (`cpu`, `cuda:N`).
+    pub fn tch_device(&self) -> Result<tch::Device, PluginError> {
+        match self.device.as_str() {
+            "cpu" => Ok(tch::Device::Cpu),
+            d => d
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(tch::Device::Cuda)
+                .ok_or_else(|| PluginError::new(format!("device `{d}`: expected `cpu` or `cuda:N`"))),
+        }
+    }
+
+    /// `dtype` as a tch kind (`f32`, `bf16`).
+    pub fn tch_kind(&self) -> Result<tch::Kind, PluginError> {
+        match self.dtype.as_str() {
+            "f32" => Ok(tch::Kind::Float),
+            "bf16" => Ok(tch::Kind::BFloat16),
+            d => Err(PluginError::new(format!("dtype `{d}`: expected `f32` or `bf16`"))),
+        }
+    }
+
     /// CPU, f32, seed 0, no target: for tests and tools that create one plugin on its own.
     pub fn cpu() -> Self {
         Self {

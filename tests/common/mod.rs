@@ -2,7 +2,7 @@
 #![allow(dead_code)] // not every test file uses every helper
 
 use plugin_api::tch::Tensor;
-use std::{collections::HashMap, path::Path, path::PathBuf};
+use std::{collections::HashMap, path::Path, path::PathBuf, process::Command, process::Output};
 
 /// The asset cache `make setup` fills (DFLASH_CACHE, default ~/.cache/dflash).
 pub fn cache() -> PathBuf {
@@ -15,6 +15,29 @@ pub fn cache() -> PathBuf {
 pub fn require_model() {
     let p = cache().join("SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(p.exists(), "{} is missing: run `make setup`", p.display());
+}
+
+/// `dflash-host [--plugin P]... train --config <config written to a temp dir> --exp-dir <tmp>/exp`,
+/// as a user would run it (no RUST_BACKTRACE); the temp dir lives as long as the returned guard.
+pub fn train(plugins: &[&Path], config: &str) -> (Output, tempfile::TempDir) {
+    require_model();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(&cfg, config).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash-host"));
+    for p in plugins {
+        cmd.arg("--plugin").arg(p);
+    }
+    let out = cmd
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .arg("--exp-dir")
+        .arg(dir.path().join("exp"))
+        .env("DFLASH_CACHE", cache())
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    (out, dir)
 }
 
 /// A small run on the real target and data, seconds a step: `head` is the top of the file

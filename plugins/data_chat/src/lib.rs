@@ -453,21 +453,9 @@ fn info() -> PluginInfo {
     )
 }
 
-fn resolve_path(p: &str, ctx: &HostContext) -> std::path::PathBuf {
-    if let Some(rest) = p.strip_prefix("$DFLASH_CACHE/") {
-        return std::path::Path::new(ctx.cache_dir.as_str()).join(rest);
-    }
-    let path = std::path::Path::new(p);
-    if path.is_absolute() {
-        path.to_path_buf()
-    } else {
-        std::path::Path::new(ctx.config_dir.as_str()).join(path)
-    }
-}
-
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let section: ChatSection = plugin_api::parse_section(config)?;
-    let path = resolve_path(&section.path, ctx);
+    let path = ctx.resolve_path(&section.path);
     let data = ChatData::new(section, path, ctx.cache_dir.as_str().into(), ctx.seed)?;
     Ok(PluginInstance::DataLoader(DataLoader_TO::from_value(data, TD_Opaque)))
 }

@@ -202,26 +202,6 @@ impl Drafter for DFlashPlugin {
     }
 }
 
-/// `cpu` / `cuda:N` -> tch device.
-pub fn parse_device(s: &str) -> Result<Device, PluginError> {
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        _ => s
-            .strip_prefix("cuda:")
-            .and_then(|n| n.parse().ok())
-            .map(Device::Cuda)
-            .ok_or_else(|| PluginError::new(format!("device `{s}`: expected `cpu` or `cuda:N`"))),
-    }
-}
-
-pub fn parse_dtype(s: &str) -> Result<Kind, PluginError> {
-    match s {
-        "f32" => Ok(Kind::Float),
-        "bf16" => Ok(Kind::BFloat16),
-        _ => Err(PluginError::new(format!("dtype `{s}`: expected `f32` or `bf16`"))),
-    }
-}
-
 fn info() -> PluginInfo {
     PluginInfo::new(
         "dflash",
@@ -261,12 +241,11 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
         .as_ref()
         .into_option()
         .ok_or_else(|| PluginError::new("the dflash drafter needs a target model's spec"))?;
-    let device = parse_device(&ctx.device)?;
-    let kind = parse_dtype(&ctx.dtype)?;
+    let (device, kind) = (ctx.tch_device()?, ctx.tch_kind()?);
     plugin_api::tch::manual_seed(ctx.seed as i64);
     let drafter = match &section.init_from {
         Some(dir) => {
-            let dir = std::path::Path::new(ctx.config_dir.as_str()).join(dir);
+            let dir = ctx.resolve_path(dir);
             let (cfg, weights) = read_zlab(&dir, target).map_err(|e| e.context("field `init_from`"))?;
             let mut d = DFlashPlugin::new(&cfg, device, kind);
             d.load(weights.into()).map_err(|e| e.context(format!("field `init_from`: {}", dir.display())))?;

@@ -38,18 +38,6 @@ fn default_gen_batch() -> usize {
     16
 }
 
-pub fn resolve_path(p: &str, config_dir: &str, cache_dir: &str) -> PathBuf {
-    if let Some(rest) = p.strip_prefix("$DFLASH_CACHE/") {
-        return Path::new(cache_dir).join(rest);
-    }
-    let path = Path::new(p);
-    if path.is_absolute() {
-        path.to_path_buf()
-    } else {
-        Path::new(config_dir).join(path)
-    }
-}
-
 pub struct HfTarget {
     pub model: Decoder,
     pub tokenizer: tokenizers::Tokenizer,
@@ -231,12 +219,8 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     if section.generate_batch_size == 0 {
         return Err(PluginError::new("field `generate_batch_size`: must be >= 1"));
     }
-    let path = resolve_path(&section.path, &ctx.config_dir, &ctx.cache_dir);
-    let device = match ctx.device.as_str() {
-        "cpu" => Device::Cpu,
-        d => Device::Cuda(d.trim_start_matches("cuda:").parse().map_err(|_| PluginError::new(format!("bad device `{d}`")))?),
-    };
-    let kind = if ctx.dtype.as_str() == "bf16" { Kind::BFloat16 } else { Kind::Float };
+    let path = ctx.resolve_path(&section.path);
+    let (device, kind) = (ctx.tch_device()?, ctx.tch_kind()?);
     let target = HfTarget::load(&path, device, kind, section.generate_batch_size)
         .map_err(|e| PluginError::new(format!("field `path`: {e}")))?;
     Ok(PluginInstance::Target(TargetModel_TO::from_value(target, TD_Opaque)))
