@@ -20,6 +20,9 @@ pub struct RunConfig {
     #[serde(default)]
     pub dtype: Option<String>,
     pub train: TrainConfig,
+    /// Where the stages run and how they connect (default: everything on `device`).
+    #[serde(default)]
+    pub pipeline: PipelineConfig,
     pub target: toml::Table,
     pub drafter: toml::Table,
     pub optimizer: toml::Table,
@@ -95,6 +98,41 @@ fn default_cache_mb() -> usize {
     2048
 }
 
+/// The pipeline: target workers (one thread per entry), the drafter's device, the hidden-state
+/// buffer between them, or a capture to read features from instead of running the target.
+#[derive(Debug, Clone, Deserialize, Serialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineConfig {
+    /// Devices of the target workers, e.g. `["cuda:0", "cuda:1", "cuda:2"]` (default: [device]).
+    #[serde(default)]
+    pub targets: Vec<String>,
+    /// The drafter's device (default: `device`).
+    #[serde(default)]
+    pub drafter: Option<String>,
+    /// Hidden-state buffer cap in MiB (CPU memory; backpressure on the targets when full).
+    #[serde(default)]
+    pub buffer_mb: Option<usize>,
+    /// Batches reach the drafter in data order whatever the workers' timing (exact resume, A/B).
+    /// Default true; false lets a fast worker's batch overtake a slow one's.
+    #[serde(default)]
+    pub deterministic: Option<bool>,
+    /// Read target features from a `dflash-host capture` folder instead of running the target.
+    #[serde(default)]
+    pub capture: Option<String>,
+}
+
+impl PipelineConfig {
+    pub const DEFAULT_BUFFER_MB: usize = 1024;
+
+    pub fn buffer_bytes(&self) -> usize {
+        self.buffer_mb.unwrap_or(Self::DEFAULT_BUFFER_MB) << 20
+    }
+
+    pub fn deterministic(&self) -> bool {
+        self.deterministic.unwrap_or(true)
+    }
+}
+
 /// A plugin section: which plugin, and its own config as TOML text.
 #[derive(Debug, Clone)]
 pub struct PluginSection {
@@ -113,8 +151,15 @@ impl RunConfig {
 
     pub fn validate(&self) -> Result<()> {
         validate_name(&self.name)?;
-        if self.device != "cpu" && !self.device.strip_prefix("cuda:").is_some_and(|n| n.parse::<u32>().is_ok()) {
-            bail!("field `device`: expected `cpu` or `cuda:N`, got `{}`", self.device);
+        validate_device("device", &self.device)?;
+        for (i, d) in self.pipeline.targets.iter().enumerate() {
+            validate_device(&format!("pipeline.targets[{i}]"), d)?;
+        }
+        if let Some(d) = &self.pipeline.drafter {
+            validate_device("pipeline.drafter", d)?;
+        }
+        if self.pipeline.buffer_mb == Some(0) {
+            bail!("field `pipeline.buffer_mb`: out of range: 0 (must be >= 1)");
         }
         if let Some(d) = &self.dtype {
             if d != "f32" && d != "bf16" {
@@ -151,10 +196,23 @@ impl RunConfig {
         Ok(())
     }
 
+    /// The devices the target workers run on.
+    pub fn target_devices(&self) -> Vec<String> {
+        if self.pipeline.targets.is_empty() {
+            vec![self.device.clone()]
+        } else {
+            self.pipeline.targets.clone()
+        }
+    }
+
+    pub fn drafter_device(&self) -> &str {
+        self.pipeline.drafter.as_deref().unwrap_or(&self.device)
+    }
+
     pub fn dtype(&self) -> &str {
         match &self.dtype {
             Some(d) => d,
-            None if self.device == "cpu" => "f32",
+            None if self.drafter_device() == "cpu" => "f32",
             None => "bf16",
         }
     }
@@ -173,6 +231,24 @@ impl RunConfig {
         };
         PluginSection { kind, plugin, config_toml: toml::to_string(&rest).expect("table serializes") }
     }
+}
+
+/// `cpu` or `cuda:N` as a tch device.
+pub fn parse_device(d: &str) -> Result<plugin_api::tch::Device> {
+    match d {
+        "cpu" => Ok(plugin_api::tch::Device::Cpu),
+        _ => match d.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => Ok(plugin_api::tch::Device::Cuda(n)),
+            None => bail!("device `{d}`: expected `cpu` or `cuda:N`"),
+        },
+    }
+}
+
+fn validate_device(field: &str, d: &str) -> Result<()> {
+    if d != "cpu" && !d.strip_prefix("cuda:").is_some_and(|n| n.parse::<u32>().is_ok()) {
+        bail!("field `{field}`: expected `cpu` or `cuda:N`, got `{d}`");
+    }
+    Ok(())
 }
 
 fn default_plugin(kind: &str) -> &'static str {

@@ -26,14 +26,53 @@ pub fn fresh_dir(root: &Path, name: &str) -> PathBuf {
 }
 
 impl Experiment {
+    /// A new experiment folder with its config, manifest and an empty metrics file. Built under a
+    /// temporary name and renamed, so a folder that exists always has its config and manifest
+    /// (a run killed while starting leaves only a `.tmp` folder behind).
     pub fn create(dir: &Path, config_toml: &str, manifest: &impl Serialize) -> Result<Self> {
         if dir.exists() && fs::read_dir(dir)?.next().is_some() {
-            anyhow::bail!("experiment directory {} already exists and is not empty", dir.display());
+            anyhow::bail!("experiment directory {} already exists and is not empty (resume it with `train --resume {}`)", dir.display(), dir.display());
         }
-        fs::create_dir_all(dir.join("checkpoints")).with_context(|| format!("creating {}", dir.display()))?;
-        fs::write(dir.join("config.toml"), config_toml)?;
-        write_json(&dir.join("manifest.json"), manifest)?;
-        let metrics = File::create(dir.join("metrics.jsonl"))?;
+        let name = dir.file_name().with_context(|| format!("{}: not a folder name", dir.display()))?;
+        let tmp = dir.with_file_name(format!(".{}.tmp", name.to_string_lossy()));
+        let _ = fs::remove_dir_all(&tmp);
+        fs::create_dir_all(tmp.join("checkpoints")).with_context(|| format!("creating {}", tmp.display()))?;
+        write_synced(&tmp.join("config.toml"), config_toml.as_bytes())?;
+        write_json(&tmp.join("manifest.json"), manifest)?;
+        write_synced(&tmp.join("metrics.jsonl"), b"")?;
+        if dir.exists() {
+            fs::remove_dir(dir)?; // empty, checked above
+        }
+        fs::rename(&tmp, dir).with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+        sync_dir(dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))?;
+        Self::open(dir)
+    }
+
+    /// An existing experiment, to resume: metrics lines after `keep_through_step` (written after
+    /// the checkpoint being resumed, or cut short by a crash) are dropped, so the resumed run's
+    /// lines continue the file as if it had never stopped.
+    pub fn reopen(dir: &Path, keep_through_step: u64) -> Result<Self> {
+        let path = dir.join("metrics.jsonl");
+        let text = fs::read_to_string(&path).unwrap_or_default();
+        let kept: String = text
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v["step"].as_u64())
+                    .is_some_and(|s| s <= keep_through_step)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        write_synced(&path, kept.as_bytes())?;
+        Self::open(dir)
+    }
+
+    fn open(dir: &Path) -> Result<Self> {
+        let metrics = fs::OpenOptions::new()
+            .append(true)
+            .open(dir.join("metrics.jsonl"))
+            .with_context(|| format!("opening {}/metrics.jsonl", dir.display()))?;
         Ok(Self { dir: dir.to_path_buf(), metrics: BufWriter::new(metrics) })
     }
 
@@ -45,8 +84,9 @@ impl Experiment {
         Ok(())
     }
 
-    /// `checkpoints/step-N/`: drafter weights + config, optimizer state, trainer state. Written
-    /// to a temporary folder and renamed, so a checkpoint folder is whole or absent.
+    /// `checkpoints/step-N/`: drafter weights + config, optimizer state, trainer state, and
+    /// `checksums.json` (CRC-32C of each file, written last). Written to a temporary folder,
+    /// fsynced and renamed, so a checkpoint folder is whole or absent even across a power cut.
     pub fn save_checkpoint(
         &self,
         step: u64,
@@ -62,11 +102,18 @@ impl Experiment {
         let _ = fs::remove_dir_all(&tmp);
         fs::create_dir_all(&tmp)?;
         write_safetensors(&tmp.join("model.safetensors"), weights)?;
-        fs::write(tmp.join("config.json"), drafter_config_json)?;
+        write_synced(&tmp.join("config.json"), drafter_config_json.as_bytes())?;
         write_safetensors(&tmp.join("optimizer.safetensors"), optimizer_state)?;
         write_json(&tmp.join("trainer_state.json"), trainer_state)?;
+        let mut sums = serde_json::Map::new();
+        for file in CHECKPOINT_FILES {
+            sums.insert(file.into(), format!("{:08x}", file_crc(&tmp.join(file))?).into());
+        }
+        write_json(&tmp.join(CHECKSUMS), &sums)?;
+        sync_dir(&tmp)?;
         let _ = fs::remove_dir_all(&final_dir);
         fs::rename(&tmp, &final_dir)?;
+        sync_dir(&root)?;
         prune(&root, keep)?;
         Ok(final_dir)
     }
@@ -76,9 +123,29 @@ impl Experiment {
     }
 }
 
+/// The files of a checkpoint, each with a checksum in `checksums.json`.
+pub const CHECKPOINT_FILES: [&str; 4] = ["model.safetensors", "config.json", "optimizer.safetensors", "trainer_state.json"];
+const CHECKSUMS: &str = "checksums.json";
+
 fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
-    let text = serde_json::to_string_pretty(value)?;
-    fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+    let text = serde_json::to_string_pretty(value)? + "\n";
+    write_synced(path, text.as_bytes())
+}
+
+/// Write and fsync, so the bytes are on disk before a rename publishes them.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).with_context(|| format!("writing {}", path.display()))?;
+    f.write_all(bytes).with_context(|| format!("writing {}", path.display()))?;
+    f.sync_all().with_context(|| format!("syncing {}", path.display()))
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("syncing {}", dir.display()))
+}
+
+fn file_crc(path: &Path) -> Result<u32> {
+    let bytes = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(crc32c::crc32c(&bytes))
 }
 
 fn write_safetensors(path: &Path, tensors: &[NamedTensor]) -> Result<()> {
@@ -86,21 +153,59 @@ fn write_safetensors(path: &Path, tensors: &[NamedTensor]) -> Result<()> {
         .iter()
         .map(|nt| (nt.name.to_string(), nt.tensor.tensor().detach().to_device(plugin_api::tch::Device::Cpu).contiguous()))
         .collect();
-    Tensor::write_safetensors(&owned, path).with_context(|| format!("writing {}", path.display()))
+    Tensor::write_safetensors(&owned, path).with_context(|| format!("writing {}", path.display()))?;
+    File::open(path).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", path.display()))
 }
 
-/// Keep the newest `keep` checkpoints.
-fn prune(root: &Path, keep: usize) -> Result<()> {
-    let mut steps: Vec<(u64, PathBuf)> = fs::read_dir(root)?
+/// Check a checkpoint folder against its `checksums.json`: every file present, none changed.
+pub fn verify_checkpoint(dir: &Path) -> Result<()> {
+    let sums_path = dir.join(CHECKSUMS);
+    let text = fs::read_to_string(&sums_path).with_context(|| format!("{}: missing", sums_path.display()))?;
+    let sums: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", sums_path.display()))?;
+    for file in CHECKPOINT_FILES {
+        let want = sums.get(file).and_then(|v| v.as_str()).with_context(|| format!("{}: no checksum for {file}", sums_path.display()))?;
+        let got = format!("{:08x}", file_crc(&dir.join(file))?);
+        if got != want {
+            anyhow::bail!("{}: checksum mismatch (CRC-32C {got}, recorded {want}): the file is truncated or corrupt", dir.join(file).display());
+        }
+    }
+    Ok(())
+}
+
+/// Checkpoint folders `step-N` under `exp_dir/checkpoints`, newest first.
+pub fn checkpoints_newest_first(exp_dir: &Path) -> Vec<(u64, PathBuf)> {
+    let mut steps: Vec<(u64, PathBuf)> = fs::read_dir(exp_dir.join("checkpoints"))
+        .into_iter()
+        .flatten()
         .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            Some((name.strip_prefix("step-")?.parse().ok()?, e.path()))
-        })
+        .filter_map(|e| Some((e.file_name().to_str()?.strip_prefix("step-")?.parse().ok()?, e.path())))
         .collect();
-    steps.sort();
-    for (_, path) in steps.iter().rev().skip(keep) {
+    steps.sort_by(|a, b| b.0.cmp(&a.0));
+    steps
+}
+
+/// The newest checkpoint that verifies; corrupt ones are reported and passed over.
+pub fn newest_good_checkpoint(exp_dir: &Path) -> Option<(u64, PathBuf)> {
+    for (step, dir) in checkpoints_newest_first(exp_dir) {
+        match verify_checkpoint(&dir) {
+            Ok(()) => return Some((step, dir)),
+            Err(e) => tracing::warn!("skipping checkpoint step-{step}: {e:#}"),
+        }
+    }
+    None
+}
+
+/// Keep the newest `keep` checkpoints (the one just written is the newest, and whole); drop
+/// leftovers of writes a crash interrupted.
+fn prune(root: &Path, keep: usize) -> Result<()> {
+    for (_, path) in checkpoints_newest_first(root.parent().unwrap_or(root)).iter().skip(keep) {
         fs::remove_dir_all(path)?;
+    }
+    for e in fs::read_dir(root)?.filter_map(|e| e.ok()) {
+        if e.file_name().to_str().is_some_and(|n| n.starts_with('.') && n.ends_with(".tmp")) {
+            let _ = fs::remove_dir_all(e.path());
+        }
     }
     Ok(())
 }

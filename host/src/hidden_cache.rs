@@ -1,7 +1,7 @@
 //! Target features kept in CPU memory across epochs, keyed by the data loader's sequence ids:
 //! the target is frozen, so a sequence's features never change and later epochs skip the target.
 
-use plugin_api::tch::{Device, Kind, Tensor};
+use plugin_api::tch::{Device, Tensor};
 use std::collections::HashMap;
 
 pub struct HiddenStateCache {
@@ -20,7 +20,7 @@ impl HiddenStateCache {
     /// The batch's features [B, S, F] on `device` if every sequence is cached. Positions past a
     /// sequence's length are zero: the drafter never sees them (context is strictly before an
     /// anchor, and anchors lie inside the sequence).
-    pub fn get(&mut self, ids: &[u64], seq_len: i64, device: Device, kind: Kind) -> Option<Tensor> {
+    pub fn get(&mut self, ids: &[u64], seq_len: i64, device: Device) -> Option<Tensor> {
         if self.max_bytes == 0 || !ids.iter().all(|id| self.rows.contains_key(id)) {
             self.misses += 1;
             return None;
@@ -33,7 +33,7 @@ impl HiddenStateCache {
                 r.constant_pad_nd([0, 0, 0, seq_len - r.size()[0]])
             })
             .collect();
-        Some(Tensor::stack(&rows, 0).to_device(device).to_kind(kind))
+        Some(Tensor::stack(&rows, 0).to_device(device))
     }
 
     /// Keep each sequence's unpadded features while the byte budget lasts.
@@ -60,15 +60,16 @@ impl HiddenStateCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use plugin_api::tch::Kind;
 
     #[test]
     fn cached_batches_equal_the_original_up_to_each_length() {
         let hidden = Tensor::randn([2, 5, 3], (Kind::Float, Device::Cpu));
         let mut cache = HiddenStateCache::new(1 << 20);
-        assert!(cache.get(&[7, 9], 5, Device::Cpu, Kind::Float).is_none());
+        assert!(cache.get(&[7, 9], 5, Device::Cpu).is_none());
         cache.put(&[7, 9], &[5, 3], &hidden);
         // Another batch order and padding length.
-        let got = cache.get(&[9, 7], 6, Device::Cpu, Kind::Float).unwrap();
+        let got = cache.get(&[9, 7], 6, Device::Cpu).unwrap();
         assert_eq!(got.size(), vec![2, 6, 3]);
         assert!(got.get(0).narrow(0, 0, 3).equal(&hidden.get(1).narrow(0, 0, 3)));
         assert!(got.get(1).narrow(0, 0, 5).equal(&hidden.get(0)));
@@ -82,7 +83,7 @@ mod tests {
         let mut cache = HiddenStateCache::new(2 * 4 * 2 * 4); // two rows of 4 x 2 floats
         cache.put(&[1, 2, 3], &[4, 4, 4], &hidden);
         assert_eq!(cache.bytes(), 64);
-        assert!(cache.get(&[1, 2], 4, Device::Cpu, Kind::Float).is_some());
-        assert!(cache.get(&[3], 4, Device::Cpu, Kind::Float).is_none());
+        assert!(cache.get(&[1, 2], 4, Device::Cpu).is_some());
+        assert!(cache.get(&[3], 4, Device::Cpu).is_none());
     }
 }

@@ -1,9 +1,13 @@
 //! The DFlash loss (DFLASH.md, "Training"): same-position labels, the anchor itself excluded,
 //! weights exp(-(k-1)/gamma) normalised by their sum over counted positions; per-position top-1
 //! accuracy for tau-hat. Logits are formed only for positions that count, through the target's
-//! frozen LM head.
+//! frozen LM head, a chunk of positions at a time: no [positions, vocabulary] tensor outlives its
+//! chunk, so memory stays flat in the number of anchors.
 
-use plugin_api::tch::{Kind, Tensor};
+use plugin_api::tch::{self, Kind, Tensor};
+
+/// fp32 logits formed at once (one chunk): ~1 GiB, 1766 positions for a 152K vocabulary.
+pub const LOGIT_CHUNK_BYTES: i64 = 1 << 30;
 
 pub struct LossOut {
     /// Scalar, differentiable w.r.t. the block hidden states.
@@ -38,7 +42,20 @@ pub fn default_gamma(block_size: usize) -> f64 {
     }
 }
 
+/// The loss with chunks of `LOGIT_CHUNK_BYTES` of fp32 logits.
 pub fn dflash_loss(x: &LossInput) -> LossOut {
+    let vocab = x.lm_head.size()[0];
+    dflash_loss_chunked(x, (LOGIT_CHUNK_BYTES / (4 * vocab)).max(1))
+}
+
+/// The loss with logits formed for `chunk` counted positions at a time.
+///
+/// tch has no custom autograd functions, so each chunk's gradient w.r.t. its hidden states is
+/// computed here, while its logits exist: dCE/dh = (softmax(z) - onehot(label)) * w / sum(w) @ W.
+/// The returned loss is `value + (s - s.detach())` with `s = sum(h * g)`: it equals the loss and
+/// backpropagates exactly `g` into the hidden states. The head is frozen, so no other gradient
+/// is needed. Without grad (evaluation) the gradients are skipped.
+pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let (b, s) = (x.input_ids.size()[0], x.input_ids.size()[1]);
     let a = x.anchors.size()[1];
     let bk = x.block_size;
@@ -60,30 +77,61 @@ pub fn dflash_loss(x: &LossInput) -> LossOut {
         .logical_and(&in_response)
         .logical_and(&k.gt(0).view([1, 1, bk])); // position 0 is the anchor itself
 
-    // 2. Weights exp(-(k-1)/gamma).
+    // 2. Weights exp(-(k-1)/gamma), normalised over every counted position.
     let w = ((k.to_kind(Kind::Float) - 1.0) / -x.gamma).exp().view([1, 1, bk]);
     let weights = valid.to_kind(Kind::Float) * w;
 
-    // 3. Logits and CE for counted positions only.
+    // 3. Counted positions only.
     let idx = valid.flatten(0, -1).nonzero().squeeze_dim(-1);
     let m = idx.size()[0];
     if m == 0 {
         let zero = x.block_hidden.sum(Kind::Float) * 0.0;
         return LossOut { loss: zero, correct: vec![0; (bk - 1) as usize], count: vec![0; (bk - 1) as usize] };
     }
-    let h = x.block_hidden.reshape([-1, hidden]).index_select(0, &idx);
-    let logits = h.matmul(&x.lm_head.tr()).to_kind(Kind::Float); // [M, V]
+    let h = x.block_hidden.reshape([-1, hidden]).index_select(0, &idx); // [M, H]
     let target = labels.flatten(0, -1).index_select(0, &idx);
-    let ce = -logits.log_softmax(-1, Kind::Float).gather(1, &target.unsqueeze(1), false).squeeze_dim(1);
     let wsel = weights.flatten(0, -1).index_select(0, &idx);
-    let loss = (ce * &wsel).sum(Kind::Float) / wsel.sum(Kind::Float);
+    let wsum = wsel.sum(Kind::Float);
+    let want_grad = h.requires_grad();
 
-    // 4. Per-position accuracy counts.
+    // 4. Per chunk: weighted CE, top-1 hits and (training) the gradient w.r.t. h.
+    let (mut ce_sum, mut hits, mut grads) = (Tensor::zeros([], (Kind::Float, device)), Vec::new(), Vec::new());
+    tch::no_grad(|| {
+        let head_t = x.lm_head.tr();
+        for start in (0..m).step_by(chunk as usize) {
+            let len = chunk.min(m - start);
+            let hc = h.narrow(0, start, len);
+            let tc = target.narrow(0, start, len).unsqueeze(1);
+            let wc = wsel.narrow(0, start, len);
+            let mut z = hc.matmul(&head_t).to_kind(Kind::Float); // [c, V]
+            hits.push(z.argmax(-1, false).eq_tensor(&tc.squeeze_dim(1)));
+            let lse = z.logsumexp([-1], true); // [c, 1]
+            let ce = (&lse - z.gather(1, &tc, false)).squeeze_dim(1);
+            ce_sum += (ce * &wc).sum(Kind::Float);
+            if want_grad {
+                // softmax(z) - onehot in place over the chunk's logits, then scaled by w / sum(w).
+                let _ = z.g_sub_(&lse).exp_();
+                let _ = z.scatter_add_(1, &tc, &Tensor::full([len, 1], -1.0, (Kind::Float, device)));
+                let _ = z.g_mul_(&(wc / &wsum).unsqueeze(1));
+                grads.push(z.to_kind(h.kind()).matmul(x.lm_head)); // [c, H]
+            }
+        }
+    });
+    let value = ce_sum / &wsum;
+    let loss = if want_grad {
+        let g = Tensor::cat(&grads, 0);
+        let s = (&h * g).sum(Kind::Float);
+        value + (&s - s.detach())
+    } else {
+        value
+    };
+
+    // 5. Per-position accuracy counts.
     let kk = idx.remainder(bk);
-    let hit = logits.argmax(-1, false).eq_tensor(&target).to_kind(Kind::Int64);
+    let hit = Tensor::cat(&hits, 0).to_kind(Kind::Int64);
     let correct = Tensor::zeros([bk], (Kind::Int64, device)).index_add(0, &kk, &hit);
     let count = kk.bincount::<&Tensor>(None, bk);
-    let to_vec = |t: Tensor| -> Vec<i64> { Vec::try_from(t.to_device(plugin_api::tch::Device::Cpu).narrow(0, 1, bk - 1)).expect("counts") };
+    let to_vec = |t: Tensor| -> Vec<i64> { Vec::try_from(t.to_device(tch::Device::Cpu).narrow(0, 1, bk - 1)).expect("counts") };
     LossOut { loss, correct: to_vec(correct), count: to_vec(count) }
 }
 
@@ -115,5 +163,65 @@ mod tests {
         assert_eq!(default_gamma(16), 7.0);
         assert_eq!(default_gamma(10), 5.0);
         assert_eq!(default_gamma(8), 4.0);
+    }
+
+    /// The loss as plain autograd over the full logits (the unchunked form).
+    fn reference(x: &LossInput) -> (Tensor, Tensor) {
+        let (b, s) = (x.input_ids.size()[0], x.input_ids.size()[1]);
+        let (a, bk) = (x.anchors.size()[1], x.block_size);
+        let k = Tensor::arange(bk, (Kind::Int64, tch::Device::Cpu));
+        let pos = x.anchors.unsqueeze(-1) + &k;
+        let pos_flat = pos.clamp_max(s - 1).view([b, a * bk]);
+        let labels = x.input_ids.gather(1, &pos_flat, false).flatten(0, -1);
+        let valid = x.anchor_valid.unsqueeze(-1).logical_and(&pos.lt(s))
+            .logical_and(&x.loss_mask.gather(1, &pos_flat, false).view([b, a, bk]).gt(0))
+            .logical_and(&k.gt(0).view([1, 1, bk]));
+        let w = (valid.to_kind(Kind::Float) * ((k.to_kind(Kind::Float) - 1.0) / -x.gamma).exp()).flatten(0, -1);
+        let logits = x.block_hidden.reshape([b * a * bk, -1]).matmul(&x.lm_head.tr());
+        let ce = -logits.log_softmax(-1, Kind::Float).gather(1, &labels.unsqueeze(1), false).squeeze_dim(1);
+        let loss = (ce * &w).sum(Kind::Float) / w.sum(Kind::Float);
+        let g = Tensor::run_backward(&[&loss], &[x.block_hidden], false, false).remove(0);
+        (loss.detach(), g)
+    }
+
+    #[test]
+    fn chunked_loss_and_gradients_equal_the_unchunked_loss() {
+        tch::manual_seed(5);
+        let (b, s, a, bk, h, v) = (2, 40, 5, 4, 16, 50);
+        let block_hidden = Tensor::randn([b, a * bk, h], (Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+        let lm_head = Tensor::randn([v, h], (Kind::Float, tch::Device::Cpu));
+        let input_ids = Tensor::randint(v, [b, s], (Kind::Int64, tch::Device::Cpu));
+        // Row 0 answers from position 10, row 1 from 30 (its late anchors run past the end).
+        let mask: Vec<i64> = (0..b * s).map(|i| i64::from(i % s >= if i < s { 10 } else { 30 })).collect();
+        let loss_mask = Tensor::from_slice(&mask).view([b, s]);
+        let anchors = Tensor::from_slice(&[9i64, 14, 20, 31, 37, 29, 32, 36, 38, 0]).view([b, a]);
+        let anchor_valid = Tensor::from_slice(&[true, true, true, true, true, true, true, true, true, false]).view([b, a]);
+        let x = LossInput {
+            block_hidden: &block_hidden,
+            lm_head: &lm_head,
+            input_ids: &input_ids,
+            loss_mask: &loss_mask,
+            anchors: &anchors,
+            anchor_valid: &anchor_valid,
+            block_size: bk,
+            gamma: 2.0,
+        };
+        let (want_loss, want_grad) = reference(&x);
+        let whole = dflash_loss_chunked(&x, 1 << 20);
+        for chunk in [1, 3, 7, 1 << 20] {
+            let out = dflash_loss_chunked(&x, chunk);
+            let (ours, theirs) = (out.loss.double_value(&[]), want_loss.double_value(&[]));
+            assert!((ours - theirs).abs() < 1e-5 * theirs.abs(), "chunk {chunk}: loss {ours} vs {theirs}");
+            let g = Tensor::run_backward(&[&out.loss], &[&block_hidden], false, false).remove(0);
+            let e = (&g - &want_grad).norm().double_value(&[]) / want_grad.norm().double_value(&[]);
+            assert!(e < 1e-5, "chunk {chunk}: gradient relative error {e:e}");
+            assert_eq!((&out.correct, &out.count), (&whole.correct, &whole.count), "chunk {chunk}");
+        }
+        // Counted: row 0 anchors 9..37 (positions past 39 drop), row 1 anchors 29..38 (response from 30).
+        assert_eq!(whole.count.iter().sum::<i64>(), (3 + 3 + 3 + 3 + 2) + (3 + 3 + 3 + 1));
+        // Without grad the value is the same and nothing is differentiable.
+        let plain = tch::no_grad(|| dflash_loss_chunked(&LossInput { block_hidden: &block_hidden.detach(), ..x }, 3));
+        assert!((plain.loss.double_value(&[]) - want_loss.double_value(&[])).abs() < 1e-5 * want_loss.double_value(&[]).abs());
+        assert!(!plain.loss.requires_grad());
     }
 }

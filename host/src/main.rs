@@ -2,7 +2,7 @@
 //! optimizer and data loader are plugins (built in, or `--plugin PATH` shared libraries).
 
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use dflash_host::{ab, config::RunConfig, eval, experiment, export, plugins, plugins::Registry, run, train};
 use std::{
@@ -22,17 +22,43 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a drafter as the config says, into a fresh experiment directory.
+    /// Train a drafter as the config says, into a fresh experiment directory, or resume one.
     Train {
         /// The run config (TOML).
-        #[arg(long)]
-        config: PathBuf,
+        #[arg(long, required_unless_present = "resume")]
+        config: Option<PathBuf>,
         /// Experiment directory (default: experiments/<name>, or <name>-N if that exists).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "resume")]
         exp_dir: Option<PathBuf>,
         /// Override `train.steps`.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "resume")]
         steps: Option<u64>,
+        /// Continue this experiment from its newest good checkpoint, with its own config.
+        #[arg(long, value_name = "EXP_DIR", conflicts_with = "config")]
+        resume: Option<PathBuf>,
+        /// Resume even if a plugin library differs from the one the run started with.
+        #[arg(long, requires = "resume")]
+        allow_plugin_change: bool,
+        /// Stop after this step with a checkpoint, as if interrupted (resume later).
+        #[arg(long)]
+        stop_at: Option<u64>,
+    },
+    /// Run only the targets over the config's data and write their features (sharded
+    /// safetensors + index.json) for `pipeline.capture` to train from.
+    Capture {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        /// Stored precision of the features (default: the run's dtype).
+        #[arg(long, value_enum)]
+        dtype: Option<dflash_host::capture::StoredDtype>,
+        /// Micro-batches to capture (default: steps x grad_accum).
+        #[arg(long)]
+        batches: Option<u64>,
+        /// Shard size in MiB.
+        #[arg(long, default_value_t = 1024)]
+        shard_mb: usize,
     },
     /// Compare experiment directories at equal target tokens: report.md, PNG/SVG plots, a table.
     Compare {
@@ -109,6 +135,17 @@ enum BenchCommand {
         #[arg(long, default_value_t = 2_000_000)]
         iters: u64,
     },
+    /// Training throughput at real shapes with random weights: matmul ceiling, target forward,
+    /// drafter train step, target + drafter pipeline, device memory; FLOP counts and MFU.
+    /// Prints a table, then the report as one JSON line.
+    Train {
+        /// The bench config (TOML), e.g. configs/bench/qwen3-8b.toml.
+        #[arg(long)]
+        config: PathBuf,
+        /// Also write the JSON report to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -144,7 +181,14 @@ fn run() -> Result<ExitCode> {
             println!("report: {}", report.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Train { config, exp_dir, steps } => {
+        Command::Train { resume: Some(dir), allow_plugin_change, stop_at, .. } => {
+            let registry = Registry::new(&cli.plugins)?;
+            let summary = run::resume(&dir, &registry, allow_plugin_change, stop_at)?;
+            print_summary(&summary);
+            Ok(summary.interrupted.map_or(ExitCode::SUCCESS, ExitCode::from))
+        }
+        Command::Train { config, exp_dir, steps, stop_at, .. } => {
+            let config = config.expect("clap requires --config without --resume");
             let mut cfg = RunConfig::load(&config)?;
             if let Some(s) = steps {
                 cfg.train.steps = s;
@@ -152,9 +196,24 @@ fn run() -> Result<ExitCode> {
             }
             let registry = Registry::new(&cli.plugins)?;
             let dir = exp_dir.unwrap_or_else(|| experiment::fresh_dir(Path::new("experiments"), &cfg.name));
-            let summary = run::run(run::RunSpec { cfg: &cfg, config_path: &config, exp_dir: &dir, registry: &registry, ab: None })?;
+            let summary =
+                run::run(run::RunSpec { cfg: &cfg, config_path: &config, exp_dir: &dir, registry: &registry, ab: None, stop_at })?;
             print_summary(&summary);
             Ok(summary.interrupted.map_or(ExitCode::SUCCESS, ExitCode::from))
+        }
+        Command::Capture { config, out, dtype, batches, shard_mb } => {
+            let cfg = RunConfig::load(&config)?;
+            let registry = Registry::new(&cli.plugins)?;
+            let run_dtype = if cfg.dtype() == "bf16" { dflash_host::capture::StoredDtype::Bf16 } else { dflash_host::capture::StoredDtype::F32 };
+            let opts = dflash_host::capture::CaptureOptions {
+                dtype: dtype.unwrap_or(run_dtype),
+                micro_batches: batches.unwrap_or(cfg.train.steps * cfg.train.grad_accum),
+                shard_bytes: shard_mb << 20,
+            };
+            let index = run::capture(&cfg, &config, &out, &registry, &opts)?;
+            println!("captured     {} micro-batches in {} shards ({:?}) -> {}", index.batches.len(), index.shards.len(), index.dtype, out.display());
+            println!("train on it  set `[pipeline] capture = \"{}\"` in the config", out.display());
+            Ok(ExitCode::SUCCESS)
         }
         Command::Eval { exp_dir, checkpoint, drafter, prompts, limit, max_new_tokens } => {
             let registry = Registry::new(&cli.plugins)?;
@@ -191,6 +250,17 @@ fn run() -> Result<ExitCode> {
             dflash_host::bench::abi(&registry, exp_dir.as_deref(), iters)?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Bench { what: BenchCommand::Train { config, json } } => {
+            let registry = Registry::new(&cli.plugins)?;
+            let report = dflash_host::bench::train::train(&registry, &config)?;
+            dflash_host::bench::train::print(&report);
+            let line = serde_json::to_string(&report)?;
+            println!("{line}");
+            if let Some(path) = json {
+                std::fs::write(&path, line + "\n").with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Export { exp_dir, checkpoint, out } => {
             let ckpt = export::find_checkpoint(&exp_dir, checkpoint)?;
             export::export(&ckpt, &out)?;
@@ -216,6 +286,7 @@ fn run() -> Result<ExitCode> {
                         exp_dir: &r.dir,
                         registry: &registry,
                         ab: Some((&ab_name, &r.arm)),
+                        stop_at: None,
                     })?;
                     print_summary(&summary);
                     if let Some(code) = summary.interrupted {

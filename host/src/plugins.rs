@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 /// What a plugin is and where it came from, for `plugins list` and manifests.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct PluginRecord {
     pub name: String,
     pub kind: String,

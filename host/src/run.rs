@@ -8,13 +8,13 @@ use crate::{
     train::{self, TrainSummary},
 };
 use anyhow::{Context, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 /// `manifest.json`: what produced an experiment.
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 pub struct Manifest {
-    pub host_version: &'static str,
+    pub host_version: String,
     pub git_revision: String,
     pub command_line: Vec<String>,
     pub started_at_unix: u64,
@@ -73,8 +73,12 @@ pub fn enable_cuda() -> bool {
 
 /// Load CUDA when the config asks for it, or say why it cannot run.
 fn ensure_device(cfg: &RunConfig) -> Result<()> {
-    if cfg.device.starts_with("cuda") && !enable_cuda() {
-        anyhow::bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
+    let devices = cfg.target_devices();
+    let cuda = devices.iter().map(String::as_str).chain([cfg.drafter_device()]).find(|d| d.starts_with("cuda"));
+    if let Some(d) = cuda {
+        if !enable_cuda() {
+            anyhow::bail!("device `{d}` asked for, but libtorch's CUDA libraries could not be loaded");
+        }
     }
     Ok(())
 }
@@ -87,26 +91,18 @@ pub struct RunSpec<'a> {
     pub exp_dir: &'a Path,
     pub registry: &'a Registry,
     pub ab: Option<(&'a str, &'a str)>,
+    /// Stop with a checkpoint after this step (`train --stop-at`).
+    pub stop_at: Option<u64>,
 }
 
 pub fn run(spec: RunSpec) -> Result<TrainSummary> {
-    let RunSpec { cfg, config_path, exp_dir, registry, ab } = spec;
-    ensure_device(cfg)?;
-    tch::manual_seed(cfg.seed as i64);
+    let RunSpec { cfg, config_path, exp_dir, registry, ab, stop_at } = spec;
     let cache = cache_dir();
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
-    let components = train::build_components(cfg, registry, &config_dir, &cache).map_err(|e| {
-        // Point plugin config errors at the line that set the field.
-        let msg = format!("{e:#}");
-        let text = std::fs::read_to_string(config_path).unwrap_or_default();
-        match config::locate_plugin_error(&text, &msg) {
-            Some(line) => anyhow::anyhow!("{}:{line}: {msg}", config_path.display()),
-            None => anyhow::anyhow!("{}: {msg}", config_path.display()),
-        }
-    })?;
+    let components = build(cfg, config_path, &config_dir, registry)?;
     let spec = components.target.spec();
     let manifest = Manifest {
-        host_version: env!("CARGO_PKG_VERSION"),
+        host_version: env!("CARGO_PKG_VERSION").into(),
         git_revision: git_revision(),
         command_line: std::env::args().collect(),
         started_at_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs(),
@@ -124,7 +120,88 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     let resolved = toml::to_string(cfg)?;
     let mut exp = Experiment::create(exp_dir, &resolved, &manifest)?;
     tracing::info!("experiment: {}", exp_dir.display());
-    train::train(cfg, components, &mut exp, &cache)
+    train::train(cfg, components, &mut exp, &cache, train::TrainOptions { resume: None, stop_at })
+}
+
+/// The run's components; plugin config errors point at the config line that set the field.
+fn build(cfg: &RunConfig, config_path: &Path, config_dir: &Path, registry: &Registry) -> Result<train::Components> {
+    ensure_device(cfg)?;
+    tch::manual_seed(cfg.seed as i64);
+    train::build_components(cfg, registry, config_dir, &cache_dir()).map_err(|e| {
+        let msg = format!("{e:#}");
+        let text = std::fs::read_to_string(config_path).unwrap_or_default();
+        match config::locate_plugin_error(&text, &msg) {
+            Some(line) => anyhow::anyhow!("{}:{line}: {msg}", config_path.display()),
+            None => anyhow::anyhow!("{}: {msg}", config_path.display()),
+        }
+    })
+}
+
+/// Continue an experiment from its newest good checkpoint (or from the start if it has none):
+/// same config, same plugins (a changed plugin file is refused unless `allow_plugin_change`).
+pub fn resume(exp_dir: &Path, registry: &Registry, allow_plugin_change: bool, stop_at: Option<u64>) -> Result<TrainSummary> {
+    let cfg_path = exp_dir.join("config.toml");
+    if !cfg_path.exists() {
+        anyhow::bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
+    }
+    let cfg = RunConfig::load(&cfg_path)?;
+    let manifest_path = exp_dir.join("manifest.json");
+    let manifest: Manifest = serde_json::from_str(&std::fs::read_to_string(&manifest_path).with_context(|| format!("reading {}", manifest_path.display()))?)
+        .with_context(|| format!("{}: not a manifest", manifest_path.display()))?;
+    let config_dir = PathBuf::from(&manifest.config_dir);
+    let components = build(&cfg, &cfg_path, &config_dir, registry)?;
+    check_plugins(&manifest.plugins, &components.records, allow_plugin_change)?;
+    let from = match crate::experiment::newest_good_checkpoint(exp_dir) {
+        Some((_, dir)) => Some(read_checkpoint(&dir)?),
+        None => {
+            tracing::warn!("{}: no usable checkpoint; starting from step 0", exp_dir.display());
+            None
+        }
+    };
+    let keep_through = from.as_ref().map_or(0, |r| r.state.step);
+    let mut exp = Experiment::reopen(exp_dir, keep_through)?;
+    let _ = std::fs::remove_file(exp_dir.join("summary.json"));
+    train::train(&cfg, components, &mut exp, &cache_dir(), train::TrainOptions { resume: from, stop_at })
+}
+
+fn read_checkpoint(dir: &Path) -> Result<train::ResumeFrom> {
+    let state_path = dir.join("trainer_state.json");
+    let state = serde_json::from_str(&std::fs::read_to_string(&state_path)?).with_context(|| format!("{}: not a trainer state", state_path.display()))?;
+    Ok(train::ResumeFrom {
+        state,
+        weights: crate::experiment::read_safetensors(&dir.join("model.safetensors"))?,
+        optimizer_state: crate::experiment::read_safetensors(&dir.join("optimizer.safetensors"))?,
+        checkpoint: dir.display().to_string(),
+    })
+}
+
+/// A resumed run must use the plugins the run started with: same kind, name, origin and file.
+pub fn check_plugins(recorded: &[PluginRecord], now: &[PluginRecord], allow_change: bool) -> Result<()> {
+    for r in recorded {
+        let Some(n) = now.iter().find(|n| n.kind == r.kind) else { continue };
+        let changed = if n.name != r.name {
+            Some(format!("the {} plugin was `{}`, now `{}`", r.kind, r.name, n.name))
+        } else if n.sha256 != r.sha256 || n.origin != r.origin {
+            let sha = |s: &Option<String>| s.as_deref().map_or("built-in".to_string(), |s| format!("SHA-256 {}", &s[..16]));
+            Some(format!("the {} plugin `{}` changed: {} ({}) then, {} ({}) now", r.kind, r.name, r.origin, sha(&r.sha256), n.origin, sha(&n.sha256)))
+        } else {
+            None
+        };
+        if let Some(what) = changed {
+            if !allow_change {
+                anyhow::bail!("cannot resume: {what}; pass --allow-plugin-change to resume anyway");
+            }
+            tracing::warn!("resuming although {what} (--allow-plugin-change)");
+        }
+    }
+    Ok(())
+}
+
+/// `dflash-host capture`: the config's targets over its data, features written to `out`.
+pub fn capture(cfg: &RunConfig, config_path: &Path, out: &Path, registry: &Registry, opts: &crate::capture::CaptureOptions) -> Result<crate::capture::CaptureIndex> {
+    let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
+    let components = build(cfg, config_path, &config_dir, registry)?;
+    crate::capture::capture(cfg, components, out, &cache_dir(), opts)
 }
 
 /// Rebuild a finished experiment's plugins (eval, export): its resolved config, with the drafter

@@ -1,31 +1,35 @@
-//! The trainer: data -> target (frozen) -> anchors -> drafter -> DFlash loss -> optimizer, with
-//! gradient accumulation, clipping, warm-up + cosine schedule, metrics and checkpoints.
+//! The trainer: data -> target workers (frozen, on their own threads) -> hidden-state buffer ->
+//! anchors -> drafter -> DFlash loss -> optimizer, with gradient accumulation, clipping, warm-up +
+//! cosine schedule, metrics, checkpoints and exact resume.
 
 use crate::{
     anchors::{block_token_ids, AnchorSampler},
+    capture::CaptureReader,
     config::RunConfig,
     distill,
     experiment::Experiment,
     hidden_cache::HiddenStateCache,
-    tensorboard,
     loss::{default_gamma, dflash_loss, tau_hat, LossInput},
+    pipeline::{self, Feed, Job, PipelineOptions, Worker},
     plugins::{PluginRecord, Registry},
     schedule::lr_scale,
+    sysinfo::{peak_rss_mb, GpuMonitor},
+    tensorboard,
 };
 use anyhow::{anyhow, bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use plugin_api::{
     abi_stable::std_types::{RNone, RSome},
-    tch::{self, Kind, Tensor},
-    Batch, DataLoaderBox, DraftInput, DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind, TargetBox,
-    TensorHandle,
+    tch::{self, Device, Kind, Tensor},
+    DataLoaderBox, DataPosition, DraftInput, DrafterBox, HostContext, NamedTensor, OptimizerBox, PluginInstance,
+    PluginKind, TargetBox, TensorHandle,
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::{
     path::Path,
     sync::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
-        Arc,
+        Arc, Mutex,
     },
     time::Instant,
 };
@@ -33,6 +37,8 @@ use std::{
 /// The four components of a run, created from the config's sections.
 pub struct Components {
     pub target: TargetBox,
+    /// More target workers (`pipeline.targets` beyond the first), each on its own device.
+    pub extra_targets: Vec<TargetBox>,
     pub drafter: DrafterBox,
     pub optimizer: OptimizerBox,
     pub data: DataLoaderBox,
@@ -40,8 +46,8 @@ pub struct Components {
 }
 
 pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path, cache_dir: &Path) -> Result<Components> {
-    let mut ctx = HostContext {
-        device: cfg.device.clone().into(),
+    let ctx_on = |device: &str| HostContext {
+        device: device.into(),
         dtype: cfg.dtype().into(),
         seed: cfg.seed,
         config_dir: config_dir.display().to_string().into(),
@@ -51,13 +57,22 @@ pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path,
     let mut records = Vec::new();
     let mut create = |kind: PluginKind, ctx: &HostContext| -> Result<PluginInstance> {
         let section = cfg.section(kind.as_str());
-        tracing::info!("creating {kind} plugin `{}`", section.plugin);
+        tracing::info!("creating {kind} plugin `{}` on {}", section.plugin, ctx.device);
         let (instance, record) = registry.create(kind, &section, ctx)?;
-        records.push(record);
+        if !records.iter().any(|r: &PluginRecord| r.kind == record.kind) {
+            records.push(record);
+        }
         Ok(instance)
     };
     let wrong = |kind: PluginKind| anyhow!("plugin for [{kind}] did not create a {kind}");
-    let PluginInstance::Target(target) = create(PluginKind::Target, &ctx)? else { return Err(wrong(PluginKind::Target)) };
+    let devices = cfg.target_devices();
+    let mut targets = Vec::new();
+    for d in &devices {
+        let PluginInstance::Target(t) = create(PluginKind::Target, &ctx_on(d))? else { return Err(wrong(PluginKind::Target)) };
+        targets.push(t);
+    }
+    let target = targets.remove(0);
+    let mut ctx = ctx_on(cfg.drafter_device());
     ctx.target = RSome(target.spec());
     let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &ctx)? else { return Err(wrong(PluginKind::Drafter)) };
     let PluginInstance::Optimizer(optimizer) = create(PluginKind::Optimizer, &ctx)? else {
@@ -66,18 +81,138 @@ pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path,
     let PluginInstance::DataLoader(data) = create(PluginKind::DataLoader, &ctx)? else {
         return Err(wrong(PluginKind::DataLoader));
     };
-    Ok(Components { target, drafter, optimizer, data, records })
+    Ok(Components { target, extra_targets: targets, drafter, optimizer, data, records })
 }
 
-impl Components {
-    fn name(&self, kind: PluginKind) -> &str {
-        self.records.iter().find(|r| r.kind == kind.as_str()).map_or("?", |r| r.name.as_str())
+/// Plugin names for error messages, usable while the components are borrowed by the stages.
+#[derive(Clone)]
+pub struct PluginNames(Vec<(String, String)>);
+
+impl PluginNames {
+    pub fn new(records: &[PluginRecord]) -> Self {
+        Self(records.iter().map(|r| (r.kind.clone(), r.name.clone())).collect())
     }
 
     /// An error from a plugin call, naming the plugin and the call.
     pub fn err(&self, kind: PluginKind, call: &str) -> impl Fn(plugin_api::PluginError) -> anyhow::Error + '_ {
         let call = call.to_string();
-        move |e| anyhow!("{kind} plugin `{}`: {call}: {e}", self.name(kind))
+        move |e| {
+            let name = self.0.iter().find(|(k, _)| k == kind.as_str()).map_or("?", |(_, n)| n.as_str());
+            anyhow!("{kind} plugin `{name}`: {call}: {e}")
+        }
+    }
+}
+
+impl Components {
+    /// An error from a plugin call, naming the plugin and the call.
+    pub fn err(&self, kind: PluginKind, call: &str) -> impl Fn(plugin_api::PluginError) -> anyhow::Error + '_ {
+        let call = call.to_string();
+        move |e| {
+            let name = self.records.iter().find(|r| r.kind == kind.as_str()).map_or("?", |r| r.name.as_str());
+            anyhow!("{kind} plugin `{name}`: {call}: {e}")
+        }
+    }
+
+    /// Tokenize the data with the target's tokenizer, then self-distil if the loader asks.
+    pub fn prepare_data(&mut self, cache_dir: &Path) -> Result<()> {
+        let summary = self.data.open(self.target.tokenizer_json().as_rstr()).into_result().map_err(self.err(PluginKind::DataLoader, "open"))?;
+        tracing::info!("data: {}", summary.description);
+        if let Some(s) = distill::run(self, cache_dir)? {
+            tracing::info!("data after self-distillation: {}", s.description);
+        }
+        Ok(())
+    }
+}
+
+/// A micro-batch with its target features, as the drafter receives it.
+pub struct Micro {
+    pub input_ids: Tensor,
+    pub loss_mask: Tensor,
+    pub lengths: Vec<u32>,
+    pub sequence_ids: Vec<u64>,
+    /// [B, S, n*H] features of the drafter's target layers.
+    pub hidden: Tensor,
+    /// The data loader's position after this batch: where a resume continues.
+    pub position: DataPosition,
+}
+
+/// A batch from the data loader, before the target has seen it.
+pub struct HostBatch {
+    pub input_ids: Tensor,
+    pub loss_mask: Tensor,
+    pub lengths: Vec<u32>,
+    pub sequence_ids: Vec<u64>,
+    pub position: DataPosition,
+    /// The micro-batch's number in data order (set by the producer).
+    pub index: u64,
+}
+
+/// The next batch, across an epoch boundary if need be.
+pub fn next_batch(data: &mut DataLoaderBox, names: &PluginNames) -> Result<HostBatch> {
+    for _ in 0..2 {
+        let next = data.next_batch().into_result().map_err(names.err(PluginKind::DataLoader, "next_batch"))?;
+        if let Some(b) = next.into_option() {
+            return Ok(HostBatch {
+                input_ids: b.input_ids.into_tensor(),
+                loss_mask: b.loss_mask.into_tensor(),
+                lengths: b.lengths.into_vec(),
+                sequence_ids: b.sequence_ids.into_vec(),
+                position: data.position(),
+                index: 0,
+            });
+        }
+        // End of epoch: the next call starts the next one.
+    }
+    bail!("the data loader yields no batches (is the dataset empty after filtering?)")
+}
+
+/// Features into the buffer: kept where they are when the drafter shares the device, else copied
+/// to CPU memory (pinned when they come from a GPU, so the copy to the drafter's GPU is async).
+fn to_buffer(hidden: Tensor, drafter: Device) -> Tensor {
+    let from = hidden.device();
+    if from == drafter || from == Device::Cpu {
+        return hidden;
+    }
+    let host = Tensor::empty(hidden.size(), (hidden.kind(), Device::Cpu)).pin_memory(from);
+    let mut host = host;
+    host.copy_(&hidden);
+    host
+}
+
+/// A target worker: runs its target (or takes cached features) for each batch.
+pub fn target_worker<'a>(
+    index: usize,
+    device: String,
+    target: &'a mut TargetBox,
+    layer_ids: Vec<u32>,
+    cache: Arc<Mutex<HiddenStateCache>>,
+    drafter_device: Device,
+    names: PluginNames,
+) -> Worker<'a, HostBatch, Micro> {
+    Worker {
+        name: format!("{device}"),
+        work: Box::new(move |b: HostBatch| {
+            let seq_len = b.input_ids.size()[1];
+            let cached = cache.lock().expect("cache lock").get(&b.sequence_ids, seq_len, Device::Cpu);
+            let hidden = match cached {
+                Some(h) => h,
+                None => {
+                    let ids = TensorHandle::new(b.input_ids.shallow_clone());
+                    let out = target.forward(&ids, layer_ids.as_slice().into(), false).into_result();
+                    let h = out.map_err(names.err(PluginKind::Target, &format!("forward (worker {index})")))?.hidden.into_tensor();
+                    cache.lock().expect("cache lock").put(&b.sequence_ids, &b.lengths, &h);
+                    h
+                }
+            };
+            Ok(Micro {
+                hidden: to_buffer(hidden, drafter_device),
+                input_ids: b.input_ids,
+                loss_mask: b.loss_mask,
+                lengths: b.lengths,
+                sequence_ids: b.sequence_ids,
+                position: b.position,
+            })
+        }),
     }
 }
 
@@ -98,26 +233,59 @@ pub struct StepMetrics {
     pub grad_norm: f64,
     /// Steps skipped so far for a non-finite loss or gradient.
     pub skipped_steps: u64,
-    /// Target tokens per second over the logging window.
+    /// Target tokens per second over the logging window (the pipeline's throughput).
     pub tok_per_s: f64,
-    /// Seconds per step in each stage over the window: target forward, drafter forward + loss +
-    /// backward, optimizer (clip + step).
+    /// Draft labels per second over the window (the drafter's throughput).
+    pub draft_tok_per_s: f64,
+    /// Seconds per step over the window: target work summed over workers, drafter forward +
+    /// loss + backward, optimizer (clip + step), and the drafter waiting for features.
     pub target_s: f64,
     pub drafter_s: f64,
     pub optim_s: f64,
+    pub wait_s: f64,
+    /// Share of the window each stage was busy: per target worker, and the drafter.
+    pub target_busy: Vec<f64>,
+    pub drafter_busy: f64,
+    /// Hidden-state buffer: batches waiting for the drafter (mean over the window's micro-batches
+    /// and now), bytes held now and at most so far.
+    pub q_hs: f64,
+    pub q_hs_now: usize,
+    pub hs_bytes: usize,
+    pub hs_peak_bytes: usize,
+    /// Peak resident memory of the process (MiB).
+    pub peak_rss_mb: f64,
+    /// GPU utilisation (%), power (W) and memory used (MiB) per GPU in use, from NVML; absent
+    /// without NVML.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_util: Option<Vec<f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_power_w: Option<Vec<f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_mem_mb: Option<Vec<f64>>,
+    pub eta_s: f64,
     pub elapsed_s: f64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+/// Everything a resumed run needs to continue exactly where a checkpoint was written (besides
+/// the weights and optimizer state, which have their own files).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TrainerState {
     pub step: u64,
     pub tokens: u64,
     pub draft_tokens: u64,
     pub data_epoch: u64,
     pub data_index: u64,
+    /// Micro-batches consumed: numbers the anchor draws and the capture's batches.
     pub micro_batches: u64,
     pub skipped_steps: u64,
+    #[serde(default)]
+    pub nonfinite_in_a_row: u64,
     pub seed: u64,
+    /// The logging window so far, so the next metrics line equals the uninterrupted run's.
+    #[serde(default)]
+    pub window: WindowSums,
+    #[serde(default)]
+    pub elapsed_s: f64,
 }
 
 /// Skips steps whose loss or gradient is not finite, and stops the run after `max` in a row
@@ -158,6 +326,9 @@ pub struct TrainSummary {
     pub last_checkpoint: Option<String>,
     /// Exit code when a signal stopped the run (130 SIGINT, 143 SIGTERM).
     pub interrupted: Option<u8>,
+    /// The step `--stop-at` stopped at (the run is resumable from there).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped_at: Option<u64>,
 }
 
 /// SIGINT / SIGTERM: the first lets the current step finish, then a checkpoint is written and the
@@ -189,9 +360,9 @@ impl StopSignal {
     }
 }
 
-/// Window accumulators between two log lines.
-#[derive(Default)]
-struct Window {
+/// Sums over the logging window that the loss and accuracy lines come from (checkpointed).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct WindowSums {
     loss_sum: f64,
     micro: u64,
     /// Micro-batches of skipped steps (not in `loss_sum`).
@@ -199,14 +370,21 @@ struct Window {
     correct: Vec<i64>,
     count: Vec<i64>,
     tokens: u64,
+    draft_tokens: u64,
     steps: u64,
-    target_s: f64,
+}
+
+/// The window's timings (not checkpointed: a resumed run measures its own).
+#[derive(Default)]
+struct WindowTimes {
     drafter_s: f64,
     optim_s: f64,
+    wait_s: f64,
+    depth_sum: f64,
     started: Option<Instant>,
 }
 
-impl Window {
+impl WindowSums {
     fn new(block_size: i64) -> Self {
         let positions = block_size as usize - 1;
         Self { correct: vec![0; positions], count: vec![0; positions], ..Default::default() }
@@ -215,17 +393,6 @@ impl Window {
     fn acc(&self) -> Vec<f64> {
         self.correct.iter().zip(&self.count).map(|(&c, &n)| if n > 0 { c as f64 / n as f64 } else { 0.0 }).collect()
     }
-}
-
-fn next_batch(c: &mut Components) -> Result<Batch> {
-    for _ in 0..2 {
-        let next = c.data.next_batch().into_result();
-        match next.map_err(c.err(PluginKind::DataLoader, "next_batch"))?.into_option() {
-            Some(b) => return Ok(b),
-            None => continue, // end of epoch: the next call starts the next one
-        }
-    }
-    bail!("the data loader yields no batches (is the dataset empty after filtering?)")
 }
 
 /// Global gradient norm, clipped to `max_norm` like torch.nn.utils.clip_grad_norm_.
@@ -248,19 +415,41 @@ fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
     total
 }
 
-pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir: &Path) -> Result<TrainSummary> {
+/// Where a resumed run starts: a checkpoint's trainer state, weights and optimizer state.
+pub struct ResumeFrom {
+    pub state: TrainerState,
+    pub weights: Vec<NamedTensor>,
+    pub optimizer_state: Vec<NamedTensor>,
+    pub checkpoint: String,
+}
+
+#[derive(Default)]
+pub struct TrainOptions {
+    pub resume: Option<ResumeFrom>,
+    /// Stop (with a checkpoint) after this step, as if interrupted: a long schedule in slices.
+    pub stop_at: Option<u64>,
+}
+
+pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir: &Path, opts: TrainOptions) -> Result<TrainSummary> {
     let t = &cfg.train;
-    // 1. Data: tokenize with the target's tokenizer, then self-distil if the loader asks.
-    let summary = c.data.open(c.target.tokenizer_json().as_rstr()).into_result().map_err(c.err(PluginKind::DataLoader, "open"))?;
-    tracing::info!("data: {}", summary.description);
-    if let Some(s) = distill::run(&mut c, cache_dir)? {
-        tracing::info!("data after self-distillation: {}", s.description);
-    }
+    let names = PluginNames::new(&c.records);
+    // 1. Data, unless features come from a capture.
+    let capture = match &cfg.pipeline.capture {
+        Some(dir) => Some(CaptureReader::open(Path::new(dir), &c.target.spec())?),
+        None => {
+            c.prepare_data(cache_dir)?;
+            None
+        }
+    };
 
     // 2. Shared frozen parts and the drafter's needs.
-    let embedding = c.target.embedding().into_tensor();
-    let lm_head = c.target.lm_head().into_tensor();
+    let drafter_device = crate::config::parse_device(cfg.drafter_device())?;
+    let embedding = c.target.embedding().into_tensor().to_device(drafter_device);
+    let lm_head = c.target.lm_head().into_tensor().to_device(drafter_device);
     let layer_ids: Vec<u32> = c.drafter.target_layer_ids().into_vec();
+    if let Some(cap) = &capture {
+        cap.check_layers(&layer_ids)?;
+    }
     let block_size = c.drafter.block_size() as i64;
     let mask_token_id = c.drafter.mask_token_id() as i64;
     let gamma = t.loss_gamma.unwrap_or_else(|| default_gamma(block_size as usize));
@@ -271,17 +460,10 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         "drafter: {:.1}M trainable parameters, block {block_size}, target layers {layer_ids:?}, mask token {mask_token_id}, gamma {gamma}",
         n_params as f64 / 1e6
     );
-    c.optimizer.init(named).into_result().map_err(c.err(PluginKind::Optimizer, "init"))?;
+    c.optimizer.init(named).into_result().map_err(names.err(PluginKind::Optimizer, "init"))?;
     let sampler = AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed };
-    let mut cache = HiddenStateCache::new(t.hidden_cache_mb << 20);
 
-    // 3. The loop.
-    let bar = ProgressBar::new(t.steps).with_style(
-        ProgressStyle::with_template("train {bar:30} {pos}/{len} steps  {msg}  ETA {eta}").expect("template"),
-    );
-    let started = Instant::now();
-    // TensorBoard event files beside metrics.jsonl (`tensorboard --logdir experiments/`).
-    let mut tb = tensorboard::EventWriter::create(&exp.dir)?;
+    // 3. Resume: weights, optimizer state, counters, data position.
     let mut state = TrainerState {
         step: 0,
         tokens: 0,
@@ -290,161 +472,268 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         data_index: 0,
         micro_batches: 0,
         skipped_steps: 0,
+        nonfinite_in_a_row: 0,
         seed: cfg.seed,
+        window: WindowSums::new(block_size),
+        elapsed_s: 0.0,
     };
-    let mut guard = NonFiniteGuard { max: t.max_nonfinite_steps, consecutive: 0 };
-    let mut window = Window::new(block_size);
-    let (mut first, mut last, mut last_ckpt) = (None, None, None);
+    let mut last_ckpt = None;
+    if let Some(r) = opts.resume {
+        c.drafter.load_weights(r.weights.into()).into_result().map_err(names.err(PluginKind::Drafter, "load_weights"))?;
+        c.optimizer.load_state(r.optimizer_state.into()).into_result().map_err(names.err(PluginKind::Optimizer, "load_state"))?;
+        if capture.is_none() {
+            let pos = DataPosition { epoch: r.state.data_epoch, index: r.state.data_index };
+            c.data.seek(pos).into_result().map_err(names.err(PluginKind::DataLoader, "seek"))?;
+        }
+        tracing::info!("resuming from {} (step {}, {} target tokens)", r.checkpoint, r.state.step, r.state.tokens);
+        state = r.state;
+        last_ckpt = Some(r.checkpoint);
+    }
+    if state.step >= t.steps {
+        bail!("nothing to do: the run is at step {} of {}", state.step, t.steps);
+    }
+
+    // 4. The stages: producer (data or capture index), target workers, the drafter here.
+    let total_micro = (t.steps - state.step) * t.grad_accum;
+    let spec = c.target.spec();
+    let elt = if cfg.dtype() == "bf16" { 2 } else { 4 };
+    let feature_bytes_per_token = layer_ids.len() * spec.hidden_size as usize * elt;
+    let cache = Arc::new(Mutex::new(HiddenStateCache::new(t.hidden_cache_mb << 20)));
+    let pipe = PipelineOptions { buffer_bytes: cfg.pipeline.buffer_bytes(), deterministic: cfg.pipeline.deterministic() };
+    let devices = cfg.target_devices();
+    let n_workers = if capture.is_some() { 1 } else { devices.len() };
+    let (data, target, extra) = (&mut c.data, &mut c.target, &mut c.extra_targets);
+    let (drafter, optimizer) = (&mut c.drafter, &mut c.optimizer);
+    let first_draw = state.micro_batches;
+    let mut produced = 0u64;
+    let names_p = names.clone();
+    let capture_ref = capture.as_ref();
+    let producer = move || -> Result<Option<Job<HostBatch>>> {
+        if produced == total_micro {
+            return Ok(None);
+        }
+        let mut b = match capture_ref {
+            Some(cap) => cap.batch(first_draw + produced)?,
+            None => next_batch(data, &names_p)?,
+        };
+        b.index = first_draw + produced;
+        produced += 1;
+        let bytes = b.input_ids.numel() * feature_bytes_per_token;
+        Ok(Some(Job { payload: b, bytes }))
+    };
+    let workers: Vec<Worker<HostBatch, Micro>> = match capture_ref {
+        Some(cap) => vec![cap.worker(drafter_device)],
+        None => std::iter::once(target)
+            .chain(extra.iter_mut())
+            .zip(&devices)
+            .enumerate()
+            .map(|(i, (tg, d))| target_worker(i, d.clone(), tg, layer_ids.clone(), Arc::clone(&cache), drafter_device, names.clone()))
+            .collect(),
+    };
+    tracing::info!(
+        "pipeline: {n_workers} target worker(s) on {:?}, drafter on {}, buffer {} MiB, {}",
+        if capture.is_some() { vec!["capture".to_string()] } else { devices.clone() },
+        cfg.drafter_device(),
+        pipe.buffer_bytes >> 20,
+        if pipe.deterministic { "deterministic order" } else { "arrival order" }
+    );
+
+    let bar = ProgressBar::new(t.steps).with_style(
+        ProgressStyle::with_template("train {bar:30} {pos}/{len} steps  {msg}  ETA {eta}").expect("template"),
+    );
+    bar.set_position(state.step);
+    let started = Instant::now();
+    let elapsed_before = state.elapsed_s;
+    // TensorBoard event files beside metrics.jsonl (`tensorboard --logdir experiments/`).
+    let mut tb = tensorboard::EventWriter::create(&exp.dir)?;
+    let mut guard = NonFiniteGuard { max: t.max_nonfinite_steps, consecutive: state.nonfinite_in_a_row };
+    let gpus = GpuMonitor::new(devices.iter().map(String::as_str).chain([cfg.drafter_device()]));
+    let (mut first, mut last) = (None, None);
     let stop = StopSignal::install()?;
     let mut interrupted = None;
-    for step in 1..=t.steps {
-        window.started.get_or_insert_with(Instant::now);
-        let mut step_loss = 0.0;
-        for _ in 0..t.grad_accum {
-            let batch = next_batch(&mut c)?;
-            let input_ids = batch.input_ids.tensor();
-            let loss_mask = batch.loss_mask.tensor();
-            let tokens: u64 = batch.lengths.iter().map(|&l| l as u64).sum();
-            // Target features (no grad inside the plugin).
-            let t0 = Instant::now();
-            let seq_len = input_ids.size()[1];
-            let target_hidden = match cache.get(&batch.sequence_ids, seq_len, embedding.device(), embedding.kind()) {
-                Some(h) => h,
-                None => {
-                    let out = c
-                        .target
-                        .forward(&batch.input_ids, layer_ids.as_slice().into(), false)
-                        .into_result()
-                        .map_err(c.err(PluginKind::Target, "forward"))?;
-                    let h = out.hidden.into_tensor();
-                    cache.put(&batch.sequence_ids, &batch.lengths, &h);
-                    h
+    let mut stopped_at = None;
+
+    let consume = |feed: &mut Feed<Micro>| -> Result<()> {
+        let mut times = WindowTimes::default();
+        let mut busy_before = feed.worker_busy_s();
+        let mut wait_before = feed.wait_s;
+        for step in state.step + 1..=t.steps {
+            times.started.get_or_insert_with(Instant::now);
+            let mut step_loss = 0.0;
+            let mut last_position = None;
+            for _ in 0..t.grad_accum {
+                let ready = feed.next()?.ok_or_else(|| anyhow!("pipeline ended before step {step}"))?;
+                times.depth_sum += feed.depth() as f64;
+                // Held until the micro-step ends: its room in the buffer is freed with it.
+                let m = &ready.item;
+                let t1 = Instant::now();
+                let tokens: u64 = m.lengths.iter().map(|&l| l as u64).sum();
+                let anchors = sampler.sample(&m.loss_mask, state.micro_batches);
+                state.micro_batches += 1;
+                let input_ids = m.input_ids.to_device(drafter_device);
+                let anchor_pos = anchors.positions.to_device(drafter_device);
+                let block_ids = block_token_ids(&input_ids, &anchor_pos, block_size, mask_token_id);
+                let block_embeds = tch::no_grad(|| Tensor::embedding(&embedding, &block_ids, -1, false, false));
+                let input = DraftInput {
+                    target_hidden: TensorHandle::new(m.hidden.to_device(drafter_device).to_kind(embedding.kind())),
+                    block_embeds: TensorHandle::new(block_embeds),
+                    anchors: TensorHandle::new(anchor_pos.shallow_clone()),
+                    anchor_valid: TensorHandle::new(anchors.valid.to_device(drafter_device)),
+                };
+                let block_hidden = drafter.forward(&input).into_result().map_err(names.err(PluginKind::Drafter, "forward"))?.into_tensor();
+                let l = dflash_loss(&LossInput {
+                    block_hidden: &block_hidden,
+                    lm_head: &lm_head,
+                    input_ids: &input_ids,
+                    loss_mask: &m.loss_mask,
+                    anchors: &anchor_pos,
+                    anchor_valid: &input.anchor_valid.tensor(),
+                    block_size,
+                    gamma,
+                });
+                (&l.loss / t.grad_accum as f64).backward();
+                step_loss += l.loss.double_value(&[]);
+                times.drafter_s += t1.elapsed().as_secs_f64();
+                let w = &mut state.window;
+                w.micro += 1;
+                w.tokens += tokens;
+                state.tokens += tokens;
+                for k in 0..l.count.len() {
+                    w.correct[k] += l.correct[k];
+                    w.count[k] += l.count[k];
+                    w.draft_tokens += l.count[k] as u64;
+                    state.draft_tokens += l.count[k] as u64;
                 }
-            };
-            let t1 = Instant::now();
-            window.target_s += (t1 - t0).as_secs_f64();
-            let anchors = sampler.sample(&loss_mask, state.micro_batches);
-            state.micro_batches += 1;
-            let device = embedding.device();
-            let anchor_pos = anchors.positions.to_device(device);
-            let block_ids = block_token_ids(&input_ids.to_device(device), &anchor_pos, block_size, mask_token_id);
-            let block_embeds = tch::no_grad(|| Tensor::embedding(&embedding, &block_ids, -1, false, false));
-            let input = DraftInput {
-                target_hidden: TensorHandle::new(target_hidden),
-                block_embeds: TensorHandle::new(block_embeds),
-                anchors: TensorHandle::new(anchor_pos.shallow_clone()),
-                anchor_valid: TensorHandle::new(anchors.valid.to_device(device)),
-            };
-            let block_hidden = c.drafter.forward(&input).into_result().map_err(c.err(PluginKind::Drafter, "forward"))?.into_tensor();
-            let l = dflash_loss(&LossInput {
-                block_hidden: &block_hidden,
-                lm_head: &lm_head,
-                input_ids: &input_ids,
-                loss_mask: &loss_mask,
-                anchors: &anchor_pos,
-                anchor_valid: &input.anchor_valid.tensor(),
-                block_size,
-                gamma,
-            });
-            (&l.loss / t.grad_accum as f64).backward();
-            step_loss += l.loss.double_value(&[]);
-            window.drafter_s += t1.elapsed().as_secs_f64();
-            window.micro += 1;
-            window.tokens += tokens;
-            state.tokens += tokens;
-            for k in 0..l.count.len() {
-                window.correct[k] += l.correct[k];
-                window.count[k] += l.count[k];
-                state.draft_tokens += l.count[k] as u64;
+                last_position = Some(m.position);
+            }
+            let t2 = Instant::now();
+            let grad_norm = clip_grad_norm(&params, t.grad_clip);
+            let scale = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac);
+            let apply = guard.check(step, step_loss, grad_norm).map_err(|e| {
+                anyhow!("{e:#}; stopped, the last good checkpoint is {}", last_ckpt.as_deref().unwrap_or("(none yet)"))
+            })?;
+            if apply {
+                state.window.loss_sum += step_loss;
+                optimizer.step(scale).into_result().map_err(names.err(PluginKind::Optimizer, "step"))?;
+            } else {
+                state.skipped_steps += 1;
+                state.window.skipped_micro += t.grad_accum;
+            }
+            state.nonfinite_in_a_row = guard.consecutive;
+            for p in &params {
+                let mut p = p.shallow_clone();
+                p.zero_grad();
+            }
+            times.optim_s += t2.elapsed().as_secs_f64();
+            state.window.steps += 1;
+            state.step = step;
+            if let (Some(pos), None) = (last_position, capture_ref) {
+                (state.data_epoch, state.data_index) = (pos.epoch, pos.index);
+            }
+
+            if step % t.log_every == 0 || step == t.steps || step == 1 {
+                let w = &state.window;
+                let acc = w.acc();
+                let secs = times.started.map_or(0.0, |s| s.elapsed().as_secs_f64()).max(1e-9);
+                let busy_now = feed.worker_busy_s();
+                let target_busy: Vec<f64> = busy_now.iter().zip(&busy_before).map(|(a, b)| (a - b) / secs).collect();
+                let target_s: f64 = busy_now.iter().zip(&busy_before).map(|(a, b)| a - b).sum();
+                times.wait_s = feed.wait_s - wait_before;
+                let steps_w = w.steps.max(1) as f64;
+                let (hs_bytes, hs_peak_bytes) = feed.bytes();
+                let gpu = gpus.sample();
+                let m = StepMetrics {
+                    step,
+                    epoch: state.data_epoch,
+                    tokens: state.tokens,
+                    draft_tokens: state.draft_tokens,
+                    loss: w.loss_sum / (w.micro - w.skipped_micro).max(1) as f64,
+                    tau_hat: tau_hat(&acc),
+                    acc,
+                    lr: scale * optimizer.base_lr(),
+                    grad_norm,
+                    skipped_steps: state.skipped_steps,
+                    tok_per_s: w.tokens as f64 / secs,
+                    draft_tok_per_s: w.draft_tokens as f64 / secs,
+                    target_s: target_s / steps_w,
+                    drafter_s: times.drafter_s / steps_w,
+                    optim_s: times.optim_s / steps_w,
+                    wait_s: times.wait_s / steps_w,
+                    target_busy,
+                    drafter_busy: (times.drafter_s + times.optim_s) / secs,
+                    q_hs: times.depth_sum / w.micro.max(1) as f64,
+                    q_hs_now: feed.depth(),
+                    hs_bytes,
+                    hs_peak_bytes,
+                    peak_rss_mb: peak_rss_mb(),
+                    gpu_util: gpu.as_ref().map(|g| g.util.clone()),
+                    gpu_power_w: gpu.as_ref().map(|g| g.power_w.clone()),
+                    gpu_mem_mb: gpu.as_ref().map(|g| g.mem_mb.clone()),
+                    eta_s: (t.steps - step) as f64 * secs / steps_w,
+                    elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
+                };
+                exp.log(&m)?;
+                tensorboard::log_metrics(&mut tb, &serde_json::to_value(&m)?)?;
+                bar.set_message(format!("loss {:.3}  τ̂ {:.3}  {:.0} tok/s  q_hs {:.1}", m.loss, m.tau_hat, m.tok_per_s, m.q_hs));
+                bar.suspend(|| {
+                    tracing::info!(
+                        "step {step}/{}  loss {:.4}  τ̂ {:.3}  acc@1 {:.3}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  q_hs {:.1}",
+                        t.steps,
+                        m.loss,
+                        m.tau_hat,
+                        m.acc.first().copied().unwrap_or(0.0),
+                        m.lr,
+                        m.grad_norm,
+                        m.tok_per_s,
+                        m.q_hs
+                    )
+                });
+                first.get_or_insert_with(|| m.clone());
+                last = Some(m);
+                state.window = WindowSums::new(block_size);
+                times = WindowTimes::default();
+                busy_before = busy_now;
+                wait_before = feed.wait_s;
+            }
+            interrupted = stop.requested();
+            if opts.stop_at == Some(step) && step < t.steps {
+                stopped_at = Some(step);
+            }
+            let due = (t.checkpoint_every > 0 && step % t.checkpoint_every == 0)
+                || step == t.steps
+                || interrupted.is_some()
+                || stopped_at.is_some();
+            if due && !all_finite(&params) {
+                // Never let a diverged state replace a good checkpoint.
+                bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
+            } else if due {
+                state.elapsed_s = elapsed_before + started.elapsed().as_secs_f64();
+                let dir = exp.save_checkpoint(
+                    step,
+                    &drafter.parameters(),
+                    drafter.config_json().as_str(),
+                    &optimizer.state(),
+                    &state,
+                    t.keep_checkpoints,
+                )?;
+                last_ckpt = Some(dir.display().to_string());
+            }
+            bar.inc(1);
+            if let Some(code) = interrupted {
+                bar.suspend(|| {
+                    let sig = if code == 130 { "SIGINT" } else { "SIGTERM" };
+                    tracing::warn!("{sig}: stopped after step {step}; checkpoint {}", last_ckpt.as_deref().unwrap_or("-"));
+                });
+                break;
+            }
+            if stopped_at.is_some() {
+                bar.suspend(|| tracing::info!("--stop-at {step}: stopped; resume with `train --resume {}`", exp.dir.display()));
+                break;
             }
         }
-        let t2 = Instant::now();
-        let grad_norm = clip_grad_norm(&params, t.grad_clip);
-        let scale = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac);
-        let apply = guard.check(step, step_loss, grad_norm).map_err(|e| {
-            anyhow!("{e:#}; stopped, the last good checkpoint is {}", last_ckpt.as_deref().unwrap_or("(none yet)"))
-        })?;
-        if apply {
-            window.loss_sum += step_loss;
-            c.optimizer.step(scale).into_result().map_err(c.err(PluginKind::Optimizer, "step"))?;
-        } else {
-            state.skipped_steps += 1;
-            window.skipped_micro += t.grad_accum;
-        }
-        for p in &params {
-            let mut p = p.shallow_clone();
-            p.zero_grad();
-        }
-        window.optim_s += t2.elapsed().as_secs_f64();
-        window.steps += 1;
-        state.step = step;
-        let pos = c.data.position();
-        (state.data_epoch, state.data_index) = (pos.epoch, pos.index);
-
-        if step % t.log_every == 0 || step == t.steps || step == 1 {
-            let acc = window.acc();
-            let secs = window.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
-            let m = StepMetrics {
-                step,
-                epoch: pos.epoch,
-                tokens: state.tokens,
-                draft_tokens: state.draft_tokens,
-                loss: window.loss_sum / (window.micro - window.skipped_micro).max(1) as f64,
-                tau_hat: tau_hat(&acc),
-                acc,
-                lr: scale * c.optimizer.base_lr(),
-                grad_norm,
-                skipped_steps: state.skipped_steps,
-                tok_per_s: window.tokens as f64 / secs.max(1e-9),
-                target_s: window.target_s / window.steps as f64,
-                drafter_s: window.drafter_s / window.steps as f64,
-                optim_s: window.optim_s / window.steps as f64,
-                elapsed_s: started.elapsed().as_secs_f64(),
-            };
-            exp.log(&m)?;
-            tensorboard::log_metrics(&mut tb, &serde_json::to_value(&m)?)?;
-            bar.set_message(format!("loss {:.3}  τ̂ {:.3}  {:.0} tok/s", m.loss, m.tau_hat, m.tok_per_s));
-            bar.suspend(|| {
-                tracing::info!(
-                    "step {step}/{}  loss {:.4}  τ̂ {:.3}  acc@1 {:.3}  lr {:.2e}  |g| {:.3}  {:.0} tok/s",
-                    t.steps,
-                    m.loss,
-                    m.tau_hat,
-                    m.acc.first().copied().unwrap_or(0.0),
-                    m.lr,
-                    m.grad_norm,
-                    m.tok_per_s
-                )
-            });
-            first.get_or_insert_with(|| m.clone());
-            last = Some(m);
-            window = Window::new(block_size);
-        }
-        interrupted = stop.requested();
-        let due = (t.checkpoint_every > 0 && step % t.checkpoint_every == 0) || step == t.steps || interrupted.is_some();
-        if due && !all_finite(&params) {
-            // Never let a diverged state replace a good checkpoint.
-            bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
-        } else if due {
-            let dir = exp.save_checkpoint(
-                step,
-                &c.drafter.parameters(),
-                c.drafter.config_json().as_str(),
-                &c.optimizer.state(),
-                &state,
-                t.keep_checkpoints,
-            )?;
-            last_ckpt = Some(dir.display().to_string());
-        }
-        bar.inc(1);
-        if let Some(code) = interrupted {
-            bar.suspend(|| {
-                let sig = if code == 130 { "SIGINT" } else { "SIGTERM" };
-                tracing::warn!("{sig}: stopped after step {step}; checkpoint {}", last_ckpt.as_deref().unwrap_or("-"));
-            });
-            break;
-        }
-    }
+        Ok(())
+    };
+    pipeline::run(&pipe, producer, workers, consume)?;
     bar.finish_and_clear();
     let summary = TrainSummary {
         experiment: exp.dir.display().to_string(),
@@ -455,8 +744,11 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         last,
         last_checkpoint: last_ckpt,
         interrupted,
+        stopped_at,
     };
-    exp.write_summary(&summary)?;
+    if interrupted.is_none() && stopped_at.is_none() {
+        exp.write_summary(&summary)?;
+    }
     Ok(summary)
 }
 

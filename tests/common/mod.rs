@@ -11,6 +11,11 @@ pub fn cache() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/dflash"))
 }
 
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
 /// The real SmolLM2 GGUF, or a failure that says how to get it.
 pub fn require_model() {
     let p = cache().join("SmolLM2-135M-Instruct.Q4_1.gguf");

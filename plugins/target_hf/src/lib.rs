@@ -7,6 +7,7 @@ pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod load;
 pub mod model;
+pub mod random;
 
 use model::Decoder;
 use plugin_api::{
@@ -29,6 +30,10 @@ pub struct TargetSection {
     /// A GGUF file or an HF folder. Relative paths are against the config file's folder;
     /// a leading `$DFLASH_CACHE/` means the cache folder.
     pub path: String,
+    /// Random weights at the shape of `path`, an HF config.json (or a folder holding one); no
+    /// tokenizer. For benchmarks at real shapes (`dflash-host bench train`).
+    #[serde(default)]
+    pub random_init: bool,
     /// Prompts generated together during self-distillation.
     #[serde(default = "default_gen_batch")]
     pub generate_batch_size: usize,
@@ -49,7 +54,15 @@ pub struct HfTarget {
 
 impl HfTarget {
     pub fn load(path: &Path, device: Device, kind: Kind, generate_batch_size: usize) -> Result<Self, String> {
-        let loaded = load::load(path)?;
+        Self::new(load::load(path)?, path, device, kind, generate_batch_size)
+    }
+
+    /// Random weights at the shape of the config.json `path` (see `TargetSection::random_init`).
+    pub fn random(path: &Path, device: Device, kind: Kind, generate_batch_size: usize) -> Result<Self, String> {
+        Self::new(random::load_random(path, device, kind)?, path, device, kind, generate_batch_size)
+    }
+
+    fn new(loaded: load::Loaded, path: &Path, device: Device, kind: Kind, generate_batch_size: usize) -> Result<Self, String> {
         let model = Decoder::new(&loaded.cfg, &loaded.weights, device, kind)?;
         let cfg = &loaded.cfg;
         let eos = cfg.eos().ok_or_else(|| format!("{}: no EOS token id", path.display()))?;
@@ -221,7 +234,8 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     }
     let path = ctx.resolve_path(&section.path);
     let (device, kind) = (ctx.tch_device()?, ctx.tch_kind()?);
-    let target = HfTarget::load(&path, device, kind, section.generate_batch_size)
+    let build = if section.random_init { HfTarget::random } else { HfTarget::load };
+    let target = build(&path, device, kind, section.generate_batch_size)
         .map_err(|e| PluginError::new(format!("field `path`: {e}")))?;
     Ok(PluginInstance::Target(TargetModel_TO::from_value(target, TD_Opaque)))
 }

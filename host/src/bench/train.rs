@@ -1,0 +1,468 @@
+//! `dflash-host bench train --config configs/bench/<shape>.toml`: training throughput at real
+//! shapes with random weights (issue 8). Measures, in one process:
+//! 1. the bf16 matmul ceiling (an n^3 product in a loop), the denominator of every MFU;
+//! 2. the target forward (the features training asks for, and the full model with logits);
+//! 3. one drafter train step (forward, DFlash loss, backward, clip, optimizer) fed by synthetic
+//!    target hidden states; the drafter is whatever plugin the config's [drafter] names;
+//! 4. the pipeline: target forward then drafter step on the same device, each step;
+//! 5. device memory in use after each phase.
+//! Each figure comes with its FLOP count (flops.rs) and MFU; a table, then one JSON line.
+
+use super::{
+    flops::{self, DrafterWork, Shape},
+    memory,
+};
+use crate::{
+    anchors::{block_token_ids, AnchorSampler},
+    config::PluginSection,
+    loss::{default_gamma, dflash_loss, LossInput},
+    plugins::Registry,
+};
+use anyhow::{anyhow, bail, Context, Result};
+use plugin_api::{
+    abi_stable::std_types::{RNone, RSome},
+    tch::{self, Device, Kind, Tensor},
+    DraftInput, DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind, TargetSpec, TensorHandle,
+};
+use serde::{Deserialize, Serialize};
+use std::{path::Path, time::Instant};
+
+/// The bench config file: the shapes to run and the plugin sections to build.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BenchConfig {
+    /// `cpu` or `cuda:N`.
+    #[serde(default = "default_device")]
+    pub device: String,
+    /// `f32` or `bf16`; default bf16 on CUDA, f32 on the CPU.
+    #[serde(default)]
+    pub dtype: Option<String>,
+    #[serde(default)]
+    pub seed: u64,
+    pub bench: BenchShape,
+    pub target: toml::Table,
+    pub drafter: toml::Table,
+    pub optimizer: toml::Table,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BenchShape {
+    pub batch_size: usize,
+    pub seq_len: usize,
+    pub anchors_per_seq: usize,
+    /// Untimed iterations before each timed phase.
+    #[serde(default = "default_warmup")]
+    pub warmup: usize,
+    /// Timed iterations of each phase (the median is reported).
+    #[serde(default = "default_iters")]
+    pub iters: usize,
+    /// Side of the square matmul that measures the ceiling.
+    #[serde(default = "default_matmul")]
+    pub matmul_size: i64,
+    #[serde(default = "default_clip")]
+    pub grad_clip: f64,
+}
+
+fn default_device() -> String {
+    "cuda:0".into()
+}
+fn default_warmup() -> usize {
+    2
+}
+fn default_iters() -> usize {
+    5
+}
+fn default_matmul() -> i64 {
+    8192
+}
+fn default_clip() -> f64 {
+    1.0
+}
+
+/// One timed phase.
+#[derive(Debug, Clone, Serialize)]
+pub struct Phase {
+    /// Median seconds per iteration.
+    pub step_s: f64,
+    /// Tokens per second: target tokens for the target, draft (block) tokens for the drafter.
+    pub tok_per_s: f64,
+    pub flop: f64,
+    pub tflop_per_s: f64,
+    /// Achieved FLOP/s over the measured matmul ceiling.
+    pub mfu: f64,
+    /// Device memory in use after the phase (GiB; None on the CPU).
+    pub mem_gib: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub device: String,
+    pub dtype: String,
+    pub batch_size: usize,
+    pub seq_len: usize,
+    pub anchors_per_seq: usize,
+    pub drafter: String,
+    /// Whether the drafter FLOPs are counted layer by layer (false: 6 * params * tokens).
+    pub drafter_flop_exact: bool,
+    pub ceiling_tflop_per_s: f64,
+    /// Memory in use once the models are built (target weights, drafter, optimizer state).
+    pub built_mem_gib: Option<f64>,
+    /// Target forward to the deepest feature layer, as training runs it.
+    pub target_features: Phase,
+    /// Target forward through every layer and the LM head (what HF `model(ids)` computes).
+    pub target_full: Phase,
+    pub drafter_step: Phase,
+    /// Target features + drafter step, sequentially on one device; tok_per_s in draft tokens.
+    pub pipeline: Phase,
+    /// Target tokens per second of the pipeline.
+    pub pipeline_target_tok_per_s: f64,
+    /// The pipeline's step time over the sum of its two stages' (1.0 = no loss to sharing).
+    pub pipeline_efficiency: f64,
+}
+
+fn section(kind: &'static str, table: &toml::Table) -> Result<PluginSection> {
+    let mut rest = table.clone();
+    let plugin = match rest.remove("plugin") {
+        Some(toml::Value::String(s)) => s,
+        _ => bail!("[{kind}]: field `plugin` (a plugin name) is missing"),
+    };
+    Ok(PluginSection { kind, plugin, config_toml: toml::to_string(&rest)? })
+}
+
+fn sync(device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
+/// Median seconds of `iters` runs of `f` after `warmup` untimed ones, synchronising the device
+/// around each so queued work is counted where it ran.
+fn time(device: Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        sync(device);
+        let t = Instant::now();
+        f()?;
+        sync(device);
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn mem(device: Device) -> Option<f64> {
+    matches!(device, Device::Cuda(_)).then(memory::device_used_bytes).flatten().map(memory::gib)
+}
+
+/// TFLOP/s of an n^3 matmul in `kind`, random operands (zeros run faster: METHOD.md).
+fn matmul_ceiling(n: i64, device: Device, kind: Kind) -> Result<f64> {
+    let a = Tensor::randn([n, n], (kind, device));
+    let b = Tensor::randn([n, n], (kind, device));
+    let reps = 10;
+    let s = time(device, 1, 3, || {
+        for _ in 0..reps {
+            let _ = a.matmul(&b);
+        }
+        Ok(())
+    })?;
+    Ok(2.0 * (n as f64).powi(3) * reps as f64 / s / 1e12)
+}
+
+/// The host's side of one training micro-batch plus the optimizer step, as train.rs runs it.
+struct DrafterStep {
+    drafter: DrafterBox,
+    optimizer: OptimizerBox,
+    params: Vec<Tensor>,
+    embedding: Tensor,
+    lm_head: Tensor,
+    block_size: i64,
+    mask_token_id: i64,
+    gamma: f64,
+    sampler: AnchorSampler,
+    grad_clip: f64,
+    draws: u64,
+}
+
+/// What one step's loss counted, for the FLOP count.
+struct StepCounts {
+    anchors: usize,
+    anchor_pos_sum: f64,
+    counted: usize,
+}
+
+impl DrafterStep {
+    fn run(&mut self, input_ids: &Tensor, loss_mask: &Tensor, target_hidden: Tensor) -> Result<StepCounts> {
+        let device = self.embedding.device();
+        let anchors = self.sampler.sample(loss_mask, self.draws);
+        self.draws += 1;
+        let anchor_pos_sum = f64::try_from(anchors.positions.to_kind(Kind::Double).masked_select(&anchors.valid).sum(Kind::Double))?;
+        let anchor_pos = anchors.positions.to_device(device);
+        let block_ids = block_token_ids(&input_ids.to_device(device), &anchor_pos, self.block_size, self.mask_token_id);
+        let block_embeds = tch::no_grad(|| Tensor::embedding(&self.embedding, &block_ids, -1, false, false));
+        let input = DraftInput {
+            target_hidden: TensorHandle::new(target_hidden),
+            block_embeds: TensorHandle::new(block_embeds),
+            anchors: TensorHandle::new(anchor_pos.shallow_clone()),
+            anchor_valid: TensorHandle::new(anchors.valid.to_device(device)),
+        };
+        let block_hidden = self.drafter.forward(&input).into_result().map_err(|e| anyhow!("drafter forward: {e}"))?.into_tensor();
+        let l = dflash_loss(&LossInput {
+            block_hidden: &block_hidden,
+            lm_head: &self.lm_head,
+            input_ids,
+            loss_mask,
+            anchors: &anchor_pos,
+            anchor_valid: &input.anchor_valid.tensor(),
+            block_size: self.block_size,
+            gamma: self.gamma,
+        });
+        l.loss.backward();
+        clip_grad_norm(&self.params, self.grad_clip);
+        self.optimizer.step(1.0).into_result().map_err(|e| anyhow!("optimizer step: {e}"))?;
+        for p in &self.params {
+            p.shallow_clone().zero_grad();
+        }
+        Ok(StepCounts { anchors: anchors.count, anchor_pos_sum, counted: l.count.iter().sum::<i64>() as usize })
+    }
+}
+
+/// Global-norm clip without a host synchronisation (the scale stays on the device).
+fn clip_grad_norm(params: &[Tensor], max_norm: f64) {
+    let _guard = tch::no_grad_guard();
+    let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).filter(|g| g.defined()).collect();
+    if grads.is_empty() || max_norm <= 0.0 {
+        return;
+    }
+    let sq: Vec<Tensor> = grads.iter().map(|g| g.to_kind(Kind::Float).square().sum(Kind::Float)).collect();
+    let total = Tensor::stack(&sq, 0).sum(Kind::Float).sqrt();
+    let coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
+    for mut g in grads {
+        let _ = g.g_mul_(&coef.to_kind(g.kind()));
+    }
+}
+
+/// Random token ids [B, S] and a response mask that counts every position but the first, on the
+/// host as a data loader gives them.
+fn synthetic_batch(spec: &TargetSpec, b: usize, s: usize) -> (Tensor, Tensor) {
+    let (b, s) = (b as i64, s as i64);
+    let ids = Tensor::randint(spec.vocab_size as i64, [b, s], (Kind::Int64, Device::Cpu));
+    let mask = Tensor::ones([b, s], (Kind::Int64, Device::Cpu));
+    let _ = mask.narrow(1, 0, 1).fill_(0);
+    (ids, mask)
+}
+
+/// Trained parameters and, where the drafter's config is DFlash's (z-lab format), its layer shape.
+fn drafter_layout(drafter: &DrafterBox, spec: &TargetSpec) -> Option<(Shape, usize)> {
+    let cfg: serde_json::Value = serde_json::from_str(drafter.config_json().as_str()).ok()?;
+    let dflash = cfg["architectures"].as_array()?.iter().any(|a| a == "DFlashDraftModel");
+    let f = |k: &str| cfg[k].as_f64();
+    let shape = Shape {
+        hidden: f("hidden_size")?,
+        heads: f("num_attention_heads")?,
+        kv_heads: f("num_key_value_heads")?,
+        head_dim: f("head_dim")?,
+        ffn: f("intermediate_size")?,
+        vocab: spec.vocab_size as f64,
+    };
+    dflash.then_some((shape, cfg["num_hidden_layers"].as_u64()? as usize))
+}
+
+fn phase(step_s: f64, tokens: f64, flop: f64, ceiling: f64, mem_gib: Option<f64>) -> Phase {
+    let tflop_per_s = flop / step_s / 1e12;
+    Phase { step_s, tok_per_s: tokens / step_s, flop, tflop_per_s, mfu: tflop_per_s / ceiling, mem_gib }
+}
+
+pub fn train(registry: &Registry, config_path: &Path) -> Result<Report> {
+    let text = std::fs::read_to_string(config_path).with_context(|| format!("reading {}", config_path.display()))?;
+    let cfg: BenchConfig = toml::from_str(&text).with_context(|| format!("{}", config_path.display()))?;
+    let sh = &cfg.bench;
+    let dtype = cfg.dtype.clone().unwrap_or_else(|| if cfg.device == "cpu" { "f32" } else { "bf16" }.into());
+    if cfg.device.starts_with("cuda") && !crate::run::enable_cuda() {
+        bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
+    }
+    let config_dir = config_path.parent().unwrap_or(Path::new("."));
+    let mut ctx = HostContext {
+        device: cfg.device.clone().into(),
+        dtype: dtype.clone().into(),
+        seed: cfg.seed,
+        config_dir: config_dir.display().to_string().into(),
+        cache_dir: crate::run::cache_dir().display().to_string().into(),
+        target: RNone,
+    };
+    let (device, kind) = (ctx.tch_device().map_err(|e| anyhow!("{e}"))?, ctx.tch_kind().map_err(|e| anyhow!("{e}"))?);
+    tch::manual_seed(cfg.seed as i64);
+
+    // 1. Plugins from the config's sections (any registered target, drafter, optimizer).
+    let create = |kind: PluginKind, table: &toml::Table, ctx: &HostContext| -> Result<PluginInstance> {
+        Ok(registry.create(kind, &section(kind.as_str(), table)?, ctx)?.0)
+    };
+    let PluginInstance::Target(mut target) = create(PluginKind::Target, &cfg.target, &ctx)? else { bail!("[target] made no target") };
+    let spec = target.spec();
+    ctx.target = RSome(spec.clone());
+    let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &cfg.drafter, &ctx)? else { bail!("[drafter] made no drafter") };
+    let PluginInstance::Optimizer(mut optimizer) = create(PluginKind::Optimizer, &cfg.optimizer, &ctx)? else {
+        bail!("[optimizer] made no optimizer")
+    };
+    let named = drafter.parameters();
+    let params: Vec<Tensor> = named.iter().map(|nt| nt.tensor.tensor()).collect();
+    let n_params: f64 = params.iter().map(|p| p.numel() as f64).sum();
+    optimizer.init(named).into_result().map_err(|e| anyhow!("optimizer init: {e}"))?;
+    let layer_ids: Vec<u32> = drafter.target_layer_ids().into_vec();
+    let block_size = drafter.block_size() as i64;
+    let layout = drafter_layout(&drafter, &spec);
+    let drafter_name = cfg.drafter.get("plugin").and_then(|v| v.as_str()).unwrap_or("?").to_string();
+    let mut step = DrafterStep {
+        drafter,
+        optimizer,
+        params,
+        embedding: target.embedding().into_tensor(),
+        lm_head: target.lm_head().into_tensor(),
+        block_size,
+        mask_token_id: 0,
+        gamma: default_gamma(block_size as usize),
+        sampler: AnchorSampler { per_seq: sh.anchors_per_seq, seed: cfg.seed },
+        grad_clip: sh.grad_clip,
+        draws: 0,
+    };
+    step.mask_token_id = step.drafter.mask_token_id() as i64;
+    sync(device);
+    let built_mem_gib = mem(device);
+
+    // 2. The ceiling.
+    let ceiling = matmul_ceiling(sh.matmul_size, device, kind)?;
+
+    // 3. Drafter step on synthetic target features (fixed; the drafter only reads them).
+    let (b, s) = (sh.batch_size, sh.seq_len);
+    let (ids, loss_mask) = synthetic_batch(&spec, b, s);
+    let features = Tensor::randn([b as i64, s as i64, layer_ids.len() as i64 * spec.hidden_size as i64], (kind, device));
+    let mut counts = None;
+    let drafter_s = time(device, sh.warmup, sh.iters, || {
+        counts = Some(step.run(&ids, &loss_mask, features.shallow_clone())?);
+        Ok(())
+    })?;
+    drop(features);
+    let c = counts.expect("at least one step ran");
+    let target_shape = Shape::of_target(&spec);
+    let (drafter_flop, exact) = match layout {
+        Some((shape, layers)) => {
+            let work = DrafterWork {
+                shape,
+                layers,
+                features: layer_ids.len(),
+                batch: b,
+                seq: s,
+                block_size: block_size as usize,
+                anchors: c.anchors,
+                anchor_pos_sum: c.anchor_pos_sum,
+                counted: c.counted,
+            };
+            (work.step(), true)
+        }
+        None => (flops::drafter_step_estimate(n_params, (c.anchors as i64 * block_size) as f64, c.counted as f64, &target_shape), false),
+    };
+    let draft_tokens = (b * sh.anchors_per_seq) as f64 * block_size as f64;
+    let drafter_step = phase(drafter_s, draft_tokens, drafter_flop, ceiling, mem(device));
+
+    // 4. Target forward: to the deepest feature layer (training), and whole with logits.
+    let ids_dev = TensorHandle::new(ids.to_device(device));
+    let mut forward = |want_logits: bool| -> Result<Tensor> {
+        let out = target.forward(&ids_dev, layer_ids.as_slice().into(), want_logits).into_result().map_err(|e| anyhow!("target forward: {e}"))?;
+        Ok(out.hidden.into_tensor())
+    };
+    let features_s = time(device, sh.warmup, sh.iters, || forward(false).map(drop))?;
+    let upto = layer_ids.iter().max().map_or(0, |&m| m as usize + 1);
+    let target_tokens = (b * s) as f64;
+    let target_features = phase(features_s, target_tokens, flops::target_forward(&target_shape, upto, b, s, false), ceiling, mem(device));
+    let full_s = time(device, sh.warmup, sh.iters, || forward(true).map(drop))?;
+    let layers = spec.num_hidden_layers as usize;
+    let target_full = phase(full_s, target_tokens, flops::target_forward(&target_shape, layers, b, s, true), ceiling, mem(device));
+
+    // 5. The pipeline: each step, fresh ids through the target, its features into the drafter.
+    let pipeline_s = time(device, 1, sh.iters, || {
+        let (ids, loss_mask) = synthetic_batch(&spec, b, s);
+        let out = target.forward(&TensorHandle::new(ids.to_device(device)), layer_ids.as_slice().into(), false);
+        let hidden = out.into_result().map_err(|e| anyhow!("target forward: {e}"))?.hidden.into_tensor();
+        step.run(&ids, &loss_mask, hidden).map(drop)
+    })?;
+    let pipeline = phase(pipeline_s, draft_tokens, target_features.flop + drafter_flop, ceiling, mem(device));
+
+    Ok(Report {
+        device: cfg.device.clone(),
+        dtype,
+        batch_size: b,
+        seq_len: s,
+        anchors_per_seq: sh.anchors_per_seq,
+        drafter: drafter_name,
+        drafter_flop_exact: exact,
+        ceiling_tflop_per_s: ceiling,
+        built_mem_gib,
+        pipeline_target_tok_per_s: target_tokens / pipeline_s,
+        pipeline_efficiency: (features_s + drafter_s) / pipeline_s,
+        target_features,
+        target_full,
+        drafter_step,
+        pipeline,
+    })
+}
+
+/// The report as a table.
+pub fn print(r: &Report) {
+    println!(
+        "bench train: {} {}, batch {} x {} tokens, {} anchors a sequence, drafter `{}`",
+        r.device, r.dtype, r.batch_size, r.seq_len, r.anchors_per_seq, r.drafter
+    );
+    println!("matmul ceiling {:.1} TFLOP/s; memory in use once built {}", r.ceiling_tflop_per_s, gib(r.built_mem_gib));
+    println!("{:<26} {:>9} {:>12} {:>10} {:>10} {:>7} {:>10}", "phase", "s/step", "tok/s", "TFLOP", "TFLOP/s", "MFU", "mem GiB");
+    let row = |name: &str, p: &Phase| {
+        println!(
+            "{:<26} {:>9.4} {:>12.0} {:>10.2} {:>10.1} {:>6.1}% {:>10}",
+            name,
+            p.step_s,
+            p.tok_per_s,
+            p.flop / 1e12,
+            p.tflop_per_s,
+            100.0 * p.mfu,
+            gib(p.mem_gib)
+        )
+    };
+    row("target forward (features)", &r.target_features);
+    row("target forward (full)", &r.target_full);
+    let drafter_name = if r.drafter_flop_exact { "drafter step" } else { "drafter step (est. FLOP)" };
+    row(drafter_name, &r.drafter_step);
+    row("pipeline (draft tok/s)", &r.pipeline);
+    println!(
+        "pipeline: {:.0} target tok/s, {:.1}% of the bound its two stages set ({:.4} + {:.4} s)",
+        r.pipeline_target_tok_per_s,
+        100.0 * r.pipeline_efficiency,
+        r.target_features.step_s,
+        r.drafter_step.step_s
+    );
+}
+
+fn gib(m: Option<f64>) -> String {
+    m.map_or("-".into(), |g| format!("{g:.1}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tiny_bench_runs_on_the_cpu_and_counts_its_work() {
+        let registry = Registry::new(&[]).unwrap();
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bench/tiny.toml");
+        let r = train(&registry, &path).unwrap();
+        assert!(r.drafter_flop_exact);
+        for p in [&r.target_features, &r.target_full, &r.drafter_step, &r.pipeline] {
+            assert!(p.step_s > 0.0 && p.tok_per_s > 0.0 && p.flop > 0.0 && p.mfu > 0.0, "{p:?}");
+        }
+        assert!(r.target_full.flop > r.target_features.flop, "the full forward runs more layers and the head");
+        assert!((r.pipeline.flop - r.target_features.flop - r.drafter_step.flop).abs() < 1.0);
+        assert!(r.ceiling_tflop_per_s > 0.0);
+        serde_json::to_string(&r).unwrap();
+    }
+}

@@ -1,0 +1,425 @@
+//! The fixed pipeline scheduler: one producer (the data loader) numbers jobs in data order, N
+//! workers (target forward passes, one thread per device) turn jobs into features, and the
+//! consumer (the drafter trainer) takes them from a buffer bounded in bytes. No barriers: each
+//! stage runs as fast as its inputs and the buffer's room allow.
+//!
+//! Room in the buffer is reserved by the producer, in job order, *before* a worker starts: so the
+//! buffer never holds more than its cap, and the job the consumer waits for always has its room
+//! (no deadlock when `deterministic` makes the consumer take jobs strictly in order).
+//!
+//! Failures: an error or panic in any stage is passed to the consumer as an error naming the
+//! stage; leaving the consumer (error, panic or done) closes the buffer, which stops the producer
+//! and the workers; every thread is joined before `run` returns. Nothing hangs.
+
+use anyhow::{anyhow, Result};
+use crossbeam_channel::{bounded, unbounded, Receiver};
+use std::{
+    collections::BTreeMap,
+    panic::{catch_unwind, AssertUnwindSafe},
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Condvar, Mutex,
+    },
+    thread,
+    time::Instant,
+};
+
+/// Bytes in the buffer: reserved by the producer, released when the consumer drops an item.
+pub struct ByteBudget {
+    cap: usize,
+    state: Mutex<BudgetState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct BudgetState {
+    used: usize,
+    peak: usize,
+    closed: bool,
+}
+
+impl ByteBudget {
+    pub fn new(cap: usize) -> Self {
+        Self { cap, state: Mutex::default(), changed: Condvar::new() }
+    }
+
+    /// Wait for room for `bytes`; false once the pipeline is closing.
+    fn reserve(&self, bytes: usize) -> bool {
+        let mut s = self.state.lock().expect("budget lock");
+        while !s.closed && s.used + bytes > self.cap {
+            s = self.changed.wait(s).expect("budget lock");
+        }
+        if s.closed {
+            return false;
+        }
+        s.used += bytes;
+        s.peak = s.peak.max(s.used);
+        true
+    }
+
+    fn release(&self, bytes: usize) {
+        self.state.lock().expect("budget lock").used -= bytes;
+        self.changed.notify_all();
+    }
+
+    fn close(&self) {
+        self.state.lock().expect("budget lock").closed = true;
+        self.changed.notify_all();
+    }
+
+    pub fn used(&self) -> usize {
+        self.state.lock().expect("budget lock").used
+    }
+
+    pub fn peak(&self) -> usize {
+        self.state.lock().expect("budget lock").peak
+    }
+}
+
+/// An item's room in the buffer, given back when the item is dropped.
+struct BufferSlot {
+    budget: Arc<ByteBudget>,
+    bytes: usize,
+}
+
+impl Drop for BufferSlot {
+    fn drop(&mut self) {
+        self.budget.release(self.bytes);
+    }
+}
+
+/// A worker's output, with its place in data order.
+pub struct Ready<T> {
+    pub seq: u64,
+    pub worker: usize,
+    pub item: T,
+    _slot: BufferSlot,
+}
+
+pub struct PipelineOptions {
+    /// Buffer cap in bytes.
+    pub buffer_bytes: usize,
+    /// Hand items to the consumer in job order whatever the workers' timing.
+    pub deterministic: bool,
+}
+
+/// A job from the producer: its payload and the bytes its output will hold in the buffer.
+pub struct Job<J> {
+    pub payload: J,
+    pub bytes: usize,
+}
+
+/// What the consumer reads from: items in order (deterministic) or as they come, plus the
+/// figures the metrics need.
+pub struct Feed<T> {
+    rx: Receiver<Result<Ready<T>>>,
+    pending: BTreeMap<u64, Ready<T>>,
+    next_seq: u64,
+    deterministic: bool,
+    budget: Arc<ByteBudget>,
+    busy_ns: Arc<Vec<AtomicU64>>,
+    /// Seconds the consumer spent waiting for an item.
+    pub wait_s: f64,
+}
+
+impl<T> Feed<T> {
+    /// The next item; None when the producer is done and every item was taken.
+    pub fn next(&mut self) -> Result<Option<Ready<T>>> {
+        loop {
+            if self.deterministic {
+                if let Some(r) = self.pending.remove(&self.next_seq) {
+                    self.next_seq += 1;
+                    return Ok(Some(r));
+                }
+            }
+            let waiting = Instant::now();
+            let got = self.rx.recv();
+            self.wait_s += waiting.elapsed().as_secs_f64();
+            match got {
+                Ok(Ok(r)) if self.deterministic => {
+                    self.pending.insert(r.seq, r);
+                }
+                Ok(Ok(r)) => return Ok(Some(r)),
+                Ok(Err(e)) => return Err(e),
+                Err(_) if self.pending.is_empty() => return Ok(None),
+                Err(_) => return Err(anyhow!("pipeline: job {} never arrived", self.next_seq)),
+            }
+        }
+    }
+
+    /// Items finished and waiting for the consumer (the buffer's depth, `q_hs`).
+    pub fn depth(&self) -> usize {
+        self.rx.len() + self.pending.len()
+    }
+
+    /// Bytes reserved in the buffer now, and at most so far.
+    pub fn bytes(&self) -> (usize, usize) {
+        (self.budget.used(), self.budget.peak())
+    }
+
+    /// Seconds each worker has spent working.
+    pub fn worker_busy_s(&self) -> Vec<f64> {
+        self.busy_ns.iter().map(|n| n.load(Ordering::Relaxed) as f64 * 1e-9).collect()
+    }
+}
+
+/// Closes the pipeline when the consumer leaves, even by a panic.
+struct Closer<'a>(&'a ByteBudget, &'a AtomicBool);
+
+impl Drop for Closer<'_> {
+    fn drop(&mut self) {
+        self.1.store(true, Ordering::Relaxed);
+        self.0.close();
+    }
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "panic".into())
+}
+
+/// A named stage function.
+pub struct Worker<'a, J, T> {
+    pub name: String,
+    pub work: Box<dyn FnMut(J) -> Result<T> + Send + 'a>,
+}
+
+/// Run producer -> workers -> consumer until the producer is done and the consumer returns (or
+/// any stage fails). Returns the consumer's result.
+pub fn run<'a, J: Send, T: Send, R>(
+    opts: &PipelineOptions,
+    mut producer: impl FnMut() -> Result<Option<Job<J>>> + Send + 'a,
+    workers: Vec<Worker<'a, J, T>>,
+    consumer: impl FnOnce(&mut Feed<T>) -> Result<R>,
+) -> Result<R> {
+    assert!(!workers.is_empty(), "a pipeline needs a worker");
+    let budget = Arc::new(ByteBudget::new(opts.buffer_bytes));
+    let stop = AtomicBool::new(false);
+    let busy_ns: Arc<Vec<AtomicU64>> = Arc::new(workers.iter().map(|_| AtomicU64::new(0)).collect());
+    thread::scope(|s| {
+        let (job_tx, job_rx) = bounded::<(u64, J, BufferSlot)>(workers.len());
+        let (out_tx, out_rx) = unbounded::<Result<Ready<T>>>();
+
+        // 1. Producer: number jobs, reserve their room, hand them out.
+        let (tx, budget_p, cap) = (out_tx.clone(), Arc::clone(&budget), opts.buffer_bytes);
+        s.spawn(move || {
+            for seq in 0.. {
+                let job = match catch_unwind(AssertUnwindSafe(&mut producer)) {
+                    Ok(Ok(Some(job))) => job,
+                    Ok(Ok(None)) => break,
+                    Ok(Err(e)) => {
+                        let _ = tx.send(Err(e.context("data loader")));
+                        break;
+                    }
+                    Err(p) => {
+                        let _ = tx.send(Err(anyhow!("data loader panicked: {}", panic_message(p))));
+                        break;
+                    }
+                };
+                if job.bytes > cap {
+                    let _ = tx.send(Err(anyhow!(
+                        "one batch's features take {:.1} MiB, more than the hidden-state buffer's cap of {:.1} MiB: raise `pipeline.buffer_mb`",
+                        job.bytes as f64 / 1048576.0,
+                        cap as f64 / 1048576.0
+                    )));
+                    break;
+                }
+                if !budget_p.reserve(job.bytes) {
+                    break;
+                }
+                let slot = BufferSlot { budget: Arc::clone(&budget_p), bytes: job.bytes };
+                if job_tx.send((seq, job.payload, slot)).is_err() {
+                    break;
+                }
+            }
+        });
+
+        // 2. Workers: jobs -> features, each on its own thread.
+        for (i, mut w) in workers.into_iter().enumerate() {
+            let (rx, tx, busy, stop) = (job_rx.clone(), out_tx.clone(), Arc::clone(&busy_ns), &stop);
+            s.spawn(move || {
+                for (seq, job, slot) in rx.iter() {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let started = Instant::now();
+                    let out = catch_unwind(AssertUnwindSafe(|| (w.work)(job)));
+                    busy[i].fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    let sent = match out {
+                        Ok(Ok(item)) => tx.send(Ok(Ready { seq, worker: i, item, _slot: slot })).is_ok(),
+                        Ok(Err(e)) => {
+                            let _ = tx.send(Err(e.context(format!("target worker {i} ({})", w.name))));
+                            false
+                        }
+                        Err(p) => {
+                            let _ = tx.send(Err(anyhow!("target worker {i} ({}) panicked: {}", w.name, panic_message(p))));
+                            false
+                        }
+                    };
+                    if !sent {
+                        break;
+                    }
+                }
+            });
+        }
+        drop((out_tx, job_rx));
+
+        // 3. Consumer, on this thread.
+        let _closer = Closer(&budget, &stop);
+        let mut feed = Feed {
+            rx: out_rx,
+            pending: BTreeMap::new(),
+            next_seq: 0,
+            deterministic: opts.deterministic,
+            budget: Arc::clone(&budget),
+            busy_ns: Arc::clone(&busy_ns),
+            wait_s: 0.0,
+        };
+        consumer(&mut feed)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// Synthetic stages with set times: `n_workers` targets taking `target_ms` per batch, a
+    /// drafter taking `drafter_ms`. Returns (items/s, peak bytes, order of seqs).
+    fn synthetic(n_workers: usize, target_ms: u64, drafter_ms: u64, jobs: u64, deterministic: bool) -> (f64, usize, Vec<u64>) {
+        let opts = PipelineOptions { buffer_bytes: 4 * 100, deterministic };
+        let mut produced = 0;
+        let producer = move || {
+            produced += 1;
+            Ok((produced <= jobs).then_some(Job { payload: produced, bytes: 100 }))
+        };
+        let workers = (0..n_workers)
+            .map(|i| Worker {
+                name: format!("sleep-{i}"),
+                work: Box::new(move |j: u64| {
+                    // Uneven times per worker so that arrival order differs from job order.
+                    thread::sleep(Duration::from_millis(target_ms + (i as u64 * 3) % 7));
+                    Ok(j)
+                }) as Box<dyn FnMut(u64) -> Result<u64> + Send>,
+            })
+            .collect();
+        let started = Instant::now();
+        let order = run(&opts, producer, workers, |feed| {
+            let mut order = Vec::new();
+            while let Some(r) = feed.next()? {
+                thread::sleep(Duration::from_millis(drafter_ms));
+                order.push(r.seq);
+                assert!(feed.bytes().0 <= 400);
+            }
+            Ok(order)
+        })
+        .unwrap();
+        (jobs as f64 / started.elapsed().as_secs_f64(), 400, order)
+    }
+
+    #[test]
+    fn throughput_is_the_slower_stages_rate_for_one_to_three_targets() {
+        // Target-bound (1 worker 30 ms vs drafter 10 ms), balanced-ish, and drafter-bound.
+        for (n, target_ms, drafter_ms) in [(1, 30, 10), (2, 30, 10), (3, 30, 20)] {
+            let jobs = 60;
+            let (rate, _, order) = synthetic(n, target_ms, drafter_ms, jobs, true);
+            // The slower stage: n workers each averaging ~target_ms(+skew) vs one drafter.
+            let skew: f64 = (0..n).map(|i| ((i * 3) % 7) as f64).sum::<f64>() / n as f64;
+            let target_rate = n as f64 / ((target_ms as f64 + skew) / 1e3);
+            let drafter_rate = 1.0 / (drafter_ms as f64 / 1e3);
+            let bound = target_rate.min(drafter_rate);
+            // Start-up (the first batch has nothing to overlap with) costs one stage time.
+            let expected = jobs as f64 / (jobs as f64 / bound + target_ms as f64 / 1e3);
+            assert!(rate >= 0.95 * expected, "{n} targets: {rate:.1} items/s vs bound {bound:.1} (expected {expected:.1})");
+            assert_eq!(order, (0..jobs).collect::<Vec<_>>(), "deterministic order");
+        }
+    }
+
+    #[test]
+    fn the_buffer_never_exceeds_its_cap_and_fast_producers_wait() {
+        let budget_cap = 300;
+        let opts = PipelineOptions { buffer_bytes: budget_cap, deterministic: false };
+        let mut n = 0u64;
+        let producer = move || {
+            n += 1;
+            Ok((n <= 50).then_some(Job { payload: n, bytes: 100 }))
+        };
+        let workers = (0..3).map(|i| Worker { name: format!("w{i}"), work: Box::new(Ok) as Box<dyn FnMut(u64) -> Result<u64> + Send> }).collect();
+        let (count, peak) = run(&opts, producer, workers, |feed| {
+            let mut count = 0;
+            while let Some(_r) = feed.next()? {
+                thread::sleep(Duration::from_millis(2)); // a slow drafter: the buffer fills
+                assert!(feed.depth() <= 3);
+                count += 1;
+            }
+            Ok((count, feed.bytes().1))
+        })
+        .unwrap();
+        assert_eq!(count, 50);
+        assert_eq!(peak, budget_cap, "the buffer filled up to its cap and no further");
+    }
+
+    #[test]
+    fn a_failing_worker_stops_the_pipeline_with_its_name() {
+        let opts = PipelineOptions { buffer_bytes: 1000, deterministic: true };
+        let mut n = 0u64;
+        let producer = move || {
+            n += 1;
+            Ok(Some(Job { payload: n, bytes: 10 })) // endless: only the failure can stop it
+        };
+        let mk = |i: usize, fail: bool| Worker {
+            name: format!("cpu-{i}"),
+            work: Box::new(move |j: u64| {
+                // Worker 0 fails on whichever late job it gets (jobs go to whoever is free).
+                thread::sleep(Duration::from_millis(1));
+                if fail && j >= 7 && j % 2 == 0 {
+                    anyhow::bail!("deliberate failure on job {j}");
+                }
+                if fail && j >= 7 {
+                    panic!("boom");
+                }
+                Ok(j)
+            }) as Box<dyn FnMut(u64) -> Result<u64> + Send>,
+        };
+        let err = run(&opts, producer, vec![mk(0, true), mk(1, false)], |feed| {
+            while feed.next()?.is_some() {}
+            Ok(())
+        })
+        .unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(msg.contains("target worker 0 (cpu-0)") && (msg.contains("deliberate failure") || msg.contains("boom")), "{msg}");
+    }
+
+    #[test]
+    fn a_failing_consumer_or_producer_stops_every_thread() {
+        let opts = PipelineOptions { buffer_bytes: 50, deterministic: false };
+        let producer = || Ok(Some(Job { payload: 1u64, bytes: 10 }));
+        let workers = vec![Worker { name: "w".into(), work: Box::new(Ok) as Box<dyn FnMut(u64) -> Result<u64> + Send> }];
+        let err = run(&opts, producer, workers, |feed| -> Result<()> {
+            feed.next()?;
+            anyhow::bail!("drafter failed")
+        })
+        .unwrap_err();
+        assert_eq!(err.to_string(), "drafter failed");
+
+        let mut n = 0;
+        let producer = move || {
+            n += 1;
+            if n == 5 {
+                anyhow::bail!("bad record");
+            }
+            Ok(Some(Job { payload: 1u64, bytes: 10 }))
+        };
+        let workers = vec![Worker { name: "w".into(), work: Box::new(Ok) as Box<dyn FnMut(u64) -> Result<u64> + Send> }];
+        let err = run(&opts, producer, workers, |feed| {
+            while feed.next()?.is_some() {}
+            Ok(())
+        })
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("data loader: bad record"), "{err:#}");
+
+        let producer = || Ok(Some(Job { payload: 1u64, bytes: 51 }));
+        let workers = vec![Worker { name: "w".into(), work: Box::new(Ok) as Box<dyn FnMut(u64) -> Result<u64> + Send> }];
+        let err = run(&opts, producer, workers, |feed| feed.next().map(|_| ())).unwrap_err();
+        assert!(err.to_string().contains("raise `pipeline.buffer_mb`"), "{err}");
+    }
+}

@@ -1,0 +1,88 @@
+//! A decoder with random weights at the shape an HF `config.json` gives (`random_init = true`):
+//! benchmarks at real shapes without downloading weights. Weights are drawn on the target's
+//! device in its dtype (a Qwen3-8B shape is 16 GB in bf16, too much to draw on the host).
+
+use crate::{config::DecoderConfig, load::Loaded, model::Weights};
+use plugin_api::tch::{Device, Kind, Tensor};
+use std::{collections::HashMap, path::Path};
+
+/// A one-token word-level tokenizer: a random model has no vocabulary to decode into.
+const PLACEHOLDER_TOKENIZER: &str = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+"normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
+"model":{"type":"WordLevel","vocab":{"<unk>":0},"unk_token":"<unk>"}}"#;
+
+/// `path`: a config.json, or a folder holding one.
+pub fn load_random(path: &Path, device: Device, kind: Kind) -> Result<Loaded, String> {
+    let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+    let text = std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let cfg: DecoderConfig = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))?;
+    cfg.validate().map_err(|e| format!("{}: {e}", file.display()))?;
+    let weights = random_weights(&cfg, device, kind);
+    let tokenizer = PLACEHOLDER_TOKENIZER.parse().map_err(|e| format!("placeholder tokenizer: {e}"))?;
+    Ok(Loaded { cfg, weights, tokenizer, chat_template: String::new() })
+}
+
+/// Every tensor `Decoder::new` looks up, by its HF name: matrices ~ N(0, 0.02) (HF's
+/// initializer_range), norm gains 1, biases 0.
+pub fn random_weights(cfg: &DecoderConfig, device: Device, kind: Kind) -> Weights {
+    let (h, f, v) = (cfg.hidden_size as i64, cfg.intermediate_size as i64, cfg.vocab_size as i64);
+    let (nh, nkv, d) = (cfg.num_attention_heads as i64, cfg.num_kv_heads() as i64, cfg.head_dim() as i64);
+    let mut t = HashMap::new();
+    let mut normal = |name: String, shape: &[i64]| {
+        t.insert(name, Tensor::randn(shape, (kind, device)) * 0.02);
+    };
+    normal("model.embed_tokens.weight".into(), &[v, h]);
+    if !cfg.tie_word_embeddings {
+        normal("lm_head.weight".into(), &[v, h]);
+    }
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        normal(format!("{p}.self_attn.q_proj.weight"), &[nh * d, h]);
+        normal(format!("{p}.self_attn.k_proj.weight"), &[nkv * d, h]);
+        normal(format!("{p}.self_attn.v_proj.weight"), &[nkv * d, h]);
+        normal(format!("{p}.self_attn.o_proj.weight"), &[h, nh * d]);
+        normal(format!("{p}.mlp.gate_proj.weight"), &[f, h]);
+        normal(format!("{p}.mlp.up_proj.weight"), &[f, h]);
+        normal(format!("{p}.mlp.down_proj.weight"), &[h, f]);
+    }
+    let ones = |shape: &[i64]| Tensor::ones(shape, (kind, device));
+    t.insert("model.norm.weight".into(), ones(&[h]));
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        t.insert(format!("{p}.input_layernorm.weight"), ones(&[h]));
+        t.insert(format!("{p}.post_attention_layernorm.weight"), ones(&[h]));
+        if cfg.qk_norm() {
+            t.insert(format!("{p}.self_attn.q_norm.weight"), ones(&[d]));
+            t.insert(format!("{p}.self_attn.k_norm.weight"), ones(&[d]));
+        }
+        if cfg.qkv_bias() {
+            for (name, n) in [("q_proj", nh * d), ("k_proj", nkv * d), ("v_proj", nkv * d)] {
+                t.insert(format!("{p}.self_attn.{name}.bias"), Tensor::zeros([n], (kind, device)));
+            }
+        }
+    }
+    Weights { tensors: t, source: "random_init".into() }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::HfTarget;
+    use plugin_api::tch::{Device, Kind, Tensor};
+
+    #[test]
+    fn a_random_target_has_the_configs_shape_and_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = r#"{"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 50, "eos_token_id": 1}"#;
+        std::fs::write(dir.path().join("config.json"), cfg).unwrap();
+        let t = HfTarget::random(dir.path(), Device::Cpu, Kind::Float, 1).unwrap();
+        assert_eq!((t.spec.num_hidden_layers, t.spec.hidden_size, t.spec.head_dim, t.spec.vocab_size), (3, 32, 16, 50));
+        assert_eq!(t.model.lm_head.size(), vec![50, 32]);
+        assert!(!t.model.lm_head.equal(&t.model.embed_tokens), "untied head is its own tensor");
+        let ids = Tensor::from_slice(&[3i64, 7, 9, 11]).view([1, 4]);
+        let (hidden, logits) = t.features(&ids, &[0, 2], true).unwrap();
+        assert_eq!(hidden.size(), vec![1, 4, 64]);
+        assert_eq!(logits.unwrap().size(), vec![1, 4, 50]);
+        assert!(hidden.isfinite().all().int64_value(&[]) == 1 && hidden.abs().sum(Kind::Float).double_value(&[]) > 0.0);
+    }
+}
