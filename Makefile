@@ -9,7 +9,7 @@ export DFLASH_CACHE
 export LIBTORCH := $(DFLASH_CACHE)/libtorch
 export LD_LIBRARY_PATH := $(DFLASH_CACHE)/libtorch/lib:$(DFLASH_CACHE)/libtorch-2.11.0/nvidia/cu13/lib$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: setup build run test clean-cache
+.PHONY: setup build run test crash-test clean-cache
 
 setup:
 	@scripts/setup.sh
@@ -22,6 +22,10 @@ run: build
 
 test: build
 	$(CARGO) test --release --workspace
+
+# The full kill -9 test (20 kills; `make test` runs 5).
+crash-test: build
+	scripts/crash_test.sh 20
 
 clean-cache:
 	rm -rf $(DFLASH_CACHE)

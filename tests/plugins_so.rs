@@ -3,17 +3,11 @@
 //! be wrong is refused with one line; a panic inside a plugin stops the run cleanly.
 
 mod common;
-use common::cache;
+use common::{build_plugin, cache, root};
 use std::{
     path::{Path, PathBuf},
     process::{Command, Output},
-    sync::Mutex,
 };
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
 
 fn host() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_dflash-host"))
@@ -22,32 +16,6 @@ fn host() -> PathBuf {
 fn sha256(path: &Path) -> String {
     use sha2::{Digest, Sha256};
     format!("{:x}", Sha256::digest(std::fs::read(path).unwrap()))
-}
-
-static BUILDS: Mutex<()> = Mutex::new(());
-
-/// Build an out-of-tree plugin crate into the workspace's target dir (sharing its compiled
-/// dependencies) and copy the library to a name of its own.
-fn build_plugin(crate_dir: &str, lib: &str, features: &[&str], name: &str) -> PathBuf {
-    let _one_at_a_time = BUILDS.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = root().join(crate_dir);
-    // The workspace's lock file pins the same dependency versions, so nothing is rebuilt.
-    std::fs::copy(root().join("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
-    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cmd.args(["build", "--release", "--quiet", "--manifest-path"])
-        .arg(dir.join("Cargo.toml"))
-        .arg("--target-dir")
-        .arg(root().join("target"));
-    if !features.is_empty() {
-        cmd.arg("--features").arg(features.iter().map(|f| format!("plugin-api/{f}")).collect::<Vec<_>>().join(","));
-    }
-    let out = cmd.output().unwrap();
-    assert!(out.status.success(), "building {crate_dir}: {}", String::from_utf8_lossy(&out.stderr));
-    let dest_dir = root().join("target/test-plugins");
-    std::fs::create_dir_all(&dest_dir).unwrap();
-    let dest = dest_dir.join(format!("{name}.so"));
-    std::fs::copy(root().join(format!("target/release/lib{lib}.so")), &dest).unwrap();
-    dest
 }
 
 const HEAD: &str = r#"

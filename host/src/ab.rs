@@ -190,4 +190,19 @@ drafter = { block_size = 4 }
         let err = plan(&dir.path().join("one.toml"), None, Path::new("e")).unwrap_err().to_string();
         assert!(err.contains("at least two arms"), "{err}");
     }
+
+    #[test]
+    fn ab_and_arm_names_that_could_leave_experiments_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("base.toml"), BASE).unwrap();
+        let ab = dir.path().join("ab.toml");
+        for bad in ["../up", "a/b", ".hidden", ".."] {
+            std::fs::write(&ab, AB.replace("name = \"opt\"", &format!("name = {:?}", bad))).unwrap();
+            let err = plan(&ab, None, Path::new("e")).unwrap_err().to_string();
+            assert!(err.contains("ab.toml") && err.contains("not a valid experiment name"), "{bad}: {err}");
+            std::fs::write(&ab, AB.replace("[arms.muon]", &format!("[arms.{:?}]", bad))).unwrap();
+            let err = plan(&ab, None, Path::new("e")).unwrap_err().to_string();
+            assert!(err.contains(&format!("arm `{bad}`")) && err.contains("not a valid experiment name"), "{bad}: {err}");
+        }
+    }
 }

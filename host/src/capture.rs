@@ -284,6 +284,7 @@ impl CaptureReader {
                     lengths: b.lengths,
                     sequence_ids: b.sequence_ids,
                     position: b.position,
+                    index: b.index,
                 })
             }),
         }

@@ -12,7 +12,8 @@ use std::{
 
 pub struct Experiment {
     pub dir: PathBuf,
-    metrics: BufWriter<File>,
+    /// None for a data-parallel rank other than 0: it trains but writes nothing.
+    metrics: Option<BufWriter<File>>,
 }
 
 /// `experiments/<name>`, or `<name>-2`, `-3`, ... if taken, so an earlier run is never
@@ -73,14 +74,20 @@ impl Experiment {
             .append(true)
             .open(dir.join("metrics.jsonl"))
             .with_context(|| format!("opening {}/metrics.jsonl", dir.display()))?;
-        Ok(Self { dir: dir.to_path_buf(), metrics: BufWriter::new(metrics) })
+        Ok(Self { dir: dir.to_path_buf(), metrics: Some(BufWriter::new(metrics)) })
+    }
+
+    /// Rank 1.. of a data-parallel run: rank 0 owns the folder.
+    pub fn detached(dir: &Path) -> Self {
+        Self { dir: dir.to_path_buf(), metrics: None }
     }
 
     /// Append one metrics record and flush it (a crash loses at most the line being written).
     pub fn log(&mut self, record: &impl Serialize) -> Result<()> {
-        serde_json::to_writer(&mut self.metrics, record)?;
-        self.metrics.write_all(b"\n")?;
-        self.metrics.flush()?;
+        let Some(metrics) = self.metrics.as_mut() else { return Ok(()) };
+        serde_json::to_writer(&mut *metrics, record)?;
+        metrics.write_all(b"\n")?;
+        metrics.flush()?;
         Ok(())
     }
 
@@ -244,5 +251,29 @@ mod tests {
         let back = read_safetensors(&dir.join("checkpoints/step-30/model.safetensors")).unwrap();
         assert_eq!(back[0].name.as_str(), "fc.weight");
         assert!(back[0].tensor.tensor().equal(&w[0].tensor.tensor()));
+    }
+
+    #[test]
+    fn a_truncated_checkpoint_is_an_error_naming_the_file() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("exp");
+        let exp = Experiment::create(&dir, "name = \"x\"\n", &serde_json::json!({"seed": 1})).unwrap();
+        let w = vec![
+            NamedTensor::new("fc.weight", Tensor::ones([64, 32], (plugin_api::tch::Kind::Float, plugin_api::tch::Device::Cpu))),
+            NamedTensor::new("fc.bias", Tensor::zeros([64], (plugin_api::tch::Kind::Float, plugin_api::tch::Device::Cpu))),
+        ];
+        let ckpt = exp.save_checkpoint(1, &w, "{}", &[], &serde_json::json!({"step": 1}), 1).unwrap();
+        let model = ckpt.join("model.safetensors");
+        let bytes = fs::read(&model).unwrap();
+        // Cut in the data, in the JSON header, and inside the 8-byte header length.
+        for cut in [bytes.len() / 2, 20, 5] {
+            fs::write(&model, &bytes[..cut]).unwrap();
+            let err = format!("{:#}", read_safetensors(&model).err().expect("a truncated file read"));
+            assert!(err.contains(&model.display().to_string()), "cut at {cut}: {err}");
+            let err = format!("{:#}", crate::export::export(&ckpt, &root.path().join("out")).unwrap_err());
+            assert!(err.contains(&model.display().to_string()), "export, cut at {cut}: {err}");
+            let err = format!("{:#}", verify_checkpoint(&ckpt).unwrap_err());
+            assert!(err.contains("model.safetensors") && err.contains("checksum mismatch"), "{err}");
+        }
     }
 }

@@ -8,6 +8,7 @@ pub mod builtins;
 pub mod capture;
 pub mod compare;
 pub mod config;
+pub mod dist;
 pub mod distill;
 pub mod eval;
 pub mod experiment;

@@ -118,9 +118,21 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         arm: ab.map(|(_, arm)| arm.to_string()),
     };
     let resolved = toml::to_string(cfg)?;
-    let mut exp = Experiment::create(exp_dir, &resolved, &manifest)?;
+    let comm = connect()?;
+    let mut exp = match &comm {
+        Some(c) if c.rank() > 0 => Experiment::detached(exp_dir),
+        _ => Experiment::create(exp_dir, &resolved, &manifest)?,
+    };
     tracing::info!("experiment: {}", exp_dir.display());
-    train::train(cfg, components, &mut exp, &cache, train::TrainOptions { resume: None, stop_at })
+    train::train(cfg, components, &mut exp, &cache, train::TrainOptions { resume: None, stop_at, comm })
+}
+
+/// The data-parallel communicator when a launcher started several ranks (RANK, WORLD_SIZE, ...).
+fn connect() -> Result<Option<Box<dyn crate::dist::Communicator>>> {
+    match crate::dist::DistEnv::from_env()? {
+        Some(env) => Ok(Some(Box::new(crate::dist::TcpCommunicator::connect(&env)?))),
+        None => Ok(None),
+    }
 }
 
 /// The run's components; plugin config errors point at the config line that set the field.
@@ -159,9 +171,15 @@ pub fn resume(exp_dir: &Path, registry: &Registry, allow_plugin_change: bool, st
         }
     };
     let keep_through = from.as_ref().map_or(0, |r| r.state.step);
-    let mut exp = Experiment::reopen(exp_dir, keep_through)?;
-    let _ = std::fs::remove_file(exp_dir.join("summary.json"));
-    train::train(&cfg, components, &mut exp, &cache_dir(), train::TrainOptions { resume: from, stop_at })
+    let comm = connect()?;
+    let mut exp = match &comm {
+        Some(c) if c.rank() > 0 => Experiment::detached(exp_dir),
+        _ => {
+            let _ = std::fs::remove_file(exp_dir.join("summary.json"));
+            Experiment::reopen(exp_dir, keep_through)?
+        }
+    };
+    train::train(&cfg, components, &mut exp, &cache_dir(), train::TrainOptions { resume: from, stop_at, comm })
 }
 
 fn read_checkpoint(dir: &Path) -> Result<train::ResumeFrom> {
@@ -234,4 +252,49 @@ pub fn load_experiment(
         tracing::info!("drafter weights from {}", ckpt.display());
     }
     Ok((cfg, c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `run.toml` in `dir` with a random tiny target (`tiny.json`, no weights to download) unless
+    /// `target` says otherwise, and `data` as the dataset.
+    fn write_config(dir: &Path, target: &str, data: &str) -> PathBuf {
+        let tiny = r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "vocab_size": 32, "eos_token_id": 1}"#;
+        std::fs::write(dir.join("tiny.json"), tiny).unwrap();
+        let text = format!(
+            "name = \"t\"\n[train]\nsteps = 1\n\n[target]\nplugin = \"hf\"\n{target}\n\n[drafter]\nplugin = \"dflash\"\n\
+             num_hidden_layers = 1\nblock_size = 4\nnum_target_features = 1\nmask_token_id = 0\n\n\
+             [optimizer]\nplugin = \"adamw\"\nlr = 1e-3\n\n[data]\nplugin = \"chat\"\nformat = \"jsonl\"\n{data}\n"
+        );
+        let path = dir.join("run.toml");
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn build_error(path: &Path) -> String {
+        let cfg = RunConfig::load(path).unwrap();
+        let registry = Registry::new(&[]).unwrap();
+        let dir = config::config_dir(path);
+        match build(&cfg, path, &dir, &registry) {
+            Ok(_) => panic!("{} built", path.display()),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    #[test]
+    fn a_missing_model_or_data_file_names_the_config_line_and_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = write_config(dir.path(), "path = \"nope.gguf\"", "path = \"chat.jsonl\"");
+        let err = build_error(&cfg);
+        let want = format!("run.toml:7: [target] plugin `hf`: field `path`: {}: no such file", dir.path().join("nope.gguf").display());
+        assert!(err.contains(&want), "{err}\nshould contain\n{want}");
+
+        let cfg = write_config(dir.path(), "path = \"tiny.json\"\nrandom_init = true", "path = \"nope.jsonl\"");
+        let err = build_error(&cfg);
+        let want = format!("run.toml:24: [data] plugin `chat`: field `path`: {}: No such file", dir.path().join("nope.jsonl").display());
+        assert!(err.contains(&want), "{err}\nshould contain\n{want}");
+    }
 }

@@ -10,6 +10,7 @@ use crate::{
     experiment::Experiment,
     hidden_cache::HiddenStateCache,
     loss::{default_gamma, dflash_loss, tau_hat, LossInput},
+    dist::Communicator,
     pipeline::{self, Feed, Job, PipelineOptions, Worker},
     plugins::{PluginRecord, Registry},
     schedule::lr_scale,
@@ -134,6 +135,8 @@ pub struct Micro {
     pub hidden: Tensor,
     /// The data loader's position after this batch: where a resume continues.
     pub position: DataPosition,
+    /// The micro-batch's number in data order, across all ranks (numbers its anchor draw).
+    pub index: u64,
 }
 
 /// A batch from the data loader, before the target has seen it.
@@ -211,6 +214,7 @@ pub fn target_worker<'a>(
                 lengths: b.lengths,
                 sequence_ids: b.sequence_ids,
                 position: b.position,
+                index: b.index,
             })
         }),
     }
@@ -252,6 +256,8 @@ pub struct StepMetrics {
     pub q_hs_now: usize,
     pub hs_bytes: usize,
     pub hs_peak_bytes: usize,
+    /// Feature bytes that have passed through the buffer so far (this process).
+    pub hs_total_bytes: u64,
     /// Peak resident memory of the process (MiB).
     pub peak_rss_mb: f64,
     /// GPU utilisation (%), power (W) and memory used (MiB) per GPU in use, from NVML; absent
@@ -428,10 +434,40 @@ pub struct TrainOptions {
     pub resume: Option<ResumeFrom>,
     /// Stop (with a checkpoint) after this step, as if interrupted: a long schedule in slices.
     pub stop_at: Option<u64>,
+    /// Data-parallel replicas (None: this process alone). Rank 0 writes the experiment.
+    pub comm: Option<Box<dyn Communicator>>,
+}
+
+/// What one step adds up, summed across ranks before it is logged or acted on.
+struct StepSums {
+    loss: f64,
+    tokens: u64,
+    correct: Vec<i64>,
+    count: Vec<i64>,
+    /// Any rank asked to stop (a signal): all stop after this step, together.
+    stop: bool,
+}
+
+impl StepSums {
+    fn all_reduce(&mut self, comm: &mut dyn Communicator) -> Result<()> {
+        let mut v: Vec<f64> = [self.loss, self.tokens as f64, self.stop as u8 as f64].into_iter().collect();
+        v.extend(self.correct.iter().chain(&self.count).map(|&c| c as f64));
+        comm.all_reduce_sum(&mut v)?;
+        let n = self.correct.len();
+        self.loss = v[0];
+        self.tokens = v[1] as u64;
+        self.stop = v[2] > 0.0;
+        self.correct = v[3..3 + n].iter().map(|&c| c as i64).collect();
+        self.count = v[3 + n..].iter().map(|&c| c as i64).collect();
+        Ok(())
+    }
 }
 
 pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir: &Path, opts: TrainOptions) -> Result<TrainSummary> {
     let t = &cfg.train;
+    let mut comm = opts.comm;
+    let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank() as u64, c.world() as u64));
+    let lead = rank == 0; // writes metrics and checkpoints
     let names = PluginNames::new(&c.records);
     // 1. Data, unless features come from a capture.
     let capture = match &cfg.pipeline.capture {
@@ -508,15 +544,29 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     let mut produced = 0u64;
     let names_p = names.clone();
     let capture_ref = capture.as_ref();
+    // With R replicas, each reads every batch and keeps its share: batch `rank` of each group of R,
+    // tagged with the position after the whole group (where every rank resumes).
     let producer = move || -> Result<Option<Job<HostBatch>>> {
         if produced == total_micro {
             return Ok(None);
         }
+        let index = first_draw + produced * world + rank;
         let mut b = match capture_ref {
-            Some(cap) => cap.batch(first_draw + produced)?,
-            None => next_batch(data, &names_p)?,
+            Some(cap) => cap.batch(index)?,
+            None => {
+                let mut mine = None;
+                for r in 0..world {
+                    let b = next_batch(data, &names_p)?;
+                    if r == rank {
+                        mine = Some(b);
+                    } else if let Some(m) = mine.as_mut() {
+                        m.position = b.position;
+                    }
+                }
+                mine.expect("rank < world")
+            }
         };
-        b.index = first_draw + produced;
+        b.index = index;
         produced += 1;
         let bytes = b.input_ids.numel() * feature_bytes_per_token;
         Ok(Some(Job { payload: b, bytes }))
@@ -545,7 +595,10 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     let started = Instant::now();
     let elapsed_before = state.elapsed_s;
     // TensorBoard event files beside metrics.jsonl (`tensorboard --logdir experiments/`).
-    let mut tb = tensorboard::EventWriter::create(&exp.dir)?;
+    let mut tb = if lead { Some(tensorboard::EventWriter::create(&exp.dir)?) } else { None };
+    if !lead {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
     let mut guard = NonFiniteGuard { max: t.max_nonfinite_steps, consecutive: state.nonfinite_in_a_row };
     let gpus = GpuMonitor::new(devices.iter().map(String::as_str).chain([cfg.drafter_device()]));
     let (mut first, mut last) = (None, None);
@@ -556,10 +609,11 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     let consume = |feed: &mut Feed<Micro>| -> Result<()> {
         let mut times = WindowTimes::default();
         let mut busy_before = feed.worker_busy_s();
+        let mut hs_total_bytes = 0u64;
         let mut wait_before = feed.wait_s;
         for step in state.step + 1..=t.steps {
             times.started.get_or_insert_with(Instant::now);
-            let mut step_loss = 0.0;
+            let mut sums = StepSums { loss: 0.0, tokens: 0, correct: vec![0; block_size as usize - 1], count: vec![0; block_size as usize - 1], stop: false };
             let mut last_position = None;
             for _ in 0..t.grad_accum {
                 let ready = feed.next()?.ok_or_else(|| anyhow!("pipeline ended before step {step}"))?;
@@ -568,8 +622,8 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                 let m = &ready.item;
                 let t1 = Instant::now();
                 let tokens: u64 = m.lengths.iter().map(|&l| l as u64).sum();
-                let anchors = sampler.sample(&m.loss_mask, state.micro_batches);
-                state.micro_batches += 1;
+                hs_total_bytes += (m.input_ids.numel() * feature_bytes_per_token) as u64;
+                let anchors = sampler.sample(&m.loss_mask, m.index);
                 let input_ids = m.input_ids.to_device(drafter_device);
                 let anchor_pos = anchors.positions.to_device(drafter_device);
                 let block_ids = block_token_ids(&input_ids, &anchor_pos, block_size, mask_token_id);
@@ -592,21 +646,34 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                     gamma,
                 });
                 (&l.loss / t.grad_accum as f64).backward();
-                step_loss += l.loss.double_value(&[]);
-                times.drafter_s += t1.elapsed().as_secs_f64();
-                let w = &mut state.window;
-                w.micro += 1;
-                w.tokens += tokens;
-                state.tokens += tokens;
+                sums.loss += l.loss.double_value(&[]);
+                sums.tokens += tokens;
                 for k in 0..l.count.len() {
-                    w.correct[k] += l.correct[k];
-                    w.count[k] += l.count[k];
-                    w.draft_tokens += l.count[k] as u64;
-                    state.draft_tokens += l.count[k] as u64;
+                    sums.correct[k] += l.correct[k];
+                    sums.count[k] += l.count[k];
                 }
+                times.drafter_s += t1.elapsed().as_secs_f64();
                 last_position = Some(m.position);
             }
             let t2 = Instant::now();
+            // Replicas: average the gradients, sum what the step counted, agree on stopping.
+            sums.stop = stop.requested().is_some();
+            if let Some(comm) = comm.as_deref_mut() {
+                crate::dist::average_gradients(comm, &params)?;
+                sums.all_reduce(comm)?;
+            }
+            let step_loss = sums.loss;
+            state.micro_batches += t.grad_accum * world;
+            let w = &mut state.window;
+            w.micro += t.grad_accum * world;
+            w.tokens += sums.tokens;
+            state.tokens += sums.tokens;
+            for k in 0..sums.count.len() {
+                w.correct[k] += sums.correct[k];
+                w.count[k] += sums.count[k];
+                w.draft_tokens += sums.count[k] as u64;
+                state.draft_tokens += sums.count[k] as u64;
+            }
             let grad_norm = clip_grad_norm(&params, t.grad_clip);
             let scale = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac);
             let apply = guard.check(step, step_loss, grad_norm).map_err(|e| {
@@ -617,7 +684,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                 optimizer.step(scale).into_result().map_err(names.err(PluginKind::Optimizer, "step"))?;
             } else {
                 state.skipped_steps += 1;
-                state.window.skipped_micro += t.grad_accum;
+                state.window.skipped_micro += t.grad_accum * world;
             }
             state.nonfinite_in_a_row = guard.consecutive;
             for p in &params {
@@ -665,6 +732,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                     q_hs_now: feed.depth(),
                     hs_bytes,
                     hs_peak_bytes,
+                    hs_total_bytes,
                     peak_rss_mb: peak_rss_mb(),
                     gpu_util: gpu.as_ref().map(|g| g.util.clone()),
                     gpu_power_w: gpu.as_ref().map(|g| g.power_w.clone()),
@@ -672,8 +740,10 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                     eta_s: (t.steps - step) as f64 * secs / steps_w,
                     elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
                 };
-                exp.log(&m)?;
-                tensorboard::log_metrics(&mut tb, &serde_json::to_value(&m)?)?;
+                if let Some(tb) = tb.as_mut() {
+                    exp.log(&m)?;
+                    tensorboard::log_metrics(tb, &serde_json::to_value(&m)?)?;
+                }
                 bar.set_message(format!("loss {:.3}  τ̂ {:.3}  {:.0} tok/s  q_hs {:.1}", m.loss, m.tau_hat, m.tok_per_s, m.q_hs));
                 bar.suspend(|| {
                     tracing::info!(
@@ -695,7 +765,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                 busy_before = busy_now;
                 wait_before = feed.wait_s;
             }
-            interrupted = stop.requested();
+            interrupted = stop.requested().or(sums.stop.then_some(143));
             if opts.stop_at == Some(step) && step < t.steps {
                 stopped_at = Some(step);
             }
@@ -706,7 +776,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
             if due && !all_finite(&params) {
                 // Never let a diverged state replace a good checkpoint.
                 bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
-            } else if due {
+            } else if due && lead {
                 state.elapsed_s = elapsed_before + started.elapsed().as_secs_f64();
                 let dir = exp.save_checkpoint(
                     step,
@@ -746,7 +816,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         interrupted,
         stopped_at,
     };
-    if interrupted.is_none() && stopped_at.is_none() {
+    if interrupted.is_none() && stopped_at.is_none() && lead {
         exp.write_summary(&summary)?;
     }
     Ok(summary)

@@ -100,3 +100,29 @@ impl Fixture {
         serde_json::from_str(&self.meta[key]).unwrap()
     }
 }
+
+static BUILDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Build an out-of-tree plugin crate into the workspace's target dir (sharing its compiled
+/// dependencies) and copy the library to a name of its own.
+pub fn build_plugin(crate_dir: &str, lib: &str, features: &[&str], name: &str) -> PathBuf {
+    let _one_at_a_time = BUILDS.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = root().join(crate_dir);
+    // The workspace's lock file pins the same dependency versions, so nothing is rebuilt.
+    std::fs::copy(root().join("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.args(["build", "--release", "--quiet", "--manifest-path"])
+        .arg(dir.join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(root().join("target"));
+    if !features.is_empty() {
+        cmd.arg("--features").arg(features.iter().map(|f| format!("plugin-api/{f}")).collect::<Vec<_>>().join(","));
+    }
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "building {crate_dir}: {}", String::from_utf8_lossy(&out.stderr));
+    let dest_dir = root().join("target/test-plugins");
+    std::fs::create_dir_all(&dest_dir).unwrap();
+    let dest = dest_dir.join(format!("{name}.so"));
+    std::fs::copy(root().join(format!("target/release/lib{lib}.so")), &dest).unwrap();
+    dest
+}

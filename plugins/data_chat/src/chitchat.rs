@@ -216,6 +216,19 @@ mod tests {
         );
     }
 
+    #[test]
+    fn non_utf8_and_non_object_files_name_the_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("chitchat.json");
+        std::fs::write(&path, b"{\n\"c\": {\"messages\": [[{\"text\": \"caf\xe9\", \"sender\": \"x\"}]]}}").unwrap();
+        let err = load_chitchat(&path).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{}:2: malformed chitchat JSON", path.display())), "{err}");
+
+        std::fs::write(&path, "[1, 2]").unwrap();
+        let err = load_chitchat(&path).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{}:1: malformed chitchat JSON: invalid type: sequence", path.display())), "{err}");
+    }
+
     /// The real dataset, fetched by `make setup`.
     #[test]
     fn loads_the_real_chitchat_file() {

@@ -466,6 +466,28 @@ plugin_api::declare_plugin!(data_chat, info, create);
 mod tests {
     use super::*;
 
+    fn chat_data(path: &std::path::Path, on_error: &str) -> Result<ChatData, PluginError> {
+        let text = format!("path = \"x\"\nformat = \"jsonl\"\non_error = \"{on_error}\"\ndistill = false");
+        let cfg: ChatSection = plugin_api::parse_section(&text).unwrap();
+        ChatData::new(cfg, path.to_path_buf(), std::path::PathBuf::new(), 0)
+    }
+
+    #[test]
+    fn a_dataset_that_is_missing_empty_or_all_bad_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("chat.jsonl");
+        let err = chat_data(&path, "fail").err().unwrap().to_string();
+        assert!(err.starts_with(&format!("field `path`: {}: ", path.display())), "{err}");
+        std::fs::write(&path, "\n  \n").unwrap();
+        let err = chat_data(&path, "fail").err().unwrap().to_string();
+        assert_eq!(err, format!("{}: no usable records", path.display()));
+        std::fs::write(&path, "{\"messages\": []}\nnot json\n").unwrap();
+        let err = chat_data(&path, "skip").err().unwrap().to_string();
+        assert_eq!(err, format!("{}: no usable records", path.display()));
+        let err = chat_data(&path, "fail").err().unwrap().to_string();
+        assert_eq!(err, format!("field `path`: {}:1: field \"messages\" is empty", path.display()));
+    }
+
     #[test]
     fn humaneval_gives_164_code_requests() {
         let cache = std::env::var_os("DFLASH_CACHE")

@@ -420,4 +420,164 @@ mod tests {
         let report = read_jsonl(&path, OnError::Fail).unwrap();
         assert_eq!(report.records, records);
     }
+
+    /// Fuzzing the JSONL record reader: random bytes, mutated records and random JSON values,
+    /// one line at a time and as whole files in both modes. Never a panic; every refusal names
+    /// its line.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+        use proptest::test_runner::{Config, TestRunner};
+
+        const SEEDS: &[&str] = &[
+            GOOD,
+            r#"{"id":7,"messages":[{"role":"system","content":"be brief","name":"x"},{"role":"user","content":"a"},{"role":"assistant","content":"b"}]}"#,
+            r#"{"messages":[{"role":"user","content":"caf\u00e9 \"q\" \n\t\\"},{"role":"assistant","content":"ünï 😀"}]}"#,
+            r#"{"messages":[{"role":"user","content":""},{"role":"assistant","content":"","extra":[1,{"a":null}]}]}"#,
+        ];
+
+        /// Byte strings that break JSON or UTF-8 in interesting ways.
+        const SPLICES: &[&[u8]] = &[
+            b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\xaf", b"\0", b"\r", b"\n", b"\"",
+            b"\\", b"\\ud800", b"\\u00", b"{", b"}", b"[", b"]", b",", b":", b"null", b"1e999", b"-",
+            b"\"messages\"", b"\"role\"", b"\"content\"", b"\"assistant\"", b"\"tool\"",
+        ];
+
+        #[derive(Debug, Clone)]
+        enum Edit {
+            Flip(f64, u8),
+            Truncate(f64),
+            Splice(f64, usize),
+            Delete(f64, usize),
+        }
+
+        fn edit() -> impl Strategy<Value = Edit> {
+            prop_oneof![
+                (0.0..1.0f64, 1..=255u8).prop_map(|(at, x)| Edit::Flip(at, x)),
+                (0.0..1.0f64).prop_map(Edit::Truncate),
+                (0.0..1.0f64, 0..SPLICES.len()).prop_map(|(at, s)| Edit::Splice(at, s)),
+                (0.0..1.0f64, 1..8usize).prop_map(|(at, n)| Edit::Delete(at, n)),
+            ]
+        }
+
+        fn mutate(mut b: Vec<u8>, edits: &[Edit]) -> Vec<u8> {
+            let at = |share: f64, len: usize| ((share * len as f64) as usize).min(len);
+            for e in edits {
+                match *e {
+                    Edit::Flip(s, x) if !b.is_empty() => {
+                        let i = at(s, b.len() - 1);
+                        b[i] ^= x;
+                    }
+                    Edit::Flip(..) => {}
+                    Edit::Truncate(s) => b.truncate(at(s, b.len())),
+                    Edit::Splice(s, k) => {
+                        let i = at(s, b.len());
+                        b.splice(i..i, SPLICES[k].iter().copied());
+                    }
+                    Edit::Delete(s, n) => {
+                        let i = at(s, b.len());
+                        b.drain(i..(i + n).min(b.len()));
+                    }
+                }
+            }
+            b
+        }
+
+        /// JSON values shaped like records: the reader's keys and roles, nested, of any type.
+        fn json() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::from),
+                any::<i64>().prop_map(Value::from),
+                any::<f64>().prop_map(Value::from),
+                prop::sample::select(vec!["user", "assistant", "system", "tool", "", "Assistant"]).prop_map(Value::from),
+                ".{0,8}".prop_map(Value::from),
+            ];
+            leaf.prop_recursive(4, 24, 4, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                    prop::collection::vec(
+                        (prop::sample::select(vec!["messages", "role", "content", "name", "x"]), inner),
+                        0..4
+                    )
+                    .prop_map(|kv| Value::Object(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())),
+                ]
+            })
+        }
+
+        fn line() -> impl Strategy<Value = Vec<u8>> {
+            prop_oneof![
+                prop::collection::vec(any::<u8>(), 0..64),
+                (prop::sample::select(SEEDS.to_vec()), prop::collection::vec(edit(), 1..4))
+                    .prop_map(|(s, e)| mutate(s.as_bytes().to_vec(), &e)),
+                json().prop_map(|v| v.to_string().into_bytes()),
+                json().prop_map(|v| serde_json::json!({ "messages": v }).to_string().into_bytes()),
+                (1..200usize).prop_map(|n| "[".repeat(n).into_bytes()),
+                Just(Vec::new()),
+                Just(b" \t\r".to_vec()),
+            ]
+        }
+
+        fn cases(default: u32) -> u32 {
+            std::env::var("DFLASH_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+        }
+
+        #[test]
+        fn hostile_lines_and_files_never_panic_and_name_the_line() {
+            for s in SEEDS {
+                assert!(matches!(parse_record(s.as_bytes()), Ok(Some(_))), "{s}");
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("fuzz.jsonl");
+            let n = cases(2000);
+            let mut runner = TestRunner::new(Config { cases: n, failure_persistence: None, ..Config::default() });
+            let lines_run = std::cell::Cell::new(0usize);
+            let files = std::cell::Cell::new((0usize, 0usize)); // (read whole, refused at a line)
+            runner
+                .run(&prop::collection::vec(line(), 1..6), |lines| {
+                    let mut bytes = lines.join(&b'\n');
+                    bytes.push(b'\n');
+                    // What the reader sees as lines: the file split at '\n'.
+                    let split: Vec<&[u8]> = bytes.split(|&b| b == b'\n').collect();
+                    let split = &split[..split.len() - 1];
+                    let mut good = Vec::new();
+                    let mut bad = Vec::new();
+                    for (i, l) in split.iter().enumerate() {
+                        let mut l = l.to_vec();
+                        l.push(b'\n');
+                        match parse_record(&l) {
+                            Ok(Some(r)) => good.push(r),
+                            Ok(None) => {}
+                            Err(why) => bad.push((i + 1, why)),
+                        }
+                    }
+                    lines_run.set(lines_run.get() + split.len());
+                    std::fs::write(&path, &bytes).unwrap();
+                    let skip = read_jsonl(&path, OnError::Skip).unwrap();
+                    prop_assert_eq!(&skip.records, &good);
+                    prop_assert_eq!(&skip.skipped, &bad);
+                    let (whole, refused) = files.get();
+                    match (read_jsonl(&path, OnError::Fail), bad.first()) {
+                        (Ok(r), None) => {
+                            prop_assert_eq!(r.records, good);
+                            files.set((whole + 1, refused));
+                        }
+                        (Err(e), Some((line, why))) => {
+                            prop_assert_eq!(e.to_string(), format!("{}:{line}: {why}", path.display()));
+                            files.set((whole, refused + 1));
+                        }
+                        (got, want) => prop_assert!(false, "fail mode gave {:?}, skip mode's first bad line {:?}", got.map(|r| r.records.len()), want),
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            let (whole, refused) = files.get();
+            eprintln!(
+                "dataset fuzz: {} files ({} lines) ran through the record parser, no panic ({whole} read whole, {refused} refused naming file:line)",
+                whole + refused,
+                lines_run.get()
+            );
+            assert_eq!((whole + refused) as u32, n);
+        }
+    }
 }

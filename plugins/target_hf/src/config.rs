@@ -55,7 +55,8 @@ impl DecoderConfig {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+        // 0 heads is refused by `validate`; until then it must not divide by zero.
+        self.head_dim.unwrap_or(self.hidden_size.checked_div(self.num_attention_heads).unwrap_or(0))
     }
 
     pub fn qkv_bias(&self) -> bool {
@@ -79,7 +80,13 @@ impl DecoderConfig {
         if !["llama", "qwen2", "qwen3"].contains(&self.model_type.as_str()) {
             return Err(format!("model_type `{}` is not supported (llama, qwen2, qwen3)", self.model_type));
         }
-        if self.num_attention_heads == 0 || self.num_attention_heads % self.num_kv_heads() != 0 {
+        if self.num_attention_heads == 0 {
+            return Err("num_attention_heads 0: must be >= 1".into());
+        }
+        if self.num_kv_heads() == 0 {
+            return Err("num_key_value_heads 0: must be >= 1".into());
+        }
+        if self.num_attention_heads % self.num_kv_heads() != 0 {
             return Err(format!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads,
@@ -107,7 +114,8 @@ impl DecoderConfig {
             num_hidden_layers: g.meta_usize(&key("block_count"))?,
             num_attention_heads: heads,
             num_key_value_heads: Some(g.meta_usize(&key("attention.head_count_kv")).unwrap_or(heads)),
-            head_dim: head_dim.or(Some(hidden / heads)),
+            // 0 heads (refused by `validate`) leaves it unset rather than dividing by zero.
+            head_dim: head_dim.or(hidden.checked_div(heads)),
             vocab_size: vocab,
             rms_norm_eps: g.meta_f32(&key("attention.layer_norm_rms_epsilon")).map(f64::from).unwrap_or(1e-6),
             rope_theta: g.meta_f32(&key("rope.freq_base")).map(f64::from).unwrap_or(10000.0),
@@ -117,5 +125,27 @@ impl DecoderConfig {
             eos_token_id: g.meta_u32("tokenizer.ggml.eos_token_id").ok().map(EosId::One),
             pad_token_id: g.meta_u32("tokenizer.ggml.padding_token_id").ok(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_heads_are_refused_not_divided_by() {
+        let mut c: DecoderConfig = serde_json::from_str(
+            r#"{"model_type": "llama", "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1,
+                "num_attention_heads": 0, "vocab_size": 8}"#,
+        )
+        .unwrap();
+        assert_eq!(c.head_dim(), 0);
+        assert_eq!(c.validate().unwrap_err(), "num_attention_heads 0: must be >= 1");
+        c.num_attention_heads = 2;
+        c.num_key_value_heads = Some(0);
+        assert_eq!(c.validate().unwrap_err(), "num_key_value_heads 0: must be >= 1");
+        c.num_key_value_heads = Some(2);
+        c.validate().unwrap();
+        assert_eq!(c.head_dim(), 16);
     }
 }

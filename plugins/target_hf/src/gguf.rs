@@ -693,6 +693,10 @@ fn read_tensor_info(cur: &mut Cursor, name: String) -> Result<TensorInfo, String
     for _ in 0..n_dims {
         dims.push(cur.u64()?);
     }
+    // ggml's dims are int64: a larger one (possible in an empty tensor) is no shape torch can hold.
+    if let Some((j, d)) = dims.iter().enumerate().find(|(_, &d)| d > i64::MAX as u64) {
+        return Err(format!("dims {dims:?}: ne[{j}] = {d} does not fit int64"));
+    }
     let type_id = cur.u32()?;
     let offset = cur.u64()?;
 

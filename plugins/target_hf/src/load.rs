@@ -61,13 +61,17 @@ fn hf_name(gguf: &str) -> Option<String> {
 }
 
 /// llama.cpp's converter permutes llama's Q/K rows per head (for its interleaved RoPE); undo it:
-/// (heads, rows/heads/2, 2, cols) -> swap axes 1, 2 -> back (ASSETS.md).
-fn unpermute(w: &Tensor, heads: i64) -> Tensor {
+/// (heads, rows/heads/2, 2, cols) -> swap axes 1, 2 -> back (ASSETS.md). None when the rows do
+/// not split into `heads` heads of row pairs.
+fn unpermute(w: &Tensor, heads: i64) -> Option<Tensor> {
     let size = w.size();
-    let (rows, rest) = (size[0], &size[1..]);
+    let (&rows, rest) = size.split_first()?;
+    if heads < 1 || rows % (2 * heads) != 0 {
+        return None;
+    }
     let mut shape = vec![heads, rows / heads / 2, 2];
     shape.extend_from_slice(rest);
-    w.reshape(&shape).transpose(1, 2).reshape(&size)
+    Some(w.reshape(&shape).transpose(1, 2).reshape(&size))
 }
 
 pub fn load_gguf(path: &Path) -> Result<Loaded, String> {
@@ -84,10 +88,17 @@ pub fn load_gguf(path: &Path) -> Result<Loaded, String> {
         let (shape, values) = g.dequantize(&name).map_err(|e| e.to_string())?;
         let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
         let mut t = Tensor::from_slice(&values).reshape(&shape);
-        if permuted && name.ends_with("attn_q.weight") {
-            t = unpermute(&t, cfg.num_attention_heads as i64);
-        } else if permuted && name.ends_with("attn_k.weight") {
-            t = unpermute(&t, cfg.num_kv_heads() as i64);
+        let heads = if name.ends_with("attn_q.weight") {
+            Some(cfg.num_attention_heads)
+        } else if name.ends_with("attn_k.weight") {
+            Some(cfg.num_kv_heads())
+        } else {
+            None
+        };
+        if let (true, Some(heads)) = (permuted, heads) {
+            t = unpermute(&t, heads as i64).ok_or_else(|| {
+                format!("{}: tensor {name}: shape {shape:?} does not split into {heads} heads of row pairs", path.display())
+            })?;
         }
         tensors.insert(hf, t);
     }
@@ -162,6 +173,9 @@ mod tests {
         let w = Tensor::arange(rows * cols, (plugin_api::tch::Kind::Float, plugin_api::tch::Device::Cpu))
             .reshape([rows, cols]);
         let permuted = w.reshape([heads, 2, rows / heads / 2, cols]).transpose(1, 2).reshape([rows, cols]);
-        assert!(unpermute(&permuted, heads).equal(&w));
+        assert!(unpermute(&permuted, heads).unwrap().equal(&w));
+        // Rows that do not split into heads of pairs, and a scalar, are refused (not a panic).
+        assert!(unpermute(&w, 4).is_none());
+        assert!(unpermute(&Tensor::from(1.0f32), 3).is_none());
     }
 }

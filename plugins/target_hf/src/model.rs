@@ -132,7 +132,8 @@ impl Decoder {
             None if cfg.tie_word_embeddings || !w.tensors.contains_key("lm_head.weight") => embed_tokens.shallow_clone(),
             None => unreachable!(),
         };
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        // The count may come from a hostile file: reserve no more than the weights could fill.
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers.min(w.tensors.len()));
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let bias = cfg.qkv_bias();

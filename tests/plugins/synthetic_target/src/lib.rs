@@ -1,0 +1,151 @@
+//! A synthetic target ("synthetic") for pipeline tests: a word-level ChatML tokenizer, random
+//! tied embeddings, features that are the embeddings scaled per layer, `forward_ms` of sleep per
+//! forward (a stage with a set time), and a deliberate error or panic at forward
+//! `fail_at_forward` (counted per worker instance).
+
+use plugin_api::{
+    abi_stable::{
+        sabi_trait::TD_Opaque,
+        std_types::{RNone, RResult, RSlice, RString, RVec},
+    },
+    catch_plugin_panic,
+    serde::Deserialize,
+    tch::{Device, Kind, Tensor},
+    HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, TargetModel, TargetModel_TO, TargetOutput, TargetSpec,
+    TensorHandle,
+};
+
+#[derive(Deserialize)]
+#[serde(crate = "plugin_api::serde", deny_unknown_fields)]
+struct Config {
+    #[serde(default = "default_hidden")]
+    hidden_size: u32,
+    #[serde(default = "default_layers")]
+    num_hidden_layers: u32,
+    #[serde(default)]
+    forward_ms: u64,
+    /// 0 = never.
+    #[serde(default)]
+    fail_at_forward: u64,
+    /// Fail by panicking instead of returning an error.
+    #[serde(default)]
+    panic: bool,
+}
+
+fn default_hidden() -> u32 {
+    64
+}
+fn default_layers() -> u32 {
+    4
+}
+
+const SPECIALS: [&str; 3] = ["<unk>", "<|im_start|>", "<|im_end|>"];
+const WORDS: &str = "user assistant system i you the a to is it and of what do are how that in my me have for not this be with so but what's can your like no yes hi hello good ok well know think just really";
+
+fn vocab() -> Vec<String> {
+    SPECIALS.iter().map(|s| s.to_string()).chain(WORDS.split(' ').map(String::from)).collect()
+}
+
+fn tokenizer_json() -> String {
+    let vocab = vocab();
+    let added: Vec<String> = (0..SPECIALS.len())
+        .map(|i| format!(r#"{{"id":{i},"content":"{}","single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":true}}"#, vocab[i]))
+        .collect();
+    let entries: Vec<String> = vocab.iter().enumerate().map(|(i, w)| format!(r#""{w}":{i}"#)).collect();
+    format!(
+        r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[{}],"normalizer":{{"type":"Lowercase"}},"pre_tokenizer":{{"type":"Whitespace"}},"post_processor":null,"decoder":null,"model":{{"type":"WordLevel","vocab":{{{}}},"unk_token":"<unk>"}}}}"#,
+        added.join(","),
+        entries.join(",")
+    )
+}
+
+struct Synthetic {
+    cfg: Config,
+    embedding: Tensor,
+    forwards: u64,
+}
+
+impl Synthetic {
+    fn spec(&self) -> TargetSpec {
+        TargetSpec {
+            architecture: "synthetic".into(),
+            num_hidden_layers: self.cfg.num_hidden_layers,
+            hidden_size: self.cfg.hidden_size,
+            vocab_size: vocab().len() as u32,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: self.cfg.hidden_size / 4,
+            intermediate_size: self.cfg.hidden_size * 2,
+            rope_theta: 10000.0,
+            rms_norm_eps: 1e-6,
+            bos_token_id: RNone,
+            eos_token_id: 2,
+            pad_token_id: RNone,
+            chat_template: RString::new(),
+            source: "synthetic".into(),
+            source_sha256: format!("synthetic-{}-{}", self.cfg.hidden_size, self.cfg.num_hidden_layers).into(),
+        }
+    }
+}
+
+impl TargetModel for Synthetic {
+    fn spec(&self) -> TargetSpec {
+        Synthetic::spec(self)
+    }
+
+    fn tokenizer_json(&self) -> RString {
+        tokenizer_json().into()
+    }
+
+    fn embedding(&self) -> TensorHandle {
+        TensorHandle::new(self.embedding.shallow_clone())
+    }
+
+    fn lm_head(&self) -> TensorHandle {
+        TensorHandle::new(self.embedding.shallow_clone())
+    }
+
+    fn forward(&mut self, input_ids: &TensorHandle, layer_ids: RSlice<'_, u32>, _want_logits: bool) -> RResult<TargetOutput, PluginError> {
+        catch_plugin_panic(|| {
+            self.forwards += 1;
+            if self.cfg.fail_at_forward == self.forwards {
+                if self.cfg.panic {
+                    panic!("deliberate panic at forward {}", self.forwards);
+                }
+                return Err(PluginError::new(format!("deliberate failure at forward {}", self.forwards)));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(self.cfg.forward_ms));
+            let e = Tensor::embedding(&self.embedding, &input_ids.tensor(), -1, false, false);
+            let feats: Vec<Tensor> = layer_ids.iter().map(|&l| &e * (1.0 + l as f64 / 8.0)).collect();
+            Ok(TargetOutput { hidden: TensorHandle::new(Tensor::cat(&feats, -1)), logits: RNone })
+        })
+        .into()
+    }
+
+    fn generate(&mut self, _p: RVec<RVec<u32>>, _m: u32, _s: RSlice<'_, u32>) -> RResult<RVec<RVec<u32>>, PluginError> {
+        RResult::RErr(PluginError::new("the synthetic target does not generate (set distill = false)"))
+    }
+
+    fn cache_reset(&mut self) {}
+
+    fn cache_extend(&mut self, _ids: &TensorHandle, _layers: RSlice<'_, u32>) -> RResult<TargetOutput, PluginError> {
+        RResult::RErr(PluginError::new("the synthetic target has no KV cache"))
+    }
+
+    fn cache_truncate(&mut self, _len: u32) -> RResult<(), PluginError> {
+        RResult::ROk(())
+    }
+}
+
+fn info() -> PluginInfo {
+    PluginInfo::new("synthetic", PluginKind::Target, "0.1.0", "test target: set time per forward, deliberate failures")
+}
+
+fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
+    let cfg: Config = plugin_api::parse_section(config)?;
+    plugin_api::tch::manual_seed(ctx.seed as i64);
+    let embedding = Tensor::randn([vocab().len() as i64, cfg.hidden_size as i64], (Kind::Float, Device::Cpu)) * 0.1;
+    Ok(PluginInstance::Target(TargetModel_TO::from_value(Synthetic { cfg, embedding, forwards: 0 }, TD_Opaque)))
+}
+
+plugin_api::declare_plugin!(synthetic_target, info, create);
