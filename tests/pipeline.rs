@@ -24,15 +24,7 @@ fn train(dir: &Path, name: &str, pipeline: &str) -> Vec<serde_json::Value> {
     common::require_model();
     std::fs::write(dir.join(format!("{name}.toml")), config(name, pipeline)).unwrap();
     host(&["train", "--config", &format!("{name}.toml"), "--exp-dir", name], dir);
-    let keys = ["step", "tokens", "draft_tokens", "loss", "acc", "tau_hat", "grad_norm"];
-    std::fs::read_to_string(dir.join(name).join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            keys.iter().map(|k| (k.to_string(), v[k].clone())).collect::<serde_json::Map<_, _>>().into()
-        })
-        .collect()
+    common::metrics(&dir.join(name), &["step", "tokens", "draft_tokens", "loss", "acc", "tau_hat", "grad_norm"])
 }
 
 #[test]

@@ -56,15 +56,7 @@ fn resume(exp: &Path, extra: &[&str]) -> Command {
 
 /// metrics.jsonl without the timing fields, which no two runs share.
 fn metrics(exp: &Path) -> Vec<serde_json::Value> {
-    let keys = ["step", "epoch", "tokens", "draft_tokens", "loss", "acc", "tau_hat", "lr", "grad_norm", "skipped_steps"];
-    std::fs::read_to_string(exp.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            keys.iter().map(|k| (k.to_string(), v[k].clone())).collect::<serde_json::Map<_, _>>().into()
-        })
-        .collect()
+    common::metrics(exp, &["step", "epoch", "tokens", "draft_tokens", "loss", "acc", "tau_hat", "lr", "grad_norm", "skipped_steps"])
 }
 
 fn final_weights(exp: &Path) -> Vec<u8> {

@@ -277,15 +277,7 @@ impl CaptureReader {
                     StoredDtype::Fp8E4m3 => fp8_dequantize(&raw, &self.tensor(shard, &format!("b{i}.hidden_scale"))?),
                     _ => raw,
                 };
-                Ok(Micro {
-                    hidden,
-                    input_ids: b.input_ids,
-                    loss_mask: b.loss_mask,
-                    lengths: b.lengths,
-                    sequence_ids: b.sequence_ids,
-                    position: b.position,
-                    index: b.index,
-                })
+                Ok(b.with_features(hidden))
             }),
         }
     }

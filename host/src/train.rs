@@ -106,12 +106,9 @@ impl PluginNames {
 
 impl Components {
     /// An error from a plugin call, naming the plugin and the call.
-    pub fn err(&self, kind: PluginKind, call: &str) -> impl Fn(plugin_api::PluginError) -> anyhow::Error + '_ {
-        let call = call.to_string();
-        move |e| {
-            let name = self.records.iter().find(|r| r.kind == kind.as_str()).map_or("?", |r| r.name.as_str());
-            anyhow!("{kind} plugin `{name}`: {call}: {e}")
-        }
+    pub fn err(&self, kind: PluginKind, call: &str) -> impl Fn(plugin_api::PluginError) -> anyhow::Error {
+        let (names, call) = (PluginNames::new(&self.records), call.to_string());
+        move |e| names.err(kind, &call)(e)
     }
 
     /// Tokenize the data with the target's tokenizer, then self-distil if the loader asks.
@@ -148,6 +145,14 @@ pub struct HostBatch {
     pub position: DataPosition,
     /// The micro-batch's number in data order (set by the producer).
     pub index: u64,
+}
+
+impl HostBatch {
+    /// The batch with its target features, for the drafter.
+    pub fn with_features(self, hidden: Tensor) -> Micro {
+        let Self { input_ids, loss_mask, lengths, sequence_ids, position, index } = self;
+        Micro { input_ids, loss_mask, lengths, sequence_ids, hidden, position, index }
+    }
 }
 
 /// The next batch, across an epoch boundary if need be.
@@ -207,15 +212,7 @@ pub fn target_worker<'a>(
                     h
                 }
             };
-            Ok(Micro {
-                hidden: to_buffer(hidden, drafter_device),
-                input_ids: b.input_ids,
-                loss_mask: b.loss_mask,
-                lengths: b.lengths,
-                sequence_ids: b.sequence_ids,
-                position: b.position,
-                index: b.index,
-            })
+            Ok(b.with_features(to_buffer(hidden, drafter_device)))
         }),
     }
 }

@@ -126,3 +126,15 @@ pub fn build_plugin(crate_dir: &str, lib: &str, features: &[&str], name: &str) -
     std::fs::copy(root().join(format!("target/release/lib{lib}.so")), &dest).unwrap();
     dest
 }
+
+/// `exp/metrics.jsonl` with only `keys` in each record (timings differ between any two runs).
+pub fn metrics(exp: &Path, keys: &[&str]) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(exp.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            keys.iter().map(|k| (k.to_string(), v[k].clone())).collect::<serde_json::Map<_, _>>().into()
+        })
+        .collect()
+}
