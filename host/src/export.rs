@@ -33,6 +33,15 @@ pub fn export(checkpoint: &Path, out: &Path) -> Result<()> {
     let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?;
     let mut cfg: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", cfg_path.display()))?;
     cfg["torch_dtype"] = "bfloat16".into();
+    // Other drafter plugins (gdn) export the same way, but only z-lab's architecture is servable.
+    let arch = cfg["architectures"][0].as_str().unwrap_or("?").to_string();
+    if arch != "DFlashDraftModel" {
+        tracing::warn!(
+            "{}: drafter `{arch}` is not z-lab's DFlashDraftModel: the folder keeps its own config.json and bf16 weights \
+             (its plugin's `init_from` reads it back); SGLang and vLLM cannot serve it",
+            checkpoint.display()
+        );
+    }
     let weights = Tensor::read_safetensors(checkpoint.join("model.safetensors"))
         .with_context(|| format!("reading {}", checkpoint.join("model.safetensors").display()))?;
     let bf16: Vec<(String, Tensor)> = weights.into_iter().map(|(n, t)| (n, t.to_kind(Kind::BFloat16))).collect();

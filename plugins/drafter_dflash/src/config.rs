@@ -60,27 +60,16 @@ fn default_dtype() -> String {
     "bfloat16".into()
 }
 
-/// Target layers a drafter reads: `round(1 + i*(L-4)/(n-1))` for i in 0..n (`[L/2]` for n = 1),
-/// spreading the features from shallow to deep (DFLASH.md).
-pub fn default_target_layer_ids(num_target_layers: usize, n: usize) -> Vec<u32> {
-    if n == 1 {
-        return vec![(num_target_layers / 2) as u32];
-    }
-    let l = num_target_layers as f64;
-    (0..n)
-        .map(|i| (1.0 + i as f64 * (l - 4.0) / (n as f64 - 1.0)).round() as u32)
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn layer_ids_match_published_drafters() {
-        // Qwen3-8B (36 layers): z-lab's [1, 9, 17, 25, 33]; Qwen3.6-27B (64): [1, 16, 31, 46, 61].
-        assert_eq!(default_target_layer_ids(36, 5), vec![1, 9, 17, 25, 33]);
-        assert_eq!(default_target_layer_ids(64, 5), vec![1, 16, 31, 46, 61]);
-        assert_eq!(default_target_layer_ids(30, 1), vec![15]);
+impl DFlashConfig {
+    pub fn dense_shape(&self) -> drafter_layers::layers::DenseShape {
+        drafter_layers::layers::DenseShape {
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_attention_heads: self.num_attention_heads,
+            num_key_value_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            rope_theta: self.rope_theta,
+            rms_norm_eps: self.rms_norm_eps,
+        }
     }
 }

@@ -6,7 +6,7 @@
 pub mod config;
 pub mod model;
 
-use config::{default_target_layer_ids, DFlashConfig, DFlashSection};
+use config::{DFlashConfig, DFlashSection};
 use plugin_api::{
     abi_stable::{
         sabi_trait::TD_Opaque,
@@ -77,7 +77,7 @@ impl DrafterSection {
                         format!("must be in 1..={l} (the target's layers), got {}", self.num_target_features),
                     );
                 }
-                default_target_layer_ids(l, self.num_target_features)
+                drafter_layers::target_layer_ids(l, self.num_target_features)
             }
         };
         if let Some(bad_id) = ids.iter().find(|&&i| i as usize >= l) {
@@ -139,26 +139,7 @@ impl DFlashPlugin {
     }
 
     pub fn load(&mut self, weights: RVec<NamedTensor>) -> Result<(), PluginError> {
-        let mut given: std::collections::HashMap<String, Tensor> =
-            weights.into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect();
-        let _guard = plugin_api::tch::no_grad_guard();
-        for (name, mut var) in self.vs.variables() {
-            let src = given
-                .remove(&name)
-                .ok_or_else(|| PluginError::new(format!("drafter weights: missing tensor `{name}`")))?;
-            if src.size() != var.size() {
-                return Err(PluginError::new(format!(
-                    "drafter weights: tensor `{name}` has shape {:?}, expected {:?}",
-                    src.size(),
-                    var.size()
-                )));
-            }
-            var.f_copy_(&src.to_kind(var.kind()).to_device(var.device()))?;
-        }
-        if let Some(extra) = given.keys().next() {
-            return Err(PluginError::new(format!("drafter weights: unexpected tensor `{extra}`")));
-        }
-        Ok(())
+        drafter_layers::weights::load_named(&self.vs, weights)
     }
 }
 
@@ -180,9 +161,7 @@ impl Drafter for DFlashPlugin {
     }
 
     fn parameters(&self) -> RVec<NamedTensor> {
-        let mut vars: Vec<_> = self.vs.variables().into_iter().collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        vars.into_iter().map(|(name, t)| NamedTensor::new(name, t)).collect()
+        drafter_layers::weights::named_parameters(&self.vs)
     }
 
     fn load_weights(&mut self, weights: RVec<NamedTensor>) -> RResult<(), PluginError> {

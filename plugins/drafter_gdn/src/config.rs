@@ -1,0 +1,302 @@
+//! The GDN drafter's `config.json` (a DFlash config plus Qwen3-Next's linear-attention fields,
+//! same key names) and the `[drafter]` section that resolves to it against a target.
+
+use plugin_api::{PluginError, TargetSpec};
+use serde::{Deserialize, Serialize};
+
+/// What mixes the tokens in one draft layer; HF's `layer_types` names, with short aliases for
+/// config files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LayerType {
+    /// Gated DeltaNet (`layers.{i}.linear_attn`).
+    #[serde(rename = "linear_attention", alias = "gdn")]
+    Gdn,
+    /// DFlash's dense block attention (`layers.{i}.self_attn`).
+    #[serde(rename = "full_attention", alias = "attention")]
+    Attention,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DFlashSection {
+    pub mask_token_id: u32,
+    pub target_layer_ids: Vec<u32>,
+}
+
+/// The drafter's `config.json`: DFlash fields as z-lab names them, Qwen3-Next's for GDN.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GdnConfig {
+    #[serde(default = "default_architectures")]
+    pub architectures: Vec<String>,
+    #[serde(default = "default_model_type")]
+    pub model_type: String,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub layer_types: Vec<LayerType>,
+    // Dense attention layers (Qwen3 attention, as drafter_dflash).
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rope_theta: f64,
+    // GDN layers: q/k heads, value heads (a multiple: grouped values), head dims, conv width.
+    pub linear_num_key_heads: usize,
+    pub linear_num_value_heads: usize,
+    pub linear_key_head_dim: usize,
+    pub linear_value_head_dim: usize,
+    pub linear_conv_kernel_dim: usize,
+    /// Chunk length of the chunked (WY) delta rule; changes rounding only, not the model.
+    #[serde(default = "default_chunk")]
+    pub chunk_size: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
+    pub block_size: usize,
+    pub num_target_layers: usize,
+    pub dflash_config: DFlashSection,
+    #[serde(default = "default_dtype")]
+    pub torch_dtype: String,
+}
+
+fn default_architectures() -> Vec<String> {
+    vec!["DFlashGdnDraftModel".into()]
+}
+fn default_model_type() -> String {
+    "dflash_gdn".into()
+}
+fn default_act() -> String {
+    "silu".into()
+}
+fn default_dtype() -> String {
+    "bfloat16".into()
+}
+fn default_chunk() -> usize {
+    64
+}
+
+impl GdnConfig {
+    /// The dense attention layers' shape.
+    pub fn dense_shape(&self) -> drafter_layers::layers::DenseShape {
+        drafter_layers::layers::DenseShape {
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_attention_heads: self.num_attention_heads,
+            num_key_value_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            rope_theta: self.rope_theta,
+            rms_norm_eps: self.rms_norm_eps,
+        }
+    }
+}
+
+/// The `[drafter]` section. The dense drafter's fields mean the same here, so switching
+/// `plugin = "dflash"` to `plugin = "gdn"` is the only change a config needs; the GDN fields
+/// default from the target.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrafterSection {
+    /// Draft layers (default 5, or the length of `layer_types`).
+    #[serde(default)]
+    pub num_hidden_layers: Option<usize>,
+    /// Tokens per block, the anchor included.
+    #[serde(default = "default_block")]
+    pub block_size: usize,
+    /// How many target layers feed the drafter; their ids follow DFLASH.md's formula.
+    #[serde(default = "default_n_feat")]
+    pub num_target_features: usize,
+    /// Explicit target layer ids (overrides `num_target_features`).
+    #[serde(default)]
+    pub target_layer_ids: Option<Vec<u32>>,
+    /// Token fed at the masked block positions. Default: the target's pad token when it is not
+    /// its EOS token.
+    #[serde(default)]
+    pub mask_token_id: Option<u32>,
+    /// MLP width (default: the target's).
+    #[serde(default)]
+    pub intermediate_size: Option<usize>,
+    /// Every n-th layer is dense attention, the others GDN: 5 gives 4 GDN : 1 attention
+    /// (`g g g g a`); a drafter with fewer than n layers is all GDN (1 layer: one GDN layer).
+    #[serde(default = "default_interval")]
+    pub full_attention_interval: usize,
+    /// Explicit pattern, e.g. `["gdn", "gdn", "attention"]` (overrides the interval).
+    #[serde(default)]
+    pub layer_types: Option<Vec<LayerType>>,
+    /// GDN q/k heads (default: the target's attention heads).
+    #[serde(default)]
+    pub linear_num_key_heads: Option<usize>,
+    /// GDN value heads, a multiple of the key heads (default: the key heads).
+    #[serde(default)]
+    pub linear_num_value_heads: Option<usize>,
+    /// GDN key head dim (default: the target's head_dim).
+    #[serde(default)]
+    pub linear_key_head_dim: Option<usize>,
+    /// GDN value head dim (default: the target's head_dim).
+    #[serde(default)]
+    pub linear_value_head_dim: Option<usize>,
+    /// Short causal conv width.
+    #[serde(default = "default_conv")]
+    pub linear_conv_kernel_dim: usize,
+    /// Chunk length of the chunked delta rule (16, 32 or 64 are usual).
+    #[serde(default = "default_chunk")]
+    pub chunk_size: usize,
+    /// Start from a folder with this plugin's config.json + model.safetensors (`dflash-host
+    /// export` of a GDN run): its config replaces the fields above, its weights the random ones.
+    #[serde(default)]
+    pub init_from: Option<String>,
+}
+
+fn default_layers() -> usize {
+    5
+}
+fn default_block() -> usize {
+    16
+}
+fn default_n_feat() -> usize {
+    5
+}
+fn default_interval() -> usize {
+    5
+}
+fn default_conv() -> usize {
+    4
+}
+
+impl DrafterSection {
+    /// The layer pattern: explicit, or every `full_attention_interval`-th layer attention.
+    pub fn layer_types(&self) -> Result<Vec<LayerType>, PluginError> {
+        let bad = |field: &str, why: String| Err(PluginError::new(format!("field `{field}`: {why}")));
+        if let Some(types) = &self.layer_types {
+            if let Some(n) = self.num_hidden_layers.filter(|&n| n != types.len()) {
+                return bad("num_hidden_layers", format!("{n}, but `layer_types` lists {} layers", types.len()));
+            }
+            return Ok(types.clone());
+        }
+        if self.full_attention_interval == 0 {
+            return bad("full_attention_interval", "must be >= 1".into());
+        }
+        let n = self.num_hidden_layers.unwrap_or_else(default_layers);
+        let every = self.full_attention_interval;
+        Ok((0..n).map(|i| if (i + 1) % every == 0 { LayerType::Attention } else { LayerType::Gdn }).collect())
+    }
+
+    /// The full drafter config for `target`, validated.
+    pub fn resolve(&self, target: &TargetSpec) -> Result<GdnConfig, PluginError> {
+        let bad = |field: &str, why: String| Err(PluginError::new(format!("field `{field}`: {why}")));
+        let l = target.num_hidden_layers as usize;
+        let layer_types = self.layer_types()?;
+        if layer_types.is_empty() || layer_types.len() > 64 {
+            return bad("num_hidden_layers", format!("must be in 1..=64, got {}", layer_types.len()));
+        }
+        if !(2..=64).contains(&self.block_size) {
+            return bad("block_size", format!("must be in 2..=64, got {}", self.block_size));
+        }
+        let ids = match &self.target_layer_ids {
+            Some(ids) => ids.clone(),
+            None => {
+                if self.num_target_features == 0 || self.num_target_features > l {
+                    return bad(
+                        "num_target_features",
+                        format!("must be in 1..={l} (the target's layers), got {}", self.num_target_features),
+                    );
+                }
+                drafter_layers::target_layer_ids(l, self.num_target_features)
+            }
+        };
+        if ids.is_empty() {
+            return bad("target_layer_ids", "must not be empty".into());
+        }
+        if let Some(bad_id) = ids.iter().find(|&&i| i as usize >= l) {
+            return bad("target_layer_ids", format!("layer {bad_id} does not exist (the target has {l} layers)"));
+        }
+        let mask_token_id = match self.mask_token_id {
+            Some(id) => id,
+            None => match target.pad_token_id.into_option() {
+                Some(pad) if pad != target.eos_token_id => pad,
+                _ => {
+                    return bad(
+                        "mask_token_id",
+                        "not set and the target has no pad token distinct from EOS to use; set it to an unused token id".into(),
+                    )
+                }
+            },
+        };
+        if mask_token_id >= target.vocab_size {
+            return bad("mask_token_id", format!("{mask_token_id} is outside the vocabulary ({})", target.vocab_size));
+        }
+        let key_heads = self.linear_num_key_heads.unwrap_or(target.num_attention_heads as usize);
+        let value_heads = self.linear_num_value_heads.unwrap_or(key_heads);
+        if key_heads == 0 || value_heads % key_heads != 0 {
+            return bad(
+                "linear_num_value_heads",
+                format!("{value_heads} must be a multiple of linear_num_key_heads ({key_heads}), both > 0"),
+            );
+        }
+        let key_dim = self.linear_key_head_dim.unwrap_or(target.head_dim as usize);
+        let value_dim = self.linear_value_head_dim.unwrap_or(target.head_dim as usize);
+        if key_dim == 0 || value_dim == 0 {
+            return bad("linear_key_head_dim", "head dims must be > 0".into());
+        }
+        if !(1..=16).contains(&self.linear_conv_kernel_dim) {
+            return bad("linear_conv_kernel_dim", format!("must be in 1..=16, got {}", self.linear_conv_kernel_dim));
+        }
+        if !(1..=256).contains(&self.chunk_size) {
+            return bad("chunk_size", format!("must be in 1..=256, got {}", self.chunk_size));
+        }
+        Ok(GdnConfig {
+            architectures: default_architectures(),
+            model_type: default_model_type(),
+            hidden_size: target.hidden_size as usize,
+            intermediate_size: self.intermediate_size.unwrap_or(target.intermediate_size as usize),
+            num_hidden_layers: layer_types.len(),
+            layer_types,
+            num_attention_heads: target.num_attention_heads as usize,
+            num_key_value_heads: target.num_key_value_heads as usize,
+            head_dim: target.head_dim as usize,
+            rope_theta: target.rope_theta,
+            linear_num_key_heads: key_heads,
+            linear_num_value_heads: value_heads,
+            linear_key_head_dim: key_dim,
+            linear_value_head_dim: value_dim,
+            linear_conv_kernel_dim: self.linear_conv_kernel_dim,
+            chunk_size: self.chunk_size,
+            vocab_size: target.vocab_size as usize,
+            rms_norm_eps: target.rms_norm_eps,
+            hidden_act: default_act(),
+            block_size: self.block_size,
+            num_target_layers: l,
+            dflash_config: DFlashSection { mask_token_id, target_layer_ids: ids },
+            torch_dtype: default_dtype(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use LayerType::{Attention as A, Gdn as G};
+
+    fn section(text: &str) -> DrafterSection {
+        plugin_api::parse_section(text).unwrap()
+    }
+
+    #[test]
+    fn layer_patterns() {
+        assert_eq!(section("").layer_types().unwrap(), vec![G, G, G, G, A]);
+        assert_eq!(section("num_hidden_layers = 1").layer_types().unwrap(), vec![G]);
+        assert_eq!(section("num_hidden_layers = 8").layer_types().unwrap(), vec![G, G, G, G, A, G, G, G]);
+        assert_eq!(section("num_hidden_layers = 4\nfull_attention_interval = 2").layer_types().unwrap(), vec![G, A, G, A]);
+        let explicit = section("layer_types = [\"gdn\", \"attention\", \"linear_attention\", \"full_attention\"]");
+        assert_eq!(explicit.layer_types().unwrap(), vec![G, A, G, A]);
+        let e = section("num_hidden_layers = 3\nlayer_types = [\"gdn\"]").layer_types().unwrap_err().to_string();
+        assert!(e.contains("field `num_hidden_layers`"), "{e}");
+        let e = plugin_api::parse_section::<DrafterSection>("layer_types = [\"mamba\"]").unwrap_err().to_string();
+        assert!(e.contains("unknown variant `mamba`"), "{e}");
+    }
+
+    /// config.json writes HF's layer type names and reads them back.
+    #[test]
+    fn layer_types_serialize_with_hf_names() {
+        assert_eq!(serde_json::to_string(&[G, A]).unwrap(), r#"["linear_attention","full_attention"]"#);
+        assert_eq!(serde_json::from_str::<Vec<LayerType>>(r#"["linear_attention","full_attention"]"#).unwrap(), vec![G, A]);
+    }
+}

@@ -1,0 +1,166 @@
+//! `drafter_gdn`: a hybrid DFlash drafter, Gated DeltaNet layers with dense block attention
+//! layers (default 4 GDN : 1 attention), as a plugin named `gdn`.
+//!
+//! Everything DFlash fixes stays: the fused target features (`fc` + `hidden_norm`), blocks of
+//! `[anchor, MASK x (Bk-1)]`, the final norm and the target's LM head, the config section of the
+//! dense drafter (changing `plugin = "dflash"` to `"gdn"` is enough). What changes is the token
+//! mixer of most layers: a Gated DeltaNet (`gdn.rs`; recurrence in `delta_rule.rs`).
+//!
+//! DFlash's visibility rule, for a recurrence: block j sees the context strictly before its
+//! anchor and itself, never another block.
+//! - The context is a causal stream: each GDN layer runs its recurrence over the fused context
+//!   once per sequence, and reads off the state after the first `anchor` positions for every
+//!   anchor (boundary states of the chunked scan plus a partial-chunk sum, `states_at`), so the
+//!   state a block starts from has consumed exactly the positions before its anchor.
+//! - Each block is an independent sequence of Bk tokens starting from that state (blocks batched
+//!   as B*A sequences), its short conv reading the K-1 context rows before the anchor as history:
+//!   the block continues the context stream exactly as generation would. Blocks share nothing.
+//! - Inside a block the recurrence is causal (token k reads tokens 0..=k of its block); the
+//!   attention layers keep DFlash's bidirectional block attention and give the later block
+//!   tokens' information to the earlier ones. Why not bidirectional GDN: a recurrence has a
+//!   direction, and a reverse pass would double the cost for what one attention layer in five
+//!   already provides.
+//!
+//! Why this and not the alternatives: one recurrence over the context per layer (cost linear in
+//! S, like generation with a state cache) instead of re-running the context per block (S*A), and
+//! the state at the anchor is what the drafter would have at inference with a recurrent cache,
+//! so training and drafting see the same thing. The price: the B*A block start states
+//! [B*A, nv, dk, dv] are materialised (fp32) for the backward pass.
+
+pub mod config;
+pub mod delta_rule;
+pub mod gdn;
+pub mod model;
+
+#[cfg(test)]
+mod tests;
+
+pub use config::{DrafterSection, GdnConfig, LayerType};
+use plugin_api::{
+    abi_stable::{
+        sabi_trait::TD_Opaque,
+        std_types::{RResult, RString, RVec},
+    },
+    tch::{nn, Device, Kind, Tensor},
+    DraftInput, Drafter, Drafter_TO, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind,
+    TargetSpec, TensorHandle,
+};
+
+pub struct GdnPlugin {
+    vs: nn::VarStore,
+    model: model::GdnDrafter,
+}
+
+impl GdnPlugin {
+    pub fn new(cfg: &GdnConfig, device: Device, kind: Kind) -> Self {
+        let (vs, model) = model::build(cfg, device, kind);
+        Self { vs, model }
+    }
+
+    pub fn load(&mut self, weights: RVec<NamedTensor>) -> Result<(), PluginError> {
+        drafter_layers::weights::load_named(&self.vs, weights)
+    }
+}
+
+impl Drafter for GdnPlugin {
+    fn config_json(&self) -> RString {
+        serde_json::to_string_pretty(&self.model.cfg).expect("config serializes").into()
+    }
+
+    fn target_layer_ids(&self) -> RVec<u32> {
+        self.model.cfg.dflash_config.target_layer_ids.clone().into()
+    }
+
+    fn block_size(&self) -> u32 {
+        self.model.cfg.block_size as u32
+    }
+
+    fn mask_token_id(&self) -> u32 {
+        self.model.cfg.dflash_config.mask_token_id
+    }
+
+    fn parameters(&self) -> RVec<NamedTensor> {
+        drafter_layers::weights::named_parameters(&self.vs)
+    }
+
+    fn load_weights(&mut self, weights: RVec<NamedTensor>) -> RResult<(), PluginError> {
+        self.load(weights).into()
+    }
+
+    fn forward(&mut self, input: &DraftInput) -> RResult<TensorHandle, PluginError> {
+        plugin_api::catch_plugin_panic(|| {
+            let out = self.model.forward(
+                &input.target_hidden.tensor(),
+                &input.block_embeds.tensor(),
+                &input.anchors.tensor(),
+            );
+            Ok(TensorHandle::new(out))
+        })
+        .into()
+    }
+}
+
+fn info() -> PluginInfo {
+    PluginInfo::new(
+        "gdn",
+        PluginKind::Drafter,
+        env!("CARGO_PKG_VERSION"),
+        "DFlash drafter with Gated DeltaNet layers (default 4 GDN : 1 dense attention)",
+    )
+}
+
+/// Read a GDN drafter folder (config.json + model.safetensors, as `dflash-host export` writes
+/// it): its config, checked against the target, and weights.
+pub fn read_folder(dir: &std::path::Path, target: &TargetSpec) -> Result<(GdnConfig, Vec<NamedTensor>), PluginError> {
+    let at = |f: &str| dir.join(f);
+    let text = std::fs::read_to_string(at("config.json")).map_err(|e| PluginError::new(format!("{}: {e}", at("config.json").display())))?;
+    let cfg: GdnConfig =
+        serde_json::from_str(&text).map_err(|e| PluginError::new(format!("{}: {e}", at("config.json").display())))?;
+    let mismatch = |what: &str, ours: usize, theirs: u32| {
+        Err(PluginError::new(format!("{}: {what} {ours} does not fit the target's {theirs}", dir.display())))
+    };
+    if cfg.hidden_size != target.hidden_size as usize {
+        return mismatch("hidden_size", cfg.hidden_size, target.hidden_size);
+    }
+    if cfg.vocab_size != target.vocab_size as usize {
+        return mismatch("vocab_size", cfg.vocab_size, target.vocab_size);
+    }
+    if let Some(&id) = cfg.dflash_config.target_layer_ids.iter().find(|&&i| i >= target.num_hidden_layers) {
+        return mismatch("target layer", id as usize, target.num_hidden_layers);
+    }
+    if cfg.layer_types.len() != cfg.num_hidden_layers {
+        return Err(PluginError::new(format!(
+            "{}: num_hidden_layers {} but {} layer_types",
+            dir.display(),
+            cfg.num_hidden_layers,
+            cfg.layer_types.len()
+        )));
+    }
+    let weights = Tensor::read_safetensors(at("model.safetensors"))
+        .map_err(|e| PluginError::new(format!("{}: {e}", at("model.safetensors").display())))?;
+    Ok((cfg, weights.into_iter().map(|(n, t)| NamedTensor::new(n, t)).collect()))
+}
+
+fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
+    let section: DrafterSection = plugin_api::parse_section(config)?;
+    let target = ctx
+        .target
+        .as_ref()
+        .into_option()
+        .ok_or_else(|| PluginError::new("the gdn drafter needs a target model's spec"))?;
+    let (device, kind) = (ctx.tch_device()?, ctx.tch_kind()?);
+    plugin_api::tch::manual_seed(ctx.seed as i64);
+    let drafter = match &section.init_from {
+        Some(dir) => {
+            let dir = ctx.resolve_path(dir);
+            let (cfg, weights) = read_folder(&dir, target).map_err(|e| e.context("field `init_from`"))?;
+            let mut d = GdnPlugin::new(&cfg, device, kind);
+            d.load(weights.into()).map_err(|e| e.context(format!("field `init_from`: {}", dir.display())))?;
+            d
+        }
+        None => GdnPlugin::new(&section.resolve(target)?, device, kind),
+    };
+    Ok(PluginInstance::Drafter(Drafter_TO::from_value(drafter, TD_Opaque)))
+}
+
+plugin_api::declare_plugin!(drafter_gdn, info, create);

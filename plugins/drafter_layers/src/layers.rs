@@ -1,0 +1,167 @@
+//! The dense parts of a DFlash drafter (z-lab / Qwen3 weight names): RMSNorm, RoPE, DFlash block
+//! attention and the SwiGLU MLP.
+
+use plugin_api::tch::{nn, nn::Module, Kind, Tensor};
+
+/// The shape of a dense decoder layer.
+#[derive(Debug, Clone, Copy)]
+pub struct DenseShape {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+}
+
+/// RMSNorm over the last dim, computed in fp32 (Qwen3RMSNorm).
+#[derive(Debug)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(p: nn::Path, dim: i64, eps: f64) -> Self {
+        Self { weight: p.ones("weight", &[dim]), eps }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        let kind = x.kind();
+        let x = x.to_kind(Kind::Float);
+        let var = x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+        (x * (var + self.eps).rsqrt()).to_kind(kind) * &self.weight
+    }
+}
+
+/// A bias-free linear layer with HF's initializer_range 0.02.
+pub fn linear(p: &nn::Path, name: &str, in_dim: usize, out_dim: usize) -> nn::Linear {
+    let cfg = nn::LinearConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: 0.02 }, bs_init: None, bias: false };
+    nn::linear(p / name, in_dim as i64, out_dim as i64, cfg)
+}
+
+/// Rotary embedding tables for integer positions [B, L] -> (cos, sin) [B, 1, L, D].
+pub fn rope_cos_sin(positions: &Tensor, head_dim: usize, theta: f64, kind: Kind) -> (Tensor, Tensor) {
+    let d = head_dim as i64;
+    let device = positions.device();
+    let inv_freq = (Tensor::arange_start_step(0, d, 2, (Kind::Float, device)) / d as f64 * -theta.ln()).exp();
+    let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq; // [B, L, D/2]
+    let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1); // [B, 1, L, D]
+    (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
+}
+
+/// x * cos + rotate_half(x) * sin, rotate_half([a, b]) = [-b, a].
+pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let half = x.size()[3] / 2;
+    let a = x.narrow(3, 0, half);
+    let b = x.narrow(3, half, half);
+    x * cos + Tensor::cat(&[&(-b), &a], 3) * sin
+}
+
+/// What every attention layer of one forward shares: RoPE tables for queries (blocks) and keys
+/// ([context; blocks]), and the visibility mask [B, 1, N, S+N].
+pub struct AttentionInputs {
+    pub q_cos: Tensor,
+    pub q_sin: Tensor,
+    pub k_cos: Tensor,
+    pub k_sin: Tensor,
+    pub mask: Tensor,
+}
+
+impl AttentionInputs {
+    /// anchors [B, A]; the context has `s` positions; blocks of `bk` tokens.
+    pub fn new(anchors: &Tensor, s: i64, bk: i64, cfg: &DenseShape, kind: Kind) -> Self {
+        let (b, a) = (anchors.size()[0], anchors.size()[1]);
+        let n = a * bk;
+        let device = anchors.device();
+        // 1. Positions: block token k of anchor a sits at a + k; the context at 0..S-1.
+        let block_pos = (anchors.unsqueeze(-1) + Tensor::arange(bk, (Kind::Int64, device))).view([b, n]);
+        let ctx_pos = Tensor::arange(s, (Kind::Int64, device)).unsqueeze(0).expand([b, s], false);
+        let (q_cos, q_sin) = rope_cos_sin(&block_pos, cfg.head_dim, cfg.rope_theta, kind);
+        let (k_cos, k_sin) = rope_cos_sin(&Tensor::cat(&[&ctx_pos, &block_pos], 1), cfg.head_dim, cfg.rope_theta, kind);
+        // 2. Mask: context keys strictly before the query's anchor, and the query's own block.
+        let anchor_of_query = anchors.repeat_interleave_self_int(bk, Some(1), None::<i64>); // [B, N]
+        let ctx_visible =
+            Tensor::arange(s, (Kind::Int64, device)).view([1, 1, s]).lt_tensor(&anchor_of_query.unsqueeze(-1)); // [B, N, S]
+        let block_id = Tensor::arange(n, (Kind::Int64, device)).divide_scalar_mode(bk, "floor");
+        let same_block = block_id.unsqueeze(1).eq_tensor(&block_id.unsqueeze(0)).unsqueeze(0).expand([b, n, n], false);
+        let mask = Tensor::cat(&[ctx_visible, same_block], 2).unsqueeze(1);
+        Self { q_cos, q_sin, k_cos, k_sin, mask }
+    }
+}
+
+/// DFlash block attention: Q from the block tokens, K/V from [context; block] with this layer's
+/// projections (Qwen3 attention with q/k norm, GQA).
+#[derive(Debug)]
+pub struct Attention {
+    q_proj: nn::Linear,
+    k_proj: nn::Linear,
+    v_proj: nn::Linear,
+    o_proj: nn::Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    num_heads: i64,
+    num_kv_heads: i64,
+    head_dim: i64,
+}
+
+impl Attention {
+    pub fn new(p: nn::Path, cfg: &DenseShape) -> Self {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        Self {
+            q_proj: linear(&p, "q_proj", h, cfg.num_attention_heads * d),
+            k_proj: linear(&p, "k_proj", h, cfg.num_key_value_heads * d),
+            v_proj: linear(&p, "v_proj", h, cfg.num_key_value_heads * d),
+            o_proj: linear(&p, "o_proj", cfg.num_attention_heads * d, h),
+            q_norm: RmsNorm::new(&p / "q_norm", d as i64, cfg.rms_norm_eps),
+            k_norm: RmsNorm::new(&p / "k_norm", d as i64, cfg.rms_norm_eps),
+            num_heads: cfg.num_attention_heads as i64,
+            num_kv_heads: cfg.num_key_value_heads as i64,
+            head_dim: d as i64,
+        }
+    }
+
+    /// x: block tokens [B, N, H] (input-normed); ctx: fused context [B, S, H].
+    pub fn forward(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> Tensor {
+        let (b, n, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
+        // 1. Q from the block only; K/V from [context; block].
+        let q = self.q_proj.forward(x).view([b, n, self.num_heads, self.head_dim]);
+        let q = self.q_norm.forward(&q).transpose(1, 2); // [B, nh, N, D]
+        let k = Tensor::cat(&[self.k_proj.forward(ctx), self.k_proj.forward(x)], 1).view([b, s + n, self.num_kv_heads, self.head_dim]);
+        let k = self.k_norm.forward(&k).transpose(1, 2); // [B, nkv, S+N, D]
+        let v = Tensor::cat(&[self.v_proj.forward(ctx), self.v_proj.forward(x)], 1)
+            .view([b, s + n, self.num_kv_heads, self.head_dim])
+            .transpose(1, 2);
+        // 2. RoPE: blocks at anchor + k, context at 0..S-1.
+        let q = apply_rope(&q, &at.q_cos, &at.q_sin);
+        let k = apply_rope(&k, &at.k_cos, &at.k_sin);
+        // 3. Sparse block attention, GQA by head groups.
+        let scale = Some((self.head_dim as f64).powf(-0.5));
+        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&at.mask), 0.0, false, scale, true);
+        self.o_proj.forward(&o.transpose(1, 2).reshape([b, n, self.num_heads * self.head_dim]))
+    }
+}
+
+/// SwiGLU MLP.
+#[derive(Debug)]
+pub struct Mlp {
+    gate_proj: nn::Linear,
+    up_proj: nn::Linear,
+    down_proj: nn::Linear,
+}
+
+impl Mlp {
+    pub fn new(p: nn::Path, cfg: &DenseShape) -> Self {
+        let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
+        Self {
+            gate_proj: linear(&p, "gate_proj", h, f),
+            up_proj: linear(&p, "up_proj", h, f),
+            down_proj: linear(&p, "down_proj", f, h),
+        }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        self.down_proj.forward(&(self.gate_proj.forward(x).silu() * self.up_proj.forward(x)))
+    }
+}
