@@ -3,7 +3,7 @@
 //! be wrong is refused with one line; a panic inside a plugin stops the run cleanly.
 
 mod common;
-use common::{build_plugin, cache, root};
+use common::{build_plugin, root};
 use std::{
     path::{Path, PathBuf},
     process::{Command, Output},
@@ -119,21 +119,8 @@ fn a_panic_inside_a_plugin_stops_the_run_with_its_last_checkpoint() {
 #[test]
 fn a_diverged_run_skips_then_stops_keeping_its_last_good_checkpoint() {
     let so = build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("run.toml");
     let head = HEAD.replace("checkpoint_every = 2", "checkpoint_every = 1\nmax_nonfinite_steps = 2\nkeep_checkpoints = 5");
-    std::fs::write(&cfg, common::tiny_config(&head, "plugin = \"faulty\"\nnan_at_step = 3")).unwrap();
-    let out = Command::new(host())
-        .arg("--plugin")
-        .arg(&so)
-        .args(["train", "--config"])
-        .arg(&cfg)
-        .arg("--exp-dir")
-        .arg(dir.path().join("exp"))
-        .env("DFLASH_CACHE", cache())
-        .env_remove("RUST_BACKTRACE")
-        .output()
-        .unwrap();
+    let (out, dir) = common::train(&[&so], &common::tiny_config(&head, "plugin = \"faulty\"\nnan_at_step = 3"));
     let line = error_line(&out);
     assert!(line.contains("2 consecutive steps with a non-finite loss") && line.contains("step-2"), "{line}");
     let err = String::from_utf8_lossy(&out.stderr);

@@ -10,7 +10,7 @@
 
 use crate::{
     pipeline::{self, Job, PipelineOptions, Worker},
-    train::{next_batch, target_worker, Components, HostBatch, Micro, PluginNames},
+    train::{feature_bytes_per_token, next_batch, target_workers, Components, HostBatch, Micro},
 };
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -71,12 +71,11 @@ pub fn capture(cfg: &crate::config::RunConfig, mut c: Components, out: &Path, ca
     }
     fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     c.prepare_data(cache_dir)?;
-    let names = PluginNames::new(&c.records);
+    let names = c.names.clone();
     let spec = c.target.spec();
     let layer_ids: Vec<u32> = c.drafter.target_layer_ids().into_vec();
     let devices = cfg.target_devices();
-    let elt = if cfg.dtype() == "bf16" { 2 } else { 4 };
-    let per_token = layer_ids.len() * spec.hidden_size as usize * elt;
+    let per_token = feature_bytes_per_token(cfg, layer_ids.len(), spec.hidden_size);
     let (data, target, extra) = (&mut c.data, &mut c.target, &mut c.extra_targets);
     let mut produced = 0;
     let names_p = names.clone();
@@ -90,12 +89,7 @@ pub fn capture(cfg: &crate::config::RunConfig, mut c: Components, out: &Path, ca
         Ok(Some(Job { bytes: b.input_ids.numel() * per_token, payload: b }))
     };
     let cache = Arc::new(Mutex::new(crate::hidden_cache::HiddenStateCache::new(cfg.train.hidden_cache_mb << 20)));
-    let workers: Vec<Worker<HostBatch, Micro>> = std::iter::once(target)
-        .chain(extra.iter_mut())
-        .zip(&devices)
-        .enumerate()
-        .map(|(i, (t, d))| target_worker(i, d.clone(), t, layer_ids.clone(), Arc::clone(&cache), Device::Cpu, names.clone()))
-        .collect();
+    let workers = target_workers(target, extra, &devices, &layer_ids, &cache, Device::Cpu, &names);
     let pipe = PipelineOptions { buffer_bytes: cfg.pipeline.buffer_bytes(), deterministic: true };
     let bar = ProgressBar::new(opts.micro_batches)
         .with_style(ProgressStyle::with_template("capture {bar:30} {pos}/{len} batches  {msg}  ETA {eta}").expect("template"));
@@ -189,7 +183,15 @@ fn write_shard(out: &Path, index: &mut CaptureIndex, shard: &mut Vec<(String, Te
 pub struct CaptureReader {
     dir: PathBuf,
     index: CaptureIndex,
-    shards: Vec<Mmap>,
+    shards: Vec<Shard>,
+}
+
+/// A mapped shard and its safetensors header, parsed once.
+struct Shard {
+    map: Mmap,
+    /// Where tensor data starts (after the length and the JSON header).
+    data_start: usize,
+    metadata: safetensors::tensor::Metadata,
 }
 
 impl CaptureReader {
@@ -218,7 +220,10 @@ impl CaptureReader {
                 let path = dir.join(s);
                 let file = fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
                 // SAFETY: capture shards are written once and never modified while mapped.
-                unsafe { Mmap::map(&file) }.with_context(|| format!("mapping {}", path.display()))
+                let map = unsafe { Mmap::map(&file) }.with_context(|| format!("mapping {}", path.display()))?;
+                let (header_len, metadata) =
+                    safetensors::SafeTensors::read_metadata(&map).with_context(|| format!("{}: corrupt shard", path.display()))?;
+                Ok(Shard { data_start: 8 + header_len, metadata, map })
             })
             .collect::<Result<_>>()?;
         tracing::info!("capture {}: {} micro-batches in {} shards ({:?})", dir.display(), index.batches.len(), index.shards.len(), index.dtype);
@@ -233,18 +238,19 @@ impl CaptureReader {
     }
 
     fn tensor(&self, shard: usize, name: &str) -> Result<Tensor> {
-        let st = safetensors::SafeTensors::deserialize(&self.shards[shard])
-            .with_context(|| format!("{}: corrupt shard", self.dir.join(&self.index.shards[shard]).display()))?;
-        let view = st.tensor(name).with_context(|| format!("{}: no tensor `{name}`", self.index.shards[shard]))?;
-        let kind = match view.dtype() {
+        let (sh, file) = (&self.shards[shard], &self.index.shards[shard]);
+        let info = sh.metadata.info(name).with_context(|| format!("{file}: no tensor `{name}`"))?;
+        let kind = match info.dtype {
             safetensors::Dtype::F32 => Kind::Float,
             safetensors::Dtype::BF16 => Kind::BFloat16,
             safetensors::Dtype::I64 => Kind::Int64,
             safetensors::Dtype::U8 => Kind::Uint8,
-            d => bail!("{}: tensor `{name}` has unexpected dtype {d:?}", self.index.shards[shard]),
+            d => bail!("{file}: tensor `{name}` has unexpected dtype {d:?}"),
         };
-        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-        Ok(Tensor::f_from_data_size(view.data(), &shape, kind)?)
+        let (start, end) = info.data_offsets;
+        let data = sh.map.get(sh.data_start + start..sh.data_start + end).with_context(|| format!("{file}: tensor `{name}` runs past the end"))?;
+        let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
+        Ok(Tensor::f_from_data_size(data, &shape, kind)?)
     }
 
     /// Micro-batch `n` (wrapping around when training asks for more than was captured).

@@ -3,13 +3,13 @@
 //! cosine schedule, metrics, checkpoints and exact resume.
 
 use crate::{
-    anchors::{block_token_ids, AnchorSampler},
+    anchors::{block_token_ids, AnchorSampler, Anchors},
     capture::CaptureReader,
     config::RunConfig,
     distill,
     experiment::Experiment,
     hidden_cache::HiddenStateCache,
-    loss::{default_gamma, dflash_loss, tau_hat, LossInput},
+    loss::{default_gamma, dflash_loss, tau_hat, LossInput, LossOut},
     dist::Communicator,
     pipeline::{self, Feed, Job, PipelineOptions, Worker},
     plugins::{PluginRecord, Registry},
@@ -44,6 +44,8 @@ pub struct Components {
     pub optimizer: OptimizerBox,
     pub data: DataLoaderBox,
     pub records: Vec<PluginRecord>,
+    /// Plugin names for error messages (from `records`).
+    pub names: PluginNames,
 }
 
 pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path, cache_dir: &Path) -> Result<Components> {
@@ -82,7 +84,8 @@ pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path,
     let PluginInstance::DataLoader(data) = create(PluginKind::DataLoader, &ctx)? else {
         return Err(wrong(PluginKind::DataLoader));
     };
-    Ok(Components { target, extra_targets: targets, drafter, optimizer, data, records })
+    let names = PluginNames::new(&records);
+    Ok(Components { target, extra_targets: targets, drafter, optimizer, data, records, names })
 }
 
 /// Plugin names for error messages, usable while the components are borrowed by the stages.
@@ -106,9 +109,8 @@ impl PluginNames {
 
 impl Components {
     /// An error from a plugin call, naming the plugin and the call.
-    pub fn err(&self, kind: PluginKind, call: &str) -> impl Fn(plugin_api::PluginError) -> anyhow::Error {
-        let (names, call) = (PluginNames::new(&self.records), call.to_string());
-        move |e| names.err(kind, &call)(e)
+    pub fn err(&self, kind: PluginKind, call: &str) -> impl Fn(plugin_api::PluginError) -> anyhow::Error + '_ {
+        self.names.err(kind, call)
     }
 
     /// Tokenize the data with the target's tokenizer, then self-distil if the loader asks.
@@ -181,14 +183,37 @@ fn to_buffer(hidden: Tensor, drafter: Device) -> Tensor {
     if from == drafter || from == Device::Cpu {
         return hidden;
     }
-    let host = Tensor::empty(hidden.size(), (hidden.kind(), Device::Cpu)).pin_memory(from);
-    let mut host = host;
+    let mut host = Tensor::empty(hidden.size(), (hidden.kind(), Device::Cpu)).pin_memory(from);
     host.copy_(&hidden);
     host
 }
 
+/// One worker per target device: the first target and the extra ones, in `devices` order.
+pub fn target_workers<'a>(
+    target: &'a mut TargetBox,
+    extra: &'a mut [TargetBox],
+    devices: &[String],
+    layer_ids: &[u32],
+    cache: &Arc<Mutex<HiddenStateCache>>,
+    drafter_device: Device,
+    names: &PluginNames,
+) -> Vec<Worker<'a, HostBatch, Micro>> {
+    std::iter::once(target)
+        .chain(extra.iter_mut())
+        .zip(devices)
+        .enumerate()
+        .map(|(i, (t, d))| target_worker(i, d.clone(), t, layer_ids.to_vec(), Arc::clone(cache), drafter_device, names.clone()))
+        .collect()
+}
+
+/// Bytes of target features per token: `layers` features of `hidden_size` in the run's dtype.
+pub fn feature_bytes_per_token(cfg: &RunConfig, layers: usize, hidden_size: u32) -> usize {
+    let elt = if cfg.dtype() == "bf16" { 2 } else { 4 };
+    layers * hidden_size as usize * elt
+}
+
 /// A target worker: runs its target (or takes cached features) for each batch.
-pub fn target_worker<'a>(
+fn target_worker<'a>(
     index: usize,
     device: String,
     target: &'a mut TargetBox,
@@ -398,6 +423,56 @@ impl WindowSums {
     }
 }
 
+/// The drafter's side of one micro-batch (shared by training and `bench train`): anchors drawn,
+/// blocks `[anchor, MASK x (Bk-1)]` embedded with the target's embedding, the drafter forward and
+/// the DFlash loss through the target's LM head. The caller runs backward.
+pub struct DraftLoss {
+    /// The target's frozen embedding and LM head, on the drafter's device.
+    pub embedding: Tensor,
+    pub lm_head: Tensor,
+    pub sampler: AnchorSampler,
+    pub block_size: i64,
+    pub mask_token_id: i64,
+    pub gamma: f64,
+}
+
+impl DraftLoss {
+    /// `hidden` [B, S, n*H] target features of `input_ids`; `draw` numbers the anchor draw.
+    pub fn compute(
+        &self,
+        drafter: &mut DrafterBox,
+        input_ids: &Tensor,
+        loss_mask: &Tensor,
+        hidden: &Tensor,
+        draw: u64,
+    ) -> Result<(LossOut, Anchors), plugin_api::PluginError> {
+        let device = self.embedding.device();
+        let anchors = self.sampler.sample(loss_mask, draw);
+        let input_ids = input_ids.to_device(device);
+        let anchor_pos = anchors.positions.to_device(device);
+        let block_ids = block_token_ids(&input_ids, &anchor_pos, self.block_size, self.mask_token_id);
+        let block_embeds = tch::no_grad(|| Tensor::embedding(&self.embedding, &block_ids, -1, false, false));
+        let input = DraftInput {
+            target_hidden: TensorHandle::new(hidden.to_device(device).to_kind(self.embedding.kind())),
+            block_embeds: TensorHandle::new(block_embeds),
+            anchors: TensorHandle::new(anchor_pos.shallow_clone()),
+            anchor_valid: TensorHandle::new(anchors.valid.to_device(device)),
+        };
+        let block_hidden = drafter.forward(&input).into_result()?.into_tensor();
+        let loss = dflash_loss(&LossInput {
+            block_hidden: &block_hidden,
+            lm_head: &self.lm_head,
+            input_ids: &input_ids,
+            loss_mask,
+            anchors: &anchor_pos,
+            anchor_valid: &input.anchor_valid.tensor(),
+            block_size: self.block_size,
+            gamma: self.gamma,
+        });
+        Ok((loss, anchors))
+    }
+}
+
 /// Global gradient norm, clipped to `max_norm` like torch.nn.utils.clip_grad_norm_.
 fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
     let _guard = tch::no_grad_guard();
@@ -465,7 +540,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     let mut comm = opts.comm;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank() as u64, c.world() as u64));
     let lead = rank == 0; // writes metrics and checkpoints
-    let names = PluginNames::new(&c.records);
+    let names = c.names.clone();
     // 1. Data, unless features come from a capture.
     let capture = match &cfg.pipeline.capture {
         Some(dir) => Some(CaptureReader::open(Path::new(dir), &c.target.spec())?),
@@ -477,8 +552,6 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
 
     // 2. Shared frozen parts and the drafter's needs.
     let drafter_device = crate::config::parse_device(cfg.drafter_device())?;
-    let embedding = c.target.embedding().into_tensor().to_device(drafter_device);
-    let lm_head = c.target.lm_head().into_tensor().to_device(drafter_device);
     let layer_ids: Vec<u32> = c.drafter.target_layer_ids().into_vec();
     if let Some(cap) = &capture {
         cap.check_layers(&layer_ids)?;
@@ -494,7 +567,14 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         n_params as f64 / 1e6
     );
     c.optimizer.init(named).into_result().map_err(names.err(PluginKind::Optimizer, "init"))?;
-    let sampler = AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed };
+    let draft = DraftLoss {
+        lm_head: c.target.lm_head().into_tensor().to_device(drafter_device),
+        embedding: c.target.embedding().into_tensor().to_device(drafter_device),
+        sampler: AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed },
+        block_size,
+        mask_token_id,
+        gamma,
+    };
 
     // 3. Resume: weights, optimizer state, counters, data position.
     let mut state = TrainerState {
@@ -529,8 +609,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     // 4. The stages: producer (data or capture index), target workers, the drafter here.
     let total_micro = (t.steps - state.step) * t.grad_accum;
     let spec = c.target.spec();
-    let elt = if cfg.dtype() == "bf16" { 2 } else { 4 };
-    let feature_bytes_per_token = layer_ids.len() * spec.hidden_size as usize * elt;
+    let feature_bytes_per_token = feature_bytes_per_token(cfg, layer_ids.len(), spec.hidden_size);
     let cache = Arc::new(Mutex::new(HiddenStateCache::new(t.hidden_cache_mb << 20)));
     let pipe = PipelineOptions { buffer_bytes: cfg.pipeline.buffer_bytes(), deterministic: cfg.pipeline.deterministic() };
     let devices = cfg.target_devices();
@@ -570,12 +649,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     };
     let workers: Vec<Worker<HostBatch, Micro>> = match capture_ref {
         Some(cap) => vec![cap.worker(drafter_device)],
-        None => std::iter::once(target)
-            .chain(extra.iter_mut())
-            .zip(&devices)
-            .enumerate()
-            .map(|(i, (tg, d))| target_worker(i, d.clone(), tg, layer_ids.clone(), Arc::clone(&cache), drafter_device, names.clone()))
-            .collect(),
+        None => target_workers(target, extra, &devices, &layer_ids, &cache, drafter_device, &names),
     };
     tracing::info!(
         "pipeline: {n_workers} target worker(s) on {:?}, drafter on {}, buffer {} MiB, {}",
@@ -620,28 +694,9 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                 let t1 = Instant::now();
                 let tokens: u64 = m.lengths.iter().map(|&l| l as u64).sum();
                 hs_total_bytes += (m.input_ids.numel() * feature_bytes_per_token) as u64;
-                let anchors = sampler.sample(&m.loss_mask, m.index);
-                let input_ids = m.input_ids.to_device(drafter_device);
-                let anchor_pos = anchors.positions.to_device(drafter_device);
-                let block_ids = block_token_ids(&input_ids, &anchor_pos, block_size, mask_token_id);
-                let block_embeds = tch::no_grad(|| Tensor::embedding(&embedding, &block_ids, -1, false, false));
-                let input = DraftInput {
-                    target_hidden: TensorHandle::new(m.hidden.to_device(drafter_device).to_kind(embedding.kind())),
-                    block_embeds: TensorHandle::new(block_embeds),
-                    anchors: TensorHandle::new(anchor_pos.shallow_clone()),
-                    anchor_valid: TensorHandle::new(anchors.valid.to_device(drafter_device)),
-                };
-                let block_hidden = drafter.forward(&input).into_result().map_err(names.err(PluginKind::Drafter, "forward"))?.into_tensor();
-                let l = dflash_loss(&LossInput {
-                    block_hidden: &block_hidden,
-                    lm_head: &lm_head,
-                    input_ids: &input_ids,
-                    loss_mask: &m.loss_mask,
-                    anchors: &anchor_pos,
-                    anchor_valid: &input.anchor_valid.tensor(),
-                    block_size,
-                    gamma,
-                });
+                let (l, _) = draft
+                    .compute(drafter, &m.input_ids, &m.loss_mask, &m.hidden, m.index)
+                    .map_err(names.err(PluginKind::Drafter, "forward"))?;
                 (&l.loss / t.grad_accum as f64).backward();
                 sums.loss += l.loss.double_value(&[]);
                 sums.tokens += tokens;
@@ -737,8 +792,8 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                     eta_s: (t.steps - step) as f64 * secs / steps_w,
                     elapsed_s: elapsed_before + started.elapsed().as_secs_f64(),
                 };
+                exp.log(&m)?; // a no-op on ranks other than 0
                 if let Some(tb) = tb.as_mut() {
-                    exp.log(&m)?;
                     tensorboard::log_metrics(tb, &serde_json::to_value(&m)?)?;
                 }
                 bar.set_message(format!("loss {:.3}  τ̂ {:.3}  {:.0} tok/s  q_hs {:.1}", m.loss, m.tau_hat, m.tok_per_s, m.q_hs));

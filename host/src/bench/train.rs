@@ -13,16 +13,17 @@ use super::{
     memory,
 };
 use crate::{
-    anchors::{block_token_ids, AnchorSampler},
+    anchors::AnchorSampler,
     config::PluginSection,
-    loss::{default_gamma, dflash_loss, LossInput},
+    loss::default_gamma,
     plugins::Registry,
+    train::DraftLoss,
 };
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
     abi_stable::std_types::{RNone, RSome},
     tch::{self, Device, Kind, Tensor},
-    DraftInput, DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind, TargetSpec, TensorHandle,
+    DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind, TargetSpec, TensorHandle,
 };
 use serde::{Deserialize, Serialize};
 use std::{path::Path, time::Instant};
@@ -177,12 +178,7 @@ struct DrafterStep {
     drafter: DrafterBox,
     optimizer: OptimizerBox,
     params: Vec<Tensor>,
-    embedding: Tensor,
-    lm_head: Tensor,
-    block_size: i64,
-    mask_token_id: i64,
-    gamma: f64,
-    sampler: AnchorSampler,
+    draft: DraftLoss,
     grad_clip: f64,
     draws: u64,
 }
@@ -196,30 +192,10 @@ struct StepCounts {
 
 impl DrafterStep {
     fn run(&mut self, input_ids: &Tensor, loss_mask: &Tensor, target_hidden: Tensor) -> Result<StepCounts> {
-        let device = self.embedding.device();
-        let anchors = self.sampler.sample(loss_mask, self.draws);
+        let (l, anchors) =
+            self.draft.compute(&mut self.drafter, input_ids, loss_mask, &target_hidden, self.draws).map_err(|e| anyhow!("drafter forward: {e}"))?;
         self.draws += 1;
         let anchor_pos_sum = f64::try_from(anchors.positions.to_kind(Kind::Double).masked_select(&anchors.valid).sum(Kind::Double))?;
-        let anchor_pos = anchors.positions.to_device(device);
-        let block_ids = block_token_ids(&input_ids.to_device(device), &anchor_pos, self.block_size, self.mask_token_id);
-        let block_embeds = tch::no_grad(|| Tensor::embedding(&self.embedding, &block_ids, -1, false, false));
-        let input = DraftInput {
-            target_hidden: TensorHandle::new(target_hidden),
-            block_embeds: TensorHandle::new(block_embeds),
-            anchors: TensorHandle::new(anchor_pos.shallow_clone()),
-            anchor_valid: TensorHandle::new(anchors.valid.to_device(device)),
-        };
-        let block_hidden = self.drafter.forward(&input).into_result().map_err(|e| anyhow!("drafter forward: {e}"))?.into_tensor();
-        let l = dflash_loss(&LossInput {
-            block_hidden: &block_hidden,
-            lm_head: &self.lm_head,
-            input_ids,
-            loss_mask,
-            anchors: &anchor_pos,
-            anchor_valid: &input.anchor_valid.tensor(),
-            block_size: self.block_size,
-            gamma: self.gamma,
-        });
         l.loss.backward();
         clip_grad_norm(&self.params, self.grad_clip);
         self.optimizer.step(1.0).into_result().map_err(|e| anyhow!("optimizer step: {e}"))?;
@@ -315,20 +291,22 @@ pub fn train(registry: &Registry, config_path: &Path) -> Result<Report> {
     let block_size = drafter.block_size() as i64;
     let layout = drafter_layout(&drafter, &spec);
     let drafter_name = cfg.drafter.get("plugin").and_then(|v| v.as_str()).unwrap_or("?").to_string();
+    let drafter_mask_token_id = drafter.mask_token_id() as i64;
     let mut step = DrafterStep {
         drafter,
         optimizer,
         params,
-        embedding: target.embedding().into_tensor(),
-        lm_head: target.lm_head().into_tensor(),
-        block_size,
-        mask_token_id: 0,
-        gamma: default_gamma(block_size as usize),
-        sampler: AnchorSampler { per_seq: sh.anchors_per_seq, seed: cfg.seed },
+        draft: DraftLoss {
+            embedding: target.embedding().into_tensor(),
+            lm_head: target.lm_head().into_tensor(),
+            sampler: AnchorSampler { per_seq: sh.anchors_per_seq, seed: cfg.seed },
+            block_size,
+            mask_token_id: drafter_mask_token_id,
+            gamma: default_gamma(block_size as usize),
+        },
         grad_clip: sh.grad_clip,
         draws: 0,
     };
-    step.mask_token_id = step.drafter.mask_token_id() as i64;
     sync(device);
     let built_mem_gib = mem(device);
 

@@ -3,11 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DFlashSection {
-    pub mask_token_id: u32,
-    pub target_layer_ids: Vec<u32>,
-}
+pub use drafter_layers::dflash::DFlashSection;
 
 /// z-lab DFlash `config.json` (a Qwen3 config plus DFlash fields).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

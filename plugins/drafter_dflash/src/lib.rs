@@ -6,13 +6,13 @@
 pub mod config;
 pub mod model;
 
-use config::{DFlashConfig, DFlashSection};
+use config::DFlashConfig;
 use plugin_api::{
     abi_stable::{
         sabi_trait::TD_Opaque,
         std_types::{RResult, RString, RVec},
     },
-    tch::{nn, Device, Kind, Tensor},
+    tch::{nn, Device, Kind},
     DraftInput, Drafter, Drafter_TO, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind,
     TargetSpec, TensorHandle,
 };
@@ -60,47 +60,17 @@ fn default_n_feat() -> usize {
 impl DrafterSection {
     /// The full drafter config for `target`, validated.
     pub fn resolve(&self, target: &TargetSpec) -> Result<DFlashConfig, PluginError> {
-        let bad = |field: &str, why: String| Err(PluginError::new(format!("field `{field}`: {why}")));
-        let l = target.num_hidden_layers as usize;
         if self.num_hidden_layers == 0 || self.num_hidden_layers > 64 {
-            return bad("num_hidden_layers", format!("must be in 1..=64, got {}", self.num_hidden_layers));
+            let n = self.num_hidden_layers;
+            return Err(PluginError::new(format!("field `num_hidden_layers`: must be in 1..=64, got {n}")));
         }
-        if !(2..=64).contains(&self.block_size) {
-            return bad("block_size", format!("must be in 2..=64, got {}", self.block_size));
-        }
-        let ids = match &self.target_layer_ids {
-            Some(ids) => ids.clone(),
-            None => {
-                if self.num_target_features == 0 || self.num_target_features > l {
-                    return bad(
-                        "num_target_features",
-                        format!("must be in 1..={l} (the target's layers), got {}", self.num_target_features),
-                    );
-                }
-                drafter_layers::target_layer_ids(l, self.num_target_features)
-            }
-        };
-        if let Some(bad_id) = ids.iter().find(|&&i| i as usize >= l) {
-            return bad("target_layer_ids", format!("layer {bad_id} does not exist (the target has {l} layers)"));
-        }
-        if ids.is_empty() {
-            return bad("target_layer_ids", "must not be empty".into());
-        }
-        let mask_token_id = match self.mask_token_id {
-            Some(id) => id,
-            None => match target.pad_token_id.into_option() {
-                Some(pad) if pad != target.eos_token_id => pad,
-                _ => {
-                    return bad(
-                        "mask_token_id",
-                        "not set and the target has no pad token distinct from EOS to use; set it to an unused token id".into(),
-                    )
-                }
-            },
-        };
-        if mask_token_id >= target.vocab_size {
-            return bad("mask_token_id", format!("{mask_token_id} is outside the vocabulary ({})", target.vocab_size));
-        }
+        let dflash_config = drafter_layers::dflash::resolve(
+            self.block_size,
+            self.num_target_features,
+            self.target_layer_ids.as_deref(),
+            self.mask_token_id,
+            target,
+        )?;
         Ok(DFlashConfig {
             architectures: vec!["DFlashDraftModel".into()],
             model_type: "qwen3".into(),
@@ -118,8 +88,8 @@ impl DrafterSection {
             max_position_embeddings: 32768,
             tie_word_embeddings: false,
             block_size: self.block_size,
-            num_target_layers: l,
-            dflash_config: DFlashSection { mask_token_id, target_layer_ids: ids },
+            num_target_layers: target.num_hidden_layers as usize,
+            dflash_config,
             layer_types: vec!["full_attention".into(); self.num_hidden_layers],
             sliding_window: None,
             torch_dtype: "bfloat16".into(),
@@ -192,25 +162,9 @@ fn info() -> PluginInfo {
 
 /// Read a z-lab format drafter folder: its config, checked against the target, and weights.
 pub fn read_zlab(dir: &std::path::Path, target: &TargetSpec) -> Result<(DFlashConfig, Vec<NamedTensor>), PluginError> {
-    let at = |f: &str| dir.join(f);
-    let text = std::fs::read_to_string(at("config.json")).map_err(|e| PluginError::new(format!("{}: {e}", at("config.json").display())))?;
-    let cfg: DFlashConfig =
-        serde_json::from_str(&text).map_err(|e| PluginError::new(format!("{}: {e}", at("config.json").display())))?;
-    let mismatch = |what: &str, ours: usize, theirs: u32| {
-        Err(PluginError::new(format!("{}: {what} {ours} does not fit the target's {theirs}", dir.display())))
-    };
-    if cfg.hidden_size != target.hidden_size as usize {
-        return mismatch("hidden_size", cfg.hidden_size, target.hidden_size);
-    }
-    if cfg.vocab_size != target.vocab_size as usize {
-        return mismatch("vocab_size", cfg.vocab_size, target.vocab_size);
-    }
-    if let Some(&id) = cfg.dflash_config.target_layer_ids.iter().find(|&&i| i >= target.num_hidden_layers) {
-        return mismatch("target layer", id as usize, target.num_hidden_layers);
-    }
-    let weights = Tensor::read_safetensors(at("model.safetensors"))
-        .map_err(|e| PluginError::new(format!("{}: {e}", at("model.safetensors").display())))?;
-    Ok((cfg, weights.into_iter().map(|(n, t)| NamedTensor::new(n, t)).collect()))
+    let cfg: DFlashConfig = drafter_layers::dflash::read_config(dir)?;
+    drafter_layers::dflash::check_fits(dir, cfg.hidden_size, cfg.vocab_size, &cfg.dflash_config, target)?;
+    Ok((cfg, drafter_layers::dflash::read_weights(dir)?))
 }
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {

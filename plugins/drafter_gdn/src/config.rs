@@ -16,11 +16,7 @@ pub enum LayerType {
     Attention,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DFlashSection {
-    pub mask_token_id: u32,
-    pub target_layer_ids: Vec<u32>,
-}
+pub use drafter_layers::dflash::DFlashSection;
 
 /// The drafter's `config.json`: DFlash fields as z-lab names them, Qwen3-Next's for GDN.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -187,42 +183,13 @@ impl DrafterSection {
         if layer_types.is_empty() || layer_types.len() > 64 {
             return bad("num_hidden_layers", format!("must be in 1..=64, got {}", layer_types.len()));
         }
-        if !(2..=64).contains(&self.block_size) {
-            return bad("block_size", format!("must be in 2..=64, got {}", self.block_size));
-        }
-        let ids = match &self.target_layer_ids {
-            Some(ids) => ids.clone(),
-            None => {
-                if self.num_target_features == 0 || self.num_target_features > l {
-                    return bad(
-                        "num_target_features",
-                        format!("must be in 1..={l} (the target's layers), got {}", self.num_target_features),
-                    );
-                }
-                drafter_layers::target_layer_ids(l, self.num_target_features)
-            }
-        };
-        if ids.is_empty() {
-            return bad("target_layer_ids", "must not be empty".into());
-        }
-        if let Some(bad_id) = ids.iter().find(|&&i| i as usize >= l) {
-            return bad("target_layer_ids", format!("layer {bad_id} does not exist (the target has {l} layers)"));
-        }
-        let mask_token_id = match self.mask_token_id {
-            Some(id) => id,
-            None => match target.pad_token_id.into_option() {
-                Some(pad) if pad != target.eos_token_id => pad,
-                _ => {
-                    return bad(
-                        "mask_token_id",
-                        "not set and the target has no pad token distinct from EOS to use; set it to an unused token id".into(),
-                    )
-                }
-            },
-        };
-        if mask_token_id >= target.vocab_size {
-            return bad("mask_token_id", format!("{mask_token_id} is outside the vocabulary ({})", target.vocab_size));
-        }
+        let dflash_config = drafter_layers::dflash::resolve(
+            self.block_size,
+            self.num_target_features,
+            self.target_layer_ids.as_deref(),
+            self.mask_token_id,
+            target,
+        )?;
         let key_heads = self.linear_num_key_heads.unwrap_or(target.num_attention_heads as usize);
         let value_heads = self.linear_num_value_heads.unwrap_or(key_heads);
         if key_heads == 0 || value_heads % key_heads != 0 {
@@ -264,7 +231,7 @@ impl DrafterSection {
             hidden_act: default_act(),
             block_size: self.block_size,
             num_target_layers: l,
-            dflash_config: DFlashSection { mask_token_id, target_layer_ids: ids },
+            dflash_config,
             torch_dtype: default_dtype(),
         })
     }

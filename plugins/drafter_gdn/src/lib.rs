@@ -41,7 +41,7 @@ use plugin_api::{
         sabi_trait::TD_Opaque,
         std_types::{RResult, RString, RVec},
     },
-    tch::{nn, Device, Kind, Tensor},
+    tch::{nn, Device, Kind},
     DraftInput, Drafter, Drafter_TO, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind,
     TargetSpec, TensorHandle,
 };
@@ -112,22 +112,8 @@ fn info() -> PluginInfo {
 /// Read a GDN drafter folder (config.json + model.safetensors, as `dflash-host export` writes
 /// it): its config, checked against the target, and weights.
 pub fn read_folder(dir: &std::path::Path, target: &TargetSpec) -> Result<(GdnConfig, Vec<NamedTensor>), PluginError> {
-    let at = |f: &str| dir.join(f);
-    let text = std::fs::read_to_string(at("config.json")).map_err(|e| PluginError::new(format!("{}: {e}", at("config.json").display())))?;
-    let cfg: GdnConfig =
-        serde_json::from_str(&text).map_err(|e| PluginError::new(format!("{}: {e}", at("config.json").display())))?;
-    let mismatch = |what: &str, ours: usize, theirs: u32| {
-        Err(PluginError::new(format!("{}: {what} {ours} does not fit the target's {theirs}", dir.display())))
-    };
-    if cfg.hidden_size != target.hidden_size as usize {
-        return mismatch("hidden_size", cfg.hidden_size, target.hidden_size);
-    }
-    if cfg.vocab_size != target.vocab_size as usize {
-        return mismatch("vocab_size", cfg.vocab_size, target.vocab_size);
-    }
-    if let Some(&id) = cfg.dflash_config.target_layer_ids.iter().find(|&&i| i >= target.num_hidden_layers) {
-        return mismatch("target layer", id as usize, target.num_hidden_layers);
-    }
+    let cfg: GdnConfig = drafter_layers::dflash::read_config(dir)?;
+    drafter_layers::dflash::check_fits(dir, cfg.hidden_size, cfg.vocab_size, &cfg.dflash_config, target)?;
     if cfg.layer_types.len() != cfg.num_hidden_layers {
         return Err(PluginError::new(format!(
             "{}: num_hidden_layers {} but {} layer_types",
@@ -136,9 +122,7 @@ pub fn read_folder(dir: &std::path::Path, target: &TargetSpec) -> Result<(GdnCon
             cfg.layer_types.len()
         )));
     }
-    let weights = Tensor::read_safetensors(at("model.safetensors"))
-        .map_err(|e| PluginError::new(format!("{}: {e}", at("model.safetensors").display())))?;
-    Ok((cfg, weights.into_iter().map(|(n, t)| NamedTensor::new(n, t)).collect()))
+    Ok((cfg, drafter_layers::dflash::read_weights(dir)?))
 }
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {

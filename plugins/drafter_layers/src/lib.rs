@@ -3,8 +3,10 @@
 //! dependent plugin's library. So the shared parts live here, in a plain library:
 //! - `layers`: RMSNorm, RoPE, DFlash block attention, the SwiGLU MLP (z-lab / Qwen3 weight names);
 //! - `weights`: parameters by name, and loading them back with errors that name the tensor;
+//! - `dflash`: the DFlash fields (block, target layers, mask token) and saved-folder reading;
 //! - `target_layer_ids`: DFLASH.md's choice of target layers.
 
+pub mod dflash;
 pub mod layers;
 pub mod weights;
 
