@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use std::{
     fs,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::Arc,
 };
 
 /// How features are stored.
@@ -79,16 +79,18 @@ pub fn capture(cfg: &crate::config::RunConfig, mut c: Components, out: &Path, ca
     let (data, target, extra) = (&mut c.data, &mut c.target, &mut c.extra_targets);
     let mut produced = 0;
     let names_p = names.clone();
+    let cache = crate::hidden_cache::HiddenStateCache::new(cfg.train.hidden_cache_mb << 20, per_token);
+    let cache_p = Arc::clone(&cache);
     let producer = move || -> Result<Option<Job<HostBatch>>> {
         if produced == opts.micro_batches {
             return Ok(None);
         }
         let mut b = next_batch(data, &names_p)?;
         b.index = produced;
+        b.cache_ticket = Some(cache_p.plan(produced, &b.sequence_ids, &b.lengths));
         produced += 1;
         Ok(Some(Job { bytes: b.input_ids.numel() * per_token, payload: b }))
     };
-    let cache = Arc::new(Mutex::new(crate::hidden_cache::HiddenStateCache::new(cfg.train.hidden_cache_mb << 20)));
     let workers = target_workers(target, extra, &devices, &layer_ids, &cache, Device::Cpu, &names);
     let pipe = PipelineOptions { buffer_bytes: cfg.pipeline.buffer_bytes(), deterministic: true };
     let bar = ProgressBar::new(opts.micro_batches)
@@ -268,6 +270,7 @@ impl CaptureReader {
             sequence_ids: ints("sequence_ids")?.into_iter().map(|l| l as u64).collect(),
             position: DataPosition { epoch: e.epoch, index: e.index },
             index: n,
+            cache_ticket: None,
         })
     }
 

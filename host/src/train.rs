@@ -8,7 +8,7 @@ use crate::{
     config::RunConfig,
     distill,
     experiment::Experiment,
-    hidden_cache::HiddenStateCache,
+    hidden_cache::{CacheTicket, HiddenStateCache},
     loss::{default_gamma, dflash_loss, tau_hat, LossInput, LossOut},
     dist::Communicator,
     pipeline::{self, Feed, Job, PipelineOptions, Worker},
@@ -30,7 +30,7 @@ use std::{
     path::Path,
     sync::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
-        Arc, Mutex,
+        Arc,
     },
     time::Instant,
 };
@@ -147,12 +147,14 @@ pub struct HostBatch {
     pub position: DataPosition,
     /// The micro-batch's number in data order (set by the producer).
     pub index: u64,
+    /// Whether its features come from the hidden-state cache (set by the producer).
+    pub cache_ticket: Option<CacheTicket>,
 }
 
 impl HostBatch {
     /// The batch with its target features, for the drafter.
     pub fn with_features(self, hidden: Tensor) -> Micro {
-        let Self { input_ids, loss_mask, lengths, sequence_ids, position, index } = self;
+        let Self { input_ids, loss_mask, lengths, sequence_ids, position, index, .. } = self;
         Micro { input_ids, loss_mask, lengths, sequence_ids, hidden, position, index }
     }
 }
@@ -169,6 +171,7 @@ pub fn next_batch(data: &mut DataLoaderBox, names: &PluginNames) -> Result<HostB
                 sequence_ids: b.sequence_ids.into_vec(),
                 position: data.position(),
                 index: 0,
+                cache_ticket: None,
             });
         }
         // End of epoch: the next call starts the next one.
@@ -194,7 +197,7 @@ pub fn target_workers<'a>(
     extra: &'a mut [TargetBox],
     devices: &[String],
     layer_ids: &[u32],
-    cache: &Arc<Mutex<HiddenStateCache>>,
+    cache: &Arc<HiddenStateCache>,
     drafter_device: Device,
     names: &PluginNames,
 ) -> Vec<Worker<'a, HostBatch, Micro>> {
@@ -218,22 +221,26 @@ fn target_worker<'a>(
     device: String,
     target: &'a mut TargetBox,
     layer_ids: Vec<u32>,
-    cache: Arc<Mutex<HiddenStateCache>>,
+    cache: Arc<HiddenStateCache>,
     drafter_device: Device,
     names: PluginNames,
 ) -> Worker<'a, HostBatch, Micro> {
     Worker {
         name: format!("{device}"),
-        work: Box::new(move |b: HostBatch| {
+        work: Box::new(move |mut b: HostBatch| {
             let seq_len = b.input_ids.size()[1];
-            let cached = cache.lock().expect("cache lock").get(&b.sequence_ids, seq_len, Device::Cpu);
+            // Dropped at the end of this job, done or failed: releases what it did not store.
+            let ticket = b.cache_ticket.take();
+            let cached = ticket.as_ref().and_then(|t| cache.fetch(t, &b.sequence_ids, seq_len, Device::Cpu));
             let hidden = match cached {
                 Some(h) => h,
                 None => {
                     let ids = TensorHandle::new(b.input_ids.shallow_clone());
                     let out = target.forward(&ids, layer_ids.as_slice().into(), false).into_result();
                     let h = out.map_err(names.err(PluginKind::Target, &format!("forward (worker {index})")))?.hidden.into_tensor();
-                    cache.lock().expect("cache lock").put(&b.sequence_ids, &b.lengths, &h);
+                    if let Some(t) = &ticket {
+                        cache.store(t, &b.sequence_ids, &b.lengths, &h);
+                    }
                     h
                 }
             };
@@ -610,7 +617,8 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     let total_micro = (t.steps - state.step) * t.grad_accum;
     let spec = c.target.spec();
     let feature_bytes_per_token = feature_bytes_per_token(cfg, layer_ids.len(), spec.hidden_size);
-    let cache = Arc::new(Mutex::new(HiddenStateCache::new(t.hidden_cache_mb << 20)));
+    let cache = HiddenStateCache::new(t.hidden_cache_mb << 20, feature_bytes_per_token);
+    let cache_p = Arc::clone(&cache);
     let pipe = PipelineOptions { buffer_bytes: cfg.pipeline.buffer_bytes(), deterministic: cfg.pipeline.deterministic() };
     let devices = cfg.target_devices();
     let n_workers = if capture.is_some() { 1 } else { devices.len() };
@@ -643,6 +651,9 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
             }
         };
         b.index = index;
+        if capture_ref.is_none() {
+            b.cache_ticket = Some(cache_p.plan(index, &b.sequence_ids, &b.lengths));
+        }
         produced += 1;
         let bytes = b.input_ids.numel() * feature_bytes_per_token;
         Ok(Some(Job { payload: b, bytes }))
