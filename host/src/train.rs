@@ -432,7 +432,7 @@ impl WindowSums {
 
 /// The drafter's side of one micro-batch (shared by training and `bench train`): anchors drawn,
 /// blocks `[anchor, MASK x (Bk-1)]` embedded with the target's embedding, the drafter forward and
-/// the DFlash loss through the target's LM head. The caller runs backward.
+/// the DFlash loss through the target's LM head. The caller runs [`Drafted::backward`].
 pub struct DraftLoss {
     /// The target's frozen embedding and LM head, on the drafter's device.
     pub embedding: Tensor,
@@ -452,7 +452,7 @@ impl DraftLoss {
         loss_mask: &Tensor,
         hidden: &Tensor,
         draw: u64,
-    ) -> Result<(LossOut, Anchors), plugin_api::PluginError> {
+    ) -> Result<Drafted, plugin_api::PluginError> {
         let device = self.embedding.device();
         let anchors = self.sampler.sample(loss_mask, draw);
         let input_ids = input_ids.to_device(device);
@@ -476,7 +476,26 @@ impl DraftLoss {
             block_size: self.block_size,
             gamma: self.gamma,
         });
-        Ok((loss, anchors))
+        Ok(Drafted { loss, anchors, output: block_hidden })
+    }
+}
+
+/// One micro-batch drafted: its loss and anchors, and the drafter output backward starts from.
+pub struct Drafted {
+    pub loss: LossOut,
+    pub anchors: Anchors,
+    output: Tensor,
+}
+
+impl Drafted {
+    /// Gradients of `scale * loss` into the drafter's parameters: through the output's graph, or,
+    /// when the drafter returned a leaf, by handing it the output's gradient (`Drafter::backward`).
+    pub fn backward(&self, drafter: &mut DrafterBox, scale: f64) -> Result<(), plugin_api::PluginError> {
+        (&self.loss.loss * scale).backward();
+        if self.output.is_leaf() && self.output.requires_grad() {
+            drafter.backward(&TensorHandle::new(self.output.grad())).into_result()?;
+        }
+        Ok(())
     }
 }
 
@@ -705,10 +724,11 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                 let t1 = Instant::now();
                 let tokens: u64 = m.lengths.iter().map(|&l| l as u64).sum();
                 hs_total_bytes += (m.input_ids.numel() * feature_bytes_per_token) as u64;
-                let (l, _) = draft
+                let d = draft
                     .compute(drafter, &m.input_ids, &m.loss_mask, &m.hidden, m.index)
                     .map_err(names.err(PluginKind::Drafter, "forward"))?;
-                (&l.loss / t.grad_accum as f64).backward();
+                d.backward(drafter, 1.0 / t.grad_accum as f64).map_err(names.err(PluginKind::Drafter, "backward"))?;
+                let l = &d.loss;
                 sums.loss += l.loss.double_value(&[]);
                 sums.tokens += tokens;
                 for k in 0..l.count.len() {

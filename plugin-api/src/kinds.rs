@@ -132,8 +132,20 @@ pub trait Drafter: Send {
 
     /// Block hidden states after the final norm: [B, A*Bk, H]. Each block sees the context
     /// strictly before its anchor and itself (bidirectionally), never another block.
+    ///
+    /// Usually the output carries its autograd graph and the host's `backward` reaches the
+    /// parameters. A drafter that runs its own backward (layer checkpointing, kernels with a
+    /// hand-written backward) returns a *leaf* that requires grad instead; the host then calls
+    /// [`backward`](Self::backward) with the loss's gradient w.r.t. it.
     #[sabi(last_prefix_field)]
     fn forward(&mut self, input: &DraftInput) -> RResult<TensorHandle, PluginError>;
+
+    /// Accumulate parameter gradients from `grad` = dLoss/d(last forward's output). Called only
+    /// when that output was a leaf; a drafter built before this method existed never returns one.
+    fn backward(&mut self, grad: &TensorHandle) -> RResult<(), PluginError> {
+        let _ = grad;
+        RResult::RErr(PluginError::new("this drafter returned a leaf from forward but has no backward"))
+    }
 }
 
 /// The optimizer: owns per-parameter state, updates parameters in place from their `.grad`.

@@ -192,11 +192,11 @@ struct StepCounts {
 
 impl DrafterStep {
     fn run(&mut self, input_ids: &Tensor, loss_mask: &Tensor, target_hidden: Tensor) -> Result<StepCounts> {
-        let (l, anchors) =
-            self.draft.compute(&mut self.drafter, input_ids, loss_mask, &target_hidden, self.draws).map_err(|e| anyhow!("drafter forward: {e}"))?;
+        let d = self.draft.compute(&mut self.drafter, input_ids, loss_mask, &target_hidden, self.draws).map_err(|e| anyhow!("drafter forward: {e}"))?;
+        let (l, anchors) = (&d.loss, &d.anchors);
         self.draws += 1;
         let anchor_pos_sum = f64::try_from(anchors.positions.to_kind(Kind::Double).masked_select(&anchors.valid).sum(Kind::Double))?;
-        l.loss.backward();
+        d.backward(&mut self.drafter, 1.0).map_err(|e| anyhow!("drafter backward: {e}"))?;
         clip_grad_norm(&self.params, self.grad_clip);
         self.optimizer.step(1.0).into_result().map_err(|e| anyhow!("optimizer step: {e}"))?;
         for p in &self.params {

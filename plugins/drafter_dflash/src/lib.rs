@@ -45,6 +45,10 @@ pub struct DrafterSection {
     /// replaces the fields above, its weights the random initialisation.
     #[serde(default)]
     pub init_from: Option<String>,
+    /// Keep only each layer's input in training and recompute the layer in backward: activation
+    /// memory of one layer instead of all, for one more forward pass of the layers.
+    #[serde(default)]
+    pub checkpoint_layers: bool,
 }
 
 fn default_layers() -> usize {
@@ -100,12 +104,20 @@ impl DrafterSection {
 pub struct DFlashPlugin {
     vs: nn::VarStore,
     model: model::DFlashDrafter,
+    checkpoint_layers: bool,
+    /// The last checkpointed training forward, for its backward.
+    pending: Option<model::Checkpoints>,
 }
 
 impl DFlashPlugin {
     pub fn new(cfg: &DFlashConfig, device: Device, kind: Kind) -> Self {
         let (vs, model) = model::build(cfg, device, kind);
-        Self { vs, model }
+        Self { vs, model, checkpoint_layers: false, pending: None }
+    }
+
+    pub fn with_checkpointing(mut self, on: bool) -> Self {
+        self.checkpoint_layers = on;
+        self
     }
 
     pub fn load(&mut self, weights: RVec<NamedTensor>) -> Result<(), PluginError> {
@@ -140,15 +152,32 @@ impl Drafter for DFlashPlugin {
 
     fn forward(&mut self, input: &DraftInput) -> RResult<TensorHandle, PluginError> {
         plugin_api::catch_plugin_panic(|| {
-            let out = self.model.forward(
-                &input.target_hidden.tensor(),
-                &input.block_embeds.tensor(),
-                &input.anchors.tensor(),
-            );
-            Ok(TensorHandle::new(out))
+            let (th, emb, anchors) = (input.target_hidden.tensor(), input.block_embeds.tensor(), input.anchors.tensor());
+            self.pending = None;
+            if self.checkpoint_layers && grad_enabled() {
+                let (out, ck) = self.model.forward_checkpointed(&th, &emb, &anchors);
+                self.pending = Some(ck);
+                return Ok(TensorHandle::new(out));
+            }
+            Ok(TensorHandle::new(self.model.forward(&th, &emb, &anchors)))
         })
         .into()
     }
+
+    fn backward(&mut self, grad: &TensorHandle) -> RResult<(), PluginError> {
+        plugin_api::catch_plugin_panic(|| {
+            let ck = self.pending.take().ok_or_else(|| PluginError::new("backward without a checkpointed forward before it"))?;
+            self.model.backward(ck, &grad.tensor());
+            Ok(())
+        })
+        .into()
+    }
+}
+
+/// Whether autograd records (training) or not (`no_grad`, drafting): tch does not expose it.
+fn grad_enabled() -> bool {
+    let leaf = plugin_api::tch::Tensor::zeros([1], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    (leaf * 2.0).requires_grad()
 }
 
 fn info() -> PluginInfo {
@@ -185,7 +214,8 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
             d
         }
         None => DFlashPlugin::new(&section.resolve(target)?, device, kind),
-    };
+    }
+    .with_checkpointing(section.checkpoint_layers);
     Ok(PluginInstance::Drafter(Drafter_TO::from_value(drafter, TD_Opaque)))
 }
 

@@ -1,0 +1,90 @@
+//! Layer checkpointing (`checkpoint_layers = true`): the drafter returns a leaf, keeps each
+//! layer's input, and its own backward gives the gradients plain autograd gives.
+
+use drafter_dflash::{DFlashPlugin, DrafterSection};
+use plugin_api::{
+    abi_stable::std_types::{RNone, RString},
+    tch::{self, Device, Kind, Tensor},
+    DraftInput, Drafter, TargetSpec, TensorHandle,
+};
+
+fn target() -> TargetSpec {
+    TargetSpec {
+        architecture: RString::from("llama"),
+        num_hidden_layers: 4,
+        hidden_size: 16,
+        vocab_size: 32,
+        num_attention_heads: 2,
+        num_key_value_heads: 1,
+        head_dim: 8,
+        intermediate_size: 24,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-6,
+        bos_token_id: RNone,
+        eos_token_id: 1,
+        pad_token_id: RNone,
+        chat_template: RString::new(),
+        source: RString::from("test"),
+        source_sha256: RString::new(),
+    }
+}
+
+/// Tests seed torch's one global generator: one at a time.
+static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn drafter(checkpoint: bool) -> DFlashPlugin {
+    let section: DrafterSection =
+        plugin_api::parse_section("num_hidden_layers = 3\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 0").unwrap();
+    tch::manual_seed(7);
+    DFlashPlugin::new(&section.resolve(&target()).unwrap(), Device::Cpu, Kind::Float).with_checkpointing(checkpoint)
+}
+
+fn input() -> DraftInput {
+    tch::manual_seed(11);
+    let opts = (Kind::Float, Device::Cpu);
+    DraftInput {
+        target_hidden: TensorHandle::new(Tensor::randn([2, 10, 32], opts)),
+        block_embeds: TensorHandle::new(Tensor::randn([2, 3 * 4, 16], opts)),
+        anchors: TensorHandle::new(Tensor::from_slice(&[1i64, 4, 7, 0, 2, 5]).view([2, 3])),
+        anchor_valid: TensorHandle::new(Tensor::from_slice(&[true, true, true, true, true, false]).view([2, 3])),
+    }
+}
+
+/// Parameter gradients of `sum(out * w)` (w fixed), as the host runs a step.
+fn grads(d: &mut DFlashPlugin) -> Vec<(String, Tensor)> {
+    let out = d.forward(&input()).unwrap().tensor();
+    let w = Tensor::randn(out.size(), (Kind::Float, Device::Cpu));
+    (&out * &w).sum(Kind::Float).backward();
+    if out.is_leaf() && out.requires_grad() {
+        d.backward(&TensorHandle::new(out.grad())).unwrap();
+    }
+    d.parameters().into_iter().map(|p| (p.name.to_string(), p.tensor.tensor().grad().copy())).collect()
+}
+
+#[test]
+fn checkpointed_layers_give_autograds_gradients() {
+    let _one = SEEDED.lock().unwrap();
+    let plain = grads(&mut drafter(false));
+    let checkpointed = grads(&mut drafter(true));
+    assert_eq!(plain.len(), checkpointed.len());
+    assert!(plain.iter().any(|(n, _)| n.starts_with("layers.0.")) && plain.iter().any(|(n, _)| n == "fc.weight"));
+    for ((name, a), (_, b)) in plain.iter().zip(&checkpointed) {
+        assert!(a.defined() && b.defined(), "{name}: no gradient");
+        let scale = a.abs().max().double_value(&[]);
+        assert!(scale > 0.0, "{name}: zero gradient");
+        let err = (a - b).abs().max().double_value(&[]);
+        assert!(err <= 1e-5 * scale, "{name}: max diff {err} vs max grad {scale}");
+    }
+}
+
+#[test]
+fn drafting_without_grad_is_the_plain_forward() {
+    let _one = SEEDED.lock().unwrap();
+    let (mut plain, mut checkpointed) = (drafter(false), drafter(true));
+    let a = tch::no_grad(|| plain.forward(&input()).unwrap().tensor());
+    let b = tch::no_grad(|| checkpointed.forward(&input()).unwrap().tensor());
+    assert!(!b.requires_grad());
+    assert!(a.allclose(&b, 1e-6, 1e-6, false));
+    let err = checkpointed.backward(&TensorHandle::new(a)).into_result().unwrap_err();
+    assert!(err.to_string().contains("without a checkpointed forward"), "{err}");
+}
