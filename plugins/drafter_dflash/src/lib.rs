@@ -49,6 +49,19 @@ pub struct DrafterSection {
     /// memory of one layer instead of all, for one more forward pass of the layers.
     #[serde(default)]
     pub checkpoint_layers: bool,
+    /// Block attention in training: "masked" (one SDPA over [context; all blocks] with a mask)
+    /// or "split" (the context through libtorch's fused kernel with a staircase bias, each
+    /// block's own keys apart, merged exactly: S + Bk keys a query instead of S + A*Bk).
+    #[serde(default)]
+    pub attention: AttentionKind,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionKind {
+    #[default]
+    Masked,
+    Split,
 }
 
 fn default_layers() -> usize {
@@ -104,19 +117,19 @@ impl DrafterSection {
 pub struct DFlashPlugin {
     vs: nn::VarStore,
     model: model::DFlashDrafter,
-    checkpoint_layers: bool,
-    /// The last checkpointed training forward, for its backward.
-    pending: Option<model::Checkpoints>,
+    mode: model::TrainMode,
+    /// The last training forward's tape, for its backward.
+    pending: Option<model::Tape>,
 }
 
 impl DFlashPlugin {
     pub fn new(cfg: &DFlashConfig, device: Device, kind: Kind) -> Self {
         let (vs, model) = model::build(cfg, device, kind);
-        Self { vs, model, checkpoint_layers: false, pending: None }
+        Self { vs, model, mode: model::TrainMode::default(), pending: None }
     }
 
-    pub fn with_checkpointing(mut self, on: bool) -> Self {
-        self.checkpoint_layers = on;
+    pub fn with_mode(mut self, mode: model::TrainMode) -> Self {
+        self.mode = mode;
         self
     }
 
@@ -154,9 +167,9 @@ impl Drafter for DFlashPlugin {
         plugin_api::catch_plugin_panic(|| {
             let (th, emb, anchors) = (input.target_hidden.tensor(), input.block_embeds.tensor(), input.anchors.tensor());
             self.pending = None;
-            if self.checkpoint_layers && grad_enabled() {
-                let (out, ck) = self.model.forward_checkpointed(&th, &emb, &anchors);
-                self.pending = Some(ck);
+            if self.mode.own_backward() && grad_enabled() {
+                let (out, tape) = self.model.forward_train(&th, &emb, &anchors, self.mode);
+                self.pending = Some(tape);
                 return Ok(TensorHandle::new(out));
             }
             Ok(TensorHandle::new(self.model.forward(&th, &emb, &anchors)))
@@ -166,8 +179,8 @@ impl Drafter for DFlashPlugin {
 
     fn backward(&mut self, grad: &TensorHandle) -> RResult<(), PluginError> {
         plugin_api::catch_plugin_panic(|| {
-            let ck = self.pending.take().ok_or_else(|| PluginError::new("backward without a checkpointed forward before it"))?;
-            self.model.backward(ck, &grad.tensor());
+            let tape = self.pending.take().ok_or_else(|| PluginError::new("backward without a training forward before it"))?;
+            self.model.backward(tape, &grad.tensor());
             Ok(())
         })
         .into()
@@ -215,7 +228,10 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
         }
         None => DFlashPlugin::new(&section.resolve(target)?, device, kind),
     }
-    .with_checkpointing(section.checkpoint_layers);
+    .with_mode(model::TrainMode {
+        split_attention: section.attention == AttentionKind::Split,
+        checkpoint_layers: section.checkpoint_layers,
+    });
     Ok(PluginInstance::Drafter(Drafter_TO::from_value(drafter, TD_Opaque)))
 }
 

@@ -4,7 +4,10 @@
 //! and itself. Weight names equal the z-lab checkpoint's. The layers are `drafter_layers`'.
 
 use crate::config::DFlashConfig;
-use drafter_layers::layers::{linear, Attention, AttentionInputs, Mlp, RmsNorm};
+use drafter_layers::{
+    block_attention,
+    layers::{linear, Attention, AttentionInputs, Mlp, RmsNorm},
+};
 use plugin_api::tch::{self as tch, nn, nn::Module, Device, Kind, Tensor};
 
 #[derive(Debug)]
@@ -30,6 +33,17 @@ impl DecoderLayer {
         // The context enters K/V as fused (hidden_norm'd), not through input_layernorm.
         let x = x + self.self_attn.forward(&self.input_layernorm.forward(x), ctx, at);
         &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
+    }
+
+    /// `forward` with split block attention, outside autograd: the graph stops at q, k, v and
+    /// restarts at the attention output (a leaf), for the drafter's own backward.
+    fn forward_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, bias: &Tensor, block: i64) -> (Tensor, Cut) {
+        let (q, k, v) = self.self_attn.project(&self.input_layernorm.forward(x), ctx, at);
+        let (o, saved) = tch::no_grad(|| block_attention::forward(&q, &k, &v, bias, block, self.self_attn.scale()));
+        let o = o.set_requires_grad(true);
+        let x = x + self.self_attn.output(&o);
+        let y = &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x));
+        (y, Cut { q, k, v, o, saved })
     }
 }
 
@@ -75,56 +89,125 @@ impl DFlashDrafter {
         (ctx, AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind()))
     }
 
-    /// `forward` keeping only each layer's input: the output is a leaf, and
-    /// [`backward`](Self::backward) recomputes one layer at a time. Saved activations drop
-    /// from all layers' to one layer's, for one more forward pass of the layers.
-    pub fn forward_checkpointed(&self, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor) -> (Tensor, Checkpoints) {
+    /// The training forward when the drafter runs its own backward (`mode` asks for split
+    /// attention or layer checkpointing): the output is a leaf, and [`backward`](Self::backward)
+    /// takes the tape. The graph is cut into one segment per layer (and, with split attention,
+    /// at each attention output); with checkpointing only each layer's input is kept and the
+    /// segment is rebuilt in backward, for one more forward pass of the layers.
+    pub fn forward_train(&self, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor, mode: TrainMode) -> (Tensor, Tape) {
         let (ctx, at) = self.context(target_hidden, block_embeds, anchors);
         // A leaf for the layers: their gradients w.r.t. the context add up in it.
         let ctx_leaf = ctx.detach().set_requires_grad(true);
-        let mut inputs = Vec::with_capacity(self.layers.len());
+        let (s, bk) = (target_hidden.size()[1], self.cfg.block_size as i64);
+        let bias = mode.split_attention.then(|| block_attention::context_bias(anchors, s, bk, block_embeds.kind()));
         let mut x = block_embeds.shallow_clone();
-        tch::no_grad(|| {
-            for layer in &self.layers {
-                inputs.push(x.shallow_clone());
-                x = layer.forward(&x, &ctx_leaf, &at);
+        let mut kept = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            if mode.checkpoint_layers {
+                kept.push(Kept::Input(x.shallow_clone()));
+                x = tch::no_grad(|| self.segment(i, layer, &x, &ctx_leaf, &at, bias.as_ref()).y);
+            } else {
+                let seg = self.segment(i, layer, &x, &ctx_leaf, &at, bias.as_ref());
+                x = seg.y.detach();
+                kept.push(Kept::Segment(seg));
             }
-        });
-        let last = x.set_requires_grad(true);
+        }
+        let last = x.detach().set_requires_grad(true);
         let out = self.norm.forward(&last);
         let leaf = out.detach().set_requires_grad(true);
-        (leaf, Checkpoints { ctx, ctx_leaf, at, inputs, last, out })
+        (leaf, Tape { ctx, ctx_leaf, at, bias, kept, last, out })
     }
 
     /// Gradients from `grad` = dLoss/d(output) into the parameters, last layer first.
-    pub fn backward(&self, ck: Checkpoints, grad: &Tensor) {
-        // (y * g).sum() has gradient g w.r.t. y: tch's backward takes no output gradient.
-        let pull = |y: &Tensor, g: &Tensor| (y * g).sum(Kind::Float).backward();
-        pull(&ck.out, grad);
-        let mut g = ck.last.grad();
-        for (i, (layer, x)) in self.layers.iter().zip(ck.inputs).enumerate().rev() {
-            // The first layer's input is the frozen embedding: no gradient wanted.
-            let x = x.set_requires_grad(i > 0);
-            pull(&layer.forward(&x, &ck.ctx_leaf, &ck.at), &g);
-            if i > 0 {
-                g = x.grad();
+    pub fn backward(&self, tape: Tape, grad: &Tensor) {
+        let Tape { ctx, ctx_leaf, at, bias, kept, last, out } = tape;
+        pull(&[(&out, grad)]);
+        let mut g = last.grad();
+        for (i, (layer, k)) in self.layers.iter().zip(kept).enumerate().rev() {
+            let seg = match k {
+                Kept::Input(x) => self.segment(i, layer, &x, &ctx_leaf, &at, bias.as_ref()),
+                Kept::Segment(seg) => seg,
+            };
+            pull(&[(&seg.y, &g)]);
+            if let Some(c) = &seg.cut {
+                let (dq, dk, dv) = tch::no_grad(|| block_attention::backward(&c.saved, &c.o.grad()));
+                pull(&[(&c.q, &dq), (&c.k, &dk), (&c.v, &dv)]);
+            }
+            // The first layer's input is the frozen embedding: no gradient.
+            g = seg.x.grad();
+        }
+        pull(&[(&ctx, &ctx_leaf.grad())]);
+    }
+
+    /// Layer `i` on `x` (made a leaf): plain, or cut at the attention output.
+    fn segment(&self, i: usize, layer: &DecoderLayer, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, bias: Option<&Tensor>) -> Segment {
+        let x = x.detach().set_requires_grad(i > 0);
+        match bias {
+            None => Segment { y: layer.forward(&x, ctx, at), x, cut: None },
+            Some(bias) => {
+                let (y, cut) = layer.forward_cut(&x, ctx, at, bias, self.cfg.block_size as i64);
+                Segment { x, y, cut: Some(cut) }
             }
         }
-        pull(&ck.ctx, &ck.ctx_leaf.grad());
     }
 }
 
-/// What [`DFlashDrafter::forward_checkpointed`] keeps for the backward.
-pub struct Checkpoints {
+/// Backward from several outputs at once, each with its gradient: tch's backward takes no output
+/// gradient, and sum(y * g) has gradient g w.r.t. y.
+fn pull(pairs: &[(&Tensor, &Tensor)]) {
+    let total = pairs.iter().map(|(y, g)| (*y * *g).sum(Kind::Float)).reduce(|a, b| a + b).expect("pairs");
+    total.backward();
+}
+
+/// How the drafter trains (the `[drafter]` section's `attention` and `checkpoint_layers`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TrainMode {
+    pub split_attention: bool,
+    pub checkpoint_layers: bool,
+}
+
+impl TrainMode {
+    /// Whether training goes through `forward_train` / `backward`.
+    pub fn own_backward(&self) -> bool {
+        self.split_attention || self.checkpoint_layers
+    }
+}
+
+/// What [`DFlashDrafter::forward_train`] keeps for the backward.
+pub struct Tape {
     /// The fused context with its graph (fc, hidden_norm), and the leaf the layers read.
     ctx: Tensor,
     ctx_leaf: Tensor,
     at: AttentionInputs,
-    /// Each layer's input, no graph.
-    inputs: Vec<Tensor>,
+    bias: Option<Tensor>,
+    kept: Vec<Kept>,
     /// The last layer's output as a leaf, and the final norm of it.
     last: Tensor,
     out: Tensor,
+}
+
+enum Kept {
+    /// Checkpointing: the layer's input, no graph.
+    Input(Tensor),
+    Segment(Segment),
+}
+
+/// One layer's graph from its input leaf `x` to `y`, cut at the attention output with split
+/// attention.
+struct Segment {
+    x: Tensor,
+    y: Tensor,
+    cut: Option<Cut>,
+}
+
+/// The attention cut out of a layer's graph: its inputs (with their graph), its output leaf and
+/// what its backward needs.
+struct Cut {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    saved: block_attention::Saved,
 }
 
 /// Build on `device` with weights of `kind`.

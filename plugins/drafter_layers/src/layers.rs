@@ -124,22 +124,35 @@ impl Attention {
 
     /// x: block tokens [B, N, H] (input-normed); ctx: fused context [B, S, H].
     pub fn forward(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> Tensor {
+        let (q, k, v) = self.project(x, ctx, at);
+        // Sparse block attention, GQA by head groups.
+        let scale = Some((self.head_dim as f64).powf(-0.5));
+        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&at.mask), 0.0, false, scale, true);
+        self.output(&o)
+    }
+
+    /// Q from the block only [B, nh, N, D]; K/V from [context; block] [B, nkv, S+N, D]; RoPE at
+    /// anchor + k for blocks, 0..S-1 for the context.
+    pub fn project(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> (Tensor, Tensor, Tensor) {
         let (b, n, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
-        // 1. Q from the block only; K/V from [context; block].
         let q = self.q_proj.forward(x).view([b, n, self.num_heads, self.head_dim]);
-        let q = self.q_norm.forward(&q).transpose(1, 2); // [B, nh, N, D]
+        let q = self.q_norm.forward(&q).transpose(1, 2);
         let k = Tensor::cat(&[self.k_proj.forward(ctx), self.k_proj.forward(x)], 1).view([b, s + n, self.num_kv_heads, self.head_dim]);
-        let k = self.k_norm.forward(&k).transpose(1, 2); // [B, nkv, S+N, D]
+        let k = self.k_norm.forward(&k).transpose(1, 2);
         let v = Tensor::cat(&[self.v_proj.forward(ctx), self.v_proj.forward(x)], 1)
             .view([b, s + n, self.num_kv_heads, self.head_dim])
             .transpose(1, 2);
-        // 2. RoPE: blocks at anchor + k, context at 0..S-1.
-        let q = apply_rope(&q, &at.q_cos, &at.q_sin);
-        let k = apply_rope(&k, &at.k_cos, &at.k_sin);
-        // 3. Sparse block attention, GQA by head groups.
-        let scale = Some((self.head_dim as f64).powf(-0.5));
-        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&at.mask), 0.0, false, scale, true);
+        (apply_rope(&q, &at.q_cos, &at.q_sin), apply_rope(&k, &at.k_cos, &at.k_sin), v)
+    }
+
+    /// The attention output [B, nh, N, D] back to the hidden size.
+    pub fn output(&self, o: &Tensor) -> Tensor {
+        let (b, n) = (o.size()[0], o.size()[2]);
         self.o_proj.forward(&o.transpose(1, 2).reshape([b, n, self.num_heads * self.head_dim]))
+    }
+
+    pub fn scale(&self) -> f64 {
+        (self.head_dim as f64).powf(-0.5)
     }
 }
 

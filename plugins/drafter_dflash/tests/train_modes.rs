@@ -1,7 +1,8 @@
-//! Layer checkpointing (`checkpoint_layers = true`): the drafter returns a leaf, keeps each
-//! layer's input, and its own backward gives the gradients plain autograd gives.
+//! The drafter's own backward (`attention = "split"`, `checkpoint_layers = true`, both): the
+//! forward returns a leaf and the backward gives the gradients plain autograd gives through
+//! masked SDPA.
 
-use drafter_dflash::{DFlashPlugin, DrafterSection};
+use drafter_dflash::{model::TrainMode, DFlashPlugin, DrafterSection};
 use plugin_api::{
     abi_stable::std_types::{RNone, RString},
     tch::{self, Device, Kind, Tensor},
@@ -32,11 +33,11 @@ fn target() -> TargetSpec {
 /// Tests seed torch's one global generator: one at a time.
 static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn drafter(checkpoint: bool) -> DFlashPlugin {
+fn drafter(mode: TrainMode) -> DFlashPlugin {
     let section: DrafterSection =
         plugin_api::parse_section("num_hidden_layers = 3\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 0").unwrap();
     tch::manual_seed(7);
-    DFlashPlugin::new(&section.resolve(&target()).unwrap(), Device::Cpu, Kind::Float).with_checkpointing(checkpoint)
+    DFlashPlugin::new(&section.resolve(&target()).unwrap(), Device::Cpu, Kind::Float).with_mode(mode)
 }
 
 fn input() -> DraftInput {
@@ -62,29 +63,33 @@ fn grads(d: &mut DFlashPlugin) -> Vec<(String, Tensor)> {
 }
 
 #[test]
-fn checkpointed_layers_give_autograds_gradients() {
+fn own_backwards_give_autograds_gradients() {
     let _one = SEEDED.lock().unwrap();
-    let plain = grads(&mut drafter(false));
-    let checkpointed = grads(&mut drafter(true));
-    assert_eq!(plain.len(), checkpointed.len());
-    assert!(plain.iter().any(|(n, _)| n.starts_with("layers.0.")) && plain.iter().any(|(n, _)| n == "fc.weight"));
-    for ((name, a), (_, b)) in plain.iter().zip(&checkpointed) {
-        assert!(a.defined() && b.defined(), "{name}: no gradient");
-        let scale = a.abs().max().double_value(&[]);
-        assert!(scale > 0.0, "{name}: zero gradient");
-        let err = (a - b).abs().max().double_value(&[]);
-        assert!(err <= 1e-5 * scale, "{name}: max diff {err} vs max grad {scale}");
+    let plain = grads(&mut drafter(TrainMode::default()));
+    assert!(plain.iter().any(|(n, _)| n.starts_with("layers.2.")) && plain.iter().any(|(n, _)| n == "fc.weight"));
+    for (split_attention, checkpoint_layers) in [(false, true), (true, false), (true, true)] {
+        let own = grads(&mut drafter(TrainMode { split_attention, checkpoint_layers }));
+        assert_eq!(plain.len(), own.len());
+        for ((name, a), (_, b)) in plain.iter().zip(&own) {
+            let what = format!("{name} (split {split_attention}, checkpoint {checkpoint_layers})");
+            assert!(a.defined() && b.defined(), "{what}: no gradient");
+            let scale = a.abs().max().double_value(&[]);
+            assert!(scale > 0.0, "{what}: zero gradient");
+            let err = (a - b).abs().max().double_value(&[]);
+            assert!(err <= 1e-5 * scale, "{what}: max diff {err} vs max grad {scale}");
+        }
     }
 }
 
 #[test]
 fn drafting_without_grad_is_the_plain_forward() {
     let _one = SEEDED.lock().unwrap();
-    let (mut plain, mut checkpointed) = (drafter(false), drafter(true));
+    let mode = TrainMode { split_attention: true, checkpoint_layers: true };
+    let (mut plain, mut checkpointed) = (drafter(TrainMode::default()), drafter(mode));
     let a = tch::no_grad(|| plain.forward(&input()).unwrap().tensor());
     let b = tch::no_grad(|| checkpointed.forward(&input()).unwrap().tensor());
     assert!(!b.requires_grad());
     assert!(a.allclose(&b, 1e-6, 1e-6, false));
     let err = checkpointed.backward(&TensorHandle::new(a)).into_result().unwrap_err();
-    assert!(err.to_string().contains("without a checkpointed forward"), "{err}");
+    assert!(err.to_string().contains("without a training forward"), "{err}");
 }

@@ -1,0 +1,217 @@
+//! DFlash block attention with its own backward, split in two exact parts:
+//! - the context keys, through libtorch's fused attention (the memory-efficient kernel on CUDA,
+//!   flash on the CPU) with a staircase bias: a block's queries see the keys before its anchor;
+//! - each block's own keys, as small batched matmuls in fp32.
+//!
+//! The two softmaxes are merged exactly through their log-sum-exps. Masked SDPA over
+//! [context; all blocks] scores every query against all S + A*Bk keys; this scores it against S
+//! + Bk. The backward hands the *merged* output and log-sum-exp to the fused kernel's backward,
+//! which then yields the context part's exact gradients (as ring attention does), and does the
+//! block part by hand. libtorch's autograd does not see this op: a drafter using it cuts its
+//! graph at the attention output and calls [`backward`] itself (`Drafter::backward`).
+
+use plugin_api::tch::{Device, Kind, Tensor};
+
+/// What the backward needs. Tensors as in [`forward`].
+pub struct Saved {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    /// K/V of the context, repeated to the query heads (the fused kernels take no GQA).
+    k_ctx: Tensor,
+    v_ctx: Tensor,
+    bias: Tensor,
+    /// The merged output (q's dtype) and log-sum-exp [B, nh, N] (fp32).
+    out: Tensor,
+    lse: Tensor,
+    /// The CUDA kernel's dropout RNG state (unused: no dropout), passed back as it expects.
+    philox: Option<(Tensor, Tensor)>,
+    block: i64,
+    scale: f64,
+}
+
+/// The context bias [B, 1, N, S] in `kind`: 0 where a query's anchor is after the key, the most
+/// negative finite value elsewhere (a block at anchor 0 sees no context: its context softmax is
+/// then uniform but weighs exp(-huge) = 0 in the merge, where -inf would give NaN). The last dim
+/// is allocated padded to 16 elements, the CUDA kernel's alignment.
+pub fn context_bias(anchors: &Tensor, s: i64, block: i64, kind: Kind) -> Tensor {
+    let (b, a) = (anchors.size()[0], anchors.size()[1]);
+    let device = anchors.device();
+    let anchor_of_query = anchors.repeat_interleave_self_int(block, Some(1), None::<i64>); // [B, N]
+    let visible = Tensor::arange(s, (Kind::Int64, device)).view([1, 1, s]).lt_tensor(&anchor_of_query.unsqueeze(-1));
+    let padded = (s + 15) / 16 * 16;
+    let min = match kind {
+        Kind::BFloat16 => -3.3895313892515355e38,
+        Kind::Half => -65504.0,
+        _ => f32::MIN as f64,
+    };
+    let bias = Tensor::full([b, 1, a * block, padded], min, (kind, device)).narrow(3, 0, s);
+    bias.masked_fill(&visible.unsqueeze(1), 0.0)
+}
+
+/// q [B, nh, N, D] (N = A blocks of `block`), k/v [B, nkv, S+N, D] ([context; blocks]), `bias`
+/// from [`context_bias`] -> output [B, nh, N, D] and what the backward needs.
+pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, scale: f64) -> (Tensor, Saved) {
+    let (b, nh, n, d) = size4(q);
+    let (nkv, s) = (k.size()[1], k.size()[2] - n);
+    let (g, a) = (nh / nkv, n / block);
+    let wk = work_kind(q);
+    let repeat = |t: &Tensor| t.narrow(2, 0, s).unsqueeze(2).expand([b, nkv, g, s, d], false).reshape([b, nh, s, d]);
+    let (k_ctx, v_ctx) = (repeat(k), repeat(v));
+
+    // 1. Context part: the fused kernel's output and log-sum-exp.
+    let (o_ctx, lse_ctx, philox) = if q.device() == Device::Cpu {
+        let (o, lse) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(q, &k_ctx, &v_ctx, 0.0, false, Some(bias), scale);
+        (o, lse, None)
+    } else {
+        let bias = bias.expand([b, nh, n, s], false);
+        let (o, lse, seed, offset) = Tensor::internal_scaled_dot_product_efficient_attention(q, &k_ctx, &v_ctx, Some(&bias), true, 0.0, false, scale);
+        (o, lse.narrow(2, 0, n), Some((seed, offset)))
+    };
+
+    // 2. Block part, and the merge: softmax over both key sets from the two log-sum-exps.
+    let blocks = Blocks::new(q, k, v, s, block);
+    let s_blk = blocks.scores(scale);
+    let lse_ctx = lse_ctx.view([b, nkv, g, a, block]);
+    let lse = lse_ctx.logaddexp(&s_blk.logsumexp([-1], false));
+    let p_blk = (&s_blk - lse.unsqueeze(-1)).exp();
+    let out = (&lse_ctx - &lse).exp().unsqueeze(-1) * o_ctx.to_kind(wk).view([b, nkv, g, a, block, d]) + p_blk.matmul(&blocks.v);
+    let out = out.view([b, nh, n, d]).to_kind(q.kind());
+    let lse = lse.view([b, nh, n]);
+    let saved = Saved {
+        q: q.shallow_clone(),
+        k: k.shallow_clone(),
+        v: v.shallow_clone(),
+        k_ctx,
+        v_ctx,
+        bias: bias.shallow_clone(),
+        out: out.shallow_clone(),
+        lse,
+        philox,
+        block,
+        scale,
+    };
+    (out, saved)
+}
+
+/// The gradients (dq, dk, dv) of the loss from `d_out` = dLoss/d(output).
+pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
+    let Saved { q, k, v, k_ctx, v_ctx, bias, out, lse, philox, block, scale } = saved;
+    let (b, nh, n, d) = size4(q);
+    let (nkv, s) = (k.size()[1], k.size()[2] - n);
+    let (g, a) = (nh / nkv, n / block);
+    let wk = work_kind(q);
+    let d_out = d_out.to_kind(q.kind()).contiguous();
+
+    // 1. Context part: the fused backward with the merged output and log-sum-exp.
+    let (dq_ctx, dk_ctx, dv_ctx) = match philox {
+        None => Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
+            &d_out, q, k_ctx, v_ctx, out, lse, 0.0, false, Some(bias), *scale,
+        ),
+        Some((seed, offset)) => {
+            // The kernel's own layout, [B, M, heads, D], as libtorch's SDPA backward passes it.
+            let t = |x: &Tensor| x.transpose(1, 2);
+            let bias = bias.expand([b, nh, n, s], false);
+            let (dq, dk, dv, _) = Tensor::internal_efficient_attention_backward(
+                &t(&d_out), &t(q), &t(k_ctx), &t(v_ctx), Some(&bias), &t(&out.contiguous()), None::<&Tensor>, None,
+                n, s, &lse.contiguous(), 0.0, seed, offset, 0, false, *scale, None, None, false,
+            );
+            (t(&dq), t(&dk), t(&dv))
+        }
+    };
+    let sum_groups = |x: Tensor| x.view([b, nkv, g, s, d]).sum_dim_intlist(&[2i64][..], false, wk);
+
+    // 2. Block part: P from the merged log-sum-exp, then softmax backward with the full row's
+    //    D = rowsum(dO * O).
+    let blocks = Blocks::new(q, k, v, s, *block);
+    let p = (blocks.scores(*scale) - lse.view([b, nkv, g, a, *block, 1])).exp();
+    let d_o = d_out.to_kind(wk).view([b, nkv, g, a, *block, d]);
+    let o = out.to_kind(wk).view([b, nkv, g, a, *block, d]);
+    let row = (&d_o * o).sum_dim_intlist(&[-1i64][..], true, wk);
+    let dv_blk = p.transpose(-1, -2).matmul(&d_o).sum_dim_intlist(&[2i64][..], false, wk);
+    let ds = &p * (d_o.matmul(&blocks.v.transpose(-1, -2)) - row) * *scale;
+    let dq_blk = ds.matmul(&blocks.k).view([b, nh, n, d]);
+    let dk_blk = ds.transpose(-1, -2).matmul(&blocks.q).sum_dim_intlist(&[2i64][..], false, wk);
+
+    let dq = (dq_ctx.to_kind(wk) + dq_blk).to_kind(q.kind());
+    let cat = |ctx: Tensor, blk: Tensor| Tensor::cat(&[sum_groups(ctx), blk.reshape([b, nkv, n, d])], 2).to_kind(k.kind());
+    (dq, cat(dk_ctx, dk_blk), cat(dv_ctx, dv_blk))
+}
+
+/// The block tokens' q / k / v in fp32, grouped [B, nkv, G, A, Bk, D] (k, v: G = 1).
+struct Blocks {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+}
+
+impl Blocks {
+    fn new(q: &Tensor, k: &Tensor, v: &Tensor, s: i64, block: i64) -> Self {
+        let (b, nh, n, d) = size4(q);
+        let nkv = k.size()[1];
+        let (g, a) = (nh / nkv, n / block);
+        let wk = work_kind(q);
+        let own = |t: &Tensor| t.narrow(2, s, n).to_kind(wk).reshape([b, nkv, 1, a, block, d]);
+        Self { q: q.to_kind(wk).reshape([b, nkv, g, a, block, d]), k: own(k), v: own(v) }
+    }
+
+    /// Scaled scores of each block's queries against its own keys [B, nkv, G, A, Bk, Bk].
+    fn scores(&self, scale: f64) -> Tensor {
+        self.q.matmul(&self.k.transpose(-1, -2)) * scale
+    }
+}
+
+/// fp32 for the block part and the merge (f64 when the inputs are, for the tests).
+fn work_kind(q: &Tensor) -> Kind {
+    if q.kind() == Kind::Double {
+        Kind::Double
+    } else {
+        Kind::Float
+    }
+}
+
+fn size4(t: &Tensor) -> (i64, i64, i64, i64) {
+    let s = t.size();
+    (s[0], s[1], s[2], s[3])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layers::{AttentionInputs, DenseShape};
+
+    /// Split attention equals masked SDPA over [context; blocks], forward and gradients, with GQA,
+    /// a block at anchor 0 (no context) and one at the last position.
+    #[test]
+    fn split_attention_equals_masked_sdpa() {
+        let (b, nh, nkv, d, s, block) = (2, 4, 2, 8, 11, 4);
+        let anchors = Tensor::from_slice(&[0i64, 3, 10, 5, 6, 9]).view([2, 3]);
+        let n = 3 * block;
+        let opts = (Kind::Double, Device::Cpu);
+        let q = Tensor::randn([b, nh, n, d], opts).set_requires_grad(true);
+        let k = Tensor::randn([b, nkv, s + n, d], opts).set_requires_grad(true);
+        let v = Tensor::randn([b, nkv, s + n, d], opts).set_requires_grad(true);
+        let shape = DenseShape {
+            hidden_size: 16,
+            intermediate_size: 16,
+            num_attention_heads: nh as usize,
+            num_key_value_heads: nkv as usize,
+            head_dim: d as usize,
+            rope_theta: 1e4,
+            rms_norm_eps: 1e-6,
+        };
+        let mask = AttentionInputs::new(&anchors, s, block, &shape, Kind::Double).mask;
+        let scale = 0.3;
+        let want = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), 0.0, false, Some(scale), true);
+        let d_out = Tensor::randn([b, nh, n, d], opts);
+        (&want * &d_out).sum(Kind::Double).backward();
+
+        let bias = context_bias(&anchors, s, block, Kind::Double);
+        let (got, saved) = tch::no_grad(|| forward(&q.detach(), &k.detach(), &v.detach(), &bias, block, scale));
+        let (dq, dk, dv) = tch::no_grad(|| backward(&saved, &d_out));
+        for (name, x, y) in [("out", &want, &got), ("dq", &q.grad(), &dq), ("dk", &k.grad(), &dk), ("dv", &v.grad(), &dv)] {
+            let err = (x - y).abs().max().double_value(&[]);
+            assert!(err < 1e-6, "{name}: max |diff| {err}");
+        }
+    }
+}
