@@ -146,6 +146,15 @@ enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// One layer's DFlash block attention, masked SDPA next to split attention: errors against
+    /// an fp32 masked-SDPA reference, then bf16 forward and forward + backward times.
+    Attention {
+        #[command(flatten)]
+        shape: dflash_host::bench::attention::Shape,
+        /// Also write the JSON report to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -254,6 +263,16 @@ fn run() -> Result<ExitCode> {
             let registry = Registry::new(&cli.plugins)?;
             let report = dflash_host::bench::train::train(&registry, &config)?;
             dflash_host::bench::train::print(&report);
+            let line = serde_json::to_string(&report)?;
+            println!("{line}");
+            if let Some(path) = json {
+                std::fs::write(&path, line + "\n").with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench { what: BenchCommand::Attention { shape, json } } => {
+            let report = dflash_host::bench::attention::attention(&shape)?;
+            dflash_host::bench::attention::print(&report);
             let line = serde_json::to_string(&report)?;
             println!("{line}");
             if let Some(path) = json {

@@ -1,7 +1,8 @@
-//! Benchmarks: `bench abi` (the plugin boundary's cost) and `bench train` (training throughput
-//! at real shapes; issue 8).
+//! Benchmarks: `bench abi` (the plugin boundary's cost), `bench train` (training throughput at
+//! real shapes; issue 8) and `bench attention` (one layer's block attention, checked and timed).
 
 pub mod abi;
+pub mod attention;
 pub mod flops;
 pub mod memory;
 pub mod train;

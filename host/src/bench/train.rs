@@ -131,7 +131,7 @@ fn section(kind: &'static str, table: &toml::Table) -> Result<PluginSection> {
     Ok(PluginSection { kind, plugin, config_toml: toml::to_string(&rest)? })
 }
 
-fn sync(device: Device) {
+pub(crate) fn sync(device: Device) {
     if let Device::Cuda(i) = device {
         tch::Cuda::synchronize(i as i64);
     }

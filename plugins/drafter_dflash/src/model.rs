@@ -4,10 +4,8 @@
 //! and itself. Weight names equal the z-lab checkpoint's. The layers are `drafter_layers`'.
 
 use crate::config::DFlashConfig;
-use drafter_layers::{
-    block_attention,
-    layers::{linear, Attention, AttentionInputs, Mlp, RmsNorm},
-};
+use drafter_layers::layers::{linear, Attention, AttentionInputs, Mlp, RmsNorm};
+use kernels::block_attention;
 use plugin_api::tch::{self as tch, nn, nn::Module, Device, Kind, Tensor};
 
 #[derive(Debug)]

@@ -7,7 +7,6 @@
 //! - `target_layer_ids`: DFLASH.md's choice of target layers.
 
 pub mod dflash;
-pub mod block_attention;
 pub mod layers;
 pub mod weights;
 

@@ -10,7 +10,7 @@
 //! block part by hand. libtorch's autograd does not see this op: a drafter using it cuts its
 //! graph at the attention output and calls [`backward`] itself (`Drafter::backward`).
 
-use plugin_api::tch::{Device, Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 /// What the backward needs. Tensors as in [`forward`].
 pub struct Saved {
@@ -64,10 +64,16 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, sc
         let (o, lse) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(q, &k_ctx, &v_ctx, 0.0, false, Some(bias), scale);
         (o, lse, None)
     } else {
-        let bias = bias.expand([b, nh, n, s], false);
-        let (o, lse, seed, offset) = Tensor::internal_scaled_dot_product_efficient_attention(q, &k_ctx, &v_ctx, Some(&bias), true, 0.0, false, scale);
+        let run = |bias: &Tensor| Tensor::f_internal_scaled_dot_product_efficient_attention(q, &k_ctx, &v_ctx, Some(bias), true, 0.0, false, scale);
+        let (o, lse, seed, offset) = with_bias_per_head(bias, [b, nh, n, s], run);
         (o, lse.narrow(2, 0, n), Some((seed, offset)))
     };
+
+    // A block at anchor 0 sees no context: what the kernels return for an all-masked row is not
+    // an empty softmax (on CUDA it is not even finite), so make that part weigh nothing.
+    let no_context = bias.select(3, 0).ne(0.0); // key 0 is visible iff the anchor is past it
+    let lse_ctx = lse_ctx.masked_fill(&no_context, -1e30);
+    let o_ctx = o_ctx.masked_fill(&no_context.unsqueeze(-1), 0.0);
 
     // 2. Block part, and the merge: softmax over both key sets from the two log-sum-exps.
     let blocks = Blocks::new(q, k, v, s, block);
@@ -111,11 +117,19 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
         Some((seed, offset)) => {
             // The kernel's own layout, [B, M, heads, D], as libtorch's SDPA backward passes it.
             let t = |x: &Tensor| x.transpose(1, 2);
-            let bias = bias.expand([b, nh, n, s], false);
-            let (dq, dk, dv, _) = Tensor::internal_efficient_attention_backward(
-                &t(&d_out), &t(q), &t(k_ctx), &t(v_ctx), Some(&bias), &t(&out.contiguous()), None::<&Tensor>, None,
-                n, s, &lse.contiguous(), 0.0, seed, offset, 0, false, *scale, None, None, false,
-            );
+            // The kernel keeps log-sum-exps padded to 32 queries.
+            let lse_padded = Tensor::zeros([b, nh, (n + 31) / 32 * 32], (Kind::Float, q.device()));
+            lse_padded.narrow(2, 0, n).copy_(lse);
+            // dO and O contiguous in that layout: with other strides the kernel's D = rowsum(dO * O)
+            // comes out wrong (measured on the H200, scripts/probe_efficient_attention.py).
+            let (d_out_t, out_t) = (t(&d_out).contiguous(), t(out).contiguous());
+            let run = |bias: &Tensor| {
+                Tensor::f_internal_efficient_attention_backward(
+                    &d_out_t, &t(q), &t(k_ctx), &t(v_ctx), Some(bias), &out_t, None::<&Tensor>, None,
+                    n, s, &lse_padded, 0.0, seed, offset, 0, false, *scale, None, None, false,
+                )
+            };
+            let (dq, dk, dv, _) = with_bias_per_head(bias, [b, nh, n, s], run);
             (t(&dq), t(&dk), t(&dv))
         }
     };
@@ -161,6 +175,19 @@ impl Blocks {
     }
 }
 
+/// Run a CUDA kernel call with the bias broadcast over heads (no copy); if the kernel refuses
+/// the broadcast strides, with a materialised copy instead.
+fn with_bias_per_head<T>(bias: &Tensor, size: [i64; 4], run: impl Fn(&Tensor) -> Result<T, tch::TchError>) -> T {
+    run(&bias.expand(size, false)).unwrap_or_else(|e| {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| eprintln!("block attention: the kernel refused a broadcast bias ({e}); copying it per head"));
+        let padded = Tensor::zeros([size[0], size[1], size[2], (size[3] + 15) / 16 * 16], (bias.kind(), bias.device()));
+        let mut copy = padded.narrow(3, 0, size[3]);
+        copy.copy_(&bias.expand(size, false));
+        run(&copy).expect("block attention kernel")
+    })
+}
+
 /// fp32 for the block part and the merge (f64 when the inputs are, for the tests).
 fn work_kind(q: &Tensor) -> Kind {
     if q.kind() == Kind::Double {
@@ -168,6 +195,18 @@ fn work_kind(q: &Tensor) -> Kind {
     } else {
         Kind::Float
     }
+}
+
+/// The mask masked SDPA takes over [context; all blocks] [B, 1, N, S+N]: context keys before
+/// the query's anchor, and the query's own block (the reference this module is checked against).
+pub fn masked_sdpa_mask(anchors: &Tensor, s: i64, block: i64) -> Tensor {
+    let (b, a) = (anchors.size()[0], anchors.size()[1]);
+    let (n, device) = (a * block, anchors.device());
+    let anchor_of_query = anchors.repeat_interleave_self_int(block, Some(1), None::<i64>);
+    let ctx_visible = Tensor::arange(s, (Kind::Int64, device)).view([1, 1, s]).lt_tensor(&anchor_of_query.unsqueeze(-1));
+    let block_id = Tensor::arange(n, (Kind::Int64, device)).divide_scalar_mode(block, "floor");
+    let same_block = block_id.unsqueeze(1).eq_tensor(&block_id.unsqueeze(0)).unsqueeze(0).expand([b, n, n], false);
+    Tensor::cat(&[ctx_visible, same_block], 2).unsqueeze(1)
 }
 
 fn size4(t: &Tensor) -> (i64, i64, i64, i64) {
@@ -178,7 +217,6 @@ fn size4(t: &Tensor) -> (i64, i64, i64, i64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layers::{AttentionInputs, DenseShape};
 
     /// Split attention equals masked SDPA over [context; blocks], forward and gradients, with GQA,
     /// a block at anchor 0 (no context) and one at the last position.
@@ -191,16 +229,7 @@ mod tests {
         let q = Tensor::randn([b, nh, n, d], opts).set_requires_grad(true);
         let k = Tensor::randn([b, nkv, s + n, d], opts).set_requires_grad(true);
         let v = Tensor::randn([b, nkv, s + n, d], opts).set_requires_grad(true);
-        let shape = DenseShape {
-            hidden_size: 16,
-            intermediate_size: 16,
-            num_attention_heads: nh as usize,
-            num_key_value_heads: nkv as usize,
-            head_dim: d as usize,
-            rope_theta: 1e4,
-            rms_norm_eps: 1e-6,
-        };
-        let mask = AttentionInputs::new(&anchors, s, block, &shape, Kind::Double).mask;
+        let mask = masked_sdpa_mask(&anchors, s, block);
         let scale = 0.3;
         let want = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), 0.0, false, Some(scale), true);
         let d_out = Tensor::randn([b, nh, n, d], opts);

@@ -1,0 +1,199 @@
+//! `bench attention`: one layer's DFlash block attention at real shapes, masked SDPA (what the
+//! drafter runs by default) next to split attention (`kernels::block_attention`): first checked
+//! against an fp32 masked-SDPA reference (forward and the three gradients), then timed in bf16,
+//! forward and forward + backward, in the same process.
+
+use anyhow::Result;
+use kernels::block_attention;
+use serde::Serialize;
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Shape {
+    #[arg(long, default_value_t = 4)]
+    pub batch: i64,
+    #[arg(long, default_value_t = 32)]
+    pub heads: i64,
+    #[arg(long, default_value_t = 8)]
+    pub kv_heads: i64,
+    #[arg(long, default_value_t = 128)]
+    pub head_dim: i64,
+    /// Context tokens a sequence.
+    #[arg(long, default_value_t = 3072)]
+    pub context: i64,
+    #[arg(long, default_value_t = 512)]
+    pub anchors: i64,
+    #[arg(long, default_value_t = 16)]
+    pub block: i64,
+    /// Timed repetitions (after two warm-up runs).
+    #[arg(long, default_value_t = 10)]
+    pub iters: usize,
+    /// `cuda:N` (default cuda:0) or `cpu` (small shapes only).
+    #[arg(long, default_value = "cuda:0")]
+    pub device: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub shape: String,
+    /// Max |x - ref| / max |ref| against the fp32 masked-SDPA reference, for out, dq, dk, dv
+    /// (on the first sequence).
+    pub error_split_f32: [f64; 4],
+    pub error_split_bf16: [f64; 4],
+    pub error_masked_bf16: [f64; 4],
+    /// Milliseconds, bf16.
+    pub masked_fwd_ms: f64,
+    pub masked_fwd_bwd_ms: f64,
+    pub split_fwd_ms: f64,
+    pub split_fwd_bwd_ms: f64,
+    /// Forward + backward FLOPs of the keys each query needs (context before its anchor + its
+    /// block), and the useful TFLOP/s of each.
+    pub useful_tflop: f64,
+    pub masked_tflops: f64,
+    pub split_tflops: f64,
+}
+
+struct Problem {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    anchors: Tensor,
+    d_out: Tensor,
+    scale: f64,
+}
+
+impl Problem {
+    fn new(sh: &Shape, device: Device) -> Self {
+        tch::manual_seed(0);
+        let n = sh.anchors * sh.block;
+        let opts = (Kind::Float, device);
+        // Anchors spread over the sequence (sorted, distinct), one at 0 (no context).
+        let anchors = Tensor::randperm(sh.context - 1, (Kind::Int64, device))
+            .narrow(0, 0, sh.anchors)
+            .sort(0, false)
+            .0
+            .unsqueeze(0)
+            .repeat([sh.batch, 1]);
+        let _ = anchors.get(0).get(0).fill_(0);
+        Self {
+            q: Tensor::randn([sh.batch, sh.heads, n, sh.head_dim], opts),
+            k: Tensor::randn([sh.batch, sh.kv_heads, sh.context + n, sh.head_dim], opts),
+            v: Tensor::randn([sh.batch, sh.kv_heads, sh.context + n, sh.head_dim], opts),
+            anchors,
+            d_out: Tensor::randn([sh.batch, sh.heads, n, sh.head_dim], opts),
+            scale: (sh.head_dim as f64).powf(-0.5),
+        }
+    }
+
+    fn inputs(&self, kind: Kind, grad: bool) -> (Tensor, Tensor, Tensor) {
+        let f = |t: &Tensor| t.to_kind(kind).detach().set_requires_grad(grad);
+        (f(&self.q), f(&self.k), f(&self.v))
+    }
+
+    /// Masked SDPA through autograd, as the drafter calls it: (out, dq, dk, dv).
+    fn masked(&self, sh: &Shape, kind: Kind, backward: bool) -> Vec<Tensor> {
+        let (q, k, v) = self.inputs(kind, backward);
+        let mask = block_attention::masked_sdpa_mask(&self.anchors, sh.context, sh.block);
+        let out = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), 0.0, false, Some(self.scale), true);
+        if !backward {
+            return vec![out];
+        }
+        (&out * self.d_out.to_kind(kind)).sum(Kind::Float).backward();
+        vec![out, q.grad(), k.grad(), v.grad()]
+    }
+
+    fn split(&self, sh: &Shape, kind: Kind, backward: bool) -> Vec<Tensor> {
+        tch::no_grad(|| {
+            let (q, k, v) = self.inputs(kind, false);
+            let bias = block_attention::context_bias(&self.anchors, sh.context, sh.block, kind);
+            let (out, saved) = block_attention::forward(&q, &k, &v, &bias, sh.block, self.scale);
+            if !backward {
+                return vec![out];
+            }
+            let (dq, dk, dv) = block_attention::backward(&saved, &self.d_out.to_kind(kind));
+            vec![out, dq, dk, dv]
+        })
+    }
+}
+
+fn errors(got: &[Tensor], want: &[Tensor]) -> [f64; 4] {
+    let mut e = [0.0; 4];
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let w = w.to_kind(Kind::Float);
+        e[i] = (g.to_kind(Kind::Float) - &w).abs().max().double_value(&[]) / w.abs().max().double_value(&[]);
+    }
+    e
+}
+
+fn time(device: Device, iters: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..2 {
+        f();
+    }
+    super::train::sync(device);
+    let t = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    super::train::sync(device);
+    t.elapsed().as_secs_f64() * 1e3 / iters as f64
+}
+
+pub fn attention(sh: &Shape) -> Result<Report> {
+    let device = crate::config::parse_device(&sh.device)?;
+    if device != Device::Cpu && !crate::run::enable_cuda() {
+        anyhow::bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", sh.device);
+    }
+    // Checked on one sequence: the fp32 reference's mask alone is 12 GB a sequence.
+    let low = if device == Device::Cpu { Kind::Float } else { Kind::BFloat16 };
+    let one = Shape { batch: 1, ..sh.clone() };
+    let (error_split_f32, error_split_bf16, error_masked_bf16) = {
+        let p = Problem::new(&one, device);
+        let reference = p.masked(&one, Kind::Float, true);
+        (
+            errors(&p.split(&one, Kind::Float, true), &reference),
+            errors(&p.split(&one, low, true), &reference),
+            errors(&p.masked(&one, low, true), &reference),
+        )
+    };
+    let p = Problem::new(sh, device);
+
+    let it = sh.iters;
+    let masked_fwd_ms = time(device, it, || drop(tch::no_grad(|| p.masked(sh, low, false))));
+    let masked_fwd_bwd_ms = time(device, it, || drop(p.masked(sh, low, true)));
+    let split_fwd_ms = time(device, it, || drop(p.split(sh, low, false)));
+    let split_fwd_bwd_ms = time(device, it, || drop(p.split(sh, low, true)));
+
+    // Keys a query needs: its anchor's context + its block; 4 FLOPs per (query, key, dim) forward
+    // (QK^T and PV), 2.5x that for forward + backward.
+    let visible = f64::try_from(p.anchors.to_kind(Kind::Double).sum(Kind::Double))? * sh.block as f64
+        + (sh.batch * sh.anchors * sh.block * sh.block) as f64;
+    let useful_tflop = 4.0 * 3.5 * visible * (sh.heads * sh.head_dim) as f64 / 1e12;
+    Ok(Report {
+        shape: format!(
+            "batch {} heads {}/{} dim {} context {} anchors {} block {} ({:?})",
+            sh.batch, sh.heads, sh.kv_heads, sh.head_dim, sh.context, sh.anchors, sh.block, low
+        ),
+        error_split_f32,
+        error_split_bf16,
+        error_masked_bf16,
+        masked_fwd_ms,
+        masked_fwd_bwd_ms,
+        split_fwd_ms,
+        split_fwd_bwd_ms,
+        useful_tflop,
+        masked_tflops: useful_tflop / masked_fwd_bwd_ms * 1e3,
+        split_tflops: useful_tflop / split_fwd_bwd_ms * 1e3,
+    })
+}
+
+pub fn print(r: &Report) {
+    println!("block attention, one layer: {}", r.shape);
+    let e = |x: &[f64; 4]| format!("out {:.1e}  dq {:.1e}  dk {:.1e}  dv {:.1e}", x[0], x[1], x[2], x[3]);
+    println!("  error vs fp32 masked SDPA: split fp32 {}", e(&r.error_split_f32));
+    println!("                             split low  {}", e(&r.error_split_bf16));
+    println!("                             masked low {}", e(&r.error_masked_bf16));
+    println!("  masked SDPA: forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.masked_fwd_ms, r.masked_fwd_bwd_ms, r.masked_tflops);
+    println!("  split:       forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.split_fwd_ms, r.split_fwd_bwd_ms, r.split_tflops);
+    println!("  split vs masked: forward {:.2}x, forward + backward {:.2}x", r.masked_fwd_ms / r.split_fwd_ms, r.masked_fwd_bwd_ms / r.split_fwd_bwd_ms);
+}
