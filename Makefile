@@ -21,7 +21,7 @@ run: build
 	./target/release/dflash-host train --config $(CONFIG)
 
 test: build
-	$(CARGO) test --release --workspace
+	$(CARGO) test --release --workspace --no-fail-fast
 
 # The full kill -9 test (20 kills; `make test` runs 5).
 crash-test: build

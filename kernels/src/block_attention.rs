@@ -24,8 +24,8 @@ pub struct Saved {
     /// The merged output (q's dtype) and log-sum-exp [B, nh, N] (fp32).
     out: Tensor,
     lse: Tensor,
-    /// The CUDA kernel's dropout RNG state (unused: no dropout), passed back as it expects.
-    philox: Option<(Tensor, Tensor)>,
+    /// Which fused kernel ran the context part, with what its backward wants back.
+    backend: Backend,
     block: i64,
     scale: f64,
 }
@@ -60,13 +60,29 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, sc
     let (k_ctx, v_ctx) = (repeat(k), repeat(v));
 
     // 1. Context part: the fused kernel's output and log-sum-exp.
-    let (o_ctx, lse_ctx, philox) = if q.device() == Device::Cpu {
+    let (o_ctx, lse_ctx, backend) = if q.device() == Device::Cpu {
         let (o, lse) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(q, &k_ctx, &v_ctx, 0.0, false, Some(bias), scale);
-        (o, lse, None)
+        (o, lse, Backend::CpuFlash)
     } else {
-        let run = |bias: &Tensor| Tensor::f_internal_scaled_dot_product_efficient_attention(q, &k_ctx, &v_ctx, Some(bias), true, 0.0, false, scale);
-        let (o, lse, seed, offset) = with_bias_per_head(bias, [b, nh, n, s], run);
-        (o, lse.narrow(2, 0, n), Some((seed, offset)))
+        let per_head = bias.expand([b, nh, n, s], false);
+        // cuDNN attention is for 16-bit inputs (it returns NaN for fp32 rather than an error).
+        let cudnn = if matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
+            cudnn::forward(q, &k_ctx, &v_ctx, &per_head, scale)
+        } else {
+            Err(format!("{:?} inputs", q.kind()))
+        };
+        match cudnn {
+            Ok(f) => (f.out, f.lse.view([b, nh, n]), Backend::Cudnn { cum_q: f.cum_q, cum_k: f.cum_k, max_q: f.max_q, max_k: f.max_k, seed: f.seed, offset: f.offset }),
+            Err(e) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                if matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
+                    WARNED.call_once(|| eprintln!("block attention: cuDNN attention unavailable ({e}); using the memory-efficient kernel"));
+                }
+                let run = |bias: &Tensor| Tensor::f_internal_scaled_dot_product_efficient_attention(q, &k_ctx, &v_ctx, Some(bias), true, 0.0, false, scale);
+                let (o, lse, seed, offset) = with_bias_per_head(bias, [b, nh, n, s], run);
+                (o, lse.narrow(2, 0, n), Backend::Efficient { seed, offset })
+            }
+        }
     };
 
     // A block at anchor 0 sees no context: what the kernels return for an all-masked row is not
@@ -93,7 +109,7 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, sc
         bias: bias.shallow_clone(),
         out: out.shallow_clone(),
         lse,
-        philox,
+        backend,
         block,
         scale,
     };
@@ -102,7 +118,7 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, sc
 
 /// The gradients (dq, dk, dv) of the loss from `d_out` = dLoss/d(output).
 pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
-    let Saved { q, k, v, k_ctx, v_ctx, bias, out, lse, philox, block, scale } = saved;
+    let Saved { q, k, v, k_ctx, v_ctx, bias, out, lse, backend, block, scale } = saved;
     let (b, nh, n, d) = size4(q);
     let (nkv, s) = (k.size()[1], k.size()[2] - n);
     let (g, a) = (nh / nkv, n / block);
@@ -110,11 +126,21 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     let d_out = d_out.to_kind(q.kind()).contiguous();
 
     // 1. Context part: the fused backward with the merged output and log-sum-exp.
-    let (dq_ctx, dk_ctx, dv_ctx) = match philox {
-        None => Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
+    let (dq_ctx, dk_ctx, dv_ctx) = match backend {
+        Backend::CpuFlash => Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
             &d_out, q, k_ctx, v_ctx, out, lse, 0.0, false, Some(bias), *scale,
         ),
-        Some((seed, offset)) => {
+        Backend::Cudnn { cum_q, cum_k, max_q, max_k, seed, offset } => {
+            // dO and O contiguous [B, nh, N, D], as cuDNN returned O: with other strides its
+            // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200).
+            let (d_out, out) = (d_out.contiguous(), out.contiguous());
+            let lse = lse.view([b, nh, n, 1]).contiguous();
+            let per_head = bias.expand([b, nh, n, s], false);
+            Tensor::internal_scaled_dot_product_cudnn_attention_backward(
+                &d_out, q, k_ctx, v_ctx, &out, &lse, seed, offset, &per_head, cum_q, cum_k, *max_q, *max_k, 0.0, false, *scale,
+            )
+        }
+        Backend::Efficient { seed, offset } => {
             // The kernel's own layout, [B, M, heads, D], as libtorch's SDPA backward passes it.
             let t = |x: &Tensor| x.transpose(1, 2);
             // The kernel keeps log-sum-exps padded to 32 queries.
@@ -172,6 +198,66 @@ impl Blocks {
     /// Scaled scores of each block's queries against its own keys [B, nkv, G, A, Bk, Bk].
     fn scores(&self, scale: f64) -> Tensor {
         self.q.matmul(&self.k.transpose(-1, -2)) * scale
+    }
+}
+
+/// The fused kernel behind the context part.
+enum Backend {
+    CpuFlash,
+    Cudnn { cum_q: Tensor, cum_k: Tensor, max_q: i64, max_k: i64, seed: Tensor, offset: Tensor },
+    /// The memory-efficient kernel (when cuDNN attention is not available), with its dropout RNG
+    /// state (unused: no dropout) passed back as it expects.
+    Efficient { seed: Tensor, offset: Tensor },
+}
+
+/// libtorch's cuDNN attention forward through csrc/cudnn_attention.cpp: tch binds its backward
+/// but not the forward that returns the log-sum-exp.
+mod cudnn {
+    use std::ffi::{c_char, c_int, c_void, CStr};
+    use tch::Tensor;
+
+    extern "C" {
+        fn dflash_cudnn_attention_forward(
+            q: *const c_void, k: *const c_void, v: *const c_void, bias: *const c_void, scale: f64,
+            out: *mut *mut c_void, lse: *mut *mut c_void, cum_q: *mut *mut c_void, cum_k: *mut *mut c_void,
+            max_q: *mut i64, max_k: *mut i64, seed: *mut *mut c_void, offset: *mut *mut c_void,
+            err: *mut c_char, err_len: usize,
+        ) -> c_int;
+    }
+
+    pub struct Forward {
+        pub out: Tensor,
+        /// [B, nh, N, 1], natural log.
+        pub lse: Tensor,
+        pub cum_q: Tensor,
+        pub cum_k: Tensor,
+        pub max_q: i64,
+        pub max_k: i64,
+        pub seed: Tensor,
+        pub offset: Tensor,
+    }
+
+    pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Forward, String> {
+        let mut p = [std::ptr::null_mut::<c_void>(); 6];
+        let (mut max_q, mut max_k) = (0i64, 0i64);
+        let mut err = [0 as c_char; 1024];
+        let [out, lse, cum_q, cum_k, seed, offset] = &mut p;
+        // SAFETY: tch handles are at::Tensor*; the shim only reads the inputs and, on success,
+        // returns six new at::Tensor* that the Tensors below take ownership of.
+        let rc = unsafe {
+            dflash_cudnn_attention_forward(
+                q.as_ptr() as _, k.as_ptr() as _, v.as_ptr() as _, bias.as_ptr() as _, scale,
+                out, lse, cum_q, cum_k, &mut max_q, &mut max_k, seed, offset, err.as_mut_ptr(), err.len(),
+            )
+        };
+        if rc != 0 {
+            // SAFETY: the shim wrote a NUL-terminated message into `err`.
+            let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy();
+            return Err(msg.lines().next().unwrap_or("").to_string());
+        }
+        // SAFETY: see above.
+        let t = |x: *mut c_void| unsafe { Tensor::from_ptr(x as _) };
+        Ok(Forward { out: t(p[0]), lse: t(p[1]), cum_q: t(p[2]), cum_k: t(p[3]), max_q, max_k, seed: t(p[4]), offset: t(p[5]) })
     }
 }
 

@@ -49,9 +49,9 @@ pub struct DrafterSection {
     /// memory of one layer instead of all, for one more forward pass of the layers.
     #[serde(default)]
     pub checkpoint_layers: bool,
-    /// Block attention in training: "masked" (one SDPA over [context; all blocks] with a mask)
-    /// or "split" (the context through libtorch's fused kernel with a staircase bias, each
-    /// block's own keys apart, merged exactly: S + Bk keys a query instead of S + A*Bk).
+    /// Block attention in training: "split" (default: the context through libtorch's fused
+    /// kernel with a staircase bias, each block's own keys apart, merged exactly; S + Bk keys a
+    /// query) or "masked" (one SDPA over [context; all blocks] with a mask; S + A*Bk keys).
     #[serde(default)]
     pub attention: AttentionKind,
 }
@@ -60,8 +60,8 @@ pub struct DrafterSection {
 #[serde(rename_all = "lowercase")]
 pub enum AttentionKind {
     #[default]
-    Masked,
     Split,
+    Masked,
 }
 
 fn default_layers() -> usize {

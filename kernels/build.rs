@@ -1,0 +1,19 @@
+//! Compile the small C++ shim (csrc/) against libtorch's headers ($LIBTORCH, as torch-sys does).
+
+fn main() {
+    println!("cargo:rerun-if-changed=csrc/cudnn_attention.cpp");
+    println!("cargo:rerun-if-env-changed=LIBTORCH");
+    let libtorch = std::path::PathBuf::from(std::env::var("LIBTORCH").expect("LIBTORCH (the libtorch folder, as for torch-sys)"));
+    cc::Build::new()
+        .cpp(true)
+        .file("csrc/cudnn_attention.cpp")
+        .include(libtorch.join("include"))
+        .include(libtorch.join("include/torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+        .flag("-DGLOG_USE_GLOG_EXPORT")
+        .warnings(false)
+        .compile("dflash_cudnn_attention");
+    println!("cargo:rustc-link-lib=dylib=torch_cpu");
+    println!("cargo:rustc-link-lib=dylib=c10");
+}
