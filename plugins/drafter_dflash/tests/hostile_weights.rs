@@ -1,38 +1,19 @@
 //! Hostile drafter weights: a missing, misshapen or unexpected tensor is named (with both shapes),
 //! and a truncated z-lab folder names the file at fault.
 
+mod common;
+
 use drafter_dflash::{config::DFlashConfig, read_zlab, DFlashPlugin, DrafterSection};
 use plugin_api::{
-    abi_stable::std_types::{RNone, RString, RVec},
+    abi_stable::std_types::RVec,
     tch::{Device, Kind, Tensor},
-    Drafter, NamedTensor, TargetSpec,
+    Drafter, NamedTensor,
 };
-
-fn tiny_target() -> TargetSpec {
-    TargetSpec {
-        architecture: RString::from("llama"),
-        num_hidden_layers: 4,
-        hidden_size: 16,
-        vocab_size: 32,
-        num_attention_heads: 2,
-        num_key_value_heads: 1,
-        head_dim: 8,
-        intermediate_size: 24,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-6,
-        bos_token_id: RNone,
-        eos_token_id: 1,
-        pad_token_id: RNone,
-        chat_template: RString::new(),
-        source: RString::from("test"),
-        source_sha256: RString::new(),
-    }
-}
 
 fn tiny_config() -> DFlashConfig {
     let section: DrafterSection =
         plugin_api::parse_section("num_hidden_layers = 1\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 0").unwrap();
-    section.resolve(&tiny_target()).unwrap()
+    section.resolve(&common::tiny_target()).unwrap()
 }
 
 /// The drafter's own weights, as a checkpoint holds them.
@@ -78,18 +59,18 @@ fn a_truncated_zlab_drafter_names_the_file() {
     std::fs::write(dir.path().join("config.json"), d.config_json().as_str()).unwrap();
     let st = dir.path().join("model.safetensors");
     Tensor::write_safetensors(&weights(&d), &st).unwrap();
-    let (cfg, w) = read_zlab(dir.path(), &tiny_target()).unwrap();
+    let (cfg, w) = read_zlab(dir.path(), &common::tiny_target()).unwrap();
     assert_eq!((cfg, w.len()), (tiny_config(), weights(&d).len()));
 
     // Cut in the data, in the JSON header, inside the header's length.
     let bytes = std::fs::read(&st).unwrap();
     for cut in [bytes.len() / 2, 20, 5] {
         std::fs::write(&st, &bytes[..cut]).unwrap();
-        let err = read_zlab(dir.path(), &tiny_target()).err().expect("a truncated file read").to_string();
+        let err = read_zlab(dir.path(), &common::tiny_target()).err().expect("a truncated file read").to_string();
         assert!(err.starts_with(&format!("{}: ", st.display())), "cut at {cut}: {err}");
     }
 
     std::fs::write(dir.path().join("config.json"), "{\"hidden_size\": 16,").unwrap();
-    let err = read_zlab(dir.path(), &tiny_target()).err().expect("a truncated config read").to_string();
+    let err = read_zlab(dir.path(), &common::tiny_target()).err().expect("a truncated config read").to_string();
     assert!(err.starts_with(&format!("{}: ", dir.path().join("config.json").display())), "{err}");
 }

@@ -2,33 +2,14 @@
 //! forward returns a leaf and the backward gives the gradients plain autograd gives through
 //! masked SDPA.
 
+mod common;
+
 use drafter_dflash::{model::TrainMode, DFlashPlugin, DrafterSection};
 use plugin_api::{
-    abi_stable::std_types::{RNone, RString},
     tch::{self, Device, Kind, Tensor},
-    DraftInput, Drafter, TargetSpec, TensorHandle,
+    DraftInput, Drafter, TensorHandle,
 };
 
-fn target() -> TargetSpec {
-    TargetSpec {
-        architecture: RString::from("llama"),
-        num_hidden_layers: 4,
-        hidden_size: 16,
-        vocab_size: 32,
-        num_attention_heads: 2,
-        num_key_value_heads: 1,
-        head_dim: 8,
-        intermediate_size: 24,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-6,
-        bos_token_id: RNone,
-        eos_token_id: 1,
-        pad_token_id: RNone,
-        chat_template: RString::new(),
-        source: RString::from("test"),
-        source_sha256: RString::new(),
-    }
-}
 
 /// Tests seed torch's one global generator: one at a time.
 static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -37,7 +18,7 @@ fn drafter(mode: TrainMode) -> DFlashPlugin {
     let section: DrafterSection =
         plugin_api::parse_section("num_hidden_layers = 3\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 0").unwrap();
     tch::manual_seed(7);
-    DFlashPlugin::new(&section.resolve(&target()).unwrap(), Device::Cpu, Kind::Float).with_mode(mode)
+    DFlashPlugin::new(&section.resolve(&common::tiny_target()).unwrap(), Device::Cpu, Kind::Float).with_mode(mode)
 }
 
 fn input() -> DraftInput {
