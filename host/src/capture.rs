@@ -87,7 +87,7 @@ pub fn capture(cfg: &crate::config::RunConfig, mut c: Components, out: &Path, ca
         }
         let mut b = next_batch(data, &names_p)?;
         b.index = produced;
-        b.cache_ticket = Some(cache_p.plan(produced, &b.sequence_ids, &b.lengths));
+        b.cache_ticket = Some(cache_p.plan(&b.sequence_ids, &b.lengths));
         produced += 1;
         Ok(Some(Job { bytes: b.input_ids.numel() * per_token, payload: b }))
     };

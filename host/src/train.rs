@@ -147,7 +147,7 @@ pub struct HostBatch {
     pub position: DataPosition,
     /// The micro-batch's number in data order (set by the producer).
     pub index: u64,
-    /// Whether its features come from the hidden-state cache (set by the producer).
+    /// Its plan with the hidden-state cache (set by the producer).
     pub cache_ticket: Option<CacheTicket>,
 }
 
@@ -671,7 +671,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         };
         b.index = index;
         if capture_ref.is_none() {
-            b.cache_ticket = Some(cache_p.plan(index, &b.sequence_ids, &b.lengths));
+            b.cache_ticket = Some(cache_p.plan(&b.sequence_ids, &b.lengths));
         }
         produced += 1;
         let bytes = b.input_ids.numel() * feature_bytes_per_token;
