@@ -1,6 +1,7 @@
 //! DFlash block attention with its own backward, split in two exact parts:
-//! - the context keys, through libtorch's fused attention (the memory-efficient kernel on CUDA,
-//!   flash on the CPU) with a staircase bias: a block's queries see the keys before its anchor;
+//! - the context keys, through libtorch's fused attention (cuDNN on CUDA in 16-bit, the
+//!   memory-efficient kernel in fp32, flash on the CPU) with a staircase bias: a block's queries
+//!   see the keys before its anchor;
 //! - each block's own keys, as small batched matmuls in fp32.
 //!
 //! The two softmaxes are merged exactly through their log-sum-exps. Masked SDPA over
@@ -36,17 +37,20 @@ pub struct Saved {
 /// is allocated padded to 16 elements, the CUDA kernel's alignment.
 pub fn context_bias(anchors: &Tensor, s: i64, block: i64, kind: Kind) -> Tensor {
     let (b, a) = (anchors.size()[0], anchors.size()[1]);
-    let device = anchors.device();
-    let anchor_of_query = anchors.repeat_interleave_self_int(block, Some(1), None::<i64>); // [B, N]
-    let visible = Tensor::arange(s, (Kind::Int64, device)).view([1, 1, s]).lt_tensor(&anchor_of_query.unsqueeze(-1));
     let padded = (s + 15) / 16 * 16;
     let min = match kind {
         Kind::BFloat16 => -3.3895313892515355e38,
         Kind::Half => -65504.0,
         _ => f32::MIN as f64,
     };
-    let bias = Tensor::full([b, 1, a * block, padded], min, (kind, device)).narrow(3, 0, s);
-    bias.masked_fill(&visible.unsqueeze(1), 0.0)
+    let bias = Tensor::full([b, 1, a * block, padded], min, (kind, anchors.device())).narrow(3, 0, s);
+    bias.masked_fill(&context_visible(anchors, s, block).unsqueeze(1), 0.0)
+}
+
+/// [B, N, S] bool: query n (block n / `block`) sees context key j iff j < its anchor.
+pub fn context_visible(anchors: &Tensor, s: i64, block: i64) -> Tensor {
+    let anchor_of_query = anchors.repeat_interleave_self_int(block, Some(1), None::<i64>); // [B, N]
+    Tensor::arange(s, (Kind::Int64, anchors.device())).view([1, 1, s]).lt_tensor(&anchor_of_query.unsqueeze(-1))
 }
 
 /// q [B, nh, N, D] (N = A blocks of `block`), k/v [B, nkv, S+N, D] ([context; blocks]), `bias`
@@ -72,14 +76,14 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, sc
             Err(format!("{:?} inputs", q.kind()))
         };
         match cudnn {
-            Ok(f) => (f.out, f.lse.view([b, nh, n]), Backend::Cudnn { cum_q: f.cum_q, cum_k: f.cum_k, max_q: f.max_q, max_k: f.max_k, seed: f.seed, offset: f.offset }),
+            Ok((o, lse, backend)) => (o, lse.view([b, nh, n]), backend),
             Err(e) => {
                 static WARNED: std::sync::Once = std::sync::Once::new();
                 if matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
                     WARNED.call_once(|| eprintln!("block attention: cuDNN attention unavailable ({e}); using the memory-efficient kernel"));
                 }
-                let run = |bias: &Tensor| Tensor::f_internal_scaled_dot_product_efficient_attention(q, &k_ctx, &v_ctx, Some(bias), true, 0.0, false, scale);
-                let (o, lse, seed, offset) = with_bias_per_head(bias, [b, nh, n, s], run);
+                let (o, lse, seed, offset) =
+                    Tensor::internal_scaled_dot_product_efficient_attention(q, &k_ctx, &v_ctx, Some(&per_head), true, 0.0, false, scale);
                 (o, lse.narrow(2, 0, n), Backend::Efficient { seed, offset })
             }
         }
@@ -149,13 +153,11 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
             // dO and O contiguous in that layout: with other strides the kernel's D = rowsum(dO * O)
             // comes out wrong (measured on the H200, scripts/probe_efficient_attention.py).
             let (d_out_t, out_t) = (t(&d_out).contiguous(), t(out).contiguous());
-            let run = |bias: &Tensor| {
-                Tensor::f_internal_efficient_attention_backward(
-                    &d_out_t, &t(q), &t(k_ctx), &t(v_ctx), Some(bias), &out_t, None::<&Tensor>, None,
-                    n, s, &lse_padded, 0.0, seed, offset, 0, false, *scale, None, None, false,
-                )
-            };
-            let (dq, dk, dv, _) = with_bias_per_head(bias, [b, nh, n, s], run);
+            let per_head = bias.expand([b, nh, n, s], false);
+            let (dq, dk, dv, _) = Tensor::internal_efficient_attention_backward(
+                &d_out_t, &t(q), &t(k_ctx), &t(v_ctx), Some(&per_head), &out_t, None::<&Tensor>, None,
+                n, s, &lse_padded, 0.0, seed, offset, 0, false, *scale, None, None, false,
+            );
             (t(&dq), t(&dk), t(&dv))
         }
     };
@@ -225,19 +227,8 @@ mod cudnn {
         ) -> c_int;
     }
 
-    pub struct Forward {
-        pub out: Tensor,
-        /// [B, nh, N, 1], natural log.
-        pub lse: Tensor,
-        pub cum_q: Tensor,
-        pub cum_k: Tensor,
-        pub max_q: i64,
-        pub max_k: i64,
-        pub seed: Tensor,
-        pub offset: Tensor,
-    }
-
-    pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<Forward, String> {
+    /// The output, the log-sum-exp [B, nh, N, 1] (natural log) and what the backward wants back.
+    pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<(Tensor, Tensor, super::Backend), String> {
         let mut p = [std::ptr::null_mut::<c_void>(); 6];
         let (mut max_q, mut max_k) = (0i64, 0i64);
         let mut err = [0 as c_char; 1024];
@@ -257,21 +248,9 @@ mod cudnn {
         }
         // SAFETY: see above.
         let t = |x: *mut c_void| unsafe { Tensor::from_ptr(x as _) };
-        Ok(Forward { out: t(p[0]), lse: t(p[1]), cum_q: t(p[2]), cum_k: t(p[3]), max_q, max_k, seed: t(p[4]), offset: t(p[5]) })
+        let backend = super::Backend::Cudnn { cum_q: t(p[2]), cum_k: t(p[3]), max_q, max_k, seed: t(p[4]), offset: t(p[5]) };
+        Ok((t(p[0]), t(p[1]), backend))
     }
-}
-
-/// Run a CUDA kernel call with the bias broadcast over heads (no copy); if the kernel refuses
-/// the broadcast strides, with a materialised copy instead.
-fn with_bias_per_head<T>(bias: &Tensor, size: [i64; 4], run: impl Fn(&Tensor) -> Result<T, tch::TchError>) -> T {
-    run(&bias.expand(size, false)).unwrap_or_else(|e| {
-        static WARNED: std::sync::Once = std::sync::Once::new();
-        WARNED.call_once(|| eprintln!("block attention: the kernel refused a broadcast bias ({e}); copying it per head"));
-        let padded = Tensor::zeros([size[0], size[1], size[2], (size[3] + 15) / 16 * 16], (bias.kind(), bias.device()));
-        let mut copy = padded.narrow(3, 0, size[3]);
-        copy.copy_(&bias.expand(size, false));
-        run(&copy).expect("block attention kernel")
-    })
 }
 
 /// fp32 for the block part and the merge (f64 when the inputs are, for the tests).
@@ -284,15 +263,14 @@ fn work_kind(q: &Tensor) -> Kind {
 }
 
 /// The mask masked SDPA takes over [context; all blocks] [B, 1, N, S+N]: context keys before
-/// the query's anchor, and the query's own block (the reference this module is checked against).
+/// the query's anchor, and the query's own block (the drafters' masked path, and the reference
+/// this module is checked against).
 pub fn masked_sdpa_mask(anchors: &Tensor, s: i64, block: i64) -> Tensor {
     let (b, a) = (anchors.size()[0], anchors.size()[1]);
     let (n, device) = (a * block, anchors.device());
-    let anchor_of_query = anchors.repeat_interleave_self_int(block, Some(1), None::<i64>);
-    let ctx_visible = Tensor::arange(s, (Kind::Int64, device)).view([1, 1, s]).lt_tensor(&anchor_of_query.unsqueeze(-1));
     let block_id = Tensor::arange(n, (Kind::Int64, device)).divide_scalar_mode(block, "floor");
     let same_block = block_id.unsqueeze(1).eq_tensor(&block_id.unsqueeze(0)).unsqueeze(0).expand([b, n, n], false);
-    Tensor::cat(&[ctx_visible, same_block], 2).unsqueeze(1)
+    Tensor::cat(&[context_visible(anchors, s, block), same_block], 2).unsqueeze(1)
 }
 
 fn size4(t: &Tensor) -> (i64, i64, i64, i64) {

@@ -70,7 +70,7 @@ impl DFlashDrafter {
     /// target_hidden [B, S, n*H], block_embeds [B, A*Bk, H], anchors [B, A] (int64)
     /// -> block hidden states [B, A*Bk, H] after the final norm.
     pub fn forward(&self, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor) -> Tensor {
-        let (ctx, at) = self.context(target_hidden, block_embeds, anchors);
+        let (ctx, at) = self.context(target_hidden, block_embeds, anchors, true);
         let mut x = block_embeds.shallow_clone();
         for layer in &self.layers {
             x = layer.forward(&x, &ctx, &at);
@@ -79,12 +79,12 @@ impl DFlashDrafter {
     }
 
     /// 1. The target features fused: [B, S, n*H] -> [B, S, H]. 2. RoPE positions (block token k
-    /// of anchor a at a + k, the context at 0..S-1) and the mask: context keys strictly before
-    /// the query's anchor, the query's own block.
-    fn context(&self, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor) -> (Tensor, AttentionInputs) {
+    /// of anchor a at a + k, the context at 0..S-1) and, for masked attention, the mask: context
+    /// keys strictly before the query's anchor, the query's own block.
+    fn context(&self, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor, masked: bool) -> (Tensor, AttentionInputs) {
         let ctx = self.hidden_norm.forward(&self.fc.forward(target_hidden));
         let (s, bk) = (target_hidden.size()[1], self.cfg.block_size as i64);
-        (ctx, AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind()))
+        (ctx, AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind(), masked))
     }
 
     /// The training forward when the drafter runs its own backward (`mode` asks for split
@@ -93,7 +93,7 @@ impl DFlashDrafter {
     /// at each attention output); with checkpointing only each layer's input is kept and the
     /// segment is rebuilt in backward, for one more forward pass of the layers.
     pub fn forward_train(&self, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor, mode: TrainMode) -> (Tensor, Tape) {
-        let (ctx, at) = self.context(target_hidden, block_embeds, anchors);
+        let (ctx, at) = self.context(target_hidden, block_embeds, anchors, !mode.split_attention);
         // A leaf for the layers: their gradients w.r.t. the context add up in it.
         let ctx_leaf = ctx.detach().set_requires_grad(true);
         let (s, bk) = (target_hidden.size()[1], self.cfg.block_size as i64);

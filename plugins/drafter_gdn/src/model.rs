@@ -86,7 +86,7 @@ impl GdnDrafter {
             .cfg
             .layer_types
             .contains(&LayerType::Attention)
-            .then(|| AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind()));
+            .then(|| AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind(), true));
 
         // 3. Decoder layers over the block tokens, then the final norm.
         let mut x = block_embeds.shallow_clone();

@@ -60,33 +60,27 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
 }
 
 /// What every attention layer of one forward shares: RoPE tables for queries (blocks) and keys
-/// ([context; blocks]), and the visibility mask [B, 1, N, S+N].
+/// ([context; blocks]), and, for masked attention, the visibility mask [B, 1, N, S+N].
 pub struct AttentionInputs {
     pub q_cos: Tensor,
     pub q_sin: Tensor,
     pub k_cos: Tensor,
     pub k_sin: Tensor,
-    pub mask: Tensor,
+    /// None when the layers use split attention (kernels::block_attention), which takes a bias.
+    pub mask: Option<Tensor>,
 }
 
 impl AttentionInputs {
     /// anchors [B, A]; the context has `s` positions; blocks of `bk` tokens.
-    pub fn new(anchors: &Tensor, s: i64, bk: i64, cfg: &DenseShape, kind: Kind) -> Self {
+    pub fn new(anchors: &Tensor, s: i64, bk: i64, cfg: &DenseShape, kind: Kind, masked: bool) -> Self {
         let (b, a) = (anchors.size()[0], anchors.size()[1]);
-        let n = a * bk;
         let device = anchors.device();
-        // 1. Positions: block token k of anchor a sits at a + k; the context at 0..S-1.
-        let block_pos = (anchors.unsqueeze(-1) + Tensor::arange(bk, (Kind::Int64, device))).view([b, n]);
+        // Positions: block token k of anchor a sits at a + k; the context at 0..S-1.
+        let block_pos = (anchors.unsqueeze(-1) + Tensor::arange(bk, (Kind::Int64, device))).view([b, a * bk]);
         let ctx_pos = Tensor::arange(s, (Kind::Int64, device)).unsqueeze(0).expand([b, s], false);
         let (q_cos, q_sin) = rope_cos_sin(&block_pos, cfg.head_dim, cfg.rope_theta, kind);
         let (k_cos, k_sin) = rope_cos_sin(&Tensor::cat(&[&ctx_pos, &block_pos], 1), cfg.head_dim, cfg.rope_theta, kind);
-        // 2. Mask: context keys strictly before the query's anchor, and the query's own block.
-        let anchor_of_query = anchors.repeat_interleave_self_int(bk, Some(1), None::<i64>); // [B, N]
-        let ctx_visible =
-            Tensor::arange(s, (Kind::Int64, device)).view([1, 1, s]).lt_tensor(&anchor_of_query.unsqueeze(-1)); // [B, N, S]
-        let block_id = Tensor::arange(n, (Kind::Int64, device)).divide_scalar_mode(bk, "floor");
-        let same_block = block_id.unsqueeze(1).eq_tensor(&block_id.unsqueeze(0)).unsqueeze(0).expand([b, n, n], false);
-        let mask = Tensor::cat(&[ctx_visible, same_block], 2).unsqueeze(1);
+        let mask = masked.then(|| kernels::block_attention::masked_sdpa_mask(anchors, s, bk));
         Self { q_cos, q_sin, k_cos, k_sin, mask }
     }
 }
@@ -126,8 +120,8 @@ impl Attention {
     pub fn forward(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> Tensor {
         let (q, k, v) = self.project(x, ctx, at);
         // Sparse block attention, GQA by head groups.
-        let scale = Some((self.head_dim as f64).powf(-0.5));
-        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&at.mask), 0.0, false, scale, true);
+        let mask = at.mask.as_ref().expect("masked attention: AttentionInputs built with the mask");
+        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, Some(self.scale()), true);
         self.output(&o)
     }
 
