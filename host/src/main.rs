@@ -145,6 +145,11 @@ enum BenchCommand {
         /// Also write the JSON report to this file.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// After the timed phases, profile one drafter step and one target forward with libtorch's
+        /// profiler and write DIR/drafter_step.trace.json and DIR/target_forward.trace.json
+        /// (Chrome traces; scripts/trace_summary.py makes tables of them).
+        #[arg(long, value_name = "DIR")]
+        trace: Option<PathBuf>,
     },
     /// One layer's DFlash block attention, masked SDPA next to split attention: errors against
     /// an fp32 masked-SDPA reference, then bf16 forward and forward + backward times.
@@ -259,9 +264,9 @@ fn run() -> Result<ExitCode> {
             dflash_host::bench::abi(&registry, exp_dir.as_deref(), iters)?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Bench { what: BenchCommand::Train { config, json } } => {
+        Command::Bench { what: BenchCommand::Train { config, json, trace } } => {
             let registry = Registry::new(&cli.plugins)?;
-            let report = dflash_host::bench::train::train(&registry, &config)?;
+            let report = dflash_host::bench::train::train(&registry, &config, trace.as_deref())?;
             dflash_host::bench::train::print(&report);
             let line = serde_json::to_string(&report)?;
             println!("{line}");

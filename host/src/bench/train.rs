@@ -5,7 +5,8 @@
 //! 3. one drafter train step (forward, DFlash loss, backward, clip, optimizer) fed by synthetic
 //!    target hidden states; the drafter is whatever plugin the config's [drafter] names;
 //! 4. the pipeline: target forward then drafter step on the same device, each step;
-//! 5. device memory in use after each phase.
+//! 5. device memory in use after each phase;
+//! 6. with `--trace DIR`, a profiler trace of one drafter step and one target forward.
 //! Each figure comes with its FLOP count (flops.rs) and MFU; a table, then one JSON line.
 
 use super::{
@@ -26,6 +27,7 @@ use plugin_api::{
     DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind, TargetSpec, TensorHandle,
 };
 use serde::{Deserialize, Serialize};
+use kernels::profiler;
 use std::{path::Path, time::Instant};
 
 /// The bench config file: the shapes to run and the plugin sections to build.
@@ -192,12 +194,19 @@ struct StepCounts {
 
 impl DrafterStep {
     fn run(&mut self, input_ids: &Tensor, loss_mask: &Tensor, target_hidden: Tensor) -> Result<StepCounts> {
+        let forward = profiler::range("forward + loss");
         let d = self.draft.compute(&mut self.drafter, input_ids, loss_mask, &target_hidden, self.draws).map_err(|e| anyhow!("drafter forward: {e}"))?;
         let (l, anchors) = (&d.loss, &d.anchors);
         self.draws += 1;
         let anchor_pos_sum = f64::try_from(anchors.positions.to_kind(Kind::Double).masked_select(&anchors.valid).sum(Kind::Double))?;
+        drop(forward);
+        let backward = profiler::range("backward");
         d.backward(&mut self.drafter, 1.0).map_err(|e| anyhow!("drafter backward: {e}"))?;
+        drop(backward);
+        let clip = profiler::range("clip");
         clip_grad_norm(&self.params, self.grad_clip);
+        drop(clip);
+        let _optimizer = profiler::range("optimizer");
         self.optimizer.step(1.0).into_result().map_err(|e| anyhow!("optimizer step: {e}"))?;
         for p in &self.params {
             p.shallow_clone().zero_grad();
@@ -213,8 +222,8 @@ fn clip_grad_norm(params: &[Tensor], max_norm: f64) {
     if grads.is_empty() || max_norm <= 0.0 {
         return;
     }
-    let sq: Vec<Tensor> = grads.iter().map(|g| g.to_kind(Kind::Float).square().sum(Kind::Float)).collect();
-    let total = Tensor::stack(&sq, 0).sum(Kind::Float).sqrt();
+    let norms: Vec<Tensor> = grads.iter().map(|g| g.norm_scalaropt_dtype(2.0, Kind::Float)).collect();
+    let total = Tensor::stack(&norms, 0).norm();
     let coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
     for mut g in grads {
         let _ = g.g_mul_(&coef.to_kind(g.kind()));
@@ -252,7 +261,7 @@ fn phase(step_s: f64, tokens: f64, flop: f64, ceiling: f64, mem_gib: Option<f64>
     Phase { step_s, tok_per_s: tokens / step_s, flop, tflop_per_s, mfu: tflop_per_s / ceiling, mem_gib }
 }
 
-pub fn train(registry: &Registry, config_path: &Path) -> Result<Report> {
+pub fn train(registry: &Registry, config_path: &Path, trace: Option<&Path>) -> Result<Report> {
     let text = std::fs::read_to_string(config_path).with_context(|| format!("reading {}", config_path.display()))?;
     let cfg: BenchConfig = toml::from_str(&text).with_context(|| format!("{}", config_path.display()))?;
     let sh = &cfg.bench;
@@ -368,6 +377,27 @@ pub fn train(registry: &Registry, config_path: &Path) -> Result<Report> {
     })?;
     let pipeline = phase(pipeline_s, draft_tokens, target_features.flop + drafter_flop, ceiling, mem(device));
 
+    // 6. Traces of one drafter step and one target forward, after the timing.
+    if let Some(dir) = trace {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let cuda = matches!(device, Device::Cuda(_));
+        let profile = |name: &str, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+            let path = dir.join(format!("{name}.trace.json"));
+            let p = profiler::Profiler::start(cuda).map_err(|e| anyhow!("starting the profiler: {e}"))?;
+            f()?;
+            sync(device);
+            p.save(&path).map_err(|e| anyhow!("writing {}: {e}", path.display()))?;
+            eprintln!("trace: {}", path.display());
+            Ok(())
+        };
+        let features = Tensor::randn([b as i64, s as i64, layer_ids.len() as i64 * spec.hidden_size as i64], (kind, device));
+        profile("drafter_step", &mut || step.run(&ids, &loss_mask, features.shallow_clone()).map(drop))?;
+        drop(features);
+        profile("target_forward", &mut || {
+            target.forward(&ids_dev, layer_ids.as_slice().into(), false).into_result().map(drop).map_err(|e| anyhow!("target forward: {e}"))
+        })?;
+    }
+
     Ok(Report {
         device: cfg.device.clone(),
         dtype,
@@ -433,7 +463,8 @@ mod tests {
     fn the_tiny_bench_runs_on_the_cpu_and_counts_its_work() {
         let registry = Registry::new(&[]).unwrap();
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bench/tiny.toml");
-        let r = train(&registry, &path).unwrap();
+        let trace = tempfile::tempdir().unwrap();
+        let r = train(&registry, &path, Some(trace.path())).unwrap();
         assert!(r.drafter_flop_exact);
         for p in [&r.target_features, &r.target_full, &r.drafter_step, &r.pipeline] {
             assert!(p.step_s > 0.0 && p.tok_per_s > 0.0 && p.flop > 0.0 && p.mfu > 0.0, "{p:?}");
@@ -442,5 +473,11 @@ mod tests {
         assert!((r.pipeline.flop - r.target_features.flop - r.drafter_step.flop).abs() < 1.0);
         assert!(r.ceiling_tflop_per_s > 0.0);
         serde_json::to_string(&r).unwrap();
+        // The traces hold the step's named ranges and the ops inside them.
+        let text = std::fs::read_to_string(trace.path().join("drafter_step.trace.json")).unwrap();
+        for name in ["\"forward + loss\"", "\"backward\"", "\"optimizer\"", "\"aten::mm\""] {
+            assert!(text.contains(name), "{name} not in the drafter step's trace");
+        }
+        assert!(trace.path().join("target_forward.trace.json").exists());
     }
 }

@@ -37,8 +37,10 @@ impl DecoderLayer {
     /// restarts at the attention output (a leaf), for the drafter's own backward.
     fn forward_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, bias: &Tensor, block: i64) -> (Tensor, Cut) {
         let (q, k, v) = self.self_attn.project(&self.input_layernorm.forward(x), ctx, at);
+        let attention = kernels::profiler::range("block attention");
         let (o, saved) = tch::no_grad(|| block_attention::forward(&q, &k, &v, bias, block, self.self_attn.scale()));
         let o = o.set_requires_grad(true);
+        drop(attention);
         let x = x + self.self_attn.output(&o);
         let y = &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x));
         (y, Cut { q, k, v, o, saved })
@@ -101,6 +103,7 @@ impl DFlashDrafter {
         let mut x = block_embeds.shallow_clone();
         let mut kept = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
+            let _range = kernels::profiler::range(&format!("layer {i}"));
             if mode.checkpoint_layers {
                 kept.push(Kept::Input(x.shallow_clone()));
                 x = tch::no_grad(|| self.segment(i, layer, &x, &ctx_leaf, &at, bias.as_ref()).y);
@@ -122,12 +125,14 @@ impl DFlashDrafter {
         pull(&[(&out, grad)]);
         let mut g = last.grad();
         for (i, (layer, k)) in self.layers.iter().zip(kept).enumerate().rev() {
+            let _range = kernels::profiler::range(&format!("layer {i}"));
             let seg = match k {
                 Kept::Input(x) => self.segment(i, layer, &x, &ctx_leaf, &at, bias.as_ref()),
                 Kept::Segment(seg) => seg,
             };
             pull(&[(&seg.y, &g)]);
             if let Some(c) = &seg.cut {
+                let _range = kernels::profiler::range("block attention");
                 let (dq, dk, dv) = tch::no_grad(|| block_attention::backward(&c.saved, &c.o.grad()));
                 pull(&[(&c.q, &dq), (&c.k, &dk), (&c.v, &dv)]);
             }

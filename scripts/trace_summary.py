@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""Summarise a Kineto trace (dflash-host bench train --trace DIR, or torch.profiler's
+export_chrome_trace): GPU time by named range, by the aten op that launched each kernel, and by
+kernel, plus the GPU's idle time inside the traced window.
+
+    python3 scripts/trace_summary.py DIR/drafter_step.trace.json [--top 25]
+"""
+import argparse
+import bisect
+import collections
+import json
+
+
+def load(path):
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def enclosing(intervals, starts, t):
+    """Names of the intervals (sorted by start) that contain t, outermost first."""
+    out = []
+    for i in range(bisect.bisect_right(starts, t) - 1, -1, -1):
+        ts, end, name = intervals[i]
+        if end >= t:
+            out.append((ts, name))
+    return [n for _, n in sorted(out)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    events = load(args.trace)
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    launches = {e["args"]["correlation"]: e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops = collections.defaultdict(list)  # thread -> [(start, end, name)]
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    for v in ops.values():
+        v.sort()
+    op_starts = {t: [s for s, _, _ in v] for t, v in ops.items()}
+    ranges = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "user_annotation")
+    range_starts = [s for s, _, _ in ranges]
+
+    total = sum(k["dur"] for k in kernels)
+    if not kernels:
+        print("no GPU kernels in the trace")
+        return
+    t0 = min(k["ts"] for k in kernels)
+    t1 = max(k["ts"] + k["dur"] for k in kernels)
+    by_range, by_op, by_kernel = collections.Counter(), collections.Counter(), collections.Counter()
+    count = collections.Counter()
+    for k in kernels:
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        where, op = "(outside ranges)", "(no op)"
+        if launch is not None:
+            names = enclosing(ranges, range_starts, launch["ts"])
+            if names:
+                where = " / ".join(names)
+            tid = launch["tid"]
+            outer = enclosing(ops.get(tid, []), op_starts.get(tid, []), launch["ts"])
+            if outer:
+                # The op the model code called (outermost), and the one that launched (innermost).
+                op = outer[0] if len(outer) == 1 else f"{outer[0]} > {outer[-1]}"
+        by_range[where] += k["dur"]
+        by_op[op] += k["dur"]
+        by_kernel[k["name"][:110]] += k["dur"]
+        count[k["name"][:110]] += 1
+
+    print(f"{args.trace}: {len(kernels)} GPU activities, {total / 1e3:.1f} ms busy in a {(t1 - t0) / 1e3:.1f} ms window "
+          f"({100 * total / (t1 - t0):.1f}% busy)")
+    for title, counter in (("named range", by_range), ("aten op (called > launching)", by_op), ("kernel", by_kernel)):
+        print(f"\n| {title} | ms | % |\n| --- | --- | --- |")
+        for name, us in counter.most_common(args.top):
+            extra = f" (x{count[name]})" if counter is by_kernel else ""
+            print(f"| {name}{extra} | {us / 1e3:.2f} | {100 * us / total:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
