@@ -15,7 +15,10 @@ pub struct DenseShape {
     pub rms_norm_eps: f64,
 }
 
-/// RMSNorm over the last dim, computed in fp32 (Qwen3RMSNorm).
+/// RMSNorm over the last dim, computed in fp32 (Qwen3RMSNorm). libtorch's `rms_norm` runs its
+/// fused kernel on CUDA (one pass forward, one backward, only the inverse RMS saved) and HF's
+/// upcast-normalise-downcast-scale sequence elsewhere; the composite it replaced cost six
+/// passes and an fp32 copy of the input per norm (BENCHMARKS.md).
 #[derive(Debug)]
 pub struct RmsNorm {
     weight: Tensor,
@@ -28,10 +31,7 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        let kind = x.kind();
-        let x = x.to_kind(Kind::Float);
-        let var = x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-        (x * (var + self.eps).rsqrt()).to_kind(kind) * &self.weight
+        x.rms_norm(self.weight.size(), Some(&self.weight), self.eps)
     }
 }
 
@@ -41,26 +41,30 @@ pub fn linear(p: &nn::Path, name: &str, in_dim: usize, out_dim: usize) -> nn::Li
     nn::linear(p / name, in_dim as i64, out_dim as i64, cfg)
 }
 
-/// Rotary embedding tables for integer positions [B, L] -> (cos, sin) [B, 1, L, D].
+/// Rotary embedding tables for integer positions [B, L] -> (cos, signed sin) [B, 1, L, D]; the
+/// sine's first half is negated so that [`apply_rope`] needs no negation pass.
 pub fn rope_cos_sin(positions: &Tensor, head_dim: usize, theta: f64, kind: Kind) -> (Tensor, Tensor) {
     let d = head_dim as i64;
     let device = positions.device();
     let inv_freq = (Tensor::arange_start_step(0, d, 2, (Kind::Float, device)) / d as f64 * -theta.ln()).exp();
     let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq; // [B, L, D/2]
-    let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1); // [B, 1, L, D]
-    (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
+    let cos = Tensor::cat(&[&freqs, &freqs], -1).cos().unsqueeze(1); // [B, 1, L, D]
+    let sin = freqs.sin();
+    let signed_sin = Tensor::cat(&[&(-&sin), &sin], -1).unsqueeze(1);
+    (cos.to_kind(kind), signed_sin.to_kind(kind))
 }
 
-/// x * cos + rotate_half(x) * sin, rotate_half([a, b]) = [-b, a].
-pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+/// x * cos + rotate_half(x) * sin with rotate_half([a, b]) = [-b, a], as x * cos + [b, a] *
+/// signed_sin: three passes (swap, scale, fused multiply-add) where the textbook form takes five.
+pub fn apply_rope(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
     let half = x.size()[3] / 2;
-    let a = x.narrow(3, 0, half);
-    let b = x.narrow(3, half, half);
-    x * cos + Tensor::cat(&[&(-b), &a], 3) * sin
+    let swapped = Tensor::cat(&[x.narrow(3, half, half), x.narrow(3, 0, half)], 3);
+    (x * cos).addcmul(&swapped, signed_sin)
 }
 
-/// What every attention layer of one forward shares: RoPE tables for queries (blocks) and keys
-/// ([context; blocks]), and, for masked attention, the visibility mask [B, 1, N, S+N].
+/// What every attention layer of one forward shares: RoPE tables (cos and signed sin, as
+/// [`rope_cos_sin`] makes them) for queries (blocks) and keys ([context; blocks]), and, for
+/// masked attention, the visibility mask [B, 1, N, S+N].
 pub struct AttentionInputs {
     pub q_cos: Tensor,
     pub q_sin: Tensor,
@@ -171,4 +175,38 @@ impl Mlp {
     pub fn forward(&self, x: &Tensor) -> Tensor {
         self.down_proj.forward(&(self.gate_proj.forward(x).silu() * self.up_proj.forward(x)))
     }
+
+    /// `forward` for a drafter running its own backward: the gate and up projections keep their
+    /// graph, the SwiGLU product and the down projection run outside autograd, and
+    /// [`cut_grads`](Self::cut_grads) writes their backward out. Autograd would also keep silu(gate)
+    /// and the product for it: two more [tokens, ffn] tensors a layer (0.8 GB each at the bench
+    /// shapes), recomputed here from gate and up instead.
+    pub fn forward_cut(&self, x: &Tensor) -> (Tensor, MlpCut) {
+        let gate = self.gate_proj.forward(x);
+        let up = self.up_proj.forward(x);
+        let y = plugin_api::tch::no_grad(|| (gate.silu() * &up).matmul(&self.down_proj.ws.tr()));
+        (y, MlpCut { gate, up })
+    }
+
+    /// What one backward pass takes for the cut MLP, given dy = dLoss/d(output): (tensor,
+    /// gradient) pairs for the gate and up outputs (autograd carries on from them) and for the down
+    /// projection's weight (dy^T (silu(gate) * up), handed to autograd as the weight's own).
+    pub fn cut_grads(&self, cut: &MlpCut, dy: &Tensor) -> [(Tensor, Tensor); 3] {
+        plugin_api::tch::no_grad(|| {
+            let w = &self.down_proj.ws; // [H, F]
+            let (h_dim, f_dim) = (w.size()[0], w.size()[1]);
+            let act = cut.gate.silu();
+            let d_hidden = dy.matmul(w); // [.., F]
+            let d_w = dy.reshape([-1, h_dim]).tr().matmul(&(&act * &cut.up).reshape([-1, f_dim]));
+            let d_up = &d_hidden * &act;
+            let d_gate = cut.gate.silu_backward(&(d_hidden * &cut.up));
+            [(cut.gate.shallow_clone(), d_gate), (cut.up.shallow_clone(), d_up), (w.shallow_clone(), d_w)]
+        })
+    }
+}
+
+/// The MLP's gate and up projection outputs, with their graph ([`Mlp::forward_cut`]).
+pub struct MlpCut {
+    gate: Tensor,
+    up: Tensor,
 }

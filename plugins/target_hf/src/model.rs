@@ -33,27 +33,30 @@ impl Weights {
     }
 }
 
+/// HF's RMSNorm (fp32 statistics); libtorch's `rms_norm` is one fused kernel on CUDA.
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
-    let kind = x.kind();
-    let xf = x.to_kind(Kind::Float);
-    let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-    (xf * (var + eps).rsqrt()).to_kind(kind) * w
+    x.rms_norm(w.size(), Some(w), eps)
 }
 
-/// Rotary tables for positions [B, L] -> (cos, sin) [B, 1, L, D].
+/// Rotary tables for positions [B, L] -> (cos, signed sin) [B, 1, L, D]; the sine's first half
+/// is negated so that [`apply_rope`] needs no negation pass.
 pub fn rope_cos_sin(positions: &Tensor, head_dim: usize, theta: f64, kind: Kind) -> (Tensor, Tensor) {
     let d = head_dim as i64;
     let inv_freq =
         (Tensor::arange_start_step(0, d, 2, (Kind::Float, positions.device())) / d as f64 * -theta.ln()).exp();
     let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq;
-    let emb = Tensor::cat(&[&freqs, &freqs], -1).unsqueeze(1);
-    (emb.cos().to_kind(kind), emb.sin().to_kind(kind))
+    let cos = Tensor::cat(&[&freqs, &freqs], -1).cos().unsqueeze(1);
+    let sin = freqs.sin();
+    let signed_sin = Tensor::cat(&[&(-&sin), &sin], -1).unsqueeze(1);
+    (cos.to_kind(kind), signed_sin.to_kind(kind))
 }
 
-fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+/// x * cos + rotate_half(x) * sin with rotate_half([a, b]) = [-b, a], as x * cos + [b, a] *
+/// signed_sin: three passes (swap, scale, fused multiply-add) where the textbook form takes five.
+fn apply_rope(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
     let half = x.size()[3] / 2;
-    let rotated = Tensor::cat(&[&(-x.narrow(3, half, half)), &x.narrow(3, 0, half)], 3);
-    x * cos + rotated * sin
+    let swapped = Tensor::cat(&[x.narrow(3, half, half), x.narrow(3, 0, half)], 3);
+    (x * cos).addcmul(&swapped, signed_sin)
 }
 
 struct Attention {
