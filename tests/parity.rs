@@ -127,6 +127,7 @@ fn adamw_ten_steps_match_torch_optim_adamw() {
         betas: [betas[0], betas[1]],
         eps: hyper["eps"].as_f64().unwrap(),
         weight_decay: hyper["weight_decay"].as_f64().unwrap(),
+        ..Default::default()
     };
     let names = ["p.w", "p.b", "p.m"];
     let params: Vec<Tensor> = names.iter().map(|n| f.get(&format!("init.{n}")).set_requires_grad(true)).collect();

@@ -14,7 +14,7 @@ use plugin_api::{
 
 // The update math lives in optim_math (shared with the Muon plugin's AdamW group); re-exported so
 // `optim_adamw::{ParamsAdamW, adamw_update}` keeps working.
-pub use optim_math::{adamw_update, ParamsAdamW};
+pub use optim_math::{adamw_update, adamw_update_fused, ParamsAdamW};
 
 struct Slot {
     name: String,
@@ -29,11 +29,37 @@ pub struct AdamW {
     params: ParamsAdamW,
     slots: Vec<Slot>,
     step: i64,
+    /// The step number on the device, for the fused kernel.
+    step_on_device: Option<Tensor>,
 }
 
 impl AdamW {
     pub fn new(params: ParamsAdamW) -> Self {
-        Self { params, slots: Vec::new(), step: 0 }
+        Self { params, slots: Vec::new(), step: 0, step_on_device: None }
+    }
+
+    /// Every slot with a gradient in one fused kernel, then the masters copied back.
+    fn step_fused(&mut self, lr: f64) -> Result<(), PluginError> {
+        let device = self.slots[0].param.device();
+        let step = self.step_on_device.get_or_insert_with(|| Tensor::zeros([], (Kind::Float, device)));
+        let _ = step.fill_(self.step as f64);
+        let (mut params, mut grads, mut exp_avgs, mut exp_avg_sqs) = (vec![], vec![], vec![], vec![]);
+        for s in &self.slots {
+            let grad = s.param.grad();
+            if grad.defined() {
+                params.push(s.master.as_ref().unwrap_or(&s.param).shallow_clone());
+                grads.push(grad.to_kind(Kind::Float));
+                exp_avgs.push(s.exp_avg.shallow_clone());
+                exp_avg_sqs.push(s.exp_avg_sq.shallow_clone());
+            }
+        }
+        adamw_update_fused(&params, &grads, &exp_avgs, &exp_avg_sqs, step, lr, &self.params)?;
+        for s in &mut self.slots {
+            if let (Some(master), true) = (&s.master, s.param.grad().defined()) {
+                let _ = s.param.copy_(master);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -55,6 +81,9 @@ impl Optimizer for AdamW {
         self.step += 1;
         let lr = self.params.lr * lr_scale;
         let _guard = plugin_api::tch::no_grad_guard();
+        if self.params.fused && self.slots.first().is_some_and(|s| s.param.device().is_cuda()) {
+            return self.step_fused(lr).into();
+        }
         for s in &mut self.slots {
             let grad = s.param.grad();
             if !grad.defined() {
