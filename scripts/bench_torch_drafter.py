@@ -75,8 +75,8 @@ def ceiling(n=8192, reps=10):
 
 
 def rms(x, w):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * w
+    # F.rms_norm: one fused kernel on CUDA, as the Rust drafter calls it (torch >= 2.9 on CUDA).
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, EPS)
 
 
 def rope(pos):
@@ -177,13 +177,20 @@ class ChunkedCE(torch.autograd.Function):
         loss = torch.zeros((), device=h.device, dtype=torch.float32)
         grads, hits = [], []
         for i in range(0, h.shape[0], chunk):
-            z = (h[i : i + chunk] @ w.T).float()
+            # As host/src/loss.rs: fp32 logits out of the GEMM, fp32 log-probabilities, the
+            # gradient's softmax - onehot written back in the model dtype (label entries from
+            # expm1 in fp32), the weights applied to the [c, H] product.
+            z = torch.mm(h[i : i + chunk], w.T, out_dtype=torch.float32)
             tc, wc = t[i : i + chunk, None], weights[i : i + chunk]
             hits.append(z.argmax(-1) == tc[:, 0])
-            lse = z.logsumexp(-1, keepdim=True)
-            loss += ((lse - z.gather(1, tc))[:, 0] * wc).sum()
-            z.sub_(lse).exp_().scatter_add_(1, tc, torch.full_like(tc, -1, dtype=z.dtype)).mul_(wc[:, None])
-            grads.append(z.to(h.dtype) @ w)
+            logp = z.log_softmax(-1)
+            del z
+            logp_t = logp.gather(1, tc)
+            loss -= (logp_t[:, 0] * wc).sum()
+            q = torch.exp(logp, out=torch.empty_like(logp, dtype=h.dtype))
+            q.scatter_(1, tc, logp_t.expm1().to(q.dtype))
+            del logp
+            grads.append(((q @ w).float() * wc[:, None]).to(h.dtype))
         ctx.save_for_backward(torch.cat(grads))
         ctx.hits = torch.cat(hits)
         return loss

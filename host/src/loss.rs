@@ -6,8 +6,10 @@
 
 use plugin_api::tch::{self, Kind, Tensor};
 
-/// fp32 logits formed at once (one chunk): ~1 GiB, 1766 positions for a 152K vocabulary.
-pub const LOGIT_CHUNK_BYTES: i64 = 1 << 30;
+/// fp32 logits formed at once (one chunk), at most: 768 positions for a 152K vocabulary. A chunk
+/// holds its fp32 logits, their log-softmax and the 16-bit gradient at once (~1.2 GB there),
+/// on top of every activation the backward will need.
+pub const LOGIT_CHUNK_BYTES: i64 = 1 << 29;
 
 pub struct LossOut {
     /// Scalar, differentiable w.r.t. the block hidden states.
@@ -42,10 +44,12 @@ pub fn default_gamma(block_size: usize) -> f64 {
     }
 }
 
-/// The loss with chunks of `LOGIT_CHUNK_BYTES` of fp32 logits.
+/// The loss with chunks of at most `LOGIT_CHUNK_BYTES` of fp32 logits, in whole multiples of 128
+/// positions where that fits (the GEMM's row tile: a partial last tile is wasted work).
 pub fn dflash_loss(x: &LossInput) -> LossOut {
     let vocab = x.lm_head.size()[0];
-    dflash_loss_chunked(x, (LOGIT_CHUNK_BYTES / (4 * vocab)).max(1))
+    let rows = (LOGIT_CHUNK_BYTES / (4 * vocab)).max(1);
+    dflash_loss_chunked(x, if rows >= 128 { rows / 128 * 128 } else { rows })
 }
 
 /// The loss with logits formed for `chunk` counted positions at a time.
@@ -61,6 +65,7 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let bk = x.block_size;
     let device = x.block_hidden.device();
     let hidden = *x.block_hidden.size().last().expect("hidden dim");
+    let vocab = x.lm_head.size()[0];
 
     // 1. Labels: block position k of anchor a predicts token[a + k].
     let k = Tensor::arange(bk, (Kind::Int64, device));
@@ -94,7 +99,11 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let wsum = wsel.sum(Kind::Float);
     let want_grad = h.requires_grad();
 
-    // 4. Per chunk: weighted CE, top-1 hits and (training) the gradient w.r.t. h.
+    // 4. Per chunk: weighted CE, top-1 hits and (training) the gradient w.r.t. h. The chunk's
+    //    logits come out of the GEMM in fp32 and log-softmax reads them once; the gradient's
+    //    softmax - onehot is exp(logp) written straight into the model dtype, with each label's
+    //    entry expm1(logp) from fp32 (p - 1 near 1 would round away), and the weights scale the
+    //    [c, H] product rather than the [c, V] logits. Four passes over the logits in all.
     let (mut ce_sum, mut hits, mut grads) = (Tensor::zeros([], (Kind::Float, device)), Vec::new(), Vec::new());
     tch::no_grad(|| {
         let head_t = x.lm_head.tr();
@@ -103,17 +112,18 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
             let hc = h.narrow(0, start, len);
             let tc = target.narrow(0, start, len).unsqueeze(1);
             let wc = wsel.narrow(0, start, len);
-            let mut z = hc.matmul(&head_t).to_kind(Kind::Float); // [c, V]
+            let z = logits_fp32(&hc, &head_t); // [c, V]
             hits.push(z.argmax(-1, false).eq_tensor(&tc.squeeze_dim(1)));
-            let lse = z.logsumexp([-1], true); // [c, 1]
-            let ce = (&lse - z.gather(1, &tc, false)).squeeze_dim(1);
-            ce_sum += (ce * &wc).sum(Kind::Float);
+            let logp = z.log_softmax(-1, Kind::Float);
+            drop(z);
+            let logp_label = logp.gather(1, &tc, false); // [c, 1]
+            ce_sum -= (logp_label.squeeze_dim(1) * &wc).sum(Kind::Float);
             if want_grad {
-                // softmax(z) - onehot in place over the chunk's logits, then scaled by w / sum(w).
-                let _ = z.g_sub_(&lse).exp_();
-                let _ = z.scatter_add_(1, &tc, &Tensor::full([len, 1], -1.0, (Kind::Float, device)));
-                let _ = z.g_mul_(&(wc / &wsum).unsqueeze(1));
-                grads.push(z.to_kind(h.kind()).matmul(x.lm_head)); // [c, H]
+                let mut d_logits = logp.exp_out(&Tensor::empty([len, vocab], (h.kind(), device)));
+                let _ = d_logits.scatter_(1, &tc, &logp_label.expm1().to_kind(h.kind()));
+                drop(logp);
+                let g = d_logits.matmul(x.lm_head).to_kind(Kind::Float) * (wc / &wsum).unsqueeze(1);
+                grads.push(g.to_kind(h.kind())); // [c, H]
             }
         }
     });
@@ -133,6 +143,18 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let count = kk.bincount::<&Tensor>(None, bk);
     let to_vec = |t: Tensor| -> Vec<i64> { Vec::try_from(t.to_device(tch::Device::Cpu).narrow(0, 1, bk - 1)).expect("counts") };
     LossOut { loss, correct: to_vec(correct), count: to_vec(count) }
+}
+
+/// h @ W^T with fp32 output. For 16-bit inputs on CUDA the GEMM writes fp32 itself (cuBLAS
+/// accumulates in fp32 anyway): a 16-bit product converted afterwards costs a rounding and a
+/// copy of the whole [c, V] chunk (libtorch's log-softmax converts bf16 input first).
+fn logits_fp32(h: &Tensor, head_t: &Tensor) -> Tensor {
+    if matches!(h.kind(), Kind::BFloat16 | Kind::Half) && h.device().is_cuda() {
+        if let Ok(z) = h.f_mm_dtype(head_t, Kind::Float) {
+            return z;
+        }
+    }
+    h.matmul(head_t).to_kind(Kind::Float)
 }
 
 /// tau-hat = 1 + sum_k prod_{i<=k} acc_i (DFLASH.md, "Metrics").
