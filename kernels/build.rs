@@ -1,9 +1,12 @@
-//! Compile the small C++ shims (csrc/: cuDNN attention forward, fused AdamW, the Kineto profiler) against libtorch's headers ($LIBTORCH, as torch-sys does).
+//! Compile the small C++ shims in csrc/ (cuDNN attention forward, autograd backward with output
+//! gradients, fused AdamW, the Kineto profiler) against libtorch's headers ($LIBTORCH, as
+//! torch-sys does).
 
 fn main() {
     println!("cargo:rerun-if-changed=csrc/cudnn_attention.cpp");
     println!("cargo:rerun-if-changed=csrc/profiler.cpp");
     println!("cargo:rerun-if-changed=csrc/fused_adamw.cpp");
+    println!("cargo:rerun-if-changed=csrc/autograd.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     let libtorch = std::path::PathBuf::from(std::env::var("LIBTORCH").expect("LIBTORCH (the libtorch folder, as for torch-sys)"));
     cc::Build::new()
@@ -11,6 +14,7 @@ fn main() {
         .file("csrc/cudnn_attention.cpp")
         .file("csrc/profiler.cpp")
         .file("csrc/fused_adamw.cpp")
+        .file("csrc/autograd.cpp")
         .include(libtorch.join("include"))
         .include(libtorch.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")

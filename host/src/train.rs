@@ -506,8 +506,10 @@ fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
     if grads.is_empty() {
         return 0.0;
     }
-    let sq: Vec<Tensor> = grads.iter().map(|g| g.to_kind(Kind::Float).pow_tensor_scalar(2).sum(Kind::Float)).collect();
-    let total = Tensor::stack(&sq, 0).sum(Kind::Float).sqrt().double_value(&[]);
+    // As torch.nn.utils.clip_grad_norm_: the norm of the per-tensor norms, each read once in
+    // its own dtype with fp32 accumulation.
+    let norms: Vec<Tensor> = grads.iter().map(|g| g.norm_scalaropt_dtype(2.0, Kind::Float)).collect();
+    let total = Tensor::stack(&norms, 0).norm().double_value(&[]);
     if max_norm > 0.0 {
         let coef = (max_norm / (total + 1e-6)).min(1.0);
         if coef < 1.0 {

@@ -4,7 +4,7 @@
 //! and itself. Weight names equal the z-lab checkpoint's. The layers are `drafter_layers`'.
 
 use crate::config::DFlashConfig;
-use drafter_layers::layers::{linear, Attention, AttentionInputs, Mlp, RmsNorm};
+use drafter_layers::layers::{linear, Attention, AttentionInputs, Mlp, MlpCut, RmsNorm};
 use kernels::block_attention;
 use plugin_api::tch::{self as tch, nn, nn::Module, Device, Kind, Tensor};
 
@@ -42,8 +42,8 @@ impl DecoderLayer {
         let o = o.set_requires_grad(true);
         drop(attention);
         let x = x + self.self_attn.output(&o);
-        let y = &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x));
-        (y, Cut { q, k, v, o, saved })
+        let (mlp_out, mlp) = self.mlp.forward_cut(&self.post_attention_layernorm.forward(&x));
+        (&x + mlp_out, Cut { q, k, v, o, saved, mlp })
     }
 }
 
@@ -130,7 +130,12 @@ impl DFlashDrafter {
                 Kept::Input(x) => self.segment(i, layer, &x, &ctx_leaf, &at, bias.as_ref()),
                 Kept::Segment(seg) => seg,
             };
-            pull(&[(&seg.y, &g)]);
+            // The output's gradient, and with a cut layer the MLP's written-out backward, in one
+            // pass: the MLP's output has no graph, so `y` passes `g` on through the residual only.
+            let mlp = seg.cut.as_ref().map(|c| layer.mlp.cut_grads(&c.mlp, &g));
+            let mut pairs = vec![(&seg.y, &g)];
+            pairs.extend(mlp.iter().flatten().map(|(t, d)| (t, d)));
+            pull(&pairs);
             if let Some(c) = &seg.cut {
                 let _range = kernels::profiler::range("block attention");
                 let (dq, dk, dv) = tch::no_grad(|| block_attention::backward(&c.saved, &c.o.grad()));
@@ -155,11 +160,9 @@ impl DFlashDrafter {
     }
 }
 
-/// Backward from several outputs at once, each with its gradient: tch's backward takes no output
-/// gradient, and sum(y * g) has gradient g w.r.t. y.
+/// Backward from several outputs at once, each with its gradient, in one pass of the engine.
 fn pull(pairs: &[(&Tensor, &Tensor)]) {
-    let total = pairs.iter().map(|(y, g)| (*y * *g).sum(Kind::Float)).reduce(|a, b| a + b).expect("pairs");
-    total.backward();
+    kernels::autograd::backward(pairs).unwrap_or_else(|e| panic!("drafter backward: {e}"));
 }
 
 /// How the drafter trains (the `[drafter]` section's `attention` and `checkpoint_layers`).
@@ -204,13 +207,14 @@ struct Segment {
 }
 
 /// The attention cut out of a layer's graph: its inputs (with their graph), its output leaf and
-/// what its backward needs.
+/// what its backward needs; and the MLP's part outside the graph.
 struct Cut {
     q: Tensor,
     k: Tensor,
     v: Tensor,
     o: Tensor,
     saved: block_attention::Saved,
+    mlp: MlpCut,
 }
 
 /// Build on `device` with weights of `kind`.

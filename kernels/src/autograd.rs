@@ -1,0 +1,47 @@
+//! `torch::autograd::backward` with output gradients, through csrc/autograd.cpp (tch's
+//! `backward` takes none): what a drafter running its own backward hands autograd.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use tch::Tensor;
+
+extern "C" {
+    fn dflash_backward(tensors: *const *const c_void, grads: *const *const c_void, n: usize, err: *mut c_char, err_len: usize) -> c_int;
+}
+
+/// One backward pass from several outputs, each with its gradient (same shape and dtype):
+/// gradients accumulate into the leaves as `torch.autograd.backward(tensors, grads)` does. An
+/// output may be a leaf itself, which then just receives its gradient.
+pub fn backward(pairs: &[(&Tensor, &Tensor)]) -> Result<(), String> {
+    let ts: Vec<*const c_void> = pairs.iter().map(|(t, _)| t.as_ptr() as *const c_void).collect();
+    let gs: Vec<*const c_void> = pairs.iter().map(|(_, g)| g.as_ptr() as *const c_void).collect();
+    let mut err = [0 as c_char; 1024];
+    // SAFETY: tch handles are at::Tensor*; the shim reads n of each; `err` has the length passed.
+    let rc = unsafe { dflash_backward(ts.as_ptr(), gs.as_ptr(), pairs.len(), err.as_mut_ptr(), err.len()) };
+    if rc == 0 {
+        return Ok(());
+    }
+    // SAFETY: on failure the shim wrote a NUL-terminated message into `err`.
+    Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().lines().next().unwrap_or("").to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    #[test]
+    fn gradients_of_several_outputs_add_up_in_the_leaves() {
+        let x = Tensor::from_slice(&[1.0f64, 2.0, 3.0]).set_requires_grad(true);
+        let w = Tensor::from_slice(&[0.5f64, -1.0]).set_requires_grad(true);
+        let y1 = &x * 2.0; // dy1/dx = 2
+        let y2 = x.square(); // dy2/dx = 2x
+        let g1 = Tensor::from_slice(&[1.0f64, 10.0, 100.0]);
+        let g2 = Tensor::ones([3], (Kind::Double, Device::Cpu));
+        let gw = Tensor::from_slice(&[7.0f64, 8.0]);
+        backward(&[(&y1, &g1), (&y2, &g2), (&w, &gw)]).unwrap();
+        assert_eq!(Vec::<f64>::try_from(x.grad()).unwrap(), vec![2.0 + 2.0, 20.0 + 4.0, 200.0 + 6.0]);
+        assert_eq!(Vec::<f64>::try_from(w.grad()).unwrap(), vec![7.0, 8.0], "a leaf output takes its gradient");
+        let err = backward(&[(&y1, &Tensor::ones([2], (Kind::Double, Device::Cpu)))]).unwrap_err();
+        assert!(!err.is_empty());
+    }
+}
