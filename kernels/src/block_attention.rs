@@ -18,11 +18,9 @@ pub struct Saved {
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    /// K/V of the context, repeated to the query heads (the fused kernels take no GQA).
-    k_ctx: Tensor,
-    v_ctx: Tensor,
     bias: Tensor,
-    /// The merged output (q's dtype) and log-sum-exp [B, nh, N] (fp32).
+    /// The merged output (q's dtype; the tensor returned, [B, N, nh, D] in memory) and
+    /// log-sum-exp [B, nh, N] (fp32).
     out: Tensor,
     lse: Tensor,
     /// Which fused kernel ran the context part, with what its backward wants back.
@@ -60,8 +58,7 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, sc
     let (nkv, s) = (k.size()[1], k.size()[2] - n);
     let (g, a) = (nh / nkv, n / block);
     let wk = work_kind(q);
-    let repeat = |t: &Tensor| t.narrow(2, 0, s).unsqueeze(2).expand([b, nkv, g, s, d], false).reshape([b, nh, s, d]);
-    let (k_ctx, v_ctx) = (repeat(k), repeat(v));
+    let (k_ctx, v_ctx) = (context_for_heads(k, s, g), context_for_heads(v, s, g));
 
     // 1. Context part: the fused kernel's output and log-sum-exp.
     let (o_ctx, lse_ctx, backend) = if q.device() == Device::Cpu {
@@ -102,14 +99,14 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, sc
     let lse = lse_ctx.logaddexp(&s_blk.logsumexp([-1], false));
     let p_blk = (&s_blk - lse.unsqueeze(-1)).exp();
     let out = (&lse_ctx - &lse).exp().unsqueeze(-1) * o_ctx.to_kind(wk).view([b, nkv, g, a, block, d]) + p_blk.matmul(&blocks.v);
-    let out = out.view([b, nh, n, d]).to_kind(q.kind());
+    // [B, N, nh, D] in memory: the output projection reads it as [B, N, nh*D] without a copy of
+    // its own to keep for its backward.
+    let out = out.view([b, nh, n, d]).to_kind(q.kind()).transpose(1, 2).contiguous().transpose(1, 2);
     let lse = lse.view([b, nh, n]);
     let saved = Saved {
         q: q.shallow_clone(),
         k: k.shallow_clone(),
         v: v.shallow_clone(),
-        k_ctx,
-        v_ctx,
         bias: bias.shallow_clone(),
         out: out.shallow_clone(),
         lse,
@@ -122,12 +119,15 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, sc
 
 /// The gradients (dq, dk, dv) of the loss from `d_out` = dLoss/d(output).
 pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
-    let Saved { q, k, v, k_ctx, v_ctx, bias, out, lse, backend, block, scale } = saved;
+    let Saved { q, k, v, bias, out, lse, backend, block, scale } = saved;
     let (b, nh, n, d) = size4(q);
     let (nkv, s) = (k.size()[1], k.size()[2] - n);
     let (g, a) = (nh / nkv, n / block);
     let wk = work_kind(q);
     let d_out = d_out.to_kind(q.kind()).contiguous();
+    // Rebuilt rather than kept from the forward (0.2 GB a layer at the bench shapes).
+    let (k_ctx, v_ctx) = (&context_for_heads(k, s, g), &context_for_heads(v, s, g));
+    let out = &out.contiguous();
 
     // 1. Context part: the fused backward with the merged output and log-sum-exp.
     let (dq_ctx, dk_ctx, dv_ctx) = match backend {
@@ -137,11 +137,10 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
         Backend::Cudnn { cum_q, cum_k, max_q, max_k, seed, offset } => {
             // dO and O contiguous [B, nh, N, D], as cuDNN returned O: with other strides its
             // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200).
-            let (d_out, out) = (d_out.contiguous(), out.contiguous());
             let lse = lse.view([b, nh, n, 1]).contiguous();
             let per_head = bias.expand([b, nh, n, s], false);
             Tensor::internal_scaled_dot_product_cudnn_attention_backward(
-                &d_out, q, k_ctx, v_ctx, &out, &lse, seed, offset, &per_head, cum_q, cum_k, *max_q, *max_k, 0.0, false, *scale,
+                &d_out, q, k_ctx, v_ctx, out, &lse, seed, offset, &per_head, cum_q, cum_k, *max_q, *max_k, 0.0, false, *scale,
             )
         }
         Backend::Efficient { seed, offset } => {
@@ -251,6 +250,13 @@ mod cudnn {
         let backend = super::Backend::Cudnn { cum_q: t(p[2]), cum_k: t(p[3]), max_q, max_k, seed: t(p[4]), offset: t(p[5]) };
         Ok((t(p[0]), t(p[1]), backend))
     }
+}
+
+/// The context part of k or v [B, nkv, S+N, D], repeated to the query heads [B, nkv*g, S, D] (the
+/// fused kernels take no GQA).
+fn context_for_heads(t: &Tensor, s: i64, g: i64) -> Tensor {
+    let (b, nkv, _, d) = size4(t);
+    t.narrow(2, 0, s).unsqueeze(2).expand([b, nkv, g, s, d], false).reshape([b, nkv * g, s, d])
 }
 
 /// fp32 for the block part and the merge (f64 when the inputs are, for the tests).
