@@ -772,9 +772,10 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                 state.window.skipped_micro += t.grad_accum * world;
             }
             state.nonfinite_in_a_row = guard.consecutive;
+            // Gradients dropped, not zeroed (PyTorch's default): until the next backward they take
+            // no memory, so the forward's activations never sit beside last step's gradients.
             for p in &params {
-                let mut p = p.shallow_clone();
-                p.zero_grad();
+                kernels::autograd::clear_grad(p);
             }
             times.optim_s += t2.elapsed().as_secs_f64();
             state.window.steps += 1;

@@ -20,3 +20,9 @@ extern "C" int dflash_backward(const at::Tensor* const* tensors, const at::Tenso
     return 1;
   }
 }
+
+// Drop a tensor's gradient (PyTorch's zero_grad(set_to_none=True)): its memory goes back to the
+// allocator until the next backward makes a new one.
+extern "C" void dflash_clear_grad(const at::Tensor* t) {
+  t->mutable_grad() = at::Tensor();
+}

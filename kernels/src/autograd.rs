@@ -6,6 +6,15 @@ use tch::Tensor;
 
 extern "C" {
     fn dflash_backward(tensors: *const *const c_void, grads: *const *const c_void, n: usize, err: *mut c_char, err_len: usize) -> c_int;
+    fn dflash_clear_grad(t: *const c_void);
+}
+
+/// Drop `t`'s gradient, as PyTorch's `zero_grad()` does by default (set_to_none): between a step
+/// and the next backward the gradients then take no memory, which lowers the peak (the forward's
+/// activations and last step's gradients never coexist); the next backward allocates them anew.
+pub fn clear_grad(t: &Tensor) {
+    // SAFETY: a tch handle is an at::Tensor*; the shim resets its gradient slot.
+    unsafe { dflash_clear_grad(t.as_ptr() as *const c_void) }
 }
 
 /// One backward pass from several outputs, each with its gradient (same shape and dtype):
@@ -43,5 +52,9 @@ mod tests {
         assert_eq!(Vec::<f64>::try_from(w.grad()).unwrap(), vec![7.0, 8.0], "a leaf output takes its gradient");
         let err = backward(&[(&y1, &Tensor::ones([2], (Kind::Double, Device::Cpu)))]).unwrap_err();
         assert!(!err.is_empty());
+        clear_grad(&x);
+        assert!(!x.grad().defined(), "cleared");
+        backward(&[(&(&x * 3.0), &g2)]).unwrap();
+        assert_eq!(Vec::<f64>::try_from(x.grad()).unwrap(), vec![3.0; 3], "a fresh gradient, not added to the old one");
     }
 }

@@ -209,7 +209,7 @@ impl DrafterStep {
         let _optimizer = profiler::range("optimizer");
         self.optimizer.step(1.0).into_result().map_err(|e| anyhow!("optimizer step: {e}"))?;
         for p in &self.params {
-            p.shallow_clone().zero_grad();
+            kernels::autograd::clear_grad(p);
         }
         Ok(StepCounts { anchors: anchors.count, anchor_pos_sum, counted: l.count.iter().sum::<i64>() as usize })
     }
