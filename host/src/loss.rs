@@ -6,10 +6,10 @@
 
 use plugin_api::tch::{self, Kind, Tensor};
 
-/// fp32 logits formed at once (one chunk), at most: 768 positions for a 152K vocabulary. A chunk
-/// holds its fp32 logits, their log-softmax and the 16-bit gradient at once (~1.2 GB there),
+/// fp32 logits formed at once (one chunk), at most: 384 positions for a 152K vocabulary. A chunk
+/// holds its fp32 logits, their log-softmax and the 16-bit gradient at once (~0.6 GB there),
 /// on top of every activation the backward will need.
-pub const LOGIT_CHUNK_BYTES: i64 = 1 << 29;
+pub const LOGIT_CHUNK_BYTES: i64 = 1 << 28;
 
 pub struct LossOut {
     /// Scalar, differentiable w.r.t. the block hidden states.
