@@ -54,10 +54,9 @@ pub fn context_visible(anchors: &Tensor, s: i64, block: i64) -> Tensor {
 /// q [B, nh, N, D] (N = A blocks of `block`), k/v [B, nkv, S+N, D] ([context; blocks]), `bias`
 /// from [`context_bias`] -> output [B, nh, N, D] and what the backward needs.
 pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, scale: f64) -> (Tensor, Saved) {
-    let (b, nh, n, d) = size4(q);
+    let (b, nh, n, _) = size4(q);
     let (nkv, s) = (k.size()[1], k.size()[2] - n);
-    let (g, a) = (nh / nkv, n / block);
-    let wk = work_kind(q);
+    let g = nh / nkv;
     let (k_ctx, v_ctx) = (context_for_heads(k, s, g), context_for_heads(v, s, g));
 
     // 1. Context part: the fused kernel's output and log-sum-exp.
@@ -94,15 +93,18 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, sc
 
     // 2. Block part, and the merge: softmax over both key sets from the two log-sum-exps.
     let blocks = Blocks::new(q, k, v, s, block);
-    let s_blk = blocks.scores(scale);
-    let lse_ctx = lse_ctx.view([b, nkv, g, a, block]);
+    let dims = blocks.dims;
+    let s_blk = blocks.scores(scale); // [R, g*Bk, Bk]
+    let lse_ctx = dims.rows(&lse_ctx); // [R, g*Bk]
     let lse = lse_ctx.logaddexp(&s_blk.logsumexp([-1], false));
     let p_blk = (&s_blk - lse.unsqueeze(-1)).exp();
-    let out = (&lse_ctx - &lse).exp().unsqueeze(-1) * o_ctx.to_kind(wk).view([b, nkv, g, a, block, d]) + p_blk.matmul(&blocks.v);
-    // [B, N, nh, D] in memory: the output projection reads it as [B, N, nh*D] without a copy of
-    // its own to keep for its backward.
-    let out = out.view([b, nh, n, d]).to_kind(q.kind()).transpose(1, 2).contiguous().transpose(1, 2);
-    let lse = lse.view([b, nh, n]);
+    let o_blk = blocks.times(&p_blk, &blocks.v); // [R, g*Bk, D]
+    let w_ctx = (&lse_ctx - &lse).exp().view(dims.grouped_shape(1));
+    let merged = dims.grouped_view(&o_ctx) * w_ctx + o_blk.view(dims.grouped_shape(dims.d));
+    // Written out in [B, N, nh, D] memory: the output projection reads it as [B, N, nh*D] without
+    // a copy of its own to keep for its backward.
+    let out = dims.to_bnhd(&merged, q.kind());
+    let lse = dims.ungroup_rows(&lse);
     let saved = Saved {
         q: q.shallow_clone(),
         k: k.shallow_clone(),
@@ -122,7 +124,7 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     let Saved { q, k, v, bias, out, lse, backend, block, scale } = saved;
     let (b, nh, n, d) = size4(q);
     let (nkv, s) = (k.size()[1], k.size()[2] - n);
-    let (g, a) = (nh / nkv, n / block);
+    let g = nh / nkv;
     let wk = work_kind(q);
     let d_out = d_out.to_kind(q.kind()).contiguous();
     // Rebuilt rather than kept from the forward (0.2 GB a layer at the bench shapes).
@@ -165,40 +167,113 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     // 2. Block part: P from the merged log-sum-exp, then softmax backward with the full row's
     //    D = rowsum(dO * O).
     let blocks = Blocks::new(q, k, v, s, *block);
-    let p = (blocks.scores(*scale) - lse.view([b, nkv, g, a, *block, 1])).exp();
-    let d_o = d_out.to_kind(wk).view([b, nkv, g, a, *block, d]);
-    let o = out.to_kind(wk).view([b, nkv, g, a, *block, d]);
-    let row = (&d_o * o).sum_dim_intlist(&[-1i64][..], true, wk);
-    let dv_blk = p.transpose(-1, -2).matmul(&d_o).sum_dim_intlist(&[2i64][..], false, wk);
-    let ds = &p * (d_o.matmul(&blocks.v.transpose(-1, -2)) - row) * *scale;
-    let dq_blk = ds.matmul(&blocks.k).view([b, nh, n, d]);
-    let dk_blk = ds.transpose(-1, -2).matmul(&blocks.q).sum_dim_intlist(&[2i64][..], false, wk);
+    let dims = blocks.dims;
+    let p = (blocks.scores(*scale) - dims.rows(lse).unsqueeze(-1)).exp(); // [R, g*Bk, Bk]
+    let d_o = dims.grouped(&d_out); // [R, g*Bk, D]
+    let row = dims.rows(&(d_out.to_kind(wk) * out).sum_dim_intlist(&[-1i64][..], false, wk));
+    // Rows are (query head, position): products contracting them sum over the g heads too.
+    let dv_blk = blocks.times(&p.transpose(1, 2), &d_o); // [R, Bk, D]
+    let ds = &p * (blocks.times(&d_o, &blocks.v.transpose(1, 2)) - row.unsqueeze(-1)) * *scale;
+    let dq_blk = blocks.times(&ds, &blocks.k); // [R, g*Bk, D]
+    let dk_blk = blocks.times(&ds.transpose(1, 2), &blocks.q); // [R, Bk, D]
 
-    let dq = (dq_ctx.to_kind(wk) + dq_blk).to_kind(q.kind());
-    let cat = |ctx: Tensor, blk: Tensor| Tensor::cat(&[sum_groups(ctx), blk.reshape([b, nkv, n, d])], 2).to_kind(k.kind());
+    // dq_ctx += dq_blk, added in fp32 and rounded once.
+    let dq = dq_ctx.contiguous();
+    let _ = dims.grouped_view(&dq).g_add_(&dq_blk.view(dims.grouped_shape(d)));
+    let cat = |ctx: Tensor, blk: Tensor| Tensor::cat(&[sum_groups(ctx), blk.view([b, nkv, n, d]).to_kind(wk)], 2).to_kind(k.kind());
     (dq, cat(dk_ctx, dk_blk), cat(dv_ctx, dv_blk))
 }
 
-/// The block tokens' q / k / v in fp32, grouped [B, nkv, G, A, Bk, D] (k, v: G = 1).
+/// The block part's shapes. Its rows are grouped by (sequence, kv head, block): R = B*nkv*A
+/// groups, each with the g query heads' Bk positions as g*Bk rows against the block's own Bk
+/// keys, so every product is one batched matmul with no broadcast copies.
+#[derive(Clone, Copy)]
+struct Dims {
+    b: i64,
+    nkv: i64,
+    g: i64,
+    a: i64,
+    block: i64,
+    d: i64,
+}
+
+impl Dims {
+    fn groups(&self) -> i64 {
+        self.b * self.nkv * self.a
+    }
+
+    /// [B, nkv, A, g, Bk, x]: the grouped order, as a 6-d shape.
+    fn grouped_shape(&self, x: i64) -> [i64; 6] {
+        [self.b, self.nkv, self.a, self.g, self.block, x]
+    }
+
+    /// [B, nh, N, x] seen in the grouped order [B, nkv, A, g, Bk, x] (a view).
+    fn grouped_view(&self, t: &Tensor) -> Tensor {
+        let x = t.size()[3];
+        t.view([self.b, self.nkv, self.g, self.a, self.block, x]).permute([0, 1, 3, 2, 4, 5])
+    }
+
+    /// [B, nh, N, x] -> [R, g*Bk, x] (a copy).
+    fn grouped(&self, t: &Tensor) -> Tensor {
+        let x = t.size()[3];
+        self.grouped_view(t).reshape([self.groups(), self.g * self.block, x])
+    }
+
+    /// Per-row values [B, nh, N] -> [R, g*Bk].
+    fn rows(&self, t: &Tensor) -> Tensor {
+        let (b, nkv, g, a, bk) = (self.b, self.nkv, self.g, self.a, self.block);
+        t.view([b, nkv, g, a, bk]).permute([0, 1, 3, 2, 4]).reshape([self.groups(), g * bk])
+    }
+
+    /// [R, g*Bk] -> [B, nh, N].
+    fn ungroup_rows(&self, t: &Tensor) -> Tensor {
+        let (b, nkv, g, a, bk) = (self.b, self.nkv, self.g, self.a, self.block);
+        t.view([b, nkv, a, g, bk]).permute([0, 1, 3, 2, 4]).reshape([b, nkv * g, a * bk])
+    }
+
+    /// A grouped [B, nkv, A, g, Bk, D] result as [B, nh, N, D] in `kind`, [B, N, nh, D] in memory
+    /// (one pass: the cast and the permutation together).
+    fn to_bnhd(&self, t: &Tensor, kind: Kind) -> Tensor {
+        let (b, nkv, g, a, bk, d) = (self.b, self.nkv, self.g, self.a, self.block, self.d);
+        let out = Tensor::empty([b, a, bk, nkv, g, d], (kind, t.device()));
+        let _ = out.permute([0, 3, 1, 4, 2, 5]).copy_(&t.view(self.grouped_shape(d)));
+        out.view([b, a * bk, nkv * g, d]).transpose(1, 2)
+    }
+}
+
+/// The block tokens' q [R, g*Bk, D] and own k / v [R, Bk, D] in the inputs' dtype ([`Dims`]).
 struct Blocks {
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    dims: Dims,
+    /// Some(16-bit dtype) on CUDA: products take 16-bit operands with fp32 accumulation and output,
+    /// as the fused kernels do (probabilities and their gradients rounded to 16 bits first).
+    half: Option<Kind>,
+    wk: Kind,
 }
 
 impl Blocks {
     fn new(q: &Tensor, k: &Tensor, v: &Tensor, s: i64, block: i64) -> Self {
         let (b, nh, n, d) = size4(q);
         let nkv = k.size()[1];
-        let (g, a) = (nh / nkv, n / block);
-        let wk = work_kind(q);
-        let own = |t: &Tensor| t.narrow(2, s, n).to_kind(wk).reshape([b, nkv, 1, a, block, d]);
-        Self { q: q.to_kind(wk).reshape([b, nkv, g, a, block, d]), k: own(k), v: own(v) }
+        let dims = Dims { b, nkv, g: nh / nkv, a: n / block, block, d };
+        let own = |t: &Tensor| t.narrow(2, s, n).reshape([dims.groups(), block, d]);
+        let half = (matches!(q.kind(), Kind::BFloat16 | Kind::Half) && q.device().is_cuda()).then(|| q.kind());
+        Self { q: dims.grouped(q), k: own(k), v: own(v), dims, half, wk: work_kind(q) }
     }
 
-    /// Scaled scores of each block's queries against its own keys [B, nkv, G, A, Bk, Bk].
+    /// a @ b (batched) in fp32, or f64 for f64 inputs.
+    fn times(&self, a: &Tensor, b: &Tensor) -> Tensor {
+        match self.half {
+            Some(kind) => a.to_kind(kind).bmm_dtype(&b.to_kind(kind), Kind::Float),
+            None => a.to_kind(self.wk).bmm(&b.to_kind(self.wk)),
+        }
+    }
+
+    /// Scaled scores of each group's rows against its block's own keys [R, g*Bk, Bk].
     fn scores(&self, scale: f64) -> Tensor {
-        self.q.matmul(&self.k.transpose(-1, -2)) * scale
+        self.times(&self.q, &self.k.transpose(1, 2)) * scale
     }
 }
 
@@ -310,7 +385,7 @@ mod tests {
         let (dq, dk, dv) = tch::no_grad(|| backward(&saved, &d_out));
         for (name, x, y) in [("out", &want, &got), ("dq", &q.grad(), &dq), ("dk", &k.grad(), &dk), ("dv", &v.grad(), &dv)] {
             let err = (x - y).abs().max().double_value(&[]);
-            assert!(err < 1e-6, "{name}: max |diff| {err}");
+            assert!(err < 1e-13, "{name}: max |diff| {err}");
         }
     }
 }
