@@ -101,8 +101,9 @@ fn dflash_forward_loss_and_gradients_match_pytorch() {
     let (ours, theirs) = (out.loss.double_value(&[]), f.get("out.loss").double_value(&[]));
     assert!(((ours - theirs) / theirs).abs() < 1e-5, "loss {ours} vs torch {theirs}");
     let counts: Vec<i64> = Vec::try_from(f.get("out.valid_count")).unwrap();
-    assert_eq!(out.count, counts, "counted labels per position");
-    let acc: Vec<f64> = out.correct.iter().zip(&out.count).map(|(&c, &n)| c as f64 / n as f64).collect();
+    let (correct, count) = out.host_counts();
+    assert_eq!(count, counts, "counted labels per position");
+    let acc: Vec<f64> = correct.iter().zip(&count).map(|(&c, &n)| c as f64 / n as f64).collect();
     let torch_acc: Vec<f64> = Vec::<f32>::try_from(f.get("out.acc")).unwrap().into_iter().map(f64::from).collect();
     assert_eq!(acc, torch_acc);
     assert!((tau_hat(&acc) - f.get("out.tau_hat").double_value(&[])).abs() < 1e-6);

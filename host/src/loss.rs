@@ -14,9 +14,19 @@ pub const LOGIT_CHUNK_BYTES: i64 = 1 << 28;
 pub struct LossOut {
     /// Scalar, differentiable w.r.t. the block hidden states.
     pub loss: Tensor,
-    /// Per block position k = 1..Bk-1: correct top-1 predictions and counted labels.
-    pub correct: Vec<i64>,
-    pub count: Vec<i64>,
+    /// [2, Bk-1] int64 on the loss's device: per block position k = 1..Bk-1, correct top-1
+    /// predictions (row 0) and counted labels (row 1). Left there so the step needs no host
+    /// synchronisation; [`host_counts`](Self::host_counts) fetches them.
+    pub counts: Tensor,
+}
+
+impl LossOut {
+    /// (correct, count) per block position, on the host (a synchronisation).
+    pub fn host_counts(&self) -> (Vec<i64>, Vec<i64>) {
+        let c = self.counts.to_device(tch::Device::Cpu);
+        let row = |i: i64| Vec::<i64>::try_from(c.get(i)).expect("counts");
+        (row(0), row(1))
+    }
 }
 
 pub struct LossInput<'a> {
@@ -91,7 +101,7 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let m = idx.size()[0];
     if m == 0 {
         let zero = x.block_hidden.sum(Kind::Float) * 0.0;
-        return LossOut { loss: zero, correct: vec![0; (bk - 1) as usize], count: vec![0; (bk - 1) as usize] };
+        return LossOut { loss: zero, counts: Tensor::zeros([2, bk - 1], (Kind::Int64, device)) };
     }
     let h = x.block_hidden.reshape([-1, hidden]).index_select(0, &idx); // [M, H]
     let target = labels.flatten(0, -1).index_select(0, &idx);
@@ -141,8 +151,7 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let hit = Tensor::cat(&hits, 0).to_kind(Kind::Int64);
     let correct = Tensor::zeros([bk], (Kind::Int64, device)).index_add(0, &kk, &hit);
     let count = kk.bincount::<&Tensor>(None, bk);
-    let to_vec = |t: Tensor| -> Vec<i64> { Vec::try_from(t.to_device(tch::Device::Cpu).narrow(0, 1, bk - 1)).expect("counts") };
-    LossOut { loss, correct: to_vec(correct), count: to_vec(count) }
+    LossOut { loss, counts: Tensor::stack(&[correct, count], 0).narrow(1, 1, bk - 1) }
 }
 
 /// h @ W^T with fp32 output. For 16-bit inputs on CUDA the GEMM writes fp32 itself (cuBLAS
@@ -237,10 +246,10 @@ mod tests {
             let g = Tensor::run_backward(&[&out.loss], &[&block_hidden], false, false).remove(0);
             let e = (&g - &want_grad).norm().double_value(&[]) / want_grad.norm().double_value(&[]);
             assert!(e < 1e-5, "chunk {chunk}: gradient relative error {e:e}");
-            assert_eq!((&out.correct, &out.count), (&whole.correct, &whole.count), "chunk {chunk}");
+            assert_eq!(out.host_counts(), whole.host_counts(), "chunk {chunk}");
         }
         // Counted: row 0 anchors 9..37 (positions past 39 drop), row 1 anchors 29..38 (response from 30).
-        assert_eq!(whole.count.iter().sum::<i64>(), (3 + 3 + 3 + 3 + 2) + (3 + 3 + 3 + 1));
+        assert_eq!(whole.host_counts().1.iter().sum::<i64>(), (3 + 3 + 3 + 3 + 2) + (3 + 3 + 3 + 1));
         // Without grad the value is the same and nothing is differentiable.
         let plain = tch::no_grad(|| dflash_loss_chunked(&LossInput { block_hidden: &block_hidden.detach(), ..x }, 3));
         assert!((plain.loss.double_value(&[]) - want_loss.double_value(&[])).abs() < 1e-5 * want_loss.double_value(&[]).abs());

@@ -271,7 +271,9 @@ pub struct StepMetrics {
     /// Draft labels per second over the window (the drafter's throughput).
     pub draft_tok_per_s: f64,
     /// Seconds per step over the window: target work summed over workers, drafter forward +
-    /// loss + backward, optimizer (clip + step), and the drafter waiting for features.
+    /// loss + backward, optimizer (clip + step), and the drafter waiting for features. The
+    /// drafter's work is queued without waiting for the GPU; the step's one synchronisation
+    /// (loss, counts and gradient norm, before the optimizer) falls in `optim_s`.
     pub target_s: f64,
     pub drafter_s: f64,
     pub optim_s: f64,
@@ -455,15 +457,16 @@ impl DraftLoss {
     ) -> Result<Drafted, plugin_api::PluginError> {
         let device = self.embedding.device();
         let anchors = self.sampler.sample(loss_mask, draw);
-        let input_ids = input_ids.to_device(device);
-        let anchor_pos = anchors.positions.to_device(device);
+        let input_ids = to_device_async(input_ids, device);
+        let loss_mask = &to_device_async(loss_mask, device);
+        let anchor_pos = to_device_async(&anchors.positions, device);
         let block_ids = block_token_ids(&input_ids, &anchor_pos, self.block_size, self.mask_token_id);
         let block_embeds = tch::no_grad(|| Tensor::embedding(&self.embedding, &block_ids, -1, false, false));
         let input = DraftInput {
-            target_hidden: TensorHandle::new(hidden.to_device(device).to_kind(self.embedding.kind())),
+            target_hidden: TensorHandle::new(to_device_async(hidden, device).to_kind(self.embedding.kind())),
             block_embeds: TensorHandle::new(block_embeds),
             anchors: TensorHandle::new(anchor_pos.shallow_clone()),
-            anchor_valid: TensorHandle::new(anchors.valid.to_device(device)),
+            anchor_valid: TensorHandle::new(to_device_async(&anchors.valid, device)),
         };
         let block_hidden = drafter.forward(&input).into_result()?.into_tensor();
         let loss = dflash_loss(&LossInput {
@@ -499,23 +502,32 @@ impl Drafted {
     }
 }
 
-/// Global gradient norm, clipped to `max_norm` like torch.nn.utils.clip_grad_norm_.
-fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
+/// `t` on `device` without the host waiting: a CPU tensor goes through pinned memory with a
+/// non-blocking copy (a copy from pageable memory first waits for all the GPU work queued).
+fn to_device_async(t: &Tensor, device: tch::Device) -> Tensor {
+    if t.device() == tch::Device::Cpu && device.is_cuda() {
+        t.pin_memory(device).to_device_(device, t.kind(), true, false)
+    } else {
+        t.to_device(device)
+    }
+}
+
+/// Global gradient norm (a scalar on the gradients' device), clipped to `max_norm` as
+/// torch.nn.utils.clip_grad_norm_ does it: the norm of the per-tensor norms, each gradient read
+/// once with fp32 accumulation, then every gradient times min(1, max_norm / (norm + 1e-6)).
+/// Nothing waits for the GPU.
+fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Tensor {
     let _guard = tch::no_grad_guard();
     let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).filter(|g| g.defined()).collect();
     if grads.is_empty() {
-        return 0.0;
+        return Tensor::zeros([], (Kind::Float, tch::Device::Cpu));
     }
-    // As torch.nn.utils.clip_grad_norm_: the norm of the per-tensor norms, each read once in
-    // its own dtype with fp32 accumulation.
     let norms: Vec<Tensor> = grads.iter().map(|g| g.norm_scalaropt_dtype(2.0, Kind::Float)).collect();
-    let total = Tensor::stack(&norms, 0).norm().double_value(&[]);
+    let total = Tensor::stack(&norms, 0).norm();
     if max_norm > 0.0 {
-        let coef = (max_norm / (total + 1e-6)).min(1.0);
-        if coef < 1.0 {
-            for mut g in grads {
-                let _ = g.g_mul_scalar_(coef);
-            }
+        let coef = (max_norm / (&total + 1e-6)).clamp_max(1.0);
+        for mut g in grads {
+            let _ = g.g_mul_(&coef.to_kind(g.kind()));
         }
     }
     total
@@ -717,6 +729,9 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         for step in state.step + 1..=t.steps {
             times.started.get_or_insert_with(Instant::now);
             let mut sums = StepSums { loss: 0.0, tokens: 0, correct: vec![0; block_size as usize - 1], count: vec![0; block_size as usize - 1], stop: false };
+            // Summed on the drafter's device, fetched once with the gradient norm.
+            let mut loss_sum = Tensor::zeros([], (Kind::Float, drafter_device));
+            let mut counts = Tensor::zeros([2, block_size - 1], (Kind::Int64, drafter_device));
             let mut last_position = None;
             for _ in 0..t.grad_accum {
                 let ready = feed.next()?.ok_or_else(|| anyhow!("pipeline ended before step {step}"))?;
@@ -730,13 +745,9 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                     .compute(drafter, &m.input_ids, &m.loss_mask, &m.hidden, m.index)
                     .map_err(names.err(PluginKind::Drafter, "forward"))?;
                 d.backward(drafter, 1.0 / t.grad_accum as f64).map_err(names.err(PluginKind::Drafter, "backward"))?;
-                let l = &d.loss;
-                sums.loss += l.loss.double_value(&[]);
+                loss_sum += d.loss.loss.detach();
+                counts += &d.loss.counts;
                 sums.tokens += tokens;
-                for k in 0..l.count.len() {
-                    sums.correct[k] += l.correct[k];
-                    sums.count[k] += l.count[k];
-                }
                 times.drafter_s += t1.elapsed().as_secs_f64();
                 last_position = Some(m.position);
             }
@@ -745,6 +756,18 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
             sums.stop = stop.requested().is_some();
             if let Some(comm) = comm.as_deref_mut() {
                 crate::dist::average_gradients(comm, &params)?;
+            }
+            let grad_norm = clip_grad_norm(&params, t.grad_clip);
+            // The step's one synchronisation: loss, gradient norm and accuracy counts in one copy.
+            let host = Vec::<f64>::try_from(
+                Tensor::cat(&[loss_sum.view([1]).to_kind(Kind::Double), grad_norm.to_device(drafter_device).view([1]).to_kind(Kind::Double), counts.flatten(0, -1).to_kind(Kind::Double)], 0)
+                    .to_device(Device::Cpu),
+            )?;
+            let (grad_norm, n) = (host[1], block_size as usize - 1);
+            sums.loss = host[0];
+            sums.correct = host[2..2 + n].iter().map(|&c| c as i64).collect();
+            sums.count = host[2 + n..].iter().map(|&c| c as i64).collect();
+            if let Some(comm) = comm.as_deref_mut() {
                 sums.all_reduce(comm)?;
             }
             let step_loss = sums.loss;
@@ -759,7 +782,6 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
                 w.draft_tokens += sums.count[k] as u64;
                 state.draft_tokens += sums.count[k] as u64;
             }
-            let grad_norm = clip_grad_norm(&params, t.grad_clip);
             let scale = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac);
             let apply = guard.check(step, step_loss, grad_norm).map_err(|e| {
                 anyhow!("{e:#}; stopped, the last good checkpoint is {}", last_ckpt.as_deref().unwrap_or("(none yet)"))

@@ -211,7 +211,10 @@ impl DrafterStep {
         for p in &self.params {
             kernels::autograd::clear_grad(p);
         }
-        Ok(StepCounts { anchors: anchors.count, anchor_pos_sum, counted: l.count.iter().sum::<i64>() as usize })
+        // Counted positions: what the loss saw, fetched after the step is queued (the timing
+        // syncs the device around the step anyway).
+        let counted = l.host_counts().1.iter().sum::<i64>() as usize;
+        Ok(StepCounts { anchors: anchors.count, anchor_pos_sum, counted })
     }
 }
 
