@@ -9,6 +9,9 @@ import argparse
 import bisect
 import collections
 import json
+import signal
+
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # piped into head: stop quietly
 
 
 def load(path):

@@ -186,7 +186,8 @@ fn to_buffer(hidden: Tensor, drafter: Device) -> Tensor {
     if from == drafter || from == Device::Cpu {
         return hidden;
     }
-    let mut host = Tensor::empty(hidden.size(), (hidden.kind(), Device::Cpu)).pin_memory(from);
+    let empty = Tensor::empty(hidden.size(), (hidden.kind(), Device::Cpu));
+    let mut host = kernels::autograd::pinned(&empty).unwrap_or(empty);
     host.copy_(&hidden);
     host
 }
@@ -505,10 +506,12 @@ impl Drafted {
 /// `t` on `device` without the host waiting: a CPU tensor goes through pinned memory with a
 /// non-blocking copy (a copy from pageable memory first waits for all the GPU work queued).
 fn to_device_async(t: &Tensor, device: tch::Device) -> Tensor {
-    if t.device() == tch::Device::Cpu && device.is_cuda() {
-        t.pin_memory(device).to_device_(device, t.kind(), true, false)
-    } else {
-        t.to_device(device)
+    match (t.device(), device.is_cuda()) {
+        (tch::Device::Cpu, true) => match kernels::autograd::pinned(t) {
+            Ok(p) => p.to_device_(device, t.kind(), true, false),
+            Err(_) => t.to_device(device),
+        },
+        _ => t.to_device(device),
     }
 }
 

@@ -26,3 +26,16 @@ extern "C" int dflash_backward(const at::Tensor* const* tensors, const at::Tenso
 extern "C" void dflash_clear_grad(const at::Tensor* t) {
   t->mutable_grad() = at::Tensor();
 }
+
+// A copy of a CPU tensor in pinned (page-locked) memory, so a copy to the GPU can be
+// asynchronous. tch's pin_memory passes a device argument that libtorch 2.11 warns about on every
+// call.
+extern "C" int dflash_pin_memory(const at::Tensor* t, at::Tensor** out, char* err, size_t err_len) {
+  try {
+    *out = new at::Tensor(t->pin_memory());
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(err, err_len, "%s", e.what());
+    return 1;
+  }
+}

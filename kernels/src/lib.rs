@@ -1,6 +1,7 @@
 //! Kernels and libtorch entry points that tch does not bind, through small C++ shims (csrc/).
 //!
-//! - `autograd`: backward from several outputs with their gradients.
+//! - `autograd`: backward from several outputs with their gradients; gradients dropped; pinned
+//!   copies.
 //! - `block_attention`: DFlash block attention split into the context part (libtorch's fused
 //!   attention with a staircase bias) and each block's own keys, merged exactly, with its own
 //!   backward (autograd does not see it: a drafter cuts its graph around it and runs
