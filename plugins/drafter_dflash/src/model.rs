@@ -34,7 +34,8 @@ impl DecoderLayer {
     }
 
     /// `forward` with split block attention, outside autograd: the graph stops at q, k, v and
-    /// restarts at the attention output (a leaf), for the drafter's own backward.
+    /// restarts at the attention output (a leaf), and the MLP keeps only its gate and up
+    /// projections (`Mlp::forward_cut`), for the drafter's own backward.
     fn forward_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, bias: &Tensor, block: i64) -> (Tensor, Cut) {
         let (q, k, v) = self.self_attn.project(&self.input_layernorm.forward(x), ctx, at);
         let attention = kernels::profiler::range("block attention");
