@@ -469,6 +469,7 @@ impl DraftLoss {
             anchors: TensorHandle::new(anchor_pos.shallow_clone()),
             anchor_valid: TensorHandle::new(to_device_async(&anchors.valid, device)),
         };
+        drafter.anchors_on_host(&TensorHandle::new(anchors.positions.shallow_clone())).into_result()?;
         let block_hidden = drafter.forward(&input).into_result()?.into_tensor();
         let loss = dflash_loss(&LossInput {
             block_hidden: &block_hidden,

@@ -4,6 +4,10 @@
 //!   see the keys before its anchor;
 //! - each block's own keys, as small batched matmuls in fp32.
 //!
+//! The context part runs on ranges of whole blocks ([`ContextMask`]): with the anchors known on
+//! the host, each range scores only the context keys its blocks can see (its largest anchor), so
+//! sorted anchors spread over the sequence cost about half of scoring every query against all S.
+//!
 //! The two softmaxes are merged exactly through their log-sum-exps. Masked SDPA over
 //! [context; all blocks] scores every query against all S + A*Bk keys; this scores it against S
 //! + Bk. The backward hands the *merged* output and log-sum-exp to the fused kernel's backward,
@@ -18,13 +22,14 @@ pub struct Saved {
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    bias: Tensor,
+    mask: ContextMask,
     /// The merged output (q's dtype; the tensor returned, [B, N, nh, D] in memory) and
     /// log-sum-exp [B, nh, N] (fp32).
     out: Tensor,
     lse: Tensor,
-    /// Which fused kernel ran the context part, with what its backward wants back.
-    backend: Backend,
+    /// Which fused kernel ran each range's context part, with what its backward wants back
+    /// (None: the range sees no context).
+    backends: Vec<Option<Backend>>,
     block: i64,
     scale: f64,
 }
@@ -51,43 +56,95 @@ pub fn context_visible(anchors: &Tensor, s: i64, block: i64) -> Tensor {
     Tensor::arange(s, (Kind::Int64, anchors.device())).view([1, 1, s]).lt_tensor(&anchor_of_query.unsqueeze(-1))
 }
 
-/// q [B, nh, N, D] (N = A blocks of `block`), k/v [B, nkv, S+N, D] ([context; blocks]), `bias`
-/// from [`context_bias`] -> output [B, nh, N, D] and what the backward needs.
-pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, scale: f64) -> (Tensor, Saved) {
-    let (b, nh, n, _) = size4(q);
+/// The context part's mask: the staircase bias ([`context_bias`]) and the ranges of queries the
+/// fused kernel runs on, each against the first `keys` context keys only.
+pub struct ContextMask {
+    pub bias: Tensor,
+    pub ranges: Vec<QueryRange>,
+}
+
+/// Query rows `start..start + len` (whole blocks) see no context key at or past `keys`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueryRange {
+    pub start: i64,
+    pub len: i64,
+    pub keys: i64,
+}
+
+impl ContextMask {
+    /// One range: every query scored against the whole context (the anchors stay on the device).
+    pub fn whole(anchors: &Tensor, s: i64, block: i64, kind: Kind) -> Self {
+        let n = anchors.size()[1] * block;
+        Self { bias: context_bias(anchors, s, block, kind), ranges: vec![QueryRange { start: 0, len: n, keys: s }] }
+    }
+
+    /// Up to `ranges` runs of whole blocks, each scored against the keys before its largest
+    /// anchor ([`query_ranges`]); `host` holds the same anchors as `anchors`, on the CPU.
+    pub fn ranged(anchors: &Tensor, host: &Tensor, s: i64, block: i64, kind: Kind, ranges: usize) -> Self {
+        let (b, a) = (host.size()[0], host.size()[1]);
+        let flat = Vec::<i64>::try_from(host.to_kind(Kind::Int64).contiguous().view([-1])).expect("int64 anchors");
+        let rows: Vec<&[i64]> = flat.chunks(a.max(1) as usize).take(b as usize).collect();
+        Self { bias: context_bias(anchors, s, block, kind), ranges: query_ranges(&rows, s, block, ranges, KERNEL_TILE) }
+    }
+}
+
+/// The granularity of a [`QueryRange`]: at least `queries` rows (whole blocks), keys rounded up
+/// to a multiple of `keys`.
+#[derive(Clone, Copy, Debug)]
+pub struct Tile {
+    pub queries: i64,
+    pub keys: i64,
+}
+
+/// The fused kernels' tiles: ranges narrower than 128 queries or cut mid-tile save nothing.
+pub const KERNEL_TILE: Tile = Tile { queries: 128, keys: 64 };
+
+/// Split the rows' A anchors each into up to `ranges` runs of whole blocks (the same runs in every
+/// row) and give each run the context keys its blocks see in any row: its largest anchor,
+/// rounded up to `tile.keys` (at most `s`; 0 when every anchor in it is 0).
+pub fn query_ranges(rows: &[&[i64]], s: i64, block: i64, ranges: usize, tile: Tile) -> Vec<QueryRange> {
+    let a = rows.first().map_or(0, |r| r.len());
+    let min_blocks = (tile.queries + block - 1) / block;
+    let per = a.div_ceil(ranges.max(1)).max(min_blocks as usize).clamp(1, a.max(1));
+    (0..a)
+        .step_by(per)
+        .map(|j| {
+            let end = (j + per).min(a);
+            let last = rows.iter().flat_map(|r| &r[j..end]).copied().max().unwrap_or(0);
+            let keys = if last <= 0 { 0 } else { ((last + tile.keys - 1) / tile.keys * tile.keys).min(s) };
+            QueryRange { start: j as i64 * block, len: (end - j) as i64 * block, keys }
+        })
+        .collect()
+}
+
+/// q [B, nh, N, D] (N = A blocks of `block`), k/v [B, nkv, S+N, D] ([context; blocks]), `mask`
+/// of the same anchors -> output [B, nh, N, D] and what the backward needs.
+pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i64, scale: f64) -> (Tensor, Saved) {
+    let (b, nh, n, d) = size4(q);
     let (nkv, s) = (k.size()[1], k.size()[2] - n);
     let g = nh / nkv;
     let (k_ctx, v_ctx) = (context_for_heads(k, s, g), context_for_heads(v, s, g));
 
-    // 1. Context part: the fused kernel's output and log-sum-exp.
-    let (o_ctx, lse_ctx, backend) = if q.device() == Device::Cpu {
-        let (o, lse) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(q, &k_ctx, &v_ctx, 0.0, false, Some(bias), scale);
-        (o, lse, Backend::CpuFlash)
-    } else {
-        let per_head = bias.expand([b, nh, n, s], false);
-        // cuDNN attention is for 16-bit inputs (it returns NaN for fp32 rather than an error).
-        let cudnn = if matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
-            cudnn::forward(q, &k_ctx, &v_ctx, &per_head, scale)
-        } else {
-            Err(format!("{:?} inputs", q.kind()))
-        };
-        match cudnn {
-            Ok((o, lse, backend)) => (o, lse.view([b, nh, n]), backend),
-            Err(e) => {
-                static WARNED: std::sync::Once = std::sync::Once::new();
-                if matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
-                    WARNED.call_once(|| eprintln!("block attention: cuDNN attention unavailable ({e}); using the memory-efficient kernel"));
-                }
-                let (o, lse, seed, offset) =
-                    Tensor::internal_scaled_dot_product_efficient_attention(q, &k_ctx, &v_ctx, Some(&per_head), true, 0.0, false, scale);
-                (o, lse.narrow(2, 0, n), Backend::Efficient { seed, offset })
-            }
+    // 1. Context part: the fused kernel's output and log-sum-exp, range by range.
+    let (mut outs, mut lses, mut backends) = (vec![], vec![], vec![]);
+    for r in &mask.ranges {
+        if r.keys == 0 {
+            outs.push(Tensor::zeros([b, nh, r.len, d], (q.kind(), q.device())));
+            lses.push(Tensor::zeros([b, nh, r.len], (work_kind(q), q.device())));
+            backends.push(None);
+            continue;
         }
-    };
+        let bias = mask.bias.narrow(2, r.start, r.len).narrow(3, 0, r.keys);
+        let (o, lse, backend) = context_forward(&q.narrow(2, r.start, r.len), &k_ctx.narrow(2, 0, r.keys), &v_ctx.narrow(2, 0, r.keys), &bias, scale);
+        outs.push(o);
+        lses.push(lse);
+        backends.push(Some(backend));
+    }
+    let (o_ctx, lse_ctx) = if outs.len() == 1 { (outs.remove(0), lses.remove(0)) } else { (Tensor::cat(&outs, 2), Tensor::cat(&lses, 2)) };
 
     // A block at anchor 0 sees no context: what the kernels return for an all-masked row is not
     // an empty softmax (on CUDA it is not even finite), so make that part weigh nothing.
-    let no_context = bias.select(3, 0).ne(0.0); // key 0 is visible iff the anchor is past it
+    let no_context = mask.bias.select(3, 0).ne(0.0); // key 0 is visible iff the anchor is past it
     let lse_ctx = lse_ctx.masked_fill(&no_context, -1e30);
     let o_ctx = o_ctx.masked_fill(&no_context.unsqueeze(-1), 0.0);
 
@@ -109,19 +166,48 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, block: i64, sc
         q: q.shallow_clone(),
         k: k.shallow_clone(),
         v: v.shallow_clone(),
-        bias: bias.shallow_clone(),
+        mask: ContextMask { bias: mask.bias.shallow_clone(), ranges: mask.ranges.clone() },
         out: out.shallow_clone(),
         lse,
-        backend,
+        backends,
         block,
         scale,
     };
     (out, saved)
 }
 
+/// One range's context part: the output [B, nh, n, D], log-sum-exp [B, nh, n] (fp32) and the
+/// kernel that ran it.
+fn context_forward(q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, bias: &Tensor, scale: f64) -> (Tensor, Tensor, Backend) {
+    let (b, nh, n, _) = size4(q);
+    if q.device() == Device::Cpu {
+        let (o, lse) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(q, k_ctx, v_ctx, 0.0, false, Some(bias), scale);
+        return (o, lse, Backend::CpuFlash);
+    }
+    let per_head = bias.expand([b, nh, n, k_ctx.size()[2]], false);
+    // cuDNN attention is for 16-bit inputs (it returns NaN for fp32 rather than an error).
+    let cudnn = if matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
+        cudnn::forward(q, k_ctx, v_ctx, &per_head, scale)
+    } else {
+        Err(format!("{:?} inputs", q.kind()))
+    };
+    match cudnn {
+        Ok((o, lse, backend)) => (o, lse.view([b, nh, n]), backend),
+        Err(e) => {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            if matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
+                WARNED.call_once(|| eprintln!("block attention: cuDNN attention unavailable ({e}); using the memory-efficient kernel"));
+            }
+            let (o, lse, seed, offset) =
+                Tensor::internal_scaled_dot_product_efficient_attention(q, k_ctx, v_ctx, Some(&per_head), true, 0.0, false, scale);
+            (o, lse.narrow(2, 0, n), Backend::Efficient { seed, offset })
+        }
+    }
+}
+
 /// The gradients (dq, dk, dv) of the loss from `d_out` = dLoss/d(output).
 pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
-    let Saved { q, k, v, bias, out, lse, backend, block, scale } = saved;
+    let Saved { q, k, v, mask, out, lse, backends, block, scale } = saved;
     let (b, nh, n, d) = size4(q);
     let (nkv, s) = (k.size()[1], k.size()[2] - n);
     let g = nh / nkv;
@@ -131,38 +217,23 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     let (k_ctx, v_ctx) = (&context_for_heads(k, s, g), &context_for_heads(v, s, g));
     let out = &out.contiguous();
 
-    // 1. Context part: the fused backward with the merged output and log-sum-exp.
-    let (dq_ctx, dk_ctx, dv_ctx) = match backend {
-        Backend::CpuFlash => Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
-            &d_out, q, k_ctx, v_ctx, out, lse, 0.0, false, Some(bias), *scale,
-        ),
-        Backend::Cudnn { cum_q, cum_k, max_q, max_k, seed, offset } => {
-            // dO and O contiguous [B, nh, N, D], as cuDNN returned O: with other strides its
-            // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200).
-            let lse = lse.view([b, nh, n, 1]).contiguous();
-            let per_head = bias.expand([b, nh, n, s], false);
-            Tensor::internal_scaled_dot_product_cudnn_attention_backward(
-                &d_out, q, k_ctx, v_ctx, out, &lse, seed, offset, &per_head, cum_q, cum_k, *max_q, *max_k, 0.0, false, *scale,
-            )
-        }
-        Backend::Efficient { seed, offset } => {
-            // The kernel's own layout, [B, M, heads, D], as libtorch's SDPA backward passes it.
-            let t = |x: &Tensor| x.transpose(1, 2);
-            // The kernel keeps log-sum-exps padded to 32 queries.
-            let lse_padded = Tensor::zeros([b, nh, (n + 31) / 32 * 32], (Kind::Float, q.device()));
-            lse_padded.narrow(2, 0, n).copy_(lse);
-            // dO and O contiguous in that layout: with other strides the kernel's D = rowsum(dO * O)
-            // comes out wrong (measured on the H200, scripts/probe_efficient_attention.py).
-            let (d_out_t, out_t) = (t(&d_out).contiguous(), t(out).contiguous());
-            let per_head = bias.expand([b, nh, n, s], false);
-            let (dq, dk, dv, _) = Tensor::internal_efficient_attention_backward(
-                &d_out_t, &t(q), &t(k_ctx), &t(v_ctx), Some(&per_head), &out_t, None::<&Tensor>, None,
-                n, s, &lse_padded, 0.0, seed, offset, 0, false, *scale, None, None, false,
-            );
-            (t(&dq), t(&dk), t(&dv))
-        }
-    };
-    let sum_groups = |x: Tensor| x.view([b, nkv, g, s, d]).sum_dim_intlist(&[2i64][..], false, wk);
+    // 1. Context part, range by range: the fused backward with the merged output and
+    //    log-sum-exp. dk and dv add up over the ranges (each reads a prefix of the keys).
+    let dq = Tensor::zeros([b, nh, n, d], (q.kind(), q.device()));
+    let dk_ctx = Tensor::zeros([b, nkv, s, d], (wk, q.device()));
+    let dv_ctx = Tensor::zeros([b, nkv, s, d], (wk, q.device()));
+    for (r, backend) in mask.ranges.iter().zip(backends) {
+        let Some(backend) = backend else { continue };
+        let rows = |t: &Tensor| t.narrow(2, r.start, r.len);
+        let keys = |t: &Tensor| t.narrow(2, 0, r.keys);
+        let bias = mask.bias.narrow(2, r.start, r.len).narrow(3, 0, r.keys);
+        let (dq_r, dk_r, dv_r) =
+            context_backward(backend, &rows(&d_out), &rows(q), &keys(k_ctx), &keys(v_ctx), &rows(out), &rows(lse), &bias, *scale);
+        let _ = rows(&dq).copy_(&dq_r);
+        let sum_groups = |x: Tensor| x.view([b, nkv, g, r.keys, d]).sum_dim_intlist(&[2i64][..], false, wk);
+        let _ = keys(&dk_ctx).g_add_(&sum_groups(dk_r));
+        let _ = keys(&dv_ctx).g_add_(&sum_groups(dv_r));
+    }
 
     // 2. Block part: P from the merged log-sum-exp, then softmax backward with the full row's
     //    D = rowsum(dO * O).
@@ -178,10 +249,47 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     let dk_blk = blocks.times(&ds.transpose(1, 2), &blocks.q); // [R, Bk, D]
 
     // dq_ctx += dq_blk, added in fp32 and rounded once.
-    let dq = dq_ctx.contiguous();
     let _ = dims.grouped_view(&dq).g_add_(&dq_blk.view(dims.grouped_shape(d)));
-    let cat = |ctx: Tensor, blk: Tensor| Tensor::cat(&[sum_groups(ctx), blk.view([b, nkv, n, d]).to_kind(wk)], 2).to_kind(k.kind());
+    let cat = |ctx: Tensor, blk: Tensor| Tensor::cat(&[ctx, blk.view([b, nkv, n, d]).to_kind(wk)], 2).to_kind(k.kind());
     (dq, cat(dk_ctx, dk_blk), cat(dv_ctx, dv_blk))
+}
+
+/// One range's context backward: (dq, dk, dv) with dk and dv per query head [B, nh, keys, D].
+#[allow(clippy::too_many_arguments)]
+fn context_backward(
+    backend: &Backend, d_out: &Tensor, q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, out: &Tensor, lse: &Tensor, bias: &Tensor, scale: f64,
+) -> (Tensor, Tensor, Tensor) {
+    let (b, nh, n, _) = size4(q);
+    let s = k_ctx.size()[2];
+    let per_head = || bias.expand([b, nh, n, s], false);
+    match backend {
+        Backend::CpuFlash => Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out, q, k_ctx, v_ctx, out, &lse.contiguous(), 0.0, false, Some(bias), scale,
+        ),
+        Backend::Cudnn { cum_q, cum_k, max_q, max_k, seed, offset } => {
+            // dO and O contiguous [B, nh, n, D], as cuDNN returned O: with other strides its
+            // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200).
+            let lse = lse.contiguous().view([b, nh, n, 1]);
+            Tensor::internal_scaled_dot_product_cudnn_attention_backward(
+                &d_out.contiguous(), q, k_ctx, v_ctx, &out.contiguous(), &lse, seed, offset, &per_head(), cum_q, cum_k, *max_q, *max_k, 0.0, false, scale,
+            )
+        }
+        Backend::Efficient { seed, offset } => {
+            // The kernel's own layout, [B, M, heads, D], as libtorch's SDPA backward passes it.
+            let t = |x: &Tensor| x.transpose(1, 2);
+            // The kernel keeps log-sum-exps padded to 32 queries.
+            let lse_padded = Tensor::zeros([b, nh, (n + 31) / 32 * 32], (Kind::Float, q.device()));
+            lse_padded.narrow(2, 0, n).copy_(lse);
+            // dO and O contiguous in that layout: with other strides the kernel's D = rowsum(dO * O)
+            // comes out wrong (measured on the H200, scripts/probe_efficient_attention.py).
+            let (d_out_t, out_t) = (t(d_out).contiguous(), t(out).contiguous());
+            let (dq, dk, dv, _) = Tensor::internal_efficient_attention_backward(
+                &d_out_t, &t(q), &t(k_ctx), &t(v_ctx), Some(&per_head()), &out_t, None::<&Tensor>, None,
+                n, s, &lse_padded, 0.0, seed, offset, 0, false, scale, None, None, false,
+            );
+            (t(&dq), t(&dk), t(&dv))
+        }
+    }
 }
 
 /// The block part's shapes. Its rows are grouped by (sequence, kv head, block): R = B*nkv*A
@@ -364,12 +472,13 @@ mod tests {
     use super::*;
 
     /// Split attention equals masked SDPA over [context; blocks], forward and gradients, with GQA,
-    /// a block at anchor 0 (no context) and one at the last position.
+    /// blocks at anchor 0 (no context) and at the last position: over the whole context, and in
+    /// ranges that score fewer keys, one of them none.
     #[test]
     fn split_attention_equals_masked_sdpa() {
         let (b, nh, nkv, d, s, block) = (2, 4, 2, 8, 11, 4);
-        let anchors = Tensor::from_slice(&[0i64, 3, 10, 5, 6, 9]).view([2, 3]);
-        let n = 3 * block;
+        let anchors = Tensor::from_slice(&[0i64, 0, 3, 10, 0, 5, 6, 9]).view([2, 4]);
+        let n = 4 * block;
         let opts = (Kind::Double, Device::Cpu);
         let q = Tensor::randn([b, nh, n, d], opts).set_requires_grad(true);
         let k = Tensor::randn([b, nkv, s + n, d], opts).set_requires_grad(true);
@@ -380,12 +489,30 @@ mod tests {
         let d_out = Tensor::randn([b, nh, n, d], opts);
         (&want * &d_out).sum(Kind::Double).backward();
 
+        let rows = [&[0i64, 0, 3, 10][..], &[0, 5, 6, 9]];
+        let ranges = query_ranges(&rows, s, block, 4, Tile { queries: block, keys: 2 });
+        let expect = [(0, 4, 0), (4, 4, 6), (8, 4, 6), (12, 4, 10)];
+        let expect: Vec<_> = expect.iter().map(|&(start, len, keys)| QueryRange { start, len, keys }).collect();
+        assert_eq!(ranges[..], expect[..]);
         let bias = context_bias(&anchors, s, block, Kind::Double);
-        let (got, saved) = tch::no_grad(|| forward(&q.detach(), &k.detach(), &v.detach(), &bias, block, scale));
-        let (dq, dk, dv) = tch::no_grad(|| backward(&saved, &d_out));
-        for (name, x, y) in [("out", &want, &got), ("dq", &q.grad(), &dq), ("dk", &k.grad(), &dk), ("dv", &v.grad(), &dv)] {
-            let err = (x - y).abs().max().double_value(&[]);
-            assert!(err < 1e-13, "{name}: max |diff| {err}");
+        let masks = [ContextMask::whole(&anchors, s, block, Kind::Double), ContextMask { bias, ranges }];
+        for mask in masks {
+            let (got, saved) = tch::no_grad(|| forward(&q.detach(), &k.detach(), &v.detach(), &mask, block, scale));
+            let (dq, dk, dv) = tch::no_grad(|| backward(&saved, &d_out));
+            for (name, x, y) in [("out", &want, &got), ("dq", &q.grad(), &dq), ("dk", &k.grad(), &dk), ("dv", &v.grad(), &dv)] {
+                let err = (x - y).abs().max().double_value(&[]);
+                assert!(err < 1e-13, "{name} ({:?}): max |diff| {err}", mask.ranges);
+            }
         }
+    }
+
+    /// Ranges hold at least a tile of queries, keys round up to the tile and stop at S.
+    #[test]
+    fn query_ranges_follow_the_tiles() {
+        let row: Vec<i64> = (0..40).map(|j| j * 10).collect(); // anchors 0..390
+        let r = query_ranges(&[&row], 400, 16, 8, KERNEL_TILE); // 8 blocks (128 queries) a range
+        let got: Vec<_> = r.iter().map(|r| (r.start, r.len, r.keys)).collect();
+        assert_eq!(got, [(0, 128, 128), (128, 128, 192), (256, 128, 256), (384, 128, 320), (512, 128, 400)]);
+        assert_eq!(query_ranges(&[&row], 400, 16, 1, KERNEL_TILE), [QueryRange { start: 0, len: 640, keys: 400 }]);
     }
 }

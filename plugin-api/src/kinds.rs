@@ -146,6 +146,15 @@ pub trait Drafter: Send {
         let _ = grad;
         RResult::RErr(PluginError::new("this drafter returned a leaf from forward but has no backward"))
     }
+
+    /// The next training `forward`'s anchors [B, A] again, on the CPU, given just before it (ABI
+    /// 1.2). A drafter whose kernel shapes depend on where the blocks start (how many context keys
+    /// each run of blocks can see) reads them here instead of copying them back from the device,
+    /// which would wait for the GPU; others ignore them.
+    fn anchors_on_host(&mut self, anchors: &TensorHandle) -> RResult<(), PluginError> {
+        let _ = anchors;
+        RResult::ROk(())
+    }
 }
 
 /// The optimizer: owns per-parameter state, updates parameters in place from their `.grad`.

@@ -1,7 +1,8 @@
 //! `bench attention`: one layer's DFlash block attention at real shapes, masked SDPA (what the
-//! drafter runs by default) next to split attention (`kernels::block_attention`): first checked
-//! against an fp32 masked-SDPA reference (forward and the three gradients), then timed in bf16,
-//! forward and forward + backward, in the same process.
+//! drafter runs by default) next to split attention (`kernels::block_attention`), over the whole
+//! context and in runs of blocks that score only the keys they see: first checked against an fp32
+//! masked-SDPA reference (forward and the three gradients), then timed in bf16, forward and
+//! forward + backward, in the same process.
 
 use anyhow::Result;
 use kernels::block_attention;
@@ -41,12 +42,17 @@ pub struct Report {
     /// (on the first sequence).
     pub error_split_f32: [f64; 4],
     pub error_split_bf16: [f64; 4],
+    /// Split attention in the drafter's runs of blocks (`CONTEXT_RANGES`), bf16.
+    pub error_ranged_bf16: [f64; 4],
     pub error_masked_bf16: [f64; 4],
     /// Milliseconds, bf16.
     pub masked_fwd_ms: f64,
     pub masked_fwd_bwd_ms: f64,
     pub split_fwd_ms: f64,
     pub split_fwd_bwd_ms: f64,
+    /// Split attention in runs of blocks: (runs asked for, runs made, forward ms, forward +
+    /// backward ms).
+    pub ranged: Vec<(usize, usize, f64, f64)>,
     /// Forward + backward FLOPs of the keys each query needs (context before its anchor + its
     /// block), and the useful TFLOP/s of each.
     pub useful_tflop: f64,
@@ -103,11 +109,19 @@ impl Problem {
         vec![out, q.grad(), k.grad(), v.grad()]
     }
 
-    fn split(&self, sh: &Shape, kind: Kind, backward: bool) -> Vec<Tensor> {
+    /// The context mask over the whole context (`ranges` = 1) or in up to `ranges` runs.
+    fn mask(&self, sh: &Shape, kind: Kind, ranges: usize) -> block_attention::ContextMask {
+        match ranges {
+            1 => block_attention::ContextMask::whole(&self.anchors, sh.context, sh.block, kind),
+            r => block_attention::ContextMask::ranged(&self.anchors, &self.anchors.to_device(Device::Cpu), sh.context, sh.block, kind, r),
+        }
+    }
+
+    fn split(&self, sh: &Shape, kind: Kind, backward: bool, ranges: usize) -> Vec<Tensor> {
         tch::no_grad(|| {
             let (q, k, v) = self.inputs(kind, false);
-            let bias = block_attention::context_bias(&self.anchors, sh.context, sh.block, kind);
-            let (out, saved) = block_attention::forward(&q, &k, &v, &bias, sh.block, self.scale);
+            let mask = self.mask(sh, kind, ranges);
+            let (out, saved) = block_attention::forward(&q, &k, &v, &mask, sh.block, self.scale);
             if !backward {
                 return vec![out];
             }
@@ -147,12 +161,14 @@ pub fn attention(sh: &Shape) -> Result<Report> {
     // Checked on one sequence: the fp32 reference's mask alone is 12 GB a sequence.
     let low = if device == Device::Cpu { Kind::Float } else { Kind::BFloat16 };
     let one = Shape { batch: 1, ..sh.clone() };
-    let (error_split_f32, error_split_bf16, error_masked_bf16) = {
+    let runs = drafter_dflash::model::CONTEXT_RANGES;
+    let (error_split_f32, error_split_bf16, error_ranged_bf16, error_masked_bf16) = {
         let p = Problem::new(&one, device);
         let reference = p.masked(&one, Kind::Float, true);
         (
-            errors(&p.split(&one, Kind::Float, true), &reference),
-            errors(&p.split(&one, low, true), &reference),
+            errors(&p.split(&one, Kind::Float, true, 1), &reference),
+            errors(&p.split(&one, low, true, 1), &reference),
+            errors(&p.split(&one, low, true, runs), &reference),
             errors(&p.masked(&one, low, true), &reference),
         )
     };
@@ -161,8 +177,15 @@ pub fn attention(sh: &Shape) -> Result<Report> {
     let it = sh.iters;
     let masked_fwd_ms = time(device, it, || drop(tch::no_grad(|| p.masked(sh, low, false))));
     let masked_fwd_bwd_ms = time(device, it, || drop(p.masked(sh, low, true)));
-    let split_fwd_ms = time(device, it, || drop(p.split(sh, low, false)));
-    let split_fwd_bwd_ms = time(device, it, || drop(p.split(sh, low, true)));
+    let split_fwd_ms = time(device, it, || drop(p.split(sh, low, false, 1)));
+    let split_fwd_bwd_ms = time(device, it, || drop(p.split(sh, low, true, 1)));
+    let ranged = [2, 4, 8, 16]
+        .into_iter()
+        .map(|r| {
+            let made = p.mask(sh, low, r).ranges.len();
+            (r, made, time(device, it, || drop(p.split(sh, low, false, r))), time(device, it, || drop(p.split(sh, low, true, r))))
+        })
+        .collect();
 
     // Keys a query needs: its anchor's context + its block; 4 FLOPs per (query, key, dim) forward
     // (QK^T and PV), 2.5x that for forward + backward.
@@ -176,11 +199,13 @@ pub fn attention(sh: &Shape) -> Result<Report> {
         ),
         error_split_f32,
         error_split_bf16,
+        error_ranged_bf16,
         error_masked_bf16,
         masked_fwd_ms,
         masked_fwd_bwd_ms,
         split_fwd_ms,
         split_fwd_bwd_ms,
+        ranged,
         useful_tflop,
         masked_tflops: useful_tflop / masked_fwd_bwd_ms * 1e3,
         split_tflops: useful_tflop / split_fwd_bwd_ms * 1e3,
@@ -192,8 +217,13 @@ pub fn print(r: &Report) {
     let e = |x: &[f64; 4]| format!("out {:.1e}  dq {:.1e}  dk {:.1e}  dv {:.1e}", x[0], x[1], x[2], x[3]);
     println!("  error vs fp32 masked SDPA: split fp32 {}", e(&r.error_split_f32));
     println!("                             split low  {}", e(&r.error_split_bf16));
+    println!("                             ranged low {}", e(&r.error_ranged_bf16));
     println!("                             masked low {}", e(&r.error_masked_bf16));
     println!("  masked SDPA: forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.masked_fwd_ms, r.masked_fwd_bwd_ms, r.masked_tflops);
     println!("  split:       forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.split_fwd_ms, r.split_fwd_bwd_ms, r.split_tflops);
+    for &(asked, made, fwd, fwd_bwd) in &r.ranged {
+        let tflops = r.useful_tflop / fwd_bwd * 1e3;
+        println!("  split, {asked:>2} runs ({made:>2} made): forward {fwd:.2} ms, forward + backward {fwd_bwd:.2} ms ({tflops:.1} useful TFLOP/s)");
+    }
     println!("  split vs masked: forward {:.2}x, forward + backward {:.2}x", r.masked_fwd_ms / r.split_fwd_ms, r.masked_fwd_bwd_ms / r.split_fwd_bwd_ms);
 }

@@ -50,8 +50,9 @@ pub struct DrafterSection {
     #[serde(default)]
     pub checkpoint_layers: bool,
     /// Block attention in training: "split" (default: the context through libtorch's fused
-    /// kernel with a staircase bias, each block's own keys apart, merged exactly; S + Bk keys a
-    /// query) or "masked" (one SDPA over [context; all blocks] with a mask; S + A*Bk keys).
+    /// kernel with a staircase bias, in runs of blocks that each score only the keys before their
+    /// last anchor; each block's own keys apart, merged exactly) or "masked" (one SDPA over
+    /// [context; all blocks] with a mask; S + A*Bk keys a query).
     #[serde(default)]
     pub attention: AttentionKind,
 }
@@ -120,12 +121,14 @@ pub struct DFlashPlugin {
     mode: model::TrainMode,
     /// The last training forward's tape, for its backward.
     pending: Option<model::Tape>,
+    /// The next forward's anchors on the CPU (`anchors_on_host`), used by that forward only.
+    host_anchors: Option<plugin_api::tch::Tensor>,
 }
 
 impl DFlashPlugin {
     pub fn new(cfg: &DFlashConfig, device: Device, kind: Kind) -> Self {
         let (vs, model) = model::build(cfg, device, kind);
-        Self { vs, model, mode: model::TrainMode::default(), pending: None }
+        Self { vs, model, mode: model::TrainMode::default(), pending: None, host_anchors: None }
     }
 
     pub fn with_mode(mut self, mode: model::TrainMode) -> Self {
@@ -167,14 +170,20 @@ impl Drafter for DFlashPlugin {
         plugin_api::catch_plugin_panic(|| {
             let (th, emb, anchors) = (input.target_hidden.tensor(), input.block_embeds.tensor(), input.anchors.tensor());
             self.pending = None;
+            let host_anchors = self.host_anchors.take();
             if self.mode.own_backward() && grad_enabled() {
-                let (out, tape) = self.model.forward_train(&th, &emb, &anchors, self.mode);
+                let (out, tape) = self.model.forward_train(&th, &emb, &anchors, host_anchors.as_ref(), self.mode);
                 self.pending = Some(tape);
                 return Ok(TensorHandle::new(out));
             }
             Ok(TensorHandle::new(self.model.forward(&th, &emb, &anchors)))
         })
         .into()
+    }
+
+    fn anchors_on_host(&mut self, anchors: &TensorHandle) -> RResult<(), PluginError> {
+        self.host_anchors = Some(anchors.tensor());
+        RResult::ROk(())
     }
 
     fn backward(&mut self, grad: &TensorHandle) -> RResult<(), PluginError> {

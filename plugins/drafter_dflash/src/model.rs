@@ -8,6 +8,10 @@ use drafter_layers::layers::{linear, Attention, AttentionInputs, Mlp, MlpCut, Rm
 use kernels::block_attention;
 use plugin_api::tch::{self as tch, nn, nn::Module, Device, Kind, Tensor};
 
+/// How many runs of blocks split attention cuts the queries into when the anchors are known on
+/// the host (8 at 512 anchors: 64 blocks, 1024 queries a run; measured in docs/BENCHMARKS.md).
+pub const CONTEXT_RANGES: usize = 8;
+
 #[derive(Debug)]
 struct DecoderLayer {
     self_attn: Attention,
@@ -36,10 +40,10 @@ impl DecoderLayer {
     /// `forward` with split block attention, outside autograd: the graph stops at q, k, v and
     /// restarts at the attention output (a leaf), and the MLP keeps only its gate and up
     /// projections (`Mlp::forward_cut`), for the drafter's own backward.
-    fn forward_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, bias: &Tensor, block: i64) -> (Tensor, Cut) {
+    fn forward_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, mask: &block_attention::ContextMask, block: i64) -> (Tensor, Cut) {
         let (q, k, v) = self.self_attn.project(&self.input_layernorm.forward(x), ctx, at);
         let attention = kernels::profiler::range("block attention");
-        let (o, saved) = tch::no_grad(|| block_attention::forward(&q, &k, &v, bias, block, self.self_attn.scale()));
+        let (o, saved) = tch::no_grad(|| block_attention::forward(&q, &k, &v, mask, block, self.self_attn.scale()));
         let o = o.set_requires_grad(true);
         drop(attention);
         let x = x + self.self_attn.output(&o);
@@ -95,21 +99,29 @@ impl DFlashDrafter {
     /// takes the tape. The graph is cut into one segment per layer (and, with split attention,
     /// at each attention output); with checkpointing only each layer's input is kept and the
     /// segment is rebuilt in backward, for one more forward pass of the layers.
-    pub fn forward_train(&self, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor, mode: TrainMode) -> (Tensor, Tape) {
+    ///
+    /// `host_anchors`, the same anchors on the CPU, let split attention score each run of blocks
+    /// against only the context keys it can see ([`block_attention::ContextMask::ranged`]).
+    pub fn forward_train(
+        &self, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor, host_anchors: Option<&Tensor>, mode: TrainMode,
+    ) -> (Tensor, Tape) {
         let (ctx, at) = self.context(target_hidden, block_embeds, anchors, !mode.split_attention);
         // A leaf for the layers: their gradients w.r.t. the context add up in it.
         let ctx_leaf = ctx.detach().set_requires_grad(true);
-        let (s, bk) = (target_hidden.size()[1], self.cfg.block_size as i64);
-        let bias = mode.split_attention.then(|| block_attention::context_bias(anchors, s, bk, block_embeds.kind()));
+        let (s, bk, kind) = (target_hidden.size()[1], self.cfg.block_size as i64, block_embeds.kind());
+        let mask = mode.split_attention.then(|| match host_anchors {
+            Some(host) => block_attention::ContextMask::ranged(anchors, host, s, bk, kind, CONTEXT_RANGES),
+            None => block_attention::ContextMask::whole(anchors, s, bk, kind),
+        });
         let mut x = block_embeds.shallow_clone();
         let mut kept = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
             let _range = kernels::profiler::range(&format!("layer {i}"));
             if mode.checkpoint_layers {
                 kept.push(Kept::Input(x.shallow_clone()));
-                x = tch::no_grad(|| self.segment(i, layer, &x, &ctx_leaf, &at, bias.as_ref()).y);
+                x = tch::no_grad(|| self.segment(i, layer, &x, &ctx_leaf, &at, mask.as_ref()).y);
             } else {
-                let seg = self.segment(i, layer, &x, &ctx_leaf, &at, bias.as_ref());
+                let seg = self.segment(i, layer, &x, &ctx_leaf, &at, mask.as_ref());
                 x = seg.y.detach();
                 kept.push(Kept::Segment(seg));
             }
@@ -117,18 +129,18 @@ impl DFlashDrafter {
         let last = x.detach().set_requires_grad(true);
         let out = self.norm.forward(&last);
         let leaf = out.detach().set_requires_grad(true);
-        (leaf, Tape { ctx, ctx_leaf, at, bias, kept, last, out })
+        (leaf, Tape { ctx, ctx_leaf, at, mask, kept, last, out })
     }
 
     /// Gradients from `grad` = dLoss/d(output) into the parameters, last layer first.
     pub fn backward(&self, tape: Tape, grad: &Tensor) {
-        let Tape { ctx, ctx_leaf, at, bias, kept, last, out } = tape;
+        let Tape { ctx, ctx_leaf, at, mask, kept, last, out } = tape;
         pull(&[(&out, grad)]);
         let mut g = last.grad();
         for (i, (layer, k)) in self.layers.iter().zip(kept).enumerate().rev() {
             let _range = kernels::profiler::range(&format!("layer {i}"));
             let seg = match k {
-                Kept::Input(x) => self.segment(i, layer, &x, &ctx_leaf, &at, bias.as_ref()),
+                Kept::Input(x) => self.segment(i, layer, &x, &ctx_leaf, &at, mask.as_ref()),
                 Kept::Segment(seg) => seg,
             };
             // The output's gradient, and with a cut layer the MLP's written-out backward, in one
@@ -149,12 +161,12 @@ impl DFlashDrafter {
     }
 
     /// Layer `i` on `x` (made a leaf): plain, or cut at the attention output.
-    fn segment(&self, i: usize, layer: &DecoderLayer, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, bias: Option<&Tensor>) -> Segment {
+    fn segment(&self, i: usize, layer: &DecoderLayer, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, mask: Option<&block_attention::ContextMask>) -> Segment {
         let x = x.detach().set_requires_grad(i > 0);
-        match bias {
+        match mask {
             None => Segment { y: layer.forward(&x, ctx, at), x, cut: None },
-            Some(bias) => {
-                let (y, cut) = layer.forward_cut(&x, ctx, at, bias, self.cfg.block_size as i64);
+            Some(mask) => {
+                let (y, cut) = layer.forward_cut(&x, ctx, at, mask, self.cfg.block_size as i64);
                 Segment { x, y, cut: Some(cut) }
             }
         }
@@ -186,7 +198,7 @@ pub struct Tape {
     ctx: Tensor,
     ctx_leaf: Tensor,
     at: AttentionInputs,
-    bias: Option<Tensor>,
+    mask: Option<block_attention::ContextMask>,
     kept: Vec<Kept>,
     /// The last layer's output as a leaf, and the final norm of it.
     last: Tensor,

@@ -5,11 +5,11 @@
 mod common;
 
 use drafter_dflash::{model::TrainMode, DFlashPlugin, DrafterSection};
+use kernels::block_attention::{query_ranges, KERNEL_TILE};
 use plugin_api::{
     tch::{self, Device, Kind, Tensor},
     DraftInput, Drafter, TensorHandle,
 };
-
 
 /// Tests seed torch's one global generator: one at a time.
 static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -73,4 +73,47 @@ fn drafting_without_grad_is_the_plain_forward() {
     assert!(a.allclose(&b, 1e-6, 1e-6, false));
     let err = checkpointed.backward(&TensorHandle::new(a)).into_result().unwrap_err();
     assert!(err.to_string().contains("without a training forward"), "{err}");
+}
+
+/// With the anchors on the host, split attention runs the context in runs of blocks, each against
+/// only the keys it sees, and still gives autograd's gradients through masked SDPA.
+#[test]
+fn split_attention_in_runs_of_blocks_gives_autograds_gradients() {
+    let _one = SEEDED.lock().unwrap();
+    // 64 blocks of 4 a row over 200 positions: two runs of 32 blocks (128 queries, the tile).
+    let (s, a) = (200i64, 64i64);
+    let rows: Vec<Vec<i64>> = vec![(0..a).map(|j| j * 3).collect(), (0..a).map(|j| (j * 3 + 7).min(s - 1)).collect()];
+    let ranges = query_ranges(&[&rows[0], &rows[1]], s, 4, drafter_dflash::model::CONTEXT_RANGES, KERNEL_TILE);
+    assert_eq!(ranges.len(), 2);
+    assert!(ranges[0].keys < s, "{ranges:?}");
+    let anchors = Tensor::from_slice(&rows.concat()).view([2, a]);
+    let input = || {
+        tch::manual_seed(13);
+        let opts = (Kind::Float, Device::Cpu);
+        DraftInput {
+            target_hidden: TensorHandle::new(Tensor::randn([2, s, 32], opts)),
+            block_embeds: TensorHandle::new(Tensor::randn([2, a * 4, 16], opts)),
+            anchors: TensorHandle::new(anchors.shallow_clone()),
+            anchor_valid: TensorHandle::new(Tensor::ones([2, a], (Kind::Bool, Device::Cpu))),
+        }
+    };
+    let grads = |d: &mut DFlashPlugin, host: bool| {
+        if host {
+            d.anchors_on_host(&TensorHandle::new(anchors.copy())).unwrap();
+        }
+        let out = d.forward(&input()).unwrap().tensor();
+        let w = Tensor::randn(out.size(), (Kind::Float, Device::Cpu));
+        (&out * &w).sum(Kind::Float).backward();
+        if out.is_leaf() {
+            d.backward(&TensorHandle::new(out.grad())).unwrap();
+        }
+        d.parameters().into_iter().map(|p| (p.name.to_string(), p.tensor.tensor().grad().copy())).collect::<Vec<_>>()
+    };
+    let plain = grads(&mut drafter(TrainMode::default()), false);
+    let runs = grads(&mut drafter(TrainMode { split_attention: true, checkpoint_layers: false }), true);
+    for ((name, a), (_, b)) in plain.iter().zip(&runs) {
+        let scale = a.abs().max().double_value(&[]);
+        let err = (a - b).abs().max().double_value(&[]);
+        assert!(scale > 0.0 && err <= 1e-5 * scale, "{name}: max diff {err} vs max grad {scale}");
+    }
 }
