@@ -3,7 +3,9 @@
 export_chrome_trace): GPU time by named range, by the aten op that launched each kernel, and by
 kernel, plus the GPU's idle time inside the traced window.
 
-    python3 scripts/trace_summary.py DIR/drafter_step.trace.json [--top 25]
+    python3 scripts/trace_summary.py DIR/drafter_step.trace.json [--top 25] [--range "backward / layer 2"]
+
+--range keeps only the kernels launched inside named ranges whose path contains the text.
 """
 import argparse
 import bisect
@@ -34,6 +36,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--range", default=None, help="only kernels whose range path contains this")
     args = ap.parse_args()
     events = load(args.trace)
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -68,6 +71,8 @@ def main():
             if outer:
                 # The op the model code called (outermost), and the one that launched (innermost).
                 op = outer[0] if len(outer) == 1 else f"{outer[0]} > {outer[-1]}"
+        if args.range is not None and args.range not in where:
+            continue
         by_range[where] += k["dur"]
         by_op[op] += k["dur"]
         by_kernel[k["name"][:110]] += k["dur"]

@@ -80,9 +80,9 @@ fn drafting_without_grad_is_the_plain_forward() {
 #[test]
 fn split_attention_in_runs_of_blocks_gives_autograds_gradients() {
     let _one = SEEDED.lock().unwrap();
-    // 64 blocks of 4 a row over 200 positions: two runs of 32 blocks (128 queries, the tile).
-    let (s, a) = (200i64, 64i64);
-    let rows: Vec<Vec<i64>> = vec![(0..a).map(|j| j * 3).collect(), (0..a).map(|j| (j * 3 + 7).min(s - 1)).collect()];
+    // 64 blocks of 4 a row over 600 positions: two runs of 32 blocks (128 queries, the tile).
+    let (s, a) = (600i64, 64i64);
+    let rows: Vec<Vec<i64>> = vec![(0..a).map(|j| j * 9).collect(), (0..a).map(|j| j * 9 + 7).collect()];
     let ranges = query_ranges(&[&rows[0], &rows[1]], s, 4, drafter_dflash::model::CONTEXT_RANGES, KERNEL_TILE);
     assert_eq!(ranges.len(), 2);
     assert!(ranges[0].keys < s, "{ranges:?}");
