@@ -2,19 +2,21 @@
 //! - the context keys, through libtorch's fused attention (cuDNN on CUDA in 16-bit, the
 //!   memory-efficient kernel in fp32, flash on the CPU) with a staircase bias: a block's queries
 //!   see the keys before its anchor;
-//! - each block's own keys, as small batched matmuls in fp32.
+//! - each block's own keys: one fused kernel each way on CUDA in bf16 ([`block_part`]), small
+//!   batched matmuls elsewhere.
 //!
 //! The context part runs on ranges of whole blocks ([`ContextMask`]): with the anchors known on
 //! the host, each range scores only the context keys its blocks can see (its largest anchor), so
 //! sorted anchors spread over the sequence cost about half of scoring every query against all S.
 //!
-//! The two softmaxes are merged exactly through their log-sum-exps. Masked SDPA over
-//! [context; all blocks] scores every query against all S + A*Bk keys; this scores it against S
-//! + Bk. The backward hands the *merged* output and log-sum-exp to the fused kernel's backward,
-//! which then yields the context part's exact gradients (as ring attention does), and does the
-//! block part by hand. libtorch's autograd does not see this op: a drafter using it cuts its
-//! graph at the attention output and calls [`backward`] itself (`Drafter::backward`).
+//! The two softmaxes are merged exactly through their log-sum-exps. Masked SDPA over [context;
+//! all blocks] scores every query against all S + A*Bk keys; this scores it against S + Bk. The
+//! backward hands the *merged* output and log-sum-exp to the fused kernel's backward, which then
+//! yields the context part's exact gradients (as ring attention does), and does the block part
+//! itself. libtorch's autograd does not see this op: a drafter using it cuts its graph at the
+//! attention output and calls [`backward`] itself (`Drafter::backward`).
 
+use crate::block_part;
 use tch::{Device, Kind, Tensor};
 
 /// What the backward needs. Tensors as in [`forward`].
@@ -30,6 +32,8 @@ pub struct Saved {
     /// Which fused kernel ran each range's context part, with what its backward wants back
     /// (None: the range sees no context).
     backends: Vec<Option<Backend>>,
+    /// Whether the block part ran as the fused kernel ([`block_part`]).
+    fused: bool,
     block: i64,
     scale: f64,
 }
@@ -59,6 +63,8 @@ pub fn context_visible(anchors: &Tensor, s: i64, block: i64) -> Tensor {
 /// The context part's mask: the staircase bias ([`context_bias`]) and the ranges of queries the
 /// fused kernel runs on, each against the first `keys` context keys only.
 pub struct ContextMask {
+    /// [B, A] on the device.
+    pub anchors: Tensor,
     pub bias: Tensor,
     pub ranges: Vec<QueryRange>,
 }
@@ -75,7 +81,8 @@ impl ContextMask {
     /// One range: every query scored against the whole context (the anchors stay on the device).
     pub fn whole(anchors: &Tensor, s: i64, block: i64, kind: Kind) -> Self {
         let n = anchors.size()[1] * block;
-        Self { bias: context_bias(anchors, s, block, kind), ranges: vec![QueryRange { start: 0, len: n, keys: s }] }
+        let ranges = vec![QueryRange { start: 0, len: n, keys: s }];
+        Self { anchors: anchors.shallow_clone(), bias: context_bias(anchors, s, block, kind), ranges }
     }
 
     /// Up to `ranges` runs of whole blocks, each scored against the keys before its largest
@@ -84,7 +91,8 @@ impl ContextMask {
         let (b, a) = (host.size()[0], host.size()[1]);
         let flat = Vec::<i64>::try_from(host.to_kind(Kind::Int64).contiguous().view([-1])).expect("int64 anchors");
         let rows: Vec<&[i64]> = flat.chunks(a.max(1) as usize).take(b as usize).collect();
-        Self { bias: context_bias(anchors, s, block, kind), ranges: query_ranges(&rows, s, block, ranges, KERNEL_TILE) }
+        let ranges = query_ranges(&rows, s, block, ranges, KERNEL_TILE);
+        Self { anchors: anchors.shallow_clone(), bias: context_bias(anchors, s, block, kind), ranges }
     }
 }
 
@@ -145,13 +153,39 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
     }
     let (o_ctx, lse_ctx) = if outs.len() == 1 { (outs.remove(0), lses.remove(0)) } else { (Tensor::cat(&outs, 2), Tensor::cat(&lses, 2)) };
 
+    // 2. Block part, and the merge: softmax over both key sets from the two log-sum-exps.
+    let fused_out = block_part::applies(q, block)
+        .then(|| block_part::forward(q, k, v, &o_ctx, &lse_ctx, &mask.anchors, block, scale).map_err(|e| warn_unfused(&e)).ok())
+        .flatten();
+    let fused = fused_out.is_some();
+    let (out, lse) = fused_out.unwrap_or_else(|| composite_forward(q, k, v, mask, o_ctx, lse_ctx, s, block, scale));
+    let saved = Saved {
+        q: q.shallow_clone(),
+        k: k.shallow_clone(),
+        v: v.shallow_clone(),
+        mask: ContextMask { anchors: mask.anchors.shallow_clone(), bias: mask.bias.shallow_clone(), ranges: mask.ranges.clone() },
+        fused,
+        out: out.shallow_clone(),
+        lse,
+        backends,
+        block,
+        scale,
+    };
+    (out, saved)
+}
+
+/// The block part and the merge as batched matmuls (the CPU, fp32, and where the fused kernel
+/// does not apply): the merged output [B, nh, N, D] ([B, N, nh, D] in memory) and log-sum-exp.
+#[allow(clippy::too_many_arguments)]
+fn composite_forward(
+    q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, o_ctx: Tensor, lse_ctx: Tensor, s: i64, block: i64, scale: f64,
+) -> (Tensor, Tensor) {
     // A block at anchor 0 sees no context: what the kernels return for an all-masked row is not
     // an empty softmax (on CUDA it is not even finite), so make that part weigh nothing.
     let no_context = mask.bias.select(3, 0).ne(0.0); // key 0 is visible iff the anchor is past it
     let lse_ctx = lse_ctx.masked_fill(&no_context, -1e30);
     let o_ctx = o_ctx.masked_fill(&no_context.unsqueeze(-1), 0.0);
 
-    // 2. Block part, and the merge: softmax over both key sets from the two log-sum-exps.
     let blocks = Blocks::new(q, k, v, s, block);
     let dims = blocks.dims;
     let s_blk = blocks.scores(scale); // [R, g*Bk, Bk]
@@ -163,20 +197,12 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
     let merged = dims.grouped_view(&o_ctx) * w_ctx + o_blk.view(dims.grouped_shape(dims.d));
     // Written out in [B, N, nh, D] memory: the output projection reads it as [B, N, nh*D] without
     // a copy of its own to keep for its backward.
-    let out = dims.to_bnhd(&merged, q.kind());
-    let lse = dims.ungroup_rows(&lse);
-    let saved = Saved {
-        q: q.shallow_clone(),
-        k: k.shallow_clone(),
-        v: v.shallow_clone(),
-        mask: ContextMask { bias: mask.bias.shallow_clone(), ranges: mask.ranges.clone() },
-        out: out.shallow_clone(),
-        lse,
-        backends,
-        block,
-        scale,
-    };
-    (out, saved)
+    (dims.to_bnhd(&merged, q.kind()), dims.ungroup_rows(&lse))
+}
+
+fn warn_unfused(e: &str) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| eprintln!("block attention: the fused block part is unavailable ({e}); using batched matmuls"));
 }
 
 /// One range's context part: the output [B, nh, n, D], log-sum-exp [B, nh, n] (fp32) and the
@@ -210,15 +236,14 @@ fn context_forward(q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, bias: &Tensor, sc
 
 /// The gradients (dq, dk, dv) of the loss from `d_out` = dLoss/d(output).
 pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
-    let Saved { q, k, v, mask, out, lse, backends, block, scale } = saved;
+    let Saved { q, k, v, mask, out, lse, backends, fused, block, scale } = saved;
     let (b, nh, n, d) = size4(q);
     let (nkv, s) = (k.size()[1], k.size()[2] - n);
     let g = nh / nkv;
     let wk = work_kind(q);
-    let d_out = d_out.to_kind(q.kind()).contiguous();
+    let d_out = &d_out.to_kind(q.kind());
     // Rebuilt rather than kept from the forward (0.2 GB a layer at the bench shapes).
     let (k_ctx, v_ctx) = (&context_for_heads(k, s, g), &context_for_heads(v, s, g));
-    let out = &out.contiguous();
 
     // 1. Context part, range by range: the fused backward with the merged output and
     //    log-sum-exp. dk and dv add up over the ranges (each reads a prefix of the keys).
@@ -231,30 +256,52 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
         let keys = |t: &Tensor| t.narrow(2, 0, r.keys);
         let bias = mask.bias.narrow(2, r.start, r.len).narrow(3, 0, r.keys);
         let (dq_r, dk_r, dv_r) =
-            context_backward(backend, &rows(&d_out), &rows(q), &keys(k_ctx), &keys(v_ctx), &rows(out), &rows(lse), &bias, *scale);
-        let _ = rows(&dq).copy_(&dq_r);
+            context_backward(backend, &rows(d_out), &rows(q), &keys(k_ctx), &keys(v_ctx), &rows(out), &rows(lse), &bias, *scale);
+        rows(&dq).copy_(&dq_r);
         let sum_groups = |x: Tensor| x.view([b, nkv, g, r.keys, d]).sum_dim_intlist(&[2i64][..], false, wk);
         let _ = keys(&dk_ctx).g_add_(&sum_groups(dk_r));
         let _ = keys(&dv_ctx).g_add_(&sum_groups(dv_r));
     }
 
-    // 2. Block part: P from the merged log-sum-exp, then softmax backward with the full row's
-    //    D = rowsum(dO * O).
-    let blocks = Blocks::new(q, k, v, s, *block);
-    let dims = blocks.dims;
-    let p = (blocks.scores(*scale) - dims.rows(lse).unsqueeze(-1)).exp(); // [R, g*Bk, Bk]
-    let d_o = dims.grouped(&d_out); // [R, g*Bk, D]
-    let row = dims.rows(&(d_out.to_kind(wk) * out).sum_dim_intlist(&[-1i64][..], false, wk));
-    // Rows are (query head, position): products contracting them sum over the g heads too.
-    let dv_blk = blocks.times(&p.transpose(1, 2), &d_o); // [R, Bk, D]
-    let ds = &p * (blocks.times(&d_o, &blocks.v.transpose(1, 2)) - row.unsqueeze(-1)) * *scale;
-    let dq_blk = blocks.times(&ds, &blocks.k); // [R, g*Bk, D]
-    let dk_blk = blocks.times(&ds.transpose(1, 2), &blocks.q); // [R, Bk, D]
-
+    // 2. Block part: the fused kernel adds to dq and writes the block rows of dk and dv.
+    if *fused {
+        let whole = |ctx: &Tensor| {
+            let t = Tensor::empty([b, nkv, s + n, d], (k.kind(), k.device()));
+            t.narrow(2, 0, s).copy_(ctx);
+            t
+        };
+        let (dk, dv) = (whole(&dk_ctx), whole(&dv_ctx));
+        match block_part::backward(q, k, v, d_out, out, lse, &dq, &dk, &dv, *block, *scale) {
+            Ok(()) => return (dq, dk, dv),
+            Err(e) => warn_unfused(&e),
+        }
+    }
+    let (dq_blk, dk_blk, dv_blk) = composite_backward(q, k, v, d_out, out, lse, s, *block, *scale);
+    let dims = Blocks::dims_of(q, k, *block);
     // dq_ctx += dq_blk, added in fp32 and rounded once.
     let _ = dims.grouped_view(&dq).g_add_(&dq_blk.view(dims.grouped_shape(d)));
     let cat = |ctx: Tensor, blk: Tensor| Tensor::cat(&[ctx, blk.view([b, nkv, n, d]).to_kind(wk)], 2).to_kind(k.kind());
     (dq, cat(dk_ctx, dk_blk), cat(dv_ctx, dv_blk))
+}
+
+/// The block part's backward as batched matmuls: P from the merged log-sum-exp, then softmax
+/// backward with the full row's D = rowsum(dO * O). (dq [R, g*Bk, D], dk and dv [R, Bk, D]) in
+/// the work kind.
+#[allow(clippy::too_many_arguments)]
+fn composite_backward(
+    q: &Tensor, k: &Tensor, v: &Tensor, d_out: &Tensor, out: &Tensor, lse: &Tensor, s: i64, block: i64, scale: f64,
+) -> (Tensor, Tensor, Tensor) {
+    let blocks = Blocks::new(q, k, v, s, block);
+    let (dims, wk) = (blocks.dims, blocks.wk);
+    let p = (blocks.scores(scale) - dims.rows(lse).unsqueeze(-1)).exp(); // [R, g*Bk, Bk]
+    let d_o = dims.grouped(d_out); // [R, g*Bk, D]
+    let row = dims.rows(&(d_out.to_kind(wk) * out).sum_dim_intlist(&[-1i64][..], false, wk));
+    // Rows are (query head, position): products contracting them sum over the g heads too.
+    let dv_blk = blocks.times(&p.transpose(1, 2), &d_o); // [R, Bk, D]
+    let ds = &p * (blocks.times(&d_o, &blocks.v.transpose(1, 2)) - row.unsqueeze(-1)) * scale;
+    let dq_blk = blocks.times(&ds, &blocks.k); // [R, g*Bk, D]
+    let dk_blk = blocks.times(&ds.transpose(1, 2), &blocks.q); // [R, Bk, D]
+    (dq_blk, dk_blk, dv_blk)
 }
 
 /// One range's context backward: (dq, dk, dv) with dk and dv per query head [B, nh, keys, D].
@@ -265,16 +312,17 @@ fn context_backward(
     let (b, nh, n, _) = size4(q);
     let s = k_ctx.size()[2];
     let per_head = || bias.expand([b, nh, n, s], false);
+    // dO and O contiguous [B, nh, n, D], as the kernels return O: with other strides cuDNN's
+    // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200).
+    let (d_out, out) = (&d_out.contiguous(), &out.contiguous());
     match backend {
         Backend::CpuFlash => Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
             d_out, q, k_ctx, v_ctx, out, &lse.contiguous(), 0.0, false, Some(bias), scale,
         ),
         Backend::Cudnn { cum_q, cum_k, max_q, max_k, seed, offset } => {
-            // dO and O contiguous [B, nh, n, D], as cuDNN returned O: with other strides its
-            // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200).
             let lse = lse.contiguous().view([b, nh, n, 1]);
             Tensor::internal_scaled_dot_product_cudnn_attention_backward(
-                &d_out.contiguous(), q, k_ctx, v_ctx, &out.contiguous(), &lse, seed, offset, &per_head(), cum_q, cum_k, *max_q, *max_k, 0.0, false, scale,
+                d_out, q, k_ctx, v_ctx, out, &lse, seed, offset, &per_head(), cum_q, cum_k, *max_q, *max_k, 0.0, false, scale,
             )
         }
         Backend::Efficient { seed, offset } => {
@@ -283,7 +331,7 @@ fn context_backward(
             // The kernel keeps log-sum-exps padded to 32 queries.
             let lse_padded = Tensor::zeros([b, nh, (n + 31) / 32 * 32], (Kind::Float, q.device()));
             lse_padded.narrow(2, 0, n).copy_(lse);
-            // dO and O contiguous in that layout: with other strides the kernel's D = rowsum(dO * O)
+            // dO and O dense in that layout too: with other strides the kernel's D = rowsum(dO * O)
             // comes out wrong (measured on the H200, scripts/probe_efficient_attention.py).
             let (d_out_t, out_t) = (t(d_out).contiguous(), t(out).contiguous());
             let (dq, dk, dv, _) = Tensor::internal_efficient_attention_backward(
@@ -365,11 +413,15 @@ struct Blocks {
 }
 
 impl Blocks {
-    fn new(q: &Tensor, k: &Tensor, v: &Tensor, s: i64, block: i64) -> Self {
+    fn dims_of(q: &Tensor, k: &Tensor, block: i64) -> Dims {
         let (b, nh, n, d) = size4(q);
         let nkv = k.size()[1];
-        let dims = Dims { b, nkv, g: nh / nkv, a: n / block, block, d };
-        let own = |t: &Tensor| t.narrow(2, s, n).reshape([dims.groups(), block, d]);
+        Dims { b, nkv, g: nh / nkv, a: n / block, block, d }
+    }
+
+    fn new(q: &Tensor, k: &Tensor, v: &Tensor, s: i64, block: i64) -> Self {
+        let dims = Self::dims_of(q, k, block);
+        let own = |t: &Tensor| t.narrow(2, s, dims.a * block).reshape([dims.groups(), block, dims.d]);
         let half = (matches!(q.kind(), Kind::BFloat16 | Kind::Half) && q.device().is_cuda()).then(|| q.kind());
         Self { q: dims.grouped(q), k: own(k), v: own(v), dims, half, wk: work_kind(q) }
     }
@@ -498,7 +550,7 @@ mod tests {
         let expect: Vec<_> = expect.iter().map(|&(start, len, keys)| QueryRange { start, len, keys }).collect();
         assert_eq!(ranges[..], expect[..]);
         let bias = context_bias(&anchors, s, block, Kind::Double);
-        let masks = [ContextMask::whole(&anchors, s, block, Kind::Double), ContextMask { bias, ranges }];
+        let masks = [ContextMask::whole(&anchors, s, block, Kind::Double), ContextMask { anchors: anchors.shallow_clone(), bias, ranges }];
         for mask in masks {
             let (got, saved) = tch::no_grad(|| forward(&q.detach(), &k.detach(), &v.detach(), &mask, block, scale));
             let (dq, dk, dv) = tch::no_grad(|| backward(&saved, &d_out));

@@ -1,4 +1,5 @@
-//! Kernels and libtorch entry points that tch does not bind, through small C++ shims (csrc/).
+//! Kernels and libtorch entry points that tch does not bind, through small C++ shims (csrc/),
+//! and CUDA kernels of our own compiled at run time with NVRTC (csrc/*.cu, `nvrtc`).
 //!
 //! - `autograd`: backward from several outputs with their gradients; gradients dropped; pinned
 //!   copies.
@@ -6,10 +7,14 @@
 //!   attention with a staircase bias) and each block's own keys, merged exactly, with its own
 //!   backward (autograd does not see it: a drafter cuts its graph around it and runs
 //!   `Drafter::backward`).
+//! - `block_part`: the block part of it as one CUDA kernel each way (bf16).
+//! - `nvrtc`: compile CUDA C++ at run time and launch it on libtorch's stream (cudarc).
 //! - `optim`: libtorch's fused multi-tensor AdamW.
 //! - `profiler`: libtorch's Kineto profiler (Chrome traces with named ranges), for the benches.
 
 pub mod autograd;
 pub mod block_attention;
+pub mod block_part;
+pub mod nvrtc;
 pub mod optim;
 pub mod profiler;

@@ -42,8 +42,10 @@ pub struct Report {
     /// (on the first sequence).
     pub error_split_f32: [f64; 4],
     pub error_split_bf16: [f64; 4],
-    /// Split attention in the drafter's runs of blocks (`CONTEXT_RANGES`), bf16.
+    /// Split attention in the drafter's runs of blocks (`CONTEXT_RANGES`), bf16: with the fused
+    /// block part (`kernels::block_part`, where it applies) and with the composite.
     pub error_ranged_bf16: [f64; 4],
+    pub error_ranged_composite_bf16: [f64; 4],
     pub error_masked_bf16: [f64; 4],
     /// Milliseconds, bf16.
     pub masked_fwd_ms: f64,
@@ -51,8 +53,10 @@ pub struct Report {
     pub split_fwd_ms: f64,
     pub split_fwd_bwd_ms: f64,
     /// Split attention in runs of blocks: (runs asked for, runs made, forward ms, forward +
-    /// backward ms).
+    /// backward ms), with the fused block part where it applies.
     pub ranged: Vec<(usize, usize, f64, f64)>,
+    /// The drafter's runs with the composite block part: forward ms, forward + backward ms.
+    pub ranged_composite_ms: (f64, f64),
     /// Forward + backward FLOPs of the keys each query needs (context before its anchor + its
     /// block), and the useful TFLOP/s of each.
     pub useful_tflop: f64,
@@ -117,7 +121,9 @@ impl Problem {
         }
     }
 
-    fn split(&self, sh: &Shape, kind: Kind, backward: bool, ranges: usize) -> Vec<Tensor> {
+    /// `fused`: the fused block part where it applies, or the composite.
+    fn split(&self, sh: &Shape, kind: Kind, backward: bool, ranges: usize, fused: bool) -> Vec<Tensor> {
+        kernels::block_part::set_enabled(fused);
         tch::no_grad(|| {
             let (q, k, v) = self.inputs(kind, false);
             let mask = self.mask(sh, kind, ranges);
@@ -162,13 +168,14 @@ pub fn attention(sh: &Shape) -> Result<Report> {
     let low = if device == Device::Cpu { Kind::Float } else { Kind::BFloat16 };
     let one = Shape { batch: 1, ..sh.clone() };
     let runs = drafter_dflash::model::CONTEXT_RANGES;
-    let (error_split_f32, error_split_bf16, error_ranged_bf16, error_masked_bf16) = {
+    let (error_split_f32, error_split_bf16, error_ranged_bf16, error_ranged_composite_bf16, error_masked_bf16) = {
         let p = Problem::new(&one, device);
         let reference = p.masked(&one, Kind::Float, true);
         (
-            errors(&p.split(&one, Kind::Float, true, 1), &reference),
-            errors(&p.split(&one, low, true, 1), &reference),
-            errors(&p.split(&one, low, true, runs), &reference),
+            errors(&p.split(&one, Kind::Float, true, 1, false), &reference),
+            errors(&p.split(&one, low, true, 1, false), &reference),
+            errors(&p.split(&one, low, true, runs, true), &reference),
+            errors(&p.split(&one, low, true, runs, false), &reference),
             errors(&p.masked(&one, low, true), &reference),
         )
     };
@@ -177,15 +184,19 @@ pub fn attention(sh: &Shape) -> Result<Report> {
     let it = sh.iters;
     let masked_fwd_ms = time(device, it, || drop(tch::no_grad(|| p.masked(sh, low, false))));
     let masked_fwd_bwd_ms = time(device, it, || drop(p.masked(sh, low, true)));
-    let split_fwd_ms = time(device, it, || drop(p.split(sh, low, false, 1)));
-    let split_fwd_bwd_ms = time(device, it, || drop(p.split(sh, low, true, 1)));
-    let ranged = [2, 4, 8, 16]
+    let split_fwd_ms = time(device, it, || drop(p.split(sh, low, false, 1, false)));
+    let split_fwd_bwd_ms = time(device, it, || drop(p.split(sh, low, true, 1, false)));
+    let ranged_composite_ms =
+        (time(device, it, || drop(p.split(sh, low, false, runs, false))), time(device, it, || drop(p.split(sh, low, true, runs, false))));
+    let ranged = [1, 2, 4, 8, 16]
         .into_iter()
         .map(|r| {
             let made = p.mask(sh, low, r).ranges.len();
-            (r, made, time(device, it, || drop(p.split(sh, low, false, r))), time(device, it, || drop(p.split(sh, low, true, r))))
+            let fwd = time(device, it, || drop(p.split(sh, low, false, r, true)));
+            (r, made, fwd, time(device, it, || drop(p.split(sh, low, true, r, true))))
         })
         .collect();
+    kernels::block_part::set_enabled(true);
 
     // Keys a query needs: its anchor's context + its block; 4 FLOPs per (query, key, dim) forward
     // (QK^T and PV), 2.5x that for forward + backward.
@@ -200,12 +211,14 @@ pub fn attention(sh: &Shape) -> Result<Report> {
         error_split_f32,
         error_split_bf16,
         error_ranged_bf16,
+        error_ranged_composite_bf16,
         error_masked_bf16,
         masked_fwd_ms,
         masked_fwd_bwd_ms,
         split_fwd_ms,
         split_fwd_bwd_ms,
         ranged,
+        ranged_composite_ms,
         useful_tflop,
         masked_tflops: useful_tflop / masked_fwd_bwd_ms * 1e3,
         split_tflops: useful_tflop / split_fwd_bwd_ms * 1e3,
@@ -217,13 +230,16 @@ pub fn print(r: &Report) {
     let e = |x: &[f64; 4]| format!("out {:.1e}  dq {:.1e}  dk {:.1e}  dv {:.1e}", x[0], x[1], x[2], x[3]);
     println!("  error vs fp32 masked SDPA: split fp32 {}", e(&r.error_split_f32));
     println!("                             split low  {}", e(&r.error_split_bf16));
-    println!("                             ranged low {}", e(&r.error_ranged_bf16));
+    println!("                             ranged low {} (fused block part)", e(&r.error_ranged_bf16));
+    println!("                             ranged low {} (composite)", e(&r.error_ranged_composite_bf16));
     println!("                             masked low {}", e(&r.error_masked_bf16));
     println!("  masked SDPA: forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.masked_fwd_ms, r.masked_fwd_bwd_ms, r.masked_tflops);
-    println!("  split:       forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.split_fwd_ms, r.split_fwd_bwd_ms, r.split_tflops);
+    println!("  split, whole context, composite block part: forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.split_fwd_ms, r.split_fwd_bwd_ms, r.split_tflops);
+    let (cf, cfb) = r.ranged_composite_ms;
+    println!("  split, the drafter's runs, composite block part: forward {cf:.2} ms, forward + backward {cfb:.2} ms");
     for &(asked, made, fwd, fwd_bwd) in &r.ranged {
         let tflops = r.useful_tflop / fwd_bwd * 1e3;
-        println!("  split, {asked:>2} runs ({made:>2} made): forward {fwd:.2} ms, forward + backward {fwd_bwd:.2} ms ({tflops:.1} useful TFLOP/s)");
+        println!("  split, fused block part, {asked:>2} runs ({made:>2} made): forward {fwd:.2} ms, forward + backward {fwd_bwd:.2} ms ({tflops:.1} useful TFLOP/s)");
     }
     println!("  split vs masked: forward {:.2}x, forward + backward {:.2}x", r.masked_fwd_ms / r.split_fwd_ms, r.masked_fwd_bwd_ms / r.split_fwd_bwd_ms);
 }

@@ -1,0 +1,207 @@
+// The block part of split block attention (kernels/src/block_attention.rs), fused: one CTA per
+// (block, kv head, sequence) scores the G query heads' BK rows against the block's own BK keys,
+// merges them with the context part through the log-sum-exps, and (backward) adds to dq in place
+// and writes the block keys' dk, dv. The composite it replaces is a dozen passes of small batched
+// matmuls, casts and layout copies; this reads each input once.
+//
+// Compiled at run time by NVRTC (kernels/src/nvrtc.rs) with -DBK=.. -DD=.. -DG=..; bf16 in and
+// out, fp32 inside. Tensors come as base pointers and element strides: the last dim dense, rows
+// 8-byte aligned (kernels/src/block_part.rs checks), so each thread moves 4 elements at a time.
+// A row of D elements is D/4 consecutive threads (a power of two up to a warp).
+
+typedef unsigned short bf16;
+
+#define THREADS 128
+#define DP (D + 4)        // shared rows padded by 4 words: consecutive rows start 4 banks apart
+#define ROW (D / 4)       // threads a row
+#define HALF (BK / 2)     // a pair work item scores key j and j + HALF
+#define QUADS (BK * D / 4 / THREADS)  // 4-element groups of a BK x D slab, per thread
+
+__device__ __forceinline__ float4 load4(const bf16* p) {  // 4 bf16 -> fp32
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                       __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+}
+
+__device__ __forceinline__ unsigned bf16_bits(float x) {  // round to nearest even, NaN kept
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return 0x7fc0u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+__device__ __forceinline__ void store4(bf16* p, float4 x) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(bf16_bits(x.x) | (bf16_bits(x.y) << 16), bf16_bits(x.z) | (bf16_bits(x.w) << 16));
+}
+
+__device__ __forceinline__ void fma4(float4& acc, float a, float4 b) {
+    acc.x += a * b.x; acc.y += a * b.y; acc.z += a * b.z; acc.w += a * b.w;
+}
+
+__device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+
+__device__ __forceinline__ float4& at4(float (*s)[DP], int r, int d) { return *reinterpret_cast<float4*>(&s[r][d]); }
+
+// Element (r, d) of a BK x D slab for the q-th 4-group of this thread.
+#define SLAB_R(q) ((threadIdx.x + (q) * THREADS) / ROW)
+#define SLAB_D(q) (((threadIdx.x + (q) * THREADS) % ROW) * 4)
+
+// Rows of a [rows, D] slab at `base` (row stride `rs`) into shared fp32.
+__device__ __forceinline__ void load_rows(float (*dst)[DP], const bf16* base, long long rs) {
+#pragma unroll
+    for (int q = 0; q < QUADS; q++) at4(dst, SLAB_R(q), SLAB_D(q)) = load4(base + SLAB_R(q) * rs + SLAB_D(q));
+}
+
+// Sum over the ROW threads of a row (aligned groups of lanes).
+__device__ __forceinline__ float row_sum(float x) {
+#pragma unroll
+    for (int off = ROW / 2; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+    return x;
+}
+
+// Forward. q [B, nh, N, D]; k, v [B, nkv, S + N, D] (the block keys from S); o_ctx [B, nh, N, D]
+// and lse_ctx [B, nh, N] (fp32, dense) the context part's; anchors [B, A] (int64, dense): a block
+// at anchor 0 sees no context and its context part is ignored. Writes out [B, nh, N, D] (any
+// strides) and the merged lse [B, nh, N] (fp32, dense).
+extern "C" __global__ void __launch_bounds__(THREADS) block_part_forward(
+    const bf16* q, long long qb, long long qh, long long qn,
+    const bf16* k, long long kb, long long kh, long long kn,
+    const bf16* v, long long vb, long long vh, long long vn,
+    const bf16* o_ctx, long long cb, long long ch, long long cn,
+    const float* lse_ctx, const long long* anchors,
+    bf16* out, long long ob, long long oh, long long on,
+    float* lse, int nh, int n, int s, float scale) {
+    const int a = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
+    __shared__ __align__(16) float sk[BK][DP], sv[BK][DP], sq[BK][DP];
+    __shared__ float sp[BK][BK + 1], sw[BK];
+    const long long row0 = (long long)a * BK;
+    load_rows(sk, k + b * kb + kvh * kh + (s + row0) * kn, kn);
+    load_rows(sv, v + b * vb + kvh * vh + (s + row0) * vn, vn);
+    const bool has_context = anchors[(long long)b * gridDim.x + a] > 0;
+
+    for (int gi = 0; gi < G; gi++) {
+        const int h = kvh * G + gi;
+        load_rows(sq, q + b * qb + h * qh + row0 * qn, qn);
+        __syncthreads();
+        for (int p = t; p < BK * HALF; p += THREADS) {  // scores of (i, j) and (i, j + HALF)
+            const int i = p / HALF, j = p % HALF;
+            float s0 = 0.f, s1 = 0.f;
+#pragma unroll 8
+            for (int d = 0; d < D; d += 4) {
+                const float4 x = at4(sq, i, d);
+                s0 += dot4(x, at4(sk, j, d));
+                s1 += dot4(x, at4(sk, j + HALF, d));
+            }
+            sp[i][j] = s0 * scale;
+            sp[i][j + HALF] = s1 * scale;
+        }
+        __syncthreads();
+        if (t < BK) {  // row t: the block's softmax merged with the context's
+            const long long idx = ((long long)b * nh + h) * n + row0 + t;
+            float m = __int_as_float(0xff800000);  // -inf
+            for (int j = 0; j < BK; j++) m = fmaxf(m, sp[t][j]);
+            float sum = 0.f;
+            for (int j = 0; j < BK; j++) sum += expf(sp[t][j] - m);
+            const float lb = m + logf(sum);
+            float l = lb, w = 0.f;
+            if (has_context) {
+                const float lc = lse_ctx[idx], mx = fmaxf(lc, lb);
+                l = mx + logf(expf(lc - mx) + expf(lb - mx));
+                w = expf(lc - l);
+            }
+            lse[idx] = l;
+            sw[t] = w;
+            for (int j = 0; j < BK; j++) sp[t][j] = expf(sp[t][j] - l);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int qd = 0; qd < QUADS; qd++) {
+            const int i = SLAB_R(qd), d = SLAB_D(qd);
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int j = 0; j < BK; j++) fma4(acc, sp[i][j], at4(sv, j, d));
+            if (sw[i] > 0.f) fma4(acc, sw[i], load4(o_ctx + b * cb + h * ch + (row0 + i) * cn + d));
+            store4(out + b * ob + h * oh + (row0 + i) * on + d, acc);
+        }
+        __syncthreads();
+    }
+}
+
+// Backward. P from the merged lse, D_i = rowsum(dO * O) over the full row, dS = P (dP - D) scale.
+// dq [B, nh, N, D] holds the context part's gradient and gets the block part's added (in fp32,
+// rounded once); dk, dv [B, nkv, S + N, D] get the block keys' rows (summed over the G heads).
+extern "C" __global__ void __launch_bounds__(THREADS) block_part_backward(
+    const bf16* q, long long qb, long long qh, long long qn,
+    const bf16* k, long long kb, long long kh, long long kn,
+    const bf16* v, long long vb, long long vh, long long vn,
+    const bf16* d_out, long long db, long long dh, long long dn,
+    const bf16* out, long long ob, long long oh, long long on,
+    const float* lse,
+    bf16* dq, long long gb, long long gh, long long gn,
+    bf16* dk, bf16* dv, long long kgb, long long kgh, long long kgn,
+    int nh, int n, int s, float scale) {
+    const int a = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
+    __shared__ __align__(16) float sk[BK][DP], sv[BK][DP], sq[BK][DP], sdo[BK][DP];
+    __shared__ float sp[BK][BK + 1], sds[BK][BK + 1], srow[BK];
+    const long long row0 = (long long)a * BK;
+    load_rows(sk, k + b * kb + kvh * kh + (s + row0) * kn, kn);
+    load_rows(sv, v + b * vb + kvh * vh + (s + row0) * vn, vn);
+    float4 acc_k[QUADS], acc_v[QUADS];
+#pragma unroll
+    for (int qd = 0; qd < QUADS; qd++) acc_k[qd] = acc_v[qd] = make_float4(0.f, 0.f, 0.f, 0.f);
+
+    for (int gi = 0; gi < G; gi++) {
+        const int h = kvh * G + gi;
+        load_rows(sq, q + b * qb + h * qh + row0 * qn, qn);
+#pragma unroll
+        for (int qd = 0; qd < QUADS; qd++) {  // dO into shared, and D_i = rowsum(dO * O)
+            const int i = SLAB_R(qd), d = SLAB_D(qd);
+            const float4 g = load4(d_out + b * db + h * dh + (row0 + i) * dn + d);
+            at4(sdo, i, d) = g;
+            const float part = row_sum(dot4(g, load4(out + b * ob + h * oh + (row0 + i) * on + d)));
+            if (d == 0) srow[i] = part;
+        }
+        __syncthreads();
+        for (int p = t; p < BK * HALF; p += THREADS) {
+            const int i = p / HALF, j = p % HALF;
+            float s0 = 0.f, s1 = 0.f, g0 = 0.f, g1 = 0.f;
+#pragma unroll 4
+            for (int d = 0; d < D; d += 4) {
+                const float4 x = at4(sq, i, d), y = at4(sdo, i, d);
+                s0 += dot4(x, at4(sk, j, d));
+                s1 += dot4(x, at4(sk, j + HALF, d));
+                g0 += dot4(y, at4(sv, j, d));
+                g1 += dot4(y, at4(sv, j + HALF, d));
+            }
+            const float l = lse[((long long)b * nh + h) * n + row0 + i];
+            const float p0 = expf(s0 * scale - l), p1 = expf(s1 * scale - l);
+            sp[i][j] = p0;
+            sp[i][j + HALF] = p1;
+            sds[i][j] = p0 * (g0 - srow[i]) * scale;
+            sds[i][j + HALF] = p1 * (g1 - srow[i]) * scale;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int qd = 0; qd < QUADS; qd++) {
+            const int r = SLAB_R(qd), d = SLAB_D(qd);
+            float4 g = make_float4(0.f, 0.f, 0.f, 0.f);  // dq row r += dS K
+#pragma unroll
+            for (int j = 0; j < BK; j++) fma4(g, sds[r][j], at4(sk, j, d));
+            bf16* at = dq + b * gb + h * gh + (row0 + r) * gn + d;
+            const float4 old = load4(at);
+            store4(at, make_float4(old.x + g.x, old.y + g.y, old.z + g.z, old.w + g.w));
+#pragma unroll
+            for (int i = 0; i < BK; i++) {  // key row r: dk += dS^T Q, dv += P^T dO
+                fma4(acc_k[qd], sds[i][r], at4(sq, i, d));
+                fma4(acc_v[qd], sp[i][r], at4(sdo, i, d));
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int qd = 0; qd < QUADS; qd++) {
+        const int j = SLAB_R(qd), d = SLAB_D(qd);
+        const long long at = b * kgb + kvh * kgh + (s + row0 + j) * kgn + d;
+        store4(dk + at, acc_k[qd]);
+        store4(dv + at, acc_v[qd]);
+    }
+}

@@ -1,0 +1,98 @@
+//! CUDA C++ compiled at run time with NVRTC and launched through cudarc on libtorch's stream.
+//!
+//! libtorch runs its kernels on the device's legacy default (null) stream unless a caller sets
+//! another, which tch never does; cudarc's `default_stream` is that stream, so a launch here is
+//! ordered with the tensor ops around it, without synchronising. `CudaContext::new` retains the
+//! primary context libtorch uses, so `data_ptr()`s are valid device pointers (STACK.md).
+
+use cudarc::{
+    driver::{CudaContext, CudaFunction, CudaStream},
+    nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx},
+};
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, OnceLock},
+};
+
+/// A compiled module's functions on one device, with the stream to launch them on.
+#[derive(Clone)]
+pub struct Module {
+    pub stream: Arc<CudaStream>,
+    functions: HashMap<String, CudaFunction>,
+}
+
+impl Module {
+    pub fn function(&self, name: &str) -> &CudaFunction {
+        &self.functions[name]
+    }
+}
+
+/// `src` with `defines`, compiled once per process and loaded once per device: the functions
+/// named in `functions`. Errors (no driver, no NVRTC, a compile error) come back as text.
+pub fn module(device: usize, src: &str, defines: &[(&str, i64)], functions: &[&str]) -> Result<Module, String> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Result<Module, String>>>> = OnceLock::new();
+    let key = format!("{device} {defines:?} {functions:?} {src}");
+    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    cache.entry(key).or_insert_with(|| load(device, src, defines, functions)).clone()
+}
+
+fn load(device: usize, src: &str, defines: &[(&str, i64)], functions: &[&str]) -> Result<Module, String> {
+    // SAFETY: only probes whether the driver library can be loaded.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("the CUDA driver library (libcuda) is not available".into());
+    }
+    let ptx = compile(src, defines)?;
+    let ctx = CudaContext::new(device).map_err(|e| format!("CUDA context on device {device}: {e}"))?;
+    let module = ctx.load_module(ptx).map_err(|e| format!("loading the compiled module: {e}"))?;
+    let functions = functions
+        .iter()
+        .map(|&name| module.load_function(name).map(|f| (name.to_string(), f)).map_err(|e| format!("function `{name}`: {e}")))
+        .collect::<Result<_, _>>()?;
+    Ok(Module { stream: ctx.default_stream(), functions })
+}
+
+/// PTX for compute capability 8.0 (the driver JIT-compiles it for the GPU at hand, Hopper
+/// included). Needs no GPU, so the CPU test suite checks that the sources compile.
+pub fn compile(src: &str, defines: &[(&str, i64)]) -> Result<Ptx, String> {
+    load_nvrtc()?;
+    let opts = CompileOptions {
+        arch: Some("compute_80"),
+        options: defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect(),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(src, opts).map_err(|e| format!("NVRTC: {e}"))
+}
+
+/// Load libnvrtc, and its builtins from the same folder: libnvrtc opens them by bare name, which
+/// only LD_LIBRARY_PATH resolves (STACK.md), while libnvrtc itself is also found through the
+/// binary's RUNPATH.
+fn load_nvrtc() -> Result<(), String> {
+    static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            // SAFETY: probes for the library; `culib` then keeps it loaded for the process.
+            if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                return Err("NVRTC (libnvrtc.so) is not available: install nvidia-cuda-nvrtc or add it to LD_LIBRARY_PATH".into());
+            }
+            let _ = unsafe { cudarc::nvrtc::sys::culib() };
+            let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+            let dir = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.contains("/libnvrtc.so")).and_then(|p| {
+                std::path::Path::new(p).parent().map(|d| d.to_path_buf())
+            });
+            if let Some(dir) = dir {
+                let builtins = std::fs::read_dir(&dir).into_iter().flatten().flatten().map(|e| e.path()).find(|p| {
+                    p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libnvrtc-builtins.so.") && !n.contains("alt"))
+                });
+                if let Some(path) = builtins {
+                    // SAFETY: a plain shared library with no initialisers that matter; kept loaded
+                    // (RTLD_GLOBAL) so libnvrtc's own dlopen by bare name finds it.
+                    let flags = libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL;
+                    if let Ok(lib) = unsafe { libloading::os::unix::Library::open(Some(&path), flags) } {
+                        std::mem::forget(lib);
+                    }
+                }
+            }
+            Ok(())
+        })
+        .clone()
+}
