@@ -75,7 +75,6 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let bk = x.block_size;
     let device = x.block_hidden.device();
     let hidden = *x.block_hidden.size().last().expect("hidden dim");
-    let vocab = x.lm_head.size()[0];
 
     // 1. Labels: block position k of anchor a predicts token[a + k].
     let k = Tensor::arange(bk, (Kind::Int64, device));
@@ -110,28 +109,20 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let want_grad = h.requires_grad();
 
     // 4. Per chunk: weighted CE, top-1 hits and (training) the gradient w.r.t. h. The chunk's
-    //    logits come out of the GEMM in fp32 and log-softmax reads them once; the gradient's
-    //    softmax - onehot is exp(logp) written straight into the model dtype, with each label's
-    //    entry expm1(logp) from fp32 (p - 1 near 1 would round away), and the weights scale the
-    //    [c, H] product rather than the [c, V] logits. Four passes over the logits in all.
+    //    logits come out of the GEMM in fp32 and the weights scale the [c, H] product rather
+    //    than the [c, V] logits.
     let (mut ce_sum, mut hits, mut grads) = (Tensor::zeros([], (Kind::Float, device)), Vec::new(), Vec::new());
     tch::no_grad(|| {
         let head_t = x.lm_head.tr();
         for start in (0..m).step_by(chunk as usize) {
             let len = chunk.min(m - start);
             let hc = h.narrow(0, start, len);
-            let tc = target.narrow(0, start, len).unsqueeze(1);
             let wc = wsel.narrow(0, start, len);
             let z = logits_fp32(&hc, &head_t); // [c, V]
-            hits.push(z.argmax(-1, false).eq_tensor(&tc.squeeze_dim(1)));
-            let logp = z.log_softmax(-1, Kind::Float);
-            drop(z);
-            let logp_label = logp.gather(1, &tc, false); // [c, 1]
-            ce_sum -= (logp_label.squeeze_dim(1) * &wc).sum(Kind::Float);
-            if want_grad {
-                let mut d_logits = logp.exp_out(&Tensor::empty([len, vocab], (h.kind(), device)));
-                let _ = d_logits.scatter_(1, &tc, &logp_label.expm1().to_kind(h.kind()));
-                drop(logp);
+            let (logp_label, hit, d_logits) = cross_entropy_rows(z, &target.narrow(0, start, len), want_grad.then(|| h.kind()));
+            hits.push(hit);
+            ce_sum -= (logp_label * &wc).sum(Kind::Float);
+            if let Some(d_logits) = d_logits {
                 let g = d_logits.matmul(x.lm_head).to_kind(Kind::Float) * (wc / &wsum).unsqueeze(1);
                 grads.push(g.to_kind(h.kind())); // [c, H]
             }
@@ -152,6 +143,28 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let correct = Tensor::zeros([bk], (Kind::Int64, device)).index_add(0, &kk, &hit);
     let count = kk.bincount::<&Tensor>(None, bk);
     LossOut { loss, counts: Tensor::stack(&[correct, count], 0).narrow(1, 1, bk - 1) }
+}
+
+/// Per row of logits z [c, V] against `labels` [c]: the label's log-probability (fp32), whether
+/// the argmax is the label, and with `grad_kind` the gradient softmax - onehot in that kind. On
+/// CUDA two passes over the logits (`kernels::cross_entropy`); elsewhere libtorch's ops: one
+/// log-softmax, then exp written straight into `grad_kind`, each label's entry expm1(logp) from
+/// fp32 (p - 1 near 1 would round away).
+fn cross_entropy_rows(z: Tensor, labels: &Tensor, grad_kind: Option<Kind>) -> (Tensor, Tensor, Option<Tensor>) {
+    if let Some(r) = kernels::cross_entropy::rows(&z, labels, grad_kind) {
+        return (r.logp_label, r.hit, r.grad);
+    }
+    let hit = z.argmax(-1, false).eq_tensor(labels);
+    let logp = z.log_softmax(-1, Kind::Float);
+    drop(z);
+    let tc = labels.unsqueeze(1);
+    let logp_label = logp.gather(1, &tc, false); // [c, 1]
+    let grad = grad_kind.map(|kind| {
+        let mut d = logp.exp_out(&Tensor::empty(logp.size(), (kind, logp.device())));
+        let _ = d.scatter_(1, &tc, &logp_label.expm1().to_kind(kind));
+        d
+    });
+    (logp_label.squeeze_dim(1), hit, grad)
 }
 
 /// h @ W^T with fp32 output. For 16-bit inputs on CUDA the GEMM writes fp32 itself (cuBLAS

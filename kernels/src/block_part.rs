@@ -5,7 +5,6 @@
 
 use crate::nvrtc;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use std::sync::atomic::{AtomicBool, Ordering};
 use tch::{Device, Kind, Tensor};
 
 const SRC: &str = include_str!("../csrc/block_part.cu");
@@ -13,21 +12,13 @@ const THREADS: u32 = 128;
 const FORWARD: &str = "block_part_forward";
 const BACKWARD: &str = "block_part_backward";
 
-static ENABLED: AtomicBool = AtomicBool::new(true);
-
-/// Use the fused kernels where they apply (the default), or always the composite: for benches
-/// that compare the two.
-pub fn set_enabled(on: bool) {
-    ENABLED.store(on, Ordering::Relaxed);
-}
-
 /// Whether the kernels apply to q [B, nh, N, D] with blocks of `block`: bf16 on CUDA, a row of
 /// D/4 threads a power of two up to a warp, a block's rows a multiple of the CTA's threads, and
 /// shared memory within the static 48 KiB.
 pub fn applies(q: &Tensor, block: i64) -> bool {
     let d = q.size()[3];
     let threads = THREADS as i64;
-    ENABLED.load(Ordering::Relaxed)
+    nvrtc::enabled()
         && q.device().is_cuda()
         && q.kind() == Kind::BFloat16
         && d % 4 == 0

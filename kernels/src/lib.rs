@@ -8,6 +8,7 @@
 //!   backward (autograd does not see it: a drafter cuts its graph around it and runs
 //!   `Drafter::backward`).
 //! - `block_part`: the block part of it as one CUDA kernel each way (bf16).
+//! - `cross_entropy`: the loss's row statistics and softmax gradient in two passes (CUDA).
 //! - `nvrtc`: compile CUDA C++ at run time and launch it on libtorch's stream (cudarc).
 //! - `optim`: libtorch's fused multi-tensor AdamW.
 //! - `profiler`: libtorch's Kineto profiler (Chrome traces with named ranges), for the benches.
@@ -15,6 +16,7 @@
 pub mod autograd;
 pub mod block_attention;
 pub mod block_part;
+pub mod cross_entropy;
 pub mod nvrtc;
 pub mod optim;
 pub mod profiler;

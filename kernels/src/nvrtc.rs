@@ -11,8 +11,34 @@ use cudarc::{
 };
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex, OnceLock},
+    sync::{
+        atomic::{AtomicU8, Ordering},
+        Arc, Mutex, OnceLock,
+    },
 };
+
+/// Whether the kernels compiled here may run: `DFLASH_NVRTC=0` turns them off, and the
+/// composites of libtorch ops they replace run instead (for A/B benches, or a GPU they fail on).
+pub fn enabled() -> bool {
+    match STATE.load(Ordering::Relaxed) {
+        UNSET => {
+            let on = std::env::var("DFLASH_NVRTC").map_or(true, |v| v != "0");
+            set_enabled(on);
+            on
+        }
+        s => s == ON,
+    }
+}
+
+/// Turn the kernels on or off for the process (benches comparing them with the composites).
+pub fn set_enabled(on: bool) {
+    STATE.store(if on { ON } else { OFF }, Ordering::Relaxed);
+}
+
+const UNSET: u8 = 0;
+const ON: u8 = 1;
+const OFF: u8 = 2;
+static STATE: AtomicU8 = AtomicU8::new(UNSET);
 
 /// A compiled module's functions on one device, with the stream to launch them on.
 #[derive(Clone)]

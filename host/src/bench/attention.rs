@@ -123,7 +123,7 @@ impl Problem {
 
     /// `fused`: the fused block part where it applies, or the composite.
     fn split(&self, sh: &Shape, kind: Kind, backward: bool, ranges: usize, fused: bool) -> Vec<Tensor> {
-        kernels::block_part::set_enabled(fused);
+        kernels::nvrtc::set_enabled(fused);
         tch::no_grad(|| {
             let (q, k, v) = self.inputs(kind, false);
             let mask = self.mask(sh, kind, ranges);
@@ -196,7 +196,7 @@ pub fn attention(sh: &Shape) -> Result<Report> {
             (r, made, fwd, time(device, it, || drop(p.split(sh, low, true, r, true))))
         })
         .collect();
-    kernels::block_part::set_enabled(true);
+    kernels::nvrtc::set_enabled(true);
 
     // Keys a query needs: its anchor's context + its block; 4 FLOPs per (query, key, dim) forward
     // (QK^T and PV), 2.5x that for forward + backward.

@@ -16,7 +16,7 @@ use super::{
 use crate::{
     anchors::AnchorSampler,
     config::PluginSection,
-    loss::default_gamma,
+    loss::{default_gamma, dflash_loss, LossInput},
     plugins::Registry,
     train::DraftLoss,
 };
@@ -122,6 +122,10 @@ pub struct Report {
     pub pipeline_target_tok_per_s: f64,
     /// The pipeline's step time over the sum of its two stages' (1.0 = no loss to sharing).
     pub pipeline_efficiency: f64,
+    /// The loss with the run-time compiled kernels against libtorch's ops, on one micro-batch of
+    /// random drafter outputs: relative differences of the loss and of its gradient (max |diff| /
+    /// max |grad|). None where the kernels do not apply.
+    pub fused_loss_error: Option<[f64; 2]>,
 }
 
 fn section(kind: &'static str, table: &toml::Table) -> Result<PluginSection> {
@@ -216,6 +220,38 @@ impl DrafterStep {
         let counted = l.host_counts().1.iter().sum::<i64>() as usize;
         Ok(StepCounts { anchors: anchors.count, anchor_pos_sum, counted })
     }
+}
+
+/// The loss and its gradient w.r.t. random drafter outputs, with the run-time compiled kernels
+/// and with libtorch's ops, compared (None on the CPU, where only the latter run).
+fn fused_loss_error(draft: &DraftLoss, spec: &TargetSpec, sh: &BenchShape, device: Device, kind: Kind) -> Result<Option<[f64; 2]>> {
+    if device == Device::Cpu {
+        return Ok(None);
+    }
+    let (ids, loss_mask) = synthetic_batch(spec, sh.batch_size, sh.seq_len);
+    let anchors = draft.sampler.sample(&loss_mask, u64::MAX);
+    let a = anchors.positions.size()[1];
+    let hidden = Tensor::randn([sh.batch_size as i64, a * draft.block_size, spec.hidden_size as i64], (kind, device));
+    let run = |fused: bool| {
+        kernels::nvrtc::set_enabled(fused);
+        let h = hidden.detach().set_requires_grad(true);
+        let out = dflash_loss(&LossInput {
+            block_hidden: &h,
+            lm_head: &draft.lm_head,
+            input_ids: &ids.to_device(device),
+            loss_mask: &loss_mask.to_device(device),
+            anchors: &anchors.positions.to_device(device),
+            anchor_valid: &anchors.valid.to_device(device),
+            block_size: draft.block_size,
+            gamma: draft.gamma,
+        });
+        out.loss.backward();
+        (out.loss.double_value(&[]), h.grad().to_kind(Kind::Float))
+    };
+    let (fused, plain) = (run(true), run(false));
+    kernels::nvrtc::set_enabled(true);
+    let grad_err = (&fused.1 - &plain.1).abs().max().double_value(&[]) / plain.1.abs().max().double_value(&[]);
+    Ok(Some([(fused.0 - plain.0).abs() / plain.0.abs(), grad_err]))
 }
 
 /// Global-norm clip without a host synchronisation (the scale stays on the device).
@@ -321,6 +357,7 @@ pub fn train(registry: &Registry, config_path: &Path, trace: Option<&Path>) -> R
     };
     sync(device);
     let built_mem_gib = mem(device);
+    let fused_loss_error = fused_loss_error(&step.draft, &spec, sh, device, kind)?;
 
     // 2. The ceiling.
     let ceiling = matmul_ceiling(sh.matmul_size, device, kind)?;
@@ -413,6 +450,7 @@ pub fn train(registry: &Registry, config_path: &Path, trace: Option<&Path>) -> R
         built_mem_gib,
         pipeline_target_tok_per_s: target_tokens / pipeline_s,
         pipeline_efficiency: (features_s + drafter_s) / pipeline_s,
+        fused_loss_error,
         target_features,
         target_full,
         drafter_step,
@@ -452,6 +490,9 @@ pub fn print(r: &Report) {
         r.target_features.step_s,
         r.drafter_step.step_s
     );
+    if let Some([loss, grad]) = r.fused_loss_error {
+        println!("loss with the NVRTC kernels vs libtorch's ops: loss {loss:.1e}, gradient {grad:.1e} (relative)");
+    }
 }
 
 fn gib(m: Option<f64>) -> String {

@@ -1,0 +1,90 @@
+//! Cross-entropy statistics and the softmax gradient of fp32 logit rows in two passes over the
+//! logits (csrc/cross_entropy.cu), for the loss's chunks on CUDA. libtorch's log-softmax, exp
+//! and argmax take five; at a 152K vocabulary those passes are most of the loss's time.
+
+use crate::nvrtc;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use tch::{Device, Kind, Tensor};
+
+const SRC: &str = include_str!("../csrc/cross_entropy.cu");
+const STATS: &str = "ce_row_stats";
+const GRAD: &str = "ce_softmax_grad";
+const STATS_THREADS: u32 = 512;
+const GRAD_THREADS: u32 = 256;
+
+/// Per row of z: the label's log-probability [c] (fp32), whether the argmax is the label [c]
+/// (bool), and when asked for, softmax - onehot [c, V] in bf16.
+pub struct Rows {
+    pub logp_label: Tensor,
+    pub hit: Tensor,
+    pub grad: Option<Tensor>,
+}
+
+/// The kernels for z [c, V] (fp32, CUDA, rows of whole float4s) against labels [c] (int64), the
+/// gradient in `grad` (bf16 only) if given; None where they do not apply or fail (the caller
+/// then runs libtorch's ops).
+pub fn rows(z: &Tensor, labels: &Tensor, grad: Option<Kind>) -> Option<Rows> {
+    let (c, v) = (z.size()[0], z.size()[1]);
+    let applies = nvrtc::enabled()
+        && z.device().is_cuda()
+        && z.kind() == Kind::Float
+        && z.stride()[1] == 1
+        && z.stride()[0] % 4 == 0
+        && v % 4 == 0
+        && (z.data_ptr() as usize) % 16 == 0
+        && c > 0
+        && c <= 65_535 // the gradient kernel's grid.y
+        && grad.is_none_or(|k| k == Kind::BFloat16);
+    if !applies {
+        return None;
+    }
+    launch(z, labels, grad.is_some(), c, v)
+        .map_err(|e| {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| eprintln!("loss: the fused cross-entropy kernels are unavailable ({e}); using libtorch's ops"));
+        })
+        .ok()
+}
+
+fn launch(z: &Tensor, labels: &Tensor, with_grad: bool, c: i64, v: i64) -> Result<Rows, String> {
+    let Device::Cuda(device) = z.device() else { unreachable!("checked by `rows`") };
+    let m = nvrtc::module(device, SRC, &[], &[STATS, GRAD])?;
+    let labels = labels.to_kind(Kind::Int64).contiguous();
+    let opts = (Kind::Float, z.device());
+    let (lse, logp_label) = (Tensor::empty([c], opts), Tensor::empty([c], opts));
+    let hit = Tensor::empty([c], (Kind::Bool, z.device()));
+    let (pz, ld, v32, pl) = (z.data_ptr() as u64, z.stride()[0], v as i32, labels.data_ptr() as u64);
+    let (p_lse, p_logp, p_hit) = (lse.data_ptr() as u64, logp_label.data_ptr() as u64, hit.data_ptr() as u64);
+    let mut stats = m.stream.launch_builder(m.function(STATS));
+    stats.arg(&pz).arg(&ld).arg(&v32).arg(&pl).arg(&p_lse).arg(&p_logp).arg(&p_hit);
+    let cfg = LaunchConfig { grid_dim: (c as u32, 1, 1), block_dim: (STATS_THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: arguments as the kernel declares them; z is [c, V] fp32 with row stride `ld` and
+    // 16-byte aligned rows (checked by `rows`), the outputs are fresh dense tensors of c
+    // elements; the launch is ordered on libtorch's stream.
+    unsafe { stats.launch(cfg) }.map_err(|e| format!("{STATS}: {e}"))?;
+    let grad = if with_grad {
+        let out = Tensor::empty([c, v], (Kind::BFloat16, z.device()));
+        let (po, ldo) = (out.data_ptr() as u64, v);
+        let mut g = m.stream.launch_builder(m.function(GRAD));
+        g.arg(&pz).arg(&ld).arg(&v32).arg(&pl).arg(&p_lse).arg(&po).arg(&ldo);
+        let blocks = (v as u32 / 4).div_ceil(GRAD_THREADS);
+        let cfg = LaunchConfig { grid_dim: (blocks, c as u32, 1), block_dim: (GRAD_THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: as above; `out` is a fresh dense [c, V] bf16 tensor.
+        unsafe { g.launch(cfg) }.map_err(|e| format!("{GRAD}: {e}"))?;
+        Some(out)
+    } else {
+        None
+    };
+    Ok(Rows { logp_label, hit, grad })
+}
+
+#[cfg(test)]
+mod tests {
+    /// The kernels compile with NVRTC (no GPU needed).
+    #[test]
+    fn the_kernels_compile() {
+        let ptx = super::nvrtc::compile(super::SRC, &[]).unwrap_or_else(|e| panic!("{e}"));
+        let text = ptx.to_src();
+        assert!(text.contains(".entry ce_row_stats") && text.contains(".entry ce_softmax_grad"));
+    }
+}
