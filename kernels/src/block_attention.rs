@@ -128,6 +128,13 @@ pub fn query_ranges(rows: &[&[i64]], s: i64, block: i64, ranges: usize, tile: Ti
         .collect()
 }
 
+impl Saved {
+    /// Whether the block part ran as the fused kernel (tests, benches).
+    pub fn fused(&self) -> bool {
+        self.fused
+    }
+}
+
 /// q [B, nh, N, D] (N = A blocks of `block`), k/v [B, nkv, S+N, D] ([context; blocks]), `mask`
 /// of the same anchors -> output [B, nh, N, D] and what the backward needs.
 pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i64, scale: f64) -> (Tensor, Saved) {

@@ -17,6 +17,8 @@ pub mod autograd;
 pub mod block_attention;
 pub mod block_part;
 pub mod cross_entropy;
+#[cfg(test)]
+mod cuda_tests;
 pub mod nvrtc;
 pub mod optim;
 pub mod profiler;

@@ -1,0 +1,114 @@
+//! The NVRTC kernels against the libtorch ops they replace, on a GPU. Without one (CI) these
+//! tests say so and return; on the H200 they run from the carried test binary
+//! (docs/BENCHMARKS.md, "Session 5"). One lock: the kernels' on/off switch is process-wide.
+
+use crate::{block_attention as ba, cross_entropy, nvrtc};
+use std::sync::Mutex;
+use tch::{Device, Kind, Tensor};
+
+static SWITCH: Mutex<()> = Mutex::new(());
+
+/// CUDA device 0 with libtorch's CUDA library loaded (tch links only the CPU one), or None.
+fn cuda() -> Option<Device> {
+    // SAFETY: loading libtorch's own CUDA library; it is never unloaded.
+    let lib = unsafe {
+        libloading::os::unix::Library::open(Some("libtorch_cuda.so"), libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL)
+    };
+    match lib {
+        Ok(lib) if tch::Cuda::is_available() => {
+            std::mem::forget(lib);
+            Some(Device::Cuda(0))
+        }
+        _ => {
+            eprintln!("no CUDA device: skipped");
+            None
+        }
+    }
+}
+
+fn max_abs(t: &Tensor) -> f64 {
+    t.abs().max().double_value(&[])
+}
+
+/// Row statistics and softmax - onehot of fp32 logit rows (a strided chunk, a 152K vocabulary)
+/// against libtorch's log-softmax, argmax and exp in fp32.
+#[test]
+fn cross_entropy_kernels_match_libtorch() {
+    let Some(dev) = cuda() else { return };
+    let _lock = SWITCH.lock().unwrap();
+    nvrtc::set_enabled(true);
+    tch::manual_seed(0);
+    let (c, v) = (300, 151_936);
+    // Rows of a wider tensor: the kernels take a row stride; logits up to ~|10| as a trained head
+    // gives, some rows with their label at the argmax.
+    let wide = Tensor::randn([c, v + 4], (Kind::Float, dev)) * 3.0;
+    let z = wide.narrow(1, 0, v);
+    let mut labels = Tensor::randint(v, [c], (Kind::Int64, dev));
+    let argmax = z.argmax(-1, false);
+    let every_third = Tensor::arange(c, (Kind::Int64, dev)).remainder(3).eq(0);
+    labels = argmax.where_self(&every_third, &labels);
+
+    let got = cross_entropy::rows(&z, &labels, Some(Kind::BFloat16)).expect("the kernels run on a GPU");
+    let logp = z.log_softmax(-1, Kind::Float);
+    let want_label = logp.gather(1, &labels.unsqueeze(1), false).squeeze_dim(1);
+    let want_hit = argmax.eq_tensor(&labels);
+    let want_grad = logp.exp() - labels.one_hot(v).to_kind(Kind::Float);
+
+    let err = max_abs(&(&got.logp_label - &want_label));
+    assert!(err < 1e-4, "log-probability of the label: max |diff| {err}");
+    assert!(got.hit.equal(&want_hit), "argmax hits differ");
+    assert_eq!(got.hit.sum(Kind::Int64).int64_value(&[]), want_hit.sum(Kind::Int64).int64_value(&[]));
+    let grad = got.grad.expect("the gradient was asked for").to_kind(Kind::Float);
+    // Each entry rounded once to bf16 (8 bits): within 2^-8 of its own size, plus fp32 noise.
+    let excess = ((&grad - &want_grad).abs() - want_grad.abs() * (1.0 / 256.0)).max().double_value(&[]);
+    assert!(excess < 1e-6, "softmax - onehot beyond bf16 rounding by {excess}");
+    // The label's entry p - 1 keeps its size: not rounded to -1 where p is near 1.
+    let at_label = |g: &Tensor| g.gather(1, &labels.unsqueeze(1), false);
+    let err = max_abs(&(at_label(&grad) - at_label(&want_grad)));
+    assert!(err < 4e-3, "label entries: max |diff| {err}");
+}
+
+/// Split attention in bf16 with the fused block part and with the composite, both against the
+/// same masked attention in fp32: the kernels run (the saved state says so) and their errors are
+/// those of bf16, close to the composite's.
+#[test]
+fn fused_block_part_matches_the_composite() {
+    let Some(dev) = cuda() else { return };
+    let _lock = SWITCH.lock().unwrap();
+    tch::manual_seed(1);
+    let (b, nh, nkv, d, s, block, a) = (2, 8, 2, 128, 640, 16, 24);
+    let n = a * block;
+    let anchors: Vec<i64> = (0..b * a).map(|i| if i % a == 0 { 0 } else { (i % a) * 25 + i / a }).collect();
+    let anchors = Tensor::from_slice(&anchors).view([b, a]);
+    let f32 = (Kind::Float, dev);
+    let (q, k, v) = (Tensor::randn([b, nh, n, d], f32), Tensor::randn([b, nkv, s + n, d], f32), Tensor::randn([b, nkv, s + n, d], f32));
+    let d_out = Tensor::randn([b, nh, n, d], f32);
+    let scale = 1.0 / (d as f64).sqrt();
+
+    // fp32 reference: masked SDPA over [context; blocks], GQA expanded.
+    let (qr, kr, vr) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
+    let g = nh / nkv;
+    let expand = |t: &Tensor| t.repeat_interleave_self_int(g, 1, None);
+    let mask = ba::masked_sdpa_mask(&anchors.to_device(dev), s, block);
+    let want = Tensor::scaled_dot_product_attention(&qr, &expand(&kr), &expand(&vr), Some(&mask), 0.0, false, Some(scale), false);
+    (&want * &d_out).sum(Kind::Float).backward();
+    let reference = [want.detach(), qr.grad(), kr.grad(), vr.grad()];
+
+    let bf = |t: &Tensor| t.detach().to_kind(Kind::BFloat16);
+    let run = |fused: bool| {
+        nvrtc::set_enabled(fused);
+        let mask = ba::ContextMask::ranged(&anchors.to_device(dev), &anchors, s, block, Kind::BFloat16, 4);
+        let (out, saved) = tch::no_grad(|| ba::forward(&bf(&q), &bf(&k), &bf(&v), &mask, block, scale));
+        assert_eq!(saved.fused(), fused, "fused block part asked for: {fused}");
+        let (dq, dk, dv) = tch::no_grad(|| ba::backward(&saved, &bf(&d_out)));
+        [out, dq, dk, dv].map(|t| t.to_kind(Kind::Float))
+    };
+    let (fused, composite) = (run(true), run(false));
+    nvrtc::set_enabled(true);
+    for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+        let rel = |x: &Tensor| max_abs(&(x - &reference[i])) / max_abs(&reference[i]);
+        let (e_fused, e_composite) = (rel(&fused[i]), rel(&composite[i]));
+        eprintln!("{name}: fused {e_fused:.2e}, composite {e_composite:.2e}");
+        assert!(e_fused < 1.6e-2 && e_fused < 2.0 * e_composite + 1e-3, "{name}: fused {e_fused:.2e}, composite {e_composite:.2e}");
+    }
+}
