@@ -55,12 +55,14 @@ fn cross_entropy_kernels_match_libtorch() {
     let want_grad = logp.exp() - labels.one_hot(v).to_kind(Kind::Float);
 
     let err = max_abs(&(&got.logp_label - &want_label));
+    eprintln!("label log-probability: max |diff| {err:.3e} (|logp| up to {:.1})", max_abs(&want_label));
     assert!(err < 1e-4, "log-probability of the label: max |diff| {err}");
     assert!(got.hit.equal(&want_hit), "argmax hits differ");
     assert_eq!(got.hit.sum(Kind::Int64).int64_value(&[]), want_hit.sum(Kind::Int64).int64_value(&[]));
     let grad = got.grad.expect("the gradient was asked for").to_kind(Kind::Float);
     // Each entry rounded once to bf16 (8 bits): within 2^-8 of its own size, plus fp32 noise.
     let excess = ((&grad - &want_grad).abs() - want_grad.abs() * (1.0 / 256.0)).max().double_value(&[]);
+    eprintln!("softmax - onehot: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}", max_abs(&(&grad - &want_grad)));
     assert!(excess < 1e-6, "softmax - onehot beyond bf16 rounding by {excess}");
     // The label's entry p - 1 keeps its size: not rounded to -1 where p is near 1.
     let at_label = |g: &Tensor| g.gather(1, &labels.unsqueeze(1), false);
@@ -111,4 +113,20 @@ fn fused_block_part_matches_the_composite() {
         eprintln!("{name}: fused {e_fused:.2e}, composite {e_composite:.2e}");
         assert!(e_fused < 1.6e-2 && e_fused < 2.0 * e_composite + 1e-3, "{name}: fused {e_fused:.2e}, composite {e_composite:.2e}");
     }
+}
+
+/// The loss's logits come out of the GEMM in fp32 (`mm` with an fp32 output, bf16 inputs, the LM
+/// head transposed): the same numbers as the product in fp32.
+#[test]
+fn bf16_matmul_with_fp32_output_matches_fp32() {
+    let Some(dev) = cuda() else { return };
+    tch::manual_seed(2);
+    let h = Tensor::randn([384, 4096], (Kind::BFloat16, dev));
+    let head = Tensor::randn([151_936, 4096], (Kind::BFloat16, dev)) * 0.02;
+    let z = h.mm_dtype(&head.tr(), Kind::Float);
+    let want = h.to_kind(Kind::Float).mm(&head.tr().to_kind(Kind::Float));
+    let (err, scale) = (max_abs(&(&z - &want)), max_abs(&want));
+    eprintln!("logits: std {:.3} (want {:.3}), max |diff| {err:.2e} of {scale:.2}", z.std(true).double_value(&[]), want.std(true).double_value(&[]));
+    assert_eq!(z.kind(), Kind::Float);
+    assert!(err < 1e-3 * scale, "max |diff| {err} against |logits| up to {scale}");
 }

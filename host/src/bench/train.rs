@@ -258,6 +258,15 @@ fn fused_loss_error(draft: &DraftLoss, spec: &TargetSpec, sh: &BenchShape, devic
         return Ok(None);
     }
     let grad_err = (&fused.1 - &plain.1).abs().max().double_value(&[]) / plain.1.abs().max().double_value(&[]);
+    eprintln!(
+        "loss check: hidden std {:.3}, head std {:.4}; {:.10} with the kernels, {:.10} without; gradient max |g| {:.4e} / {:.4e}",
+        hidden.to_kind(Kind::Float).std(true).double_value(&[]),
+        draft.lm_head.to_kind(Kind::Float).std(true).double_value(&[]),
+        fused.0,
+        plain.0,
+        fused.1.abs().max().double_value(&[]),
+        plain.1.abs().max().double_value(&[])
+    );
     Ok(Some([(fused.0 - plain.0).abs() / plain.0.abs(), grad_err]))
 }
 
