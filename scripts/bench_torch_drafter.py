@@ -267,6 +267,30 @@ input_ids = torch.randint(0, V, (B, S))
 loss_mask = torch.ones(B, S, dtype=torch.int64)
 loss_mask[:, 0] = 0
 feats = torch.randn(B, S, NF * H, device=dev, dtype=dt)
+
+
+def loss_check():
+    """The loss over random inputs, as `dflash-host bench train` prints it: drafter outputs of std 1
+    against the std-0.02 head give Gaussian logits and a loss of about ln V + sigma^2 / 2; and the
+    fp32-output GEMM the loss uses against the product in fp32 (docs/BENCHMARKS.md, session 5)."""
+    anchors = torch.stack([torch.randperm(S - 1)[:A].sort().values for _ in range(B)]).to(dev)
+    h = torch.randn(B, N, H, device=dev, dtype=dt)
+    with torch.no_grad():
+        loss, _ = dflash_loss(h, input_ids.to(dev), loss_mask.to(dev), anchors)
+        rows = h.reshape(-1, H)[:384]
+        z = torch.mm(rows, lm_head.T, out_dtype=torch.float32)
+        want = rows.float() @ lm_head.float().T
+        sigma = h.float().std().item() * lm_head.float().std().item() * H**0.5
+    return {"loss": loss.item(), "expected": math.log(V) + sigma**2 / 2,
+            "mm_out_dtype_rel_err": ((z - want).abs().max() / want.abs().max()).item()}
+
+
+try:
+    report["loss_check"] = loss_check()
+except Exception as e:  # noqa: BLE001
+    report["loss_check_error"] = repr(e)[:500]
+torch.cuda.empty_cache()
+print(json.dumps(report), flush=True)
 for attn in args.attn_alone:
     try:
         if attn == "flex" and flex is None:
