@@ -52,23 +52,7 @@ fn git_revision() -> String {
 
 /// libtorch_cuda.so is dropped by `--as-needed`; load it before the first CUDA op (STACK.md).
 pub fn enable_cuda() -> bool {
-    // SAFETY: loading libtorch's own CUDA library; it is never unloaded.
-    let lib = unsafe {
-        libloading::os::unix::Library::open(
-            Some("libtorch_cuda.so"),
-            libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
-        )
-    };
-    match lib {
-        Ok(lib) => {
-            std::mem::forget(lib);
-            true
-        }
-        Err(e) => {
-            tracing::warn!("CUDA unavailable: {e}");
-            false
-        }
-    }
+    kernels::load_libtorch_cuda().map_err(|e| tracing::warn!("CUDA unavailable: {e}")).is_ok()
 }
 
 /// Load CUDA when the config asks for it, or say why it cannot run.

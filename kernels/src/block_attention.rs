@@ -78,6 +78,11 @@ pub struct QueryRange {
 }
 
 impl ContextMask {
+    /// The same mask, sharing its tensors.
+    pub fn shallow_clone(&self) -> Self {
+        Self { anchors: self.anchors.shallow_clone(), bias: self.bias.shallow_clone(), ranges: self.ranges.clone() }
+    }
+
     /// One range: every query scored against the whole context (the anchors stay on the device).
     pub fn whole(anchors: &Tensor, s: i64, block: i64, kind: Kind) -> Self {
         let n = anchors.size()[1] * block;
@@ -170,7 +175,7 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
         q: q.shallow_clone(),
         k: k.shallow_clone(),
         v: v.shallow_clone(),
-        mask: ContextMask { anchors: mask.anchors.shallow_clone(), bias: mask.bias.shallow_clone(), ranges: mask.ranges.clone() },
+        mask: mask.shallow_clone(),
         fused,
         out: out.shallow_clone(),
         lse,

@@ -4,7 +4,7 @@
 //! its composite of batched matmuls where it does not apply or fails to build.
 
 use crate::nvrtc;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
 const SRC: &str = include_str!("../csrc/block_part.cu");
@@ -57,6 +57,11 @@ impl Arg {
         }
         Ok(Self { ptr, strides })
     }
+
+    /// The pointer and the three strides, as the kernels' parameters take a tensor.
+    fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>) {
+        launch.arg(&self.ptr).arg(&self.strides[0]).arg(&self.strides[1]).arg(&self.strides[2]);
+    }
 }
 
 fn config(q: &Tensor, k: &Tensor, block: i64) -> LaunchConfig {
@@ -84,10 +89,10 @@ pub fn forward(
     let (nh32, n32, s32, scale32) = (nh as i32, n as i32, s as i32, scale as f32);
     let mut launch = m.stream.launch_builder(m.function(FORWARD));
     for a in [&aq, &ak, &av, &ac] {
-        launch.arg(&a.ptr).arg(&a.strides[0]).arg(&a.strides[1]).arg(&a.strides[2]);
+        a.push(&mut launch);
     }
     launch.arg(&p_lse_ctx).arg(&p_anchors);
-    launch.arg(&ao.ptr).arg(&ao.strides[0]).arg(&ao.strides[1]).arg(&ao.strides[2]);
+    ao.push(&mut launch);
     launch.arg(&p_lse).arg(&nh32).arg(&n32).arg(&s32).arg(&scale32);
     // SAFETY: the arguments match the kernel's signature; every pointer is a live tensor's data
     // on this device with the strides passed, and the launch is ordered on libtorch's stream.
@@ -115,10 +120,10 @@ pub fn backward(
     let (nh32, n32, s32, scale32) = (nh as i32, n as i32, s as i32, scale as f32);
     let mut launch = m.stream.launch_builder(m.function(BACKWARD));
     for a in [&aq, &ak, &av, &ad, &ao] {
-        launch.arg(&a.ptr).arg(&a.strides[0]).arg(&a.strides[1]).arg(&a.strides[2]);
+        a.push(&mut launch);
     }
     launch.arg(&p_lse);
-    launch.arg(&ag.ptr).arg(&ag.strides[0]).arg(&ag.strides[1]).arg(&ag.strides[2]);
+    ag.push(&mut launch);
     launch.arg(&adk.ptr).arg(&p_dv).arg(&adk.strides[0]).arg(&adk.strides[1]).arg(&adk.strides[2]);
     launch.arg(&nh32).arg(&n32).arg(&s32).arg(&scale32);
     // SAFETY: as in `forward`; dk and dv are dense with the same shape, so they share strides.

@@ -10,20 +10,11 @@ static SWITCH: Mutex<()> = Mutex::new(());
 
 /// CUDA device 0 with libtorch's CUDA library loaded (tch links only the CPU one), or None.
 fn cuda() -> Option<Device> {
-    // SAFETY: loading libtorch's own CUDA library; it is never unloaded.
-    let lib = unsafe {
-        libloading::os::unix::Library::open(Some("libtorch_cuda.so"), libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL)
-    };
-    match lib {
-        Ok(lib) if tch::Cuda::is_available() => {
-            std::mem::forget(lib);
-            Some(Device::Cuda(0))
-        }
-        _ => {
-            eprintln!("no CUDA device: skipped");
-            None
-        }
+    if crate::load_libtorch_cuda().is_ok() && tch::Cuda::is_available() {
+        return Some(Device::Cuda(0));
     }
+    eprintln!("no CUDA device: skipped");
+    None
 }
 
 fn max_abs(t: &Tensor) -> f64 {
@@ -36,7 +27,6 @@ fn max_abs(t: &Tensor) -> f64 {
 fn cross_entropy_kernels_match_libtorch() {
     let Some(dev) = cuda() else { return };
     let _lock = SWITCH.lock().unwrap();
-    nvrtc::set_enabled(true);
     tch::manual_seed(0);
     let (c, v) = (300, 151_936);
     // Rows of a wider tensor: the kernels take a row stride; logits up to ~|10| as a trained head
@@ -48,7 +38,7 @@ fn cross_entropy_kernels_match_libtorch() {
     let every_third = Tensor::arange(c, (Kind::Int64, dev)).remainder(3).eq(0);
     labels = argmax.where_self(&every_third, &labels);
 
-    let got = cross_entropy::rows(&z, &labels, Some(Kind::BFloat16)).expect("the kernels run on a GPU");
+    let got = nvrtc::with_enabled(true, || cross_entropy::rows(&z, &labels, Some(Kind::BFloat16))).expect("the kernels run on a GPU");
     let logp = z.log_softmax(-1, Kind::Float);
     let want_label = logp.gather(1, &labels.unsqueeze(1), false).squeeze_dim(1);
     let want_hit = argmax.eq_tensor(&labels);
@@ -98,15 +88,13 @@ fn fused_block_part_matches_the_composite() {
 
     let bf = |t: &Tensor| t.detach().to_kind(Kind::BFloat16);
     let run = |fused: bool| {
-        nvrtc::set_enabled(fused);
         let mask = ba::ContextMask::ranged(&anchors.to_device(dev), &anchors, s, block, Kind::BFloat16, 4);
         let (out, saved) = tch::no_grad(|| ba::forward(&bf(&q), &bf(&k), &bf(&v), &mask, block, scale));
         assert_eq!(saved.fused(), fused, "fused block part asked for: {fused}");
         let (dq, dk, dv) = tch::no_grad(|| ba::backward(&saved, &bf(&d_out)));
         [out, dq, dk, dv].map(|t| t.to_kind(Kind::Float))
     };
-    let (fused, composite) = (run(true), run(false));
-    nvrtc::set_enabled(true);
+    let (fused, composite) = (nvrtc::with_enabled(true, || run(true)), nvrtc::with_enabled(false, || run(false)));
     for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
         let rel = |x: &Tensor| max_abs(&(x - &reference[i])) / max_abs(&reference[i]);
         let (e_fused, e_composite) = (rel(&fused[i]), rel(&composite[i]));

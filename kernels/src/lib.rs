@@ -22,3 +22,13 @@ mod cuda_tests;
 pub mod nvrtc;
 pub mod optim;
 pub mod profiler;
+
+/// Load libtorch's CUDA library, which the linker's `--as-needed` drops from binaries that name
+/// none of its symbols (STACK.md); needed before the first CUDA op. It stays loaded.
+pub fn load_libtorch_cuda() -> Result<(), String> {
+    use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+    // SAFETY: loading libtorch's own CUDA library; it is never unloaded.
+    let lib = unsafe { Library::open(Some("libtorch_cuda.so"), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| e.to_string())?;
+    std::mem::forget(lib);
+    Ok(())
+}

@@ -23,15 +23,28 @@ pub fn enabled() -> bool {
     match STATE.load(Ordering::Relaxed) {
         UNSET => {
             let on = std::env::var("DFLASH_NVRTC").map_or(true, |v| v != "0");
-            set_enabled(on);
+            set(on);
             on
         }
         s => s == ON,
     }
 }
 
-/// Turn the kernels on or off for the process (benches comparing them with the composites).
-pub fn set_enabled(on: bool) {
+/// `f` with the kernels turned on or off for the process, then the setting as it was, also if `f`
+/// panics (benches and tests comparing the kernels with the composites they replace).
+pub fn with_enabled<T>(on: bool, f: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            set(self.0);
+        }
+    }
+    let _restore = Restore(enabled());
+    set(on);
+    f()
+}
+
+fn set(on: bool) {
     STATE.store(if on { ON } else { OFF }, Ordering::Relaxed);
 }
 

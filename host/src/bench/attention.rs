@@ -123,8 +123,7 @@ impl Problem {
 
     /// `fused`: the fused block part where it applies, or the composite.
     fn split(&self, sh: &Shape, kind: Kind, backward: bool, ranges: usize, fused: bool) -> Vec<Tensor> {
-        kernels::nvrtc::set_enabled(fused);
-        tch::no_grad(|| {
+        let run = || {
             let (q, k, v) = self.inputs(kind, false);
             let mask = self.mask(sh, kind, ranges);
             let (out, saved) = block_attention::forward(&q, &k, &v, &mask, sh.block, self.scale);
@@ -133,7 +132,8 @@ impl Problem {
             }
             let (dq, dk, dv) = block_attention::backward(&saved, &self.d_out.to_kind(kind));
             vec![out, dq, dk, dv]
-        })
+        };
+        kernels::nvrtc::with_enabled(fused, || tch::no_grad(run))
     }
 }
 
@@ -196,7 +196,6 @@ pub fn attention(sh: &Shape) -> Result<Report> {
             (r, made, fwd, time(device, it, || drop(p.split(sh, low, true, r, true))))
         })
         .collect();
-    kernels::nvrtc::set_enabled(true);
 
     // Keys a query needs: its anchor's context + its block; 4 FLOPs per (query, key, dim) forward
     // (QK^T and PV), 2.5x that for forward + backward.

@@ -232,28 +232,28 @@ fn fused_loss_error(draft: &DraftLoss, spec: &TargetSpec, sh: &BenchShape, devic
     let anchors = draft.sampler.sample(&loss_mask, u64::MAX);
     let a = anchors.positions.size()[1];
     let hidden = Tensor::randn([sh.batch_size as i64, a * draft.block_size, spec.hidden_size as i64], (kind, device));
+    // The loss with the kernels on or off; DFLASH_NVRTC=0 still holds for the timed phases after.
     let run = |fused: bool| {
-        kernels::nvrtc::set_enabled(fused);
-        let h = hidden.detach().set_requires_grad(true);
-        let out = dflash_loss(&LossInput {
-            block_hidden: &h,
-            lm_head: &draft.lm_head,
-            input_ids: &ids.to_device(device),
-            loss_mask: &loss_mask.to_device(device),
-            anchors: &anchors.positions.to_device(device),
-            anchor_valid: &anchors.valid.to_device(device),
-            block_size: draft.block_size,
-            gamma: draft.gamma,
-        });
-        out.loss.backward();
-        (out.loss.double_value(&[]), h.grad().to_kind(Kind::Float))
+        kernels::nvrtc::with_enabled(fused, || {
+            let h = hidden.detach().set_requires_grad(true);
+            let out = dflash_loss(&LossInput {
+                block_hidden: &h,
+                lm_head: &draft.lm_head,
+                input_ids: &ids.to_device(device),
+                loss_mask: &loss_mask.to_device(device),
+                anchors: &anchors.positions.to_device(device),
+                anchor_valid: &anchors.valid.to_device(device),
+                block_size: draft.block_size,
+                gamma: draft.gamma,
+            });
+            out.loss.backward();
+            (out.loss.double_value(&[]), h.grad().to_kind(Kind::Float))
+        })
     };
-    let was = kernels::nvrtc::enabled(); // DFLASH_NVRTC=0 holds for the timed phases after this
-    kernels::nvrtc::set_enabled(true);
     let z = Tensor::randn([4, spec.vocab_size as i64], (Kind::Float, device));
-    let ran = kernels::cross_entropy::rows(&z, &Tensor::zeros([4], (Kind::Int64, device)), None).is_some();
+    let labels = Tensor::zeros([4], (Kind::Int64, device));
+    let ran = kernels::nvrtc::with_enabled(true, || kernels::cross_entropy::rows(&z, &labels, None).is_some());
     let (fused, plain) = (run(true), run(false));
-    kernels::nvrtc::set_enabled(was);
     if !ran {
         return Ok(None);
     }
