@@ -50,8 +50,11 @@ pub fn context_bias(anchors: &Tensor, s: i64, block: i64, kind: Kind) -> Tensor 
         Kind::Half => -65504.0,
         _ => f32::MIN as f64,
     };
-    let bias = Tensor::full([b, 1, a * block, padded], min, (kind, anchors.device())).narrow(3, 0, s);
-    bias.masked_fill(&context_visible(anchors, s, block).unsqueeze(1), 0.0)
+    let mut bias = Tensor::full([b, 1, a * block, padded], min, (kind, anchors.device())).narrow(3, 0, s);
+    // In place: an out-of-place fill would return a new, unpadded tensor (the memory-efficient
+    // kernel then rejects a row stride such as 181).
+    let _ = bias.masked_fill_(&context_visible(anchors, s, block).unsqueeze(1), 0.0);
+    bias
 }
 
 /// [B, N, S] bool: query n (block n / `block`) sees context key j iff j < its anchor.
@@ -581,5 +584,17 @@ mod tests {
         let got: Vec<_> = r.iter().map(|r| (r.start, r.len, r.keys)).collect();
         assert_eq!(got, [(0, 128, 256), (128, 128, 512), (256, 128, 512), (384, 128, 768), (512, 128, 1000)]);
         assert_eq!(query_ranges(&[&row], 1000, 16, 1, KERNEL_TILE), [QueryRange { start: 0, len: 640, keys: 1000 }]);
+    }
+
+    /// The bias keeps its padded rows (the memory-efficient kernel needs a row stride that is a
+    /// multiple of 4; a context of 181 keys once reached it unpadded), and its values.
+    #[test]
+    fn context_bias_rows_stay_padded() {
+        let anchors = Tensor::from_slice(&[0i64, 5, 181]).view([1, 3]);
+        let bias = context_bias(&anchors, 181, 2, Kind::Float);
+        assert_eq!(bias.size(), [1, 1, 6, 181]);
+        assert_eq!(bias.stride()[2], 192);
+        let visible = bias.eq(0.0).sum(Kind::Int64).int64_value(&[]);
+        assert_eq!(visible, 2 * (0 + 5 + 181));
     }
 }
