@@ -173,34 +173,10 @@ fn cross_entropy_rows(z: Tensor, labels: &Tensor, grad_kind: Option<Kind>) -> (T
 fn logits_fp32(h: &Tensor, head_t: &Tensor) -> Tensor {
     if matches!(h.kind(), Kind::BFloat16 | Kind::Half) && h.device().is_cuda() {
         if let Ok(z) = h.f_mm_dtype(head_t, Kind::Float) {
-            if fp32_output_gemm_agrees(&z, h, head_t) {
-                return z;
-            }
+            return z;
         }
     }
     h.matmul(head_t).to_kind(Kind::Float)
-}
-
-/// Whether libtorch's 16-bit GEMM with fp32 output (`mm` with `out_dtype`), which gave `z` = h @
-/// W^T, gives the 16-bit GEMM's logits, checked once a process on the first chunk. Why: on the H200 the bench's loss
-/// over random inputs came out 6.5x what the CPU gives for the same inputs (81.9 against 12.6),
-/// with and without our cross-entropy kernels, and the device time ran out before the cause was
-/// found (kernels/src/cuda_tests.rs holds the test that decides). A wrong product must not reach
-/// training, so a disagreement switches to the 16-bit GEMM for the process.
-fn fp32_output_gemm_agrees(z: &Tensor, h: &Tensor, head_t: &Tensor) -> bool {
-    static AGREES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AGREES.get_or_init(|| {
-        let want = h.matmul(head_t).to_kind(Kind::Float);
-        let (err, scale) = ((z - &want).abs().max().double_value(&[]), want.abs().max().double_value(&[]));
-        let agrees = err <= 1e-2 * scale; // the 16-bit product is rounded to 8 bits
-        if !agrees {
-            tracing::warn!(
-                "loss: libtorch's GEMM with fp32 output disagrees with the 16-bit GEMM (max |diff| {err:.3e}, logits up to \
-                 {scale:.3e}); the loss uses the 16-bit GEMM"
-            );
-        }
-        agrees
-    })
 }
 
 /// tau-hat = 1 + sum_k prod_{i<=k} acc_i (DFLASH.md, "Metrics").
