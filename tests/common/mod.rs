@@ -123,7 +123,11 @@ pub fn build_plugin(crate_dir: &str, lib: &str, features: &[&str], name: &str) -
     let dest_dir = root().join("target/test-plugins");
     std::fs::create_dir_all(&dest_dir).unwrap();
     let dest = dest_dir.join(format!("{name}.so"));
-    std::fs::copy(root().join(format!("target/release/lib{lib}.so")), &dest).unwrap();
+    // Copy, then rename over: another test's host may have `dest` mapped, and overwriting that
+    // file in place would crash it (SIGBUS); a rename gives it a new inode instead.
+    let tmp = dest_dir.join(format!("{name}.so.{}", std::process::id()));
+    std::fs::copy(root().join(format!("target/release/lib{lib}.so")), &tmp).unwrap();
+    std::fs::rename(&tmp, &dest).unwrap();
     dest
 }
 
