@@ -60,7 +60,8 @@ pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<DataSummary>> 
             }
             bar.finish_and_clear();
             std::fs::create_dir_all(path.parent().expect("has parent"))?;
-            let tmp = path.with_extension("json.tmp");
+            // The cache is shared by concurrent runs: each writes its own temp file, then renames.
+            let tmp = path.with_extension(format!("json.{}.tmp", std::process::id()));
             std::fs::write(&tmp, serde_json::to_string(&replies)?).with_context(|| format!("writing {}", tmp.display()))?;
             std::fs::rename(&tmp, &path)?;
             replies
