@@ -2,7 +2,7 @@
 //! tests/fixtures/README.md): the drafter forward, the DFlash loss and its gradients for a tiny
 //! random drafter, and 10 AdamW steps with a changing learning rate.
 
-use dflash_host::{
+use dflash_host::train::{
     anchors::block_token_ids,
     loss::{dflash_loss, tau_hat, LossInput},
 };

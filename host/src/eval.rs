@@ -4,7 +4,7 @@
 //! matching prefix plus the target's own next token (the bonus) are kept; the cache is cropped to
 //! what was kept. The output must equal the target's own greedy output token for token.
 
-use crate::train::Components;
+use crate::pipeline::components::Components;
 use anyhow::{anyhow, bail, Result};
 use plugin_api::{
     tch::{self, Device, Kind, Tensor},

@@ -52,7 +52,7 @@ enum Command {
         out: PathBuf,
         /// Stored precision of the features (default: the run's dtype).
         #[arg(long, value_enum)]
-        dtype: Option<dflash_host::capture::StoredDtype>,
+        dtype: Option<dflash_host::pipeline::capture::StoredDtype>,
         /// Micro-batches to capture (default: steps x grad_accum).
         #[arg(long)]
         batches: Option<u64>,
@@ -218,8 +218,8 @@ fn run() -> Result<ExitCode> {
         Command::Capture { config, out, dtype, batches, shard_mb } => {
             let cfg = RunConfig::load(&config)?;
             let registry = Registry::new(&cli.plugins)?;
-            let run_dtype = if cfg.dtype() == "bf16" { dflash_host::capture::StoredDtype::Bf16 } else { dflash_host::capture::StoredDtype::F32 };
-            let opts = dflash_host::capture::CaptureOptions {
+            let run_dtype = if cfg.dtype() == "bf16" { dflash_host::pipeline::capture::StoredDtype::Bf16 } else { dflash_host::pipeline::capture::StoredDtype::F32 };
+            let opts = dflash_host::pipeline::capture::CaptureOptions {
                 dtype: dtype.unwrap_or(run_dtype),
                 micro_batches: batches.unwrap_or(cfg.train.steps * cfg.train.grad_accum),
                 shard_bytes: shard_mb << 20,

@@ -14,11 +14,13 @@ use super::{
     memory,
 };
 use crate::{
-    anchors::AnchorSampler,
     config::PluginSection,
-    loss::{default_gamma, dflash_loss, LossInput},
     plugins::Registry,
-    train::DraftLoss,
+    train::{
+        anchors::AnchorSampler,
+        loss::{default_gamma, dflash_loss, LossInput},
+        DraftLoss,
+    },
 };
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{

@@ -8,9 +8,12 @@
 //! `lengths`, `sequence_ids` (int64) and `hidden` [B, S, n*H] in `f32`, `bf16`, or `fp8_e4m3`
 //! (raw bytes as uint8, with `hidden_scale` [B, S, 1] f32: per-row absmax / 448).
 
-use crate::{
-    pipeline::{self, Job, PipelineOptions, Worker},
-    train::{feature_bytes_per_token, next_batch, target_workers, Components, HostBatch, Micro},
+use super::{
+    components::Components,
+    distill,
+    hidden_cache::HiddenStateCache,
+    scheduler::{self, Job, PipelineOptions, Worker},
+    stages::{feature_bytes_per_token, next_batch, target_workers, HostBatch, Micro},
 };
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -70,7 +73,7 @@ pub fn capture(cfg: &crate::config::RunConfig, mut c: Components, out: &Path, ca
         bail!("{}: a capture is already there", out.display());
     }
     fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    c.prepare_data(cache_dir)?;
+    distill::prepare_data(&mut c, cache_dir)?;
     let names = c.names.clone();
     let spec = c.target.spec();
     let layer_ids: Vec<u32> = c.drafter.target_layer_ids().into_vec();
@@ -79,7 +82,7 @@ pub fn capture(cfg: &crate::config::RunConfig, mut c: Components, out: &Path, ca
     let (data, target, extra) = (&mut c.data, &mut c.target, &mut c.extra_targets);
     let mut produced = 0;
     let names_p = names.clone();
-    let cache = crate::hidden_cache::HiddenStateCache::new(cfg.train.hidden_cache_mb << 20, per_token);
+    let cache = HiddenStateCache::new(cfg.train.hidden_cache_mb << 20, per_token);
     let cache_p = Arc::clone(&cache);
     let producer = move || -> Result<Option<Job<HostBatch>>> {
         if produced == opts.micro_batches {
@@ -105,7 +108,7 @@ pub fn capture(cfg: &crate::config::RunConfig, mut c: Components, out: &Path, ca
         batches: Vec::new(),
         shards: Vec::new(),
     };
-    pipeline::run(&pipe, producer, workers, |feed| {
+    scheduler::run(&pipe, producer, workers, |feed| {
         let mut shard: Vec<(String, Tensor)> = Vec::new();
         let mut shard_bytes = 0;
         while let Some(ready) = feed.next()? {

@@ -4,13 +4,23 @@
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use crate::train::Components;
+use super::components::Components;
 use plugin_api::{abi_stable::std_types::RVec, DataSummary, PluginKind};
 use sha2::{Digest, Sha256};
 use std::path::Path;
 
 /// Prompts per `generate` call: small enough for a live progress bar.
 const CHUNK: usize = 64;
+
+/// Tokenize the data with the target's tokenizer, then self-distil if the loader asks.
+pub fn prepare_data(c: &mut Components, cache_dir: &Path) -> Result<()> {
+    let summary = c.data.open(c.target.tokenizer_json().as_rstr()).into_result().map_err(c.err(PluginKind::DataLoader, "open"))?;
+    tracing::info!("data: {}", summary.description);
+    if let Some(s) = run(c, cache_dir)? {
+        tracing::info!("data after self-distillation: {}", s.description);
+    }
+    Ok(())
+}
 
 pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<DataSummary>> {
     let req = c.data.distill_request();
