@@ -186,7 +186,7 @@ fn run() -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Plugins { command: PluginsCommand::Inspect { path } } => {
-            let plugin = plugins::load_library(&path)?;
+            let plugin = plugins::load_library(&plugins::find_library(&path)?)?;
             print_plugins(std::iter::once(&plugin.record));
             Ok(ExitCode::SUCCESS)
         }
