@@ -1,4 +1,4 @@
-//! The gated delta rule (OPTIMIZERS.md, "Gated DeltaNet"), computed in fp32.
+//! The gated delta rule (docs/GDN.md), computed in fp32.
 //!
 //! Layout is head-first: q, k [B, H, L, dk] (already L2-normalised), v [B, H, L, dv], g (log
 //! decay, <= 0) and beta (write strength, in (0, 1)) [B, H, L], states [B, H, dk, dv]. Per step t:
@@ -41,6 +41,10 @@ pub fn naive(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor, init
 
 /// The chunked (WY) form of [`naive`] from `initial` (zeros if None), chunks of `chunk` steps
 /// (fewer if the sequence is shorter): outputs [B, H, L, dv] and the final state [B, H, dk, dv].
+///
+/// Everything that does not depend on the state (the WY writes, the intra-chunk scores, the keys
+/// decayed to their chunk's end) is computed for all chunks at once in batched matmuls; the loop
+/// over chunks carries only the state, five small batched matmuls a chunk, no per-step work.
 pub fn chunked(
     q: &Tensor,
     k: &Tensor,
@@ -61,13 +65,14 @@ pub fn chunked(
     // Queries in chunks, scaled, and decayed to each step: q_i exp(G_i) reads the incoming state.
     let q = into_chunks(&(q * (dk as f64).powf(-0.5)), ch.n, ch.c);
     let q_decayed = &q * ch.g_cum.exp().unsqueeze(-1);
+    // Intra-chunk part of every chunk: (q_i . k_j) exp(G_i - G_j) for j <= i, applied to the writes.
+    let intra = q.matmul(&ch.k.transpose(-1, -2)) * &ch.decay; // [B, H, n, C, C]
     let mut state = initial;
     let mut outs = Vec::with_capacity(ch.n as usize);
     for c in 0..ch.n {
         let v_new = ch.v_new(c, &state);
-        // Intra-chunk part: (q_i . k_j) exp(G_i - G_j) for j <= i, applied to the writes.
-        let intra = q.select(2, c).matmul(&ch.k.select(2, c).transpose(-1, -2)) * ch.decay.select(2, c);
-        outs.push(q_decayed.select(2, c).matmul(&state) + intra.matmul(&v_new));
+        let intra_part = bmm(&intra.select(2, c), &v_new);
+        outs.push(bmm_add(&intra_part, &q_decayed.select(2, c), &state, 1.0));
         state = ch.advance(c, &state, &v_new);
     }
     let o = Tensor::cat(&outs, 2).narrow(2, 0, l); // [B, H, n*C, dv] -> [B, H, L, dv]
@@ -143,6 +148,10 @@ struct Chunks {
     u: Tensor,
     /// How the entering state S shifts them, T (beta k exp(G)): writes = u - w S. [B, H, n, C, dk].
     w: Tensor,
+    /// Keys decayed to their chunk's end, exp(G_last - G_i) k_i, transposed: [B, H, n, dk, C].
+    k_to_end: Tensor,
+    /// exp(G_last), the whole chunk's decay of the state: [B, H, n, 1, 1].
+    chunk_decay: Tensor,
 }
 
 impl Chunks {
@@ -167,21 +176,35 @@ impl Chunks {
         let solved = strictly_lower.linalg_solve_triangular(&rhs, false, true, true);
         let u = solved.narrow(-1, 0, dv);
         let w = solved.narrow(-1, dv, solved.size()[4] - dv);
-        Self { n, c, k, g_cum, decay, u, w }
+        // 3. What carries a state across a chunk: S exp(G_last) + sum_i exp(G_last - G_i) k_i write_i^T.
+        let g_last = g_cum.narrow(-1, c - 1, 1); // [B, H, n, 1]
+        let k_to_end = (&k * (&g_last - &g_cum).exp().unsqueeze(-1)).transpose(-1, -2);
+        let chunk_decay = g_last.exp().unsqueeze(-1);
+        Self { n, c, k, g_cum, decay, u, w, k_to_end, chunk_decay }
     }
 
     /// Chunk c's writes when entered with `state`: [B, H, C, dv].
     fn v_new(&self, c: i64, state: &Tensor) -> Tensor {
-        self.u.select(2, c) - self.w.select(2, c).matmul(state)
+        bmm_add(&self.u.select(2, c), &self.w.select(2, c), state, -1.0)
     }
 
     /// The state after chunk c: S exp(G_last) + sum_i exp(G_last - G_i) k_i write_i^T.
     fn advance(&self, c: i64, state: &Tensor, v_new: &Tensor) -> Tensor {
-        let g = self.g_cum.select(2, c); // [B, H, C]
-        let g_last = g.narrow(-1, self.c - 1, 1); // [B, H, 1]
-        let k_decayed = self.k.select(2, c) * (&g_last - &g).exp().unsqueeze(-1);
-        state * g_last.exp().unsqueeze(-1) + k_decayed.transpose(-1, -2).matmul(v_new)
+        bmm_add(&(state * self.chunk_decay.select(2, c)), &self.k_to_end.select(2, c), v_new, 1.0)
     }
+}
+
+/// a @ b over [B, H, m, k] x [B, H, k, n], as one batched GEMM over B*H.
+fn bmm(a: &Tensor, b: &Tensor) -> Tensor {
+    let (s, bs) = (a.size(), b.size());
+    a.reshape([-1, s[2], s[3]]).bmm(&b.reshape([-1, bs[2], bs[3]])).view([s[0], s[1], s[2], bs[3]])
+}
+
+/// acc + alpha * (a @ b) over [B, H, .., ..] in one batched GEMM (cuBLAS's beta = 1 epilogue).
+fn bmm_add(acc: &Tensor, a: &Tensor, b: &Tensor, alpha: f64) -> Tensor {
+    let (s, bs) = (a.size(), b.size());
+    let acc3 = acc.reshape([-1, s[2], bs[3]]);
+    acc3.baddbmm(&a.reshape([-1, s[2], s[3]]), &b.reshape([-1, bs[2], bs[3]]), 1.0, alpha).view([s[0], s[1], s[2], bs[3]])
 }
 
 /// [B, H, L] -> [B, H, n, C] or [B, H, L, d] -> [B, H, n, C, d], zero padded to n*C steps.
