@@ -16,7 +16,7 @@ use crate::{
     config::DecoderConfig,
     model::Loader,
 };
-use gated_deltanet::{chunked, depthwise_conv, l2norm};
+use gated_deltanet::{chunked_with, depthwise_conv, l2norm, Precision};
 use plugin_api::tch::{Kind, Tensor};
 
 /// Steps per chunk of the chunked delta rule (transformers' and FLA's 64).
@@ -40,6 +40,9 @@ pub struct GatedDeltaNet {
     value_dim: i64,
     kernel: i64,
     eps: f64,
+    /// The delta rule's matmul operands: bf16 (fp32 accumulation and state, as FLA's kernels)
+    /// in a bf16 model, fp32 otherwise.
+    precision: Precision,
 }
 
 impl GatedDeltaNet {
@@ -67,6 +70,7 @@ impl GatedDeltaNet {
             value_dim: dv,
             kernel: k,
             eps: cfg.rms_norm_eps,
+            precision: if ld.kind == Kind::BFloat16 { Precision::Bf16 } else { Precision::F32 },
         })
     }
 
@@ -105,7 +109,7 @@ impl GatedDeltaNet {
         let (g, beta) = self.gates(&a_in, &b_in);
         // 4. The delta rule from the cached state (zeros at the start), chunked.
         let initial = prev.map(|s| s.state.shallow_clone());
-        let (o, last) = chunked(&q, &k, &v, &g, &beta, initial.as_ref(), CHUNK);
+        let (o, last) = chunked_with(&q, &k, &v, &g, &beta, initial.as_ref(), CHUNK, self.precision);
         // 5. Gated RMSNorm per value head, norm(o) * w * silu(z), then out_proj.
         let o = o.transpose(1, 2); // [B, L, nv, dv]
         let z = z.reshape([b, l, nv, dv]).to_kind(Kind::Float);
@@ -138,7 +142,7 @@ impl GatedDeltaNet {
         } else {
             let (_, k, v) = self.heads(&depthwise_conv(&rows, &self.conv).silu());
             let (g, beta) = (u.g.narrow(2, 0, keep), u.beta.narrow(2, 0, keep));
-            chunked(&k, &k, &v, &g, &beta, u.state.as_ref(), CHUNK).1
+            chunked_with(&k, &k, &v, &g, &beta, u.state.as_ref(), CHUNK, self.precision).1
         };
     }
 
