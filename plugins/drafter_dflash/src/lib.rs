@@ -41,6 +41,15 @@ pub struct DrafterSection {
     /// MLP width (default: the target's).
     #[serde(default)]
     pub intermediate_size: Option<usize>,
+    /// Attention shape of the draft layers (default: the target's). The published drafters of
+    /// the Qwen3.5 / Qwen3.6 hybrids use 32 heads, 8 KV heads of 128 where the target's gated
+    /// attention has 24 / 4 of 256.
+    #[serde(default)]
+    pub num_attention_heads: Option<usize>,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
     /// Start from a z-lab format drafter folder (config.json + model.safetensors): its config
     /// replaces the fields above, its weights the random initialisation.
     #[serde(default)]
@@ -82,6 +91,17 @@ impl DrafterSection {
             let n = self.num_hidden_layers;
             return Err(PluginError::new(format!("field `num_hidden_layers`: must be in 1..=64, got {n}")));
         }
+        let heads = self.num_attention_heads.unwrap_or(target.num_attention_heads as usize);
+        let kv_heads = self.num_key_value_heads.unwrap_or(target.num_key_value_heads as usize);
+        let head_dim = self.head_dim.unwrap_or(target.head_dim as usize);
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(PluginError::new(format!(
+                "fields `num_attention_heads` / `num_key_value_heads`: {heads} heads do not split into groups of {kv_heads} KV heads"
+            )));
+        }
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(PluginError::new(format!("field `head_dim`: must be even and >= 2 (RoPE), got {head_dim}")));
+        }
         let dflash_config = drafter_layers::dflash::resolve(
             self.block_size,
             self.num_target_features,
@@ -95,9 +115,9 @@ impl DrafterSection {
             hidden_size: target.hidden_size as usize,
             intermediate_size: self.intermediate_size.unwrap_or(target.intermediate_size as usize),
             num_hidden_layers: self.num_hidden_layers,
-            num_attention_heads: target.num_attention_heads as usize,
-            num_key_value_heads: target.num_key_value_heads as usize,
-            head_dim: target.head_dim as usize,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
             vocab_size: target.vocab_size as usize,
             rms_norm_eps: target.rms_norm_eps,
             rope_theta: target.rope_theta,
@@ -245,3 +265,49 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
 }
 
 plugin_api::declare_plugin!(drafter_dflash, info, create);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use plugin_api::abi_stable::std_types::{RNone, RString};
+
+    fn hybrid_target() -> TargetSpec {
+        TargetSpec {
+            architecture: RString::from("qwen3_5"),
+            num_hidden_layers: 64,
+            hidden_size: 5120,
+            vocab_size: 248320,
+            num_attention_heads: 24,
+            num_key_value_heads: 4,
+            head_dim: 256,
+            intermediate_size: 17408,
+            rope_theta: 1e7,
+            rms_norm_eps: 1e-6,
+            bos_token_id: RNone,
+            eos_token_id: 248044,
+            pad_token_id: RNone,
+            chat_template: RString::new(),
+            source: RString::from("test"),
+            source_sha256: RString::new(),
+        }
+    }
+
+    /// The published Qwen3.6-27B drafter's attention shape, not its target's; the target's when
+    /// the section says nothing; a shape that does not group is refused naming the fields.
+    #[test]
+    fn the_attention_shape_can_differ_from_the_targets() {
+        let t = hybrid_target();
+        let s: DrafterSection = plugin_api::parse_section(
+            "target_layer_ids = [1, 16, 31, 46, 61]\nmask_token_id = 248070\nnum_attention_heads = 32\nnum_key_value_heads = 8\nhead_dim = 128",
+        )
+        .unwrap();
+        let c = s.resolve(&t).unwrap();
+        assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size), (32, 8, 128, 17408));
+        let s: DrafterSection = plugin_api::parse_section("mask_token_id = 248070").unwrap();
+        let c = s.resolve(&t).unwrap();
+        assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (24, 4, 256));
+        let s: DrafterSection = plugin_api::parse_section("mask_token_id = 248070\nnum_key_value_heads = 5").unwrap();
+        let err = s.resolve(&t).err().unwrap().to_string();
+        assert!(err.contains("`num_key_value_heads`") && err.contains("24 heads"), "{err}");
+    }
+}

@@ -1,4 +1,4 @@
-//! The gated delta rule (OPTIMIZERS.md, "Gated DeltaNet"), computed in fp32.
+//! The gated delta rule (docs/GDN.md), computed in fp32.
 //!
 //! Layout is head-first: q, k [B, H, L, dk] (already L2-normalised), v [B, H, L, dv], g (log
 //! decay, <= 0) and beta (write strength, in (0, 1)) [B, H, L], states [B, H, dk, dv]. Per step t:
@@ -39,8 +39,22 @@ pub fn naive(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor, init
     (o, Tensor::stack(&states, 2))
 }
 
+/// How the chunked form's matmuls take their operands.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// fp32 operands: the reference, and what training uses.
+    #[default]
+    F32,
+    /// bf16 operands with fp32 accumulation, fp32 results and an fp32 state: the numerics of
+    /// FLA's chunked kernels (the state and the triangular inverse cast to bf16 where they enter
+    /// a matmul), for bf16 models on tensor cores. On the CPU the operands are rounded to bf16
+    /// and multiplied in fp32, which is the same arithmetic.
+    Bf16,
+}
+
 /// The chunked (WY) form of [`naive`] from `initial` (zeros if None), chunks of `chunk` steps
-/// (fewer if the sequence is shorter): outputs [B, H, L, dv] and the final state [B, H, dk, dv].
+/// (fewer if the sequence is shorter): outputs [B, H, L, dv] and the final state [B, H, dk, dv],
+/// in fp32.
 pub fn chunked(
     q: &Tensor,
     k: &Tensor,
@@ -50,25 +64,48 @@ pub fn chunked(
     initial: Option<&Tensor>,
     chunk: i64,
 ) -> (Tensor, Tensor) {
+    chunked_with(q, k, v, g, beta, initial, chunk, Precision::F32)
+}
+
+/// [`chunked`] with the matmuls' operands in `precision`.
+///
+/// Everything that does not depend on the state (the WY writes, the intra-chunk scores, the keys
+/// decayed to their chunk's end) is computed for all chunks at once in batched matmuls; the loop
+/// over chunks carries only the state, five small batched matmuls a chunk, no per-step work.
+#[allow(clippy::too_many_arguments)]
+pub fn chunked_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    initial: Option<&Tensor>,
+    chunk: i64,
+    precision: Precision,
+) -> (Tensor, Tensor) {
     let (q, k, v) = (f32(q), f32(k), f32(v));
     let l = k.size()[2];
     let initial = initial.map_or_else(|| zero_state(&k, &v), f32);
     if l == 0 {
         return (v.zeros_like(), initial);
     }
-    let ch = Chunks::new(&k, &v, &f32(g), &f32(beta), chunk);
+    let p = precision;
+    let ch = Chunks::new(&k, &v, &f32(g), &f32(beta), chunk, p);
     let dk = k.size()[3];
     // Queries in chunks, scaled, and decayed to each step: q_i exp(G_i) reads the incoming state.
     let q = into_chunks(&(q * (dk as f64).powf(-0.5)), ch.n, ch.c);
-    let q_decayed = &q * ch.g_cum.exp().unsqueeze(-1);
+    let q_decayed = operand(&(&q * ch.g_cum.exp().unsqueeze(-1)), p);
+    // Intra-chunk part of every chunk: (q_i . k_j) exp(G_i - G_j) for j <= i, applied to the writes.
+    let intra = operand(&(mm(&q, &ch.k.transpose(-1, -2), p) * &ch.decay), p); // [B, H, n, C, C]
     let mut state = initial;
     let mut outs = Vec::with_capacity(ch.n as usize);
     for c in 0..ch.n {
-        let v_new = ch.v_new(c, &state);
-        // Intra-chunk part: (q_i . k_j) exp(G_i - G_j) for j <= i, applied to the writes.
-        let intra = q.select(2, c).matmul(&ch.k.select(2, c).transpose(-1, -2)) * ch.decay.select(2, c);
-        outs.push(q_decayed.select(2, c).matmul(&state) + intra.matmul(&v_new));
-        state = ch.advance(c, &state, &v_new);
+        let state_op = operand(&state, p);
+        let v_new = ch.v_new(c, &state_op);
+        let v_new_op = operand(&v_new, p);
+        let intra_part = mm(&intra.select(2, c), &v_new_op, p);
+        outs.push(mm_add(&intra_part, &q_decayed.select(2, c), &state_op, 1.0, p));
+        state = ch.advance(c, &state, &v_new_op);
     }
     let o = Tensor::cat(&outs, 2).narrow(2, 0, l); // [B, H, n*C, dv] -> [B, H, L, dv]
     (o, state)
@@ -86,7 +123,7 @@ pub fn states_at(k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor, positions: &
     if l == 0 {
         return Tensor::zeros([b, a, h, dk, dv], (Kind::Float, k.device()));
     }
-    let ch = Chunks::new(&k, &v, &f32(g), &f32(beta), chunk);
+    let ch = Chunks::new(&k, &v, &f32(g), &f32(beta), chunk, Precision::F32);
     let (n, c_len) = (ch.n, ch.c);
 
     // 1. Scan: the state entering each chunk and each chunk's corrected writes.
@@ -143,10 +180,15 @@ struct Chunks {
     u: Tensor,
     /// How the entering state S shifts them, T (beta k exp(G)): writes = u - w S. [B, H, n, C, dk].
     w: Tensor,
+    /// Keys decayed to their chunk's end, exp(G_last - G_i) k_i, transposed: [B, H, n, dk, C].
+    k_to_end: Tensor,
+    /// exp(G_last), the whole chunk's decay of the state: [B, H, n, 1, 1].
+    chunk_decay: Tensor,
+    p: Precision,
 }
 
 impl Chunks {
-    fn new(k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor, chunk: i64) -> Self {
+    fn new(k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor, chunk: i64, p: Precision) -> Self {
         let l = k.size()[2];
         let c = chunk.clamp(1, l.max(1));
         let n = (l + c - 1) / c;
@@ -160,28 +202,118 @@ impl Chunks {
         //    (I + L) u = beta v with L strictly lower; solve for both right-hand sides at once.
         let beta = beta.unsqueeze(-1);
         let k_beta = &k * &beta;
-        let strictly_lower = k_beta.matmul(&k.transpose(-1, -2)) * &decay;
+        let strictly_lower = mm(&k_beta, &k.transpose(-1, -2), p) * &decay;
         let strictly_lower = strictly_lower.masked_fill(&upper.logical_or(&Tensor::eye(c, (Kind::Bool, k.device()))), 0.0);
         let dv = v.size()[4];
         let rhs = Tensor::cat(&[&v * &beta, k_beta * g_cum.exp().unsqueeze(-1)], -1);
-        let solved = strictly_lower.linalg_solve_triangular(&rhs, false, true, true);
+        let solved = if strictly_lower.requires_grad() || rhs.requires_grad() {
+            // Training: libtorch's triangular solve, which has a backward.
+            strictly_lower.linalg_solve_triangular(&rhs, false, true, true)
+        } else {
+            mm(&unit_lower_inverse(&strictly_lower), &rhs, p)
+        };
         let u = solved.narrow(-1, 0, dv);
-        let w = solved.narrow(-1, dv, solved.size()[4] - dv);
-        Self { n, c, k, g_cum, decay, u, w }
+        let w = operand(&solved.narrow(-1, dv, solved.size()[4] - dv), p);
+        // 3. What carries a state across a chunk: S exp(G_last) + sum_i exp(G_last - G_i) k_i write_i^T.
+        let g_last = g_cum.narrow(-1, c - 1, 1); // [B, H, n, 1]
+        let k_to_end = operand(&(&k * (&g_last - &g_cum).exp().unsqueeze(-1)).transpose(-1, -2), p);
+        let chunk_decay = g_last.exp().unsqueeze(-1);
+        Self { n, c, k, g_cum, decay, u, w, k_to_end, chunk_decay, p }
     }
 
     /// Chunk c's writes when entered with `state`: [B, H, C, dv].
     fn v_new(&self, c: i64, state: &Tensor) -> Tensor {
-        self.u.select(2, c) - self.w.select(2, c).matmul(state)
+        mm_add(&self.u.select(2, c), &self.w.select(2, c), state, -1.0, self.p)
     }
 
-    /// The state after chunk c: S exp(G_last) + sum_i exp(G_last - G_i) k_i write_i^T.
+    /// The state after chunk c: S exp(G_last) + sum_i exp(G_last - G_i) k_i write_i^T (fp32).
     fn advance(&self, c: i64, state: &Tensor, v_new: &Tensor) -> Tensor {
-        let g = self.g_cum.select(2, c); // [B, H, C]
-        let g_last = g.narrow(-1, self.c - 1, 1); // [B, H, 1]
-        let k_decayed = self.k.select(2, c) * (&g_last - &g).exp().unsqueeze(-1);
-        state * g_last.exp().unsqueeze(-1) + k_decayed.transpose(-1, -2).matmul(v_new)
+        mm_add(&(state * self.chunk_decay.select(2, c)), &self.k_to_end.select(2, c), v_new, 1.0, self.p)
     }
+}
+
+/// (I + A)^{-1} for strictly lower-triangular A [.., C, C], without autograd: forward
+/// substitution by blocks of 16 (libtorch's batched triangular solve runs one small system at a
+/// time). The 16 x 16 diagonal blocks are inverted row by row, all at once (X_i = -A_i X, 15
+/// steps); then each block row below is -D_r^{-1} A_{r,<r} X_{<r}: two batched matmuls a block row.
+pub fn unit_lower_inverse(a: &Tensor) -> Tensor {
+    const BS: i64 = 16;
+    let size = a.size();
+    let c = size[size.len() - 1];
+    let cp = (c + BS - 1) / BS * BS;
+    let nb = cp / BS;
+    let a = if cp == c { f32(a) } else { f32(a).constant_pad_nd([0, cp - c, 0, cp - c]) };
+    let a = a.reshape([-1, cp, cp]);
+    let batch = a.size()[0];
+    let eye = Tensor::eye(BS, (Kind::Float, a.device()));
+    // 1. The diagonal blocks [batch, nb, 16, 16], inverted by substitution.
+    let diag = a.view([batch, nb, BS, nb, BS]).diagonal(0, 1, 3).permute([0, 3, 1, 2]).reshape([batch * nb, BS, BS]);
+    let d_inv = eye.expand([batch * nb, BS, BS], false).contiguous();
+    for i in 1..BS {
+        let row = -diag.narrow(1, i, 1).narrow(2, 0, i).bmm(&d_inv.narrow(1, 0, i).narrow(2, 0, i)); // [.., 1, i]
+        let _ = d_inv.narrow(1, i, 1).narrow(2, 0, i).copy_(&row);
+    }
+    let d_inv = d_inv.view([batch, nb, BS, BS]);
+    // 2. Block rows, top to bottom: X_{r,<r} = -D_r^{-1} (A_{r,<r} X_{<r,<r}).
+    let x = Tensor::zeros([batch, cp, cp], (Kind::Float, a.device()));
+    let _ = x.view([batch, nb, BS, nb, BS]).diagonal(0, 1, 3).copy_(&d_inv.permute([0, 2, 3, 1]));
+    for r in 1..nb {
+        let (lo, hi) = (r * BS, (r + 1) * BS);
+        let a_row = a.narrow(1, lo, BS).narrow(2, 0, lo); // [batch, 16, lo]
+        let x_top = x.narrow(1, 0, lo).narrow(2, 0, lo); // [batch, lo, lo]
+        let block = -d_inv.select(1, r).bmm(&a_row.bmm(&x_top));
+        let _ = x.narrow(1, lo, hi - lo).narrow(2, 0, lo).copy_(&block);
+    }
+    let x = x.view([batch, cp, cp]).narrow(1, 0, c).narrow(2, 0, c);
+    let mut out = size.clone();
+    let last = out.len() - 1;
+    out[last - 1] = c;
+    out[last] = c;
+    x.reshape(out.as_slice())
+}
+
+/// A matmul operand in `p`: fp32 as is, or rounded to bf16.
+fn operand(t: &Tensor, p: Precision) -> Tensor {
+    match p {
+        Precision::F32 => t.shallow_clone(),
+        Precision::Bf16 => t.to_kind(Kind::BFloat16),
+    }
+}
+
+/// a @ b over [.., m, k] x [.., k, n] as one batched GEMM, fp32 result. Bf16 operands on CUDA
+/// go through cuBLAS with fp32 accumulation and output (`bmm(.., out_dtype)`); elsewhere (or if
+/// that is refused) they are widened and multiplied in fp32: the same arithmetic.
+fn mm(a: &Tensor, b: &Tensor, p: Precision) -> Tensor {
+    let (sa, sb) = (a.size(), b.size());
+    let (m, kk, n) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 1]);
+    let (a3, b3) = (operand(a, p).reshape([-1, m, kk]), operand(b, p).reshape([-1, kk, n]));
+    let out = match p {
+        Precision::Bf16 if a.device().is_cuda() => {
+            a3.f_bmm_dtype(&b3, Kind::Float).unwrap_or_else(|_| a3.to_kind(Kind::Float).bmm(&b3.to_kind(Kind::Float)))
+        }
+        Precision::Bf16 => a3.to_kind(Kind::Float).bmm(&b3.to_kind(Kind::Float)),
+        Precision::F32 => a3.bmm(&b3),
+    };
+    let mut shape = sa.clone();
+    let last = shape.len() - 1;
+    shape[last] = n;
+    out.view(shape.as_slice())
+}
+
+/// acc + alpha * (a @ b), `acc` fp32, in one batched GEMM (cuBLAS's beta = 1 epilogue).
+fn mm_add(acc: &Tensor, a: &Tensor, b: &Tensor, alpha: f64, p: Precision) -> Tensor {
+    let (sa, sb) = (a.size(), b.size());
+    let (m, kk, n) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 1]);
+    let (a3, b3) = (operand(a, p).reshape([-1, m, kk]), operand(b, p).reshape([-1, kk, n]));
+    let acc3 = acc.reshape([-1, m, n]);
+    let out = match p {
+        Precision::Bf16 if a.device().is_cuda() => acc3
+            .f_baddbmm_dtype(&a3, &b3, Kind::Float, 1.0, alpha)
+            .unwrap_or_else(|_| acc3.baddbmm(&a3.to_kind(Kind::Float), &b3.to_kind(Kind::Float), 1.0, alpha)),
+        Precision::Bf16 => acc3.baddbmm(&a3.to_kind(Kind::Float), &b3.to_kind(Kind::Float), 1.0, alpha),
+        Precision::F32 => acc3.baddbmm(&a3, &b3, 1.0, alpha),
+    };
+    out.view(acc.size().as_slice())
 }
 
 /// [B, H, L] -> [B, H, n, C] or [B, H, L, d] -> [B, H, n, C, d], zero padded to n*C steps.
@@ -352,6 +484,42 @@ mod tests {
                 assert!(err < tol, "{case}: {name} rel. RMS error {err:.2e}");
             }
         }
+    }
+
+    /// The blocked inverse (used without autograd) equals libtorch's triangular solve, for sizes
+    /// below, at and between multiples of its 16-row blocks, with entries as large as the WY
+    /// system's can be (|beta k.k exp(..)| <= 1, all of one sign: the hard case for cancellation).
+    #[test]
+    fn the_blocked_inverse_equals_the_triangular_solve() {
+        tch::manual_seed(4);
+        for c in [1i64, 5, 16, 37, 64] {
+            for scale in [0.3, 1.0] {
+                let a = (Tensor::rand([3, 2, c, c], (Kind::Float, Device::Cpu)) * scale).tril(-1);
+                let eye = Tensor::eye(c, (Kind::Float, Device::Cpu)).expand([3, 2, c, c], false);
+                let want = a.linalg_solve_triangular(&eye, false, true, true);
+                let got = unit_lower_inverse(&a);
+                let err = rel_rms(&want, &got);
+                assert!(err < 1e-5, "C={c} scale {scale}: rel. RMS error {err:.2e}");
+            }
+        }
+    }
+
+    /// Without autograd (the targets' path: the blocked inverse) the chunked form is as exact
+    /// as with it; bf16 operands (FLA's numerics) stay within bf16 rounding of it, and are
+    /// really rounded.
+    #[test]
+    fn inference_paths_match_the_reference() {
+        let _guard = tch::no_grad_guard();
+        tch::manual_seed(7);
+        let x = Inputs::new(2, 3, 150, 32, 16);
+        let (q, k, v, g, beta) = x.rule_args();
+        let (o_ref, states) = naive(&q, &k, &v, &g, &beta, Some(&x.h0));
+        let (o, ht) = chunked(&q, &k, &v, &g, &beta, Some(&x.h0), 64);
+        assert!(rel_rms(&o_ref, &o) < 1e-4 && rel_rms(&states.select(2, 150), &ht) < 1e-4);
+        let (o16, ht16) = chunked_with(&q, &k, &v, &g, &beta, Some(&x.h0), 64, Precision::Bf16);
+        let (e_o, e_h) = (rel_rms(&o_ref, &o16), rel_rms(&states.select(2, 150), &ht16));
+        assert!(e_o < 2e-2 && e_h < 2e-2, "bf16 operands: output {e_o:.2e}, state {e_h:.2e}");
+        assert!(e_o > 1e-5, "bf16 operands are rounded ({e_o:.2e})");
     }
 
     /// Running a sequence in two pieces, the second from the first's final state, equals one run:
