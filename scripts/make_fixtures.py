@@ -387,7 +387,7 @@ def make_dflash_fixture(out_dir):
 # (rank, micro-batch) -> rows of response spans [first, end) in S = 16 positions. The anchors are
 # every response token whose next token is one too (the trainer's rule; with anchors_per_seq
 # above their number it takes them all), so the Rust test runs the trainer's own sampling.
-# Label counts differ a lot between micro-batches (one label up to ninety), so the mean of
+# Label counts differ a lot between micro-batches (one label up to 63), so the mean of
 # per-micro-batch means and the token-weighted mean of the step differ clearly.
 GLOBAL_S = 16
 GLOBAL_BATCHES = {

@@ -184,7 +184,7 @@ fn sliding_window_drafter_matches_pytorch() {
 }
 
 /// One step of 3 micro-batches on each of 2 data-parallel ranks (threads talking TCP), with label
-/// counts from 1 to 90: through the trainer's own parts (anchor sampling, drafter, loss, backward,
+/// counts from 1 to 63: through the trainer's own parts (anchor sampling, drafter, loss, backward,
 /// the step's normalisation and loss), the global normalisation gives PyTorch's gradients of the
 /// step's token-weighted mean on both ranks; per micro-batch gives the mean of the six means.
 #[test]

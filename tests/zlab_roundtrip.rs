@@ -156,13 +156,15 @@ fn init_from_refuses_fields_it_cannot_honour() {
     }
 }
 
-/// Each preset's drafter, built against a random target of its target's shape (tiny: hidden 64,
-/// MLP 96; the Qwen3.5 hybrids as Qwen3-shaped stand-ins of their hidden size, vocabulary and
-/// layer count, since the hf plugin does not load them yet) and exported, carries every field of
-/// the config.json SpecForge ships (tests/fixtures/specforge/), with those two sizes shrunk.
+/// Each preset's drafter, built against a random target of its target's shape and exported,
+/// carries every field of the config.json SpecForge ships (tests/fixtures/specforge/). The
+/// targets are tiny (hidden 32, MLP 96, one shared embedding; layers, heads, vocabulary, RoPE,
+/// context length and special tokens as the real ones), the Qwen3.5 / 3.6 hybrids Qwen3-shaped
+/// stand-ins (the hf plugin does not load them yet; their drafters set their own heads, so the
+/// stand-ins' are small); the hidden size and MLP width are compared at the tiny sizes.
 #[test]
 fn presets_export_the_published_configs() {
-    const TINY_HIDDEN: u64 = 64;
+    const TINY_HIDDEN: u64 = 32;
     const TINY_MLP: u64 = 96;
     let root = common::root();
     let registry = Registry::new(&[]).unwrap();
@@ -174,30 +176,32 @@ fn presets_export_the_published_configs() {
             serde_json::from_str(&std::fs::read_to_string(root.join(format!("tests/fixtures/specforge/{name}-dflash.json"))).unwrap()).unwrap();
         let cfg = RunConfig::load(&root.join(format!("configs/presets/{name}.toml"))).unwrap();
         let dir = tempfile::tempdir().unwrap();
+        let mut drafter_section = cfg.section("drafter");
+        let mut table: toml::Table = toml::from_str(&drafter_section.config_toml).unwrap();
 
         // 1. The stand-in target: the published config's target facts, at tiny sizes.
         let p = |k: &str| published[k].clone();
         let model_type = if name.starts_with("qwen2.5") { "qwen2" } else { "qwen3" };
+        let own_heads = table.contains_key("num_attention_heads");
+        let heads = |k: &str, small: u64| if own_heads { small.into() } else { p(k) };
         let mut target = serde_json::json!({
             "model_type": model_type, "hidden_size": TINY_HIDDEN, "intermediate_size": TINY_MLP,
-            "num_hidden_layers": p("num_target_layers"), "num_attention_heads": p("num_attention_heads"),
-            "num_key_value_heads": p("num_key_value_heads"), "head_dim": p("head_dim"), "vocab_size": p("vocab_size"),
+            "num_hidden_layers": p("num_target_layers"), "num_attention_heads": heads("num_attention_heads", 4),
+            "num_key_value_heads": heads("num_key_value_heads", 2), "head_dim": heads("head_dim", 16), "vocab_size": p("vocab_size"),
             "rms_norm_eps": p("rms_norm_eps"), "rope_theta": p("rope_theta"), "rope_scaling": null,
             "max_position_embeddings": p("max_position_embeddings"), "bos_token_id": p("bos_token_id"),
-            "eos_token_id": p("eos_token_id"), "tie_word_embeddings": false,
+            "eos_token_id": p("eos_token_id"), "tie_word_embeddings": true,
         });
         if let Some(pad) = published.get("pad_token_id") {
             target["pad_token_id"] = pad.clone();
         }
         let target_json = dir.path().join("config.json");
         std::fs::write(&target_json, target.to_string()).unwrap();
-        let ctx = HostContext { dtype: "bf16".into(), ..HostContext::cpu() };
+        let ctx = HostContext::cpu();
         let section = PluginSection { kind: "target", plugin: "hf".into(), config_toml: format!("path = {:?}\nrandom_init = true", target_json.display().to_string()) };
         let PluginInstance::Target(t) = registry.create(PluginKind::Target, &section, &ctx).unwrap().0 else { panic!("not a target") };
 
         // 2. The preset's drafter against it (an explicit MLP width shrunk too).
-        let mut drafter_section = cfg.section("drafter");
-        let mut table: toml::Table = toml::from_str(&drafter_section.config_toml).unwrap();
         if table.contains_key("intermediate_size") {
             table.insert("intermediate_size".into(), (TINY_MLP as i64).into());
         }

@@ -171,7 +171,12 @@ fn skip_value<R: Read + Seek>(r: &mut R, ty: u32, size: u64) -> Result<(), Strin
         if n > size {
             return Err(format!("a value of {n} bytes in a file of {size}"));
         }
-        r.seek(SeekFrom::Current(n as i64)).map(|_| ()).map_err(|e| e.to_string())
+        // Read through (a buffered reader's seek would drop its buffer at every token string).
+        let read = std::io::copy(&mut r.by_ref().take(n), &mut std::io::sink()).map_err(|e| e.to_string())?;
+        if read < n {
+            return Err("truncated metadata".into());
+        }
+        Ok(())
     };
     match scalar_bytes(ty)? {
         Some(n) => skip(r, n),
