@@ -248,7 +248,12 @@ fn run() -> Result<ExitCode> {
             let written = exp_dir.join(name);
             std::fs::write(&written, serde_json::to_string_pretty(&json)? + "\n")?;
             println!("prompts      {} ({})", report.prompts, report.source);
-            println!("tau          {:.3}   (tau_hat from training {})", report.tau, tau_hat.map_or("-".into(), |t| format!("{t:.3}")));
+            println!(
+                "tau          {:.3}   (z-lab's: accepted + 1 per cycle; tokens kept per cycle {:.3}; tau_hat from training {})",
+                report.tau,
+                report.tau_kept,
+                tau_hat.map_or("-".into(), |t| format!("{t:.3}"))
+            );
             let acc: Vec<String> = report.acceptance_per_position.iter().map(|a| format!("{a:.2}")).collect();
             println!("acceptance   {}", acc.join(" "));
             println!("speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only)", report.speedup, report.spec_tok_per_s, report.target_tok_per_s);

@@ -28,6 +28,10 @@ pub struct Manifest {
     pub target_sha256: String,
     /// The config file's folder: relative paths in config.toml resolve from it.
     pub config_dir: String,
+    /// The loss's decay gamma the run trains with (the paper's default for the block size when
+    /// the config leaves it out), or "none"; null in manifests written before it was recorded.
+    #[serde(default)]
+    pub loss_gamma: serde_json::Value,
     /// The A/B this run is an arm of, and which arm (absent for plain runs).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ab: Option<String>,
@@ -86,6 +90,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     let components = build(cfg, config_path, &config_dir, registry)?;
     let spec = components.target.spec();
+    let gamma = crate::train::loss::resolve_gamma(cfg.train.loss_gamma, components.drafter.block_size() as usize);
     let manifest = Manifest {
         host_version: env!("CARGO_PKG_VERSION").into(),
         git_revision: git_revision(),
@@ -99,6 +104,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         target_source: spec.source.to_string(),
         target_sha256: spec.source_sha256.to_string(),
         config_dir: config_dir.display().to_string(),
+        loss_gamma: gamma.map_or_else(|| "none".into(), Into::into),
         ab: ab.map(|(name, _)| name.to_string()),
         arm: ab.map(|(_, arm)| arm.to_string()),
     };

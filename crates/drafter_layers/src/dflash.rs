@@ -6,7 +6,9 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use std::path::Path;
 
 /// z-lab's `dflash_config`: the token fed at masked block positions and the target layers read.
+/// Other keys (SpecForge's `projector_type`, `shift_label`, ...) change the model and are refused.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DFlashSection {
     pub mask_token_id: u32,
     pub target_layer_ids: Vec<u32>,
@@ -58,6 +60,32 @@ pub fn resolve(
         return bad("mask_token_id", format!("{mask_token_id} is outside the vocabulary ({})", target.vocab_size));
     }
     Ok(DFlashSection { mask_token_id, target_layer_ids: ids })
+}
+
+/// HF's `layer_types` names for a dense drafter's attention layers.
+pub const FULL_ATTENTION: &str = "full_attention";
+pub const SLIDING_ATTENTION: &str = "sliding_attention";
+
+/// Each layer's sliding window (None: full attention) from HF's `layer_types` and
+/// `sliding_window`, checked: one entry per layer, known names, a window for sliding layers that
+/// is at least a block (a shorter one would cut the block's own keys, which neither SpecForge
+/// nor SGLang agree on).
+pub fn layer_windows(layer_types: &[String], sliding_window: Option<usize>, num_layers: usize, block_size: usize) -> Result<Vec<Option<i64>>, String> {
+    if layer_types.len() != num_layers {
+        return Err(format!("`layer_types` lists {} layers, `num_hidden_layers` is {num_layers}", layer_types.len()));
+    }
+    layer_types
+        .iter()
+        .map(|t| match t.as_str() {
+            FULL_ATTENTION => Ok(None),
+            SLIDING_ATTENTION => match sliding_window {
+                None => Err(format!("`layer_types` has `{SLIDING_ATTENTION}` layers but `sliding_window` is not set")),
+                Some(w) if w < block_size => Err(format!("`sliding_window` {w} is shorter than a block ({block_size})")),
+                Some(w) => Ok(Some(w as i64)),
+            },
+            other => Err(format!("`layer_types` entry `{other}` is not `{FULL_ATTENTION}` or `{SLIDING_ATTENTION}`")),
+        })
+        .collect()
 }
 
 /// A saved drafter folder's `config.json`; errors name the file.

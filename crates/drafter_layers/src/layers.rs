@@ -1,6 +1,7 @@
 //! The dense parts of a DFlash drafter (z-lab / Qwen3 weight names): RMSNorm, RoPE, DFlash block
 //! attention and the SwiGLU MLP.
 
+use crate::rope::RopeScaling;
 use plugin_api::tch::{nn, nn::Module, Kind, Tensor};
 
 /// The shape of a dense decoder layer.
@@ -12,7 +13,10 @@ pub struct DenseShape {
     pub num_key_value_heads: usize,
     pub head_dim: usize,
     pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
     pub rms_norm_eps: f64,
+    /// HF's `initializer_range`: the std of the linear layers' random initialisation.
+    pub initializer_range: f64,
 }
 
 /// RMSNorm over the last dim, computed in fp32 (Qwen3RMSNorm). libtorch's `rms_norm` runs its
@@ -35,21 +39,35 @@ impl RmsNorm {
     }
 }
 
-/// A bias-free linear layer with HF's initializer_range 0.02.
-pub fn linear(p: &nn::Path, name: &str, in_dim: usize, out_dim: usize) -> nn::Linear {
-    let cfg = nn::LinearConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: 0.02 }, bs_init: None, bias: false };
+/// HF's default `initializer_range`.
+pub const INITIALIZER_RANGE: f64 = 0.02;
+
+/// A bias-free linear layer, weights drawn with std `initializer_range` (HF's init).
+pub fn linear(p: &nn::Path, name: &str, in_dim: usize, out_dim: usize, initializer_range: f64) -> nn::Linear {
+    let cfg = nn::LinearConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: initializer_range }, bs_init: None, bias: false };
     nn::linear(p / name, in_dim as i64, out_dim as i64, cfg)
 }
 
 /// Rotary embedding tables for integer positions [B, L] -> (cos, signed sin) [B, 1, L, D]; the
-/// sine's first half is negated so that [`apply_rope`] needs no negation pass.
-pub fn rope_cos_sin(positions: &Tensor, head_dim: usize, theta: f64, kind: Kind) -> (Tensor, Tensor) {
+/// sine's first half is negated so that [`apply_rope`] needs no negation pass. A RoPE scaling
+/// changes the frequencies and may scale cos and sin (YaRN's attention factor).
+pub fn rope_cos_sin(positions: &Tensor, head_dim: usize, theta: f64, scaling: &RopeScaling, kind: Kind) -> (Tensor, Tensor) {
     let d = head_dim as i64;
     let device = positions.device();
-    let inv_freq = (Tensor::arange_start_step(0, d, 2, (Kind::Float, device)) / d as f64 * -theta.ln()).exp();
+    let (inv_freq, attention) = match scaling {
+        RopeScaling::Default => ((Tensor::arange_start_step(0, d, 2, (Kind::Float, device)) / d as f64 * -theta.ln()).exp(), 1.0),
+        scaled => {
+            let (freqs, attention) = scaled.inv_freq(head_dim, theta);
+            (Tensor::from_slice(&freqs).to_kind(Kind::Float).to_device(device), attention)
+        }
+    };
     let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq; // [B, L, D/2]
-    let cos = Tensor::cat(&[&freqs, &freqs], -1).cos().unsqueeze(1); // [B, 1, L, D]
-    let sin = freqs.sin();
+    let mut cos = Tensor::cat(&[&freqs, &freqs], -1).cos().unsqueeze(1); // [B, 1, L, D]
+    let mut sin = freqs.sin();
+    if attention != 1.0 {
+        cos = cos * attention;
+        sin = sin * attention;
+    }
     let signed_sin = Tensor::cat(&[&(-&sin), &sin], -1).unsqueeze(1);
     (cos.to_kind(kind), signed_sin.to_kind(kind))
 }
@@ -64,7 +82,7 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
 
 /// What every attention layer of one forward shares: RoPE tables (cos and signed sin, as
 /// [`rope_cos_sin`] makes them) for queries (blocks) and keys ([context; blocks]), and, for
-/// masked attention, the visibility mask [B, 1, N, S+N].
+/// masked attention, the visibility masks [B, 1, N, S+N] of full and sliding-window layers.
 pub struct AttentionInputs {
     pub q_cos: Tensor,
     pub q_sin: Tensor,
@@ -72,20 +90,36 @@ pub struct AttentionInputs {
     pub k_sin: Tensor,
     /// None when the layers use split attention (kernels::block_attention), which takes a bias.
     pub mask: Option<Tensor>,
+    /// The sliding-window layers' mask and window (masked attention with such layers only).
+    pub sliding: Option<(i64, Tensor)>,
 }
 
 impl AttentionInputs {
-    /// anchors [B, A]; the context has `s` positions; blocks of `bk` tokens.
-    pub fn new(anchors: &Tensor, s: i64, bk: i64, cfg: &DenseShape, kind: Kind, masked: bool) -> Self {
+    /// anchors [B, A]; the context has `s` positions; blocks of `bk` tokens; `window`: the
+    /// sliding window of the drafter's sliding-window layers, if it has any.
+    pub fn new(anchors: &Tensor, s: i64, bk: i64, cfg: &DenseShape, kind: Kind, masked: bool, window: Option<i64>) -> Self {
         let (b, a) = (anchors.size()[0], anchors.size()[1]);
         let device = anchors.device();
         // Positions: block token k of anchor a sits at a + k; the context at 0..S-1.
         let block_pos = (anchors.unsqueeze(-1) + Tensor::arange(bk, (Kind::Int64, device))).view([b, a * bk]);
         let ctx_pos = Tensor::arange(s, (Kind::Int64, device)).unsqueeze(0).expand([b, s], false);
-        let (q_cos, q_sin) = rope_cos_sin(&block_pos, cfg.head_dim, cfg.rope_theta, kind);
-        let (k_cos, k_sin) = rope_cos_sin(&Tensor::cat(&[&ctx_pos, &block_pos], 1), cfg.head_dim, cfg.rope_theta, kind);
-        let mask = masked.then(|| kernels::block_attention::masked_sdpa_mask(anchors, s, bk));
-        Self { q_cos, q_sin, k_cos, k_sin, mask }
+        let (q_cos, q_sin) = rope_cos_sin(&block_pos, cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling, kind);
+        let k_pos = Tensor::cat(&[&ctx_pos, &block_pos], 1);
+        let (k_cos, k_sin) = rope_cos_sin(&k_pos, cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling, kind);
+        let mask = masked.then(|| kernels::block_attention::masked_sdpa_mask(anchors, s, bk, None));
+        let sliding = window.filter(|_| masked).map(|w| (w, kernels::block_attention::masked_sdpa_mask(anchors, s, bk, Some(w))));
+        Self { q_cos, q_sin, k_cos, k_sin, mask, sliding }
+    }
+
+    /// The masked-attention mask of a layer with sliding window `window` (None: full attention).
+    fn mask_for(&self, window: Option<i64>) -> &Tensor {
+        match window {
+            None => self.mask.as_ref().expect("masked attention: AttentionInputs built with the mask"),
+            Some(w) => match &self.sliding {
+                Some((sw, m)) if *sw == w => m,
+                _ => panic!("masked attention: AttentionInputs built without the window-{w} mask"),
+            },
+        }
     }
 }
 
@@ -102,21 +136,24 @@ pub struct Attention {
     num_heads: i64,
     num_kv_heads: i64,
     head_dim: i64,
+    /// HF's `sliding_window` for a `sliding_attention` layer (None: full attention).
+    pub window: Option<i64>,
 }
 
 impl Attention {
-    pub fn new(p: nn::Path, cfg: &DenseShape) -> Self {
-        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+    pub fn new(p: nn::Path, cfg: &DenseShape, window: Option<i64>) -> Self {
+        let (h, d, std) = (cfg.hidden_size, cfg.head_dim, cfg.initializer_range);
         Self {
-            q_proj: linear(&p, "q_proj", h, cfg.num_attention_heads * d),
-            k_proj: linear(&p, "k_proj", h, cfg.num_key_value_heads * d),
-            v_proj: linear(&p, "v_proj", h, cfg.num_key_value_heads * d),
-            o_proj: linear(&p, "o_proj", cfg.num_attention_heads * d, h),
+            q_proj: linear(&p, "q_proj", h, cfg.num_attention_heads * d, std),
+            k_proj: linear(&p, "k_proj", h, cfg.num_key_value_heads * d, std),
+            v_proj: linear(&p, "v_proj", h, cfg.num_key_value_heads * d, std),
+            o_proj: linear(&p, "o_proj", cfg.num_attention_heads * d, h, std),
             q_norm: RmsNorm::new(&p / "q_norm", d as i64, cfg.rms_norm_eps),
             k_norm: RmsNorm::new(&p / "k_norm", d as i64, cfg.rms_norm_eps),
             num_heads: cfg.num_attention_heads as i64,
             num_kv_heads: cfg.num_key_value_heads as i64,
             head_dim: d as i64,
+            window,
         }
     }
 
@@ -124,7 +161,7 @@ impl Attention {
     pub fn forward(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> Tensor {
         let (q, k, v) = self.project(x, ctx, at);
         // Sparse block attention, GQA by head groups.
-        let mask = at.mask.as_ref().expect("masked attention: AttentionInputs built with the mask");
+        let mask = at.mask_for(self.window);
         let o = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, Some(self.scale()), true);
         self.output(&o)
     }
@@ -164,11 +201,11 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn new(p: nn::Path, cfg: &DenseShape) -> Self {
-        let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
+        let (h, f, std) = (cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range);
         Self {
-            gate_proj: linear(&p, "gate_proj", h, f),
-            up_proj: linear(&p, "up_proj", h, f),
-            down_proj: linear(&p, "down_proj", f, h),
+            gate_proj: linear(&p, "gate_proj", h, f, std),
+            up_proj: linear(&p, "up_proj", h, f, std),
+            down_proj: linear(&p, "down_proj", f, h, std),
         }
     }
 

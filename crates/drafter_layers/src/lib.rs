@@ -3,11 +3,16 @@
 //! dependent plugin's library. So the shared parts live here, in a plain library:
 //! - `layers`: RMSNorm, RoPE, DFlash block attention, the SwiGLU MLP (z-lab / Qwen3 weight names);
 //! - `weights`: parameters by name, and loading them back with errors that name the tensor;
-//! - `dflash`: the DFlash fields (block, target layers, mask token) and saved-folder reading;
+//! - `dflash`: the DFlash fields (block, target layers, mask token), attention layouts and
+//!   saved-folder reading;
+//! - `rope`: HF's `rope_scaling` kinds the drafters honour;
+//! - `target_facts`: what a drafter's config copies from its target beyond the spec;
 //! - `target_layer_ids`: DFLASH.md's choice of target layers.
 
 pub mod dflash;
 pub mod layers;
+pub mod rope;
+pub mod target_facts;
 pub mod weights;
 
 /// DFLASH.md: n target layers spread as round(1 + i * (L - 4) / (n - 1)); one layer: the middle.

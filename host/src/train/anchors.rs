@@ -1,9 +1,12 @@
 //! Anchor sampling: where the drafter's blocks start (DFLASH.md, "Anchors").
 //!
-//! An anchor is a position whose next token is a response token, so every block's first label
-//! is trained on (the last prompt token is an anchor for the reply's first token). Draws are
-//! seeded by (seed, draw index), so a resumed run samples the same anchors.
+//! By default (SpecForge's rule) an anchor is a response token whose next token is one too: the
+//! blocks drafted at inference start at a verified reply token, never at the last prompt token
+//! (the reply's first token comes from the target's prefill). [`AnchorRule::BeforeResponse`]
+//! also takes the last prompt token. Either way every block's first label is trained on. Draws
+//! are seeded by (seed, draw index), so a resumed run samples the same anchors.
 
+pub use crate::config::AnchorRule;
 use plugin_api::tch::{Device, Kind, Tensor};
 use rand::{seq::index::sample, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -11,6 +14,14 @@ use rand_chacha::ChaCha8Rng;
 pub struct AnchorSampler {
     pub per_seq: usize,
     pub seed: u64,
+    pub rule: AnchorRule,
+}
+
+impl AnchorRule {
+    /// Whether position `p` of a row with response mask `row` may start a block (p + 1 < len).
+    fn allows(self, row: &[i64], p: usize) -> bool {
+        row[p + 1] != 0 && (self == AnchorRule::BeforeResponse || row[p] != 0)
+    }
 }
 
 /// Anchors for one batch: positions [B, A] (int64, ascending per row) and validity [B, A].
@@ -31,7 +42,7 @@ impl AnchorSampler {
         let rows: Vec<Vec<i64>> = (0..b)
             .map(|r| {
                 let row = &mask[r * s..(r + 1) * s];
-                let candidates: Vec<i64> = (0..s.saturating_sub(1)).filter(|&p| row[p + 1] != 0).map(|p| p as i64).collect();
+                let candidates: Vec<i64> = (0..s.saturating_sub(1)).filter(|&p| self.rule.allows(row, p)).map(|p| p as i64).collect();
                 let k = candidates.len().min(self.per_seq);
                 let mut picked: Vec<i64> = sample(&mut rng, candidates.len(), k).into_iter().map(|i| candidates[i]).collect();
                 picked.sort_unstable();
@@ -67,11 +78,34 @@ pub fn block_token_ids(input_ids: &Tensor, anchors: &Tensor, block_size: i64, ma
 mod tests {
     use super::*;
 
+    /// SpecForge's rule: the anchor and its next token are response tokens; the last prompt
+    /// token is no anchor. Several answers in a row each start after their own prompt.
+    #[test]
+    fn anchors_are_response_tokens_followed_by_one() {
+        // Row 0: response at 3..8 then a user turn at 8..10 and a reply at 10..12; row 1: one reply
+        // token at 2 (no anchor: nothing after it is a response), padding.
+        let mask = Tensor::from_slice(&[0i64, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]).view([2, 12]);
+        let sampler = AnchorSampler { per_seq: 100, seed: 3, rule: AnchorRule::Response };
+        let a = sampler.sample(&mask, 0);
+        let pos: Vec<i64> = Vec::try_from(a.positions.flatten(0, -1)).unwrap();
+        let valid: Vec<bool> = Vec::try_from(a.valid.flatten(0, -1)).unwrap();
+        let width = a.positions.size()[1] as usize;
+        let row0: Vec<i64> = pos[..width].iter().zip(&valid[..width]).filter(|(_, &v)| v).map(|(&p, _)| p).collect();
+        assert_eq!(row0, [3, 4, 5, 6, 10]);
+        assert!(valid[width..].iter().all(|&v| !v), "row 1 has no anchor");
+        assert_eq!(a.count, 5);
+        // The older rule also takes the last prompt token before each reply (2 and 9) and the
+        // prompt token before row 1's reply.
+        let before = AnchorSampler { rule: AnchorRule::BeforeResponse, ..sampler };
+        let b = before.sample(&mask, 0);
+        assert_eq!(b.count, 5 + 2 + 1);
+    }
+
     #[test]
     fn anchors_precede_response_tokens_and_are_reproducible() {
         // Row 0: response at 3..7; row 1: response at 2..3, then padding.
         let mask = Tensor::from_slice(&[0i64, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0]).view([2, 8]);
-        let sampler = AnchorSampler { per_seq: 3, seed: 7 };
+        let sampler = AnchorSampler { per_seq: 3, seed: 7, rule: AnchorRule::BeforeResponse };
         let a = sampler.sample(&mask, 0);
         let pos: Vec<i64> = Vec::try_from(a.positions.flatten(0, -1)).unwrap();
         let valid: Vec<bool> = Vec::try_from(a.valid.flatten(0, -1)).unwrap();

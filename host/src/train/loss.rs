@@ -1,6 +1,8 @@
 //! The DFlash loss (DFLASH.md, "Training"): same-position labels, the anchor itself excluded,
-//! weights exp(-(k-1)/gamma) normalised by their sum over counted positions; per-position top-1
-//! accuracy for tau-hat. Logits are formed only for positions that count, through the target's
+//! weights exp(-(k-1)/gamma) (or 1 without decay); the weighted cross-entropy summed, or divided
+//! by the weight sum of the micro-batch ([`Reduction`]); per-position top-1 accuracy for tau-hat.
+//! A step normalised globally (SpecForge's) takes the sums and divides its gradients by the
+//! weight sum of all its micro-batches on all ranks (train/step.rs). Logits are formed only for positions that count, through the target's
 //! frozen LM head, a chunk of positions at a time: no [positions, vocabulary] tensor outlives its
 //! chunk, so memory stays flat in the number of anchors.
 
@@ -12,8 +14,11 @@ use plugin_api::tch::{self, Kind, Tensor};
 pub const LOGIT_CHUNK_BYTES: i64 = 1 << 28;
 
 pub struct LossOut {
-    /// Scalar, differentiable w.r.t. the block hidden states.
+    /// Scalar, differentiable w.r.t. the block hidden states: the weighted cross-entropy summed
+    /// ([`Reduction::Sum`]) or over the weight sum ([`Reduction::Mean`]).
     pub loss: Tensor,
+    /// The weight sum of the counted labels (scalar fp32, no graph).
+    pub weight_sum: Tensor,
     /// [2, Bk-1] int64 on the loss's device: per block position k = 1..Bk-1, correct top-1
     /// predictions (row 0) and counted labels (row 1). Left there so the step needs no host
     /// synchronisation; [`host_counts`](Self::host_counts) fetches them.
@@ -41,7 +46,18 @@ pub struct LossInput<'a> {
     pub anchors: &'a Tensor,
     pub anchor_valid: &'a Tensor,
     pub block_size: i64,
-    pub gamma: f64,
+    /// Decay of the weights over block positions; None: every label weighs 1.
+    pub gamma: Option<f64>,
+    pub reduction: Reduction,
+}
+
+/// What the loss returns of the weighted cross-entropy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// Over the micro-batch's own weight sum.
+    Mean,
+    /// The weighted sum (the caller divides by a weight sum of its own).
+    Sum,
 }
 
 /// Default gamma by block size (DFLASH.md: 7 for 16, 5 for 10, 4 for 8), linear in between.
@@ -51,6 +67,15 @@ pub fn default_gamma(block_size: usize) -> f64 {
         10 => 5.0,
         8 => 4.0,
         b => (b as f64 * 0.5 - 1.0).max(1.0),
+    }
+}
+
+/// The gamma a run trains with: the config's (None for "none": no decay), else the paper's
+/// default for the block size.
+pub fn resolve_gamma(config: Option<crate::config::LossGamma>, block_size: usize) -> Option<f64> {
+    match config {
+        Some(g) => g.value(),
+        None => Some(default_gamma(block_size)),
     }
 }
 
@@ -91,16 +116,19 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
         .logical_and(&in_response)
         .logical_and(&k.gt(0).view([1, 1, bk])); // position 0 is the anchor itself
 
-    // 2. Weights exp(-(k-1)/gamma), normalised over every counted position.
-    let w = ((k.to_kind(Kind::Float) - 1.0) / -x.gamma).exp().view([1, 1, bk]);
-    let weights = valid.to_kind(Kind::Float) * w;
+    // 2. Weights exp(-(k-1)/gamma) (or 1) on every counted position.
+    let weights = match x.gamma {
+        Some(gamma) => valid.to_kind(Kind::Float) * ((k.to_kind(Kind::Float) - 1.0) / -gamma).exp().view([1, 1, bk]),
+        None => valid.to_kind(Kind::Float),
+    };
 
     // 3. Counted positions only.
     let idx = valid.flatten(0, -1).nonzero().squeeze_dim(-1);
     let m = idx.size()[0];
     if m == 0 {
         let zero = x.block_hidden.sum(Kind::Float) * 0.0;
-        return LossOut { loss: zero, counts: Tensor::zeros([2, bk - 1], (Kind::Int64, device)) };
+        let weight_sum = Tensor::zeros([], (Kind::Float, device));
+        return LossOut { loss: zero, weight_sum, counts: Tensor::zeros([2, bk - 1], (Kind::Int64, device)) };
     }
     let h = x.block_hidden.reshape([-1, hidden]).index_select(0, &idx); // [M, H]
     let target = labels.flatten(0, -1).index_select(0, &idx);
@@ -123,12 +151,19 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
             hits.push(hit);
             ce_sum -= (logp_label * &wc).sum(Kind::Float);
             if let Some(d_logits) = d_logits {
-                let g = d_logits.matmul(x.lm_head).to_kind(Kind::Float) * (wc / &wsum).unsqueeze(1);
+                let wc = match x.reduction {
+                    Reduction::Mean => wc / &wsum,
+                    Reduction::Sum => wc,
+                };
+                let g = d_logits.matmul(x.lm_head).to_kind(Kind::Float) * wc.unsqueeze(1);
                 grads.push(g.to_kind(h.kind())); // [c, H]
             }
         }
     });
-    let value = ce_sum / &wsum;
+    let value = match x.reduction {
+        Reduction::Mean => ce_sum / &wsum,
+        Reduction::Sum => ce_sum,
+    };
     let loss = if want_grad {
         let g = Tensor::cat(&grads, 0);
         let s = (&h * g).sum(Kind::Float);
@@ -142,7 +177,7 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let hit = Tensor::cat(&hits, 0).to_kind(Kind::Int64);
     let correct = Tensor::zeros([bk], (Kind::Int64, device)).index_add(0, &kk, &hit);
     let count = kk.bincount::<&Tensor>(None, bk);
-    LossOut { loss, counts: Tensor::stack(&[correct, count], 0).narrow(1, 1, bk - 1) }
+    LossOut { loss, weight_sum: wsum, counts: Tensor::stack(&[correct, count], 0).narrow(1, 1, bk - 1) }
 }
 
 /// Per row of logits z [c, V] against `labels` [c]: the label's log-probability (fp32), whether
@@ -220,10 +255,14 @@ mod tests {
         let valid = x.anchor_valid.unsqueeze(-1).logical_and(&pos.lt(s))
             .logical_and(&x.loss_mask.gather(1, &pos_flat, false).view([b, a, bk]).gt(0))
             .logical_and(&k.gt(0).view([1, 1, bk]));
-        let w = (valid.to_kind(Kind::Float) * ((k.to_kind(Kind::Float) - 1.0) / -x.gamma).exp()).flatten(0, -1);
+        let decay = ((k.to_kind(Kind::Float) - 1.0) / -x.gamma.unwrap_or(f64::INFINITY)).exp();
+        let w = (valid.to_kind(Kind::Float) * decay).flatten(0, -1);
         let logits = x.block_hidden.reshape([b * a * bk, -1]).matmul(&x.lm_head.tr());
         let ce = -logits.log_softmax(-1, Kind::Float).gather(1, &labels.unsqueeze(1), false).squeeze_dim(1);
-        let loss = (ce * &w).sum(Kind::Float) / w.sum(Kind::Float);
+        let mut loss = (ce * &w).sum(Kind::Float);
+        if x.reduction == Reduction::Mean {
+            loss = loss / w.sum(Kind::Float);
+        }
         let g = Tensor::run_backward(&[&loss], &[x.block_hidden], false, false).remove(0);
         (loss.detach(), g)
     }
@@ -248,18 +287,28 @@ mod tests {
             anchors: &anchors,
             anchor_valid: &anchor_valid,
             block_size: bk,
-            gamma: 2.0,
+            gamma: Some(2.0),
+            reduction: Reduction::Mean,
         };
         let (want_loss, want_grad) = reference(&x);
         let whole = dflash_loss_chunked(&x, 1 << 20);
-        for chunk in [1, 3, 7, 1 << 20] {
-            let out = dflash_loss_chunked(&x, chunk);
-            let (ours, theirs) = (out.loss.double_value(&[]), want_loss.double_value(&[]));
-            assert!((ours - theirs).abs() < 1e-5 * theirs.abs(), "chunk {chunk}: loss {ours} vs {theirs}");
-            let g = Tensor::run_backward(&[&out.loss], &[&block_hidden], false, false).remove(0);
-            let e = (&g - &want_grad).norm().double_value(&[]) / want_grad.norm().double_value(&[]);
-            assert!(e < 1e-5, "chunk {chunk}: gradient relative error {e:e}");
-            assert_eq!(out.host_counts(), whole.host_counts(), "chunk {chunk}");
+        // Counted labels per position (k = 1, 2, 3), so the weight sums are known.
+        let n: Vec<f64> = whole.host_counts().1.iter().map(|&c| c as f64).collect();
+        for (gamma, reduction) in [(Some(2.0), Reduction::Mean), (Some(2.0), Reduction::Sum), (None, Reduction::Mean), (None, Reduction::Sum)] {
+            let x = LossInput { gamma, reduction, ..x };
+            let (want_loss, want_grad) = reference(&x);
+            let want_wsum: f64 = n.iter().enumerate().map(|(i, c)| c * gamma.map_or(1.0, |g| (-(i as f64) / g).exp())).sum();
+            for chunk in [1, 3, 7, 1 << 20] {
+                let out = dflash_loss_chunked(&x, chunk);
+                let (ours, theirs) = (out.loss.double_value(&[]), want_loss.double_value(&[]));
+                assert!((ours - theirs).abs() < 1e-5 * theirs.abs(), "{gamma:?} {reduction:?} chunk {chunk}: loss {ours} vs {theirs}");
+                let g = Tensor::run_backward(&[&out.loss], &[&block_hidden], false, false).remove(0);
+                let e = (&g - &want_grad).norm().double_value(&[]) / want_grad.norm().double_value(&[]);
+                assert!(e < 1e-5, "{gamma:?} {reduction:?} chunk {chunk}: gradient relative error {e:e}");
+                assert_eq!(out.host_counts(), whole.host_counts(), "chunk {chunk}");
+                let wsum = out.weight_sum.double_value(&[]);
+                assert!((wsum - want_wsum).abs() < 1e-5 * want_wsum, "{gamma:?}: weight sum {wsum} vs {want_wsum}");
+            }
         }
         // Counted: row 0 anchors 9..37 (positions past 39 drop), row 1 anchors 29..38 (response from 30).
         assert_eq!(whole.host_counts().1.iter().sum::<i64>(), (3 + 3 + 3 + 3 + 2) + (3 + 3 + 3 + 1));

@@ -1,10 +1,18 @@
 //! One micro-batch through the drafter (anchors -> blocks -> drafter -> loss -> backward) and
-//! what the step does once its micro-batches are in (all-reduce of what it counted, clipping).
+//! what the step does once its micro-batches are in (the gradients normalised, all-reduce of
+//! what it counted, clipping).
+//!
+//! Normalisation ([`LossNormalization`]): "global" (SpecForge's) backpropagates each
+//! micro-batch's weighted cross-entropy *sum* and, once the step's K micro-batches on all W
+//! ranks are in, divides the gradients by the weight sum of them all: the gradient of one
+//! token-weighted mean per step. "per_micro_batch" backpropagates each micro-batch's own mean
+//! scaled by 1/K and averages over ranks.
 
 use super::{
     anchors::{block_token_ids, AnchorSampler, Anchors},
-    loss::{dflash_loss, LossInput, LossOut},
+    loss::{dflash_loss, LossInput, LossOut, Reduction},
 };
+pub use crate::config::LossNormalization;
 use crate::dist::Communicator;
 use anyhow::Result;
 use plugin_api::{
@@ -22,7 +30,9 @@ pub struct DraftLoss {
     pub sampler: AnchorSampler,
     pub block_size: i64,
     pub mask_token_id: i64,
-    pub gamma: f64,
+    /// The loss's decay (None: none).
+    pub gamma: Option<f64>,
+    pub normalization: LossNormalization,
 }
 
 impl DraftLoss {
@@ -59,8 +69,65 @@ impl DraftLoss {
             anchor_valid: &input.anchor_valid.tensor(),
             block_size: self.block_size,
             gamma: self.gamma,
+            reduction: self.reduction(),
         });
         Ok(Drafted { loss, anchors, output: block_hidden })
+    }
+
+    /// What each micro-batch's loss is: a sum (global normalisation) or its own mean.
+    pub fn reduction(&self) -> Reduction {
+        match self.normalization {
+            LossNormalization::Global => Reduction::Sum,
+            LossNormalization::PerMicroBatch => Reduction::Mean,
+        }
+    }
+
+    /// The factor each micro-batch's loss is backpropagated with, K micro-batches a step.
+    pub fn backward_scale(&self, grad_accum: u64) -> f64 {
+        match self.normalization {
+            LossNormalization::Global => 1.0,
+            LossNormalization::PerMicroBatch => 1.0 / grad_accum as f64,
+        }
+    }
+}
+
+/// The smallest weight sum a step divides by: a step without labels has zero gradients and loss.
+const MIN_WEIGHT_SUM: f64 = 1e-12;
+
+/// The step's gradients made those of its loss, once its micro-batches are in (`weight_sum`: the
+/// local micro-batches' weight sum, a scalar on the device). Global: divided by the weight sum
+/// over all micro-batches and ranks (on one rank without waiting for the GPU; with ranks, the
+/// mean [`crate::dist::average_gradients`] takes times W over it). Per micro-batch: averaged
+/// over ranks. Returns the global weight sum where it was fetched.
+pub fn normalize_gradients(
+    comm: Option<&mut Box<dyn Communicator>>, params: &[Tensor], normalization: LossNormalization, weight_sum: &Tensor,
+) -> Result<Option<f64>> {
+    match (normalization, comm.map(|c| &mut **c)) {
+        (LossNormalization::PerMicroBatch, None) => Ok(None),
+        (LossNormalization::PerMicroBatch, Some(comm)) => crate::dist::average_gradients(comm, params).map(|_| None),
+        (LossNormalization::Global, None) => {
+            scale_gradients(params, &(1.0 / weight_sum.clamp_min(MIN_WEIGHT_SUM)));
+            Ok(None)
+        }
+        (LossNormalization::Global, Some(comm)) => {
+            let mut total = [weight_sum.double_value(&[])];
+            comm.all_reduce_sum(&mut total)?;
+            crate::dist::average_gradients(comm, params)?;
+            let world = comm.world() as f64;
+            scale_gradients(params, &Tensor::from_slice(&[world / total[0].max(MIN_WEIGHT_SUM)]));
+            Ok(Some(total[0]))
+        }
+    }
+}
+
+/// Every gradient times the scalar `factor` (in place, no graph).
+fn scale_gradients(params: &[Tensor], factor: &Tensor) {
+    let _guard = tch::no_grad_guard();
+    for p in params {
+        let mut g = p.grad();
+        if g.defined() {
+            let _ = g.g_mul_(&factor.to_device(g.device()).to_kind(g.kind()));
+        }
     }
 }
 
@@ -117,8 +184,11 @@ pub(super) fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Tensor {
 }
 
 /// What one step adds up, summed across ranks before it is logged or acted on.
-pub(super) struct StepSums {
+pub struct StepSums {
+    /// Micro-batch losses summed: weighted cross-entropy sums (global) or means (per micro-batch).
     pub loss: f64,
+    /// The labels' weight sum.
+    pub weight: f64,
     pub tokens: u64,
     pub correct: Vec<i64>,
     pub count: Vec<i64>,
@@ -128,15 +198,25 @@ pub(super) struct StepSums {
 
 impl StepSums {
     pub fn all_reduce(&mut self, comm: &mut dyn Communicator) -> Result<()> {
-        let mut v: Vec<f64> = [self.loss, self.tokens as f64, self.stop as u8 as f64].into_iter().collect();
+        let mut v: Vec<f64> = [self.loss, self.weight, self.tokens as f64, self.stop as u8 as f64].into_iter().collect();
         v.extend(self.correct.iter().chain(&self.count).map(|&c| c as f64));
         comm.all_reduce_sum(&mut v)?;
         let n = self.correct.len();
         self.loss = v[0];
-        self.tokens = v[1] as u64;
-        self.stop = v[2] > 0.0;
-        self.correct = v[3..3 + n].iter().map(|&c| c as i64).collect();
-        self.count = v[3 + n..].iter().map(|&c| c as i64).collect();
+        self.weight = v[1];
+        self.tokens = v[2] as u64;
+        self.stop = v[3] > 0.0;
+        self.correct = v[4..4 + n].iter().map(|&c| c as i64).collect();
+        self.count = v[4 + n..].iter().map(|&c| c as i64).collect();
         Ok(())
+    }
+
+    /// The step's loss: the token-weighted mean over all its labels (global), or the mean of its
+    /// `micro` micro-batches' means.
+    pub fn step_loss(&self, normalization: LossNormalization, micro: u64) -> f64 {
+        match normalization {
+            LossNormalization::Global => self.loss / self.weight.max(MIN_WEIGHT_SUM),
+            LossNormalization::PerMicroBatch => self.loss / micro.max(1) as f64,
+        }
     }
 }

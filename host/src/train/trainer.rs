@@ -4,10 +4,10 @@
 
 use super::{
     anchors::AnchorSampler,
-    loss::{default_gamma, tau_hat},
+    loss::{resolve_gamma, tau_hat},
     schedule::lr_scale,
     state::{all_finite, NonFiniteGuard, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState, WindowSums, WindowTimes},
-    step::{clip_grad_norm, DraftLoss, StepSums},
+    step::{clip_grad_norm, normalize_gradients, DraftLoss, StepSums},
 };
 use crate::{
     config::RunConfig,
@@ -63,22 +63,27 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     }
     let block_size = c.drafter.block_size() as i64;
     let mask_token_id = c.drafter.mask_token_id() as i64;
-    let gamma = t.loss_gamma.unwrap_or_else(|| default_gamma(block_size as usize));
+    let gamma = resolve_gamma(t.loss_gamma, block_size as usize);
     let named = c.drafter.parameters();
     let params: Vec<Tensor> = named.iter().map(|nt| nt.tensor.tensor()).collect();
     let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
     tracing::info!(
-        "drafter: {:.1}M trainable parameters, block {block_size}, target layers {layer_ids:?}, mask token {mask_token_id}, gamma {gamma}",
-        n_params as f64 / 1e6
+        "drafter: {:.1}M trainable parameters, block {block_size}, target layers {layer_ids:?}, mask token {mask_token_id}, gamma {}, \
+         loss normalised {:?}, anchors {:?}",
+        n_params as f64 / 1e6,
+        gamma.map_or("none".to_string(), |g| g.to_string()),
+        t.loss_normalization,
+        t.anchors,
     );
     c.optimizer.init(named).into_result().map_err(names.err(PluginKind::Optimizer, "init"))?;
     let draft = DraftLoss {
         lm_head: c.target.lm_head().into_tensor().to_device(drafter_device),
         embedding: c.target.embedding().into_tensor().to_device(drafter_device),
-        sampler: AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed },
+        sampler: AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed, rule: t.anchors },
         block_size,
         mask_token_id,
         gamma,
+        normalization: t.loss_normalization,
     };
 
     // 3. Resume: weights, optimizer state, counters, data position.
@@ -254,9 +259,11 @@ struct Trainer<'a> {
     stopped_at: Option<u64>,
 }
 
-/// One step's micro-batches as they accumulate: loss and accuracy counts stay on the device.
+/// One step's micro-batches as they accumulate: loss, weight sum and accuracy counts stay on the
+/// device.
 struct StepAccum {
     loss_sum: Tensor,
+    weight_sum: Tensor,
     counts: Tensor,
     tokens: u64,
     last_position: Option<DataPosition>,
@@ -271,6 +278,7 @@ impl<'a> Trainer<'a> {
             self.times.started.get_or_insert_with(Instant::now);
             let mut acc = StepAccum {
                 loss_sum: Tensor::zeros([], (Kind::Float, self.device)),
+                weight_sum: Tensor::zeros([], (Kind::Float, self.device)),
                 counts: Tensor::zeros([2, self.draft.block_size - 1], (Kind::Int64, self.device)),
                 tokens: 0,
                 last_position: None,
@@ -306,8 +314,9 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    /// One micro-batch: anchors, drafter forward, loss, backward (scaled by 1/K); the loss and
-    /// counts are added on the device, nothing waits for the GPU.
+    /// One micro-batch: anchors, drafter forward, loss, backward (its sum, or with per-micro-batch
+    /// normalisation its mean / K); the loss, weight sum and counts are added on the device,
+    /// nothing waits for the GPU.
     fn micro_step(&mut self, m: &Micro, acc: &mut StepAccum) -> Result<()> {
         let t1 = Instant::now();
         self.hs_total_bytes += (m.input_ids.numel() * self.feature_bytes_per_token) as u64;
@@ -315,8 +324,10 @@ impl<'a> Trainer<'a> {
             .draft
             .compute(self.drafter, &m.input_ids, &m.loss_mask, &m.hidden, m.index)
             .map_err(self.names.err(PluginKind::Drafter, "forward"))?;
-        d.backward(self.drafter, 1.0 / self.cfg.train.grad_accum as f64).map_err(self.names.err(PluginKind::Drafter, "backward"))?;
+        let scale = self.draft.backward_scale(self.cfg.train.grad_accum);
+        d.backward(self.drafter, scale).map_err(self.names.err(PluginKind::Drafter, "backward"))?;
         acc.loss_sum += d.loss.loss.detach();
+        acc.weight_sum += &d.loss.weight_sum;
         acc.counts += &d.loss.counts;
         acc.tokens += m.lengths.iter().map(|&l| l as u64).sum::<u64>();
         acc.last_position = Some(m.position);
@@ -324,23 +335,25 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    /// The step's end: gradients averaged over replicas, clipped, the step's one synchronisation
-    /// (loss, gradient norm and counts in one copy), the non-finite guard, the optimizer, and
-    /// the counters. Returns the gradient norm and whether any rank asked to stop.
+    /// The step's end: gradients normalised (over the weight sum of every micro-batch on every
+    /// rank, or averaged over replicas), clipped, the step's one synchronisation (loss, weight
+    /// sum, gradient norm and counts in one copy), the non-finite guard, the optimizer, and the
+    /// counters. Returns the gradient norm and whether any rank asked to stop.
     fn finish_step(&mut self, step: u64, acc: StepAccum) -> Result<(f64, bool)> {
         let t = &self.cfg.train;
         let t2 = Instant::now();
         let n = self.draft.block_size as usize - 1;
-        let mut sums = StepSums { loss: 0.0, tokens: acc.tokens, correct: vec![0; n], count: vec![0; n], stop: self.stop.requested().is_some() };
-        // Replicas: average the gradients, sum what the step counted, agree on stopping.
-        if let Some(comm) = self.comm.as_deref_mut() {
-            crate::dist::average_gradients(comm, &self.params)?;
-        }
+        let mut sums =
+            StepSums { loss: 0.0, weight: 0.0, tokens: acc.tokens, correct: vec![0; n], count: vec![0; n], stop: self.stop.requested().is_some() };
+        // Replicas: normalise the gradients over all of them, sum what the step counted, agree
+        // on stopping.
+        normalize_gradients(self.comm.as_mut(), &self.params, t.loss_normalization, &acc.weight_sum)?;
         let grad_norm = clip_grad_norm(&self.params, t.grad_clip);
         let host = Vec::<f64>::try_from(
             Tensor::cat(
                 &[
                     acc.loss_sum.view([1]).to_kind(Kind::Double),
+                    acc.weight_sum.view([1]).to_kind(Kind::Double),
                     grad_norm.to_device(self.device).view([1]).to_kind(Kind::Double),
                     acc.counts.flatten(0, -1).to_kind(Kind::Double),
                 ],
@@ -348,14 +361,15 @@ impl<'a> Trainer<'a> {
             )
             .to_device(Device::Cpu),
         )?;
-        let grad_norm = host[1];
-        sums.loss = host[0];
-        sums.correct = host[2..2 + n].iter().map(|&c| c as i64).collect();
-        sums.count = host[2 + n..].iter().map(|&c| c as i64).collect();
+        let grad_norm = host[2];
+        (sums.loss, sums.weight) = (host[0], host[1]);
+        sums.correct = host[3..3 + n].iter().map(|&c| c as i64).collect();
+        sums.count = host[3 + n..].iter().map(|&c| c as i64).collect();
         if let Some(comm) = self.comm.as_deref_mut() {
             sums.all_reduce(comm)?;
         }
         let micro = t.grad_accum * self.world;
+        let step_loss = sums.step_loss(t.loss_normalization, micro);
         let state = &mut self.state;
         state.micro_batches += micro;
         state.window.micro += micro;
@@ -370,10 +384,11 @@ impl<'a> Trainer<'a> {
         let last_ckpt = self.last_ckpt.as_deref().unwrap_or("(none yet)");
         let apply = self
             .guard
-            .check(step, sums.loss, grad_norm)
+            .check(step, step_loss, grad_norm)
             .map_err(|e| anyhow!("{e:#}; stopped, the last good checkpoint is {last_ckpt}"))?;
         if apply {
-            state.window.loss_sum += sums.loss;
+            // The window's loss is the mean of its steps' losses (each step weighs its micro-batches).
+            state.window.loss_sum += step_loss * micro as f64;
             let scale = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac);
             self.optimizer.step(scale).into_result().map_err(self.names.err(PluginKind::Optimizer, "step"))?;
         } else {

@@ -18,7 +18,7 @@
 
 use crate::config::GdnConfig;
 use gated_deltanet::{delta_rule, depthwise_conv, l2norm};
-use drafter_layers::layers::linear;
+use drafter_layers::layers::{linear, INITIALIZER_RANGE};
 use plugin_api::tch::{nn, nn::Module, Kind, Tensor};
 
 #[derive(Debug)]
@@ -68,13 +68,13 @@ impl GatedDeltaNet {
         let inverse_softplus = &dt + (-(-&dt).expm1()).log();
         let dt_bias = p.var_copy("dt_bias", &inverse_softplus);
         Self {
-            q_proj: linear(&p, "q_proj", h, nk * dk),
-            k_proj: linear(&p, "k_proj", h, nk * dk),
-            v_proj: linear(&p, "v_proj", h, nv * dv),
-            z_proj: linear(&p, "z_proj", h, nv * dv),
-            a_proj: linear(&p, "a_proj", h, nv),
-            b_proj: linear(&p, "b_proj", h, nv),
-            out_proj: linear(&p, "out_proj", nv * dv, h),
+            q_proj: linear(&p, "q_proj", h, nk * dk, INITIALIZER_RANGE),
+            k_proj: linear(&p, "k_proj", h, nk * dk, INITIALIZER_RANGE),
+            v_proj: linear(&p, "v_proj", h, nv * dv, INITIALIZER_RANGE),
+            z_proj: linear(&p, "z_proj", h, nv * dv, INITIALIZER_RANGE),
+            a_proj: linear(&p, "a_proj", h, nv, INITIALIZER_RANGE),
+            b_proj: linear(&p, "b_proj", h, nv, INITIALIZER_RANGE),
+            out_proj: linear(&p, "out_proj", nv * dv, h, INITIALIZER_RANGE),
             conv1d,
             a_log,
             dt_bias,
