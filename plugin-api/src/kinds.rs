@@ -175,6 +175,32 @@ pub trait Optimizer: Send {
 
     #[sabi(last_prefix_field)]
     fn load_state(&mut self, state: RVec<NamedTensor>) -> RResult<(), PluginError>;
+
+    /// Data-parallel replicas (ABI 1.3): the host lends its collectives once, before `init`, when
+    /// the run has more than one rank. An optimizer may split its work across the ranks with them
+    /// (distributed Muon: each rank orthogonalises its share of the matrices, then the updates are
+    /// all-gathered). One that ignores them runs replicated: every rank does the whole step on
+    /// the same summed gradients, with the same result.
+    fn set_collectives(&mut self, collectives: CollectivesBox) -> RResult<(), PluginError> {
+        let _ = collectives;
+        RResult::ROk(())
+    }
+}
+
+/// Collectives across the data-parallel replicas (ABI 1.3), lent by the host (libtorch's c10d:
+/// Gloo for CPU tensors, NCCL for CUDA tensors). Every rank must make the same calls in the
+/// same order; a call fails, never hangs, when a rank is gone.
+#[sabi_trait]
+pub trait Collectives: Send {
+    /// This process's rank, 0..world.
+    fn rank(&self) -> u32;
+
+    fn world(&self) -> u32;
+
+    /// Every rank's `input` into `outputs[rank]`, in place: `world` contiguous tensors of the
+    /// input's shape, dtype and device.
+    #[sabi(last_prefix_field)]
+    fn all_gather(&mut self, outputs: RSlice<'_, TensorHandle>, input: &TensorHandle) -> RResult<(), PluginError>;
 }
 
 /// A batch of token sequences, right-padded.
@@ -255,3 +281,4 @@ pub type TargetBox = TargetModel_TO<'static, RBox<()>>;
 pub type DrafterBox = Drafter_TO<'static, RBox<()>>;
 pub type OptimizerBox = Optimizer_TO<'static, RBox<()>>;
 pub type DataLoaderBox = DataLoader_TO<'static, RBox<()>>;
+pub type CollectivesBox = Collectives_TO<'static, RBox<()>>;

@@ -4,10 +4,11 @@
 //!
 //! - [`adamw`]: `ParamsAdamW` and `adamw_update`, torch.optim.AdamW's order of operations
 //!   (`adamw_update_fused`: its fused multi-tensor kernel).
-//! - [`muon`]: `zeropower_via_newtonschulz5`, `muon_update`, `adjusted_lr`, torch.optim.Muon's.
+//! - [`muon`]: `zeropower_via_newtonschulz5`, `muon_update`, `adjusted_lr`, torch.optim.Muon's;
+//!   `shard_by_cost`, distributed Muon's split of the Newton-Schulz work across ranks.
 
 pub mod adamw;
 pub mod muon;
 
 pub use adamw::{adamw_update, adamw_update_fused, ParamsAdamW};
-pub use muon::{adjusted_lr, muon_update, zeropower_via_newtonschulz5, AdjustLr, NS_COEFFICIENTS};
+pub use muon::{adjusted_lr, muon_momentum, muon_update, newton_schulz_cost, shard_by_cost, zeropower_via_newtonschulz5, AdjustLr, NS_COEFFICIENTS};

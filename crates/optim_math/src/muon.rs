@@ -59,9 +59,44 @@ pub fn muon_update(
     eps: f64,
     ns_kind: Kind,
 ) -> Tensor {
-    let _ = momentum_buffer.lerp_(grad, 1.0 - beta);
-    let update = if nesterov { grad.lerp(momentum_buffer, beta) } else { momentum_buffer.shallow_clone() };
+    let update = muon_momentum(grad, momentum_buffer, beta, nesterov);
     zeropower_via_newtonschulz5(&update.to_kind(ns_kind), ns_steps, eps).to_kind(Kind::Float)
+}
+
+/// The first half of [`muon_update`]: the momentum buffer updated in place and the direction
+/// Newton-Schulz orthogonalises. Distributed Muon runs it on every rank (each keeps the whole
+/// state) and the orthogonalisation only on the rank that owns the matrix.
+pub fn muon_momentum(grad: &Tensor, momentum_buffer: &mut Tensor, beta: f64, nesterov: bool) -> Tensor {
+    let _ = momentum_buffer.lerp_(grad, 1.0 - beta);
+    if nesterov {
+        grad.lerp(momentum_buffer, beta)
+    } else {
+        momentum_buffer.shallow_clone()
+    }
+}
+
+/// Newton-Schulz's cost for a `[rows, cols]` matrix, in multiply-adds per step: with m the short
+/// side and n the long one, `X X^T` (m*m*n), `A A` (m^3) and `B X` (m*m*n).
+pub fn newton_schulz_cost(rows: i64, cols: i64) -> f64 {
+    let (m, n) = (rows.min(cols) as f64, rows.max(cols) as f64);
+    2.0 * m * m * n + m * m * m
+}
+
+/// Distributed Muon's split of the Newton-Schulz work: the rank (0..world) that orthogonalises
+/// each matrix, given each matrix's cost. Largest first, each to the least loaded rank (ties: the
+/// lower rank), so every rank computes the same split and the busiest rank carries at most the
+/// largest matrix above an even share.
+pub fn shard_by_cost(costs: &[f64], world: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..costs.len()).collect();
+    order.sort_by(|&a, &b| costs[b].total_cmp(&costs[a]).then(a.cmp(&b)));
+    let mut load = vec![0.0f64; world.max(1)];
+    let mut owner = vec![0; costs.len()];
+    for i in order {
+        let r = (0..load.len()).min_by(|&a, &b| load[a].total_cmp(&load[b]).then(a.cmp(&b))).expect("world >= 1");
+        owner[i] = r;
+        load[r] += costs[i];
+    }
+    owner
 }
 
 /// How the learning rate is scaled by a matrix's shape (torch's `adjust_lr_fn`).
@@ -146,6 +181,30 @@ mod tests {
         assert!(close(adjusted_lr(0.02, AdjustLr::Original, 5, 12), 0.02));
         assert!(close(adjusted_lr(0.02, AdjustLr::MatchRmsAdamw, 5, 12), 0.02 * 0.2 * 12f64.sqrt()));
         assert!(close(adjusted_lr(0.02, AdjustLr::MatchRmsAdamw, 8, 8), 0.02 * 0.2 * 8f64.sqrt()));
+    }
+
+    /// Every matrix goes to one rank; the load is balanced (each rank within the largest matrix
+    /// of an even share), deterministic, and one rank takes everything.
+    #[test]
+    fn shards_balance_the_newton_schulz_work() {
+        let costs: Vec<f64> = [(64, 16), (16, 64), (128, 96), (3, 200), (8, 8), (96, 128), (32, 32)]
+            .iter()
+            .map(|&(r, c)| newton_schulz_cost(r, c))
+            .collect();
+        assert_eq!(shard_by_cost(&costs, 1), vec![0; costs.len()]);
+        for world in 2..=4 {
+            let owner = shard_by_cost(&costs, world);
+            assert_eq!(owner, shard_by_cost(&costs, world));
+            let mut load = vec![0.0; world];
+            for (i, &r) in owner.iter().enumerate() {
+                load[r] += costs[i];
+            }
+            let even = costs.iter().sum::<f64>() / world as f64;
+            let largest = costs.iter().cloned().fold(0.0, f64::max);
+            assert!(load.iter().all(|&l| l <= even + largest), "world {world}: loads {load:?}, even share {even}");
+            assert!(load.iter().all(|&l| l > 0.0), "world {world}: an idle rank: {load:?}");
+        }
+        assert_eq!(newton_schulz_cost(12, 5), newton_schulz_cost(5, 12));
     }
 
     /// Momentum: buf = 0.95 buf + 0.05 g; Nesterov direction = g + 0.95 (buf - g) before NS.
