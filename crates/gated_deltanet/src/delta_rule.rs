@@ -14,6 +14,7 @@
 //! length from the same chunk quantities, which is how a DFlash block starts from the context
 //! state at its anchor.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use tch::{Kind, Tensor};
 
 /// Step-by-step recurrence from `initial` (zeros if None): the outputs [B, H, L, dv] and the
@@ -280,6 +281,28 @@ fn operand(t: &Tensor, p: Precision) -> Tensor {
     }
 }
 
+/// Whether cuBLAS took bf16 operands with an fp32 result here (0 not tried, 1 yes, 2 refused: then
+/// the operands are widened instead, without raising an error per call).
+static BF16_FP32_OUT: AtomicU8 = AtomicU8::new(0);
+
+/// `f` with bf16 operands and an fp32 result on CUDA, or `widened` (the same arithmetic on
+/// fp32 copies of the rounded operands) where that is not available.
+fn lowp_or(cuda: bool, f: impl FnOnce() -> Result<Tensor, tch::TchError>, widened: impl FnOnce() -> Tensor) -> Tensor {
+    if !cuda || BF16_FP32_OUT.load(Ordering::Relaxed) == 2 {
+        return widened();
+    }
+    match f() {
+        Ok(t) => {
+            BF16_FP32_OUT.store(1, Ordering::Relaxed);
+            t
+        }
+        Err(_) => {
+            BF16_FP32_OUT.store(2, Ordering::Relaxed);
+            widened()
+        }
+    }
+}
+
 /// a @ b over [.., m, k] x [.., k, n] as one batched GEMM, fp32 result. Bf16 operands on CUDA
 /// go through cuBLAS with fp32 accumulation and output (`bmm(.., out_dtype)`); elsewhere (or if
 /// that is refused) they are widened and multiplied in fp32: the same arithmetic.
@@ -288,10 +311,11 @@ fn mm(a: &Tensor, b: &Tensor, p: Precision) -> Tensor {
     let (m, kk, n) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 1]);
     let (a3, b3) = (operand(a, p).reshape([-1, m, kk]), operand(b, p).reshape([-1, kk, n]));
     let out = match p {
-        Precision::Bf16 if a.device().is_cuda() => {
-            a3.f_bmm_dtype(&b3, Kind::Float).unwrap_or_else(|_| a3.to_kind(Kind::Float).bmm(&b3.to_kind(Kind::Float)))
-        }
-        Precision::Bf16 => a3.to_kind(Kind::Float).bmm(&b3.to_kind(Kind::Float)),
+        Precision::Bf16 => lowp_or(
+            a.device().is_cuda(),
+            || a3.f_bmm_dtype(&b3, Kind::Float),
+            || a3.to_kind(Kind::Float).bmm(&b3.to_kind(Kind::Float)),
+        ),
         Precision::F32 => a3.bmm(&b3),
     };
     let mut shape = sa.clone();
@@ -307,10 +331,11 @@ fn mm_add(acc: &Tensor, a: &Tensor, b: &Tensor, alpha: f64, p: Precision) -> Ten
     let (a3, b3) = (operand(a, p).reshape([-1, m, kk]), operand(b, p).reshape([-1, kk, n]));
     let acc3 = acc.reshape([-1, m, n]);
     let out = match p {
-        Precision::Bf16 if a.device().is_cuda() => acc3
-            .f_baddbmm_dtype(&a3, &b3, Kind::Float, 1.0, alpha)
-            .unwrap_or_else(|_| acc3.baddbmm(&a3.to_kind(Kind::Float), &b3.to_kind(Kind::Float), 1.0, alpha)),
-        Precision::Bf16 => acc3.baddbmm(&a3.to_kind(Kind::Float), &b3.to_kind(Kind::Float), 1.0, alpha),
+        Precision::Bf16 => lowp_or(
+            a.device().is_cuda(),
+            || acc3.f_baddbmm_dtype(&a3, &b3, Kind::Float, 1.0, alpha),
+            || acc3.baddbmm(&a3.to_kind(Kind::Float), &b3.to_kind(Kind::Float), 1.0, alpha),
+        ),
         Precision::F32 => acc3.baddbmm(&a3, &b3, 1.0, alpha),
     };
     out.view(acc.size().as_slice())
