@@ -8,10 +8,10 @@
 # Built here, run there (no Rust on the device):
 #   cargo build --release -p dflash-host && mkdir -p target/device \
 #     && strip -o target/device/dflash-host target/release/dflash-host
-#   # the wheels, once (.whl/ is ignored by git; 15 MB):
+#   # the wheels, once (.whl/ is ignored by git; 16 MB; the pins transformers 5.8.1 checks at import):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     transformers==5.8.1 tokenizers==0.22.2 fla-core==0.6.0
+#     transformers==5.8.1 tokenizers==0.22.2 'regex>=2025.10.22' fla-core==0.6.0
 #   device: scripts/bench_hybrid_h200.sh   (carry target/device/dflash-host and .whl; results in $OUT)
 # Each part has its own time limit and a failing part does not stop the rest; the most important
 # run first, so a call cut short still brings them back. About 6-8 minutes in all.
@@ -22,6 +22,8 @@ mkdir -p "$OUT"
 TORCH_LIB=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__) + "/lib")')
 export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONUNBUFFERED=1
+# The 27B target (54 GB) and the drafter's step share the card: fewer stranded blocks.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 LOG=$OUT/log.txt
 part() {  # part NAME SECONDS COMMAND...: run, its output into the log, say how it went
@@ -33,10 +35,13 @@ part() {  # part NAME SECONDS COMMAND...: run, its output into the log, say how 
 }
 
 # transformers 5.8.1 (the machine has another version) into a folder of its own, with the
-# tokenizers it pins; fla-core separately, so the first HF run is without it.
+# tokenizers and regex versions it checks at import; fla-core separately, so the first HF run is
+# without it.
 if ls .whl/transformers-5.8.1-*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/hf581 \
         .whl/transformers-5.8.1-*.whl .whl/tokenizers-*.whl >> "$LOG" 2>&1
+    ls .whl/regex-*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --target /tmp/hf581 .whl/regex-*.whl >> "$LOG" 2>&1
     HF_PATH=/tmp/hf581
 else
     echo "no .whl/transformers-5.8.1 wheel carried: transformers' run uses the machine's own version" | tee -a "$LOG"
