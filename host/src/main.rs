@@ -42,6 +42,11 @@ enum Command {
         /// Stop after this step with a checkpoint, as if interrupted (resume later).
         #[arg(long)]
         stop_at: Option<u64>,
+        /// Data-parallel: start N local ranks of this command (as `torchrun --nproc-per-node N
+        /// --no-python dflash-host train ...` would); each rank's GPUs are the config's offset by
+        /// its local rank.
+        #[arg(long, value_name = "N")]
+        nproc: Option<usize>,
     },
     /// Run only the targets over the config's data and write their features (sharded
     /// safetensors + index.json) for `pipeline.capture` to train from.
@@ -194,6 +199,17 @@ fn run() -> Result<ExitCode> {
             let report = dflash_host::compare::run(&dirs, out.as_deref(), group_by.as_deref())?;
             println!("report: {}", report.display());
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Train { nproc: Some(n), ref config, ref exp_dir, .. } if n > 1 && std::env::var_os("RANK").is_none() => {
+            let mut args = dflash_host::launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
+            // One experiment folder for every rank (each would otherwise pick a fresh name).
+            if let (Some(config), None) = (config, exp_dir) {
+                if !args.iter().any(|a| a == "--resume") {
+                    let cfg = RunConfig::load(config)?;
+                    args.extend(["--exp-dir".into(), experiment::fresh_dir(Path::new("experiments"), &cfg.name).into()]);
+                }
+            }
+            Ok(ExitCode::from(dflash_host::launch::launch(n, &args)?))
         }
         Command::Train { resume: Some(dir), allow_plugin_change, stop_at, .. } => {
             let registry = Registry::new(&cli.plugins)?;
@@ -361,6 +377,7 @@ fn print_summary(s: &train::TrainSummary) {
 }
 
 fn main() -> ExitCode {
+    dflash_host::dist::set_nccl_defaults(); // before any thread starts
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
