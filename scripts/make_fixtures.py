@@ -285,6 +285,7 @@ def dflash_loss(block_hidden, lm_head, inp, cfg):
         tau_hat = 1.0 + torch.cumprod(acc, dim=0).sum()
     return {
         "loss": loss,
+        "weight_sum": wv.sum(),
         "logits": logits,
         "labels": torch.where(in_range, labels, torch.full_like(labels, -1)),
         "valid": valid.to(torch.int64),
@@ -375,6 +376,250 @@ def make_dflash_fixture(out_dir):
         "sanity_f32_loss_abs_diff": f"{d_loss32:.3e}",
     }
     path = os.path.join(out_dir, "dflash_loss.safetensors")
+    save_file(t, path, metadata=meta)
+    return path, t
+
+
+# ----------------------------------------------------------------------------------------------
+# One optimizer step normalised globally: K = 3 micro-batches on each of 2 data-parallel ranks
+# ----------------------------------------------------------------------------------------------
+
+# (rank, micro-batch) -> rows of response spans [first, end) in S = 16 positions. The anchors are
+# every response token whose next token is one too (the trainer's rule; with anchors_per_seq
+# above their number it takes them all), so the Rust test runs the trainer's own sampling.
+# Label counts differ a lot between micro-batches (one label up to 63), so the mean of
+# per-micro-batch means and the token-weighted mean of the step differ clearly.
+GLOBAL_S = 16
+GLOBAL_BATCHES = {
+    (0, 0): [(2, 16), (5, 16)],
+    (0, 1): [(13, 15)],
+    (0, 2): [(10, 16)],
+    (1, 0): [(14, 16)],
+    (1, 1): [(1, 16), (6, 12)],
+    (1, 2): [(9, 13)],
+}
+
+
+def global_inputs(cfg):
+    """Each micro-batch's inputs; random parts from torch.manual_seed(2), in GLOBAL_BATCHES order."""
+    torch.manual_seed(2)
+    H, nf, S = cfg["hidden_size"], cfg["num_target_features"], GLOBAL_S
+    out = {}
+    for key, rows in GLOBAL_BATCHES.items():
+        B = len(rows)
+        target_hidden = torch.randn(B, S, nf * H)
+        input_ids = torch.randint(0, 100, (B, S), dtype=torch.int64)
+        loss_mask = torch.zeros(B, S, dtype=torch.int64)
+        for b, (first, end) in enumerate(rows):
+            loss_mask[b, first:end] = 1
+        picked = [[p for p in range(S - 1) if loss_mask[b, p] and loss_mask[b, p + 1]] for b in range(B)]
+        A = max(len(r) for r in picked)
+        anchors = torch.tensor([r + [0] * (A - len(r)) for r in picked], dtype=torch.int64)
+        anchor_valid = torch.tensor([[1] * len(r) + [0] * (A - len(r)) for r in picked], dtype=torch.int64)
+        out[key] = {"target_hidden": target_hidden, "input_ids": input_ids, "loss_mask": loss_mask,
+                    "anchors": anchors, "anchor_valid": anchor_valid}
+    return out
+
+
+def make_global_fixture(out_dir):
+    """The step's gradient the global way (SpecForge's): every micro-batch's weighted CE summed,
+    over the weight sum of all six. The drafter is dflash_loss.safetensors' (same seed)."""
+    cfg = CONFIG
+    params, frozen = make_params(cfg)
+    inputs = global_inputs(cfg)
+    p32 = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    nums, dens, means = {}, {}, {}
+    for key, inp in inputs.items():
+        fb = forward_batched(p32, frozen, inp, cfg)
+        res = dflash_loss(fb["block_hidden"], frozen["lm_head"], inp, cfg)
+        den = res["weight_sum"]
+        nums[key], dens[key], means[key] = res["loss"] * den, den.detach(), res["loss"]
+    total_den = sum(dens.values())
+    loss = sum(nums.values()) / total_den
+    loss.backward(retain_graph=True)
+    grads = {k: v.grad.clone() for k, v in p32.items()}
+
+    # The other normalisation, for contrast: the mean of the six micro-batch means.
+    for v in p32.values():
+        v.grad = None
+    per_micro = sum(means.values()) / len(means)
+    per_micro.backward()
+    rel = max(float((p32[k].grad - grads[k]).norm() / grads[k].norm()) for k in grads)
+    print(f"[global] loss={float(loss.detach()):.7f} per-micro-batch mean={float(per_micro.detach()):.7f} "
+          f"weight sums={[round(float(d), 4) for d in dens.values()]} max rel grad diff between the two={rel:.3f}")
+    assert rel > 0.05, "the fixture does not tell the two normalisations apart"
+
+    t = {}
+    for (r, m), inp in inputs.items():
+        for name, v in inp.items():
+            t[f"in.r{r}.m{m}.{name}"] = v
+        t[f"out.r{r}.m{m}.weight_sum"] = dens[(r, m)].reshape(())
+    t["out.loss"] = loss.reshape(())
+    t["out.loss_per_micro_batch"] = per_micro.reshape(())
+    t["out.weight_sum"] = total_den.reshape(())
+    for name, g in grads.items():
+        t["grad." + name] = g
+    t = {k: v.detach().contiguous() for k, v in t.items()}
+    meta = {
+        "config": json.dumps(cfg),
+        "batches": json.dumps({f"r{r}.m{m}": rows for (r, m), rows in GLOBAL_BATCHES.items()}),
+        "torch_version": torch.__version__,
+        "generator": "scripts/make_fixtures.py",
+    }
+    path = os.path.join(out_dir, "dflash_global.safetensors")
+    save_file(t, path, metadata=meta)
+    return path, t
+
+
+# ----------------------------------------------------------------------------------------------
+# A sliding-window drafter: layer 0 `sliding_attention` (window 6), layer 1 `full_attention`
+# ----------------------------------------------------------------------------------------------
+
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}
+
+
+def sliding_mask(anchors, S, Bk, W):
+    """[B, N, S+N] bool: the query at position p = a_j + i sees positions p-W+1..=p: context keys
+    s in [p-W+1, a_j) and its own block's keys 0..=i (causal, as SGLang serves such a layer)."""
+    B, A = anchors.shape
+    N = A * Bk
+    blk = torch.arange(N) // Bk
+    off = torch.arange(N) % Bk
+    q_anchor = anchors[:, blk]  # [B,N]
+    s = torch.arange(S)[None, None, :]
+    lo = (q_anchor + off[None, :] - (W - 1))[:, :, None]
+    ctx_ok = (s < q_anchor[:, :, None]) & (s >= lo)
+    blk_ok = (blk[:, None] == blk[None, :]) & (off[None, :] <= off[:, None])
+    return torch.cat([ctx_ok, blk_ok[None].expand(B, N, N)], dim=-1)
+
+
+def forward_layer_masks(p, frozen, inp, cfg, masks):
+    """The batched forward with one mask per layer; returns block_hidden."""
+    ctx = context_features(p, inp, cfg)
+    B, S, _ = ctx.shape
+    ids, pos_q = block_tokens(inp, cfg)
+    x = frozen["embed_tokens"][ids]
+    pos_k = torch.cat([torch.arange(S, dtype=torch.int64)[None].expand(B, S), pos_q], dim=1)
+    for i in range(cfg["num_hidden_layers"]):
+        x = decoder_layer(p, i, x, ctx, pos_q, pos_k, masks[i], cfg)
+    return rms_norm(x, p["norm.weight"], cfg["rms_norm_eps"])
+
+
+def forward_served(p, frozen, inp, cfg, windows):
+    """Per block, as a server drafts it: the context's keys at 0..a-1 then the block's at
+    a..a+Bk-1, and per layer a mask by position only (full: the context and the whole block;
+    window W: key positions p-W+1..=p of the query at p)."""
+    Bk = cfg["block_size"]
+    ctx = context_features(p, inp, cfg)
+    anchors = inp["anchors"]
+    B, A = anchors.shape
+    rows = []
+    for b in range(B):
+        blocks = []
+        for j in range(A):
+            a = int(anchors[b, j])
+            tok = torch.tensor([int(inp["input_ids"][b, a])] + [cfg["mask_token_id"]] * (Bk - 1))
+            x = frozen["embed_tokens"][tok][None]
+            c = ctx[b : b + 1, :a]
+            pos_q = (a + torch.arange(Bk, dtype=torch.int64))[None]
+            pos_k = torch.cat([torch.arange(a, dtype=torch.int64)[None], pos_q], dim=1)
+            for i in range(cfg["num_hidden_layers"]):
+                W = windows[i]
+                if W is None:
+                    mask = None
+                else:
+                    qp, kp = pos_q[0][:, None], pos_k[0][None, :]
+                    mask = ((kp <= qp) & (kp > qp - W))[None]
+                x = decoder_layer(p, i, x, c, pos_q, pos_k, mask, cfg)
+            blocks.append(rms_norm(x, p["norm.weight"], cfg["rms_norm_eps"])[0])
+        rows.append(torch.cat(blocks, dim=0))
+    return torch.stack(rows, dim=0)
+
+
+def make_sliding_fixture(out_dir):
+    """dflash_loss.safetensors' drafter and inputs with layer 0 sliding (window 6): forward, loss,
+    gradients. Checked in float64 against a per-block loop with masks by position only."""
+    cfg = CONFIG
+    params, frozen = make_params(cfg)
+    inp = make_inputs(cfg)
+    S, Bk, W = inp["input_ids"].shape[1], cfg["block_size"], SLIDING["sliding_window"]
+    windows = [W if t == "sliding_attention" else None for t in SLIDING["layer_types"]]
+    masks = [sliding_mask(inp["anchors"], S, Bk, w) if w else attention_mask(inp["anchors"], S, Bk) for w in windows]
+
+    p64 = {k: v.double() for k, v in params.items()}
+    f64 = {k: v.double() for k, v in frozen.items()}
+    inp64 = dict(inp, target_hidden=inp["target_hidden"].double())
+    with torch.no_grad():
+        batched = forward_layer_masks(p64, f64, inp64, cfg, masks)
+        served = forward_served(p64, f64, inp64, cfg, windows)
+        full = forward_batched(p64, f64, inp64, cfg)["block_hidden"]
+    d64 = float((batched - served).abs().max())
+    cut = float((batched - full).abs().max())
+    print(f"[sliding f64] batched vs served max|diff|={d64:.3e}; vs the full-attention drafter {cut:.3e}")
+    assert d64 < 1e-10, "sliding mask differs from the per-block served form"
+    assert cut > 1e-2, "the window cuts nothing here"
+
+    p32 = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    bh = forward_layer_masks(p32, frozen, inp, cfg, masks)
+    res = dflash_loss(bh, frozen["lm_head"], inp, cfg)
+    res["loss"].backward()
+    print(f"[sliding] loss={float(res['loss']):.7f}")
+    t = {"out.block_hidden": bh, "out.loss": res["loss"].reshape(())}
+    for name, v in p32.items():
+        t["grad." + name] = v.grad
+    t = {k: v.detach().contiguous() for k, v in t.items()}
+    meta = {
+        "config": json.dumps(dict(cfg, **SLIDING)),
+        "torch_version": torch.__version__,
+        "generator": "scripts/make_fixtures.py",
+        "sanity_f64_served_max_abs_diff": f"{d64:.3e}",
+    }
+    path = os.path.join(out_dir, "dflash_sliding.safetensors")
+    save_file(t, path, metadata=meta)
+    return path, t
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE scaling: transformers' inverse frequencies and attention factor per kind
+# ----------------------------------------------------------------------------------------------
+
+ROPE_CASES = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                    "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.707, "mscale_all_dim": 0.5,
+                    "truncate": False},
+}
+
+
+def make_rope_fixture(out_dir):
+    """inv_freq and the cos/sin factor of transformers 5's ROPE_INIT_FUNCTIONS for a Qwen3 config
+    with head_dim 16, rope_theta 1e4, max_position_embeddings 256 (needs transformers)."""
+    import transformers
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    t, factors = {}, {}
+    for name, scaling in ROPE_CASES.items():
+        params = dict(scaling, rope_theta=10000.0)
+        config = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=256,
+                             rope_parameters=params)
+        inv_freq, attention = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
+        t[f"inv_freq.{name}"] = inv_freq.float().contiguous()
+        factors[name] = float(attention)
+    print(f"[rope] attention factors {factors}")
+    meta = {
+        "cases": json.dumps(ROPE_CASES),
+        "attention_factor": json.dumps(factors),
+        "head_dim": "16",
+        "rope_theta": "10000.0",
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "generator": "scripts/make_fixtures.py",
+    }
+    path = os.path.join(out_dir, "rope.safetensors")
     save_file(t, path, metadata=meta)
     return path, t
 
@@ -672,7 +917,8 @@ def main():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(repo, "tests", "fixtures"), help="output folder")
-    makers = {"dflash": make_dflash_fixture, "adamw": make_adamw_fixture, "muon": make_muon_fixture}
+    makers = {"dflash": make_dflash_fixture, "adamw": make_adamw_fixture, "muon": make_muon_fixture,
+              "global": make_global_fixture, "sliding": make_sliding_fixture, "rope": make_rope_fixture}
     ap.add_argument("--only", action="append", choices=list(makers),
                     help="make only this fixture (repeatable); default: all, in the order listed")
     args = ap.parse_args()

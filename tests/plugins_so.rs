@@ -60,16 +60,27 @@ fn an_out_of_tree_plugin_trains_without_rebuilding_the_host() {
     assert_eq!(sha256(&host()), before, "the host binary changed");
 }
 
+/// `dflash-host --plugin optim_adamw.so train ...` as a user types it: the bare name is found
+/// beside the binary, where `make build` leaves every plugin.
 #[test]
-fn a_built_in_can_be_replaced_by_its_shared_library() {
+fn a_built_in_can_be_replaced_by_its_shared_library_named_bare() {
     let so = root().join("target/release/liboptim_adamw.so");
     assert!(so.exists(), "{} missing: `cargo build --release --workspace` builds it (make test does)", so.display());
-    let (out, dir) = train(&[&so], "plugin = \"adamw\"\nlr = 3e-3");
+    let (out, dir) = train(&[Path::new("optim_adamw.so")], "plugin = \"adamw\"\nlr = 3e-3");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("optimizer plugin `adamw` from") && err.contains("replaces the built-in"), "{err}");
     let manifest = std::fs::read_to_string(dir.path().join("exp/manifest.json")).unwrap();
     assert!(manifest.contains(&sha256(&so)));
+    // The other spellings find the same library; an unknown name says where it looked.
+    for name in ["optim_adamw", "liboptim_adamw.so"] {
+        let out = Command::new(host()).args(["--plugin", name, "plugins", "list"]).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && stdout.contains(&so.display().to_string()), "{name}: {stdout}");
+    }
+    let out = Command::new(host()).args(["--plugin", "optim_nothing", "plugins", "list"]).env("DFLASH_PLUGIN_PATH", "/tmp/a:/tmp/b").output().unwrap();
+    let line = error_line(&out);
+    assert!(line.contains("liboptim_nothing.so") && line.contains("/tmp/a, /tmp/b") && line.contains(&root().join("target/release").display().to_string()), "{line}");
 }
 
 #[test]

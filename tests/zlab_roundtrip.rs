@@ -1,13 +1,23 @@
 //! z-lab format: a checkpoint exported (config.json + bf16 model.safetensors) and read back as
-//! `[drafter] init_from` gives a drafter with identical outputs (weights already bf16-exact).
+//! `[drafter] init_from` gives a drafter with identical outputs (weights already bf16-exact),
+//! sliding-window layers included; a config field the drafter cannot honour is refused by name;
+//! and each preset in configs/presets/ exports the config.json SpecForge ships for it.
 
-use dflash_host::{experiment::Experiment, export};
+use dflash_host::{
+    config::{PluginSection, RunConfig},
+    experiment::Experiment,
+    export,
+    plugins::Registry,
+};
 use drafter_dflash::{read_zlab, DFlashPlugin, DrafterSection};
 use plugin_api::{
-    abi_stable::std_types::{RNone, RString},
+    abi_stable::std_types::{RNone, RSome, RString},
     tch::{Device, Kind, Tensor},
-    DraftInput, Drafter, TargetSpec, TensorHandle,
+    DraftInput, Drafter, HostContext, PluginInstance, PluginKind, TargetSpec, TensorHandle,
 };
+use std::path::Path;
+
+mod common;
 
 fn target_spec() -> TargetSpec {
     TargetSpec {
@@ -32,9 +42,23 @@ fn target_spec() -> TargetSpec {
 
 #[test]
 fn export_then_import_gives_identical_outputs() {
+    export_then_import("");
+}
+
+/// A sliding-window layer (window 5, shorter than the context) survives export -> import.
+#[test]
+fn export_then_import_keeps_sliding_window_layers() {
+    let json = export_then_import("layer_types = [\"sliding_attention\", \"full_attention\"]\nsliding_window = 5");
+    assert_eq!(json["layer_types"], serde_json::json!(["sliding_attention", "full_attention"]));
+    assert_eq!((json["sliding_window"].as_u64(), json["use_sliding_window"].as_bool()), (Some(5), Some(true)));
+}
+
+/// Export a 2-layer drafter (`extra` added to its section), read it back, compare outputs; the
+/// exported config.json.
+fn export_then_import(extra: &str) -> serde_json::Value {
     let spec = target_spec();
     let section: DrafterSection =
-        plugin_api::parse_section("num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63").unwrap();
+        plugin_api::parse_section(&format!("num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63\n{extra}")).unwrap();
     let cfg = section.resolve(&spec).unwrap();
     plugin_api::tch::manual_seed(1);
     let a = DFlashPlugin::new(&cfg, Device::Cpu, Kind::Float);
@@ -59,7 +83,10 @@ fn export_then_import_gives_identical_outputs() {
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(json["architectures"][0], "DFlashDraftModel");
     assert_eq!(json["model_type"], "qwen3");
-    assert_eq!(json["torch_dtype"], "bfloat16");
+    assert_eq!(json["dtype"], "bfloat16");
+    assert!(json.get("torch_dtype").is_none());
+    // A synthetic target says nothing of its context: HF's Qwen3 default.
+    assert_eq!(json["max_position_embeddings"], 32768);
     assert_eq!(json["block_size"], 4);
     assert_eq!(json["num_target_layers"], 8);
     assert_eq!(json["dflash_config"]["mask_token_id"], 63);
@@ -74,6 +101,7 @@ fn export_then_import_gives_identical_outputs() {
 
     let (cfg_b, weights) = read_zlab(&out, &spec).unwrap();
     assert_eq!(cfg_b.dflash_config, cfg.dflash_config);
+    assert_eq!(cfg_b.windows(), cfg.windows());
     let mut b = DFlashPlugin::new(&cfg_b, Device::Cpu, Kind::Float);
     b.load(weights.into()).unwrap();
 
@@ -95,4 +123,125 @@ fn export_then_import_gives_identical_outputs() {
     other.hidden_size = 64;
     let err = read_zlab(&out, &other).unwrap_err().to_string();
     assert!(err.contains("hidden_size 32 does not fit the target's 64"), "{err}");
+    json
+}
+
+/// `init_from` refuses a config.json field the drafter does not honour, in one line that names
+/// it: an unknown field, a RoPE scaling it does not compute, a layout it cannot serve as trained.
+#[test]
+fn init_from_refuses_fields_it_cannot_honour() {
+    let spec = target_spec();
+    let section: DrafterSection =
+        plugin_api::parse_section("num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63").unwrap();
+    let a = DFlashPlugin::new(&section.resolve(&spec).unwrap(), Device::Cpu, Kind::Float);
+    let dir = tempfile::tempdir().unwrap();
+    let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
+    let ckpt = exp.save_checkpoint(1, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
+    let out = dir.path().join("zlab");
+    export::export(&ckpt, &out).unwrap();
+    let good: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    read_zlab(&out, &spec).unwrap();
+    for (key, value, want) in [
+        ("partial_rotary_factor", serde_json::json!(0.5), "unknown field `partial_rotary_factor`"),
+        ("rope_scaling", serde_json::json!({"rope_type": "longrope", "factor": 2.0}), "rope_type `longrope` is not supported"),
+        ("attention_bias", serde_json::json!(true), "field `attention_bias`"),
+        ("layer_types", serde_json::json!(["sliding_attention", "full_attention"]), "`sliding_window` is not set"),
+        ("hidden_act", serde_json::json!("gelu"), "field `hidden_act`"),
+    ] {
+        let mut cfg = good.clone();
+        cfg[key] = value;
+        std::fs::write(out.join("config.json"), cfg.to_string()).unwrap();
+        let e = read_zlab(&out, &spec).unwrap_err().to_string();
+        assert!(e.contains(want) && e.contains("config.json") && !e.contains('\n'), "{key}: {e}");
+    }
+}
+
+/// Each preset's drafter, built against a random target of its target's shape and exported,
+/// carries every field of the config.json SpecForge ships (tests/fixtures/specforge/). The
+/// targets are tiny (hidden 32, MLP 96, one shared embedding; layers, heads, vocabulary, RoPE,
+/// context length and special tokens as the real ones), the Qwen3.5 / 3.6 hybrids Qwen3-shaped
+/// stand-ins (the hf plugin does not load them yet; their drafters set their own heads, so the
+/// stand-ins' are small); the hidden size and MLP width are compared at the tiny sizes.
+#[test]
+fn presets_export_the_published_configs() {
+    const TINY_HIDDEN: u64 = 32;
+    const TINY_MLP: u64 = 96;
+    let root = common::root();
+    let registry = Registry::new(&[]).unwrap();
+    let presets = ["qwen3-8b", "qwen3-4b", "qwen2.5-0.5b", "qwen3.5-4b", "qwen3.5-35b-a3b", "qwen3.6-27b"];
+    let on_disk = std::fs::read_dir(root.join("configs/presets")).unwrap().count();
+    assert_eq!(on_disk, presets.len(), "a preset without a published config to check it against");
+    for name in presets {
+        let published: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(root.join(format!("tests/fixtures/specforge/{name}-dflash.json"))).unwrap()).unwrap();
+        let cfg = RunConfig::load(&root.join(format!("configs/presets/{name}.toml"))).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let mut drafter_section = cfg.section("drafter");
+        let mut table: toml::Table = toml::from_str(&drafter_section.config_toml).unwrap();
+
+        // 1. The stand-in target: the published config's target facts, at tiny sizes.
+        let p = |k: &str| published[k].clone();
+        let model_type = if name.starts_with("qwen2.5") { "qwen2" } else { "qwen3" };
+        let own_heads = table.contains_key("num_attention_heads");
+        let heads = |k: &str, small: u64| if own_heads { small.into() } else { p(k) };
+        let mut target = serde_json::json!({
+            "model_type": model_type, "hidden_size": TINY_HIDDEN, "intermediate_size": TINY_MLP,
+            "num_hidden_layers": p("num_target_layers"), "num_attention_heads": heads("num_attention_heads", 4),
+            "num_key_value_heads": heads("num_key_value_heads", 2), "head_dim": heads("head_dim", 16), "vocab_size": p("vocab_size"),
+            "rms_norm_eps": p("rms_norm_eps"), "rope_theta": p("rope_theta"), "rope_scaling": null,
+            "max_position_embeddings": p("max_position_embeddings"), "bos_token_id": p("bos_token_id"),
+            "eos_token_id": p("eos_token_id"), "tie_word_embeddings": true,
+        });
+        if let Some(pad) = published.get("pad_token_id") {
+            target["pad_token_id"] = pad.clone();
+        }
+        let target_json = dir.path().join("config.json");
+        std::fs::write(&target_json, target.to_string()).unwrap();
+        let ctx = HostContext::cpu();
+        let section = PluginSection { kind: "target", plugin: "hf".into(), config_toml: format!("path = {:?}\nrandom_init = true", target_json.display().to_string()) };
+        let PluginInstance::Target(t) = registry.create(PluginKind::Target, &section, &ctx).unwrap().0 else { panic!("not a target") };
+
+        // 2. The preset's drafter against it (an explicit MLP width shrunk too).
+        if table.contains_key("intermediate_size") {
+            table.insert("intermediate_size".into(), (TINY_MLP as i64).into());
+        }
+        drafter_section.config_toml = toml::to_string(&table).unwrap();
+        let ctx = HostContext { target: RSome(t.spec()), ..ctx };
+        let PluginInstance::Drafter(d) = registry.create(PluginKind::Drafter, &drafter_section, &ctx).unwrap().0 else { panic!("not a drafter") };
+
+        // 3. Checkpoint and export as a run does, then every published field.
+        let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
+        let ckpt = exp.save_checkpoint(1, &d.parameters(), d.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
+        let out = dir.path().join("export");
+        export::export(&ckpt, &out).unwrap();
+        let ours: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        for (key, want) in published.as_object().unwrap() {
+            // Which transformers wrote SpecForge's file: not a property of the drafter.
+            if key == "transformers_version" {
+                continue;
+            }
+            let want = match key.as_str() {
+                "hidden_size" => TINY_HIDDEN.into(),
+                "intermediate_size" => TINY_MLP.into(),
+                _ => want.clone(),
+            };
+            let got = ours.get(key).unwrap_or_else(|| panic!("{name}: exported config has no `{key}`"));
+            assert!(same_json(got, &want), "{name}: `{key}` is {got}, the published config says {want}");
+        }
+        // And it reads back as `init_from` for the same target.
+        let (back, _) = read_zlab(&out, &t.spec()).unwrap();
+        assert_eq!(back.layer_types, published["layer_types"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect::<Vec<_>>());
+        assert!(Path::new(&out.join("model.safetensors")).exists());
+    }
+}
+
+/// JSON values equal, numbers by value (1000000 and 1e6 alike).
+fn same_json(a: &serde_json::Value, b: &serde_json::Value) -> bool {
+    use serde_json::Value::*;
+    match (a, b) {
+        (Number(x), Number(y)) => x.as_f64() == y.as_f64(),
+        (Array(x), Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(x, y)| same_json(x, y)),
+        (Object(x), Object(y)) => x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same_json(v, w))),
+        _ => a == b,
+    }
 }

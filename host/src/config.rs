@@ -44,9 +44,21 @@ pub struct TrainConfig {
     /// Anchors (blocks) sampled per sequence.
     #[serde(default = "default_anchors")]
     pub anchors_per_seq: usize,
-    /// Loss decay gamma; default by block size (7 for 16, 5 for 10, 4 for 8; DFLASH.md).
+    /// Loss decay gamma, or "none" for no decay (SpecForge's default); default by block size
+    /// (7 for 16, 5 for 10, 4 for 8: the paper's; DFLASH.md).
     #[serde(default)]
-    pub loss_gamma: Option<f64>,
+    pub loss_gamma: Option<LossGamma>,
+    /// "global" (default, SpecForge's): one token-weighted mean per optimizer step, the weighted
+    /// cross-entropy of every micro-batch on every rank over the weight sum of them all;
+    /// "per_micro_batch": each micro-batch's own weighted mean, averaged over micro-batches and
+    /// ranks (micro-batches with few labels weigh more).
+    #[serde(default)]
+    pub loss_normalization: LossNormalization,
+    /// Where blocks may start: "response" (default, SpecForge's: the anchor and the next token
+    /// are response tokens; a block at the last prompt token is never drafted at inference) or
+    /// "before_response" (the next token is a response token, the last prompt token included).
+    #[serde(default)]
+    pub anchors: AnchorRule,
     /// Share of steps spent warming the learning rate up linearly.
     #[serde(default = "default_warmup")]
     pub warmup_frac: f64,
@@ -71,6 +83,76 @@ pub struct TrainConfig {
     /// CPU memory (MiB) for target features kept across epochs (0 = recompute every epoch).
     #[serde(default = "default_cache_mb")]
     pub hidden_cache_mb: usize,
+}
+
+/// The loss's decay over block positions: w_k = exp(-(k-1)/gamma), or none (every label 1).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LossGamma {
+    Decay(f64),
+    None,
+}
+
+impl LossGamma {
+    /// The gamma the loss takes (None: no decay).
+    pub fn value(self) -> Option<f64> {
+        match self {
+            Self::Decay(g) => Some(g),
+            Self::None => None,
+        }
+    }
+}
+
+impl Serialize for LossGamma {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Decay(g) => s.serialize_f64(*g),
+            Self::None => s.serialize_str("none"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for LossGamma {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = LossGamma;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a number > 0 or \"none\"")
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<LossGamma, E> {
+                Ok(LossGamma::Decay(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<LossGamma, E> {
+                Ok(LossGamma::Decay(v as f64))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<LossGamma, E> {
+                Ok(LossGamma::Decay(v as f64))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<LossGamma, E> {
+                match v {
+                    "none" => Ok(LossGamma::None),
+                    _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossNormalization {
+    #[default]
+    Global,
+    PerMicroBatch,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AnchorRule {
+    #[default]
+    Response,
+    BeforeResponse,
 }
 
 fn one() -> u64 {
@@ -191,8 +273,8 @@ impl RunConfig {
         range("keep_checkpoints", t.keep_checkpoints >= 1, format!("{} (must be >= 1)", t.keep_checkpoints))?;
         range("max_nonfinite_steps", t.max_nonfinite_steps >= 1, format!("{} (must be >= 1)", t.max_nonfinite_steps))?;
         range("hidden_cache_mb", t.hidden_cache_mb <= MAX_MB, format!("{} (must be <= {MAX_MB})", t.hidden_cache_mb))?;
-        if let Some(g) = t.loss_gamma {
-            range("loss_gamma", g > 0.0, format!("{g} (must be > 0)"))?;
+        if let Some(LossGamma::Decay(g)) = t.loss_gamma {
+            range("loss_gamma", g > 0.0 && g.is_finite(), format!("{g} (must be > 0, or \"none\")"))?;
         }
         for (kind, table) in self.sections() {
             match table.get("plugin") {
@@ -368,6 +450,31 @@ plugin = "chat"
         Ok(cfg)
     }
 
+    /// gamma is a number or "none"; the loss's normalisation and the anchor rule are named
+    /// choices; all three survive the resolved config.toml a run writes and resumes from.
+    #[test]
+    fn loss_settings_parse_and_round_trip() {
+        let cfg = parse(GOOD).unwrap();
+        let t = &cfg.train;
+        assert_eq!((t.loss_gamma, t.loss_normalization, t.anchors), (None, LossNormalization::Global, AnchorRule::Response));
+        let set = |lines: &str| GOOD.replace("steps = 3", &format!("steps = 3\n{lines}"));
+        let cfg = parse(&set("loss_gamma = \"none\"\nloss_normalization = \"per_micro_batch\"\nanchors = \"before_response\"")).unwrap();
+        let again = parse(&toml::to_string(&cfg).unwrap()).unwrap();
+        for t in [&cfg.train, &again.train] {
+            assert_eq!((t.loss_gamma, t.loss_normalization, t.anchors), (Some(LossGamma::None), LossNormalization::PerMicroBatch, AnchorRule::BeforeResponse));
+        }
+        assert_eq!(parse(&set("loss_gamma = 7")).unwrap().train.loss_gamma, Some(LossGamma::Decay(7.0)));
+        for (line, want) in [
+            ("loss_gamma = \"off\"", "expected a number > 0 or \"none\""),
+            ("loss_gamma = 0.0", "field `train.loss_gamma`"),
+            ("loss_normalization = \"mean\"", "unknown variant `mean`"),
+            ("anchors = \"all\"", "unknown variant `all`"),
+        ] {
+            let e = parse(&set(line)).unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("cfg.toml"), "{line}: {e}");
+        }
+    }
+
     #[test]
     fn good_config_parses_and_splits_sections() {
         let cfg = parse(GOOD).unwrap();
@@ -479,6 +586,8 @@ steps = 10
 grad_accum = 2
 anchors_per_seq = 8
 loss_gamma = 4.0
+loss_normalization = "per_micro_batch"
+anchors = "before_response"
 warmup_frac = 0.1
 min_lr_frac = 0.1
 grad_clip = 1.0
@@ -522,7 +631,7 @@ on_error = "skip"
 "#;
 
         const KEYS: &[&str] = &[
-            "name", "seed", "device", "dtype", "steps", "grad_accum", "anchors_per_seq", "loss_gamma",
+            "name", "seed", "device", "dtype", "steps", "grad_accum", "anchors_per_seq", "loss_gamma", "loss_normalization", "anchors",
             "warmup_frac", "min_lr_frac", "grad_clip", "log_every", "checkpoint_every", "keep_checkpoints",
             "max_nonfinite_steps", "hidden_cache_mb", "targets", "drafter", "buffer_mb", "deterministic",
             "capture", "plugin", "path", "generate_batch_size", "num_hidden_layers", "block_size",

@@ -1,10 +1,16 @@
 //! `dflash-host eval`: real acceptance length by lossless greedy speculative decoding (DFLASH.md,
-//! "Metrics"). Per cycle the drafter proposes a block from the target's features of every
+//! "Metrics"). Per cycle the drafter proposes a whole block from the target's features of every
 //! accepted token, the target verifies it in one forward with its KV cache, and the longest
 //! matching prefix plus the target's own next token (the bonus) are kept; the cache is cropped to
 //! what was kept. The output must equal the target's own greedy output token for token.
+//!
+//! The cycles run as z-lab's `dflash_generate` runs them (full blocks; a cycle while fewer than
+//! max_new_tokens + 1 tokens are out; stop after the cycle that produced a stop token), and
+//! `tau` is z-lab's benchmark's: accepted + 1 for every cycle, averaged per response, then over
+//! responses, so it compares with published numbers. `tau_kept` counts only the tokens kept
+//! (up to the stop token and the length cap) per cycle that kept any.
 
-use crate::train::Components;
+use crate::pipeline::components::Components;
 use anyhow::{anyhow, bail, Result};
 use plugin_api::{
     tch::{self, Device, Kind, Tensor},
@@ -25,10 +31,16 @@ pub struct EvalReport {
     pub source: String,
     pub prompts: usize,
     pub block_size: usize,
-    /// Mean over responses of (accepted drafts + 1) per draft-verify cycle.
+    /// z-lab's acceptance length: mean over responses of (accepted drafts + 1) per cycle, every
+    /// cycle counted (the last one whole).
     pub tau: f64,
     pub tau_per_response: Vec<f64>,
-    /// Share of full-block cycles whose k-th drafted token was accepted, k = 1..B-1.
+    /// Tokens kept per cycle (the output's tokens, up to its stop token and the length cap, over
+    /// the cycles that kept any), mean over responses.
+    pub tau_kept: f64,
+    /// What serving engines report: all accepted + 1 over all cycles, pooled over responses.
+    pub tau_pooled: f64,
+    /// Share of cycles whose k-th drafted token was accepted, k = 1..B-1.
     pub acceptance_per_position: Vec<f64>,
     pub cycles: usize,
     pub new_tokens: usize,
@@ -56,13 +68,15 @@ fn argmax_vec(logits: &Tensor) -> Vec<u32> {
 /// One draft-verify cycle.
 #[derive(Debug, Clone, Copy)]
 pub struct Cycle {
+    /// Drafted tokens the target agreed with (of B - 1).
     pub accepted: usize,
-    pub drafted: usize,
-    /// Tokens kept: accepted + the bonus, fewer where a stop token or the length cap ended it.
+    /// Tokens kept in the output: accepted + the bonus, fewer where a stop token or the length
+    /// cap ended it (0 for a cycle past the cap).
     pub produced: usize,
 }
 
-/// Greedy speculative decoding of one prompt: the new tokens and its draft-verify cycles.
+/// Greedy speculative decoding of one prompt: the new tokens (up to `max_new`, and the first stop
+/// token) and its draft-verify cycles, run as z-lab's `dflash_generate` runs them.
 pub fn speculative_decode(
     c: &mut Components,
     prompt: &[u32],
@@ -80,10 +94,13 @@ pub fn speculative_decode(
     let logits = out.logits.into_option().ok_or_else(|| anyhow!("target gave no logits"))?.into_tensor();
     let mut anchor_tok = *argmax_vec(&logits.select(1, prompt.len() as i64 - 1)).first().expect("one token");
     let mut anchor_pos = prompt.len();
-    let mut output = vec![anchor_tok];
+    // Every token the cycles produce; the output is its first `max_new`, up to a stop token.
+    let mut all = vec![anchor_tok];
     let mut cycles = Vec::new();
-    while output.len() < max_new && !stop.contains(&anchor_tok) {
-        let v = shared.block_size.min(max_new - output.len() + 1);
+    // z-lab: `while start < max_length`, i.e. while at most max_new tokens are out; the stop
+    // tokens are looked for after each cycle (so the first cycle runs whatever the prefill gave).
+    while all.len() <= max_new {
+        let v = shared.block_size;
         // 2. Draft: [anchor, MASK x (B-1)] over the context strictly before the anchor.
         let anchors = Tensor::from_slice(&[anchor_pos as i64]).view([1, 1]).to_device(shared.embedding.device());
         let mut block = vec![anchor_tok as i64];
@@ -109,22 +126,33 @@ pub fn speculative_decode(
         let kept = (anchor_pos + accepted + 1) as u32;
         c.target.cache_truncate(kept).into_result().map_err(c.err(PluginKind::Target, "cache_truncate"))?;
         ctx = Tensor::cat(&[ctx, out.hidden.into_tensor().narrow(1, 0, accepted as i64 + 1)], 1);
-        let mut new: Vec<u32> = drafts[..accepted].to_vec();
-        new.push(posterior[accepted]);
-        let mut produced = 0;
-        for t in new {
-            output.push(t);
-            produced += 1;
-            if stop.contains(&t) || output.len() >= max_new {
-                cycles.push(Cycle { accepted, drafted: v - 1, produced });
-                return Ok((output, cycles));
-            }
+        let before = kept_len(&all, max_new, stop);
+        all.extend_from_slice(&drafts[..accepted]);
+        all.push(posterior[accepted]);
+        cycles.push(Cycle { accepted, produced: kept_len(&all, max_new, stop) - before });
+        if all.iter().any(|t| stop.contains(t)) {
+            break;
         }
-        cycles.push(Cycle { accepted, drafted: v - 1, produced });
         anchor_pos += accepted + 1;
-        anchor_tok = *output.last().expect("nonempty");
+        anchor_tok = *all.last().expect("nonempty");
     }
-    Ok((output, cycles))
+    all.truncate(kept_len(&all, max_new, stop));
+    Ok((all, cycles))
+}
+
+/// How many of `tokens` the output keeps: at most `max_new`, through the first stop token.
+fn kept_len(tokens: &[u32], max_new: usize, stop: &[u32]) -> usize {
+    let end = tokens.iter().position(|t| stop.contains(t)).map_or(tokens.len(), |i| i + 1);
+    end.min(max_new)
+}
+
+/// One response's z-lab tau (mean accepted + 1 over its cycles) and tokens kept per cycle that
+/// kept any; None without cycles.
+pub fn response_taus(cycles: &[Cycle]) -> (Option<f64>, Option<f64>) {
+    let tau = (!cycles.is_empty()).then(|| cycles.iter().map(|c| (c.accepted + 1) as f64).sum::<f64>() / cycles.len() as f64);
+    let kept: Vec<usize> = cycles.iter().map(|c| c.produced).filter(|&p| p > 0).collect();
+    let tau_kept = (!kept.is_empty()).then(|| kept.iter().sum::<usize>() as f64 / kept.len() as f64);
+    (tau, tau_kept)
 }
 
 /// Frozen tensors and drafter facts every cycle needs.
@@ -154,10 +182,10 @@ pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
     let stop = [c.target.spec().eos_token_id];
     let bar = indicatif::ProgressBar::new(prompts.len() as u64);
     let (mut t_target, mut t_spec, mut n_target, mut n_spec) = (0.0, 0.0, 0usize, 0usize);
-    let mut taus = Vec::new();
+    let (mut taus, mut taus_kept) = (Vec::new(), Vec::new());
     let mut mismatches = Vec::new();
     let mut accepted_at = vec![0usize; shared.block_size - 1];
-    let (mut full_cycles, mut all_cycles) = (0usize, 0usize);
+    let (mut all_cycles, mut all_accepted) = (0usize, 0usize);
     for (i, prompt) in prompts.iter().enumerate() {
         let t0 = Instant::now();
         let base = c.target.generate(vec![prompt.clone()].into(), opts.max_new_tokens, stop.as_slice().into()).into_result();
@@ -172,13 +200,14 @@ pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
             tracing::error!("prompt {i}: speculative output differs from the target's greedy output");
             mismatches.push(i);
         }
-        // tau per response: mean tokens kept per cycle (the prefill's first token is no cycle).
-        if !cycles.is_empty() {
-            taus.push(cycles.iter().map(|c| c.produced as f64).sum::<f64>() / cycles.len() as f64);
-        }
+        // tau per response (z-lab): accepted + 1 per cycle; kept: tokens kept per cycle that
+        // kept any (the prefill's first token is no cycle).
+        let (t, k) = response_taus(&cycles);
+        taus.extend(t);
+        taus_kept.extend(k);
         all_cycles += cycles.len();
-        for cy in cycles.iter().filter(|cy| cy.drafted == shared.block_size - 1) {
-            full_cycles += 1;
+        all_accepted += cycles.iter().map(|c| c.accepted + 1).sum::<usize>();
+        for cy in &cycles {
             for slot in accepted_at.iter_mut().take(cy.accepted) {
                 *slot += 1;
             }
@@ -186,14 +215,16 @@ pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    let tau = taus.iter().sum::<f64>() / taus.len().max(1) as f64;
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     Ok(EvalReport {
         source: opts.source.clone(),
         prompts: prompts.len(),
         block_size: shared.block_size,
-        tau,
+        tau: mean(&taus),
+        tau_kept: mean(&taus_kept),
+        tau_pooled: all_accepted as f64 / all_cycles.max(1) as f64,
         tau_per_response: taus,
-        acceptance_per_position: accepted_at.iter().map(|&n| n as f64 / full_cycles.max(1) as f64).collect(),
+        acceptance_per_position: accepted_at.iter().map(|&n| n as f64 / all_cycles.max(1) as f64).collect(),
         cycles: all_cycles,
         new_tokens: n_spec,
         target_tok_per_s: n_target as f64 / t_target,
@@ -202,4 +233,24 @@ pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
         lossless: mismatches.is_empty(),
         mismatches,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// z-lab's tau counts every cycle whole; the kept count stops at the stop token and the cap.
+    #[test]
+    fn taus_count_cycles_as_zlab_and_as_kept() {
+        // max_new 8: 1 (prefill) + 4 kept + 3 of the 16 the second cycle gave, then a cycle past
+        // the cap that keeps nothing.
+        let cycles = [Cycle { accepted: 3, produced: 4 }, Cycle { accepted: 15, produced: 3 }, Cycle { accepted: 5, produced: 0 }];
+        let (tau, kept) = response_taus(&cycles);
+        assert_eq!(tau, Some((4.0 + 16.0 + 6.0) / 3.0));
+        assert_eq!(kept, Some(3.5));
+        assert_eq!(response_taus(&[]), (None, None));
+        assert_eq!(kept_len(&[5, 6, 7, 8], 8, &[7]), 3, "through the stop token");
+        assert_eq!(kept_len(&[5, 6, 7, 8], 2, &[7]), 2, "the cap first");
+        assert_eq!(kept_len(&[5, 6], 8, &[7]), 2);
+    }
 }

@@ -1,6 +1,8 @@
 //! `dflash-host export`: a checkpoint as a z-lab format drafter (DFLASH.md: config.json +
 //! model.safetensors in bf16, no embedding / LM head), which SGLang and vLLM serve and which
-//! `[drafter] init_from = DIR` reads back.
+//! `[drafter] init_from = DIR` reads back. The config is the one the drafter trained with: its
+//! `max_position_embeddings`, `rope_theta` and `rope_scaling` are the target's (the drafter took
+//! them from the target when the run started), `layer_types` and `sliding_window` the layers'.
 
 use anyhow::{bail, Context, Result};
 use plugin_api::tch::{Kind, Tensor};
@@ -32,7 +34,11 @@ pub fn export(checkpoint: &Path, out: &Path) -> Result<()> {
     let cfg_path = checkpoint.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?;
     let mut cfg: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", cfg_path.display()))?;
-    cfg["torch_dtype"] = "bfloat16".into();
+    // transformers 5's name for the weights' dtype (4.x wrote `torch_dtype`; both read back).
+    if let Some(obj) = cfg.as_object_mut() {
+        obj.remove("torch_dtype");
+    }
+    cfg["dtype"] = "bfloat16".into();
     // Other drafter plugins (gdn) export the same way, but only z-lab's architecture is servable.
     let arch = cfg["architectures"][0].as_str().unwrap_or("?").to_string();
     if arch != "DFlashDraftModel" {

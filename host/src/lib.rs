@@ -2,23 +2,17 @@
 //! the modules are a library so integration tests (`tests/`) can drive them directly.
 
 pub mod ab;
-pub mod anchors;
 pub mod bench;
 pub mod builtins;
-pub mod capture;
 pub mod compare;
 pub mod config;
 pub mod dist;
-pub mod distill;
 pub mod eval;
 pub mod experiment;
 pub mod export;
-pub mod hidden_cache;
-pub mod loss;
 pub mod pipeline;
 pub mod plugins;
 pub mod run;
-pub mod schedule;
 pub mod sysinfo;
 pub mod tensorboard;
 pub mod train;

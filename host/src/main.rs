@@ -52,7 +52,7 @@ enum Command {
         out: PathBuf,
         /// Stored precision of the features (default: the run's dtype).
         #[arg(long, value_enum)]
-        dtype: Option<dflash_host::capture::StoredDtype>,
+        dtype: Option<dflash_host::pipeline::capture::StoredDtype>,
         /// Micro-batches to capture (default: steps x grad_accum).
         #[arg(long)]
         batches: Option<u64>,
@@ -186,7 +186,7 @@ fn run() -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Plugins { command: PluginsCommand::Inspect { path } } => {
-            let plugin = plugins::load_library(&path)?;
+            let plugin = plugins::load_library(&plugins::find_library(&path)?)?;
             print_plugins(std::iter::once(&plugin.record));
             Ok(ExitCode::SUCCESS)
         }
@@ -218,8 +218,8 @@ fn run() -> Result<ExitCode> {
         Command::Capture { config, out, dtype, batches, shard_mb } => {
             let cfg = RunConfig::load(&config)?;
             let registry = Registry::new(&cli.plugins)?;
-            let run_dtype = if cfg.dtype() == "bf16" { dflash_host::capture::StoredDtype::Bf16 } else { dflash_host::capture::StoredDtype::F32 };
-            let opts = dflash_host::capture::CaptureOptions {
+            let run_dtype = if cfg.dtype() == "bf16" { dflash_host::pipeline::capture::StoredDtype::Bf16 } else { dflash_host::pipeline::capture::StoredDtype::F32 };
+            let opts = dflash_host::pipeline::capture::CaptureOptions {
                 dtype: dtype.unwrap_or(run_dtype),
                 micro_batches: batches.unwrap_or(cfg.train.steps * cfg.train.grad_accum),
                 shard_bytes: shard_mb << 20,
@@ -248,7 +248,12 @@ fn run() -> Result<ExitCode> {
             let written = exp_dir.join(name);
             std::fs::write(&written, serde_json::to_string_pretty(&json)? + "\n")?;
             println!("prompts      {} ({})", report.prompts, report.source);
-            println!("tau          {:.3}   (tau_hat from training {})", report.tau, tau_hat.map_or("-".into(), |t| format!("{t:.3}")));
+            println!(
+                "tau          {:.3}   (z-lab's: accepted + 1 per cycle; tokens kept per cycle {:.3}; tau_hat from training {})",
+                report.tau,
+                report.tau_kept,
+                tau_hat.map_or("-".into(), |t| format!("{t:.3}"))
+            );
             let acc: Vec<String> = report.acceptance_per_position.iter().map(|a| format!("{a:.2}")).collect();
             println!("acceptance   {}", acc.join(" "));
             println!("speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only)", report.speedup, report.spec_tok_per_s, report.target_tok_per_s);

@@ -65,7 +65,8 @@ impl Registry {
             })
             .collect();
         plugins.sort_by(|a, b| (&a.record.kind, &a.record.name).cmp(&(&b.record.kind, &b.record.name)));
-        for path in paths {
+        for arg in paths {
+            let path = &find_library(arg)?;
             let plugin = load_library(path)?;
             let (kind, name) = (&plugin.record.kind, &plugin.record.name);
             if let Some(i) = plugins.iter().position(|p| &p.record.kind == kind && &p.record.name == name) {
@@ -141,6 +142,41 @@ fn entry_symbol(path: &Path, bytes: &[u8]) -> Result<String> {
         1 => Ok(found.remove(0)),
         _ => bail!("plugin {shown}: several entry symbols ({}); a plugin library declares exactly one", found.join(", ")),
     }
+}
+
+/// The library a `--plugin` argument names: a path as given (anything with a `/`, or a file
+/// that exists), else a bare name looked up, in order, in `$DFLASH_PLUGIN_PATH` (colon-separated),
+/// the running binary's folder and the `plugins/` folder beside it. `optim_adamw`,
+/// `optim_adamw.so` and `liboptim_adamw.so` all name `liboptim_adamw.so`.
+pub fn find_library(arg: &Path) -> Result<PathBuf> {
+    let text = arg.to_string_lossy();
+    if text.contains('/') || arg.exists() {
+        return Ok(arg.to_path_buf());
+    }
+    let stem = text.strip_suffix(".so").unwrap_or(&text);
+    let stem = stem.strip_prefix("lib").unwrap_or(stem);
+    let files = [format!("lib{stem}.so"), format!("{stem}.so")];
+    let mut dirs: Vec<PathBuf> = std::env::var_os("DFLASH_PLUGIN_PATH")
+        .map(|v| std::env::split_paths(&v).filter(|d| !d.as_os_str().is_empty()).collect())
+        .unwrap_or_default();
+    if let Some(bin_dir) = std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf)) {
+        dirs.push(bin_dir.join("plugins"));
+        dirs.insert(dirs.len() - 1, bin_dir);
+    }
+    for dir in &dirs {
+        for file in &files {
+            let candidate = dir.join(file);
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+    }
+    let looked: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+    bail!(
+        "plugin {text}: no such file, and no {} in {} ($DFLASH_PLUGIN_PATH, the binary's folder, its plugins/ folder)",
+        files.join(" or "),
+        if looked.is_empty() { "(no folder to look in)".to_string() } else { looked.join(", ") }
+    )
 }
 
 /// Load and check a plugin shared library (see the module doc for the checks).

@@ -5,6 +5,7 @@ use crate::{
     config::{self, RunConfig},
     experiment::Experiment,
     plugins::{PluginRecord, Registry},
+    pipeline::components::{build_components, Components},
     train::{self, TrainSummary},
 };
 use anyhow::{Context, Result};
@@ -27,6 +28,10 @@ pub struct Manifest {
     pub target_sha256: String,
     /// The config file's folder: relative paths in config.toml resolve from it.
     pub config_dir: String,
+    /// The loss's decay gamma the run trains with (the paper's default for the block size when
+    /// the config leaves it out), or "none"; null in manifests written before it was recorded.
+    #[serde(default)]
+    pub loss_gamma: serde_json::Value,
     /// The A/B this run is an arm of, and which arm (absent for plain runs).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ab: Option<String>,
@@ -85,6 +90,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     let components = build(cfg, config_path, &config_dir, registry)?;
     let spec = components.target.spec();
+    let gamma = crate::train::loss::resolve_gamma(cfg.train.loss_gamma, components.drafter.block_size() as usize);
     let manifest = Manifest {
         host_version: env!("CARGO_PKG_VERSION").into(),
         git_revision: git_revision(),
@@ -98,6 +104,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         target_source: spec.source.to_string(),
         target_sha256: spec.source_sha256.to_string(),
         config_dir: config_dir.display().to_string(),
+        loss_gamma: gamma.map_or_else(|| "none".into(), Into::into),
         ab: ab.map(|(name, _)| name.to_string()),
         arm: ab.map(|(_, arm)| arm.to_string()),
     };
@@ -120,10 +127,10 @@ fn connect() -> Result<Option<Box<dyn crate::dist::Communicator>>> {
 }
 
 /// The run's components; plugin config errors point at the config line that set the field.
-fn build(cfg: &RunConfig, config_path: &Path, config_dir: &Path, registry: &Registry) -> Result<train::Components> {
+fn build(cfg: &RunConfig, config_path: &Path, config_dir: &Path, registry: &Registry) -> Result<Components> {
     ensure_device(cfg)?;
     tch::manual_seed(cfg.seed as i64);
-    train::build_components(cfg, registry, config_dir, &cache_dir()).map_err(|e| {
+    build_components(cfg, registry, config_dir, &cache_dir()).map_err(|e| {
         let msg = format!("{e:#}");
         let text = std::fs::read_to_string(config_path).unwrap_or_default();
         match config::locate_plugin_error(&text, &msg) {
@@ -200,10 +207,10 @@ pub fn check_plugins(recorded: &[PluginRecord], now: &[PluginRecord], allow_chan
 }
 
 /// `dflash-host capture`: the config's targets over its data, features written to `out`.
-pub fn capture(cfg: &RunConfig, config_path: &Path, out: &Path, registry: &Registry, opts: &crate::capture::CaptureOptions) -> Result<crate::capture::CaptureIndex> {
+pub fn capture(cfg: &RunConfig, config_path: &Path, out: &Path, registry: &Registry, opts: &crate::pipeline::capture::CaptureOptions) -> Result<crate::pipeline::capture::CaptureIndex> {
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     let components = build(cfg, config_path, &config_dir, registry)?;
-    crate::capture::capture(cfg, components, out, &cache_dir(), opts)
+    crate::pipeline::capture::capture(cfg, components, out, &cache_dir(), opts)
 }
 
 /// Rebuild a finished experiment's plugins (eval, export): its resolved config, with the drafter
@@ -213,7 +220,7 @@ pub fn load_experiment(
     registry: &Registry,
     step: Option<u64>,
     drafter: Option<&Path>,
-) -> Result<(RunConfig, train::Components)> {
+) -> Result<(RunConfig, Components)> {
     let cfg_path = exp_dir.join("config.toml");
     let mut cfg = RunConfig::load(&cfg_path)?;
     let manifest: serde_json::Value = serde_json::from_str(
@@ -228,7 +235,7 @@ pub fn load_experiment(
         cfg.drafter = t;
     }
     ensure_device(&cfg)?;
-    let mut c = train::build_components(&cfg, registry, &config_dir, &cache_dir())?;
+    let mut c = build_components(&cfg, registry, &config_dir, &cache_dir())?;
     if drafter.is_none() {
         let ckpt = crate::export::find_checkpoint(exp_dir, step)?;
         let weights = crate::experiment::read_safetensors(&ckpt.join("model.safetensors"))?;

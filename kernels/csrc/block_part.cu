@@ -8,6 +8,10 @@
 // out, fp32 inside. Tensors come as base pointers and element strides: the last dim dense, rows
 // 8-byte aligned (kernels/src/block_part.rs checks), so each thread moves 4 elements at a time.
 // A row of D elements is D/4 consecutive threads (a power of two up to a warp).
+//
+// `window` > 0: a sliding-window layer (HF's sliding_window, at least BK), served causal: row i
+// sees its block's keys 0..=i only, and the context only when its window reaches back past the
+// anchor (i < window - 1; the context part's bias cut the rest).
 
 typedef unsigned short bf16;
 
@@ -60,8 +64,8 @@ __device__ __forceinline__ float row_sum(float x) {
 
 // Forward. q [B, nh, N, D]; k, v [B, nkv, S + N, D] (the block keys from S); o_ctx [B, nh, N, D]
 // and lse_ctx [B, nh, N] (fp32, dense) the context part's; anchors [B, A] (int64, dense): a block
-// at anchor 0 sees no context and its context part is ignored. Writes out [B, nh, N, D] (any
-// strides) and the merged lse [B, nh, N] (fp32, dense).
+// at anchor 0 (or, windowed, a row past window - 2) sees no context and its context part is
+// ignored. Writes out [B, nh, N, D] (any strides) and the merged lse [B, nh, N] (fp32, dense).
 extern "C" __global__ void __launch_bounds__(THREADS) block_part_forward(
     const bf16* q, long long qb, long long qh, long long qn,
     const bf16* k, long long kb, long long kh, long long kn,
@@ -69,14 +73,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) block_part_forward(
     const bf16* o_ctx, long long cb, long long ch, long long cn,
     const float* lse_ctx, const long long* anchors,
     bf16* out, long long ob, long long oh, long long on,
-    float* lse, int nh, int n, int s, float scale) {
+    float* lse, int nh, int n, int s, int window, float scale) {
     const int a = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
     __shared__ __align__(16) float sk[BK][DP], sv[BK][DP], sq[BK][DP];
     __shared__ float sp[BK][BK + 1], sw[BK];
     const long long row0 = (long long)a * BK;
     load_rows(sk, k + b * kb + kvh * kh + (s + row0) * kn, kn);
     load_rows(sv, v + b * vb + kvh * vh + (s + row0) * vn, vn);
-    const bool has_context = anchors[(long long)b * gridDim.x + a] > 0;
+    const bool block_has_context = anchors[(long long)b * gridDim.x + a] > 0;
 
     for (int gi = 0; gi < G; gi++) {
         const int h = kvh * G + gi;
@@ -97,20 +101,21 @@ extern "C" __global__ void __launch_bounds__(THREADS) block_part_forward(
         __syncthreads();
         if (t < BK) {  // row t: the block's softmax merged with the context's
             const long long idx = ((long long)b * nh + h) * n + row0 + t;
+            const int last = window > 0 ? t : BK - 1;  // the last block key row t sees
             float m = __int_as_float(0xff800000);  // -inf
-            for (int j = 0; j < BK; j++) m = fmaxf(m, sp[t][j]);
+            for (int j = 0; j <= last; j++) m = fmaxf(m, sp[t][j]);
             float sum = 0.f;
-            for (int j = 0; j < BK; j++) sum += expf(sp[t][j] - m);
+            for (int j = 0; j <= last; j++) sum += expf(sp[t][j] - m);
             const float lb = m + logf(sum);
             float l = lb, w = 0.f;
-            if (has_context) {
+            if (block_has_context && (window == 0 || t < window - 1)) {
                 const float lc = lse_ctx[idx], mx = fmaxf(lc, lb);
                 l = mx + logf(expf(lc - mx) + expf(lb - mx));
                 w = expf(lc - l);
             }
             lse[idx] = l;
             sw[t] = w;
-            for (int j = 0; j < BK; j++) sp[t][j] = expf(sp[t][j] - l);
+            for (int j = 0; j < BK; j++) sp[t][j] = j <= last ? expf(sp[t][j] - l) : 0.f;
         }
         __syncthreads();
 #pragma unroll
@@ -138,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) block_part_backward(
     const float* lse,
     bf16* dq, long long gb, long long gh, long long gn,
     bf16* dk, bf16* dv, long long kgb, long long kgh, long long kgn,
-    int nh, int n, int s, float scale) {
+    int nh, int n, int s, int window, float scale) {
     const int a = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
     __shared__ __align__(16) float sk[BK][DP], sv[BK][DP], sq[BK][DP], sdo[BK][DP];
     __shared__ float sp[BK][BK + 1], sds[BK][BK + 1], srow[BK];
@@ -173,7 +178,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) block_part_backward(
                 g1 += dot4(y, at4(sv, j + HALF, d));
             }
             const float l = lse[((long long)b * nh + h) * n + row0 + i];
-            const float p0 = expf(s0 * scale - l), p1 = expf(s1 * scale - l);
+            // Windowed: P is 0 past the row's own position (key j > row i).
+            const float p0 = (window > 0 && j > i) ? 0.f : expf(s0 * scale - l);
+            const float p1 = (window > 0 && j + HALF > i) ? 0.f : expf(s1 * scale - l);
             sp[i][j] = p0;
             sp[i][j + HALF] = p1;
             sds[i][j] = p0 * (g0 - srow[i]) * scale;

@@ -9,6 +9,12 @@
 //! the host, each range scores only the context keys its blocks can see (its largest anchor), so
 //! sorted anchors spread over the sequence cost about half of scoring every query against all S.
 //!
+//! Sliding-window layers (`window` = W, HF's `sliding_window`, W >= the block) are served causal:
+//! the query at position p sees keys at p-W+1..=p (SGLang runs such a DFlash layer as a decoder
+//! layer with window_left W-1; SpecForge trains the same mask). So a block's query at offset i
+//! sees the context keys anchor+i-W+1..anchor and its block's keys 0..=i; the bias carries the
+//! per-query lower bound, the block part masks the later block keys.
+//!
 //! The two softmaxes are merged exactly through their log-sum-exps. Masked SDPA over [context;
 //! all blocks] scores every query against all S + A*Bk keys; this scores it against S + Bk. The
 //! backward hands the *merged* output and log-sum-exp to the fused kernel's backward, which then
@@ -38,11 +44,11 @@ pub struct Saved {
     scale: f64,
 }
 
-/// The context bias [B, 1, N, S] in `kind`: 0 where a query's anchor is after the key, the most
-/// negative finite value elsewhere (a block at anchor 0 sees no context: its context softmax is
-/// then uniform but weighs exp(-huge) = 0 in the merge, where -inf would give NaN). The last dim
-/// is allocated padded to 16 elements, the CUDA kernel's alignment.
-pub fn context_bias(anchors: &Tensor, s: i64, block: i64, kind: Kind) -> Tensor {
+/// The context bias [B, 1, N, S] in `kind`: 0 where a query sees the key ([`context_visible`]),
+/// the most negative finite value elsewhere (a query that sees no context key, as a block at
+/// anchor 0, gets a uniform context softmax that weighs exp(-huge) = 0 in the merge, where -inf
+/// would give NaN). The last dim is allocated padded to 16 elements, the CUDA kernel's alignment.
+pub fn context_bias(anchors: &Tensor, s: i64, block: i64, kind: Kind, window: Option<i64>) -> Tensor {
     let (b, a) = (anchors.size()[0], anchors.size()[1]);
     let padded = (s + 15) / 16 * 16;
     let min = match kind {
@@ -53,54 +59,94 @@ pub fn context_bias(anchors: &Tensor, s: i64, block: i64, kind: Kind) -> Tensor 
     let mut bias = Tensor::full([b, 1, a * block, padded], min, (kind, anchors.device())).narrow(3, 0, s);
     // In place: an out-of-place fill would return a new, unpadded tensor (the memory-efficient
     // kernel then rejects a row stride such as 181).
-    let _ = bias.masked_fill_(&context_visible(anchors, s, block).unsqueeze(1), 0.0);
+    let _ = bias.masked_fill_(&context_visible(anchors, s, block, window).unsqueeze(1), 0.0);
     bias
 }
 
-/// [B, N, S] bool: query n (block n / `block`) sees context key j iff j < its anchor.
-pub fn context_visible(anchors: &Tensor, s: i64, block: i64) -> Tensor {
-    let anchor_of_query = anchors.repeat_interleave_self_int(block, Some(1), None::<i64>); // [B, N]
-    Tensor::arange(s, (Kind::Int64, anchors.device())).view([1, 1, s]).lt_tensor(&anchor_of_query.unsqueeze(-1))
+/// [B, N, S] bool: query n (offset i in block n / `block`, anchor a) sees context key j iff
+/// j < a, and with a sliding window W also j >= a + i - W + 1.
+pub fn context_visible(anchors: &Tensor, s: i64, block: i64, window: Option<i64>) -> Tensor {
+    let anchor_of_query = anchors.repeat_interleave_self_int(block, Some(1), None::<i64>).unsqueeze(-1); // [B, N, 1]
+    let keys = Tensor::arange(s, (Kind::Int64, anchors.device())).view([1, 1, s]);
+    let before = keys.lt_tensor(&anchor_of_query);
+    match window {
+        None => before,
+        Some(w) => {
+            let n = anchors.size()[1] * block;
+            let offset = Tensor::arange(n, (Kind::Int64, anchors.device())).remainder(block).view([1, n, 1]);
+            before.logical_and(&keys.ge_tensor(&(anchor_of_query + offset - (w - 1))))
+        }
+    }
 }
 
-/// The context part's mask: the staircase bias ([`context_bias`]) and the ranges of queries the
-/// fused kernel runs on, each against the first `keys` context keys only.
+/// [B, N] bool: queries that see no context key (anchor 0, or a window that ends inside the
+/// block).
+pub fn context_empty(anchors: &Tensor, block: i64, window: Option<i64>) -> Tensor {
+    let anchor_of_query = anchors.repeat_interleave_self_int(block, Some(1), None::<i64>); // [B, N]
+    let none = anchor_of_query.le(0);
+    match window {
+        None => none,
+        Some(w) => {
+            let n = anchors.size()[1] * block;
+            let offset = Tensor::arange(n, (Kind::Int64, anchors.device())).remainder(block).unsqueeze(0);
+            none.logical_or(&offset.ge(w - 1))
+        }
+    }
+}
+
+/// The context part's mask: the bias ([`context_bias`]), the sliding window it was made with,
+/// and the ranges of queries the fused kernel runs on, each against the context keys
+/// `first_key..keys` only.
 pub struct ContextMask {
     /// [B, A] on the device.
     pub anchors: Tensor,
     pub bias: Tensor,
     pub ranges: Vec<QueryRange>,
+    /// HF's `sliding_window` of a `sliding_attention` layer (None: full attention).
+    pub window: Option<i64>,
 }
 
-/// Query rows `start..start + len` (whole blocks) see no context key at or past `keys`.
+/// Query rows `start..start + len` (whole blocks) see no context key before `first_key` or at or
+/// past `keys`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QueryRange {
     pub start: i64,
     pub len: i64,
+    pub first_key: i64,
     pub keys: i64,
 }
 
 impl ContextMask {
     /// The same mask, sharing its tensors.
     pub fn shallow_clone(&self) -> Self {
-        Self { anchors: self.anchors.shallow_clone(), bias: self.bias.shallow_clone(), ranges: self.ranges.clone() }
+        Self { anchors: self.anchors.shallow_clone(), bias: self.bias.shallow_clone(), ranges: self.ranges.clone(), window: self.window }
     }
 
     /// One range: every query scored against the whole context (the anchors stay on the device).
-    pub fn whole(anchors: &Tensor, s: i64, block: i64, kind: Kind) -> Self {
+    pub fn whole(anchors: &Tensor, s: i64, block: i64, kind: Kind, window: Option<i64>) -> Self {
+        check_window(window, block);
         let n = anchors.size()[1] * block;
-        let ranges = vec![QueryRange { start: 0, len: n, keys: s }];
-        Self { anchors: anchors.shallow_clone(), bias: context_bias(anchors, s, block, kind), ranges }
+        let ranges = vec![QueryRange { start: 0, len: n, first_key: 0, keys: s }];
+        Self { anchors: anchors.shallow_clone(), bias: context_bias(anchors, s, block, kind, window), ranges, window }
     }
 
-    /// Up to `ranges` runs of whole blocks, each scored against the keys before its largest
-    /// anchor ([`query_ranges`]); `host` holds the same anchors as `anchors`, on the CPU.
-    pub fn ranged(anchors: &Tensor, host: &Tensor, s: i64, block: i64, kind: Kind, ranges: usize) -> Self {
+    /// Up to `ranges` runs of whole blocks, each scored against the keys its blocks can see
+    /// ([`query_ranges`]); `host` holds the same anchors as `anchors`, on the CPU.
+    pub fn ranged(anchors: &Tensor, host: &Tensor, s: i64, block: i64, kind: Kind, ranges: usize, window: Option<i64>) -> Self {
+        check_window(window, block);
         let (b, a) = (host.size()[0], host.size()[1]);
         let flat = Vec::<i64>::try_from(host.to_kind(Kind::Int64).contiguous().view([-1])).expect("int64 anchors");
         let rows: Vec<&[i64]> = flat.chunks(a.max(1) as usize).take(b as usize).collect();
-        let ranges = query_ranges(&rows, s, block, ranges, KERNEL_TILE);
-        Self { anchors: anchors.shallow_clone(), bias: context_bias(anchors, s, block, kind), ranges }
+        let ranges = query_ranges(&rows, s, block, ranges, KERNEL_TILE, window);
+        Self { anchors: anchors.shallow_clone(), bias: context_bias(anchors, s, block, kind, window), ranges, window }
+    }
+}
+
+/// A window shorter than a block would also cut the block's own keys, which the block part does
+/// not do (the drafters refuse such a config).
+fn check_window(window: Option<i64>, block: i64) {
+    if let Some(w) = window {
+        assert!(w >= block, "sliding window {w} is shorter than the block ({block})");
     }
 }
 
@@ -119,9 +165,10 @@ pub struct Tile {
 pub const KERNEL_TILE: Tile = Tile { queries: 128, keys: 256 };
 
 /// Split the rows' A anchors each into up to `ranges` runs of whole blocks (the same runs in every
-/// row) and give each run the context keys its blocks see in any row: its largest anchor,
-/// rounded up to `tile.keys` (at most `s`; 0 when every anchor in it is 0).
-pub fn query_ranges(rows: &[&[i64]], s: i64, block: i64, ranges: usize, tile: Tile) -> Vec<QueryRange> {
+/// row) and give each run the context keys its blocks see in any row: up to its largest anchor,
+/// rounded up to `tile.keys` (at most `s`; 0 when every anchor in it is 0), and with a sliding
+/// window W from its smallest anchor - W + 1, rounded down to `tile.keys`.
+pub fn query_ranges(rows: &[&[i64]], s: i64, block: i64, ranges: usize, tile: Tile, window: Option<i64>) -> Vec<QueryRange> {
     let a = rows.first().map_or(0, |r| r.len());
     let min_blocks = (tile.queries + block - 1) / block;
     let per = a.div_ceil(ranges.max(1)).max(min_blocks as usize).clamp(1, a.max(1));
@@ -129,9 +176,14 @@ pub fn query_ranges(rows: &[&[i64]], s: i64, block: i64, ranges: usize, tile: Ti
         .step_by(per)
         .map(|j| {
             let end = (j + per).min(a);
-            let last = rows.iter().flat_map(|r| &r[j..end]).copied().max().unwrap_or(0);
+            let anchors = || rows.iter().flat_map(|r| &r[j..end]).copied();
+            let last = anchors().max().unwrap_or(0);
             let keys = if last <= 0 { 0 } else { ((last + tile.keys - 1) / tile.keys * tile.keys).min(s) };
-            QueryRange { start: j as i64 * block, len: (end - j) as i64 * block, keys }
+            let first_key = match window {
+                Some(w) if keys > 0 => ((anchors().min().unwrap_or(0) - w + 1).max(0) / tile.keys * tile.keys).min(keys),
+                _ => 0,
+            };
+            QueryRange { start: j as i64 * block, len: (end - j) as i64 * block, first_key, keys }
         })
         .collect()
 }
@@ -160,8 +212,9 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
             backends.push(None);
             continue;
         }
-        let bias = mask.bias.narrow(2, r.start, r.len).narrow(3, 0, r.keys);
-        let (o, lse, backend) = context_forward(&q.narrow(2, r.start, r.len), &k_ctx.narrow(2, 0, r.keys), &v_ctx.narrow(2, 0, r.keys), &bias, scale);
+        let (from, len) = (r.first_key, r.keys - r.first_key);
+        let bias = mask.bias.narrow(2, r.start, r.len).narrow(3, from, len);
+        let (o, lse, backend) = context_forward(&q.narrow(2, r.start, r.len), &k_ctx.narrow(2, from, len), &v_ctx.narrow(2, from, len), &bias, scale);
         outs.push(o);
         lses.push(lse);
         backends.push(Some(backend));
@@ -169,8 +222,9 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
     let (o_ctx, lse_ctx) = if outs.len() == 1 { (outs.remove(0), lses.remove(0)) } else { (Tensor::cat(&outs, 2), Tensor::cat(&lses, 2)) };
 
     // 2. Block part, and the merge: softmax over both key sets from the two log-sum-exps.
+    let window = mask.window.unwrap_or(0);
     let fused_out = block_part::applies(q, block)
-        .then(|| block_part::forward(q, k, v, &o_ctx, &lse_ctx, &mask.anchors, block, scale).map_err(|e| warn_unfused(&e)).ok())
+        .then(|| block_part::forward(q, k, v, &o_ctx, &lse_ctx, &mask.anchors, block, window, scale).map_err(|e| warn_unfused(&e)).ok())
         .flatten();
     let fused = fused_out.is_some();
     let (out, lse) = fused_out.unwrap_or_else(|| composite_forward(q, k, v, mask, o_ctx, lse_ctx, s, block, scale));
@@ -195,13 +249,14 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
 fn composite_forward(
     q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, o_ctx: Tensor, lse_ctx: Tensor, s: i64, block: i64, scale: f64,
 ) -> (Tensor, Tensor) {
-    // A block at anchor 0 sees no context: what the kernels return for an all-masked row is not
-    // an empty softmax (on CUDA it is not even finite), so make that part weigh nothing.
-    let no_context = mask.bias.select(3, 0).ne(0.0); // key 0 is visible iff the anchor is past it
+    // A query that sees no context (a block at anchor 0): what the kernels return for an
+    // all-masked row is not an empty softmax (on CUDA it is not even finite), so make that part
+    // weigh nothing.
+    let no_context = context_empty(&mask.anchors, block, mask.window).unsqueeze(1); // [B, 1, N]
     let lse_ctx = lse_ctx.masked_fill(&no_context, -1e30);
     let o_ctx = o_ctx.masked_fill(&no_context.unsqueeze(-1), 0.0);
 
-    let blocks = Blocks::new(q, k, v, s, block);
+    let blocks = Blocks::new(q, k, v, s, block, mask.window.is_some());
     let dims = blocks.dims;
     let s_blk = blocks.scores(scale); // [R, g*Bk, Bk]
     let lse_ctx = dims.rows(&lse_ctx); // [R, g*Bk]
@@ -252,6 +307,7 @@ fn context_forward(q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, bias: &Tensor, sc
 /// The gradients (dq, dk, dv) of the loss from `d_out` = dLoss/d(output).
 pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     let Saved { q, k, v, mask, out, lse, backends, fused, block, scale } = saved;
+    let causal = mask.window.is_some();
     let (b, nh, n, d) = size4(q);
     let (nkv, s) = (k.size()[1], k.size()[2] - n);
     let g = nh / nkv;
@@ -267,13 +323,14 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     let dv_ctx = Tensor::zeros([b, nkv, s, d], (wk, q.device()));
     for (r, backend) in mask.ranges.iter().zip(backends) {
         let Some(backend) = backend else { continue };
+        let (from, len) = (r.first_key, r.keys - r.first_key);
         let rows = |t: &Tensor| t.narrow(2, r.start, r.len);
-        let keys = |t: &Tensor| t.narrow(2, 0, r.keys);
-        let bias = mask.bias.narrow(2, r.start, r.len).narrow(3, 0, r.keys);
+        let keys = |t: &Tensor| t.narrow(2, from, len);
+        let bias = mask.bias.narrow(2, r.start, r.len).narrow(3, from, len);
         let (dq_r, dk_r, dv_r) =
             context_backward(backend, &rows(d_out), &rows(q), &keys(k_ctx), &keys(v_ctx), &rows(out), &rows(lse), &bias, *scale);
         rows(&dq).copy_(&dq_r);
-        let sum_groups = |x: Tensor| x.view([b, nkv, g, r.keys, d]).sum_dim_intlist(&[2i64][..], false, wk);
+        let sum_groups = |x: Tensor| x.view([b, nkv, g, len, d]).sum_dim_intlist(&[2i64][..], false, wk);
         let _ = keys(&dk_ctx).g_add_(&sum_groups(dk_r));
         let _ = keys(&dv_ctx).g_add_(&sum_groups(dv_r));
     }
@@ -286,12 +343,12 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
             t
         };
         let (dk, dv) = (whole(&dk_ctx), whole(&dv_ctx));
-        match block_part::backward(q, k, v, d_out, out, lse, &dq, &dk, &dv, *block, *scale) {
+        match block_part::backward(q, k, v, d_out, out, lse, &dq, &dk, &dv, *block, mask.window.unwrap_or(0), *scale) {
             Ok(()) => return (dq, dk, dv),
             Err(e) => warn_unfused(&e),
         }
     }
-    let (dq_blk, dk_blk, dv_blk) = composite_backward(q, k, v, d_out, out, lse, s, *block, *scale);
+    let (dq_blk, dk_blk, dv_blk) = composite_backward(q, k, v, d_out, out, lse, s, *block, causal, *scale);
     let dims = Blocks::dims_of(q, k, *block);
     // dq_ctx += dq_blk, added in fp32 and rounded once.
     let _ = dims.grouped_view(&dq).g_add_(&dq_blk.view(dims.grouped_shape(d)));
@@ -304,9 +361,9 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
 /// the work kind.
 #[allow(clippy::too_many_arguments)]
 fn composite_backward(
-    q: &Tensor, k: &Tensor, v: &Tensor, d_out: &Tensor, out: &Tensor, lse: &Tensor, s: i64, block: i64, scale: f64,
+    q: &Tensor, k: &Tensor, v: &Tensor, d_out: &Tensor, out: &Tensor, lse: &Tensor, s: i64, block: i64, causal: bool, scale: f64,
 ) -> (Tensor, Tensor, Tensor) {
-    let blocks = Blocks::new(q, k, v, s, block);
+    let blocks = Blocks::new(q, k, v, s, block, causal);
     let (dims, wk) = (blocks.dims, blocks.wk);
     let p = (blocks.scores(scale) - dims.rows(lse).unsqueeze(-1)).exp(); // [R, g*Bk, Bk]
     let d_o = dims.grouped(d_out); // [R, g*Bk, D]
@@ -425,6 +482,8 @@ struct Blocks {
     /// as the fused kernels do (probabilities and their gradients rounded to 16 bits first).
     half: Option<Kind>,
     wk: Kind,
+    /// A sliding-window layer's block part: a query sees its block's keys up to its own.
+    causal: bool,
 }
 
 impl Blocks {
@@ -434,11 +493,11 @@ impl Blocks {
         Dims { b, nkv, g: nh / nkv, a: n / block, block, d }
     }
 
-    fn new(q: &Tensor, k: &Tensor, v: &Tensor, s: i64, block: i64) -> Self {
+    fn new(q: &Tensor, k: &Tensor, v: &Tensor, s: i64, block: i64, causal: bool) -> Self {
         let dims = Self::dims_of(q, k, block);
         let own = |t: &Tensor| t.narrow(2, s, dims.a * block).reshape([dims.groups(), block, dims.d]);
         let half = (matches!(q.kind(), Kind::BFloat16 | Kind::Half) && q.device().is_cuda()).then(|| q.kind());
-        Self { q: dims.grouped(q), k: own(k), v: own(v), dims, half, wk: work_kind(q) }
+        Self { q: dims.grouped(q), k: own(k), v: own(v), dims, half, wk: work_kind(q), causal }
     }
 
     /// a @ b (batched) in fp32, or f64 for f64 inputs.
@@ -449,9 +508,17 @@ impl Blocks {
         }
     }
 
-    /// Scaled scores of each group's rows against its block's own keys [R, g*Bk, Bk].
+    /// Scaled scores of each group's rows against its block's own keys [R, g*Bk, Bk]; causal:
+    /// -inf past the row's own position (row r is position r % Bk).
     fn scores(&self, scale: f64) -> Tensor {
-        self.times(&self.q, &self.k.transpose(1, 2)) * scale
+        let s = self.times(&self.q, &self.k.transpose(1, 2)) * scale;
+        if !self.causal {
+            return s;
+        }
+        let bk = self.dims.block;
+        let pos = Tensor::arange(self.dims.g * bk, (Kind::Int64, s.device())).remainder(bk).unsqueeze(1);
+        let later = Tensor::arange(bk, (Kind::Int64, s.device())).unsqueeze(0).gt_tensor(&pos); // [g*Bk, Bk]
+        s.masked_fill(&later, f64::NEG_INFINITY)
     }
 }
 
@@ -521,15 +588,22 @@ fn work_kind(q: &Tensor) -> Kind {
     }
 }
 
-/// The mask masked SDPA takes over [context; all blocks] [B, 1, N, S+N]: context keys before
-/// the query's anchor, and the query's own block (the drafters' masked path, and the reference
-/// this module is checked against).
-pub fn masked_sdpa_mask(anchors: &Tensor, s: i64, block: i64) -> Tensor {
+/// The mask masked SDPA takes over [context; all blocks] [B, 1, N, S+N]: the context keys the
+/// query sees ([`context_visible`]), and the query's own block, all of it, or with a sliding
+/// window its keys up to the query's own (the drafters' masked path, and the reference this
+/// module is checked against).
+pub fn masked_sdpa_mask(anchors: &Tensor, s: i64, block: i64, window: Option<i64>) -> Tensor {
+    check_window(window, block);
     let (b, a) = (anchors.size()[0], anchors.size()[1]);
     let (n, device) = (a * block, anchors.device());
-    let block_id = Tensor::arange(n, (Kind::Int64, device)).divide_scalar_mode(block, "floor");
-    let same_block = block_id.unsqueeze(1).eq_tensor(&block_id.unsqueeze(0)).unsqueeze(0).expand([b, n, n], false);
-    Tensor::cat(&[context_visible(anchors, s, block), same_block], 2).unsqueeze(1)
+    let idx = Tensor::arange(n, (Kind::Int64, device));
+    let block_id = idx.divide_scalar_mode(block, "floor");
+    let mut own = block_id.unsqueeze(1).eq_tensor(&block_id.unsqueeze(0));
+    if window.is_some() {
+        own = own.logical_and(&idx.unsqueeze(0).le_tensor(&idx.unsqueeze(1)));
+    }
+    let own = own.unsqueeze(0).expand([b, n, n], false);
+    Tensor::cat(&[context_visible(anchors, s, block, window), own], 2).unsqueeze(1)
 }
 
 fn size4(t: &Tensor) -> (i64, i64, i64, i64) {
@@ -543,47 +617,92 @@ mod tests {
 
     /// Split attention equals masked SDPA over [context; blocks], forward and gradients, with GQA,
     /// blocks at anchor 0 (no context) and at the last position: over the whole context, and in
-    /// ranges that score fewer keys, one of them none.
+    /// ranges that score fewer keys, one of them none; full attention and sliding windows (one
+    /// as long as the block, where the block's last query sees no context).
     #[test]
     fn split_attention_equals_masked_sdpa() {
         let (b, nh, nkv, d, s, block) = (2, 4, 2, 8, 11, 4);
         let anchors = Tensor::from_slice(&[0i64, 0, 3, 10, 0, 5, 6, 9]).view([2, 4]);
         let n = 4 * block;
         let opts = (Kind::Double, Device::Cpu);
-        let q = Tensor::randn([b, nh, n, d], opts).set_requires_grad(true);
-        let k = Tensor::randn([b, nkv, s + n, d], opts).set_requires_grad(true);
-        let v = Tensor::randn([b, nkv, s + n, d], opts).set_requires_grad(true);
-        let mask = masked_sdpa_mask(&anchors, s, block);
-        let scale = 0.3;
-        let want = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), 0.0, false, Some(scale), true);
-        let d_out = Tensor::randn([b, nh, n, d], opts);
-        (&want * &d_out).sum(Kind::Double).backward();
-
         let rows = [&[0i64, 0, 3, 10][..], &[0, 5, 6, 9]];
-        let ranges = query_ranges(&rows, s, block, 4, Tile { queries: block, keys: 2 });
-        let expect = [(0, 4, 0), (4, 4, 6), (8, 4, 6), (12, 4, 10)];
-        let expect: Vec<_> = expect.iter().map(|&(start, len, keys)| QueryRange { start, len, keys }).collect();
-        assert_eq!(ranges[..], expect[..]);
-        let bias = context_bias(&anchors, s, block, Kind::Double);
-        let masks = [ContextMask::whole(&anchors, s, block, Kind::Double), ContextMask { anchors: anchors.shallow_clone(), bias, ranges }];
-        for mask in masks {
-            let (got, saved) = tch::no_grad(|| forward(&q.detach(), &k.detach(), &v.detach(), &mask, block, scale));
-            let (dq, dk, dv) = tch::no_grad(|| backward(&saved, &d_out));
-            for (name, x, y) in [("out", &want, &got), ("dq", &q.grad(), &dq), ("dk", &k.grad(), &dk), ("dv", &v.grad(), &dv)] {
-                let err = (x - y).abs().max().double_value(&[]);
-                assert!(err < 1e-13, "{name} ({:?}): max |diff| {err}", mask.ranges);
+        for window in [None, Some(4), Some(6)] {
+            let q = Tensor::randn([b, nh, n, d], opts).set_requires_grad(true);
+            let k = Tensor::randn([b, nkv, s + n, d], opts).set_requires_grad(true);
+            let v = Tensor::randn([b, nkv, s + n, d], opts).set_requires_grad(true);
+            let mask = masked_sdpa_mask(&anchors, s, block, window);
+            let scale = 0.3;
+            let want = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), 0.0, false, Some(scale), true);
+            let d_out = Tensor::randn([b, nh, n, d], opts);
+            (&want * &d_out).sum(Kind::Double).backward();
+
+            let ranges = query_ranges(&rows, s, block, 4, Tile { queries: block, keys: 2 }, window);
+            let first = window.map_or(0, |w| (9 - w + 1) / 2 * 2); // the last range's smallest anchor is 9
+            let expect = [(0, 4, 0, 0), (4, 4, 0, 6), (8, 4, 0, 6), (12, 4, first, 10)];
+            let expect: Vec<_> = expect.iter().map(|&(start, len, first_key, keys)| QueryRange { start, len, first_key, keys }).collect();
+            assert_eq!(ranges[..], expect[..], "window {window:?}");
+            let bias = context_bias(&anchors, s, block, Kind::Double, window);
+            let ranged = ContextMask { anchors: anchors.shallow_clone(), bias, ranges, window };
+            for mask in [ContextMask::whole(&anchors, s, block, Kind::Double, window), ranged] {
+                let (got, saved) = tch::no_grad(|| forward(&q.detach(), &k.detach(), &v.detach(), &mask, block, scale));
+                let (dq, dk, dv) = tch::no_grad(|| backward(&saved, &d_out));
+                for (name, x, y) in [("out", &want, &got), ("dq", &q.grad(), &dq), ("dk", &k.grad(), &dk), ("dv", &v.grad(), &dv)] {
+                    let err = (x - y).abs().max().double_value(&[]);
+                    assert!(err < 1e-13, "{name} (window {window:?}, {:?}): max |diff| {err}", mask.ranges);
+                }
             }
         }
     }
 
-    /// Ranges hold at least a tile of queries, keys round up to the tile and stop at S.
+    /// The masks by their definition, position by position: block key j of anchor a sits at
+    /// a + j; full attention sees the context before the anchor and the whole block; a sliding
+    /// window W sees the positions p-W+1..=p of the query at p (context and block alike).
+    #[test]
+    fn masks_follow_the_position_rules() {
+        let (s, block) = (12i64, 4i64);
+        let rows = [[0i64, 2, 7], [11, 5, 3]];
+        let anchors = Tensor::from_slice(&rows.concat()).view([2, 3]);
+        for window in [None, Some(4), Some(5), Some(9)] {
+            let mask = masked_sdpa_mask(&anchors, s, block, window);
+            let got: Vec<bool> = Vec::try_from(mask.flatten(0, -1)).unwrap();
+            let n = 3 * block;
+            let mut want = Vec::new();
+            for row in &rows {
+                for qi in 0..n {
+                    let (a, i) = (row[(qi / block) as usize], qi % block);
+                    let p = a + i;
+                    let in_window = |pos: i64| window.is_none_or(|w| pos > p - w && pos <= p);
+                    for key in 0..s + n {
+                        want.push(if key < s {
+                            key < a && in_window(key)
+                        } else {
+                            let (kb, j) = ((key - s) / block, (key - s) % block);
+                            kb == qi / block && (window.is_none() || in_window(a + j))
+                        });
+                    }
+                }
+            }
+            assert_eq!(got, want, "window {window:?}");
+            let empty: Vec<bool> = Vec::try_from(context_empty(&anchors, block, window).flatten(0, -1)).unwrap();
+            let visible = context_visible(&anchors, s, block, window).any_dim(-1, false).logical_not();
+            assert_eq!(empty, Vec::<bool>::try_from(visible.flatten(0, -1)).unwrap(), "window {window:?}");
+        }
+    }
+
+    /// Ranges hold at least a tile of queries, keys round up to the tile and stop at S; with a
+    /// window they start at the tile below their smallest anchor - W + 1.
     #[test]
     fn query_ranges_follow_the_tiles() {
         let row: Vec<i64> = (0..40).map(|j| j * 20).collect(); // anchors 0..780
-        let r = query_ranges(&[&row], 1000, 16, 8, KERNEL_TILE); // 8 blocks (128 queries) a range
-        let got: Vec<_> = r.iter().map(|r| (r.start, r.len, r.keys)).collect();
-        assert_eq!(got, [(0, 128, 256), (128, 128, 512), (256, 128, 512), (384, 128, 768), (512, 128, 1000)]);
-        assert_eq!(query_ranges(&[&row], 1000, 16, 1, KERNEL_TILE), [QueryRange { start: 0, len: 640, keys: 1000 }]);
+        let r = query_ranges(&[&row], 1000, 16, 8, KERNEL_TILE, None); // 8 blocks (128 queries) a range
+        let got: Vec<_> = r.iter().map(|r| (r.start, r.len, r.first_key, r.keys)).collect();
+        assert_eq!(got, [(0, 128, 0, 256), (128, 128, 0, 512), (256, 128, 0, 512), (384, 128, 0, 768), (512, 128, 0, 1000)]);
+        assert_eq!(query_ranges(&[&row], 1000, 16, 1, KERNEL_TILE, None), [QueryRange { start: 0, len: 640, first_key: 0, keys: 1000 }]);
+        // Window 300: the ranges' smallest anchors 0, 160, 320, 480, 640 start at 0, 0, 0, 0, 256.
+        let r = query_ranges(&[&row], 1000, 16, 8, KERNEL_TILE, Some(300));
+        assert_eq!(r.iter().map(|r| r.first_key).collect::<Vec<_>>(), [0, 0, 0, 0, 256]);
+        let r = query_ranges(&[&row], 1000, 16, 8, KERNEL_TILE, Some(100));
+        assert_eq!(r.iter().map(|r| r.first_key).collect::<Vec<_>>(), [0, 0, 0, 256, 512]);
     }
 
     /// The bias keeps its padded rows (the memory-efficient kernel needs a row stride that is a
@@ -591,10 +710,14 @@ mod tests {
     #[test]
     fn context_bias_rows_stay_padded() {
         let anchors = Tensor::from_slice(&[0i64, 5, 181]).view([1, 3]);
-        let bias = context_bias(&anchors, 181, 2, Kind::Float);
+        let bias = context_bias(&anchors, 181, 2, Kind::Float, None);
         assert_eq!(bias.size(), [1, 1, 6, 181]);
         assert_eq!(bias.stride()[2], 192);
         let visible = bias.eq(0.0).sum(Kind::Int64).int64_value(&[]);
         assert_eq!(visible, 2 * (0 + 5 + 181));
+        // Window 4: offset 0 sees the 3 keys before its anchor, offset 1 sees 2.
+        let bias = context_bias(&anchors, 181, 2, Kind::Float, Some(4));
+        assert_eq!(bias.stride()[2], 192);
+        assert_eq!(bias.eq(0.0).sum(Kind::Int64).int64_value(&[]), 2 * (3 + 2));
     }
 }

@@ -70,11 +70,12 @@ fn config(q: &Tensor, k: &Tensor, block: i64) -> LaunchConfig {
 }
 
 /// q [B, nh, N, D], k/v [B, nkv, S+N, D], the context part's output o_ctx [B, nh, N, D] and
-/// log-sum-exp lse_ctx [B, nh, N] (fp32; rows of blocks at anchor 0 are ignored), anchors [B, A]
+/// log-sum-exp lse_ctx [B, nh, N] (fp32; rows that see no context are ignored), anchors [B, A]
 /// -> the merged output [B, nh, N, D] ([B, N, nh, D] in memory) and log-sum-exp [B, nh, N].
+/// `window` > 0: a sliding-window layer's block part (causal within the block; window >= block).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
-    q: &Tensor, k: &Tensor, v: &Tensor, o_ctx: &Tensor, lse_ctx: &Tensor, anchors: &Tensor, block: i64, scale: f64,
+    q: &Tensor, k: &Tensor, v: &Tensor, o_ctx: &Tensor, lse_ctx: &Tensor, anchors: &Tensor, block: i64, window: i64, scale: f64,
 ) -> Result<(Tensor, Tensor), String> {
     let m = module(q, k, block)?;
     let (b, nh, n, d) = (q.size()[0], q.size()[1], q.size()[2], q.size()[3]);
@@ -86,14 +87,14 @@ pub fn forward(
     let [aq, ak, av, ac, ao] = [q, k, v, o_ctx, &out].map(Arg::new);
     let (aq, ak, av, ac, ao) = (aq?, ak?, av?, ac?, ao?);
     let (p_lse_ctx, p_anchors, p_lse) = (lse_ctx.data_ptr() as u64, anchors.data_ptr() as u64, lse.data_ptr() as u64);
-    let (nh32, n32, s32, scale32) = (nh as i32, n as i32, s as i32, scale as f32);
+    let (nh32, n32, s32, w32, scale32) = (nh as i32, n as i32, s as i32, window_arg(window)?, scale as f32);
     let mut launch = m.stream.launch_builder(m.function(FORWARD));
     for a in [&aq, &ak, &av, &ac] {
         a.push(&mut launch);
     }
     launch.arg(&p_lse_ctx).arg(&p_anchors);
     ao.push(&mut launch);
-    launch.arg(&p_lse).arg(&nh32).arg(&n32).arg(&s32).arg(&scale32);
+    launch.arg(&p_lse).arg(&nh32).arg(&n32).arg(&s32).arg(&w32).arg(&scale32);
     // SAFETY: the arguments match the kernel's signature; every pointer is a live tensor's data
     // on this device with the strides passed, and the launch is ordered on libtorch's stream.
     unsafe { launch.launch(config(q, k, block)) }.map_err(|e| format!("{FORWARD}: {e}"))?;
@@ -106,7 +107,7 @@ pub fn forward(
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
     q: &Tensor, k: &Tensor, v: &Tensor, d_out: &Tensor, out: &Tensor, lse: &Tensor, dq: &Tensor, dk: &Tensor, dv: &Tensor,
-    block: i64, scale: f64,
+    block: i64, window: i64, scale: f64,
 ) -> Result<(), String> {
     let m = module(q, k, block)?;
     let (nh, n) = (q.size()[1], q.size()[2]);
@@ -117,7 +118,7 @@ pub fn backward(
     let [aq, ak, av, ad, ao, ag, adk] = [q, k, v, d_out, out, dq, dk].map(Arg::new);
     let (aq, ak, av, ad, ao, ag, adk) = (aq?, ak?, av?, ad?, ao?, ag?, adk?);
     let (p_lse, p_dv) = (lse.data_ptr() as u64, dv.data_ptr() as u64);
-    let (nh32, n32, s32, scale32) = (nh as i32, n as i32, s as i32, scale as f32);
+    let (nh32, n32, s32, w32, scale32) = (nh as i32, n as i32, s as i32, window_arg(window)?, scale as f32);
     let mut launch = m.stream.launch_builder(m.function(BACKWARD));
     for a in [&aq, &ak, &av, &ad, &ao] {
         a.push(&mut launch);
@@ -125,10 +126,15 @@ pub fn backward(
     launch.arg(&p_lse);
     ag.push(&mut launch);
     launch.arg(&adk.ptr).arg(&p_dv).arg(&adk.strides[0]).arg(&adk.strides[1]).arg(&adk.strides[2]);
-    launch.arg(&nh32).arg(&n32).arg(&s32).arg(&scale32);
+    launch.arg(&nh32).arg(&n32).arg(&s32).arg(&w32).arg(&scale32);
     // SAFETY: as in `forward`; dk and dv are dense with the same shape, so they share strides.
     unsafe { launch.launch(config(q, k, block)) }.map_err(|e| format!("{BACKWARD}: {e}"))?;
     Ok(())
+}
+
+/// The window as the kernels take it (0: full attention).
+fn window_arg(window: i64) -> Result<i32, String> {
+    i32::try_from(window.max(0)).map_err(|_| format!("sliding window {window} does not fit an int"))
 }
 
 #[cfg(test)]

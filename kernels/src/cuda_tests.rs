@@ -62,44 +62,54 @@ fn cross_entropy_kernels_match_libtorch() {
 
 /// Split attention in bf16 with the fused block part and with the composite, both against the
 /// same masked attention in fp32: the kernels run (the saved state says so) and their errors are
-/// those of bf16, close to the composite's.
+/// those of bf16, close to the composite's. Full attention, and sliding windows: one as long as
+/// the block (its last query sees no context), one that cuts most of the context (ranges that
+/// start past key 0).
 #[test]
 fn fused_block_part_matches_the_composite() {
     let Some(dev) = cuda() else { return };
     let _lock = SWITCH.lock().unwrap();
-    tch::manual_seed(1);
-    let (b, nh, nkv, d, s, block, a) = (2, 8, 2, 128, 640, 16, 24);
-    let n = a * block;
-    let anchors: Vec<i64> = (0..b * a).map(|i| if i % a == 0 { 0 } else { (i % a) * 25 + i / a }).collect();
-    let anchors = Tensor::from_slice(&anchors).view([b, a]);
-    let f32 = (Kind::Float, dev);
-    let (q, k, v) = (Tensor::randn([b, nh, n, d], f32), Tensor::randn([b, nkv, s + n, d], f32), Tensor::randn([b, nkv, s + n, d], f32));
-    let d_out = Tensor::randn([b, nh, n, d], f32);
-    let scale = 1.0 / (d as f64).sqrt();
+    for window in [None, Some(16), Some(200)] {
+        tch::manual_seed(1);
+        let (b, nh, nkv, d, s, block, a) = (2, 8, 2, 128, 640, 16, 24);
+        let n = a * block;
+        let anchors: Vec<i64> = (0..b * a).map(|i| if i % a == 0 { 0 } else { (i % a) * 25 + i / a }).collect();
+        let anchors = Tensor::from_slice(&anchors).view([b, a]);
+        let f32 = (Kind::Float, dev);
+        let (q, k, v) = (Tensor::randn([b, nh, n, d], f32), Tensor::randn([b, nkv, s + n, d], f32), Tensor::randn([b, nkv, s + n, d], f32));
+        let d_out = Tensor::randn([b, nh, n, d], f32);
+        let scale = 1.0 / (d as f64).sqrt();
 
-    // fp32 reference: masked SDPA over [context; blocks], GQA expanded.
-    let (qr, kr, vr) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
-    let g = nh / nkv;
-    let expand = |t: &Tensor| t.repeat_interleave_self_int(g, 1, None);
-    let mask = ba::masked_sdpa_mask(&anchors.to_device(dev), s, block);
-    let want = Tensor::scaled_dot_product_attention(&qr, &expand(&kr), &expand(&vr), Some(&mask), 0.0, false, Some(scale), false);
-    (&want * &d_out).sum(Kind::Float).backward();
-    let reference = [want.detach(), qr.grad(), kr.grad(), vr.grad()];
+        // fp32 reference: masked SDPA over [context; blocks], GQA expanded.
+        let (qr, kr, vr) = (q.set_requires_grad(true), k.set_requires_grad(true), v.set_requires_grad(true));
+        let g = nh / nkv;
+        let expand = |t: &Tensor| t.repeat_interleave_self_int(g, 1, None);
+        let mask = ba::masked_sdpa_mask(&anchors.to_device(dev), s, block, window);
+        let want = Tensor::scaled_dot_product_attention(&qr, &expand(&kr), &expand(&vr), Some(&mask), 0.0, false, Some(scale), false);
+        (&want * &d_out).sum(Kind::Float).backward();
+        let reference = [want.detach(), qr.grad(), kr.grad(), vr.grad()];
 
-    let bf = |t: &Tensor| t.detach().to_kind(Kind::BFloat16);
-    let run = |fused: bool| {
-        let mask = ba::ContextMask::ranged(&anchors.to_device(dev), &anchors, s, block, Kind::BFloat16, 4);
-        let (out, saved) = tch::no_grad(|| ba::forward(&bf(&q), &bf(&k), &bf(&v), &mask, block, scale));
-        assert_eq!(saved.fused(), fused, "fused block part asked for: {fused}");
-        let (dq, dk, dv) = tch::no_grad(|| ba::backward(&saved, &bf(&d_out)));
-        [out, dq, dk, dv].map(|t| t.to_kind(Kind::Float))
-    };
-    let (fused, composite) = (nvrtc::with_enabled(true, || run(true)), nvrtc::with_enabled(false, || run(false)));
-    for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
-        let rel = |x: &Tensor| max_abs(&(x - &reference[i])) / max_abs(&reference[i]);
-        let (e_fused, e_composite) = (rel(&fused[i]), rel(&composite[i]));
-        eprintln!("{name}: fused {e_fused:.2e}, composite {e_composite:.2e}");
-        assert!(e_fused < 1.6e-2 && e_fused < 2.0 * e_composite + 1e-3, "{name}: fused {e_fused:.2e}, composite {e_composite:.2e}");
+        let bf = |t: &Tensor| t.detach().to_kind(Kind::BFloat16);
+        let run = |fused: bool| {
+            let mask = ba::ContextMask::ranged(&anchors.to_device(dev), &anchors, s, block, Kind::BFloat16, 4, window);
+            if window == Some(200) {
+                assert!(mask.ranges.iter().any(|r| r.first_key > 0), "no range starts past key 0: {:?}", mask.ranges);
+            }
+            let (out, saved) = tch::no_grad(|| ba::forward(&bf(&q), &bf(&k), &bf(&v), &mask, block, scale));
+            assert_eq!(saved.fused(), fused, "fused block part asked for: {fused}");
+            let (dq, dk, dv) = tch::no_grad(|| ba::backward(&saved, &bf(&d_out)));
+            [out, dq, dk, dv].map(|t| t.to_kind(Kind::Float))
+        };
+        let (fused, composite) = (nvrtc::with_enabled(true, || run(true)), nvrtc::with_enabled(false, || run(false)));
+        for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+            let rel = |x: &Tensor| max_abs(&(x - &reference[i])) / max_abs(&reference[i]);
+            let (e_fused, e_composite) = (rel(&fused[i]), rel(&composite[i]));
+            eprintln!("window {window:?} {name}: fused {e_fused:.2e}, composite {e_composite:.2e}");
+            assert!(
+                e_fused < 1.6e-2 && e_fused < 2.0 * e_composite + 1e-3,
+                "window {window:?} {name}: fused {e_fused:.2e}, composite {e_composite:.2e}"
+            );
+        }
     }
 }
 

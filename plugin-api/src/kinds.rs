@@ -175,6 +175,32 @@ pub trait Optimizer: Send {
 
     #[sabi(last_prefix_field)]
     fn load_state(&mut self, state: RVec<NamedTensor>) -> RResult<(), PluginError>;
+
+    /// Data-parallel replicas (ABI 1.3): the host lends its collectives once, before `init`, when
+    /// the run has more than one rank. An optimizer may split its work across the ranks with them
+    /// (distributed Muon: each rank orthogonalises its share of the matrices, then the updates are
+    /// all-gathered). One that ignores them runs replicated: every rank does the whole step on
+    /// the same summed gradients, with the same result.
+    fn set_collectives(&mut self, collectives: CollectivesBox) -> RResult<(), PluginError> {
+        let _ = collectives;
+        RResult::ROk(())
+    }
+}
+
+/// Collectives across the data-parallel replicas (ABI 1.3), lent by the host (libtorch's c10d:
+/// Gloo for CPU tensors, NCCL for CUDA tensors). Every rank must make the same calls in the
+/// same order; a call fails, never hangs, when a rank is gone.
+#[sabi_trait]
+pub trait Collectives: Send {
+    /// This process's rank, 0..world.
+    fn rank(&self) -> u32;
+
+    fn world(&self) -> u32;
+
+    /// Every rank's `input` into `outputs[rank]`, in place: `world` contiguous tensors of the
+    /// input's shape, dtype and device.
+    #[sabi(last_prefix_field)]
+    fn all_gather(&mut self, outputs: RSlice<'_, TensorHandle>, input: &TensorHandle) -> RResult<(), PluginError>;
 }
 
 /// A batch of token sequences, right-padded.
@@ -224,7 +250,7 @@ pub struct DistillRequest {
     pub stop_tokens: RVec<u32>,
 }
 
-/// How the target answers a [`DistillRequest`] (ABI 1.3). The default is what a data loader
+/// How the target answers a [`DistillRequest`] (ABI 1.4). The default is what a data loader
 /// built before 1.3 gets: greedy replies.
 #[repr(C)]
 #[derive(StableAbi, Clone, Debug, PartialEq)]
@@ -272,14 +298,14 @@ pub trait DataLoader: Send {
     #[sabi(last_prefix_field)]
     fn eval_prompts(&mut self, source: RStr<'_>, limit: u32) -> RResult<RVec<RVec<u32>>, PluginError>;
 
-    /// How to answer `distill_request`'s prompts (ABI 1.3): sampling temperature and seed, and
+    /// How to answer `distill_request`'s prompts (ABI 1.4): sampling temperature and seed, and
     /// the number of replies to expect.
     fn distill_options(&self) -> DistillOptions {
         DistillOptions::default()
     }
 
     /// After self-distillation, write the records as chat JSONL (OpenAI `messages`) with the
-    /// target's replies as their text (ABI 1.3); returns the number of records written.
+    /// target's replies as their text (ABI 1.4); returns the number of records written.
     fn export_distilled(&self, path: RStr<'_>) -> RResult<u64, PluginError> {
         let _ = path;
         RResult::RErr(PluginError::new("this data loader cannot export its self-distilled replies"))
@@ -290,3 +316,4 @@ pub type TargetBox = TargetModel_TO<'static, RBox<()>>;
 pub type DrafterBox = Drafter_TO<'static, RBox<()>>;
 pub type OptimizerBox = Optimizer_TO<'static, RBox<()>>;
 pub type DataLoaderBox = DataLoader_TO<'static, RBox<()>>;
+pub type CollectivesBox = Collectives_TO<'static, RBox<()>>;

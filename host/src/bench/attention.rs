@@ -104,7 +104,7 @@ impl Problem {
     /// Masked SDPA through autograd, as the drafter calls it: (out, dq, dk, dv).
     fn masked(&self, sh: &Shape, kind: Kind, backward: bool) -> Vec<Tensor> {
         let (q, k, v) = self.inputs(kind, backward);
-        let mask = block_attention::masked_sdpa_mask(&self.anchors, sh.context, sh.block);
+        let mask = block_attention::masked_sdpa_mask(&self.anchors, sh.context, sh.block, None);
         let out = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&mask), 0.0, false, Some(self.scale), true);
         if !backward {
             return vec![out];
@@ -116,8 +116,8 @@ impl Problem {
     /// The context mask over the whole context (`ranges` = 1) or in up to `ranges` runs.
     fn mask(&self, sh: &Shape, kind: Kind, ranges: usize) -> block_attention::ContextMask {
         match ranges {
-            1 => block_attention::ContextMask::whole(&self.anchors, sh.context, sh.block, kind),
-            r => block_attention::ContextMask::ranged(&self.anchors, &self.anchors.to_device(Device::Cpu), sh.context, sh.block, kind, r),
+            1 => block_attention::ContextMask::whole(&self.anchors, sh.context, sh.block, kind, None),
+            r => block_attention::ContextMask::ranged(&self.anchors, &self.anchors.to_device(Device::Cpu), sh.context, sh.block, kind, r, None),
         }
     }
 

@@ -14,11 +14,14 @@ use super::{
     memory,
 };
 use crate::{
-    anchors::AnchorSampler,
     config::PluginSection,
-    loss::{default_gamma, dflash_loss, LossInput},
     plugins::Registry,
-    train::DraftLoss,
+    train::{
+        anchors::{AnchorRule, AnchorSampler},
+        loss::{default_gamma, dflash_loss, LossInput, Reduction},
+        step::LossNormalization,
+        DraftLoss,
+    },
 };
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
@@ -257,6 +260,7 @@ fn fused_loss_error(draft: &DraftLoss, spec: &TargetSpec, sh: &BenchShape, devic
                 anchor_valid: &valid,
                 block_size: draft.block_size,
                 gamma: draft.gamma,
+                reduction: Reduction::Mean,
             });
             out.loss.backward();
             (out.loss.double_value(&[]), h.grad().to_kind(Kind::Float))
@@ -370,10 +374,12 @@ pub fn train(registry: &Registry, config_path: &Path, trace: Option<&Path>) -> R
         draft: DraftLoss {
             embedding: target.embedding().into_tensor(),
             lm_head: target.lm_head().into_tensor(),
-            sampler: AnchorSampler { per_seq: sh.anchors_per_seq, seed: cfg.seed },
+            sampler: AnchorSampler { per_seq: sh.anchors_per_seq, seed: cfg.seed, rule: AnchorRule::Response },
             block_size,
             mask_token_id: drafter_mask_token_id,
-            gamma: default_gamma(block_size as usize),
+            gamma: Some(default_gamma(block_size as usize)),
+            // One micro-batch a step: its mean is the step's loss (the loss checks read it).
+            normalization: LossNormalization::PerMicroBatch,
         },
         grad_clip: sh.grad_clip,
         draws: 0,

@@ -1,12 +1,18 @@
 //! `drafter_dflash`: the dense DFlash drafter (z-lab architecture) as a plugin.
 //!
 //! Its config section picks the shape of the drafter; everything the target decides (hidden
-//! size, heads, vocabulary, RoPE) comes from the target's spec, so a drafter always fits its target.
+//! size, heads, vocabulary, RoPE, context length, special tokens) comes from the target (its
+//! spec, and its own config for what the spec does not carry), so a drafter always fits its
+//! target and its exported `config.json` says what SpecForge's would.
 
 pub mod config;
 pub mod model;
 
 use config::DFlashConfig;
+use drafter_layers::{
+    dflash::{FULL_ATTENTION, SLIDING_ATTENTION},
+    rope::RopeScaling,
+};
 use plugin_api::{
     abi_stable::{
         sabi_trait::TD_Opaque,
@@ -41,6 +47,15 @@ pub struct DrafterSection {
     /// MLP width (default: the target's).
     #[serde(default)]
     pub intermediate_size: Option<usize>,
+    /// Attention shape of the draft layers (default: the target's). The published drafters of
+    /// the Qwen3.5 / Qwen3.6 hybrids use 32 heads, 8 KV heads of 128 where the target's gated
+    /// attention has 24 / 4 of 256.
+    #[serde(default)]
+    pub num_attention_heads: Option<usize>,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
     /// Start from a z-lab format drafter folder (config.json + model.safetensors): its config
     /// replaces the fields above, its weights the random initialisation.
     #[serde(default)]
@@ -55,6 +70,26 @@ pub struct DrafterSection {
     /// [context; all blocks] with a mask; S + A*Bk keys a query).
     #[serde(default)]
     pub attention: AttentionKind,
+    /// HF's `layer_types`: `full_attention` (default) or `sliding_attention` per layer. A
+    /// sliding layer's query at position p sees positions p-W+1..=p only (causal within its
+    /// block), as SGLang serves it and SpecForge trains it.
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    /// W of the sliding layers (at least `block_size`).
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// Default: the target's (its config.json or GGUF metadata), else 32768.
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
+    /// HF's `rope_scaling` table (default, linear, llama3, yarn). Default: the target's.
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    /// Std of the random initialisation (HF's `initializer_range`, default 0.02).
+    #[serde(default)]
+    pub initializer_range: Option<f64>,
+    /// Metadata in the exported config (the drafter borrows the target's embedding either way).
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
@@ -78,9 +113,21 @@ fn default_n_feat() -> usize {
 impl DrafterSection {
     /// The full drafter config for `target`, validated.
     pub fn resolve(&self, target: &TargetSpec) -> Result<DFlashConfig, PluginError> {
+        let bad = |field: &str, why: String| PluginError::new(format!("field `{field}`: {why}"));
         if self.num_hidden_layers == 0 || self.num_hidden_layers > 64 {
             let n = self.num_hidden_layers;
-            return Err(PluginError::new(format!("field `num_hidden_layers`: must be in 1..=64, got {n}")));
+            return Err(bad("num_hidden_layers", format!("must be in 1..=64, got {n}")));
+        }
+        let heads = self.num_attention_heads.unwrap_or(target.num_attention_heads as usize);
+        let kv_heads = self.num_key_value_heads.unwrap_or(target.num_key_value_heads as usize);
+        let head_dim = self.head_dim.unwrap_or(target.head_dim as usize);
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(PluginError::new(format!(
+                "fields `num_attention_heads` / `num_key_value_heads`: {heads} heads do not split into groups of {kv_heads} KV heads"
+            )));
+        }
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(PluginError::new(format!("field `head_dim`: must be even and >= 2 (RoPE), got {head_dim}")));
         }
         let dflash_config = drafter_layers::dflash::resolve(
             self.block_size,
@@ -89,29 +136,55 @@ impl DrafterSection {
             self.mask_token_id,
             target,
         )?;
-        Ok(DFlashConfig {
+        let facts = drafter_layers::target_facts::read(target)?;
+        let rope_scaling = match (&self.rope_scaling, facts.rope_scaling) {
+            (Some(v), _) => RopeScaling::from_json(v).map_err(|e| bad("rope_scaling", e))?,
+            (None, Some(v)) => RopeScaling::from_json(&v).map_err(|e| {
+                bad("rope_scaling", format!("the target's ({}): {e}; set it in [drafter] to train another", target.source))
+            })?,
+            (None, None) => RopeScaling::Default,
+        };
+        let layer_types = self.layer_types.clone().unwrap_or_else(|| vec![FULL_ATTENTION.into(); self.num_hidden_layers]);
+        let mut cfg = DFlashConfig {
             architectures: vec!["DFlashDraftModel".into()],
+            auto_map: config::default_auto_map(),
             model_type: "qwen3".into(),
             hidden_size: target.hidden_size as usize,
             intermediate_size: self.intermediate_size.unwrap_or(target.intermediate_size as usize),
             num_hidden_layers: self.num_hidden_layers,
-            num_attention_heads: target.num_attention_heads as usize,
-            num_key_value_heads: target.num_key_value_heads as usize,
-            head_dim: target.head_dim as usize,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
             vocab_size: target.vocab_size as usize,
             rms_norm_eps: target.rms_norm_eps,
             rope_theta: target.rope_theta,
+            rope_scaling,
+            max_position_embeddings: self.max_position_embeddings.or(facts.max_position_embeddings).unwrap_or_else(config::default_max_pos),
             attention_bias: false,
+            attention_dropout: 0.0,
             hidden_act: "silu".into(),
-            max_position_embeddings: 32768,
-            tie_word_embeddings: false,
+            initializer_range: self.initializer_range.unwrap_or(drafter_layers::layers::INITIALIZER_RANGE),
+            tie_word_embeddings: self.tie_word_embeddings,
+            bos_token_id: target.bos_token_id.into_option(),
+            eos_token_id: target.eos_token_id.into(),
+            pad_token_id: target.pad_token_id.into_option(),
             block_size: self.block_size,
             num_target_layers: target.num_hidden_layers as usize,
             dflash_config,
-            layer_types: vec!["full_attention".into(); self.num_hidden_layers],
-            sliding_window: None,
-            torch_dtype: "bfloat16".into(),
-        })
+            use_sliding_window: layer_types.iter().any(|t| t == SLIDING_ATTENTION),
+            layer_types,
+            sliding_window: self.sliding_window,
+            max_window_layers: Some(self.num_hidden_layers),
+            use_cache: true,
+            dtype: "bfloat16".into(),
+            transformers_version: None,
+        };
+        // The section's fields are the config's own names, so the check's message names them.
+        cfg.check().map_err(PluginError::new)?;
+        if self.sliding_window.is_some() && cfg.window().is_none() {
+            return Err(bad("sliding_window", "set, but no layer in `layer_types` is `sliding_attention`".into()));
+        }
+        Ok(cfg)
     }
 }
 
@@ -211,9 +284,11 @@ fn info() -> PluginInfo {
     )
 }
 
-/// Read a z-lab format drafter folder: its config, checked against the target, and weights.
+/// Read a z-lab format drafter folder: its config (every field one the drafter honours, else the
+/// first other is named), checked against the target, and weights.
 pub fn read_zlab(dir: &std::path::Path, target: &TargetSpec) -> Result<(DFlashConfig, Vec<NamedTensor>), PluginError> {
-    let cfg: DFlashConfig = drafter_layers::dflash::read_config(dir)?;
+    let mut cfg: DFlashConfig = drafter_layers::dflash::read_config(dir)?;
+    cfg.check().map_err(|e| PluginError::new(format!("{}: {e}", dir.join("config.json").display())))?;
     drafter_layers::dflash::check_fits(dir, cfg.hidden_size, cfg.vocab_size, &cfg.dflash_config, target)?;
     Ok((cfg, drafter_layers::dflash::read_weights(dir)?))
 }
@@ -245,3 +320,49 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
 }
 
 plugin_api::declare_plugin!(drafter_dflash, info, create);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use plugin_api::abi_stable::std_types::{RNone, RString};
+
+    fn hybrid_target() -> TargetSpec {
+        TargetSpec {
+            architecture: RString::from("qwen3_5"),
+            num_hidden_layers: 64,
+            hidden_size: 5120,
+            vocab_size: 248320,
+            num_attention_heads: 24,
+            num_key_value_heads: 4,
+            head_dim: 256,
+            intermediate_size: 17408,
+            rope_theta: 1e7,
+            rms_norm_eps: 1e-6,
+            bos_token_id: RNone,
+            eos_token_id: 248044,
+            pad_token_id: RNone,
+            chat_template: RString::new(),
+            source: RString::from("test"),
+            source_sha256: RString::new(),
+        }
+    }
+
+    /// The published Qwen3.6-27B drafter's attention shape, not its target's; the target's when
+    /// the section says nothing; a shape that does not group is refused naming the fields.
+    #[test]
+    fn the_attention_shape_can_differ_from_the_targets() {
+        let t = hybrid_target();
+        let s: DrafterSection = plugin_api::parse_section(
+            "target_layer_ids = [1, 16, 31, 46, 61]\nmask_token_id = 248070\nnum_attention_heads = 32\nnum_key_value_heads = 8\nhead_dim = 128",
+        )
+        .unwrap();
+        let c = s.resolve(&t).unwrap();
+        assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size), (32, 8, 128, 17408));
+        let s: DrafterSection = plugin_api::parse_section("mask_token_id = 248070").unwrap();
+        let c = s.resolve(&t).unwrap();
+        assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (24, 4, 256));
+        let s: DrafterSection = plugin_api::parse_section("mask_token_id = 248070\nnum_key_value_heads = 5").unwrap();
+        let err = s.resolve(&t).err().unwrap().to_string();
+        assert!(err.contains("`num_key_value_heads`") && err.contains("24 heads"), "{err}");
+    }
+}

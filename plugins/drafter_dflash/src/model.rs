@@ -1,7 +1,9 @@
 //! The DFlash drafter (DFLASH.md; z-lab `dflash/model.py` for the layer order): target features
 //! fused by `fc` + `hidden_norm`, then Qwen3 decoder layers whose attention takes Q from the block
 //! tokens and K/V from [context; block], each block seeing the context strictly before its anchor
-//! and itself. Weight names equal the z-lab checkpoint's. The layers are `drafter_layers`'.
+//! and itself (a `sliding_attention` layer: the last `sliding_window` positions up to each query,
+//! causal within the block). Weight names equal the z-lab checkpoint's. The layers are
+//! `drafter_layers`'.
 
 use crate::config::DFlashConfig;
 use drafter_layers::layers::{linear, Attention, AttentionInputs, Mlp, MlpCut, RmsNorm};
@@ -21,10 +23,10 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn new(p: nn::Path, cfg: &DFlashConfig) -> Self {
+    fn new(p: nn::Path, cfg: &DFlashConfig, window: Option<i64>) -> Self {
         let h = cfg.hidden_size as i64;
         Self {
-            self_attn: Attention::new(&p / "self_attn", &cfg.dense_shape()),
+            self_attn: Attention::new(&p / "self_attn", &cfg.dense_shape(), window),
             mlp: Mlp::new(&p / "mlp", &cfg.dense_shape()),
             input_layernorm: RmsNorm::new(&p / "input_layernorm", h, cfg.rms_norm_eps),
             post_attention_layernorm: RmsNorm::new(&p / "post_attention_layernorm", h, cfg.rms_norm_eps),
@@ -40,7 +42,8 @@ impl DecoderLayer {
     /// `forward` with split block attention, outside autograd: the graph stops at q, k, v and
     /// restarts at the attention output (a leaf), and the MLP keeps only its gate and up
     /// projections (`Mlp::forward_cut`), for the drafter's own backward.
-    fn forward_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, mask: &block_attention::ContextMask, block: i64) -> (Tensor, Cut) {
+    fn forward_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, masks: &ContextMasks, block: i64) -> (Tensor, Cut) {
+        let mask = masks.for_layer(self.self_attn.window);
         let (q, k, v) = self.self_attn.project(&self.input_layernorm.forward(x), ctx, at);
         let attention = kernels::profiler::range("block attention");
         let (o, saved) = tch::no_grad(|| block_attention::forward(&q, &k, &v, mask, block, self.self_attn.scale()));
@@ -67,9 +70,9 @@ impl DFlashDrafter {
         let n_feat = cfg.dflash_config.target_layer_ids.len();
         Self {
             cfg: cfg.clone(),
-            fc: linear(root, "fc", n_feat * h, h),
+            fc: linear(root, "fc", n_feat * h, h, cfg.initializer_range),
             hidden_norm: RmsNorm::new(root / "hidden_norm", h as i64, cfg.rms_norm_eps),
-            layers: (0..cfg.num_hidden_layers).map(|i| DecoderLayer::new(root / "layers" / i, cfg)).collect(),
+            layers: cfg.windows().into_iter().enumerate().map(|(i, w)| DecoderLayer::new(root / "layers" / i, cfg, w)).collect(),
             norm: RmsNorm::new(root / "norm", h as i64, cfg.rms_norm_eps),
         }
     }
@@ -91,7 +94,7 @@ impl DFlashDrafter {
     fn context(&self, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor, masked: bool) -> (Tensor, AttentionInputs) {
         let ctx = self.hidden_norm.forward(&self.fc.forward(target_hidden));
         let (s, bk) = (target_hidden.size()[1], self.cfg.block_size as i64);
-        (ctx, AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind(), masked))
+        (ctx, AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind(), masked, self.cfg.window()))
     }
 
     /// The training forward when the drafter runs its own backward (`mode` asks for split
@@ -109,9 +112,15 @@ impl DFlashDrafter {
         // A leaf for the layers: their gradients w.r.t. the context add up in it.
         let ctx_leaf = ctx.detach().set_requires_grad(true);
         let (s, bk, kind) = (target_hidden.size()[1], self.cfg.block_size as i64, block_embeds.kind());
-        let mask = mode.split_attention.then(|| match host_anchors {
-            Some(host) => block_attention::ContextMask::ranged(anchors, host, s, bk, kind, CONTEXT_RANGES),
-            None => block_attention::ContextMask::whole(anchors, s, bk, kind),
+        // One context mask per kind of layer the drafter has (full, and its sliding window).
+        let windows = self.cfg.windows();
+        let mask = mode.split_attention.then(|| {
+            let make = |window: Option<i64>| match host_anchors {
+                Some(host) => block_attention::ContextMask::ranged(anchors, host, s, bk, kind, CONTEXT_RANGES, window),
+                None => block_attention::ContextMask::whole(anchors, s, bk, kind, window),
+            };
+            let window = windows.iter().flatten().next().copied();
+            ContextMasks { full: windows.iter().any(Option::is_none).then(|| make(None)), sliding: window.map(|w| make(Some(w))) }
         });
         let mut x = block_embeds.shallow_clone();
         let mut kept = Vec::with_capacity(self.layers.len());
@@ -161,7 +170,7 @@ impl DFlashDrafter {
     }
 
     /// Layer `i` on `x` (made a leaf): plain, or cut at the attention output.
-    fn segment(&self, i: usize, layer: &DecoderLayer, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, mask: Option<&block_attention::ContextMask>) -> Segment {
+    fn segment(&self, i: usize, layer: &DecoderLayer, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, mask: Option<&ContextMasks>) -> Segment {
         let x = x.detach().set_requires_grad(i > 0);
         match mask {
             None => Segment { y: layer.forward(&x, ctx, at), x, cut: None },
@@ -192,13 +201,30 @@ impl TrainMode {
     }
 }
 
+/// Split attention's context masks: one for the full-attention layers, one for the
+/// sliding-window layers (each only when the drafter has such layers).
+pub struct ContextMasks {
+    full: Option<block_attention::ContextMask>,
+    sliding: Option<block_attention::ContextMask>,
+}
+
+impl ContextMasks {
+    fn for_layer(&self, window: Option<i64>) -> &block_attention::ContextMask {
+        match window {
+            None => self.full.as_ref(),
+            Some(_) => self.sliding.as_ref(),
+        }
+        .expect("a mask for every kind of layer the drafter has")
+    }
+}
+
 /// What [`DFlashDrafter::forward_train`] keeps for the backward.
 pub struct Tape {
     /// The fused context with its graph (fc, hidden_norm), and the leaf the layers read.
     ctx: Tensor,
     ctx_leaf: Tensor,
     at: AttentionInputs,
-    mask: Option<block_attention::ContextMask>,
+    mask: Option<ContextMasks>,
     kept: Vec<Kept>,
     /// The last layer's output as a leaf, and the final norm of it.
     last: Tensor,

@@ -1,8 +1,10 @@
 //! The GDN drafter's `config.json` (a DFlash config plus Qwen3-Next's linear-attention fields,
 //! same key names) and the `[drafter]` section that resolves to it against a target.
 
+use drafter_layers::rope::RopeScaling;
 use plugin_api::{PluginError, TargetSpec};
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 /// What mixes the tokens in one draft layer; HF's `layer_types` names, with short aliases for
 /// config files.
@@ -18,8 +20,10 @@ pub enum LayerType {
 
 pub use drafter_layers::dflash::DFlashSection;
 
-/// The drafter's `config.json`: DFlash fields as z-lab names them, Qwen3-Next's for GDN.
+/// The drafter's `config.json`: DFlash fields as z-lab names them, Qwen3-Next's for GDN. Other
+/// fields are refused by name (a config never means a model other than the one computed).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct GdnConfig {
     #[serde(default = "default_architectures")]
     pub architectures: Vec<String>,
@@ -34,6 +38,12 @@ pub struct GdnConfig {
     pub num_key_value_heads: usize,
     pub head_dim: usize,
     pub rope_theta: f64,
+    /// HF's `rope_scaling` (null: none), the target's.
+    #[serde(default, with = "rope_json")]
+    pub rope_scaling: RopeScaling,
+    /// The target's context length (HF's Qwen3 default for configs written without it).
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
     // GDN layers: q/k heads, value heads (a multiple: grouped values), head dims, conv width.
     pub linear_num_key_heads: usize,
     pub linear_num_value_heads: usize,
@@ -50,8 +60,28 @@ pub struct GdnConfig {
     pub block_size: usize,
     pub num_target_layers: usize,
     pub dflash_config: DFlashSection,
-    #[serde(default = "default_dtype")]
-    pub torch_dtype: String,
+    /// The weights' dtype as exported (`torch_dtype` in older files).
+    #[serde(default = "default_dtype", alias = "torch_dtype")]
+    pub dtype: String,
+}
+
+fn default_max_pos() -> usize {
+    32768
+}
+
+/// `rope_scaling` as HF writes it, through [`RopeScaling`] (refusing kinds it does not honour).
+mod rope_json {
+    use super::*;
+    use serde::{de::Error, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(r: &RopeScaling, s: S) -> Result<S::Ok, S::Error> {
+        r.to_json().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<RopeScaling, D::Error> {
+        let v = Value::deserialize(d)?;
+        RopeScaling::from_json(&v).map_err(|e| D::Error::custom(format!("field `rope_scaling`: {e}")))
+    }
 }
 
 fn default_architectures() -> Vec<String> {
@@ -80,7 +110,9 @@ impl GdnConfig {
             num_key_value_heads: self.num_key_value_heads,
             head_dim: self.head_dim,
             rope_theta: self.rope_theta,
+            rope_scaling: self.rope_scaling,
             rms_norm_eps: self.rms_norm_eps,
+            initializer_range: drafter_layers::layers::INITIALIZER_RANGE,
         }
     }
 }
@@ -209,6 +241,12 @@ impl DrafterSection {
         if !(1..=256).contains(&self.chunk_size) {
             return bad("chunk_size", format!("must be in 1..=256, got {}", self.chunk_size));
         }
+        // The dense layers' RoPE and the context length, as the target has them.
+        let facts = drafter_layers::target_facts::read(target)?;
+        let rope_scaling = match facts.rope_scaling {
+            Some(v) => RopeScaling::from_json(&v).map_err(|e| PluginError::new(format!("the target's rope_scaling ({}): {e}", target.source)))?,
+            None => RopeScaling::Default,
+        };
         Ok(GdnConfig {
             architectures: default_architectures(),
             model_type: default_model_type(),
@@ -220,6 +258,8 @@ impl DrafterSection {
             num_key_value_heads: target.num_key_value_heads as usize,
             head_dim: target.head_dim as usize,
             rope_theta: target.rope_theta,
+            rope_scaling,
+            max_position_embeddings: facts.max_position_embeddings.unwrap_or_else(default_max_pos),
             linear_num_key_heads: key_heads,
             linear_num_value_heads: value_heads,
             linear_key_head_dim: key_dim,
@@ -232,7 +272,7 @@ impl DrafterSection {
             block_size: self.block_size,
             num_target_layers: l,
             dflash_config,
-            torch_dtype: default_dtype(),
+            dtype: default_dtype(),
         })
     }
 }

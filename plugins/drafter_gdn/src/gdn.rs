@@ -17,8 +17,8 @@
 //! causal (token k reads block tokens 0..=k), where DFlash's attention is bidirectional.
 
 use crate::config::GdnConfig;
-use crate::delta_rule;
-use drafter_layers::layers::linear;
+use gated_deltanet::{delta_rule, depthwise_conv, l2norm};
+use drafter_layers::layers::{linear, INITIALIZER_RANGE};
 use plugin_api::tch::{nn, nn::Module, Kind, Tensor};
 
 #[derive(Debug)]
@@ -68,13 +68,13 @@ impl GatedDeltaNet {
         let inverse_softplus = &dt + (-(-&dt).expm1()).log();
         let dt_bias = p.var_copy("dt_bias", &inverse_softplus);
         Self {
-            q_proj: linear(&p, "q_proj", h, nk * dk),
-            k_proj: linear(&p, "k_proj", h, nk * dk),
-            v_proj: linear(&p, "v_proj", h, nv * dv),
-            z_proj: linear(&p, "z_proj", h, nv * dv),
-            a_proj: linear(&p, "a_proj", h, nv),
-            b_proj: linear(&p, "b_proj", h, nv),
-            out_proj: linear(&p, "out_proj", nv * dv, h),
+            q_proj: linear(&p, "q_proj", h, nk * dk, INITIALIZER_RANGE),
+            k_proj: linear(&p, "k_proj", h, nk * dk, INITIALIZER_RANGE),
+            v_proj: linear(&p, "v_proj", h, nv * dv, INITIALIZER_RANGE),
+            z_proj: linear(&p, "z_proj", h, nv * dv, INITIALIZER_RANGE),
+            a_proj: linear(&p, "a_proj", h, nv, INITIALIZER_RANGE),
+            b_proj: linear(&p, "b_proj", h, nv, INITIALIZER_RANGE),
+            out_proj: linear(&p, "out_proj", nv * dv, h, INITIALIZER_RANGE),
             conv1d,
             a_log,
             dt_bias,
@@ -139,7 +139,7 @@ impl GatedDeltaNet {
         let (b, l) = (t.size()[0], t.size()[1]);
         let mut t = t.to_kind(Kind::Float).view([b, l, heads, dim]);
         if qk {
-            t = &t * (t.square().sum_dim_intlist(-1, true, Kind::Float) + 1e-6).rsqrt();
+            t = l2norm(&t);
             if self.value_heads > heads {
                 t = t.repeat_interleave_self_int(self.value_heads / heads, Some(2), None::<i64>);
             }
@@ -155,15 +155,6 @@ impl GatedDeltaNet {
         let beta = self.b_proj.forward(x).to_kind(Kind::Float).sigmoid();
         (g.transpose(1, 2), beta.transpose(1, 2))
     }
-}
-
-/// Depthwise conv over time with no padding: x [B, L+K-1, C], w [C, 1, K] -> [B, L, C], out_t =
-/// sum_j w_j x_{t+j}, so w_{K-1} weighs step t itself (torch's causal conv1d).
-pub fn depthwise_conv(x: &Tensor, w: &Tensor) -> Tensor {
-    let k = w.size()[2];
-    let l = x.size()[1] - k + 1;
-    let w = w.squeeze_dim(1).to_kind(x.kind()); // [C, K]
-    (1..k).fold(x.narrow(1, 0, l) * w.select(1, 0), |acc, j| acc + x.narrow(1, j, l) * w.select(1, j))
 }
 
 #[cfg(test)]
@@ -252,16 +243,5 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn depthwise_conv_is_torch_causal_conv1d() {
-        tch::manual_seed(6);
-        let x = Tensor::randn([2, 9, 5], (Kind::Float, Device::Cpu));
-        let w = Tensor::randn([5, 1, 4], (Kind::Float, Device::Cpu));
-        // torch: conv1d over [B, C, L] with K-1 zeros of left padding, groups = C.
-        let want = x.transpose(1, 2).constant_pad_nd([3, 0]).conv1d(&w, None::<Tensor>, [1], [0], [1], 5).transpose(1, 2);
-        let got = depthwise_conv(&x.constant_pad_nd([0, 0, 3, 0]), &w);
-        assert!((got - want).abs().max().double_value(&[]) < 1e-5);
     }
 }

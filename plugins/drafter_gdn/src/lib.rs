@@ -4,7 +4,8 @@
 //! Everything DFlash fixes stays: the fused target features (`fc` + `hidden_norm`), blocks of
 //! `[anchor, MASK x (Bk-1)]`, the final norm and the target's LM head, the config section of the
 //! dense drafter (changing `plugin = "dflash"` to `"gdn"` is enough). What changes is the token
-//! mixer of most layers: a Gated DeltaNet (`gdn.rs`; recurrence in `delta_rule.rs`).
+//! mixer of most layers: a Gated DeltaNet (`gdn.rs`; the recurrence and the conv in the
+//! `gated_deltanet` crate, which the hybrid targets share).
 //!
 //! DFlash's visibility rule, for a recurrence: block j sees the context strictly before its
 //! anchor and itself, never another block.
@@ -28,8 +29,10 @@
 //! [B*A, nv, dk, dv] are materialised (fp32) for the backward pass.
 
 pub mod config;
-pub mod delta_rule;
 pub mod gdn;
+
+/// The gated delta rule, re-exported from the crate that holds it.
+pub use gated_deltanet::delta_rule;
 pub mod model;
 
 #[cfg(test)]

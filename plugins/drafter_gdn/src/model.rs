@@ -27,7 +27,7 @@ impl DecoderLayer {
         let h = cfg.hidden_size as i64;
         let mixer = match kind {
             LayerType::Gdn => Mixer::Gdn(GatedDeltaNet::new(&p / "linear_attn", cfg)),
-            LayerType::Attention => Mixer::Attention(Attention::new(&p / "self_attn", &cfg.dense_shape())),
+            LayerType::Attention => Mixer::Attention(Attention::new(&p / "self_attn", &cfg.dense_shape(), None)),
         };
         Self {
             mixer,
@@ -65,7 +65,7 @@ impl GdnDrafter {
         let n_feat = cfg.dflash_config.target_layer_ids.len();
         Self {
             cfg: cfg.clone(),
-            fc: linear(root, "fc", n_feat * h, h),
+            fc: linear(root, "fc", n_feat * h, h, drafter_layers::layers::INITIALIZER_RANGE),
             hidden_norm: RmsNorm::new(root / "hidden_norm", h as i64, cfg.rms_norm_eps),
             layers: cfg.layer_types.iter().enumerate().map(|(i, &t)| DecoderLayer::new(root / "layers" / i, cfg, t)).collect(),
             norm: RmsNorm::new(root / "norm", h as i64, cfg.rms_norm_eps),
@@ -86,7 +86,7 @@ impl GdnDrafter {
             .cfg
             .layer_types
             .contains(&LayerType::Attention)
-            .then(|| AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind(), true));
+            .then(|| AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind(), true, None));
 
         // 3. Decoder layers over the block tokens, then the final norm.
         let mut x = block_embeds.shallow_clone();

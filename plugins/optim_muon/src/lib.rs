@@ -8,6 +8,11 @@
 //! in `split` are orthogonalised part by part along dim 0, each part with its own shape scaling.
 //! Tensors with more than 2 dims (and no size-1 dim) are treated as `[shape[0], rest]` matrices.
 //!
+//! Data-parallel (the host lends its collectives): every rank keeps the whole state and updates
+//! every momentum buffer, but each matrix part is orthogonalised by one rank only (the work split
+//! by Newton-Schulz cost, `shard_by_cost`), and the updates are all-gathered in one flat buffer:
+//! the same step as one process, with the Newton-Schulz work split R ways instead of repeated.
+//!
 //! State and math in fp32; parameters of another dtype keep an fp32 master copy (`.master`).
 //! Checkpoint names: `step`, `<param>.momentum_buffer` (Muon group), `<param>.exp_avg` and
 //! `<param>.exp_avg_sq` (AdamW group), `<param>.master` (non-fp32 parameters).
@@ -17,14 +22,15 @@ pub mod config;
 pub use config::{glob_match, Group, MuonConfig, NsDtype, SplitRule};
 pub use optim_math::{adjusted_lr, muon_update, zeropower_via_newtonschulz5, AdjustLr, NS_COEFFICIENTS};
 
-use optim_math::{adamw_update, ParamsAdamW};
+use optim_math::{adamw_update, muon_momentum, newton_schulz_cost, shard_by_cost, ParamsAdamW};
 use plugin_api::{
     abi_stable::{
         sabi_trait::TD_Opaque,
         std_types::{RResult, RVec},
     },
     tch::{Kind, Tensor},
-    HostContext, NamedTensor, Optimizer, Optimizer_TO, PluginError, PluginInfo, PluginInstance, PluginKind,
+    CollectivesBox, HostContext, NamedTensor, Optimizer, Optimizer_TO, PluginError, PluginInfo, PluginInstance, PluginKind,
+    TensorHandle,
 };
 use std::collections::HashMap;
 
@@ -59,6 +65,19 @@ pub struct Muon {
     adamw: Vec<AdamSlot>,
     /// Steps taken (AdamW's bias correction counts from it).
     step: i64,
+    /// The data-parallel ranks' collectives, when the host lent them (distributed Muon).
+    collectives: Option<CollectivesBox>,
+}
+
+/// One matrix part's Newton-Schulz work in a step: where it goes and which rank computes it.
+struct Unit {
+    slot: usize,
+    start: i64,
+    rows: i64,
+    owner: usize,
+    /// The orthogonalised direction (fp32, `[rows, cols]`), on its owner, or on every rank once
+    /// gathered.
+    update: Option<Tensor>,
 }
 
 /// Contiguous, so a Muon master can always be viewed as `[rows, cols]`.
@@ -72,7 +91,13 @@ fn zeros_like_f32(param: &Tensor) -> Tensor {
 
 impl Muon {
     pub fn new(cfg: MuonConfig) -> Self {
-        Self { cfg, muon: Vec::new(), adamw: Vec::new(), step: 0 }
+        Self { cfg, muon: Vec::new(), adamw: Vec::new(), step: 0, collectives: None }
+    }
+
+    /// Split the Newton-Schulz work across data-parallel ranks (what `set_collectives` does).
+    pub fn with_collectives(mut self, collectives: CollectivesBox) -> Self {
+        self.collectives = Some(collectives);
+        self
     }
 
     /// Each parameter's group, Muon group first, in `init` order within a group.
@@ -151,7 +176,11 @@ impl Muon {
         let c = &self.cfg;
         let lr = c.lr * lr_scale;
         let _guard = plugin_api::tch::no_grad_guard();
-        for s in &mut self.muon {
+        let (rank, world) = self.collectives.as_ref().map_or((0, 1), |k| (k.rank() as usize, k.world() as usize));
+        // 1. Momentum for every part on every rank (each keeps the whole state, so any rank's
+        //    checkpoint is complete); Newton-Schulz only for the parts this rank owns.
+        let mut units = Vec::new();
+        for (i, s) in self.muon.iter_mut().enumerate() {
             let grad = s.param.grad();
             if !grad.defined() {
                 continue; // like torch: parameters without a gradient are left alone
@@ -159,24 +188,43 @@ impl Muon {
             let rows: i64 = s.parts.iter().sum();
             let grad = grad.to_kind(Kind::Float).reshape([rows, s.cols]);
             let buf = s.momentum_buffer.view([rows, s.cols]);
+            let mut start = 0;
+            for &n in &s.parts {
+                let direction = muon_momentum(&grad.narrow(0, start, n), &mut buf.narrow(0, start, n), c.momentum, c.nesterov);
+                units.push(Unit { slot: i, start, rows: n, owner: 0, update: Some(direction) });
+                start += n;
+            }
+        }
+        let costs: Vec<f64> = units.iter().map(|u| newton_schulz_cost(u.rows, self.muon[u.slot].cols)).collect();
+        for (u, owner) in units.iter_mut().zip(shard_by_cost(&costs, world)) {
+            u.owner = owner;
+            let s = &self.muon[u.slot];
+            u.update = match (owner == rank, u.update.take()) {
+                (true, Some(d)) => {
+                    let ns_kind = c.ns_dtype.kind(s.param.device());
+                    Some(zeropower_via_newtonschulz5(&d.to_kind(ns_kind), c.ns_steps, c.eps).to_kind(Kind::Float))
+                }
+                _ => None,
+            };
+        }
+        // 2. Every rank's updates to every rank.
+        if let Some(k) = self.collectives.as_mut() {
+            gather_updates(k, &mut units, &self.muon, world)?;
+        }
+        // 3. Apply: decoupled weight decay, then each part's update at its shape's rate.
+        let mut by_slot = units.into_iter().peekable();
+        while let Some(first) = by_slot.next() {
+            let s = &mut self.muon[first.slot];
+            let rows: i64 = s.parts.iter().sum();
             let p = s.master.as_mut().unwrap_or(&mut s.param);
             let _ = p.g_mul_scalar_(1.0 - lr * c.weight_decay);
             let p2d = p.view([rows, s.cols]); // checked in init
-            let ns_kind = c.ns_dtype.kind(p.device());
-            let mut start = 0;
-            for &n in &s.parts {
-                let update = muon_update(
-                    &grad.narrow(0, start, n),
-                    &mut buf.narrow(0, start, n),
-                    c.momentum,
-                    c.ns_steps,
-                    c.nesterov,
-                    c.eps,
-                    ns_kind,
-                );
-                let step_lr = adjusted_lr(lr, c.adjust_lr, n, s.cols);
-                let _ = p2d.narrow(0, start, n).g_add_(&(update * -step_lr));
-                start += n;
+            let mut unit = Some(first);
+            while let Some(u) = unit {
+                let update = u.update.expect("every update is computed or gathered");
+                let step_lr = adjusted_lr(lr, c.adjust_lr, u.rows, s.cols);
+                let _ = p2d.narrow(0, u.start, u.rows).g_add_(&(update * -step_lr));
+                unit = by_slot.next_if(|n| n.slot == u.slot);
             }
             if let Some(master) = &s.master {
                 s.param.copy_(master);
@@ -317,6 +365,41 @@ impl Optimizer for Muon {
     fn load_state(&mut self, state: RVec<NamedTensor>) -> RResult<(), PluginError> {
         plugin_api::catch_plugin_panic(|| self.load_state_impl(state)).into()
     }
+
+    fn set_collectives(&mut self, collectives: CollectivesBox) -> RResult<(), PluginError> {
+        self.collectives = Some(collectives);
+        RResult::ROk(())
+    }
+}
+
+/// Distributed Muon's exchange: each rank's orthogonalised parts, flattened in unit order into
+/// one buffer (padded to the longest rank's), all-gathered once; then each unit reads its update
+/// from its owner's buffer. Every rank derives the same layout from the shapes alone.
+fn gather_updates(k: &mut CollectivesBox, units: &mut [Unit], slots: &[MuonSlot], world: usize) -> Result<(), PluginError> {
+    let numel = |u: &Unit| u.rows * slots[u.slot].cols;
+    let mut lens = vec![0i64; world];
+    for u in units.iter() {
+        lens[u.owner] += numel(u);
+    }
+    let len = lens.iter().copied().max().unwrap_or(0);
+    let Some(device) = units.first().map(|u| slots[u.slot].param.device()) else { return Ok(()) };
+    let rank = k.rank() as usize;
+    let mut mine: Vec<Tensor> = units.iter().filter(|u| u.owner == rank).map(|u| u.update.as_ref().expect("owned").flatten(0, -1)).collect();
+    mine.push(Tensor::zeros([len - lens[rank]], (Kind::Float, device)));
+    let input = Tensor::cat(&mine, 0);
+    let outputs: Vec<Tensor> = (0..world).map(|_| Tensor::empty([len], (Kind::Float, device))).collect();
+    let handles: Vec<TensorHandle> = outputs.iter().map(|t| TensorHandle::new(t.shallow_clone())).collect();
+    k.all_gather(handles.as_slice().into(), &TensorHandle::new(input))
+        .into_result()
+        .map_err(|e| PluginError::new(format!("distributed Muon: all-gather of the updates: {e}")))?;
+    let mut offsets = vec![0i64; world];
+    for u in units.iter_mut() {
+        let n = numel(u);
+        let cols = slots[u.slot].cols;
+        u.update = Some(outputs[u.owner].narrow(0, offsets[u.owner], n).view([u.rows, cols]));
+        offsets[u.owner] += n;
+    }
+    Ok(())
 }
 
 fn info() -> PluginInfo {

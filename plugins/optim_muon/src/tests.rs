@@ -318,3 +318,94 @@ fn higher_rank_matrices_are_flattened() {
     let e = opt.init(vec![NamedTensor::new("v", permuted)].into()).into_result().unwrap_err().to_string();
     assert!(e.contains("parameter `v`") && e.contains("[4, 15]"), "{e}");
 }
+
+/// Collectives between threads of one process, for distributed Muon without c10d: each rank
+/// posts its input, waits for all, reads everyone's.
+struct ThreadCollectives {
+    rank: u32,
+    world: u32,
+    slots: std::sync::Arc<(std::sync::Mutex<Vec<Option<Tensor>>>, std::sync::Barrier)>,
+    /// Newton-Schulz parts this rank orthogonalised (counted through all-gather input sizes).
+    sent: std::sync::Arc<std::sync::Mutex<Vec<i64>>>,
+}
+
+impl plugin_api::Collectives for ThreadCollectives {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn world(&self) -> u32 {
+        self.world
+    }
+
+    fn all_gather(&mut self, outputs: plugin_api::abi_stable::std_types::RSlice<'_, TensorHandle>, input: &TensorHandle) -> RResult<(), PluginError> {
+        let (slots, barrier) = &*self.slots;
+        slots.lock().unwrap()[self.rank as usize] = Some(input.tensor().copy());
+        self.sent.lock().unwrap().push(input.tensor().numel() as i64);
+        barrier.wait();
+        for (r, out) in outputs.iter().enumerate() {
+            out.tensor().copy_(slots.lock().unwrap()[r].as_ref().unwrap());
+        }
+        barrier.wait();
+        RResult::ROk(())
+    }
+}
+
+/// 2 and 3 ranks (threads, each its own copy of the parameters and state, the same gradients):
+/// every rank's parameters and momentum equal one process's Muon after 3 steps, split parts and
+/// the AdamW group included, and the Newton-Schulz work is split: no rank computes every part.
+#[test]
+fn distributed_muon_equals_one_process() {
+    let text = "lr = 0.02\nweight_decay = 0.1\nns_dtype = \"f32\"\nsplit = [{ pattern = \"*qkv_proj.weight\", parts = [6, 3, 3] }]";
+    let mut shapes = SHAPES.to_vec();
+    shapes.push(("layers.0.self_attn.qkv_proj.weight", &[12, 6]));
+    shapes.push(("layers.0.mlp.up_proj.weight", &[16, 6]));
+    let ps = params(&shapes, 4);
+    let grads: Vec<Vec<Tensor>> = (0..3).map(|_| random_grads(&ps)).collect();
+    fn run(ps: &[(String, Tensor)], opt: &mut Muon, grads: &[Vec<Tensor>]) {
+        for g in grads {
+            set_grads(ps, g);
+            opt.step(1.0).unwrap();
+        }
+    }
+    let copy_grads = || -> Vec<Vec<Tensor>> { grads.iter().map(|gs| gs.iter().map(|g| g.copy()).collect()).collect() };
+    let one = deep_copy(&ps);
+    let mut single = new_opt(text, &one);
+    run(&one, &mut single, &grads);
+    let want: HashMap<String, Tensor> = single.state_impl().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor())).collect();
+
+    for world in [2u32, 3] {
+        let slots = std::sync::Arc::new((std::sync::Mutex::new((0..world).map(|_| None).collect()), std::sync::Barrier::new(world as usize)));
+        let results: Vec<(Vec<(String, Tensor)>, Vec<NamedTensor>, i64)> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..world)
+                .map(|rank| {
+                    let (slots, mine, grads) = (slots.clone(), deep_copy(&ps), copy_grads());
+                    s.spawn(move || {
+                        let sent = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+                        let k = ThreadCollectives { rank, world, slots, sent: sent.clone() };
+                        let mut opt = Muon::new(cfg(text)).with_collectives(plugin_api::Collectives_TO::from_value(k, TD_Opaque));
+                        opt.init(named(&mine)).unwrap();
+                        run(&mine, &mut opt, &grads);
+                        let first = sent.lock().unwrap()[0];
+                        (mine, opt.state_impl(), first)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let all_parts: i64 = one.iter().filter(|(n, p)| cfg(text).route(n, &p.size()) == Group::Muon).map(|(_, p)| p.numel() as i64).sum();
+        for (rank, (mine, state, sent)) in results.iter().enumerate() {
+            for ((name, p), (_, p1)) in mine.iter().zip(&one) {
+                let d = max_diff(p, p1);
+                assert!(d <= 1e-6, "world {world}, rank {rank}: {name} differs from one process by {d:e}");
+            }
+            for nt in state {
+                let d = max_diff(&nt.tensor.tensor(), &want[nt.name.as_str()]);
+                assert!(d <= 1e-6, "world {world}, rank {rank}: state {} differs by {d:e}", nt.name);
+            }
+            // Each rank's buffer is padded to the longest: all ranks send the same length, less
+            // than every part together.
+            assert!(*sent < all_parts, "world {world}, rank {rank}: sent {sent} of {all_parts} values: no split");
+        }
+    }
+}

@@ -1,6 +1,6 @@
-//! Batched greedy generation with a KV cache (self-distillation, eval baselines).
+//! Batched greedy generation with a KV / recurrent cache (self-distillation, eval baselines).
 
-use crate::model::{Decoder, KvCache};
+use crate::model::Decoder;
 use plugin_api::tch::{Kind, Tensor};
 
 /// Greedy continuation of each prompt, up to `max_new` tokens or a stop token (kept). Prompts
@@ -36,13 +36,15 @@ fn greedy_batch(model: &Decoder, prompts: &[&[u32]], max_new: usize, stop: &[u32
     let ids = Tensor::from_slice(&ids).view([b, l]).to_device(device);
     let mut key_valid = Tensor::from_slice(&valid).view([b, l]).to_device(device);
     let positions = (key_valid.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0);
-    // 2. Prefill: causal and not padding; a padding query sees itself so no row is empty.
+    // 2. Prefill: causal and not padding; a padding query sees itself so no row is empty. The
+    //    Gated DeltaNet layers zero the padding rows, so each row's recurrence starts at its
+    //    first token.
     let causal = Tensor::ones([l, l], (Kind::Bool, device)).tril(0).unsqueeze(0);
     let eye = Tensor::eye(l, (Kind::Bool, device)).unsqueeze(0);
     let mask = (causal.logical_and(&key_valid.unsqueeze(1))).logical_or(&eye).unsqueeze(1);
-    let mut cache = KvCache::new(model.cfg.num_hidden_layers);
+    let mut cache = model.new_cache(false);
     let n = model.cfg.num_hidden_layers;
-    let (_, normed) = model.run(&ids, &positions, Some(&mask), Some(&mut cache), n);
+    let (_, normed) = model.run(&ids, &positions, Some(&mask), Some(&key_valid), Some(&mut cache), n);
     let mut next = model.logits(&normed.expect("all layers ran").select(1, l - 1)).argmax(-1, false); // [B]
     let mut pos = positions.select(1, l - 1) + 1;
     // 3. Decode one token a step for every row until each has stopped.
@@ -61,7 +63,7 @@ fn greedy_batch(model: &Decoder, prompts: &[&[u32]], max_new: usize, stop: &[u32
         }
         key_valid = Tensor::cat(&[&key_valid, &Tensor::ones([b, 1], (Kind::Bool, device))], 1);
         let mask = key_valid.unsqueeze(1).unsqueeze(1); // [B, 1, 1, T]
-        let (_, normed) = model.run(&next.unsqueeze(1), &pos.unsqueeze(1), Some(&mask), Some(&mut cache), n);
+        let (_, normed) = model.run(&next.unsqueeze(1), &pos.unsqueeze(1), Some(&mask), None, Some(&mut cache), n);
         next = model.logits(&normed.expect("all layers ran").select(1, 0)).argmax(-1, false);
         pos += 1;
     }

@@ -1,12 +1,17 @@
-//! `target_hf`: Llama / Qwen2 / Qwen3 decoders in tch, loaded from an HF folder or a GGUF file.
-//! The target is frozen: forward passes run without autograd.
+//! `target_hf`: decoders in tch, loaded from an HF folder or a GGUF file: Llama, Qwen2, Qwen3,
+//! Qwen3-MoE, and the Qwen3.5 / Qwen3.6 hybrids (Gated DeltaNet + gated attention; dense and
+//! MoE). The target is frozen: forward passes run without autograd.
 
+pub mod cache;
 pub mod config;
+pub mod flops;
 pub mod generate;
 pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod load;
 pub mod model;
+pub mod moe;
+pub mod qwen3_5;
 pub mod random;
 
 use model::Decoder;
@@ -48,8 +53,14 @@ pub struct HfTarget {
     pub tokenizer: tokenizers::Tokenizer,
     pub spec: TargetSpec,
     pub generate_batch_size: usize,
-    /// The incremental-decoding session (`cache_*`).
-    pub session: model::KvCache,
+    /// The incremental-decoding session (`cache_*`), able to roll back into its last extension.
+    pub session: cache::Cache,
+}
+
+/// A named range in a profiler trace (`dflash-host bench train --trace`): where the target's
+/// time goes by layer part.
+pub(crate) fn range(name: &str) -> kernels::profiler::Range {
+    kernels::profiler::range(name)
 }
 
 impl HfTarget {
@@ -63,8 +74,8 @@ impl HfTarget {
     }
 
     fn new(loaded: load::Loaded, path: &Path, device: Device, kind: Kind, generate_batch_size: usize) -> Result<Self, String> {
-        let model = Decoder::new(&loaded.cfg, &loaded.weights, device, kind)?;
-        let cfg = &loaded.cfg;
+        let load::Loaded { cfg, weights, tokenizer, chat_template } = loaded;
+        let model = Decoder::new(&cfg, weights, device, kind)?;
         let eos = cfg.eos().ok_or_else(|| format!("{}: no EOS token id", path.display()))?;
         let spec = TargetSpec {
             architecture: cfg.model_type.clone().into(),
@@ -74,18 +85,18 @@ impl HfTarget {
             num_attention_heads: cfg.num_attention_heads as u32,
             num_key_value_heads: cfg.num_kv_heads() as u32,
             head_dim: cfg.head_dim() as u32,
-            intermediate_size: cfg.intermediate_size as u32,
+            intermediate_size: cfg.spec_intermediate_size() as u32,
             rope_theta: cfg.rope_theta,
             rms_norm_eps: cfg.rms_norm_eps,
             bos_token_id: cfg.bos_token_id.into(),
             eos_token_id: eos,
             pad_token_id: cfg.pad_token_id.into(),
-            chat_template: loaded.chat_template.clone().into(),
+            chat_template: chat_template.into(),
             source: path.display().to_string().into(),
             source_sha256: sha256_path(path).map_err(|e| format!("{}: {e}", path.display()))?.into(),
         };
-        let session = model::KvCache::new(model.cfg.num_hidden_layers);
-        Ok(Self { model, tokenizer: loaded.tokenizer, spec, generate_batch_size, session })
+        let session = model.new_cache(true);
+        Ok(Self { model, tokenizer, spec, generate_batch_size, session })
     }
 
     /// Features of `layer_ids` concatenated [B, S, n*H] and optionally logits, for right-padded
@@ -101,7 +112,7 @@ impl HfTarget {
         let positions = Tensor::arange(s, (Kind::Int64, ids.device())).unsqueeze(0).expand([b, s], false);
         // Only the layers up to the deepest feature are needed unless logits are.
         let upto = if want_logits { n } else { layer_ids.iter().max().map_or(0, |&m| m as usize + 1) };
-        let (outs, normed) = self.model.run(&ids, &positions, None, None, upto);
+        let (outs, normed) = self.model.run(&ids, &positions, None, None, None, upto);
         let feats: Vec<&Tensor> = layer_ids.iter().map(|&i| &outs[i as usize]).collect();
         let hidden = Tensor::cat(&feats, -1);
         let logits = normed.map(|h| self.model.logits(&h));
@@ -125,7 +136,7 @@ impl HfTarget {
         let q = Tensor::arange_start(past, past + l, (Kind::Int64, device)).unsqueeze(1);
         let k = Tensor::arange(past + l, (Kind::Int64, device)).unsqueeze(0);
         let mask = k.le_tensor(&q).unsqueeze(0).unsqueeze(0);
-        let (outs, normed) = self.model.run(&ids, &positions, Some(&mask), Some(&mut self.session), n);
+        let (outs, normed) = self.model.run(&ids, &positions, Some(&mask), None, Some(&mut self.session), n);
         let feats: Vec<&Tensor> = layer_ids.iter().map(|&i| &outs[i as usize]).collect();
         Ok((Tensor::cat(&feats, -1), self.model.logits(&normed.expect("all layers ran"))))
     }
@@ -198,7 +209,7 @@ impl TargetModel for HfTarget {
     }
 
     fn cache_reset(&mut self) {
-        self.session = model::KvCache::new(self.model.cfg.num_hidden_layers);
+        self.session = self.model.new_cache(true);
     }
 
     fn cache_extend(&mut self, input_ids: &TensorHandle, layer_ids: RSlice<'_, u32>) -> RResult<TargetOutput, PluginError> {
@@ -210,11 +221,7 @@ impl TargetModel for HfTarget {
     }
 
     fn cache_truncate(&mut self, len: u32) -> RResult<(), PluginError> {
-        if len as i64 > self.session.len() {
-            return RResult::RErr(PluginError::new(format!("cache_truncate({len}) beyond the cache ({})", self.session.len())));
-        }
-        self.session.truncate(len as i64);
-        RResult::ROk(())
+        plugin_api::catch_plugin_panic(|| self.model.truncate(&mut self.session, len as i64).map_err(PluginError::new)).into()
     }
 }
 
@@ -223,7 +230,7 @@ fn info() -> PluginInfo {
         "hf",
         PluginKind::Target,
         env!("CARGO_PKG_VERSION"),
-        "Llama / Qwen2 / Qwen3 decoder from an HF folder or a GGUF file",
+        "Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen3.5 (Gated DeltaNet hybrid, dense and MoE) decoder from an HF folder or a GGUF file",
     )
 }
 

@@ -2,7 +2,7 @@
 //! GGUF file (dequantised, renamed to HF names, llama's Q/K permutation undone).
 
 use crate::{
-    config::DecoderConfig,
+    config::{DecoderConfig, EosId},
     gguf::GgufFile,
     gguf_tokenizer::{chat_template, tokenizer_from_gguf},
     model::Weights,
@@ -111,11 +111,67 @@ pub fn load_gguf(path: &Path) -> Result<Loaded, String> {
     })
 }
 
+/// An HF folder: `config.json`, the weights (the shards `model.safetensors.index.json` names,
+/// else every `*.safetensors`), `tokenizer.json`, the chat template (`tokenizer_config.json` or
+/// `chat_template.jinja`). A multimodal checkpoint's language model is loaded from its
+/// `model.language_model.*` tensors; the vision tower and the MTP head are skipped.
 pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
-    let cfg: DecoderConfig = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    let (mut cfg, arch_name) = DecoderConfig::from_hf_json(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
     cfg.validate().map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    if cfg.eos_token_id.is_none() {
+        cfg.eos_token_id = generation_eos(dir);
+    }
+    let files = weight_files(dir)?;
+    let mut tensors = HashMap::new();
+    let (mut renamed, mut skipped) = (0usize, 0usize);
+    for f in &files {
+        let read = Tensor::read_safetensors(f).map_err(|e| format!("{}: {e}", f.display()))?;
+        for (name, t) in read {
+            if name.starts_with("model.visual.") || name.starts_with("mtp.") {
+                skipped += 1;
+            } else if let Some(rest) = name.strip_prefix("model.language_model.") {
+                renamed += 1;
+                tensors.insert(format!("model.{rest}"), t);
+            } else {
+                tensors.insert(name, t);
+            }
+        }
+    }
+    if renamed > 0 || skipped > 0 {
+        eprintln!(
+            "note: {}: {}: loading the language model ({renamed} tensors), ignoring the vision tower and MTP head ({skipped})",
+            dir.display(),
+            arch_name.as_deref().unwrap_or(&cfg.model_type)
+        );
+    }
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| format!("{}: {e}", tok_path.display()))?;
+    let chat_template = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v.get("chat_template").and_then(|c| c.as_str()).map(str::to_string))
+        .or_else(|| std::fs::read_to_string(dir.join("chat_template.jinja")).ok())
+        .unwrap_or_default();
+    Ok(Loaded { cfg, weights: Weights { tensors, source: dir.display().to_string() }, tokenizer, chat_template })
+}
+
+/// The shards the index names (each once, in order), or every `*.safetensors` of the folder.
+fn weight_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, String> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|e| format!("{}: {e}", index.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", index.display()))?;
+        let map = v["weight_map"].as_object().ok_or_else(|| format!("{}: no `weight_map` object", index.display()))?;
+        let mut names: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        if let Some(bad) = names.iter().find(|n| n.contains('/') || n.contains('\\') || n.starts_with('.')) {
+            return Err(format!("{}: shard `{bad}` is not a file name in the folder", index.display()));
+        }
+        return Ok(names.into_iter().map(|n| dir.join(n)).collect());
+    }
     let mut files: Vec<_> = std::fs::read_dir(dir)
         .map_err(|e| format!("{}: {e}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -125,19 +181,14 @@ pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
     if files.is_empty() {
         return Err(format!("{}: no *.safetensors files", dir.display()));
     }
-    let mut tensors = HashMap::new();
-    for f in &files {
-        let read = Tensor::read_safetensors(f).map_err(|e| format!("{}: {e}", f.display()))?;
-        tensors.extend(read);
-    }
-    let tok_path = dir.join("tokenizer.json");
-    let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| format!("{}: {e}", tok_path.display()))?;
-    let chat_template = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .and_then(|v| v.get("chat_template").and_then(|c| c.as_str()).map(str::to_string))
-        .unwrap_or_default();
-    Ok(Loaded { cfg, weights: Weights { tensors, source: dir.display().to_string() }, tokenizer, chat_template })
+    Ok(files)
+}
+
+/// `generation_config.json`'s EOS id(s), where config.json has none.
+fn generation_eos(dir: &Path) -> Option<EosId> {
+    let text = std::fs::read_to_string(dir.join("generation_config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    serde_json::from_value(v.get("eos_token_id")?.clone()).ok()
 }
 
 /// Write an HF folder (config.json, model.safetensors, tokenizer.json): for tests and for users

@@ -331,7 +331,7 @@ fn load_everything(path: &Path) -> Result<(), String> {
     }
     match load_gguf(path) {
         Ok(l) => {
-            if let Err(e) = Decoder::new(&l.cfg, &l.weights, Device::Cpu, Kind::Float) {
+            if let Err(e) = Decoder::new(&l.cfg, l.weights, Device::Cpu, Kind::Float) {
                 fail(e)?;
             }
         }
@@ -346,7 +346,7 @@ fn load_everything(path: &Path) -> Result<(), String> {
 /// What one loader error says, for the assertions below.
 fn load_error(path: &Path) -> String {
     match load_gguf(path) {
-        Ok(l) => match Decoder::new(&l.cfg, &l.weights, Device::Cpu, Kind::Float) {
+        Ok(l) => match Decoder::new(&l.cfg, l.weights, Device::Cpu, Kind::Float) {
             Ok(_) => panic!("{} loaded", path.display()),
             Err(e) => e,
         },
@@ -368,7 +368,7 @@ fn the_tiny_llama_loads_and_runs() {
     let p = write(&dir, "tiny.gguf", &tiny_llama().bytes);
     load_everything(&p).unwrap();
     let l = load_gguf(&p).unwrap();
-    let model = Decoder::new(&l.cfg, &l.weights, Device::Cpu, Kind::Float).unwrap();
+    let model = Decoder::new(&l.cfg, l.weights, Device::Cpu, Kind::Float).unwrap();
     let out = target_hf::generate::greedy(&model, &[vec![1, 2, 3]], 4, &[], 1);
     assert_eq!(out[0].len(), 4);
     assert_eq!(l.tokenizer.encode("ab ab", false).unwrap().get_ids(), &[6, 7]);

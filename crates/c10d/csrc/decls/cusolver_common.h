@@ -1,0 +1,3 @@
+// See cuda_libs.h: declarations only.
+#pragma once
+#include "cuda_libs.h"

@@ -1,0 +1,249 @@
+//! The dense parts of a DFlash drafter (z-lab / Qwen3 weight names): RMSNorm, RoPE, DFlash block
+//! attention and the SwiGLU MLP.
+
+use crate::rope::RopeScaling;
+use plugin_api::tch::{nn, nn::Module, Kind, Tensor};
+
+/// The shape of a dense decoder layer.
+#[derive(Debug, Clone, Copy)]
+pub struct DenseShape {
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub rms_norm_eps: f64,
+    /// HF's `initializer_range`: the std of the linear layers' random initialisation.
+    pub initializer_range: f64,
+}
+
+/// RMSNorm over the last dim, computed in fp32 (Qwen3RMSNorm). libtorch's `rms_norm` runs its
+/// fused kernel on CUDA (one pass forward, one backward, only the inverse RMS saved) and HF's
+/// upcast-normalise-downcast-scale sequence elsewhere; the composite it replaced cost six
+/// passes and an fp32 copy of the input per norm (BENCHMARKS.md).
+#[derive(Debug)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(p: nn::Path, dim: i64, eps: f64) -> Self {
+        Self { weight: p.ones("weight", &[dim]), eps }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        x.rms_norm(self.weight.size(), Some(&self.weight), self.eps)
+    }
+}
+
+/// HF's default `initializer_range`.
+pub const INITIALIZER_RANGE: f64 = 0.02;
+
+/// A bias-free linear layer, weights drawn with std `initializer_range` (HF's init).
+pub fn linear(p: &nn::Path, name: &str, in_dim: usize, out_dim: usize, initializer_range: f64) -> nn::Linear {
+    let cfg = nn::LinearConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: initializer_range }, bs_init: None, bias: false };
+    nn::linear(p / name, in_dim as i64, out_dim as i64, cfg)
+}
+
+/// Rotary embedding tables for integer positions [B, L] -> (cos, signed sin) [B, 1, L, D]; the
+/// sine's first half is negated so that [`apply_rope`] needs no negation pass. A RoPE scaling
+/// changes the frequencies and may scale cos and sin (YaRN's attention factor).
+pub fn rope_cos_sin(positions: &Tensor, head_dim: usize, theta: f64, scaling: &RopeScaling, kind: Kind) -> (Tensor, Tensor) {
+    let d = head_dim as i64;
+    let device = positions.device();
+    let (inv_freq, attention) = match scaling {
+        RopeScaling::Default => ((Tensor::arange_start_step(0, d, 2, (Kind::Float, device)) / d as f64 * -theta.ln()).exp(), 1.0),
+        scaled => {
+            let (freqs, attention) = scaled.inv_freq(head_dim, theta);
+            (Tensor::from_slice(&freqs).to_kind(Kind::Float).to_device(device), attention)
+        }
+    };
+    let freqs = positions.to_kind(Kind::Float).unsqueeze(-1) * inv_freq; // [B, L, D/2]
+    let mut cos = Tensor::cat(&[&freqs, &freqs], -1).cos().unsqueeze(1); // [B, 1, L, D]
+    let mut sin = freqs.sin();
+    if attention != 1.0 {
+        cos = cos * attention;
+        sin = sin * attention;
+    }
+    let signed_sin = Tensor::cat(&[&(-&sin), &sin], -1).unsqueeze(1);
+    (cos.to_kind(kind), signed_sin.to_kind(kind))
+}
+
+/// x * cos + rotate_half(x) * sin with rotate_half([a, b]) = [-b, a], as x * cos + [b, a] *
+/// signed_sin: three passes (swap, scale, fused multiply-add) where the textbook form takes five.
+pub fn apply_rope(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
+    let half = x.size()[3] / 2;
+    let swapped = Tensor::cat(&[x.narrow(3, half, half), x.narrow(3, 0, half)], 3);
+    (x * cos).addcmul(&swapped, signed_sin)
+}
+
+/// What every attention layer of one forward shares: RoPE tables (cos and signed sin, as
+/// [`rope_cos_sin`] makes them) for queries (blocks) and keys ([context; blocks]), and, for
+/// masked attention, the visibility masks [B, 1, N, S+N] of full and sliding-window layers.
+pub struct AttentionInputs {
+    pub q_cos: Tensor,
+    pub q_sin: Tensor,
+    pub k_cos: Tensor,
+    pub k_sin: Tensor,
+    /// None when the layers use split attention (kernels::block_attention), which takes a bias.
+    pub mask: Option<Tensor>,
+    /// The sliding-window layers' mask and window (masked attention with such layers only).
+    pub sliding: Option<(i64, Tensor)>,
+}
+
+impl AttentionInputs {
+    /// anchors [B, A]; the context has `s` positions; blocks of `bk` tokens; `window`: the
+    /// sliding window of the drafter's sliding-window layers, if it has any.
+    pub fn new(anchors: &Tensor, s: i64, bk: i64, cfg: &DenseShape, kind: Kind, masked: bool, window: Option<i64>) -> Self {
+        let (b, a) = (anchors.size()[0], anchors.size()[1]);
+        let device = anchors.device();
+        // Positions: block token k of anchor a sits at a + k; the context at 0..S-1.
+        let block_pos = (anchors.unsqueeze(-1) + Tensor::arange(bk, (Kind::Int64, device))).view([b, a * bk]);
+        let ctx_pos = Tensor::arange(s, (Kind::Int64, device)).unsqueeze(0).expand([b, s], false);
+        let (q_cos, q_sin) = rope_cos_sin(&block_pos, cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling, kind);
+        let k_pos = Tensor::cat(&[&ctx_pos, &block_pos], 1);
+        let (k_cos, k_sin) = rope_cos_sin(&k_pos, cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling, kind);
+        let mask = masked.then(|| kernels::block_attention::masked_sdpa_mask(anchors, s, bk, None));
+        let sliding = window.filter(|_| masked).map(|w| (w, kernels::block_attention::masked_sdpa_mask(anchors, s, bk, Some(w))));
+        Self { q_cos, q_sin, k_cos, k_sin, mask, sliding }
+    }
+
+    /// The masked-attention mask of a layer with sliding window `window` (None: full attention).
+    fn mask_for(&self, window: Option<i64>) -> &Tensor {
+        match window {
+            None => self.mask.as_ref().expect("masked attention: AttentionInputs built with the mask"),
+            Some(w) => match &self.sliding {
+                Some((sw, m)) if *sw == w => m,
+                _ => panic!("masked attention: AttentionInputs built without the window-{w} mask"),
+            },
+        }
+    }
+}
+
+/// DFlash block attention: Q from the block tokens, K/V from [context; block] with this layer's
+/// projections (Qwen3 attention with q/k norm, GQA).
+#[derive(Debug)]
+pub struct Attention {
+    q_proj: nn::Linear,
+    k_proj: nn::Linear,
+    v_proj: nn::Linear,
+    o_proj: nn::Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    num_heads: i64,
+    num_kv_heads: i64,
+    head_dim: i64,
+    /// HF's `sliding_window` for a `sliding_attention` layer (None: full attention).
+    pub window: Option<i64>,
+}
+
+impl Attention {
+    pub fn new(p: nn::Path, cfg: &DenseShape, window: Option<i64>) -> Self {
+        let (h, d, std) = (cfg.hidden_size, cfg.head_dim, cfg.initializer_range);
+        Self {
+            q_proj: linear(&p, "q_proj", h, cfg.num_attention_heads * d, std),
+            k_proj: linear(&p, "k_proj", h, cfg.num_key_value_heads * d, std),
+            v_proj: linear(&p, "v_proj", h, cfg.num_key_value_heads * d, std),
+            o_proj: linear(&p, "o_proj", cfg.num_attention_heads * d, h, std),
+            q_norm: RmsNorm::new(&p / "q_norm", d as i64, cfg.rms_norm_eps),
+            k_norm: RmsNorm::new(&p / "k_norm", d as i64, cfg.rms_norm_eps),
+            num_heads: cfg.num_attention_heads as i64,
+            num_kv_heads: cfg.num_key_value_heads as i64,
+            head_dim: d as i64,
+            window,
+        }
+    }
+
+    /// x: block tokens [B, N, H] (input-normed); ctx: fused context [B, S, H].
+    pub fn forward(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> Tensor {
+        let (q, k, v) = self.project(x, ctx, at);
+        // Sparse block attention, GQA by head groups.
+        let mask = at.mask_for(self.window);
+        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, Some(self.scale()), true);
+        self.output(&o)
+    }
+
+    /// Q from the block only [B, nh, N, D]; K/V from [context; block] [B, nkv, S+N, D]; RoPE at
+    /// anchor + k for blocks, 0..S-1 for the context.
+    pub fn project(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> (Tensor, Tensor, Tensor) {
+        let (b, n, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
+        let q = self.q_proj.forward(x).view([b, n, self.num_heads, self.head_dim]);
+        let q = self.q_norm.forward(&q).transpose(1, 2);
+        let k = Tensor::cat(&[self.k_proj.forward(ctx), self.k_proj.forward(x)], 1).view([b, s + n, self.num_kv_heads, self.head_dim]);
+        let k = self.k_norm.forward(&k).transpose(1, 2);
+        let v = Tensor::cat(&[self.v_proj.forward(ctx), self.v_proj.forward(x)], 1)
+            .view([b, s + n, self.num_kv_heads, self.head_dim])
+            .transpose(1, 2);
+        (apply_rope(&q, &at.q_cos, &at.q_sin), apply_rope(&k, &at.k_cos, &at.k_sin), v)
+    }
+
+    /// The attention output [B, nh, N, D] back to the hidden size.
+    pub fn output(&self, o: &Tensor) -> Tensor {
+        let (b, n) = (o.size()[0], o.size()[2]);
+        self.o_proj.forward(&o.transpose(1, 2).reshape([b, n, self.num_heads * self.head_dim]))
+    }
+
+    pub fn scale(&self) -> f64 {
+        (self.head_dim as f64).powf(-0.5)
+    }
+}
+
+/// SwiGLU MLP.
+#[derive(Debug)]
+pub struct Mlp {
+    gate_proj: nn::Linear,
+    up_proj: nn::Linear,
+    down_proj: nn::Linear,
+}
+
+impl Mlp {
+    pub fn new(p: nn::Path, cfg: &DenseShape) -> Self {
+        let (h, f, std) = (cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range);
+        Self {
+            gate_proj: linear(&p, "gate_proj", h, f, std),
+            up_proj: linear(&p, "up_proj", h, f, std),
+            down_proj: linear(&p, "down_proj", f, h, std),
+        }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Tensor {
+        self.down_proj.forward(&(self.gate_proj.forward(x).silu() * self.up_proj.forward(x)))
+    }
+
+    /// `forward` for a drafter running its own backward: the gate and up projections keep their
+    /// graph, the SwiGLU product and the down projection run outside autograd, and
+    /// [`cut_grads`](Self::cut_grads) writes their backward out. Autograd would also keep silu(gate)
+    /// and the product for it: two more [tokens, ffn] tensors a layer (0.8 GB each at the bench
+    /// shapes), recomputed here from gate and up instead.
+    pub fn forward_cut(&self, x: &Tensor) -> (Tensor, MlpCut) {
+        let gate = self.gate_proj.forward(x);
+        let up = self.up_proj.forward(x);
+        let y = plugin_api::tch::no_grad(|| (gate.silu() * &up).matmul(&self.down_proj.ws.tr()));
+        (y, MlpCut { gate, up })
+    }
+
+    /// What one backward pass takes for the cut MLP, given dy = dLoss/d(output): (tensor,
+    /// gradient) pairs for the gate and up outputs (autograd carries on from them) and for the down
+    /// projection's weight (dy^T (silu(gate) * up), handed to autograd as the weight's own).
+    pub fn cut_grads(&self, cut: &MlpCut, dy: &Tensor) -> [(Tensor, Tensor); 3] {
+        plugin_api::tch::no_grad(|| {
+            let w = &self.down_proj.ws; // [H, F]
+            let (h_dim, f_dim) = (w.size()[0], w.size()[1]);
+            let act = cut.gate.silu();
+            let d_hidden = dy.matmul(w); // [.., F]
+            let d_w = dy.reshape([-1, h_dim]).tr().matmul(&(&act * &cut.up).reshape([-1, f_dim]));
+            let d_up = &d_hidden * &act;
+            let d_gate = cut.gate.silu_backward(&(d_hidden * &cut.up));
+            [(cut.gate.shallow_clone(), d_gate), (cut.up.shallow_clone(), d_up), (w.shallow_clone(), d_w)]
+        })
+    }
+}
+
+/// The MLP's gate and up projection outputs, with their graph ([`Mlp::forward_cut`]).
+pub struct MlpCut {
+    gate: Tensor,
+    up: Tensor,
+}

@@ -1,0 +1,92 @@
+//! The four components of a run, built from the config's sections (for `train`, `capture`,
+//! `eval` and `bench` alike), and plugin names for the errors of their calls.
+
+use crate::{
+    config::RunConfig,
+    plugins::{PluginRecord, Registry},
+};
+use anyhow::{anyhow, Result};
+use plugin_api::{
+    abi_stable::std_types::{RNone, RSome},
+    DataLoaderBox, DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind, TargetBox,
+};
+use std::path::Path;
+
+/// The four components of a run, created from the config's sections.
+pub struct Components {
+    pub target: TargetBox,
+    /// More target workers (`pipeline.targets` beyond the first), each on its own device.
+    pub extra_targets: Vec<TargetBox>,
+    pub drafter: DrafterBox,
+    pub optimizer: OptimizerBox,
+    pub data: DataLoaderBox,
+    pub records: Vec<PluginRecord>,
+    /// Plugin names for error messages (from `records`).
+    pub names: PluginNames,
+}
+
+pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path, cache_dir: &Path) -> Result<Components> {
+    let ctx_on = |device: &str| HostContext {
+        device: device.into(),
+        dtype: cfg.dtype().into(),
+        seed: cfg.seed,
+        config_dir: config_dir.display().to_string().into(),
+        cache_dir: cache_dir.display().to_string().into(),
+        target: RNone,
+    };
+    let mut records = Vec::new();
+    let mut create = |kind: PluginKind, ctx: &HostContext| -> Result<PluginInstance> {
+        let section = cfg.section(kind.as_str());
+        tracing::info!("creating {kind} plugin `{}` on {}", section.plugin, ctx.device);
+        let (instance, record) = registry.create(kind, &section, ctx)?;
+        if !records.iter().any(|r: &PluginRecord| r.kind == record.kind) {
+            records.push(record);
+        }
+        Ok(instance)
+    };
+    let wrong = |kind: PluginKind| anyhow!("plugin for [{kind}] did not create a {kind}");
+    let devices = cfg.target_devices();
+    let mut targets = Vec::new();
+    for d in &devices {
+        let PluginInstance::Target(t) = create(PluginKind::Target, &ctx_on(d))? else { return Err(wrong(PluginKind::Target)) };
+        targets.push(t);
+    }
+    let target = targets.remove(0);
+    let mut ctx = ctx_on(cfg.drafter_device());
+    ctx.target = RSome(target.spec());
+    let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &ctx)? else { return Err(wrong(PluginKind::Drafter)) };
+    let PluginInstance::Optimizer(optimizer) = create(PluginKind::Optimizer, &ctx)? else {
+        return Err(wrong(PluginKind::Optimizer));
+    };
+    let PluginInstance::DataLoader(data) = create(PluginKind::DataLoader, &ctx)? else {
+        return Err(wrong(PluginKind::DataLoader));
+    };
+    let names = PluginNames::new(&records);
+    Ok(Components { target, extra_targets: targets, drafter, optimizer, data, records, names })
+}
+
+/// Plugin names for error messages, usable while the components are borrowed by the stages.
+#[derive(Clone)]
+pub struct PluginNames(Vec<(String, String)>);
+
+impl PluginNames {
+    pub fn new(records: &[PluginRecord]) -> Self {
+        Self(records.iter().map(|r| (r.kind.clone(), r.name.clone())).collect())
+    }
+
+    /// An error from a plugin call, naming the plugin and the call.
+    pub fn err(&self, kind: PluginKind, call: &str) -> impl Fn(plugin_api::PluginError) -> anyhow::Error + '_ {
+        let call = call.to_string();
+        move |e| {
+            let name = self.0.iter().find(|(k, _)| k == kind.as_str()).map_or("?", |(_, n)| n.as_str());
+            anyhow!("{kind} plugin `{name}`: {call}: {e}")
+        }
+    }
+}
+
+impl Components {
+    /// An error from a plugin call, naming the plugin and the call.
+    pub fn err(&self, kind: PluginKind, call: &str) -> impl Fn(plugin_api::PluginError) -> anyhow::Error + '_ {
+        self.names.err(kind, call)
+    }
+}

@@ -1,0 +1,13 @@
+//! Everything before the drafter: the components built from the config, batches, target
+//! workers, the hidden-state cache and buffer (the scheduler), offline capture and
+//! self-distillation. The trainer consumes what this module produces and is never imported
+//! back.
+
+pub mod capture;
+pub mod components;
+pub mod distill;
+pub mod hidden_cache;
+pub mod scheduler;
+pub mod stages;
+
+pub use scheduler::*;

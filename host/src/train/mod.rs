@@ -1,0 +1,14 @@
+//! Training the drafter: the loop ([`trainer`]), one micro-batch through the drafter and the
+//! step's reductions ([`step`]), what is kept between steps ([`state`]), and the DFlash pieces the
+//! step is made of: anchors, the loss, the learning-rate schedule.
+
+pub mod anchors;
+pub mod loss;
+pub mod schedule;
+pub mod state;
+pub mod step;
+pub mod trainer;
+
+pub use state::{ResumeFrom, StepMetrics, TrainSummary, TrainerState};
+pub use step::DraftLoss;
+pub use trainer::{train, TrainOptions};

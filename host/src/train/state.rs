@@ -1,0 +1,222 @@
+//! What the trainer keeps between steps: the metrics record and its window, the checkpointed
+//! trainer state, the non-finite guard, the stop signal, and what a resume starts from.
+
+use anyhow::{bail, Result};
+use plugin_api::{tch::Tensor, NamedTensor};
+use serde::{Deserialize, Serialize};
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Instant,
+};
+
+/// One metrics.jsonl record.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub epoch: u64,
+    /// Target tokens consumed so far.
+    pub tokens: u64,
+    /// Draft labels the loss counted so far.
+    pub draft_tokens: u64,
+    pub loss: f64,
+    /// Top-1 accuracy per block position 1..Bk-1 over the logging window.
+    pub acc: Vec<f64>,
+    pub tau_hat: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    /// Steps skipped so far for a non-finite loss or gradient.
+    pub skipped_steps: u64,
+    /// Target tokens per second over the logging window (the pipeline's throughput).
+    pub tok_per_s: f64,
+    /// Draft labels per second over the window (the drafter's throughput).
+    pub draft_tok_per_s: f64,
+    /// Seconds per step over the window: target work summed over workers, drafter forward +
+    /// loss + backward, optimizer (clip + step), and the drafter waiting for features. The
+    /// drafter's work is queued without waiting for the GPU; the step's one synchronisation
+    /// (loss, counts and gradient norm, before the optimizer) falls in `optim_s`.
+    pub target_s: f64,
+    pub drafter_s: f64,
+    pub optim_s: f64,
+    pub wait_s: f64,
+    /// Share of the window each stage was busy: per target worker, and the drafter.
+    pub target_busy: Vec<f64>,
+    pub drafter_busy: f64,
+    /// Hidden-state buffer: batches waiting for the drafter (mean over the window's micro-batches
+    /// and now), bytes held now and at most so far.
+    pub q_hs: f64,
+    pub q_hs_now: usize,
+    pub hs_bytes: usize,
+    pub hs_peak_bytes: usize,
+    /// Feature bytes that have passed through the buffer so far (this process).
+    pub hs_total_bytes: u64,
+    /// Peak resident memory of the process (MiB).
+    pub peak_rss_mb: f64,
+    /// GPU utilisation (%), power (W) and memory used (MiB) per GPU in use, from NVML; absent
+    /// without NVML.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_util: Option<Vec<f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_power_w: Option<Vec<f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_mem_mb: Option<Vec<f64>>,
+    pub eta_s: f64,
+    pub elapsed_s: f64,
+}
+
+/// Everything a resumed run needs to continue exactly where a checkpoint was written (besides
+/// the weights and optimizer state, which have their own files).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub step: u64,
+    pub tokens: u64,
+    pub draft_tokens: u64,
+    pub data_epoch: u64,
+    pub data_index: u64,
+    /// Micro-batches consumed: numbers the anchor draws and the capture's batches.
+    pub micro_batches: u64,
+    pub skipped_steps: u64,
+    #[serde(default)]
+    pub nonfinite_in_a_row: u64,
+    pub seed: u64,
+    /// The logging window so far, so the next metrics line equals the uninterrupted run's.
+    #[serde(default)]
+    pub window: WindowSums,
+    #[serde(default)]
+    pub elapsed_s: f64,
+}
+
+/// Skips steps whose loss or gradient is not finite, and stops the run after `max` in a row
+/// (a diverged run does not recover by itself; its last good checkpoint is kept).
+pub struct NonFiniteGuard {
+    pub max: u64,
+    pub consecutive: u64,
+}
+
+impl NonFiniteGuard {
+    /// Ok(true): apply the step; Ok(false): skip it; Err: stop the run.
+    pub fn check(&mut self, step: u64, loss: f64, grad_norm: f64) -> Result<bool> {
+        if loss.is_finite() && grad_norm.is_finite() {
+            self.consecutive = 0;
+            return Ok(true);
+        }
+        self.consecutive += 1;
+        tracing::warn!("step {step}: loss {loss}, gradient norm {grad_norm}: step skipped ({} in a row)", self.consecutive);
+        if self.consecutive >= self.max {
+            bail!("{} consecutive steps with a non-finite loss or gradient (up to step {step})", self.consecutive);
+        }
+        Ok(false)
+    }
+}
+
+pub(super) fn all_finite(params: &[Tensor]) -> bool {
+    params.iter().all(|p| p.isfinite().all().int64_value(&[]) != 0)
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TrainSummary {
+    pub experiment: String,
+    pub steps: u64,
+    pub tokens: u64,
+    pub wall_s: f64,
+    pub first: Option<StepMetrics>,
+    pub last: Option<StepMetrics>,
+    pub last_checkpoint: Option<String>,
+    /// Exit code when a signal stopped the run (130 SIGINT, 143 SIGTERM).
+    pub interrupted: Option<u8>,
+    /// The step `--stop-at` stopped at (the run is resumable from there).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped_at: Option<u64>,
+}
+
+/// SIGINT / SIGTERM: the first lets the current step finish, then a checkpoint is written and the
+/// run stops (exit 130 / 143); a second one exits at once (checkpoints are written whole or not
+/// at all, so nothing on disk is left half-written).
+pub struct StopSignal {
+    code: Arc<AtomicUsize>,
+}
+
+impl StopSignal {
+    pub fn install() -> Result<Self> {
+        use signal_hook::{consts::*, flag};
+        let code = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(AtomicBool::new(false));
+        for (sig, exit) in [(SIGINT, 130), (SIGTERM, 143)] {
+            flag::register_conditional_shutdown(sig, exit, Arc::clone(&seen))?;
+            flag::register(sig, Arc::clone(&seen))?;
+            flag::register_usize(sig, Arc::clone(&code), exit as usize)?;
+        }
+        Ok(Self { code })
+    }
+
+    /// The exit code if a signal asked to stop.
+    pub fn requested(&self) -> Option<u8> {
+        match self.code.load(Ordering::Relaxed) {
+            0 => None,
+            c => Some(c as u8),
+        }
+    }
+}
+
+/// Sums over the logging window that the loss and accuracy lines come from (checkpointed).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct WindowSums {
+    pub(super) loss_sum: f64,
+    pub(super) micro: u64,
+    /// Micro-batches of skipped steps (not in `loss_sum`).
+    pub(super) skipped_micro: u64,
+    pub(super) correct: Vec<i64>,
+    pub(super) count: Vec<i64>,
+    pub(super) tokens: u64,
+    pub(super) draft_tokens: u64,
+    pub(super) steps: u64,
+}
+
+/// The window's timings (not checkpointed: a resumed run measures its own).
+#[derive(Default)]
+pub(super) struct WindowTimes {
+    pub drafter_s: f64,
+    pub optim_s: f64,
+    pub wait_s: f64,
+    pub depth_sum: f64,
+    pub started: Option<Instant>,
+}
+
+impl WindowSums {
+    pub(super) fn new(block_size: i64) -> Self {
+        let positions = block_size as usize - 1;
+        Self { correct: vec![0; positions], count: vec![0; positions], ..Default::default() }
+    }
+
+    pub(super) fn acc(&self) -> Vec<f64> {
+        self.correct.iter().zip(&self.count).map(|(&c, &n)| if n > 0 { c as f64 / n as f64 } else { 0.0 }).collect()
+    }
+}
+
+/// Where a resumed run starts: a checkpoint's trainer state, weights and optimizer state.
+pub struct ResumeFrom {
+    pub state: TrainerState,
+    pub weights: Vec<NamedTensor>,
+    pub optimizer_state: Vec<NamedTensor>,
+    pub checkpoint: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_guard_skips_then_stops_after_max_in_a_row() {
+        let mut g = NonFiniteGuard { max: 3, consecutive: 0 };
+        assert!(g.check(1, 2.0, 1.0).unwrap());
+        assert!(!g.check(2, f64::NAN, 1.0).unwrap());
+        assert!(!g.check(3, 2.0, f64::INFINITY).unwrap());
+        assert!(g.check(4, 2.0, 1.0).unwrap(), "a good step resets the count");
+        assert!(!g.check(5, f64::NAN, 1.0).unwrap());
+        assert!(!g.check(6, f64::NAN, 1.0).unwrap());
+        let err = g.check(7, f64::NAN, f64::NAN).unwrap_err().to_string();
+        assert!(err.contains("3 consecutive steps") && err.contains("step 7"), "{err}");
+    }
+}

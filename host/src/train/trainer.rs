@@ -1,0 +1,534 @@
+//! The training loop: data -> target workers (frozen, on their own threads) -> hidden-state
+//! buffer -> anchors -> drafter -> DFlash loss -> optimizer, with gradient accumulation,
+//! clipping, warm-up + cosine schedule, metrics, checkpoints and exact resume.
+
+use super::{
+    anchors::AnchorSampler,
+    loss::{resolve_gamma, tau_hat},
+    schedule::lr_scale,
+    state::{all_finite, NonFiniteGuard, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState, WindowSums, WindowTimes},
+    step::{clip_grad_norm, normalize_gradients, DraftLoss, StepSums},
+};
+use crate::{
+    config::RunConfig,
+    dist::Communicator,
+    experiment::Experiment,
+    pipeline::{
+        capture::CaptureReader,
+        components::{Components, PluginNames},
+        distill,
+        hidden_cache::HiddenStateCache,
+        stages::{feature_bytes_per_token, next_batch, target_workers, HostBatch, Micro},
+        Feed, Job, PipelineOptions, Worker,
+    },
+    sysinfo::{peak_rss_mb, GpuMonitor},
+    tensorboard,
+};
+use anyhow::{anyhow, bail, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use plugin_api::{
+    tch::{Device, Kind, Tensor},
+    DataPosition, DrafterBox, OptimizerBox, PluginKind,
+};
+use std::{path::Path, sync::Arc, time::Instant};
+
+#[derive(Default)]
+pub struct TrainOptions {
+    pub resume: Option<ResumeFrom>,
+    /// Stop (with a checkpoint) after this step, as if interrupted: a long schedule in slices.
+    pub stop_at: Option<u64>,
+    /// Data-parallel replicas (None: this process alone). Rank 0 writes the experiment.
+    pub comm: Option<Box<dyn Communicator>>,
+}
+
+pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir: &Path, opts: TrainOptions) -> Result<TrainSummary> {
+    let t = &cfg.train;
+    let comm = opts.comm;
+    let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank() as u64, c.world() as u64));
+    let names = c.names.clone();
+    // 1. Data, unless features come from a capture.
+    let capture = match &cfg.pipeline.capture {
+        Some(dir) => Some(CaptureReader::open(Path::new(dir), &c.target.spec())?),
+        None => {
+            distill::prepare_data(&mut c, cache_dir)?;
+            None
+        }
+    };
+
+    // 2. Shared frozen parts and the drafter's needs.
+    let drafter_device = crate::config::parse_device(cfg.drafter_device())?;
+    let layer_ids: Vec<u32> = c.drafter.target_layer_ids().into_vec();
+    if let Some(cap) = &capture {
+        cap.check_layers(&layer_ids)?;
+    }
+    let block_size = c.drafter.block_size() as i64;
+    let mask_token_id = c.drafter.mask_token_id() as i64;
+    let gamma = resolve_gamma(t.loss_gamma, block_size as usize);
+    let named = c.drafter.parameters();
+    let params: Vec<Tensor> = named.iter().map(|nt| nt.tensor.tensor()).collect();
+    let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
+    tracing::info!(
+        "drafter: {:.1}M trainable parameters, block {block_size}, target layers {layer_ids:?}, mask token {mask_token_id}, gamma {}, \
+         loss normalised {:?}, anchors {:?}",
+        n_params as f64 / 1e6,
+        gamma.map_or("none".to_string(), |g| g.to_string()),
+        t.loss_normalization,
+        t.anchors,
+    );
+    c.optimizer.init(named).into_result().map_err(names.err(PluginKind::Optimizer, "init"))?;
+    let draft = DraftLoss {
+        lm_head: c.target.lm_head().into_tensor().to_device(drafter_device),
+        embedding: c.target.embedding().into_tensor().to_device(drafter_device),
+        sampler: AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed, rule: t.anchors },
+        block_size,
+        mask_token_id,
+        gamma,
+        normalization: t.loss_normalization,
+    };
+
+    // 3. Resume: weights, optimizer state, counters, data position.
+    let mut state = TrainerState {
+        step: 0,
+        tokens: 0,
+        draft_tokens: 0,
+        data_epoch: 0,
+        data_index: 0,
+        micro_batches: 0,
+        skipped_steps: 0,
+        nonfinite_in_a_row: 0,
+        seed: cfg.seed,
+        window: WindowSums::new(block_size),
+        elapsed_s: 0.0,
+    };
+    let mut last_ckpt = None;
+    if let Some(r) = opts.resume {
+        c.drafter.load_weights(r.weights.into()).into_result().map_err(names.err(PluginKind::Drafter, "load_weights"))?;
+        c.optimizer.load_state(r.optimizer_state.into()).into_result().map_err(names.err(PluginKind::Optimizer, "load_state"))?;
+        if capture.is_none() {
+            let pos = DataPosition { epoch: r.state.data_epoch, index: r.state.data_index };
+            c.data.seek(pos).into_result().map_err(names.err(PluginKind::DataLoader, "seek"))?;
+        }
+        tracing::info!("resuming from {} (step {}, {} target tokens)", r.checkpoint, r.state.step, r.state.tokens);
+        state = r.state;
+        last_ckpt = Some(r.checkpoint);
+    }
+    if state.step >= t.steps {
+        bail!("nothing to do: the run is at step {} of {}", state.step, t.steps);
+    }
+
+    // 4. The stages: producer (data or capture index), target workers, the drafter here.
+    let total_micro = (t.steps - state.step) * t.grad_accum;
+    let spec = c.target.spec();
+    let feature_bytes_per_token = feature_bytes_per_token(cfg, layer_ids.len(), spec.hidden_size);
+    let cache = HiddenStateCache::new(t.hidden_cache_mb << 20, feature_bytes_per_token);
+    let cache_p = Arc::clone(&cache);
+    let pipe = PipelineOptions { buffer_bytes: cfg.pipeline.buffer_bytes(), deterministic: cfg.pipeline.deterministic() };
+    let devices = cfg.target_devices();
+    let n_workers = if capture.is_some() { 1 } else { devices.len() };
+    let (data, target, extra) = (&mut c.data, &mut c.target, &mut c.extra_targets);
+    let first_draw = state.micro_batches;
+    let mut produced = 0u64;
+    let names_p = names.clone();
+    let capture_ref = capture.as_ref();
+    // With R replicas, each reads every batch and keeps its share: batch `rank` of each group of R,
+    // tagged with the position after the whole group (where every rank resumes).
+    let producer = move || -> Result<Option<Job<HostBatch>>> {
+        if produced == total_micro {
+            return Ok(None);
+        }
+        let index = first_draw + produced * world + rank;
+        let mut b = match capture_ref {
+            Some(cap) => cap.batch(index)?,
+            None => {
+                let mut mine = None;
+                for r in 0..world {
+                    let b = next_batch(data, &names_p)?;
+                    if r == rank {
+                        mine = Some(b);
+                    } else if let Some(m) = mine.as_mut() {
+                        m.position = b.position;
+                    }
+                }
+                mine.expect("rank < world")
+            }
+        };
+        b.index = index;
+        if capture_ref.is_none() {
+            b.cache_ticket = Some(cache_p.plan(&b.sequence_ids, &b.lengths));
+        }
+        produced += 1;
+        let bytes = b.input_ids.numel() * feature_bytes_per_token;
+        Ok(Some(Job { payload: b, bytes }))
+    };
+    let workers: Vec<Worker<HostBatch, Micro>> = match capture_ref {
+        Some(cap) => vec![cap.worker(drafter_device)],
+        None => target_workers(target, extra, &devices, &layer_ids, &cache, drafter_device, &names),
+    };
+    tracing::info!(
+        "pipeline: {n_workers} target worker(s) on {:?}, drafter on {}, buffer {} MiB, {}",
+        if capture.is_some() { vec!["capture".to_string()] } else { devices.clone() },
+        cfg.drafter_device(),
+        pipe.buffer_bytes >> 20,
+        if pipe.deterministic { "deterministic order" } else { "arrival order" }
+    );
+
+    // 5. The drafter's stage: one step after another, as the features arrive.
+    let lead = rank == 0;
+    let mut trainer = Trainer {
+        cfg,
+        drafter: &mut c.drafter,
+        optimizer: &mut c.optimizer,
+        params,
+        device: drafter_device,
+        draft,
+        guard: NonFiniteGuard { max: t.max_nonfinite_steps, consecutive: state.nonfinite_in_a_row },
+        elapsed_before: state.elapsed_s,
+        bar: progress_bar(t.steps, state.step, lead),
+        state,
+        // TensorBoard event files beside metrics.jsonl (`tensorboard --logdir experiments/`).
+        tb: if lead { Some(tensorboard::EventWriter::create(&exp.dir)?) } else { None },
+        exp,
+        comm,
+        world,
+        lead,
+        names,
+        feature_bytes_per_token,
+        from_capture: capture.is_some(),
+        stop: StopSignal::install()?,
+        gpus: GpuMonitor::new(devices.iter().map(String::as_str).chain([cfg.drafter_device()])),
+        times: WindowTimes::default(),
+        busy_before: Vec::new(),
+        wait_before: 0.0,
+        hs_total_bytes: 0,
+        started: Instant::now(),
+        first: None,
+        last: None,
+        last_ckpt,
+        interrupted: None,
+        stopped_at: None,
+    };
+    crate::pipeline::run(&pipe, producer, workers, |feed| trainer.run(feed, opts.stop_at))?;
+    trainer.finish()
+}
+
+fn progress_bar(steps: u64, at: u64, lead: bool) -> ProgressBar {
+    let bar = ProgressBar::new(steps)
+        .with_style(ProgressStyle::with_template("train {bar:30} {pos}/{len} steps  {msg}  ETA {eta}").expect("template"));
+    bar.set_position(at);
+    if !lead {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar
+}
+
+/// The drafter's side of the pipeline: micro-steps into one optimizer step, then logging and
+/// checkpointing, until the schedule ends or a signal or `--stop-at` stops it.
+struct Trainer<'a> {
+    cfg: &'a RunConfig,
+    drafter: &'a mut DrafterBox,
+    optimizer: &'a mut OptimizerBox,
+    /// The drafter's trainable parameters (handles sharing its storage).
+    params: Vec<Tensor>,
+    draft: DraftLoss,
+    state: TrainerState,
+    exp: &'a mut Experiment,
+    comm: Option<Box<dyn Communicator>>,
+    /// Replicas in the run; rank 0 (the lead) writes metrics and checkpoints.
+    world: u64,
+    lead: bool,
+    names: PluginNames,
+    device: Device,
+    feature_bytes_per_token: usize,
+    from_capture: bool,
+    guard: NonFiniteGuard,
+    stop: StopSignal,
+    bar: ProgressBar,
+    tb: Option<tensorboard::EventWriter>,
+    gpus: GpuMonitor,
+    /// The logging window's timings and the stage counters they are measured against.
+    times: WindowTimes,
+    busy_before: Vec<f64>,
+    wait_before: f64,
+    hs_total_bytes: u64,
+    started: Instant,
+    elapsed_before: f64,
+    first: Option<StepMetrics>,
+    last: Option<StepMetrics>,
+    last_ckpt: Option<String>,
+    interrupted: Option<u8>,
+    stopped_at: Option<u64>,
+}
+
+/// One step's micro-batches as they accumulate: loss, weight sum and accuracy counts stay on the
+/// device.
+struct StepAccum {
+    loss_sum: Tensor,
+    weight_sum: Tensor,
+    counts: Tensor,
+    tokens: u64,
+    last_position: Option<DataPosition>,
+}
+
+impl<'a> Trainer<'a> {
+    fn run(&mut self, feed: &mut Feed<Micro>, stop_at: Option<u64>) -> Result<()> {
+        let t = &self.cfg.train;
+        self.busy_before = feed.worker_busy_s();
+        self.wait_before = feed.wait_s;
+        for step in self.state.step + 1..=t.steps {
+            self.times.started.get_or_insert_with(Instant::now);
+            let mut acc = StepAccum {
+                loss_sum: Tensor::zeros([], (Kind::Float, self.device)),
+                weight_sum: Tensor::zeros([], (Kind::Float, self.device)),
+                counts: Tensor::zeros([2, self.draft.block_size - 1], (Kind::Int64, self.device)),
+                tokens: 0,
+                last_position: None,
+            };
+            for _ in 0..t.grad_accum {
+                let ready = feed.next()?.ok_or_else(|| anyhow!("pipeline ended before step {step}"))?;
+                self.times.depth_sum += feed.depth() as f64;
+                // Held until the micro-step ends: its room in the buffer is freed with it.
+                self.micro_step(&ready.item, &mut acc)?;
+            }
+            let (grad_norm, any_rank_stopped) = self.finish_step(step, acc)?;
+            if step % t.log_every == 0 || step == t.steps || step == 1 {
+                self.log(step, grad_norm, feed)?;
+            }
+            self.interrupted = self.stop.requested().or(any_rank_stopped.then_some(143));
+            if stop_at == Some(step) && step < t.steps {
+                self.stopped_at = Some(step);
+            }
+            self.maybe_checkpoint(step)?;
+            self.bar.inc(1);
+            if let Some(code) = self.interrupted {
+                let sig = if code == 130 { "SIGINT" } else { "SIGTERM" };
+                let ckpt = self.last_ckpt.as_deref().unwrap_or("-");
+                self.bar.suspend(|| tracing::warn!("{sig}: stopped after step {step}; checkpoint {ckpt}"));
+                break;
+            }
+            if self.stopped_at.is_some() {
+                let dir = self.exp.dir.display();
+                self.bar.suspend(|| tracing::info!("--stop-at {step}: stopped; resume with `train --resume {dir}`"));
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// One micro-batch: anchors, drafter forward, loss, backward (its sum, or with per-micro-batch
+    /// normalisation its mean / K); the loss, weight sum and counts are added on the device,
+    /// nothing waits for the GPU.
+    fn micro_step(&mut self, m: &Micro, acc: &mut StepAccum) -> Result<()> {
+        let t1 = Instant::now();
+        self.hs_total_bytes += (m.input_ids.numel() * self.feature_bytes_per_token) as u64;
+        let d = self
+            .draft
+            .compute(self.drafter, &m.input_ids, &m.loss_mask, &m.hidden, m.index)
+            .map_err(self.names.err(PluginKind::Drafter, "forward"))?;
+        let scale = self.draft.backward_scale(self.cfg.train.grad_accum);
+        d.backward(self.drafter, scale).map_err(self.names.err(PluginKind::Drafter, "backward"))?;
+        acc.loss_sum += d.loss.loss.detach();
+        acc.weight_sum += &d.loss.weight_sum;
+        acc.counts += &d.loss.counts;
+        acc.tokens += m.lengths.iter().map(|&l| l as u64).sum::<u64>();
+        acc.last_position = Some(m.position);
+        self.times.drafter_s += t1.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// The step's end: gradients normalised (over the weight sum of every micro-batch on every
+    /// rank, or averaged over replicas), clipped, the step's one synchronisation (loss, weight
+    /// sum, gradient norm and counts in one copy), the non-finite guard, the optimizer, and the
+    /// counters. Returns the gradient norm and whether any rank asked to stop.
+    fn finish_step(&mut self, step: u64, acc: StepAccum) -> Result<(f64, bool)> {
+        let t = &self.cfg.train;
+        let t2 = Instant::now();
+        let n = self.draft.block_size as usize - 1;
+        let mut sums =
+            StepSums { loss: 0.0, weight: 0.0, tokens: acc.tokens, correct: vec![0; n], count: vec![0; n], stop: self.stop.requested().is_some() };
+        // Replicas: normalise the gradients over all of them, sum what the step counted, agree
+        // on stopping.
+        normalize_gradients(self.comm.as_mut(), &self.params, t.loss_normalization, &acc.weight_sum)?;
+        let grad_norm = clip_grad_norm(&self.params, t.grad_clip);
+        let host = Vec::<f64>::try_from(
+            Tensor::cat(
+                &[
+                    acc.loss_sum.view([1]).to_kind(Kind::Double),
+                    acc.weight_sum.view([1]).to_kind(Kind::Double),
+                    grad_norm.to_device(self.device).view([1]).to_kind(Kind::Double),
+                    acc.counts.flatten(0, -1).to_kind(Kind::Double),
+                ],
+                0,
+            )
+            .to_device(Device::Cpu),
+        )?;
+        let grad_norm = host[2];
+        (sums.loss, sums.weight) = (host[0], host[1]);
+        sums.correct = host[3..3 + n].iter().map(|&c| c as i64).collect();
+        sums.count = host[3 + n..].iter().map(|&c| c as i64).collect();
+        if let Some(comm) = self.comm.as_deref_mut() {
+            sums.all_reduce(comm)?;
+        }
+        let micro = t.grad_accum * self.world;
+        let step_loss = sums.step_loss(t.loss_normalization, micro);
+        let state = &mut self.state;
+        state.micro_batches += micro;
+        state.window.micro += micro;
+        state.window.tokens += sums.tokens;
+        state.tokens += sums.tokens;
+        for k in 0..sums.count.len() {
+            state.window.correct[k] += sums.correct[k];
+            state.window.count[k] += sums.count[k];
+            state.window.draft_tokens += sums.count[k] as u64;
+            state.draft_tokens += sums.count[k] as u64;
+        }
+        let last_ckpt = self.last_ckpt.as_deref().unwrap_or("(none yet)");
+        let apply = self
+            .guard
+            .check(step, step_loss, grad_norm)
+            .map_err(|e| anyhow!("{e:#}; stopped, the last good checkpoint is {last_ckpt}"))?;
+        if apply {
+            // The window's loss is the mean of its steps' losses (each step weighs its micro-batches).
+            state.window.loss_sum += step_loss * micro as f64;
+            let scale = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac);
+            self.optimizer.step(scale).into_result().map_err(self.names.err(PluginKind::Optimizer, "step"))?;
+        } else {
+            state.skipped_steps += 1;
+            state.window.skipped_micro += micro;
+        }
+        state.nonfinite_in_a_row = self.guard.consecutive;
+        // Gradients dropped, not zeroed (PyTorch's default): until the next backward they take
+        // no memory, so the forward's activations never sit beside last step's gradients.
+        for p in &self.params {
+            kernels::autograd::clear_grad(p);
+        }
+        self.times.optim_s += t2.elapsed().as_secs_f64();
+        state.window.steps += 1;
+        state.step = step;
+        if let (Some(pos), false) = (acc.last_position, self.from_capture) {
+            (state.data_epoch, state.data_index) = (pos.epoch, pos.index);
+        }
+        Ok((grad_norm, sums.stop))
+    }
+
+    /// A metrics line over the window since the last one (metrics.jsonl, TensorBoard, the log),
+    /// then a new window.
+    fn log(&mut self, step: u64, grad_norm: f64, feed: &Feed<Micro>) -> Result<()> {
+        let t = &self.cfg.train;
+        let w = &self.state.window;
+        let acc = w.acc();
+        let secs = self.times.started.map_or(0.0, |s| s.elapsed().as_secs_f64()).max(1e-9);
+        let busy_now = feed.worker_busy_s();
+        let target_busy: Vec<f64> = busy_now.iter().zip(&self.busy_before).map(|(a, b)| (a - b) / secs).collect();
+        let target_s: f64 = busy_now.iter().zip(&self.busy_before).map(|(a, b)| a - b).sum();
+        self.times.wait_s = feed.wait_s - self.wait_before;
+        let steps_w = w.steps.max(1) as f64;
+        let (hs_bytes, hs_peak_bytes) = feed.bytes();
+        let gpu = self.gpus.sample();
+        let scale = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac);
+        let m = StepMetrics {
+            step,
+            epoch: self.state.data_epoch,
+            tokens: self.state.tokens,
+            draft_tokens: self.state.draft_tokens,
+            loss: w.loss_sum / (w.micro - w.skipped_micro).max(1) as f64,
+            tau_hat: tau_hat(&acc),
+            acc,
+            lr: scale * self.optimizer.base_lr(),
+            grad_norm,
+            skipped_steps: self.state.skipped_steps,
+            tok_per_s: w.tokens as f64 / secs,
+            draft_tok_per_s: w.draft_tokens as f64 / secs,
+            target_s: target_s / steps_w,
+            drafter_s: self.times.drafter_s / steps_w,
+            optim_s: self.times.optim_s / steps_w,
+            wait_s: self.times.wait_s / steps_w,
+            target_busy,
+            drafter_busy: (self.times.drafter_s + self.times.optim_s) / secs,
+            q_hs: self.times.depth_sum / w.micro.max(1) as f64,
+            q_hs_now: feed.depth(),
+            hs_bytes,
+            hs_peak_bytes,
+            hs_total_bytes: self.hs_total_bytes,
+            peak_rss_mb: peak_rss_mb(),
+            gpu_util: gpu.as_ref().map(|g| g.util.clone()),
+            gpu_power_w: gpu.as_ref().map(|g| g.power_w.clone()),
+            gpu_mem_mb: gpu.as_ref().map(|g| g.mem_mb.clone()),
+            eta_s: (t.steps - step) as f64 * secs / steps_w,
+            elapsed_s: self.elapsed_before + self.started.elapsed().as_secs_f64(),
+        };
+        self.exp.log(&m)?; // a no-op on ranks other than 0
+        if let Some(tb) = self.tb.as_mut() {
+            tensorboard::log_metrics(tb, &serde_json::to_value(&m)?)?;
+        }
+        self.bar.set_message(format!("loss {:.3}  τ̂ {:.3}  {:.0} tok/s  q_hs {:.1}", m.loss, m.tau_hat, m.tok_per_s, m.q_hs));
+        self.bar.suspend(|| {
+            tracing::info!(
+                "step {step}/{}  loss {:.4}  τ̂ {:.3}  acc@1 {:.3}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  q_hs {:.1}",
+                t.steps,
+                m.loss,
+                m.tau_hat,
+                m.acc.first().copied().unwrap_or(0.0),
+                m.lr,
+                m.grad_norm,
+                m.tok_per_s,
+                m.q_hs
+            )
+        });
+        self.first.get_or_insert_with(|| m.clone());
+        self.last = Some(m);
+        self.state.window = WindowSums::new(self.draft.block_size);
+        self.times = WindowTimes::default();
+        self.busy_before = busy_now;
+        self.wait_before = feed.wait_s;
+        Ok(())
+    }
+
+    /// A checkpoint when one is due (every `checkpoint_every` steps, the last step, a stop), on
+    /// the lead rank, and never of non-finite weights.
+    fn maybe_checkpoint(&mut self, step: u64) -> Result<()> {
+        let t = &self.cfg.train;
+        let due = (t.checkpoint_every > 0 && step % t.checkpoint_every == 0)
+            || step == t.steps
+            || self.interrupted.is_some()
+            || self.stopped_at.is_some();
+        if !due {
+            return Ok(());
+        }
+        if !all_finite(&self.params) {
+            // Never let a diverged state replace a good checkpoint.
+            self.bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
+        } else if self.lead {
+            self.state.elapsed_s = self.elapsed_before + self.started.elapsed().as_secs_f64();
+            let dir = self.exp.save_checkpoint(
+                step,
+                &self.drafter.parameters(),
+                self.drafter.config_json().as_str(),
+                &self.optimizer.state(),
+                &self.state,
+                t.keep_checkpoints,
+            )?;
+            self.last_ckpt = Some(dir.display().to_string());
+        }
+        Ok(())
+    }
+
+    /// The run's summary (also written to the experiment when the schedule ran to its end).
+    fn finish(self) -> Result<TrainSummary> {
+        self.bar.finish_and_clear();
+        let summary = TrainSummary {
+            experiment: self.exp.dir.display().to_string(),
+            steps: self.state.step,
+            tokens: self.state.tokens,
+            wall_s: self.started.elapsed().as_secs_f64(),
+            first: self.first,
+            last: self.last,
+            last_checkpoint: self.last_ckpt,
+            interrupted: self.interrupted,
+            stopped_at: self.stopped_at,
+        };
+        if summary.interrupted.is_none() && summary.stopped_at.is_none() && self.lead {
+            self.exp.write_summary(&summary)?;
+        }
+        Ok(summary)
+    }
+}

@@ -1,0 +1,172 @@
+//! Qwen3.5's Gated DeltaNet layer (`model.layers.{i}.linear_attn`, transformers'
+//! `Qwen3_5GatedDeltaNet`), the token mixer of three layers in four of Qwen3.5 / Qwen3.6. The
+//! recurrence and the conv are the `gated_deltanet` crate's (shared with the GDN drafter).
+//!
+//! Weights: `in_proj_qkv` [2*nk*dk + nv*dv, H] (q | k | v), `in_proj_z` [nv*dv, H] (output gate),
+//! `in_proj_b`, `in_proj_a` [nv, H] (write strength, decay), `conv1d.weight` [C, 1, K] (depthwise,
+//! no bias), `A_log`, `dt_bias` [nv], `norm.weight` [dv] (gated RMSNorm, plain gain), `out_proj`
+//! [H, nv*dv].
+//!
+//! Per token: q|k|v = silu(causal_conv(in_proj_qkv x)); q, k L2-normalised and repeated to the
+//! value heads; g = -exp(A_log) softplus(a + dt_bias); beta = sigmoid(b); the gated delta rule
+//! (q scaled by dk^-0.5); out = out_proj(rmsnorm(o) * w * silu(z)) per value head.
+
+use crate::{
+    cache::{LinearState, Undo},
+    config::DecoderConfig,
+    model::Loader,
+};
+use gated_deltanet::{chunked_with, depthwise_conv, l2norm, Precision};
+use plugin_api::tch::{Kind, Tensor};
+
+/// Steps per chunk of the chunked delta rule (transformers' and FLA's 64).
+pub const CHUNK: i64 = 64;
+
+pub struct GatedDeltaNet {
+    /// in_proj_qkv | in_proj_z | in_proj_b | in_proj_a in one matrix: one GEMM for all four.
+    in_proj: Tensor,
+    /// [C, K], the model's dtype.
+    conv: Tensor,
+    /// -exp(A_log) [nv], fp32.
+    neg_a: Tensor,
+    /// [nv], fp32.
+    dt_bias: Tensor,
+    /// [dv], fp32.
+    norm: Tensor,
+    out_proj: Tensor,
+    key_heads: i64,
+    value_heads: i64,
+    key_dim: i64,
+    value_dim: i64,
+    kernel: i64,
+    eps: f64,
+    /// The delta rule's matmul operands: bf16 (fp32 accumulation and state, as FLA's kernels)
+    /// in a bf16 model, fp32 otherwise.
+    precision: Precision,
+}
+
+impl GatedDeltaNet {
+    pub(crate) fn load(cfg: &DecoderConfig, ld: &mut Loader, p: &str) -> Result<Self, String> {
+        let s = cfg.linear();
+        let h = cfg.hidden_size as i64;
+        let (nk, nv, dk, dv) = (s.key_heads as i64, s.value_heads as i64, s.key_dim as i64, s.value_dim as i64);
+        let c = s.conv_channels() as i64;
+        let k = s.conv_kernel as i64;
+        let parts = [("in_proj_qkv", c), ("in_proj_z", nv * dv), ("in_proj_b", nv), ("in_proj_a", nv)];
+        let in_proj = ld.fused(&parts.map(|(n, r)| (format!("{p}.{n}.weight"), r)), h)?;
+        let conv = ld.get(&format!("{p}.conv1d.weight"), &[c, 1, k])?.squeeze_dim(1);
+        // transformers: `-self.A_log.float().exp()`.
+        let neg_a = -ld.get_f32(&format!("{p}.A_log"), &[nv])?.exp();
+        Ok(Self {
+            in_proj,
+            conv,
+            neg_a,
+            dt_bias: ld.get_f32(&format!("{p}.dt_bias"), &[nv])?,
+            norm: ld.get_f32(&format!("{p}.norm.weight"), &[dv])?,
+            out_proj: ld.get(&format!("{p}.out_proj.weight"), &[h, nv * dv])?,
+            key_heads: nk,
+            value_heads: nv,
+            key_dim: dk,
+            value_dim: dv,
+            kernel: k,
+            eps: cfg.rms_norm_eps,
+            precision: if ld.kind == Kind::BFloat16 { Precision::Bf16 } else { Precision::F32 },
+        })
+    }
+
+    fn conv_channels(&self) -> i64 {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+
+    /// x [B, L, H] (input-normed) -> [B, L, H].
+    /// - `valid` [B, L]: false rows (left padding) are zeroed first, as transformers does, so
+    ///   they leave the conv history and the state at zero;
+    /// - `state`: the layer's cache slot, continued and updated when given;
+    /// - `keep_undo`: also keep what [`rewind`](Self::rewind) needs for this extension.
+    pub fn forward(&self, x: &Tensor, valid: Option<&Tensor>, state: Option<&mut Option<LinearState>>, keep_undo: bool) -> Tensor {
+        let (b, l) = (x.size()[0], x.size()[1]);
+        let (nv, dv) = (self.value_heads, self.value_dim);
+        let c = self.conv_channels();
+        let x = match valid {
+            Some(v) => x * v.unsqueeze(-1).to_kind(x.kind()),
+            None => x.shallow_clone(),
+        };
+        // 1. The four input projections in one GEMM: q|k|v (pre-conv), z, b, a.
+        let proj = x.linear::<&Tensor>(&self.in_proj, None);
+        let mixed = proj.narrow(2, 0, c);
+        let z = proj.narrow(2, c, nv * dv);
+        let b_in = proj.narrow(2, c + nv * dv, nv);
+        let a_in = proj.narrow(2, c + nv * dv + nv, nv);
+        // 2. Causal conv over q|k|v, after the cached rows (zeros at a sequence's start).
+        let prev = state.as_ref().and_then(|s| s.as_ref());
+        let history = match prev {
+            Some(s) => s.conv.shallow_clone(),
+            None => Tensor::zeros([b, self.kernel - 1, c], (x.kind(), x.device())),
+        };
+        let rows = Tensor::cat(&[&history, &mixed], 1); // [B, K-1+L, C]
+        let (q, k, v) = self.heads(&depthwise_conv(&rows, &self.conv).silu());
+        // 3. Gates, fp32: [B, L, nv] -> [B, nv, L].
+        let (g, beta) = self.gates(&a_in, &b_in);
+        // 4. The delta rule from the cached state (zeros at the start), chunked.
+        let initial = prev.map(|s| s.state.shallow_clone());
+        let (o, last) = chunked_with(&q, &k, &v, &g, &beta, initial.as_ref(), CHUNK, self.precision);
+        // 5. Gated RMSNorm per value head, norm(o) * w * silu(z), then out_proj.
+        let o = o.transpose(1, 2); // [B, L, nv, dv]
+        let z = z.reshape([b, l, nv, dv]).to_kind(Kind::Float);
+        let gated = o.rms_norm([dv], Some(&self.norm), self.eps) * z.silu();
+        let out = gated.to_kind(x.kind()).reshape([b, l, nv * dv]).linear::<&Tensor>(&self.out_proj, None);
+        // 6. The cache: the last K-1 pre-conv rows, the final state (and the undo record).
+        if let Some(slot) = state {
+            let undo = keep_undo.then(|| Undo {
+                conv: history.shallow_clone(),
+                state: initial,
+                mixed: mixed.shallow_clone(),
+                g: g.shallow_clone(),
+                beta: beta.shallow_clone(),
+            });
+            let conv = rows.narrow(1, l, self.kernel - 1).contiguous();
+            *slot = Some(LinearState { conv, state: last, undo });
+        }
+        out
+    }
+
+    /// The state as it was after the first `keep` positions of the last extension: conv rows
+    /// from the kept pre-conv rows, the recurrent state recomputed over them from the state the
+    /// extension started at.
+    pub fn rewind(&self, s: &mut LinearState, keep: i64) {
+        let u = s.undo.as_ref().expect("rewind needs the undo record of a rollback cache");
+        let rows = Tensor::cat(&[&u.conv, &u.mixed.narrow(1, 0, keep)], 1); // [B, K-1+keep, C]
+        s.conv = rows.narrow(1, keep, self.kernel - 1).contiguous();
+        s.state = if keep == 0 {
+            u.state.as_ref().map_or_else(|| s.state.zeros_like(), Tensor::shallow_clone)
+        } else {
+            let (_, k, v) = self.heads(&depthwise_conv(&rows, &self.conv).silu());
+            let (g, beta) = (u.g.narrow(2, 0, keep), u.beta.narrow(2, 0, keep));
+            chunked_with(&k, &k, &v, &g, &beta, u.state.as_ref(), CHUNK, self.precision).1
+        };
+    }
+
+    /// conv output [B, L, C] -> q, k [B, nv, L, dk] (L2-normalised, each key head repeated to its
+    /// value heads) and v [B, nv, L, dv], fp32, head-first.
+    fn heads(&self, qkv: &Tensor) -> (Tensor, Tensor, Tensor) {
+        let (b, l) = (qkv.size()[0], qkv.size()[1]);
+        let (nk, nv, dk, dv) = (self.key_heads, self.value_heads, self.key_dim, self.value_dim);
+        let ck = nk * dk;
+        let repeat = |t: Tensor| {
+            // [B, L, nk, dk] -> [B, nk, r, L, dk] -> [B, nv, L, dk]: value head h reads key head h / r.
+            let t = l2norm(&t).permute([0, 2, 1, 3]).unsqueeze(2);
+            t.expand([b, nk, nv / nk, l, dk], false).reshape([b, nv, l, dk])
+        };
+        let q = repeat(qkv.narrow(2, 0, ck).reshape([b, l, nk, dk]));
+        let k = repeat(qkv.narrow(2, ck, ck).reshape([b, l, nk, dk]));
+        let v = qkv.narrow(2, 2 * ck, nv * dv).reshape([b, l, nv, dv]).to_kind(Kind::Float).transpose(1, 2);
+        (q, k, v)
+    }
+
+    /// g = -exp(A_log) softplus(a + dt_bias) (log decay), beta = sigmoid(b): [B, nv, L] fp32.
+    fn gates(&self, a: &Tensor, b: &Tensor) -> (Tensor, Tensor) {
+        let g = (a.to_kind(Kind::Float) + &self.dt_bias).softplus() * &self.neg_a;
+        let beta = b.to_kind(Kind::Float).sigmoid();
+        (g.transpose(1, 2), beta.transpose(1, 2))
+    }
+}

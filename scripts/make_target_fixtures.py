@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Parity fixtures for the target plugin's hybrid and MoE architectures, computed by transformers.
+
+For each architecture a tiny random model is built with transformers' own classes, every
+parameter drawn at random (norm gains, decay rates and conv weights included, so that no term
+hides behind an identity initialisation), saved with `save_pretrained` as sharded safetensors,
+and run forward on fixed token ids. Each fixture is an HF folder under tests/fixtures/ that the
+plugin loads like any checkpoint:
+
+  target_qwen3_5/      Qwen3_5ForConditionalGeneration (multimodal layout: the language model under
+                       `model.language_model.*`, a one-block vision tower to be ignored); layers
+                       3 Gated DeltaNet + 1 gated attention in the order linear, linear, full, linear
+  target_qwen3_5_moe/  Qwen3_5MoeForCausalLM (text-only layout, `model_type` qwen3_5_moe_text):
+                       layers linear, full, linear; 8 experts, top-2, a shared expert with its
+                       sigmoid gate
+  target_qwen3_moe/    Qwen3MoeForCausalLM: 3 layers, 8 experts, top-3, norm_topk_prob false,
+                       layer 1 dense (`mlp_only_layers`); its config names the expert count
+                       `num_local_experts`, as transformers 5 writes it
+
+Each folder holds config.json, model-*.safetensors + model.safetensors.index.json (as transformers
+writes them), tokenizer.json (a word-level placeholder: the ids are what is tested) and
+reference.safetensors:
+  in.input_ids [2, 66] i64     fixed random ids (two chunks of the chunked delta rule: 64 + 2)
+  out.layer.{i} [2, 66, H]     the output of decoder layer i (a forward hook), f32
+  out.logits [2, 66, V]        the causal LM's logits, f32
+  gen.prompt [1, 12] i64       row 0's first 12 ids
+  gen.ids [1, N] i64           transformers' greedy `generate` continuation of it (its
+                               KV / recurrent cache; stops at the EOS id or after 10 tokens)
+and metadata `transformers_version`, `torch_version`, `architecture`.
+
+Everything runs on the CPU in float32 with one thread and deterministic algorithms. transformers
+has no FLA / causal-conv1d kernels here, so its own torch fallbacks run
+(`torch_chunk_gated_delta_rule`, `torch_causal_conv1d_update`, `torch_recurrent_gated_delta_rule`).
+
+Usage (torch 2.11, transformers 5.8.1, safetensors):
+    python3 scripts/make_target_fixtures.py --out tests/fixtures [--only qwen3_5 ...]
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+VOCAB = 64
+EOS = 63
+PROMPT, NEW = 12, 10
+
+TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    eos_token_id=EOS,
+    tie_word_embeddings=False,
+)
+GDN = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,  # two value heads per key head: the repeat is tested
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+)
+
+PLACEHOLDER_TOKENIZER = {
+    "version": "1.0",
+    "truncation": None,
+    "padding": None,
+    "added_tokens": [],
+    "normalizer": None,
+    "pre_tokenizer": {"type": "Whitespace"},
+    "post_processor": None,
+    "decoder": None,
+    "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(VOCAB)}, "unk_token": "t0"},
+}
+
+
+def build(arch):
+    if arch == "qwen3_5":
+        cfg = transformers.Qwen3_5Config(
+            text_config=dict(TEXT, intermediate_size=32, **GDN),
+            vision_config=dict(depth=1, hidden_size=8, intermediate_size=8, num_heads=2, out_hidden_size=32,
+                               num_position_embeddings=16, patch_size=2),
+        )
+        return transformers.Qwen3_5ForConditionalGeneration(cfg)
+    if arch == "qwen3_5_moe":
+        cfg = transformers.Qwen3_5MoeTextConfig(
+            **dict(TEXT, num_hidden_layers=3), **dict(GDN, layer_types=GDN["layer_types"][1:]), num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=16,
+        )
+        return transformers.Qwen3_5MoeForCausalLM(cfg)
+    if arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            **dict(TEXT, num_hidden_layers=3), intermediate_size=32, num_experts=8, num_experts_per_tok=3,
+            moe_intermediate_size=8,
+            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], rope_theta=10000.0,
+        )
+        return transformers.Qwen3MoeForCausalLM(cfg)
+    raise ValueError(arch)
+
+
+@torch.no_grad()
+def randomise(model):
+    """Every parameter at random: matrices ~ N(0, 1/fan_in) so activations stay O(1); norm gains
+    and gate biases off their identity values; A = exp(A_log) in [1, 16] as transformers draws it."""
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.empty_like(p).uniform_(1, 16).log())
+        elif name.endswith("dt_bias"):
+            p.copy_(torch.randn_like(p) * 0.5)
+        elif name.endswith("linear_attn.norm.weight"):
+            p.copy_(1 + 0.2 * torch.randn_like(p))  # plain gain (the gated norm is not 1-centred)
+        elif p.dim() == 1:
+            p.copy_(0.2 * torch.randn_like(p))  # (1 + w) gains of the Qwen3.5 norms; Qwen3's plain gains
+            if "qwen3_moe" in model.config.model_type:
+                p.add_(1.0)
+        elif "conv1d" in name:
+            p.copy_(torch.randn_like(p) * 0.5)
+        elif p.dim() == 3:  # fused experts [E, out, in]
+            p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+        else:
+            p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+
+
+def text_model(model):
+    return model.model.language_model if hasattr(model.model, "language_model") else model.model
+
+
+def make(arch, out_dir):
+    torch.manual_seed({"qwen3_5": 0, "qwen3_5_moe": 1, "qwen3_moe": 2}[arch])
+    model = build(arch).eval()
+    randomise(model)
+    ids = torch.randint(0, VOCAB - 1, (2, 66))  # EOS (63) only where the model says it
+
+    layers = text_model(model).layers
+    outs = {}
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, o[0] if isinstance(o, tuple) else o))
+             for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits
+    for h in hooks:
+        h.remove()
+    # The hooks see what `output_hidden_states` reports (before the final norm).
+    with torch.no_grad():
+        hs = model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+    for i in range(len(layers) - 1):
+        assert torch.equal(hs[i + 1], outs[i]), f"{arch}: hook and hidden_states[{i + 1}] differ"
+
+    prompt = ids[:1, :PROMPT]
+    with torch.no_grad():
+        gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
+                             do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
+    gen = gen[:, PROMPT:]
+    # Cached greedy decoding equals recomputing the whole sequence each step (the reference's
+    # own consistency, so a mismatch in Rust is ours).
+    seq = prompt.clone()
+    with torch.no_grad():
+        for _ in range(gen.shape[1]):
+            nxt = model(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+    assert torch.equal(seq[:, PROMPT:], gen), f"{arch}: cached generate differs from recomputation"
+
+    folder = os.path.join(out_dir, f"target_{arch}")
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, max_shard_size="60KB")
+    os.remove(os.path.join(folder, "generation_config.json"))
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(PLACEHOLDER_TOKENIZER, f)
+    tensors = {"in.input_ids": ids, "out.logits": logits.contiguous(), "gen.prompt": prompt.clone(), "gen.ids": gen.contiguous()}
+    for i, o in outs.items():
+        tensors[f"out.layer.{i}"] = o.contiguous()
+    meta = {"transformers_version": transformers.__version__, "torch_version": torch.__version__, "architecture": arch}
+    save_file(tensors, os.path.join(folder, "reference.safetensors"), metadata=meta)
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{folder}: {n_params} parameters, {size} bytes; generated {gen.tolist()[0]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
+    ap.add_argument("--only", action="append", choices=["qwen3_5", "qwen3_5_moe", "qwen3_moe"])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.set_default_dtype(torch.float32)
+    transformers.logging.set_verbosity_error()
+    for arch in args.only or ["qwen3_5", "qwen3_5_moe", "qwen3_moe"]:
+        make(arch, args.out)
+
+
+if __name__ == "__main__":
+    main()

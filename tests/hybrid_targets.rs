@@ -1,0 +1,164 @@
+//! End to end through the binary on the hybrid and MoE targets: for a tiny random `qwen3_5`
+//! (written in the multimodal checkpoint layout), `qwen3_5_moe` and `qwen3_moe`, an HF folder
+//! (sharded safetensors, SmolLM2's tokenizer, a chat template) is written here, `dflash-host
+//! train` self-distils and trains a drafter on it, and `dflash-host eval` decodes speculatively,
+//! output identical to the target's greedy decoding (the Gated DeltaNet states rolled back into
+//! each verified block). A config naming an unknown architecture fails with one line.
+
+use plugin_api::tch::{Device, Kind, Tensor};
+use std::{collections::HashMap, path::Path, process::Command};
+use target_hf::{config::DecoderConfig, gguf::GgufFile, gguf_tokenizer::tokenizer_from_gguf, random::random_weights};
+
+mod common;
+use common::cache;
+
+const HEAD: &str = r#"
+name = "hybrid"
+seed = 5
+
+[train]
+steps = 4
+anchors_per_seq = 8
+log_every = 1
+checkpoint_every = 4
+keep_checkpoints = 1
+"#;
+
+/// The tiny text config of each architecture (SmolLM2's 49,152 tokens; `<|im_end|>` = 2 ends a
+/// reply).
+fn text_config(arch: &str) -> serde_json::Value {
+    let mut c = serde_json::json!({
+        "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 49152, "rms_norm_eps": 1e-6, "eos_token_id": 2, "tie_word_embeddings": false,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    });
+    let extra = match arch {
+        "qwen3_5" => serde_json::json!({"model_type": "qwen3_5_text", "intermediate_size": 48, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "full_attention_interval": 2}),
+        "qwen3_5_moe" => serde_json::json!({"model_type": "qwen3_5_moe_text", "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 6, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]}),
+        "qwen3_moe" => serde_json::json!({"model_type": "qwen3_moe", "intermediate_size": 48, "num_experts": 6,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": true}),
+        _ => unreachable!(),
+    };
+    c.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    c
+}
+
+/// An HF folder for `arch` with random weights scaled so activations and logits are O(1) (a
+/// greedy choice is then not a near-tie that float rounding could flip), in two shards with an
+/// index; qwen3_5 as a multimodal checkpoint (`text_config`, `model.language_model.*`, a
+/// vision tensor to skip).
+fn write_target(arch: &str, dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let text = text_config(arch);
+    let (cfg, _) = DecoderConfig::from_hf_json(&text.to_string()).unwrap();
+    plugin_api::tch::manual_seed(7);
+    let mut tensors: Vec<(String, Tensor)> = random_weights(&cfg, Device::Cpu, Kind::Float)
+        .tensors
+        .into_iter()
+        .map(|(name, t)| {
+            let size = t.size();
+            let t = match size.len() {
+                1 if name.ends_with("A_log") || name.ends_with("dt_bias") => t,
+                1 => Tensor::randn(size.as_slice(), (Kind::Float, Device::Cpu)) * 0.1 + t,
+                _ if name.contains("embed_tokens") => Tensor::randn(size.as_slice(), (Kind::Float, Device::Cpu)),
+                _ => Tensor::randn(size.as_slice(), (Kind::Float, Device::Cpu)) / (*size.last().unwrap() as f64).sqrt(),
+            };
+            (name, t)
+        })
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let config = if arch == "qwen3_5" {
+        for (name, _) in tensors.iter_mut() {
+            if let Some(rest) = name.strip_prefix("model.") {
+                *name = format!("model.language_model.{rest}");
+            }
+        }
+        tensors.push(("model.visual.patch_embed.proj.weight".into(), Tensor::zeros([8, 3, 2, 2, 2], (Kind::Float, Device::Cpu))));
+        serde_json::json!({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "text_config": text, "vision_config": {"depth": 1}, "tie_word_embeddings": false})
+    } else {
+        text
+    };
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let half = tensors.len() / 2;
+    let mut map = serde_json::Map::new();
+    for (i, part) in [&tensors[..half], &tensors[half..]].into_iter().enumerate() {
+        let file = format!("model-0000{}-of-00002.safetensors", i + 1);
+        let named: Vec<(&str, &Tensor)> = part.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        Tensor::write_safetensors(&named, dir.join(&file)).unwrap();
+        for (n, _) in part {
+            map.insert(n.clone(), file.clone().into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let g = GgufFile::open(cache().join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+    tokenizer_from_gguf(&g).unwrap().save(dir.join("tokenizer.json"), false).unwrap();
+    let template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}";
+    std::fs::write(dir.join("tokenizer_config.json"), serde_json::json!({"chat_template": template}).to_string()).unwrap();
+}
+
+fn config_for(target: &Path) -> String {
+    let gguf = "path = \"$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf\"";
+    let cfg = common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3\nweight_decay = 0.0");
+    assert!(cfg.contains(gguf));
+    cfg.replace(gguf, &format!("path = \"{}\"", target.display()))
+}
+
+#[test]
+fn train_and_lossless_eval_on_hybrid_and_moe_targets() {
+    common::require_model();
+    for arch in ["qwen3_5", "qwen3_5_moe", "qwen3_moe"] {
+        let root = tempfile::tempdir().unwrap();
+        let target = root.path().join(arch);
+        write_target(arch, &target);
+        let (out, dir) = common::train(&[], &config_for(&target));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{arch}: train failed:\n{stderr}");
+        if arch == "qwen3_5" {
+            let note = stderr.lines().filter(|l| l.contains("Qwen3_5ForConditionalGeneration")).collect::<Vec<_>>();
+            assert!(note.len() == 1 && note[0].contains("ignoring the vision tower"), "{arch}: {stderr}");
+        }
+        let exp = dir.path().join("exp");
+        let metrics = common::metrics(&exp, &["loss"]);
+        assert_eq!(metrics.len(), 4, "{arch}");
+        let manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("manifest.json")).unwrap()).unwrap();
+        assert_eq!(manifest["plugins"][0]["name"], "hf", "{arch}");
+        let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+            .args(["eval", "--limit", "2", "--max-new-tokens", "16", "--exp-dir"])
+            .arg(&exp)
+            .env("DFLASH_CACHE", cache())
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{arch}: eval failed:\n{}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap();
+        assert_eq!(report["lossless"], true, "{arch}: speculative output differs from greedy:\n{stdout}");
+        assert!(report["cycles"].as_u64().unwrap() > 0 && report["new_tokens"].as_u64().unwrap() > 0, "{arch}: {report}");
+    }
+}
+
+#[test]
+fn an_unknown_architecture_fails_with_one_line_naming_it() {
+    common::require_model();
+    let root = tempfile::tempdir().unwrap();
+    let target = root.path().join("mamba");
+    write_target("qwen3_moe", &target);
+    let mut cfg: HashMap<String, serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(target.join("config.json")).unwrap()).unwrap();
+    cfg.insert("model_type".into(), "mamba2".into());
+    std::fs::write(target.join("config.json"), serde_json::to_string(&cfg).unwrap()).unwrap();
+    let (out, _dir) = common::train(&[], &config_for(&target));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains("mamba2")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(
+        lines[0].contains("model_type `mamba2` is not supported (supported: llama, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_moe)"),
+        "{err}"
+    );
+}
