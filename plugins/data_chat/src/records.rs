@@ -1,9 +1,23 @@
-//! Chat records in the OpenAI style, one JSON object per line:
-//! `{"messages":[{"role":"system|user|assistant","content":"..."}]}`.
+//! Chat records and the dataset formats they are read from.
 //!
-//! Extra keys (top level or inside a message) are ignored; unknown roles are an error.
-//! Every bad line is reported as `file:line: why`, or skipped and counted with [`OnError::Skip`].
+//! Record shapes (one JSON object per record):
+//! - OpenAI `messages`: `{"messages": [{"role": "system|user|assistant", "content": "..."}]}`;
+//! - ShareGPT: `{"conversations": [{"from": "human|gpt|system", "value": "..."}], "system": "..."}`;
+//! - SpecForge: `{"id": .., "conversations": [{"role": .., "content": ..}]}`, and speculators'
+//!   `conversations` whose turns use either pair of keys;
+//! - anything else through a field mapping (`[data.fields]`): the keys of the turn list, role and
+//!   content, role names, a top-level system prompt, or single-turn prompt/response columns.
+//!
+//! Containers: JSONL (one record per line), a JSON array of records, and Parquet / Arrow files as
+//! HF `datasets` writes them (`to_parquet`, `save_to_disk`; see [`crate::columnar`]).
+//!
+//! A record may end with a user message (a prompt without a reply): self-distillation and
+//! evaluation answer it. Content may be a string or OpenAI content parts
+//! (`[{"type": "text", "text": ..}]`, texts joined). Extra keys are ignored; unknown roles are an
+//! error. Every bad record is reported as `file:line: why` (`file: row N: why` in Parquet / Arrow,
+//! N counted from 0 as `datasets` does), or skipped and counted with [`OnError::Skip`].
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -20,21 +34,12 @@ pub enum Role {
 }
 
 impl Role {
-    /// The name used both in the JSONL files and in the ChatML role header.
+    /// The name chat templates see (`message.role`).
     pub fn as_str(self) -> &'static str {
         match self {
             Role::System => "system",
             Role::User => "user",
             Role::Assistant => "assistant",
-        }
-    }
-
-    fn parse(name: &str) -> Option<Role> {
-        match name {
-            "system" => Some(Role::System),
-            "user" => Some(Role::User),
-            "assistant" => Some(Role::Assistant),
-            _ => None,
         }
     }
 }
@@ -50,25 +55,34 @@ pub struct ChatRecord {
     pub messages: Vec<Message>,
 }
 
-/// What [`read_jsonl`] does with a bad line.
+impl ChatRecord {
+    /// Ends with a user message: a prompt awaiting its reply.
+    pub fn is_open(&self) -> bool {
+        self.messages.last().is_some_and(|m| m.role == Role::User)
+    }
+}
+
+/// What the readers do with a bad record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OnError {
-    /// Stop at the first bad line with an error naming it.
+    /// Stop at the first bad record with an error naming it.
     #[default]
     Fail,
-    /// Leave the line out and list it in [`ReadReport::skipped`].
+    /// Leave the record out and list it in [`ReadReport::skipped`].
     Skip,
 }
 
 #[derive(Debug, Default)]
 pub struct ReadReport {
     pub records: Vec<ChatRecord>,
-    /// (1-based line, why) for each line left out under [`OnError::Skip`].
+    /// (place, why) for each record left out under [`OnError::Skip`]: the 1-based line in a text
+    /// file, the 0-based row in a Parquet / Arrow file (`by_row`).
     pub skipped: Vec<(usize, String)>,
+    pub by_row: bool,
 }
 
-/// Errors of this crate's data readers and the chat template.
+/// Errors of this crate's data readers.
 ///
 /// Causes are written into the message rather than exposed as `source()`: the message
 /// crosses the plugin ABI as a string, where a source chain would be lost.
@@ -76,38 +90,251 @@ pub struct ReadReport {
 pub enum DataError {
     #[error("{}: {cause}", path.display())]
     Io { path: PathBuf, cause: io::Error },
-    /// A bad line of a JSONL file (or the place a whole-file JSON parse failed).
+    /// A bad record of a JSONL or JSON file, by the line it starts on (or where a whole-file JSON
+    /// parse failed).
     #[error("{}:{line}: {msg}", path.display())]
-    Line {
-        path: PathBuf,
-        line: usize,
-        msg: String,
-    },
+    Line { path: PathBuf, line: usize, msg: String },
+    /// A bad row of a Parquet / Arrow file (0-based, as `datasets` counts).
+    #[error("{}: row {row}: {msg}", path.display())]
+    Row { path: PathBuf, row: usize, msg: String },
+    /// A file that is not what it claims, or an unsupported layout.
+    #[error("{}: {msg}", path.display())]
+    File { path: PathBuf, msg: String },
     /// A bad conversation of a chitchat-dataset file.
     #[error("{}: conversation {id}: {msg}", path.display())]
-    Conversation {
-        path: PathBuf,
-        id: String,
-        msg: String,
-    },
-    #[error("tokenizer has no special token {token:?}; ChatML needs it as a special added token")]
-    MissingToken { token: String },
-    #[error("tokenizing {what}: {cause}")]
-    Tokenize {
-        what: String,
-        cause: tokenizers::Error,
-    },
+    Conversation { path: PathBuf, id: String, msg: String },
 }
 
-/// Reads one chat record per line. Blank lines are ignored.
-///
-/// Lines are read as raw bytes so that invalid UTF-8 is reported against its line
-/// (or skipped) instead of failing the whole read as an I/O error.
-pub fn read_jsonl(path: &Path, on_error: OnError) -> Result<ReadReport, DataError> {
-    let io_err = |cause| DataError::Io {
-        path: path.to_path_buf(),
-        cause,
+/// The `[data] format` record shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Format {
+    /// `messages` or `conversations`, turns keyed `role`/`content` or `from`/`value`.
+    #[default]
+    Auto,
+    /// OpenAI `{"messages": [{"role", "content"}]}`.
+    Messages,
+    /// The earlier name of `messages`.
+    Jsonl,
+    /// `{"conversations": [{"from", "value"}]}` (also `role`/`content` turns: SpecForge).
+    Sharegpt,
+    /// The `chitchat-dataset` package's dataset.json.
+    Chitchat,
+}
+
+/// `[data.fields]`: where a record's parts are, for formats the presets do not cover.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fields {
+    /// Key of the list of turns.
+    pub messages: Option<String>,
+    /// Key of a turn's role.
+    pub role: Option<String>,
+    /// Key of a turn's text.
+    pub content: Option<String>,
+    /// Key of a top-level system prompt (used when the turns have none).
+    pub system: Option<String>,
+    /// Single-turn records: key of the user's text ...
+    pub prompt: Option<String>,
+    /// ... and of the reply (missing or empty: a prompt-only record).
+    pub response: Option<String>,
+    /// More role names: `{ customer = "user", agent = "assistant" }`.
+    #[serde(default)]
+    pub roles: BTreeMap<String, Role>,
+}
+
+/// How a record's JSON is read: the keys tried, in order, and the role names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schema {
+    list: Vec<String>,
+    role: Vec<String>,
+    content: Vec<String>,
+    system: Option<String>,
+    single_turn: Option<(String, Option<String>)>,
+    roles: BTreeMap<String, Role>,
+}
+
+impl Schema {
+    pub fn new(format: Format, fields: &Fields) -> Schema {
+        let v = |xs: &[&str]| xs.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let (mut list, mut role, mut content) = match format {
+            Format::Messages | Format::Jsonl => (v(&["messages"]), v(&["role"]), v(&["content"])),
+            Format::Sharegpt => (v(&["conversations"]), v(&["from", "role"]), v(&["value", "content"])),
+            Format::Auto | Format::Chitchat => (v(&["messages", "conversations"]), v(&["role", "from"]), v(&["content", "value"])),
+        };
+        if let Some(k) = &fields.messages {
+            list = vec![k.clone()];
+        }
+        if let Some(k) = &fields.role {
+            role = vec![k.clone()];
+        }
+        if let Some(k) = &fields.content {
+            content = vec![k.clone()];
+        }
+        // ShareGPT's names and the other chat UIs SpecForge maps.
+        let mut roles: BTreeMap<String, Role> = [
+            ("system", Role::System),
+            ("user", Role::User),
+            ("human", Role::User),
+            ("assistant", Role::Assistant),
+            ("gpt", Role::Assistant),
+            ("chatgpt", Role::Assistant),
+            ("bing", Role::Assistant),
+            ("bard", Role::Assistant),
+            ("model", Role::Assistant),
+        ]
+        .into_iter()
+        .map(|(k, r)| (k.to_string(), r))
+        .collect();
+        if format == Format::Messages || format == Format::Jsonl {
+            roles.retain(|k, _| matches!(k.as_str(), "system" | "user" | "assistant"));
+        }
+        roles.extend(fields.roles.iter().map(|(k, r)| (k.clone(), *r)));
+        Schema {
+            list,
+            role,
+            content,
+            system: Some(fields.system.clone().unwrap_or_else(|| "system".into())),
+            single_turn: fields.prompt.clone().map(|p| (p, fields.response.clone())),
+            roles,
+        }
+    }
+
+    /// OpenAI `messages` records (what `dflash-host distill --out` writes).
+    pub fn messages() -> Schema {
+        Schema::new(Format::Messages, &Fields::default())
+    }
+
+    /// One record from its JSON value; `Err(why)` names the field at fault.
+    pub fn parse(&self, value: &Value) -> Result<ChatRecord, String> {
+        let Some(object) = value.as_object() else {
+            return Err(format!("expected a JSON object, got {}", kind(value)));
+        };
+        let mut messages = Vec::new();
+        if let Some(system) = self.system.as_ref().and_then(|k| object.get(k)) {
+            match system {
+                Value::String(s) if !s.is_empty() => messages.push(Message { role: Role::System, content: s.clone() }),
+                Value::String(_) | Value::Null => {}
+                other => return Err(format!(r#"field "{}" must be a string, got {}"#, self.system.as_deref().unwrap_or(""), kind(other))),
+            }
+        }
+        if let Some((prompt, response)) = &self.single_turn {
+            let text = |key: &str, required: bool| -> Result<Option<String>, String> {
+                match object.get(key) {
+                    None | Some(Value::Null) if !required => Ok(None),
+                    None => Err(format!(r#"missing field "{key}""#)),
+                    Some(v) => content_text(v).map(Some).map_err(|why| format!(r#"field "{key}" {why}"#)),
+                }
+            };
+            messages.push(Message { role: Role::User, content: text(prompt, true)?.unwrap_or_default() });
+            if let Some(reply) = response.as_deref().map(|k| text(k, false)).transpose()?.flatten().filter(|r| !r.is_empty()) {
+                messages.push(Message { role: Role::Assistant, content: reply });
+            }
+            return Ok(ChatRecord { messages });
+        }
+        let Some((key, turns)) = self.list.iter().find_map(|k| object.get(k).map(|v| (k, v))) else {
+            return Err(format!("missing field {}", quoted_or(&self.list)));
+        };
+        let Some(turns) = turns.as_array() else {
+            return Err(format!(r#"field "{key}" must be an array, got {}"#, kind(turns)));
+        };
+        if turns.is_empty() {
+            return Err(format!(r#"field "{key}" is empty"#));
+        }
+        let from_turns = turns.iter().enumerate().map(|(i, t)| self.parse_turn(key, i, t)).collect::<Result<Vec<_>, _>>()?;
+        if from_turns.iter().any(|m| m.role == Role::System) {
+            messages.clear(); // the turns' own system prompt wins over a top-level one
+        }
+        messages.extend(from_turns);
+        if !messages.iter().any(|m| m.role != Role::System) {
+            return Err("no user or assistant message".into());
+        }
+        Ok(ChatRecord { messages })
+    }
+
+    fn parse_turn(&self, list: &str, i: usize, value: &Value) -> Result<Message, String> {
+        let Some(object) = value.as_object() else {
+            return Err(format!("{list}[{i}] must be an object, got {}", kind(value)));
+        };
+        fn field<'a>(object: &'a serde_json::Map<String, Value>, keys: &'a [String], list: &str, i: usize) -> Result<(&'a String, &'a Value), String> {
+            keys.iter()
+                .find_map(|k| object.get(k).map(|v| (k, v)))
+                .ok_or_else(|| format!("missing field {} in {list}[{i}]", quoted_or(keys)))
+        }
+        let (role_key, name) = field(object, &self.role, list, i)?;
+        let Some(name) = name.as_str() else {
+            return Err(format!(r#"field "{role_key}" in {list}[{i}] must be a string, got {}"#, kind(name)));
+        };
+        let role = *self.roles.get(name).ok_or_else(|| {
+            format!(
+                r#"unknown role "{name}" in {list}[{i}] (expected {}; map others in [data.fields] roles)"#,
+                self.roles.keys().map(String::as_str).collect::<Vec<_>>().join(", ")
+            )
+        })?;
+        let (content_key, content) = field(object, &self.content, list, i)?;
+        let content = content_text(content).map_err(|why| format!(r#"field "{content_key}" in {list}[{i}] {why}"#))?;
+        Ok(Message { role, content })
+    }
+}
+
+/// A message text: a string, or OpenAI content parts whose texts are joined.
+fn content_text(v: &Value) -> Result<String, String> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => parts
+            .iter()
+            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                (Some("text") | None, Some(t)) => Ok(t),
+                (Some(other), _) => Err(format!(r#"has a content part of type "{other}" (only text is read)"#)),
+                (None, None) => Err(format!("has a content part that is {}, not text", kind(p))),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(|t| t.concat()),
+        other => Err(format!("must be a string, got {}", kind(other))),
+    }
+}
+
+/// `"a" or "b"`.
+fn quoted_or(keys: &[String]) -> String {
+    keys.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(" or ")
+}
+
+/// Reads any supported file: a `save_to_disk` folder or `.arrow` file, `.parquet`, a JSON array
+/// (the first non-blank character is `[`), else JSONL.
+pub fn read_records(path: &Path, schema: &Schema, on_error: OnError) -> Result<ReadReport, DataError> {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
+    if path.is_dir() || ext == "arrow" || ext == "parquet" {
+        return crate::columnar::read(path, schema, on_error);
+    }
+    let io_err = |cause| DataError::Io { path: path.to_path_buf(), cause };
+    let mut file = BufReader::new(File::open(path).map_err(io_err)?);
+    let first = loop {
+        let buf = file.fill_buf().map_err(io_err)?;
+        match buf.iter().position(|b| !b.is_ascii_whitespace()) {
+            Some(i) => break Some(buf[i]),
+            None if buf.is_empty() => break None,
+            None => {
+                let n = buf.len();
+                file.consume(n);
+            }
+        }
     };
+    if first == Some(b'[') {
+        let bytes = std::fs::read(path).map_err(io_err)?;
+        return read_json_array(path, &bytes, schema, on_error);
+    }
+    read_jsonl_with(path, schema, on_error)
+}
+
+/// Reads one OpenAI-messages record per line. Blank lines are ignored.
+pub fn read_jsonl(path: &Path, on_error: OnError) -> Result<ReadReport, DataError> {
+    read_jsonl_with(path, &Schema::messages(), on_error)
+}
+
+/// Reads one record per line. Lines are read as raw bytes so that invalid UTF-8 is reported
+/// against its line (or skipped) instead of failing the whole read as an I/O error.
+pub fn read_jsonl_with(path: &Path, schema: &Schema, on_error: OnError) -> Result<ReadReport, DataError> {
+    let io_err = |cause| DataError::Io { path: path.to_path_buf(), cause };
     let mut reader = BufReader::new(File::open(path).map_err(io_err)?);
     let mut report = ReadReport::default();
     let mut buf = Vec::new();
@@ -118,17 +345,11 @@ pub fn read_jsonl(path: &Path, on_error: OnError) -> Result<ReadReport, DataErro
             break;
         }
         line += 1;
-        match parse_record(&buf) {
+        match parse_line(&buf, schema) {
             Ok(Some(record)) => report.records.push(record),
             Ok(None) => {}
             Err(msg) => match on_error {
-                OnError::Fail => {
-                    return Err(DataError::Line {
-                        path: path.to_path_buf(),
-                        line,
-                        msg,
-                    })
-                }
+                OnError::Fail => return Err(DataError::Line { path: path.to_path_buf(), line, msg }),
                 OnError::Skip => report.skipped.push((line, msg)),
             },
         }
@@ -136,12 +357,41 @@ pub fn read_jsonl(path: &Path, on_error: OnError) -> Result<ReadReport, DataErro
     Ok(report)
 }
 
-/// Writes one record per line, in the format [`read_jsonl`] reads.
-pub fn write_jsonl(path: &Path, records: &[ChatRecord]) -> Result<(), DataError> {
-    let io_err = |cause| DataError::Io {
+/// A JSON array of records; each is reported by the line its value starts on.
+fn read_json_array(path: &Path, bytes: &[u8], schema: &Schema, on_error: OnError) -> Result<ReadReport, DataError> {
+    let line_at = |offset: usize| bytes[..offset].iter().filter(|&&b| b == b'\n').count() + 1;
+    let text = std::str::from_utf8(bytes).map_err(|e| DataError::Line {
         path: path.to_path_buf(),
-        cause,
-    };
+        line: line_at(e.valid_up_to()),
+        msg: format!("invalid UTF-8 at byte {} of the file", e.valid_up_to()),
+    })?;
+    let items: Vec<&serde_json::value::RawValue> = serde_json::from_str(text).map_err(|e| DataError::Line {
+        path: path.to_path_buf(),
+        line: e.line(),
+        msg: format!("malformed JSON array: {e}"),
+    })?;
+    let mut report = ReadReport::default();
+    for (i, raw) in items.into_iter().enumerate() {
+        // The raw value borrows from `text`: its address gives its line.
+        let line = line_at(raw.get().as_ptr() as usize - text.as_ptr() as usize);
+        let parsed = serde_json::from_str::<Value>(raw.get())
+            .map_err(|e| format!("malformed JSON: {e}"))
+            .and_then(|v| schema.parse(&v))
+            .map_err(|why| format!("record {i}: {why}"));
+        match parsed {
+            Ok(record) => report.records.push(record),
+            Err(msg) => match on_error {
+                OnError::Fail => return Err(DataError::Line { path: path.to_path_buf(), line, msg }),
+                OnError::Skip => report.skipped.push((line, msg)),
+            },
+        }
+    }
+    Ok(report)
+}
+
+/// Writes one OpenAI-messages record per line, in the format [`read_jsonl`] reads.
+pub fn write_jsonl(path: &Path, records: &[ChatRecord]) -> Result<(), DataError> {
+    let io_err = |cause| DataError::Io { path: path.to_path_buf(), cause };
     let mut out = BufWriter::new(File::create(path).map_err(io_err)?);
     for record in records {
         serde_json::to_writer(&mut out, record).map_err(|e| io_err(e.into()))?;
@@ -150,71 +400,24 @@ pub fn write_jsonl(path: &Path, records: &[ChatRecord]) -> Result<(), DataError>
     out.flush().map_err(io_err)
 }
 
-/// Parses one line; `Ok(None)` for a blank line, `Err(why)` for a bad one.
-fn parse_record(line: &[u8]) -> Result<Option<ChatRecord>, String> {
-    let text = std::str::from_utf8(line)
-        .map_err(|e| format!("invalid UTF-8 at byte {}", e.valid_up_to()))?;
+/// Parses one OpenAI-messages line; `Ok(None)` for a blank line, `Err(why)` for a bad one.
+pub fn parse_record(line: &[u8]) -> Result<Option<ChatRecord>, String> {
+    parse_line(line, &Schema::messages())
+}
+
+fn parse_line(line: &[u8], schema: &Schema) -> Result<Option<ChatRecord>, String> {
+    let text = std::str::from_utf8(line).map_err(|e| format!("invalid UTF-8 at byte {}", e.valid_up_to()))?;
     if text.trim().is_empty() {
         return Ok(None);
     }
-    // Going through `Value` (rather than a serde derive) lets each error name the
-    // exact field, e.g. `missing field "content" in messages[2]`.
+    // Going through `Value` (rather than a serde derive) lets each error name the exact field,
+    // e.g. `missing field "content" in messages[2]`.
     let value: Value = serde_json::from_str(text).map_err(|e| format!("malformed JSON: {e}"))?;
-    let Some(object) = value.as_object() else {
-        return Err(format!("expected a JSON object, got {}", kind(&value)));
-    };
-    let Some(messages) = object.get("messages") else {
-        return Err(r#"missing field "messages""#.to_string());
-    };
-    let Some(messages) = messages.as_array() else {
-        return Err(format!(
-            r#"field "messages" must be an array, got {}"#,
-            kind(messages)
-        ));
-    };
-    if messages.is_empty() {
-        return Err(r#"field "messages" is empty"#.to_string());
-    }
-    let messages = messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| parse_message(i, m))
-        .collect::<Result<Vec<_>, _>>()?;
-    // A record without a reply has nothing to train on.
-    if !messages.iter().any(|m| m.role == Role::Assistant) {
-        return Err("no assistant message".to_string());
-    }
-    Ok(Some(ChatRecord { messages }))
-}
-
-fn parse_message(i: usize, value: &Value) -> Result<Message, String> {
-    let Some(object) = value.as_object() else {
-        return Err(format!(
-            "messages[{i}] must be an object, got {}",
-            kind(value)
-        ));
-    };
-    let field = |name: &str| -> Result<&str, String> {
-        let v = object
-            .get(name)
-            .ok_or_else(|| format!(r#"missing field "{name}" in messages[{i}]"#))?;
-        v.as_str().ok_or_else(|| {
-            format!(
-                r#"field "{name}" in messages[{i}] must be a string, got {}"#,
-                kind(v)
-            )
-        })
-    };
-    let name = field("role")?;
-    let role = Role::parse(name).ok_or_else(|| {
-        format!(r#"unknown role "{name}" in messages[{i}] (expected system, user or assistant)"#)
-    })?;
-    let content = field("content")?.to_string();
-    Ok(Message { role, content })
+    schema.parse(&value).map(Some)
 }
 
 /// The JSON type of a value, for error messages.
-fn kind(value: &Value) -> &'static str {
+pub(crate) fn kind(value: &Value) -> &'static str {
     match value {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -332,15 +535,15 @@ mod tests {
     }
 
     #[test]
-    fn empty_conversation_and_no_reply_are_errors() {
+    fn empty_conversations_are_errors_and_prompts_without_a_reply_are_records() {
+        assert_eq!(fail_message(br#"{"messages":[]}"#), r#"field "messages" is empty"#);
         assert_eq!(
-            fail_message(br#"{"messages":[]}"#),
-            r#"field "messages" is empty"#
+            fail_message(br#"{"messages":[{"role":"system","content":"be brief"}]}"#),
+            "no user or assistant message"
         );
-        assert_eq!(
-            fail_message(br#"{"messages":[{"role":"user","content":"anyone?"}]}"#),
-            "no assistant message"
-        );
+        let record = parse_record(br#"{"messages":[{"role":"user","content":"anyone?"}]}"#).unwrap().unwrap();
+        assert!(record.is_open());
+        assert_eq!(record.messages, vec![msg(Role::User, "anyone?")]);
     }
 
     #[test]
@@ -349,7 +552,7 @@ mod tests {
             fail_message(
                 br#"{"messages":[{"role":"user","content":"a"},{"role":"tool","content":"b"}]}"#
             ),
-            r#"unknown role "tool" in messages[1] (expected system, user or assistant)"#
+            r#"unknown role "tool" in messages[1] (expected assistant, system, user; map others in [data.fields] roles)"#
         );
     }
 
@@ -419,6 +622,143 @@ mod tests {
         assert_eq!(text.lines().count(), 2, "one record per line:\n{text}");
         let report = read_jsonl(&path, OnError::Fail).unwrap();
         assert_eq!(report.records, records);
+    }
+
+    /// The conversations of tests/fixtures/datasets (scripts/make_data_fixtures.py).
+    fn fixture_records() -> Vec<ChatRecord> {
+        vec![
+            ChatRecord { messages: vec![msg(Role::System, "Be brief."), msg(Role::User, "Hi!"), msg(Role::Assistant, "Hello.")] },
+            ChatRecord {
+                messages: vec![
+                    msg(Role::User, "2+2?"),
+                    msg(Role::Assistant, "4"),
+                    msg(Role::User, "And 3+3?"),
+                    msg(Role::Assistant, "6, with \"quotes\" and ünïcode."),
+                ],
+            },
+            ChatRecord { messages: vec![msg(Role::User, "Name a colour.")] },
+        ]
+    }
+
+    fn datasets_dir() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/datasets")
+    }
+
+    fn read(path: &Path, format: Format, fields: &Fields) -> Result<ReadReport, DataError> {
+        read_records(path, &Schema::new(format, fields), OnError::Fail)
+    }
+
+    #[test]
+    fn every_format_reads_to_the_same_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let openai = write(
+            "openai.jsonl",
+            concat!(
+                r#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi!"},{"role":"assistant","content":"Hello."}]}"#, "\n",
+                r#"{"id":"c1","messages":[{"role":"user","content":"2+2?"},{"role":"assistant","content":[{"type":"text","text":"4"}]},{"role":"user","content":"And 3+3?"},{"role":"assistant","content":"6, with \"quotes\" and ünïcode."}]}"#, "\n",
+                r#"{"messages":[{"role":"user","content":"Name a colour."}]}"#, "\n",
+            ),
+        );
+        // ShareGPT as a pretty-printed JSON array, the system prompt as a top-level field.
+        let sharegpt = write(
+            "sharegpt.json",
+            r#"[
+  {"id": "c0", "system": "Be brief.",
+   "conversations": [{"from": "human", "value": "Hi!"}, {"from": "gpt", "value": "Hello."}]},
+  {"id": "c1", "system": "",
+   "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"},
+                     {"from": "human", "value": "And 3+3?"}, {"from": "gpt", "value": "6, with \"quotes\" and ünïcode."}]},
+  {"id": "c2", "conversations": [{"from": "human", "value": "Name a colour."}]}
+]
+"#,
+        );
+        // SpecForge: `conversations` of role/content; speculators mixes both key pairs.
+        let specforge = write(
+            "specforge.jsonl",
+            concat!(
+                r#"{"id":"0","conversations":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi!"},{"role":"assistant","content":"Hello."}]}"#, "\n",
+                r#"{"id":"1","conversations":[{"from":"human","value":"2+2?"},{"role":"assistant","content":"4"},{"from":"user","value":"And 3+3?"},{"from":"gpt","value":"6, with \"quotes\" and ünïcode."}]}"#, "\n",
+                r#"{"id":"2","conversations":[{"role":"user","content":"Name a colour."}]}"#, "\n",
+            ),
+        );
+        // Anything else, through [data.fields].
+        let custom = write(
+            "custom.jsonl",
+            concat!(
+                r#"{"sys":"Be brief.","dialog":[{"who":"customer","says":"Hi!"},{"who":"agent","says":"Hello."}]}"#, "\n",
+                r#"{"dialog":[{"who":"customer","says":"2+2?"},{"who":"agent","says":"4"},{"who":"customer","says":"And 3+3?"},{"who":"agent","says":"6, with \"quotes\" and ünïcode."}]}"#, "\n",
+                r#"{"dialog":[{"who":"customer","says":"Name a colour."}]}"#, "\n",
+            ),
+        );
+        let fields = Fields {
+            messages: Some("dialog".into()),
+            role: Some("who".into()),
+            content: Some("says".into()),
+            system: Some("sys".into()),
+            roles: [("customer".to_string(), Role::User), ("agent".to_string(), Role::Assistant)].into(),
+            ..Fields::default()
+        };
+        let want = fixture_records();
+        let none = Fields::default();
+        for (path, format, fields) in [
+            (&openai, Format::Auto, &none),
+            (&openai, Format::Messages, &none),
+            (&openai, Format::Jsonl, &none),
+            (&sharegpt, Format::Auto, &none),
+            (&sharegpt, Format::Sharegpt, &none),
+            (&specforge, Format::Auto, &none),
+            (&specforge, Format::Sharegpt, &none),
+            (&custom, Format::Auto, &fields),
+            (&datasets_dir().join("sharegpt.parquet"), Format::Auto, &none),
+            (&datasets_dir().join("messages_arrow"), Format::Auto, &none),
+            (&datasets_dir().join("messages_arrow/data-00000-of-00001.arrow"), Format::Messages, &none),
+        ] {
+            let got = read(path, format, fields).unwrap_or_else(|e| panic!("{format:?}: {e}"));
+            assert_eq!(got.records, want, "{} as {format:?}", path.display());
+        }
+        // Single-turn columns (Alpaca-like): prompt and reply, an empty reply = a prompt.
+        let alpaca = write("alpaca.json", r#"[{"instruction":"Hi!","output":"Hello.","sys":"Be brief."},{"instruction":"Name a colour.","output":""}]"#);
+        let fields = Fields { prompt: Some("instruction".into()), response: Some("output".into()), system: Some("sys".into()), ..Fields::default() };
+        let got = read(&alpaca, Format::Auto, &fields).unwrap().records;
+        assert_eq!(got, vec![want[0].clone(), want[2].clone()]);
+    }
+
+    #[test]
+    fn a_bad_record_names_file_and_line_or_row_in_every_format() {
+        let dir = tempfile::tempdir().unwrap();
+        let bad_turn = r#"{"from":"tool","value":"x"}"#;
+        let jsonl = dir.path().join("bad.jsonl");
+        std::fs::write(&jsonl, format!("{GOOD}\n{{\"conversations\":[{bad_turn}]}}\n")).unwrap();
+        let json = dir.path().join("bad.json");
+        std::fs::write(&json, format!("[\n  {GOOD},\n\n  {{\"conversations\":\n    [{bad_turn}]}}\n]\n")).unwrap();
+        let why = r#"unknown role "tool" in conversations[0] (expected assistant, bard, bing, chatgpt, gpt, human, model, system, user; map others in [data.fields] roles)"#;
+        let none = Fields::default();
+        let expect = |path: &Path, place: &str, why: &str| {
+            let err = read(path, Format::Auto, &none).unwrap_err().to_string();
+            assert_eq!(err, format!("{}{place}: {why}", path.display()));
+            let skip = read_records(path, &Schema::new(Format::Auto, &none), OnError::Skip).unwrap();
+            assert_eq!(skip.skipped.len(), 1, "{}", path.display());
+            skip.records.len()
+        };
+        assert_eq!(expect(&jsonl, ":2", why), 1);
+        assert_eq!(expect(&json, ":4", &format!("record 1: {why}")), 1);
+        let why = why.replace("conversations[0]", "conversations[1]");
+        assert_eq!(expect(&datasets_dir().join("bad_role.parquet"), ": row 1", &why), 2);
+        assert_eq!(expect(&datasets_dir().join("bad_role_arrow"), ": row 1", &why), 2);
+        // A truncated Parquet file and a JSON array cut short name the file.
+        let cut = dir.path().join("cut.parquet");
+        let bytes = std::fs::read(datasets_dir().join("sharegpt.parquet")).unwrap();
+        std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+        let err = read(&cut, Format::Auto, &none).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{}: not a readable Parquet file: ", cut.display())), "{err}");
+        std::fs::write(&json, format!("[\n  {GOOD},\n")).unwrap();
+        let err = read(&json, Format::Auto, &none).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("{}:3: malformed JSON array: ", json.display())), "{err}");
     }
 
     /// Fuzzing the JSONL record reader: random bytes, mutated records and random JSON values,

@@ -1,51 +1,74 @@
-//! The ChatML chat template (SmolLM2 and Qwen use it) and its loss mask.
+//! Chat templates: the checkpoint's own Jinja `chat_template`, rendered the way transformers'
+//! `apply_chat_template` renders it, and the loss mask computed from that rendering.
 //!
-//! Each message renders as `<|im_start|>{role}\n{content}<|im_end|>\n`; a generation
-//! prompt is `<|im_start|>assistant\n`. Pieces are tokenized one by one so that each
-//! token's mask is known exactly instead of guessed from character offsets. For the
-//! byte-level BPE tokenizers of SmolLM2 and Qwen this gives the same ids as tokenizing
-//! the whole rendered string: the markers are special tokens (always split out), and
-//! their pre-tokenizers already split after a header's "\n".
+//! Rendering goes through `minijinja` with HF's environment: `trim_blocks` and `lstrip_blocks`,
+//! `raise_exception`, `strftime_now`, a `tojson` that writes what Python's `json.dumps` writes
+//! (no HTML escaping), loop controls, Python string and dict methods, and `{% generation %}`
+//! blocks (rendered as their body). The context is HF's too: `messages`, `tools` and `documents`
+//! (none), `add_generation_prompt`, `bos_token` / `eos_token`, plus the config's template kwargs
+//! (`enable_thinking = false` for Qwen3).
+//!
+//! The mask: each assistant message's content is rendered once more between two private-use
+//! sentinel characters; where they land in the output, with the sentinels removed, is where the
+//! content sits in the real rendering, whatever the template adds around it (headers, a default
+//! system prompt, `<think>` blocks, trimming). The turn's closing marker (`<|im_end|>`,
+//! `<|eot_id|>`: what a probe rendering puts right after an assistant message) is trained too, so
+//! the drafter learns to stop. Tokens are then masked by their character offsets in the whole
+//! rendering, which is tokenized in one piece, as transformers does.
 
-use serde::Deserialize;
+use std::ops::Range;
+
+use minijinja::{
+    value::{Kwargs, Serde},
+    Environment, Error as JinjaError, ErrorKind, Value,
+};
+use serde::Serialize;
 use tokenizers::Tokenizer;
 
-use crate::records::{DataError, Message, Role};
+use crate::records::{Message, Role};
 
-pub const IM_START: &str = "<|im_start|>";
-pub const IM_END: &str = "<|im_end|>";
+/// ChatML, for checkpoints that carry no template of their own.
+pub const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
 
-/// Which assistant turns are trained on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AssistantMask {
-    /// Every assistant turn.
-    #[default]
-    All,
-    /// Only the last assistant turn; earlier ones are context.
-    LastOnly,
+/// Marks the start and end of an assistant message's content in the probe renderings
+/// (Unicode private use: no tokenizer or dataset gives them a meaning).
+const OPEN: char = '\u{F8F0}';
+const CLOSE: char = '\u{F8F1}';
+
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("chat template does not compile: {0:#}")]
+    Compile(JinjaError),
+    #[error("chat template failed: {0:#}")]
+    Render(JinjaError),
+    #[error("the chat template rewrites assistant message {index}'s text, so its tokens cannot be found in the rendering")]
+    Unlocatable { index: usize },
+    #[error("tokenizing the rendered chat: {0}")]
+    Tokenize(String),
 }
 
+/// A compiled chat template with its context.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    /// bos_token, eos_token, ... and the config's template kwargs.
+    extra: Vec<(String, Value)>,
+    /// Text that closes an assistant turn (`<|im_end|>`), if the template writes one.
+    closing: Option<String>,
+}
+
+/// One message as templates see it (`message.role`, `message.content`).
+#[derive(Serialize)]
+struct TemplateMessage<'a> {
+    role: &'a str,
+    content: &'a str,
+}
+
+/// A rendering with, per message, the byte range of what is trained for it (assistant messages
+/// only: content and closing marker).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EncodeOpts {
-    /// Inserted first when the record has no system message.
-    pub default_system: Option<String>,
-    /// Append `<|im_start|>assistant\n` (mask 0), as when prompting for a reply.
-    pub add_generation_prompt: bool,
-    /// Keep at most this many tokens, cutting at the end; the mask is cut with them.
-    pub max_len: usize,
-    pub mask_assistant: AssistantMask,
-}
-
-impl Default for EncodeOpts {
-    fn default() -> Self {
-        EncodeOpts {
-            default_system: None,
-            add_generation_prompt: false,
-            max_len: usize::MAX,
-            mask_assistant: AssistantMask::All,
-        }
-    }
+pub struct Rendered {
+    pub text: String,
+    pub spans: Vec<Option<Range<usize>>>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -55,337 +78,634 @@ pub struct EncodedChat {
     pub loss_mask: Vec<u8>,
 }
 
-impl EncodedChat {
-    fn push(&mut self, ids: &[u32], mask: u8) {
-        self.ids.extend_from_slice(ids);
-        self.loss_mask.extend(std::iter::repeat_n(mask, ids.len()));
+impl ChatTemplate {
+    /// Compile `source`. `special` are the special-token strings the template may use
+    /// (`bos_token`, `eos_token`); `kwargs` the config's extra template variables.
+    pub fn new(source: &str, special: &[(&str, String)], kwargs: &[(String, serde_json::Value)]) -> Result<Self, TemplateError> {
+        let mut env = Environment::new();
+        let mut syntax = minijinja::syntax::SyntaxConfig::builder();
+        syntax.trim_blocks(true).lstrip_blocks(true);
+        env.set_syntax(syntax.build().map_err(TemplateError::Compile)?);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> Result<Value, JinjaError> {
+            Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+        });
+        env.add_function("strftime_now", |fmt: String| strftime(&fmt, unix_now()));
+        env.add_filter("tojson", tojson);
+        env.add_template_owned("chat", strip_generation_tags(source)).map_err(TemplateError::Compile)?;
+        let mut extra: Vec<(String, Value)> = special.iter().map(|(k, v)| (k.to_string(), Value::from(v.as_str()))).collect();
+        for (k, v) in kwargs {
+            extra.retain(|(name, _)| name != k);
+            extra.push((k.clone(), Value::from(Serde(v))));
+        }
+        let mut t = ChatTemplate { env, extra, closing: None };
+        t.closing = t.probe_closing();
+        Ok(t)
+    }
+
+    /// The text that closes an assistant turn, e.g. `<|im_end|>` (None if the template writes
+    /// nothing after the content).
+    pub fn closing(&self) -> Option<&str> {
+        self.closing.as_deref()
+    }
+
+    /// The template's output for `messages`, exactly as transformers renders it.
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, TemplateError> {
+        let tmpl = self.env.get_template("chat").map_err(TemplateError::Render)?;
+        let msgs: Vec<TemplateMessage> = messages.iter().map(|m| TemplateMessage { role: m.role.as_str(), content: &m.content }).collect();
+        let mut ctx: Vec<(String, Value)> = vec![
+            ("messages".into(), Value::from(Serde(&msgs))),
+            ("add_generation_prompt".into(), Value::from(add_generation_prompt)),
+            ("tools".into(), Value::from(())),
+            ("documents".into(), Value::from(())),
+        ];
+        ctx.extend(self.extra.iter().cloned());
+        let ctx = Value::from(ctx.into_iter().collect::<std::collections::BTreeMap<String, Value>>());
+        tmpl.render(ctx).map_err(TemplateError::Render)
+    }
+
+    /// Render and find, for each assistant message, the bytes it is trained on.
+    pub fn render_with_spans(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Rendered, TemplateError> {
+        let text = self.render(messages, add_generation_prompt)?;
+        let assistants: Vec<usize> = messages.iter().enumerate().filter(|(_, m)| m.role == Role::Assistant).map(|(i, _)| i).collect();
+        let mut spans = vec![None; messages.len()];
+        if assistants.is_empty() {
+            return Ok(Rendered { text, spans });
+        }
+        let located = match self.locate_by_sentinels(messages, add_generation_prompt, &text, &assistants) {
+            Some(found) => found,
+            None => locate_by_search(messages, &text, &assistants)?,
+        };
+        for (&i, content) in assistants.iter().zip(located) {
+            let mut end = content.end;
+            if let Some(closing) = &self.closing {
+                // Whitespace the template kept between the content and its closing marker
+                // belongs to the turn.
+                let rest = &text[end..];
+                let ws = rest.len() - rest.trim_start().len();
+                if rest[ws..].starts_with(closing.as_str()) {
+                    end += ws + closing.len();
+                }
+            }
+            spans[i] = Some(content.start..end);
+        }
+        Ok(Rendered { text, spans })
+    }
+
+    /// Render and tokenize in one piece; the mask is 1 on tokens that overlap a span of a
+    /// message for which `trained(i)` holds.
+    pub fn encode(
+        &self,
+        tok: &Tokenizer,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        trained: impl Fn(usize) -> bool,
+    ) -> Result<EncodedChat, TemplateError> {
+        let rendered = self.render_with_spans(messages, add_generation_prompt)?;
+        let spans: Vec<Range<usize>> =
+            rendered.spans.iter().enumerate().filter(|(i, _)| trained(*i)).filter_map(|(_, s)| s.clone()).collect();
+        encode_spans(tok, &rendered.text, &spans)
+    }
+
+    /// Where the content of each assistant message lies in `text`: rendered again with the
+    /// content between sentinels. None when the template does not carry them through (it then
+    /// depends on the content in ways a marker disturbs).
+    fn locate_by_sentinels(&self, messages: &[Message], gen: bool, text: &str, assistants: &[usize]) -> Option<Vec<Range<usize>>> {
+        let marked: Vec<Message> = messages
+            .iter()
+            .map(|m| if m.role == Role::Assistant { Message { role: m.role, content: mark(&m.content) } } else { m.clone() })
+            .collect();
+        let with_marks = self.render(&marked, gen).ok()?;
+        // Positions in the unmarked text, and which sentinel stood there.
+        let mut plain = String::with_capacity(with_marks.len());
+        let mut marks: Vec<(char, usize)> = Vec::new();
+        for c in with_marks.chars() {
+            if c == OPEN || c == CLOSE {
+                marks.push((c, plain.len()));
+            } else {
+                plain.push(c);
+            }
+        }
+        if plain != text {
+            return None;
+        }
+        // The k-th CLOSE ends the k-th assistant message; its OPEN, when the template kept it,
+        // comes after the previous CLOSE.
+        let closes: Vec<usize> = marks.iter().enumerate().filter(|(_, (c, _))| *c == CLOSE).map(|(j, _)| j).collect();
+        if closes.len() != assistants.len() {
+            return None;
+        }
+        let mut out = Vec::with_capacity(assistants.len());
+        let mut prev = 0;
+        for (k, &j) in closes.iter().enumerate() {
+            let end = marks[j].1;
+            let open = marks[prev..j].iter().rev().find(|(c, _)| *c == OPEN).map(|&(_, at)| at);
+            let start = match open {
+                Some(at) => at,
+                // The template cut the start off (Qwen3 moves reasoning out of the content):
+                // the content's longest suffix that ends here.
+                None => end - common_suffix(&text[..end], messages[assistants[k]].content.trim()),
+            };
+            out.push(start..end);
+            prev = j + 1;
+        }
+        Some(out)
+    }
+
+    /// What a template writes right after an assistant message, up to the next whitespace.
+    fn probe_closing(&self) -> Option<String> {
+        let probe = [
+            Message { role: Role::User, content: "Hi".into() },
+            Message { role: Role::Assistant, content: format!("{OPEN}Hello{CLOSE}") },
+        ];
+        let text = self.render(&probe, false).ok()?;
+        let after = &text[text.find(CLOSE)? + CLOSE.len_utf8()..];
+        let closing = after.trim_start().split(char::is_whitespace).next().unwrap_or("");
+        (!closing.is_empty()).then(|| closing.to_string())
     }
 }
 
-/// Renders `messages` with ChatML and tokenizes them.
-///
-/// The mask is 1 on the content tokens of the trained assistant turns and on their
-/// closing `<|im_end|>` (so the model learns to stop), 0 on everything else: role
-/// headers, system and user text, the "\n" after `<|im_end|>`, the generation prompt.
-pub fn encode_chatml(
-    tok: &Tokenizer,
-    messages: &[Message],
-    opts: &EncodeOpts,
-) -> Result<EncodedChat, DataError> {
-    // Unless the markers are special added tokens they are split into ordinary pieces
-    // ("<", "|", ...) and training would silently learn the wrong template.
-    let marker_id = |token: &str| {
-        tok.token_to_id(token)
-            .filter(|_| tok.get_added_vocabulary().is_special_token(token))
-            .ok_or_else(|| DataError::MissingToken {
-                token: token.to_string(),
-            })
-    };
-    marker_id(IM_START)?;
-    let im_end = marker_id(IM_END)?;
-    let encode = |text: &str, what: &str| -> Result<Vec<u32>, DataError> {
-        tok.encode(text, false)
-            .map(|enc| enc.get_ids().to_vec())
-            .map_err(|cause| DataError::Tokenize {
-                what: what.to_string(),
-                cause,
-            })
-    };
-    let header = |role: Role| encode(&format!("{IM_START}{}\n", role.as_str()), "a role header");
-    let newline = encode("\n", "a newline")?;
+/// `content` with the sentinels around its non-whitespace part, so templates that trim keep
+/// both markers.
+fn mark(content: &str) -> String {
+    let core = content.trim();
+    let lead = content.len() - content.trim_start().len();
+    let start = if core.is_empty() { content.len() } else { lead };
+    format!("{}{OPEN}{core}{CLOSE}{}", &content[..start], &content[start + core.len()..])
+}
 
-    let last_assistant = messages.iter().rposition(|m| m.role == Role::Assistant);
-    let trained = |i: usize, m: &Message| {
-        m.role == Role::Assistant
-            && match opts.mask_assistant {
-                AssistantMask::All => true,
-                AssistantMask::LastOnly => Some(i) == last_assistant,
-            }
-    };
-    let system = match &opts.default_system {
-        Some(content) if !messages.iter().any(|m| m.role == Role::System) => Some(Message {
-            role: Role::System,
-            content: content.clone(),
-        }),
-        _ => None,
-    };
-    let turns = system
-        .iter()
-        .map(|m| (m, false))
-        .chain(messages.iter().enumerate().map(|(i, m)| (m, trained(i, m))));
-
-    let mut out = EncodedChat::default();
-    for (message, trained) in turns {
-        let mask = u8::from(trained);
-        out.push(&header(message.role)?, 0);
-        out.push(&encode(&message.content, "message content")?, mask);
-        out.push(&[im_end], mask);
-        out.push(&newline, 0);
+/// The fallback when sentinels do not survive: each assistant message's trimmed content,
+/// searched in order.
+fn locate_by_search(messages: &[Message], text: &str, assistants: &[usize]) -> Result<Vec<Range<usize>>, TemplateError> {
+    let mut cursor = 0;
+    let mut out = Vec::new();
+    for &i in assistants {
+        let core = messages[i].content.trim();
+        let at = text[cursor..].find(core).ok_or(TemplateError::Unlocatable { index: i })? + cursor;
+        out.push(at..at + core.len());
+        cursor = at + core.len();
     }
-    if opts.add_generation_prompt {
-        out.push(&header(Role::Assistant)?, 0);
-    }
-    out.ids.truncate(opts.max_len);
-    out.loss_mask.truncate(opts.max_len);
     Ok(out)
 }
 
-/// Splits a conversation for self-distillation: everything before the last assistant
-/// message (to re-render with `add_generation_prompt`) and that reply.
-/// Messages after the last reply are dropped. `None` if there is no assistant message.
-pub fn prompt_for_last_reply(messages: &[Message]) -> Option<(Vec<Message>, &Message)> {
-    let last = messages.iter().rposition(|m| m.role == Role::Assistant)?;
-    Some((messages[..last].to_vec(), &messages[last]))
+/// Byte length of the longest common suffix of `a` and `b`, on char boundaries.
+fn common_suffix(a: &str, b: &str) -> usize {
+    a.chars().rev().zip(b.chars().rev()).take_while(|(x, y)| x == y).map(|(x, _)| x.len_utf8()).sum()
 }
 
+/// Tokenize `text` whole (no special tokens added: the template wrote them) and mask tokens that
+/// overlap one of `spans`.
+pub fn encode_spans(tok: &Tokenizer, text: &str, spans: &[Range<usize>]) -> Result<EncodedChat, TemplateError> {
+    let enc = tok.encode(text, false).map_err(|e| TemplateError::Tokenize(e.to_string()))?;
+    let loss_mask = enc
+        .get_offsets()
+        .iter()
+        .map(|&(s, e)| u8::from(spans.iter().any(|r| s < r.end && r.start < e.max(s + 1))))
+        .collect();
+    Ok(EncodedChat { ids: enc.get_ids().to_vec(), loss_mask })
+}
+
+/// `{% generation %}` ... `{% endgeneration %}` (HF's assistant-mask extension) become an
+/// always-true `if`, keeping their whitespace control.
+fn strip_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(at) = rest.find("{%") {
+        let Some(len) = rest[at..].find("%}") else { break };
+        let tag = &rest[at + 2..at + len];
+        let inner = tag.trim_matches(|c: char| c == '-' || c == '+').trim();
+        out.push_str(&rest[..at]);
+        let lead = &tag[..tag.len() - tag.trim_start_matches(['-', '+']).len()];
+        let trail = &tag[tag.trim_end_matches(['-', '+']).len()..];
+        match inner {
+            "generation" => out.push_str(&format!("{{%{lead} if true {trail}%}}")),
+            "endgeneration" => out.push_str(&format!("{{%{lead} endif {trail}%}}")),
+            _ => out.push_str(&rest[at..at + len + 2]),
+        }
+        rest = &rest[at + len + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// HF's `tojson`: Python's `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
+/// sort_keys=False)`, no HTML escaping.
+fn tojson(value: &Value, kwargs: Kwargs) -> Result<String, JinjaError> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let (item, key) = match separators.as_deref() {
+        Some([a, b]) => (a.clone(), b.clone()),
+        Some(_) => return Err(JinjaError::new(ErrorKind::InvalidOperation, "tojson: separators must be a pair")),
+        None if indent.is_some() => (",".into(), ": ".into()),
+        None => (", ".into(), ": ".into()),
+    };
+    let opts = JsonOpts { indent, ensure_ascii: ensure_ascii.unwrap_or(false), sort_keys: sort_keys.unwrap_or(false), item, key };
+    let mut out = String::new();
+    write_json(value, &opts, 0, &mut out)?;
+    Ok(out)
+}
+
+struct JsonOpts {
+    indent: Option<usize>,
+    ensure_ascii: bool,
+    sort_keys: bool,
+    item: String,
+    key: String,
+}
+
+fn write_json(v: &Value, o: &JsonOpts, depth: usize, out: &mut String) -> Result<(), JinjaError> {
+    use minijinja::value::ValueKind as K;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = o.indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    match v.kind() {
+        K::Undefined | K::None => out.push_str("null"),
+        K::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        K::Number if v.is_integer() => out.push_str(&v.to_string()),
+        K::Number => out.push_str(&python_float(f64::try_from(v.clone())?)),
+        K::Seq | K::Iterable => {
+            let items: Vec<Value> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&o.item);
+                }
+                newline(out, depth + 1);
+                write_json(item, o, depth + 1, out)?;
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        K::Map => {
+            let mut keys: Vec<Value> = v.try_iter()?.collect();
+            if o.sort_keys {
+                keys.sort_by_key(|k| k.to_string());
+            }
+            if keys.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            out.push('{');
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&o.item);
+                }
+                newline(out, depth + 1);
+                write_json_str(&k.to_string(), o.ensure_ascii, out);
+                out.push_str(&o.key);
+                write_json(&v.get_item(k)?, o, depth + 1, out)?;
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        // Strings, and whatever else prints as text.
+        _ => write_json_str(&v.to_string(), o.ensure_ascii, out),
+    }
+    Ok(())
+}
+
+fn write_json_str(s: &str, ensure_ascii: bool, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 || (ensure_ascii && (c as u32) > 0x7e) => {
+                let mut buf = [0u16; 2];
+                for unit in c.encode_utf16(&mut buf) {
+                    out.push_str(&format!("\\u{unit:04x}"));
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// Python's `repr(float)`: shortest round-trip digits, exponent form below 1e-4 and from 1e16.
+fn python_float(x: f64) -> String {
+    if x.is_nan() {
+        return "NaN".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "Infinity".into() } else { "-Infinity".into() };
+    }
+    let a = x.abs();
+    if a != 0.0 && !(1e-4..1e16).contains(&a) {
+        let s = format!("{x:e}"); // "1.5e20", "1e-5"
+        let (mant, exp) = s.split_once('e').expect("exponent form");
+        let exp: i32 = exp.parse().expect("exponent");
+        return format!("{mant}e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs());
+    }
+    let s = format!("{x:?}"); // shortest round-trip: "1.0", "0.1", "123.5"
+    if s.contains('e') {
+        format!("{x}")
+    } else {
+        s
+    }
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+}
+
+/// The subset of `strftime` chat templates use (`%d %b %Y` and friends), in UTC.
+fn strftime(fmt: &str, unix: i64) -> String {
+    const MONTHS: [&str; 12] =
+        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+    let days = unix.div_euclid(86_400);
+    let secs = unix.rem_euclid(86_400);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let weekday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('b') => out.push_str(&MONTHS[month as usize - 1][..3]),
+            Some('B') => out.push_str(MONTHS[month as usize - 1]),
+            Some('a') => out.push_str(&DAYS[weekday][..3]),
+            Some('A') => out.push_str(DAYS[weekday]),
+            Some('H') => out.push_str(&format!("{:02}", secs / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", secs / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", secs % 60)),
+            Some('j') => out.push_str(&format!("{:03}", doy_of_year(year, month, day))),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+fn doy_of_year(year: i64, month: i64, day: i64) -> i64 {
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let before = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][month as usize - 1];
+    before + day + i64::from(leap && month > 2)
+}
+
+/// A tokenizer for tests: one token per byte, the chat markers as special tokens, so every
+/// character's mask is visible.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod test_util {
     use serde_json::json;
     use std::str::FromStr;
+    use tokenizers::Tokenizer;
 
-    /// A word-level tokenizer: splits on spaces (dropped) and newlines (kept as a token),
-    /// with the ChatML markers as special added tokens.
-    fn tiny_tokenizer(with_markers: bool) -> Tokenizer {
-        let words = [
-            "[UNK]",
-            IM_START,
-            IM_END,
-            "\n",
-            "system",
-            "user",
-            "assistant",
-            "be",
-            "brief",
-            "hi",
-            "hello",
-            "there",
-            "how",
-            "are",
-            "you",
-            "fine",
-            "bye",
-            "now",
-        ];
-        let vocab: serde_json::Map<String, serde_json::Value> = words
+    /// GPT-2's byte-to-character table (what the ByteLevel pre-tokenizer maps bytes to).
+    fn byte_chars() -> Vec<char> {
+        let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+        let mut chars: Vec<u32> = printable.clone();
+        let mut n = 0;
+        for b in 0..256u32 {
+            if !printable.contains(&b) {
+                printable.push(b);
+                chars.push(256 + n);
+                n += 1;
+            }
+        }
+        let mut table = vec!['\0'; 256];
+        for (b, c) in printable.iter().zip(chars) {
+            table[*b as usize] = char::from_u32(c).unwrap();
+        }
+        table
+    }
+
+    /// One token per byte, plus the templates' markers as special tokens: every character's
+    /// mask is visible.
+    pub(crate) fn byte_tokenizer() -> Tokenizer {
+        let table = byte_chars();
+        let vocab: serde_json::Map<String, serde_json::Value> = table.iter().enumerate().map(|(i, c)| (c.to_string(), json!(i))).collect();
+        let markers = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"];
+        let added: Vec<serde_json::Value> = markers
             .iter()
             .enumerate()
-            .map(|(i, w)| (w.to_string(), json!(i)))
+            .map(|(i, m)| json!({"id": 256 + i, "content": m, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
             .collect();
-        let added = |id: usize, content: &str| {
-            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
-                   "rstrip": false, "normalized": false, "special": true})
-        };
-        let added_tokens = if with_markers {
-            vec![added(1, IM_START), added(2, IM_END)]
-        } else {
-            vec![]
-        };
+        let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
         let spec = json!({
-            "version": "1.0",
-            "truncation": null,
-            "padding": null,
-            "added_tokens": added_tokens,
-            "normalizer": null,
-            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed", "invert": false},
-                {"type": "Split", "pattern": {"String": "\n"}, "behavior": "Isolated", "invert": false},
-            ]},
-            "post_processor": null,
-            "decoder": null,
-            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+            "pre_tokenizer": byte_level, "post_processor": null, "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "vocab": vocab, "merges": []},
         });
         Tokenizer::from_str(&spec.to_string()).unwrap()
     }
 
-    fn msg(role: Role, content: &str) -> Message {
-        Message {
-            role,
-            content: content.to_string(),
-        }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_util::byte_tokenizer;
+    use super::*;
+    use serde_json::json;
+    use std::path::PathBuf;
+
+    fn fixtures() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/templates")
     }
 
-    fn chat() -> Vec<Message> {
-        vec![
-            msg(Role::System, "be brief"),
-            msg(Role::User, "hi"),
-            msg(Role::Assistant, "hello there"),
-            msg(Role::User, "how are you"),
-            msg(Role::Assistant, "fine"),
-        ]
+    /// renders.json (made by scripts/make_template_fixtures.py with transformers).
+    fn renders() -> serde_json::Value {
+        let path = fixtures().join("renders.json");
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
     }
 
-    /// The chat rendered as one string, the way a Jinja ChatML template would.
-    fn render(messages: &[Message], generation_prompt: bool) -> String {
-        let mut text: String = messages
+    fn messages(v: &serde_json::Value) -> Vec<Message> {
+        v.as_array()
+            .unwrap()
             .iter()
-            .map(|m| format!("{IM_START}{}\n{}{IM_END}\n", m.role.as_str(), m.content))
-            .collect();
-        if generation_prompt {
-            text.push_str(&format!("{IM_START}assistant\n"));
-        }
-        text
+            .map(|m| Message {
+                role: serde_json::from_value(m["role"].clone()).unwrap(),
+                content: m["content"].as_str().unwrap().to_string(),
+            })
+            .collect()
     }
 
-    fn tokens(tok: &Tokenizer, ids: &[u32]) -> Vec<String> {
-        ids.iter().map(|&id| tok.id_to_token(id).unwrap()).collect()
-    }
-
-    /// The tokens whose mask is 1.
-    fn masked(tok: &Tokenizer, enc: &EncodedChat) -> Vec<String> {
-        assert_eq!(enc.ids.len(), enc.loss_mask.len());
-        let ids: Vec<u32> = enc
-            .ids
+    /// The fixture's template `name` with its special tokens and `kwargs`.
+    fn fixture_template(doc: &serde_json::Value, name: &str, kwargs: &serde_json::Value) -> ChatTemplate {
+        let source = std::fs::read_to_string(fixtures().join(format!("{name}.jinja"))).unwrap();
+        let special: Vec<(&str, String)> = doc["special_tokens"][name]
+            .as_object()
+            .unwrap()
             .iter()
-            .zip(&enc.loss_mask)
-            .filter(|(_, &m)| m == 1)
-            .map(|(&id, _)| id)
+            .map(|(k, v)| (k.as_str(), v.as_str().unwrap().to_string()))
             .collect();
-        tokens(tok, &ids)
+        let kwargs: Vec<(String, serde_json::Value)> = kwargs.as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        ChatTemplate::new(&source, &special, &kwargs).unwrap_or_else(|e| panic!("{name}: {e}"))
     }
 
     #[test]
-    fn pieces_match_the_whole_rendered_string() {
-        let tok = tiny_tokenizer(true);
-        let enc = encode_chatml(&tok, &chat(), &EncodeOpts::default()).unwrap();
-        let whole = tok.encode(render(&chat(), false), false).unwrap();
-        assert_eq!(enc.ids, whole.get_ids());
-        assert_eq!(
-            tokens(&tok, &enc.ids[..8]),
-            vec![IM_START, "system", "\n", "be", "brief", IM_END, "\n", IM_START]
-        );
-    }
-
-    #[test]
-    fn mask_all_covers_every_reply_and_its_im_end() {
-        let tok = tiny_tokenizer(true);
-        let enc = encode_chatml(&tok, &chat(), &EncodeOpts::default()).unwrap();
-        assert_eq!(
-            masked(&tok, &enc),
-            vec!["hello", "there", IM_END, "fine", IM_END]
-        );
-        // Exact positions: system is tokens 0..7, user 7..13, the assistant header 13..16,
-        // "hello there" + im_end 16..19, its "\n" 19; user 20..28, header 28..31,
-        // "fine" + im_end 31..33, the final "\n" 33.
-        let ones: Vec<usize> = (0..enc.ids.len())
-            .filter(|&i| enc.loss_mask[i] == 1)
-            .collect();
-        assert_eq!(ones, vec![16, 17, 18, 31, 32]);
-        assert_eq!(enc.ids.len(), 34);
-        assert_eq!(tokens(&tok, &enc.ids[19..20]), vec!["\n"]);
-    }
-
-    #[test]
-    fn mask_last_only_covers_just_the_final_reply() {
-        let tok = tiny_tokenizer(true);
-        let opts = EncodeOpts {
-            mask_assistant: AssistantMask::LastOnly,
-            ..EncodeOpts::default()
-        };
-        let enc = encode_chatml(&tok, &chat(), &opts).unwrap();
-        assert_eq!(masked(&tok, &enc), vec!["fine", IM_END]);
-        let ones: Vec<usize> = (0..enc.ids.len())
-            .filter(|&i| enc.loss_mask[i] == 1)
-            .collect();
-        assert_eq!(ones, vec![31, 32]);
-        // Same ids as with AssistantMask::All: only the mask differs.
-        let all = encode_chatml(&tok, &chat(), &EncodeOpts::default()).unwrap();
-        assert_eq!(enc.ids, all.ids);
-    }
-
-    #[test]
-    fn default_system_is_inserted_only_when_missing() {
-        let tok = tiny_tokenizer(true);
-        let opts = EncodeOpts {
-            default_system: Some("be brief".to_string()),
-            ..EncodeOpts::default()
-        };
-        let without_system = &chat()[1..];
-        let enc = encode_chatml(&tok, without_system, &opts).unwrap();
-        let plain = encode_chatml(&tok, &chat(), &EncodeOpts::default()).unwrap();
-        assert_eq!(
-            enc, plain,
-            "inserted system renders like a given one, mask 0"
-        );
-
-        let mut own = chat();
-        own[0].content = "hi".to_string();
-        let enc = encode_chatml(&tok, &own, &opts).unwrap();
-        assert_eq!(
-            enc.ids,
-            tok.encode(render(&own, false), false).unwrap().get_ids()
-        );
-    }
-
-    #[test]
-    fn generation_prompt_is_appended_unmasked() {
-        let tok = tiny_tokenizer(true);
-        let messages = chat();
-        let (prompt, reply) = prompt_for_last_reply(&messages).unwrap();
-        assert_eq!(reply, &msg(Role::Assistant, "fine"));
-        let opts = EncodeOpts {
-            add_generation_prompt: true,
-            ..EncodeOpts::default()
-        };
-        let enc = encode_chatml(&tok, &prompt, &opts).unwrap();
-        assert_eq!(
-            enc.ids,
-            tok.encode(render(&prompt, true), false).unwrap().get_ids()
-        );
-        assert_eq!(
-            tokens(&tok, &enc.ids[enc.ids.len() - 3..]),
-            vec![IM_START, "assistant", "\n"]
-        );
-        assert_eq!(masked(&tok, &enc), vec!["hello", "there", IM_END]);
-        assert_eq!(&enc.loss_mask[enc.ids.len() - 3..], &[0, 0, 0]);
-    }
-
-    #[test]
-    fn truncation_cuts_ids_and_mask_together() {
-        let tok = tiny_tokenizer(true);
-        let full = encode_chatml(&tok, &chat(), &EncodeOpts::default()).unwrap();
-        for max_len in [0, 17, 33, 34, 1000] {
-            let opts = EncodeOpts {
-                max_len,
-                ..EncodeOpts::default()
-            };
-            let enc = encode_chatml(&tok, &chat(), &opts).unwrap();
-            let n = max_len.min(full.ids.len());
-            assert_eq!(enc.ids, &full.ids[..n], "max_len {max_len}");
-            assert_eq!(enc.loss_mask, &full.loss_mask[..n], "max_len {max_len}");
+    fn every_template_renders_exactly_as_transformers() {
+        let doc = renders();
+        let cases = doc["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 34);
+        let mut wrong = Vec::new();
+        for case in cases {
+            let name = case["template"].as_str().unwrap();
+            let conv = case["conversation"].as_str().unwrap();
+            let t = fixture_template(&doc, name, &case["kwargs"]);
+            let msgs = messages(&doc["conversations"][conv]);
+            let got = t.render(&msgs, case["add_generation_prompt"].as_bool().unwrap()).unwrap();
+            if got != case["rendered"].as_str().unwrap() {
+                wrong.push(format!("{name} / {conv} / {}:\n  want {:?}\n  got  {:?}", case["kwargs"], case["rendered"], got));
+            }
         }
-        // Cut inside the first reply: only "hello" survives as a target.
-        let opts = EncodeOpts {
-            max_len: 17,
-            ..EncodeOpts::default()
-        };
-        let enc = encode_chatml(&tok, &chat(), &opts).unwrap();
-        assert_eq!(masked(&tok, &enc), vec!["hello"]);
+        assert!(wrong.is_empty(), "{} of {} renders differ:\n{}", wrong.len(), cases.len(), wrong.join("\n"));
     }
 
     #[test]
-    fn markers_must_be_special_added_tokens() {
-        // The vocab holds the marker strings, but as plain words they would be merged
-        // with the role name ("<|im_start|>user") and never split out.
-        let tok = tiny_tokenizer(false);
-        let err = encode_chatml(&tok, &chat(), &EncodeOpts::default()).unwrap_err();
-        assert!(
-            matches!(&err, DataError::MissingToken { token } if token == IM_START),
-            "{err:?}"
+    fn masks_cover_each_reply_and_its_closing_marker_and_nothing_else() {
+        let doc = renders();
+        let tok = byte_tokenizer();
+        for case in doc["cases"].as_array().unwrap() {
+            let name = case["template"].as_str().unwrap();
+            let conv = case["conversation"].as_str().unwrap();
+            let t = fixture_template(&doc, name, &case["kwargs"]);
+            let closing = if name.starts_with("llama") { "<|eot_id|>" } else { "<|im_end|>" };
+            assert_eq!(t.closing(), Some(closing), "{name}");
+            let msgs = messages(&doc["conversations"][conv]);
+            let gen = case["add_generation_prompt"].as_bool().unwrap();
+            let r = t.render_with_spans(&msgs, gen).unwrap();
+            let mut expected = String::new();
+            for (i, m) in msgs.iter().enumerate() {
+                let Some(span) = &r.spans[i] else {
+                    assert_ne!(m.role, Role::Assistant, "{name} / {conv}: no span for message {i}");
+                    continue;
+                };
+                let trained = &r.text[span.clone()];
+                let body = trained.strip_suffix(closing).unwrap_or_else(|| panic!("{name} / {conv}: {trained:?} lacks {closing}"));
+                assert_eq!(body.trim(), m.content.trim(), "{name} / {conv}: message {i}");
+                expected.push_str(trained);
+            }
+            // Token level: what the mask selects decodes to exactly those spans.
+            let enc = t.encode(&tok, &msgs, gen, |_| true).unwrap();
+            let ids: Vec<u32> = enc.ids.iter().zip(&enc.loss_mask).filter(|(_, &m)| m == 1).map(|(&id, _)| id).collect();
+            assert_eq!(tok.decode(&ids, false).unwrap(), expected, "{name} / {conv}");
+            assert_eq!(tok.decode(&enc.ids, false).unwrap(), r.text, "{name} / {conv}: tokenized in one piece");
+        }
+    }
+
+    #[test]
+    fn only_the_chosen_replies_are_trained() {
+        let doc = renders();
+        let t = fixture_template(&doc, "qwen2.5", &json!({}));
+        let tok = byte_tokenizer();
+        let msgs = messages(&doc["conversations"]["multi_turn"]);
+        let enc = t.encode(&tok, &msgs, false, |i| i == 3).unwrap();
+        let ids: Vec<u32> = enc.ids.iter().zip(&enc.loss_mask).filter(|(_, &m)| m == 1).map(|(&id, _)| id).collect();
+        assert_eq!(tok.decode(&ids, false).unwrap(), "Sure: \"{{ nothing }}\" — done. 😀  <|im_end|>");
+        // The generation prompt is never trained.
+        let enc = t.encode(&tok, &msgs[..3], true, |_| true).unwrap();
+        assert!(tok.decode(&enc.ids, false).unwrap().ends_with("<|im_start|>assistant\n"));
+        assert_eq!(enc.loss_mask.iter().rev().take(21).sum::<u8>(), 0);
+    }
+
+    #[test]
+    fn a_template_that_rewrites_replies_is_refused_naming_the_message() {
+        // Renders the reply's length, not its text: nothing to mask.
+        let t = ChatTemplate::new("{% for m in messages %}{{ m.role }}:{{ m.content | length }};{% endfor %}", &[], &[]).unwrap();
+        let msgs = vec![
+            Message { role: Role::User, content: "hi".into() },
+            Message { role: Role::Assistant, content: "hello".into() },
+        ];
+        assert_eq!(t.render(&msgs, false).unwrap(), "user:2;assistant:5;");
+        let err = t.render_with_spans(&msgs, false).unwrap_err();
+        assert!(matches!(err, TemplateError::Unlocatable { index: 1 }), "{err}");
+        assert_eq!(t.closing(), Some(";"));
+    }
+
+    #[test]
+    fn a_reply_cut_at_its_start_is_found_by_its_end() {
+        // Keeps what follows the last "|" (as Qwen3 keeps what follows </think>).
+        let t = ChatTemplate::new(
+            "{% for m in messages %}<{{ m.role }}>{{ m.content.split('|')[-1] }}</s>{% endfor %}",
+            &[],
+            &[],
+        )
+        .unwrap();
+        let msgs = vec![
+            Message { role: Role::User, content: "q".into() },
+            Message { role: Role::Assistant, content: "hidden|shown".into() },
+        ];
+        let r = t.render_with_spans(&msgs, false).unwrap();
+        assert_eq!(r.text, "<user>q</s><assistant>shown</s>");
+        assert_eq!(&r.text[r.spans[1].clone().unwrap()], "shown</s>");
+    }
+
+    #[test]
+    fn broken_templates_fail_with_the_jinja_error() {
+        let err = ChatTemplate::new("{% for m in messages %}", &[], &[]).err().unwrap();
+        assert!(err.to_string().starts_with("chat template does not compile: "), "{err}");
+        let t = ChatTemplate::new("{{ raise_exception('no system role') }}", &[], &[]).unwrap();
+        let err = t.render(&[], false).unwrap_err().to_string();
+        assert!(err.contains("no system role"), "{err}");
+    }
+
+    #[test]
+    fn hf_extensions_behave_as_in_transformers() {
+        let render = |src: &str, kwargs: serde_json::Value| {
+            let kw: Vec<(String, serde_json::Value)> = kwargs.as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            ChatTemplate::new(src, &[("bos_token", "<s>".to_string())], &kw).unwrap().render(&[], false).unwrap()
+        };
+        // Python's json.dumps (outputs copied from Python 3).
+        let v = json!({"name": "f", "args": [1, 2.5, "x\"y\\n", null, true, 1e20, 1e-5, 0.1], "é": {}, "l": []});
+        assert_eq!(
+            render("{{ v | tojson }}", json!({"v": v})),
+            r#"{"name": "f", "args": [1, 2.5, "x\"y\\n", null, true, 1e+20, 1e-05, 0.1], "é": {}, "l": []}"#
         );
         assert_eq!(
-            err.to_string(),
-            r#"tokenizer has no special token "<|im_start|>"; ChatML needs it as a special added token"#
+            render("{{ v | tojson(indent=2) }}", json!({"v": {"a": [1, null], "b": {}}})),
+            "{\n  \"a\": [\n    1,\n    null\n  ],\n  \"b\": {}\n}"
         );
-    }
-
-    #[test]
-    fn prompt_for_last_reply_splits_at_the_last_assistant() {
-        let mut messages = chat();
-        messages.push(msg(Role::User, "bye"));
-        let (prompt, reply) = prompt_for_last_reply(&messages).unwrap();
-        assert_eq!(prompt, chat()[..4].to_vec());
-        assert_eq!(reply.content, "fine");
-        assert!(prompt_for_last_reply(&chat()[..2]).is_none());
+        assert_eq!(render("{{ v | tojson(ensure_ascii=true) }}", json!({"v": "é"})), r#""\u00e9""#);
+        assert_eq!(render("{{ v | tojson(sort_keys=true) }}", json!({"v": {"b": 1, "a": 2}})), r#"{"a": 2, "b": 1}"#);
+        // Generation blocks render their body; whitespace control is kept.
+        assert_eq!(render("a {%- generation %} b {% endgeneration -%} c", json!({})), "a b c");
+        // Loop controls, namespace, Python methods, the bos_token variable, `is false`.
+        assert_eq!(
+            render(
+                "{%- set ns = namespace(n=0) %}{%- for x in [1,2,3,4] %}{%- if x == 3 %}{% break %}{% endif %}{%- set ns.n = ns.n + x %}{%- endfor %}{{ ns.n }} {{ ' A b '.strip().lower() }} {{ bos_token }} {{ flag is false }}",
+                json!({"flag": false})
+            ),
+            "3 a b <s> true"
+        );
+        assert_eq!(strftime("%d %b %Y|%A %a %B %m %y %H:%M:%S %j %%", 1_796_216_709), "02 Dec 2026|Wednesday Wed December 12 26 13:05:09 336 %");
+        assert_eq!(strftime("%d %b %Y %j %a", 1_709_164_800), "29 Feb 2024 060 Thu");
     }
 }

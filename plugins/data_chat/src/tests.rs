@@ -1,0 +1,219 @@
+use super::*;
+
+fn chat_data(path: &std::path::Path, on_error: &str) -> Result<ChatData, PluginError> {
+    let text = format!("path = \"x\"\nformat = \"jsonl\"\non_error = \"{on_error}\"\ndistill = false");
+    let cfg: ChatSection = plugin_api::parse_section(&text).unwrap();
+    ChatData::new(cfg, path.to_path_buf(), std::path::PathBuf::new(), 0)
+}
+
+#[test]
+fn a_dataset_that_is_missing_empty_or_all_bad_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("chat.jsonl");
+    let err = chat_data(&path, "fail").err().unwrap().to_string();
+    assert!(err.starts_with(&format!("field `path`: {}: ", path.display())), "{err}");
+    std::fs::write(&path, "\n  \n").unwrap();
+    let err = chat_data(&path, "fail").err().unwrap().to_string();
+    assert_eq!(err, format!("{}: no usable records", path.display()));
+    std::fs::write(&path, "{\"messages\": []}\nnot json\n").unwrap();
+    let err = chat_data(&path, "skip").err().unwrap().to_string();
+    assert_eq!(err, format!("{}: no usable records", path.display()));
+    let err = chat_data(&path, "fail").err().unwrap().to_string();
+    assert_eq!(err, format!("field `path`: {}:1: field \"messages\" is empty", path.display()));
+}
+
+#[test]
+fn batches_pad_to_a_multiple_capped_at_max_len() {
+    assert_eq!(padded_len(100, 64, 192), 128);
+    assert_eq!(padded_len(128, 64, 192), 128);
+    assert_eq!(padded_len(129, 64, 192), 192);
+    assert_eq!(padded_len(181, 64, 192), 192);
+    assert_eq!(padded_len(70, 64, 96), 96);
+    assert_eq!(padded_len(57, 1, 96), 57);
+    assert_eq!(padded_len(200, 64, 192), 200); // longer than max_len: never cut
+}
+
+#[test]
+fn humaneval_gives_164_code_requests() {
+    let cache = std::env::var_os("DFLASH_CACHE")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/dflash"));
+    let path = cache.join("HumanEval.jsonl.gz");
+    assert!(path.exists(), "{} is missing: run `make setup`", path.display());
+    let records = humaneval_records(&path).unwrap();
+    assert_eq!(records.len(), 164);
+    let first = &records[0].messages[0].content;
+    assert!(first.contains("def has_close_elements("), "{first}");
+    assert!(records.iter().all(|r| r.is_open() && r.messages.len() == 1));
+}
+
+use template::test_util::byte_tokenizer;
+
+const EOS: u32 = 257; // <|im_end|> in the byte tokenizer
+
+/// A two-record dataset: a conversation with two replies and a prompt without one.
+fn dataset(dir: &Path) -> PathBuf {
+    let path = dir.join("chat.jsonl");
+    std::fs::write(
+        &path,
+        concat!(
+            r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"a"},{"role":"assistant","content":"b"},{"role":"user","content":"c"},{"role":"assistant","content":"d"}]}"#,
+            "\n",
+            r#"{"messages":[{"role":"user","content":"p"}]}"#,
+            "\n",
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// The plugin on `path` with `extra` config lines, opened with the byte tokenizer and
+/// `template` as the checkpoint's.
+fn opened(path: &Path, extra: &str, template: &str) -> Result<(ChatData, DataSummary), PluginError> {
+    let text = format!("path = \"x\"\nmax_len = 256\npad_to_multiple_of = 1\n{extra}");
+    let cfg: ChatSection = plugin_api::parse_section(&text)?;
+    let mut data = ChatData::new(cfg, path.to_path_buf(), PathBuf::new(), 0)?
+        .with_template(None, template)?
+        .with_special_ids(None, Some(EOS), None);
+    let summary = data.open_impl(&byte_tokenizer().to_string(false).unwrap())?;
+    Ok((data, summary))
+}
+
+fn text(ids: &[u32]) -> String {
+    byte_tokenizer().decode(ids, false).unwrap()
+}
+
+fn trained(e: &EncodedChat) -> String {
+    let ids: Vec<u32> = e.ids.iter().zip(&e.loss_mask).filter(|(_, &m)| m == 1).map(|(&i, _)| i).collect();
+    text(&ids)
+}
+
+/// The target's reply: `words` then the stop token.
+fn reply(words: &str) -> Vec<u32> {
+    let mut ids = byte_tokenizer().encode(words, false).unwrap().get_ids().to_vec();
+    ids.push(EOS);
+    ids
+}
+
+#[test]
+fn without_distillation_every_reply_is_trained_and_prompts_are_left_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, summary) = opened(&dataset(dir.path()), "distill = false", "").unwrap();
+    assert_eq!(data.examples.len(), 1);
+    let e = &data.examples[0].encoded;
+    assert_eq!(text(&e.ids), "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb<|im_end|>\n<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\nd<|im_end|>\n");
+    assert_eq!(trained(e), "b<|im_end|>d<|im_end|>");
+    assert!(data.distill_request().prompts.is_empty());
+    let d = summary.description.as_str();
+    assert!(d.contains("template: ChatML (the checkpoint has no chat template)"), "{d}");
+    assert!(d.contains("1 prompt-only records left out"), "{d}");
+    assert!(!d.contains("self-distillation"), "{d}");
+}
+
+#[test]
+fn distill_last_regenerates_one_reply_per_record_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut data, summary) = opened(&dataset(dir.path()), "distill = \"last\"", "").unwrap();
+    let d = summary.description.as_str();
+    assert!(
+        d.contains("self-distillation (distill = \"last\"): the target regenerates 1 of the dataset's 2 replies and answers 1 prompts (greedy, at most 64 tokens each); to train on the dataset's own replies instead, set distill = false in [data]"),
+        "{d}"
+    );
+    let req = data.distill_request();
+    assert_eq!(req.prompts.len(), 2);
+    assert_eq!(req.stop_tokens.as_slice(), &[EOS]);
+    assert_eq!(data.distill_options().replies_total, 2);
+    for p in req.prompts.iter() {
+        assert!(text(p).ends_with("<|im_start|>assistant\n"), "{}", text(p));
+    }
+    assert_eq!(text(&req.prompts[1]), "<|im_start|>user\np<|im_end|>\n<|im_start|>assistant\n");
+    assert!(matches!(data.next_batch(), RResult::RErr(_)), "no batch before the replies");
+    data.set_distilled_impl(vec![reply("X"), reply("Y")]).unwrap();
+    assert!(data.distill_request().prompts.is_empty());
+    for (e, r) in data.examples.iter().zip(["X", "Y"]) {
+        assert_eq!(trained(&e.encoded), format!("{r}<|im_end|>"));
+    }
+    let out = data.distilled_records().unwrap();
+    assert_eq!(out[1].messages, vec![Message { role: Role::User, content: "p".into() }, Message { role: Role::Assistant, content: "Y".into() }]);
+    assert_eq!(out[0].messages.last().unwrap().content, "X");
+}
+
+#[test]
+fn distill_all_regenerates_every_reply_turn_by_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut data, summary) = opened(&dataset(dir.path()), "distill = \"all\"", "").unwrap();
+    assert!(summary.description.contains("regenerates 2 of the dataset's 2 replies and answers 1 prompts"), "{}", summary.description);
+    assert_eq!(data.distill_options().replies_total, 3);
+    let req = data.distill_request();
+    assert_eq!(text(&req.prompts[0]), "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n");
+    data.set_distilled_impl(vec![reply("X"), reply("Z")]).unwrap();
+    // Round two: the first conversation's next prompt carries the target's first reply.
+    let req = data.distill_request();
+    assert_eq!(req.prompts.len(), 1);
+    assert_eq!(
+        text(&req.prompts[0]),
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nX<|im_end|>\n<|im_start|>user\nc<|im_end|>\n<|im_start|>assistant\n"
+    );
+    data.set_distilled_impl(vec![reply("Y")]).unwrap();
+    assert!(data.distill_request().prompts.is_empty());
+    assert_eq!(trained(&data.examples[0].encoded), "X<|im_end|>Y<|im_end|>");
+    assert_eq!(trained(&data.examples[1].encoded), "Z<|im_end|>");
+    // Exported as a text dataset, read back as one.
+    let out = dir.path().join("distilled.jsonl");
+    assert_eq!(data.export_distilled(RStr::from(out.to_str().unwrap())).unwrap(), 2);
+    let back = records::read_jsonl(&out, OnError::Fail).unwrap().records;
+    let m = |role, c: &str| Message { role, content: c.into() };
+    assert_eq!(
+        back[0].messages,
+        vec![m(Role::System, "S"), m(Role::User, "a"), m(Role::Assistant, "X"), m(Role::User, "c"), m(Role::Assistant, "Y")]
+    );
+    assert_eq!(back[1].messages, vec![m(Role::User, "p"), m(Role::Assistant, "Z")]);
+}
+
+#[test]
+fn the_checkpoint_template_and_its_kwargs_are_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let qwen3 = std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/templates/qwen3.jinja")).unwrap();
+    let (data, summary) = opened(&dataset(dir.path()), "template_kwargs = { enable_thinking = false }", &qwen3).unwrap();
+    assert!(summary.description.contains("template: the checkpoint's chat template"), "{}", summary.description);
+    let req = data.distill_request();
+    assert_eq!(text(&req.prompts[1]), "<|im_start|>user\np<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+    // `chat_template = "chatml"` overrides the checkpoint's.
+    let (data, _) = opened(&dataset(dir.path()), "chat_template = \"chatml\"", &qwen3).unwrap();
+    assert_eq!(text(&data.distill_request().prompts[1]), "<|im_start|>user\np<|im_end|>\n<|im_start|>assistant\n");
+    // A template file given in the config.
+    let file = dir.path().join("llama.jinja");
+    std::fs::write(&file, "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}").unwrap();
+    let text_cfg = "path = \"x\"\nmax_len = 256\ndistill = false\nchat_template = \"llama.jinja\"";
+    let cfg: ChatSection = plugin_api::parse_section(text_cfg).unwrap();
+    let mut data = ChatData::new(cfg, dataset(dir.path()), PathBuf::new(), 0).unwrap().with_template(Some(file), &qwen3).unwrap();
+    let s = data.open_impl(&byte_tokenizer().to_string(false).unwrap()).unwrap();
+    assert!(s.description.contains("llama.jinja"), "{}", s.description);
+    assert_eq!(trained(&data.examples[0].encoded), "b<|eot_id|>d<|eot_id|>");
+    assert_eq!(data.stop_tokens, vec![261]); // <|eot_id|>: the closing marker, one token
+}
+
+#[test]
+fn chatml_needs_its_markers_and_broken_templates_name_their_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dataset(dir.path());
+    let cfg: ChatSection = plugin_api::parse_section("path = \"x\"\ndistill = false").unwrap();
+    let mut data = ChatData::new(cfg.clone(), path.clone(), PathBuf::new(), 0).unwrap();
+    let plain = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,"model":{"type":"WordLevel","vocab":{"<unk>":0},"unk_token":"<unk>"}}"#;
+    let err = data.open_impl(plain).unwrap_err().to_string();
+    assert_eq!(err, "the checkpoint has no chat template, and its tokenizer has no <|im_start|> / <|im_end|> special tokens for ChatML: give the model's template with [data] chat_template = \"FILE.jinja\"");
+    let err = ChatData::new(cfg, path, PathBuf::new(), 0).unwrap().with_template(None, "{% if %}").err().unwrap().to_string();
+    assert!(err.starts_with("the checkpoint's chat template: chat template does not compile: "), "{err}");
+}
+
+#[test]
+fn distill_accepts_a_flag_or_a_mode() {
+    let parse = |v: &str| plugin_api::parse_section::<ChatSection>(&format!("path = \"x\"\ndistill = {v}")).map(|c| c.distill);
+    assert_eq!(parse("true").unwrap(), Distill::Last);
+    assert_eq!(parse("false").unwrap(), Distill::Off);
+    assert_eq!(parse("\"all\"").unwrap(), Distill::All);
+    let err = parse("\"every\"").unwrap_err().to_string();
+    assert!(err.contains(r#"unknown value "every": expected false, "last" or "all""#), "{err}");
+    let d = plugin_api::parse_section::<ChatSection>("path = \"x\"").unwrap();
+    assert_eq!((d.distill, d.distill_temperature, d.format), (Distill::Last, 0.0, Format::Auto));
+}
