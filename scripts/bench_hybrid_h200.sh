@@ -14,7 +14,9 @@
 #     transformers==5.8.1 tokenizers==0.22.2 'regex>=2025.10.22' fla-core==0.6.0
 #   device: scripts/bench_hybrid_h200.sh   (carry target/device/dflash-host and .whl; results in $OUT)
 # Each part has its own time limit and a failing part does not stop the rest; the most important
-# run first, so a call cut short still brings them back. About 6-8 minutes in all.
+# run first (the optional transformers-with-FLA and MoE comparisons last), so a call cut short
+# still brings them back. About 7-9 minutes in all: run it with the 600 s limit, and if it is cut,
+# the rest in a second call: PARTS="train_30b_a3b hf_27b_fla hf_30b_a3b" scripts/bench_hybrid_h200.sh
 set -u
 B=${B:-target/device/dflash-host}
 OUT=${OUT:-bench-out}
@@ -29,6 +31,7 @@ LOG=$OUT/log.txt
 part() {  # part NAME SECONDS COMMAND...: run, its output into the log, say how it went
     local name=$1 limit=$2 start=$SECONDS
     shift 2
+    if [ -n "${PARTS:-}" ] && [[ " $PARTS " != *" $name "* ]]; then return; fi
     echo "==== $name: $*" >> "$LOG"
     timeout "$limit" "$@" >> "$LOG" 2>&1
     echo "== $name: exit $? in $((SECONDS - start)) s" | tee -a "$LOG"
@@ -58,15 +61,15 @@ part gpu 20 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,tempe
 part train_27b_b4 300 "$B" bench train --config "$C27" --json "$OUT/train_27b_b4.json" --trace "$OUT/trace"
 part split_27b 60 python3 scripts/trace_summary.py "$OUT/trace/target_forward.trace.json" --top 30
 part hf_27b 300 env PYTHONPATH="$HF_PATH" python3 scripts/bench_transformers_target.py \
-    --config configs/bench/qwen3.6-27b-config.json --batch 4 1 --json "$OUT/hf_27b.json"
+    --config configs/bench/qwen3.6-27b-config.json --batch 4 1 --warmup 1 --iters 3 --json "$OUT/hf_27b.json"
 part train_27b_b1 180 "$B" bench train --config configs/bench/qwen3.6-27b-b1.toml --json "$OUT/train_27b_b1.json"
 part train_30b_a3b 240 "$B" bench train --config configs/bench/qwen3-30b-a3b.toml --json "$OUT/train_30b_a3b.json"
 if [ -d /tmp/fla ]; then
     part hf_27b_fla 240 env PYTHONPATH="/tmp/fla${HF_PATH:+:$HF_PATH}" python3 scripts/bench_transformers_target.py \
-        --config configs/bench/qwen3.6-27b-config.json --batch 4 --json "$OUT/hf_27b_fla.json"
+        --config configs/bench/qwen3.6-27b-config.json --batch 4 --warmup 1 --iters 3 --json "$OUT/hf_27b_fla.json"
 fi
 part hf_30b_a3b 240 env PYTHONPATH="$HF_PATH" python3 scripts/bench_transformers_target.py \
-    --config configs/bench/qwen3-30b-a3b-config.json --batch 4 --json "$OUT/hf_30b_a3b.json"
+    --config configs/bench/qwen3-30b-a3b-config.json --batch 4 --warmup 1 --iters 3 --json "$OUT/hf_30b_a3b.json"
 [ -d "$OUT/trace" ] && tar -czf "$OUT/traces.tar.gz" -C "$OUT" trace && rm -r "$OUT/trace"
 rm -f configs/bench/qwen3.6-27b-b1.toml
 grep "^== " "$LOG"
