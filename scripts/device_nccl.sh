@@ -9,7 +9,7 @@
 #      fixed cost per call plus a device-local copy, not a link.
 # Built here, run there:
 #   cargo build --release -p dflash-host && mkdir -p target/device && strip -o target/device/dflash-host target/release/dflash-host
-#   (cd tests/plugins/synthetic_target && cargo build --release) && cp tests/plugins/synthetic_target/target/release/libsynthetic_target.so target/device/
+#   cargo build --release --manifest-path tests/plugins/synthetic_target/Cargo.toml --target-dir target && cp target/release/libsynthetic_target.so target/device/
 #   device: scripts/device_nccl.sh   (carry target/device; results in $OUT)
 # It also runs here on the CPU for checking the script: DEVICE=cpu (Gloo instead of NCCL).
 set -u
