@@ -45,7 +45,7 @@ pub struct DistEnv {
 }
 
 impl DistEnv {
-    /// From the launcher's variables; None when `WORLD_SIZE` is unset or 1.
+    /// From the launcher's variables; None when `WORLD_SIZE` is unset.
     pub fn from_env() -> Result<Option<Self>> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
@@ -54,15 +54,16 @@ impl DistEnv {
         let num = |k: &str| -> Result<Option<usize>> {
             var(k).map(|v| v.trim().parse::<usize>().with_context(|| format!("environment variable {k}=`{v}`: not a number"))).transpose()
         };
-        let world = num("WORLD_SIZE")?.unwrap_or(1);
-        if world <= 1 {
-            return Ok(None);
+        // A launcher's world of 1 (torchrun --nproc-per-node 1) runs through c10d too.
+        let Some(world) = num("WORLD_SIZE")? else { return Ok(None) };
+        if world == 0 {
+            bail!("WORLD_SIZE=0: a world needs at least one rank");
         }
         let rank = num("RANK")?.context("WORLD_SIZE is set but RANK is not")?;
         if rank >= world {
             bail!("RANK {rank} is not below WORLD_SIZE {world}");
         }
-        let master_port = var("MASTER_PORT").context("WORLD_SIZE > 1 needs MASTER_PORT")?;
+        let master_port = var("MASTER_PORT").context("WORLD_SIZE is set but MASTER_PORT is not")?;
         let timeout = match num("DFLASH_DIST_TIMEOUT")? {
             Some(0) => bail!("environment variable DFLASH_DIST_TIMEOUT=0: the timeout must be at least 1 s"),
             Some(s) => Duration::from_secs(s as u64),
@@ -141,7 +142,7 @@ pub fn average_gradients(comm: &mut dyn Communicator, params: &[Tensor]) -> Resu
 
 /// Buckets of the tensors to all-reduce: runs of the same dtype and device, each at most
 /// `cap` bytes (a larger tensor alone), in order.
-fn buckets(tensors: &[Tensor], cap: usize) -> Vec<std::ops::Range<usize>> {
+pub(crate) fn buckets(tensors: &[Tensor], cap: usize) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let (mut start, mut bytes) = (0, 0usize);
     for (i, t) in tensors.iter().enumerate() {
@@ -192,7 +193,12 @@ impl Shared {
 
     fn explain(&self, what: &str, e: c10d::Error) -> anyhow::Error {
         let me = self.rank;
-        match self.gone_ranks() {
+        let gone = self.gone_ranks();
+        if me == 0 {
+            // Rank 0 serves the store: stay a little, so the others' diagnosis can still read it.
+            std::thread::sleep(HEARTBEAT * (MISSED_BEATS + 2));
+        }
+        match gone {
             Ok(gone) if !gone.is_empty() => {
                 let who: Vec<String> = gone.iter().map(|r| r.to_string()).collect();
                 let s = if gone.len() > 1 { "s" } else { "" };
@@ -435,7 +441,7 @@ mod tests {
     fn the_launcher_environment_is_read_and_checked() {
         let vars = |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
         assert_eq!(DistEnv::from_vars(vars(&[])).unwrap(), None);
-        assert_eq!(DistEnv::from_vars(vars(&[("WORLD_SIZE", "1"), ("RANK", "0")])).unwrap(), None);
+        assert_eq!(DistEnv::from_vars(vars(&[("WORLD_SIZE", "1"), ("RANK", "0"), ("MASTER_PORT", "2")])).unwrap().map(|e| e.world), Some(1));
         let env = DistEnv::from_vars(vars(&[("WORLD_SIZE", "4"), ("RANK", "2"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500")]))
             .unwrap()
             .unwrap();

@@ -44,7 +44,7 @@ enum Command {
         stop_at: Option<u64>,
         /// Data-parallel: start N local ranks of this command (as `torchrun --nproc-per-node N
         /// --no-python dflash-host train ...` would); each rank's GPUs are the config's offset by
-        /// its local rank.
+        /// its local rank. N = 1 runs one rank through the same collectives.
         #[arg(long, value_name = "N")]
         nproc: Option<usize>,
     },
@@ -156,6 +156,22 @@ enum BenchCommand {
         #[arg(long, value_name = "DIR")]
         trace: Option<PathBuf>,
     },
+    /// The data-parallel gradient all-reduce (c10d: Gloo on the CPU, NCCL on a GPU) on the
+    /// gradients of the config's drafter, per bucket size. Alone it is a world of 1 (the fixed
+    /// cost per call); under a launcher, every rank runs it.
+    Allreduce {
+        /// The bench config (TOML), e.g. configs/bench/qwen3-8b.toml (its [bench] is not read).
+        #[arg(long)]
+        config: PathBuf,
+        /// Bucket sizes in MiB, comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [32, 128, 512])]
+        bucket_mb: Vec<usize>,
+        #[arg(long, default_value_t = 10)]
+        iters: usize,
+        /// Also write the JSON report to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// One layer's DFlash block attention, masked SDPA next to split attention: errors against
     /// an fp32 masked-SDPA reference, then bf16 forward and forward + backward times.
     Attention {
@@ -200,7 +216,7 @@ fn run() -> Result<ExitCode> {
             println!("report: {}", report.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Train { nproc: Some(n), ref config, ref exp_dir, .. } if n > 1 && std::env::var_os("RANK").is_none() => {
+        Command::Train { nproc: Some(n), ref config, ref exp_dir, .. } if n >= 1 && std::env::var_os("RANK").is_none() => {
             let mut args = dflash_host::launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
             // One experiment folder for every rank (each would otherwise pick a fresh name).
             if let (Some(config), None) = (config, exp_dir) {
@@ -289,6 +305,17 @@ fn run() -> Result<ExitCode> {
             let registry = Registry::new(&cli.plugins)?;
             let report = dflash_host::bench::train::train(&registry, &config, trace.as_deref())?;
             dflash_host::bench::train::print(&report);
+            let line = serde_json::to_string(&report)?;
+            println!("{line}");
+            if let Some(path) = json {
+                std::fs::write(&path, line + "\n").with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench { what: BenchCommand::Allreduce { config, bucket_mb, iters, json } } => {
+            let registry = Registry::new(&cli.plugins)?;
+            let report = dflash_host::bench::allreduce::allreduce(&registry, &config, &bucket_mb, iters)?;
+            dflash_host::bench::allreduce::print(&report);
             let line = serde_json::to_string(&report)?;
             println!("{line}");
             if let Some(path) = json {

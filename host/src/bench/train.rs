@@ -134,7 +134,7 @@ pub struct Report {
     pub fused_loss_error: Option<[f64; 2]>,
 }
 
-fn section(kind: &'static str, table: &toml::Table) -> Result<PluginSection> {
+pub(crate) fn section(kind: &'static str, table: &toml::Table) -> Result<PluginSection> {
     let mut rest = table.clone();
     let plugin = match rest.remove("plugin") {
         Some(toml::Value::String(s)) => s,
