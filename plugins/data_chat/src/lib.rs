@@ -571,10 +571,10 @@ impl ChatData {
         self.shuffle_epoch();
         let mut notes = vec![format!("template: {}", self.describe_source(&self.template_source))];
         if unfit > 0 {
-            notes.push(format!("{unfit} records left out (their prompt does not fit max_len {})", self.cfg.max_len));
+            notes.push(format!("{} left out (the prompt does not fit max_len {})", count(unfit as u64, "record"), self.cfg.max_len));
         }
         if self.prompt_only > 0 {
-            notes.push(format!("{} prompt-only records left out (nothing regenerates their reply with distill = false)", self.prompt_only));
+            notes.push(format!("{} left out (nothing writes their reply with distill = false)", count(self.prompt_only, "prompt-only record")));
         }
         if mode != Distill::Off {
             let replies: usize = self.records.iter().map(|r| r.messages.iter().filter(|m| m.role == Role::Assistant).count()).sum();
@@ -589,7 +589,7 @@ impl ChatData {
                 "self-distillation (distill = {}): the target regenerates {replaced} of the dataset's {replies} replies{} ({how}, at most {} tokens each); \
                  to train on the dataset's own replies instead, set distill = false in [data]",
                 mode.as_str(),
-                if answered > 0 { format!(" and answers {answered} prompts") } else { String::new() },
+                if answered > 0 { format!(" and answers {}", count(answered as u64, "prompt")) } else { String::new() },
                 self.cfg.distill_max_new_tokens,
             ));
         }
@@ -716,6 +716,11 @@ impl ChatData {
         }
         Ok(out)
     }
+}
+
+/// `1 record`, `2 records`.
+fn count(n: u64, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
 }
 
 /// A template file: Jinja text, or JSON (a `tokenizer_config.json`) with a `chat_template`.
@@ -851,10 +856,16 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     let path = ctx.resolve_path(&section.path);
     let template_file = section.chat_template.as_deref().filter(|t| *t != "chatml").map(|t| ctx.resolve_path(t));
     let spec = ctx.target.as_ref().into_option();
-    let checkpoint = spec.map(|s| s.chat_template.as_str()).unwrap_or("");
+    let mut checkpoint = spec.map(|s| s.chat_template.to_string()).unwrap_or_default();
+    // transformers 5 saves the template beside tokenizer_config.json, as chat_template.jinja.
+    if checkpoint.trim().is_empty() {
+        if let Some(file) = spec.map(|s| Path::new(s.source.as_str()).join("chat_template.jinja")).filter(|f| f.is_file()) {
+            checkpoint = std::fs::read_to_string(&file).map_err(|e| PluginError::new(format!("{}: {e}", file.display())))?;
+        }
+    }
     let (bos, eos, pad) = spec.map_or((None, None, None), |s| (s.bos_token_id.into_option(), Some(s.eos_token_id), s.pad_token_id.into_option()));
     let data = ChatData::new(section, path, ctx.cache_dir.as_str().into(), ctx.seed)?
-        .with_template(template_file, checkpoint)?
+        .with_template(template_file, &checkpoint)?
         .with_special_ids(bos, eos, pad);
     Ok(PluginInstance::DataLoader(DataLoader_TO::from_value(data, TD_Opaque)))
 }

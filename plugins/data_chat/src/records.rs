@@ -749,7 +749,10 @@ mod tests {
         assert_eq!(expect(&json, ":4", &format!("record 1: {why}")), 1);
         let why = why.replace("conversations[0]", "conversations[1]");
         assert_eq!(expect(&datasets_dir().join("bad_role.parquet"), ": row 1", &why), 2);
-        assert_eq!(expect(&datasets_dir().join("bad_role_arrow"), ": row 1", &why), 2);
+        // A save_to_disk folder: the error names its data file.
+        let arrow = datasets_dir().join("bad_role_arrow");
+        let err = read(&arrow, Format::Auto, &none).unwrap_err().to_string();
+        assert_eq!(err, format!("{}: row 1: {why}", arrow.join("data-00000-of-00001.arrow").display()));
         // A truncated Parquet file and a JSON array cut short name the file.
         let cut = dir.path().join("cut.parquet");
         let bytes = std::fs::read(datasets_dir().join("sharegpt.parquet")).unwrap();

@@ -106,7 +106,7 @@ fn without_distillation_every_reply_is_trained_and_prompts_are_left_out() {
     assert!(data.distill_request().prompts.is_empty());
     let d = summary.description.as_str();
     assert!(d.contains("template: ChatML (the checkpoint has no chat template)"), "{d}");
-    assert!(d.contains("1 prompt-only records left out"), "{d}");
+    assert!(d.contains("1 prompt-only record left out"), "{d}");
     assert!(!d.contains("self-distillation"), "{d}");
 }
 
@@ -116,7 +116,7 @@ fn distill_last_regenerates_one_reply_per_record_and_says_so() {
     let (mut data, summary) = opened(&dataset(dir.path()), "distill = \"last\"", "").unwrap();
     let d = summary.description.as_str();
     assert!(
-        d.contains("self-distillation (distill = \"last\"): the target regenerates 1 of the dataset's 2 replies and answers 1 prompts (greedy, at most 64 tokens each); to train on the dataset's own replies instead, set distill = false in [data]"),
+        d.contains("self-distillation (distill = \"last\"): the target regenerates 1 of the dataset's 2 replies and answers 1 prompt (greedy, at most 64 tokens each); to train on the dataset's own replies instead, set distill = false in [data]"),
         "{d}"
     );
     let req = data.distill_request();
@@ -142,7 +142,7 @@ fn distill_last_regenerates_one_reply_per_record_and_says_so() {
 fn distill_all_regenerates_every_reply_turn_by_turn() {
     let dir = tempfile::tempdir().unwrap();
     let (mut data, summary) = opened(&dataset(dir.path()), "distill = \"all\"", "").unwrap();
-    assert!(summary.description.contains("regenerates 2 of the dataset's 2 replies and answers 1 prompts"), "{}", summary.description);
+    assert!(summary.description.contains("regenerates 2 of the dataset's 2 replies and answers 1 prompt"), "{}", summary.description);
     assert_eq!(data.distill_options().replies_total, 3);
     let req = data.distill_request();
     assert_eq!(text(&req.prompts[0]), "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n");
