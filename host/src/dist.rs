@@ -193,6 +193,9 @@ impl Shared {
 
     fn explain(&self, what: &str, e: c10d::Error) -> anyhow::Error {
         let me = self.rank;
+        // Say first that this rank is stopping on a peer's failure, so that a rank diagnosing
+        // later does not name it as gone too once it has exited.
+        let _ = self.store.lock().expect("store lock").add(&stopping_key(me), 1);
         let gone = self.gone_ranks();
         if me == 0 {
             // Rank 0 serves the store: stay a little, so the others' diagnosis can still read it.
@@ -204,19 +207,21 @@ impl Shared {
                 let s = if gone.len() > 1 { "s" } else { "" };
                 anyhow!("rank{s} {} gone (no heartbeat for {} s): {what} failed on rank {me}: {e}", who.join(", "), MISSED_BEATS)
             }
-            Ok(_) => anyhow!("{what} failed on rank {me} with every rank alive (one may be stuck; timeout {} s): {e}", self.timeout.as_secs()),
+            Ok(_) => anyhow!("{what} failed on rank {me} with no rank gone (one may be stuck; timeout {} s): {e}", self.timeout.as_secs()),
             Err(store) => anyhow!("rank 0 gone (the rendezvous store it serves does not answer: {store}): {what} failed on rank {me}: {e}"),
         }
     }
 
-    /// The ranks whose heartbeat stopped: counters read, then again after a few beats.
+    /// The ranks whose heartbeat stopped (counters read, then again after a few beats), less
+    /// those that were stopping on a failure of their own diagnosis.
     fn gone_ranks(&self) -> c10d::Result<Vec<usize>> {
         let store = self.store.lock().expect("store lock");
-        let read = || (0..self.world).map(|r| store.add(&beat_key(r), 0)).collect::<c10d::Result<Vec<i64>>>();
-        let before = read()?;
+        let read = |key: fn(usize) -> String| (0..self.world).map(|r| store.add(&key(r), 0)).collect::<c10d::Result<Vec<i64>>>();
+        let before = read(beat_key)?;
         std::thread::sleep(HEARTBEAT * MISSED_BEATS);
-        let after = read()?;
-        Ok((0..self.world).filter(|&r| r != self.rank && after[r] == before[r]).collect())
+        let after = read(beat_key)?;
+        let stopping = read(stopping_key)?;
+        Ok((0..self.world).filter(|&r| r != self.rank && after[r] == before[r] && stopping[r] == 0).collect())
     }
 }
 
@@ -231,6 +236,10 @@ impl Drop for Shared {
 
 fn beat_key(rank: usize) -> String {
     format!("dflash/beat/{rank}")
+}
+
+fn stopping_key(rank: usize) -> String {
+    format!("dflash/stopping/{rank}")
 }
 
 fn hello_key(rank: usize) -> String {
