@@ -112,6 +112,14 @@ fn a_sharegpt_file_with_a_llama3_style_template_trains_and_exports() {
         assert_eq!((m.len(), m[0]["role"].as_str(), m[1]["role"].as_str()), (2, Some("user"), Some("assistant")));
         assert!(m[0]["content"].as_str().unwrap().starts_with("Say one thing about"));
     }
+
+    // Nothing to export when the config keeps the dataset's replies.
+    std::fs::write(dir.path().join("keep.toml"), CONFIG.replace("distill = \"last\"", "distill = false")).unwrap();
+    let out = host(&["distill", "--config", "keep.toml", "--out", "kept.jsonl"], dir.path());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("keep.toml: the data loader regenerates no replies (in [data], distill = false?)"), "{stderr}");
+    assert!(!dir.path().join("kept.jsonl").exists());
 }
 
 #[test]
