@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
 """Reference fixtures for the Rust DFlash trainer, computed with PyTorch.
 
-Writes three safetensors files (see tests/fixtures/README.md for the layout):
+Writes these safetensors files (see tests/fixtures/README.md for the layout):
 
-  dflash_loss.safetensors  a tiny random DFlash drafter (2 layers, hidden 64), its forward on fixed
-                           inputs, the DFlash block loss, accuracy/tau_hat and parameter gradients.
-  adamw.safetensors        10 steps of torch.optim.AdamW (single-tensor path) with a cosine lr.
-  muon.safetensors         10 steps of torch.optim.Muon on tall/wide/square matrices, both lr
-                           scalings, with torch's bf16 Newton-Schulz and with a float32 one.
+  dflash_loss.safetensors     a tiny random DFlash drafter (2 layers, hidden 64), its forward on
+                              fixed inputs, the DFlash block loss, accuracy/tau_hat and parameter
+                              gradients.
+  dflash_global.safetensors   that drafter's gradients for one step of 3 micro-batches on each of
+                              2 data-parallel ranks, normalised globally (one token-weighted mean).
+  dflash_sliding.safetensors  that drafter with a sliding-window first layer: forward, loss,
+                              gradients.
+  rope.safetensors            transformers' RoPE scaling (linear, llama3, yarn) frequencies.
+  adamw.safetensors           10 steps of torch.optim.AdamW (single-tensor path) with a cosine lr.
+  muon.safetensors            10 steps of torch.optim.Muon on tall/wide/square matrices, both lr
+                              scalings, with torch's bf16 Newton-Schulz and with a float32 one.
 
 Everything runs on the CPU in float32 with one thread and deterministic algorithms, so the
 numbers do not depend on any GPU. The reference code below is written from the DFlash spec
 (block-diffusion drafter that attends to projected target hidden states), not taken from any
 other project.
 
-Usage (needs torch 2.11 and safetensors):  python3 scripts/make_fixtures.py --out tests/fixtures
+Usage (needs torch 2.11 and safetensors; transformers 5.8.1 for rope):
+  python3 scripts/make_fixtures.py --out tests/fixtures
 Only some files:  python3 scripts/make_fixtures.py --only muon --out tests/fixtures
 """
 

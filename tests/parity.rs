@@ -5,7 +5,7 @@
 //! steps with a changing learning rate.
 
 use dflash_host::{
-    dist::{Communicator, DistEnv, TcpCommunicator},
+    dist::{C10dCommunicator, Communicator, DistEnv, Identity},
     train::{
         anchors::{block_token_ids, AnchorRule, AnchorSampler},
         loss::{dflash_loss, tau_hat, LossInput, Reduction},
@@ -199,8 +199,17 @@ fn global_normalisation_over_micro_batches_and_ranks_matches_pytorch() {
                         // Per thread: tch tensors are not shared between threads.
                         let (f, g) = (Fixture::load("dflash_loss.safetensors"), Fixture::load("dflash_global.safetensors"));
                         let c = &f.json("config");
-                        let env = DistEnv { rank, world: 2, local_rank: rank, master_addr: "127.0.0.1".into(), master_port: port };
-                        let mut comm: Box<dyn Communicator> = Box::new(TcpCommunicator::connect(&env).unwrap());
+                        let env = DistEnv {
+                            rank,
+                            world: 2,
+                            local_rank: rank,
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                            timeout: std::time::Duration::from_secs(120),
+                        };
+                        let identity = Identity { config: "parity".into(), build: "parity".into() };
+                        let mut comm: Box<dyn Communicator> =
+                            Box::new(C10dCommunicator::connect(&env, plugin_api::tch::Device::Cpu, &identity).unwrap());
                         let (_, drafter) = fixture_drafter(c);
                         let mut drafter: DrafterBox = Drafter_TO::from_value(drafter, TD_Opaque);
                         let draft = DraftLoss {

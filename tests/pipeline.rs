@@ -106,30 +106,44 @@ fn a_failing_target_worker_stops_the_run_cleanly() {
     }
 }
 
-/// Two data-parallel ranks (processes, TCP through rank 0) with K = 1 take the same steps as one
-/// replica with K = 2: same micro-batches, averaged gradients, metrics summed across ranks.
-#[test]
-fn two_data_parallel_ranks_equal_one_replica_with_twice_the_accumulation() {
-    let dir = tempfile::tempdir().unwrap();
-    let with_k = |k: u64| config("dp", "buffer_mb = 64").replace("steps = 12", &format!("steps = 8\ngrad_accum = {k}\nhidden_cache_mb = 0"));
-    std::fs::write(dir.path().join("one.toml"), with_k(2)).unwrap();
-    std::fs::write(dir.path().join("dp.toml"), with_k(1)).unwrap();
-    host(&["train", "--config", "one.toml", "--exp-dir", "one"], dir.path());
-
+/// `world` ranks of `dflash-host train --config NAME.toml --exp-dir NAME` in `dir` (processes,
+/// through c10d's Gloo), started by hand as a launcher would; `extra` adds arguments and
+/// variables. Returns the children.
+fn spawn_ranks(dir: &Path, name: &str, world: usize, extra_args: &[&str], vars: &[(&str, &str)]) -> Vec<std::process::Child> {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let ranks: Vec<_> = (0..2)
+    (0..world)
         .map(|rank| {
             Command::new(env!("CARGO_BIN_EXE_dflash-host"))
-                .args(["train", "--config", "dp.toml", "--exp-dir", "dp"])
-                .current_dir(dir.path())
+                .args(extra_args)
+                .args(["train", "--config", &format!("{name}.toml"), "--exp-dir", name])
+                .current_dir(dir)
                 .env("DFLASH_CACHE", cache())
-                .envs([("RANK", rank.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_ADDR", "127.0.0.1".into()), ("MASTER_PORT", port.clone())])
+                .envs([("RANK", rank.to_string()), ("WORLD_SIZE", world.to_string()), ("MASTER_ADDR", "127.0.0.1".into()), ("MASTER_PORT", port.clone())])
+                .envs(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())))
                 .stderr(std::process::Stdio::piped())
                 .spawn()
                 .unwrap()
         })
-        .collect();
-    for r in ranks {
+        .collect()
+}
+
+/// R data-parallel ranks with K = 1 take the same steps as one replica with K = R: same
+/// micro-batches, gradients summed across ranks (c10d, Gloo), metrics summed across ranks. With
+/// Muon the Newton-Schulz work is split across the ranks (distributed Muon) and the updates
+/// all-gathered.
+fn ranks_equal_one_replica(world: usize, optimizer: &str, steps: u64, weight_tol: f64) {
+    common::require_model();
+    let dir = tempfile::tempdir().unwrap();
+    let with_k = |k: usize| {
+        common::tiny_config(
+            &format!("name = \"dp\"\nseed = 1\n[train]\nsteps = {steps}\ngrad_accum = {k}\nhidden_cache_mb = 0\nanchors_per_seq = 8\nlog_every = 1\n\n[pipeline]\nbuffer_mb = 64"),
+            optimizer,
+        )
+    };
+    std::fs::write(dir.path().join("one.toml"), with_k(world)).unwrap();
+    std::fs::write(dir.path().join("dp.toml"), with_k(1)).unwrap();
+    host(&["train", "--config", "one.toml", "--exp-dir", "one"], dir.path());
+    for r in spawn_ranks(dir.path(), "dp", world, &[], &[]) {
         let out = r.wait_with_output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     }
@@ -140,20 +154,70 @@ fn two_data_parallel_ranks_equal_one_replica_with_twice_the_accumulation() {
     assert_eq!(one.len(), dp.len());
     for (a, b) in one.iter().zip(&dp) {
         for key in ["step", "tokens", "draft_tokens", "acc"] {
-            assert_eq!(a[key], b[key], "step {}: {key}", a["step"]);
+            assert_eq!(a[key], b[key], "{world} ranks, step {}: {key}", a["step"]);
         }
         for key in ["loss", "grad_norm", "tau_hat"] {
             let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
-            assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-3), "step {}: {key} {x} (one replica) vs {y} (two ranks)", a["step"]);
+            assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-3), "{world} ranks, step {}: {key} {x} (one replica) vs {y}", a["step"]);
         }
     }
-    let weights = |name: &str| plugin_api::tch::Tensor::read_safetensors(dir.path().join(name).join("checkpoints/step-8/model.safetensors")).unwrap();
+    let weights = |name: &str| plugin_api::tch::Tensor::read_safetensors(dir.path().join(name).join(format!("checkpoints/step-{steps}/model.safetensors"))).unwrap();
     let dp_weights: std::collections::HashMap<String, plugin_api::tch::Tensor> = weights("dp").into_iter().collect();
     for (n, a) in weights("one") {
         let b = &dp_weights[&n];
         // Adam divides by sqrt(v): float-rounding differences in tiny gradients show up more in
         // the weights than in the loss, so compare norms.
         let rel = ((&a - b).norm() / a.norm()).double_value(&[]);
-        assert!(rel < 1e-4, "weight {n}: relative difference {rel}");
+        assert!(rel < weight_tol, "{world} ranks: weight {n}: relative difference {rel}");
     }
+}
+
+#[test]
+fn two_data_parallel_ranks_equal_one_replica_with_twice_the_accumulation() {
+    ranks_equal_one_replica(2, "plugin = \"adamw\"\nlr = 3e-3", 8, 1e-4);
+}
+
+#[test]
+fn three_data_parallel_ranks_with_distributed_muon_equal_one_replica_with_three_times_the_accumulation() {
+    ranks_equal_one_replica(3, "plugin = \"muon\"\nlr = 3e-3\nns_dtype = \"f32\"", 4, 1e-4);
+}
+
+/// One of three ranks is killed mid-run (SIGKILL): the other two stop within seconds, not at the
+/// timeout, each with an error naming the dead rank, and the last checkpoint rank 0 wrote
+/// verifies.
+#[test]
+fn a_killed_rank_stops_the_others_with_an_error_naming_it() {
+    let so = common::build_plugin("tests/plugins/synthetic_target", "synthetic_target", &[], "synthetic_target");
+    let dir = tempfile::tempdir().unwrap();
+    let text = config("kill", "buffer_mb = 8")
+        .replace("steps = 12", "steps = 400\ncheckpoint_every = 2\nhidden_cache_mb = 0")
+        .replace("plugin = \"hf\"\npath = \"$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf\"", "plugin = \"synthetic\"\nforward_ms = 5")
+        .replace("distill_max_new_tokens = 12", "distill = false")
+        .replace("mask_token_id = 16", "mask_token_id = 0");
+    std::fs::write(dir.path().join("kill.toml"), text).unwrap();
+    let so = so.display().to_string();
+    let mut ranks = spawn_ranks(dir.path(), "kill", 3, &["--plugin", &so], &[("DFLASH_DIST_TIMEOUT", "120")]);
+    let exp = dir.path().join("kill");
+    let waited = std::time::Instant::now();
+    while !exp.join("checkpoints/step-4").exists() {
+        assert!(waited.elapsed().as_secs() < 300, "no checkpoint at step 4 after {:?}", waited.elapsed());
+        for r in ranks.iter_mut() {
+            assert!(r.try_wait().unwrap().is_none(), "a rank ended before the kill");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let mut dead = ranks.pop().unwrap();
+    dead.kill().unwrap();
+    let _ = dead.wait();
+    let killed = std::time::Instant::now();
+    for (rank, r) in ranks.into_iter().enumerate() {
+        let out = r.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "rank {rank}: {err}");
+        let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
+        assert!(line.contains("rank 2 gone"), "rank {rank}: {line}");
+    }
+    assert!(killed.elapsed().as_secs() < 60, "the others took {:?} to stop", killed.elapsed());
+    let (_, newest) = dflash_host::experiment::newest_good_checkpoint(&exp).expect("checkpoints before the kill");
+    dflash_host::experiment::verify_checkpoint(&newest).unwrap();
 }

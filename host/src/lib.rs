@@ -11,6 +11,7 @@ pub mod doctor;
 pub mod eval;
 pub mod experiment;
 pub mod export;
+pub mod launch;
 pub mod pipeline;
 pub mod plugins;
 pub mod run;

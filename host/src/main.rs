@@ -42,6 +42,11 @@ enum Command {
         /// Stop after this step with a checkpoint, as if interrupted (resume later).
         #[arg(long)]
         stop_at: Option<u64>,
+        /// Data-parallel: start N local ranks of this command (as `torchrun --nproc-per-node N
+        /// --no-python dflash-host train ...` would); each rank's GPUs are the config's offset by
+        /// its local rank. N = 1 runs one rank through the same collectives.
+        #[arg(long, value_name = "N")]
+        nproc: Option<usize>,
     },
     /// Run only the targets over the config's data and write their features (sharded
     /// safetensors + index.json) for `pipeline.capture` to train from.
@@ -164,6 +169,22 @@ enum BenchCommand {
         #[arg(long, value_name = "DIR")]
         trace: Option<PathBuf>,
     },
+    /// The data-parallel gradient all-reduce (c10d: Gloo on the CPU, NCCL on a GPU) on the
+    /// gradients of the config's drafter, per bucket size. Alone it is a world of 1 (the fixed
+    /// cost per call); under a launcher, every rank runs it.
+    Allreduce {
+        /// The bench config (TOML), e.g. configs/bench/qwen3-8b.toml (its [bench] is not read).
+        #[arg(long)]
+        config: PathBuf,
+        /// Bucket sizes in MiB, comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [32, 128, 512])]
+        bucket_mb: Vec<usize>,
+        #[arg(long, default_value_t = 10)]
+        iters: usize,
+        /// Also write the JSON report to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// One layer's DFlash block attention, masked SDPA next to split attention: errors against
     /// an fp32 masked-SDPA reference, then bf16 forward and forward + backward times.
     Attention {
@@ -222,6 +243,17 @@ fn run() -> Result<ExitCode> {
             let report = dflash_host::compare::run(&dirs, out.as_deref(), group_by.as_deref())?;
             println!("report: {}", report.display());
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Train { nproc: Some(n), ref config, ref exp_dir, .. } if n >= 1 && std::env::var_os("RANK").is_none() => {
+            let mut args = dflash_host::launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
+            // One experiment folder for every rank (each would otherwise pick a fresh name).
+            if let (Some(config), None) = (config, exp_dir) {
+                if !args.iter().any(|a| a == "--resume") {
+                    let cfg = RunConfig::load(config)?;
+                    args.extend(["--exp-dir".into(), experiment::fresh_dir(Path::new("experiments"), &cfg.name).into()]);
+                }
+            }
+            Ok(ExitCode::from(dflash_host::launch::launch(n, &args)?))
         }
         Command::Train { resume: Some(dir), allow_plugin_change, stop_at, .. } => {
             let registry = Registry::new(&cli.plugins)?;
@@ -301,6 +333,17 @@ fn run() -> Result<ExitCode> {
             let registry = Registry::new(&cli.plugins)?;
             let report = dflash_host::bench::train::train(&registry, &config, trace.as_deref())?;
             dflash_host::bench::train::print(&report);
+            let line = serde_json::to_string(&report)?;
+            println!("{line}");
+            if let Some(path) = json {
+                std::fs::write(&path, line + "\n").with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Bench { what: BenchCommand::Allreduce { config, bucket_mb, iters, json } } => {
+            let registry = Registry::new(&cli.plugins)?;
+            let report = dflash_host::bench::allreduce::allreduce(&registry, &config, &bucket_mb, iters)?;
+            dflash_host::bench::allreduce::print(&report);
             let line = serde_json::to_string(&report)?;
             println!("{line}");
             if let Some(path) = json {
@@ -392,6 +435,7 @@ fn print_summary(s: &train::TrainSummary) {
 }
 
 fn main() -> ExitCode {
+    dflash_host::dist::set_nccl_defaults(); // before any thread starts
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),

@@ -3,6 +3,7 @@
 
 use crate::{
     config::{self, RunConfig},
+    dist,
     experiment::Experiment,
     plugins::{PluginRecord, Registry},
     pipeline::components::{build_components, Components},
@@ -86,6 +87,7 @@ pub struct RunSpec<'a> {
 
 pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     let RunSpec { cfg, config_path, exp_dir, registry, ab, stop_at } = spec;
+    let cfg = &place_rank(cfg)?;
     let cache = cache_dir();
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     let components = build(cfg, config_path, &config_dir, registry)?;
@@ -109,7 +111,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         arm: ab.map(|(_, arm)| arm.to_string()),
     };
     let resolved = toml::to_string(cfg)?;
-    let comm = connect()?;
+    let comm = connect(cfg, &components.records)?;
     let mut exp = match &comm {
         Some(c) if c.rank() > 0 => Experiment::detached(exp_dir),
         _ => Experiment::create(exp_dir, &resolved, &manifest)?,
@@ -118,12 +120,55 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     train::train(cfg, components, &mut exp, &cache, train::TrainOptions { resume: None, stop_at, comm })
 }
 
-/// The data-parallel communicator when a launcher started several ranks (RANK, WORLD_SIZE, ...).
-fn connect() -> Result<Option<Box<dyn crate::dist::Communicator>>> {
-    match crate::dist::DistEnv::from_env()? {
-        Some(env) => Ok(Some(Box::new(crate::dist::TcpCommunicator::connect(&env)?))),
-        None => Ok(None),
+/// The data-parallel communicator when a launcher started several ranks (RANK, WORLD_SIZE, ...):
+/// c10d on the drafter's device (Gloo on the CPU, NCCL on a GPU), after the ranks checked that
+/// they run the same build with the same config.
+fn connect(cfg: &RunConfig, records: &[PluginRecord]) -> Result<Option<Box<dyn dist::Communicator>>> {
+    let Some(env) = dist::DistEnv::from_env()? else { return Ok(None) };
+    let device = config::parse_device(cfg.drafter_device())?;
+    let identity = identity(cfg, records)?;
+    Ok(Some(Box::new(dist::C10dCommunicator::connect(&env, device, &identity)?)))
+}
+
+/// The hashes ranks compare at the rendezvous: the resolved config without its device placement
+/// (each rank's own, see `place_rank`), and this binary plus the plugin libraries.
+fn identity(cfg: &RunConfig, records: &[PluginRecord]) -> Result<dist::Identity> {
+    use sha2::{Digest, Sha256};
+    let mut table = toml::Table::try_from(cfg)?;
+    table.remove("device");
+    if let Some(toml::Value::Table(p)) = table.get_mut("pipeline") {
+        p.remove("targets");
+        p.remove("drafter");
     }
+    let short = |h: Sha256| h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect::<String>();
+    let config = short(Sha256::new_with_prefix(toml::to_string(&table)?));
+    let exe = std::env::current_exe().context("this binary's path")?;
+    let mut build = Sha256::new_with_prefix(std::fs::read(&exe).with_context(|| format!("reading {}", exe.display()))?);
+    for r in records {
+        build.update(format!("{} {} {} {:?}\n", r.kind, r.name, r.origin, r.sha256));
+    }
+    Ok(dist::Identity { config, build: short(build) })
+}
+
+/// This rank's devices when a launcher put several ranks on one machine: the config's CUDA
+/// devices offset by `LOCAL_RANK` x the GPUs one replica uses (`dist::rank_devices`).
+fn place_rank(cfg: &RunConfig) -> Result<RunConfig> {
+    let mut cfg = cfg.clone();
+    let Some(env) = dist::DistEnv::from_env()? else { return Ok(cfg) };
+    let mut all = vec![cfg.device.clone()];
+    all.extend(cfg.pipeline.targets.iter().cloned());
+    all.extend(cfg.pipeline.drafter.iter().cloned());
+    if env.local_rank == 0 || !all.iter().any(|d| d.starts_with("cuda")) {
+        return Ok(cfg);
+    }
+    let visible = if enable_cuda() { tch::Cuda::device_count() as usize } else { 0 };
+    let moved = dist::rank_devices(&all, env.local_rank, visible)?;
+    let n = cfg.pipeline.targets.len();
+    cfg.device = moved[0].clone();
+    cfg.pipeline.targets = moved[1..1 + n].to_vec();
+    cfg.pipeline.drafter = moved.get(1 + n).cloned();
+    tracing::info!("local rank {}: devices {:?}", env.local_rank, &moved);
+    Ok(cfg)
 }
 
 /// The run's components; plugin config errors point at the config line that set the field.
@@ -147,7 +192,7 @@ pub fn resume(exp_dir: &Path, registry: &Registry, allow_plugin_change: bool, st
     if !cfg_path.exists() {
         anyhow::bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
     }
-    let cfg = RunConfig::load(&cfg_path)?;
+    let cfg = place_rank(&RunConfig::load(&cfg_path)?)?;
     let manifest_path = exp_dir.join("manifest.json");
     let manifest: Manifest = serde_json::from_str(&std::fs::read_to_string(&manifest_path).with_context(|| format!("reading {}", manifest_path.display()))?)
         .with_context(|| format!("{}: not a manifest", manifest_path.display()))?;
@@ -162,7 +207,7 @@ pub fn resume(exp_dir: &Path, registry: &Registry, allow_plugin_change: bool, st
         }
     };
     let keep_through = from.as_ref().map_or(0, |r| r.state.step);
-    let comm = connect()?;
+    let comm = connect(&cfg, &components.records)?;
     let mut exp = match &comm {
         Some(c) if c.rank() > 0 => Experiment::detached(exp_dir),
         _ => {

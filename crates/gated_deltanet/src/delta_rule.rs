@@ -14,6 +14,7 @@
 //! length from the same chunk quantities, which is how a DFlash block starts from the context
 //! state at its anchor.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use tch::{Kind, Tensor};
 
 /// Step-by-step recurrence from `initial` (zeros if None): the outputs [B, H, L, dv] and the
@@ -97,18 +98,49 @@ pub fn chunked_with(
     let q_decayed = operand(&(&q * ch.g_cum.exp().unsqueeze(-1)), p);
     // Intra-chunk part of every chunk: (q_i . k_j) exp(G_i - G_j) for j <= i, applied to the writes.
     let intra = operand(&(mm(&q, &ch.k.transpose(-1, -2), p) * &ch.decay), p); // [B, H, n, C, C]
-    let mut state = initial;
-    let mut outs = Vec::with_capacity(ch.n as usize);
-    for c in 0..ch.n {
+    // The loop over chunks on [B*H, ...] views made once: a dozen calls a chunk (the loop is
+    // launch-bound on a GPU, so it stays free of reshapes).
+    let (b, h, n) = (k.size()[0], k.size()[1], ch.n);
+    let (dv, bh) = (v.size()[3], b * h);
+    let flat = |t: &Tensor| {
+        let s = t.size();
+        t.reshape([bh, n, s[3], s[4]])
+    };
+    let (u, w, kte) = (flat(&ch.u), flat(&ch.w), flat(&ch.k_to_end));
+    let (qd, intra) = (flat(&q_decayed), flat(&intra));
+    let chunk_decay = ch.chunk_decay.reshape([bh, n, 1, 1]);
+    let mut state = initial.reshape([bh, dk, dv]);
+    let mut outs = Vec::with_capacity(n as usize);
+    for i in 0..n {
         let state_op = operand(&state, p);
-        let v_new = ch.v_new(c, &state_op);
+        let v_new = gemm_add(&u.select(1, i), &w.select(1, i), &state_op, -1.0, p);
         let v_new_op = operand(&v_new, p);
-        let intra_part = mm(&intra.select(2, c), &v_new_op, p);
-        outs.push(mm_add(&intra_part, &q_decayed.select(2, c), &state_op, 1.0, p));
-        state = ch.advance(c, &state, &v_new_op);
+        let o = gemm(&intra.select(1, i), &v_new_op, p);
+        outs.push(gemm_add(&o, &qd.select(1, i), &state_op, 1.0, p));
+        state = gemm_add(&(&state * chunk_decay.select(1, i)), &kte.select(1, i), &v_new_op, 1.0, p);
     }
-    let o = Tensor::cat(&outs, 2).narrow(2, 0, l); // [B, H, n*C, dv] -> [B, H, L, dv]
-    (o, state)
+    let o = Tensor::cat(&outs, 1).view([b, h, n * ch.c, dv]).narrow(2, 0, l); // [B, H, L, dv]
+    (o, state.view([b, h, dk, dv]))
+}
+
+/// a @ b over [N, m, k] x [N, k, n], fp32 result (see [`mm`]).
+fn gemm(a: &Tensor, b: &Tensor, p: Precision) -> Tensor {
+    match p {
+        Precision::F32 => a.bmm(b),
+        Precision::Bf16 => lowp_or(a.device().is_cuda(), || a.f_bmm_dtype(b, Kind::Float), || a.to_kind(Kind::Float).bmm(&b.to_kind(Kind::Float))),
+    }
+}
+
+/// acc + alpha * (a @ b) over [N, m, k] x [N, k, n], `acc` fp32 (see [`mm_add`]).
+fn gemm_add(acc: &Tensor, a: &Tensor, b: &Tensor, alpha: f64, p: Precision) -> Tensor {
+    match p {
+        Precision::F32 => acc.baddbmm(a, b, 1.0, alpha),
+        Precision::Bf16 => lowp_or(
+            a.device().is_cuda(),
+            || acc.f_baddbmm_dtype(a, b, Kind::Float, 1.0, alpha),
+            || acc.baddbmm(&a.to_kind(Kind::Float), &b.to_kind(Kind::Float), 1.0, alpha),
+        ),
+    }
 }
 
 /// The state after the first `positions[b, a]` steps of sequence b (each in 0..=L), starting
@@ -276,7 +308,30 @@ pub fn unit_lower_inverse(a: &Tensor) -> Tensor {
 fn operand(t: &Tensor, p: Precision) -> Tensor {
     match p {
         Precision::F32 => t.shallow_clone(),
+        Precision::Bf16 if t.kind() == Kind::BFloat16 => t.shallow_clone(),
         Precision::Bf16 => t.to_kind(Kind::BFloat16),
+    }
+}
+
+/// Whether cuBLAS took bf16 operands with an fp32 result here (0 not tried, 1 yes, 2 refused: then
+/// the operands are widened instead, without raising an error per call).
+static BF16_FP32_OUT: AtomicU8 = AtomicU8::new(0);
+
+/// `f` with bf16 operands and an fp32 result on CUDA, or `widened` (the same arithmetic on
+/// fp32 copies of the rounded operands) where that is not available.
+fn lowp_or(cuda: bool, f: impl FnOnce() -> Result<Tensor, tch::TchError>, widened: impl FnOnce() -> Tensor) -> Tensor {
+    if !cuda || BF16_FP32_OUT.load(Ordering::Relaxed) == 2 {
+        return widened();
+    }
+    match f() {
+        Ok(t) => {
+            BF16_FP32_OUT.store(1, Ordering::Relaxed);
+            t
+        }
+        Err(_) => {
+            BF16_FP32_OUT.store(2, Ordering::Relaxed);
+            widened()
+        }
     }
 }
 
@@ -286,14 +341,7 @@ fn operand(t: &Tensor, p: Precision) -> Tensor {
 fn mm(a: &Tensor, b: &Tensor, p: Precision) -> Tensor {
     let (sa, sb) = (a.size(), b.size());
     let (m, kk, n) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 1]);
-    let (a3, b3) = (operand(a, p).reshape([-1, m, kk]), operand(b, p).reshape([-1, kk, n]));
-    let out = match p {
-        Precision::Bf16 if a.device().is_cuda() => {
-            a3.f_bmm_dtype(&b3, Kind::Float).unwrap_or_else(|_| a3.to_kind(Kind::Float).bmm(&b3.to_kind(Kind::Float)))
-        }
-        Precision::Bf16 => a3.to_kind(Kind::Float).bmm(&b3.to_kind(Kind::Float)),
-        Precision::F32 => a3.bmm(&b3),
-    };
+    let out = gemm(&operand(a, p).reshape([-1, m, kk]), &operand(b, p).reshape([-1, kk, n]), p);
     let mut shape = sa.clone();
     let last = shape.len() - 1;
     shape[last] = n;
@@ -305,15 +353,7 @@ fn mm_add(acc: &Tensor, a: &Tensor, b: &Tensor, alpha: f64, p: Precision) -> Ten
     let (sa, sb) = (a.size(), b.size());
     let (m, kk, n) = (sa[sa.len() - 2], sa[sa.len() - 1], sb[sb.len() - 1]);
     let (a3, b3) = (operand(a, p).reshape([-1, m, kk]), operand(b, p).reshape([-1, kk, n]));
-    let acc3 = acc.reshape([-1, m, n]);
-    let out = match p {
-        Precision::Bf16 if a.device().is_cuda() => acc3
-            .f_baddbmm_dtype(&a3, &b3, Kind::Float, 1.0, alpha)
-            .unwrap_or_else(|_| acc3.baddbmm(&a3.to_kind(Kind::Float), &b3.to_kind(Kind::Float), 1.0, alpha)),
-        Precision::Bf16 => acc3.baddbmm(&a3.to_kind(Kind::Float), &b3.to_kind(Kind::Float), 1.0, alpha),
-        Precision::F32 => acc3.baddbmm(&a3, &b3, 1.0, alpha),
-    };
-    out.view(acc.size().as_slice())
+    gemm_add(&acc.reshape([-1, m, n]), &a3, &b3, alpha, p).view(acc.size().as_slice())
 }
 
 /// [B, H, L] -> [B, H, n, C] or [B, H, L, d] -> [B, H, n, C, d], zero padded to n*C steps.

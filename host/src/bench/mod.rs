@@ -2,6 +2,7 @@
 //! real shapes; issue 8) and `bench attention` (one layer's block attention, checked and timed).
 
 pub mod abi;
+pub mod allreduce;
 pub mod attention;
 pub mod flops;
 pub mod memory;

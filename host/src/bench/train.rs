@@ -118,6 +118,9 @@ pub struct Report {
     pub target_features: Phase,
     /// Target forward through every layer and the LM head (what HF `model(ids)` computes).
     pub target_full: Phase,
+    /// The full forward's FLOPs by layer part, where the target is the hf plugin (its count by
+    /// architecture: Gated DeltaNet layers, attention, active experts).
+    pub target_full_flop_split: Option<target_hf::flops::ForwardFlops>,
     pub drafter_step: Phase,
     /// Target features + drafter step, sequentially on one device; tok_per_s in draft tokens.
     pub pipeline: Phase,
@@ -131,7 +134,7 @@ pub struct Report {
     pub fused_loss_error: Option<[f64; 2]>,
 }
 
-fn section(kind: &'static str, table: &toml::Table) -> Result<PluginSection> {
+pub(crate) fn section(kind: &'static str, table: &toml::Table) -> Result<PluginSection> {
     let mut rest = table.clone();
     let plugin = match rest.remove("plugin") {
         Some(toml::Value::String(s)) => s,
@@ -306,6 +309,16 @@ fn synthetic_batch(spec: &TargetSpec, b: usize, s: usize) -> (Tensor, Tensor) {
     (ids, mask)
 }
 
+/// The config of an `hf` target (an HF config.json or a folder holding one; None for a GGUF or
+/// another plugin).
+fn hf_config(target: &toml::Table, ctx: &HostContext) -> Option<target_hf::config::DecoderConfig> {
+    if target.get("plugin").and_then(|p| p.as_str()) != Some("hf") {
+        return None;
+    }
+    let path = ctx.resolve_path(target.get("path")?.as_str()?);
+    target_hf::config::DecoderConfig::read(&path).ok()
+}
+
 /// Trained parameters and, where the drafter's config is DFlash's (z-lab format), its layer shape.
 fn drafter_layout(drafter: &DrafterBox, spec: &TargetSpec) -> Option<(Shape, usize)> {
     let cfg: serde_json::Value = serde_json::from_str(drafter.config_json().as_str()).ok()?;
@@ -403,6 +416,13 @@ pub fn train(registry: &Registry, config_path: &Path, trace: Option<&Path>) -> R
     drop(features);
     let c = counts.expect("at least one step ran");
     let target_shape = Shape::of_target(&spec);
+    // The target's FLOPs: the hf plugin's count by architecture (hybrid and MoE layers, active
+    // experts only) where its config can be read, else the dense decoder formula.
+    let hf_cfg = hf_config(&cfg.target, &ctx);
+    let target_flops = |layers: usize, logits: bool| match &hf_cfg {
+        Some(c) => target_hf::flops::forward(c, layers, b, s, logits).total(),
+        None => flops::target_forward(&target_shape, layers, b, s, logits),
+    };
     let (drafter_flop, exact) = match layout {
         Some((shape, layers)) => {
             let work = DrafterWork {
@@ -432,10 +452,11 @@ pub fn train(registry: &Registry, config_path: &Path, trace: Option<&Path>) -> R
     let features_s = time(device, sh.warmup, sh.iters, || forward(false).map(drop))?;
     let upto = layer_ids.iter().max().map_or(0, |&m| m as usize + 1);
     let target_tokens = (b * s) as f64;
-    let target_features = phase(features_s, target_tokens, flops::target_forward(&target_shape, upto, b, s, false), ceiling, mem(device));
+    let target_features = phase(features_s, target_tokens, target_flops(upto, false), ceiling, mem(device));
     let full_s = time(device, sh.warmup, sh.iters, || forward(true).map(drop))?;
     let layers = spec.num_hidden_layers as usize;
-    let target_full = phase(full_s, target_tokens, flops::target_forward(&target_shape, layers, b, s, true), ceiling, mem(device));
+    let target_full = phase(full_s, target_tokens, target_flops(layers, true), ceiling, mem(device));
+    let target_full_flop_split = hf_cfg.as_ref().map(|c| target_hf::flops::forward(c, layers, b, s, true));
 
     // 5. The pipeline: each step, fresh ids through the target, its features into the drafter.
     let pipeline_s = time(device, 1, sh.iters, || {
@@ -482,6 +503,7 @@ pub fn train(registry: &Registry, config_path: &Path, trace: Option<&Path>) -> R
         fused_loss_error,
         target_features,
         target_full,
+        target_full_flop_split,
         drafter_step,
         pipeline,
     })
@@ -509,6 +531,16 @@ pub fn print(r: &Report) {
     };
     row("target forward (features)", &r.target_features);
     row("target forward (full)", &r.target_full);
+    if let Some(f) = &r.target_full_flop_split {
+        let pct = |x: f64| 100.0 * x / f.total();
+        println!(
+            "  its FLOPs: Gated DeltaNet layers {:.1}%, attention layers {:.1}%, MLPs {:.1}%, LM head {:.1}%",
+            pct(f.gdn),
+            pct(f.attention),
+            pct(f.mlp),
+            pct(f.head)
+        );
+    }
     let drafter_name = if r.drafter_flop_exact { "drafter step" } else { "drafter step (est. FLOP)" };
     row(drafter_name, &r.drafter_step);
     row("pipeline (draft tok/s)", &r.pipeline);
@@ -554,5 +586,56 @@ mod tests {
             assert!(text.contains(name), "{name} not in the drafter step's trace");
         }
         assert!(trace.path().join("target_forward.trace.json").exists());
+    }
+
+    /// The hybrid and MoE bench configs read: the target's config by the hf plugin (the
+    /// Qwen3.6-27B one in its multimodal layout), the drafter section against a spec of that
+    /// target, and the FLOPs counted by architecture.
+    #[test]
+    fn the_hybrid_and_moe_bench_configs_read() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bench");
+        for (name, layers, drafter_heads) in [("qwen3.6-27b.toml", 64, (32, 8, 128)), ("qwen3-30b-a3b.toml", 48, (32, 4, 128))] {
+            let path = dir.join(name);
+            let cfg: BenchConfig = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            let ctx = HostContext {
+                device: "cpu".into(),
+                dtype: "f32".into(),
+                seed: 0,
+                config_dir: dir.display().to_string().into(),
+                cache_dir: "/nonexistent".into(),
+                target: RNone,
+            };
+            let t = hf_config(&cfg.target, &ctx).unwrap_or_else(|| panic!("{name}: target config"));
+            assert_eq!(t.num_hidden_layers, layers, "{name}");
+            let spec = TargetSpec {
+                architecture: t.model_type.clone().into(),
+                num_hidden_layers: t.num_hidden_layers as u32,
+                hidden_size: t.hidden_size as u32,
+                vocab_size: t.vocab_size as u32,
+                num_attention_heads: t.num_attention_heads as u32,
+                num_key_value_heads: t.num_kv_heads() as u32,
+                head_dim: t.head_dim() as u32,
+                intermediate_size: t.spec_intermediate_size() as u32,
+                rope_theta: t.rope_theta,
+                rms_norm_eps: t.rms_norm_eps,
+                bos_token_id: RNone,
+                eos_token_id: t.eos().unwrap(),
+                pad_token_id: RNone,
+                chat_template: "".into(),
+                source: "".into(),
+                source_sha256: "".into(),
+            };
+            let mut drafter = cfg.drafter.clone();
+            drafter.remove("plugin");
+            let section: drafter_dflash::DrafterSection = toml::from_str(&toml::to_string(&drafter).unwrap()).unwrap();
+            let d = section.resolve(&spec).unwrap();
+            assert_eq!((d.num_attention_heads, d.num_key_value_heads, d.head_dim), drafter_heads, "{name}");
+            let f = target_hf::flops::forward(&t, layers, 4, 3072, true);
+            assert!(f.mlp > 0.0 && f.attention > 0.0 && f.head > 0.0, "{name}: {f:?}");
+            if name.starts_with("qwen3.6") {
+                assert_eq!(d.dflash_config.target_layer_ids, vec![1, 16, 31, 46, 61]);
+                assert!(f.gdn > 0.0 && (t.rotary_dim(), t.rope_theta) == (64, 1e7));
+            }
+        }
     }
 }

@@ -46,7 +46,7 @@ pub struct TrainOptions {
 
 pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir: &Path, opts: TrainOptions) -> Result<TrainSummary> {
     let t = &cfg.train;
-    let comm = opts.comm;
+    let mut comm = opts.comm;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank() as u64, c.world() as u64));
     let names = c.names.clone();
     // 1. Data, unless features come from a capture.
@@ -79,6 +79,11 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         t.loss_normalization,
         t.anchors,
     );
+    // Replicas: every rank starts from rank 0's weights; the optimizer may split its work.
+    if let Some(comm) = comm.as_deref_mut() {
+        comm.broadcast(&params, 0)?;
+        c.optimizer.set_collectives(comm.collectives()).into_result().map_err(names.err(PluginKind::Optimizer, "set_collectives"))?;
+    }
     c.optimizer.init(named).into_result().map_err(names.err(PluginKind::Optimizer, "init"))?;
     let draft = DraftLoss {
         lm_head: c.target.lm_head().into_tensor().to_device(drafter_device),

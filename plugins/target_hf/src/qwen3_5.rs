@@ -112,7 +112,7 @@ impl GatedDeltaNet {
         let (o, last) = chunked_with(&q, &k, &v, &g, &beta, initial.as_ref(), CHUNK, self.precision);
         // 5. Gated RMSNorm per value head, norm(o) * w * silu(z), then out_proj.
         let o = o.transpose(1, 2); // [B, L, nv, dv]
-        let z = z.reshape([b, l, nv, dv]).to_kind(Kind::Float);
+        let z = z.reshape([b, l, nv, dv]);
         let gated = o.rms_norm([dv], Some(&self.norm), self.eps) * z.silu();
         let out = gated.to_kind(x.kind()).reshape([b, l, nv * dv]).linear::<&Tensor>(&self.out_proj, None);
         // 6. The cache: the last K-1 pre-conv rows, the final state (and the undo record).
@@ -159,8 +159,11 @@ impl GatedDeltaNet {
         };
         let q = repeat(qkv.narrow(2, 0, ck).reshape([b, l, nk, dk]));
         let k = repeat(qkv.narrow(2, ck, ck).reshape([b, l, nk, dk]));
-        let v = qkv.narrow(2, 2 * ck, nv * dv).reshape([b, l, nv, dv]).to_kind(Kind::Float).transpose(1, 2);
-        (q, k, v)
+        // v head-first in fp32 in one pass (the chunked rule wants it contiguous).
+        let v = qkv.narrow(2, 2 * ck, nv * dv).reshape([b, l, nv, dv]).transpose(1, 2);
+        let mut v32 = Tensor::empty([b, nv, l, dv], (Kind::Float, qkv.device()));
+        let _ = v32.copy_(&v);
+        (q, k, v32)
     }
 
     /// g = -exp(A_log) softplus(a + dt_bias) (log decay), beta = sigmoid(b): [B, nv, L] fp32.

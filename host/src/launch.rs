@@ -1,0 +1,136 @@
+//! `dflash-host train --nproc N`: N local ranks of the same command, for people without torchrun.
+//! Each rank is this binary again with the variables torchrun sets (`RANK`, `LOCAL_RANK`,
+//! `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`). The launcher waits for them; when one fails, the
+//! others stop on their own with an error naming it (dist.rs), and any still running after
+//! [`GRACE`] are ended. SIGTERM is passed on to the ranks (each finishes its step and writes a
+//! checkpoint); Ctrl-C reaches them from the terminal directly.
+
+use anyhow::{Context, Result};
+use std::{
+    ffi::OsString,
+    os::unix::process::ExitStatusExt,
+    process::{Child, Command, ExitStatus},
+    sync::{atomic::AtomicBool, Arc},
+    time::{Duration, Instant},
+};
+
+/// How long the other ranks get to stop on their own after one failed.
+pub const GRACE: Duration = Duration::from_secs(60);
+
+/// `args` without `--nproc N` / `--nproc=N` (what each rank runs).
+pub fn without_nproc(args: &[OsString]) -> Vec<OsString> {
+    let mut out = Vec::new();
+    let mut skip = false;
+    for a in args {
+        if std::mem::take(&mut skip) {
+            continue;
+        }
+        match a.to_str() {
+            Some("--nproc") => skip = true,
+            Some(s) if s.starts_with("--nproc=") => {}
+            _ => out.push(a.clone()),
+        }
+    }
+    out
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with status {c}"),
+        (None, Some(s)) => format!("was killed by signal {s}"),
+        _ => "ended".into(),
+    }
+}
+
+/// Start `nproc` ranks of `args` (this binary's arguments, without `--nproc`) and wait for them.
+/// Returns the exit code: the first failing rank's, else 0 (or the code they all share, such as
+/// 130 after Ctrl-C).
+pub fn launch(nproc: usize, args: &[OsString]) -> Result<u8> {
+    let exe = std::env::current_exe().context("this binary's path")?;
+    let addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+    let port = match std::env::var("MASTER_PORT") {
+        Ok(p) => p,
+        Err(_) => std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string(),
+    };
+    let term = Arc::new(AtomicBool::new(false));
+    let int = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&term))?;
+    signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&int))?;
+    tracing::info!("launching {nproc} ranks through {addr}:{port}");
+    let mut ranks: Vec<(usize, Child)> = Vec::new();
+    for rank in 0..nproc {
+        let child = Command::new(&exe)
+            .args(&args[1..])
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("WORLD_SIZE", nproc.to_string())
+            .env("LOCAL_WORLD_SIZE", nproc.to_string())
+            .env("MASTER_ADDR", &addr)
+            .env("MASTER_PORT", &port)
+            .spawn()
+            .with_context(|| format!("starting rank {rank}"))?;
+        ranks.push((rank, child));
+    }
+    let mut codes: Vec<Option<u8>> = vec![None; nproc];
+    let mut failed: Option<(usize, Instant)> = None;
+    let mut forwarded = false;
+    while codes.iter().any(Option::is_none) {
+        for (rank, child) in &mut ranks {
+            if codes[*rank].is_some() {
+                continue;
+            }
+            if let Some(status) = child.try_wait()? {
+                let code = status.code().map_or(128 + status.signal().unwrap_or(0) as u8, |c| c as u8);
+                codes[*rank] = Some(code);
+                if !status.success() {
+                    tracing::warn!("rank {rank} {}", describe(status));
+                    if failed.is_none() {
+                        failed = Some((*rank, Instant::now()));
+                    }
+                }
+            }
+        }
+        if term.load(std::sync::atomic::Ordering::Relaxed) && !forwarded {
+            forwarded = true;
+            for (rank, child) in &ranks {
+                if codes[*rank].is_none() {
+                    // SAFETY: a plain kill(2) on our own child's pid.
+                    unsafe { libc_kill(child.id() as i32, signal_hook::consts::SIGTERM) };
+                }
+            }
+        }
+        if let Some((r, at)) = failed {
+            if at.elapsed() > GRACE {
+                for (rank, child) in &mut ranks {
+                    if codes[*rank].is_none() {
+                        tracing::warn!("rank {rank} still running {} s after rank {r} failed: ending it", GRACE.as_secs());
+                        let _ = child.kill();
+                    }
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let codes: Vec<u8> = codes.into_iter().map(|c| c.expect("every rank ended")).collect();
+    Ok(match failed {
+        Some((r, _)) => codes[r],
+        None => codes[0],
+    })
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nproc_is_taken_out_of_the_ranks_arguments() {
+        let a = |v: &[&str]| v.iter().map(OsString::from).collect::<Vec<_>>();
+        assert_eq!(without_nproc(&a(&["x", "train", "--nproc", "3", "--config", "c.toml"])), a(&["x", "train", "--config", "c.toml"]));
+        assert_eq!(without_nproc(&a(&["x", "train", "--nproc=2", "--steps", "4"])), a(&["x", "train", "--steps", "4"]));
+    }
+}
