@@ -13,7 +13,7 @@ pub struct RunConfig {
     pub name: String,
     #[serde(default)]
     pub seed: u64,
-    /// `cpu` or `cuda:N`.
+    /// `cpu`, `cuda` (= `cuda:0`) or `cuda:N`.
     #[serde(default = "default_device")]
     pub device: String,
     /// `f32` or `bf16`; default f32 on CPU, bf16 on CUDA.
@@ -231,7 +231,13 @@ impl RunConfig {
 
     /// Parse and validate config text; `path` only names the file in errors (`file:line:col`).
     pub fn from_toml(path: &Path, text: &str) -> Result<Self> {
-        let cfg: RunConfig = toml::from_str(text).map_err(|e| anyhow::anyhow!("{}", toml_error(path, text, &e)))?;
+        let mut cfg: RunConfig = toml::from_str(text).map_err(|e| anyhow::anyhow!("{}", toml_error(path, text, &e)))?;
+        // `cuda` is the first GPU, as in torch.
+        for d in std::iter::once(&mut cfg.device).chain(cfg.pipeline.targets.iter_mut()).chain(cfg.pipeline.drafter.iter_mut()) {
+            if d == "cuda" {
+                *d = "cuda:0".into();
+            }
+        }
         cfg.validate().map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         Ok(cfg)
     }
@@ -323,10 +329,11 @@ impl RunConfig {
     }
 }
 
-/// `cpu` or `cuda:N` as a tch device.
+/// `cpu`, `cuda` (= `cuda:0`) or `cuda:N` as a tch device.
 pub fn parse_device(d: &str) -> Result<plugin_api::tch::Device> {
     match d {
         "cpu" => Ok(plugin_api::tch::Device::Cpu),
+        "cuda" => Ok(plugin_api::tch::Device::Cuda(0)),
         _ => match d.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
             Some(n) => Ok(plugin_api::tch::Device::Cuda(n)),
             None => bail!("device `{d}`: expected `cpu` or `cuda:N`"),
@@ -336,7 +343,7 @@ pub fn parse_device(d: &str) -> Result<plugin_api::tch::Device> {
 
 fn validate_device(field: &str, d: &str) -> Result<()> {
     if d != "cpu" && !d.strip_prefix("cuda:").is_some_and(|n| n.parse::<u32>().is_ok()) {
-        bail!("field `{field}`: expected `cpu` or `cuda:N`, got `{d}`");
+        bail!("field `{field}`: expected `cpu`, `cuda` or `cuda:N`, got `{d}`");
     }
     Ok(())
 }
@@ -482,6 +489,16 @@ plugin = "chat"
         assert_eq!(opt.plugin, "adamw");
         assert_eq!(opt.config_toml.trim(), "lr = 0.001");
         assert_eq!(cfg.dtype(), "f32");
+    }
+
+    #[test]
+    fn cuda_means_the_first_gpu() {
+        let text = GOOD.replacen("name = ", "device = \"cuda\"\nname = ", 1);
+        let cfg = RunConfig::from_toml(Path::new("cfg.toml"), &text).unwrap();
+        assert_eq!((cfg.device.as_str(), cfg.target_devices(), cfg.drafter_device()), ("cuda:0", vec!["cuda:0".to_string()], "cuda:0"));
+        assert_eq!(parse_device("cuda").unwrap(), plugin_api::tch::Device::Cuda(0));
+        let err = RunConfig::from_toml(Path::new("cfg.toml"), &text.replace("\"cuda\"", "\"gpu\"")).unwrap_err().to_string();
+        assert!(err.contains("expected `cpu`, `cuda` or `cuda:N`, got `gpu`"), "{err}");
     }
 
     #[test]

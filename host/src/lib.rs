@@ -7,6 +7,7 @@ pub mod builtins;
 pub mod compare;
 pub mod config;
 pub mod dist;
+pub mod doctor;
 pub mod eval;
 pub mod experiment;
 pub mod export;

@@ -65,6 +65,19 @@ enum Command {
         #[arg(long, default_value_t = 1024)]
         shard_mb: usize,
     },
+    /// Self-distil the config's data (the target answers its prompts, as `train` does first) and
+    /// write the records with the target's replies as chat JSONL (OpenAI `messages`).
+    Distill {
+        #[arg(long)]
+        config: PathBuf,
+        /// The JSONL file to write.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// What this machine gives libtorch: its version, the CUDA driver and runtime, cuDNN, NCCL,
+    /// the GPUs, and whatever libtorch's CUDA library is missing. Exit 1 when a GPU is here but
+    /// libtorch cannot use it.
+    Doctor,
     /// Compare experiment directories at equal target tokens: report.md, PNG/SVG plots, a table.
     Compare {
         /// Experiment directories (each one training run).
@@ -209,6 +222,21 @@ fn run() -> Result<ExitCode> {
         Command::Plugins { command: PluginsCommand::Inspect { path } } => {
             let plugin = plugins::load_library(&plugins::find_library(&path)?)?;
             print_plugins(std::iter::once(&plugin.record));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Doctor => {
+            let libtorch = std::env::var_os("LIBTORCH").map(PathBuf::from).unwrap_or_else(|| run::cache_dir().join("libtorch"));
+            dflash_host::doctor::run(&libtorch)
+        }
+        Command::Distill { config, out } => {
+            let cfg = RunConfig::load(&config)?;
+            let registry = Registry::new(&cli.plugins)?;
+            let (n, stats) = run::distill(&cfg, &config, &out, &registry)?;
+            if let Some(s) = stats {
+                println!("distilled    {} replies in {:.1} s ({} from the cache {})", s.replies, s.seconds, s.cached, s.cache_file.display());
+            }
+            println!("wrote        {n} records -> {}", out.display());
+            println!("train on it  [data] path = \"{}\", distill = false", out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Compare { dirs, out, group_by } => {
@@ -393,6 +421,9 @@ fn print_plugins<'a>(records: impl Iterator<Item = &'a plugins::PluginRecord>) {
 fn print_summary(s: &train::TrainSummary) {
     println!("experiment   {}", s.experiment);
     println!("steps        {}  ({} target tokens, {:.0} s)", s.steps, s.tokens, s.wall_s);
+    if let Some(d) = &s.distill {
+        println!("distill      {} replies in {:.0} s ({} from the cache); run {:.0} s in all", d.replies, d.seconds, d.cached, d.seconds + s.wall_s);
+    }
     if let (Some(f), Some(l)) = (&s.first, &s.last) {
         println!("loss         {:.4} -> {:.4}", f.loss, l.loss);
         println!("tau_hat      {:.3} -> {:.3}", f.tau_hat, l.tau_hat);

@@ -258,6 +258,21 @@ pub fn capture(cfg: &RunConfig, config_path: &Path, out: &Path, registry: &Regis
     crate::pipeline::capture::capture(cfg, components, out, &cache_dir(), opts)
 }
 
+/// Self-distil the config's data and write it as chat JSONL (`dflash-host distill --out`).
+pub fn distill(cfg: &RunConfig, config_path: &Path, out: &Path, registry: &Registry) -> Result<(u64, Option<crate::pipeline::distill::DistillStats>)> {
+    let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
+    let mut c = build(cfg, config_path, &config_dir, registry)?;
+    let stats = crate::pipeline::distill::prepare_data(&mut c, &cache_dir())?;
+    if stats.is_none() {
+        anyhow::bail!("{}: the data loader regenerates no replies (in [data], distill = false?)", config_path.display());
+    }
+    let tmp = out.with_extension("jsonl.tmp");
+    let n = c.data.export_distilled(tmp.display().to_string().as_str().into()).into_result();
+    let n = n.map_err(c.err(plugin_api::PluginKind::DataLoader, "export_distilled"))?;
+    std::fs::rename(&tmp, out).with_context(|| format!("writing {}", out.display()))?;
+    Ok((n, stats))
+}
+
 /// Rebuild a finished experiment's plugins (eval, export): its resolved config, with the drafter
 /// from `drafter` (a z-lab folder) or else from checkpoint `step` (default: the newest).
 pub fn load_experiment(

@@ -73,7 +73,7 @@ pub fn capture(cfg: &crate::config::RunConfig, mut c: Components, out: &Path, ca
         bail!("{}: a capture is already there", out.display());
     }
     fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    distill::prepare_data(&mut c, cache_dir)?;
+    let _ = distill::prepare_data(&mut c, cache_dir)?;
     let names = c.names.clone();
     let spec = c.target.spec();
     let layer_ids: Vec<u32> = c.drafter.target_layer_ids().into_vec();

@@ -9,6 +9,6 @@ pub mod state;
 pub mod step;
 pub mod trainer;
 
-pub use state::{ResumeFrom, StepMetrics, TrainSummary, TrainerState};
+pub use state::{DistillSummary, ResumeFrom, StepMetrics, TrainSummary, TrainerState};
 pub use step::DraftLoss;
 pub use trainer::{train, TrainOptions};

@@ -129,6 +129,16 @@ pub struct TrainSummary {
     /// The step `--stop-at` stopped at (the run is resumable from there).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stopped_at: Option<u64>,
+    /// Self-distillation before training: replies, how many came from the cache, seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub distill: Option<DistillSummary>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DistillSummary {
+    pub replies: u64,
+    pub cached: u64,
+    pub seconds: f64,
 }
 
 /// SIGINT / SIGTERM: the first lets the current step finish, then a checkpoint is written and the

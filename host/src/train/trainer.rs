@@ -6,7 +6,10 @@ use super::{
     anchors::AnchorSampler,
     loss::{resolve_gamma, tau_hat},
     schedule::lr_scale,
-    state::{all_finite, NonFiniteGuard, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState, WindowSums, WindowTimes},
+    state::{
+        all_finite, DistillSummary, NonFiniteGuard, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState, WindowSums,
+        WindowTimes,
+    },
     step::{clip_grad_norm, normalize_gradients, DraftLoss, StepSums},
 };
 use crate::{
@@ -47,10 +50,11 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank() as u64, c.world() as u64));
     let names = c.names.clone();
     // 1. Data, unless features come from a capture.
+    let mut distilled = None;
     let capture = match &cfg.pipeline.capture {
         Some(dir) => Some(CaptureReader::open(Path::new(dir), &c.target.spec())?),
         None => {
-            distill::prepare_data(&mut c, cache_dir)?;
+            distilled = distill::prepare_data(&mut c, cache_dir)?;
             None
         }
     };
@@ -211,6 +215,7 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         last_ckpt,
         interrupted: None,
         stopped_at: None,
+        distilled: distilled.map(|d| DistillSummary { replies: d.replies, cached: d.cached, seconds: d.seconds }),
     };
     crate::pipeline::run(&pipe, producer, workers, |feed| trainer.run(feed, opts.stop_at))?;
     trainer.finish()
@@ -262,6 +267,8 @@ struct Trainer<'a> {
     last_ckpt: Option<String>,
     interrupted: Option<u8>,
     stopped_at: Option<u64>,
+    /// What self-distillation did before the loop (for the summary).
+    distilled: Option<DistillSummary>,
 }
 
 /// One step's micro-batches as they accumulate: loss, weight sum and accuracy counts stay on the
@@ -530,6 +537,7 @@ impl<'a> Trainer<'a> {
             last_checkpoint: self.last_ckpt,
             interrupted: self.interrupted,
             stopped_at: self.stopped_at,
+            distill: self.distilled,
         };
         if summary.interrupted.is_none() && summary.stopped_at.is_none() && self.lead {
             self.exp.write_summary(&summary)?;
