@@ -114,19 +114,20 @@ pub fn normalize_gradients(
             comm.all_reduce_sum(&mut total)?;
             crate::dist::average_gradients(comm, params)?;
             let world = comm.world() as f64;
-            scale_gradients(params, &Tensor::from_slice(&[world / total[0].max(MIN_WEIGHT_SUM)]));
+            scale_gradients(params, &Tensor::scalar_tensor(world / total[0].max(MIN_WEIGHT_SUM), (Kind::Float, tch::Device::Cpu)));
             Ok(Some(total[0]))
         }
     }
 }
 
-/// Every gradient times the scalar `factor` (in place, no graph).
+/// Every gradient times `factor`, an fp32 scalar (in place, no graph; a 16-bit gradient is
+/// multiplied in fp32 and rounded once, the factor itself not rounded to 16 bits).
 fn scale_gradients(params: &[Tensor], factor: &Tensor) {
     let _guard = tch::no_grad_guard();
     for p in params {
         let mut g = p.grad();
         if g.defined() {
-            let _ = g.g_mul_(&factor.to_device(g.device()).to_kind(g.kind()));
+            let _ = g.g_mul_(&factor.to_device(g.device()));
         }
     }
 }
