@@ -101,8 +101,8 @@ fn a_failing_target_worker_stops_the_run_cleanly() {
         let what = if panic { "deliberate panic at forward 4" } else { "deliberate failure at forward 4" };
         assert!(line.contains("target worker") && line.contains("target plugin `synthetic`") && line.contains(what), "{line}");
         assert!(started.elapsed().as_secs() < 120, "the failure took {:?} to stop the run", started.elapsed());
-        let (_, newest) = dflash_host::experiment::newest_good_checkpoint(&dir.path().join("exp")).expect("a checkpoint before the failure");
-        dflash_host::experiment::verify_checkpoint(&newest).unwrap();
+        let newest = dflash_host::experiment::checkpoint::find(&dir.path().join("exp"), None).expect("a checkpoint before the failure");
+        dflash_host::experiment::verify_checkpoint(&newest.dir).unwrap();
     }
 }
 

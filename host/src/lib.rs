@@ -10,6 +10,7 @@ pub mod dist;
 pub mod eval;
 pub mod experiment;
 pub mod export;
+pub mod out;
 pub mod pipeline;
 pub mod plugins;
 pub mod run;
