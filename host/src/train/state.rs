@@ -132,8 +132,8 @@ pub struct TrainSummary {
 }
 
 /// SIGINT / SIGTERM / SIGHUP (a closed terminal): the first lets the current step finish, then a
-/// checkpoint is written and the run stops (exit 130 / 143 / 129); a second one exits at once (checkpoints are written whole or not
-/// at all, so nothing on disk is left half-written).
+/// checkpoint is written and the run stops (exit 130 / 143 / 129); a second one exits at once
+/// (checkpoints are written whole or not at all, so nothing on disk is left half-written).
 pub struct StopSignal {
     code: Arc<AtomicUsize>,
 }
