@@ -146,37 +146,137 @@ fn eval_is_lossless_and_reports_acceptance() {
 }
 
 #[test]
-fn ctrl_c_finishes_the_step_writes_a_checkpoint_and_exits_130() {
+fn ctrl_c_and_sighup_finish_the_step_write_a_checkpoint_and_exit_130_129() {
+    common::require_model();
+    for (signal, name, code) in [("-INT", "SIGINT", 130), ("-HUP", "SIGHUP", 129)] {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("run.toml");
+        std::fs::write(&cfg, tiny().replace("steps = 8", "steps = 500").replace("checkpoint_every = 4", "checkpoint_every = 0")).unwrap();
+        let exp = dir.path().join("exp");
+        let child = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+            .args(["train", "--config"])
+            .arg(&cfg)
+            .arg("--exp-dir")
+            .arg(&exp)
+            .env("DFLASH_CACHE", cache())
+            .env_remove("RUST_BACKTRACE")
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Wait until training is under way (two logged steps), then interrupt.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+        while std::fs::read_to_string(exp.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 2 {
+            assert!(std::time::Instant::now() < deadline, "training never started");
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        let killed = Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap();
+        assert!(killed.success());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{err}");
+        let said = format!("{name}: stopped after step ");
+        assert!(err.contains(&said), "{err}");
+        assert!(!exp.join("summary.json").exists(), "an interrupted run is not complete");
+        let step: u64 = err.split(&said).nth(1).unwrap().split(';').next().unwrap().trim().parse().unwrap();
+        assert!(step >= 2 && step < 500, "stopped at step {step}");
+        let ckpt = exp.join(format!("checkpoints/step-{step}"));
+        assert!(plugin_api::tch::Tensor::read_safetensors(ckpt.join("model.safetensors")).is_ok(), "{}", ckpt.display());
+    }
+}
+
+/// The command's one `error:` line (exit code 2, no panic).
+fn error_line(out: &std::process::Output) -> String {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    err.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("no error line:\n{err}")).to_string()
+}
+
+#[test]
+fn arguments_that_cannot_work_are_refused_before_any_work() {
+    let host = || {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_dflash-host"));
+        c.env_remove("RUST_BACKTRACE");
+        c
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let exp = dir.path();
+    std::fs::write(exp.join("eval.json"), "{\"tau\": 2.5}\n").unwrap();
+    // No experiment is read before these are refused (this folder is not even one).
+    for (args, want) in [
+        (vec!["--max-new-tokens", "0"], "--max-new-tokens 0"),
+        (vec!["--limit", "0"], "--limit 0"),
+        (vec!["--prompts", "/dev/zero"], "--prompts /dev/zero: not a regular file (a character device)"),
+    ] {
+        let out = host().args(["eval", "--exp-dir"]).arg(exp).args(&args).output().unwrap();
+        let line = error_line(&out);
+        assert!(line.contains(want), "{args:?}: {line}");
+    }
+    assert_eq!(std::fs::read_to_string(exp.join("eval.json")).unwrap(), "{\"tau\": 2.5}\n");
+    // Where the results cannot be written is known before the evaluation runs.
+    let sub = exp.join("ro");
+    std::fs::create_dir_all(sub.join("eval.json")).unwrap();
+    std::fs::write(sub.join("config.toml"), "").unwrap();
+    let line = error_line(&host().args(["eval", "--exp-dir"]).arg(&sub).output().unwrap());
+    assert!(line.contains(&format!("cannot write {}: it is a folder", sub.join("eval.json").display())), "{line}");
+    // --stop-at 0 is no step.
+    let out = host().args(["train", "--config", "x.toml", "--stop-at", "0"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--stop-at"));
+    // The build's git revision, whatever folder it runs in; a closed stdout is no panic.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = host().arg("--version").current_dir(exp).stdout(writer).output().unwrap();
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = host().arg("--version").current_dir(exp).output().unwrap();
+    let version = String::from_utf8_lossy(&out.stdout);
+    assert!(version.contains(&format!("(git {})", env!("DFLASH_GIT_REVISION"))), "{version}");
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = host().args(["plugins", "list"]).stdout(writer).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
     common::require_model();
     let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("run.toml");
-    std::fs::write(&cfg, tiny().replace("steps = 8", "steps = 500").replace("checkpoint_every = 4", "checkpoint_every = 0")).unwrap();
-    let exp = dir.path().join("exp");
-    let child = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
-        .args(["train", "--config"])
-        .arg(&cfg)
-        .arg("--exp-dir")
-        .arg(&exp)
-        .env("DFLASH_CACHE", cache())
-        .env_remove("RUST_BACKTRACE")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Wait until training is under way (two logged steps), then interrupt.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
-    while std::fs::read_to_string(exp.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 2 {
-        assert!(std::time::Instant::now() < deadline, "training never started");
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    }
-    let killed = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
-    assert!(killed.success());
-    let out = child.wait_with_output().unwrap();
+    std::fs::write(dir.path().join("base.toml"), tiny().replace("keep_checkpoints = 1", "keep_checkpoints = 3").replace("checkpoint_every = 4", "checkpoint_every = 1")).unwrap();
+    std::fs::write(
+        dir.path().join("ab.toml"),
+        "name = \"rerun\"\nbase = \"base.toml\"\nseeds = [0]\n[common]\ntrain = { steps = 3 }\n\
+         [arms.a]\noptimizer = { lr = 3e-3 }\n[arms.b]\noptimizer = { lr = 1e-3 }\n",
+    )
+    .unwrap();
+    let ab = || {
+        Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+            .args(["ab", "--config", "ab.toml"])
+            .current_dir(dir.path())
+            .env("DFLASH_CACHE", cache())
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .unwrap()
+    };
+    let out = ab();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (a, b) = (dir.path().join("experiments/rerun/a-s0"), dir.path().join("experiments/rerun/b-s0"));
+    // Arm a as if killed after step 2; arm b finished.
+    std::fs::remove_file(a.join("summary.json")).unwrap();
+    std::fs::remove_dir_all(a.join("checkpoints/step-3")).unwrap();
+    let b_metrics = std::fs::read(b.join("metrics.jsonl")).unwrap();
+    let b_summary = std::fs::read(b.join("summary.json")).unwrap();
+    let out = ab();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(130), "{err}");
-    assert!(err.contains("SIGINT: stopped after step"), "{err}");
-    assert!(!exp.join("summary.json").exists(), "an interrupted run is not complete");
-    let step: u64 = err.split("SIGINT: stopped after step ").nth(1).unwrap().split(';').next().unwrap().trim().parse().unwrap();
-    assert!(step >= 2 && step < 500, "stopped at step {step}");
-    let ckpt = exp.join(format!("checkpoints/step-{step}"));
-    assert!(plugin_api::tch::Tensor::read_safetensors(ckpt.join("model.safetensors")).is_ok(), "{}", ckpt.display());
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("is unfinished: resuming it") && err.contains("resuming from") && err.contains("step-2"), "{err}");
+    assert!(err.contains(&format!("{} is complete already", b.display())) || err.contains("b-s0 is complete already"), "{err}");
+    assert!(a.join("summary.json").exists());
+    assert_eq!(std::fs::read(b.join("metrics.jsonl")).unwrap(), b_metrics);
+    assert_eq!(std::fs::read(b.join("summary.json")).unwrap(), b_summary);
+    let steps: Vec<u64> = std::fs::read_to_string(a.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [1, 2, 3], "arm a continued, not retrained");
 }

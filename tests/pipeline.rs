@@ -101,8 +101,8 @@ fn a_failing_target_worker_stops_the_run_cleanly() {
         let what = if panic { "deliberate panic at forward 4" } else { "deliberate failure at forward 4" };
         assert!(line.contains("target worker") && line.contains("target plugin `synthetic`") && line.contains(what), "{line}");
         assert!(started.elapsed().as_secs() < 120, "the failure took {:?} to stop the run", started.elapsed());
-        let (_, newest) = dflash_host::experiment::newest_good_checkpoint(&dir.path().join("exp")).expect("a checkpoint before the failure");
-        dflash_host::experiment::verify_checkpoint(&newest).unwrap();
+        let newest = dflash_host::experiment::checkpoint::find(&dir.path().join("exp"), None).expect("a checkpoint before the failure");
+        dflash_host::experiment::verify_checkpoint(&newest.dir).unwrap();
     }
 }
 
@@ -218,6 +218,7 @@ fn a_killed_rank_stops_the_others_with_an_error_naming_it() {
         assert!(line.contains("rank 2 gone"), "rank {rank}: {line}");
     }
     assert!(killed.elapsed().as_secs() < 60, "the others took {:?} to stop", killed.elapsed());
-    let (_, newest) = dflash_host::experiment::newest_good_checkpoint(&exp).expect("checkpoints before the kill");
-    dflash_host::experiment::verify_checkpoint(&newest).unwrap();
+    let (newest, _) = dflash_host::experiment::checkpoint::newest_good(&exp);
+    let newest = newest.expect("checkpoints before the kill");
+    dflash_host::experiment::checkpoint::verify(&newest.dir).unwrap();
 }

@@ -112,6 +112,30 @@ fn wrong_libraries_are_refused_in_one_line() {
 }
 
 #[test]
+fn inspect_and_list_never_load_a_library_into_the_host_and_a_crash_is_one_line() {
+    // Its entry symbol is garbage and its constructor records who loaded it.
+    let evil = common::build_c_library("evil");
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("loaded-by");
+    for args in [vec!["plugins", "inspect", evil.to_str().unwrap()], vec!["--plugin", evil.to_str().unwrap(), "plugins", "list"]] {
+        let child = Command::new(host())
+            .args(&args)
+            .env("DFLASH_EVIL_MARKER", &marker)
+            .env_remove("RUST_BACKTRACE")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let host_pid = child.id().to_string();
+        let line = error_line(&child.wait_with_output().unwrap());
+        assert!(line.contains(&evil.display().to_string()) && line.contains("crashed the probe process"), "{args:?}: {line}");
+        let loaders = std::fs::read_to_string(&marker).unwrap_or_default();
+        assert!(!loaders.is_empty(), "the probe never loaded it");
+        assert!(!loaders.lines().any(|p| p == host_pid), "the host itself ran the library's constructor ({host_pid}): {loaders}");
+    }
+}
+
+#[test]
 fn a_panic_inside_a_plugin_stops_the_run_with_its_last_checkpoint() {
     let so = build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
     let (out, dir) = train(&[&so], "plugin = \"faulty\"\npanic_at_step = 5");

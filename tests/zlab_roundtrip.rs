@@ -75,9 +75,9 @@ fn export_then_import(extra: &str) -> serde_json::Value {
     let ckpt = exp
         .save_checkpoint(7, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1)
         .unwrap();
-    assert_eq!(export::find_checkpoint(&dir.path().join("exp"), None).unwrap(), ckpt);
+    assert_eq!(dflash_host::experiment::checkpoint::find(&dir.path().join("exp"), None).unwrap().dir, ckpt);
     let out = dir.path().join("zlab");
-    export::export(&ckpt, &out).unwrap();
+    export::export(&ckpt, &out, false).unwrap();
 
     // The folder is the z-lab format: config fields and bf16 tensors with z-lab names.
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
@@ -138,7 +138,7 @@ fn init_from_refuses_fields_it_cannot_honour() {
     let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
     let ckpt = exp.save_checkpoint(1, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
     let out = dir.path().join("zlab");
-    export::export(&ckpt, &out).unwrap();
+    export::export(&ckpt, &out, false).unwrap();
     let good: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     read_zlab(&out, &spec).unwrap();
     for (key, value, want) in [
@@ -213,7 +213,7 @@ fn presets_export_the_published_configs() {
         let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
         let ckpt = exp.save_checkpoint(1, &d.parameters(), d.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
         let out = dir.path().join("export");
-        export::export(&ckpt, &out).unwrap();
+        export::export(&ckpt, &out, false).unwrap();
         let ours: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
         for (key, want) in published.as_object().unwrap() {
             // Which transformers wrote SpecForge's file: not a property of the drafter.

@@ -73,7 +73,7 @@ pub fn merge(base: &mut toml::Table, arm: &toml::Table) {
 
 /// Read an A/B file and expand it into runs under `root/<name>/<arm>-s<seed>`.
 pub fn plan(path: &Path, seeds: Option<u64>, root: &Path) -> Result<Vec<ArmRun>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = input_files::read_to_string_capped(path, crate::config::MAX_CONFIG_BYTES).with_context(|| format!("reading {}", path.display()))?;
     let ab: AbConfig =
         toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}", crate::config::toml_error(path, &text, &e)))?;
     validate_name(&ab.name).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
@@ -86,7 +86,8 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path) -> Result<Vec<ArmRun>>
         None => ab.seeds.clone(),
     };
     let base_path = crate::config::config_dir(path).join(&ab.base);
-    let base_text = std::fs::read_to_string(&base_path).with_context(|| format!("reading base config {}", base_path.display()))?;
+    let base_text = input_files::read_to_string_capped(&base_path, crate::config::MAX_CONFIG_BYTES)
+        .with_context(|| format!("reading base config {}", base_path.display()))?;
     let base: toml::Table = toml::from_str(&base_text)
         .map_err(|e| anyhow::anyhow!("{}", crate::config::toml_error(&base_path, &base_text, &e)))?;
     let mut runs = Vec::new();
@@ -112,6 +113,53 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path) -> Result<Vec<ArmRun>>
         }
     }
     Ok(runs)
+}
+
+/// Where an arm's run stands on disk, so a rerun of the A/B continues instead of redoing work.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ArmState {
+    /// No folder (or an empty one): start it.
+    New,
+    /// Started with this arm's config and not finished (interrupted, killed): resume it.
+    Unfinished,
+    /// Finished (summary.json, or its last checkpoint is at the last step): leave it.
+    Finished,
+}
+
+/// The state of `run`'s folder. An unfinished arm must have been started with the config the
+/// plan gives it now (an edited A/B file is refused, naming the fields, rather than mixed in);
+/// nothing is ever deleted.
+pub fn arm_state(run: &ArmRun) -> Result<ArmState> {
+    let dir = &run.dir;
+    if !dir.exists() || std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?.next().is_none() {
+        return Ok(ArmState::New);
+    }
+    if crate::experiment::is_finished(dir) {
+        return Ok(ArmState::Finished);
+    }
+    let cfg_path = dir.join(crate::experiment::CONFIG);
+    if !cfg_path.is_file() {
+        bail!("{}: exists but is not an experiment (no config.toml); move it away to run arm `{}` seed {}", dir.display(), run.arm, run.seed);
+    }
+    let then = input_files::read_to_string_capped(&cfg_path, crate::config::MAX_CONFIG_BYTES)?;
+    let drift = crate::experiment::manifest::config_drift(&then, &toml::to_string(&run.config)?);
+    if !drift.is_empty() {
+        let fields: Vec<String> = drift.iter().map(|d| d.to_string()).collect();
+        bail!(
+            "arm `{}` seed {}: {} was started with another config ({}); move it away to run the arm again with this one",
+            run.arm,
+            run.seed,
+            dir.display(),
+            fields.join("; ")
+        );
+    }
+    // Killed between its last checkpoint and its summary: nothing is left to train.
+    let at = crate::experiment::checkpoint::newest_good(dir).0.map_or(0, |c| c.step);
+    if at >= run.config.train.steps {
+        tracing::warn!("{}: its last checkpoint is at the last step, but it has no summary.json; counted as finished", dir.display());
+        return Ok(ArmState::Finished);
+    }
+    Ok(ArmState::Unfinished)
 }
 
 #[cfg(test)]
@@ -177,6 +225,32 @@ drafter = { block_size = 4 }
         assert_eq!(runs[1].config.seed, runs[3].config.seed);
         let more = plan(&dir.path().join("ab.toml"), Some(3), Path::new("x")).unwrap();
         assert_eq!(more.len(), 6);
+    }
+
+    #[test]
+    fn a_rerun_resumes_unfinished_arms_keeps_finished_ones_and_refuses_edited_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("base.toml"), BASE).unwrap();
+        std::fs::write(dir.path().join("ab.toml"), AB).unwrap();
+        let runs = plan(&dir.path().join("ab.toml"), None, &dir.path().join("experiments")).unwrap();
+        let r = &runs[0];
+        assert_eq!(arm_state(r).unwrap(), ArmState::New);
+        let exp = crate::experiment::Experiment::create(&r.dir, &toml::to_string(&r.config).unwrap(), &serde_json::json!({})).unwrap();
+        drop(exp);
+        assert_eq!(arm_state(r).unwrap(), ArmState::Unfinished);
+        std::fs::write(r.dir.join("summary.json"), "{}").unwrap();
+        assert_eq!(arm_state(r).unwrap(), ArmState::Finished);
+        std::fs::remove_file(r.dir.join("summary.json")).unwrap();
+        // The A/B file was edited since the arm started: refused, naming the field; nothing deleted.
+        std::fs::write(dir.path().join("ab.toml"), AB.replace("lr = 2e-3", "lr = 5e-3")).unwrap();
+        let edited = plan(&dir.path().join("ab.toml"), None, &dir.path().join("experiments")).unwrap();
+        let err = arm_state(&edited[0]).unwrap_err().to_string();
+        assert!(err.contains("arm `adamw` seed 0") && err.contains("`optimizer.lr` changed: 0.002 then, 0.005 now"), "{err}");
+        assert!(r.dir.join("config.toml").exists());
+        std::fs::remove_dir_all(&runs[1].dir).ok();
+        std::fs::create_dir_all(&runs[1].dir).unwrap();
+        std::fs::write(runs[1].dir.join("stray"), "").unwrap();
+        assert!(arm_state(&runs[1]).unwrap_err().to_string().contains("not an experiment"));
     }
 
     #[test]

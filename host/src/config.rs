@@ -225,7 +225,7 @@ pub struct PluginSection {
 
 impl RunConfig {
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+        let text = input_files::read_to_string_capped(path, MAX_CONFIG_BYTES).context("reading config")?;
         Self::from_toml(path, &text)
     }
 
@@ -271,6 +271,9 @@ impl RunConfig {
         };
         range("steps", t.steps >= 1, format!("{} (must be >= 1)", t.steps))?;
         range("grad_accum", t.grad_accum >= 1, format!("{} (must be >= 1)", t.grad_accum))?;
+        range("steps", t.steps <= MAX_STEPS, format!("{} (must be <= {MAX_STEPS})", t.steps))?;
+        let micro = t.steps.checked_mul(t.grad_accum).filter(|&m| m <= MAX_STEPS);
+        range("grad_accum", micro.is_some(), format!("{} (steps x grad_accum must be <= {MAX_STEPS})", t.grad_accum))?;
         range("anchors_per_seq", t.anchors_per_seq >= 1, format!("{} (must be >= 1)", t.anchors_per_seq))?;
         range("warmup_frac", (0.0..=1.0).contains(&t.warmup_frac), format!("{} (must be in [0, 1])", t.warmup_frac))?;
         range("min_lr_frac", (0.0..=1.0).contains(&t.min_lr_frac), format!("{} (must be in [0, 1])", t.min_lr_frac))?;
@@ -313,6 +316,11 @@ impl RunConfig {
         }
     }
 
+    /// The plugin sections by kind: `target`, `drafter`, `optimizer`, `data`.
+    pub fn plugin_sections(&self) -> [(&'static str, &toml::Table); 4] {
+        self.sections()
+    }
+
     fn sections(&self) -> [(&'static str, &toml::Table); 4] {
         [("target", &self.target), ("drafter", &self.drafter), ("optimizer", &self.optimizer), ("data", &self.data)]
     }
@@ -347,6 +355,13 @@ fn validate_device(field: &str, d: &str) -> Result<()> {
     }
     Ok(())
 }
+
+/// A config is a few KB; a larger file is not one (and is refused before it is read).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// Most optimizer steps (and micro-batches: steps x grad_accum) a run may ask for: counters and
+/// micro-batch numbers must never wrap (2^40, beyond any real schedule).
+pub const MAX_STEPS: u64 = 1 << 40;
 
 /// Largest MiB setting (16 TiB): sizes are turned into bytes with `<< 20`, which must not wrap.
 const MAX_MB: usize = 1 << 24;
@@ -531,7 +546,7 @@ plugin = "chat"
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("nope.toml");
         let err = format!("{:#}", RunConfig::load(&missing).unwrap_err());
-        assert!(err.contains("nope.toml") && err.contains("No such file"), "{err}");
+        assert!(err.contains("nope.toml: no such file"), "{err}");
         let bad = dir.path().join("latin1.toml");
         std::fs::write(&bad, b"name = \"caf\xe9\"\n").unwrap();
         let err = format!("{:#}", RunConfig::load(&bad).unwrap_err());
@@ -559,6 +574,29 @@ plugin = "chat"
         let err = parse(&text).unwrap_err().to_string();
         assert!(err.contains("train.hidden_cache_mb"), "{err}");
         parse(&GOOD.replace("steps = 3", "steps = 3\nhidden_cache_mb = 0")).unwrap();
+    }
+
+    #[test]
+    fn step_counts_that_would_wrap_are_out_of_range() {
+        // 2^63 steps x 2 micro-batches wrapped to 0 micro-batches: "pipeline ended before step 1".
+        let text = GOOD.replace("steps = 3", "steps = 9223372036854775807\ngrad_accum = 2");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("train.steps") && err.contains("9223372036854775807"), "{err}");
+        let text = GOOD.replace("steps = 3", "steps = 1099511627776\ngrad_accum = 2");
+        let err = parse(&text).unwrap_err().to_string();
+        assert!(err.contains("train.grad_accum") && err.contains("steps x grad_accum"), "{err}");
+        parse(&GOOD.replace("steps = 3", "steps = 549755813888\ngrad_accum = 2")).unwrap();
+    }
+
+    #[test]
+    fn a_fifo_or_device_as_config_is_refused_without_blocking() {
+        let err = format!("{:#}", RunConfig::load(Path::new("/dev/zero")).unwrap_err());
+        assert!(err.contains("/dev/zero: not a regular file (a character device)"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("big.toml");
+        std::fs::write(&big, vec![b'#'; (MAX_CONFIG_BYTES + 1) as usize]).unwrap();
+        let err = format!("{:#}", RunConfig::load(&big).unwrap_err());
+        assert!(err.contains("big.toml") && err.contains("more than the 1048576 bytes allowed"), "{err}");
     }
 
     #[test]

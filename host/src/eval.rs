@@ -26,6 +26,23 @@ pub struct EvalOptions {
     pub max_new_tokens: u32,
 }
 
+impl EvalOptions {
+    /// Refuse what could only give an empty or misleading report, before anything is loaded: no
+    /// prompts, no tokens, a prompts "file" that is a FIFO or device.
+    pub fn validate(&self) -> Result<()> {
+        if self.limit == 0 {
+            bail!("--limit 0: evaluate at least one prompt");
+        }
+        if self.max_new_tokens == 0 {
+            bail!("--max-new-tokens 0: nothing would be decoded (no acceptance to measure); give at least 1");
+        }
+        if !matches!(self.source.as_str(), "holdout" | "humaneval") {
+            input_files::open_regular(std::path::Path::new(&self.source)).map_err(|e| anyhow!("--prompts {e}"))?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalReport {
     pub source: String,
@@ -252,5 +269,19 @@ mod tests {
         assert_eq!(kept_len(&[5, 6, 7, 8], 8, &[7]), 3, "through the stop token");
         assert_eq!(kept_len(&[5, 6, 7, 8], 2, &[7]), 2, "the cap first");
         assert_eq!(kept_len(&[5, 6], 8, &[7]), 2);
+    }
+
+    #[test]
+    fn arguments_that_give_no_evaluation_are_refused() {
+        let opts = |source: &str, limit, max_new_tokens| EvalOptions { source: source.into(), limit, max_new_tokens };
+        opts("holdout", 32, 64).validate().unwrap();
+        let err = opts("holdout", 0, 64).validate().unwrap_err().to_string();
+        assert!(err.starts_with("--limit 0"), "{err}");
+        let err = opts("holdout", 32, 0).validate().unwrap_err().to_string();
+        assert!(err.starts_with("--max-new-tokens 0"), "{err}");
+        let err = opts("/dev/zero", 32, 64).validate().unwrap_err().to_string();
+        assert_eq!(err, "--prompts /dev/zero: not a regular file (a character device)");
+        let err = opts("nope.jsonl", 32, 64).validate().unwrap_err().to_string();
+        assert_eq!(err, "--prompts nope.jsonl: no such file");
     }
 }

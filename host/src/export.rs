@@ -3,37 +3,31 @@
 //! `[drafter] init_from = DIR` reads back. The config is the one the drafter trained with: its
 //! `max_position_embeddings`, `rope_theta` and `rope_scaling` are the target's (the drafter took
 //! them from the target when the run started), `layer_types` and `sliding_window` the layers'.
+//!
+//! The checkpoint is verified first (the finder every reader uses); the folder is written under
+//! a temporary name and renamed, so `--out` holds a whole export or none; `--out` may not lie
+//! inside the experiment (a checkpoint folder would be overwritten) nor be a non-empty folder
+//! unless `--force`.
 
+use crate::experiment::{self, checkpoint};
 use anyhow::{bail, Context, Result};
 use plugin_api::tch::{Kind, Tensor};
 use std::path::{Path, PathBuf};
 
-/// `checkpoints/step-N` of an experiment: `step`, or the newest.
-pub fn find_checkpoint(exp_dir: &Path, step: Option<u64>) -> Result<PathBuf> {
-    let root = exp_dir.join("checkpoints");
-    if let Some(n) = step {
-        let dir = root.join(format!("step-{n}"));
-        if !dir.join("model.safetensors").exists() {
-            bail!("{}: no checkpoint step-{n}", exp_dir.display());
-        }
-        return Ok(dir);
-    }
-    let newest = std::fs::read_dir(&root)
-        .with_context(|| format!("{}: no checkpoints folder", exp_dir.display()))?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str()?.strip_prefix("step-")?.parse::<u64>().ok())
-        .max();
-    match newest {
-        Some(n) => Ok(root.join(format!("step-{n}"))),
-        None => bail!("{}: no checkpoints yet", exp_dir.display()),
-    }
+/// Export checkpoint `step` of `exp_dir` (default: the newest that verifies) to `out`; returns
+/// the checkpoint folder.
+pub fn export_experiment(exp_dir: &Path, step: Option<u64>, out: &Path, force: bool) -> Result<PathBuf> {
+    let ckpt = checkpoint::find(exp_dir, step)?;
+    export(&ckpt.dir, out, force)?;
+    Ok(ckpt.dir)
 }
 
-/// Write `checkpoint`'s drafter to `out` in the z-lab format.
-pub fn export(checkpoint: &Path, out: &Path) -> Result<()> {
+/// Write `checkpoint`'s drafter to `out` in the z-lab format (see the module doc for the rules).
+pub fn export(checkpoint: &Path, out: &Path, force: bool) -> Result<()> {
+    checkpoint::verify(checkpoint)?;
+    let out = check_out(checkpoint, out, force)?;
     let cfg_path = checkpoint.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("reading {}", cfg_path.display()))?;
-    let mut cfg: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", cfg_path.display()))?;
+    let mut cfg: serde_json::Value = experiment::read_json(&cfg_path)?;
     // transformers 5's name for the weights' dtype (4.x wrote `torch_dtype`; both read back).
     if let Some(obj) = cfg.as_object_mut() {
         obj.remove("torch_dtype");
@@ -48,11 +42,116 @@ pub fn export(checkpoint: &Path, out: &Path) -> Result<()> {
             checkpoint.display()
         );
     }
-    let weights = Tensor::read_safetensors(checkpoint.join("model.safetensors"))
-        .with_context(|| format!("reading {}", checkpoint.join("model.safetensors").display()))?;
-    let bf16: Vec<(String, Tensor)> = weights.into_iter().map(|(n, t)| (n, t.to_kind(Kind::BFloat16))).collect();
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&cfg)? + "\n")?;
-    Tensor::write_safetensors(&bf16, out.join("model.safetensors"))?;
+    let weights = experiment::read_safetensors(&checkpoint.join("model.safetensors"))?;
+    let bf16: Vec<(String, Tensor)> = weights.into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor().to_kind(Kind::BFloat16))).collect();
+
+    let parent = out.parent().expect("check_out gives a path with a parent");
+    let name = out.file_name().expect("check_out gives a path with a name").to_string_lossy().to_string();
+    let tmp = parent.join(format!(".{name}.export-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let written = (|| -> Result<()> {
+        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        experiment::write_synced(&tmp.join("config.json"), (serde_json::to_string_pretty(&cfg)? + "\n").as_bytes())?;
+        let model = tmp.join("model.safetensors");
+        Tensor::write_safetensors(&bf16, &model).with_context(|| format!("writing {}", model.display()))?;
+        std::fs::File::open(&model).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", model.display()))?;
+        std::fs::File::open(&tmp).and_then(|d| d.sync_all()).with_context(|| format!("syncing {}", tmp.display()))
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    // Replace: the old folder (empty, or --force) steps aside first, so a crash leaves one whole.
+    let old = parent.join(format!(".{name}.replaced-{}", std::process::id()));
+    if out.exists() {
+        std::fs::rename(&out, &old).with_context(|| format!("moving {} aside", out.display()))?;
+    }
+    std::fs::rename(&tmp, &out).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))?;
+    let _ = std::fs::remove_dir_all(&old);
+    std::fs::File::open(parent).and_then(|d| d.sync_all()).with_context(|| format!("syncing {}", parent.display()))?;
     Ok(())
+}
+
+/// `out` as an absolute path whose parent exists, after the checks: not inside the checkpoint's
+/// experiment, not a file, not a non-empty folder unless `force`.
+fn check_out(checkpoint: &Path, out: &Path, force: bool) -> Result<PathBuf> {
+    let name = out.file_name().with_context(|| format!("--out {}: not a folder name", out.display()))?;
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    let out_abs = parent.canonicalize().with_context(|| format!("{}", parent.display()))?.join(name);
+    let exp = checkpoint.parent().and_then(Path::parent).map(Path::canonicalize).transpose()?;
+    if let Some(exp) = exp.filter(|e| out_abs.starts_with(e)) {
+        bail!("--out {}: inside the experiment {}; export to a folder outside it (it would overwrite the experiment's files)", out.display(), exp.display());
+    }
+    if out_abs.exists() {
+        if !out_abs.is_dir() {
+            bail!("--out {}: exists and is not a folder", out.display());
+        }
+        let empty = std::fs::read_dir(&out_abs).with_context(|| format!("reading {}", out.display()))?.next().is_none();
+        if !empty && !force {
+            bail!("--out {}: exists and is not empty; pass --force to replace it", out.display());
+        }
+    }
+    Ok(out_abs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::experiment::Experiment;
+    use plugin_api::{tch::Device, NamedTensor};
+
+    fn checkpoint(root: &Path) -> PathBuf {
+        let exp = Experiment::create(&root.join("exp"), "", &serde_json::json!({})).unwrap();
+        let w = vec![NamedTensor::new("fc.weight", Tensor::ones([4, 4], (Kind::Float, Device::Cpu)))];
+        exp.save_checkpoint(3, &w, "{\"architectures\": [\"DFlashDraftModel\"]}", &[], &serde_json::json!({}), 1).unwrap()
+    }
+
+    fn listing(dir: &Path) -> Vec<String> {
+        let mut n: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        n.sort();
+        n
+    }
+
+    #[test]
+    fn export_never_writes_into_the_experiment_and_replaces_only_with_force() {
+        let root = tempfile::tempdir().unwrap();
+        let ckpt = checkpoint(root.path());
+        let before = std::fs::read(ckpt.join("model.safetensors")).unwrap();
+        for inside in [ckpt.clone(), root.path().join("exp"), root.path().join("exp/zlab")] {
+            let err = export(&ckpt, &inside, true).unwrap_err().to_string();
+            assert!(err.contains("inside the experiment"), "{}: {err}", inside.display());
+        }
+        assert_eq!(std::fs::read(ckpt.join("model.safetensors")).unwrap(), before, "the checkpoint was touched");
+        checkpoint::verify(&ckpt).unwrap();
+
+        let out = root.path().join("zlab");
+        std::fs::create_dir(&out).unwrap();
+        std::fs::write(out.join("notes.txt"), "mine").unwrap();
+        let err = export(&ckpt, &out, false).unwrap_err().to_string();
+        assert!(err.contains("exists and is not empty; pass --force"), "{err}");
+        assert_eq!(listing(&out), ["notes.txt"]);
+        export(&ckpt, &out, true).unwrap();
+        assert_eq!(listing(&out), ["config.json", "model.safetensors"]);
+        assert_eq!(listing(root.path()), ["exp", "zlab"], "no temporary folder left behind");
+        let back = Tensor::read_safetensors(out.join("model.safetensors")).unwrap();
+        assert_eq!(back[0].1.kind(), Kind::BFloat16);
+    }
+
+    #[test]
+    fn a_corrupt_checkpoint_is_not_exported() {
+        let root = tempfile::tempdir().unwrap();
+        let ckpt = checkpoint(root.path());
+        let model = ckpt.join("model.safetensors");
+        let mut bytes = std::fs::read(&model).unwrap();
+        let n = bytes.len();
+        bytes[n - 1] ^= 0x40; // one flipped bit in the weights: still a valid safetensors file
+        std::fs::write(&model, bytes).unwrap();
+        let out = root.path().join("zlab");
+        let err = format!("{:#}", export(&ckpt, &out, false).unwrap_err());
+        assert!(err.contains("model.safetensors: checksum mismatch"), "{err}");
+        assert!(!out.exists());
+        let err = format!("{:#}", export_experiment(&root.path().join("exp"), Some(3), &out, false).unwrap_err());
+        assert!(err.contains("checkpoint step-3 is not usable"), "{err}");
+    }
 }

@@ -12,6 +12,7 @@ pub mod eval;
 pub mod experiment;
 pub mod export;
 pub mod launch;
+pub mod out;
 pub mod pipeline;
 pub mod plugins;
 pub mod run;

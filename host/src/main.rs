@@ -4,14 +4,18 @@
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use dflash_host::{ab, config::RunConfig, eval, experiment, export, plugins, plugins::Registry, run, train};
+use dflash_host::{ab, config::RunConfig, eval, experiment, export, plugins, plugins::Registry, run, say, train};
 use std::{
+    io::Write,
     path::{Path, PathBuf},
     process::ExitCode,
 };
 
+/// The version and the git revision the binary was built from (host/build.rs).
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (git ", env!("DFLASH_GIT_REVISION"), ")");
+
 #[derive(Parser)]
-#[command(name = "dflash-host", version, about = "Train DFlash speculative-decoding drafters")]
+#[command(name = "dflash-host", version = VERSION, about = "Train DFlash speculative-decoding drafters")]
 struct Cli {
     /// Load a plugin shared library (repeatable); it replaces a built-in of the same name.
     #[arg(long = "plugin", global = true, value_name = "PATH")]
@@ -39,8 +43,13 @@ enum Command {
         /// Resume even if a plugin library differs from the one the run started with.
         #[arg(long, requires = "resume")]
         allow_plugin_change: bool,
-        /// Stop after this step with a checkpoint, as if interrupted (resume later).
-        #[arg(long)]
+        /// Resume although this config field (dotted, e.g. `train.steps`; a section name allows
+        /// all its fields) or the file it names changed since the run started (repeatable).
+        #[arg(long, value_name = "FIELD", requires = "resume")]
+        allow_change: Vec<String>,
+        /// Stop after this step with a checkpoint, as if interrupted (resume later); must lie
+        /// ahead of the step the run is at.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         stop_at: Option<u64>,
         /// Data-parallel: start N local ranks of this command (as `torchrun --nproc-per-node N
         /// --no-python dflash-host train ...` would); each rank's GPUs are the config's offset by
@@ -125,10 +134,15 @@ enum Command {
     Export {
         #[arg(long)]
         exp_dir: PathBuf,
+        /// Checkpoint step (default: the newest that verifies).
         #[arg(long)]
         checkpoint: Option<u64>,
+        /// A new or empty folder outside the experiment.
         #[arg(long)]
         out: PathBuf,
+        /// Replace `--out` if it is a non-empty folder.
+        #[arg(long)]
+        force: bool,
     },
     /// Benchmarks.
     Bench {
@@ -200,11 +214,16 @@ enum BenchCommand {
 enum PluginsCommand {
     /// Built-in and loaded (`--plugin PATH`) plugins: name, kind, version, ABI, origin, SHA-256.
     List,
-    /// Check one plugin library and show its metadata (runs none of its code but the metadata).
+    /// Check one plugin library and show its metadata (it is loaded in a child process only:
+    /// none of its code runs in this one).
     Inspect {
         /// The shared library.
         path: PathBuf,
     },
+    /// Load one library in this process and print its record as JSON (what `inspect`, `list` and
+    /// `--plugin` run in a child process).
+    #[command(hide = true)]
+    Probe { path: PathBuf },
 }
 
 
@@ -220,8 +239,15 @@ fn run() -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Plugins { command: PluginsCommand::Inspect { path } } => {
-            let plugin = plugins::load_library(&plugins::find_library(&path)?)?;
-            print_plugins(std::iter::once(&plugin.record));
+            let path = plugins::find_library(&path)?;
+            plugins::check_file(&path)?;
+            let record = plugins::probe(&path)?;
+            print_plugins(std::iter::once(&record));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Plugins { command: PluginsCommand::Probe { path } } => {
+            let loaded = plugins::load_library(&path, None)?;
+            say!("{}", serde_json::to_string(&loaded.record)?);
             Ok(ExitCode::SUCCESS)
         }
         Command::Doctor => {
@@ -233,15 +259,15 @@ fn run() -> Result<ExitCode> {
             let registry = Registry::new(&cli.plugins)?;
             let (n, stats) = run::distill(&cfg, &config, &out, &registry)?;
             if let Some(s) = stats {
-                println!("distilled    {} replies in {:.1} s ({} from the cache {})", s.replies, s.seconds, s.cached, s.cache_file.display());
+                say!("distilled    {} replies in {:.1} s ({} from the cache {})", s.replies, s.seconds, s.cached, s.cache_file.display());
             }
-            println!("wrote        {n} records -> {}", out.display());
-            println!("train on it  [data] path = \"{}\", distill = false", out.display());
+            say!("wrote        {n} records -> {}", out.display());
+            say!("train on it  [data] path = \"{}\", distill = false", out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Compare { dirs, out, group_by } => {
             let report = dflash_host::compare::run(&dirs, out.as_deref(), group_by.as_deref())?;
-            println!("report: {}", report.display());
+            say!("report: {}", report.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Train { nproc: Some(n), ref config, ref exp_dir, .. } if n >= 1 && std::env::var_os("RANK").is_none() => {
@@ -255,9 +281,9 @@ fn run() -> Result<ExitCode> {
             }
             Ok(ExitCode::from(dflash_host::launch::launch(n, &args)?))
         }
-        Command::Train { resume: Some(dir), allow_plugin_change, stop_at, .. } => {
-            let registry = Registry::new(&cli.plugins)?;
-            let summary = run::resume(&dir, &registry, allow_plugin_change, stop_at)?;
+        Command::Train { resume: Some(dir), allow_plugin_change, allow_change, stop_at, .. } => {
+            let opts = run::ResumeOptions { plugin_paths: cli.plugins.clone(), allow_plugin_change, allow_change, stop_at };
+            let summary = run::resume(&dir, &opts)?;
             print_summary(&summary);
             Ok(summary.interrupted.map_or(ExitCode::SUCCESS, ExitCode::from))
         }
@@ -285,40 +311,43 @@ fn run() -> Result<ExitCode> {
                 shard_bytes: shard_mb << 20,
             };
             let index = run::capture(&cfg, &config, &out, &registry, &opts)?;
-            println!("captured     {} micro-batches in {} shards ({:?}) -> {}", index.batches.len(), index.shards.len(), index.dtype, out.display());
-            println!("train on it  set `[pipeline] capture = \"{}\"` in the config", out.display());
+            say!("captured     {} micro-batches in {} shards ({:?}) -> {}", index.batches.len(), index.shards.len(), index.dtype, out.display());
+            say!("train on it  set `[pipeline] capture = \"{}\"` in the config", out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Eval { exp_dir, checkpoint, drafter, prompts, limit, max_new_tokens } => {
-            let registry = Registry::new(&cli.plugins)?;
-            let (_, mut c) = run::load_experiment(&exp_dir, &registry, checkpoint, drafter.as_deref())?;
             let opts = eval::EvalOptions { source: prompts, limit, max_new_tokens };
-            let report = eval::evaluate(&mut c, &opts)?;
-            let tau_hat = std::fs::read_to_string(exp_dir.join("metrics.jsonl"))
-                .ok()
-                .and_then(|t| t.lines().last().and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok()))
-                .and_then(|m| m["tau_hat"].as_f64());
-            let mut json = serde_json::to_value(&report)?;
-            json["tau_hat"] = tau_hat.into();
+            opts.validate()?;
+            if !exp_dir.join(experiment::CONFIG).is_file() {
+                anyhow::bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
+            }
             // eval.json is the held-out result `compare` shows; other prompt sets get their own file.
-            let name = match prompts_name(&report.source) {
+            let written = exp_dir.join(match prompts_name(&opts.source) {
                 Some(n) => format!("eval-{n}.json"),
                 None => "eval.json".into(),
-            };
-            let written = exp_dir.join(name);
-            std::fs::write(&written, serde_json::to_string_pretty(&json)? + "\n")?;
-            println!("prompts      {} ({})", report.prompts, report.source);
-            println!(
+            });
+            // A folder the results cannot be written to fails now, not after the evaluation.
+            experiment::check_writable(&written)?;
+            let registry = Registry::new(&cli.plugins)?;
+            let (_, mut c) = run::load_experiment(&exp_dir, &registry, checkpoint, drafter.as_deref())?;
+            let report = eval::evaluate(&mut c, &opts)?;
+            let tau_hat = experiment::metrics::last_number(&exp_dir, "tau_hat");
+            let mut json = serde_json::to_value(&report)?;
+            json["tau_hat"] = tau_hat.into();
+            say!("prompts      {} ({})", report.prompts, report.source);
+            say!(
                 "tau          {:.3}   (z-lab's: accepted + 1 per cycle; tokens kept per cycle {:.3}; tau_hat from training {})",
                 report.tau,
                 report.tau_kept,
                 tau_hat.map_or("-".into(), |t| format!("{t:.3}"))
             );
             let acc: Vec<String> = report.acceptance_per_position.iter().map(|a| format!("{a:.2}")).collect();
-            println!("acceptance   {}", acc.join(" "));
-            println!("speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only)", report.speedup, report.spec_tok_per_s, report.target_tok_per_s);
-            println!("lossless     {}", if report.lossless { "yes" } else { "NO" });
-            println!("written      {}", written.display());
+            say!("acceptance   {}", acc.join(" "));
+            say!("speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only)", report.speedup, report.spec_tok_per_s, report.target_tok_per_s);
+            say!("lossless     {}", if report.lossless { "yes" } else { "NO" });
+            // Written whole once the evaluation is complete (printed above even if this fails).
+            experiment::write_json_atomic(&written, &json)?;
+            say!("written      {}", written.display());
             if !report.lossless {
                 anyhow::bail!("speculative decoding differed from the target's greedy output on prompts {:?}", report.mismatches);
             }
@@ -334,7 +363,7 @@ fn run() -> Result<ExitCode> {
             let report = dflash_host::bench::train::train(&registry, &config, trace.as_deref())?;
             dflash_host::bench::train::print(&report);
             let line = serde_json::to_string(&report)?;
-            println!("{line}");
+            say!("{line}");
             if let Some(path) = json {
                 std::fs::write(&path, line + "\n").with_context(|| format!("writing {}", path.display()))?;
             }
@@ -345,7 +374,7 @@ fn run() -> Result<ExitCode> {
             let report = dflash_host::bench::allreduce::allreduce(&registry, &config, &bucket_mb, iters)?;
             dflash_host::bench::allreduce::print(&report);
             let line = serde_json::to_string(&report)?;
-            println!("{line}");
+            say!("{line}");
             if let Some(path) = json {
                 std::fs::write(&path, line + "\n").with_context(|| format!("writing {}", path.display()))?;
             }
@@ -355,16 +384,15 @@ fn run() -> Result<ExitCode> {
             let report = dflash_host::bench::attention::attention(&shape)?;
             dflash_host::bench::attention::print(&report);
             let line = serde_json::to_string(&report)?;
-            println!("{line}");
+            say!("{line}");
             if let Some(path) = json {
                 std::fs::write(&path, line + "\n").with_context(|| format!("writing {}", path.display()))?;
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Export { exp_dir, checkpoint, out } => {
-            let ckpt = export::find_checkpoint(&exp_dir, checkpoint)?;
-            export::export(&ckpt, &out)?;
-            println!("exported {} -> {}", ckpt.display(), out.display());
+        Command::Export { exp_dir, checkpoint, out, force } => {
+            let ckpt = export::export_experiment(&exp_dir, checkpoint, &out, force)?;
+            say!("exported {} -> {}", ckpt.display(), out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Ab { config, seeds } => {
@@ -375,28 +403,37 @@ fn run() -> Result<ExitCode> {
             let mut dirs = Vec::new();
             for (i, r) in runs.iter().enumerate() {
                 tracing::info!("A/B run {}/{}: arm `{}`, seed {}", i + 1, runs.len(), r.arm, r.seed);
-                if r.dir.join("summary.json").exists() {
-                    tracing::info!("{} is complete already; skipping it", r.dir.display());
-                } else {
-                    let _ = std::fs::remove_dir_all(&r.dir); // an unfinished earlier attempt
-                    let ab_name = ab_dir.file_name().unwrap_or_default().to_string_lossy().to_string();
-                    let summary = run::run(run::RunSpec {
-                        cfg: &r.config,
-                        config_path: &r.base_path,
-                        exp_dir: &r.dir,
-                        registry: &registry,
-                        ab: Some((&ab_name, &r.arm)),
-                        stop_at: None,
-                    })?;
+                let summary = match ab::arm_state(r)? {
+                    ab::ArmState::Finished => {
+                        tracing::info!("{} is complete already; skipping it", r.dir.display());
+                        None
+                    }
+                    ab::ArmState::Unfinished => {
+                        tracing::info!("{} is unfinished: resuming it", r.dir.display());
+                        Some(run::resume_with(&r.dir, None, &registry, &run::ResumeOptions::default())?)
+                    }
+                    ab::ArmState::New => {
+                        let ab_name = ab_dir.file_name().unwrap_or_default().to_string_lossy().to_string();
+                        Some(run::run(run::RunSpec {
+                            cfg: &r.config,
+                            config_path: &r.base_path,
+                            exp_dir: &r.dir,
+                            registry: &registry,
+                            ab: Some((&ab_name, &r.arm)),
+                            stop_at: None,
+                        })?)
+                    }
+                };
+                if let Some(summary) = summary {
                     print_summary(&summary);
                     if let Some(code) = summary.interrupted {
-                        return Ok(ExitCode::from(code)); // rerunning the A/B resumes with the next run
+                        return Ok(ExitCode::from(code)); // rerunning the A/B resumes this arm
                     }
                 }
                 dirs.push(r.dir.clone());
             }
             let report = dflash_host::compare::run(&dirs, Some(&ab_dir.join("report")), None)?;
-            println!("report: {}", report.display());
+            say!("report: {}", report.display());
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -411,26 +448,26 @@ fn prompts_name(source: &str) -> Option<String> {
 }
 
 fn print_plugins<'a>(records: impl Iterator<Item = &'a plugins::PluginRecord>) {
-    println!("{:<10} {:<10} {:<8} {:<6} {:<16} {:<64} origin", "kind", "name", "version", "abi", "sha256", "description");
+    say!("{:<10} {:<10} {:<8} {:<6} {:<16} {:<64} origin", "kind", "name", "version", "abi", "sha256", "description");
     for r in records {
         let sha = r.sha256.as_deref().map_or("-".to_string(), |s| s[..16].to_string());
-        println!("{:<10} {:<10} {:<8} {:<6} {:<16} {:<64} {}", r.kind, r.name, r.version, r.abi, sha, r.description, r.origin);
+        say!("{:<10} {:<10} {:<8} {:<6} {:<16} {:<64} {}", r.kind, r.name, r.version, r.abi, sha, r.description, r.origin);
     }
 }
 
 fn print_summary(s: &train::TrainSummary) {
-    println!("experiment   {}", s.experiment);
-    println!("steps        {}  ({} target tokens, {:.0} s)", s.steps, s.tokens, s.wall_s);
+    say!("experiment   {}", s.experiment);
+    say!("steps        {}  ({} target tokens, {:.0} s)", s.steps, s.tokens, s.wall_s);
     if let Some(d) = &s.distill {
-        println!("distill      {} replies in {:.0} s ({} from the cache); run {:.0} s in all", d.replies, d.seconds, d.cached, d.seconds + s.wall_s);
+        say!("distill      {} replies in {:.0} s ({} from the cache); run {:.0} s in all", d.replies, d.seconds, d.cached, d.seconds + s.wall_s);
     }
     if let (Some(f), Some(l)) = (&s.first, &s.last) {
-        println!("loss         {:.4} -> {:.4}", f.loss, l.loss);
-        println!("tau_hat      {:.3} -> {:.3}", f.tau_hat, l.tau_hat);
-        println!("acc@1        {:.3} -> {:.3}", f.acc.first().unwrap_or(&0.0), l.acc.first().unwrap_or(&0.0));
+        say!("loss         {:.4} -> {:.4}", f.loss, l.loss);
+        say!("tau_hat      {:.3} -> {:.3}", f.tau_hat, l.tau_hat);
+        say!("acc@1        {:.3} -> {:.3}", f.acc.first().unwrap_or(&0.0), l.acc.first().unwrap_or(&0.0));
     }
     if let Some(c) = &s.last_checkpoint {
-        println!("checkpoint   {c}");
+        say!("checkpoint   {c}");
     }
 }
 
@@ -446,7 +483,9 @@ fn main() -> ExitCode {
     match run() {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // One line: causes joined by ": " (multi-line causes flattened).
+            // A closed stderr must not panic either.
+            let _ = writeln!(std::io::stderr(), "error: {}", format!("{e:#}").replace('\n', " "));
             ExitCode::from(2)
         }
     }

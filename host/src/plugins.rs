@@ -1,10 +1,15 @@
 //! The plugin registry: built-ins (linked in, found through inventory) and shared libraries
 //! given with `--plugin PATH`. The host sees every plugin only through `plugin-api`.
 //!
-//! Loading a library checks, in order, each with a one-line error: the path is a file; it is a
-//! shared object; it exports exactly one `dflash_plugin_*` entry symbol (read from the dynamic
-//! symbol table before any of its code runs); its plugin ABI major version is ours; its types'
-//! layouts equal ours (abi_stable); it was built against the same tch / libtorch (build id).
+//! A library is checked before this process runs any of its code, each check with a one-line
+//! error: the path is a regular file; it is a shared object; it exports exactly one
+//! `dflash_plugin_*` entry symbol (both read from the file); its SHA-256 (which a resume compares
+//! with the manifest's, through [`Registry::with_gate`]). Then a child process (`dflash-host
+//! plugins probe`) loads it and checks what only loading can show: its plugin ABI major version is
+//! ours, its types' layouts equal ours (abi_stable), it was built against the same tch / libtorch
+//! (build id); a library that crashes or hangs there costs the child, not this process. Only a
+//! plugin a run actually creates is loaded here (`dlopen`), after its file is hashed once more.
+//! So `plugins list` and `plugins inspect` never load a library into the host.
 
 use crate::config::PluginSection;
 use anyhow::{anyhow, bail, Context, Result};
@@ -15,10 +20,14 @@ use plugin_api::{
 };
 use serde::Serialize;
 use sha2::{Digest, Sha256};
-use std::path::{Path, PathBuf};
+use std::{
+    path::{Path, PathBuf},
+    sync::OnceLock,
+    time::Duration,
+};
 
 /// What a plugin is and where it came from, for `plugins list` and manifests.
-#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct PluginRecord {
     pub name: String,
     pub kind: String,
@@ -32,8 +41,33 @@ pub struct PluginRecord {
 }
 
 pub struct Plugin {
-    pub module: PluginModule_Ref,
     pub record: PluginRecord,
+    source: Source,
+}
+
+enum Source {
+    Builtin(PluginModule_Ref),
+    /// A probed library, loaded into this process the first time a plugin of it is created.
+    Library { path: PathBuf, module: OnceLock<PluginModule_Ref> },
+}
+
+impl Plugin {
+    /// The plugin's root module, loading its library now if it is not loaded yet.
+    pub fn module(&self) -> Result<PluginModule_Ref> {
+        match &self.source {
+            Source::Builtin(m) => Ok(*m),
+            Source::Library { path, module } => {
+                if let Some(m) = module.get() {
+                    return Ok(*m);
+                }
+                let loaded = load_library(path, self.record.sha256.as_deref())?;
+                if loaded.record != self.record {
+                    bail!("plugin {}: changed since it was checked (its metadata differs); run again", path.display());
+                }
+                Ok(*module.get_or_init(|| loaded.module))
+            }
+        }
+    }
 }
 
 pub struct Registry {
@@ -53,21 +87,31 @@ fn record(info: &PluginInfo, abi: &str, origin: String, sha256: Option<String>) 
 }
 
 impl Registry {
-    /// Built-ins, then each `--plugin` library; a library replaces a built-in of the same kind and
-    /// name (logged), two libraries with one kind and name are an error.
+    /// Built-ins, then each `--plugin` library (checked and probed, not loaded); a library
+    /// replaces a built-in of the same kind and name (logged), two libraries with one kind and
+    /// name are an error.
     pub fn new(paths: &[PathBuf]) -> Result<Self> {
+        Self::with_gate(paths, |_, _| Ok(()))
+    }
+
+    /// As [`Registry::new`], with `gate(path, sha256)` called for each library after the checks
+    /// that read its file and before any of its code runs (resume refuses a library the run did
+    /// not start with here).
+    pub fn with_gate(paths: &[PathBuf], gate: impl Fn(&Path, &str) -> Result<()>) -> Result<Self> {
         // Keeps the built-in crates linked (and so their inventory entries alive).
         std::hint::black_box(&crate::builtins::BUILTIN_MODULES);
         let mut plugins: Vec<Plugin> = builtin_plugins()
             .map(|module| {
                 let info = (module.info())();
-                Plugin { record: record(&info, ABI_VERSION, "builtin".into(), None), module }
+                Plugin { record: record(&info, ABI_VERSION, "builtin".into(), None), source: Source::Builtin(module) }
             })
             .collect();
         plugins.sort_by(|a, b| (&a.record.kind, &a.record.name).cmp(&(&b.record.kind, &b.record.name)));
         for arg in paths {
             let path = &find_library(arg)?;
-            let plugin = load_library(path)?;
+            let (_, sha) = check_file(path)?;
+            gate(path, &sha)?;
+            let plugin = Plugin { record: probe(path)?, source: Source::Library { path: path.clone(), module: OnceLock::new() } };
             let (kind, name) = (&plugin.record.kind, &plugin.record.name);
             if let Some(i) = plugins.iter().position(|p| &p.record.kind == kind && &p.record.name == name) {
                 if plugins[i].record.origin != "builtin" {
@@ -76,7 +120,7 @@ impl Registry {
                 tracing::info!("{kind} plugin `{name}` from {} replaces the built-in", path.display());
                 plugins[i] = plugin;
             } else {
-                tracing::info!("loaded {kind} plugin `{name}` from {}", path.display());
+                tracing::info!("{kind} plugin `{name}` from {}", path.display());
                 plugins.push(plugin);
             }
         }
@@ -98,7 +142,7 @@ impl Registry {
     /// Create the plugin a config section names; the instance must be of the section's kind.
     pub fn create(&self, kind: PluginKind, section: &PluginSection, ctx: &HostContext) -> Result<(PluginInstance, PluginRecord)> {
         let plugin = self.find(kind, &section.plugin).map_err(|e| anyhow!("[{}] {e}", section.kind))?;
-        let instance = (plugin.module.create())(section.config_toml.as_str().into(), ctx)
+        let instance = (plugin.module()?.create())(section.config_toml.as_str().into(), ctx)
             .into_result()
             .map_err(|e| anyhow!("[{}] plugin `{}`: {e}", section.kind, section.plugin))?;
         let made = match &instance {
@@ -116,9 +160,24 @@ impl Registry {
 
 pub fn sha256_file(path: &Path) -> Result<String> {
     let mut h = Sha256::new();
-    let mut f = std::fs::File::open(path).with_context(|| format!("{}", path.display()))?;
-    std::io::copy(&mut f, &mut h)?;
+    let mut f = input_files::open_regular(path)?;
+    std::io::copy(&mut f, &mut h).with_context(|| format!("reading {}", path.display()))?;
     Ok(format!("{:x}", h.finalize()))
+}
+
+/// Plugin libraries are small (tens of MB); a larger file is refused before it is read whole.
+const MAX_LIBRARY_BYTES: u64 = 1 << 30;
+
+/// The checks that only read the file: a regular file, a shared object with one entry symbol.
+/// Returns the entry symbol and the file's SHA-256.
+pub fn check_file(path: &Path) -> Result<(String, String)> {
+    let shown = path.display();
+    let bytes = input_files::read_capped(path, MAX_LIBRARY_BYTES).map_err(|e| match e {
+        input_files::InputError::NotRegular { kind: "a directory", .. } => anyhow!("plugin {shown}: is a directory, expected a shared library (.so)"),
+        e => anyhow!("plugin {e}"),
+    })?;
+    let symbol = entry_symbol(path, &bytes)?;
+    Ok((symbol, format!("{:x}", Sha256::digest(&bytes))))
 }
 
 /// The library's `dflash_plugin_*` entry symbol, read from its dynamic symbol table without
@@ -179,18 +238,86 @@ pub fn find_library(arg: &Path) -> Result<PathBuf> {
     )
 }
 
-/// Load and check a plugin shared library (see the module doc for the checks).
-pub fn load_library(path: &Path) -> Result<Plugin> {
+/// How long a probe may take to load a library (a library whose constructor hangs is refused).
+const PROBE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The library's record, from a child process that loads and checks it (`dflash-host plugins
+/// probe PATH`, which runs [`load_library`] and prints the record as JSON).
+pub fn probe(path: &Path) -> Result<PluginRecord> {
+    use std::process::{Command, Stdio};
     let shown = path.display();
-    if !path.exists() {
-        bail!("plugin {shown}: no such file");
+    let exe = std::env::current_exe().context("finding this program to probe a plugin with")?;
+    let child = Command::new(&exe)
+        .args(["plugins", "probe"])
+        .arg(path)
+        .env("RUST_LOG", "error")
+        .env_remove("RUST_BACKTRACE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("plugin {shown}: starting a probe process ({})", exe.display()))?;
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let out = match rx.recv_timeout(PROBE_TIMEOUT) {
+        Ok(out) => out.with_context(|| format!("plugin {shown}: waiting for its probe process"))?,
+        Err(_) => {
+            // SAFETY: kill(2) on the probe child started above (not yet reaped: the thread waits).
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            bail!("plugin {shown}: still loading after {} s in a probe process (a constructor that never returns?); refused", PROBE_TIMEOUT.as_secs());
+        }
+    };
+    if out.status.success() {
+        let text = String::from_utf8_lossy(&out.stdout);
+        return serde_json::from_str(text.trim()).map_err(|e| anyhow!("plugin {shown}: its probe printed no plugin record ({e})"));
     }
-    if path.is_dir() {
-        bail!("plugin {shown}: is a directory, expected a shared library (.so)");
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(sig) = out.status.signal() {
+        bail!("plugin {shown}: loading it crashed the probe process ({}); refused", signal_name(sig));
     }
-    let bytes = std::fs::read(path).with_context(|| format!("plugin {shown}"))?;
-    let symbol = entry_symbol(path, &bytes)?;
-    let sha = format!("{:x}", Sha256::digest(&bytes));
+    let err = String::from_utf8_lossy(&out.stderr);
+    if let Some(line) = err.lines().rev().find_map(|l| l.strip_prefix("error: ")) {
+        bail!("{line}");
+    }
+    let mut lines = err.lines().map(str::trim);
+    if lines.by_ref().any(|l| l.contains("panicked at")) {
+        let message = lines.next().unwrap_or("");
+        bail!("plugin {shown}: loading it crashed the probe process (a panic: {message}); refused");
+    }
+    bail!("plugin {shown}: its probe process failed ({}): {}", out.status, first_line(&err))
+}
+
+fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        libc::SIGSEGV => "SIGSEGV, a segmentation fault",
+        libc::SIGABRT => "SIGABRT, an abort",
+        libc::SIGBUS => "SIGBUS, a bus error",
+        libc::SIGILL => "SIGILL, an illegal instruction",
+        libc::SIGFPE => "SIGFPE, an arithmetic fault",
+        libc::SIGKILL => "SIGKILL",
+        _ => return format!("signal {sig}"),
+    };
+    name.to_string()
+}
+
+/// A library loaded into this process.
+pub struct Loaded {
+    pub module: PluginModule_Ref,
+    pub record: PluginRecord,
+}
+
+/// Load and check a plugin shared library in this process (see the module doc for the checks):
+/// the probe process does this, and the host for a probed library it uses. `expect_sha256`: the
+/// file must still be the one probed.
+pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> {
+    let shown = path.display();
+    let (symbol, sha) = check_file(path)?;
+    if let Some(want) = expect_sha256.filter(|w| *w != sha) {
+        bail!("plugin {shown}: changed since it was checked (SHA-256 {} then, {} now); run again", &want[..16.min(want.len())], &sha[..16]);
+    }
     let raw = RawLibrary::load_at(path).map_err(|e| anyhow!("plugin {shown}: cannot be loaded: {}", first_line(&e.to_string())))?;
     // Libraries are never unloaded: their tensors and vtables may outlive any handle (STACK.md).
     let raw: &'static RawLibrary = Box::leak(Box::new(raw));
@@ -213,7 +340,7 @@ pub fn load_library(path: &Path) -> Result<Plugin> {
         bail!("plugin {shown}: built for `{build}`, this host is `{}`: tensors cannot cross between different libtorch builds", plugin_api::build_id());
     }
     let info = (module.info())();
-    Ok(Plugin { record: record(&info, &theirs, path.display().to_string(), Some(sha)), module })
+    Ok(Loaded { record: record(&info, &theirs, path.display().to_string(), Some(sha)), module })
 }
 
 fn first_line(s: &str) -> String {

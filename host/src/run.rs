@@ -1,44 +1,22 @@
 //! One training run from a config: build the plugins, open the experiment directory, train.
-//! Used by `dflash-host train` and by each arm of `dflash-host ab`.
+//! Used by `dflash-host train` and by each arm of `dflash-host ab`; `resume` continues one,
+//! after checking that nothing it was started with has changed.
 
 use crate::{
     config::{self, RunConfig},
     dist,
-    experiment::Experiment,
+    experiment::{
+        self, checkpoint,
+        manifest::{self, ChangeRecord, Drift, DriftKind},
+        Experiment, ExperimentLock, Manifest,
+    },
     plugins::{PluginRecord, Registry},
     pipeline::components::{build_components, Components},
-    train::{self, TrainSummary},
+    train::{self, TrainSummary, TrainerState},
 };
-use anyhow::{Context, Result};
-use serde::{Deserialize, Serialize};
+use anyhow::{bail, Context, Result};
+use plugin_api::PluginKind;
 use std::path::{Path, PathBuf};
-
-/// `manifest.json`: what produced an experiment.
-#[derive(Serialize, Deserialize)]
-pub struct Manifest {
-    pub host_version: String,
-    pub git_revision: String,
-    pub command_line: Vec<String>,
-    pub started_at_unix: u64,
-    pub seed: u64,
-    pub device: String,
-    pub dtype: String,
-    pub build_id: String,
-    pub plugins: Vec<PluginRecord>,
-    pub target_source: String,
-    pub target_sha256: String,
-    /// The config file's folder: relative paths in config.toml resolve from it.
-    pub config_dir: String,
-    /// The loss's decay gamma the run trains with (the paper's default for the block size when
-    /// the config leaves it out), or "none"; null in manifests written before it was recorded.
-    #[serde(default)]
-    pub loss_gamma: serde_json::Value,
-    /// The A/B this run is an arm of, and which arm (absent for plain runs).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ab: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub arm: Option<String>,
-}
 
 pub fn cache_dir() -> PathBuf {
     std::env::var_os("DFLASH_CACHE")
@@ -46,14 +24,10 @@ pub fn cache_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/dflash"))
 }
 
-fn git_revision() -> String {
-    std::process::Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
+/// The git revision the binary was built from (host/build.rs), not the one of the folder it
+/// runs in.
+pub fn git_revision() -> &'static str {
+    option_env!("DFLASH_GIT_REVISION").unwrap_or("unknown")
 }
 
 /// libtorch_cuda.so is dropped by `--as-needed`; load it before the first CUDA op (STACK.md).
@@ -73,6 +47,19 @@ fn ensure_device(cfg: &RunConfig) -> Result<()> {
     Ok(())
 }
 
+/// `--stop-at N` must lie ahead of the step the run is at.
+pub fn check_stop_at(stop_at: Option<u64>, at: u64) -> Result<()> {
+    match stop_at {
+        Some(n) if n <= at => bail!("--stop-at {n}: the run is at step {at} already; give a later step"),
+        _ => Ok(()),
+    }
+}
+
+/// This process is a data-parallel rank other than 0 (which owns the experiment folder).
+fn follower_rank() -> Result<bool> {
+    Ok(crate::dist::DistEnv::from_env()?.is_some_and(|e| e.rank > 0))
+}
+
 /// What a run needs besides its config.
 pub struct RunSpec<'a> {
     pub cfg: &'a RunConfig,
@@ -88,14 +75,19 @@ pub struct RunSpec<'a> {
 pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     let RunSpec { cfg, config_path, exp_dir, registry, ab, stop_at } = spec;
     let cfg = &place_rank(cfg)?;
+    check_stop_at(stop_at, 0)?;
     let cache = cache_dir();
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     let components = build(cfg, config_path, &config_dir, registry)?;
     let spec = components.target.spec();
     let gamma = crate::train::loss::resolve_gamma(cfg.train.loss_gamma, components.drafter.block_size() as usize);
+    let resolved = toml::to_string(cfg)?;
+    let target_source = PathBuf::from(spec.source.as_str());
+    let known = |p: &Path| same_file(p, &target_source).then(|| spec.source_sha256.to_string());
+    let inputs = manifest::hash_inputs(cfg, &config_dir, &cache, &known, &|_| false)?;
     let manifest = Manifest {
         host_version: env!("CARGO_PKG_VERSION").into(),
-        git_revision: git_revision(),
+        git_revision: git_revision().into(),
         command_line: std::env::args().collect(),
         started_at_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs(),
         seed: cfg.seed,
@@ -107,17 +99,21 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         target_sha256: spec.source_sha256.to_string(),
         config_dir: config_dir.display().to_string(),
         loss_gamma: gamma.map_or_else(|| "none".into(), Into::into),
+        config_sha256: Some(manifest::sha256_hex(resolved.as_bytes())),
+        config_toml: Some(resolved.clone()),
+        inputs,
+        changes: Vec::new(),
         ab: ab.map(|(name, _)| name.to_string()),
         arm: ab.map(|(_, arm)| arm.to_string()),
     };
-    let resolved = toml::to_string(cfg)?;
+    let mut exp = if follower_rank()? { Experiment::detached(exp_dir) } else { Experiment::create(exp_dir, &resolved, &manifest)? };
     let comm = connect(cfg, &components.records)?;
-    let mut exp = match &comm {
-        Some(c) if c.rank() > 0 => Experiment::detached(exp_dir),
-        _ => Experiment::create(exp_dir, &resolved, &manifest)?,
-    };
     tracing::info!("experiment: {}", exp_dir.display());
     train::train(cfg, components, &mut exp, &cache, train::TrainOptions { resume: None, stop_at, comm })
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    a == b || a.canonicalize().ok().is_some_and(|a| b.canonicalize().is_ok_and(|b| a == b))
 }
 
 /// The data-parallel communicator when a launcher started several ranks (RANK, WORLD_SIZE, ...):
@@ -173,70 +169,195 @@ fn place_rank(cfg: &RunConfig) -> Result<RunConfig> {
 
 /// The run's components; plugin config errors point at the config line that set the field.
 fn build(cfg: &RunConfig, config_path: &Path, config_dir: &Path, registry: &Registry) -> Result<Components> {
-    ensure_device(cfg)?;
-    tch::manual_seed(cfg.seed as i64);
-    build_components(cfg, registry, config_dir, &cache_dir()).map_err(|e| {
-        let msg = format!("{e:#}");
-        let text = std::fs::read_to_string(config_path).unwrap_or_default();
+    let located = |msg: String| {
+        let text = input_files::read_to_string_capped(config_path, config::MAX_CONFIG_BYTES).unwrap_or_default();
         match config::locate_plugin_error(&text, &msg) {
             Some(line) => anyhow::anyhow!("{}:{line}: {msg}", config_path.display()),
             None => anyhow::anyhow!("{}: {msg}", config_path.display()),
         }
-    })
+    };
+    // A FIFO or device where a file belongs is refused before any plugin opens it.
+    let ctx = manifest::plugin_context(cfg, config_dir, &cache_dir());
+    for (kind, table) in cfg.plugin_sections() {
+        let plugin = table.get("plugin").and_then(|p| p.as_str()).unwrap_or("?");
+        manifest::section_paths(kind, table, &ctx).map_err(|(key, e)| located(format!("[{kind}] plugin `{plugin}`: field `{key}`: {e}")))?;
+    }
+    ensure_device(cfg)?;
+    tch::manual_seed(cfg.seed as i64);
+    build_components(cfg, registry, config_dir, &cache_dir()).map_err(|e| located(format!("{e:#}")))
 }
 
-/// Continue an experiment from its newest good checkpoint (or from the start if it has none):
-/// same config, same plugins (a changed plugin file is refused unless `allow_plugin_change`).
-pub fn resume(exp_dir: &Path, registry: &Registry, allow_plugin_change: bool, stop_at: Option<u64>) -> Result<TrainSummary> {
-    let cfg_path = exp_dir.join("config.toml");
-    if !cfg_path.exists() {
-        anyhow::bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
+/// How to resume: the libraries given with `--plugin`, and what may have changed.
+#[derive(Default)]
+pub struct ResumeOptions {
+    pub plugin_paths: Vec<PathBuf>,
+    pub allow_plugin_change: bool,
+    /// `--allow-change FIELD`: config fields (or sections) and input files that may differ.
+    pub allow_change: Vec<String>,
+    pub stop_at: Option<u64>,
+}
+
+/// `train --resume DIR`: lock the experiment, then refuse any library the run did not start with
+/// before its code runs (unless `--allow-plugin-change`), then [`resume_with`].
+pub fn resume(exp_dir: &Path, opts: &ResumeOptions) -> Result<TrainSummary> {
+    let (lock, manifest) = open_for_resume(exp_dir)?;
+    let registry = Registry::with_gate(&opts.plugin_paths, |path, sha| {
+        let known = manifest.plugins.iter().any(|p| p.sha256.as_deref() == Some(sha));
+        if known {
+            return Ok(());
+        }
+        let what = format!("the plugin library {} (SHA-256 {}) is not one the run started with", path.display(), &sha[..16]);
+        if !opts.allow_plugin_change {
+            bail!("cannot resume {}: {what}; pass --allow-plugin-change to resume anyway", exp_dir.display());
+        }
+        tracing::warn!("resuming although {what} (--allow-plugin-change)");
+        Ok(())
+    })?;
+    resume_with(exp_dir, lock, &registry, opts)
+}
+
+/// Lock an experiment for resuming (rank 0; other ranks take no lock) and read its manifest.
+fn open_for_resume(exp_dir: &Path) -> Result<(Option<ExperimentLock>, Manifest)> {
+    if !exp_dir.join(experiment::CONFIG).is_file() {
+        bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
     }
-    let cfg = place_rank(&RunConfig::load(&cfg_path)?)?;
-    let manifest_path = exp_dir.join("manifest.json");
-    let manifest: Manifest = serde_json::from_str(&std::fs::read_to_string(&manifest_path).with_context(|| format!("reading {}", manifest_path.display()))?)
-        .with_context(|| format!("{}: not a manifest", manifest_path.display()))?;
+    let lock = if follower_rank()? { None } else { Some(ExperimentLock::acquire(exp_dir)?) };
+    Ok((lock, Manifest::read(exp_dir)?))
+}
+
+/// Continue an experiment from its newest good checkpoint (or from the start if it has none).
+/// Every check comes first and a refused resume changes nothing: the config (field by field),
+/// the input files, the plugins and the target's weights must be those the run started with
+/// (unless `--allow-change` / `--allow-plugin-change`), and there must be steps left. Then the
+/// checkpoints after the one resumed from are set aside, metrics and events after it dropped.
+pub fn resume_with(exp_dir: &Path, lock: Option<ExperimentLock>, registry: &Registry, opts: &ResumeOptions) -> Result<TrainSummary> {
+    let lock = match lock {
+        Some(l) => Some(l),
+        None if follower_rank()? => None,
+        None => Some(ExperimentLock::acquire(exp_dir)?),
+    };
+    let cfg_path = exp_dir.join(experiment::CONFIG);
+    let cfg = RunConfig::load(&cfg_path)?;
+    let mut manifest = Manifest::read(exp_dir)?;
     let config_dir = PathBuf::from(&manifest.config_dir);
-    let components = build(&cfg, &cfg_path, &config_dir, registry)?;
-    check_plugins(&manifest.plugins, &components.records, allow_plugin_change)?;
-    let from = match crate::experiment::newest_good_checkpoint(exp_dir) {
-        Some((_, dir)) => Some(read_checkpoint(&dir)?),
+    let cache = cache_dir();
+    let resolved = toml::to_string(&cfg)?;
+
+    // 1. Config and input files, before anything is built.
+    let mut drifts = match &manifest.config_toml {
+        Some(then) => manifest::config_drift(then, &resolved),
+        None => {
+            tracing::warn!("{}: the manifest predates config records; config changes cannot be checked", exp_dir.display());
+            Vec::new()
+        }
+    };
+    let target_source = PathBuf::from(&manifest.target_source);
+    let is_target = |p: &Path| same_file(p, &target_source);
+    let inputs_now = manifest::hash_inputs(&cfg, &config_dir, &cache, &|_| None, &is_target)?;
+    drifts.extend(manifest::input_drift(&manifest.inputs, &inputs_now));
+    let mut allowed = manifest::refuse_drift(exp_dir, drifts, &opts.allow_change)?;
+
+    // 2. Plugins: what each section picks now against what the run used (no library loaded yet).
+    let picked: Vec<PluginRecord> = [PluginKind::Target, PluginKind::Drafter, PluginKind::Optimizer, PluginKind::DataLoader]
+        .into_iter()
+        .map(|k| Ok(registry.find(k, &cfg.section(k.as_str()).plugin).map_err(|e| anyhow::anyhow!("[{k}] {e}"))?.record.clone()))
+        .collect::<Result<_>>()?;
+    let plugin_changes = check_plugins(&manifest.plugins, &picked, opts.allow_plugin_change)?;
+
+    // 3. Where it resumes, and whether there is anything left to do.
+    let (good, _corrupt) = checkpoint::newest_good(exp_dir);
+    let state: Option<TrainerState> = match &good {
+        Some(c) => Some(experiment::read_json(&c.dir.join("trainer_state.json"))?),
         None => {
             tracing::warn!("{}: no usable checkpoint; starting from step 0", exp_dir.display());
             None
         }
     };
-    let keep_through = from.as_ref().map_or(0, |r| r.state.step);
-    let comm = connect(&cfg, &components.records)?;
-    let mut exp = match &comm {
-        Some(c) if c.rank() > 0 => Experiment::detached(exp_dir),
-        _ => {
-            let _ = std::fs::remove_file(exp_dir.join("summary.json"));
-            Experiment::reopen(exp_dir, keep_through)?
+    let at = state.as_ref().map_or(0, |s| s.step);
+    if at >= cfg.train.steps {
+        bail!("nothing to do: the run is at step {at} of {} (raise `train.steps` in {} and pass --allow-change train.steps to go on)", cfg.train.steps, cfg_path.display());
+    }
+    check_stop_at(opts.stop_at, at)?;
+
+    // 4. The plugins (on this rank's devices), then what only they know: the target's weights,
+    // the drafter's shape.
+    let cfg = place_rank(&cfg)?;
+    let components = build(&cfg, &cfg_path, &config_dir, registry)?;
+    let spec = components.target.spec();
+    if spec.source_sha256.as_str() != manifest.target_sha256 {
+        let field = manifest.inputs.iter().find(|i| is_target(Path::new(&i.path))).map_or("target".to_string(), |i| i.field.clone());
+        let sha = |s: &str| format!("SHA-256 {}", &s[..16.min(s.len())]);
+        let drift = Drift {
+            field,
+            then: format!("{} ({})", manifest.target_source, sha(&manifest.target_sha256)),
+            now: format!("{} ({})", spec.source, sha(&spec.source_sha256)),
+            what: DriftKind::Input,
+        };
+        allowed.extend(manifest::refuse_drift(exp_dir, vec![drift], &opts.allow_change)?);
+    }
+    if let Some(s) = &state {
+        let positions = components.drafter.block_size().saturating_sub(1) as usize;
+        if s.window.positions() != positions {
+            bail!(
+                "cannot resume {}: its checkpoint has statistics for {} block positions, the drafter now has {positions} \
+                 (block_size changed); start a new run instead",
+                exp_dir.display(),
+                s.window.positions()
+            );
+        }
+    }
+    let from = match &good {
+        Some(c) => Some(read_checkpoint(&c.dir)?),
+        None => None,
+    };
+
+    // 5. Every check passed: now change the folder.
+    let mut exp = match lock {
+        None => Experiment::detached(exp_dir),
+        Some(lock) => {
+            checkpoint::set_aside_after(exp_dir, at)?;
+            if !allowed.is_empty() || !plugin_changes.is_empty() || manifest.config_toml.is_none() {
+                for d in &allowed {
+                    manifest.changes.push(ChangeRecord { at_step: at, field: d.field.clone(), then: d.then.clone(), now: d.now.clone() });
+                }
+                for (kind, then, now) in &plugin_changes {
+                    manifest.changes.push(ChangeRecord { at_step: at, field: format!("plugins.{kind}"), then: then.clone(), now: now.clone() });
+                }
+                manifest.plugins = picked.clone();
+                manifest.config_sha256 = Some(manifest::sha256_hex(resolved.as_bytes()));
+                manifest.config_toml = Some(resolved.clone());
+                let known = |p: &Path| is_target(p).then(|| spec.source_sha256.to_string());
+                manifest.inputs = manifest::hash_inputs(&cfg, &config_dir, &cache, &known, &|_| false)?;
+                manifest.target_sha256 = spec.source_sha256.to_string();
+                manifest.target_source = spec.source.to_string();
+                manifest.write(exp_dir)?;
+            }
+            Experiment::reopen(exp_dir, lock, at)?
         }
     };
-    train::train(&cfg, components, &mut exp, &cache_dir(), train::TrainOptions { resume: from, stop_at, comm })
+    let comm = connect(&cfg, &components.records)?;
+    train::train(&cfg, components, &mut exp, &cache, train::TrainOptions { resume: from, stop_at: opts.stop_at, comm })
 }
 
 fn read_checkpoint(dir: &Path) -> Result<train::ResumeFrom> {
-    let state_path = dir.join("trainer_state.json");
-    let state = serde_json::from_str(&std::fs::read_to_string(&state_path)?).with_context(|| format!("{}: not a trainer state", state_path.display()))?;
     Ok(train::ResumeFrom {
-        state,
-        weights: crate::experiment::read_safetensors(&dir.join("model.safetensors"))?,
-        optimizer_state: crate::experiment::read_safetensors(&dir.join("optimizer.safetensors"))?,
+        state: experiment::read_json(&dir.join("trainer_state.json"))?,
+        weights: experiment::read_safetensors(&dir.join("model.safetensors"))?,
+        optimizer_state: experiment::read_safetensors(&dir.join("optimizer.safetensors"))?,
         checkpoint: dir.display().to_string(),
     })
 }
 
 /// A resumed run must use the plugins the run started with: same kind, name, origin and file.
-pub fn check_plugins(recorded: &[PluginRecord], now: &[PluginRecord], allow_change: bool) -> Result<()> {
+/// Returns the changes `allow_change` let through, as (kind, then, now).
+pub fn check_plugins(recorded: &[PluginRecord], now: &[PluginRecord], allow_change: bool) -> Result<Vec<(String, String, String)>> {
+    let mut changes = Vec::new();
+    let sha = |s: &Option<String>| s.as_deref().map_or("built-in".to_string(), |s| format!("SHA-256 {}", &s[..16.min(s.len())]));
     for r in recorded {
         let Some(n) = now.iter().find(|n| n.kind == r.kind) else { continue };
         let changed = if n.name != r.name {
             Some(format!("the {} plugin was `{}`, now `{}`", r.kind, r.name, n.name))
         } else if n.sha256 != r.sha256 || n.origin != r.origin {
-            let sha = |s: &Option<String>| s.as_deref().map_or("built-in".to_string(), |s| format!("SHA-256 {}", &s[..16]));
             Some(format!("the {} plugin `{}` changed: {} ({}) then, {} ({}) now", r.kind, r.name, r.origin, sha(&r.sha256), n.origin, sha(&n.sha256)))
         } else {
             None
@@ -246,9 +367,10 @@ pub fn check_plugins(recorded: &[PluginRecord], now: &[PluginRecord], allow_chan
                 anyhow::bail!("cannot resume: {what}; pass --allow-plugin-change to resume anyway");
             }
             tracing::warn!("resuming although {what} (--allow-plugin-change)");
+            changes.push((r.kind.clone(), format!("{} {} ({})", r.name, r.origin, sha(&r.sha256)), format!("{} {} ({})", n.name, n.origin, sha(&n.sha256))));
         }
     }
-    Ok(())
+    Ok(changes)
 }
 
 /// `dflash-host capture`: the config's targets over its data, features written to `out`.
@@ -274,19 +396,22 @@ pub fn distill(cfg: &RunConfig, config_path: &Path, out: &Path, registry: &Regis
 }
 
 /// Rebuild a finished experiment's plugins (eval, export): its resolved config, with the drafter
-/// from `drafter` (a z-lab folder) or else from checkpoint `step` (default: the newest).
+/// from `drafter` (a z-lab folder) or else from checkpoint `step` (default: the newest that
+/// verifies; a given one must verify).
 pub fn load_experiment(
     exp_dir: &Path,
     registry: &Registry,
     step: Option<u64>,
     drafter: Option<&Path>,
 ) -> Result<(RunConfig, Components)> {
-    let cfg_path = exp_dir.join("config.toml");
+    let cfg_path = exp_dir.join(experiment::CONFIG);
     let mut cfg = RunConfig::load(&cfg_path)?;
-    let manifest: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(exp_dir.join("manifest.json")).with_context(|| format!("{}: no manifest.json", exp_dir.display()))?,
-    )?;
-    let config_dir = PathBuf::from(manifest["config_dir"].as_str().unwrap_or("."));
+    let manifest = Manifest::read(exp_dir)?;
+    let config_dir = PathBuf::from(&manifest.config_dir);
+    let ckpt = match drafter {
+        Some(_) => None,
+        None => Some(checkpoint::find(exp_dir, step)?),
+    };
     if let Some(d) = drafter {
         let abs = d.canonicalize().with_context(|| format!("{}", d.display()))?;
         let mut t = toml::Table::new();
@@ -296,11 +421,10 @@ pub fn load_experiment(
     }
     ensure_device(&cfg)?;
     let mut c = build_components(&cfg, registry, &config_dir, &cache_dir())?;
-    if drafter.is_none() {
-        let ckpt = crate::export::find_checkpoint(exp_dir, step)?;
-        let weights = crate::experiment::read_safetensors(&ckpt.join("model.safetensors"))?;
-        c.drafter.load_weights(weights.into()).into_result().map_err(c.err(plugin_api::PluginKind::Drafter, "load_weights"))?;
-        tracing::info!("drafter weights from {}", ckpt.display());
+    if let Some(ckpt) = ckpt {
+        let weights = experiment::read_safetensors(&ckpt.dir.join("model.safetensors"))?;
+        c.drafter.load_weights(weights.into()).into_result().map_err(c.err(PluginKind::Drafter, "load_weights"))?;
+        tracing::info!("drafter weights from {}", ckpt.dir.display());
     }
     Ok((cfg, c))
 }
@@ -347,5 +471,22 @@ mod tests {
         let err = build_error(&cfg);
         let want = format!("run.toml:24: [data] plugin `chat`: field `path`: {}: No such file", dir.path().join("nope.jsonl").display());
         assert!(err.contains(&want), "{err}\nshould contain\n{want}");
+    }
+
+    #[test]
+    fn a_device_or_fifo_where_a_file_belongs_is_refused_before_a_plugin_opens_it() {
+        let dir = tempfile::tempdir().unwrap();
+        // Was "no such file" from the target plugin.
+        let cfg = write_config(dir.path(), "path = \"/dev/zero\"", "path = \"chat.jsonl\"");
+        let err = build_error(&cfg);
+        assert!(err.ends_with("run.toml:7: [target] plugin `hf`: field `path`: /dev/zero: not a regular file (a character device)"), "{err}");
+        // Blocked forever in the data plugin's read.
+        let fifo = dir.path().join("chat.fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let cfg = write_config(dir.path(), "path = \"tiny.json\"\nrandom_init = true", "path = \"chat.fifo\"");
+        let err = build_error(&cfg);
+        let want = format!("run.toml:24: [data] plugin `chat`: field `path`: {}: not a regular file (a FIFO)", fifo.display());
+        assert!(err.ends_with(&want), "{err}\nshould end with\n{want}");
     }
 }

@@ -134,6 +134,90 @@ fn hostname() -> String {
     if clean.is_empty() { "localhost".into() } else { clean }
 }
 
+/// Temporary files of [`truncate_after`].
+const TRUNCATING: &str = ".tb-truncating-";
+
+/// Drop the events after `step` from every event file in `dir` (a resume from the checkpoint at
+/// `step`: the run's later events are written again), and a record a crash cut short. Each file
+/// is rewritten through a temporary file and renamed; files with nothing to drop are untouched.
+pub fn truncate_after(dir: &Path, step: u64) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let files = std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
+    for e in files.filter_map(|e| e.ok()) {
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.starts_with(TRUNCATING) {
+            let _ = std::fs::remove_file(e.path()); // a truncation a kill interrupted
+        }
+        if !name.starts_with("events.out.tfevents.") {
+            continue;
+        }
+        let path = e.path();
+        // Event files grow with the run (a few hundred bytes a step); cap what is read anyway.
+        let bytes = input_files::read_capped(&path, 1 << 34)?;
+        let mut kept = Vec::with_capacity(bytes.len());
+        let mut pos = 0;
+        while let Some((data, end)) = next_record(&bytes, pos) {
+            if event_step(data).is_some_and(|s| s > step) {
+                break; // events are in step order
+            }
+            kept.extend_from_slice(&bytes[pos..end]);
+            pos = end;
+        }
+        if kept.len() < bytes.len() {
+            // The temporary name has no "tfevents" in it: TensorBoard must never read it.
+            let tmp = dir.join(format!("{TRUNCATING}{}", std::process::id()));
+            crate::experiment::write_synced(&tmp, &kept)?;
+            std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// The record at `pos` (its data and where the next begins), if it is whole and its CRCs hold.
+fn next_record(bytes: &[u8], pos: usize) -> Option<(&[u8], usize)> {
+    let len_bytes = bytes.get(pos..pos + 8)?;
+    let len = usize::try_from(u64::from_le_bytes(len_bytes.try_into().ok()?)).ok()?;
+    let len_crc = u32::from_le_bytes(bytes.get(pos + 8..pos + 12)?.try_into().ok()?);
+    let end = pos.checked_add(16)?.checked_add(len)?;
+    let data = bytes.get(pos + 12..pos + 12 + len)?;
+    let data_crc = u32::from_le_bytes(bytes.get(end - 4..end)?.try_into().ok()?);
+    (len_crc == masked_crc32c(len_bytes) && data_crc == masked_crc32c(data)).then_some((data, end))
+}
+
+/// An Event's `step` (field 2); None when absent or unreadable.
+fn event_step(mut b: &[u8]) -> Option<u64> {
+    fn varint(b: &mut &[u8]) -> Option<u64> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let (&byte, rest) = b.split_first()?;
+            *b = rest;
+            v |= u64::from(byte & 0x7f) << shift;
+            if byte < 0x80 {
+                return Some(v);
+            }
+        }
+        None
+    }
+    while !b.is_empty() {
+        let key = varint(&mut b)?;
+        let skip = match key & 7 {
+            0 => {
+                let v = varint(&mut b)?;
+                if key >> 3 == 2 {
+                    return Some(v);
+                }
+                0
+            }
+            1 => 8,
+            2 => usize::try_from(varint(&mut b)?).ok()?,
+            5 => 4,
+            _ => return None,
+        };
+        b = b.get(skip..)?;
+    }
+    None
+}
+
 // Protobuf wire format: key = (field << 3) | wire type; 0 varint, 1 fixed64, 2 length-delimited, 5 fixed32.
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -270,6 +354,27 @@ mod tests {
 
     fn read_events(path: &Path) -> Vec<Event> {
         read_records(&std::fs::read(path).unwrap()).iter().map(|r| parse_event(r)).collect()
+    }
+
+    #[test]
+    fn a_resume_drops_the_events_after_its_checkpoint_and_a_cut_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = EventWriter::create(dir.path()).unwrap();
+        for step in 1..=6 {
+            w.add_scalar("loss", step, step as f64).unwrap();
+        }
+        w.flush().unwrap();
+        let path = w.path.clone();
+        drop(w);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes.extend_from_slice(&bytes[40..60].to_vec()); // half a record, as a crash leaves it
+        std::fs::write(&path, &bytes).unwrap();
+        truncate_after(dir.path(), 4).unwrap();
+        let steps: Vec<i64> = read_events(&path).iter().map(|e| e.step).collect();
+        assert_eq!(steps, [0, 1, 2, 3, 4], "the file-version record, then steps through 4");
+        let before = std::fs::read(&path).unwrap();
+        truncate_after(dir.path(), 9).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), before);
     }
 
     #[test]

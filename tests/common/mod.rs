@@ -131,6 +131,24 @@ pub fn build_plugin(crate_dir: &str, lib: &str, features: &[&str], name: &str) -
     dest
 }
 
+/// Compile `tests/plugins/<name>.c` into a shared library (`target/test-plugins/<name>.so`).
+pub fn build_c_library(name: &str) -> PathBuf {
+    let _one_at_a_time = BUILDS.lock().unwrap_or_else(|e| e.into_inner());
+    let dest_dir = root().join("target/test-plugins");
+    std::fs::create_dir_all(&dest_dir).unwrap();
+    let tmp = dest_dir.join(format!("{name}.so.{}", std::process::id()));
+    let out = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(&tmp)
+        .arg(root().join(format!("tests/plugins/{name}.c")))
+        .output()
+        .expect("a C compiler (cc) to build a test library");
+    assert!(out.status.success(), "cc {name}.c: {}", String::from_utf8_lossy(&out.stderr));
+    let dest = dest_dir.join(format!("{name}.so"));
+    std::fs::rename(&tmp, &dest).unwrap();
+    dest
+}
+
 /// `exp/metrics.jsonl` with only `keys` in each record (timings differ between any two runs).
 pub fn metrics(exp: &Path, keys: &[&str]) -> Vec<serde_json::Value> {
     std::fs::read_to_string(exp.join("metrics.jsonl"))

@@ -30,7 +30,7 @@ fn ns_per(iters: u64, f: impl Fn()) -> f64 {
 pub fn abi(registry: &Registry, exp_dir: Option<&Path>, iters: u64) -> Result<()> {
     let ctx = HostContext::cpu();
     let plugin = registry.find(PluginKind::Optimizer, "adamw")?;
-    let PluginInstance::Optimizer(opt) = (plugin.module.create())("lr = 1e-3".into(), &ctx).into_result().map_err(|e| anyhow!("{e}"))? else {
+    let PluginInstance::Optimizer(opt) = (plugin.module()?.create())("lr = 1e-3".into(), &ctx).into_result().map_err(|e| anyhow!("{e}"))? else {
         return Err(anyhow!("adamw did not create an optimizer"));
     };
     // 1. A method call through the abi_stable vtable (for a --plugin library: into the .so).
@@ -47,9 +47,9 @@ pub fn abi(registry: &Registry, exp_dir: Option<&Path>, iters: u64) -> Result<()
     let direct = ns_per(iters, || {
         black_box(black_box(1e-3f64) * 1.0);
     });
-    println!("plugin        {} ({})", plugin.record.name, plugin.record.origin);
-    println!("vtable call   {call:.1} ns   (direct call {direct:.1} ns)");
-    println!("tensor handle {handle:.1} ns   (wrap + new reference + drop)");
+    crate::say!("plugin        {} ({})", plugin.record.name, plugin.record.origin);
+    crate::say!("vtable call   {call:.1} ns   (direct call {direct:.1} ns)");
+    crate::say!("tensor handle {handle:.1} ns   (wrap + new reference + drop)");
     if let Some(dir) = exp_dir {
         let text = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
         let last: serde_json::Value = serde_json::from_str(text.lines().last().ok_or_else(|| anyhow!("empty metrics"))?)?;
@@ -57,7 +57,7 @@ pub fn abi(registry: &Registry, exp_dir: Option<&Path>, iters: u64) -> Result<()
         let k = cfg["train"].get("grad_accum").and_then(|v| v.as_integer()).unwrap_or(1) as f64;
         let step_s = ["target_s", "drafter_s", "optim_s"].iter().map(|f| last[f].as_f64().unwrap_or(0.0)).sum::<f64>();
         let per_step_ns = k * (CALLS_PER_MICRO_BATCH * call + HANDLES_PER_MICRO_BATCH * handle) + CALLS_PER_STEP * call;
-        println!(
+        crate::say!(
             "per step      {per_step_ns:.0} ns of boundary crossings vs {:.3} s a step ({}) = {:.2e} of the step",
             step_s,
             dir.display(),

@@ -225,20 +225,20 @@ pub fn attention(sh: &Shape) -> Result<Report> {
 }
 
 pub fn print(r: &Report) {
-    println!("block attention, one layer: {}", r.shape);
+    crate::say!("block attention, one layer: {}", r.shape);
     let e = |x: &[f64; 4]| format!("out {:.1e}  dq {:.1e}  dk {:.1e}  dv {:.1e}", x[0], x[1], x[2], x[3]);
-    println!("  error vs fp32 masked SDPA: split fp32 {}", e(&r.error_split_f32));
-    println!("                             split low  {}", e(&r.error_split_bf16));
-    println!("                             ranged low {} (fused block part)", e(&r.error_ranged_bf16));
-    println!("                             ranged low {} (composite)", e(&r.error_ranged_composite_bf16));
-    println!("                             masked low {}", e(&r.error_masked_bf16));
-    println!("  masked SDPA: forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.masked_fwd_ms, r.masked_fwd_bwd_ms, r.masked_tflops);
-    println!("  split, whole context, composite block part: forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.split_fwd_ms, r.split_fwd_bwd_ms, r.split_tflops);
+    crate::say!("  error vs fp32 masked SDPA: split fp32 {}", e(&r.error_split_f32));
+    crate::say!("                             split low  {}", e(&r.error_split_bf16));
+    crate::say!("                             ranged low {} (fused block part)", e(&r.error_ranged_bf16));
+    crate::say!("                             ranged low {} (composite)", e(&r.error_ranged_composite_bf16));
+    crate::say!("                             masked low {}", e(&r.error_masked_bf16));
+    crate::say!("  masked SDPA: forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.masked_fwd_ms, r.masked_fwd_bwd_ms, r.masked_tflops);
+    crate::say!("  split, whole context, composite block part: forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.split_fwd_ms, r.split_fwd_bwd_ms, r.split_tflops);
     let (cf, cfb) = r.ranged_composite_ms;
-    println!("  split, the drafter's runs, composite block part: forward {cf:.2} ms, forward + backward {cfb:.2} ms");
+    crate::say!("  split, the drafter's runs, composite block part: forward {cf:.2} ms, forward + backward {cfb:.2} ms");
     for &(asked, made, fwd, fwd_bwd) in &r.ranged {
         let tflops = r.useful_tflop / fwd_bwd * 1e3;
-        println!("  split, fused block part, {asked:>2} runs ({made:>2} made): forward {fwd:.2} ms, forward + backward {fwd_bwd:.2} ms ({tflops:.1} useful TFLOP/s)");
+        crate::say!("  split, fused block part, {asked:>2} runs ({made:>2} made): forward {fwd:.2} ms, forward + backward {fwd_bwd:.2} ms ({tflops:.1} useful TFLOP/s)");
     }
-    println!("  split vs masked: forward {:.2}x, forward + backward {:.2}x", r.masked_fwd_ms / r.split_fwd_ms, r.masked_fwd_bwd_ms / r.split_fwd_bwd_ms);
+    crate::say!("  split vs masked: forward {:.2}x, forward + backward {:.2}x", r.masked_fwd_ms / r.split_fwd_ms, r.masked_fwd_bwd_ms / r.split_fwd_bwd_ms);
 }

@@ -511,14 +511,14 @@ pub fn train(registry: &Registry, config_path: &Path, trace: Option<&Path>) -> R
 
 /// The report as a table.
 pub fn print(r: &Report) {
-    println!(
+    crate::say!(
         "bench train: {} {}, batch {} x {} tokens, {} anchors a sequence, drafter `{}`",
         r.device, r.dtype, r.batch_size, r.seq_len, r.anchors_per_seq, r.drafter
     );
-    println!("matmul ceiling {:.1} TFLOP/s; memory in use once built {}", r.ceiling_tflop_per_s, gib(r.built_mem_gib));
-    println!("{:<26} {:>9} {:>12} {:>10} {:>10} {:>7} {:>10}", "phase", "s/step", "tok/s", "TFLOP", "TFLOP/s", "MFU", "mem GiB");
+    crate::say!("matmul ceiling {:.1} TFLOP/s; memory in use once built {}", r.ceiling_tflop_per_s, gib(r.built_mem_gib));
+    crate::say!("{:<26} {:>9} {:>12} {:>10} {:>10} {:>7} {:>10}", "phase", "s/step", "tok/s", "TFLOP", "TFLOP/s", "MFU", "mem GiB");
     let row = |name: &str, p: &Phase| {
-        println!(
+        crate::say!(
             "{:<26} {:>9.4} {:>12.0} {:>10.2} {:>10.1} {:>6.1}% {:>10}",
             name,
             p.step_s,
@@ -544,7 +544,7 @@ pub fn print(r: &Report) {
     let drafter_name = if r.drafter_flop_exact { "drafter step" } else { "drafter step (est. FLOP)" };
     row(drafter_name, &r.drafter_step);
     row("pipeline (draft tok/s)", &r.pipeline);
-    println!(
+    crate::say!(
         "pipeline: {:.0} target tok/s, {:.1}% of the bound its two stages set ({:.4} + {:.4} s)",
         r.pipeline_target_tok_per_s,
         100.0 * r.pipeline_efficiency,
@@ -552,8 +552,8 @@ pub fn print(r: &Report) {
         r.drafter_step.step_s
     );
     match r.fused_loss_error {
-        Some([loss, grad]) => println!("loss with the NVRTC kernels vs libtorch's ops: loss {loss:.1e}, gradient {grad:.1e} (relative)"),
-        None if r.device != "cpu" => println!("loss: the NVRTC cross-entropy kernels did not run"),
+        Some([loss, grad]) => crate::say!("loss with the NVRTC kernels vs libtorch's ops: loss {loss:.1e}, gradient {grad:.1e} (relative)"),
+        None if r.device != "cpu" => crate::say!("loss: the NVRTC cross-entropy kernels did not run"),
         None => {}
     }
 }

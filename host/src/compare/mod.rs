@@ -27,7 +27,29 @@ pub struct Record {
     pub elapsed_s: f64,
 }
 
+/// Largest magnitude a metric may have (loss, tau_hat, accuracy, seconds); beyond it a value is
+/// corrupt, and plotting it would need axes no plot can draw.
+pub const MAX_ABS: f64 = 1e15;
+/// Largest token count a record may have (x axis).
+pub const MAX_TOKENS: f64 = 1e18;
+
 impl Record {
+    /// Values beyond [`MAX_ABS`] (or not finite) become NaN, shown as missing; returns how many.
+    /// A record whose token count is not a count is refused.
+    pub fn sanitized(mut self) -> Result<(Self, usize), String> {
+        if !(self.tokens.is_finite() && (0.0..=MAX_TOKENS).contains(&self.tokens)) {
+            return Err(format!("`tokens` {} is not a token count", self.tokens));
+        }
+        let mut n = 0;
+        for v in [&mut self.loss, &mut self.tau_hat, &mut self.elapsed_s].into_iter().chain(self.acc.iter_mut()) {
+            if (v.is_finite() && v.abs() > MAX_ABS) || v.is_infinite() {
+                *v = f64::NAN;
+                n += 1;
+            }
+        }
+        Ok((self, n))
+    }
+
     /// Parse one line; JSON `null` (how serde_json writes NaN) reads as NaN.
     pub fn parse(line: &str) -> Result<Self, String> {
         let v: Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
@@ -150,30 +172,45 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
         run.group = name;
     }
 
-    // 2. Metrics: whole lines only; a last line without its newline is a write in progress.
+    // 2. Metrics: whole lines only (a last line that does not parse is a write in progress), each
+    //    line capped, values beyond any real run's treated as missing (plots stay finite).
     if !metrics_path.exists() {
         run.status = Status::NoMetrics;
         run.notes.push("no metrics.jsonl".into());
         return run;
     }
-    let text = match fs::read(&metrics_path) {
-        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+    let lines = match crate::experiment::metrics::lines(&metrics_path) {
+        Ok(lines) => lines,
         Err(e) => {
             run.status = Status::NoMetrics;
             run.notes.push(format!("metrics.jsonl unreadable: {e}"));
             return run;
         }
     };
-    let lines: Vec<&str> = text.split('\n').collect();
-    for (i, line) in lines.iter().enumerate() {
+    let mut lines = lines.enumerate().peekable();
+    let mut absurd = 0;
+    while let Some((i, line)) = lines.next() {
+        let line = match line {
+            Ok(l) => l,
+            Err(e) => {
+                run.notes.push(format!("metrics.jsonl read up to line {}: {e}", i + 1));
+                break;
+            }
+        };
         if line.trim().is_empty() {
             continue;
         }
-        match Record::parse(line) {
-            Ok(r) => run.records.push(r),
-            Err(e) if i + 1 == lines.len() => run.notes.push(format!("truncated last line of metrics.jsonl ignored ({e})")),
+        match Record::parse(&line).and_then(Record::sanitized) {
+            Ok((r, n)) => {
+                absurd += n;
+                run.records.push(r);
+            }
+            Err(e) if lines.peek().is_none() => run.notes.push(format!("truncated last line of metrics.jsonl ignored ({e})")),
             Err(e) => run.notes.push(format!("metrics.jsonl line {} skipped: {e}", i + 1)),
         }
+    }
+    if absurd > 0 {
+        run.notes.push(format!("{absurd} values in metrics.jsonl beyond ±{MAX_ABS:e} or not finite, treated as missing"));
     }
     if run.records.windows(2).any(|w| w[1].tokens < w[0].tokens) {
         run.notes.push("tokens decrease somewhere in metrics.jsonl (appended runs?); records sorted by tokens".into());
@@ -225,7 +262,8 @@ fn read_optional<T>(path: &Path, notes: &mut Vec<String>, parse: impl FnOnce(&st
         return None;
     }
     let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
-    match fs::read_to_string(path).map_err(|e| e.to_string()).and_then(|s| parse(&s)) {
+    // Reports are small; a FIFO, device or huge file here is a note, never a hang.
+    match input_files::read_to_string_capped(path, 64 << 20).map_err(|e| e.to_string()).and_then(|s| parse(&s)) {
         Ok(v) => Some(v),
         Err(e) => {
             notes.push(format!("{name} unreadable: {}", e.lines().next().unwrap_or("")));
@@ -458,9 +496,9 @@ pub fn run(dirs: &[PathBuf], out: Option<&Path>, group_by: Option<&str>) -> Resu
     let report = out.join("report.md");
     fs::write(&report, render_markdown(&runs, &cmp, &plots, &plot_errors))
         .with_context(|| format!("writing {}", report.display()))?;
-    print!("{}", render_terminal(&runs, &cmp));
+    crate::say!("{}", render_terminal(&runs, &cmp).trim_end_matches('\n'));
     for e in &plot_errors {
-        println!("plot failed: {e}");
+        crate::say!("plot failed: {e}");
     }
     Ok(report)
 }
@@ -670,6 +708,58 @@ mod tests {
             let svg = fs::read_to_string(out.join(format!("{stem}.svg"))).unwrap();
             assert!(svg.starts_with("<svg") && svg.contains("<polyline") && svg.contains("<text"), "{stem}.svg");
             assert!(svg.len() > 5_000, "{stem}.svg is {} bytes", svg.len());
+        }
+    }
+
+    /// `compare::run` in a thread: a hang fails the test after `secs` instead of hanging the suite.
+    fn run_within(dirs: Vec<PathBuf>, out: PathBuf, secs: u64) -> Result<PathBuf> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(run(&dirs, Some(&out), None));
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(secs)).expect("compare hung")
+    }
+
+    #[test]
+    fn absurd_values_are_treated_as_missing_and_plots_finish() {
+        let root = tempfile::tempdir().unwrap();
+        let a = fake_run(root.path(), "a", "x", None, &rows(1.0, 3000), true);
+        let b = fake_run(root.path(), "b", "y", None, &rows(2.0, 3000), true);
+        // One value of 1.7e308 (plotters' key-point search looped on the axis it made), one
+        // infinite, one token count that is no count.
+        let metrics = b.join("metrics.jsonl");
+        let text = fs::read_to_string(&metrics).unwrap();
+        let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+        lines[1] = lines[1].replacen("\"loss\":", "\"loss\":1.7e308,\"x\":", 1);
+        lines[2] = lines[2].replacen("\"tau_hat\":", "\"tau_hat\":1e999,\"y\":", 1);
+        lines.push(lines[0].replacen("\"tokens\":", "\"tokens\":1.7e308,\"z\":", 1));
+        fs::write(&metrics, lines.join("\n") + "\n").unwrap();
+        let run_b = load_run(&b, None);
+        assert!(run_b.records[1].loss.is_nan() && run_b.records[0].loss.is_finite(), "{:?}", run_b.records[1]);
+        assert!(run_b.notes.iter().any(|n| n.contains("beyond ±1e15")), "{:?}", run_b.notes);
+        assert!(run_b.notes.iter().any(|n| n.contains("is not a token count")), "{:?}", run_b.notes);
+        let report = run_within(vec![a, b], root.path().join("cmp"), 120).unwrap();
+        assert!(report.exists());
+        assert!(root.path().join("cmp/loss_vs_tokens.svg").exists());
+    }
+
+    #[test]
+    fn a_fifo_or_device_as_a_run_file_is_a_note_not_a_hang() {
+        let root = tempfile::tempdir().unwrap();
+        let fifo_run = fake_run(root.path(), "fifo", "x", None, &rows(1.0, 3000), true);
+        let zero_run = fake_run(root.path(), "zero", "x", None, &rows(1.0, 3000), true);
+        for name in ["metrics.jsonl", "summary.json", "manifest.json"] {
+            fs::remove_file(fifo_run.join(name)).unwrap();
+            let c = std::ffi::CString::new(fifo_run.join(name).as_os_str().as_encoded_bytes()).unwrap();
+            assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+            fs::remove_file(zero_run.join(name)).unwrap();
+            std::os::unix::fs::symlink("/dev/zero", zero_run.join(name)).unwrap();
+        }
+        run_within(vec![fifo_run.clone(), zero_run.clone()], root.path().join("cmp"), 60).unwrap();
+        for dir in [fifo_run, zero_run] {
+            let r = load_run(&dir, None);
+            assert_eq!(r.status, Status::NoMetrics, "{}", dir.display());
+            assert!(r.notes.iter().any(|n| n.contains("not a regular file")), "{:?}", r.notes);
         }
     }
 

@@ -56,7 +56,11 @@ impl LogAxis {
     fn ticks(&self, mantissas: &[f64]) -> Vec<f64> {
         let (lo, hi) = (self.0.start, self.0.end);
         let mut out = Vec::new();
-        for k in lo.log10().floor() as i32..=hi.log10().ceil() as i32 {
+        if !(lo > 0.0 && hi.is_finite() && lo < hi) {
+            return out;
+        }
+        // f64 spans 10^-324..10^308: the decades are bounded whatever the range.
+        for k in (lo.log10().floor() as i32).max(-330)..=(hi.log10().ceil() as i32).min(310) {
             for m in mantissas {
                 let v = m * 10f64.powi(k);
                 if v >= lo && v <= hi {
@@ -242,7 +246,9 @@ impl Figure for CurveFigure {
         root.fill(&WHITE).map_err(plot_err)?;
         let ys: Vec<f64> = self.runs.iter().flat_map(|l| l.points.iter().map(|p| p.1)).filter(|y| y.is_finite()).collect();
         let (lo, hi) = ys.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &y| (a.min(y), b.max(y)));
-        if !lo.is_finite() {
+        // Values are capped on reading (MAX_ABS); an axis span that is still not finite (or a
+        // range plotters' tick search cannot cover) gets the default axis, never a hang.
+        if !lo.is_finite() || !hi.is_finite() || !(hi - lo).is_finite() || hi.abs().max(lo.abs()) > MAX_ABS {
             return self.draw_on(root, 0.0..1.0, (0.0, 1.0));
         }
         if self.log_y && lo > 0.0 {

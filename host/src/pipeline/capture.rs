@@ -51,6 +51,10 @@ pub struct CaptureIndex {
     pub dtype: StoredDtype,
     pub batches: Vec<BatchEntry>,
     pub shards: Vec<String>,
+    /// CRC-32C of each shard file (hex), checked when the capture is opened: a shard changed or
+    /// cut short is refused, not read as features. Absent in captures written before.
+    #[serde(default)]
+    pub shard_crc32c: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -107,6 +111,7 @@ pub fn capture(cfg: &crate::config::RunConfig, mut c: Components, out: &Path, ca
         dtype: opts.dtype,
         batches: Vec::new(),
         shards: Vec::new(),
+        shard_crc32c: Vec::new(),
     };
     scheduler::run(&pipe, producer, workers, |feed| {
         let mut shard: Vec<(String, Tensor)> = Vec::new();
@@ -178,7 +183,10 @@ fn write_shard(out: &Path, index: &mut CaptureIndex, shard: &mut Vec<(String, Te
     let name = format!("shard-{:05}.safetensors", index.shards.len());
     let tmp = out.join(format!(".{name}.tmp"));
     Tensor::write_safetensors(shard, &tmp).with_context(|| format!("writing {}", tmp.display()))?;
-    fs::rename(&tmp, out.join(&name))?;
+    let bytes = fs::read(&tmp).with_context(|| format!("reading {}", tmp.display()))?;
+    fs::File::open(&tmp).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", tmp.display()))?;
+    fs::rename(&tmp, out.join(&name)).with_context(|| format!("renaming {}", tmp.display()))?;
+    index.shard_crc32c.push(format!("{:08x}", crc32c::crc32c(&bytes)));
     index.shards.push(name);
     shard.clear();
     Ok(())
@@ -202,7 +210,7 @@ struct Shard {
 impl CaptureReader {
     pub fn open(dir: &Path, target: &TargetSpec) -> Result<Self> {
         let index_path = dir.join("index.json");
-        let text = fs::read_to_string(&index_path)
+        let text = input_files::read_to_string_capped(&index_path, 1 << 30)
             .with_context(|| format!("{}: no capture index (an unfinished capture, or not a capture folder)", index_path.display()))?;
         let index: CaptureIndex = serde_json::from_str(&text).with_context(|| format!("{}: not a capture index", index_path.display()))?;
         if index.target_sha256 != target.source_sha256.as_str() {
@@ -218,14 +226,26 @@ impl CaptureReader {
         if index.batches.is_empty() {
             bail!("{}: the capture holds no batches", dir.display());
         }
+        if index.shard_crc32c.is_empty() {
+            tracing::warn!("{}: the capture has no shard checksums (written by an older host); its shards are not verified", dir.display());
+        } else if index.shard_crc32c.len() != index.shards.len() {
+            bail!("{}: {} shard checksums for {} shards", index_path.display(), index.shard_crc32c.len(), index.shards.len());
+        }
         let shards = index
             .shards
             .iter()
-            .map(|s| {
+            .enumerate()
+            .map(|(i, s)| {
                 let path = dir.join(s);
-                let file = fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+                let file = input_files::open_regular(&path)?;
                 // SAFETY: capture shards are written once and never modified while mapped.
                 let map = unsafe { Mmap::map(&file) }.with_context(|| format!("mapping {}", path.display()))?;
+                if let Some(want) = index.shard_crc32c.get(i) {
+                    let got = format!("{:08x}", crc32c::crc32c(&map));
+                    if &got != want {
+                        bail!("{}: checksum mismatch (CRC-32C {got}, recorded {want}): the shard is corrupt or cut short", path.display());
+                    }
+                }
                 let (header_len, metadata) =
                     safetensors::SafeTensors::read_metadata(&map).with_context(|| format!("{}: corrupt shard", path.display()))?;
                 Ok(Shard { data_start: 8 + header_len, metadata, map })
@@ -298,6 +318,53 @@ impl CaptureReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_corrupt_shard_is_refused_naming_it() {
+        use plugin_api::abi_stable::std_types::{RNone, RString};
+        let dir = tempfile::tempdir().unwrap();
+        let spec = TargetSpec {
+            architecture: RString::from("llama"),
+            num_hidden_layers: 2,
+            hidden_size: 4,
+            vocab_size: 8,
+            num_attention_heads: 1,
+            num_key_value_heads: 1,
+            head_dim: 4,
+            intermediate_size: 8,
+            rope_theta: 1e4,
+            rms_norm_eps: 1e-6,
+            bos_token_id: RNone,
+            eos_token_id: 1,
+            pad_token_id: RNone,
+            chat_template: RString::new(),
+            source: RString::from("t"),
+            source_sha256: RString::from("abc"),
+        };
+        let mut index = CaptureIndex {
+            version: 1,
+            target_source: "t".into(),
+            target_sha256: "abc".into(),
+            layer_ids: vec![1],
+            hidden_size: 4,
+            dtype: StoredDtype::F32,
+            batches: vec![BatchEntry { shard: 0, epoch: 0, index: 1 }],
+            shards: Vec::new(),
+            shard_crc32c: Vec::new(),
+        };
+        let mut shard = vec![("b0.hidden".to_string(), Tensor::ones([1, 2, 4], (Kind::Float, plugin_api::tch::Device::Cpu)))];
+        write_shard(dir.path(), &mut index, &mut shard).unwrap();
+        fs::write(dir.path().join("index.json"), serde_json::to_string(&index).unwrap()).unwrap();
+        CaptureReader::open(dir.path(), &spec).unwrap();
+        // One weight turned NaN: the file still parses, and was read as a non-finite step.
+        let path = dir.path().join("shard-00000.safetensors");
+        let mut bytes = fs::read(&path).unwrap();
+        let n = bytes.len();
+        bytes[n - 4..].copy_from_slice(&f32::NAN.to_le_bytes());
+        fs::write(&path, bytes).unwrap();
+        let err = format!("{:#}", CaptureReader::open(dir.path(), &spec).err().unwrap());
+        assert!(err.contains("shard-00000.safetensors: checksum mismatch"), "{err}");
+    }
 
     #[test]
     fn fp8_round_trip_keeps_rows_within_e4m3_precision() {

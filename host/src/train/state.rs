@@ -124,7 +124,7 @@ pub struct TrainSummary {
     pub first: Option<StepMetrics>,
     pub last: Option<StepMetrics>,
     pub last_checkpoint: Option<String>,
-    /// Exit code when a signal stopped the run (130 SIGINT, 143 SIGTERM).
+    /// Exit code when a signal stopped the run (130 SIGINT, 143 SIGTERM, 129 SIGHUP).
     pub interrupted: Option<u8>,
     /// The step `--stop-at` stopped at (the run is resumable from there).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -141,9 +141,9 @@ pub struct DistillSummary {
     pub seconds: f64,
 }
 
-/// SIGINT / SIGTERM: the first lets the current step finish, then a checkpoint is written and the
-/// run stops (exit 130 / 143); a second one exits at once (checkpoints are written whole or not
-/// at all, so nothing on disk is left half-written).
+/// SIGINT / SIGTERM / SIGHUP (a closed terminal): the first lets the current step finish, then a
+/// checkpoint is written and the run stops (exit 130 / 143 / 129); a second one exits at once
+/// (checkpoints are written whole or not at all, so nothing on disk is left half-written).
 pub struct StopSignal {
     code: Arc<AtomicUsize>,
 }
@@ -153,12 +153,21 @@ impl StopSignal {
         use signal_hook::{consts::*, flag};
         let code = Arc::new(AtomicUsize::new(0));
         let seen = Arc::new(AtomicBool::new(false));
-        for (sig, exit) in [(SIGINT, 130), (SIGTERM, 143)] {
+        for (sig, exit) in [(SIGINT, 130), (SIGTERM, 143), (SIGHUP, 129)] {
             flag::register_conditional_shutdown(sig, exit, Arc::clone(&seen))?;
             flag::register(sig, Arc::clone(&seen))?;
             flag::register_usize(sig, Arc::clone(&code), exit as usize)?;
         }
         Ok(Self { code })
+    }
+
+    /// The signal an exit code stands for.
+    pub fn name(code: u8) -> &'static str {
+        match code {
+            130 => "SIGINT",
+            129 => "SIGHUP",
+            _ => "SIGTERM",
+        }
     }
 
     /// The exit code if a signal asked to stop.
@@ -198,6 +207,11 @@ impl WindowSums {
     pub(super) fn new(block_size: i64) -> Self {
         let positions = block_size as usize - 1;
         Self { correct: vec![0; positions], count: vec![0; positions], ..Default::default() }
+    }
+
+    /// Block positions the window counts (block_size - 1 of the drafter that wrote it).
+    pub fn positions(&self) -> usize {
+        self.correct.len()
     }
 
     pub(super) fn acc(&self) -> Vec<f64> {

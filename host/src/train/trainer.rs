@@ -312,7 +312,7 @@ impl<'a> Trainer<'a> {
             self.maybe_checkpoint(step)?;
             self.bar.inc(1);
             if let Some(code) = self.interrupted {
-                let sig = if code == 130 { "SIGINT" } else { "SIGTERM" };
+                let sig = StopSignal::name(code);
                 let ckpt = self.last_ckpt.as_deref().unwrap_or("-");
                 self.bar.suspend(|| tracing::warn!("{sig}: stopped after step {step}; checkpoint {ckpt}"));
                 break;

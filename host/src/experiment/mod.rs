@@ -1,0 +1,280 @@
+//! The experiment directory, one run one folder: the resolved `config.toml`, `manifest.json`
+//! ([`manifest`]), `metrics.jsonl` ([`metrics`]), TensorBoard events, `checkpoints/`
+//! ([`checkpoint`]: written whole, verified before use), `summary.json` (present = finished),
+//! `eval.json`. A process that changes the folder holds its [`lock`].
+
+pub mod checkpoint;
+pub mod lock;
+pub mod manifest;
+pub mod metrics;
+
+pub use checkpoint::{read_safetensors, verify as verify_checkpoint, Checkpoint, CHECKPOINT_FILES};
+pub use lock::ExperimentLock;
+pub use manifest::Manifest;
+
+use anyhow::{Context, Result};
+use plugin_api::NamedTensor;
+use serde::{de::DeserializeOwned, Serialize};
+use std::{
+    fs::{self, File},
+    io::{BufWriter, Write},
+    path::{Path, PathBuf},
+};
+
+pub const CONFIG: &str = "config.toml";
+pub const SUMMARY: &str = "summary.json";
+/// JSON files the host writes (manifest, summaries, states) are far below this.
+const MAX_JSON_BYTES: u64 = 64 << 20;
+
+pub struct Experiment {
+    pub dir: PathBuf,
+    /// None for a data-parallel rank other than 0: it trains but writes nothing.
+    metrics: Option<BufWriter<File>>,
+    /// Held for the life of the run (None on ranks other than 0).
+    _lock: Option<ExperimentLock>,
+}
+
+/// `experiments/<name>`, or `<name>-2`, `-3`, ... if taken, so an earlier run is never
+/// overwritten.
+pub fn fresh_dir(root: &Path, name: &str) -> PathBuf {
+    let first = root.join(name);
+    if !first.exists() {
+        return first;
+    }
+    (2..).map(|i| root.join(format!("{name}-{i}"))).find(|p| !p.exists()).expect("a free name")
+}
+
+/// Whether the run in `dir` ran to its end.
+pub fn is_finished(dir: &Path) -> bool {
+    dir.join(SUMMARY).is_file()
+}
+
+impl Experiment {
+    /// A new experiment folder with its config, manifest and an empty metrics file. Built under a
+    /// temporary name (this process's, locked) and renamed, so a folder that exists always has
+    /// its config and manifest (a run killed while starting leaves only a `.NAME.tmp-PID`
+    /// folder, removed by the next start).
+    pub fn create(dir: &Path, config_toml: &str, manifest: &impl Serialize) -> Result<Self> {
+        if dir.exists() && fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?.next().is_some() {
+            anyhow::bail!("experiment directory {} already exists and is not empty (resume it with `train --resume {}`)", dir.display(), dir.display());
+        }
+        let name = dir.file_name().with_context(|| format!("{}: not a folder name", dir.display()))?.to_string_lossy().to_string();
+        let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
+        fs::create_dir_all(&parent).with_context(|| format!("creating {}", parent.display()))?;
+        remove_abandoned_starts(&parent, &name);
+        let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&tmp);
+        fs::create_dir_all(tmp.join("checkpoints")).with_context(|| format!("creating {}", tmp.display()))?;
+        let lock = ExperimentLock::acquire(&tmp)?; // the lock file moves with the folder
+        write_synced(&tmp.join(CONFIG), config_toml.as_bytes())?;
+        write_json(&tmp.join(manifest::MANIFEST), manifest)?;
+        write_synced(&tmp.join(metrics::METRICS), b"")?;
+        if dir.exists() {
+            fs::remove_dir(dir).with_context(|| format!("{}: not empty any more", dir.display()))?; // empty, checked above
+        }
+        fs::rename(&tmp, dir).with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+        sync_dir(&parent)?;
+        Self::open(dir, lock)
+    }
+
+    /// An existing experiment, to resume from the checkpoint at `keep_through_step` (0: none):
+    /// metrics lines and TensorBoard events after it (written after that checkpoint, or cut
+    /// short by a crash) are dropped, so the resumed run's continue the files as if it had never
+    /// stopped; `summary.json` goes (the run is not finished while it trains).
+    pub fn reopen(dir: &Path, lock: ExperimentLock, keep_through_step: u64) -> Result<Self> {
+        metrics::truncate_after(dir, keep_through_step)?;
+        crate::tensorboard::truncate_after(dir, keep_through_step)?;
+        let summary = dir.join(SUMMARY);
+        if summary.exists() {
+            fs::remove_file(&summary).with_context(|| format!("removing {}", summary.display()))?;
+        }
+        Self::open(dir, lock)
+    }
+
+    fn open(dir: &Path, lock: ExperimentLock) -> Result<Self> {
+        let path = dir.join(metrics::METRICS);
+        let metrics = fs::OpenOptions::new().append(true).open(&path).with_context(|| format!("opening {}", path.display()))?;
+        Ok(Self { dir: dir.to_path_buf(), metrics: Some(BufWriter::new(metrics)), _lock: Some(lock) })
+    }
+
+    /// Rank 1.. of a data-parallel run: rank 0 owns the folder.
+    pub fn detached(dir: &Path) -> Self {
+        Self { dir: dir.to_path_buf(), metrics: None, _lock: None }
+    }
+
+    /// Append one metrics record and flush it (a crash loses at most the line being written).
+    pub fn log(&mut self, record: &impl Serialize) -> Result<()> {
+        let Some(metrics) = self.metrics.as_mut() else { return Ok(()) };
+        let path = || format!("writing {}", self.dir.join(metrics::METRICS).display());
+        serde_json::to_writer(&mut *metrics, record).with_context(path)?;
+        metrics.write_all(b"\n").with_context(path)?;
+        metrics.flush().with_context(path)?;
+        Ok(())
+    }
+
+    /// `checkpoints/step-N/` (see [`checkpoint::write`]): whole or absent even across a power
+    /// cut; then the newest `keep` are kept, the one just written always among them.
+    pub fn save_checkpoint(
+        &self,
+        step: u64,
+        weights: &[NamedTensor],
+        drafter_config_json: &str,
+        optimizer_state: &[NamedTensor],
+        trainer_state: &impl Serialize,
+        keep: usize,
+    ) -> Result<PathBuf> {
+        let data = checkpoint::CheckpointData { weights, drafter_config_json, optimizer_state, trainer_state };
+        checkpoint::write(&self.dir, step, &data, keep)
+    }
+
+    pub fn write_summary(&self, summary: &impl Serialize) -> Result<()> {
+        write_json_atomic(&self.dir.join(SUMMARY), summary)
+    }
+}
+
+/// Temporary folders of starts that were killed (their lock is free); a start under way keeps
+/// its own.
+fn remove_abandoned_starts(parent: &Path, name: &str) {
+    let prefix = format!(".{name}.tmp-");
+    for e in fs::read_dir(parent).into_iter().flatten().filter_map(|e| e.ok()) {
+        let is_ours = e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix));
+        if is_ours && ExperimentLock::acquire(&e.path()).is_ok() {
+            let _ = fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// A JSON file the host wrote, read back (a regular file, size capped), errors naming it.
+pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = input_files::read_to_string_capped(path, MAX_JSON_BYTES)?;
+    serde_json::from_str(&text).with_context(|| format!("{}: not valid", path.display()))
+}
+
+fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)? + "\n";
+    write_synced(path, text.as_bytes())
+}
+
+/// Replace `path` whole: a temporary file beside it, fsynced, renamed over it.
+pub fn write_json_atomic(path: &Path, value: &impl Serialize) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)? + "\n";
+    write_atomic(path, text.as_bytes())
+}
+
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path.file_name().with_context(|| format!("{}: not a file name", path.display()))?.to_string_lossy();
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let written = write_synced(&tmp, bytes)
+        .and_then(|_| fs::rename(&tmp, path).with_context(|| format!("writing {} (renaming {} over it)", path.display(), tmp.display())));
+    if written.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    written?;
+    sync_dir(path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")))
+}
+
+/// Fail now, naming `path`, if a file could not be written there later (a read-only or missing
+/// folder, a folder in the file's place): a temporary file is created beside it and removed.
+pub fn check_writable(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        anyhow::bail!("cannot write {}: it is a folder", path.display());
+    }
+    let name = path.file_name().with_context(|| format!("{}: not a file name", path.display()))?.to_string_lossy();
+    let probe = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    File::create(&probe).with_context(|| format!("cannot write {}", path.display()))?;
+    let _ = fs::remove_file(&probe);
+    Ok(())
+}
+
+/// Write and fsync, so the bytes are on disk before a rename publishes them.
+pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).with_context(|| format!("writing {}", path.display()))?;
+    f.write_all(bytes).with_context(|| format!("writing {}", path.display()))?;
+    f.sync_all().with_context(|| format!("syncing {}", path.display()))
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir).and_then(|d| d.sync_all()).with_context(|| format!("syncing {}", dir.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use plugin_api::tch::Tensor;
+
+    #[test]
+    fn a_place_results_cannot_go_is_named_before_any_work() {
+        let root = tempfile::tempdir().unwrap();
+        check_writable(&root.path().join("eval.json")).unwrap();
+        assert_eq!(fs::read_dir(root.path()).unwrap().count(), 0, "the probe file is removed");
+        fs::create_dir(root.path().join("eval.json")).unwrap();
+        let err = format!("{:#}", check_writable(&root.path().join("eval.json")).unwrap_err());
+        assert!(err.ends_with("eval.json: it is a folder"), "{err}");
+        let err = format!("{:#}", check_writable(&root.path().join("gone/eval.json")).unwrap_err());
+        assert!(err.contains("cannot write") && err.contains("gone/eval.json"), "{err}");
+    }
+
+    #[test]
+    fn an_abandoned_start_is_cleaned_up_and_a_live_one_kept() {
+        let root = tempfile::tempdir().unwrap();
+        let dead = root.path().join(".exp.tmp-999999");
+        fs::create_dir(&dead).unwrap();
+        let live = root.path().join(".exp.tmp-1");
+        fs::create_dir(&live).unwrap();
+        let _held = ExperimentLock::acquire(&live).unwrap();
+        Experiment::create(&root.path().join("exp"), "", &serde_json::json!({})).unwrap();
+        assert!(!dead.exists() && live.exists());
+        let err = Experiment::create(&root.path().join("exp"), "", &serde_json::json!({})).err().unwrap().to_string();
+        assert!(err.contains("already exists and is not empty"), "{err}");
+    }
+
+    #[test]
+    fn fresh_dir_never_reuses_a_taken_name() {
+        let root = tempfile::tempdir().unwrap();
+        let a = fresh_dir(root.path(), "run");
+        assert_eq!(a, root.path().join("run"));
+        fs::create_dir_all(&a).unwrap();
+        let b = fresh_dir(root.path(), "run");
+        assert_eq!(b, root.path().join("run-2"));
+    }
+
+    #[test]
+    fn checkpoints_round_trip_and_old_ones_are_pruned() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("exp");
+        let exp = Experiment::create(&dir, "name = \"x\"\n", &serde_json::json!({"seed": 1})).unwrap();
+        let w = vec![NamedTensor::new("fc.weight", Tensor::from_slice(&[1.0f32, 2.0, 3.0]).view([3, 1]))];
+        for step in [10, 20, 30] {
+            exp.save_checkpoint(step, &w, "{}", &[], &serde_json::json!({"step": step}), 2).unwrap();
+        }
+        let names: Vec<_> = fs::read_dir(dir.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        let back = read_safetensors(&dir.join("checkpoints/step-30/model.safetensors")).unwrap();
+        assert_eq!(back[0].name.as_str(), "fc.weight");
+        assert!(back[0].tensor.tensor().equal(&w[0].tensor.tensor()));
+    }
+
+    #[test]
+    fn a_truncated_checkpoint_is_an_error_naming_the_file() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("exp");
+        let exp = Experiment::create(&dir, "name = \"x\"\n", &serde_json::json!({"seed": 1})).unwrap();
+        let w = vec![
+            NamedTensor::new("fc.weight", Tensor::ones([64, 32], (plugin_api::tch::Kind::Float, plugin_api::tch::Device::Cpu))),
+            NamedTensor::new("fc.bias", Tensor::zeros([64], (plugin_api::tch::Kind::Float, plugin_api::tch::Device::Cpu))),
+        ];
+        let ckpt = exp.save_checkpoint(1, &w, "{}", &[], &serde_json::json!({"step": 1}), 1).unwrap();
+        let model = ckpt.join("model.safetensors");
+        let bytes = fs::read(&model).unwrap();
+        // Cut in the data, in the JSON header, and inside the 8-byte header length.
+        for cut in [bytes.len() / 2, 20, 5] {
+            fs::write(&model, &bytes[..cut]).unwrap();
+            let err = format!("{:#}", read_safetensors(&model).err().expect("a truncated file read"));
+            assert!(err.contains(&model.display().to_string()), "cut at {cut}: {err}");
+            let err = format!("{:#}", crate::export::export(&ckpt, &root.path().join("out"), false).unwrap_err());
+            assert!(err.contains(&model.display().to_string()), "export, cut at {cut}: {err}");
+            let err = format!("{:#}", verify_checkpoint(&ckpt).unwrap_err());
+            assert!(err.contains("model.safetensors") && err.contains("checksum mismatch"), "{err}");
+        }
+    }
+}

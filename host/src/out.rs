@@ -1,0 +1,30 @@
+//! Results on stdout. A closed stdout (`dflash-host ... | head -1`) stops the printing quietly
+//! instead of panicking ("failed printing to stdout"): the command still runs to its end (a
+//! training run is not cut short by its reader going away) and exits with its own code.
+
+use std::{
+    io::{self, Write},
+    sync::atomic::{AtomicBool, Ordering},
+};
+
+static CLOSED: AtomicBool = AtomicBool::new(false);
+
+/// One line to stdout (use [`say!`](crate::say)); after the first failed write, nothing more.
+pub fn write_line(args: std::fmt::Arguments) {
+    if CLOSED.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut out = io::stdout().lock();
+    if let Err(e) = out.write_fmt(args).and_then(|_| out.write_all(b"\n")).and_then(|_| out.flush()) {
+        CLOSED.store(true, Ordering::Relaxed);
+        if e.kind() != io::ErrorKind::BrokenPipe {
+            tracing::warn!("stdout: {e}; no more results are printed");
+        }
+    }
+}
+
+/// `println!` that survives a closed stdout.
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => { $crate::out::write_line(format_args!($($arg)*)) };
+}
