@@ -22,14 +22,28 @@ def load(path):
     return [e for e in events if e.get("ph") == "X"]
 
 
-def enclosing(intervals, starts, t):
-    """Names of the intervals (sorted by start) that contain t, outermost first."""
+def nesting(intervals):
+    """Each interval's innermost enclosing interval (an index, -1 at the top); intervals sorted by
+    start and nested, as ranges and ops of one thread are."""
+    parent, open_ = [], []
+    for i, (start, _, _) in enumerate(intervals):
+        while open_ and intervals[open_[-1]][1] < start:
+            open_.pop()
+        parent.append(open_[-1] if open_ else -1)
+        open_.append(i)
+    return parent
+
+
+def enclosing(intervals, starts, parent, t):
+    """Names of the intervals that contain t, outermost first: the last one starting before t,
+    then up its parents (an earlier sibling ended before it began)."""
     out = []
-    for i in range(bisect.bisect_right(starts, t) - 1, -1, -1):
-        ts, end, name = intervals[i]
-        if end >= t:
-            out.append((ts, name))
-    return [n for _, n in sorted(out)]
+    i = bisect.bisect_right(starts, t) - 1
+    while i >= 0:
+        if intervals[i][1] >= t:
+            out.append(intervals[i][2])
+        i = parent[i]
+    return out[::-1]
 
 
 def main():
@@ -48,8 +62,10 @@ def main():
     for v in ops.values():
         v.sort()
     op_starts = {t: [s for s, _, _ in v] for t, v in ops.items()}
+    op_parents = {t: nesting(v) for t, v in ops.items()}
     ranges = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "user_annotation")
     range_starts = [s for s, _, _ in ranges]
+    range_parents = nesting(ranges)
 
     total = sum(k["dur"] for k in kernels)
     if not kernels:
@@ -63,11 +79,11 @@ def main():
         launch = launches.get(k.get("args", {}).get("correlation"))
         where, op = "(outside ranges)", "(no op)"
         if launch is not None:
-            names = enclosing(ranges, range_starts, launch["ts"])
+            names = enclosing(ranges, range_starts, range_parents, launch["ts"])
             if names:
                 where = " / ".join(names)
             tid = launch["tid"]
-            outer = enclosing(ops.get(tid, []), op_starts.get(tid, []), launch["ts"])
+            outer = enclosing(ops.get(tid, []), op_starts.get(tid, []), op_parents.get(tid, []), launch["ts"])
             if outer:
                 # The op the model code called (outermost), and the one that launched (innermost).
                 op = outer[0] if len(outer) == 1 else f"{outer[0]} > {outer[-1]}"
