@@ -64,12 +64,12 @@ fn cross_entropy_kernels_match_libtorch() {
 /// same masked attention in fp32: the kernels run (the saved state says so) and their errors are
 /// those of bf16, close to the composite's. Full attention, and sliding windows: one as long as
 /// the block (its last query sees no context), one that cuts most of the context (ranges that
-/// start past key 0).
+/// start past key 0: with the 256-key tiles, the last run's smallest anchor 400 less 100 + 1).
 #[test]
 fn fused_block_part_matches_the_composite() {
     let Some(dev) = cuda() else { return };
     let _lock = SWITCH.lock().unwrap();
-    for window in [None, Some(16), Some(200)] {
+    for window in [None, Some(16), Some(100)] {
         tch::manual_seed(1);
         let (b, nh, nkv, d, s, block, a) = (2, 8, 2, 128, 640, 16, 24);
         let n = a * block;
@@ -92,7 +92,7 @@ fn fused_block_part_matches_the_composite() {
         let bf = |t: &Tensor| t.detach().to_kind(Kind::BFloat16);
         let run = |fused: bool| {
             let mask = ba::ContextMask::ranged(&anchors.to_device(dev), &anchors, s, block, Kind::BFloat16, 4, window);
-            if window == Some(200) {
+            if window == Some(100) {
                 assert!(mask.ranges.iter().any(|r| r.first_key > 0), "no range starts past key 0: {:?}", mask.ranges);
             }
             let (out, saved) = tch::no_grad(|| ba::forward(&bf(&q), &bf(&k), &bf(&v), &mask, block, scale));
