@@ -1,5 +1,6 @@
 // libtorch's Kineto profiler (what torch.profiler drives from Python), which tch does not bind:
 // start, named ranges, stop and save a Chrome trace. Errors come back as text.
+#include <cstdlib>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <cstdio>
@@ -11,6 +12,10 @@ namespace impl = torch::profiler::impl;
 
 extern "C" int dflash_profiler_start(int cuda, char* err, size_t err_len) {
   try {
+    // A CPU-only trace: Kineto would still ask the CUDA runtime for devices and log an ERROR line
+    // ("gpuGetDeviceCount failed") on a machine without a driver. Quiet it unless the user chose
+    // a level.
+    if (!cuda) setenv("KINETO_LOG_LEVEL", "5", /*overwrite=*/0);
     impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/true);
     std::set<impl::ActivityType> activities{impl::ActivityType::CPU};
     if (cuda) activities.insert(impl::ActivityType::CUDA);
