@@ -55,26 +55,6 @@ fn split_version(v: i64, a: i64, b: i64) -> String {
     }
 }
 
-/// Call `int f(int*)` (CUDA / NCCL style) in `lib`.
-fn int_out(lib: &Path, symbol: &[u8]) -> Option<i64> {
-    // SAFETY: NVIDIA's version queries write one int and touch no other state.
-    unsafe {
-        let l = libloading::Library::new(lib).ok()?;
-        let f: libloading::Symbol<unsafe extern "C" fn(*mut i32) -> i32> = l.get(symbol).ok()?;
-        let mut v = 0i32;
-        (f(&mut v) == 0).then_some(v as i64)
-    }
-}
-
-fn cudnn_version(lib: &Path) -> Option<i64> {
-    // SAFETY: cudnnGetVersion takes nothing and returns size_t.
-    unsafe {
-        let l = libloading::Library::new(lib).ok()?;
-        let f: libloading::Symbol<unsafe extern "C" fn() -> usize> = l.get(b"cudnnGetVersion\0").ok()?;
-        Some(f() as i64)
-    }
-}
-
 fn find<'a>(needed: &'a [Needed], prefix: &str) -> Option<&'a Needed> {
     needed.iter().find(|n| n.name.starts_with(prefix))
 }
@@ -97,12 +77,12 @@ pub fn run(libtorch: &Path) -> Result<ExitCode> {
     println!("  tch          0.24.0, plugin ABI {}", plugin_api::ABI_VERSION);
 
     // The driver: libcuda.so.1 comes with it, never with a wheel.
-    let driver = int_out(Path::new("libcuda.so.1"), b"cuDriverGetVersion\0");
+    let driver = kernels::ffi::int_version(Path::new("libcuda.so.1"), b"cuDriverGetVersion\0");
     let cuda_lib = libtorch.join("lib/libtorch_cuda.so");
     let needed = ldd(&cuda_lib).unwrap_or_default();
     let cpu_needed = ldd(&libtorch.join("lib/libtorch_cpu.so")).unwrap_or_default();
     let runtime = find(&needed, "libcudart.so").or_else(|| find(&cpu_needed, "libcudart.so"));
-    let runtime_v = runtime.and_then(|n| n.path.as_deref()).and_then(|p| int_out(p, b"cudaRuntimeGetVersion\0"));
+    let runtime_v = runtime.and_then(|n| n.path.as_deref()).and_then(|p| kernels::ffi::int_version(p, b"cudaRuntimeGetVersion\0"));
     let nvrtc = nvrtc_version(libtorch);
     println!(
         "  CUDA         {}; runtime {}; NVRTC {}",
@@ -111,7 +91,7 @@ pub fn run(libtorch: &Path) -> Result<ExitCode> {
         nvrtc.map_or_else(|| "missing (kernels/ cannot compile its CUDA sources)".to_string(), |(name, v)| format!("{v} ({name})")),
     );
     let cudnn = find(&needed, "libcudnn.so");
-    let cudnn_v = cudnn.and_then(|n| n.path.as_deref()).and_then(cudnn_version);
+    let cudnn_v = cudnn.and_then(|n| n.path.as_deref()).and_then(kernels::ffi::cudnn_version);
     println!(
         "  cuDNN        {}",
         match (cudnn, cudnn_v) {
@@ -121,7 +101,7 @@ pub fn run(libtorch: &Path) -> Result<ExitCode> {
         }
     );
     let nccl = find(&needed, "libnccl.so");
-    let nccl_v = nccl.and_then(|n| n.path.as_deref()).and_then(|p| int_out(p, b"ncclGetVersion\0"));
+    let nccl_v = nccl.and_then(|n| n.path.as_deref()).and_then(|p| kernels::ffi::int_version(p, b"ncclGetVersion\0"));
     println!(
         "  NCCL         {}",
         match (nccl, nccl_v) {
@@ -179,13 +159,8 @@ fn nvrtc_version(libtorch: &Path) -> Option<(String, String)> {
     let beside = libtorch.join("../nvidia/cu13/lib/libnvrtc.so.13");
     let candidates = [PathBuf::from("libnvrtc.so.13"), PathBuf::from("libnvrtc.so.12"), PathBuf::from("libnvrtc.so"), beside];
     candidates.iter().find_map(|p| {
-        // SAFETY: nvrtcVersion writes two ints.
-        unsafe {
-            let l = libloading::Library::new(p).ok()?;
-            let f: libloading::Symbol<unsafe extern "C" fn(*mut i32, *mut i32) -> i32> = l.get(b"nvrtcVersion\0").ok()?;
-            let (mut major, mut minor) = (0, 0);
-            (f(&mut major, &mut minor) == 0).then(|| (p.file_name().unwrap().to_string_lossy().to_string(), format!("{major}.{minor}")))
-        }
+        let (major, minor) = kernels::ffi::nvrtc_version(p)?;
+        Some((p.file_name().unwrap().to_string_lossy().to_string(), format!("{major}.{minor}")))
     })
 }
 

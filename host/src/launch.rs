@@ -95,7 +95,7 @@ pub fn launch(nproc: usize, args: &[OsString]) -> Result<u8> {
             for (rank, child) in &ranks {
                 if codes[*rank].is_none() {
                     // SAFETY: a plain kill(2) on our own child's pid.
-                    unsafe { libc_kill(child.id() as i32, signal_hook::consts::SIGTERM) };
+                    unsafe { libc::kill(child.id() as i32, signal_hook::consts::SIGTERM) };
                 }
             }
         }
@@ -116,11 +116,6 @@ pub fn launch(nproc: usize, args: &[OsString]) -> Result<u8> {
         Some((r, _)) => codes[r],
         None => codes[0],
     })
-}
-
-extern "C" {
-    #[link_name = "kill"]
-    fn libc_kill(pid: i32, sig: i32) -> i32;
 }
 
 #[cfg(test)]

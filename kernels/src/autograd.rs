@@ -1,29 +1,19 @@
 //! `torch::autograd::backward` with output gradients, through csrc/autograd.cpp (tch's
 //! `backward` takes none): what a drafter running its own backward hands autograd.
 
-use std::ffi::{c_char, c_int, c_void, CStr};
+use crate::ffi::{dflash_backward, dflash_clear_grad, dflash_pin_memory, with_error_buffer};
+use std::ffi::c_void;
 use tch::Tensor;
-
-extern "C" {
-    fn dflash_backward(tensors: *const *const c_void, grads: *const *const c_void, n: usize, err: *mut c_char, err_len: usize) -> c_int;
-    fn dflash_clear_grad(t: *const c_void);
-    fn dflash_pin_memory(t: *const c_void, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
-}
 
 /// `t` (a CPU tensor) in pinned memory, for asynchronous copies to a GPU; `t` itself when it
 /// already is (libtorch returns it). Needs a CUDA runtime.
 pub fn pinned(t: &Tensor) -> Result<Tensor, String> {
     let mut out = std::ptr::null_mut::<c_void>();
-    let mut err = [0 as c_char; 1024];
     // SAFETY: a tch handle is an at::Tensor*; on success the shim returns a new at::Tensor* that
-    // the Tensor below owns; `err` has the length passed.
-    let rc = unsafe { dflash_pin_memory(t.as_ptr() as *const c_void, &mut out, err.as_mut_ptr(), err.len()) };
-    if rc == 0 {
-        // SAFETY: see above.
-        return Ok(unsafe { Tensor::from_ptr(out as _) });
-    }
-    // SAFETY: on failure the shim wrote a NUL-terminated message into `err`.
-    Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().lines().next().unwrap_or("").to_string())
+    // the Tensor below owns; the error buffer has the length passed.
+    with_error_buffer(|err, err_len| unsafe { dflash_pin_memory(t.as_ptr() as *const c_void, &mut out, err, err_len) })?;
+    // SAFETY: see above.
+    Ok(unsafe { Tensor::from_ptr(out as _) })
 }
 
 /// Drop `t`'s gradient, as PyTorch's `zero_grad()` does by default (set_to_none): between a step
@@ -40,14 +30,9 @@ pub fn clear_grad(t: &Tensor) {
 pub fn backward(pairs: &[(&Tensor, &Tensor)]) -> Result<(), String> {
     let ts: Vec<*const c_void> = pairs.iter().map(|(t, _)| t.as_ptr() as *const c_void).collect();
     let gs: Vec<*const c_void> = pairs.iter().map(|(_, g)| g.as_ptr() as *const c_void).collect();
-    let mut err = [0 as c_char; 1024];
-    // SAFETY: tch handles are at::Tensor*; the shim reads n of each; `err` has the length passed.
-    let rc = unsafe { dflash_backward(ts.as_ptr(), gs.as_ptr(), pairs.len(), err.as_mut_ptr(), err.len()) };
-    if rc == 0 {
-        return Ok(());
-    }
-    // SAFETY: on failure the shim wrote a NUL-terminated message into `err`.
-    Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().lines().next().unwrap_or("").to_string())
+    // SAFETY: tch handles are at::Tensor*; the shim reads n of each; the error buffer has the
+    // length passed.
+    with_error_buffer(|err, err_len| unsafe { dflash_backward(ts.as_ptr(), gs.as_ptr(), pairs.len(), err, err_len) })
 }
 
 #[cfg(test)]

@@ -534,37 +534,23 @@ enum Backend {
 /// libtorch's cuDNN attention forward through csrc/cudnn_attention.cpp: tch binds its backward
 /// but not the forward that returns the log-sum-exp.
 mod cudnn {
-    use std::ffi::{c_char, c_int, c_void, CStr};
+    use crate::ffi::{dflash_cudnn_attention_forward, with_error_buffer};
+    use std::ffi::c_void;
     use tch::Tensor;
-
-    extern "C" {
-        fn dflash_cudnn_attention_forward(
-            q: *const c_void, k: *const c_void, v: *const c_void, bias: *const c_void, scale: f64,
-            out: *mut *mut c_void, lse: *mut *mut c_void, cum_q: *mut *mut c_void, cum_k: *mut *mut c_void,
-            max_q: *mut i64, max_k: *mut i64, seed: *mut *mut c_void, offset: *mut *mut c_void,
-            err: *mut c_char, err_len: usize,
-        ) -> c_int;
-    }
 
     /// The output, the log-sum-exp [B, nh, N, 1] (natural log) and what the backward wants back.
     pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<(Tensor, Tensor, super::Backend), String> {
         let mut p = [std::ptr::null_mut::<c_void>(); 6];
         let (mut max_q, mut max_k) = (0i64, 0i64);
-        let mut err = [0 as c_char; 1024];
         let [out, lse, cum_q, cum_k, seed, offset] = &mut p;
         // SAFETY: tch handles are at::Tensor*; the shim only reads the inputs and, on success,
         // returns six new at::Tensor* that the Tensors below take ownership of.
-        let rc = unsafe {
+        with_error_buffer(|err, err_len| unsafe {
             dflash_cudnn_attention_forward(
                 q.as_ptr() as _, k.as_ptr() as _, v.as_ptr() as _, bias.as_ptr() as _, scale,
-                out, lse, cum_q, cum_k, &mut max_q, &mut max_k, seed, offset, err.as_mut_ptr(), err.len(),
+                out, lse, cum_q, cum_k, &mut max_q, &mut max_k, seed, offset, err, err_len,
             )
-        };
-        if rc != 0 {
-            // SAFETY: the shim wrote a NUL-terminated message into `err`.
-            let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy();
-            return Err(msg.lines().next().unwrap_or("").to_string());
-        }
+        })?;
         // SAFETY: see above.
         let t = |x: *mut c_void| unsafe { Tensor::from_ptr(x as _) };
         let backend = super::Backend::Cudnn { cum_q: t(p[2]), cum_k: t(p[3]), max_q, max_k, seed: t(p[4]), offset: t(p[5]) };

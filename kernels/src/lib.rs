@@ -17,6 +17,7 @@ pub mod autograd;
 pub mod block_attention;
 pub mod block_part;
 pub mod cross_entropy;
+pub mod ffi;
 #[cfg(test)]
 mod cuda_tests;
 pub mod nvrtc;
@@ -24,7 +25,7 @@ pub mod optim;
 pub mod profiler;
 
 /// Load libtorch's CUDA library, which the linker's `--as-needed` drops from binaries that name
-/// none of its symbols (STACK.md); needed before the first CUDA op. It stays loaded.
+/// none of its symbols; needed before the first CUDA op. It stays loaded.
 pub fn load_libtorch_cuda() -> Result<(), String> {
     use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
     // SAFETY: loading libtorch's own CUDA library; it is never unloaded.

@@ -1,15 +1,8 @@
 //! libtorch's fused multi-tensor AdamW through csrc/fused_adamw.cpp (tch does not bind it).
 
-use std::ffi::{c_char, c_int, c_void, CStr};
+use crate::ffi::{dflash_fused_adamw, with_error_buffer};
+use std::ffi::c_void;
 use tch::Tensor;
-
-extern "C" {
-    fn dflash_fused_adamw(
-        params: *const *const c_void, grads: *const *const c_void, exp_avgs: *const *const c_void,
-        exp_avg_sqs: *const *const c_void, n: usize, step: *const c_void, lr: f64, beta1: f64, beta2: f64,
-        weight_decay: f64, eps: f64, err: *mut c_char, err_len: usize,
-    ) -> c_int;
-}
 
 /// One AdamW step over every tensor at once, as `torch.optim.AdamW(fused=True)` does: `params`,
 /// `grads` and the moments are equal-length lists of same-shape tensors of one dtype and device;
@@ -25,18 +18,12 @@ pub fn fused_adamw(
     }
     let ptrs = |ts: &[Tensor]| ts.iter().map(|t| t.as_ptr() as *const c_void).collect::<Vec<_>>();
     let (p, g, m, v) = (ptrs(params), ptrs(grads), ptrs(exp_avgs), ptrs(exp_avg_sqs));
-    let mut err = [0 as c_char; 1024];
     // SAFETY: tch handles are at::Tensor*; the shim reads n of each list and updates the
-    // tensors in place; `err` is a buffer of the length passed.
-    let rc = unsafe {
+    // tensors in place; the error buffer has the length passed.
+    with_error_buffer(|err, err_len| unsafe {
         dflash_fused_adamw(
             p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), n, step.as_ptr() as *const c_void, lr, betas[0], betas[1],
-            weight_decay, eps, err.as_mut_ptr(), err.len(),
+            weight_decay, eps, err, err_len,
         )
-    };
-    if rc == 0 {
-        return Ok(());
-    }
-    // SAFETY: on failure the shim wrote a NUL-terminated message into `err`.
-    Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().lines().next().unwrap_or("").to_string())
+    })
 }

@@ -2,24 +2,9 @@
 //! `torch.profiler` writes, with every aten op, the GPU kernels each launched, and named ranges.
 //! `scripts/trace_summary.py` reads the trace back as tables.
 
-use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use crate::ffi::{dflash_profiler_start, dflash_profiler_stop, dflash_range_begin, dflash_range_end, with_error_buffer as call};
+use std::ffi::{c_int, c_void, CString};
 use std::path::Path;
-
-extern "C" {
-    fn dflash_profiler_start(cuda: c_int, err: *mut c_char, err_len: usize) -> c_int;
-    fn dflash_profiler_stop(path: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
-    fn dflash_range_begin(name: *const c_char) -> *mut c_void;
-    fn dflash_range_end(record: *mut c_void);
-}
-
-fn call(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), String> {
-    let mut err = [0 as c_char; 1024];
-    if f(err.as_mut_ptr(), err.len()) == 0 {
-        return Ok(());
-    }
-    // SAFETY: on failure the shim wrote a NUL-terminated message into `err`.
-    Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().lines().next().unwrap_or("").to_string())
-}
 
 /// A running profiler; `save` stops it and writes the Chrome trace. Dropped unsaved, it stops
 /// and discards what it collected.

@@ -3,20 +3,9 @@
 //! until the process ends, so the memory in use after a phase is the peak that phase reserved
 //! (plus the CUDA context and library workspaces).
 
-use libloading::{Library, Symbol};
-
 /// Bytes in use on the current CUDA device, or None without a CUDA runtime.
 pub fn device_used_bytes() -> Option<u64> {
-    // SAFETY: the CUDA runtime libtorch links against; cudaMemGetInfo(size_t*, size_t*) -> int.
-    unsafe {
-        let lib = Library::new("libcudart.so.13").ok()?;
-        let get: Symbol<unsafe extern "C" fn(*mut usize, *mut usize) -> i32> = lib.get(b"cudaMemGetInfo\0").ok()?;
-        let (mut free, mut total) = (0usize, 0usize);
-        if get(&mut free, &mut total) != 0 {
-            return None;
-        }
-        Some((total - free) as u64)
-    }
+    kernels::ffi::cuda_mem_used()
 }
 
 pub fn gib(bytes: u64) -> f64 {

@@ -1,0 +1,89 @@
+//! Every C function this crate calls, in one place: the shims in `csrc/` (libtorch functions
+//! tch does not bind), and the CUDA libraries asked for versions and memory at run time (opened
+//! with dlopen, so a binary without a GPU still starts). Each shim that can fail returns non-zero
+//! and writes a NUL-terminated message into the error buffer it is given: [`with_error_buffer`].
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::path::Path;
+
+extern "C" {
+    // csrc/autograd.cpp
+    pub fn dflash_backward(tensors: *const *const c_void, grads: *const *const c_void, n: usize, err: *mut c_char, err_len: usize) -> c_int;
+    pub fn dflash_clear_grad(t: *const c_void);
+    pub fn dflash_pin_memory(t: *const c_void, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+
+    // csrc/fused_adamw.cpp
+    pub fn dflash_fused_adamw(
+        params: *const *const c_void, grads: *const *const c_void, exp_avgs: *const *const c_void,
+        exp_avg_sqs: *const *const c_void, n: usize, step: *const c_void, lr: f64, beta1: f64, beta2: f64,
+        weight_decay: f64, eps: f64, err: *mut c_char, err_len: usize,
+    ) -> c_int;
+
+    // csrc/cudnn_attention.cpp
+    pub fn dflash_cudnn_attention_forward(
+        q: *const c_void, k: *const c_void, v: *const c_void, bias: *const c_void, scale: f64,
+        out: *mut *mut c_void, lse: *mut *mut c_void, cum_q: *mut *mut c_void, cum_k: *mut *mut c_void,
+        max_q: *mut i64, max_k: *mut i64, seed: *mut *mut c_void, offset: *mut *mut c_void,
+        err: *mut c_char, err_len: usize,
+    ) -> c_int;
+
+    // csrc/profiler.cpp
+    pub fn dflash_profiler_start(cuda: c_int, err: *mut c_char, err_len: usize) -> c_int;
+    pub fn dflash_profiler_stop(path: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
+    pub fn dflash_range_begin(name: *const c_char) -> *mut c_void;
+    pub fn dflash_range_end(record: *mut c_void);
+}
+
+/// Call a shim with an error buffer; its message's first line on failure.
+pub fn with_error_buffer(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<(), String> {
+    let mut err = [0 as c_char; 1024];
+    if f(err.as_mut_ptr(), err.len()) == 0 {
+        return Ok(());
+    }
+    // SAFETY: on failure the shim wrote a NUL-terminated message into `err`.
+    Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().lines().next().unwrap_or("").to_string())
+}
+
+/// Bytes in use on the current CUDA device (`cudaMemGetInfo` from the CUDA runtime libtorch
+/// loaded), or None without one.
+pub fn cuda_mem_used() -> Option<u64> {
+    // SAFETY: cudaMemGetInfo(size_t*, size_t*) -> int writes two sizes.
+    unsafe {
+        let lib = libloading::Library::new("libcudart.so.13").ok()?;
+        let get: libloading::Symbol<unsafe extern "C" fn(*mut usize, *mut usize) -> i32> = lib.get(b"cudaMemGetInfo\0").ok()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        (get(&mut free, &mut total) == 0).then(|| (total - free) as u64)
+    }
+}
+
+/// `int symbol(int*)` in `lib` (the CUDA runtime's and NCCL's version queries).
+pub fn int_version(lib: &Path, symbol: &[u8]) -> Option<i64> {
+    // SAFETY: NVIDIA's version queries write one int and touch no other state.
+    unsafe {
+        let l = libloading::Library::new(lib).ok()?;
+        let f: libloading::Symbol<unsafe extern "C" fn(*mut i32) -> i32> = l.get(symbol).ok()?;
+        let mut v = 0i32;
+        (f(&mut v) == 0).then_some(v as i64)
+    }
+}
+
+/// `cudnnGetVersion()` in `lib`.
+pub fn cudnn_version(lib: &Path) -> Option<i64> {
+    // SAFETY: cudnnGetVersion takes nothing and returns size_t.
+    unsafe {
+        let l = libloading::Library::new(lib).ok()?;
+        let f: libloading::Symbol<unsafe extern "C" fn() -> usize> = l.get(b"cudnnGetVersion\0").ok()?;
+        Some(f() as i64)
+    }
+}
+
+/// `nvrtcVersion(&major, &minor)` in `lib`.
+pub fn nvrtc_version(lib: &Path) -> Option<(i32, i32)> {
+    // SAFETY: nvrtcVersion writes two ints.
+    unsafe {
+        let l = libloading::Library::new(lib).ok()?;
+        let f: libloading::Symbol<unsafe extern "C" fn(*mut i32, *mut i32) -> i32> = l.get(b"nvrtcVersion\0").ok()?;
+        let (mut major, mut minor) = (0, 0);
+        (f(&mut major, &mut minor) == 0).then_some((major, minor))
+    }
+}
