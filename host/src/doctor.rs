@@ -61,20 +61,20 @@ fn find<'a>(needed: &'a [Needed], prefix: &str) -> Option<&'a Needed> {
 
 pub fn run(libtorch: &Path) -> Result<ExitCode> {
     let mut missing: Vec<String> = Vec::new();
-    println!("dflash-host doctor");
+    crate::say!("dflash-host doctor");
     let (version, cuda) = std::fs::read_to_string(libtorch.join("version.py")).map(|t| parse_torch_version(&t)).unwrap_or((None, None));
     match &version {
-        Some(v) => println!(
+        Some(v) => crate::say!(
             "  libtorch     {v}{} at {}",
             cuda.as_ref().map(|c| format!(" (built for CUDA {c})")).unwrap_or_default(),
             libtorch.display()
         ),
         None => {
-            println!("  libtorch     no version.py at {} (LIBTORCH points elsewhere?)", libtorch.display());
+            crate::say!("  libtorch     no version.py at {} (LIBTORCH points elsewhere?)", libtorch.display());
             missing.push("libtorch".into());
         }
     }
-    println!("  tch          0.24.0, plugin ABI {}", plugin_api::ABI_VERSION);
+    crate::say!("  tch          0.24.0, plugin ABI {}", plugin_api::ABI_VERSION);
 
     // The driver: libcuda.so.1 comes with it, never with a wheel.
     let driver = kernels::ffi::int_version(Path::new("libcuda.so.1"), b"cuDriverGetVersion\0");
@@ -84,7 +84,7 @@ pub fn run(libtorch: &Path) -> Result<ExitCode> {
     let runtime = find(&needed, "libcudart.so").or_else(|| find(&cpu_needed, "libcudart.so"));
     let runtime_v = runtime.and_then(|n| n.path.as_deref()).and_then(|p| kernels::ffi::int_version(p, b"cudaRuntimeGetVersion\0"));
     let nvrtc = nvrtc_version(libtorch);
-    println!(
+    crate::say!(
         "  CUDA         {}; runtime {}; NVRTC {}",
         driver.map_or("no driver (libcuda.so.1 not found)".to_string(), |v| format!("driver {}", split_version(v, 1000, 1))),
         runtime_v.map_or_else(|| "missing".to_string(), |v| format!("{} ({})", split_version(v, 1000, 1), runtime.map(|n| n.name.as_str()).unwrap_or(""))),
@@ -92,7 +92,7 @@ pub fn run(libtorch: &Path) -> Result<ExitCode> {
     );
     let cudnn = find(&needed, "libcudnn.so");
     let cudnn_v = cudnn.and_then(|n| n.path.as_deref()).and_then(kernels::ffi::cudnn_version);
-    println!(
+    crate::say!(
         "  cuDNN        {}",
         match (cudnn, cudnn_v) {
             (Some(n), Some(v)) => format!("{} ({})", split_version(v, 10000, 100), n.name),
@@ -102,7 +102,7 @@ pub fn run(libtorch: &Path) -> Result<ExitCode> {
     );
     let nccl = find(&needed, "libnccl.so");
     let nccl_v = nccl.and_then(|n| n.path.as_deref()).and_then(|p| kernels::ffi::int_version(p, b"ncclGetVersion\0"));
-    println!(
+    crate::say!(
         "  NCCL         {}",
         match (nccl, nccl_v) {
             (Some(n), Some(v)) => format!("{} ({})", split_version(v, 10000, 100), n.name),
@@ -112,44 +112,44 @@ pub fn run(libtorch: &Path) -> Result<ExitCode> {
     );
     let gpus = gpus();
     match &gpus {
-        Ok(list) if list.is_empty() => println!("  GPUs         none"),
+        Ok(list) if list.is_empty() => crate::say!("  GPUs         none"),
         Ok(list) => {
             for (i, g) in list.iter().enumerate() {
-                println!("  GPU {i}        {g}");
+                crate::say!("  GPU {i}        {g}");
             }
         }
-        Err(why) => println!("  GPUs         none ({why})"),
+        Err(why) => crate::say!("  GPUs         none ({why})"),
     }
     let absent: Vec<&str> = needed.iter().filter(|n| n.path.is_none()).map(|n| n.name.as_str()).collect();
     let loads = kernels::load_libtorch_cuda();
     let devices = if loads.is_ok() { tch::Cuda::device_count() } else { 0 };
     match &loads {
-        Ok(()) => println!("  libtorch_cuda.so loads; libtorch sees {devices} GPU(s)"),
-        Err(_) if needed.is_empty() => println!("  libtorch_cuda.so  not found in {}", cuda_lib.parent().unwrap().display()),
+        Ok(()) => crate::say!("  libtorch_cuda.so loads; libtorch sees {devices} GPU(s)"),
+        Err(_) if needed.is_empty() => crate::say!("  libtorch_cuda.so  not found in {}", cuda_lib.parent().unwrap().display()),
         Err(_) if !absent.is_empty() => {
-            println!("  libtorch_cuda.so  does not load: {} of the {} libraries it needs are missing", absent.len(), needed.len())
+            crate::say!("  libtorch_cuda.so  does not load: {} of the {} libraries it needs are missing", absent.len(), needed.len())
         }
-        Err(e) => println!("  libtorch_cuda.so  does not load: {e}"),
+        Err(e) => crate::say!("  libtorch_cuda.so  does not load: {e}"),
     }
     if !absent.is_empty() {
-        println!("  missing      {}", absent.join(", "));
+        crate::say!("  missing      {}", absent.join(", "));
         missing.extend(absent.iter().map(|s| s.to_string()));
     }
     let gpu_here = driver.is_some() || gpus.as_ref().is_ok_and(|g| !g.is_empty());
     let complete = missing.is_empty() && loads.is_ok();
     if gpu_here && complete && devices > 0 {
-        println!("  => ready for device = \"cpu\" and \"cuda\" ({devices} GPU(s))");
+        crate::say!("  => ready for device = \"cpu\" and \"cuda\" ({devices} GPU(s))");
         Ok(ExitCode::SUCCESS)
     } else if gpu_here {
-        println!("  => an NVIDIA driver is here but libtorch cannot use it: run `make setup` (or `GPU=1 make setup`),");
-        println!("     which installs the NVIDIA wheels the torch {} wheel requires", version.as_deref().unwrap_or("2.11.0"));
+        crate::say!("  => an NVIDIA driver is here but libtorch cannot use it: run `make setup` (or `GPU=1 make setup`),");
+        crate::say!("     which installs the NVIDIA wheels the torch {} wheel requires", version.as_deref().unwrap_or("2.11.0"));
         Ok(ExitCode::from(1))
     } else if complete {
-        println!("  => ready for device = \"cpu\"; libtorch's GPU libraries are all here, device = \"cuda\" needs an NVIDIA driver");
+        crate::say!("  => ready for device = \"cpu\"; libtorch's GPU libraries are all here, device = \"cuda\" needs an NVIDIA driver");
         Ok(ExitCode::SUCCESS)
     } else {
-        println!("  => ready for device = \"cpu\"; no NVIDIA driver here, so the GPU libraries are not needed");
-        println!("     (on a GPU machine `make setup` installs them; `GPU=1 make setup` forces it)");
+        crate::say!("  => ready for device = \"cpu\"; no NVIDIA driver here, so the GPU libraries are not needed");
+        crate::say!("     (on a GPU machine `make setup` installs them; `GPU=1 make setup` forces it)");
         Ok(ExitCode::SUCCESS)
     }
 }

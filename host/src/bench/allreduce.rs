@@ -128,7 +128,7 @@ pub fn allreduce(registry: &Registry, config_path: &Path, bucket_mb: &[usize], i
 }
 
 pub fn print(r: &Report) {
-    println!(
+    crate::say!(
         "all-reduce of {} gradients ({:.1}M {} values, {:.2} GB) over {} rank(s), {} on {}",
         r.tensors,
         r.params as f64 / 1e6,
@@ -138,9 +138,9 @@ pub fn print(r: &Report) {
         r.backend,
         r.device
     );
-    println!("{:>10} {:>8} {:>10} {:>10}", "bucket MB", "buckets", "ms", "GB/s");
+    crate::say!("{:>10} {:>8} {:>10} {:>10}", "bucket MB", "buckets", "ms", "GB/s");
     for b in &r.buckets {
-        println!("{:>10} {:>8} {:>10.3} {:>10.1}", b.bucket_mb, b.buckets, b.ms, b.gb_per_s);
+        crate::say!("{:>10} {:>8} {:>10.3} {:>10.1}", b.bucket_mb, b.buckets, b.ms, b.gb_per_s);
     }
-    println!("step sums (34 f64): {:.3} ms", r.small_f64_ms);
+    crate::say!("step sums (34 f64): {:.3} ms", r.small_f64_ms);
 }

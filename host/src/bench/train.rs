@@ -533,7 +533,7 @@ pub fn print(r: &Report) {
     row("target forward (full)", &r.target_full);
     if let Some(f) = &r.target_full_flop_split {
         let pct = |x: f64| 100.0 * x / f.total();
-        println!(
+        crate::say!(
             "  its FLOPs: Gated DeltaNet layers {:.1}%, attention layers {:.1}%, MLPs {:.1}%, LM head {:.1}%",
             pct(f.gdn),
             pct(f.attention),
