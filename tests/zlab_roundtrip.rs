@@ -159,9 +159,9 @@ fn init_from_refuses_fields_it_cannot_honour() {
 /// Each preset's drafter, built against a random target of its target's shape and exported,
 /// carries every field of the config.json SpecForge ships (tests/fixtures/specforge/). The
 /// targets are tiny (hidden 32, MLP 96, one shared embedding; layers, heads, vocabulary, RoPE,
-/// context length and special tokens as the real ones), the Qwen3.5 / 3.6 hybrids Qwen3-shaped
-/// stand-ins (the hf plugin does not load them yet; their drafters set their own heads, so the
-/// stand-ins' are small); the hidden size and MLP width are compared at the tiny sizes.
+/// context length and special tokens as the real ones; the Qwen3.5 / 3.6 targets Gated DeltaNet
+/// hybrids, 3 linear-attention layers to 1 full, partial rotary, the 35B-A3B with routed and
+/// shared experts); the hidden size and MLP width are compared at the tiny sizes.
 #[test]
 fn presets_export_the_published_configs() {
     const TINY_HIDDEN: u64 = 32;
@@ -181,7 +181,13 @@ fn presets_export_the_published_configs() {
 
         // 1. The stand-in target: the published config's target facts, at tiny sizes.
         let p = |k: &str| published[k].clone();
-        let model_type = if name.starts_with("qwen2.5") { "qwen2" } else { "qwen3" };
+        let hybrid = name.starts_with("qwen3.5") || name.starts_with("qwen3.6");
+        let model_type = match name {
+            _ if name.starts_with("qwen2.5") => "qwen2",
+            "qwen3.5-35b-a3b" => "qwen3_5_moe_text",
+            _ if hybrid => "qwen3_5_text",
+            _ => "qwen3",
+        };
         let own_heads = table.contains_key("num_attention_heads");
         let heads = |k: &str, small: u64| if own_heads { small.into() } else { p(k) };
         let mut target = serde_json::json!({
@@ -192,6 +198,20 @@ fn presets_export_the_published_configs() {
             "max_position_embeddings": p("max_position_embeddings"), "bos_token_id": p("bos_token_id"),
             "eos_token_id": p("eos_token_id"), "tie_word_embeddings": true,
         });
+        if hybrid {
+            let layers = p("num_target_layers").as_u64().unwrap();
+            let types: Vec<&str> = (0..layers).map(|i| if i % 4 == 3 { "full_attention" } else { "linear_attention" }).collect();
+            let hybrid_fields = serde_json::json!({
+                "layer_types": types, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "linear_value_head_dim": 8, "partial_rotary_factor": 0.25,
+                "rope_parameters": {"rope_type": "default", "rope_theta": p("rope_theta"), "partial_rotary_factor": 0.25},
+            });
+            let experts = serde_json::json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16});
+            let moe = model_type.contains("moe");
+            for (k, v) in hybrid_fields.as_object().unwrap().iter().chain(experts.as_object().unwrap().iter().filter(|_| moe)) {
+                target[k] = v.clone();
+            }
+        }
         if let Some(pad) = published.get("pad_token_id") {
             target["pad_token_id"] = pad.clone();
         }
