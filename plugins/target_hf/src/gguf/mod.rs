@@ -1,0 +1,437 @@
+//! GGUF (v2 and v3) reader over a memory map: header, metadata, tensor infos, and
+//! dequantisation to f32 of the ggml types common llama.cpp quantisations use.
+//!
+//! Layout (little-endian): magic "GGUF", version u32, tensor count u64, metadata count u64,
+//! the metadata key/values, the tensor infos, padding up to `general.alignment` (default 32),
+//! then the tensor data; each tensor's offset is relative to the start of the data.
+//!
+//! Every length and count read from the file is checked against the bytes that remain before
+//! anything is allocated, so a truncated or hostile file gives an error, never a panic or a
+//! huge allocation.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+
+mod dequant;
+mod parse;
+#[cfg(test)]
+pub(crate) mod tests;
+mod types;
+
+pub use types::GgmlType;
+use parse::*;
+use types::*;
+
+const MAGIC: &[u8; 4] = b"GGUF";
+const DEFAULT_ALIGNMENT: usize = 32;
+/// ggml tensors have at most 4 dims (GGML_MAX_DIMS).
+const MAX_DIMS: usize = 4;
+/// Real files nest arrays at most once; a deeper nest is corrupt (and could exhaust the stack).
+const MAX_ARRAY_DEPTH: usize = 4;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GgufError {
+    #[error("{}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: {what}", .path.display())]
+    Format { path: PathBuf, what: String },
+    #[error("{}: metadata key {key}: missing", .path.display())]
+    MissingKey { path: PathBuf, key: String },
+    #[error("{}: metadata key {key}: expected {expected}, found {found}", .path.display())]
+    KeyType {
+        path: PathBuf,
+        key: String,
+        expected: &'static str,
+        found: String,
+    },
+    #[error("{}: no tensor named {name}", .path.display())]
+    MissingTensor { path: PathBuf, name: String },
+    #[error("{}: tensor {name}: cannot dequantise ggml type {ty} (supported: {})", .path.display(), supported_names())]
+    UnsupportedType {
+        path: PathBuf,
+        name: String,
+        ty: &'static str,
+    },
+    #[error("{}: tokenizer: {what}", .path.display())]
+    Tokenizer { path: PathBuf, what: String },
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Metadata values
+// ---------------------------------------------------------------------------------------------
+
+/// One metadata value. Arrays keep their elements only (an empty array loses its element
+/// type, which no reader needs).
+#[derive(Debug, Clone, PartialEq)]
+pub enum GgufValue {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Bool(bool),
+    String(String),
+    Array(Vec<GgufValue>),
+}
+
+impl GgufValue {
+    /// Short type name for error messages, e.g. "u32", "string", "array of string".
+    pub fn type_name(&self) -> String {
+        match self {
+            GgufValue::U8(_) => "u8".into(),
+            GgufValue::I8(_) => "i8".into(),
+            GgufValue::U16(_) => "u16".into(),
+            GgufValue::I16(_) => "i16".into(),
+            GgufValue::U32(_) => "u32".into(),
+            GgufValue::I32(_) => "i32".into(),
+            GgufValue::U64(_) => "u64".into(),
+            GgufValue::I64(_) => "i64".into(),
+            GgufValue::F32(_) => "f32".into(),
+            GgufValue::F64(_) => "f64".into(),
+            GgufValue::Bool(_) => "bool".into(),
+            GgufValue::String(_) => "string".into(),
+            GgufValue::Array(v) => match v.first() {
+                Some(e) => format!("array of {}", e.type_name()),
+                None => "empty array".into(),
+            },
+        }
+    }
+
+    /// Any integer type, widened (i128 holds every u64 and i64).
+    pub fn as_int(&self) -> Option<i128> {
+        Some(match *self {
+            GgufValue::U8(v) => v.into(),
+            GgufValue::I8(v) => v.into(),
+            GgufValue::U16(v) => v.into(),
+            GgufValue::I16(v) => v.into(),
+            GgufValue::U32(v) => v.into(),
+            GgufValue::I32(v) => v.into(),
+            GgufValue::U64(v) => v.into(),
+            GgufValue::I64(v) => v.into(),
+            _ => return None,
+        })
+    }
+
+    pub fn as_float(&self) -> Option<f64> {
+        match *self {
+            GgufValue::F32(v) => Some(v.into()),
+            GgufValue::F64(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            GgufValue::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[GgufValue]> {
+        match self {
+            GgufValue::Array(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor infos
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone)]
+pub struct TensorInfo {
+    pub name: String,
+    /// GGUF order: dims[0] (ne[0]) is the fastest-varying dim.
+    pub dims: Vec<usize>,
+    pub ggml_type: GgmlType,
+    /// Byte offset from the start of the data section.
+    pub offset: usize,
+    pub n_elements: usize,
+    pub n_bytes: usize,
+}
+
+impl TensorInfo {
+    /// Shape in torch (row-major) order: the GGUF dims reversed.
+    pub fn torch_shape(&self) -> Vec<usize> {
+        self.dims.iter().rev().copied().collect()
+    }
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// The file
+// ---------------------------------------------------------------------------------------------
+
+pub struct GgufFile {
+    path: PathBuf,
+    mmap: Mmap,
+    version: u32,
+    alignment: usize,
+    data_offset: usize,
+    metadata: Vec<(String, GgufValue)>,
+    meta_index: HashMap<String, usize>,
+    tensors: Vec<TensorInfo>,
+    tensor_index: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .field("metadata", &self.metadata.len())
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+impl GgufFile {
+    /// Maps and parses `path`, validating every tensor's data range against the file length.
+    pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
+        let path = path.as_ref().to_path_buf();
+        let io = |source| GgufError::Io {
+            path: path.clone(),
+            source,
+        };
+        let file = File::open(&path).map_err(io)?;
+        // SAFETY: the map is read-only; as with any mmap, another process truncating or
+        // rewriting the file while it is open is outside what this reader can guard against.
+        let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
+        let p = parse(&mmap).map_err(|what| GgufError::Format {
+            path: path.clone(),
+            what,
+        })?;
+
+        let meta_index = p
+            .metadata
+            .iter()
+            .enumerate()
+            .map(|(i, (k, _))| (k.clone(), i))
+            .collect();
+        let mut tensor_index = HashMap::with_capacity(p.tensors.len());
+        for (i, t) in p.tensors.iter().enumerate() {
+            if tensor_index.insert(t.name.clone(), i).is_some() {
+                let what = format!("tensor {} appears twice", t.name);
+                return Err(GgufError::Format { path, what });
+            }
+        }
+        Ok(GgufFile {
+            path,
+            mmap,
+            version: p.version,
+            alignment: p.alignment,
+            data_offset: p.data_offset,
+            metadata: p.metadata,
+            meta_index,
+            tensors: p.tensors,
+            tensor_index,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    pub fn alignment(&self) -> usize {
+        self.alignment
+    }
+
+    /// Absolute file offset of the tensor data section.
+    pub fn data_offset(&self) -> usize {
+        self.data_offset
+    }
+
+    // --- metadata ---
+
+    /// All key/values in file order.
+    pub fn metadata(&self) -> impl Iterator<Item = (&str, &GgufValue)> {
+        self.metadata.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    pub fn get(&self, key: &str) -> Option<&GgufValue> {
+        self.meta_index.get(key).map(|&i| &self.metadata[i].1)
+    }
+
+    fn require(&self, key: &str) -> Result<&GgufValue, GgufError> {
+        self.get(key).ok_or_else(|| GgufError::MissingKey {
+            path: self.path.clone(),
+            key: key.into(),
+        })
+    }
+
+    fn key_type(&self, key: &str, expected: &'static str, found: String) -> GgufError {
+        GgufError::KeyType {
+            path: self.path.clone(),
+            key: key.into(),
+            expected,
+            found,
+        }
+    }
+
+    /// An integer of any GGUF integer type, converted to `T` when the value fits.
+    fn meta_int<T: TryFrom<i128>>(
+        &self,
+        key: &str,
+        expected: &'static str,
+    ) -> Result<T, GgufError> {
+        let v = self.require(key)?;
+        match v.as_int() {
+            Some(i) => T::try_from(i)
+                .map_err(|_| self.key_type(key, expected, format!("{} {i}", v.type_name()))),
+            None => Err(self.key_type(key, expected, v.type_name())),
+        }
+    }
+
+    pub fn meta_u32(&self, key: &str) -> Result<u32, GgufError> {
+        self.meta_int(key, "an integer that fits u32")
+    }
+
+    pub fn meta_u64(&self, key: &str) -> Result<u64, GgufError> {
+        self.meta_int(key, "an integer that fits u64")
+    }
+
+    pub fn meta_i64(&self, key: &str) -> Result<i64, GgufError> {
+        self.meta_int(key, "an integer that fits i64")
+    }
+
+    pub fn meta_usize(&self, key: &str) -> Result<usize, GgufError> {
+        self.meta_int(key, "an integer that fits usize")
+    }
+
+    /// f32 or f64 (narrowed).
+    pub fn meta_f32(&self, key: &str) -> Result<f32, GgufError> {
+        let v = self.require(key)?;
+        v.as_float()
+            .map(|f| f as f32)
+            .ok_or_else(|| self.key_type(key, "a float", v.type_name()))
+    }
+
+    pub fn meta_bool(&self, key: &str) -> Result<bool, GgufError> {
+        match self.require(key)? {
+            GgufValue::Bool(b) => Ok(*b),
+            v => Err(self.key_type(key, "bool", v.type_name())),
+        }
+    }
+
+    pub fn meta_str(&self, key: &str) -> Result<&str, GgufError> {
+        let v = self.require(key)?;
+        v.as_str()
+            .ok_or_else(|| self.key_type(key, "string", v.type_name()))
+    }
+
+    fn meta_array(&self, key: &str, expected: &'static str) -> Result<&[GgufValue], GgufError> {
+        let v = self.require(key)?;
+        v.as_array()
+            .ok_or_else(|| self.key_type(key, expected, v.type_name()))
+    }
+
+    pub fn meta_str_array(&self, key: &str) -> Result<Vec<&str>, GgufError> {
+        let expected = "array of string";
+        let items = self.meta_array(key, expected)?;
+        items
+            .iter()
+            .map(|v| {
+                v.as_str().ok_or_else(|| {
+                    self.key_type(key, expected, format!("array of {}", v.type_name()))
+                })
+            })
+            .collect()
+    }
+
+    /// Elements of any integer type that fit i32.
+    pub fn meta_i32_array(&self, key: &str) -> Result<Vec<i32>, GgufError> {
+        let expected = "array of integers that fit i32";
+        let items = self.meta_array(key, expected)?;
+        items
+            .iter()
+            .map(|v| {
+                v.as_int()
+                    .and_then(|i| i32::try_from(i).ok())
+                    .ok_or_else(|| self.key_type(key, expected, format!("array with {v:?}")))
+            })
+            .collect()
+    }
+
+    /// Elements of type f32 or f64.
+    pub fn meta_f32_array(&self, key: &str) -> Result<Vec<f32>, GgufError> {
+        let expected = "array of float";
+        let items = self.meta_array(key, expected)?;
+        items
+            .iter()
+            .map(|v| {
+                v.as_float().map(|f| f as f32).ok_or_else(|| {
+                    self.key_type(key, expected, format!("array of {}", v.type_name()))
+                })
+            })
+            .collect()
+    }
+
+    // --- tensors ---
+
+    /// Tensor names in file order.
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.iter().map(|t| t.name.as_str())
+    }
+
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    pub fn tensor_info(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensor_index.get(name).map(|&i| &self.tensors[i])
+    }
+
+    fn require_tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
+        self.tensor_info(name)
+            .ok_or_else(|| GgufError::MissingTensor {
+                path: self.path.clone(),
+                name: name.into(),
+            })
+    }
+
+    /// The tensor's raw bytes (in range: `open` checked it).
+    pub fn tensor_data(&self, name: &str) -> Result<&[u8], GgufError> {
+        let t = self.require_tensor(name)?;
+        let start = self.data_offset + t.offset;
+        Ok(&self.mmap[start..start + t.n_bytes])
+    }
+
+    /// Torch-order shape and values as f32.
+    pub fn dequantize(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), GgufError> {
+        let t = self.require_tensor(name)?;
+        let ty = t.ggml_type;
+        let block_fn = ty.0.dequant.ok_or_else(|| GgufError::UnsupportedType {
+            path: self.path.clone(),
+            name: name.into(),
+            ty: ty.name(),
+        })?;
+        let data = self.tensor_data(name)?;
+        let mut out = vec![0f32; t.n_elements];
+        for (block, y) in data
+            .chunks_exact(ty.block_bytes())
+            .zip(out.chunks_exact_mut(ty.block_elems()))
+        {
+            block_fn(block, y);
+        }
+        Ok((t.torch_shape(), out))
+    }
+}
+

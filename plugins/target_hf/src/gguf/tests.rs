@@ -1,0 +1,631 @@
+
+//! The reader's tests, and the tiny GGUF writer they (and gguf_tokenizer's) build files with.
+
+use super::parse::*;
+use super::types::*;
+use super::*;
+
+// --- a tiny GGUF writer (also used by gguf_tokenizer's tests) ---
+
+pub(crate) enum W {
+    U32(u32),
+    I32(i32),
+    F32(f32),
+    Bool(bool),
+    Str(&'static str),
+    /// (element type id, elements)
+    Arr(u32, Vec<W>),
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend((s.len() as u64).to_le_bytes());
+    out.extend(s.as_bytes());
+}
+
+fn type_id(v: &W) -> u32 {
+    match v {
+        W::U32(_) => 4,
+        W::I32(_) => 5,
+        W::F32(_) => 6,
+        W::Bool(_) => 7,
+        W::Str(_) => 8,
+        W::Arr(..) => 9,
+    }
+}
+
+fn put_value(out: &mut Vec<u8>, v: &W) {
+    match v {
+        W::U32(x) => out.extend(x.to_le_bytes()),
+        W::I32(x) => out.extend(x.to_le_bytes()),
+        W::F32(x) => out.extend(x.to_le_bytes()),
+        W::Bool(x) => out.push(*x as u8),
+        W::Str(s) => put_str(out, s),
+        W::Arr(elem, items) => {
+            out.extend(elem.to_le_bytes());
+            out.extend((items.len() as u64).to_le_bytes());
+            for it in items {
+                put_value(out, it);
+            }
+        }
+    }
+}
+
+/// A tensor to write: name, GGUF-order dims, ggml type id, raw data bytes.
+pub(crate) struct WTensor {
+    pub name: &'static str,
+    pub dims: Vec<u64>,
+    pub ty: u32,
+    pub data: Vec<u8>,
+}
+
+/// GGUF v3 bytes with the given KVs and tensors; data padded to `align` (which must match
+/// any `general.alignment` KV passed in).
+pub(crate) fn gguf_bytes(kvs: &[(&str, W)], tensors: &[WTensor], align: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend(b"GGUF");
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((kvs.len() as u64).to_le_bytes());
+    for (k, v) in kvs {
+        put_str(&mut out, k);
+        out.extend(type_id(v).to_le_bytes());
+        put_value(&mut out, v);
+    }
+    let mut offset = 0usize;
+    let mut offsets = Vec::new();
+    for t in tensors {
+        put_str(&mut out, t.name);
+        out.extend((t.dims.len() as u32).to_le_bytes());
+        for d in &t.dims {
+            out.extend(d.to_le_bytes());
+        }
+        out.extend(t.ty.to_le_bytes());
+        out.extend((offset as u64).to_le_bytes());
+        offsets.push(offset);
+        offset = (offset + t.data.len()).next_multiple_of(align);
+    }
+    let data_start = out.len().next_multiple_of(align);
+    for (t, off) in tensors.iter().zip(offsets) {
+        out.resize(data_start + off, 0);
+        out.extend(&t.data);
+    }
+    out
+}
+
+pub(crate) fn write_temp(dir: &tempfile::TempDir, name: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.path().join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+fn f16_bytes(x: f32) -> [u8; 2] {
+    f16::from_f32(x).to_le_bytes()
+}
+
+fn run(ty: u32, block: &[u8]) -> Vec<f32> {
+    let t = GgmlType::from_id(ty).unwrap();
+    assert_eq!(block.len(), t.block_bytes(), "{} block size", t.name());
+    let mut out = vec![f32::NAN; t.block_elems()];
+    (t.0.dequant.unwrap())(block, &mut out);
+    out
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+            "{what}[{i}]: got {g}, want {w}"
+        );
+    }
+}
+
+/// Deterministic small pseudo-random numbers (LCG) for quant values.
+fn lcg(seed: u32) -> impl FnMut() -> u32 {
+    let mut s = seed;
+    move || {
+        s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        s >> 16
+    }
+}
+
+// --- per-type dequantisation of hand-built blocks ---
+// Each test picks scales and quants, packs them per the published block layout, and
+// computes the expected value of each element straight from the format's formula.
+// Scales are powers of two so the float results are exact in any evaluation order.
+
+#[test]
+fn float_types() {
+    assert_eq!(run(0, &(-1.25f32).to_le_bytes()), vec![-1.25]);
+    assert_eq!(run(1, &f16_bytes(3.5)), vec![3.5]);
+    // bf16 is the top 16 bits of an f32.
+    let b = ((-0.375f32).to_bits() >> 16) as u16;
+    assert_eq!(run(30, &b.to_le_bytes()), vec![-0.375]);
+}
+
+#[test]
+fn q8_0() {
+    let d = 0.5;
+    let q: Vec<i8> = (0..32).map(|i| (i * 8 - 128) as i8).collect();
+    let mut block = f16_bytes(d).to_vec();
+    block.extend(q.iter().map(|&x| x as u8));
+    let want: Vec<f32> = q.iter().map(|&x| x as f32 * d).collect();
+    assert_close(&run(8, &block), &want, "q8_0");
+}
+
+/// 32 4-bit quants packed as Q4_0/Q4_1 do: element j < 16 in the low nibble of byte j,
+/// element j + 16 in its high nibble.
+fn pack_nibbles_32(q: &[u8]) -> Vec<u8> {
+    (0..16).map(|j| (q[j] & 0xF) | (q[j + 16] << 4)).collect()
+}
+
+#[test]
+fn q4_0() {
+    let mut r = lcg(1);
+    let q: Vec<u8> = (0..32).map(|_| (r() % 16) as u8).collect();
+    let d = 0.25;
+    let mut block = f16_bytes(d).to_vec();
+    block.extend(pack_nibbles_32(&q));
+    let want: Vec<f32> = q.iter().map(|&x| (x as f32 - 8.0) * d).collect();
+    assert_close(&run(2, &block), &want, "q4_0");
+}
+
+#[test]
+fn q4_1() {
+    let mut r = lcg(2);
+    let q: Vec<u8> = (0..32).map(|_| (r() % 16) as u8).collect();
+    let (d, m) = (0.125, -1.5);
+    let mut block = f16_bytes(d).to_vec();
+    block.extend(f16_bytes(m));
+    block.extend(pack_nibbles_32(&q));
+    let want: Vec<f32> = q.iter().map(|&x| x as f32 * d + m).collect();
+    assert_close(&run(3, &block), &want, "q4_1");
+}
+
+/// 5-bit quants: low 4 bits packed as Q4_0, bit 4 of element j in bit j of a u32.
+fn pack_q5(q: &[u8]) -> (u32, Vec<u8>) {
+    let qh = (0..32).fold(0u32, |acc, j| acc | (((q[j] >> 4) as u32 & 1) << j));
+    let lo: Vec<u8> = q.iter().map(|x| x & 0xF).collect();
+    (qh, pack_nibbles_32(&lo))
+}
+
+#[test]
+fn q5_0() {
+    let mut r = lcg(3);
+    let q: Vec<u8> = (0..32).map(|_| (r() % 32) as u8).collect();
+    let d = 0.5;
+    let (qh, qs) = pack_q5(&q);
+    let mut block = f16_bytes(d).to_vec();
+    block.extend(qh.to_le_bytes());
+    block.extend(qs);
+    let want: Vec<f32> = q.iter().map(|&x| (x as f32 - 16.0) * d).collect();
+    assert_close(&run(6, &block), &want, "q5_0");
+}
+
+#[test]
+fn q5_1() {
+    let mut r = lcg(4);
+    let q: Vec<u8> = (0..32).map(|_| (r() % 32) as u8).collect();
+    let (d, m) = (0.0625, 2.0);
+    let (qh, qs) = pack_q5(&q);
+    let mut block = f16_bytes(d).to_vec();
+    block.extend(f16_bytes(m));
+    block.extend(qh.to_le_bytes());
+    block.extend(qs);
+    let want: Vec<f32> = q.iter().map(|&x| x as f32 * d + m).collect();
+    assert_close(&run(7, &block), &want, "q5_1");
+}
+
+/// Packs 8 six-bit (scale, min) pairs into the 12 K-quant scale bytes: pairs 0-3 in the
+/// low 6 bits of bytes 0-3 / 4-7; pairs 4-7 with low nibbles in bytes 8-11 (scale low,
+/// min high) and their top 2 bits in the high bits of bytes 0-3 (scale) / 4-7 (min).
+fn pack_k_scales(sc: &[u8; 8], mn: &[u8; 8]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    for j in 0..4 {
+        s[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        s[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+        s[j + 8] = (sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4);
+    }
+    s
+}
+
+/// 256 4-bit quants as Q4_K/Q5_K lay them out: 64-element chunk c uses qs[32c..32c+32],
+/// its first 32 elements in the low nibbles and the next 32 in the high nibbles.
+fn pack_k_nibbles(q: &[u8]) -> Vec<u8> {
+    let mut qs = vec![0u8; 128];
+    for (e, &x) in q.iter().enumerate() {
+        let (c, l, high) = (e / 64, e % 32, (e % 64) >= 32);
+        qs[c * 32 + l] |= if high { (x & 0xF) << 4 } else { x & 0xF };
+    }
+    qs
+}
+
+/// Six-bit scales and mins with the top bits set, so the high-bit packing is exercised.
+const K_SC: [u8; 8] = [1, 63, 17, 32, 48, 5, 60, 33];
+const K_MN: [u8; 8] = [0, 7, 63, 40, 16, 62, 3, 50];
+
+#[test]
+fn q4_k() {
+    let mut r = lcg(5);
+    let q: Vec<u8> = (0..256).map(|_| (r() % 16) as u8).collect();
+    let (d, dmin) = (0.5, 0.25);
+    let mut block = f16_bytes(d).to_vec();
+    block.extend(f16_bytes(dmin));
+    block.extend(pack_k_scales(&K_SC, &K_MN));
+    block.extend(pack_k_nibbles(&q));
+    let want: Vec<f32> = (0..256)
+        .map(|e| d * K_SC[e / 32] as f32 * q[e] as f32 - dmin * K_MN[e / 32] as f32)
+        .collect();
+    assert_close(&run(12, &block), &want, "q4_k");
+}
+
+#[test]
+fn q5_k() {
+    let mut r = lcg(6);
+    let q: Vec<u8> = (0..256).map(|_| (r() % 32) as u8).collect();
+    let (d, dmin) = (0.25, 0.5);
+    // Bit 4 of element e (sub-block s = e / 32) lives in bit s of qh[e % 32].
+    let mut qh = [0u8; 32];
+    for (e, &x) in q.iter().enumerate() {
+        qh[e % 32] |= ((x >> 4) & 1) << (e / 32);
+    }
+    let lo: Vec<u8> = q.iter().map(|x| x & 0xF).collect();
+    let mut block = f16_bytes(d).to_vec();
+    block.extend(f16_bytes(dmin));
+    block.extend(pack_k_scales(&K_SC, &K_MN));
+    block.extend(qh);
+    block.extend(pack_k_nibbles(&lo));
+    let want: Vec<f32> = (0..256)
+        .map(|e| d * K_SC[e / 32] as f32 * q[e] as f32 - dmin * K_MN[e / 32] as f32)
+        .collect();
+    assert_close(&run(13, &block), &want, "q5_k");
+}
+
+#[test]
+fn q6_k() {
+    let mut r = lcg(7);
+    let q: Vec<u8> = (0..256).map(|_| (r() % 64) as u8).collect();
+    let sc: [i8; 16] = [
+        1, -2, 3, -4, 127, -128, 7, 8, -9, 10, 11, -12, 13, 14, -15, 16,
+    ];
+    let d = 0.125;
+    // Element e: half h = e / 128; within it quarter k = (e % 128) / 32 and l = e % 32.
+    // Low 4 bits: ql[64h + l + 32 (k odd)], low nibble for k < 2, high for k >= 2.
+    // High 2 bits: qh[32h + l] bits 2k..2k+2. Scale: sc[e / 16].
+    let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
+    for (e, &x) in q.iter().enumerate() {
+        let (h, k, l) = (e / 128, (e % 128) / 32, e % 32);
+        let i = 64 * h + l + if k % 2 == 1 { 32 } else { 0 };
+        ql[i] |= if k < 2 { x & 0xF } else { (x & 0xF) << 4 };
+        qh[32 * h + l] |= (x >> 4) << (2 * k);
+    }
+    let mut block = ql.to_vec();
+    block.extend(qh);
+    block.extend(sc.iter().map(|&s| s as u8));
+    block.extend(f16_bytes(d));
+    let want: Vec<f32> = (0..256)
+        .map(|e| d * sc[e / 16] as f32 * (q[e] as f32 - 32.0))
+        .collect();
+    assert_close(&run(14, &block), &want, "q6_k");
+}
+
+#[test]
+fn type_table_is_consistent() {
+    for (i, t) in GGML_TYPES.iter().enumerate() {
+        assert!(
+            GGML_TYPES[i + 1..]
+                .iter()
+                .all(|u| u.id != t.id && u.name != t.name),
+            "{}",
+            t.name
+        );
+        assert!(t.block_bytes > 0 && t.block_elems > 0);
+    }
+    assert_eq!(
+        supported_names(),
+        "F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16"
+    );
+}
+
+// --- a small file written here ---
+
+fn small_file() -> Vec<u8> {
+    let a: Vec<u8> = [1.0f32, -2.0, 3.5, 0.0, 0.25, -8.0]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    // Q8_0, two blocks (dims [32, 2]): d = 0.5 and d = 2, quants -16..16 / 15..-17.
+    let mut b = Vec::new();
+    for (d, first) in [(0.5f32, -16i32), (2.0, 15)] {
+        b.extend(f16_bytes(d));
+        let step = if first < 0 { 1 } else { -1 };
+        b.extend((0..32).map(|i| (first + step * i) as i8 as u8));
+    }
+    gguf_bytes(
+        &[
+            ("general.architecture", W::Str("llama")),
+            ("general.alignment", W::U32(64)),
+            ("llama.block_count", W::U32(30)),
+            ("llama.rope.freq_base", W::F32(100000.0)),
+            ("neg", W::I32(-3)),
+            ("flag", W::Bool(true)),
+            ("names", W::Arr(8, vec![W::Str("a"), W::Str("bé")])),
+            (
+                "nested",
+                W::Arr(
+                    9,
+                    vec![W::Arr(5, vec![W::I32(1), W::I32(-2)]), W::Arr(5, vec![])],
+                ),
+            ),
+        ],
+        &[
+            WTensor {
+                name: "a",
+                dims: vec![3, 2],
+                ty: 0,
+                data: a,
+            },
+            WTensor {
+                name: "b",
+                dims: vec![32, 2],
+                ty: 8,
+                data: b,
+            },
+        ],
+        64,
+    )
+}
+
+#[test]
+fn small_file_parses() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_temp(&dir, "small.gguf", &small_file());
+    let g = GgufFile::open(&p).unwrap();
+    assert_eq!(g.version(), 3);
+    assert_eq!(g.alignment(), 64);
+    assert_eq!(g.data_offset() % 64, 0);
+    assert_eq!(g.meta_str("general.architecture").unwrap(), "llama");
+    assert_eq!(g.meta_u32("llama.block_count").unwrap(), 30);
+    assert_eq!(g.meta_u64("llama.block_count").unwrap(), 30);
+    assert_eq!(g.meta_usize("general.alignment").unwrap(), 64);
+    assert_eq!(g.meta_i64("neg").unwrap(), -3);
+    assert_eq!(g.meta_f32("llama.rope.freq_base").unwrap(), 1e5);
+    assert!(g.meta_bool("flag").unwrap());
+    assert_eq!(g.meta_str_array("names").unwrap(), vec!["a", "bé"]);
+    let nested = g.get("nested").unwrap().as_array().unwrap();
+    assert_eq!(
+        nested[0],
+        GgufValue::Array(vec![GgufValue::I32(1), GgufValue::I32(-2)])
+    );
+    assert_eq!(nested[1], GgufValue::Array(vec![]));
+    assert_eq!(g.metadata().count(), 8);
+
+    // Errors name the file and the key.
+    let e = g.meta_u32("neg").unwrap_err().to_string();
+    assert!(
+        e.contains("small.gguf") && e.contains("neg") && e.contains("i32 -3"),
+        "{e}"
+    );
+    let e = g.meta_str("llama.block_count").unwrap_err().to_string();
+    assert!(
+        e.contains("llama.block_count") && e.contains("expected string, found u32"),
+        "{e}"
+    );
+    let e = g.meta_u32("nope").unwrap_err().to_string();
+    assert!(
+        e.contains("small.gguf") && e.contains("nope: missing"),
+        "{e}"
+    );
+    assert!(g.meta_i32_array("names").is_err());
+
+    assert_eq!(g.tensor_names().collect::<Vec<_>>(), vec!["a", "b"]);
+    let ta = g.tensor_info("a").unwrap();
+    assert_eq!(
+        (ta.ggml_type, ta.n_elements, ta.n_bytes),
+        (GgmlType::from_id(0).unwrap(), 6, 24)
+    );
+    let (shape, v) = g.dequantize("a").unwrap();
+    assert_eq!(shape, vec![2, 3]);
+    assert_eq!(v, vec![1.0, -2.0, 3.5, 0.0, 0.25, -8.0]);
+    let (shape, v) = g.dequantize("b").unwrap();
+    assert_eq!(shape, vec![2, 32]);
+    let want: Vec<f32> = (0..32)
+        .map(|i| (i - 16) as f32 * 0.5)
+        .chain((0..32).map(|i| (15 - i) as f32 * 2.0))
+        .collect();
+    assert_eq!(v, want);
+    assert_eq!(g.tensor_data("b").unwrap().len(), 68);
+    let e = g.dequantize("c").unwrap_err().to_string();
+    assert!(e.contains("no tensor named c"), "{e}");
+}
+
+#[test]
+fn truncation_never_panics() {
+    let bytes = small_file();
+    let dir = tempfile::tempdir().unwrap();
+    for cut in 0..bytes.len() {
+        let p = write_temp(&dir, "cut.gguf", &bytes[..cut]);
+        match GgufFile::open(&p) {
+            Ok(_) => panic!("a file cut to {cut} of {} bytes opened", bytes.len()),
+            Err(e) => assert!(e.to_string().contains("cut.gguf"), "{e}"),
+        }
+    }
+}
+
+#[test]
+fn truncated_tensor_data_is_named() {
+    let bytes = small_file();
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_temp(&dir, "short.gguf", &bytes[..bytes.len() - 1]);
+    let e = GgufFile::open(&p).unwrap_err().to_string();
+    assert!(
+        e.contains("short.gguf")
+            && e.contains("tensor b: data [")
+            && e.contains("beyond end of file"),
+        "{e}"
+    );
+}
+
+/// Header + one KV whose value bytes are given raw.
+fn one_kv(ty: u32, value: &[u8]) -> Vec<u8> {
+    let mut out = b"GGUF".to_vec();
+    out.extend(3u32.to_le_bytes());
+    out.extend(0u64.to_le_bytes());
+    out.extend(1u64.to_le_bytes());
+    put_str(&mut out, "k");
+    out.extend(ty.to_le_bytes());
+    out.extend(value);
+    out
+}
+
+#[test]
+fn hostile_fields_give_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = |name: &str, bytes: Vec<u8>| {
+        let p = write_temp(&dir, name, &bytes);
+        GgufFile::open(&p).unwrap_err().to_string()
+    };
+    let mut huge_str = u64::MAX.to_le_bytes().to_vec();
+    huge_str.extend(b"xyz");
+    assert!(err("s.gguf", one_kv(8, &huge_str)).contains("string length"));
+    // An array claiming 2^60 u64 elements must not be allocated.
+    let mut huge_arr = 10u32.to_le_bytes().to_vec();
+    huge_arr.extend((1u64 << 60).to_le_bytes());
+    assert!(err("a.gguf", one_kv(9, &huge_arr)).contains("array length"));
+    // Arrays nested past the limit.
+    let mut deep = Vec::new();
+    for _ in 0..10 {
+        deep.extend(9u32.to_le_bytes());
+        deep.extend(1u64.to_le_bytes());
+    }
+    assert!(err("d.gguf", one_kv(9, &deep)).contains("nested"));
+    assert!(err("t.gguf", one_kv(13, &[0; 8])).contains("unknown value type 13"));
+    assert!(err("b.gguf", one_kv(7, &[2])).contains("not 0 or 1"));
+    let mut bad_utf8 = 2u64.to_le_bytes().to_vec();
+    bad_utf8.extend([0xff, 0xfe]);
+    assert!(err("u.gguf", one_kv(8, &bad_utf8)).contains("metadata key k"));
+
+    let mut v1 = small_file();
+    v1[4..8].copy_from_slice(&1u32.to_le_bytes());
+    assert!(err("v1.gguf", v1).contains("unsupported GGUF version 1"));
+    assert!(err("m.gguf", b"GGML\x03\0\0\0".to_vec()).contains("not a GGUF file"));
+    let mut counts = small_file();
+    counts[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+    assert!(err("c.gguf", counts).contains("tensor count"));
+
+    // Tensor-level problems name the tensor.
+    let t = |dims: Vec<u64>, ty: u32| {
+        gguf_bytes(
+            &[],
+            &[WTensor {
+                name: "blk.0.w",
+                dims,
+                ty,
+                data: vec![0; 68],
+            }],
+            32,
+        )
+    };
+    let e = err("ty.gguf", t(vec![32, 2], 4));
+    assert!(
+        e.contains("tensor blk.0.w") && e.contains("unknown ggml type id 4"),
+        "{e}"
+    );
+    let e = err("blk.gguf", t(vec![16, 2], 8));
+    assert!(
+        e.contains("tensor blk.0.w") && e.contains("not a multiple of the Q8_0 block size 32"),
+        "{e}"
+    );
+    let e = err("dims.gguf", t(vec![1, 1, 1, 1, 1], 0));
+    assert!(e.contains("5 dims"), "{e}");
+    let e = err("ovf.gguf", t(vec![1 << 40, 1 << 40], 0));
+    assert!(e.contains("overflows"), "{e}");
+    let e = err("big.gguf", t(vec![32, 1 << 20], 8));
+    assert!(
+        e.contains("tensor blk.0.w: data [") && e.contains("beyond end of file"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unsupported_type_names_tensor_and_type() {
+    let dir = tempfile::tempdir().unwrap();
+    // Q2_K, one block of zeros.
+    let bytes = gguf_bytes(
+        &[],
+        &[WTensor {
+            name: "w",
+            dims: vec![256],
+            ty: 10,
+            data: vec![0; 84],
+        }],
+        32,
+    );
+    let g = GgufFile::open(write_temp(&dir, "q2k.gguf", &bytes)).unwrap();
+    let e = g.dequantize("w").unwrap_err().to_string();
+    assert!(
+        e.contains("q2k.gguf") && e.contains("tensor w") && e.contains("Q2_K"),
+        "{e}"
+    );
+}
+
+#[test]
+fn commas_format() {
+    assert_eq!(commas(0), "0");
+    assert_eq!(commas(999), "999");
+    assert_eq!(commas(93_000_000), "93,000,000");
+    assert_eq!(commas(1_234), "1,234");
+}
+
+// --- the real model ---
+
+/// `$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf` (DFLASH_CACHE defaults to
+/// `$HOME/.cache/dflash`); fails, not skips, when missing.
+pub(crate) fn smollm_path() -> PathBuf {
+    let cache = std::env::var_os("DFLASH_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME is not set"))
+                .join(".cache/dflash")
+        });
+    let p = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.exists(), "{} is missing: run `make setup`", p.display());
+    p
+}
+
+#[test]
+fn smollm_metadata_and_embedding() {
+    let g = GgufFile::open(smollm_path()).unwrap();
+    assert_eq!(g.meta_str("general.architecture").unwrap(), "llama");
+    assert_eq!(g.meta_u32("llama.block_count").unwrap(), 30);
+    assert_eq!(g.meta_u32("llama.embedding_length").unwrap(), 576);
+    assert_eq!(g.meta_u32("llama.attention.head_count").unwrap(), 9);
+    assert_eq!(g.meta_u32("llama.attention.head_count_kv").unwrap(), 3);
+    assert_eq!(g.meta_u32("llama.feed_forward_length").unwrap(), 1536);
+    assert_eq!(g.meta_f32("llama.rope.freq_base").unwrap(), 1e5);
+    assert_eq!(
+        g.meta_str_array("tokenizer.ggml.tokens").unwrap().len(),
+        49152
+    );
+
+    let t = g.tensor_info("token_embd.weight").unwrap();
+    assert_eq!(t.ggml_type.name(), "Q8_0");
+    assert_eq!(t.torch_shape(), vec![49152, 576]);
+    let (shape, v) = g.dequantize("token_embd.weight").unwrap();
+    assert_eq!(shape, vec![49152, 576]);
+    assert!(v.iter().all(|x| x.is_finite()));
+    let n = v.len() as f64;
+    let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+    let std = (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+    assert!(
+        mean.abs() < 0.05 && (0.01..1.0).contains(&std),
+        "mean {mean}, std {std}"
+    );
+
+    // Every tensor dequantises (Q4_1 and F32 besides Q8_0) to finite values.
+    for name in g.tensor_names() {
+        let (shape, v) = g.dequantize(name).unwrap();
+        assert_eq!(shape.iter().product::<usize>(), v.len(), "{name}");
+        assert!(v.iter().all(|x| x.is_finite()), "{name}");
+    }
+}
