@@ -235,6 +235,9 @@ impl DrafterSection {
         if key_dim == 0 || value_dim == 0 {
             return bad("linear_key_head_dim", "head dims must be > 0".into());
         }
+        if self.intermediate_size == Some(0) {
+            return bad("intermediate_size", "0: must be >= 1".into());
+        }
         if !(1..=16).contains(&self.linear_conv_kernel_dim) {
             return bad("linear_conv_kernel_dim", format!("must be in 1..=16, got {}", self.linear_conv_kernel_dim));
         }

@@ -339,3 +339,11 @@ fn default_config_with_one_line_changed() {
     let shipped = std::fs::read_to_string(root.join("configs/smollm2-chitchat-gdn.toml")).unwrap();
     assert_eq!(drafter_section(&shipped), cfg);
 }
+
+/// A zero MLP width is refused with the field named, not trained as a layer without an MLP.
+#[test]
+fn a_zero_mlp_width_is_refused() {
+    let s: DrafterSection = plugin_api::parse_section("mask_token_id = 63\nintermediate_size = 0").unwrap();
+    let e = s.resolve(&target_spec()).unwrap_err().to_string();
+    assert!(e.contains("field `intermediate_size`: 0: must be >= 1"), "{e}");
+}
