@@ -12,22 +12,14 @@
 //! in the store; the rank whose counter stopped is the one named), never a hang.
 
 use anyhow::{anyhow, bail, Context, Result};
-use c10d::{Backend, ProcessGroup, ReduceOp, Store};
 use plugin_api::{
-    abi_stable::{
-        sabi_trait::TD_Opaque,
-        std_types::{RResult, RSlice},
-    },
     tch::{Device, Tensor},
-    Collectives, CollectivesBox, Collectives_TO, PluginError, TensorHandle,
+    CollectivesBox,
 };
-use std::{
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc, Mutex,
-    },
-    time::{Duration, Instant},
-};
+use std::time::Duration;
+
+mod group;
+pub use group::{C10dCommunicator, DEFAULT_BUCKET_BYTES};
 
 /// How long a collective or the rendezvous may wait for a peer (torch.distributed's default);
 /// `DFLASH_DIST_TIMEOUT` (seconds) overrides it.
@@ -160,267 +152,6 @@ pub(crate) fn buckets(tensors: &[Tensor], cap: usize) -> Vec<std::ops::Range<usi
     out
 }
 
-/// How often each rank beats its counter in the store, and how many beats a rank may miss
-/// before it is named as gone.
-const HEARTBEAT: Duration = Duration::from_secs(1);
-const MISSED_BEATS: u32 = 3;
-
-/// The default all-reduce bucket: large, since the all-reduce runs after the backward (nothing to
-/// overlap with), and a bucket costs one flat copy of its gradients in memory.
-pub const DEFAULT_BUCKET_BYTES: usize = 128 << 20;
-
-/// The group and what names a failed peer; shared by the trainer and the plugins it lends the
-/// group to.
-struct Shared {
-    group: Mutex<ProcessGroup>,
-    /// The main store client (rendezvous, diagnosis); the heartbeat has its own.
-    store: Mutex<Store>,
-    rank: usize,
-    world: usize,
-    /// Where the group's tensors live: the CPU for Gloo, the drafter's GPU for NCCL.
-    device: Device,
-    timeout: Duration,
-    beating: Arc<AtomicBool>,
-    heartbeat: Mutex<Option<std::thread::JoinHandle<()>>>,
-}
-
-impl Shared {
-    /// Run one collective; a failure becomes an error that names the rank that is gone.
-    fn run(&self, what: &str, f: impl FnOnce(&mut ProcessGroup) -> c10d::Result<()>) -> Result<()> {
-        let result = f(&mut self.group.lock().expect("group lock"));
-        result.map_err(|e| self.explain(what, e))
-    }
-
-    fn explain(&self, what: &str, e: c10d::Error) -> anyhow::Error {
-        let me = self.rank;
-        // Say first that this rank is stopping on a peer's failure, so that a rank diagnosing
-        // later does not name it as gone too once it has exited.
-        let _ = self.store.lock().expect("store lock").add(&stopping_key(me), 1);
-        let gone = self.gone_ranks();
-        if me == 0 {
-            // Rank 0 serves the store: stay a little, so the others' diagnosis can still read it.
-            std::thread::sleep(HEARTBEAT * (MISSED_BEATS + 2));
-        }
-        match gone {
-            Ok(gone) if !gone.is_empty() => {
-                let who: Vec<String> = gone.iter().map(|r| r.to_string()).collect();
-                let s = if gone.len() > 1 { "s" } else { "" };
-                anyhow!("rank{s} {} gone (no heartbeat for {} s): {what} failed on rank {me}: {e}", who.join(", "), MISSED_BEATS)
-            }
-            Ok(_) => anyhow!("{what} failed on rank {me} with no rank gone (one may be stuck; timeout {} s): {e}", self.timeout.as_secs()),
-            Err(store) => anyhow!("rank 0 gone (the rendezvous store it serves does not answer: {store}): {what} failed on rank {me}: {e}"),
-        }
-    }
-
-    /// The ranks whose heartbeat stopped (counters read, then again after a few beats), less
-    /// those that were stopping on a failure of their own diagnosis.
-    fn gone_ranks(&self) -> c10d::Result<Vec<usize>> {
-        let store = self.store.lock().expect("store lock");
-        let read = |key: fn(usize) -> String| (0..self.world).map(|r| store.add(&key(r), 0)).collect::<c10d::Result<Vec<i64>>>();
-        let before = read(beat_key)?;
-        std::thread::sleep(HEARTBEAT * MISSED_BEATS);
-        let after = read(beat_key)?;
-        let stopping = read(stopping_key)?;
-        Ok((0..self.world).filter(|&r| r != self.rank && after[r] == before[r] && stopping[r] == 0).collect())
-    }
-}
-
-impl Drop for Shared {
-    fn drop(&mut self) {
-        self.beating.store(false, Ordering::Relaxed);
-        if let Some(h) = self.heartbeat.lock().expect("heartbeat lock").take() {
-            let _ = h.join();
-        }
-    }
-}
-
-fn beat_key(rank: usize) -> String {
-    format!("dflash/beat/{rank}")
-}
-
-fn stopping_key(rank: usize) -> String {
-    format!("dflash/stopping/{rank}")
-}
-
-fn hello_key(rank: usize) -> String {
-    format!("dflash/hello/{rank}")
-}
-
-/// The data-parallel communicator on c10d.
-pub struct C10dCommunicator {
-    shared: Arc<Shared>,
-    bucket_bytes: usize,
-}
-
-impl C10dCommunicator {
-    /// Meet the other ranks through rank 0's store, check that they run the same thing, and make
-    /// the process group: Gloo when `device` is the CPU, NCCL on a CUDA device.
-    pub fn connect(env: &DistEnv, device: Device, identity: &Identity) -> Result<Self> {
-        let (rank, world, timeout) = (env.rank, env.world, env.timeout);
-        let addr = format!("{}:{}", env.master_addr, env.master_port);
-        let store = Store::connect(&env.master_addr, env.master_port, rank == 0, timeout).map_err(|e| {
-            if rank == 0 {
-                anyhow!("rank 0: serving the rendezvous store on {addr}: {e}")
-            } else {
-                anyhow!("rank 0 gone: rank {rank} could not reach its rendezvous store at {addr} within {} s: {e}", timeout.as_secs())
-            }
-        })?;
-        // 1. Everyone says who they are, then waits for everyone (naming who never came).
-        let hello = format!("world size {world}, config {}, build {}", identity.config, identity.build);
-        store.set(&hello_key(rank), hello.as_bytes()).map_err(|e| anyhow!("rank {rank}: rendezvous at {addr}: {e}"))?;
-        let deadline = Instant::now() + timeout;
-        loop {
-            let mut missing = Vec::new();
-            for r in 0..world {
-                if !store.check(&hello_key(r)).map_err(|e| anyhow!("rank {rank}: rendezvous at {addr}: {e}"))? {
-                    missing.push(r.to_string());
-                }
-            }
-            if missing.is_empty() {
-                break;
-            }
-            if Instant::now() > deadline {
-                let s = if missing.len() > 1 { "s" } else { "" };
-                bail!("rank{s} {} did not join the rendezvous at {addr} within {} s (world size {world})", missing.join(", "), timeout.as_secs());
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        // 2. The same world, config and build everywhere, or one line naming who differs. Rank 0
-        //    serves the store, so it waits until every rank has read before it may leave.
-        let rdv = |e: c10d::Error| anyhow!("rank {rank}: rendezvous at {addr}: {e}");
-        let hellos = (0..world).map(|r| store.get(&hello_key(r)).map(|v| String::from_utf8_lossy(&v).into_owned())).collect::<c10d::Result<Vec<_>>>().map_err(rdv)?;
-        store.add("dflash/checked", 1).map_err(rdv)?;
-        while rank == 0 && store.add("dflash/checked", 0).map_err(rdv)? < world as i64 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        if let Some((r, theirs)) = hellos.iter().enumerate().find(|(_, h)| *h != &hellos[0]) {
-            let diff = hellos[0].split(", ").zip(theirs.split(", ")).find(|(a, b)| a != b).map_or_else(
-                || format!("`{theirs}` vs `{}`", hellos[0]),
-                |(a, b)| format!("{b} vs {a} on rank 0"),
-            );
-            bail!("rank {r} differs from rank 0: {diff}; every rank must run the same build with the same config");
-        }
-        // 3. The group, and the heartbeat that names a rank that dies.
-        let backend = if device == Device::Cpu { Backend::Gloo } else { Backend::Nccl };
-        let group = ProcessGroup::new(backend, &store, "dflash/pg/", rank, world, timeout)
-            .map_err(|e| anyhow!("rank {rank}: making the {} process group: {e}", backend.name()))?;
-        let beats = store.another().map_err(|e| anyhow!("rank {rank}: a second store client: {e}"))?;
-        let beating = Arc::new(AtomicBool::new(true));
-        let flag = Arc::clone(&beating);
-        let heartbeat = std::thread::Builder::new().name("dist-heartbeat".into()).spawn(move || {
-            while flag.load(Ordering::Relaxed) {
-                if beats.add(&beat_key(rank), 1).is_err() {
-                    return; // the store is gone; the next collective says so
-                }
-                let beat = Instant::now();
-                while flag.load(Ordering::Relaxed) && beat.elapsed() < HEARTBEAT {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            }
-        })?;
-        tracing::info!("rank {rank} of {world}: c10d {} through {addr}", backend.name());
-        let shared = Shared {
-            group: Mutex::new(group),
-            store: Mutex::new(store),
-            rank,
-            world,
-            device,
-            timeout,
-            beating,
-            heartbeat: Mutex::new(Some(heartbeat)),
-        };
-        Ok(Self { shared: Arc::new(shared), bucket_bytes: DEFAULT_BUCKET_BYTES })
-    }
-
-    /// All-reduce buckets of at most this many bytes (a larger tensor goes alone).
-    pub fn set_bucket_bytes(&mut self, bytes: usize) {
-        self.bucket_bytes = bytes.max(1);
-    }
-
-    pub fn backend(&self) -> Backend {
-        self.shared.group.lock().expect("group lock").backend
-    }
-}
-
-impl Communicator for C10dCommunicator {
-    fn rank(&self) -> usize {
-        self.shared.rank
-    }
-
-    fn world(&self) -> usize {
-        self.shared.world
-    }
-
-    fn all_reduce_sum(&mut self, values: &mut [f64]) -> Result<()> {
-        let t = Tensor::from_slice(values).to_device(self.shared.device);
-        self.shared.run("all-reduce of the step's sums", |g| g.all_reduce(&t, ReduceOp::Sum))?;
-        values.copy_from_slice(&Vec::<f64>::try_from(t.to_device(Device::Cpu))?);
-        Ok(())
-    }
-
-    fn all_reduce_sum_tensors(&mut self, tensors: &[Tensor]) -> Result<()> {
-        let _guard = plugin_api::tch::no_grad_guard();
-        for range in buckets(tensors, self.bucket_bytes) {
-            let part = &tensors[range];
-            if let [t] = part {
-                if t.is_contiguous() {
-                    self.shared.run("all-reduce of the gradients", |g| g.all_reduce(t, ReduceOp::Sum))?;
-                    continue;
-                }
-            }
-            // 1. Flatten the bucket into one buffer, 2. reduce it, 3. copy each part back.
-            let flat = Tensor::cat(&part.iter().map(|t| t.reshape([-1])).collect::<Vec<_>>(), 0);
-            self.shared.run("all-reduce of the gradients", |g| g.all_reduce(&flat, ReduceOp::Sum))?;
-            let mut offset = 0;
-            for t in part {
-                let n = t.numel() as i64;
-                t.shallow_clone().copy_(&flat.narrow(0, offset, n).view(t.size().as_slice()));
-                offset += n;
-            }
-        }
-        Ok(())
-    }
-
-    fn broadcast(&mut self, tensors: &[Tensor], root: usize) -> Result<()> {
-        let _guard = plugin_api::tch::no_grad_guard();
-        for t in tensors {
-            let c = t.contiguous();
-            self.shared.run("broadcast", |g| g.broadcast(&c, root))?;
-            if c.data_ptr() != t.data_ptr() {
-                t.shallow_clone().copy_(&c);
-            }
-        }
-        Ok(())
-    }
-
-    fn barrier(&mut self) -> Result<()> {
-        self.shared.run("barrier", |g| g.barrier())
-    }
-
-    fn collectives(&self) -> CollectivesBox {
-        Collectives_TO::from_value(Lent(Arc::clone(&self.shared)), TD_Opaque)
-    }
-}
-
-/// The group as a plugin sees it.
-struct Lent(Arc<Shared>);
-
-impl Collectives for Lent {
-    fn rank(&self) -> u32 {
-        self.0.rank as u32
-    }
-
-    fn world(&self) -> u32 {
-        self.0.world as u32
-    }
-
-    fn all_gather(&mut self, outputs: RSlice<'_, TensorHandle>, input: &TensorHandle) -> RResult<(), PluginError> {
-        let outs: Vec<Tensor> = outputs.iter().map(|h| h.tensor()).collect();
-        let input = input.tensor();
-        self.0.run("all-gather", |g| g.all_gather(&outs, &input)).map_err(|e| PluginError::new(format!("{e:#}"))).into()
-    }
-}
-
 /// Each rank's own devices on a machine shared by several ranks: the config's CUDA devices
 /// offset by `local_rank` x the number of GPUs one replica uses (`cuda:0` on every rank of
 /// `--nproc 4` becomes cuda:0..3). Where each rank sees only its own GPUs (`visible` no larger
@@ -444,7 +175,8 @@ pub fn rank_devices(devices: &[String], local_rank: usize, visible: usize) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
-    use plugin_api::tch::Kind;
+    use plugin_api::{tch::Kind, TensorHandle};
+    use std::time::Instant;
 
     #[test]
     fn the_launcher_environment_is_read_and_checked() {
