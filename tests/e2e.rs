@@ -390,3 +390,51 @@ fn config_mistakes_are_refused_naming_the_argument_before_the_target_loads() {
     let line = error_line(&out);
     assert!(line.contains("run.toml:") && line.contains("field `max_len`"), "{line}");
 }
+
+/// A fake finished run: config, manifest (its A/B arm), metrics, summary.
+fn fake_run(dir: &std::path::Path, arm: &str, steps: u64, scale: f64) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.toml"), "name = \"ab\"\n").unwrap();
+    std::fs::write(dir.join("manifest.json"), format!("{{\"arm\": \"{arm}\"}}")).unwrap();
+    let lines: Vec<String> = (1..=steps)
+        .map(|s| {
+            serde_json::json!({"step": s, "tokens": s * 100, "loss": scale / s as f64, "acc": [0.5], "tau_hat": 1.5,
+                "lr": 1e-3, "grad_norm": 2.0, "elapsed_s": s as f64})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(dir.join("metrics.jsonl"), lines.join("\n") + "\n").unwrap();
+    std::fs::write(dir.join("summary.json"), "{\"wall_s\": 1.0}").unwrap();
+}
+
+#[test]
+fn compare_reads_an_ab_folder_into_one_report_folder_and_config_explain_prints_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let ab = dir.path().join("ab");
+    fake_run(&ab.join("a-s0"), "a", 20, 10.0);
+    fake_run(&ab.join("b-s0"), "b", 200, 10.0);
+    std::fs::write(ab.join("b-s0/eval-gsm8k-step-200.json"), "{\"tau\": 2.25, \"tau_pooled\": 2.5, \"cycles\": 10, \"source\": \"gsm8k.jsonl\"}").unwrap();
+    let host = || Command::new(env!("CARGO_BIN_EXE_dflash-host"));
+    for _ in 0..2 {
+        let out = host().arg("compare").arg(&ab).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        // b's own end (loss 10/200) apart from the comparison at a's end (20 steps).
+        assert!(stdout.contains("final values") && stdout.contains("0.0500") && stdout.contains("equal-token comparison"), "{stdout}");
+        assert!(stdout.contains("eval-gsm8k-step-200.json") && stdout.contains("2.250"), "{stdout}");
+    }
+    let mut entries: Vec<String> = std::fs::read_dir(&ab).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    entries.sort();
+    assert_eq!(entries, ["a-s0", "b-s0", "report"], "one report folder, reused");
+    assert!(ab.join("report/lr_vs_tokens.png").exists() && ab.join("report/grad_norm_vs_tokens.svg").exists());
+
+    let out = host().args(["config", "explain", "data"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("`[data.fields]`") && stdout.contains("| `distill` |"), "{stdout}");
+    assert!(!stdout.contains("[train]"), "one section only: {stdout}");
+    let committed = std::fs::read_to_string(common::root().join("docs/CONFIG.md")).unwrap();
+    let all = host().args(["config", "explain"]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&all.stdout).trim_end(), committed.trim_end(), "config explain prints docs/CONFIG.md");
+    let line = error_line(&host().args(["config", "explain", "nope"]).output().unwrap());
+    assert!(line.contains("no config section `nope`"), "{line}");
+}
