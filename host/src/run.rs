@@ -462,7 +462,8 @@ mod tests {
 
         let cfg = write_config(dir.path(), "path = \"tiny.json\"\nrandom_init = true", "path = \"nope.jsonl\"");
         let err = build_error(&cfg);
-        let want = format!("run.toml:24: [data] plugin `chat`: field `path`: {}: No such file", dir.path().join("nope.jsonl").display());
+        // Found before the target loads (preflight), not by the data plugin after it.
+        let want = format!("run.toml:24: [data] plugin `chat`: field `path`: {}: no such file or folder", dir.path().join("nope.jsonl").display());
         assert!(err.contains(&want), "{err}\nshould contain\n{want}");
     }
 
