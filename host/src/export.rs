@@ -52,37 +52,23 @@ pub fn model_card(exp_dir: &Path, step: u64, config_json: &Path, out: &Path) -> 
         }
         None => "not measured (run `dflash-host eval --exp-dir EXP`, then export again)".into(),
     };
-    let mut card = format!("# DFlash drafter for `{}`
-
-", Path::new(target).file_name().map_or(target.clone(), |n| n.to_string_lossy().to_string()));
-    card += "A block-diffusion speculative-decoding drafter (DFlash): it reads the target's hidden states and drafts a              block of tokens in one forward; the target verifies them, so the output is the target's own. It borrows              the target's embedding and LM head and works only with this target.
-
-";
-    card += "| | |
-| --- | --- |
-";
-    card += &format!("| target | `{target}` (SHA-256 `{}`) |
-", manifest.target_sha256);
-    card += &format!("| target token ids | bos {}, eos {}, pad {} |
-", id("bos_token_id"), id("eos_token_id"), id("pad_token_id"));
-    card += &format!("| data | `{}` (format {}) |
-", field("data", "path").unwrap_or("?".into()), field("data", "format").unwrap_or("auto".into()));
-    card += &format!("| training | step {step} of {}, seed {}, optimizer {} |
-", field("train", "steps").unwrap_or("?".into()), manifest.seed, field("optimizer", "plugin").unwrap_or("?".into()));
-    card += &format!("| drafter | {} layers, block size {block}, target layers {} |
-", cfg["num_hidden_layers"], cfg["dflash_config"]["target_layer_ids"]);
-    card += &format!("| weights | {} (`model.safetensors`) |
-", cfg["dtype"].as_str().unwrap_or("bfloat16"));
-    card += &format!("| acceptance length | {tau} |
-
-");
-    card += "## Serving
-
-";
+    let name = Path::new(target).file_name().map_or(target.clone(), |n| n.to_string_lossy().to_string());
+    let text = |section: &str, key: &str, or: &str| field(section, key).unwrap_or_else(|| or.to_string());
+    let mut card = format!("# DFlash drafter for `{name}`\n\n");
+    card += "A block-diffusion speculative-decoding drafter (DFlash): it reads the target's hidden states and drafts a \
+             block of tokens in one forward; the target verifies them, so the output is the target's own. It borrows \
+             the target's embedding and LM head and works only with this target.\n\n";
+    card += "| | |\n| --- | --- |\n";
+    card += &format!("| target | `{target}` (SHA-256 `{}`) |\n", manifest.target_sha256);
+    card += &format!("| target token ids | bos {}, eos {}, pad {} |\n", id("bos_token_id"), id("eos_token_id"), id("pad_token_id"));
+    card += &format!("| data | `{}` (format {}) |\n", text("data", "path", "?"), text("data", "format", "auto"));
+    card += &format!("| training | step {step} of {}, seed {}, optimizer {} |\n", text("train", "steps", "?"), manifest.seed, text("optimizer", "plugin", "?"));
+    card += &format!("| drafter | layers: {}, block size {block}, target layers {} |\n", cfg["num_hidden_layers"], cfg["dflash_config"]["target_layer_ids"]);
+    card += "| weights | bfloat16 (`model.safetensors`) |\n";
+    card += &format!("| acceptance length | {tau} |\n\n");
+    card += "## Serving\n\n";
     if served_target != *target {
-        card += "The target was read from a GGUF file; the servers load the same model as an HF checkpoint.
-
-";
+        card += "The target was read from a GGUF file; the servers load the same model as an HF checkpoint.\n\n";
     }
     card += &format!(
         "SGLang:\n\n```sh\npython -m sglang.launch_server --model-path {served_target} \\\n  --speculative-algorithm DFLASH \\\n  \
