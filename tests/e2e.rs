@@ -295,7 +295,7 @@ fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
     .unwrap();
     let ab = || {
         Command::new(env!("CARGO_BIN_EXE_dflash-host"))
-            .args(["ab", "--config", "ab.toml"])
+            .args(["ab", "--config", "ab.toml", "--out", "reports/rerun"])
             .current_dir(dir.path())
             .env("DFLASH_CACHE", cache())
             .env_remove("RUST_BACKTRACE")
@@ -316,6 +316,8 @@ fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
     assert!(err.contains("is unfinished: resuming it") && err.contains("resuming from") && err.contains("step-2"), "{err}");
     assert!(err.contains(&format!("{} is complete already", b.display())) || err.contains("b-s0 is complete already"), "{err}");
     assert!(a.join("summary.json").exists());
+    // The report goes where --out says, not into the A/B folder.
+    assert!(dir.path().join("reports/rerun/report.md").exists() && !dir.path().join("experiments/rerun/report").exists());
     assert_eq!(std::fs::read(b.join("metrics.jsonl")).unwrap(), b_metrics);
     assert_eq!(std::fs::read(b.join("summary.json")).unwrap(), b_summary);
     let steps: Vec<u64> = std::fs::read_to_string(a.join("metrics.jsonl"))
