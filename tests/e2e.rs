@@ -23,6 +23,11 @@ fn tiny() -> String {
     common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3\nweight_decay = 0.0")
 }
 
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    format!("{:x}", Sha256::digest(bytes))
+}
+
 fn run(config: &str) -> (std::process::Output, tempfile::TempDir) {
     common::train(&[], config)
 }
@@ -134,6 +139,24 @@ fn eval_is_lossless_and_reports_acceptance() {
     let zlab = dir.path().join("zlab");
     let out = Command::new(env!("CARGO_BIN_EXE_dflash-host")).args(["export", "--exp-dir"]).arg(&exp).arg("--out").arg(&zlab).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Each config states the dtype of the weights beside it; the model card says how to serve.
+    let dtype = |p: &std::path::Path| serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(p).unwrap()).unwrap()["dtype"].clone();
+    assert_eq!(dtype(&exp.join("checkpoints/step-8/config.json")), "float32");
+    assert_eq!(dtype(&zlab.join("config.json")), "bfloat16");
+    let card = std::fs::read_to_string(zlab.join("README.md")).unwrap();
+    for want in [
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "chitchat.json",
+        "step 8 of 8",
+        "| target token ids | bos ",
+        "--speculative-algorithm DFLASH",
+        "--speculative-num-draft-tokens 4",
+        "\"method\": \"dflash\"",
+        "\"num_speculative_tokens\": 3",
+        "verify cycles",
+    ] {
+        assert!(card.contains(want), "model card lacks {want:?}:\n{card}");
+    }
     let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
         .args(["eval", "--limit", "2", "--max-new-tokens", "8", "--exp-dir"])
         .arg(&exp)
@@ -143,6 +166,28 @@ fn eval_is_lossless_and_reports_acceptance() {
         .output()
         .unwrap();
     assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("lossless     yes"), "{}", String::from_utf8_lossy(&out.stderr));
+    // The run's own eval.json stays; the drafter's results name it and its weights' hash.
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap(), report);
+    assert_eq!(report["evaluated"]["checkpoint_step"], 8);
+    let sha = sha256_hex(&std::fs::read(zlab.join("model.safetensors")).unwrap());
+    let file = exp.join(format!("eval-drafter-{}.json", &sha[..12]));
+    let theirs: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(theirs["evaluated"]["drafter_sha256"], sha.as_str());
+    assert!(theirs["cycles"].as_u64().unwrap() > 0 && theirs["loadavg_before"].is_number());
+
+    // An MT-Bench file (first turns, prompt-only) by its format name, into its own file.
+    std::fs::write(dir.path().join("question.jsonl"), "{\"question_id\": 81, \"category\": \"writing\", \"turns\": [\"Say hello to a friend.\", \"Shorter.\"]}\n{\"question_id\": 82, \"turns\": [\"Name a colour.\", \"Another.\"]}\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(["eval", "--limit", "2", "--max-new-tokens", "8", "--prompt-format", "mt-bench", "--prompts"])
+        .arg(dir.path().join("question.jsonl"))
+        .arg("--exp-dir")
+        .arg(&exp)
+        .env("DFLASH_CACHE", cache())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mt: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("eval-question-step-8.json")).unwrap()).unwrap();
+    assert_eq!((mt["prompts"].as_u64(), mt["prompt_format"].as_str()), (Some(2), Some("mtbench")));
 }
 
 #[test]
@@ -250,7 +295,7 @@ fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
     .unwrap();
     let ab = || {
         Command::new(env!("CARGO_BIN_EXE_dflash-host"))
-            .args(["ab", "--config", "ab.toml"])
+            .args(["ab", "--config", "ab.toml", "--out", "reports/rerun"])
             .current_dir(dir.path())
             .env("DFLASH_CACHE", cache())
             .env_remove("RUST_BACKTRACE")
@@ -271,6 +316,8 @@ fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
     assert!(err.contains("is unfinished: resuming it") && err.contains("resuming from") && err.contains("step-2"), "{err}");
     assert!(err.contains(&format!("{} is complete already", b.display())) || err.contains("b-s0 is complete already"), "{err}");
     assert!(a.join("summary.json").exists());
+    // The report goes where --out says, not into the A/B folder.
+    assert!(dir.path().join("reports/rerun/report.md").exists() && !dir.path().join("experiments/rerun/report").exists());
     assert_eq!(std::fs::read(b.join("metrics.jsonl")).unwrap(), b_metrics);
     assert_eq!(std::fs::read(b.join("summary.json")).unwrap(), b_summary);
     let steps: Vec<u64> = std::fs::read_to_string(a.join("metrics.jsonl"))
@@ -279,4 +326,117 @@ fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
         .collect();
     assert_eq!(steps, [1, 2, 3], "arm a continued, not retrained");
+}
+
+/// `dflash-host train --config <tiny> --exp-dir <exp> ARGS...` in a fresh folder.
+fn train_with(config: &str, args: &[&str], exp_exists: bool) -> (std::process::Output, tempfile::TempDir) {
+    common::require_model();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("run.toml"), config).unwrap();
+    if exp_exists {
+        std::fs::create_dir_all(dir.path().join("exp")).unwrap();
+        std::fs::write(dir.path().join("exp/metrics.jsonl"), "").unwrap();
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(["train", "--config", "run.toml", "--exp-dir", "exp"])
+        .args(args)
+        .current_dir(dir.path())
+        .env("DFLASH_CACHE", cache())
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    (out, dir)
+}
+
+#[test]
+fn set_and_device_override_fields_and_the_experiment_records_the_result() {
+    let (out, dir) = train_with(&tiny(), &["--set", "train.steps=2", "--set", "optimizer.lr=1e-3", "--set", "train.log_every=2", "--device", "cpu"], false);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // Logs into a pipe carry no colour codes.
+    assert!(stderr.contains(" INFO ") && !stderr.contains('\u{1b}'), "{stderr}");
+    let recorded: toml::Table = toml::from_str(&std::fs::read_to_string(dir.path().join("exp/config.toml")).unwrap()).unwrap();
+    assert_eq!(recorded["train"]["steps"].as_integer(), Some(2));
+    assert_eq!(recorded["train"]["log_every"].as_integer(), Some(2));
+    assert_eq!(recorded["optimizer"]["lr"].as_float(), Some(1e-3));
+    assert_eq!(recorded["device"].as_str(), Some("cpu"));
+    let metrics = std::fs::read_to_string(dir.path().join("exp/metrics.jsonl")).unwrap();
+    let steps: Vec<u64> = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps.last(), Some(&2), "the run stopped at the overridden step count: {metrics}");
+}
+
+#[test]
+fn config_mistakes_are_refused_naming_the_argument_before_the_target_loads() {
+    for (args, exists, want) in [
+        (vec!["--set", "train.steps=many"], false, vec!["--set train.steps=many", "field `train.steps`", "invalid type"]),
+        (vec!["--set", "train.stepz=3"], false, vec!["--set train.stepz=3", "unknown field `stepz`"]),
+        (vec!["--set", "train.warmup_frac=2"], false, vec!["--set train.warmup_frac=2", "train.warmup_frac", "out of range"]),
+        (vec!["--set", "data.batch_sise=2"], false, vec!["--set data.batch_sise=2", "[data] plugin `chat`", "unknown field `batch_sise`"]),
+        (vec!["--set", "data.max_len=long"], false, vec!["--set data.max_len=long", "field `max_len`", "invalid type"]),
+        (vec!["--set", "optimizer.lr=-1"], false, vec!["--set optimizer.lr=-1", "[optimizer] plugin `adamw`", "`lr`"]),
+        (vec!["--set", "data.path=missing.jsonl"], false, vec!["--set data.path=missing.jsonl", "field `path`", "missing.jsonl: no such file"]),
+        (vec!["--device", "gpu"], false, vec!["--device gpu", "expected `cpu`, `cuda` or `cuda:N`"]),
+        (vec!["--set", "steps"], false, vec!["--set steps: expected KEY=VALUE"]),
+        (vec![], true, vec!["experiment directory exp already exists"]),
+    ] {
+        let (out, _dir) = train_with(&tiny(), &args, exists);
+        let line = error_line(&out);
+        for w in &want {
+            assert!(line.contains(w), "{args:?}: want {w:?} in {line}");
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("creating target plugin"), "{args:?}: the target was loaded first:\n{err}");
+    }
+    // A mistake in the file itself keeps its line, with overrides given or not.
+    let (out, _dir) = train_with(&tiny().replace("max_len = 96", "max_len = \"long\""), &["--set", "train.steps=2"], false);
+    let line = error_line(&out);
+    assert!(line.contains("run.toml:") && line.contains("field `max_len`"), "{line}");
+}
+
+/// A fake finished run: config, manifest (its A/B arm), metrics, summary.
+fn fake_run(dir: &std::path::Path, arm: &str, steps: u64, scale: f64) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.toml"), "name = \"ab\"\n").unwrap();
+    std::fs::write(dir.join("manifest.json"), format!("{{\"arm\": \"{arm}\"}}")).unwrap();
+    let lines: Vec<String> = (1..=steps)
+        .map(|s| {
+            serde_json::json!({"step": s, "tokens": s * 100, "loss": scale / s as f64, "acc": [0.5], "tau_hat": 1.5,
+                "lr": 1e-3, "grad_norm": 2.0, "elapsed_s": s as f64})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(dir.join("metrics.jsonl"), lines.join("\n") + "\n").unwrap();
+    std::fs::write(dir.join("summary.json"), "{\"wall_s\": 1.0}").unwrap();
+}
+
+#[test]
+fn compare_reads_an_ab_folder_into_one_report_folder_and_config_explain_prints_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let ab = dir.path().join("ab");
+    fake_run(&ab.join("a-s0"), "a", 20, 10.0);
+    fake_run(&ab.join("b-s0"), "b", 200, 10.0);
+    std::fs::write(ab.join("b-s0/eval-gsm8k-step-200.json"), "{\"tau\": 2.25, \"tau_pooled\": 2.5, \"cycles\": 10, \"source\": \"gsm8k.jsonl\"}").unwrap();
+    let host = || Command::new(env!("CARGO_BIN_EXE_dflash-host"));
+    for _ in 0..2 {
+        let out = host().arg("compare").arg(&ab).output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        // b's own end (loss 10/200) apart from the comparison at a's end (20 steps).
+        assert!(stdout.contains("final values") && stdout.contains("0.0500") && stdout.contains("equal-token comparison"), "{stdout}");
+        assert!(stdout.contains("eval-gsm8k-step-200.json") && stdout.contains("2.250"), "{stdout}");
+    }
+    let mut entries: Vec<String> = std::fs::read_dir(&ab).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    entries.sort();
+    assert_eq!(entries, ["a-s0", "b-s0", "report"], "one report folder, reused");
+    assert!(ab.join("report/lr_vs_tokens.png").exists() && ab.join("report/grad_norm_vs_tokens.svg").exists());
+
+    let out = host().args(["config", "explain", "data"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("`[data.fields]`") && stdout.contains("| `distill` |"), "{stdout}");
+    assert!(!stdout.contains("[train]"), "one section only: {stdout}");
+    let committed = std::fs::read_to_string(common::root().join("docs/CONFIG.md")).unwrap();
+    let all = host().args(["config", "explain"]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&all.stdout).trim_end(), committed.trim_end(), "config explain prints docs/CONFIG.md");
+    let line = error_line(&host().args(["config", "explain", "nope"]).output().unwrap());
+    assert!(line.contains("no config section `nope`"), "{line}");
 }

@@ -280,3 +280,52 @@ drafter = { block_size = 4 }
         }
     }
 }
+
+/// `dflash-host ab`: every arm x seed (finished ones skipped, unfinished ones resumed), then the
+/// comparison into `out` (default: the A/B folder's `report/`). Returns the report and, when a
+/// run was interrupted, its exit code (rerunning the A/B resumes it).
+pub fn run(
+    config: &Path,
+    seeds: Option<u64>,
+    out: Option<&Path>,
+    registry: &crate::plugins::Registry,
+    print_summary: fn(&crate::train::TrainSummary),
+) -> Result<(PathBuf, Option<u8>)> {
+    let runs = plan(config, seeds, Path::new("experiments"))?;
+    let ab_dir = runs[0].dir.parent().expect("arm dirs live in the A/B's folder").to_path_buf();
+    tracing::info!("A/B {}: {} runs into {}", ab_dir.display(), runs.len(), ab_dir.display());
+    let mut dirs = Vec::new();
+    for (i, r) in runs.iter().enumerate() {
+        tracing::info!("A/B run {}/{}: arm `{}`, seed {}", i + 1, runs.len(), r.arm, r.seed);
+        let summary = match arm_state(r)? {
+            ArmState::Finished => {
+                tracing::info!("{} is complete already; skipping it", r.dir.display());
+                None
+            }
+            ArmState::Unfinished => {
+                tracing::info!("{} is unfinished: resuming it", r.dir.display());
+                Some(crate::run::resume_with(&r.dir, None, registry, &crate::run::ResumeOptions::default())?)
+            }
+            ArmState::New => {
+                let ab_name = ab_dir.file_name().unwrap_or_default().to_string_lossy().to_string();
+                Some(crate::run::run(crate::run::RunSpec {
+                    cfg: &r.config,
+                    config_path: &r.base_path,
+                    exp_dir: &r.dir,
+                    registry,
+                    ab: Some((&ab_name, &r.arm)),
+                    stop_at: None,
+                })?)
+            }
+        };
+        if let Some(summary) = summary {
+            print_summary(&summary);
+            if let Some(code) = summary.interrupted {
+                return Ok((ab_dir.join("report"), Some(code)));
+            }
+        }
+        dirs.push(r.dir.clone());
+    }
+    let out = out.map_or_else(|| ab_dir.join("report"), Path::to_path_buf);
+    Ok((crate::compare::run(&dirs, Some(&out), None)?, None))
+}

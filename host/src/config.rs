@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 pub struct RunConfig {
     /// Experiment name: the folder under `experiments/`.
     pub name: String,
+    /// Seed of the drafter's initial weights, the data order and the anchor draws.
     #[serde(default)]
     pub seed: u64,
     /// `cpu`, `cuda` (= `cuda:0`) or `cuda:N`.
@@ -27,6 +28,78 @@ pub struct RunConfig {
     pub drafter: toml::Table,
     pub optimizer: toml::Table,
     pub data: toml::Table,
+    /// The `--set` / `--device` arguments applied, by dotted key (errors about a field one of
+    /// them set name the argument instead of the file's line).
+    #[serde(skip)]
+    pub overrides: Vec<Override>,
+}
+
+/// One command-line change to the config: `--set train.steps=400` or `--device cuda:1`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Override {
+    /// The argument as typed, for errors.
+    pub arg: String,
+    /// Dotted key, e.g. `optimizer.lr`.
+    pub key: String,
+    pub value: toml::Value,
+}
+
+impl Override {
+    /// `KEY=VALUE`: VALUE is read as a TOML value (`400`, `1e-3`, `true`, `["cuda:0", "cuda:1"]`,
+    /// `"text"`); anything that is not one is a string, so `--set name=run-2` needs no quotes.
+    pub fn parse_set(arg: &str) -> Result<Self> {
+        let shown = format!("--set {arg}");
+        let Some((key, raw)) = arg.split_once('=') else { bail!("{shown}: expected KEY=VALUE, e.g. train.steps=400") };
+        let key = key.trim();
+        if key.is_empty() || key.split('.').any(|p| p.trim().is_empty()) {
+            bail!("{shown}: `{key}` is not a dotted field name (e.g. optimizer.lr)");
+        }
+        let raw = raw.trim();
+        let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+            Ok(mut t) => t.remove("v").expect("parsed `v`"),
+            Err(_) => toml::Value::String(raw.to_string()),
+        };
+        Ok(Self { arg: shown, key: key.split('.').map(str::trim).collect::<Vec<_>>().join("."), value })
+    }
+
+    /// The command line's `--set KEY=VALUE` arguments, then `--device`, in the order applied.
+    pub fn from_args(set: &[String], device: Option<&str>) -> Result<Vec<Self>> {
+        let mut all = set.iter().map(|s| Self::parse_set(s)).collect::<Result<Vec<_>>>()?;
+        all.extend(device.map(Self::device));
+        Ok(all)
+    }
+
+    /// `--device DEVICE`: the run's `device`.
+    pub fn device(device: &str) -> Self {
+        Self { arg: format!("--device {device}"), key: "device".into(), value: toml::Value::String(device.into()) }
+    }
+
+    /// Set the value in the config's TOML table, creating the tables on the way.
+    fn apply(&self, table: &mut toml::Table) -> Result<()> {
+        let parts: Vec<&str> = self.key.split('.').collect();
+        let mut t = table;
+        for (i, p) in parts[..parts.len() - 1].iter().enumerate() {
+            let entry = t.entry(p.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            t = match entry {
+                toml::Value::Table(inner) => inner,
+                _ => bail!("{}: field `{}` is not a section", self.arg, parts[..=i].join(".")),
+            };
+        }
+        t.insert(parts[parts.len() - 1].to_string(), self.value.clone());
+        Ok(())
+    }
+
+    /// This override set the field an error message names (`field `lr``, `unknown field `lr``
+    /// in `[optimizer]`, or `field `train.steps``).
+    pub fn names_field_of(&self, message: &str) -> bool {
+        let section = message.strip_prefix('[').and_then(|r| r.split(']').next());
+        ["unknown field `", "field `"].iter().any(|p| {
+            message.match_indices(p).any(|(at, _)| {
+                let field = message[at + p.len()..].split('`').next().unwrap_or("");
+                field == self.key || section.is_some_and(|s| format!("{s}.{field}") == self.key)
+            })
+        })
+    }
 }
 
 fn default_device() -> String {
@@ -45,7 +118,7 @@ pub struct TrainConfig {
     #[serde(default = "default_anchors")]
     pub anchors_per_seq: usize,
     /// Loss decay gamma, or "none" for no decay (SpecForge's default); default by block size
-    /// (7 for 16, 5 for 10, 4 for 8: the paper's; DFLASH.md).
+    /// (7 for 16, 5 for 10, 4 for 8: the DFlash paper's).
     #[serde(default)]
     pub loss_gamma: Option<LossGamma>,
     /// "global" (default, SpecForge's): one token-weighted mean per optimizer step, the weighted
@@ -225,21 +298,66 @@ pub struct PluginSection {
 
 impl RunConfig {
     pub fn load(path: &Path) -> Result<Self> {
+        Self::load_with(path, &[])
+    }
+
+    /// The config file with command-line overrides applied before it is typed and validated.
+    pub fn load_with(path: &Path, overrides: &[Override]) -> Result<Self> {
         let text = input_files::read_to_string_capped(path, MAX_CONFIG_BYTES).context("reading config")?;
-        Self::from_toml(path, &text)
+        Self::from_toml_with(path, &text, overrides)
     }
 
     /// Parse and validate config text; `path` only names the file in errors (`file:line:col`).
     pub fn from_toml(path: &Path, text: &str) -> Result<Self> {
-        let mut cfg: RunConfig = toml::from_str(text).map_err(|e| anyhow::anyhow!("{}", toml_error(path, text, &e)))?;
+        Self::from_toml_with(path, text, &[])
+    }
+
+    /// As [`RunConfig::from_toml`], with `overrides` set in the TOML first: they are type-checked
+    /// exactly as the file's own values, and an error caused by one names that argument.
+    pub fn from_toml_with(path: &Path, text: &str, overrides: &[Override]) -> Result<Self> {
+        let file_error = |e: toml::de::Error| anyhow::anyhow!("{}", toml_error(path, text, &e));
+        let mut cfg: RunConfig = if overrides.is_empty() {
+            toml::from_str(text).map_err(file_error)?
+        } else {
+            let base: toml::Table = toml::from_str(text).map_err(file_error)?;
+            let mut table = base.clone();
+            for o in overrides {
+                o.apply(&mut table)?;
+            }
+            match toml::Value::Table(table).try_into::<RunConfig>() {
+                Ok(cfg) => cfg,
+                Err(e) => {
+                    // The file's own error keeps its line; else the first override that breaks it.
+                    toml::from_str::<RunConfig>(text).map_err(file_error)?;
+                    let mut table = base;
+                    for o in overrides {
+                        o.apply(&mut table)?;
+                        if let Err(e) = toml::Value::Table(table.clone()).try_into::<RunConfig>() {
+                            bail!("{}: field `{}`: {}", o.arg, o.key, e.message().trim());
+                        }
+                    }
+                    bail!("{}: {}", path.display(), e.message().trim())
+                }
+            }
+        };
+        cfg.overrides = overrides.to_vec();
         // `cuda` is the first GPU, as in torch.
         for d in std::iter::once(&mut cfg.device).chain(cfg.pipeline.targets.iter_mut()).chain(cfg.pipeline.drafter.iter_mut()) {
             if d == "cuda" {
                 *d = "cuda:0".into();
             }
         }
-        cfg.validate().map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        cfg.validate().map_err(|e| anyhow::anyhow!("{}: {e}", cfg.blame(path, &e.to_string())))?;
         Ok(cfg)
+    }
+
+    /// What an error about the config names as its source: the `--set` / `--device` argument
+    /// that set the field it names, else the file.
+    pub fn blame(&self, path: &Path, message: &str) -> String {
+        match self.overrides.iter().rev().find(|o| o.names_field_of(message)) {
+            Some(o) => o.arg.clone(),
+            None => path.display().to_string(),
+        }
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -495,6 +613,36 @@ plugin = "chat"
             let e = parse(&set(line)).unwrap_err().to_string();
             assert!(e.contains(want), "{line}: {e}");
         }
+    }
+
+    #[test]
+    fn overrides_are_typed_like_the_file_and_errors_name_them() {
+        let with = |args: &[&str]| {
+            let o: Vec<Override> = args.iter().map(|a| Override::parse_set(a).unwrap()).collect();
+            RunConfig::from_toml_with(Path::new("cfg.toml"), GOOD, &o)
+        };
+        let cfg = with(&["train.steps=400", "optimizer.lr=1e-3", "name=run-2", "pipeline.targets=[\"cpu\", \"cpu\"]", "data.fields.role=who"]).unwrap();
+        assert_eq!((cfg.train.steps, cfg.name.as_str(), cfg.target_devices().len()), (400, "run-2", 2));
+        assert_eq!(cfg.section("optimizer").config_toml.trim(), "lr = 0.001");
+        assert_eq!(cfg.data["fields"]["role"].as_str(), Some("who"));
+        // The resolved config (what the experiment records) holds the overrides.
+        assert!(toml::to_string(&cfg).unwrap().contains("steps = 400"));
+        for (args, want) in [
+            (&["train.steps=many"][..], "--set train.steps=many: field `train.steps`: invalid type"),
+            (&["train.stepz=1"][..], "--set train.stepz=1: field `train.stepz`: unknown field `stepz`"),
+            (&["train.steps=0"][..], "--set train.steps=0: field `train.steps`: out of range"),
+            (&["optimizer.lr=1", "train.steps.x=1"][..], "--set train.steps.x=1: field `train.steps` is not a section"),
+        ] {
+            let e = with(args).unwrap_err().to_string();
+            assert!(e.starts_with(want), "{args:?}: {e}");
+        }
+        let e = RunConfig::from_toml_with(Path::new("cfg.toml"), GOOD, &[Override::device("cuda:x")]).unwrap_err().to_string();
+        assert!(e.starts_with("--device cuda:x: field `device`"), "{e}");
+        assert_eq!(RunConfig::from_toml_with(Path::new("cfg.toml"), GOOD, &[Override::device("cuda")]).unwrap().device, "cuda:0");
+        assert!(Override::parse_set("steps").is_err() && Override::parse_set("a..b=1").is_err());
+        // The file's own mistake keeps its line though an override is given.
+        let e = RunConfig::from_toml_with(Path::new("cfg.toml"), &GOOD.replace("steps = 3", "steps = \"x\""), &[Override::device("cpu")]);
+        assert!(e.unwrap_err().to_string().starts_with("cfg.toml:4:"));
     }
 
     #[test]

@@ -10,8 +10,14 @@
 //! responses, so it compares with published numbers. `tau_kept` counts only the tokens kept
 //! (up to the stop token and the length cap) per cycle that kept any.
 
-use crate::pipeline::components::Components;
+use crate::{
+    experiment::{self, checkpoint},
+    pipeline::components::Components,
+    plugins::Registry,
+    say,
+};
 use anyhow::{anyhow, bail, Result};
+use std::path::{Path, PathBuf};
 use plugin_api::{
     tch::{self, Device, Kind, Tensor},
     DraftInput, PluginKind, TensorHandle,
@@ -283,5 +289,253 @@ mod tests {
         assert_eq!(err, "--prompts /dev/zero: not a regular file (a character device)");
         let err = opts("nope.jsonl", 32, 64).validate().unwrap_err().to_string();
         assert_eq!(err, "--prompts nope.jsonl: no such file");
+    }
+}
+
+/// `dflash-host eval`'s arguments.
+pub struct EvalCommand {
+    pub exp_dir: PathBuf,
+    pub checkpoint: Option<u64>,
+    pub drafter: Option<PathBuf>,
+    pub prompts: String,
+    pub prompt_format: PromptFormat,
+    pub limit: u32,
+    pub max_new_tokens: u32,
+}
+
+/// `dflash-host eval`: check the arguments, load the experiment with the checkpoint or drafter,
+/// evaluate, print, and write the results file named after what was evaluated.
+pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
+    let exp_dir = &args.exp_dir;
+    let mut opts = EvalOptions { source: args.prompts.clone(), limit: args.limit, max_new_tokens: args.max_new_tokens };
+    opts.validate()?;
+    if !exp_dir.join(experiment::CONFIG).is_file() {
+        bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
+    }
+    // 1. What is evaluated, and so where its results go; refused now if they cannot be written.
+    if args.drafter.is_none() && args.checkpoint.is_none() && prompts_name(&opts.source).is_none() {
+        experiment::check_writable(&exp_dir.join("eval.json"))?;
+    }
+    let evaluated = match &args.drafter {
+        Some(d) => {
+            let weights = d.join("model.safetensors");
+            let sha = crate::plugins::sha256_file(&weights).map_err(|e| anyhow!("--drafter {}: {e:#}", d.display()))?;
+            let shown = d.canonicalize().unwrap_or_else(|_| d.clone());
+            Evaluated { checkpoint_step: None, drafter: Some(shown.display().to_string()), drafter_sha256: sha }
+        }
+        None => {
+            let ckpt = checkpoint::find(exp_dir, args.checkpoint)?;
+            let sha = crate::plugins::sha256_file(&ckpt.dir.join("model.safetensors"))?;
+            Evaluated { checkpoint_step: Some(ckpt.step), drafter: None, drafter_sha256: sha }
+        }
+    };
+    let newest = checkpoint::newest_good(exp_dir).0.map(|c| c.step);
+    let written = exp_dir.join(evaluated.file_name(prompts_name(&opts.source).as_deref(), newest));
+    experiment::check_writable(&written)?;
+    // 2. Benchmark files become chat prompts for the data plugin.
+    let converted = tempfile_dir()?;
+    if args.prompt_format != PromptFormat::Chat {
+        if matches!(opts.source.as_str(), "holdout" | "humaneval") {
+            bail!("--prompt-format {:?} reads a file: give it with --prompts FILE", args.prompt_format);
+        }
+        let file = converted.join("prompts.jsonl");
+        let n = convert_prompts(Path::new(&opts.source), args.prompt_format, &file)?;
+        tracing::info!("{n} {:?} prompts from {}", args.prompt_format, opts.source);
+        opts.source = file.display().to_string();
+    }
+    // 3. Evaluate, with the machine's load before and after the timing.
+    let registry = Registry::new(plugin_paths)?;
+    let (_, mut c) = crate::run::load_experiment(exp_dir, &registry, evaluated.checkpoint_step, args.drafter.as_deref())?;
+    let load_before = loadavg();
+    let mut report = evaluate(&mut c, &opts)?;
+    let load_after = loadavg();
+    let _ = std::fs::remove_dir_all(&converted);
+    report.source = args.prompts.clone();
+    let tau_hat = experiment::metrics::last_number(exp_dir, "tau_hat");
+    let mut json = serde_json::to_value(&report)?;
+    json["tau_hat"] = tau_hat.into();
+    json["evaluated"] = serde_json::to_value(&evaluated)?;
+    json["prompt_format"] = format!("{:?}", args.prompt_format).to_lowercase().into();
+    json["loadavg_before"] = load_before.into();
+    json["loadavg_after"] = load_after.into();
+    // 4. Print, then write the results whole.
+    match (&evaluated.drafter, evaluated.checkpoint_step) {
+        (Some(d), _) => say!("drafter      {d} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16]),
+        (None, Some(s)) => say!("checkpoint   step-{s} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16]),
+        (None, None) => {}
+    }
+    say!("prompts      {} ({})", report.prompts, report.source);
+    say!("tau          {:.3}   per response (z-lab's benchmark: accepted + 1 per cycle, the mean over responses)", report.tau);
+    say!("tau_pooled   {:.3}   over all {} verify cycles (as SGLang and vLLM report it)", report.tau_pooled, report.cycles);
+    say!(
+        "tau_kept     {:.3}   tokens kept per cycle; tau_hat from training {}",
+        report.tau_kept,
+        tau_hat.map_or("-".into(), |t| format!("{t:.3}"))
+    );
+    let acc: Vec<String> = report.acceptance_per_position.iter().map(|a| format!("{a:.2}")).collect();
+    say!("acceptance   {}", acc.join(" "));
+    say!("speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only)", report.speedup, report.spec_tok_per_s, report.target_tok_per_s);
+    if let Some(w) = load_warning(load_before, load_after) {
+        tracing::warn!("{w}");
+        json["warning"] = w.into();
+    }
+    say!("lossless     {}", if report.lossless { "yes" } else { "NO" });
+    experiment::write_json_atomic(&written, &json)?;
+    say!("written      {}", written.display());
+    if !report.lossless {
+        bail!("speculative decoding differed from the target's greedy output on prompts {:?}", report.mismatches);
+    }
+    Ok(())
+}
+
+/// A private folder for converted prompts.
+fn tempfile_dir() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("dflash-eval-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| anyhow!("{}: {e}", dir.display()))?;
+    Ok(dir)
+}
+
+/// A file-name-safe name for a non-default prompt set (None for `holdout`).
+fn prompts_name(source: &str) -> Option<String> {
+    (source != "holdout").then(|| {
+        let stem = Path::new(source).file_stem().and_then(|s| s.to_str()).unwrap_or(source);
+        stem.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect()
+    })
+}
+
+/// Prompt files of public benchmarks, read by the host into chat prompts (one user turn each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PromptFormat {
+    /// Chat records as `[data]` reads them (a record ending with a user turn is a prompt).
+    Chat,
+    /// MT-Bench's question.jsonl: `{"turns": ["...", "..."]}` (the first turn).
+    MtBench,
+    /// GSM8K: `{"question": "...", "answer": "..."}`.
+    Gsm8k,
+    /// Alpaca: `{"instruction": "...", "input": "..."}` (input appended after a blank line).
+    Alpaca,
+}
+
+/// One benchmark record's prompt text.
+fn benchmark_prompt(format: PromptFormat, v: &serde_json::Value) -> Result<String> {
+    let text = |key: &str| v.get(key).and_then(|t| t.as_str()).map(str::to_string);
+    match format {
+        PromptFormat::MtBench => v
+            .get("turns")
+            .and_then(|t| t.as_array())
+            .and_then(|t| t.first())
+            .and_then(|t| t.as_str())
+            .map(str::to_string)
+            .ok_or_else(|| anyhow!("no `turns` list of strings")),
+        PromptFormat::Gsm8k => text("question").ok_or_else(|| anyhow!("no `question` string")),
+        PromptFormat::Alpaca => {
+            let instruction = text("instruction").ok_or_else(|| anyhow!("no `instruction` string"))?;
+            Ok(match text("input").filter(|i| !i.trim().is_empty()) {
+                Some(input) => format!("{instruction}\n\n{input}"),
+                None => instruction,
+            })
+        }
+        PromptFormat::Chat => unreachable!("chat files go to the data plugin as they are"),
+    }
+}
+
+/// A benchmark file (JSONL, or a JSON array) as chat JSONL prompts in `out`; errors name the
+/// file and line.
+pub fn convert_prompts(path: &std::path::Path, format: PromptFormat, out: &std::path::Path) -> Result<usize> {
+    let text = input_files::read_to_string_capped(path, 1 << 30)?;
+    let records: Vec<(usize, serde_json::Value)> = if text.trim_start().starts_with('[') {
+        let all: Vec<serde_json::Value> = serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        all.into_iter().enumerate().map(|(i, v)| (i + 1, v)).collect()
+    } else {
+        let mut v = Vec::new();
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            v.push((i + 1, serde_json::from_str(line).map_err(|e| anyhow!("{}:{}: {e}", path.display(), i + 1))?));
+        }
+        v
+    };
+    let mut lines = String::new();
+    for (at, v) in &records {
+        let prompt = benchmark_prompt(format, v).map_err(|e| anyhow!("{}:{at}: {e} ({format:?} format)", path.display()))?;
+        lines.push_str(&serde_json::json!({"messages": [{"role": "user", "content": prompt}]}).to_string());
+        lines.push('\n');
+    }
+    std::fs::write(out, lines).map_err(|e| anyhow!("{}: {e}", out.display()))?;
+    Ok(records.len())
+}
+
+/// What was evaluated: a checkpoint of the run, or a z-lab drafter folder and its weights' hash.
+#[derive(Debug, Clone, Serialize)]
+pub struct Evaluated {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_step: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drafter: Option<String>,
+    /// SHA-256 of the drafter's model.safetensors (the checkpoint's or the folder's).
+    pub drafter_sha256: String,
+}
+
+impl Evaluated {
+    /// The results file: `eval.json` for the run's newest checkpoint on its held-out records,
+    /// else named after the prompt set and the checkpoint or drafter, so no result overwrites
+    /// another's.
+    pub fn file_name(&self, set: Option<&str>, newest_step: Option<u64>) -> String {
+        let what = match (self.checkpoint_step, &self.drafter) {
+            (Some(s), _) if set.is_none() && Some(s) == newest_step => return "eval.json".into(),
+            (Some(s), _) => format!("step-{s}"),
+            (None, _) => format!("drafter-{}", &self.drafter_sha256[..12]),
+        };
+        match set {
+            Some(set) => format!("eval-{set}-{what}.json"),
+            None => format!("eval-{what}.json"),
+        }
+    }
+}
+
+/// The 1-minute load average (Linux), to tell whether the machine was as busy after the
+/// measurement as before it.
+pub fn loadavg() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+}
+
+/// A warning when the load moved by more than 1 or a quarter during the timing.
+pub fn load_warning(before: Option<f64>, after: Option<f64>) -> Option<String> {
+    let (b, a) = (before?, after?);
+    ((a - b).abs() > 1.0_f64.max(0.25 * b.max(a))).then(|| {
+        format!("the machine's load moved from {b:.2} to {a:.2} during the measurement: the speed-up is unreliable (measure on an idle machine)")
+    })
+}
+
+#[cfg(test)]
+mod prompt_tests {
+    use super::*;
+
+    #[test]
+    fn benchmark_files_become_prompts_and_load_moves_are_flagged() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("p.jsonl");
+        for (format, text, want) in [
+            (PromptFormat::MtBench, "{\"question_id\": 81, \"turns\": [\"Write a poem.\", \"Now shorter.\"]}\n", "Write a poem."),
+            (PromptFormat::Gsm8k, "{\"question\": \"2+2?\", \"answer\": \"4\"}\n", "2+2?"),
+            (PromptFormat::Alpaca, "[{\"instruction\": \"Sum\", \"input\": \"1 2\", \"output\": \"3\"}]", "Sum\n\n1 2"),
+        ] {
+            let file = dir.path().join("in.json");
+            std::fs::write(&file, text).unwrap();
+            assert_eq!(convert_prompts(&file, format, &out).unwrap(), 1);
+            let line: serde_json::Value = serde_json::from_str(std::fs::read_to_string(&out).unwrap().trim()).unwrap();
+            assert_eq!(line["messages"][0]["content"], want);
+            assert_eq!(line["messages"].as_array().unwrap().len(), 1, "a prompt-only record");
+        }
+        let file = dir.path().join("bad.jsonl");
+        std::fs::write(&file, "{\"question\": \"a\"}\n{\"q\": 1}\n").unwrap();
+        let e = convert_prompts(&file, PromptFormat::Gsm8k, &out).unwrap_err().to_string();
+        assert!(e.contains("bad.jsonl:2: no `question` string"), "{e}");
+        assert!(load_warning(Some(0.5), Some(2.5)).is_some());
+        assert!(load_warning(Some(8.0), Some(8.9)).is_none());
+        assert!(load_warning(None, Some(9.0)).is_none());
+        let e = |step, drafter: Option<&str>| Evaluated { checkpoint_step: step, drafter: drafter.map(Into::into), drafter_sha256: "0123456789abcdef".into() };
+        assert_eq!(e(Some(8), None).file_name(None, Some(8)), "eval.json");
+        assert_eq!(e(Some(4), None).file_name(None, Some(8)), "eval-step-4.json");
+        assert_eq!(e(None, Some("/z")).file_name(None, Some(8)), "eval-drafter-0123456789ab.json");
+        assert_eq!(e(Some(8), None).file_name(Some("mt_bench"), Some(8)), "eval-mt_bench-step-8.json");
     }
 }

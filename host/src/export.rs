@@ -18,12 +18,82 @@ use std::path::{Path, PathBuf};
 /// the checkpoint folder.
 pub fn export_experiment(exp_dir: &Path, step: Option<u64>, out: &Path, force: bool) -> Result<PathBuf> {
     let ckpt = checkpoint::find(exp_dir, step)?;
-    export(&ckpt.dir, out, force)?;
+    let card = model_card(exp_dir, ckpt.step, &ckpt.dir.join("config.json"), out)?;
+    export_with_card(&ckpt.dir, out, force, Some(&card))?;
     Ok(ckpt.dir)
+}
+
+/// The export's README.md: what the drafter is for and how it was trained, the acceptance length
+/// measured (when `eval` ran), and the SGLang and vLLM command lines that serve it (the flags
+/// z-lab's DFlash README documents for both).
+pub fn model_card(exp_dir: &Path, step: u64, config_json: &Path, out: &Path) -> Result<String> {
+    let manifest = experiment::Manifest::read(exp_dir)?;
+    let cfg: serde_json::Value = experiment::read_json(config_json)?;
+    let run: toml::Table = toml::from_str(&std::fs::read_to_string(exp_dir.join(experiment::CONFIG))?)?;
+    let field = |section: &str, key: &str| run.get(section).and_then(|s| s.get(key)).map(|v| v.to_string().trim_matches('"').to_string());
+    let block = cfg["block_size"].as_u64().unwrap_or(16);
+    let id = |k: &str| if cfg[k].is_null() { "none".to_string() } else { cfg[k].to_string() };
+    let target = &manifest.target_source;
+    let served_target = if target.ends_with(".gguf") { "HF_CHECKPOINT_OF_THE_TARGET".to_string() } else { target.clone() };
+    let here = out.display();
+    let eval = experiment::read_json::<serde_json::Value>(&exp_dir.join("eval.json")).ok();
+    let tau = match &eval {
+        Some(e) => {
+            let at = e["evaluated"]["checkpoint_step"].as_u64().map_or(String::new(), |s| format!(", checkpoint step-{s}"));
+            format!(
+                "τ {:.3} per response, {:.3} over {} verify cycles (accepted + 1 per cycle), on {} prompts ({}{at}); lossless: {}",
+                e["tau"].as_f64().unwrap_or(f64::NAN),
+                e["tau_pooled"].as_f64().unwrap_or(f64::NAN),
+                e["cycles"],
+                e["prompts"],
+                e["source"].as_str().unwrap_or("?"),
+                e["lossless"]
+            )
+        }
+        None => "not measured (run `dflash-host eval --exp-dir EXP`, then export again)".into(),
+    };
+    let name = Path::new(target).file_name().map_or(target.clone(), |n| n.to_string_lossy().to_string());
+    let text = |section: &str, key: &str, or: &str| field(section, key).unwrap_or_else(|| or.to_string());
+    let mut card = format!("# DFlash drafter for `{name}`\n\n");
+    card += "A block-diffusion speculative-decoding drafter (DFlash): it reads the target's hidden states and drafts a \
+             block of tokens in one forward; the target verifies them, so the output is the target's own. It borrows \
+             the target's embedding and LM head and works only with this target.\n\n";
+    card += "| | |\n| --- | --- |\n";
+    card += &format!("| target | `{target}` (SHA-256 `{}`) |\n", manifest.target_sha256);
+    card += &format!("| target token ids | bos {}, eos {}, pad {} |\n", id("bos_token_id"), id("eos_token_id"), id("pad_token_id"));
+    card += &format!("| data | `{}` (format {}) |\n", text("data", "path", "?"), text("data", "format", "auto"));
+    card += &format!("| training | step {step} of {}, seed {}, optimizer {} |\n", text("train", "steps", "?"), manifest.seed, text("optimizer", "plugin", "?"));
+    card += &format!("| drafter | layers: {}, block size {block}, target layers {} |\n", cfg["num_hidden_layers"], cfg["dflash_config"]["target_layer_ids"]);
+    card += "| weights | bfloat16 (`model.safetensors`) |\n";
+    card += &format!("| acceptance length | {tau} |\n\n");
+    card += "## Serving\n\n";
+    if served_target != *target {
+        card += "The target was read from a GGUF file; the servers load the same model as an HF checkpoint.\n\n";
+    }
+    card += &format!(
+        "SGLang:\n\n```sh\npython -m sglang.launch_server --model-path {served_target} \\\n  --speculative-algorithm DFLASH \\\n  \
+         --speculative-draft-model-path {here} \\\n  --speculative-num-draft-tokens {block}\n```\n\n"
+    );
+    card += &format!(
+        r#"vLLM:
+
+```sh
+vllm serve {served_target} \
+  --speculative-config '{{"method": "dflash", "model": "{here}", "num_speculative_tokens": {}}}'
+```
+"#,
+        block.saturating_sub(1)
+    );
+    Ok(card)
 }
 
 /// Write `checkpoint`'s drafter to `out` in the z-lab format (see the module doc for the rules).
 pub fn export(checkpoint: &Path, out: &Path, force: bool) -> Result<()> {
+    export_with_card(checkpoint, out, force, None)
+}
+
+/// As [`export`], with a README.md model card.
+pub fn export_with_card(checkpoint: &Path, out: &Path, force: bool, card: Option<&str>) -> Result<()> {
     checkpoint::verify(checkpoint)?;
     let out = check_out(checkpoint, out, force)?;
     let cfg_path = checkpoint.join("config.json");
@@ -52,6 +122,9 @@ pub fn export(checkpoint: &Path, out: &Path, force: bool) -> Result<()> {
     let written = (|| -> Result<()> {
         std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         experiment::write_synced(&tmp.join("config.json"), (serde_json::to_string_pretty(&cfg)? + "\n").as_bytes())?;
+        if let Some(card) = card {
+            experiment::write_synced(&tmp.join("README.md"), card.as_bytes())?;
+        }
         let model = tmp.join("model.safetensors");
         Tensor::write_safetensors(&bf16, &model).with_context(|| format!("writing {}", model.display()))?;
         std::fs::File::open(&model).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", model.display()))?;

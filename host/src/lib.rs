@@ -4,8 +4,10 @@
 pub mod ab;
 pub mod bench;
 pub mod builtins;
+pub mod cli;
 pub mod compare;
 pub mod config;
+pub mod config_doc;
 pub mod dist;
 pub mod doctor;
 pub mod eval;
@@ -15,6 +17,7 @@ pub mod launch;
 pub mod out;
 pub mod pipeline;
 pub mod plugins;
+pub mod preflight;
 pub mod run;
 pub mod sysinfo;
 pub mod tensorboard;

@@ -3,232 +3,14 @@
 
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
-use dflash_host::{ab, config::RunConfig, eval, experiment, export, plugins, plugins::Registry, run, say, train};
+use clap::Parser;
+use dflash_host::cli::{BenchCommand, Cli, Command, ConfigCommand, PluginsCommand};
+use dflash_host::{ab, config::{Override, RunConfig}, eval, experiment, export, plugins, plugins::Registry, run, say, train};
 use std::{
     io::Write,
     path::{Path, PathBuf},
     process::ExitCode,
 };
-
-/// The version and the git revision the binary was built from (host/build.rs).
-const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (git ", env!("DFLASH_GIT_REVISION"), ")");
-
-#[derive(Parser)]
-#[command(name = "dflash-host", version = VERSION, about = "Train DFlash speculative-decoding drafters")]
-struct Cli {
-    /// Load a plugin shared library (repeatable); it replaces a built-in of the same name.
-    #[arg(long = "plugin", global = true, value_name = "PATH")]
-    plugins: Vec<PathBuf>,
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Train a drafter as the config says, into a fresh experiment directory, or resume one.
-    Train {
-        /// The run config (TOML).
-        #[arg(long, required_unless_present = "resume")]
-        config: Option<PathBuf>,
-        /// Experiment directory (default: experiments/<name>, or <name>-N if that exists).
-        #[arg(long, conflicts_with = "resume")]
-        exp_dir: Option<PathBuf>,
-        /// Override `train.steps`.
-        #[arg(long, conflicts_with = "resume")]
-        steps: Option<u64>,
-        /// Continue this experiment from its newest good checkpoint, with its own config.
-        #[arg(long, value_name = "EXP_DIR", conflicts_with = "config")]
-        resume: Option<PathBuf>,
-        /// Resume even if a plugin library differs from the one the run started with.
-        #[arg(long, requires = "resume")]
-        allow_plugin_change: bool,
-        /// Resume although this config field (dotted, e.g. `train.steps`; a section name allows
-        /// all its fields) or the file it names changed since the run started (repeatable).
-        #[arg(long, value_name = "FIELD", requires = "resume")]
-        allow_change: Vec<String>,
-        /// Stop after this step with a checkpoint, as if interrupted (resume later); must lie
-        /// ahead of the step the run is at.
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-        stop_at: Option<u64>,
-        /// Data-parallel: start N local ranks of this command (as `torchrun --nproc-per-node N
-        /// --no-python dflash-host train ...` would); each rank's GPUs are the config's offset by
-        /// its local rank. N = 1 runs one rank through the same collectives.
-        #[arg(long, value_name = "N")]
-        nproc: Option<usize>,
-    },
-    /// Run only the targets over the config's data and write their features (sharded
-    /// safetensors + index.json) for `pipeline.capture` to train from.
-    Capture {
-        #[arg(long)]
-        config: PathBuf,
-        #[arg(long)]
-        out: PathBuf,
-        /// Stored precision of the features (default: the run's dtype).
-        #[arg(long, value_enum)]
-        dtype: Option<dflash_host::pipeline::capture::StoredDtype>,
-        /// Micro-batches to capture (default: steps x grad_accum).
-        #[arg(long)]
-        batches: Option<u64>,
-        /// Shard size in MiB.
-        #[arg(long, default_value_t = 1024)]
-        shard_mb: usize,
-    },
-    /// Self-distil the config's data (the target answers its prompts, as `train` does first) and
-    /// write the records with the target's replies as chat JSONL (OpenAI `messages`).
-    Distill {
-        #[arg(long)]
-        config: PathBuf,
-        /// The JSONL file to write.
-        #[arg(long)]
-        out: PathBuf,
-    },
-    /// What this machine gives libtorch: its version, the CUDA driver and runtime, cuDNN, NCCL,
-    /// the GPUs, and whatever libtorch's CUDA library is missing. Exit 1 when a GPU is here but
-    /// libtorch cannot use it.
-    Doctor,
-    /// Compare experiment directories at equal target tokens: report.md, PNG/SVG plots, a table.
-    Compare {
-        /// Experiment directories (each one training run).
-        #[arg(required = true)]
-        dirs: Vec<PathBuf>,
-        /// Output folder (default: <first dir's parent>/compare-<UTC time>).
-        #[arg(long)]
-        out: Option<PathBuf>,
-        /// Group runs by this config key (dotted, e.g. `optimizer.lr`; falls back to manifest.json)
-        /// instead of the manifest's `arm`, else the config's `name`.
-        #[arg(long)]
-        group_by: Option<String>,
-    },
-    /// Run an A/B: arms that differ only in what the A/B config names, each over several seeds,
-    /// side by side in experiments/<name>/, then a comparison report.
-    Ab {
-        /// The A/B config (TOML: name, base, seeds, [arms.<name>]).
-        #[arg(long)]
-        config: PathBuf,
-        /// Seeds 0..N (overrides the file's `seeds`).
-        #[arg(long)]
-        seeds: Option<u64>,
-    },
-    /// Speculative-decoding eval of an experiment's drafter: real acceptance length tau,
-    /// per-position acceptance, speed-up over the target alone; lossless check. Writes eval.json.
-    Eval {
-        #[arg(long)]
-        exp_dir: PathBuf,
-        /// Checkpoint step (default: the newest).
-        #[arg(long)]
-        checkpoint: Option<u64>,
-        /// Evaluate this z-lab format drafter folder instead of a checkpoint.
-        #[arg(long)]
-        drafter: Option<PathBuf>,
-        /// `holdout` (records the config holds out; never trained on), `humaneval`, or a chat JSONL file.
-        #[arg(long, default_value = "holdout")]
-        prompts: String,
-        /// Prompts to evaluate.
-        #[arg(long, default_value_t = 32)]
-        limit: u32,
-        #[arg(long, default_value_t = 64)]
-        max_new_tokens: u32,
-    },
-    /// Export a checkpoint in the z-lab format (config.json + bf16 model.safetensors).
-    Export {
-        #[arg(long)]
-        exp_dir: PathBuf,
-        /// Checkpoint step (default: the newest that verifies).
-        #[arg(long)]
-        checkpoint: Option<u64>,
-        /// A new or empty folder outside the experiment.
-        #[arg(long)]
-        out: PathBuf,
-        /// Replace `--out` if it is a non-empty folder.
-        #[arg(long)]
-        force: bool,
-    },
-    /// Benchmarks.
-    Bench {
-        #[command(subcommand)]
-        what: BenchCommand,
-    },
-    /// List or inspect plugins.
-    Plugins {
-        #[command(subcommand)]
-        command: PluginsCommand,
-    },
-}
-
-#[derive(Subcommand)]
-enum BenchCommand {
-    /// The cost of crossing the plugin boundary (ns per call, per tensor handle), and its share
-    /// of a training step of `--exp-dir`'s run. Uses the `adamw` optimizer (built-in, or the
-    /// library given with --plugin).
-    Abi {
-        #[arg(long)]
-        exp_dir: Option<PathBuf>,
-        #[arg(long, default_value_t = 2_000_000)]
-        iters: u64,
-    },
-    /// Training throughput at real shapes with random weights: matmul ceiling, target forward,
-    /// drafter train step, target + drafter pipeline, device memory; FLOP counts and MFU.
-    /// Prints a table, then the report as one JSON line.
-    Train {
-        /// The bench config (TOML), e.g. configs/bench/qwen3-8b.toml.
-        #[arg(long)]
-        config: PathBuf,
-        /// Also write the JSON report to this file.
-        #[arg(long)]
-        json: Option<PathBuf>,
-        /// After the timed phases, profile one drafter step and one target forward with libtorch's
-        /// profiler and write DIR/drafter_step.trace.json and DIR/target_forward.trace.json
-        /// (Chrome traces; scripts/trace_summary.py makes tables of them).
-        #[arg(long, value_name = "DIR")]
-        trace: Option<PathBuf>,
-    },
-    /// The data-parallel gradient all-reduce (c10d: Gloo on the CPU, NCCL on a GPU) on the
-    /// gradients of the config's drafter, per bucket size. Alone it is a world of 1 (the fixed
-    /// cost per call); under a launcher, every rank runs it.
-    Allreduce {
-        /// The bench config (TOML), e.g. configs/bench/qwen3-8b.toml (its [bench] is not read).
-        #[arg(long)]
-        config: PathBuf,
-        /// Bucket sizes in MiB, comma-separated.
-        #[arg(long, value_delimiter = ',', default_values_t = [32, 128, 512])]
-        bucket_mb: Vec<usize>,
-        #[arg(long, default_value_t = 10)]
-        iters: usize,
-        /// Also write the JSON report to this file.
-        #[arg(long)]
-        json: Option<PathBuf>,
-    },
-    /// One layer's DFlash block attention, masked SDPA next to split attention: errors against
-    /// an fp32 masked-SDPA reference, then bf16 forward and forward + backward times.
-    Attention {
-        #[command(flatten)]
-        shape: dflash_host::bench::attention::Shape,
-        /// Also write the JSON report to this file.
-        #[arg(long)]
-        json: Option<PathBuf>,
-    },
-}
-
-#[derive(Subcommand)]
-enum PluginsCommand {
-    /// Built-in and loaded (`--plugin PATH`) plugins: name, kind, version, ABI, origin, SHA-256.
-    List,
-    /// Check one plugin library and show its metadata (it is loaded in a child process only:
-    /// none of its code runs in this one).
-    Inspect {
-        /// The shared library.
-        path: PathBuf,
-    },
-    /// Load one library in this process and print its record as JSON (what `inspect`, `list` and
-    /// `--plugin` run in a child process).
-    #[command(hide = true)]
-    Probe { path: PathBuf },
-}
-
-
-
-
 
 fn run() -> Result<ExitCode> {
     let cli = Cli::parse();
@@ -250,12 +32,16 @@ fn run() -> Result<ExitCode> {
             say!("{}", serde_json::to_string(&loaded.record)?);
             Ok(ExitCode::SUCCESS)
         }
+        Command::Config { command: ConfigCommand::Explain { section } } => {
+            say!("{}", dflash_host::config_doc::markdown(section.as_deref())?.trim_end());
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Doctor => {
             let libtorch = std::env::var_os("LIBTORCH").map(PathBuf::from).unwrap_or_else(|| run::cache_dir().join("libtorch"));
             dflash_host::doctor::run(&libtorch)
         }
-        Command::Distill { config, out } => {
-            let cfg = RunConfig::load(&config)?;
+        Command::Distill { config, out, set, device } => {
+            let cfg = RunConfig::load_with(&config, &Override::from_args(&set, device.as_deref())?)?;
             let registry = Registry::new(&cli.plugins)?;
             let (n, stats) = run::distill(&cfg, &config, &out, &registry)?;
             if let Some(s) = stats {
@@ -270,12 +56,12 @@ fn run() -> Result<ExitCode> {
             say!("report: {}", report.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Train { nproc: Some(n), ref config, ref exp_dir, .. } if n >= 1 && std::env::var_os("RANK").is_none() => {
+        Command::Train { nproc: Some(n), ref config, ref exp_dir, ref set, ref device, steps, .. } if n >= 1 && std::env::var_os("RANK").is_none() => {
             let mut args = dflash_host::launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
             // One experiment folder for every rank (each would otherwise pick a fresh name).
             if let (Some(config), None) = (config, exp_dir) {
                 if !args.iter().any(|a| a == "--resume") {
-                    let cfg = RunConfig::load(config)?;
+                    let cfg = RunConfig::load_with(config, &train_overrides(set, device.as_deref(), steps)?)?;
                     args.extend(["--exp-dir".into(), experiment::fresh_dir(Path::new("experiments"), &cfg.name).into()]);
                 }
             }
@@ -287,13 +73,9 @@ fn run() -> Result<ExitCode> {
             print_summary(&summary);
             Ok(summary.interrupted.map_or(ExitCode::SUCCESS, ExitCode::from))
         }
-        Command::Train { config, exp_dir, steps, stop_at, .. } => {
+        Command::Train { config, exp_dir, steps, set, device, stop_at, .. } => {
             let config = config.expect("clap requires --config without --resume");
-            let mut cfg = RunConfig::load(&config)?;
-            if let Some(s) = steps {
-                cfg.train.steps = s;
-                cfg.validate()?;
-            }
+            let cfg = RunConfig::load_with(&config, &train_overrides(&set, device.as_deref(), steps)?)?;
             let registry = Registry::new(&cli.plugins)?;
             let dir = exp_dir.unwrap_or_else(|| experiment::fresh_dir(Path::new("experiments"), &cfg.name));
             let summary =
@@ -301,8 +83,8 @@ fn run() -> Result<ExitCode> {
             print_summary(&summary);
             Ok(summary.interrupted.map_or(ExitCode::SUCCESS, ExitCode::from))
         }
-        Command::Capture { config, out, dtype, batches, shard_mb } => {
-            let cfg = RunConfig::load(&config)?;
+        Command::Capture { config, out, dtype, batches, shard_mb, set, device } => {
+            let cfg = RunConfig::load_with(&config, &Override::from_args(&set, device.as_deref())?)?;
             let registry = Registry::new(&cli.plugins)?;
             let run_dtype = if cfg.dtype() == "bf16" { dflash_host::pipeline::capture::StoredDtype::Bf16 } else { dflash_host::pipeline::capture::StoredDtype::F32 };
             let opts = dflash_host::pipeline::capture::CaptureOptions {
@@ -315,42 +97,9 @@ fn run() -> Result<ExitCode> {
             say!("train on it  set `[pipeline] capture = \"{}\"` in the config", out.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Eval { exp_dir, checkpoint, drafter, prompts, limit, max_new_tokens } => {
-            let opts = eval::EvalOptions { source: prompts, limit, max_new_tokens };
-            opts.validate()?;
-            if !exp_dir.join(experiment::CONFIG).is_file() {
-                anyhow::bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
-            }
-            // eval.json is the held-out result `compare` shows; other prompt sets get their own file.
-            let written = exp_dir.join(match prompts_name(&opts.source) {
-                Some(n) => format!("eval-{n}.json"),
-                None => "eval.json".into(),
-            });
-            // A folder the results cannot be written to fails now, not after the evaluation.
-            experiment::check_writable(&written)?;
-            let registry = Registry::new(&cli.plugins)?;
-            let (_, mut c) = run::load_experiment(&exp_dir, &registry, checkpoint, drafter.as_deref())?;
-            let report = eval::evaluate(&mut c, &opts)?;
-            let tau_hat = experiment::metrics::last_number(&exp_dir, "tau_hat");
-            let mut json = serde_json::to_value(&report)?;
-            json["tau_hat"] = tau_hat.into();
-            say!("prompts      {} ({})", report.prompts, report.source);
-            say!(
-                "tau          {:.3}   (z-lab's: accepted + 1 per cycle; tokens kept per cycle {:.3}; tau_hat from training {})",
-                report.tau,
-                report.tau_kept,
-                tau_hat.map_or("-".into(), |t| format!("{t:.3}"))
-            );
-            let acc: Vec<String> = report.acceptance_per_position.iter().map(|a| format!("{a:.2}")).collect();
-            say!("acceptance   {}", acc.join(" "));
-            say!("speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only)", report.speedup, report.spec_tok_per_s, report.target_tok_per_s);
-            say!("lossless     {}", if report.lossless { "yes" } else { "NO" });
-            // Written whole once the evaluation is complete (printed above even if this fails).
-            experiment::write_json_atomic(&written, &json)?;
-            say!("written      {}", written.display());
-            if !report.lossless {
-                anyhow::bail!("speculative decoding differed from the target's greedy output on prompts {:?}", report.mismatches);
-            }
+        Command::Eval { exp_dir, checkpoint, drafter, prompts, prompt_format, limit, max_new_tokens } => {
+            let args = eval::EvalCommand { exp_dir, checkpoint, drafter, prompts, prompt_format, limit, max_new_tokens };
+            eval::command(&args, &cli.plugins)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench { what: BenchCommand::Abi { exp_dir, iters } } => {
@@ -395,56 +144,23 @@ fn run() -> Result<ExitCode> {
             say!("exported {} -> {}", ckpt.display(), out.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Ab { config, seeds } => {
+        Command::Ab { config, seeds, out } => {
             let registry = Registry::new(&cli.plugins)?;
-            let runs = ab::plan(&config, seeds, Path::new("experiments"))?;
-            let ab_dir = runs[0].dir.parent().expect("arm dirs live in the A/B's folder").to_path_buf();
-            tracing::info!("A/B {}: {} runs into {}", ab_dir.display(), runs.len(), ab_dir.display());
-            let mut dirs = Vec::new();
-            for (i, r) in runs.iter().enumerate() {
-                tracing::info!("A/B run {}/{}: arm `{}`, seed {}", i + 1, runs.len(), r.arm, r.seed);
-                let summary = match ab::arm_state(r)? {
-                    ab::ArmState::Finished => {
-                        tracing::info!("{} is complete already; skipping it", r.dir.display());
-                        None
-                    }
-                    ab::ArmState::Unfinished => {
-                        tracing::info!("{} is unfinished: resuming it", r.dir.display());
-                        Some(run::resume_with(&r.dir, None, &registry, &run::ResumeOptions::default())?)
-                    }
-                    ab::ArmState::New => {
-                        let ab_name = ab_dir.file_name().unwrap_or_default().to_string_lossy().to_string();
-                        Some(run::run(run::RunSpec {
-                            cfg: &r.config,
-                            config_path: &r.base_path,
-                            exp_dir: &r.dir,
-                            registry: &registry,
-                            ab: Some((&ab_name, &r.arm)),
-                            stop_at: None,
-                        })?)
-                    }
-                };
-                if let Some(summary) = summary {
-                    print_summary(&summary);
-                    if let Some(code) = summary.interrupted {
-                        return Ok(ExitCode::from(code)); // rerunning the A/B resumes this arm
-                    }
-                }
-                dirs.push(r.dir.clone());
+            let (report, interrupted) = ab::run(&config, seeds, out.as_deref(), &registry, print_summary)?;
+            if let Some(code) = interrupted {
+                return Ok(ExitCode::from(code)); // rerunning the A/B resumes this arm
             }
-            let report = dflash_host::compare::run(&dirs, Some(&ab_dir.join("report")), None)?;
             say!("report: {}", report.display());
             Ok(ExitCode::SUCCESS)
         }
     }
 }
 
-/// A file-name-safe name for a non-default prompt set (None for `holdout`).
-fn prompts_name(source: &str) -> Option<String> {
-    (source != "holdout").then(|| {
-        let stem = Path::new(source).file_stem().and_then(|s| s.to_str()).unwrap_or(source);
-        stem.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' }).collect()
-    })
+/// `--set`, `--device` and `--steps` (= `--set train.steps=N`) as config overrides.
+fn train_overrides(set: &[String], device: Option<&str>, steps: Option<u64>) -> Result<Vec<Override>> {
+    let mut all = Override::from_args(set, device)?;
+    all.extend(steps.map(|n| Override { arg: format!("--steps {n}"), key: "train.steps".into(), value: toml::Value::Integer(i64::try_from(n).unwrap_or(i64::MAX)) }));
+    Ok(all)
 }
 
 fn print_plugins<'a>(records: impl Iterator<Item = &'a plugins::PluginRecord>) {
@@ -478,6 +194,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(dflash_host::out::colour_on_stderr())
         .with_target(false)
         .init();
     match run() {

@@ -28,3 +28,28 @@ pub fn write_line(args: std::fmt::Arguments) {
 macro_rules! say {
     ($($arg:tt)*) => { $crate::out::write_line(format_args!($($arg)*)) };
 }
+
+/// Colour codes in the logs only when stderr is a terminal and `NO_COLOR` is unset or empty
+/// (no-color.org): a log piped to a file stays plain text.
+pub fn colour_on_stderr() -> bool {
+    use std::io::IsTerminal;
+    colour_allowed(std::env::var_os("NO_COLOR").as_deref(), io::stderr().is_terminal())
+}
+
+fn colour_allowed(no_color: Option<&std::ffi::OsStr>, terminal: bool) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::colour_allowed;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn colour_needs_a_terminal_and_no_no_color() {
+        assert!(colour_allowed(None, true));
+        assert!(colour_allowed(Some(OsStr::new("")), true));
+        assert!(!colour_allowed(Some(OsStr::new("1")), true));
+        assert!(!colour_allowed(None, false));
+    }
+}

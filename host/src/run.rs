@@ -78,6 +78,9 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     check_stop_at(stop_at, 0)?;
     let cache = cache_dir();
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
+    if !follower_rank()? {
+        crate::preflight::check_exp_dir(exp_dir)?; // before the target loads
+    }
     let components = build(cfg, config_path, &config_dir, registry)?;
     let spec = components.target.spec();
     let gamma = crate::train::loss::resolve_gamma(cfg.train.loss_gamma, components.drafter.block_size() as usize);
@@ -167,24 +170,14 @@ fn place_rank(cfg: &RunConfig) -> Result<RunConfig> {
     Ok(cfg)
 }
 
-/// The run's components; plugin config errors point at the config line that set the field.
+/// The run's components; plugin config errors point at the config line (or `--set` argument)
+/// that set the field. Everything that can be checked without the target is, first.
 fn build(cfg: &RunConfig, config_path: &Path, config_dir: &Path, registry: &Registry) -> Result<Components> {
-    let located = |msg: String| {
-        let text = input_files::read_to_string_capped(config_path, config::MAX_CONFIG_BYTES).unwrap_or_default();
-        match config::locate_plugin_error(&text, &msg) {
-            Some(line) => anyhow::anyhow!("{}:{line}: {msg}", config_path.display()),
-            None => anyhow::anyhow!("{}: {msg}", config_path.display()),
-        }
-    };
-    // A FIFO or device where a file belongs is refused before any plugin opens it.
     let ctx = manifest::plugin_context(cfg, config_dir, &cache_dir());
-    for (kind, table) in cfg.plugin_sections() {
-        let plugin = table.get("plugin").and_then(|p| p.as_str()).unwrap_or("?");
-        manifest::section_paths(kind, table, &ctx).map_err(|(key, e)| located(format!("[{kind}] plugin `{plugin}`: field `{key}`: {e}")))?;
-    }
+    crate::preflight::check(cfg, config_path, &ctx, registry)?;
     ensure_device(cfg)?;
     tch::manual_seed(cfg.seed as i64);
-    build_components(cfg, registry, config_dir, &cache_dir()).map_err(|e| located(format!("{e:#}")))
+    build_components(cfg, registry, config_dir, &cache_dir()).map_err(|e| crate::preflight::locate(cfg, config_path, format!("{e:#}")))
 }
 
 /// How to resume: the libraries given with `--plugin`, and what may have changed.
@@ -469,7 +462,8 @@ mod tests {
 
         let cfg = write_config(dir.path(), "path = \"tiny.json\"\nrandom_init = true", "path = \"nope.jsonl\"");
         let err = build_error(&cfg);
-        let want = format!("run.toml:24: [data] plugin `chat`: field `path`: {}: No such file", dir.path().join("nope.jsonl").display());
+        // Found before the target loads (preflight), not by the data plugin after it.
+        let want = format!("run.toml:24: [data] plugin `chat`: field `path`: {}: no such file or folder", dir.path().join("nope.jsonl").display());
         assert!(err.contains(&want), "{err}\nshould contain\n{want}");
     }
 

@@ -79,8 +79,9 @@ impl EventWriter {
 }
 
 /// Write every numeric field of one metrics record (a `StepMetrics` as JSON) as a scalar at its
-/// `step`, in one event, and flush. Arrays become `key/k` with k from 1 (for `acc`: the block
-/// position); nested objects `key/sub`. `step` itself is the x axis, not a scalar.
+/// `step`, in one event, and flush. Tags are grouped as TensorBoard shows sections (see
+/// [`tag`]); arrays become `key/k` with k from 1 (`acc`: `train/acc/pos1`, the block position);
+/// nested objects `key/sub`. `step` itself is the x axis, not a scalar.
 pub fn log_metrics(writer: &mut EventWriter, record: &Value) -> io::Result<()> {
     let step = record
         .get("step")
@@ -89,13 +90,38 @@ pub fn log_metrics(writer: &mut EventWriter, record: &Value) -> io::Result<()> {
     let mut values = Vec::new();
     if let Value::Object(map) = record {
         for (key, v) in map {
-            if key != "step" {
-                flatten(key, v, &mut values);
+            if key == "acc" {
+                if let Value::Array(items) = v {
+                    for (i, item) in items.iter().enumerate() {
+                        flatten(&format!("train/acc/pos{}", i + 1), item, &mut values);
+                    }
+                }
+            } else if key != "step" {
+                flatten(&tag(key), v, &mut values);
             }
         }
     }
     writer.add_scalars(step, &values)?;
     writer.flush()
+}
+
+/// A metric's TensorBoard tag: `train/` what the drafter learns (loss, tau_hat, lr, gradient
+/// norm, counters), `pipeline/` how the stages move (rates, stage seconds, the hidden-state
+/// buffer), `system/` the machine (memory, GPUs, time).
+pub fn tag(key: &str) -> String {
+    const PIPELINE: &[&str] = &[
+        "tok_per_s", "draft_tok_per_s", "target_s", "drafter_s", "optim_s", "wait_s", "target_busy", "drafter_busy", "q_hs",
+        "q_hs_now", "hs_bytes", "hs_peak_bytes", "hs_total_bytes",
+    ];
+    const SYSTEM: &[&str] = &["peak_rss_mb", "gpu_util", "gpu_power_w", "gpu_mem_mb", "eta_s", "elapsed_s"];
+    let group = if PIPELINE.contains(&key) {
+        "pipeline"
+    } else if SYSTEM.contains(&key) {
+        "system"
+    } else {
+        "train"
+    };
+    format!("{group}/{key}")
 }
 
 fn flatten(tag: &str, v: &Value, out: &mut Vec<(String, f64)>) {
@@ -442,17 +468,18 @@ mod tests {
         let e = &events[1];
         assert_eq!(e.step, 20);
         let tags: Vec<&str> = e.values.iter().map(|(t, _)| t.as_str()).collect();
-        for want in ["epoch", "tokens", "draft_tokens", "loss", "acc/1", "acc/2", "acc/3", "tau_hat", "lr", "grad_norm"] {
+        for want in ["train/epoch", "train/tokens", "train/draft_tokens", "train/loss", "train/acc/pos1", "train/acc/pos2", "train/acc/pos3", "train/tau_hat", "train/lr", "train/grad_norm"] {
             assert!(tags.contains(&want), "missing {want} in {tags:?}");
         }
-        for want in ["tok_per_s", "target_s", "drafter_s", "optim_s", "elapsed_s"] {
+        for want in ["pipeline/tok_per_s", "pipeline/target_s", "pipeline/drafter_s", "pipeline/optim_s", "system/elapsed_s"] {
             assert!(tags.contains(&want), "missing {want} in {tags:?}");
         }
         assert_eq!(e.values.len(), 15, "{tags:?}");
-        assert!(!tags.contains(&"step") && !tags.contains(&"note") && !tags.contains(&"flag"));
+        assert!(!tags.iter().any(|t| t.ends_with("step") || t.ends_with("note") || t.ends_with("flag")));
         let get = |t: &str| e.values.iter().find(|(tag, _)| tag == t).unwrap().1;
-        assert_eq!(get("acc/2"), 0.25);
-        assert_eq!(get("loss"), 7.0987f32);
+        assert_eq!(get("train/acc/pos2"), 0.25);
+        assert_eq!(get("train/loss"), 7.0987f32);
+        assert_eq!(tag("q_hs"), "pipeline/q_hs");
         assert!(log_metrics(&mut w, &serde_json::json!({"loss": 1.0})).is_err(), "a record without step is refused");
     }
 }

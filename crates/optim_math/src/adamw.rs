@@ -8,9 +8,13 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ParamsAdamW {
+    /// Peak learning rate (the host's schedule multiplies it).
     pub lr: f64,
+    /// Decay rates of the first and second moment averages.
     pub betas: [f64; 2],
+    /// Added to the denominator's square root.
     pub eps: f64,
+    /// Decoupled weight decay: p *= 1 - lr * weight_decay each step.
     pub weight_decay: f64,
     /// On CUDA, update every tensor in one fused kernel (torch's `AdamW(fused=True)`), equal to
     /// the single-tensor path to rounding; the CPU always takes the single-tensor path.

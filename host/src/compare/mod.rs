@@ -25,6 +25,9 @@ pub struct Record {
     pub acc: Vec<f64>,
     pub tau_hat: f64,
     pub elapsed_s: f64,
+    /// The learning rate of the step and the gradient norm (NaN in records that lack them).
+    pub lr: f64,
+    pub grad_norm: f64,
 }
 
 /// Largest magnitude a metric may have (loss, tau_hat, accuracy, seconds); beyond it a value is
@@ -41,7 +44,7 @@ impl Record {
             return Err(format!("`tokens` {} is not a token count", self.tokens));
         }
         let mut n = 0;
-        for v in [&mut self.loss, &mut self.tau_hat, &mut self.elapsed_s].into_iter().chain(self.acc.iter_mut()) {
+        for v in [&mut self.loss, &mut self.tau_hat, &mut self.elapsed_s, &mut self.lr, &mut self.grad_norm].into_iter().chain(self.acc.iter_mut()) {
             if (v.is_finite() && v.abs() > MAX_ABS) || v.is_infinite() {
                 *v = f64::NAN;
                 n += 1;
@@ -69,6 +72,8 @@ impl Record {
             acc,
             tau_hat: num("tau_hat")?,
             elapsed_s: num("elapsed_s").unwrap_or(f64::NAN),
+            lr: num("lr").unwrap_or(f64::NAN),
+            grad_norm: num("grad_norm").unwrap_or(f64::NAN),
         })
     }
 }
@@ -112,6 +117,39 @@ pub struct Run {
     pub summary_wall_s: Option<f64>,
     /// `eval.json`'s `tau` (measured acceptance length), when an eval has run.
     pub eval_tau: Option<f64>,
+    /// Every `eval*.json` of the run (other prompt sets, checkpoints, drafters), by file name.
+    pub evals: Vec<EvalResult>,
+}
+
+/// One `eval*.json`: what it measured and on what.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalResult {
+    pub file: String,
+    /// z-lab's per-response tau and the pooled one (all accepted + 1 over all verify cycles).
+    pub tau: Option<f64>,
+    pub tau_pooled: Option<f64>,
+    pub cycles: Option<u64>,
+    pub prompts: Option<u64>,
+    pub source: String,
+    /// The checkpoint step evaluated, or the drafter folder.
+    pub checkpoint_step: Option<u64>,
+    pub drafter: Option<String>,
+}
+
+impl EvalResult {
+    fn parse(file: String, v: &Value) -> Self {
+        let num = |k: &str| v.get(k).and_then(Value::as_f64);
+        Self {
+            file,
+            tau: num("tau"),
+            tau_pooled: num("tau_pooled"),
+            cycles: v.get("cycles").and_then(Value::as_u64),
+            prompts: v.get("prompts").and_then(Value::as_u64),
+            source: v.get("source").and_then(Value::as_str).unwrap_or("?").to_string(),
+            checkpoint_step: v.pointer("/evaluated/checkpoint_step").and_then(Value::as_u64),
+            drafter: v.pointer("/evaluated/drafter").and_then(Value::as_str).map(str::to_string),
+        }
+    }
 }
 
 impl Run {
@@ -141,6 +179,7 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
         notes: Vec::new(),
         summary_wall_s: None,
         eval_tau: None,
+        evals: Vec::new(),
     };
     if !dir.is_dir() {
         run.notes.push(if dir.exists() { "not a directory".into() } else { "does not exist".into() });
@@ -240,7 +279,42 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
             run.notes.push("eval.json has no numeric `tau`".into());
         }
     }
+    // 4. Every eval*.json, by name (eval.json first).
+    let mut files: Vec<String> = fs::read_dir(dir)
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    files.retain(|f| f.starts_with("eval") && f.ends_with(".json"));
+    files.sort_by_key(|f| (f != "eval.json", f.clone()));
+    for f in files {
+        let mut notes = Vec::new();
+        if let Some(v) = read_optional(&dir.join(&f), &mut notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string())) {
+            run.evals.push(EvalResult::parse(f, &v));
+        }
+        run.notes.extend(notes);
+    }
     run
+}
+
+/// The run folders among `dirs`: an experiment is itself; an A/B folder (no config.toml of its
+/// own, runs in its subfolders) stands for its runs, in name order.
+pub fn expand_dirs(dirs: &[PathBuf]) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for d in dirs {
+        if d.join("config.toml").exists() || !d.is_dir() {
+            out.push(d.clone());
+            continue;
+        }
+        let mut runs: Vec<PathBuf> = fs::read_dir(d)
+            .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.join("config.toml").is_file()).collect())
+            .unwrap_or_default();
+        runs.sort();
+        if runs.is_empty() {
+            out.push(d.clone()); // reported as what it is
+        } else {
+            out.extend(runs);
+        }
+    }
+    out
 }
 
 /// Load every directory; labels made unique by prefixing parent folders where names repeat.
@@ -475,20 +549,27 @@ fn utc_timestamp(secs: f64, readable: bool) -> String {
     }
 }
 
-/// Default output: `<first dir's parent>/compare-<UTC time>` (a fresh name).
+/// Default output, one folder reused by every comparison of the same runs: an A/B folder's
+/// `report/` when one A/B folder is given, else `compare/` beside the first run.
 pub fn default_out(dirs: &[PathBuf]) -> PathBuf {
+    if let [one] = dirs {
+        if !one.join("config.toml").exists() && one.is_dir() {
+            return one.join("report");
+        }
+    }
     let parent = dirs
         .first()
         .and_then(|d| d.parent())
         .filter(|p| !p.as_os_str().is_empty())
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
-    crate::experiment::fresh_dir(&parent, &format!("compare-{}", utc_timestamp(unix_now(), false)))
+    parent.join("compare")
 }
 
 /// `dflash-host compare`: load, compare, write `report.md` + plots into `out`, print the tables.
 /// Returns the report's path.
 pub fn run(dirs: &[PathBuf], out: Option<&Path>, group_by: Option<&str>) -> Result<PathBuf> {
     let out = out.map_or_else(|| default_out(dirs), Path::to_path_buf);
+    let dirs = &expand_dirs(dirs);
     fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let runs = load_runs(dirs, group_by);
     let cmp = compare(&runs);
@@ -506,6 +587,37 @@ pub fn run(dirs: &[PathBuf], out: Option<&Path>, group_by: Option<&str>) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An A/B folder stands for its runs; every eval*.json is read; lr and gradient norm are read
+    /// and plotted, eval tau too when evals name their checkpoints; final values come per run.
+    #[test]
+    fn ab_folders_expand_evals_are_all_read_and_final_values_are_per_run() {
+        let root = tempfile::tempdir().unwrap();
+        let ab = root.path().join("ab");
+        let short = fake_run(&ab, "a-s0", "x", Some("a"), &rows(1.0, 2000), true);
+        let long = fake_run(&ab, "b-s0", "x", Some("b"), &rows(0.5, 20000), true);
+        fs::create_dir_all(ab.join("report")).unwrap();
+        fs::write(long.join("eval.json"), r#"{"tau": 1.8, "tau_pooled": 1.9, "cycles": 40, "prompts": 4, "source": "holdout", "evaluated": {"checkpoint_step": 200}}"#).unwrap();
+        fs::write(long.join("eval-step-100.json"), r#"{"tau": 1.5, "tau_pooled": 1.6, "cycles": 50, "prompts": 4, "source": "holdout", "evaluated": {"checkpoint_step": 100}}"#).unwrap();
+        fs::write(long.join("eval-humaneval-drafter-0123456789ab.json"), r#"{"tau": 2.5, "source": "humaneval", "evaluated": {"drafter": "/z"}}"#).unwrap();
+        assert_eq!(expand_dirs(&[ab.clone()]), vec![short.clone(), long.clone()]);
+        let report = run(&[ab.clone()], None, None).unwrap();
+        assert_eq!(report, ab.join("report/report.md"));
+        let md = fs::read_to_string(&report).unwrap();
+        let runs = load_runs(&expand_dirs(&[ab.clone()]), None);
+        assert_eq!(runs[1].evals.iter().map(|e| e.file.as_str()).collect::<Vec<_>>(), ["eval.json", "eval-humaneval-drafter-0123456789ab.json", "eval-step-100.json"]);
+        assert!(runs[1].records.iter().all(|r| r.lr == 1e-4 && r.grad_norm == 1.0));
+        // The long run's own end (loss 10*0.5/20 = 0.25) next to the comparison at the short run's end.
+        assert!(md.contains("## Final values") && md.contains("| b-s0 |") && md.contains("0.2500"), "{md}");
+        assert!(md.contains("## Evaluations") && md.contains("eval-step-100.json") && md.contains("/z"), "{md}");
+        for stem in ["lr_vs_tokens", "grad_norm_vs_tokens", "eval_tau_vs_tokens"] {
+            assert!(ab.join(format!("report/{stem}.png")).exists(), "{stem}");
+        }
+        // Run again: the same folder, no second one.
+        run(&[ab.clone()], None, None).unwrap();
+        let folders = fs::read_dir(&ab).unwrap().count();
+        assert_eq!(folders, 3, "a-s0, b-s0, report");
+    }
 
     /// A fake experiment: config (name), optional manifest arm, metrics from (tokens, loss, tau,
     /// acc) rows, summary when `finished`.
@@ -562,6 +674,8 @@ mod tests {
                 acc: vec![0.2 * (i + 1) as f64, 0.1],
                 tau_hat,
                 elapsed_s,
+                lr: 1e-3,
+                grad_norm: 1.0,
             })
             .collect();
         let a = at_tokens(&recs, 2000.0).unwrap();
@@ -764,11 +878,11 @@ mod tests {
     }
 
     #[test]
-    fn default_out_is_beside_the_first_run() {
+    fn default_out_is_one_folder_beside_the_runs_or_in_the_ab() {
         let root = tempfile::tempdir().unwrap();
-        let out = default_out(&[root.path().join("exp1")]);
-        assert_eq!(out.parent(), Some(root.path()));
-        assert!(out.file_name().unwrap().to_str().unwrap().starts_with("compare-20"));
+        let a = fake_run(root.path(), "exp1", "x", None, &rows(1.0, 3000), true);
+        assert_eq!(default_out(&[a.clone()]), root.path().join("compare"), "reused, not a fresh name");
+        assert_eq!(default_out(&[root.path().to_path_buf()]), root.path().join("report"), "an A/B folder's report");
         assert_eq!(utc_timestamp(0.0, true), "1970-01-01 00:00:00");
         assert_eq!(utc_timestamp(951_782_400.0, false), "20000229-000000");
     }

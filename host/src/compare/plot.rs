@@ -418,5 +418,38 @@ pub fn write_plots(runs: &[Run], cmp: &Comparison, out: &Path) -> (Vec<(String, 
             .collect(),
     };
     attempt("acc_at_tokens", "Per-position accuracy at T", save(&acc, out, "acc_at_tokens"));
+    if runs.iter().any(|r| r.records.iter().any(|x| x.lr.is_finite())) {
+        let lr = CurveFigure::new("Learning rate vs target tokens", "lr", false, runs, cmp, |r| r.lr);
+        attempt("lr_vs_tokens", "Learning rate vs tokens", save(&lr, out, "lr_vs_tokens"));
+    }
+    if runs.iter().any(|r| r.records.iter().any(|x| x.grad_norm.is_finite() && x.grad_norm > 0.0)) {
+        let gn = CurveFigure::new("Gradient norm (before clipping) vs target tokens", "gradient norm (log scale)", true, runs, cmp, |r| r.grad_norm);
+        attempt("grad_norm_vs_tokens", "Gradient norm vs tokens", save(&gn, out, "grad_norm_vs_tokens"));
+    }
+    // Measured tau of the evaluated checkpoints, at the tokens each had trained on.
+    let evals: Vec<Run> = runs.iter().map(eval_points).collect();
+    if evals.iter().any(|r| !r.records.is_empty()) {
+        let mut fig = CurveFigure::new("Measured tau (eval, held-out prompts) vs target tokens", "tau", false, &evals, cmp, |r| r.tau_hat);
+        fig.legend = SeriesLabelPosition::LowerRight;
+        attempt("eval_tau_vs_tokens", "Eval tau vs tokens", save(&fig, out, "eval_tau_vs_tokens"));
+    }
     (done, errors)
+}
+
+/// A run whose records are its held-out evals of checkpoints (tau in `tau_hat`), at the tokens
+/// of the checkpoint's step.
+fn eval_points(run: &Run) -> Run {
+    let mut points: Vec<Record> = run
+        .evals
+        .iter()
+        .filter(|e| e.source == "holdout")
+        .filter_map(|e| {
+            let step = e.checkpoint_step?;
+            let at = run.records.iter().find(|r| r.step == step)?;
+            Some(Record { tau_hat: e.tau?, ..at.clone() })
+        })
+        .collect();
+    points.sort_by(|a, b| a.tokens.total_cmp(&b.tokens));
+    points.dedup_by(|a, b| a.tokens == b.tokens);
+    Run { records: points, ..run.clone() }
 }

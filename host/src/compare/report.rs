@@ -180,6 +180,59 @@ pub(super) fn run_table(runs: &[Run], cmp: &Comparison) -> Table {
     Table { header: header.map(String::from).to_vec(), rows, text_cols: 3 }
 }
 
+/// Each run at its own end: what it reached, whatever the others did.
+pub(super) fn final_table(runs: &[Run]) -> Table {
+    let header = ["run", "group", "status", "step", "tokens", "loss", "tau_hat", "acc@1", "lr", "grad norm", "wall (s)", "tau (eval)"];
+    let rows = runs
+        .iter()
+        .filter(|r| r.has_data())
+        .map(|r| {
+            let last = r.records.last().expect("has data");
+            vec![
+                r.label.clone(),
+                r.group.clone(),
+                r.status.as_str().to_string(),
+                last.step.to_string(),
+                format!("{:.0}", last.tokens),
+                fmt_opt(Some(last.loss), 4),
+                fmt_opt(Some(last.tau_hat), 3),
+                fmt_opt(last.acc.first().copied(), 3),
+                format!("{:.2e}", last.lr),
+                fmt_opt(Some(last.grad_norm), 3),
+                fmt_opt(r.wall_s(), 1),
+                fmt_opt(r.eval_tau, 3),
+            ]
+        })
+        .collect();
+    Table { header: header.map(String::from).to_vec(), rows, text_cols: 3 }
+}
+
+/// Every eval*.json of every run.
+pub(super) fn eval_table(runs: &[Run]) -> Table {
+    let header = ["run", "file", "prompts", "evaluated", "tau", "tau pooled", "cycles"];
+    let rows = runs
+        .iter()
+        .flat_map(|r| r.evals.iter().map(move |e| (r, e)))
+        .map(|(r, e)| {
+            let what = match (&e.drafter, e.checkpoint_step) {
+                (Some(d), _) => d.clone(),
+                (None, Some(s)) => format!("step-{s}"),
+                (None, None) => DASH.into(),
+            };
+            vec![
+                r.label.clone(),
+                e.file.clone(),
+                format!("{} ({})", e.prompts.map_or(DASH.into(), |n| n.to_string()), e.source),
+                what,
+                fmt_opt(e.tau, 3),
+                fmt_opt(e.tau_pooled, 3),
+                e.cycles.map_or(DASH.into(), |c| c.to_string()),
+            ]
+        })
+        .collect();
+    Table { header: header.map(String::from).to_vec(), rows, text_cols: 4 }
+}
+
 pub(super) fn acc_tables(runs: &[Run], cmp: &Comparison) -> (Table, Table) {
     let positions = cmp.at.iter().flatten().map(|a| a.acc.len()).max().unwrap_or(0);
     let pos_header = |first: &str| std::iter::once(first.to_string()).chain((1..=positions).map(|k| format!("pos {k}"))).collect();
@@ -237,7 +290,21 @@ pub(super) fn problems(runs: &[Run]) -> Vec<(String, String)> {
 
 /// The terminal version: comparison point, group and run tables, problems.
 pub fn render_terminal(runs: &[Run], cmp: &Comparison) -> String {
-    let mut s = comparison_sentence(runs, cmp).replace("**", "") + "\n\n";
+    let mut s = String::new();
+    let finals = final_table(runs);
+    if !finals.rows.is_empty() {
+        s += "final values (each run at its own end)\n";
+        s += &finals.terminal();
+        s.push('\n');
+    }
+    let evals = eval_table(runs);
+    if !evals.rows.is_empty() {
+        s += "evaluations (eval*.json)\n";
+        s += &evals.terminal();
+        s.push('\n');
+    }
+    s += "equal-token comparison: ";
+    s += &(comparison_sentence(runs, cmp).replace("**", "") + "\n\n");
     if !cmp.groups.is_empty() {
         s += if cmp.from_complete { "groups (mean ± std over complete runs)\n" } else { "groups (mean ± std over all runs: none has finished)\n" };
         s += &group_table(cmp).terminal();
@@ -263,7 +330,18 @@ pub fn render_markdown(runs: &[Run], cmp: &Comparison, plots: &[(String, String)
     for r in runs {
         let _ = writeln!(s, "- `{}` ({}): {}", r.label, r.status.as_str(), r.dir.display());
     }
-    let _ = writeln!(s, "\n{}\n", comparison_sentence(runs, cmp));
+    let finals = final_table(runs);
+    if !finals.rows.is_empty() {
+        s += "\n## Final values\n\nEach run at its own last logged step, whatever the other runs reached.\n\n";
+        s += &finals.markdown();
+    }
+    let evals = eval_table(runs);
+    if !evals.rows.is_empty() {
+        s += "\n## Evaluations\n\nEvery `eval*.json`: tau per response (z-lab's benchmark) and pooled over all verify \
+              cycles (as serving engines report it).\n\n";
+        s += &evals.markdown();
+    }
+    let _ = writeln!(s, "\n## Equal-token comparison\n\n{}\n", comparison_sentence(runs, cmp));
     if !cmp.groups.is_empty() {
         let over = if cmp.from_complete { "complete runs" } else { "runs (none has finished)" };
         let _ = write!(

@@ -123,13 +123,35 @@ impl Experiment {
         trainer_state: &impl Serialize,
         keep: usize,
     ) -> Result<PathBuf> {
-        let data = checkpoint::CheckpointData { weights, drafter_config_json, optimizer_state, trainer_state };
+        let config = with_weights_dtype(drafter_config_json, weights);
+        let data = checkpoint::CheckpointData { weights, drafter_config_json: &config, optimizer_state, trainer_state };
         checkpoint::write(&self.dir, step, &data, keep)
     }
 
     pub fn write_summary(&self, summary: &impl Serialize) -> Result<()> {
         write_json_atomic(&self.dir.join(SUMMARY), summary)
     }
+}
+
+/// The drafter's config.json with `dtype` set to the dtype its saved weights have (a drafter
+/// training in f32 states bfloat16, the dtype it is served in; the checkpoint holds f32). Text
+/// that is not a JSON object is kept as it is.
+pub fn with_weights_dtype(config_json: &str, weights: &[NamedTensor]) -> String {
+    let Ok(serde_json::Value::Object(mut cfg)) = serde_json::from_str::<serde_json::Value>(config_json) else {
+        return config_json.to_string();
+    };
+    use plugin_api::tch::Kind;
+    let float = |k: Kind| match k {
+        Kind::Float => Some("float32"),
+        Kind::BFloat16 => Some("bfloat16"),
+        Kind::Half => Some("float16"),
+        Kind::Double => Some("float64"),
+        _ => None,
+    };
+    let Some(name) = weights.iter().find_map(|w| float(w.tensor.tensor().kind())) else { return config_json.to_string() };
+    cfg.remove("torch_dtype");
+    cfg.insert("dtype".into(), name.into());
+    serde_json::to_string_pretty(&serde_json::Value::Object(cfg)).expect("a JSON value serialises")
 }
 
 /// Temporary folders of starts that were killed (their lock is free); a start under way keeps

@@ -1,0 +1,264 @@
+//! The command line of `dflash-host` (clap derive): every subcommand and its flags. In the
+//! library so tests can parse the command lines the README shows.
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+/// The version and the git revision the binary was built from (host/build.rs).
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (git ", env!("DFLASH_GIT_REVISION"), ")");
+
+#[derive(Parser)]
+#[command(name = "dflash-host", version = VERSION, about = "Train DFlash speculative-decoding drafters")]
+pub struct Cli {
+    /// Load a plugin shared library (repeatable); it replaces a built-in of the same name.
+    #[arg(long = "plugin", global = true, value_name = "PATH")]
+    pub plugins: Vec<PathBuf>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Train a drafter as the config says, into a fresh experiment directory, or resume one.
+    Train {
+        /// The run config (TOML).
+        #[arg(long, required_unless_present = "resume")]
+        config: Option<PathBuf>,
+        /// Experiment directory (default: experiments/<name>, or <name>-N if that exists).
+        #[arg(long, conflicts_with = "resume")]
+        exp_dir: Option<PathBuf>,
+        /// Override `train.steps`.
+        #[arg(long, conflicts_with = "resume")]
+        steps: Option<u64>,
+        /// Set a config field (repeatable), typed as in the file: `--set train.steps=400
+        /// --set optimizer.lr=1e-3 --set 'data.template_kwargs={ enable_thinking = false }'`.
+        /// The experiment's config.toml records the result.
+        #[arg(long = "set", value_name = "KEY=VALUE", conflicts_with = "resume")]
+        set: Vec<String>,
+        /// The run's device (`cpu`, `cuda`, `cuda:N`): `--set device=...`.
+        #[arg(long, conflicts_with = "resume")]
+        device: Option<String>,
+        /// Continue this experiment from its newest good checkpoint, with its own config.
+        #[arg(long, value_name = "EXP_DIR", conflicts_with = "config")]
+        resume: Option<PathBuf>,
+        /// Resume even if a plugin library differs from the one the run started with.
+        #[arg(long, requires = "resume")]
+        allow_plugin_change: bool,
+        /// Resume although this config field (dotted, e.g. `train.steps`; a section name allows
+        /// all its fields) or the file it names changed since the run started (repeatable).
+        #[arg(long, value_name = "FIELD", requires = "resume")]
+        allow_change: Vec<String>,
+        /// Stop after this step with a checkpoint, as if interrupted (resume later); must lie
+        /// ahead of the step the run is at.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        stop_at: Option<u64>,
+        /// Data-parallel: start N local ranks of this command (as `torchrun --nproc-per-node N
+        /// --no-python dflash-host train ...` would); each rank's GPUs are the config's offset by
+        /// its local rank. N = 1 runs one rank through the same collectives.
+        #[arg(long, value_name = "N")]
+        nproc: Option<usize>,
+    },
+    /// Run only the targets over the config's data and write their features (sharded
+    /// safetensors + index.json) for `pipeline.capture` to train from.
+    Capture {
+        #[arg(long)]
+        config: PathBuf,
+        /// Set a config field (repeatable), typed as in the file, e.g. `--set data.max_len=512`.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// The run's device (`cpu`, `cuda`, `cuda:N`).
+        #[arg(long)]
+        device: Option<String>,
+        #[arg(long)]
+        out: PathBuf,
+        /// Stored precision of the features (default: the run's dtype).
+        #[arg(long, value_enum)]
+        dtype: Option<crate::pipeline::capture::StoredDtype>,
+        /// Micro-batches to capture (default: steps x grad_accum).
+        #[arg(long)]
+        batches: Option<u64>,
+        /// Shard size in MiB.
+        #[arg(long, default_value_t = 1024)]
+        shard_mb: usize,
+    },
+    /// Self-distil the config's data (the target answers its prompts, as `train` does first) and
+    /// write the records with the target's replies as chat JSONL (OpenAI `messages`).
+    Distill {
+        #[arg(long)]
+        config: PathBuf,
+        /// Set a config field (repeatable), typed as in the file, e.g. `--set data.max_len=512`.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+        /// The run's device (`cpu`, `cuda`, `cuda:N`).
+        #[arg(long)]
+        device: Option<String>,
+        /// The JSONL file to write.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// What this machine gives libtorch: its version, the CUDA driver and runtime, cuDNN, NCCL,
+    /// the GPUs, and whatever libtorch's CUDA library is missing. Exit 1 when a GPU is here but
+    /// libtorch cannot use it.
+    Doctor,
+    /// Compare experiment directories: each run's final values, its evals, and all of them at
+    /// equal target tokens; report.md, PNG/SVG plots, tables.
+    Compare {
+        /// Experiment directories, or A/B folders (their runs).
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+        /// Output folder, reused (default: an A/B folder's report/, else compare/ beside the
+        /// first run).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Group runs by this config key (dotted, e.g. `optimizer.lr`; falls back to manifest.json)
+        /// instead of the manifest's `arm`, else the config's `name`.
+        #[arg(long)]
+        group_by: Option<String>,
+    },
+    /// Run an A/B: arms that differ only in what the A/B config names, each over several seeds,
+    /// side by side in experiments/<name>/, then a comparison report.
+    Ab {
+        /// The A/B config (TOML: name, base, seeds, [arms.<name>]).
+        #[arg(long)]
+        config: PathBuf,
+        /// Seeds 0..N (overrides the file's `seeds`).
+        #[arg(long)]
+        seeds: Option<u64>,
+        /// The report's folder (default: experiments/<name>/report).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Speculative-decoding eval of an experiment's drafter: real acceptance length tau,
+    /// per-position acceptance, speed-up over the target alone; lossless check. Writes eval.json
+    /// (the newest checkpoint on the held-out records), else eval-[SET-]step-N.json or
+    /// eval-[SET-]drafter-SHA.json.
+    Eval {
+        #[arg(long)]
+        exp_dir: PathBuf,
+        /// Checkpoint step (default: the newest).
+        #[arg(long)]
+        checkpoint: Option<u64>,
+        /// Evaluate this z-lab format drafter folder instead of a checkpoint.
+        #[arg(long)]
+        drafter: Option<PathBuf>,
+        /// `holdout` (records the config holds out; never trained on), `humaneval`, or a file
+        /// (chat records, or a benchmark's: see --prompt-format).
+        #[arg(long, default_value = "holdout")]
+        prompts: String,
+        /// How the --prompts file is laid out: chat records as [data] reads them, MT-Bench
+        /// (`turns`), GSM8K (`question`) or Alpaca (`instruction` / `input`).
+        #[arg(long, value_enum, default_value = "chat")]
+        prompt_format: crate::eval::PromptFormat,
+        /// Prompts to evaluate.
+        #[arg(long, default_value_t = 32)]
+        limit: u32,
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: u32,
+    },
+    /// Export a checkpoint in the z-lab format (config.json + bf16 model.safetensors).
+    Export {
+        #[arg(long)]
+        exp_dir: PathBuf,
+        /// Checkpoint step (default: the newest that verifies).
+        #[arg(long)]
+        checkpoint: Option<u64>,
+        /// A new or empty folder outside the experiment.
+        #[arg(long)]
+        out: PathBuf,
+        /// Replace `--out` if it is a non-empty folder.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCommand,
+    },
+    /// The config reference (docs/CONFIG.md): every field with type, default, range, meaning.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    /// List or inspect plugins.
+    Plugins {
+        #[command(subcommand)]
+        command: PluginsCommand,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// The cost of crossing the plugin boundary (ns per call, per tensor handle), and its share
+    /// of a training step of `--exp-dir`'s run. Uses the `adamw` optimizer (built-in, or the
+    /// library given with --plugin).
+    Abi {
+        #[arg(long)]
+        exp_dir: Option<PathBuf>,
+        #[arg(long, default_value_t = 2_000_000)]
+        iters: u64,
+    },
+    /// Training throughput at real shapes with random weights: matmul ceiling, target forward,
+    /// drafter train step, target + drafter pipeline, device memory; FLOP counts and MFU.
+    /// Prints a table, then the report as one JSON line.
+    Train {
+        /// The bench config (TOML), e.g. configs/bench/qwen3-8b.toml.
+        #[arg(long)]
+        config: PathBuf,
+        /// Also write the JSON report to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// After the timed phases, profile one drafter step and one target forward with libtorch's
+        /// profiler and write DIR/drafter_step.trace.json and DIR/target_forward.trace.json
+        /// (Chrome traces; scripts/trace_summary.py makes tables of them).
+        #[arg(long, value_name = "DIR")]
+        trace: Option<PathBuf>,
+    },
+    /// The data-parallel gradient all-reduce (c10d: Gloo on the CPU, NCCL on a GPU) on the
+    /// gradients of the config's drafter, per bucket size. Alone it is a world of 1 (the fixed
+    /// cost per call); under a launcher, every rank runs it.
+    Allreduce {
+        /// The bench config (TOML), e.g. configs/bench/qwen3-8b.toml (its [bench] is not read).
+        #[arg(long)]
+        config: PathBuf,
+        /// Bucket sizes in MiB, comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [32, 128, 512])]
+        bucket_mb: Vec<usize>,
+        #[arg(long, default_value_t = 10)]
+        iters: usize,
+        /// Also write the JSON report to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// One layer's DFlash block attention, masked SDPA next to split attention: errors against
+    /// an fp32 masked-SDPA reference, then bf16 forward and forward + backward times.
+    Attention {
+        #[command(flatten)]
+        shape: crate::bench::attention::Shape,
+        /// Also write the JSON report to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum ConfigCommand {
+    /// Print the fields of every section, or of one (`top`, `train`, `pipeline`, `target`,
+    /// `drafter`, `optimizer`, `data`).
+    Explain { section: Option<String> },
+}
+
+#[derive(Subcommand)]
+pub enum PluginsCommand {
+    /// Built-in and loaded (`--plugin PATH`) plugins: name, kind, version, ABI, origin, SHA-256.
+    List,
+    /// Check one plugin library and show its metadata (it is loaded in a child process only:
+    /// none of its code runs in this one).
+    Inspect {
+        /// The shared library.
+        path: PathBuf,
+    },
+    /// Load one library in this process and print its record as JSON (what `inspect`, `list` and
+    /// `--plugin` run in a child process).
+    #[command(hide = true)]
+    Probe { path: PathBuf },
+}

@@ -1,0 +1,104 @@
+//! Checks that run before anything heavy loads: a typo in `[data]`, a missing dataset or an
+//! experiment folder that exists already must not wait for an 8B target to load first.
+
+use crate::{
+    config::{self, RunConfig},
+    experiment::manifest,
+    plugins::Registry,
+};
+use anyhow::{anyhow, bail, Result};
+use plugin_api::{HostContext, PluginKind};
+use std::path::Path;
+
+/// A plugin's error pointed at its source: the `--set` argument that set the field, else the
+/// config line that did (or the section's header for a missing field).
+pub fn locate(cfg: &RunConfig, config_path: &Path, msg: String) -> anyhow::Error {
+    if let Some(o) = cfg.overrides.iter().rev().find(|o| o.names_field_of(&msg)) {
+        return anyhow!("{}: {msg}", o.arg);
+    }
+    let text = input_files::read_to_string_capped(config_path, config::MAX_CONFIG_BYTES).unwrap_or_default();
+    match config::locate_plugin_error(&text, &msg) {
+        Some(line) => anyhow!("{}:{line}: {msg}", config_path.display()),
+        None => anyhow!("{}: {msg}", config_path.display()),
+    }
+}
+
+/// A new run's experiment folder must be free (Experiment::create checks again, atomically).
+pub fn check_exp_dir(dir: &Path) -> Result<()> {
+    if std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) {
+        bail!("experiment directory {} already exists and is not empty (resume it with `train --resume {}`)", dir.display(), dir.display());
+    }
+    Ok(())
+}
+
+/// Everything that can be checked without the target: every plugin named exists, every section parses (the built-in plugins'
+/// with their own types; an optimizer of any plugin by creating it, which allocates nothing),
+/// and every file a section names is there and readable.
+pub fn check(cfg: &RunConfig, config_path: &Path, ctx: &HostContext, registry: &Registry) -> Result<()> {
+    for (kind, table) in cfg.plugin_sections() {
+        let section = cfg.section(kind);
+        let plugin_kind = plugin_kind(kind);
+        let plugin = registry.find(plugin_kind, &section.plugin).map_err(|e| locate(cfg, config_path, format!("[{kind}] {e}")))?;
+        let fail = |e: String| locate(cfg, config_path, format!("[{kind}] plugin `{}`: {e}", section.plugin));
+        // 1. Paths: no FIFO or device where a file belongs (any plugin).
+        manifest::section_paths(kind, table, ctx).map_err(|(key, e)| fail(format!("field `{key}`: {e}")))?;
+        // 2. The section's own fields.
+        let builtin = plugin.record.origin == "builtin";
+        let paths: Vec<(&str, Option<String>)> = match (kind, section.plugin.as_str(), builtin) {
+            ("optimizer", _, _) => {
+                registry.create(plugin_kind, &section, ctx).map_err(|e| anyhow!("{}", located_text(cfg, config_path, e)))?;
+                vec![]
+            }
+            ("target", "hf", true) => {
+                let s: target_hf::TargetSection = parse(&section.config_toml).map_err(fail)?;
+                vec![("path", Some(s.path))]
+            }
+            ("drafter", "dflash", true) => {
+                let s: drafter_dflash::DrafterSection = parse(&section.config_toml).map_err(fail)?;
+                vec![("init_from", s.init_from)]
+            }
+            ("drafter", "gdn", true) => {
+                let s: drafter_gdn::DrafterSection = parse(&section.config_toml).map_err(fail)?;
+                vec![("init_from", s.init_from)]
+            }
+            ("data", "chat", true) => {
+                let s: data_chat::ChatSection = parse(&section.config_toml).map_err(fail)?;
+                vec![("path", Some(s.path)), ("chat_template", s.chat_template.filter(|t| t != "chatml"))]
+            }
+            _ => vec![], // a library's section is its own to check when it is created
+        };
+        // 3. The files the section needs are there.
+        for (key, value) in paths {
+            let Some(value) = value else { continue };
+            let path = ctx.resolve_path(&value);
+            if !path.exists() {
+                return Err(fail(format!("field `{key}`: {}: no such file or folder", path.display())));
+            }
+        }
+    }
+    if let Some(capture) = &cfg.pipeline.capture {
+        let path = Path::new(capture); // read as given, from the working folder
+        if !path.exists() {
+            bail!("{}: field `pipeline.capture`: {}: no such folder", cfg.blame(config_path, "field `pipeline.capture`"), path.display());
+        }
+    }
+    Ok(())
+}
+
+fn parse<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, String> {
+    plugin_api::parse_section(text).map_err(|e| e.to_string())
+}
+
+/// A registry error (`[kind] plugin `name`: ...`) pointed at its source.
+fn located_text(cfg: &RunConfig, config_path: &Path, e: anyhow::Error) -> String {
+    locate(cfg, config_path, format!("{e:#}")).to_string()
+}
+
+fn plugin_kind(kind: &str) -> PluginKind {
+    match kind {
+        "target" => PluginKind::Target,
+        "drafter" => PluginKind::Drafter,
+        "optimizer" => PluginKind::Optimizer,
+        _ => PluginKind::DataLoader,
+    }
+}
