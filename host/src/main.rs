@@ -224,6 +224,10 @@ enum PluginsCommand {
     /// `--plugin` run in a child process).
     #[command(hide = true)]
     Probe { path: PathBuf },
+    /// Run the contract of a plugin's kind against it: pass / FAIL per clause.
+    Check(plugins::check::CheckArgs),
+    /// Write a plugin crate from a template (build it with `cargo build --release`).
+    New(plugins::new::NewArgs),
 }
 
 
@@ -245,6 +249,8 @@ fn run() -> Result<ExitCode> {
             print_plugins(std::iter::once(&record));
             Ok(ExitCode::SUCCESS)
         }
+        Command::Plugins { command: PluginsCommand::Check(args) } => plugins::check::run(&cli.plugins, args),
+        Command::Plugins { command: PluginsCommand::New(args) } => plugins::new::run(args),
         Command::Plugins { command: PluginsCommand::Probe { path } } => {
             let loaded = plugins::load_library(&path, None)?;
             say!("{}", serde_json::to_string(&loaded.record)?);
