@@ -477,7 +477,8 @@ impl Kit<'_> {
         }));
         out.push(clause("KV-cache extend / truncate equals recomputation", || {
             let full = ok(t.forward(&TensorHandle::new(ids.shallow_clone()), layers[..].into(), true), "forward")?;
-            let (fh, fl) = (full.hidden.tensor(), full.logits.into_option().unwrap().tensor());
+            let logits_of = |o: plugin_api::TargetOutput| o.logits.into_option().map(|l| l.tensor()).ok_or_else(|| anyhow!("no logits"));
+            let (fh, fl) = (full.hidden.tensor(), logits_of(full)?);
             t.cache_reset();
             let a = ok(t.cache_extend(&TensorHandle::new(ids.narrow(1, 0, 5)), layers[..].into()), "cache_extend")?;
             // Two positions that a truncate drops again, then the true continuation.
@@ -485,7 +486,7 @@ impl Kit<'_> {
             ok(t.cache_truncate(5), "cache_truncate")?;
             let b = ok(t.cache_extend(&TensorHandle::new(ids.narrow(1, 5, 3)), layers[..].into()), "cache_extend")?;
             let hidden = Tensor::cat(&[a.hidden.tensor(), b.hidden.tensor()], 1);
-            let logits = Tensor::cat(&[a.logits.into_option().unwrap().tensor(), b.logits.into_option().unwrap().tensor()], 1);
+            let logits = Tensor::cat(&[logits_of(a)?, logits_of(b)?], 1);
             let (dh, dl) = (max_diff(&hidden, &fh), max_diff(&logits, &fl));
             let scale = fl.abs().max().double_value(&[]).max(1.0);
             if dh > 1e-3 * fh.abs().max().double_value(&[]).max(1.0) || dl > 1e-3 * scale {
@@ -495,9 +496,4 @@ impl Kit<'_> {
         }));
         Ok(out)
     }
-}
-
-fn tail(s: &str) -> String {
-    let chars: Vec<char> = s.chars().collect();
-    chars[chars.len().saturating_sub(40)..].iter().collect::<String>().replace('\n', "\\n")
 }

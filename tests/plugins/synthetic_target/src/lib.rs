@@ -114,7 +114,7 @@ impl TargetPlugin for Synthetic {
         self.embedding.shallow_clone()
     }
 
-    fn forward(&mut self, input_ids: &Tensor, layer_ids: &[u32], _want_logits: bool) -> Result<(Tensor, Option<Tensor>), PluginError> {
+    fn forward(&mut self, input_ids: &Tensor, layer_ids: &[u32], want_logits: bool) -> Result<(Tensor, Option<Tensor>), PluginError> {
         self.forwards += 1;
         if self.cfg.fail_at_forward == self.forwards {
             if self.cfg.panic {
@@ -125,7 +125,9 @@ impl TargetPlugin for Synthetic {
         std::thread::sleep(std::time::Duration::from_millis(self.cfg.forward_ms));
         let e = Tensor::embedding(&self.embedding, input_ids, -1, false, false);
         let feats: Vec<Tensor> = layer_ids.iter().map(|&l| &e * (1.0 + l as f64 / 8.0)).collect();
-        Ok((Tensor::cat(&feats, -1), None))
+        // Tied head: logits are the embedding's scores.
+        let logits = want_logits.then(|| e.matmul(&self.embedding.tr()));
+        Ok((Tensor::cat(&feats, -1), logits))
     }
 
     fn generate(&mut self, _p: Vec<Vec<u32>>, _m: u32, _s: &[u32]) -> Result<Vec<Vec<u32>>, PluginError> {
