@@ -168,3 +168,87 @@ fn a_diverged_run_skips_then_stops_keeping_its_last_good_checkpoint() {
     let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
     assert!(last["skipped_steps"].as_u64().unwrap() <= 2);
 }
+
+/// A panic in a method that returns a plain value (the ABI cannot carry an error there) still
+/// stops the run with one line naming the plugin and the method, exit code 2: the optimizer's
+/// `base_lr`, the target's `spec`.
+#[test]
+fn a_panic_in_a_value_returning_method_is_one_line_and_exit_code_2() {
+    let so = build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
+    let (out, _dir) = train(&[&so], "plugin = \"faulty\"\npanic_in = \"base_lr\"");
+    let line = error_line(&out);
+    assert!(line.contains("optimizer plugin `faulty`") && line.contains("`base_lr` panicked: deliberate panic in base_lr"), "{line}");
+
+    let target = build_plugin("tests/plugins/synthetic_target", "synthetic_target", &[], "synthetic_target");
+    let config = common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3")
+        .replace("plugin = \"hf\"\npath = \"$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf\"", "plugin = \"synthetic\"\npanic_in = \"spec\"");
+    let (out, _dir) = common::train(&[&target], &config);
+    let line = error_line(&out);
+    assert!(line.contains("target plugin `synthetic`") && line.contains("`spec` panicked: deliberate panic in spec"), "{line}");
+}
+
+fn check(plugins: &[&Path], args: &[&str]) -> (Option<i32>, String) {
+    let mut cmd = Command::new(host());
+    for p in plugins {
+        cmd.arg("--plugin").arg(p);
+    }
+    let out = cmd.args(["plugins", "check"]).args(args).current_dir(root()).env("DFLASH_CACHE", common::cache()).env_remove("RUST_BACKTRACE").output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code(), text)
+}
+
+/// `plugins check`: every built-in passes its kind's contract; a faulty plugin fails with the
+/// clause named (exit 1).
+#[test]
+fn the_conformance_kit_passes_the_built_ins_and_names_a_failed_clause() {
+    common::require_model();
+    const TINY_DATA: &str = "path = \"$DFLASH_CACHE/chitchat.json\"\nformat = \"chitchat\"\nbatch_size = 2\nmax_len = 96\nmax_records = 6\ndistill = false";
+    for args in [&["adamw"][..], &["muon", "--section", "lr = 0.02"], &["dflash"], &["gdn", "--section", "num_hidden_layers = 1\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 16"], &["hf"], &["chat", "--section", TINY_DATA]] {
+        let (code, text) = check(&[], args);
+        assert_eq!(code, Some(0), "{args:?}:\n{text}");
+        assert!(text.contains("clauses pass") && !text.contains("FAIL"), "{args:?}:\n{text}");
+    }
+    let so = build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
+    let (code, text) = check(&[], &[so.to_str().unwrap(), "--section", "touch_all = true"]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("FAIL  parameters without gradients are skipped: `layers.0.self_attn.o_proj.weight` has no gradient but changed"), "{text}");
+    assert!(text.contains("FAIL  zero gradients leave weights unchanged"), "{text}");
+    let target = build_plugin("tests/plugins/synthetic_target", "synthetic_target", &[], "synthetic_target");
+    let (code, text) = check(&[], &[target.to_str().unwrap()]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("pass  features of the requested layers"), "{text}");
+    assert!(text.contains("FAIL  KV-cache extend / truncate equals recomputation: cache_extend: the synthetic target has no KV cache"), "{text}");
+}
+
+/// `plugins new` -> `cargo build --release` -> `plugins check` -> `train --plugin`, for the
+/// optimizer and the data loader templates (built into the workspace's target folder, so only the
+/// new crate compiles).
+#[test]
+fn a_scaffolded_plugin_builds_passes_its_check_and_trains() {
+    common::require_model();
+    let dir = tempfile::tempdir().unwrap();
+    let ids = dir.path().join("train.ids");
+    // Token ids of SmolLM2's vocabulary: a prompt, then a response to learn.
+    let lines: Vec<String> = (0..8).map(|i| format!("1 {} {} 2 | {} {} {} 2", 100 + i, 200 + i, 300 + i, 400 + i, 500 + i)).collect();
+    std::fs::write(&ids, lines.join("\n")).unwrap();
+    let data_section = format!("path = {:?}\nbatch_size = 2", ids.display().to_string());
+    for (kind, name, section) in [("optimizer", "scaffold_opt", "lr = 0.05".to_string()), ("data", "scaffold_data", data_section)] {
+        let crate_dir = dir.path().join(name);
+        let out = Command::new(host()).args(["plugins", "new", name, "--kind", kind, "--out"]).arg(&crate_dir).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let so = build_plugin(crate_dir.to_str().unwrap(), name, &[], name);
+        let (code, text) = check(&[], &[so.to_str().unwrap(), "--section", &section]);
+        assert_eq!(code, Some(0), "{kind}:\n{text}");
+        let config = if kind == "optimizer" {
+            common::tiny_config(HEAD, &format!("plugin = \"{name}\"\n{section}"))
+        } else {
+            let c = common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3");
+            let at = c.find("[data]").unwrap();
+            format!("{}[data]\nplugin = \"{name}\"\n{section}\n", &c[..at])
+        };
+        let (out, exp) = common::train(&[&so], &config);
+        assert!(out.status.success(), "{kind}: {}", String::from_utf8_lossy(&out.stderr));
+        let manifest = std::fs::read_to_string(exp.path().join("exp/manifest.json")).unwrap();
+        assert!(manifest.contains(&format!("\"name\": \"{name}\"")) || manifest.contains(&format!("\"name\":\"{name}\"")), "{manifest}");
+    }
+}

@@ -261,4 +261,8 @@ pub enum PluginsCommand {
     /// `--plugin` run in a child process).
     #[command(hide = true)]
     Probe { path: PathBuf },
+    /// Run the contract of a plugin's kind against it: pass / FAIL per clause.
+    Check(crate::plugins::check::CheckArgs),
+    /// Write a plugin crate from a template (build it with `cargo build --release`).
+    New(crate::plugins::new::NewArgs),
 }

@@ -1,7 +1,6 @@
 //! `dflash-host`: trains DFlash drafters. The pipeline is fixed here; the target model, drafter,
 //! optimizer and data loader are plugins (built in, or `--plugin PATH` shared libraries).
 
-
 use anyhow::{Context, Result};
 use clap::Parser;
 use dflash_host::cli::{BenchCommand, Cli, Command, ConfigCommand, PluginsCommand};
@@ -27,6 +26,8 @@ fn run() -> Result<ExitCode> {
             print_plugins(std::iter::once(&record));
             Ok(ExitCode::SUCCESS)
         }
+        Command::Plugins { command: PluginsCommand::Check(args) } => plugins::check::run(&cli.plugins, args),
+        Command::Plugins { command: PluginsCommand::New(args) } => plugins::new::run(args),
         Command::Plugins { command: PluginsCommand::Probe { path } } => {
             let loaded = plugins::load_library(&path, None)?;
             say!("{}", serde_json::to_string(&loaded.record)?);

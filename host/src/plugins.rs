@@ -11,6 +11,9 @@
 //! plugin a run actually creates is loaded here (`dlopen`), after its file is hashed once more.
 //! So `plugins list` and `plugins inspect` never load a library into the host.
 
+pub mod check;
+pub mod new;
+
 use crate::config::PluginSection;
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
@@ -102,10 +105,10 @@ impl Registry {
         std::hint::black_box(&crate::builtins::BUILTIN_MODULES);
         let mut plugins: Vec<Plugin> = builtin_plugins()
             .map(|module| {
-                let info = (module.info())();
-                Plugin { record: record(&info, ABI_VERSION, "builtin".into(), None), source: Source::Builtin(module) }
+                let info = checked_info(module, "a built-in plugin")?;
+                Ok(Plugin { record: record(&info, ABI_VERSION, "builtin".into(), None), source: Source::Builtin(module) })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         plugins.sort_by(|a, b| (&a.record.kind, &a.record.name).cmp(&(&b.record.kind, &b.record.name)));
         for arg in paths {
             let path = &find_library(arg)?;
@@ -339,8 +342,18 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
     if build.as_str() != plugin_api::build_id() {
         bail!("plugin {shown}: built for `{build}`, this host is `{}`: tensors cannot cross between different libtorch builds", plugin_api::build_id());
     }
-    let info = (module.info())();
+    let info = checked_info(module, &format!("plugin {shown}"))?;
     Ok(Loaded { record: record(&info, &theirs, path.display().to_string(), Some(sha)), module })
+}
+
+/// The plugin's info; one whose `info()` panicked (an empty name, the panic as description) is
+/// refused.
+fn checked_info(module: PluginModule_Ref, who: &str) -> Result<PluginInfo> {
+    let info = (module.info())();
+    if info.name.is_empty() {
+        bail!("{who}: {}", if info.description.is_empty() { "has no name" } else { info.description.as_str() });
+    }
+    Ok(info)
 }
 
 fn first_line(s: &str) -> String {

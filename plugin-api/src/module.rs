@@ -210,7 +210,7 @@ macro_rules! declare_plugin {
                 $crate::build_id().into()
             }
             extern "C" fn __dflash_info() -> $crate::PluginInfo {
-                $info()
+                $crate::info_or_panic(|| $info())
             }
             extern "C" fn __dflash_create(
                 config: $crate::abi_stable::std_types::RStr<'_>,
@@ -261,6 +261,13 @@ fn quiet_caught_panics() {
             }
         }));
     });
+}
+
+/// `info()`, or on a panic a record with an empty name and the panic as its description (the
+/// host refuses such a plugin with that message).
+pub fn info_or_panic(info: impl FnOnce() -> PluginInfo) -> PluginInfo {
+    catch_plugin_panic(|| Ok(info()))
+        .unwrap_or_else(|e| PluginInfo::new("", PluginKind::Optimizer, "", &format!("`info` {}", e.message)))
 }
 
 /// Run `f`, turning a panic into a [`PluginError`] so it never unwinds across the ABI.

@@ -1,18 +1,14 @@
 //! SGD with momentum as a dflash optimizer plugin: the template for third-party plugins.
 //!
 //! What a plugin does: parse its config section (`plugin_api::parse_section`), implement one
-//! plugin trait (here `Optimizer`), never let a panic cross the ABI (`catch_plugin_panic`), and
-//! declare itself once with `declare_plugin!`.
+//! plain-Rust plugin trait (here `OptimizerPlugin`), and declare itself once with
+//! `declare_plugin!`. A panic anywhere becomes an error the host reports; `plugin_api` does the
+//! ABI side.
 
 use plugin_api::{
-    abi_stable::{
-        sabi_trait::TD_Opaque,
-        std_types::{RResult, RVec},
-    },
-    catch_plugin_panic,
     serde::Deserialize,
     tch::{self, Kind, Tensor},
-    HostContext, NamedTensor, Optimizer, Optimizer_TO, PluginError, PluginInfo, PluginInstance, PluginKind,
+    HostContext, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind,
 };
 
 /// The `[optimizer]` section (besides `plugin = "sgd"`).
@@ -41,61 +37,55 @@ pub struct Sgd {
     steps: i64,
 }
 
-impl Optimizer for Sgd {
-    fn init(&mut self, params: RVec<NamedTensor>) -> RResult<(), PluginError> {
+impl OptimizerPlugin for Sgd {
+    fn init(&mut self, params: Vec<(String, Tensor)>) -> Result<(), PluginError> {
         self.params = params
             .into_iter()
-            .map(|nt| {
-                let p = nt.tensor.into_tensor();
+            .map(|(name, p)| {
                 let buf = Tensor::zeros(p.size(), (Kind::Float, p.device()));
-                (nt.name.into_string(), p, buf)
+                (name, p, buf)
             })
             .collect();
-        RResult::ROk(())
+        Ok(())
     }
 
-    fn step(&mut self, lr_scale: f64) -> RResult<(), PluginError> {
-        catch_plugin_panic(|| {
-            let _guard = tch::no_grad_guard();
-            let lr = self.cfg.lr * lr_scale;
-            for (_, p, buf) in &mut self.params {
-                let g = p.grad();
-                if g.defined() {
-                    sgd_momentum_update(p, &g.to_kind(Kind::Float), buf, lr, self.cfg.momentum);
-                }
+    fn step(&mut self, lr_scale: f64) -> Result<(), PluginError> {
+        let _guard = tch::no_grad_guard();
+        let lr = self.cfg.lr * lr_scale;
+        for (_, p, buf) in &mut self.params {
+            let g = p.grad();
+            if g.defined() {
+                sgd_momentum_update(p, &g.to_kind(Kind::Float), buf, lr, self.cfg.momentum);
             }
-            self.steps += 1;
-            Ok(())
-        })
-        .into()
+        }
+        self.steps += 1;
+        Ok(())
     }
 
     fn base_lr(&self) -> f64 {
         self.cfg.lr
     }
 
-    fn state(&self) -> RVec<NamedTensor> {
-        let mut out = vec![NamedTensor::new("step", Tensor::from(self.steps))];
-        out.extend(self.params.iter().map(|(n, _, b)| NamedTensor::new(format!("{n}.momentum_buffer"), b.shallow_clone())));
-        out.into()
+    fn state(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![("step".to_string(), Tensor::from(self.steps))];
+        out.extend(self.params.iter().map(|(n, _, b)| (format!("{n}.momentum_buffer"), b.shallow_clone())));
+        out
     }
 
-    fn load_state(&mut self, state: RVec<NamedTensor>) -> RResult<(), PluginError> {
-        catch_plugin_panic(|| {
-            for nt in state {
-                if nt.name.as_str() == "step" {
-                    self.steps = nt.tensor.tensor().int64_value(&[]);
-                } else if let Some((_, _, buf)) =
-                    self.params.iter_mut().find(|(n, _, _)| format!("{n}.momentum_buffer") == nt.name.as_str())
-                {
-                    *buf = nt.tensor.into_tensor();
-                } else {
-                    return Err(PluginError::new(format!("unexpected optimizer state `{}`", nt.name)));
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<(), PluginError> {
+        for (name, t) in state {
+            if name == "step" {
+                self.steps = t.int64_value(&[]);
+            } else if let Some((_, p, buf)) = self.params.iter_mut().find(|(n, _, _)| format!("{n}.momentum_buffer") == name) {
+                if t.size() != p.size() {
+                    return Err(PluginError::new(format!("optimizer state `{name}`: shape {:?}, expected {:?}", t.size(), p.size())));
                 }
+                *buf = t.to_kind(Kind::Float).to_device(p.device());
+            } else {
+                return Err(PluginError::new(format!("unexpected optimizer state `{name}`")));
             }
-            Ok(())
-        })
-        .into()
+        }
+        Ok(())
     }
 }
 
@@ -108,7 +98,7 @@ fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginErro
     if !(cfg.lr > 0.0) || !(0.0..1.0).contains(&cfg.momentum) {
         return Err(PluginError::new("field `lr` must be > 0 and `momentum` in [0, 1)"));
     }
-    Ok(PluginInstance::Optimizer(Optimizer_TO::from_value(Sgd { cfg, params: Vec::new(), steps: 0 }, TD_Opaque)))
+    Ok(PluginInstance::optimizer(Sgd { cfg, params: Vec::new(), steps: 0 }))
 }
 
 plugin_api::declare_plugin!(optim_sgd, info, create);

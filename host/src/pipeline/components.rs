@@ -53,7 +53,12 @@ pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path,
     }
     let target = targets.remove(0);
     let mut ctx = ctx_on(cfg.drafter_device());
-    ctx.target = RSome(target.spec());
+    let spec = target.spec();
+    if spec.architecture.is_empty() {
+        // A spec() that panicked: plugin-api's placeholder carries the panic in `source`.
+        return Err(anyhow!("target plugin `{}`: spec: {}", cfg.section("target").plugin, spec.source));
+    }
+    ctx.target = RSome(spec);
     let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &ctx)? else { return Err(wrong(PluginKind::Drafter)) };
     let PluginInstance::Optimizer(optimizer) = create(PluginKind::Optimizer, &ctx)? else {
         return Err(wrong(PluginKind::Optimizer));

@@ -13,13 +13,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use plugin_api::{
-    abi_stable::{
-        sabi_trait::TD_Opaque,
-        std_types::{ROption, RResult, RStr, RVec},
-    },
-    tch::Tensor,
-    Batch, DataLoader, DataLoader_TO, DataPosition, DataSummary, DistillOptions, DistillRequest, HostContext,
-    PluginError, PluginInfo, PluginInstance, PluginKind, TensorHandle,
+    tch::Tensor, DataLoaderPlugin, DataPosition, DataSummary, DistillOptions, DistillRequest, HostContext, PluginError,
+    PluginInfo, PluginInstance, PluginKind, TrainBatch,
 };
 use rand::{seq::SliceRandom, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -478,7 +473,7 @@ impl ChatData {
         self.order.shuffle(&mut rng);
     }
 
-    fn batch(&mut self) -> Option<Batch> {
+    fn batch(&mut self) -> Option<TrainBatch> {
         let start = self.pos.index as usize;
         if start >= self.order.len() {
             self.pos = DataPosition { epoch: self.pos.epoch + 1, index: 0 };
@@ -503,11 +498,11 @@ impl ChatData {
         let lengths: Vec<u32> = picked.iter().map(|e| e.ids.len() as u32).collect();
         let sequence_ids: Vec<u64> = self.order[start..end].iter().map(|&i| i as u64).collect();
         self.pos.index = end as u64;
-        Some(Batch {
-            input_ids: TensorHandle::new(Tensor::from_slice(&ids).view([b as i64, s as i64])),
-            loss_mask: TensorHandle::new(Tensor::from_slice(&mask).view([b as i64, s as i64])),
-            lengths: lengths.into(),
-            sequence_ids: sequence_ids.into(),
+        Some(TrainBatch {
+            input_ids: Tensor::from_slice(&ids).view([b as i64, s as i64]),
+            loss_mask: Tensor::from_slice(&mask).view([b as i64, s as i64]),
+            lengths,
+            sequence_ids,
         })
     }
 
@@ -744,52 +739,44 @@ fn read_template_file(path: &Path) -> Result<String, PluginError> {
     Ok(text)
 }
 
-impl DataLoader for ChatData {
-    fn open(&mut self, tokenizer_json: RStr<'_>) -> RResult<DataSummary, PluginError> {
-        plugin_api::catch_plugin_panic(|| self.open_impl(tokenizer_json.as_str())).into()
+impl DataLoaderPlugin for ChatData {
+    fn open(&mut self, tokenizer_json: &str) -> Result<DataSummary, PluginError> {
+        self.open_impl(tokenizer_json)
     }
 
     fn distill_request(&self) -> DistillRequest {
-        let prompts: RVec<RVec<u32>> = self.pending().map(|e| RVec::from(e.encoded.ids.clone())).collect();
+        let prompts: Vec<Vec<u32>> = self.pending().map(|e| e.encoded.ids.clone()).collect();
         if prompts.is_empty() {
             return DistillRequest::default();
         }
-        DistillRequest {
-            prompts,
-            max_new_tokens: self.cfg.distill_max_new_tokens as u32,
-            stop_tokens: self.stop_tokens.clone().into(),
-        }
+        DistillRequest::new(prompts, self.cfg.distill_max_new_tokens as u32, self.stop_tokens.clone())
     }
 
-    fn set_distilled(&mut self, replies: RVec<RVec<u32>>) -> RResult<DataSummary, PluginError> {
-        plugin_api::catch_plugin_panic(|| self.set_distilled_impl(replies.into_iter().map(|r| r.into_vec()).collect())).into()
+    fn set_distilled(&mut self, replies: Vec<Vec<u32>>) -> Result<DataSummary, PluginError> {
+        self.set_distilled_impl(replies)
     }
 
-    fn next_batch(&mut self) -> RResult<ROption<Batch>, PluginError> {
+    fn next_batch(&mut self) -> Result<Option<TrainBatch>, PluginError> {
         if self.pending().next().is_some() {
-            return RResult::RErr(PluginError::new("batches asked for before the distilled replies arrived"));
+            return Err(PluginError::new("batches asked for before the distilled replies arrived"));
         }
         if self.examples.is_empty() {
-            return RResult::RErr(PluginError::new("next_batch before open"));
+            return Err(PluginError::new("next_batch before open"));
         }
-        RResult::ROk(self.batch().into())
+        Ok(self.batch())
     }
 
     fn position(&self) -> DataPosition {
         self.pos
     }
 
-    fn eval_prompts(&mut self, source: RStr<'_>, limit: u32) -> RResult<RVec<RVec<u32>>, PluginError> {
-        plugin_api::catch_plugin_panic(|| {
-            let p = self.eval_prompts_impl(source.as_str(), limit as usize)?;
-            Ok(p.into_iter().map(RVec::from).collect())
-        })
-        .into()
+    fn eval_prompts(&mut self, source: &str, limit: u32) -> Result<Vec<Vec<u32>>, PluginError> {
+        self.eval_prompts_impl(source, limit as usize)
     }
 
-    fn seek(&mut self, position: DataPosition) -> RResult<(), PluginError> {
+    fn seek(&mut self, position: DataPosition) -> Result<(), PluginError> {
         if position.index as usize > self.examples.len() {
-            return RResult::RErr(PluginError::new(format!(
+            return Err(PluginError::new(format!(
                 "data position {} is past the end of the epoch ({} sequences)",
                 position.index,
                 self.examples.len()
@@ -797,7 +784,7 @@ impl DataLoader for ChatData {
         }
         self.pos = position;
         self.shuffle_epoch();
-        RResult::ROk(())
+        Ok(())
     }
 
     fn distill_options(&self) -> DistillOptions {
@@ -808,13 +795,10 @@ impl DataLoader for ChatData {
         }
     }
 
-    fn export_distilled(&self, path: RStr<'_>) -> RResult<u64, PluginError> {
-        plugin_api::catch_plugin_panic(|| {
-            let records = self.distilled_records()?;
-            records::write_jsonl(Path::new(path.as_str()), &records).map_err(|e| PluginError::new(e.to_string()))?;
-            Ok(records.len() as u64)
-        })
-        .into()
+    fn export_distilled(&self, path: &str) -> Result<u64, PluginError> {
+        let records = self.distilled_records()?;
+        records::write_jsonl(Path::new(path), &records).map_err(|e| PluginError::new(e.to_string()))?;
+        Ok(records.len() as u64)
     }
 }
 
@@ -867,7 +851,7 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     let data = ChatData::new(section, path, ctx.cache_dir.as_str().into(), ctx.seed)?
         .with_template(template_file, &checkpoint)?
         .with_special_ids(bos, eos, pad);
-    Ok(PluginInstance::DataLoader(DataLoader_TO::from_value(data, TD_Opaque)))
+    Ok(PluginInstance::data_loader(data))
 }
 
 plugin_api::declare_plugin!(data_chat, info, create);

@@ -127,7 +127,7 @@ fn distill_last_regenerates_one_reply_per_record_and_says_so() {
         assert!(text(p).ends_with("<|im_start|>assistant\n"), "{}", text(p));
     }
     assert_eq!(text(&req.prompts[1]), "<|im_start|>user\np<|im_end|>\n<|im_start|>assistant\n");
-    assert!(matches!(data.next_batch(), RResult::RErr(_)), "no batch before the replies");
+    assert!(data.next_batch().is_err(), "no batch before the replies");
     data.set_distilled_impl(vec![reply("X"), reply("Y")]).unwrap();
     assert!(data.distill_request().prompts.is_empty());
     for (e, r) in data.examples.iter().zip(["X", "Y"]) {
@@ -160,7 +160,7 @@ fn distill_all_regenerates_every_reply_turn_by_turn() {
     assert_eq!(trained(&data.examples[1].encoded), "Z<|im_end|>");
     // Exported as a text dataset, read back as one.
     let out = dir.path().join("distilled.jsonl");
-    assert_eq!(data.export_distilled(RStr::from(out.to_str().unwrap())).unwrap(), 2);
+    assert_eq!(data.export_distilled(out.to_str().unwrap()).unwrap(), 2);
     let back = records::read_jsonl(&out, OnError::Fail).unwrap().records;
     let m = |role, c: &str| Message { role, content: c.into() };
     assert_eq!(

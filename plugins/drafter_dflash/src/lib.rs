@@ -14,13 +14,9 @@ use drafter_layers::{
     rope::RopeScaling,
 };
 use plugin_api::{
-    abi_stable::{
-        sabi_trait::TD_Opaque,
-        std_types::{RResult, RString, RVec},
-    },
-    tch::{nn, Device, Kind},
-    DraftInput, Drafter, Drafter_TO, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind,
-    TargetSpec, TensorHandle,
+    abi_stable::std_types::RVec,
+    tch::{nn, Device, Kind, Tensor},
+    DrafterInput, DrafterPlugin, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind, TargetSpec,
 };
 use serde::Deserialize;
 
@@ -209,18 +205,19 @@ impl DFlashPlugin {
         self
     }
 
+    /// Copy weights in by name (every parameter present with its shape).
     pub fn load(&mut self, weights: RVec<NamedTensor>) -> Result<(), PluginError> {
         drafter_layers::weights::load_named(&self.vs, weights)
     }
 }
 
-impl Drafter for DFlashPlugin {
-    fn config_json(&self) -> RString {
-        serde_json::to_string_pretty(&self.model.cfg).expect("config serializes").into()
+impl DrafterPlugin for DFlashPlugin {
+    fn config_json(&self) -> String {
+        serde_json::to_string_pretty(&self.model.cfg).expect("config serializes")
     }
 
-    fn target_layer_ids(&self) -> RVec<u32> {
-        self.model.cfg.dflash_config.target_layer_ids.clone().into()
+    fn target_layer_ids(&self) -> Vec<u32> {
+        self.model.cfg.dflash_config.target_layer_ids.clone()
     }
 
     fn block_size(&self) -> u32 {
@@ -231,41 +228,35 @@ impl Drafter for DFlashPlugin {
         self.model.cfg.dflash_config.mask_token_id
     }
 
-    fn parameters(&self) -> RVec<NamedTensor> {
-        drafter_layers::weights::named_parameters(&self.vs)
+    fn parameters(&self) -> Vec<(String, Tensor)> {
+        drafter_layers::weights::named_parameters(&self.vs).into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect()
     }
 
-    fn load_weights(&mut self, weights: RVec<NamedTensor>) -> RResult<(), PluginError> {
-        self.load(weights).into()
+    fn load_weights(&mut self, weights: Vec<(String, Tensor)>) -> Result<(), PluginError> {
+        self.load(weights.into_iter().map(|(n, t)| NamedTensor::new(n, t)).collect())
     }
 
-    fn forward(&mut self, input: &DraftInput) -> RResult<TensorHandle, PluginError> {
-        plugin_api::catch_plugin_panic(|| {
-            let (th, emb, anchors) = (input.target_hidden.tensor(), input.block_embeds.tensor(), input.anchors.tensor());
-            self.pending = None;
-            let host_anchors = self.host_anchors.take();
-            if self.mode.own_backward() && grad_enabled() {
-                let (out, tape) = self.model.forward_train(&th, &emb, &anchors, host_anchors.as_ref(), self.mode);
-                self.pending = Some(tape);
-                return Ok(TensorHandle::new(out));
-            }
-            Ok(TensorHandle::new(self.model.forward(&th, &emb, &anchors)))
-        })
-        .into()
+    fn forward(&mut self, input: &DrafterInput) -> Result<Tensor, PluginError> {
+        let (th, emb, anchors) = (&input.target_hidden, &input.block_embeds, &input.anchors);
+        self.pending = None;
+        let host_anchors = self.host_anchors.take();
+        if self.mode.own_backward() && grad_enabled() {
+            let (out, tape) = self.model.forward_train(th, emb, anchors, host_anchors.as_ref(), self.mode);
+            self.pending = Some(tape);
+            return Ok(out);
+        }
+        Ok(self.model.forward(th, emb, anchors))
     }
 
-    fn anchors_on_host(&mut self, anchors: &TensorHandle) -> RResult<(), PluginError> {
-        self.host_anchors = Some(anchors.tensor());
-        RResult::ROk(())
+    fn anchors_on_host(&mut self, anchors: &Tensor) -> Result<(), PluginError> {
+        self.host_anchors = Some(anchors.shallow_clone());
+        Ok(())
     }
 
-    fn backward(&mut self, grad: &TensorHandle) -> RResult<(), PluginError> {
-        plugin_api::catch_plugin_panic(|| {
-            let tape = self.pending.take().ok_or_else(|| PluginError::new("backward without a training forward before it"))?;
-            self.model.backward(tape, &grad.tensor());
-            Ok(())
-        })
-        .into()
+    fn backward(&mut self, grad: &Tensor) -> Result<(), PluginError> {
+        let tape = self.pending.take().ok_or_else(|| PluginError::new("backward without a training forward before it"))?;
+        self.model.backward(tape, grad);
+        Ok(())
     }
 }
 
@@ -316,7 +307,7 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
         split_attention: section.attention == AttentionKind::Split,
         checkpoint_layers: section.checkpoint_layers,
     });
-    Ok(PluginInstance::Drafter(Drafter_TO::from_value(drafter, TD_Opaque)))
+    Ok(PluginInstance::drafter(drafter))
 }
 
 plugin_api::declare_plugin!(drafter_dflash, info, create);

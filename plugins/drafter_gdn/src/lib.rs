@@ -40,13 +40,9 @@ mod tests;
 
 pub use config::{DrafterSection, GdnConfig, LayerType};
 use plugin_api::{
-    abi_stable::{
-        sabi_trait::TD_Opaque,
-        std_types::{RResult, RString, RVec},
-    },
-    tch::{nn, Device, Kind},
-    DraftInput, Drafter, Drafter_TO, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind,
-    TargetSpec, TensorHandle,
+    abi_stable::std_types::RVec,
+    tch::{nn, Device, Kind, Tensor},
+    DrafterInput, DrafterPlugin, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind, TargetSpec,
 };
 
 pub struct GdnPlugin {
@@ -60,18 +56,19 @@ impl GdnPlugin {
         Self { vs, model }
     }
 
+    /// Copy weights in by name (every parameter present with its shape).
     pub fn load(&mut self, weights: RVec<NamedTensor>) -> Result<(), PluginError> {
         drafter_layers::weights::load_named(&self.vs, weights)
     }
 }
 
-impl Drafter for GdnPlugin {
-    fn config_json(&self) -> RString {
-        serde_json::to_string_pretty(&self.model.cfg).expect("config serializes").into()
+impl DrafterPlugin for GdnPlugin {
+    fn config_json(&self) -> String {
+        serde_json::to_string_pretty(&self.model.cfg).expect("config serializes")
     }
 
-    fn target_layer_ids(&self) -> RVec<u32> {
-        self.model.cfg.dflash_config.target_layer_ids.clone().into()
+    fn target_layer_ids(&self) -> Vec<u32> {
+        self.model.cfg.dflash_config.target_layer_ids.clone()
     }
 
     fn block_size(&self) -> u32 {
@@ -82,24 +79,16 @@ impl Drafter for GdnPlugin {
         self.model.cfg.dflash_config.mask_token_id
     }
 
-    fn parameters(&self) -> RVec<NamedTensor> {
-        drafter_layers::weights::named_parameters(&self.vs)
+    fn parameters(&self) -> Vec<(String, Tensor)> {
+        drafter_layers::weights::named_parameters(&self.vs).into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect()
     }
 
-    fn load_weights(&mut self, weights: RVec<NamedTensor>) -> RResult<(), PluginError> {
-        self.load(weights).into()
+    fn load_weights(&mut self, weights: Vec<(String, Tensor)>) -> Result<(), PluginError> {
+        self.load(weights.into_iter().map(|(n, t)| NamedTensor::new(n, t)).collect())
     }
 
-    fn forward(&mut self, input: &DraftInput) -> RResult<TensorHandle, PluginError> {
-        plugin_api::catch_plugin_panic(|| {
-            let out = self.model.forward(
-                &input.target_hidden.tensor(),
-                &input.block_embeds.tensor(),
-                &input.anchors.tensor(),
-            );
-            Ok(TensorHandle::new(out))
-        })
-        .into()
+    fn forward(&mut self, input: &DrafterInput) -> Result<Tensor, PluginError> {
+        Ok(self.model.forward(&input.target_hidden, &input.block_embeds, &input.anchors))
     }
 }
 
@@ -147,7 +136,7 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
         }
         None => GdnPlugin::new(&section.resolve(target)?, device, kind),
     };
-    Ok(PluginInstance::Drafter(Drafter_TO::from_value(drafter, TD_Opaque)))
+    Ok(PluginInstance::drafter(drafter))
 }
 
 plugin_api::declare_plugin!(drafter_gdn, info, create);

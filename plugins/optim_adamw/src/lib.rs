@@ -3,13 +3,8 @@
 //! master copy.
 
 use plugin_api::{
-    abi_stable::{
-        sabi_trait::TD_Opaque,
-        std_types::{RResult, RVec},
-    },
     tch::{Kind, Tensor},
-    HostContext, NamedTensor, Optimizer, Optimizer_TO, PluginError, PluginInfo, PluginInstance,
-    PluginKind,
+    HostContext, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind,
 };
 
 // The update math lives in optim_math (shared with the Muon plugin's AdamW group); re-exported so
@@ -63,26 +58,25 @@ impl AdamW {
     }
 }
 
-impl Optimizer for AdamW {
-    fn init(&mut self, params: RVec<NamedTensor>) -> RResult<(), PluginError> {
+impl OptimizerPlugin for AdamW {
+    fn init(&mut self, params: Vec<(String, Tensor)>) -> Result<(), PluginError> {
         self.slots = params
             .into_iter()
-            .map(|nt| {
-                let param = nt.tensor.into_tensor();
+            .map(|(name, param)| {
                 let master = (param.kind() != Kind::Float).then(|| param.detach().to_kind(Kind::Float));
                 let zeros = || Tensor::zeros(param.size(), (Kind::Float, param.device()));
-                Slot { name: nt.name.into(), exp_avg: zeros(), exp_avg_sq: zeros(), master, param }
+                Slot { name, exp_avg: zeros(), exp_avg_sq: zeros(), master, param }
             })
             .collect();
-        RResult::ROk(())
+        Ok(())
     }
 
-    fn step(&mut self, lr_scale: f64) -> RResult<(), PluginError> {
+    fn step(&mut self, lr_scale: f64) -> Result<(), PluginError> {
         self.step += 1;
         let lr = self.params.lr * lr_scale;
         let _guard = plugin_api::tch::no_grad_guard();
         if self.params.fused && self.slots.first().is_some_and(|s| s.param.device().is_cuda()) {
-            return self.step_fused(lr).into();
+            return self.step_fused(lr);
         }
         for s in &mut self.slots {
             let grad = s.param.grad();
@@ -100,33 +94,32 @@ impl Optimizer for AdamW {
                 }
             }
         }
-        RResult::ROk(())
+        Ok(())
     }
 
     fn base_lr(&self) -> f64 {
         self.params.lr
     }
 
-    fn state(&self) -> RVec<NamedTensor> {
-        let mut out = vec![NamedTensor::new("step", Tensor::from(self.step))];
+    fn state(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![("step".to_string(), Tensor::from(self.step))];
         for s in &self.slots {
-            out.push(NamedTensor::new(format!("{}.exp_avg", s.name), s.exp_avg.shallow_clone()));
-            out.push(NamedTensor::new(format!("{}.exp_avg_sq", s.name), s.exp_avg_sq.shallow_clone()));
+            out.push((format!("{}.exp_avg", s.name), s.exp_avg.shallow_clone()));
+            out.push((format!("{}.exp_avg_sq", s.name), s.exp_avg_sq.shallow_clone()));
             if let Some(m) = &s.master {
-                out.push(NamedTensor::new(format!("{}.master", s.name), m.shallow_clone()));
+                out.push((format!("{}.master", s.name), m.shallow_clone()));
             }
         }
-        out.into()
+        out
     }
 
-    fn load_state(&mut self, state: RVec<NamedTensor>) -> RResult<(), PluginError> {
-        load_state(self, state).into()
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<(), PluginError> {
+        load_state(self, state)
     }
 }
 
-fn load_state(opt: &mut AdamW, state: RVec<NamedTensor>) -> Result<(), PluginError> {
-    let mut by_name: std::collections::HashMap<String, Tensor> =
-        state.into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect();
+fn load_state(opt: &mut AdamW, state: Vec<(String, Tensor)>) -> Result<(), PluginError> {
+    let mut by_name: std::collections::HashMap<String, Tensor> = state.into_iter().collect();
     let step = by_name.remove("step").ok_or_else(|| PluginError::new("optimizer state: missing `step`"))?;
     opt.step = step.int64_value(&[]);
     let mut take = |name: String, like: &Tensor| -> Result<Tensor, PluginError> {
@@ -162,7 +155,7 @@ fn info() -> PluginInfo {
 
 fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let params = ParamsAdamW::from_toml(config)?;
-    Ok(PluginInstance::Optimizer(Optimizer_TO::from_value(AdamW::new(params), TD_Opaque)))
+    Ok(PluginInstance::optimizer(AdamW::new(params)))
 }
 
 plugin_api::declare_plugin!(optim_adamw, info, create);

@@ -24,13 +24,8 @@ pub use optim_math::{adjusted_lr, muon_update, zeropower_via_newtonschulz5, Adju
 
 use optim_math::{adamw_update, muon_momentum, newton_schulz_cost, shard_by_cost, ParamsAdamW};
 use plugin_api::{
-    abi_stable::{
-        sabi_trait::TD_Opaque,
-        std_types::{RResult, RVec},
-    },
     tch::{Kind, Tensor},
-    CollectivesBox, HostContext, NamedTensor, Optimizer, Optimizer_TO, PluginError, PluginInfo, PluginInstance, PluginKind,
-    TensorHandle,
+    CollectivesBox, HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, TensorHandle,
 };
 use std::collections::HashMap;
 
@@ -108,13 +103,11 @@ impl Muon {
         muon.chain(adamw).collect()
     }
 
-    fn init_impl(&mut self, params: RVec<NamedTensor>) -> Result<(), PluginError> {
+    fn init_impl(&mut self, params: Vec<(String, Tensor)>) -> Result<(), PluginError> {
         let mut muon = Vec::new();
         let mut adamw = Vec::new();
         let mut split_used = vec![false; self.cfg.split.len()];
-        for nt in params {
-            let name = nt.name.into_string();
-            let param = nt.tensor.into_tensor();
+        for (name, param) in params {
             let shape = param.size();
             let group = self.cfg.route(&name, &shape);
             let split = self.cfg.split.iter().position(|r| glob_match(&r.pattern, &name));
@@ -248,19 +241,19 @@ impl Muon {
         Ok(())
     }
 
-    fn state_impl(&self) -> Vec<NamedTensor> {
-        let mut out = vec![NamedTensor::new("step", Tensor::from(self.step))];
+    fn state_impl(&self) -> Vec<(String, Tensor)> {
+        let mut out = vec![("step".to_string(), Tensor::from(self.step))];
         for s in &self.muon {
-            out.push(NamedTensor::new(format!("{}.momentum_buffer", s.name), s.momentum_buffer.shallow_clone()));
+            out.push((format!("{}.momentum_buffer", s.name), s.momentum_buffer.shallow_clone()));
             if let Some(m) = &s.master {
-                out.push(NamedTensor::new(format!("{}.master", s.name), m.shallow_clone()));
+                out.push((format!("{}.master", s.name), m.shallow_clone()));
             }
         }
         for s in &self.adamw {
-            out.push(NamedTensor::new(format!("{}.exp_avg", s.name), s.exp_avg.shallow_clone()));
-            out.push(NamedTensor::new(format!("{}.exp_avg_sq", s.name), s.exp_avg_sq.shallow_clone()));
+            out.push((format!("{}.exp_avg", s.name), s.exp_avg.shallow_clone()));
+            out.push((format!("{}.exp_avg_sq", s.name), s.exp_avg_sq.shallow_clone()));
             if let Some(m) = &s.master {
-                out.push(NamedTensor::new(format!("{}.master", s.name), m.shallow_clone()));
+                out.push((format!("{}.master", s.name), m.shallow_clone()));
             }
         }
         out
@@ -268,9 +261,9 @@ impl Muon {
 
     /// Replace the state; nothing changes unless every entry is present, shaped right, and no
     /// entry is left over. The error lists every mismatch by name.
-    fn load_state_impl(&mut self, state: RVec<NamedTensor>) -> Result<(), PluginError> {
+    fn load_state_impl(&mut self, state: Vec<(String, Tensor)>) -> Result<(), PluginError> {
         let mut by_name: HashMap<String, Tensor> =
-            state.into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect();
+            state.into_iter().collect();
         let mut problems = Vec::new();
         let step = match by_name.remove("step") {
             Some(t) if t.numel() == 1 => Some(t.int64_value(&[])),
@@ -345,30 +338,31 @@ impl Muon {
     }
 }
 
-impl Optimizer for Muon {
-    fn init(&mut self, params: RVec<NamedTensor>) -> RResult<(), PluginError> {
-        plugin_api::catch_plugin_panic(|| self.init_impl(params)).into()
+// Named in full: the tests (`use super::*`) drive the ABI trait, `plugin_api::Optimizer`.
+impl plugin_api::OptimizerPlugin for Muon {
+    fn init(&mut self, params: Vec<(String, Tensor)>) -> Result<(), PluginError> {
+        self.init_impl(params)
     }
 
-    fn step(&mut self, lr_scale: f64) -> RResult<(), PluginError> {
-        plugin_api::catch_plugin_panic(|| self.step_impl(lr_scale)).into()
+    fn step(&mut self, lr_scale: f64) -> Result<(), PluginError> {
+        self.step_impl(lr_scale)
     }
 
     fn base_lr(&self) -> f64 {
         self.cfg.lr
     }
 
-    fn state(&self) -> RVec<NamedTensor> {
-        self.state_impl().into()
+    fn state(&self) -> Vec<(String, Tensor)> {
+        self.state_impl()
     }
 
-    fn load_state(&mut self, state: RVec<NamedTensor>) -> RResult<(), PluginError> {
-        plugin_api::catch_plugin_panic(|| self.load_state_impl(state)).into()
+    fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<(), PluginError> {
+        self.load_state_impl(state)
     }
 
-    fn set_collectives(&mut self, collectives: CollectivesBox) -> RResult<(), PluginError> {
+    fn set_collectives(&mut self, collectives: CollectivesBox) -> Result<(), PluginError> {
         self.collectives = Some(collectives);
-        RResult::ROk(())
+        Ok(())
     }
 }
 
@@ -413,7 +407,7 @@ fn info() -> PluginInfo {
 
 fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let cfg = MuonConfig::from_toml(config)?;
-    Ok(PluginInstance::Optimizer(Optimizer_TO::from_value(Muon::new(cfg), TD_Opaque)))
+    Ok(PluginInstance::optimizer(Muon::new(cfg)))
 }
 
 plugin_api::declare_plugin!(optim_muon, info, create);

@@ -2,7 +2,14 @@
 //! trip, init and state errors. Parity with torch is in tests/muon_parity.rs.
 
 use super::*;
-use plugin_api::tch::{self, Device};
+use plugin_api::{
+    abi_stable::{
+        sabi_trait::TD_Opaque,
+        std_types::{RResult, RVec},
+    },
+    tch::{self, Device},
+    NamedTensor, Optimizer,
+};
 
 const F32: (Kind, Device) = (Kind::Float, Device::Cpu);
 
@@ -372,11 +379,11 @@ fn distributed_muon_equals_one_process() {
     let one = deep_copy(&ps);
     let mut single = new_opt(text, &one);
     run(&one, &mut single, &grads);
-    let want: HashMap<String, Tensor> = single.state_impl().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor())).collect();
+    let want: HashMap<String, Tensor> = single.state_impl().into_iter().collect();
 
     for world in [2u32, 3] {
         let slots = std::sync::Arc::new((std::sync::Mutex::new((0..world).map(|_| None).collect()), std::sync::Barrier::new(world as usize)));
-        let results: Vec<(Vec<(String, Tensor)>, Vec<NamedTensor>, i64)> = std::thread::scope(|s| {
+        let results: Vec<(Vec<(String, Tensor)>, Vec<(String, Tensor)>, i64)> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..world)
                 .map(|rank| {
                     let (slots, mine, grads) = (slots.clone(), deep_copy(&ps), copy_grads());
@@ -399,9 +406,9 @@ fn distributed_muon_equals_one_process() {
                 let d = max_diff(p, p1);
                 assert!(d <= 1e-6, "world {world}, rank {rank}: {name} differs from one process by {d:e}");
             }
-            for nt in state {
-                let d = max_diff(&nt.tensor.tensor(), &want[nt.name.as_str()]);
-                assert!(d <= 1e-6, "world {world}, rank {rank}: state {} differs by {d:e}", nt.name);
+            for (name, t) in state {
+                let d = max_diff(t, &want[name.as_str()]);
+                assert!(d <= 1e-6, "world {world}, rank {rank}: state {name} differs by {d:e}");
             }
             // Each rank's buffer is padded to the longest: all ranks send the same length, less
             // than every part together.

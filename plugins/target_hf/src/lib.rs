@@ -16,13 +16,8 @@ pub mod random;
 
 use model::Decoder;
 use plugin_api::{
-    abi_stable::{
-        sabi_trait::TD_Opaque,
-        std_types::{ROption, RResult, RSlice, RString, RVec},
-    },
     tch::{Device, Kind, Tensor},
-    HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, TargetModel, TargetModel_TO, TargetOutput,
-    TargetSpec, TensorHandle,
+    HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, TargetPlugin, TargetSpec,
 };
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -158,70 +153,41 @@ fn sha256_path(path: &Path) -> std::io::Result<String> {
     Ok(format!("{:x}", h.finalize()))
 }
 
-impl TargetModel for HfTarget {
+impl TargetPlugin for HfTarget {
     fn spec(&self) -> TargetSpec {
         self.spec.clone()
     }
 
-    fn tokenizer_json(&self) -> RString {
-        self.tokenizer.to_string(false).expect("tokenizer serializes").into()
+    fn tokenizer_json(&self) -> String {
+        self.tokenizer.to_string(false).expect("tokenizer serializes")
     }
 
-    fn embedding(&self) -> TensorHandle {
-        TensorHandle::new(self.model.embed_tokens.shallow_clone())
+    fn embedding(&self) -> Tensor {
+        self.model.embed_tokens.shallow_clone()
     }
 
-    fn lm_head(&self) -> TensorHandle {
-        TensorHandle::new(self.model.lm_head.shallow_clone())
+    fn lm_head(&self) -> Tensor {
+        self.model.lm_head.shallow_clone()
     }
 
-    fn forward(
-        &mut self,
-        input_ids: &TensorHandle,
-        layer_ids: RSlice<'_, u32>,
-        want_logits: bool,
-    ) -> RResult<TargetOutput, PluginError> {
-        plugin_api::catch_plugin_panic(|| {
-            let (hidden, logits) = self.features(&input_ids.tensor(), &layer_ids, want_logits).map_err(PluginError::new)?;
-            Ok(TargetOutput { hidden: hidden.into(), logits: logits.map(TensorHandle::new).into() })
-        })
-        .into()
+    fn forward(&mut self, input_ids: &Tensor, layer_ids: &[u32], want_logits: bool) -> Result<(Tensor, Option<Tensor>), PluginError> {
+        self.features(input_ids, layer_ids, want_logits).map_err(PluginError::new)
     }
 
-    fn generate(
-        &mut self,
-        prompts: RVec<RVec<u32>>,
-        max_new_tokens: u32,
-        stop_tokens: RSlice<'_, u32>,
-    ) -> RResult<RVec<RVec<u32>>, PluginError> {
-        plugin_api::catch_plugin_panic(|| {
-            let prompts: Vec<Vec<u32>> = prompts.into_iter().map(|p| p.into_vec()).collect();
-            let out = generate::greedy(
-                &self.model,
-                &prompts,
-                max_new_tokens as usize,
-                &stop_tokens,
-                self.generate_batch_size,
-            );
-            Ok(out.into_iter().map(RVec::from).collect())
-        })
-        .into()
+    fn generate(&mut self, prompts: Vec<Vec<u32>>, max_new_tokens: u32, stop_tokens: &[u32]) -> Result<Vec<Vec<u32>>, PluginError> {
+        Ok(generate::greedy(&self.model, &prompts, max_new_tokens as usize, stop_tokens, self.generate_batch_size))
     }
 
     fn cache_reset(&mut self) {
         self.session = self.model.new_cache(true);
     }
 
-    fn cache_extend(&mut self, input_ids: &TensorHandle, layer_ids: RSlice<'_, u32>) -> RResult<TargetOutput, PluginError> {
-        plugin_api::catch_plugin_panic(|| {
-            let (hidden, logits) = self.extend(&input_ids.tensor(), &layer_ids).map_err(PluginError::new)?;
-            Ok(TargetOutput { hidden: hidden.into(), logits: ROption::RSome(logits.into()) })
-        })
-        .into()
+    fn cache_extend(&mut self, input_ids: &Tensor, layer_ids: &[u32]) -> Result<(Tensor, Tensor), PluginError> {
+        self.extend(input_ids, layer_ids).map_err(PluginError::new)
     }
 
-    fn cache_truncate(&mut self, len: u32) -> RResult<(), PluginError> {
-        plugin_api::catch_plugin_panic(|| self.model.truncate(&mut self.session, len as i64).map_err(PluginError::new)).into()
+    fn cache_truncate(&mut self, len: u32) -> Result<(), PluginError> {
+        self.model.truncate(&mut self.session, len as i64).map_err(PluginError::new)
     }
 }
 
@@ -244,7 +210,7 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     let build = if section.random_init { HfTarget::random } else { HfTarget::load };
     let target = build(&path, device, kind, section.generate_batch_size)
         .map_err(|e| PluginError::new(format!("field `path`: {e}")))?;
-    Ok(PluginInstance::Target(TargetModel_TO::from_value(target, TD_Opaque)))
+    Ok(PluginInstance::target(target))
 }
 
 plugin_api::declare_plugin!(target_hf, info, create);

@@ -1,15 +1,12 @@
 //! An optimizer plugin ("faulty") that does nothing, or panics inside `step` when its config
 //! says `panic_at_step = N`, or writes NaN into every parameter at `nan_at_step = N` (a diverged
-//! run). Built with plugin-api's test features it is refused at load.
+//! run), or panics in the value-returning method `panic_in` names (`base_lr`, `state`). Built
+//! with plugin-api's test features it is refused at load.
 
 use plugin_api::{
-    abi_stable::{
-        sabi_trait::TD_Opaque,
-        std_types::{RResult, RVec},
-    },
-    catch_plugin_panic,
     serde::Deserialize,
-    HostContext, NamedTensor, Optimizer, Optimizer_TO, PluginError, PluginInfo, PluginInstance, PluginKind,
+    tch::Tensor,
+    HostContext, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind,
 };
 
 #[derive(Deserialize)]
@@ -19,48 +16,64 @@ struct Config {
     panic_at_step: u64,
     #[serde(default)]
     nan_at_step: u64,
+    #[serde(default)]
+    panic_in: String,
+    /// A broken optimizer for `plugins check`: every step moves every parameter, gradient or not.
+    #[serde(default)]
+    touch_all: bool,
 }
 
 struct Faulty {
     panic_at_step: u64,
     nan_at_step: u64,
+    panic_in: String,
+    touch_all: bool,
     steps: u64,
-    params: Vec<plugin_api::tch::Tensor>,
+    params: Vec<Tensor>,
 }
 
-impl Optimizer for Faulty {
-    fn init(&mut self, params: RVec<NamedTensor>) -> RResult<(), PluginError> {
-        self.params = params.into_iter().map(|nt| nt.tensor.into_tensor()).collect();
-        RResult::ROk(())
+impl OptimizerPlugin for Faulty {
+    fn init(&mut self, params: Vec<(String, Tensor)>) -> Result<(), PluginError> {
+        self.params = params.into_iter().map(|(_, t)| t).collect();
+        Ok(())
     }
 
-    fn step(&mut self, _lr_scale: f64) -> RResult<(), PluginError> {
-        catch_plugin_panic(|| {
-            self.steps += 1;
-            if self.steps == self.panic_at_step {
-                panic!("deliberate failure at step {}", self.steps);
+    fn step(&mut self, _lr_scale: f64) -> Result<(), PluginError> {
+        self.steps += 1;
+        if self.steps == self.panic_at_step {
+            panic!("deliberate failure at step {}", self.steps);
+        }
+        if self.touch_all {
+            let _guard = plugin_api::tch::no_grad_guard();
+            for p in &mut self.params {
+                let _ = p.g_add_scalar_(1e-3);
             }
-            if self.steps == self.nan_at_step {
-                let _guard = plugin_api::tch::no_grad_guard();
-                for p in &mut self.params {
-                    let _ = p.fill_(f64::NAN);
-                }
+        }
+        if self.steps == self.nan_at_step {
+            let _guard = plugin_api::tch::no_grad_guard();
+            for p in &mut self.params {
+                let _ = p.fill_(f64::NAN);
             }
-            Ok(())
-        })
-        .into()
+        }
+        Ok(())
     }
 
     fn base_lr(&self) -> f64 {
+        if self.panic_in == "base_lr" {
+            panic!("deliberate panic in base_lr");
+        }
         0.0
     }
 
-    fn state(&self) -> RVec<NamedTensor> {
-        RVec::new()
+    fn state(&self) -> Vec<(String, Tensor)> {
+        if self.panic_in == "state" {
+            panic!("deliberate panic in state");
+        }
+        Vec::new()
     }
 
-    fn load_state(&mut self, _state: RVec<NamedTensor>) -> RResult<(), PluginError> {
-        RResult::ROk(())
+    fn load_state(&mut self, _state: Vec<(String, Tensor)>) -> Result<(), PluginError> {
+        Ok(())
     }
 }
 
@@ -70,7 +83,14 @@ fn info() -> PluginInfo {
 
 fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let cfg: Config = plugin_api::parse_section(config)?;
-    Ok(PluginInstance::Optimizer(Optimizer_TO::from_value(Faulty { panic_at_step: cfg.panic_at_step, nan_at_step: cfg.nan_at_step, steps: 0, params: Vec::new() }, TD_Opaque)))
+    Ok(PluginInstance::optimizer(Faulty {
+        panic_at_step: cfg.panic_at_step,
+        nan_at_step: cfg.nan_at_step,
+        panic_in: cfg.panic_in,
+        touch_all: cfg.touch_all,
+        steps: 0,
+        params: Vec::new(),
+    }))
 }
 
 plugin_api::declare_plugin!(faulty, info, create);

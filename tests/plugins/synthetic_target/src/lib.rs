@@ -1,18 +1,14 @@
 //! A synthetic target ("synthetic") for pipeline tests: a word-level ChatML tokenizer, random
 //! tied embeddings, features that are the embeddings scaled per layer, `forward_ms` of sleep per
 //! forward (a stage with a set time), and a deliberate error or panic at forward
-//! `fail_at_forward` (counted per worker instance).
+//! `fail_at_forward` (counted per worker instance), or a panic in the value-returning method
+//! `panic_in` names (`spec`, `tokenizer_json`).
 
 use plugin_api::{
-    abi_stable::{
-        sabi_trait::TD_Opaque,
-        std_types::{RNone, RResult, RSlice, RString, RVec},
-    },
-    catch_plugin_panic,
+    abi_stable::std_types::{RNone, RString},
     serde::Deserialize,
     tch::{Device, Kind, Tensor},
-    HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, TargetModel, TargetModel_TO, TargetOutput, TargetSpec,
-    TensorHandle,
+    HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, TargetPlugin, TargetSpec,
 };
 
 #[derive(Deserialize)]
@@ -30,6 +26,9 @@ struct Config {
     /// Fail by panicking instead of returning an error.
     #[serde(default)]
     panic: bool,
+    /// A value-returning method that panics.
+    #[serde(default)]
+    panic_in: String,
 }
 
 fn default_hidden() -> u32 {
@@ -66,7 +65,7 @@ struct Synthetic {
 }
 
 impl Synthetic {
-    fn spec(&self) -> TargetSpec {
+    fn make_spec(&self) -> TargetSpec {
         TargetSpec {
             architecture: "synthetic".into(),
             num_hidden_layers: self.cfg.num_hidden_layers,
@@ -88,52 +87,61 @@ impl Synthetic {
     }
 }
 
-impl TargetModel for Synthetic {
+impl Synthetic {
+    fn maybe_panic(&self, method: &str) {
+        if self.cfg.panic_in == method {
+            panic!("deliberate panic in {method}");
+        }
+    }
+}
+
+impl TargetPlugin for Synthetic {
     fn spec(&self) -> TargetSpec {
-        Synthetic::spec(self)
+        self.maybe_panic("spec");
+        self.make_spec()
     }
 
-    fn tokenizer_json(&self) -> RString {
-        tokenizer_json().into()
+    fn tokenizer_json(&self) -> String {
+        self.maybe_panic("tokenizer_json");
+        tokenizer_json()
     }
 
-    fn embedding(&self) -> TensorHandle {
-        TensorHandle::new(self.embedding.shallow_clone())
+    fn embedding(&self) -> Tensor {
+        self.embedding.shallow_clone()
     }
 
-    fn lm_head(&self) -> TensorHandle {
-        TensorHandle::new(self.embedding.shallow_clone())
+    fn lm_head(&self) -> Tensor {
+        self.embedding.shallow_clone()
     }
 
-    fn forward(&mut self, input_ids: &TensorHandle, layer_ids: RSlice<'_, u32>, _want_logits: bool) -> RResult<TargetOutput, PluginError> {
-        catch_plugin_panic(|| {
-            self.forwards += 1;
-            if self.cfg.fail_at_forward == self.forwards {
-                if self.cfg.panic {
-                    panic!("deliberate panic at forward {}", self.forwards);
-                }
-                return Err(PluginError::new(format!("deliberate failure at forward {}", self.forwards)));
+    fn forward(&mut self, input_ids: &Tensor, layer_ids: &[u32], want_logits: bool) -> Result<(Tensor, Option<Tensor>), PluginError> {
+        self.forwards += 1;
+        if self.cfg.fail_at_forward == self.forwards {
+            if self.cfg.panic {
+                panic!("deliberate panic at forward {}", self.forwards);
             }
-            std::thread::sleep(std::time::Duration::from_millis(self.cfg.forward_ms));
-            let e = Tensor::embedding(&self.embedding, &input_ids.tensor(), -1, false, false);
-            let feats: Vec<Tensor> = layer_ids.iter().map(|&l| &e * (1.0 + l as f64 / 8.0)).collect();
-            Ok(TargetOutput { hidden: TensorHandle::new(Tensor::cat(&feats, -1)), logits: RNone })
-        })
-        .into()
+            return Err(PluginError::new(format!("deliberate failure at forward {}", self.forwards)));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(self.cfg.forward_ms));
+        let e = Tensor::embedding(&self.embedding, input_ids, -1, false, false);
+        let feats: Vec<Tensor> = layer_ids.iter().map(|&l| &e * (1.0 + l as f64 / 8.0)).collect();
+        // Tied head: logits are the embedding's scores.
+        let logits = want_logits.then(|| e.matmul(&self.embedding.tr()));
+        Ok((Tensor::cat(&feats, -1), logits))
     }
 
-    fn generate(&mut self, _p: RVec<RVec<u32>>, _m: u32, _s: RSlice<'_, u32>) -> RResult<RVec<RVec<u32>>, PluginError> {
-        RResult::RErr(PluginError::new("the synthetic target does not generate (set distill = false)"))
+    fn generate(&mut self, _p: Vec<Vec<u32>>, _m: u32, _s: &[u32]) -> Result<Vec<Vec<u32>>, PluginError> {
+        Err(PluginError::new("the synthetic target does not generate (set distill = false)"))
     }
 
     fn cache_reset(&mut self) {}
 
-    fn cache_extend(&mut self, _ids: &TensorHandle, _layers: RSlice<'_, u32>) -> RResult<TargetOutput, PluginError> {
-        RResult::RErr(PluginError::new("the synthetic target has no KV cache"))
+    fn cache_extend(&mut self, _ids: &Tensor, _layers: &[u32]) -> Result<(Tensor, Tensor), PluginError> {
+        Err(PluginError::new("the synthetic target has no KV cache"))
     }
 
-    fn cache_truncate(&mut self, _len: u32) -> RResult<(), PluginError> {
-        RResult::ROk(())
+    fn cache_truncate(&mut self, _len: u32) -> Result<(), PluginError> {
+        Ok(())
     }
 }
 
@@ -145,7 +153,7 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     let cfg: Config = plugin_api::parse_section(config)?;
     plugin_api::tch::manual_seed(ctx.seed as i64);
     let embedding = Tensor::randn([vocab().len() as i64, cfg.hidden_size as i64], (Kind::Float, Device::Cpu)) * 0.1;
-    Ok(PluginInstance::Target(TargetModel_TO::from_value(Synthetic { cfg, embedding, forwards: 0 }, TD_Opaque)))
+    Ok(PluginInstance::target(Synthetic { cfg, embedding, forwards: 0 }))
 }
 
 plugin_api::declare_plugin!(synthetic_target, info, create);

@@ -1,0 +1,499 @@
+//! `dflash-host plugins check LIB.so|NAME`: the contract of a plugin's kind, run against it,
+//! one line per clause (`pass` / `FAIL: why`); exit 1 when a clause fails.
+//!
+//! The plugin is created from a run config (`--config`, default `configs/tiny.toml`): its
+//! kind's section names it (`--section` gives the rest of the section when the config names
+//! another plugin), the config's target supplies the spec and tokenizer a drafter and a data
+//! loader need. Inputs are small (a few tokens, 8x4 matrices): the kit takes seconds.
+
+use super::{PluginRecord, Registry};
+use crate::config::{PluginSection, RunConfig};
+use anyhow::{anyhow, bail, Context, Result};
+use plugin_api::{
+    abi_stable::std_types::{RNone, RSome},
+    tch::{self, Device, Kind, Tensor},
+    DataLoaderBox, DataPosition, DraftInput, DrafterBox, HostContext, NamedTensor, OptimizerBox, PluginInstance, PluginKind,
+    TargetBox, TensorHandle,
+};
+use std::{path::PathBuf, process::ExitCode};
+
+/// The default run config: a seconds-long run on the real target and data.
+const TINY: &str = include_str!("../../../configs/tiny.toml");
+
+#[derive(clap::Args)]
+pub struct CheckArgs {
+    /// The plugin: a shared library (path or bare name, as `--plugin` takes it) or the name of
+    /// a built-in plugin (`adamw`, `chat`, `dflash`, `hf`, ...).
+    plugin: PathBuf,
+    /// The run config whose sections create the plugin and its target (default:
+    /// configs/tiny.toml, embedded).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The plugin's own config section (TOML, without `plugin = ...`) when the config's section
+    /// of its kind names another plugin, e.g. `--section 'lr = 0.05'`.
+    #[arg(long)]
+    section: Option<String>,
+}
+
+/// One clause's outcome.
+struct Clause {
+    name: &'static str,
+    result: Result<()>,
+}
+
+pub fn run(plugin_args: &[PathBuf], args: CheckArgs) -> Result<ExitCode> {
+    let (record, registry) = resolve(plugin_args, &args.plugin)?;
+    let kind = kind_of(&record.kind)?;
+    let cfg = match &args.config {
+        Some(p) => RunConfig::load(p)?,
+        None => RunConfig::from_toml(std::path::Path::new("configs/tiny.toml"), TINY)?,
+    };
+    let config_dir = args.config.as_deref().map(crate::config::config_dir).unwrap_or_else(|| PathBuf::from("."));
+    let mut section = cfg.section(kind.as_str());
+    if section.plugin != record.name {
+        section = PluginSection { kind: section.kind, plugin: record.name.clone(), config_toml: args.section.clone().unwrap_or_default() };
+    } else if let Some(s) = &args.section {
+        section.config_toml = s.clone();
+    }
+    let ctx = HostContext {
+        device: "cpu".into(),
+        dtype: "f32".into(),
+        seed: cfg.seed,
+        config_dir: config_dir.display().to_string().into(),
+        cache_dir: crate::run::cache_dir().display().to_string().into(),
+        target: RNone,
+    };
+    crate::say!("checking {} plugin `{}` ({})", record.kind, record.name, record.origin);
+    let kit = Kit { registry: &registry, section, ctx, cfg };
+    let clauses = match kind {
+        PluginKind::Optimizer => kit.optimizer()?,
+        PluginKind::DataLoader => kit.data_loader()?,
+        PluginKind::Drafter => kit.drafter()?,
+        PluginKind::Target => kit.target()?,
+    };
+    let mut failed = 0;
+    for c in &clauses {
+        match &c.result {
+            Ok(()) => crate::say!("  pass  {}", c.name),
+            Err(e) => {
+                failed += 1;
+                crate::say!("  FAIL  {}: {}", c.name, format!("{e:#}").replace('\n', " "));
+            }
+        }
+    }
+    if failed > 0 {
+        crate::say!("{failed} of {} clauses failed", clauses.len());
+        return Ok(ExitCode::from(1));
+    }
+    crate::say!("all {} clauses pass", clauses.len());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The registry with the library loaded (probed first), and the plugin's record; a built-in's
+/// name when no library of that name exists.
+fn resolve(plugin_args: &[PathBuf], arg: &std::path::Path) -> Result<(PluginRecord, Registry)> {
+    let text = arg.to_string_lossy().to_string();
+    let builtin = Registry::new(plugin_args)?;
+    let is_library = text.contains('/') || text.ends_with(".so") || super::find_library(arg).is_ok();
+    if !is_library {
+        let mut found: Vec<PluginRecord> = builtin.plugins.iter().map(|p| p.record.clone()).filter(|r| r.name == text).collect();
+        return match found.len() {
+            1 => Ok((found.remove(0), builtin)),
+            0 => bail!("plugin {text}: no library of that name (see `plugins inspect`) and no plugin named `{text}`"),
+            _ => bail!("plugin {text}: several plugins are named `{text}`; give the library's path"),
+        };
+    }
+    let path = super::find_library(arg)?;
+    let mut paths = plugin_args.to_vec();
+    paths.push(path.clone());
+    let registry = Registry::new(&paths)?;
+    let shown = path.display().to_string();
+    let record = registry.plugins.iter().map(|p| &p.record).find(|r| r.origin == shown).cloned().ok_or_else(|| anyhow!("plugin {shown}: not registered"))?;
+    Ok((record, registry))
+}
+
+fn kind_of(kind: &str) -> Result<PluginKind> {
+    [PluginKind::Target, PluginKind::Drafter, PluginKind::Optimizer, PluginKind::DataLoader]
+        .into_iter()
+        .find(|k| k.as_str() == kind)
+        .ok_or_else(|| anyhow!("unknown plugin kind `{kind}`"))
+}
+
+struct Kit<'a> {
+    registry: &'a Registry,
+    section: PluginSection,
+    ctx: HostContext,
+    cfg: RunConfig,
+}
+
+fn clause(name: &'static str, f: impl FnOnce() -> Result<()>) -> Clause {
+    // The host's own code is checked here too: a panic (a tch shape error on a bad output) is a
+    // failed clause, not a crash.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|p| Err(anyhow!("panicked: {}", p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default())));
+    Clause { name, result }
+}
+
+fn ok<T>(r: plugin_api::abi_stable::std_types::RResult<T, plugin_api::PluginError>, call: &str) -> Result<T> {
+    r.into_result().map_err(|e| anyhow!("{call}: {e}"))
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    if a.size() != b.size() {
+        return f64::INFINITY;
+    }
+    (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[])
+}
+
+const CPU: (Kind, Device) = (Kind::Float, Device::Cpu);
+
+impl Kit<'_> {
+    fn create(&self, kind: PluginKind, section: &PluginSection, ctx: &HostContext) -> Result<PluginInstance> {
+        Ok(self.registry.create(kind, section, ctx)?.0)
+    }
+
+    fn optimizer_box(&self) -> Result<OptimizerBox> {
+        match self.create(PluginKind::Optimizer, &self.section, &self.ctx)? {
+            PluginInstance::Optimizer(o) => Ok(o),
+            _ => unreachable!("Registry::create checks the kind"),
+        }
+    }
+
+    /// A config's target (the data loader's tokenizer, the drafter's spec).
+    fn target_box(&self) -> Result<TargetBox> {
+        let section = self.cfg.section("target");
+        match self.create(PluginKind::Target, &section, &self.ctx).context("creating the config's target")? {
+            PluginInstance::Target(t) => Ok(t),
+            _ => unreachable!(),
+        }
+    }
+
+    // ---- optimizer ----
+
+    fn optimizer(&self) -> Result<Vec<Clause>> {
+        // Two matrices, a vector; fixed values, gradients from a seeded generator.
+        let params = || -> Vec<(String, Tensor)> {
+            tch::manual_seed(1);
+            ["layers.0.mlp.up_proj.weight", "layers.0.self_attn.o_proj.weight", "norm.weight"]
+                .iter()
+                .zip([&[8i64, 4][..], &[4, 8], &[4]])
+                .map(|(n, s)| (n.to_string(), Tensor::randn(s, CPU).set_requires_grad(true)))
+                .collect()
+        };
+        let set_grads = |ps: &[(String, Tensor)], seed: i64, scale: f64| {
+            tch::manual_seed(seed);
+            for (_, p) in ps {
+                if !p.grad().defined() {
+                    (p * 0.0).sum(Kind::Float).backward(); // creates a (zero) .grad
+                }
+                let _ = p.grad().copy_(&(Tensor::randn(p.size(), CPU) * scale));
+            }
+        };
+        let named = |ps: &[(String, Tensor)]| -> plugin_api::abi_stable::std_types::RVec<NamedTensor> {
+            ps.iter().map(|(n, p)| NamedTensor::new(n.clone(), p.shallow_clone())).collect()
+        };
+        let copy = |ps: &[(String, Tensor)]| -> Vec<(String, Tensor)> { ps.iter().map(|(n, p)| (n.clone(), p.detach().copy().set_requires_grad(true))).collect() };
+        let mut out = Vec::new();
+        out.push(clause("state save/load round trip gives identical next steps", || {
+            let a_params = params();
+            let mut a = self.optimizer_box()?;
+            ok(a.init(named(&a_params)), "init")?;
+            for step in 0..2 {
+                set_grads(&a_params, 10 + step, 1.0);
+                ok(a.step(1.0), "step")?;
+            }
+            let state: Vec<(String, Tensor)> = a.state().iter().map(|nt| (nt.name.to_string(), nt.tensor.tensor().copy())).collect();
+            let b_params = copy(&a_params);
+            let mut b = self.optimizer_box()?;
+            ok(b.init(named(&b_params)), "init")?;
+            ok(b.load_state(state.iter().map(|(n, t)| NamedTensor::new(n.clone(), t.shallow_clone())).collect()), "load_state")?;
+            for step in 0..2 {
+                set_grads(&a_params, 20 + step, 1.0);
+                set_grads(&b_params, 20 + step, 1.0);
+                ok(a.step(0.5), "step")?;
+                ok(b.step(0.5), "step")?;
+            }
+            for ((n, pa), (_, pb)) in a_params.iter().zip(&b_params) {
+                let d = max_diff(pa, pb);
+                if d > 0.0 {
+                    bail!("`{n}` differs by {d:e} after two steps from the restored state");
+                }
+            }
+            Ok(())
+        }));
+        out.push(clause("zero gradients leave weights unchanged (but for weight decay)", || {
+            let ps = params();
+            let before = copy(&ps);
+            let mut o = self.optimizer_box()?;
+            ok(o.init(named(&ps)), "init")?;
+            set_grads(&ps, 30, 0.0);
+            ok(o.step(1.0), "step")?;
+            for ((n, p), (_, b)) in ps.iter().zip(&before) {
+                // Decoupled weight decay scales a tensor by one factor in (0, 1]; anything else moved it.
+                let c = (p.detach() * b).sum(Kind::Double).double_value(&[]) / (b * b).sum(Kind::Double).double_value(&[]);
+                let d = max_diff(&p.detach(), &(b * c));
+                if !(c > 0.0 && c <= 1.0) || d > 1e-6 {
+                    bail!("`{n}` moved with a zero gradient (max difference {:e} from a decay by {c:.6})", max_diff(&p.detach(), b));
+                }
+            }
+            Ok(())
+        }));
+        out.push(clause("parameters without gradients are skipped", || {
+            let ps = params();
+            let before = copy(&ps);
+            let mut o = self.optimizer_box()?;
+            ok(o.init(named(&ps)), "init")?;
+            set_grads(&ps[..1], 40, 1.0);
+            ok(o.step(1.0), "step")?;
+            for ((n, p), (_, b)) in ps.iter().zip(&before).skip(1) {
+                if max_diff(&p.detach(), b) != 0.0 {
+                    bail!("`{n}` has no gradient but changed");
+                }
+            }
+            if max_diff(&ps[0].1.detach(), &before[0].1) == 0.0 {
+                bail!("`{}` has a gradient but did not change", ps[0].0);
+            }
+            Ok(())
+        }));
+        Ok(out)
+    }
+
+    // ---- data loader ----
+
+    fn data_box(&self, tokenizer: &str) -> Result<DataLoaderBox> {
+        let PluginInstance::DataLoader(mut d) = self.create(PluginKind::DataLoader, &self.section, &self.ctx_with_target()?)? else { unreachable!() };
+        ok(d.open(tokenizer.into()), "open")?;
+        if !d.distill_request().prompts.is_empty() {
+            bail!("the data loader asks for self-distillation; check it with a section that turns it off (e.g. --section '... distill = false')");
+        }
+        Ok(d)
+    }
+
+    fn ctx_with_target(&self) -> Result<HostContext> {
+        let mut ctx = self.ctx.clone();
+        ctx.target = RSome(self.target_box()?.spec());
+        Ok(ctx)
+    }
+
+    fn data_loader(&self) -> Result<Vec<Clause>> {
+        let tokenizer = self.target_box()?.tokenizer_json().to_string();
+        let batches = |d: &mut DataLoaderBox, n: usize| -> Result<Vec<(Tensor, Tensor)>> {
+            let mut out = Vec::new();
+            for _ in 0..4 * n {
+                if out.len() == n {
+                    break;
+                }
+                if let Some(b) = ok(d.next_batch(), "next_batch")?.into_option() {
+                    out.push((b.input_ids.tensor(), b.loss_mask.tensor()));
+                }
+            }
+            if out.len() < n {
+                bail!("{} batches in {} calls of next_batch", out.len(), 4 * n);
+            }
+            Ok(out)
+        };
+        let mut out = Vec::new();
+        out.push(clause("seeking to a saved position gives the same batches", || {
+            let mut a = self.data_box(&tokenizer)?;
+            batches(&mut a, 1)?;
+            let saved: DataPosition = a.position();
+            let want = batches(&mut a, 3)?;
+            let mut b = self.data_box(&tokenizer)?;
+            ok(b.seek(saved), "seek")?;
+            let got = batches(&mut b, 3)?;
+            for (i, ((wi, wm), (gi, gm))) in want.iter().zip(&got).enumerate() {
+                if wi.size() != gi.size() || !wi.equal(gi) || !wm.equal(gm) {
+                    bail!("batch {} after seeking to {saved:?} differs from the one after that position", i + 1);
+                }
+            }
+            Ok(())
+        }));
+        out.push(clause("the loss mask is on response tokens only", || {
+            let mut d = self.data_box(&tokenizer)?;
+            let (mut seen, mut calls) = (0, 0);
+            while seen < 2 {
+                calls += 1;
+                if calls > 8 {
+                    bail!("no batch in {calls} calls of next_batch");
+                }
+                let Some(b) = ok(d.next_batch(), "next_batch")?.into_option() else { continue };
+                seen += 1;
+                let ids: Vec<Vec<i64>> = Vec::try_from(b.input_ids.tensor())?;
+                let mask: Vec<Vec<i64>> = Vec::try_from(b.loss_mask.tensor())?;
+                for (row, (ids, mask)) in ids.iter().zip(&mask).enumerate() {
+                    let len = b.lengths.get(row).copied().unwrap_or(0) as usize;
+                    if len == 0 || len > ids.len() {
+                        bail!("sequence {row}: length {len} for a row of {} tokens", ids.len());
+                    }
+                    if mask.iter().any(|&m| m != 0 && m != 1) {
+                        bail!("sequence {row}: the loss mask holds values other than 0 and 1");
+                    }
+                    if mask[len..].iter().any(|&m| m == 1) {
+                        bail!("sequence {row}: padding (positions {len}..) is in the loss mask");
+                    }
+                    if mask[0] == 1 {
+                        bail!("sequence {row}: its first token is in the loss mask (a response always has a prompt before it)");
+                    }
+                    if !mask.contains(&1) {
+                        bail!("sequence {row}: no response token in its loss mask");
+                    }
+                    if mask.iter().filter(|&&m| m == 1).count() == len - 1 {
+                        bail!("sequence {row}: every token after the first is in the loss mask (prompts too?)");
+                    }
+                }
+            }
+            Ok(())
+        }));
+        Ok(out)
+    }
+
+    // ---- drafter ----
+
+    fn drafter_box(&self, ctx: &HostContext) -> Result<DrafterBox> {
+        tch::manual_seed(ctx.seed as i64);
+        let PluginInstance::Drafter(d) = self.create(PluginKind::Drafter, &self.section, ctx)? else { unreachable!() };
+        Ok(d)
+    }
+
+    fn drafter(&self) -> Result<Vec<Clause>> {
+        let ctx = self.ctx_with_target()?;
+        let spec = ctx.target.clone().unwrap();
+        let h = spec.hidden_size as i64;
+        let input = |d: &DrafterBox| -> DraftInput {
+            let (b, s, a, bk) = (2i64, 24i64, 2i64, d.block_size() as i64);
+            let n = d.target_layer_ids().len() as i64;
+            tch::manual_seed(7);
+            DraftInput {
+                target_hidden: TensorHandle::new(Tensor::randn([b, s, n * h], CPU)),
+                block_embeds: TensorHandle::new(Tensor::randn([b, a * bk, h], CPU)),
+                anchors: TensorHandle::new(Tensor::from_slice(&[3i64, 11, 5, 13]).view([b, a])),
+                anchor_valid: TensorHandle::new(Tensor::ones([b, a], (Kind::Bool, Device::Cpu))),
+            }
+        };
+        let forward = |d: &mut DrafterBox| -> Result<Tensor> {
+            let x = input(d);
+            let _ = ok(d.anchors_on_host(&x.anchors), "anchors_on_host")?;
+            Ok(ok(d.forward(&x), "forward")?.into_tensor())
+        };
+        let mut out = Vec::new();
+        out.push(clause("output shape [B, A*Bk, H]", || {
+            let mut d = self.drafter_box(&ctx)?;
+            let y = tch::no_grad(|| forward(&mut d))?;
+            let want = vec![2, 2 * d.block_size() as i64, h];
+            if y.size() != want {
+                bail!("output {:?}, expected {want:?}", y.size());
+            }
+            Ok(())
+        }));
+        out.push(clause("deterministic under a seed", || {
+            let mut a = self.drafter_box(&ctx)?;
+            let mut b = self.drafter_box(&ctx)?;
+            let (ya, yb) = tch::no_grad(|| Ok::<_, anyhow::Error>((forward(&mut a)?, forward(&mut b)?)))?;
+            let d = max_diff(&ya, &yb);
+            if d > 0.0 {
+                bail!("two drafters created with seed {} differ by {d:e}", ctx.seed);
+            }
+            Ok(())
+        }));
+        out.push(clause("gradients reach every trainable parameter", || {
+            let mut d = self.drafter_box(&ctx)?;
+            let y = forward(&mut d)?;
+            if y.requires_grad() && y.is_leaf() {
+                let g = Tensor::ones_like(&y);
+                ok(d.backward(&TensorHandle::new(g)), "backward")?;
+            } else {
+                (&y * y.ones_like().cumsum(-1, Kind::Float)).sum(Kind::Float).backward();
+            }
+            let missing: Vec<String> = d
+                .parameters()
+                .iter()
+                .filter(|p| {
+                    let g = p.tensor.tensor().grad();
+                    !g.defined() || g.abs().sum(Kind::Double).double_value(&[]) == 0.0
+                })
+                .map(|p| p.name.to_string())
+                .collect();
+            if !missing.is_empty() {
+                bail!("no gradient for {}", missing.join(", "));
+            }
+            Ok(())
+        }));
+        out.push(clause("config_json parses and its weights re-create the same model", || {
+            let mut a = self.drafter_box(&ctx)?;
+            let json = a.config_json().to_string();
+            serde_json::from_str::<serde_json::Value>(&json).map_err(|e| anyhow!("config_json is not JSON: {e}"))?;
+            let mut other = ctx.clone();
+            other.seed = ctx.seed + 1;
+            let mut b = self.drafter_box(&other)?;
+            if b.config_json().as_str() != json {
+                bail!("the same section gives another config_json");
+            }
+            let weights: Vec<NamedTensor> = a.parameters().iter().map(|p| NamedTensor::new(p.name.to_string(), p.tensor.tensor().detach().copy())).collect();
+            ok(b.load_weights(weights.into()), "load_weights")?;
+            let (ya, yb) = tch::no_grad(|| Ok::<_, anyhow::Error>((forward(&mut a)?, forward(&mut b)?)))?;
+            let d = max_diff(&ya, &yb);
+            if d > 0.0 {
+                bail!("a drafter given the first one's weights differs by {d:e}");
+            }
+            Ok(())
+        }));
+        Ok(out)
+    }
+
+    // ---- target ----
+
+    fn target(&self) -> Result<Vec<Clause>> {
+        let PluginInstance::Target(mut t) = self.create(PluginKind::Target, &self.section, &self.ctx)? else { unreachable!() };
+        let spec = t.spec();
+        let (n, h) = (spec.num_hidden_layers, spec.hidden_size as i64);
+        let v = spec.vocab_size as i64;
+        let ids = Tensor::from_slice(&[1i64, 5, 9, 2, 7, 3, 8, 4]).remainder(v).view([1, 8]);
+        let layers = [0u32, n.saturating_sub(1)];
+        let mut out = Vec::new();
+        out.push(clause("features of the requested layers", || {
+            let both = ok(t.forward(&TensorHandle::new(ids.shallow_clone()), layers[..].into(), true), "forward")?;
+            let hidden = both.hidden.tensor();
+            if hidden.size() != [1, 8, 2 * h] {
+                bail!("features of 2 layers: {:?}, expected [1, 8, {}]", hidden.size(), 2 * h);
+            }
+            let logits = both.logits.into_option().ok_or_else(|| anyhow!("no logits when asked for"))?.tensor();
+            if logits.size() != [1, 8, v] {
+                bail!("logits {:?}, expected [1, 8, {v}]", logits.size());
+            }
+            for (i, &l) in layers.iter().enumerate() {
+                let one = ok(t.forward(&TensorHandle::new(ids.shallow_clone()), [l][..].into(), false), "forward")?.hidden.tensor();
+                let d = max_diff(&one, &hidden.narrow(-1, i as i64 * h, h));
+                if d > 1e-5 {
+                    bail!("layer {l} asked alone differs from its slice of [{}, {}] by {d:e}", layers[0], layers[1]);
+                }
+            }
+            if layers[0] != layers[1] {
+                let d = max_diff(&hidden.narrow(-1, 0, h), &hidden.narrow(-1, h, h));
+                if d == 0.0 {
+                    bail!("layers {} and {} give the same features", layers[0], layers[1]);
+                }
+            }
+            Ok(())
+        }));
+        out.push(clause("KV-cache extend / truncate equals recomputation", || {
+            let full = ok(t.forward(&TensorHandle::new(ids.shallow_clone()), layers[..].into(), true), "forward")?;
+            let logits_of = |o: plugin_api::TargetOutput| o.logits.into_option().map(|l| l.tensor()).ok_or_else(|| anyhow!("no logits"));
+            let (fh, fl) = (full.hidden.tensor(), logits_of(full)?);
+            t.cache_reset();
+            let a = ok(t.cache_extend(&TensorHandle::new(ids.narrow(1, 0, 5)), layers[..].into()), "cache_extend")?;
+            // Two positions that a truncate drops again, then the true continuation.
+            let _ = ok(t.cache_extend(&TensorHandle::new(ids.narrow(1, 6, 2)), layers[..].into()), "cache_extend")?;
+            ok(t.cache_truncate(5), "cache_truncate")?;
+            let b = ok(t.cache_extend(&TensorHandle::new(ids.narrow(1, 5, 3)), layers[..].into()), "cache_extend")?;
+            let hidden = Tensor::cat(&[a.hidden.tensor(), b.hidden.tensor()], 1);
+            let logits = Tensor::cat(&[logits_of(a)?, logits_of(b)?], 1);
+            let (dh, dl) = (max_diff(&hidden, &fh), max_diff(&logits, &fl));
+            let scale = fl.abs().max().double_value(&[]).max(1.0);
+            if dh > 1e-3 * fh.abs().max().double_value(&[]).max(1.0) || dl > 1e-3 * scale {
+                bail!("extend 5, extend 2, truncate to 5, extend 3 differs from one forward: features by {dh:e}, logits by {dl:e}");
+            }
+            Ok(())
+        }));
+        Ok(out)
+    }
+}
