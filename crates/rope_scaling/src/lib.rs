@@ -69,7 +69,10 @@ impl RopeScaling {
             }
             "llama3" => &["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
             "yarn" => &["factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"],
-            other => return Err(format!("rope_type `{other}` is not supported (default, linear, dynamic, llama3, yarn)")),
+            other => {
+                let known = if dynamic { "default, linear, dynamic, llama3, yarn" } else { "default, linear, llama3, yarn" };
+                return Err(format!("rope_type `{other}` is not supported ({known})"));
+            }
         };
         if let Some(extra) = obj.keys().find(|k| !["rope_type", "type"].contains(&k.as_str()) && !keys.contains(&k.as_str())) {
             return Err(format!("key `{extra}` is not supported for rope_type `{kind}`"));
