@@ -17,7 +17,9 @@ plugin loads like any checkpoint:
                        layer 1 dense (`mlp_only_layers`); its config names the expert count
                        `num_local_experts`, as transformers 5 writes it
 
-Each folder holds config.json, model-*.safetensors + model.safetensors.index.json (as transformers
+  target_llama_rope/   LlamaForCausalLM, 2 layers, run under each RoPE scaling (see make_rope)
+
+Each of the first three folders holds config.json, model-*.safetensors + model.safetensors.index.json (as transformers
 writes them), tokenizer.json (a word-level placeholder: the ids are what is tested) and
 reference.safetensors:
   in.input_ids [2, 66] i64     fixed random ids (two chunks of the chunked delta rule: 64 + 2)
@@ -31,6 +33,15 @@ and metadata `transformers_version`, `torch_version`, `architecture`.
 Everything runs on the CPU in float32 with one thread and deterministic algorithms. transformers
 has no FLA / causal-conv1d kernels here, so its own torch fallbacks run
 (`torch_chunk_gated_delta_rule`, `torch_causal_conv1d_update`, `torch_recurrent_gated_delta_rule`).
+
+target_llama_rope/ holds one set of weights (model.safetensors), tokenizer.json, and per RoPE kind
+K (default, linear, dynamic, yarn, yarn_mscale, llama3) a config `config.K.json` and, in
+reference.safetensors, `K.logits` [1, 96, V] and `K.layer.0` [1, 96, H] of the same ids
+(`in.input_ids`). 96 positions are past every scaling's context (32, or 64 for llama3), so
+dynamic NTK rescales and the scaled frequencies are all used. The configs are written the ways
+checkpoints write them: transformers 5's `rope_parameters` (linear without any `rope_theta`:
+transformers' default applies), and llama3 as Llama 3.1's config.json has it (`rope_scaling`
+and a top-level `rope_theta`).
 
 Usage (torch 2.11, transformers 5.8.1, safetensors):
     python3 scripts/make_target_fixtures.py --out tests/fixtures [--only qwen3_5 ...]
@@ -184,17 +195,78 @@ def make(arch, out_dir):
     print(f"{folder}: {n_params} parameters, {size} bytes; generated {gen.tolist()[0]}")
 
 
+ROPE_LEN = 96
+ROPE_KINDS = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 16.0,
+                    "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+}
+
+
+def make_rope(out_dir):
+    """One tiny Llama, the same weights under each RoPE scaling of ROPE_KINDS."""
+    torch.manual_seed(3)
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, eos_token_id=EOS, tie_word_embeddings=False,
+                max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**base)).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.dim() == 1 else torch.randn_like(p) / math.sqrt(p.shape[-1]))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, VOCAB - 1, (1, ROPE_LEN))
+    folder = os.path.join(out_dir, "target_llama_rope")
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder)
+    for f in ["generation_config.json", "config.json"]:
+        os.remove(os.path.join(folder, f))
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        json.dump(PLACEHOLDER_TOKENIZER, f)
+    tensors = {"in.input_ids": ids}
+    for kind, scaling in ROPE_KINDS.items():
+        theta = 500000.0 if kind == "llama3" else 10000.0
+        cfg = transformers.LlamaConfig(**base, rope_theta=theta, rope_scaling=dict(scaling) if scaling else None)
+        m = transformers.LlamaForCausalLM(cfg).eval()
+        m.load_state_dict(state)
+        with torch.no_grad():
+            out = m(input_ids=ids, use_cache=False, output_hidden_states=True)
+        tensors[f"{kind}.logits"] = out.logits.contiguous()
+        tensors[f"{kind}.layer.0"] = out.hidden_states[1].contiguous()  # layer 0's output
+        if kind == "default":
+            default_logits = out.logits
+        else:
+            assert not torch.allclose(out.logits, default_logits, atol=1e-3), f"{kind}: scaling changes nothing"
+        saved = cfg.to_dict()
+        if kind == "linear":
+            saved["rope_parameters"].pop("rope_theta")  # a config without any: the default applies
+            assert theta == transformers.LlamaConfig.default_theta
+        if kind == "llama3":
+            saved.pop("rope_parameters")
+            saved["rope_theta"], saved["rope_scaling"] = theta, scaling
+        with open(os.path.join(folder, f"config.{kind}.json"), "w") as f:
+            json.dump(saved, f, indent=2, sort_keys=True)
+    meta = {"transformers_version": transformers.__version__, "torch_version": torch.__version__, "architecture": "llama"}
+    save_file(tensors, os.path.join(folder, "reference.safetensors"), metadata=meta)
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+    print(f"{folder}: {size} bytes")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
-    ap.add_argument("--only", action="append", choices=["qwen3_5", "qwen3_5_moe", "qwen3_moe"])
+    ap.add_argument("--only", action="append", choices=["qwen3_5", "qwen3_5_moe", "qwen3_moe", "llama_rope"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.set_default_dtype(torch.float32)
     transformers.logging.set_verbosity_error()
-    for arch in args.only or ["qwen3_5", "qwen3_5_moe", "qwen3_moe"]:
-        make(arch, args.out)
+    for arch in args.only or ["qwen3_5", "qwen3_5_moe", "qwen3_moe", "llama_rope"]:
+        make_rope(args.out) if arch == "llama_rope" else make(arch, args.out)
 
 
 if __name__ == "__main__":

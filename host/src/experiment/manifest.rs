@@ -260,14 +260,28 @@ pub fn section_paths(
         if key == "plugin" || s.is_empty() || s == "." || s == ".." || s.len() > 4096 || s.contains('\n') {
             continue;
         }
-        let path = ctx.resolve_path(&s);
+        let mut path = ctx.resolve_path(&s);
         if std::fs::symlink_metadata(&path).is_err() {
-            continue; // not a path (or a missing one, which its plugin reports)
+            match hub_snapshot(kind, &key, &s, table) {
+                Some(snapshot) => path = snapshot,
+                None => continue, // not a path (or a missing one, which its plugin reports)
+            }
         }
         input_files::check_path(&path).map_err(|e| (key.clone(), e))?;
         out.push((path, format!("{kind}.{key}")));
     }
     Ok(out)
+}
+
+/// The HF hub cache snapshot that a target's `path` names as a Hub model (`owner/name`, no
+/// local path; `revision` when given), if it is cached: what the target plugin opens. A model
+/// not cached yet is the plugin's to download; the run records its snapshot once built.
+fn hub_snapshot(kind: &str, key: &str, value: &str, table: &toml::Table) -> Option<PathBuf> {
+    use target_hf::hub;
+    if kind != "target" || key != "path" || !hub::is_repo_id(value) {
+        return None;
+    }
+    hub::cached(&hub::cache_dir(), value, table.get("revision").and_then(|r| r.as_str()))
 }
 
 fn strings(field: &str, v: &toml::Value, out: &mut Vec<(String, String)>) {
@@ -290,7 +304,7 @@ fn hash_path(path: &Path, field: &str) -> Result<String> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(path)
         .with_context(|| format!("field `{field}`: reading {}", path.display()))?
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter(|e| e.path().is_file()) // symlinks followed: an HF cache snapshot links its blobs
         .map(|e| e.path())
         .collect();
     if files.len() > MAX_DIR_FILES {
@@ -388,5 +402,34 @@ format = "jsonl"
         let dev = RunConfig::from_toml(Path::new("c.toml"), &CFG.replace("model.gguf", "/dev/zero")).unwrap();
         let err = format!("{:#}", hash_inputs(&dev, dir.path(), dir.path(), &none, &no_skip).unwrap_err());
         assert_eq!(err, "field `target.path`: /dev/zero: not a regular file (a character device)");
+    }
+
+    /// `[target] path = "Org/Tiny"`, no such local path: the HF cache snapshot `refs/main`
+    /// names is the input, hashed through the symlinks into `blobs/` that the cache keeps.
+    #[test]
+    fn a_hub_model_is_recorded_as_its_cached_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path().join("hub/models--Org--Tiny");
+        let snapshot = repo.join("snapshots").join("c".repeat(40));
+        std::fs::create_dir_all(&snapshot).unwrap();
+        std::fs::create_dir_all(repo.join("blobs")).unwrap();
+        std::fs::create_dir_all(repo.join("refs")).unwrap();
+        std::fs::write(repo.join("refs/main"), "c".repeat(40)).unwrap();
+        for (name, text) in [("config.json", "{}"), ("model.safetensors", "weights")] {
+            std::fs::write(repo.join("blobs").join(name), text).unwrap();
+            std::os::unix::fs::symlink(repo.join("blobs").join(name), snapshot.join(name)).unwrap();
+        }
+        // The only test that reads the variable; set before any lookup.
+        std::env::set_var("HF_HUB_CACHE", dir.path().join("hub"));
+        let cfg = RunConfig::from_toml(Path::new("c.toml"), &CFG.replace("model.gguf", "Org/Tiny")).unwrap();
+        let got = hash_inputs(&cfg, dir.path(), dir.path(), &|_| None, &|_| false).unwrap();
+        assert_eq!((got[0].field.as_str(), got[0].path.as_str()), ("target.path", snapshot.to_str().unwrap()));
+        assert_eq!(got[0].sha256, hash_path(&snapshot, "x").unwrap());
+        std::fs::write(repo.join("blobs/model.safetensors"), "other weights").unwrap();
+        assert_ne!(hash_inputs(&cfg, dir.path(), dir.path(), &|_| None, &|_| false).unwrap()[0].sha256, got[0].sha256, "the blobs are hashed");
+        // A revision the cache does not have: nothing recorded yet (the plugin downloads it).
+        let v2 = RunConfig::from_toml(Path::new("c.toml"), &CFG.replace("\"model.gguf\"", "\"Org/Tiny\"\nrevision = \"v2\"")).unwrap();
+        let got = hash_inputs(&v2, dir.path(), dir.path(), &|_| None, &|_| false).unwrap();
+        assert!(got.iter().all(|r| r.field != "target.path"), "{got:?}");
     }
 }

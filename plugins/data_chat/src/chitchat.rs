@@ -37,10 +37,7 @@ struct ChitchatMessage {
 
 /// Loads a chitchat-dataset file as `(conversation id, record)` pairs sorted by id.
 pub fn load_chitchat(path: &Path) -> Result<Vec<(String, ChatRecord)>, DataError> {
-    let bytes = std::fs::read(path).map_err(|cause| DataError::Io {
-        path: path.to_path_buf(),
-        cause,
-    })?;
+    let bytes = input_files::read_capped(path, crate::records::MAX_JSON_ARRAY_BYTES)?;
     // Parse in two steps so that a bad conversation is reported by its id:
     // first the id -> raw value map (a BTreeMap, which also sorts by id), then each value.
     let conversations: BTreeMap<String, Value> =

@@ -5,7 +5,6 @@
 //! format gives the same records and the same error messages, located by row (0-based, as
 //! `datasets` indexes).
 
-use std::fs::File;
 use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
@@ -42,7 +41,7 @@ pub fn read(path: &Path, schema: &Schema, on_error: OnError) -> Result<ReadRepor
     }
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
     if ext == "parquet" {
-        let file = File::open(path).map_err(|cause| DataError::Io { path: path.to_path_buf(), cause })?;
+        let file = input_files::open_regular(path)?;
         let reader = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
             .and_then(|b| b.build())
             .map_err(|e| file_err(format!("not a readable Parquet file: {e}")))?;
@@ -58,6 +57,9 @@ pub fn read(path: &Path, schema: &Schema, on_error: OnError) -> Result<ReadRepor
     Ok(report)
 }
 
+/// A `save_to_disk` folder's `state.json` is a short list of files and fingerprints.
+const STATE_JSON_BYTES: u64 = 64 << 20;
+
 /// The Arrow files of a `save_to_disk` folder, in `state.json` order (else sorted by name).
 fn dataset_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
     let err = |msg: String| DataError::File { path: dir.to_path_buf(), msg };
@@ -65,7 +67,8 @@ fn dataset_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
         return Err(err("a DatasetDict folder: point `path` at one split's folder (e.g. its train/)".into()));
     }
     let state = dir.join("state.json");
-    if let Ok(text) = std::fs::read_to_string(&state) {
+    if state.exists() {
+        let text = input_files::read_to_string_capped(&state, STATE_JSON_BYTES)?;
         let v: Value = serde_json::from_str(&text).map_err(|e| DataError::File { path: state.clone(), msg: format!("malformed JSON: {e}") })?;
         let files = v["_data_files"].as_array().ok_or_else(|| DataError::File { path: state.clone(), msg: "no `_data_files` list".into() })?;
         return files
@@ -94,11 +97,10 @@ fn dataset_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
 /// format (magic `ARROW1`).
 fn arrow_batches(path: &Path) -> Result<Vec<RecordBatch>, DataError> {
     let err = |msg: String| DataError::File { path: path.to_path_buf(), msg };
-    let io = |cause| DataError::Io { path: path.to_path_buf(), cause };
-    let mut file = File::open(path).map_err(io)?;
+    let mut file = input_files::open_regular(path)?;
     let mut magic = [0u8; 6];
     let is_file_format = file.read_exact(&mut magic).is_ok() && &magic == b"ARROW1";
-    let file = File::open(path).map_err(io)?;
+    let file = input_files::open_regular(path)?;
     let batches: Result<Vec<RecordBatch>, _> = if is_file_format {
         arrow_ipc::reader::FileReader::try_new(file, None).map_err(|e| err(format!("not a readable Arrow file: {e}")))?.collect()
     } else {

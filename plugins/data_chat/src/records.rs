@@ -19,7 +19,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, BufWriter, Write};
+use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -90,6 +90,10 @@ pub struct ReadReport {
 pub enum DataError {
     #[error("{}: {cause}", path.display())]
     Io { path: PathBuf, cause: io::Error },
+    /// A dataset file that cannot be read as one: missing, not a regular file (a FIFO, a
+    /// device), too large, a line past [`MAX_LINE_BYTES`]; names the file (and line).
+    #[error("{0}")]
+    Input(#[from] input_files::InputError),
     /// A bad record of a JSONL or JSON file, by the line it starts on (or where a whole-file JSON
     /// parse failed).
     #[error("{}:{line}: {msg}", path.display())]
@@ -299,6 +303,12 @@ fn quoted_or(keys: &[String]) -> String {
     keys.iter().map(|k| format!("\"{k}\"")).collect::<Vec<_>>().join(" or ")
 }
 
+/// The longest JSONL line read (a record past it fails with its line, even with `on_error =
+/// "skip"`: skipping would still have to read it): long-context conversations fit.
+pub const MAX_LINE_BYTES: usize = 256 << 20;
+/// The largest JSON array file (parsed whole): beyond it, JSONL reads line by line.
+pub const MAX_JSON_ARRAY_BYTES: u64 = 4 << 30;
+
 /// Reads any supported file: a `save_to_disk` folder or `.arrow` file, `.parquet`, a JSON array
 /// (the first non-blank character is `[`), else JSONL.
 pub fn read_records(path: &Path, schema: &Schema, on_error: OnError) -> Result<ReadReport, DataError> {
@@ -307,7 +317,7 @@ pub fn read_records(path: &Path, schema: &Schema, on_error: OnError) -> Result<R
         return crate::columnar::read(path, schema, on_error);
     }
     let io_err = |cause| DataError::Io { path: path.to_path_buf(), cause };
-    let mut file = BufReader::new(File::open(path).map_err(io_err)?);
+    let mut file = BufReader::new(input_files::open_regular(path)?);
     let first = loop {
         let buf = file.fill_buf().map_err(io_err)?;
         match buf.iter().position(|b| !b.is_ascii_whitespace()) {
@@ -320,7 +330,7 @@ pub fn read_records(path: &Path, schema: &Schema, on_error: OnError) -> Result<R
         }
     };
     if first == Some(b'[') {
-        let bytes = std::fs::read(path).map_err(io_err)?;
+        let bytes = input_files::read_capped(path, MAX_JSON_ARRAY_BYTES)?;
         return read_json_array(path, &bytes, schema, on_error);
     }
     read_jsonl_with(path, schema, on_error)
@@ -334,17 +344,26 @@ pub fn read_jsonl(path: &Path, on_error: OnError) -> Result<ReadReport, DataErro
 /// Reads one record per line. Lines are read as raw bytes so that invalid UTF-8 is reported
 /// against its line (or skipped) instead of failing the whole read as an I/O error.
 pub fn read_jsonl_with(path: &Path, schema: &Schema, on_error: OnError) -> Result<ReadReport, DataError> {
+    read_jsonl_capped(path, schema, on_error, MAX_LINE_BYTES)
+}
+
+fn read_jsonl_capped(path: &Path, schema: &Schema, on_error: OnError, max_line: usize) -> Result<ReadReport, DataError> {
     let io_err = |cause| DataError::Io { path: path.to_path_buf(), cause };
-    let mut reader = BufReader::new(File::open(path).map_err(io_err)?);
+    let mut reader = BufReader::new(input_files::open_regular(path)?);
     let mut report = ReadReport::default();
     let mut buf = Vec::new();
     let mut line = 0;
     loop {
         buf.clear();
-        if reader.read_until(b'\n', &mut buf).map_err(io_err)? == 0 {
+        // At most one byte past the cap (and its newline) is buffered before the line fails.
+        if (&mut reader).take(max_line as u64 + 2).read_until(b'\n', &mut buf).map_err(io_err)? == 0 {
             break;
         }
         line += 1;
+        let body = buf.strip_suffix(b"\n").unwrap_or(&buf);
+        if body.strip_suffix(b"\r").unwrap_or(body).len() > max_line {
+            return Err(input_files::InputError::LineTooLong { path: path.to_path_buf(), line, max: max_line }.into());
+        }
         match parse_line(&buf, schema) {
             Ok(Some(record)) => report.records.push(record),
             Ok(None) => {}
@@ -589,16 +608,38 @@ mod tests {
     }
 
     #[test]
-    fn missing_file_is_an_io_error_naming_it() {
+    fn missing_file_is_an_error_naming_it() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nope.jsonl");
         let err = read_jsonl(&path, OnError::Skip).unwrap_err();
-        assert!(matches!(err, DataError::Io { .. }), "{err:?}");
-        assert!(
-            err.to_string()
-                .starts_with(&format!("{}: ", path.display())),
-            "{err}"
-        );
+        assert_eq!(err.to_string(), format!("{}: no such file", path.display()));
+    }
+
+    /// A FIFO, a device or a directory where a dataset file belongs is refused naming it (a FIFO
+    /// without blocking on it), in every container; a line past the cap names its line.
+    #[test]
+    fn special_files_and_huge_lines_are_refused_naming_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("chats.jsonl");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let schema = Schema::messages();
+        for path in [fifo.as_path(), Path::new("/dev/zero")] {
+            type Read = fn(&Path, &Schema, OnError) -> Result<ReadReport, DataError>;
+            for read in [read_records as Read, read_jsonl_with] {
+                let err = read(path, &schema, OnError::Skip).unwrap_err().to_string();
+                assert!(err.starts_with(&format!("{}: not a regular file (a ", path.display())), "{err}");
+            }
+        }
+        let parquet = dir.path().join("x.parquet");
+        std::os::unix::fs::symlink("/dev/zero", &parquet).unwrap();
+        let err = read_records(&parquet, &schema, OnError::Fail).unwrap_err().to_string();
+        assert_eq!(err, format!("{}: not a regular file (a character device)", parquet.display()));
+        let good = r#"{"messages": [{"role": "user", "content": "hi"}]}"#;
+        let (_d, path) = jsonl(format!("{good}\n{}\n{good}\r\n", "x".repeat(100)).as_bytes());
+        let err = read_jsonl_capped(&path, &schema, OnError::Skip, 64).unwrap_err().to_string();
+        assert_eq!(err, format!("{}:2: line longer than 64 bytes", path.display()));
+        let (_d, path) = jsonl(format!("{good}\r\n{good}").as_bytes());
+        assert_eq!(read_jsonl_capped(&path, &schema, OnError::Fail, good.len()).unwrap().records.len(), 2, "the cap is on the line itself");
     }
 
     #[test]

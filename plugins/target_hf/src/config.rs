@@ -8,6 +8,7 @@
 //! [`DecoderConfig::from_hf_json`] reads that one.
 
 use crate::gguf::{GgufError, GgufFile};
+use rope_scaling::RopeScaling;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -55,8 +56,12 @@ pub struct DecoderConfig {
     pub vocab_size: usize,
     #[serde(default = "default_eps")]
     pub rms_norm_eps: f64,
+    /// Absent: transformers' default for the model type ([`hf_default_theta`]), logged.
     #[serde(default = "default_theta")]
     pub rope_theta: f64,
+    /// The context length; dynamic NTK scaling starts past it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_position_embeddings: Option<usize>,
     #[serde(default)]
     pub tie_word_embeddings: bool,
     /// Biases on q/k/v (Qwen2 has them; HF's qwen2 config does not say so, the model does).
@@ -78,6 +83,10 @@ pub struct DecoderConfig {
     pub rope_scaling: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partial_rotary_factor: Option<f64>,
+    /// A GGUF's `rope_freqs.weight`: each frequency divided by its factor (how llama.cpp stores
+    /// Llama 3's scaling); not an HF key.
+    #[serde(skip)]
+    pub rope_freq_factors: Option<Vec<f64>>,
 
     // Hybrids (Qwen3.5): which layers are Gated DeltaNet, and its shapes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -128,6 +137,28 @@ fn default_theta() -> f64 {
     10000.0
 }
 
+/// transformers 5.8.1's `default_theta` for a model type: 10000 for every family this plugin
+/// runs (none of their config classes overrides the mixin's).
+pub fn hf_default_theta(_model_type: &str) -> f64 {
+    10000.0
+}
+
+/// llama.cpp's `{arch}.rope.scaling.*` metadata as HF's `rope_scaling` (linear, yarn; another
+/// type is refused by [`DecoderConfig::validate`] naming it). Llama 3's scaling is no metadata
+/// but the `rope_freqs.weight` tensor ([`DecoderConfig::rope_freq_factors`]).
+fn gguf_rope_scaling(g: &GgufFile, arch: &str) -> Option<serde_json::Value> {
+    let key = |k: &str| format!("{arch}.rope.scaling.{k}");
+    let kind = g.meta_str(&key("type")).ok()?;
+    let factor = g.meta_f32(&key("factor")).ok().map(f64::from);
+    let context = g.meta_usize(&key("original_context_length")).ok();
+    Some(match kind {
+        "none" => return None,
+        "linear" => serde_json::json!({"rope_type": "linear", "factor": factor}),
+        "yarn" => serde_json::json!({"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": context}),
+        other => serde_json::json!({"rope_type": other}),
+    })
+}
+
 /// The Gated DeltaNet shapes of a hybrid.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LinearShape {
@@ -175,10 +206,14 @@ impl DecoderConfig {
                 }
             }
         }
+        let theta_given = inner.get("rope_theta").is_some_and(|t| !t.is_null());
         let mut cfg: Self = serde_json::from_value(inner).map_err(|e| e.to_string())?;
         cfg.model_type = cfg.model_type.trim_end_matches("_text").to_string();
         if let Some(theta) = cfg.rope_parameters.as_ref().and_then(|r| r["rope_theta"].as_f64()) {
             cfg.rope_theta = theta;
+        } else if !theta_given {
+            cfg.rope_theta = hf_default_theta(&cfg.model_type);
+            eprintln!("config.json has no rope_theta: transformers' default for {}, {}", cfg.model_type, cfg.rope_theta);
         }
         Ok((cfg, arch_name))
     }
@@ -233,6 +268,37 @@ impl DecoderConfig {
             .or(self.partial_rotary_factor)
             .unwrap_or(if self.is_hybrid() { 0.25 } else { 1.0 });
         (self.head_dim() as f64 * factor) as usize
+    }
+
+    /// The RoPE scaling: `rope_scaling`, or transformers 5's `rope_parameters` less the keys
+    /// that are not scaling (theta, partial rotary, Qwen3.5's mrope sections: text positions
+    /// are equal in its three sections, so they rotate as plain RoPE). As transformers does,
+    /// llama3 and yarn without `original_max_position_embeddings` take `max_position_embeddings`.
+    pub fn rope_scaling(&self) -> Result<RopeScaling, String> {
+        let (key, mut v) = match (&self.rope_scaling, &self.rope_parameters) {
+            (Some(v), _) if !v.is_null() => ("rope_scaling", v.clone()),
+            (_, Some(v)) => ("rope_parameters", v.clone()),
+            _ => return Ok(RopeScaling::Default),
+        };
+        if let Some(o) = v.as_object_mut() {
+            for k in ["rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"] {
+                o.remove(k);
+            }
+            if o.is_empty() {
+                return Ok(RopeScaling::Default);
+            }
+            let kind = o.get("rope_type").or(o.get("type")).and_then(|t| t.as_str()).unwrap_or("");
+            if matches!(kind, "llama3" | "yarn") && !o.contains_key("original_max_position_embeddings") {
+                if let Some(m) = self.max_position_embeddings {
+                    o.insert("original_max_position_embeddings".into(), m.into());
+                }
+            }
+        }
+        let scaling = RopeScaling::from_json_any(&v).map_err(|e| format!("{key}: {e}"))?;
+        if scaling.depends_on_length() && self.max_position_embeddings.is_none() {
+            return Err(format!("{key}: rope_type `dynamic` needs `max_position_embeddings`"));
+        }
+        Ok(scaling)
     }
 
     pub fn qkv_bias(&self) -> bool {
@@ -381,11 +447,16 @@ impl DecoderConfig {
         if self.has_dense_mlp() && self.intermediate_size == 0 {
             return Err("intermediate_size: missing or 0 (the dense MLP's width)".into());
         }
-        if self.is_hybrid() {
-            let rope = self.rope_parameters.as_ref().and_then(|r| r["rope_type"].as_str()).unwrap_or("default");
-            if rope != "default" {
-                return Err(format!("rope_type `{rope}` is not supported for {} (default only)", self.model_type));
+        let scaling = self.rope_scaling()?;
+        if let Some(f) = &self.rope_freq_factors {
+            if f.len() != rotary / 2 || !f.iter().all(|x| *x > 0.0 && x.is_finite()) {
+                return Err(format!("rope_freqs.weight: expected {} positive factors, got {:?}", rotary / 2, f));
             }
+            if scaling != RopeScaling::Default {
+                return Err("rope_freqs.weight with a rope scaling type besides: one or the other".into());
+            }
+        }
+        if self.is_hybrid() {
             if let Some(types) = &self.layer_types {
                 if types.len() != self.num_hidden_layers {
                     return Err(format!("layer_types has {} entries for {} layers", types.len(), self.num_hidden_layers));
@@ -435,7 +506,16 @@ impl DecoderConfig {
             head_dim: head_dim.or(hidden.checked_div(heads)),
             vocab_size: vocab,
             rms_norm_eps: g.meta_f32(&key("attention.layer_norm_rms_epsilon")).map(f64::from).unwrap_or(1e-6),
-            rope_theta: g.meta_f32(&key("rope.freq_base")).map(f64::from).unwrap_or(10000.0),
+            rope_theta: match g.meta_f32(&key("rope.freq_base")) {
+                Ok(theta) => f64::from(theta),
+                Err(_) => {
+                    let theta = hf_default_theta(&arch);
+                    eprintln!("GGUF has no {arch}.rope.freq_base: transformers' default for {arch}, {theta}");
+                    theta
+                }
+            },
+            max_position_embeddings: g.meta_usize(&key("context_length")).ok(),
+            rope_scaling: gguf_rope_scaling(g, &arch),
             tie_word_embeddings: g.tensor_info("output.weight").is_none(),
             attention_bias: Some(g.tensor_info("blk.0.attn_q.bias").is_some()),
             bos_token_id: g.meta_u32("tokenizer.ggml.bos_token_id").ok(),
@@ -539,5 +619,70 @@ mod tests {
         bad.linear_num_value_heads = Some(6);
         bad.linear_num_key_heads = Some(4);
         assert!(bad.validate().unwrap_err().contains("not a multiple of linear_num_key_heads 4"));
+    }
+
+    /// The scaling is read from either key; Qwen3.5's mrope keys are no scaling; llama3 / yarn
+    /// without their context take `max_position_embeddings` (as transformers does); what a
+    /// target cannot honour is refused naming the key.
+    #[test]
+    fn rope_scaling_from_either_key() {
+        let cfg = |extra: &str| {
+            let text = format!(
+                r#"{{"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "vocab_size": 64{extra}}}"#
+            );
+            DecoderConfig::from_hf_json(&text).unwrap().0
+        };
+        let c = cfg(r#", "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 500000.0"#);
+        assert_eq!((c.rope_scaling().unwrap(), c.rope_theta), (RopeScaling::Linear { factor: 2.0 }, 5e5));
+        let c = cfg(r#", "max_position_embeddings": 4096, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}"#);
+        assert!(matches!(c.rope_scaling().unwrap(), RopeScaling::Yarn { original_max_position_embeddings: 4096.0, .. }));
+        assert_eq!(c.rope_theta, 1e6);
+        let c = cfg(r#", "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "mrope_section": [2, 1, 1]}"#);
+        assert_eq!(c.rope_scaling().unwrap(), RopeScaling::Default);
+        // No rope_theta anywhere: transformers' default.
+        assert_eq!(cfg("").rope_theta, 10000.0);
+        let c = cfg(r#", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}"#);
+        assert_eq!(c.validate().unwrap_err(), "rope_scaling: rope_type `dynamic` needs `max_position_embeddings`");
+        let c = cfg(r#", "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}"#);
+        assert!(c.validate().unwrap_err().starts_with("rope_parameters: rope_type `longrope` is not supported"));
+    }
+
+    /// llama.cpp's rope metadata: the context, linear and yarn scaling read as HF's; a GGUF
+    /// without `rope.freq_base` takes transformers' default theta.
+    #[test]
+    fn gguf_rope_metadata() {
+        use crate::gguf::tests::{gguf_bytes, W};
+        let dir = tempfile::tempdir().unwrap();
+        let read = |extra: Vec<(&'static str, W)>| {
+            let mut kvs = vec![
+                ("general.architecture", W::Str("llama")),
+                ("llama.attention.head_count", W::U32(4)),
+                ("llama.embedding_length", W::U32(32)),
+                ("llama.feed_forward_length", W::U32(48)),
+                ("llama.block_count", W::U32(2)),
+                ("llama.context_length", W::U32(4096)),
+                ("tokenizer.ggml.tokens", W::Arr(8, vec![W::Str("a"), W::Str("b")])),
+            ];
+            kvs.extend(extra);
+            let path = dir.path().join("m.gguf");
+            std::fs::write(&path, gguf_bytes(&kvs, &[], 32)).unwrap();
+            DecoderConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap()
+        };
+        let c = read(vec![]);
+        assert_eq!((c.rope_theta, c.max_position_embeddings, c.rope_scaling().unwrap()), (10000.0, Some(4096), RopeScaling::Default));
+        let c = read(vec![("llama.rope.freq_base", W::F32(5e5)), ("llama.rope.scaling.type", W::Str("linear")), ("llama.rope.scaling.factor", W::F32(4.0))]);
+        assert_eq!((c.rope_theta, c.rope_scaling().unwrap()), (5e5, RopeScaling::Linear { factor: 4.0 }));
+        let c = read(vec![
+            ("llama.rope.scaling.type", W::Str("yarn")),
+            ("llama.rope.scaling.factor", W::F32(4.0)),
+            ("llama.rope.scaling.original_context_length", W::U32(1024)),
+        ]);
+        assert!(matches!(c.rope_scaling().unwrap(), RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 1024.0, .. }));
+        let c = read(vec![("llama.rope.scaling.type", W::Str("longrope"))]);
+        assert!(c.validate().unwrap_err().contains("rope_type `longrope` is not supported"));
+        let mut c = read(vec![]);
+        c.rope_freq_factors = Some(vec![1.0; 3]);
+        assert_eq!(c.validate().unwrap_err(), "rope_freqs.weight: expected 4 positive factors, got [1.0, 1.0, 1.0]");
     }
 }

@@ -8,6 +8,7 @@ pub mod flops;
 pub mod generate;
 pub mod gguf;
 pub mod gguf_tokenizer;
+pub mod hub;
 pub mod load;
 pub mod model;
 pub mod moe;
@@ -28,8 +29,12 @@ use std::path::{Path, PathBuf};
 #[serde(deny_unknown_fields)]
 pub struct TargetSection {
     /// A GGUF file or an HF folder. Relative paths are against the config file's folder;
-    /// a leading `$DFLASH_CACHE/` means the cache folder.
+    /// a leading `$DFLASH_CACHE/` means the cache folder. An `owner/name` that is no local
+    /// path is a Hub model, from the HF cache or downloaded into it (`hub.rs`).
     pub path: String,
+    /// The Hub model's branch, tag or commit (default `main`).
+    #[serde(default)]
+    pub revision: Option<String>,
     /// Random weights at the shape of `path`, an HF config.json (or a folder holding one); no
     /// tokenizer. For benchmarks at real shapes (`dflash-host bench train`).
     #[serde(default)]
@@ -205,7 +210,8 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     if section.generate_batch_size == 0 {
         return Err(PluginError::new("field `generate_batch_size`: must be >= 1"));
     }
-    let path = ctx.resolve_path(&section.path);
+    let path = hub::target_path(&section.path, ctx.resolve_path(&section.path), section.revision.as_deref())
+        .map_err(|e| PluginError::new(format!("field `path`: {e}")))?;
     let (device, kind) = (ctx.tch_device()?, ctx.tch_kind()?);
     let build = if section.random_init { HfTarget::random } else { HfTarget::load };
     let target = build(&path, device, kind, section.generate_batch_size)

@@ -76,14 +76,18 @@ fn unpermute(w: &Tensor, heads: i64) -> Option<Tensor> {
 
 pub fn load_gguf(path: &Path) -> Result<Loaded, String> {
     let g = GgufFile::open(path).map_err(|e| e.to_string())?;
-    let cfg = DecoderConfig::from_gguf(&g).map_err(|e| e.to_string())?;
+    let mut cfg = DecoderConfig::from_gguf(&g).map_err(|e| e.to_string())?;
+    if g.tensor_info("rope_freqs.weight").is_some() {
+        let (_, factors) = g.dequantize("rope_freqs.weight").map_err(|e| e.to_string())?;
+        cfg.rope_freq_factors = Some(factors.into_iter().map(f64::from).collect());
+    }
     cfg.validate().map_err(|e| format!("{}: {e}", path.display()))?;
     let permuted = cfg.model_type == "llama";
     let mut tensors = HashMap::new();
     let names: Vec<String> = g.tensor_names().map(str::to_string).collect();
     for name in names {
         let Some(hf) = hf_name(&name) else {
-            continue; // rope_freqs and other tensors the decoder does not use
+            continue; // rope_freqs (read into the config above) and tensors the decoder does not use
         };
         let (shape, values) = g.dequantize(&name).map_err(|e| e.to_string())?;
         let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
