@@ -1,5 +1,5 @@
 //! Give `dflash-host` an RPATH to libtorch so it runs without LD_LIBRARY_PATH: the local cache
-//! ($LIBTORCH) and the GPU machine's torch install (STACK.md). And record the git revision the
+//! ($LIBTORCH) and the GPU machine's torch install. And record the git revision the
 //! binary is built from, for manifests and `--version` (read at build time: at run time the
 //! current folder may be any repository, or none).
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch eager baseline for `dflash-host bench train` (issue 8): the same DFlash drafter train
+"""PyTorch eager baseline for `dflash-host bench train`: the same DFlash drafter train
 step at the same shapes, random weights, bf16, written plainly in PyTorch.
 
 Step = anchors sampled on the host -> block embeddings -> drafter forward (fc + hidden_norm over

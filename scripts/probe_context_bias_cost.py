@@ -1,5 +1,5 @@
 # What the staircase bias costs the context part of DFlash attention, and what a kernel that
-# skips masked tiles could reach (issue 8's "faster than flex" goal). The issue's shapes; the
+# skips masked tiles could reach (the "faster than flex" goal). The issue's shapes; the
 # context part alone: 16 queries a block against the 3,072 context keys before their anchor.
 #
 #   python3 scripts/probe_context_bias_cost.py [--json out.json]

@@ -1,5 +1,5 @@
-//! `dflash-host eval`: real acceptance length by lossless greedy speculative decoding (DFLASH.md,
-//! "Metrics"). Per cycle the drafter proposes a whole block from the target's features of every
+//! `dflash-host eval`: real acceptance length by lossless greedy speculative decoding (the DFlash
+//! paper's acceptance length). Per cycle the drafter proposes a whole block from the target's features of every
 //! accepted token, the target verifies it in one forward with its KV cache, and the longest
 //! matching prefix plus the target's own next token (the bonus) are kept; the cache is cropped to
 //! what was kept. The output must equal the target's own greedy output token for token.

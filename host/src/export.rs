@@ -1,4 +1,4 @@
-//! `dflash-host export`: a checkpoint as a z-lab format drafter (DFLASH.md: config.json +
+//! `dflash-host export`: a checkpoint as a z-lab format drafter (the DFlash paper: config.json +
 //! model.safetensors in bf16, no embedding / LM head), which SGLang and vLLM serve and which
 //! `[drafter] init_from = DIR` reads back. The config is the one the drafter trained with: its
 //! `max_position_embeddings`, `rope_theta` and `rope_scaling` are the target's (the drafter took

@@ -322,7 +322,7 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
         bail!("plugin {shown}: changed since it was checked (SHA-256 {} then, {} now); run again", &want[..16.min(want.len())], &sha[..16]);
     }
     let raw = RawLibrary::load_at(path).map_err(|e| anyhow!("plugin {shown}: cannot be loaded: {}", first_line(&e.to_string())))?;
-    // Libraries are never unloaded: their tensors and vtables may outlive any handle (STACK.md).
+    // Libraries are never unloaded: their tensors and vtables may outlive any handle.
     let raw: &'static RawLibrary = Box::leak(Box::new(raw));
     let header: &'static LibHeader = unsafe {
         *raw.get::<&'static LibHeader>(format!("{symbol}\0").as_bytes())

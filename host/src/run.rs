@@ -30,7 +30,7 @@ pub fn git_revision() -> &'static str {
     option_env!("DFLASH_GIT_REVISION").unwrap_or("unknown")
 }
 
-/// libtorch_cuda.so is dropped by `--as-needed`; load it before the first CUDA op (STACK.md).
+/// libtorch_cuda.so is dropped by `--as-needed`; load it before the first CUDA op.
 pub fn enable_cuda() -> bool {
     kernels::load_libtorch_cuda().map_err(|e| tracing::warn!("CUDA unavailable: {e}")).is_ok()
 }

@@ -3,7 +3,7 @@
 //! libtorch runs its kernels on the device's legacy default (null) stream unless a caller sets
 //! another, which tch never does; cudarc's `default_stream` is that stream, so a launch here is
 //! ordered with the tensor ops around it, without synchronising. `CudaContext::new` retains the
-//! primary context libtorch uses, so `data_ptr()`s are valid device pointers (STACK.md).
+//! primary context libtorch uses, so `data_ptr()`s are valid device pointers.
 
 use cudarc::{
     driver::{CudaContext, CudaFunction, CudaStream},
@@ -103,7 +103,7 @@ pub fn compile(src: &str, defines: &[(&str, i64)]) -> Result<Ptx, String> {
 }
 
 /// Load libnvrtc, and its builtins from the same folder: libnvrtc opens them by bare name, which
-/// only LD_LIBRARY_PATH resolves (STACK.md), while libnvrtc itself is also found through the
+/// only LD_LIBRARY_PATH resolves, while libnvrtc itself is also found through the
 /// binary's RUNPATH.
 fn load_nvrtc() -> Result<(), String> {
     static LOADED: OnceLock<Result<(), String>> = OnceLock::new();

@@ -21,7 +21,7 @@ pub fn abi_major(version: &str) -> &str {
 
 /// What a plugin must have been built against to share tensors with this host: the ABI, tch and
 /// libtorch. abi_stable checks type layouts but sees tensors only as pointers, so this is checked
-/// too (STACK.md).
+/// too.
 pub fn build_id() -> String {
     let libtorch = if cfg!(feature = "test-other-libtorch") { "2.10.0" } else { "2.11.0" };
     format!("dflash-plugin-abi {}; tch 0.24.0; libtorch {libtorch}", abi_major(ABI_VERSION))

@@ -2,7 +2,7 @@
 //!
 //! Ownership: a [`TensorHandle`] owns one reference to an `at::Tensor` (the same thing a
 //! `tch::Tensor` owns). Dropping it releases that reference through libtorch, which is shared by
-//! the host and every plugin (one libtorch per process, STACK.md), so either side may drop it.
+//! the host and every plugin (one libtorch per process), so either side may drop it.
 //! Handles are shallow: storage and autograd history are shared, never copied.
 
 use abi_stable::{std_types::RString, StableAbi};

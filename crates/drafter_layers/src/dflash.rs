@@ -15,7 +15,7 @@ pub struct DFlashSection {
 }
 
 /// The `[drafter]` section's DFlash fields, checked and resolved against `target`: explicit
-/// target layers or `num_target_features` spread by DFLASH.md's formula; the mask token, by
+/// target layers or `num_target_features` spread by the DFlash paper's formula; the mask token, by
 /// default the target's pad token when it is not its EOS token.
 pub fn resolve(
     block_size: usize,

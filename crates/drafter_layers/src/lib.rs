@@ -7,7 +7,7 @@
 //!   saved-folder reading;
 //! - `rope`: HF's `rope_scaling` kinds the drafters honour;
 //! - `target_facts`: what a drafter's config copies from its target beyond the spec;
-//! - `target_layer_ids`: DFLASH.md's choice of target layers.
+//! - `target_layer_ids`: the DFlash paper's choice of target layers.
 
 pub mod dflash;
 pub mod layers;
@@ -15,7 +15,7 @@ pub mod rope;
 pub mod target_facts;
 pub mod weights;
 
-/// DFLASH.md: n target layers spread as round(1 + i * (L - 4) / (n - 1)); one layer: the middle.
+/// the DFlash paper: n target layers spread as round(1 + i * (L - 4) / (n - 1)); one layer: the middle.
 pub fn target_layer_ids(num_target_layers: usize, n: usize) -> Vec<u32> {
     if n == 1 {
         return vec![(num_target_layers / 2) as u32];

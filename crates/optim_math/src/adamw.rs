@@ -1,5 +1,5 @@
 //! AdamW, exactly as torch.optim.AdamW (single-tensor path) orders its operations
-//! (OPTIMIZERS.md).
+//!.
 
 use plugin_api::{tch::Tensor, PluginError};
 use serde::Deserialize;

@@ -134,7 +134,7 @@ mod tests {
         Vec::<f64>::try_from(s).unwrap()
     }
 
-    /// The quintic's output is U S' V^T with S' in a band around 1 (OPTIMIZERS.md: [0.6, 1.3]),
+    /// The quintic's output is U S' V^T with S' in a band around 1 ([0.6, 1.3]),
     /// in f32 and in bf16, for wide, tall, square and rank-deficient-looking (very skewed) shapes.
     #[test]
     fn newton_schulz_singular_values_fall_in_band() {

@@ -1,5 +1,5 @@
 //! Benchmarks: `bench abi` (the plugin boundary's cost), `bench train` (training throughput at
-//! real shapes; issue 8) and `bench attention` (one layer's block attention, checked and timed).
+//! real shapes) and `bench attention` (one layer's block attention, checked and timed).
 
 pub mod abi;
 pub mod allreduce;

@@ -1,5 +1,5 @@
 //! `dflash-host bench train --config configs/bench/<shape>.toml`: training throughput at real
-//! shapes with random weights (issue 8). Measures, in one process:
+//! shapes with random weights. Measures, in one process:
 //! 1. the bf16 matmul ceiling (an n^3 product in a loop), the denominator of every MFU;
 //! 2. the target forward (the features training asks for, and the full model with logits);
 //! 3. one drafter train step (forward, DFlash loss, backward, clip, optimizer) fed by synthetic

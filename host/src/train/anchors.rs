@@ -1,4 +1,4 @@
-//! Anchor sampling: where the drafter's blocks start (DFLASH.md, "Anchors").
+//! Anchor sampling: where the drafter's blocks start (the DFlash paper, "Anchors").
 //!
 //! By default (SpecForge's rule) an anchor is a response token whose next token is one too: the
 //! blocks drafted at inference start at a verified reply token, never at the last prompt token

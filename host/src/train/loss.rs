@@ -1,4 +1,4 @@
-//! The DFlash loss (DFLASH.md, "Training"): same-position labels, the anchor itself excluded,
+//! The DFlash loss (the DFlash paper, "Training"): same-position labels, the anchor itself excluded,
 //! weights exp(-(k-1)/gamma) (or 1 without decay); the weighted cross-entropy summed, or divided
 //! by the weight sum of the micro-batch ([`Reduction`]); per-position top-1 accuracy for tau-hat.
 //! A step normalised globally (SpecForge's) takes the sums and divides its gradients by the
@@ -60,7 +60,7 @@ pub enum Reduction {
     Sum,
 }
 
-/// Default gamma by block size (DFLASH.md: 7 for 16, 5 for 10, 4 for 8), linear in between.
+/// Default gamma by block size (the DFlash paper: 7 for 16, 5 for 10, 4 for 8), linear in between.
 pub fn default_gamma(block_size: usize) -> f64 {
     match block_size {
         16 => 7.0,
@@ -214,7 +214,7 @@ fn logits_fp32(h: &Tensor, head_t: &Tensor) -> Tensor {
     h.matmul(head_t).to_kind(Kind::Float)
 }
 
-/// tau-hat = 1 + sum_k prod_{i<=k} acc_i (DFLASH.md, "Metrics").
+/// tau-hat = 1 + sum_k prod_{i<=k} acc_i (the DFlash paper, "Metrics").
 pub fn tau_hat(acc: &[f64]) -> f64 {
     let mut prod = 1.0;
     let mut tau = 1.0;

@@ -1,4 +1,4 @@
-//! Learning-rate schedule: linear warm-up, then cosine decay to a floor (DFLASH.md: 4% warm-up).
+//! Learning-rate schedule: linear warm-up, then cosine decay to a floor (the DFlash paper: 4% warm-up).
 
 /// The factor in [min_frac, 1] that multiplies the peak learning rate at `step` (1-based).
 pub fn lr_scale(step: u64, total: u64, warmup_frac: f64, min_frac: f64) -> f64 {

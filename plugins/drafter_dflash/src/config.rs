@@ -1,4 +1,4 @@
-//! The drafter's config: z-lab's `config.json` fields (DFLASH.md), so a checkpoint's config
+//! The drafter's config: z-lab's `config.json` fields (the DFlash paper), so a checkpoint's config
 //! reads straight in and our export reads straight out. Every field is one the drafter honours
 //! or plain metadata (token ids, `auto_map`, `transformers_version`); any other field is
 //! refused by name, so a config never means a model other than the one trained.

@@ -1,4 +1,4 @@
-//! The DFlash drafter (DFLASH.md; z-lab `dflash/model.py` for the layer order): target features
+//! The DFlash drafter (the DFlash paper; z-lab `dflash/model.py` for the layer order): target features
 //! fused by `fc` + `hidden_norm`, then Qwen3 decoder layers whose attention takes Q from the block
 //! tokens and K/V from [context; block], each block seeing the context strictly before its anchor
 //! and itself (a `sliding_attention` layer: the last `sliding_window` positions up to each query,

@@ -129,7 +129,7 @@ pub struct DrafterSection {
     /// Tokens per block, the anchor included.
     #[serde(default = "default_block")]
     pub block_size: usize,
-    /// How many target layers feed the drafter; their ids follow DFLASH.md's formula.
+    /// How many target layers feed the drafter; their ids follow the DFlash paper's formula.
     #[serde(default = "default_n_feat")]
     pub num_target_features: usize,
     /// Explicit target layer ids (overrides `num_target_features`).

@@ -1,4 +1,4 @@
-//! One Gated DeltaNet mixer, `layers.{i}.linear_attn` (OPTIMIZERS.md; FLA `GatedDeltaNet` for
+//! One Gated DeltaNet mixer, `layers.{i}.linear_attn` (FLA `GatedDeltaNet` for
 //! the math and init), reading a DFlash block and the target context.
 //!
 //! Weights (Qwen3.5 names where it has separate tensors; its fused `in_proj_qkv` is split into

@@ -269,7 +269,7 @@ fn bf16_forward_is_close_to_fp32() {
     assert!(err < 0.05, "bf16 vs fp32 RMS difference {err}");
 }
 
-/// Muon's groups for this drafter's parameters (OPTIMIZERS.md): every projection, q/k/v
+/// Muon's groups for this drafter's parameters: every projection, q/k/v
 /// separately, to Muon; the depthwise conv kernels to AdamW; A_log and dt_bias to AdamW without
 /// weight decay; norms to AdamW. Checked with the plugin's default rules and with the named
 /// rules the GDN A/B config spells out.

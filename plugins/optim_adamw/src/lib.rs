@@ -1,5 +1,5 @@
 //! AdamW, exactly as torch.optim.AdamW (single-tensor path) orders its operations
-//! (OPTIMIZERS.md). State and update math in fp32; parameters of another dtype keep an fp32
+//!. State and update math in fp32; parameters of another dtype keep an fp32
 //! master copy.
 
 use plugin_api::{

@@ -1,4 +1,4 @@
-//! Muon for hidden matrices plus AdamW for everything Muon must not touch (OPTIMIZERS.md).
+//! Muon for hidden matrices plus AdamW for everything Muon must not touch.
 //!
 //! The Muon group follows torch.optim.Muon 2.11 step for step: `buf = lerp(buf, g, 1-mu)`;
 //! Nesterov direction `lerp(g, buf, mu)`; Newton-Schulz (`ns_dtype`); `p *= 1 - lr*wd`;
