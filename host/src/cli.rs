@@ -1,7 +1,7 @@
 //! The command line of `dflash-host` (clap derive): every subcommand and its flags. In the
 //! library so tests can parse the command lines the README shows.
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
 /// The version and the git revision the binary was built from (host/build.rs).
@@ -63,12 +63,8 @@ pub enum Command {
     Capture {
         #[arg(long)]
         config: PathBuf,
-        /// Set a config field (repeatable), typed as in the file, e.g. `--set data.max_len=512`.
-        #[arg(long = "set", value_name = "KEY=VALUE")]
-        set: Vec<String>,
-        /// The run's device (`cpu`, `cuda`, `cuda:N`).
-        #[arg(long)]
-        device: Option<String>,
+        #[command(flatten)]
+        overrides: ConfigOverrides,
         #[arg(long)]
         out: PathBuf,
         /// Stored precision of the features (default: the run's dtype).
@@ -86,12 +82,8 @@ pub enum Command {
     Distill {
         #[arg(long)]
         config: PathBuf,
-        /// Set a config field (repeatable), typed as in the file, e.g. `--set data.max_len=512`.
-        #[arg(long = "set", value_name = "KEY=VALUE")]
-        set: Vec<String>,
-        /// The run's device (`cpu`, `cuda`, `cuda:N`).
-        #[arg(long)]
-        device: Option<String>,
+        #[command(flatten)]
+        overrides: ConfigOverrides,
         /// The JSONL file to write.
         #[arg(long)]
         out: PathBuf,
@@ -265,4 +257,15 @@ pub enum PluginsCommand {
     Check(crate::plugins::check::CheckArgs),
     /// Write a plugin crate from a template (build it with `cargo build --release`).
     New(crate::plugins::new::NewArgs),
+}
+
+/// `--set` and `--device` of the commands that read a config besides `train`.
+#[derive(Args)]
+pub struct ConfigOverrides {
+    /// Set a config field (repeatable), typed as in the file, e.g. `--set data.max_len=512`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// The run's device (`cpu`, `cuda`, `cuda:N`).
+    #[arg(long)]
+    pub device: Option<String>,
 }

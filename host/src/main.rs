@@ -41,8 +41,8 @@ fn run() -> Result<ExitCode> {
             let libtorch = std::env::var_os("LIBTORCH").map(PathBuf::from).unwrap_or_else(|| run::cache_dir().join("libtorch"));
             dflash_host::doctor::run(&libtorch)
         }
-        Command::Distill { config, out, set, device } => {
-            let cfg = RunConfig::load_with(&config, &Override::from_args(&set, device.as_deref())?)?;
+        Command::Distill { config, out, overrides } => {
+            let cfg = RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
             let registry = Registry::new(&cli.plugins)?;
             let (n, stats) = run::distill(&cfg, &config, &out, &registry)?;
             if let Some(s) = stats {
@@ -84,8 +84,8 @@ fn run() -> Result<ExitCode> {
             print_summary(&summary);
             Ok(summary.interrupted.map_or(ExitCode::SUCCESS, ExitCode::from))
         }
-        Command::Capture { config, out, dtype, batches, shard_mb, set, device } => {
-            let cfg = RunConfig::load_with(&config, &Override::from_args(&set, device.as_deref())?)?;
+        Command::Capture { config, out, dtype, batches, shard_mb, overrides } => {
+            let cfg = RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
             let registry = Registry::new(&cli.plugins)?;
             let run_dtype = if cfg.dtype() == "bf16" { dflash_host::pipeline::capture::StoredDtype::Bf16 } else { dflash_host::pipeline::capture::StoredDtype::F32 };
             let opts = dflash_host::pipeline::capture::CaptureOptions {
