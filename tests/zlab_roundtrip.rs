@@ -77,7 +77,14 @@ fn export_then_import(extra: &str) -> serde_json::Value {
         .unwrap();
     assert_eq!(dflash_host::experiment::checkpoint::find(&dir.path().join("exp"), None).unwrap().dir, ckpt);
     let out = dir.path().join("zlab");
+    // What an export killed mid-write leaves (a dead process's temporary folder) goes; a live
+    // one's (this process's parent: alive) stays.
+    let dead = dir.path().join(".zlab.export-2147483646");
+    let live = dir.path().join(format!(".zlab.export-{}", std::os::unix::process::parent_id()));
+    std::fs::create_dir_all(&dead).unwrap();
+    std::fs::create_dir_all(&live).unwrap();
     export::export(&ckpt, &out, false).unwrap();
+    assert!(!dead.exists() && live.exists(), "stale export folders: dead {}, live {}", dead.exists(), live.exists());
 
     // The folder is the z-lab format: config fields and bf16 tensors with z-lab names.
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();

@@ -92,6 +92,23 @@ pub fn export(checkpoint: &Path, out: &Path, force: bool) -> Result<()> {
     export_with_card(checkpoint, out, force, None)
 }
 
+/// The temporary folders of exports to `name` whose process is gone (killed mid-export): an
+/// export that dies leaves `.NAME.export-PID` beside `--out`, never a partial `--out`.
+fn remove_dead_exports(parent: &Path, name: &str) {
+    let prefix = format!(".{name}.export-");
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for e in entries.flatten() {
+        let file = e.file_name();
+        let Some(pid) = file.to_str().and_then(|f| f.strip_prefix(&prefix)).and_then(|p| p.parse::<i32>().ok()) else { continue };
+        // SAFETY: kill(pid, 0) only asks whether the process exists.
+        let alive = pid > 0 && (unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM));
+        if !alive {
+            tracing::info!("removing {}, left by an export that did not finish", e.path().display());
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 /// As [`export`], with a README.md model card.
 pub fn export_with_card(checkpoint: &Path, out: &Path, force: bool, card: Option<&str>) -> Result<()> {
     checkpoint::verify(checkpoint)?;
@@ -117,6 +134,7 @@ pub fn export_with_card(checkpoint: &Path, out: &Path, force: bool, card: Option
 
     let parent = out.parent().expect("check_out gives a path with a parent");
     let name = out.file_name().expect("check_out gives a path with a name").to_string_lossy().to_string();
+    remove_dead_exports(parent, &name);
     let tmp = parent.join(format!(".{name}.export-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let written = (|| -> Result<()> {
