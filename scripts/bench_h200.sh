@@ -10,17 +10,9 @@ B=${B:-target/device/dflash-host}
 OUT=${OUT:-bench-out}
 CONFIG=configs/bench/qwen3-8b.toml
 mkdir -p "$OUT"
-TORCH_LIB=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__) + "/lib")')
-export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+source "$(dirname "$0")/device_parts.sh"
+use_torch_libs
 
-LOG=$OUT/log.txt
-part() {  # part NAME SECONDS COMMAND...: run, its output into the log, say how it went
-    local name=$1 limit=$2 start=$SECONDS
-    shift 2
-    echo "==== $name: $*" >> "$LOG"
-    timeout "$limit" "$@" >> "$LOG" 2>&1
-    echo "== $name: exit $? in $((SECONDS - start)) s" | tee -a "$LOG"
-}
 
 part gpu 20 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
 # The kernels' CUDA tests (kernels/src/cuda_tests.rs), when their test binary was carried:

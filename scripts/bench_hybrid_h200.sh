@@ -21,21 +21,12 @@ set -u
 B=${B:-target/device/dflash-host}
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
-TORCH_LIB=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__) + "/lib")')
-export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+source "$(dirname "$0")/device_parts.sh"
+use_torch_libs
 export PYTHONUNBUFFERED=1
 # The 27B target (54 GB) and the drafter's step share the card: fewer stranded blocks.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
-LOG=$OUT/log.txt
-part() {  # part NAME SECONDS COMMAND...: run, its output into the log, say how it went
-    local name=$1 limit=$2 start=$SECONDS
-    shift 2
-    if [ -n "${PARTS:-}" ] && [[ " $PARTS " != *" $name "* ]]; then return; fi
-    echo "==== $name: $*" >> "$LOG"
-    timeout "$limit" "$@" >> "$LOG" 2>&1
-    echo "== $name: exit $? in $((SECONDS - start)) s" | tee -a "$LOG"
-}
 
 # transformers 5.8.1 (the machine has another version) into a folder of its own, with the
 # tokenizers and regex versions it checks at import; fla-core separately, so the first HF run is

@@ -18,19 +18,9 @@ SO=${SO:-target/device/libsynthetic_target.so}
 DEVICE=${DEVICE:-cuda:0}
 OUT=${OUT:-nccl-out}
 mkdir -p "$OUT"
-if [ "$DEVICE" != cpu ]; then
-    TORCH_LIB=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__) + "/lib")')
-    export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
+source "$(dirname "$0")/device_parts.sh"
+[ "$DEVICE" != cpu ] && use_torch_libs
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-LOG=$OUT/log.txt
-part() {  # part NAME SECONDS COMMAND...: run, its output into the log, say how it went
-    local name=$1 limit=$2 start=$SECONDS
-    shift 2
-    echo "==== $name: $*" >> "$LOG"
-    timeout "$limit" "$@" >> "$LOG" 2>&1
-    echo "== $name: exit $? in $((SECONDS - start)) s" | tee -a "$LOG"
-}
 
 W=$(mktemp -d)
 python3 - "$W/chat.jsonl" <<'PY'

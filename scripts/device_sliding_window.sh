@@ -13,17 +13,9 @@ set -u
 B=${B:-target/device/dflash-host}
 OUT=${OUT:-sliding-out}
 mkdir -p "$OUT"
-TORCH_LIB=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__) + "/lib")')
-export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+source "$(dirname "$0")/device_parts.sh"
+use_torch_libs
 
-LOG=$OUT/log.txt
-part() {  # part NAME SECONDS COMMAND...: run, its output into the log, say how it went
-    local name=$1 limit=$2 start=$SECONDS
-    shift 2
-    echo "==== $name: $*" >> "$LOG"
-    timeout "$limit" "$@" >> "$LOG" 2>&1
-    echo "== $name: exit $? in $((SECONDS - start)) s" | tee -a "$LOG"
-}
 
 part gpu 20 nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv
 part kernel_tests 180 target/device/kernels-tests --test-threads=1 --nocapture cuda_tests

@@ -124,10 +124,13 @@ pub fn normalize_gradients(
 /// multiplied in fp32 and rounded once, the factor itself not rounded to 16 bits).
 fn scale_gradients(params: &[Tensor], factor: &Tensor) {
     let _guard = tch::no_grad_guard();
+    let Some(first) = params.first() else { return };
+    // Moved once (the parameters share the drafter's device), not one copy per gradient.
+    let factor = factor.to_device(first.device());
     for p in params {
         let mut g = p.grad();
         if g.defined() {
-            let _ = g.g_mul_(&factor.to_device(g.device()));
+            let _ = g.g_mul_(&factor);
         }
     }
 }
