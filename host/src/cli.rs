@@ -30,16 +30,12 @@ pub enum Command {
         /// Override `train.steps`.
         #[arg(long, conflicts_with = "resume")]
         steps: Option<u64>,
-        /// Set a config field (repeatable), typed as in the file: `--set train.steps=400
-        /// --set optimizer.lr=1e-3 --set 'data.template_kwargs={ enable_thinking = false }'`.
-        /// The experiment's config.toml records the result.
-        #[arg(long = "set", value_name = "KEY=VALUE", conflicts_with = "resume")]
-        set: Vec<String>,
-        /// The run's device (`cpu`, `cuda`, `cuda:N`): `--set device=...`.
-        #[arg(long, conflicts_with = "resume")]
-        device: Option<String>,
+        /// `--set train.steps=400 --set optimizer.lr=1e-3 --set 'data.template_kwargs={
+        /// enable_thinking = false }'`: the experiment's config.toml records the result.
+        #[command(flatten)]
+        overrides: ConfigOverrides,
         /// Continue this experiment from its newest good checkpoint, with its own config.
-        #[arg(long, value_name = "EXP_DIR", conflicts_with = "config")]
+        #[arg(long, value_name = "EXP_DIR", conflicts_with_all = ["config", "set", "device"])]
         resume: Option<PathBuf>,
         /// Resume even if a plugin library differs from the one the run started with.
         #[arg(long, requires = "resume")]

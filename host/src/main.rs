@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use dflash_host::cli::{BenchCommand, Cli, Command, ConfigCommand, PluginsCommand};
+use dflash_host::cli::{BenchCommand, Cli, Command, ConfigCommand, ConfigOverrides, PluginsCommand};
 use dflash_host::{ab, config::{Override, RunConfig}, eval, experiment, export, plugins, plugins::Registry, run, say, train};
 use std::{
     io::Write,
@@ -57,12 +57,12 @@ fn run() -> Result<ExitCode> {
             say!("report: {}", report.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Train { nproc: Some(n), ref config, ref exp_dir, ref set, ref device, steps, .. } if n >= 1 && std::env::var_os("RANK").is_none() => {
+        Command::Train { nproc: Some(n), ref config, ref exp_dir, ref overrides, steps, .. } if n >= 1 && std::env::var_os("RANK").is_none() => {
             let mut args = dflash_host::launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
             // One experiment folder for every rank (each would otherwise pick a fresh name).
             if let (Some(config), None) = (config, exp_dir) {
                 if !args.iter().any(|a| a == "--resume") {
-                    let cfg = RunConfig::load_with(config, &train_overrides(set, device.as_deref(), steps)?)?;
+                    let cfg = RunConfig::load_with(config, &train_overrides(overrides, steps)?)?;
                     args.extend(["--exp-dir".into(), experiment::fresh_dir(Path::new("experiments"), &cfg.name).into()]);
                 }
             }
@@ -74,9 +74,9 @@ fn run() -> Result<ExitCode> {
             print_summary(&summary);
             Ok(summary.interrupted.map_or(ExitCode::SUCCESS, ExitCode::from))
         }
-        Command::Train { config, exp_dir, steps, set, device, stop_at, .. } => {
+        Command::Train { config, exp_dir, steps, overrides, stop_at, .. } => {
             let config = config.expect("clap requires --config without --resume");
-            let cfg = RunConfig::load_with(&config, &train_overrides(&set, device.as_deref(), steps)?)?;
+            let cfg = RunConfig::load_with(&config, &train_overrides(&overrides, steps)?)?;
             let registry = Registry::new(&cli.plugins)?;
             let dir = exp_dir.unwrap_or_else(|| experiment::fresh_dir(Path::new("experiments"), &cfg.name));
             let summary =
@@ -158,8 +158,8 @@ fn run() -> Result<ExitCode> {
 }
 
 /// `--set`, `--device` and `--steps` (= `--set train.steps=N`) as config overrides.
-fn train_overrides(set: &[String], device: Option<&str>, steps: Option<u64>) -> Result<Vec<Override>> {
-    let mut all = Override::from_args(set, device)?;
+fn train_overrides(o: &ConfigOverrides, steps: Option<u64>) -> Result<Vec<Override>> {
+    let mut all = Override::from_args(&o.set, o.device.as_deref())?;
     all.extend(steps.map(|n| Override { arg: format!("--steps {n}"), key: "train.steps".into(), value: toml::Value::Integer(i64::try_from(n).unwrap_or(i64::MAX)) }));
     Ok(all)
 }
