@@ -114,7 +114,7 @@ fn eval_is_lossless_and_reports_acceptance() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let exp = dir.path().join("exp");
     let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
-        .args(["eval", "--limit", "3", "--max-new-tokens", "12", "--exp-dir"])
+        .args(["eval", "--limit", "3", "--max-new-tokens", "12", "--time-split", "--exp-dir"])
         .arg(&exp)
         .env("DFLASH_CACHE", cache())
         .env_remove("RUST_BACKTRACE")
@@ -122,7 +122,7 @@ fn eval_is_lossless_and_reports_acceptance() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}\n{stdout}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("lossless     yes"), "{stdout}");
+    assert!(stdout.contains("lossless     yes") && stdout.contains(" ms verify"), "{stdout}");
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap();
     assert_eq!(report["prompts"], 3);
     assert_eq!(report["lossless"], true);
@@ -134,6 +134,7 @@ fn eval_is_lossless_and_reports_acceptance() {
     }
     assert_eq!(report["acceptance_per_position"].as_array().unwrap().len(), 3);
     assert!(report["speedup"].as_f64().unwrap() > 0.0 && report["tau_hat"].is_number());
+    assert!(report["cycle_ms"]["verify"].as_f64().unwrap() > 0.0 && report["device"] == "cpu", "{report}");
 
     // Export, then evaluate the exported z-lab folder: the same drafter up to bf16 rounding.
     let zlab = dir.path().join("zlab");

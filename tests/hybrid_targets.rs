@@ -3,7 +3,8 @@
 //! (sharded safetensors, SmolLM2's tokenizer, a chat template) is written here, `dflash-host
 //! train` self-distils and trains a drafter on it, and `dflash-host eval` decodes speculatively,
 //! output identical to the target's greedy decoding (the Gated DeltaNet states rolled back into
-//! each verified block). A config naming an unknown architecture fails with one line.
+//! each verified block), with the dense drafter keeping its context between cycles and with the
+//! Gated DeltaNet drafter, which does not. A config naming an unknown architecture fails with one line.
 
 use plugin_api::tch::{Device, Kind, Tensor};
 use std::{collections::HashMap, path::Path, process::Command};
@@ -116,7 +117,11 @@ fn train_and_lossless_eval_on_hybrid_and_moe_targets() {
         let root = tempfile::tempdir().unwrap();
         let target = root.path().join(arch);
         write_target(arch, &target);
-        let (out, dir) = common::train(&[], &config_for(&target));
+        // The last one with the Gated DeltaNet drafter, which keeps no decoding context: eval
+        // then gives it the whole context every cycle.
+        let drafter = if arch == "qwen3_moe" { "plugin = \"gdn\"" } else { "plugin = \"dflash\"" };
+        let config = config_for(&target).replace("plugin = \"dflash\"", drafter);
+        let (out, dir) = common::train(&[], &config);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{arch}: train failed:\n{stderr}");
         if arch == "qwen3_5" {

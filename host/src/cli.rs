@@ -142,6 +142,10 @@ pub enum Command {
         limit: u32,
         #[arg(long, default_value_t = 64)]
         max_new_tokens: u32,
+        /// Also time each cycle's phases (draft, verify, bookkeeping), waiting for the device
+        /// after each: slows decoding slightly.
+        #[arg(long)]
+        time_split: bool,
     },
     /// Export a checkpoint in the z-lab format (config.json + bf16 model.safetensors).
     Export {

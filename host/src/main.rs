@@ -98,8 +98,8 @@ fn run() -> Result<ExitCode> {
             say!("train on it  set `[pipeline] capture = \"{}\"` in the config", out.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Eval { exp_dir, checkpoint, drafter, prompts, prompt_format, limit, max_new_tokens } => {
-            let args = eval::EvalCommand { exp_dir, checkpoint, drafter, prompts, prompt_format, limit, max_new_tokens };
+        Command::Eval { exp_dir, checkpoint, drafter, prompts, prompt_format, limit, max_new_tokens, time_split } => {
+            let args = eval::EvalCommand { exp_dir, checkpoint, drafter, prompts, prompt_format, limit, max_new_tokens, time_split };
             eval::command(&args, &cli.plugins)?;
             Ok(ExitCode::SUCCESS)
         }

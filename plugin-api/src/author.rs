@@ -21,7 +21,7 @@ use crate::{
         std_types::{ROption, RResult, RSlice, RStr, RString, RVec},
     },
     catch_plugin_panic, CollectivesBox, DataLoader, DataLoader_TO, DataPosition, DataSummary,
-    DistillOptions, DistillRequest, DraftInput, Drafter, Drafter_TO, NamedTensor, Optimizer, Optimizer_TO,
+    DecodeInput, DistillOptions, DistillRequest, DraftInput, Drafter, Drafter_TO, NamedTensor, Optimizer, Optimizer_TO,
     PluginError, PluginInstance, TargetModel, TargetModel_TO, TargetOutput, TargetSpec, TensorHandle,
 };
 use std::sync::{
@@ -116,6 +116,14 @@ pub trait DrafterPlugin: Send + 'static {
     fn anchors_on_host(&mut self, anchors: &Tensor) -> Result<(), PluginError> {
         let _ = anchors;
         Ok(())
+    }
+
+    /// A decoding draft with the context kept between calls (see [`Drafter::decode_block`]):
+    /// `new_context` [1, n, L*H] from position `context_start`, then the block [1, Bk, H].
+    /// `Ok(None)`: this drafter keeps no context.
+    fn decode_block(&mut self, new_context: &Tensor, context_start: u32, block_embeds: &Tensor) -> Result<Option<Tensor>, PluginError> {
+        let _ = (new_context, context_start, block_embeds);
+        Ok(None)
     }
 }
 
@@ -389,6 +397,13 @@ impl<T: DrafterPlugin> Drafter for T {
 
     fn anchors_on_host(&mut self, anchors: &TensorHandle) -> RResult<(), PluginError> {
         fallible(poison(self), || DrafterPlugin::anchors_on_host(self, &anchors.tensor()))
+    }
+
+    fn decode_block(&mut self, input: &DecodeInput) -> RResult<ROption<TensorHandle>, PluginError> {
+        fallible(poison(self), || {
+            let out = DrafterPlugin::decode_block(self, &input.new_context.tensor(), input.context_start, &input.block_embeds.tensor())?;
+            Ok(out.map(TensorHandle::new).into())
+        })
     }
 }
 

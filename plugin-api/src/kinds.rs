@@ -155,6 +155,30 @@ pub trait Drafter: Send {
         let _ = anchors;
         RResult::ROk(())
     }
+
+    /// One speculative-decoding draft of one sequence, the drafter keeping its context between
+    /// calls (ABI 1.5): see [`DecodeInput`]. Returns the block's hidden states [1, Bk, H], what
+    /// `forward` gives over the whole context, or None when the drafter keeps no context (the
+    /// host then calls `forward` with all of it, as before this method existed).
+    fn decode_block(&mut self, input: &DecodeInput) -> RResult<ROption<TensorHandle>, PluginError> {
+        let _ = input;
+        RResult::ROk(ROption::RNone)
+    }
+}
+
+/// A decoding draft's input: what the target verified since the last call, and the next block.
+/// A drafter's context is only ever verified positions, so it grows and is never cut.
+#[repr(C)]
+#[derive(StableAbi, Debug)]
+pub struct DecodeInput {
+    /// Target features [1, n, L*H] of positions `context_start..context_start + n`.
+    pub new_context: TensorHandle,
+    /// Positions the drafter already holds for this sequence; 0 starts a new one (what it held
+    /// is dropped). Any other value must equal what it holds.
+    pub context_start: u32,
+    /// The block `[anchor, MASK x (Bk-1)]` embedded [1, Bk, H], its anchor at position
+    /// `context_start + n`.
+    pub block_embeds: TensorHandle,
 }
 
 /// The optimizer: owns per-parameter state, updates parameters in place from their `.grad`.

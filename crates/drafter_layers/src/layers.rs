@@ -180,6 +180,31 @@ impl Attention {
         (apply_rope(&q, &at.q_cos, &at.q_sin), apply_rope(&k, &at.k_cos, &at.k_sin), v)
     }
 
+    /// Decoding: keys (RoPE'd with `cos`/`sin` at their positions) and values [B, nkv, n, D] of
+    /// `rows` [B, n, H]: the fused context's, kept between draft cycles, or the block's own.
+    pub fn keys_values(&self, rows: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor) {
+        let (b, n) = (rows.size()[0], rows.size()[1]);
+        let k = self.k_proj.forward(rows).view([b, n, self.num_kv_heads, self.head_dim]);
+        let k = self.k_norm.forward(&k).transpose(1, 2);
+        let v = self.v_proj.forward(rows).view([b, n, self.num_kv_heads, self.head_dim]).transpose(1, 2);
+        (apply_rope(&k, cos, sin), v)
+    }
+
+    /// Decoding: one block x [B, Bk, H] (input-normed) at the positions of `cos`/`sin`, against
+    /// the kept context keys/values and its own; `mask` [B, 1, Bk, S+Bk], or None where the
+    /// block sees all of both (a full-attention layer: the context is exactly what lies before
+    /// the anchor). Equals [`forward`](Self::forward) over the whole context.
+    pub fn forward_decode(&self, x: &Tensor, context: &(Tensor, Tensor), cos: &Tensor, sin: &Tensor, mask: Option<&Tensor>) -> Tensor {
+        let (b, n) = (x.size()[0], x.size()[1]);
+        let q = self.q_proj.forward(x).view([b, n, self.num_heads, self.head_dim]);
+        let q = apply_rope(&self.q_norm.forward(&q).transpose(1, 2), cos, sin);
+        let (k, v) = self.keys_values(x, cos, sin);
+        let k = Tensor::cat(&[&context.0, &k], 2);
+        let v = Tensor::cat(&[&context.1, &v], 2);
+        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, mask, 0.0, false, Some(self.scale()), true);
+        self.output(&o)
+    }
+
     /// The attention output [B, nh, N, D] back to the hidden size.
     pub fn output(&self, o: &Tensor) -> Tensor {
         let (b, n) = (o.size()[0], o.size()[2]);

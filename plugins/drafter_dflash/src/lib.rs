@@ -192,12 +192,14 @@ pub struct DFlashPlugin {
     pending: Option<model::Tape>,
     /// The next forward's anchors on the CPU (`anchors_on_host`), used by that forward only.
     host_anchors: Option<plugin_api::tch::Tensor>,
+    /// The sequence being decoded (`decode_block`).
+    decoding: model::DecodeCache,
 }
 
 impl DFlashPlugin {
     pub fn new(cfg: &DFlashConfig, device: Device, kind: Kind) -> Self {
         let (vs, model) = model::build(cfg, device, kind);
-        Self { vs, model, mode: model::TrainMode::default(), pending: None, host_anchors: None }
+        Self { vs, model, mode: model::TrainMode::default(), pending: None, host_anchors: None, decoding: Default::default() }
     }
 
     pub fn with_mode(mut self, mode: model::TrainMode) -> Self {
@@ -251,6 +253,12 @@ impl DrafterPlugin for DFlashPlugin {
     fn anchors_on_host(&mut self, anchors: &Tensor) -> Result<(), PluginError> {
         self.host_anchors = Some(anchors.shallow_clone());
         Ok(())
+    }
+
+    fn decode_block(&mut self, new_context: &Tensor, context_start: u32, block_embeds: &Tensor) -> Result<Option<Tensor>, PluginError> {
+        let _guard = plugin_api::tch::no_grad_guard();
+        let out = self.model.decode_block(&mut self.decoding, new_context, context_start as i64, block_embeds);
+        out.map(Some).map_err(PluginError::new)
     }
 
     fn backward(&mut self, grad: &Tensor) -> Result<(), PluginError> {

@@ -6,7 +6,7 @@
 //! `drafter_layers`'.
 
 use crate::config::DFlashConfig;
-use drafter_layers::layers::{linear, Attention, AttentionInputs, Mlp, MlpCut, RmsNorm};
+use drafter_layers::layers::{linear, rope_cos_sin, Attention, AttentionInputs, Mlp, MlpCut, RmsNorm};
 use kernels::block_attention;
 use plugin_api::tch::{self as tch, nn, nn::Module, Device, Kind, Tensor};
 
@@ -36,6 +36,12 @@ impl DecoderLayer {
     fn forward(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> Tensor {
         // The context enters K/V as fused (hidden_norm'd), not through input_layernorm.
         let x = x + self.self_attn.forward(&self.input_layernorm.forward(x), ctx, at);
+        &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
+    }
+
+    /// `forward` for one decoding block against the layer's kept context keys/values.
+    fn forward_decode(&self, x: &Tensor, context: &(Tensor, Tensor), cos: &Tensor, sin: &Tensor, mask: Option<&Tensor>) -> Tensor {
+        let x = x + self.self_attn.forward_decode(&self.input_layernorm.forward(x), context, cos, sin, mask);
         &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
     }
 
@@ -95,6 +101,50 @@ impl DFlashDrafter {
         let ctx = self.hidden_norm.forward(&self.fc.forward(target_hidden));
         let (s, bk) = (target_hidden.size()[1], self.cfg.block_size as i64);
         (ctx, AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind(), masked, self.cfg.window()))
+    }
+
+    /// One speculative-decoding block with the context kept in `cache`: `new_context` [1, n,
+    /// L*H] holds the target features of positions `start..start+n` (start 0: a new sequence),
+    /// `block_embeds` [1, Bk, H] the block at `start + n`. Equals [`forward`](Self::forward) over
+    /// the whole context with that one anchor, for the cost of the new positions and the block.
+    pub fn decode_block(&self, cache: &mut DecodeCache, new_context: &Tensor, start: i64, block_embeds: &Tensor) -> Result<Tensor, String> {
+        if start == 0 {
+            cache.clear();
+        }
+        if start != cache.len {
+            return Err(format!("context_start is {start}, but the drafter holds {} positions of this sequence", cache.len));
+        }
+        let shape = self.cfg.dense_shape();
+        let (kind, device) = (block_embeds.kind(), block_embeds.device());
+        let rope = |from: i64, n: i64| {
+            let positions = Tensor::arange_start(from, from + n, (Kind::Int64, device)).unsqueeze(0);
+            rope_cos_sin(&positions, shape.head_dim, shape.rope_theta, &shape.rope_scaling, kind)
+        };
+        // 1. The new positions' keys and values in every layer, appended to the kept ones: the
+        //    context (fused features) enters every layer's K/V as it is, so a layer's context K/V
+        //    never change once computed.
+        let n = new_context.size()[1];
+        if cache.layers.is_empty() || n > 0 {
+            let fused = self.hidden_norm.forward(&self.fc.forward(new_context));
+            let (cos, sin) = rope(start, n);
+            let new = self.layers.iter().map(|l| l.self_attn.keys_values(&fused, &cos, &sin));
+            cache.layers = match std::mem::take(&mut cache.layers) {
+                kept if kept.is_empty() => new.collect(),
+                kept => kept.into_iter().zip(new).map(|((k, v), (nk, nv))| (Tensor::cat(&[k, nk], 2), Tensor::cat(&[v, nv], 2))).collect(),
+            };
+            cache.len += n;
+        }
+        // 2. The block over the kept context: a full-attention layer sees all of it and all of
+        //    its block; a sliding layer only the window before each query, causal in the block.
+        let (s, bk) = (cache.len, block_embeds.size()[1]);
+        let (cos, sin) = rope(s, bk);
+        let sliding = self.cfg.window().map(|w| decode_window_mask(s, bk, w, device));
+        let mut x = block_embeds.shallow_clone();
+        for (layer, context) in self.layers.iter().zip(&cache.layers) {
+            let mask = layer.self_attn.window.and(sliding.as_ref());
+            x = layer.forward_decode(&x, context, &cos, &sin, mask);
+        }
+        Ok(self.norm.forward(&x))
     }
 
     /// The training forward when the drafter runs its own backward (`mode` asks for split
@@ -185,6 +235,29 @@ impl DFlashDrafter {
 /// Backward from several outputs at once, each with its gradient, in one pass of the engine.
 fn pull(pairs: &[(&Tensor, &Tensor)]) {
     kernels::autograd::backward(pairs).unwrap_or_else(|e| panic!("drafter backward: {e}"));
+}
+
+/// One sequence's drafter context while decoding: each layer's context keys (RoPE'd) and
+/// values [1, nkv, S, D]. The context is only ever verified positions, so it only grows.
+#[derive(Default)]
+pub struct DecodeCache {
+    layers: Vec<(Tensor, Tensor)>,
+    len: i64,
+}
+
+impl DecodeCache {
+    fn clear(&mut self) {
+        *self = Self::default();
+    }
+}
+
+/// A sliding-window layer's decoding mask [1, 1, Bk, S+Bk] for a block at position `s` after
+/// `s` context positions: query s+i sees context keys j > s+i-W and block keys up to its own.
+fn decode_window_mask(s: i64, bk: i64, window: i64, device: Device) -> Tensor {
+    let q = Tensor::arange_start(s, s + bk, (Kind::Int64, device)).unsqueeze(1);
+    let context = Tensor::arange(s, (Kind::Int64, device)).unsqueeze(0).gt_tensor(&(q - window));
+    let own = Tensor::ones([bk, bk], (Kind::Bool, device)).tril(0);
+    Tensor::cat(&[context, own], 1).view([1, 1, bk, s + bk])
 }
 
 /// How the drafter trains (the `[drafter]` section's `attention` and `checkpoint_layers`).

@@ -1,0 +1,359 @@
+//! `dflash-host eval`: real acceptance length, and the wall-clock speed-up over the target's own
+//! greedy decoding, by lossless greedy speculative decoding of held-out or benchmark prompts
+//! ([`decode`]); the results file is named after what was evaluated.
+
+mod decode;
+mod prompts;
+
+pub use decode::{response_taus, speculative_decode, Cycle, PhaseTimes, Shared};
+pub use prompts::{convert_prompts, PromptFormat};
+
+use crate::{
+    experiment::{self, checkpoint},
+    pipeline::components::Components,
+    plugins::Registry,
+    say,
+};
+use anyhow::{anyhow, bail, Result};
+use plugin_api::{
+    tch::{Kind, Tensor},
+    PluginKind,
+};
+use prompts::{prompts_name, tempfile_dir};
+use serde::Serialize;
+use std::{
+    path::{Path, PathBuf},
+    time::Instant,
+};
+
+pub struct EvalOptions {
+    /// `holdout` or a chat JSONL file, through the data plugin.
+    pub source: String,
+    pub limit: u32,
+    pub max_new_tokens: u32,
+    /// Wait for the device after each phase of a cycle to time the phases apart (the waits
+    /// slow decoding a little, so the speed-up is best read without them).
+    pub time_split: bool,
+}
+
+impl EvalOptions {
+    /// Refuse what could only give an empty or misleading report, before anything is loaded: no
+    /// prompts, no tokens, a prompts "file" that is a FIFO or device.
+    pub fn validate(&self) -> Result<()> {
+        if self.limit == 0 {
+            bail!("--limit 0: evaluate at least one prompt");
+        }
+        if self.max_new_tokens == 0 {
+            bail!("--max-new-tokens 0: nothing would be decoded (no acceptance to measure); give at least 1");
+        }
+        if !matches!(self.source.as_str(), "holdout" | "humaneval") {
+            input_files::open_regular(std::path::Path::new(&self.source)).map_err(|e| anyhow!("--prompts {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalReport {
+    pub source: String,
+    pub prompts: usize,
+    pub block_size: usize,
+    /// z-lab's acceptance length: mean over responses of (accepted drafts + 1) per cycle, every
+    /// cycle counted (the last one whole).
+    pub tau: f64,
+    pub tau_per_response: Vec<f64>,
+    /// Tokens kept per cycle (the output's tokens, up to its stop token and the length cap, over
+    /// the cycles that kept any), mean over responses.
+    pub tau_kept: f64,
+    /// What serving engines report: all accepted + 1 over all cycles, pooled over responses.
+    pub tau_pooled: f64,
+    /// Share of cycles whose k-th drafted token was accepted, k = 1..B-1.
+    pub acceptance_per_position: Vec<f64>,
+    pub cycles: usize,
+    pub new_tokens: usize,
+    /// Target-only greedy decoding vs speculative decoding, one sequence at a time.
+    pub target_tok_per_s: f64,
+    pub spec_tok_per_s: f64,
+    pub speedup: f64,
+    /// Where it ran (`cpu`, `cuda:0`).
+    pub device: String,
+    /// Milliseconds per cycle in each phase, with `--time-split`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cycle_ms: Option<CycleMs>,
+    /// Every response equal to the target's own greedy output.
+    pub lossless: bool,
+    pub mismatches: Vec<usize>,
+}
+
+/// Mean milliseconds per cycle spent drafting, verifying and on the bookkeeping between.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct CycleMs {
+    pub draft: f64,
+    pub verify: f64,
+    pub bookkeeping: f64,
+}
+
+pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
+    let tokenizer = c.target.tokenizer_json();
+    c.data.open(tokenizer.as_rstr()).into_result().map_err(c.err(PluginKind::DataLoader, "open"))?;
+    let prompts = c.data.eval_prompts(opts.source.as_str().into(), opts.limit).into_result();
+    let prompts = prompts.map_err(c.err(PluginKind::DataLoader, "eval_prompts"))?;
+    if prompts.is_empty() {
+        bail!("no evaluation prompts from `{}`", opts.source);
+    }
+    let (embedding, block_size) = (c.target.embedding().into_tensor(), c.drafter.block_size() as usize);
+    let device = embedding.device();
+    let shared = Shared {
+        mask_ids: Tensor::full([1, block_size as i64 - 1], c.drafter.mask_token_id() as i64, (Kind::Int64, device)),
+        embedding,
+        lm_head: c.target.lm_head().into_tensor(),
+        layer_ids: c.drafter.target_layer_ids().into_vec(),
+        block_size,
+        time_split: opts.time_split,
+    };
+    let stop = [c.target.spec().eos_token_id];
+    let bar = indicatif::ProgressBar::new(prompts.len() as u64);
+    let (mut t_target, mut t_spec, mut n_target, mut n_spec) = (0.0, 0.0, 0usize, 0usize);
+    let (mut taus, mut taus_kept) = (Vec::new(), Vec::new());
+    let mut mismatches = Vec::new();
+    let mut accepted_at = vec![0usize; shared.block_size - 1];
+    let (mut all_cycles, mut all_accepted) = (0usize, 0usize);
+    let mut times = PhaseTimes::default();
+    // Warm-up, untimed: the first calls on a GPU pay for kernel loading and allocator growth.
+    let warm = opts.max_new_tokens.min(16);
+    let base = c.target.generate(vec![prompts[0].clone()].into(), warm, stop.as_slice().into()).into_result();
+    base.map_err(c.err(PluginKind::Target, "generate"))?;
+    speculative_decode(c, &prompts[0], warm as usize, &stop, &shared, &mut PhaseTimes::default())?;
+    for (i, prompt) in prompts.iter().enumerate() {
+        let t0 = Instant::now();
+        let base = c.target.generate(vec![prompt.clone()].into(), opts.max_new_tokens, stop.as_slice().into()).into_result();
+        let base = base.map_err(c.err(PluginKind::Target, "generate"))?.remove(0).into_vec();
+        t_target += t0.elapsed().as_secs_f64();
+        n_target += base.len();
+        let t1 = Instant::now();
+        let (spec, cycles) = speculative_decode(c, prompt, opts.max_new_tokens as usize, &stop, &shared, &mut times)?;
+        t_spec += t1.elapsed().as_secs_f64();
+        n_spec += spec.len();
+        if spec != base {
+            tracing::error!("prompt {i}: speculative output differs from the target's greedy output");
+            mismatches.push(i);
+        }
+        // tau per response (z-lab): accepted + 1 per cycle; kept: tokens kept per cycle that
+        // kept any (the prefill's first token is no cycle).
+        let (t, k) = response_taus(&cycles);
+        taus.extend(t);
+        taus_kept.extend(k);
+        all_cycles += cycles.len();
+        all_accepted += cycles.iter().map(|c| c.accepted + 1).sum::<usize>();
+        for cy in &cycles {
+            for slot in accepted_at.iter_mut().take(cy.accepted) {
+                *slot += 1;
+            }
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    Ok(EvalReport {
+        source: opts.source.clone(),
+        prompts: prompts.len(),
+        block_size: shared.block_size,
+        tau: mean(&taus),
+        tau_kept: mean(&taus_kept),
+        tau_pooled: all_accepted as f64 / all_cycles.max(1) as f64,
+        tau_per_response: taus,
+        acceptance_per_position: accepted_at.iter().map(|&n| n as f64 / all_cycles.max(1) as f64).collect(),
+        cycles: all_cycles,
+        new_tokens: n_spec,
+        target_tok_per_s: n_target as f64 / t_target,
+        spec_tok_per_s: n_spec as f64 / t_spec,
+        speedup: t_target / t_spec * (n_spec as f64 / n_target.max(1) as f64),
+        device: format!("{device:?}").to_lowercase().replace("cuda(", "cuda:").replace(')', ""),
+        cycle_ms: opts.time_split.then(|| {
+            let per = |t: f64| 1e3 * t / all_cycles.max(1) as f64;
+            CycleMs { draft: per(times.draft), verify: per(times.verify), bookkeeping: per(times.bookkeeping) }
+        }),
+        lossless: mismatches.is_empty(),
+        mismatches,
+    })
+}
+
+/// `dflash-host eval`'s arguments.
+pub struct EvalCommand {
+    pub exp_dir: PathBuf,
+    pub checkpoint: Option<u64>,
+    pub drafter: Option<PathBuf>,
+    pub prompts: String,
+    pub prompt_format: PromptFormat,
+    pub limit: u32,
+    pub max_new_tokens: u32,
+    pub time_split: bool,
+}
+
+/// `dflash-host eval`: check the arguments, load the experiment with the checkpoint or drafter,
+/// evaluate, print, and write the results file named after what was evaluated.
+pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
+    let exp_dir = &args.exp_dir;
+    let mut opts =
+        EvalOptions { source: args.prompts.clone(), limit: args.limit, max_new_tokens: args.max_new_tokens, time_split: args.time_split };
+    opts.validate()?;
+    if !exp_dir.join(experiment::CONFIG).is_file() {
+        bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
+    }
+    // 1. What is evaluated, and so where its results go; refused now if they cannot be written.
+    if args.drafter.is_none() && args.checkpoint.is_none() && prompts_name(&opts.source).is_none() {
+        experiment::check_writable(&exp_dir.join("eval.json"))?;
+    }
+    let evaluated = match &args.drafter {
+        Some(d) => {
+            let weights = d.join("model.safetensors");
+            let sha = crate::plugins::sha256_file(&weights).map_err(|e| anyhow!("--drafter {}: {e:#}", d.display()))?;
+            let shown = d.canonicalize().unwrap_or_else(|_| d.clone());
+            Evaluated { checkpoint_step: None, drafter: Some(shown.display().to_string()), drafter_sha256: sha }
+        }
+        None => {
+            let ckpt = checkpoint::find(exp_dir, args.checkpoint)?;
+            let sha = crate::plugins::sha256_file(&ckpt.dir.join("model.safetensors"))?;
+            Evaluated { checkpoint_step: Some(ckpt.step), drafter: None, drafter_sha256: sha }
+        }
+    };
+    let newest = checkpoint::newest_good(exp_dir).0.map(|c| c.step);
+    let written = exp_dir.join(evaluated.file_name(prompts_name(&opts.source).as_deref(), newest));
+    experiment::check_writable(&written)?;
+    // 2. Benchmark files become chat prompts for the data plugin.
+    let converted = tempfile_dir()?;
+    if args.prompt_format != PromptFormat::Chat {
+        if matches!(opts.source.as_str(), "holdout" | "humaneval") {
+            bail!("--prompt-format {:?} reads a file: give it with --prompts FILE", args.prompt_format);
+        }
+        let file = converted.join("prompts.jsonl");
+        let n = convert_prompts(Path::new(&opts.source), args.prompt_format, &file)?;
+        tracing::info!("{n} {:?} prompts from {}", args.prompt_format, opts.source);
+        opts.source = file.display().to_string();
+    }
+    // 3. Evaluate, with the machine's load before and after the timing.
+    let registry = Registry::new(plugin_paths)?;
+    let (_, mut c) = crate::run::load_experiment(exp_dir, &registry, evaluated.checkpoint_step, args.drafter.as_deref())?;
+    let load_before = loadavg();
+    let mut report = evaluate(&mut c, &opts)?;
+    let load_after = loadavg();
+    let _ = std::fs::remove_dir_all(&converted);
+    report.source = args.prompts.clone();
+    let tau_hat = experiment::metrics::last_number(exp_dir, "tau_hat");
+    let mut json = serde_json::to_value(&report)?;
+    json["tau_hat"] = tau_hat.into();
+    json["evaluated"] = serde_json::to_value(&evaluated)?;
+    json["prompt_format"] = format!("{:?}", args.prompt_format).to_lowercase().into();
+    json["loadavg_before"] = load_before.into();
+    json["loadavg_after"] = load_after.into();
+    // 4. Print, then write the results whole.
+    match (&evaluated.drafter, evaluated.checkpoint_step) {
+        (Some(d), _) => say!("drafter      {d} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16]),
+        (None, Some(s)) => say!("checkpoint   step-{s} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16]),
+        (None, None) => {}
+    }
+    say!("prompts      {} ({})", report.prompts, report.source);
+    say!("tau          {:.3}   per response (z-lab's benchmark: accepted + 1 per cycle, the mean over responses)", report.tau);
+    say!("tau_pooled   {:.3}   over all {} verify cycles (as SGLang and vLLM report it)", report.tau_pooled, report.cycles);
+    say!(
+        "tau_kept     {:.3}   tokens kept per cycle; tau_hat from training {}",
+        report.tau_kept,
+        tau_hat.map_or("-".into(), |t| format!("{t:.3}"))
+    );
+    let acc: Vec<String> = report.acceptance_per_position.iter().map(|a| format!("{a:.2}")).collect();
+    say!("acceptance   {}", acc.join(" "));
+    say!(
+        "speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only, {})",
+        report.speedup,
+        report.spec_tok_per_s,
+        report.target_tok_per_s,
+        report.device
+    );
+    if let Some(ms) = report.cycle_ms {
+        say!("cycle        {:.2} ms draft, {:.2} ms verify, {:.2} ms bookkeeping", ms.draft, ms.verify, ms.bookkeeping);
+    }
+    if let Some(w) = load_warning(load_before, load_after) {
+        tracing::warn!("{w}");
+        json["warning"] = w.into();
+    }
+    say!("lossless     {}", if report.lossless { "yes" } else { "NO" });
+    experiment::write_json_atomic(&written, &json)?;
+    say!("written      {}", written.display());
+    if !report.lossless {
+        bail!("speculative decoding differed from the target's greedy output on prompts {:?}", report.mismatches);
+    }
+    Ok(())
+}
+
+/// What was evaluated: a checkpoint of the run, or a z-lab drafter folder and its weights' hash.
+#[derive(Debug, Clone, Serialize)]
+pub struct Evaluated {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_step: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drafter: Option<String>,
+    /// SHA-256 of the drafter's model.safetensors (the checkpoint's or the folder's).
+    pub drafter_sha256: String,
+}
+
+impl Evaluated {
+    /// The results file: `eval.json` for the run's newest checkpoint on its held-out records,
+    /// else named after the prompt set and the checkpoint or drafter, so no result overwrites
+    /// another's.
+    pub fn file_name(&self, set: Option<&str>, newest_step: Option<u64>) -> String {
+        let what = match (self.checkpoint_step, &self.drafter) {
+            (Some(s), _) if set.is_none() && Some(s) == newest_step => return "eval.json".into(),
+            (Some(s), _) => format!("step-{s}"),
+            (None, _) => format!("drafter-{}", &self.drafter_sha256[..12]),
+        };
+        match set {
+            Some(set) => format!("eval-{set}-{what}.json"),
+            None => format!("eval-{what}.json"),
+        }
+    }
+}
+
+/// The 1-minute load average (Linux), to tell whether the machine was as busy after the
+/// measurement as before it.
+pub fn loadavg() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+}
+
+/// A warning when the load moved by more than 1 or a quarter during the timing.
+pub fn load_warning(before: Option<f64>, after: Option<f64>) -> Option<String> {
+    let (b, a) = (before?, after?);
+    ((a - b).abs() > 1.0_f64.max(0.25 * b.max(a))).then(|| {
+        format!("the machine's load moved from {b:.2} to {a:.2} during the measurement: the speed-up is unreliable (measure on an idle machine)")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arguments_that_give_no_evaluation_are_refused() {
+        let opts = |source: &str, limit, max_new_tokens| EvalOptions { source: source.into(), limit, max_new_tokens, time_split: false };
+        opts("holdout", 32, 64).validate().unwrap();
+        let err = opts("holdout", 0, 64).validate().unwrap_err().to_string();
+        assert!(err.starts_with("--limit 0"), "{err}");
+        let err = opts("holdout", 32, 0).validate().unwrap_err().to_string();
+        assert!(err.starts_with("--max-new-tokens 0"), "{err}");
+        let err = opts("/dev/zero", 32, 64).validate().unwrap_err().to_string();
+        assert_eq!(err, "--prompts /dev/zero: not a regular file (a character device)");
+        let err = opts("nope.jsonl", 32, 64).validate().unwrap_err().to_string();
+        assert_eq!(err, "--prompts nope.jsonl: no such file");
+    }
+
+    #[test]
+    fn load_moves_are_flagged_and_results_files_named_after_what_was_evaluated() {
+        assert!(load_warning(Some(0.5), Some(2.5)).is_some());
+        assert!(load_warning(Some(8.0), Some(8.9)).is_none());
+        assert!(load_warning(None, Some(9.0)).is_none());
+        let e = |step, drafter: Option<&str>| Evaluated { checkpoint_step: step, drafter: drafter.map(Into::into), drafter_sha256: "0123456789abcdef".into() };
+        assert_eq!(e(Some(8), None).file_name(None, Some(8)), "eval.json");
+        assert_eq!(e(Some(4), None).file_name(None, Some(8)), "eval-step-4.json");
+        assert_eq!(e(None, Some("/z")).file_name(None, Some(8)), "eval-drafter-0123456789ab.json");
+        assert_eq!(e(Some(8), None).file_name(Some("mt_bench"), Some(8)), "eval-mt_bench-step-8.json");
+    }
+}
