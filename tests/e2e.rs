@@ -374,6 +374,12 @@ fn config_mistakes_are_refused_naming_the_argument_before_the_target_loads() {
         (vec!["--set", "data.batch_sise=2"], false, vec!["--set data.batch_sise=2", "[data] plugin `chat`", "unknown field `batch_sise`"]),
         (vec!["--set", "data.max_len=long"], false, vec!["--set data.max_len=long", "field `max_len`", "invalid type"]),
         (vec!["--set", "optimizer.lr=-1"], false, vec!["--set optimizer.lr=-1", "[optimizer] plugin `adamw`", "`lr`"]),
+        (vec!["--set", "data.max_len=8"], false, vec!["--set data.max_len=8", "[data] plugin `chat`", "field `max_len`", "must be >= 16"]),
+        (
+            vec!["--set", "drafter.num_hidden_layers=0"],
+            false,
+            vec!["--set drafter.num_hidden_layers=0", "[drafter] plugin `dflash`", "field `num_hidden_layers`", "1..=64"],
+        ),
         (vec!["--set", "data.path=missing.jsonl"], false, vec!["--set data.path=missing.jsonl", "field `path`", "missing.jsonl: no such file"]),
         (vec!["--device", "gpu"], false, vec!["--device gpu", "expected `cpu`, `cuda` or `cuda:N`"]),
         (vec!["--set", "steps"], false, vec!["--set steps: expected KEY=VALUE"]),
@@ -391,6 +397,13 @@ fn config_mistakes_are_refused_naming_the_argument_before_the_target_loads() {
     let (out, _dir) = train_with(&tiny().replace("max_len = 96", "max_len = \"long\""), &["--set", "train.steps=2"], false);
     let line = error_line(&out);
     assert!(line.contains("run.toml:") && line.contains("field `max_len`"), "{line}");
+    // A range the drafter checks (not the parse), in the file: refused at its line, target unloaded.
+    let bad = tiny().replace("block_size = 4", "block_size = 1");
+    let at = bad.lines().position(|l| l == "block_size = 1").unwrap() + 1;
+    let (out, _dir) = train_with(&bad, &[], false);
+    let line = error_line(&out);
+    assert!(line.contains(&format!("run.toml:{at}: ")) && line.contains("field `block_size`: must be in 2..=64"), "{line}");
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("creating target plugin"), "the target was loaded first");
 }
 
 /// A fake finished run: config, manifest (its A/B arm), metrics, summary.

@@ -607,24 +607,7 @@ mod tests {
             };
             let t = hf_config(&cfg.target, &ctx).unwrap_or_else(|| panic!("{name}: target config"));
             assert_eq!(t.num_hidden_layers, layers, "{name}");
-            let spec = TargetSpec {
-                architecture: t.model_type.clone().into(),
-                num_hidden_layers: t.num_hidden_layers as u32,
-                hidden_size: t.hidden_size as u32,
-                vocab_size: t.vocab_size as u32,
-                num_attention_heads: t.num_attention_heads as u32,
-                num_key_value_heads: t.num_kv_heads() as u32,
-                head_dim: t.head_dim() as u32,
-                intermediate_size: t.spec_intermediate_size() as u32,
-                rope_theta: t.rope_theta,
-                rms_norm_eps: t.rms_norm_eps,
-                bos_token_id: RNone,
-                eos_token_id: t.eos().unwrap(),
-                pad_token_id: RNone,
-                chat_template: "".into(),
-                source: "".into(),
-                source_sha256: "".into(),
-            };
+            let spec = t.target_spec().unwrap();
             let mut drafter = cfg.drafter.clone();
             drafter.remove("plugin");
             let section: drafter_dflash::DrafterSection = toml::from_str(&toml::to_string(&drafter).unwrap()).unwrap();

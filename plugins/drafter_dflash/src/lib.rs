@@ -9,12 +9,13 @@ pub mod config;
 pub mod model;
 
 use config::DFlashConfig;
+pub use drafter_layers::shell::DrafterShell;
 use drafter_layers::{
     dflash::{FULL_ATTENTION, SLIDING_ATTENTION},
     rope::RopeScaling,
+    shell,
 };
 use plugin_api::{
-    abi_stable::std_types::RVec,
     tch::{nn, Device, Kind, Tensor},
     DrafterInput, DrafterPlugin, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind, TargetSpec,
 };
@@ -107,24 +108,39 @@ fn default_n_feat() -> usize {
 }
 
 impl DrafterSection {
-    /// The full drafter config for `target`, validated.
-    pub fn resolve(&self, target: &TargetSpec) -> Result<DFlashConfig, PluginError> {
+    /// What can be checked without the target (ranges, the attention shape where the section
+    /// gives it, `rope_scaling`), so a bad section is refused before the target loads.
+    pub fn check(&self) -> Result<(), PluginError> {
         let bad = |field: &str, why: String| PluginError::new(format!("field `{field}`: {why}"));
         if self.num_hidden_layers == 0 || self.num_hidden_layers > 64 {
             let n = self.num_hidden_layers;
             return Err(bad("num_hidden_layers", format!("must be in 1..=64, got {n}")));
         }
+        drafter_layers::dflash::check(self.block_size, self.num_target_features, self.target_layer_ids.as_deref())?;
+        if let (Some(heads), Some(kv_heads)) = (self.num_attention_heads, self.num_key_value_heads) {
+            check_heads(heads, kv_heads)?;
+        }
+        if let Some(head_dim) = self.head_dim {
+            check_head_dim(head_dim)?;
+        }
+        if self.intermediate_size == Some(0) {
+            return Err(bad("intermediate_size", "0: must be >= 1".into()));
+        }
+        if let Some(v) = &self.rope_scaling {
+            RopeScaling::from_json(v).map_err(|e| bad("rope_scaling", e))?;
+        }
+        Ok(())
+    }
+
+    /// The full drafter config for `target`, validated.
+    pub fn resolve(&self, target: &TargetSpec) -> Result<DFlashConfig, PluginError> {
+        let bad = |field: &str, why: String| PluginError::new(format!("field `{field}`: {why}"));
+        self.check()?;
         let heads = self.num_attention_heads.unwrap_or(target.num_attention_heads as usize);
         let kv_heads = self.num_key_value_heads.unwrap_or(target.num_key_value_heads as usize);
         let head_dim = self.head_dim.unwrap_or(target.head_dim as usize);
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
-            return Err(PluginError::new(format!(
-                "fields `num_attention_heads` / `num_key_value_heads`: {heads} heads do not split into groups of {kv_heads} KV heads"
-            )));
-        }
-        if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(PluginError::new(format!("field `head_dim`: must be even and >= 2 (RoPE), got {head_dim}")));
-        }
+        check_heads(heads, kv_heads)?;
+        check_head_dim(head_dim)?;
         let dflash_config = drafter_layers::dflash::resolve(
             self.block_size,
             self.num_target_features,
@@ -184,6 +200,22 @@ impl DrafterSection {
     }
 }
 
+fn check_heads(heads: usize, kv_heads: usize) -> Result<(), PluginError> {
+    if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(PluginError::new(format!(
+            "fields `num_attention_heads` / `num_key_value_heads`: {heads} heads do not split into groups of {kv_heads} KV heads"
+        )));
+    }
+    Ok(())
+}
+
+fn check_head_dim(head_dim: usize) -> Result<(), PluginError> {
+    if head_dim == 0 || head_dim % 2 != 0 {
+        return Err(PluginError::new(format!("field `head_dim`: must be even and >= 2 (RoPE), got {head_dim}")));
+    }
+    Ok(())
+}
+
 pub struct DFlashPlugin {
     vs: nn::VarStore,
     model: model::DFlashDrafter,
@@ -204,37 +236,35 @@ impl DFlashPlugin {
         self.mode = mode;
         self
     }
+}
 
-    /// Copy weights in by name (every parameter present with its shape).
-    pub fn load(&mut self, weights: RVec<NamedTensor>) -> Result<(), PluginError> {
-        drafter_layers::weights::load_named(&self.vs, weights)
+impl DrafterShell for DFlashPlugin {
+    type Section = DrafterSection;
+    type Config = DFlashConfig;
+    const NAME: &'static str = "dflash";
+
+    fn vs(&self) -> &nn::VarStore {
+        &self.vs
+    }
+    fn config(&self) -> &DFlashConfig {
+        &self.model.cfg
+    }
+    fn init_from(section: &DrafterSection) -> Option<&str> {
+        section.init_from.as_deref()
+    }
+    fn resolve(section: &DrafterSection, target: &TargetSpec) -> Result<DFlashConfig, PluginError> {
+        section.resolve(target)
+    }
+    fn read_folder(dir: &std::path::Path, target: &TargetSpec) -> Result<(DFlashConfig, Vec<NamedTensor>), PluginError> {
+        read_zlab(dir, target)
+    }
+    fn build(cfg: &DFlashConfig, device: Device, kind: Kind) -> Self {
+        Self::new(cfg, device, kind)
     }
 }
 
 impl DrafterPlugin for DFlashPlugin {
-    fn config_json(&self) -> String {
-        serde_json::to_string_pretty(&self.model.cfg).expect("config serializes")
-    }
-
-    fn target_layer_ids(&self) -> Vec<u32> {
-        self.model.cfg.dflash_config.target_layer_ids.clone()
-    }
-
-    fn block_size(&self) -> u32 {
-        self.model.cfg.block_size as u32
-    }
-
-    fn mask_token_id(&self) -> u32 {
-        self.model.cfg.dflash_config.mask_token_id
-    }
-
-    fn parameters(&self) -> Vec<(String, Tensor)> {
-        drafter_layers::weights::named_parameters(&self.vs).into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect()
-    }
-
-    fn load_weights(&mut self, weights: Vec<(String, Tensor)>) -> Result<(), PluginError> {
-        self.load(weights.into_iter().map(|(n, t)| NamedTensor::new(n, t)).collect())
-    }
+    drafter_layers::drafter_shell_methods!();
 
     fn forward(&mut self, input: &DrafterInput) -> Result<Tensor, PluginError> {
         let (th, emb, anchors) = (&input.target_hidden, &input.block_embeds, &input.anchors);
@@ -285,25 +315,8 @@ pub fn read_zlab(dir: &std::path::Path, target: &TargetSpec) -> Result<(DFlashCo
 }
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
-    let section: DrafterSection = plugin_api::parse_section(config)?;
-    let target = ctx
-        .target
-        .as_ref()
-        .into_option()
-        .ok_or_else(|| PluginError::new("the dflash drafter needs a target model's spec"))?;
-    let (device, kind) = (ctx.tch_device()?, ctx.tch_kind()?);
-    plugin_api::tch::manual_seed(ctx.seed as i64);
-    let drafter = match &section.init_from {
-        Some(dir) => {
-            let dir = ctx.resolve_path(dir);
-            let (cfg, weights) = read_zlab(&dir, target).map_err(|e| e.context("field `init_from`"))?;
-            let mut d = DFlashPlugin::new(&cfg, device, kind);
-            d.load(weights.into()).map_err(|e| e.context(format!("field `init_from`: {}", dir.display())))?;
-            d
-        }
-        None => DFlashPlugin::new(&section.resolve(target)?, device, kind),
-    }
-    .with_mode(model::TrainMode {
+    let (drafter, section) = shell::create::<DFlashPlugin>(config, ctx)?;
+    let drafter = drafter.with_mode(model::TrainMode {
         split_attention: section.attention == AttentionKind::Split,
         checkpoint_layers: section.checkpoint_layers,
     });
@@ -315,34 +328,13 @@ plugin_api::declare_plugin!(drafter_dflash, info, create);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use plugin_api::abi_stable::std_types::{RNone, RString};
-
-    fn hybrid_target() -> TargetSpec {
-        TargetSpec {
-            architecture: RString::from("qwen3_5"),
-            num_hidden_layers: 64,
-            hidden_size: 5120,
-            vocab_size: 248320,
-            num_attention_heads: 24,
-            num_key_value_heads: 4,
-            head_dim: 256,
-            intermediate_size: 17408,
-            rope_theta: 1e7,
-            rms_norm_eps: 1e-6,
-            bos_token_id: RNone,
-            eos_token_id: 248044,
-            pad_token_id: RNone,
-            chat_template: RString::new(),
-            source: RString::from("test"),
-            source_sha256: RString::new(),
-        }
-    }
+    use test_support::TinySpec;
 
     /// The published Qwen3.6-27B drafter's attention shape, not its target's; the target's when
     /// the section says nothing; a shape that does not group is refused naming the fields.
     #[test]
     fn the_attention_shape_can_differ_from_the_targets() {
-        let t = hybrid_target();
+        let t = TargetSpec::qwen3_6_27b();
         let s: DrafterSection = plugin_api::parse_section(
             "target_layer_ids = [1, 16, 31, 46, 61]\nmask_token_id = 248070\nnum_attention_heads = 32\nnum_key_value_heads = 8\nhead_dim = 128",
         )

@@ -100,6 +100,15 @@ fn default_chunk() -> usize {
     64
 }
 
+impl drafter_layers::shell::DFlashConfigJson for GdnConfig {
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+    fn dflash(&self) -> &DFlashSection {
+        &self.dflash_config
+    }
+}
+
 impl GdnConfig {
     /// The dense attention layers' shape.
     pub fn dense_shape(&self) -> drafter_layers::layers::DenseShape {
@@ -207,14 +216,41 @@ impl DrafterSection {
         Ok((0..n).map(|i| if (i + 1) % every == 0 { LayerType::Attention } else { LayerType::Gdn }).collect())
     }
 
+    /// What can be checked without the target (the layer pattern, ranges), so a bad section is
+    /// refused before the target loads; `resolve` runs it first.
+    pub fn check(&self) -> Result<(), PluginError> {
+        let bad = |field: &str, why: String| Err(PluginError::new(format!("field `{field}`: {why}")));
+        let layers = self.layer_types()?.len();
+        if layers == 0 || layers > 64 {
+            return bad("num_hidden_layers", format!("must be in 1..=64, got {layers}"));
+        }
+        drafter_layers::dflash::check(self.block_size, self.num_target_features, self.target_layer_ids.as_deref())?;
+        if let (Some(k), Some(v)) = (self.linear_num_key_heads, self.linear_num_value_heads) {
+            if k == 0 || v % k != 0 {
+                return bad("linear_num_value_heads", format!("{v} must be a multiple of linear_num_key_heads ({k}), both > 0"));
+            }
+        }
+        if self.linear_key_head_dim == Some(0) || self.linear_value_head_dim == Some(0) {
+            return bad("linear_key_head_dim", "head dims must be > 0".into());
+        }
+        if self.intermediate_size == Some(0) {
+            return bad("intermediate_size", "0: must be >= 1".into());
+        }
+        if !(1..=16).contains(&self.linear_conv_kernel_dim) {
+            return bad("linear_conv_kernel_dim", format!("must be in 1..=16, got {}", self.linear_conv_kernel_dim));
+        }
+        if !(1..=256).contains(&self.chunk_size) {
+            return bad("chunk_size", format!("must be in 1..=256, got {}", self.chunk_size));
+        }
+        Ok(())
+    }
+
     /// The full drafter config for `target`, validated.
     pub fn resolve(&self, target: &TargetSpec) -> Result<GdnConfig, PluginError> {
         let bad = |field: &str, why: String| Err(PluginError::new(format!("field `{field}`: {why}")));
+        self.check()?;
         let l = target.num_hidden_layers as usize;
         let layer_types = self.layer_types()?;
-        if layer_types.is_empty() || layer_types.len() > 64 {
-            return bad("num_hidden_layers", format!("must be in 1..=64, got {}", layer_types.len()));
-        }
         let dflash_config = drafter_layers::dflash::resolve(
             self.block_size,
             self.num_target_features,
@@ -234,15 +270,6 @@ impl DrafterSection {
         let value_dim = self.linear_value_head_dim.unwrap_or(target.head_dim as usize);
         if key_dim == 0 || value_dim == 0 {
             return bad("linear_key_head_dim", "head dims must be > 0".into());
-        }
-        if self.intermediate_size == Some(0) {
-            return bad("intermediate_size", "0: must be >= 1".into());
-        }
-        if !(1..=16).contains(&self.linear_conv_kernel_dim) {
-            return bad("linear_conv_kernel_dim", format!("must be in 1..=16, got {}", self.linear_conv_kernel_dim));
-        }
-        if !(1..=256).contains(&self.chunk_size) {
-            return bad("chunk_size", format!("must be in 1..=256, got {}", self.chunk_size));
         }
         // The dense layers' RoPE and the context length, as the target has them.
         let facts = drafter_layers::target_facts::read(target)?;
