@@ -21,7 +21,8 @@ struct Section {
     required: &'static [&'static str],
 }
 
-const HOST: &str = include_str!("config.rs");
+/// The host's sections are typed in config/sections.rs and checked in config/mod.rs.
+const HOST: &str = concat!(include_str!("config/mod.rs"), include_str!("config/sections.rs"));
 const TARGET_HF: &str = include_str!("../../plugins/target_hf/src/lib.rs");
 const DFLASH: &str = include_str!("../../plugins/drafter_dflash/src/lib.rs");
 const GDN: &str = include_str!("../../plugins/drafter_gdn/src/config.rs");
@@ -43,7 +44,7 @@ fn sections() -> Vec<Section> {
         Section {
             table: "",
             plugin: None,
-            path: "host/src/config.rs",
+            path: "host/src/config/mod.rs",
             source: HOST,
             type_name: "RunConfig",
             defaults: || {
@@ -56,7 +57,7 @@ fn sections() -> Vec<Section> {
         Section {
             table: "[train]",
             plugin: None,
-            path: "host/src/config.rs",
+            path: "host/src/config/sections.rs",
             source: HOST,
             type_name: "TrainConfig",
             defaults: || debug_of::<crate::config::TrainConfig>("steps = 1"),
@@ -65,7 +66,7 @@ fn sections() -> Vec<Section> {
         Section {
             table: "[pipeline]",
             plugin: None,
-            path: "host/src/config.rs",
+            path: "host/src/config/sections.rs",
             source: HOST,
             type_name: "PipelineConfig",
             defaults: || debug_of::<crate::config::PipelineConfig>(""),
