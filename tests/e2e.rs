@@ -350,7 +350,8 @@ fn train_with(config: &str, args: &[&str], exp_exists: bool) -> (std::process::O
 
 #[test]
 fn set_and_device_override_fields_and_the_experiment_records_the_result() {
-    let (out, dir) = train_with(&tiny(), &["--set", "train.steps=2", "--set", "optimizer.lr=1e-3", "--set", "train.log_every=2", "--device", "cpu"], false);
+    let args = ["--set", "train.steps=2", "--set", "optimizer.lr=1e-3", "--set", "train.log_every=2", "--set", "train.tensorboard_every=1", "--device", "cpu"];
+    let (out, dir) = train_with(&tiny(), &args, false);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     // Logs into a pipe carry no colour codes.
@@ -363,6 +364,11 @@ fn set_and_device_override_fields_and_the_experiment_records_the_result() {
     let metrics = std::fs::read_to_string(dir.path().join("exp/metrics.jsonl")).unwrap();
     let steps: Vec<u64> = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap()).collect();
     assert_eq!(steps.last(), Some(&2), "the run stopped at the overridden step count: {metrics}");
+    // tensorboard_every = 1: each step's own values beside the metrics lines' (tags are stored as text).
+    let events = std::fs::read_dir(dir.path().join("exp")).unwrap().map(|e| e.unwrap().path()).find(|p| p.to_string_lossy().contains("tfevents")).unwrap();
+    let bytes = std::fs::read(events).unwrap();
+    let count = |tag: &str| bytes.windows(tag.len()).filter(|w| *w == tag.as_bytes()).count();
+    assert_eq!((count("train_step/loss"), count("train_step/grad_norm")), (2, 2), "one point a step");
 }
 
 #[test]

@@ -41,6 +41,10 @@ pub struct TrainConfig {
     /// Log a metrics line every N steps.
     #[serde(default = "default_log_every")]
     pub log_every: u64,
+    /// Also write each N-th step's own loss, learning rate and gradient norm to TensorBoard
+    /// (`train_step/*` tags; 0 = off). The metrics lines (every `log_every`) go there either way.
+    #[serde(default)]
+    pub tensorboard_every: u64,
     /// Write a checkpoint every N steps (and at the end); 0 = only at the end.
     #[serde(default)]
     pub checkpoint_every: u64,

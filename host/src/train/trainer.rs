@@ -411,6 +411,13 @@ impl<'a> Trainer<'a> {
             state.window.skipped_micro += micro;
         }
         state.nonfinite_in_a_row = self.guard.consecutive;
+        if let Some(tb) = self.tb.as_mut().filter(|_| t.tensorboard_every > 0 && step % t.tensorboard_every == 0) {
+            // The step's own values (a metrics line averages its window); already on the host.
+            let lr = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac) * self.optimizer.base_lr();
+            let values = [("train_step/loss", step_loss), ("train_step/lr", lr), ("train_step/grad_norm", grad_norm)];
+            tb.add_scalars(step as i64, &values.map(|(k, v)| (k.to_string(), v)))?;
+            tb.flush()?;
+        }
         // Gradients dropped, not zeroed (PyTorch's default): until the next backward they take
         // no memory, so the forward's activations never sit beside last step's gradients.
         for p in &self.params {
