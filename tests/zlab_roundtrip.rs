@@ -11,7 +11,7 @@ use dflash_host::{
 };
 use drafter_dflash::{read_zlab, DFlashPlugin, DrafterSection, DrafterShell};
 use plugin_api::{
-    abi_stable::std_types::{RNone, RSome},
+    abi_stable::std_types::RSome,
     tch::{Device, Kind, Tensor},
     DraftInput, Drafter, HostContext, PluginInstance, PluginKind, TargetSpec, TensorHandle,
 };
