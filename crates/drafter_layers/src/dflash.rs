@@ -21,11 +21,13 @@ pub fn check(block_size: usize, num_target_features: usize, target_layer_ids: Op
     if !(2..=64).contains(&block_size) {
         return bad("block_size", format!("must be in 2..=64, got {block_size}"));
     }
-    match target_layer_ids {
-        Some([]) => bad("target_layer_ids", "must not be empty".into()),
-        None if num_target_features == 0 => bad("num_target_features", "must be >= 1, got 0".into()),
-        _ => Ok(()),
+    if target_layer_ids.is_none() && num_target_features == 0 {
+        return bad("num_target_features", "must be >= 1, got 0".into());
     }
+    if target_layer_ids.is_some_and(<[u32]>::is_empty) {
+        return bad("target_layer_ids", "must not be empty".into());
+    }
+    Ok(())
 }
 
 /// The `[drafter]` section's DFlash fields, checked and resolved against `target`: explicit

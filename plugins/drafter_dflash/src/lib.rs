@@ -21,72 +21,54 @@ use plugin_api::{
 };
 use serde::Deserialize;
 
-/// The `[drafter]` config section.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DrafterSection {
-    /// Draft decoder layers (z-lab's Qwen3-8B drafter: 5).
-    #[serde(default = "default_layers")]
-    pub num_hidden_layers: usize,
-    /// Tokens per block, the anchor included (16 in the paper).
-    #[serde(default = "default_block")]
-    pub block_size: usize,
-    /// How many target layers feed the drafter; their ids follow the DFlash paper's formula.
-    #[serde(default = "default_n_feat")]
-    pub num_target_features: usize,
-    /// Explicit target layer ids (overrides `num_target_features`).
-    #[serde(default)]
-    pub target_layer_ids: Option<Vec<u32>>,
-    /// Token fed at the masked block positions. Default: the target's pad token when it is not
-    /// its EOS token.
-    #[serde(default)]
-    pub mask_token_id: Option<u32>,
-    /// MLP width (default: the target's).
-    #[serde(default)]
-    pub intermediate_size: Option<usize>,
-    /// Attention shape of the draft layers (default: the target's). The published drafters of
-    /// the Qwen3.5 / Qwen3.6 hybrids use 32 heads, 8 KV heads of 128 where the target's gated
-    /// attention has 24 / 4 of 256.
-    #[serde(default)]
-    pub num_attention_heads: Option<usize>,
-    #[serde(default)]
-    pub num_key_value_heads: Option<usize>,
-    #[serde(default)]
-    pub head_dim: Option<usize>,
-    /// Start from a z-lab format drafter folder (config.json + model.safetensors): its config
-    /// replaces the fields above, its weights the random initialisation.
-    #[serde(default)]
-    pub init_from: Option<String>,
-    /// Keep only each layer's input in training and recompute the layer in backward: activation
-    /// memory of one layer instead of all, for one more forward pass of the layers.
-    #[serde(default)]
-    pub checkpoint_layers: bool,
-    /// Block attention in training: "split" (default: the context through libtorch's fused
-    /// kernel with a staircase bias, in runs of blocks that each score only the keys before their
-    /// last anchor; each block's own keys apart, merged exactly) or "masked" (one SDPA over
-    /// [context; all blocks] with a mask; S + A*Bk keys a query).
-    #[serde(default)]
-    pub attention: AttentionKind,
-    /// HF's `layer_types`: `full_attention` (default) or `sliding_attention` per layer. A
-    /// sliding layer's query at position p sees positions p-W+1..=p only (causal within its
-    /// block), as SGLang serves it and SpecForge trains it.
-    #[serde(default)]
-    pub layer_types: Option<Vec<String>>,
-    /// W of the sliding layers (at least `block_size`).
-    #[serde(default)]
-    pub sliding_window: Option<usize>,
-    /// Default: the target's (its config.json or GGUF metadata), else 32768.
-    #[serde(default)]
-    pub max_position_embeddings: Option<usize>,
-    /// HF's `rope_scaling` table (default, linear, llama3, yarn). Default: the target's.
-    #[serde(default)]
-    pub rope_scaling: Option<serde_json::Value>,
-    /// Std of the random initialisation (HF's `initializer_range`, default 0.02).
-    #[serde(default)]
-    pub initializer_range: Option<f64>,
-    /// Metadata in the exported config (the drafter borrows the target's embedding either way).
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
+drafter_layers::drafter_section! {
+    /// The `[drafter]` config section (and the fields every drafter has, from `drafter_section!`).
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct DrafterSection {
+        /// Draft decoder layers (z-lab's Qwen3-8B drafter: 5).
+        #[serde(default = "drafter_layers::section::default_num_hidden_layers")]
+        pub num_hidden_layers: usize,
+        /// Attention shape of the draft layers (default: the target's). The published drafters of
+        /// the Qwen3.5 / Qwen3.6 hybrids use 32 heads, 8 KV heads of 128 where the target's gated
+        /// attention has 24 / 4 of 256.
+        #[serde(default)]
+        pub num_attention_heads: Option<usize>,
+        #[serde(default)]
+        pub num_key_value_heads: Option<usize>,
+        #[serde(default)]
+        pub head_dim: Option<usize>,
+        /// Keep only each layer's input in training and recompute the layer in backward: activation
+        /// memory of one layer instead of all, for one more forward pass of the layers.
+        #[serde(default)]
+        pub checkpoint_layers: bool,
+        /// Block attention in training: "split" (default: the context through libtorch's fused
+        /// kernel with a staircase bias, in runs of blocks that each score only the keys before their
+        /// last anchor; each block's own keys apart, merged exactly) or "masked" (one SDPA over
+        /// [context; all blocks] with a mask; S + A*Bk keys a query).
+        #[serde(default)]
+        pub attention: AttentionKind,
+        /// HF's `layer_types`: `full_attention` (default) or `sliding_attention` per layer. A
+        /// sliding layer's query at position p sees positions p-W+1..=p only (causal within its
+        /// block), as SGLang serves it and SpecForge trains it.
+        #[serde(default)]
+        pub layer_types: Option<Vec<String>>,
+        /// W of the sliding layers (at least `block_size`).
+        #[serde(default)]
+        pub sliding_window: Option<usize>,
+        /// Default: the target's (its config.json or GGUF metadata), else 32768.
+        #[serde(default)]
+        pub max_position_embeddings: Option<usize>,
+        /// HF's `rope_scaling` table (default, linear, llama3, yarn). Default: the target's.
+        #[serde(default)]
+        pub rope_scaling: Option<serde_json::Value>,
+        /// Std of the random initialisation (HF's `initializer_range`, default 0.02).
+        #[serde(default)]
+        pub initializer_range: Option<f64>,
+        /// Metadata in the exported config (the drafter borrows the target's embedding either way).
+        #[serde(default)]
+        pub tie_word_embeddings: bool,
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
@@ -97,15 +79,6 @@ pub enum AttentionKind {
     Masked,
 }
 
-fn default_layers() -> usize {
-    5
-}
-fn default_block() -> usize {
-    16
-}
-fn default_n_feat() -> usize {
-    5
-}
 
 impl DrafterSection {
     /// What can be checked without the target (ranges, the attention shape where the section

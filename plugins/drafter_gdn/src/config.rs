@@ -126,71 +126,44 @@ impl GdnConfig {
     }
 }
 
-/// The `[drafter]` section. The dense drafter's fields mean the same here, so switching
-/// `plugin = "dflash"` to `plugin = "gdn"` is the only change a config needs; the GDN fields
-/// default from the target.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DrafterSection {
-    /// Draft layers (default 5, or the length of `layer_types`).
-    #[serde(default)]
-    pub num_hidden_layers: Option<usize>,
-    /// Tokens per block, the anchor included.
-    #[serde(default = "default_block")]
-    pub block_size: usize,
-    /// How many target layers feed the drafter; their ids follow the DFlash paper's formula.
-    #[serde(default = "default_n_feat")]
-    pub num_target_features: usize,
-    /// Explicit target layer ids (overrides `num_target_features`).
-    #[serde(default)]
-    pub target_layer_ids: Option<Vec<u32>>,
-    /// Token fed at the masked block positions. Default: the target's pad token when it is not
-    /// its EOS token.
-    #[serde(default)]
-    pub mask_token_id: Option<u32>,
-    /// MLP width (default: the target's).
-    #[serde(default)]
-    pub intermediate_size: Option<usize>,
-    /// Every n-th layer is dense attention, the others GDN: 5 gives 4 GDN : 1 attention
-    /// (`g g g g a`); a drafter with fewer than n layers is all GDN (1 layer: one GDN layer).
-    #[serde(default = "default_interval")]
-    pub full_attention_interval: usize,
-    /// Explicit pattern, e.g. `["gdn", "gdn", "attention"]` (overrides the interval).
-    #[serde(default)]
-    pub layer_types: Option<Vec<LayerType>>,
-    /// GDN q/k heads (default: the target's attention heads).
-    #[serde(default)]
-    pub linear_num_key_heads: Option<usize>,
-    /// GDN value heads, a multiple of the key heads (default: the key heads).
-    #[serde(default)]
-    pub linear_num_value_heads: Option<usize>,
-    /// GDN key head dim (default: the target's head_dim).
-    #[serde(default)]
-    pub linear_key_head_dim: Option<usize>,
-    /// GDN value head dim (default: the target's head_dim).
-    #[serde(default)]
-    pub linear_value_head_dim: Option<usize>,
-    /// Short causal conv width.
-    #[serde(default = "default_conv")]
-    pub linear_conv_kernel_dim: usize,
-    /// Chunk length of the chunked delta rule (16, 32 or 64 are usual).
-    #[serde(default = "default_chunk")]
-    pub chunk_size: usize,
-    /// Start from a folder with this plugin's config.json + model.safetensors (`dflash-host
-    /// export` of a GDN run): its config replaces the fields above, its weights the random ones.
-    #[serde(default)]
-    pub init_from: Option<String>,
+drafter_layers::drafter_section! {
+    /// The `[drafter]` section. The dense drafter's fields mean the same here, so switching
+    /// `plugin = "dflash"` to `plugin = "gdn"` is the only change a config needs; the GDN fields
+    /// default from the target.
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct DrafterSection {
+        /// Draft layers (default 5, or the length of `layer_types`).
+        #[serde(default)]
+        pub num_hidden_layers: Option<usize>,
+        /// Every n-th layer is dense attention, the others GDN: 5 gives 4 GDN : 1 attention
+        /// (`g g g g a`); a drafter with fewer than n layers is all GDN (1 layer: one GDN layer).
+        #[serde(default = "default_interval")]
+        pub full_attention_interval: usize,
+        /// Explicit pattern, e.g. `["gdn", "gdn", "attention"]` (overrides the interval).
+        #[serde(default)]
+        pub layer_types: Option<Vec<LayerType>>,
+        /// GDN q/k heads (default: the target's attention heads).
+        #[serde(default)]
+        pub linear_num_key_heads: Option<usize>,
+        /// GDN value heads, a multiple of the key heads (default: the key heads).
+        #[serde(default)]
+        pub linear_num_value_heads: Option<usize>,
+        /// GDN key head dim (default: the target's head_dim).
+        #[serde(default)]
+        pub linear_key_head_dim: Option<usize>,
+        /// GDN value head dim (default: the target's head_dim).
+        #[serde(default)]
+        pub linear_value_head_dim: Option<usize>,
+        /// Short causal conv width.
+        #[serde(default = "default_conv")]
+        pub linear_conv_kernel_dim: usize,
+        /// Chunk length of the chunked delta rule (16, 32 or 64 are usual).
+        #[serde(default = "default_chunk")]
+        pub chunk_size: usize,
+    }
 }
 
-fn default_layers() -> usize {
-    5
-}
-fn default_block() -> usize {
-    16
-}
-fn default_n_feat() -> usize {
-    5
-}
 fn default_interval() -> usize {
     5
 }
@@ -211,7 +184,7 @@ impl DrafterSection {
         if self.full_attention_interval == 0 {
             return bad("full_attention_interval", "must be >= 1".into());
         }
-        let n = self.num_hidden_layers.unwrap_or_else(default_layers);
+        let n = self.num_hidden_layers.unwrap_or_else(drafter_layers::section::default_num_hidden_layers);
         let every = self.full_attention_interval;
         Ok((0..n).map(|i| if (i + 1) % every == 0 { LayerType::Attention } else { LayerType::Gdn }).collect())
     }
