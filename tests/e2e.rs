@@ -351,7 +351,8 @@ fn train_with(config: &str, args: &[&str], exp_exists: bool) -> (std::process::O
 
 #[test]
 fn set_and_device_override_fields_and_the_experiment_records_the_result() {
-    let (out, dir) = train_with(&tiny(), &["--set", "train.steps=2", "--set", "optimizer.lr=1e-3", "--set", "train.log_every=2", "--device", "cpu"], false);
+    let args = ["--set", "train.steps=2", "--set", "optimizer.lr=1e-3", "--set", "train.log_every=2", "--set", "train.tensorboard_every=1", "--device", "cpu"];
+    let (out, dir) = train_with(&tiny(), &args, false);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     // Logs into a pipe carry no colour codes.
@@ -364,6 +365,11 @@ fn set_and_device_override_fields_and_the_experiment_records_the_result() {
     let metrics = std::fs::read_to_string(dir.path().join("exp/metrics.jsonl")).unwrap();
     let steps: Vec<u64> = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap()).collect();
     assert_eq!(steps.last(), Some(&2), "the run stopped at the overridden step count: {metrics}");
+    // tensorboard_every = 1: each step's own values beside the metrics lines' (tags are stored as text).
+    let events = std::fs::read_dir(dir.path().join("exp")).unwrap().map(|e| e.unwrap().path()).find(|p| p.to_string_lossy().contains("tfevents")).unwrap();
+    let bytes = std::fs::read(events).unwrap();
+    let count = |tag: &str| bytes.windows(tag.len()).filter(|w| *w == tag.as_bytes()).count();
+    assert_eq!((count("train_step/loss"), count("train_step/grad_norm")), (2, 2), "one point a step");
 }
 
 #[test]
@@ -375,6 +381,12 @@ fn config_mistakes_are_refused_naming_the_argument_before_the_target_loads() {
         (vec!["--set", "data.batch_sise=2"], false, vec!["--set data.batch_sise=2", "[data] plugin `chat`", "unknown field `batch_sise`"]),
         (vec!["--set", "data.max_len=long"], false, vec!["--set data.max_len=long", "field `max_len`", "invalid type"]),
         (vec!["--set", "optimizer.lr=-1"], false, vec!["--set optimizer.lr=-1", "[optimizer] plugin `adamw`", "`lr`"]),
+        (vec!["--set", "data.max_len=8"], false, vec!["--set data.max_len=8", "[data] plugin `chat`", "field `max_len`", "must be >= 16"]),
+        (
+            vec!["--set", "drafter.num_hidden_layers=0"],
+            false,
+            vec!["--set drafter.num_hidden_layers=0", "[drafter] plugin `dflash`", "field `num_hidden_layers`", "1..=64"],
+        ),
         (vec!["--set", "data.path=missing.jsonl"], false, vec!["--set data.path=missing.jsonl", "field `path`", "missing.jsonl: no such file"]),
         (vec!["--device", "gpu"], false, vec!["--device gpu", "expected `cpu`, `cuda` or `cuda:N`"]),
         (vec!["--set", "steps"], false, vec!["--set steps: expected KEY=VALUE"]),
@@ -392,6 +404,13 @@ fn config_mistakes_are_refused_naming_the_argument_before_the_target_loads() {
     let (out, _dir) = train_with(&tiny().replace("max_len = 96", "max_len = \"long\""), &["--set", "train.steps=2"], false);
     let line = error_line(&out);
     assert!(line.contains("run.toml:") && line.contains("field `max_len`"), "{line}");
+    // A range the drafter checks (not the parse), in the file: refused at its line, target unloaded.
+    let bad = tiny().replace("block_size = 4", "block_size = 1");
+    let at = bad.lines().position(|l| l == "block_size = 1").unwrap() + 1;
+    let (out, _dir) = train_with(&bad, &[], false);
+    let line = error_line(&out);
+    assert!(line.contains(&format!("run.toml:{at}: ")) && line.contains("field `block_size`: must be in 2..=64"), "{line}");
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("creating target plugin"), "the target was loaded first");
 }
 
 /// A fake finished run: config, manifest (its A/B arm), metrics, summary.

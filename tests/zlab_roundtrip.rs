@@ -9,36 +9,16 @@ use dflash_host::{
     export,
     plugins::Registry,
 };
-use drafter_dflash::{read_zlab, DFlashPlugin, DrafterSection};
+use drafter_dflash::{read_zlab, DFlashPlugin, DrafterSection, DrafterShell};
 use plugin_api::{
-    abi_stable::std_types::{RNone, RSome, RString},
+    abi_stable::std_types::RSome,
     tch::{Device, Kind, Tensor},
     DraftInput, Drafter, HostContext, PluginInstance, PluginKind, TargetSpec, TensorHandle,
 };
 use std::path::Path;
+use test_support::TinySpec;
 
 mod common;
-
-fn target_spec() -> TargetSpec {
-    TargetSpec {
-        architecture: RString::from("llama"),
-        num_hidden_layers: 8,
-        hidden_size: 32,
-        vocab_size: 64,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        intermediate_size: 48,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-6,
-        bos_token_id: RNone,
-        eos_token_id: 2,
-        pad_token_id: RNone,
-        chat_template: RString::new(),
-        source: RString::from("test"),
-        source_sha256: RString::new(),
-    }
-}
 
 #[test]
 fn export_then_import_gives_identical_outputs() {
@@ -56,7 +36,7 @@ fn export_then_import_keeps_sliding_window_layers() {
 /// Export a 2-layer drafter (`extra` added to its section), read it back, compare outputs; the
 /// exported config.json.
 fn export_then_import(extra: &str) -> serde_json::Value {
-    let spec = target_spec();
+    let spec = TargetSpec::tiny();
     let section: DrafterSection =
         plugin_api::parse_section(&format!("num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63\n{extra}")).unwrap();
     let cfg = section.resolve(&spec).unwrap();
@@ -126,7 +106,7 @@ fn export_then_import(extra: &str) -> serde_json::Value {
     assert!(ya.equal(&yb), "outputs differ after export/import");
 
     // A folder for another target is refused with the reason.
-    let mut other = target_spec();
+    let mut other = TargetSpec::tiny();
     other.hidden_size = 64;
     let err = read_zlab(&out, &other).unwrap_err().to_string();
     assert!(err.contains("hidden_size 32 does not fit the target's 64"), "{err}");
@@ -137,7 +117,7 @@ fn export_then_import(extra: &str) -> serde_json::Value {
 /// it: an unknown field, a RoPE scaling it does not compute, a layout it cannot serve as trained.
 #[test]
 fn init_from_refuses_fields_it_cannot_honour() {
-    let spec = target_spec();
+    let spec = TargetSpec::tiny();
     let section: DrafterSection =
         plugin_api::parse_section("num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63").unwrap();
     let a = DFlashPlugin::new(&section.resolve(&spec).unwrap(), Device::Cpu, Kind::Float);

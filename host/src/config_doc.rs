@@ -21,10 +21,14 @@ struct Section {
     required: &'static [&'static str],
 }
 
-const HOST: &str = include_str!("config.rs");
+/// The host's sections are typed in config/sections.rs and checked in config/mod.rs.
+const HOST: &str = concat!(include_str!("config/mod.rs"), include_str!("config/sections.rs"));
 const TARGET_HF: &str = include_str!("../../plugins/target_hf/src/lib.rs");
-const DFLASH: &str = include_str!("../../plugins/drafter_dflash/src/lib.rs");
-const GDN: &str = include_str!("../../plugins/drafter_gdn/src/config.rs");
+/// The drafters' sources, each with the DFlash fields' checks (their ranges) after it.
+const DFLASH: &str = concat!(include_str!("../../plugins/drafter_dflash/src/lib.rs"), include_str!("../../crates/drafter_layers/src/dflash.rs"));
+const GDN: &str = concat!(include_str!("../../plugins/drafter_gdn/src/config.rs"), include_str!("../../crates/drafter_layers/src/dflash.rs"));
+/// The `[drafter]` fields `drafter_section!` adds to each drafter's own.
+const DRAFTER_SECTION: &str = include_str!("../../crates/drafter_layers/src/section.rs");
 const ADAMW: &str = include_str!("../../crates/optim_math/src/adamw.rs");
 const MUON: &str = include_str!("../../plugins/optim_muon/src/config.rs");
 const MUON_MATH: &str = include_str!("../../crates/optim_math/src/muon.rs");
@@ -43,7 +47,7 @@ fn sections() -> Vec<Section> {
         Section {
             table: "",
             plugin: None,
-            path: "host/src/config.rs",
+            path: "host/src/config/mod.rs",
             source: HOST,
             type_name: "RunConfig",
             defaults: || {
@@ -56,7 +60,7 @@ fn sections() -> Vec<Section> {
         Section {
             table: "[train]",
             plugin: None,
-            path: "host/src/config.rs",
+            path: "host/src/config/sections.rs",
             source: HOST,
             type_name: "TrainConfig",
             defaults: || debug_of::<crate::config::TrainConfig>("steps = 1"),
@@ -65,7 +69,7 @@ fn sections() -> Vec<Section> {
         Section {
             table: "[pipeline]",
             plugin: None,
-            path: "host/src/config.rs",
+            path: "host/src/config/sections.rs",
             source: HOST,
             type_name: "PipelineConfig",
             defaults: || debug_of::<crate::config::PipelineConfig>(""),
@@ -189,6 +193,16 @@ fn struct_fields(source: &str, name: &str) -> Vec<(String, String, String)> {
     }
     out.retain(|(_, _, d)| !d.contains("\u{0}skip"));
     out
+}
+
+/// A section's fields: its struct's own, then for a drafter declared with `drafter_section!` the
+/// fields the macro adds.
+fn section_fields(s: &Section) -> Vec<(String, String, String)> {
+    let mut fields = struct_fields(s.source, s.type_name);
+    if s.source.contains("drafter_layers::drafter_section!") {
+        fields.extend(struct_fields(DRAFTER_SECTION, "$name"));
+    }
+    fields
 }
 
 /// The variants of `pub enum NAME` as the config spells them (snake_case), if it is one.
@@ -352,7 +366,7 @@ fn fields(s: &Section) -> Result<Vec<Field>> {
     let debug = (s.defaults)();
     let defaults = debug_fields(&debug);
     let mut out: Vec<Field> = Vec::new();
-    for (name, ty, doc) in struct_fields(s.source, s.type_name) {
+    for (name, ty, doc) in section_fields(s) {
         // Fields that share the comment above them (`num_key_value_heads` after `num_attention_heads`).
         let doc = match out.last() {
             Some(prev) if doc.is_empty() && prev.doc.starts_with("As `") => prev.doc.clone(),
@@ -433,7 +447,7 @@ mod tests {
     #[test]
     fn every_field_of_every_section_is_documented() {
         for s in sections() {
-            let documented: Vec<String> = struct_fields(s.source, s.type_name).into_iter().map(|(n, _, _)| n).collect();
+            let documented: Vec<String> = section_fields(&s).into_iter().map(|(n, _, _)| n).collect();
             let debug = (s.defaults)();
             for (name, _) in debug_fields(&debug) {
                 if name != "overrides" {

@@ -31,8 +31,9 @@ pub fn check_exp_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Everything that can be checked without the target: every plugin named exists, every section parses (the built-in plugins'
-/// with their own types; an optimizer of any plugin by creating it, which allocates nothing),
+/// Everything that can be checked without the target: every plugin named exists, every section
+/// parses (the built-in plugins' with their own types, and their ranges checked as far as they
+/// go without the target; an optimizer of any plugin by creating it, which allocates nothing),
 /// and every file a section names is there and readable.
 pub fn check(cfg: &RunConfig, config_path: &Path, ctx: &HostContext, registry: &Registry) -> Result<()> {
     for (kind, table) in cfg.plugin_sections() {
@@ -55,14 +56,17 @@ pub fn check(cfg: &RunConfig, config_path: &Path, ctx: &HostContext, registry: &
             }
             ("drafter", "dflash", true) => {
                 let s: drafter_dflash::DrafterSection = parse(&section.config_toml).map_err(fail)?;
+                s.check().map_err(|e| fail(e.to_string()))?;
                 vec![("init_from", s.init_from)]
             }
             ("drafter", "gdn", true) => {
                 let s: drafter_gdn::DrafterSection = parse(&section.config_toml).map_err(fail)?;
+                s.check().map_err(|e| fail(e.to_string()))?;
                 vec![("init_from", s.init_from)]
             }
             ("data", "chat", true) => {
                 let s: data_chat::ChatSection = parse(&section.config_toml).map_err(fail)?;
+                s.validate().map_err(|e| fail(e.to_string()))?;
                 vec![("path", Some(s.path)), ("chat_template", s.chat_template.filter(|t| t != "chatml"))]
             }
             _ => vec![], // a library's section is its own to check when it is created

@@ -94,6 +94,10 @@ pub fn context_empty(anchors: &Tensor, block: i64, window: Option<i64>) -> Tenso
     }
 }
 
+/// How many runs of blocks split attention cuts the queries into when the anchors are known on
+/// the host (8 at 512 anchors: 64 blocks, 1024 queries a run; measured in docs/BENCHMARKS.md).
+pub const CONTEXT_RANGES: usize = 8;
+
 /// The context part's mask: the bias ([`context_bias`]), the sliding window it was made with,
 /// and the ranges of queries the fused kernel runs on, each against the context keys
 /// `first_key..keys` only.

@@ -14,6 +14,22 @@ pub struct DFlashSection {
     pub target_layer_ids: Vec<u32>,
 }
 
+/// The `[drafter]` section's DFlash fields, checked as far as they can be without the target
+/// (so a bad value is refused before it loads); [`resolve`] runs this first.
+pub fn check(block_size: usize, num_target_features: usize, target_layer_ids: Option<&[u32]>) -> Result<(), PluginError> {
+    let bad = |field: &str, why: String| Err(PluginError::new(format!("field `{field}`: {why}")));
+    if !(2..=64).contains(&block_size) {
+        return bad("block_size", format!("must be in 2..=64, got {block_size}"));
+    }
+    if target_layer_ids.is_none() && num_target_features == 0 {
+        return bad("num_target_features", "must be >= 1, got 0".into());
+    }
+    if target_layer_ids.is_some_and(<[u32]>::is_empty) {
+        return bad("target_layer_ids", "must not be empty".into());
+    }
+    Ok(())
+}
+
 /// The `[drafter]` section's DFlash fields, checked and resolved against `target`: explicit
 /// target layers or `num_target_features` spread by the DFlash paper's formula; the mask token, by
 /// default the target's pad token when it is not its EOS token.
@@ -25,10 +41,8 @@ pub fn resolve(
     target: &TargetSpec,
 ) -> Result<DFlashSection, PluginError> {
     let bad = |field: &str, why: String| Err(PluginError::new(format!("field `{field}`: {why}")));
+    check(block_size, num_target_features, target_layer_ids)?;
     let l = target.num_hidden_layers as usize;
-    if !(2..=64).contains(&block_size) {
-        return bad("block_size", format!("must be in 2..=64, got {block_size}"));
-    }
     let ids = match target_layer_ids {
         Some(ids) => ids.to_vec(),
         None => {

@@ -6,12 +6,17 @@
 //! - `dflash`: the DFlash fields (block, target layers, mask token), attention layouts and
 //!   saved-folder reading;
 //! - `rope`: HF's `rope_scaling` kinds the drafters honour;
+//! - `section`: the `[drafter]` fields every drafter has (`drafter_section!`);
+//! - `shell`: the plugin around the layers (accessors, weights, building from a section or a
+//!   saved folder), the same for every drafter;
 //! - `target_facts`: what a drafter's config copies from its target beyond the spec;
 //! - `target_layer_ids`: the DFlash paper's choice of target layers.
 
 pub mod dflash;
 pub mod layers;
 pub mod rope;
+pub mod section;
+pub mod shell;
 pub mod target_facts;
 pub mod weights;
 

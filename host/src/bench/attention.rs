@@ -167,7 +167,7 @@ pub fn attention(sh: &Shape) -> Result<Report> {
     // Checked on one sequence: the fp32 reference's mask alone is 12 GB a sequence.
     let low = if device == Device::Cpu { Kind::Float } else { Kind::BFloat16 };
     let one = Shape { batch: 1, ..sh.clone() };
-    let runs = drafter_dflash::model::CONTEXT_RANGES;
+    let runs = kernels::block_attention::CONTEXT_RANGES;
     let (error_split_f32, error_split_bf16, error_ranged_bf16, error_ranged_composite_bf16, error_masked_bf16) = {
         let p = Problem::new(&one, device);
         let reference = p.masked(&one, Kind::Float, true);

@@ -7,5 +7,6 @@ pub mod attention;
 pub mod flops;
 pub mod memory;
 pub mod train;
+mod train_report;
 
 pub use abi::abi;

@@ -321,25 +321,13 @@ mod tests {
 
     #[test]
     fn a_corrupt_shard_is_refused_naming_it() {
-        use plugin_api::abi_stable::std_types::{RNone, RString};
+        use test_support::TinySpec;
         let dir = tempfile::tempdir().unwrap();
         let spec = TargetSpec {
-            architecture: RString::from("llama"),
-            num_hidden_layers: 2,
             hidden_size: 4,
-            vocab_size: 8,
-            num_attention_heads: 1,
-            num_key_value_heads: 1,
-            head_dim: 4,
-            intermediate_size: 8,
-            rope_theta: 1e4,
-            rms_norm_eps: 1e-6,
-            bos_token_id: RNone,
-            eos_token_id: 1,
-            pad_token_id: RNone,
-            chat_template: RString::new(),
-            source: RString::from("t"),
-            source_sha256: RString::from("abc"),
+            source: "t".into(),
+            source_sha256: "abc".into(),
+            ..TargetSpec::tiny()
         };
         let mut index = CaptureIndex {
             version: 1,

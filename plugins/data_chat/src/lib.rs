@@ -142,7 +142,9 @@ fn default_distill() -> Distill {
 }
 
 impl ChatSection {
-    fn validate(&self) -> Result<(), PluginError> {
+    /// Ranges and combinations of fields; run by `create` and, before the target loads, by the
+    /// host's checks of the config.
+    pub fn validate(&self) -> Result<(), PluginError> {
         let bad = |f: &str, why: String| Err(PluginError::new(format!("field `{f}`: {why}")));
         if self.batch_size == 0 {
             return bad("batch_size", "must be >= 1".into());

@@ -121,6 +121,15 @@ mod rope_json {
     }
 }
 
+impl drafter_layers::shell::DFlashConfigJson for DFlashConfig {
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+    fn dflash(&self) -> &DFlashSection {
+        &self.dflash_config
+    }
+}
+
 impl DFlashConfig {
     pub fn dense_shape(&self) -> drafter_layers::layers::DenseShape {
         drafter_layers::layers::DenseShape {

@@ -9,83 +9,66 @@ pub mod config;
 pub mod model;
 
 use config::DFlashConfig;
+pub use drafter_layers::shell::DrafterShell;
 use drafter_layers::{
     dflash::{FULL_ATTENTION, SLIDING_ATTENTION},
     rope::RopeScaling,
+    shell,
 };
 use plugin_api::{
-    abi_stable::std_types::RVec,
     tch::{nn, Device, Kind, Tensor},
     DrafterInput, DrafterPlugin, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind, TargetSpec,
 };
 use serde::Deserialize;
 
-/// The `[drafter]` config section.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DrafterSection {
-    /// Draft decoder layers (z-lab's Qwen3-8B drafter: 5).
-    #[serde(default = "default_layers")]
-    pub num_hidden_layers: usize,
-    /// Tokens per block, the anchor included (16 in the paper).
-    #[serde(default = "default_block")]
-    pub block_size: usize,
-    /// How many target layers feed the drafter; their ids follow the DFlash paper's formula.
-    #[serde(default = "default_n_feat")]
-    pub num_target_features: usize,
-    /// Explicit target layer ids (overrides `num_target_features`).
-    #[serde(default)]
-    pub target_layer_ids: Option<Vec<u32>>,
-    /// Token fed at the masked block positions. Default: the target's pad token when it is not
-    /// its EOS token.
-    #[serde(default)]
-    pub mask_token_id: Option<u32>,
-    /// MLP width (default: the target's).
-    #[serde(default)]
-    pub intermediate_size: Option<usize>,
-    /// Attention shape of the draft layers (default: the target's). The published drafters of
-    /// the Qwen3.5 / Qwen3.6 hybrids use 32 heads, 8 KV heads of 128 where the target's gated
-    /// attention has 24 / 4 of 256.
-    #[serde(default)]
-    pub num_attention_heads: Option<usize>,
-    #[serde(default)]
-    pub num_key_value_heads: Option<usize>,
-    #[serde(default)]
-    pub head_dim: Option<usize>,
-    /// Start from a z-lab format drafter folder (config.json + model.safetensors): its config
-    /// replaces the fields above, its weights the random initialisation.
-    #[serde(default)]
-    pub init_from: Option<String>,
-    /// Keep only each layer's input in training and recompute the layer in backward: activation
-    /// memory of one layer instead of all, for one more forward pass of the layers.
-    #[serde(default)]
-    pub checkpoint_layers: bool,
-    /// Block attention in training: "split" (default: the context through libtorch's fused
-    /// kernel with a staircase bias, in runs of blocks that each score only the keys before their
-    /// last anchor; each block's own keys apart, merged exactly) or "masked" (one SDPA over
-    /// [context; all blocks] with a mask; S + A*Bk keys a query).
-    #[serde(default)]
-    pub attention: AttentionKind,
-    /// HF's `layer_types`: `full_attention` (default) or `sliding_attention` per layer. A
-    /// sliding layer's query at position p sees positions p-W+1..=p only (causal within its
-    /// block), as SGLang serves it and SpecForge trains it.
-    #[serde(default)]
-    pub layer_types: Option<Vec<String>>,
-    /// W of the sliding layers (at least `block_size`).
-    #[serde(default)]
-    pub sliding_window: Option<usize>,
-    /// Default: the target's (its config.json or GGUF metadata), else 32768.
-    #[serde(default)]
-    pub max_position_embeddings: Option<usize>,
-    /// HF's `rope_scaling` table (default, linear, llama3, yarn). Default: the target's.
-    #[serde(default)]
-    pub rope_scaling: Option<serde_json::Value>,
-    /// Std of the random initialisation (HF's `initializer_range`, default 0.02).
-    #[serde(default)]
-    pub initializer_range: Option<f64>,
-    /// Metadata in the exported config (the drafter borrows the target's embedding either way).
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
+drafter_layers::drafter_section! {
+    /// The `[drafter]` config section (and the fields every drafter has, from `drafter_section!`).
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct DrafterSection {
+        /// Draft decoder layers (z-lab's Qwen3-8B drafter: 5).
+        #[serde(default = "drafter_layers::section::default_num_hidden_layers")]
+        pub num_hidden_layers: usize,
+        /// Attention shape of the draft layers (default: the target's). The published drafters of
+        /// the Qwen3.5 / Qwen3.6 hybrids use 32 heads, 8 KV heads of 128 where the target's gated
+        /// attention has 24 / 4 of 256.
+        #[serde(default)]
+        pub num_attention_heads: Option<usize>,
+        #[serde(default)]
+        pub num_key_value_heads: Option<usize>,
+        #[serde(default)]
+        pub head_dim: Option<usize>,
+        /// Keep only each layer's input in training and recompute the layer in backward: activation
+        /// memory of one layer instead of all, for one more forward pass of the layers.
+        #[serde(default)]
+        pub checkpoint_layers: bool,
+        /// Block attention in training: "split" (default: the context through libtorch's fused
+        /// kernel with a staircase bias, in runs of blocks that each score only the keys before their
+        /// last anchor; each block's own keys apart, merged exactly) or "masked" (one SDPA over
+        /// [context; all blocks] with a mask; S + A*Bk keys a query).
+        #[serde(default)]
+        pub attention: AttentionKind,
+        /// HF's `layer_types`: `full_attention` (default) or `sliding_attention` per layer. A
+        /// sliding layer's query at position p sees positions p-W+1..=p only (causal within its
+        /// block), as SGLang serves it and SpecForge trains it.
+        #[serde(default)]
+        pub layer_types: Option<Vec<String>>,
+        /// W of the sliding layers (at least `block_size`).
+        #[serde(default)]
+        pub sliding_window: Option<usize>,
+        /// Default: the target's (its config.json or GGUF metadata), else 32768.
+        #[serde(default)]
+        pub max_position_embeddings: Option<usize>,
+        /// HF's `rope_scaling` table (default, linear, llama3, yarn). Default: the target's.
+        #[serde(default)]
+        pub rope_scaling: Option<serde_json::Value>,
+        /// Std of the random initialisation (HF's `initializer_range`, default 0.02).
+        #[serde(default)]
+        pub initializer_range: Option<f64>,
+        /// Metadata in the exported config (the drafter borrows the target's embedding either way).
+        #[serde(default)]
+        pub tie_word_embeddings: bool,
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
@@ -96,35 +79,41 @@ pub enum AttentionKind {
     Masked,
 }
 
-fn default_layers() -> usize {
-    5
-}
-fn default_block() -> usize {
-    16
-}
-fn default_n_feat() -> usize {
-    5
-}
 
 impl DrafterSection {
-    /// The full drafter config for `target`, validated.
-    pub fn resolve(&self, target: &TargetSpec) -> Result<DFlashConfig, PluginError> {
+    /// What can be checked without the target (ranges, the attention shape where the section
+    /// gives it, `rope_scaling`), so a bad section is refused before the target loads.
+    pub fn check(&self) -> Result<(), PluginError> {
         let bad = |field: &str, why: String| PluginError::new(format!("field `{field}`: {why}"));
         if self.num_hidden_layers == 0 || self.num_hidden_layers > 64 {
             let n = self.num_hidden_layers;
             return Err(bad("num_hidden_layers", format!("must be in 1..=64, got {n}")));
         }
+        drafter_layers::dflash::check(self.block_size, self.num_target_features, self.target_layer_ids.as_deref())?;
+        if let (Some(heads), Some(kv_heads)) = (self.num_attention_heads, self.num_key_value_heads) {
+            check_heads(heads, kv_heads)?;
+        }
+        if let Some(head_dim) = self.head_dim {
+            check_head_dim(head_dim)?;
+        }
+        if self.intermediate_size == Some(0) {
+            return Err(bad("intermediate_size", "0: must be >= 1".into()));
+        }
+        if let Some(v) = &self.rope_scaling {
+            RopeScaling::from_json(v).map_err(|e| bad("rope_scaling", e))?;
+        }
+        Ok(())
+    }
+
+    /// The full drafter config for `target`, validated.
+    pub fn resolve(&self, target: &TargetSpec) -> Result<DFlashConfig, PluginError> {
+        let bad = |field: &str, why: String| PluginError::new(format!("field `{field}`: {why}"));
+        self.check()?;
         let heads = self.num_attention_heads.unwrap_or(target.num_attention_heads as usize);
         let kv_heads = self.num_key_value_heads.unwrap_or(target.num_key_value_heads as usize);
         let head_dim = self.head_dim.unwrap_or(target.head_dim as usize);
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
-            return Err(PluginError::new(format!(
-                "fields `num_attention_heads` / `num_key_value_heads`: {heads} heads do not split into groups of {kv_heads} KV heads"
-            )));
-        }
-        if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(PluginError::new(format!("field `head_dim`: must be even and >= 2 (RoPE), got {head_dim}")));
-        }
+        check_heads(heads, kv_heads)?;
+        check_head_dim(head_dim)?;
         let dflash_config = drafter_layers::dflash::resolve(
             self.block_size,
             self.num_target_features,
@@ -184,6 +173,22 @@ impl DrafterSection {
     }
 }
 
+fn check_heads(heads: usize, kv_heads: usize) -> Result<(), PluginError> {
+    if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(PluginError::new(format!(
+            "fields `num_attention_heads` / `num_key_value_heads`: {heads} heads do not split into groups of {kv_heads} KV heads"
+        )));
+    }
+    Ok(())
+}
+
+fn check_head_dim(head_dim: usize) -> Result<(), PluginError> {
+    if head_dim == 0 || head_dim % 2 != 0 {
+        return Err(PluginError::new(format!("field `head_dim`: must be even and >= 2 (RoPE), got {head_dim}")));
+    }
+    Ok(())
+}
+
 pub struct DFlashPlugin {
     vs: nn::VarStore,
     model: model::DFlashDrafter,
@@ -206,37 +211,35 @@ impl DFlashPlugin {
         self.mode = mode;
         self
     }
+}
 
-    /// Copy weights in by name (every parameter present with its shape).
-    pub fn load(&mut self, weights: RVec<NamedTensor>) -> Result<(), PluginError> {
-        drafter_layers::weights::load_named(&self.vs, weights)
+impl DrafterShell for DFlashPlugin {
+    type Section = DrafterSection;
+    type Config = DFlashConfig;
+    const NAME: &'static str = "dflash";
+
+    fn vs(&self) -> &nn::VarStore {
+        &self.vs
+    }
+    fn config(&self) -> &DFlashConfig {
+        &self.model.cfg
+    }
+    fn init_from(section: &DrafterSection) -> Option<&str> {
+        section.init_from.as_deref()
+    }
+    fn resolve(section: &DrafterSection, target: &TargetSpec) -> Result<DFlashConfig, PluginError> {
+        section.resolve(target)
+    }
+    fn read_folder(dir: &std::path::Path, target: &TargetSpec) -> Result<(DFlashConfig, Vec<NamedTensor>), PluginError> {
+        read_zlab(dir, target)
+    }
+    fn build(cfg: &DFlashConfig, device: Device, kind: Kind) -> Self {
+        Self::new(cfg, device, kind)
     }
 }
 
 impl DrafterPlugin for DFlashPlugin {
-    fn config_json(&self) -> String {
-        serde_json::to_string_pretty(&self.model.cfg).expect("config serializes")
-    }
-
-    fn target_layer_ids(&self) -> Vec<u32> {
-        self.model.cfg.dflash_config.target_layer_ids.clone()
-    }
-
-    fn block_size(&self) -> u32 {
-        self.model.cfg.block_size as u32
-    }
-
-    fn mask_token_id(&self) -> u32 {
-        self.model.cfg.dflash_config.mask_token_id
-    }
-
-    fn parameters(&self) -> Vec<(String, Tensor)> {
-        drafter_layers::weights::named_parameters(&self.vs).into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect()
-    }
-
-    fn load_weights(&mut self, weights: Vec<(String, Tensor)>) -> Result<(), PluginError> {
-        self.load(weights.into_iter().map(|(n, t)| NamedTensor::new(n, t)).collect())
-    }
+    drafter_layers::drafter_shell_methods!();
 
     fn forward(&mut self, input: &DrafterInput) -> Result<Tensor, PluginError> {
         let (th, emb, anchors) = (&input.target_hidden, &input.block_embeds, &input.anchors);
@@ -293,25 +296,8 @@ pub fn read_zlab(dir: &std::path::Path, target: &TargetSpec) -> Result<(DFlashCo
 }
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
-    let section: DrafterSection = plugin_api::parse_section(config)?;
-    let target = ctx
-        .target
-        .as_ref()
-        .into_option()
-        .ok_or_else(|| PluginError::new("the dflash drafter needs a target model's spec"))?;
-    let (device, kind) = (ctx.tch_device()?, ctx.tch_kind()?);
-    plugin_api::tch::manual_seed(ctx.seed as i64);
-    let drafter = match &section.init_from {
-        Some(dir) => {
-            let dir = ctx.resolve_path(dir);
-            let (cfg, weights) = read_zlab(&dir, target).map_err(|e| e.context("field `init_from`"))?;
-            let mut d = DFlashPlugin::new(&cfg, device, kind);
-            d.load(weights.into()).map_err(|e| e.context(format!("field `init_from`: {}", dir.display())))?;
-            d
-        }
-        None => DFlashPlugin::new(&section.resolve(target)?, device, kind),
-    }
-    .with_mode(model::TrainMode {
+    let (drafter, section) = shell::create::<DFlashPlugin>(config, ctx)?;
+    let drafter = drafter.with_mode(model::TrainMode {
         split_attention: section.attention == AttentionKind::Split,
         checkpoint_layers: section.checkpoint_layers,
     });
@@ -323,34 +309,13 @@ plugin_api::declare_plugin!(drafter_dflash, info, create);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use plugin_api::abi_stable::std_types::{RNone, RString};
-
-    fn hybrid_target() -> TargetSpec {
-        TargetSpec {
-            architecture: RString::from("qwen3_5"),
-            num_hidden_layers: 64,
-            hidden_size: 5120,
-            vocab_size: 248320,
-            num_attention_heads: 24,
-            num_key_value_heads: 4,
-            head_dim: 256,
-            intermediate_size: 17408,
-            rope_theta: 1e7,
-            rms_norm_eps: 1e-6,
-            bos_token_id: RNone,
-            eos_token_id: 248044,
-            pad_token_id: RNone,
-            chat_template: RString::new(),
-            source: RString::from("test"),
-            source_sha256: RString::new(),
-        }
-    }
+    use test_support::TinySpec;
 
     /// The published Qwen3.6-27B drafter's attention shape, not its target's; the target's when
     /// the section says nothing; a shape that does not group is refused naming the fields.
     #[test]
     fn the_attention_shape_can_differ_from_the_targets() {
-        let t = hybrid_target();
+        let t = TargetSpec::qwen3_6_27b();
         let s: DrafterSection = plugin_api::parse_section(
             "target_layer_ids = [1, 16, 31, 46, 61]\nmask_token_id = 248070\nnum_attention_heads = 32\nnum_key_value_heads = 8\nhead_dim = 128",
         )

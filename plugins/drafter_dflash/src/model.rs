@@ -10,9 +10,7 @@ use drafter_layers::layers::{linear, rope_cos_sin, Attention, AttentionInputs, M
 use kernels::block_attention;
 use plugin_api::tch::{self as tch, nn, nn::Module, Device, Kind, Tensor};
 
-/// How many runs of blocks split attention cuts the queries into when the anchors are known on
-/// the host (8 at 512 anchors: 64 blocks, 1024 queries a run; measured in docs/BENCHMARKS.md).
-pub const CONTEXT_RANGES: usize = 8;
+pub use kernels::block_attention::CONTEXT_RANGES;
 
 #[derive(Debug)]
 struct DecoderLayer {

@@ -3,7 +3,7 @@
 
 mod common;
 
-use drafter_dflash::{config::DFlashConfig, read_zlab, DFlashPlugin, DrafterSection};
+use drafter_dflash::{config::DFlashConfig, read_zlab, DFlashPlugin, DrafterSection, DrafterShell};
 use plugin_api::{
     abi_stable::std_types::RVec,
     tch::{Device, Kind, Tensor},

@@ -100,6 +100,15 @@ fn default_chunk() -> usize {
     64
 }
 
+impl drafter_layers::shell::DFlashConfigJson for GdnConfig {
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+    fn dflash(&self) -> &DFlashSection {
+        &self.dflash_config
+    }
+}
+
 impl GdnConfig {
     /// The dense attention layers' shape.
     pub fn dense_shape(&self) -> drafter_layers::layers::DenseShape {
@@ -117,71 +126,44 @@ impl GdnConfig {
     }
 }
 
-/// The `[drafter]` section. The dense drafter's fields mean the same here, so switching
-/// `plugin = "dflash"` to `plugin = "gdn"` is the only change a config needs; the GDN fields
-/// default from the target.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DrafterSection {
-    /// Draft layers (default 5, or the length of `layer_types`).
-    #[serde(default)]
-    pub num_hidden_layers: Option<usize>,
-    /// Tokens per block, the anchor included.
-    #[serde(default = "default_block")]
-    pub block_size: usize,
-    /// How many target layers feed the drafter; their ids follow the DFlash paper's formula.
-    #[serde(default = "default_n_feat")]
-    pub num_target_features: usize,
-    /// Explicit target layer ids (overrides `num_target_features`).
-    #[serde(default)]
-    pub target_layer_ids: Option<Vec<u32>>,
-    /// Token fed at the masked block positions. Default: the target's pad token when it is not
-    /// its EOS token.
-    #[serde(default)]
-    pub mask_token_id: Option<u32>,
-    /// MLP width (default: the target's).
-    #[serde(default)]
-    pub intermediate_size: Option<usize>,
-    /// Every n-th layer is dense attention, the others GDN: 5 gives 4 GDN : 1 attention
-    /// (`g g g g a`); a drafter with fewer than n layers is all GDN (1 layer: one GDN layer).
-    #[serde(default = "default_interval")]
-    pub full_attention_interval: usize,
-    /// Explicit pattern, e.g. `["gdn", "gdn", "attention"]` (overrides the interval).
-    #[serde(default)]
-    pub layer_types: Option<Vec<LayerType>>,
-    /// GDN q/k heads (default: the target's attention heads).
-    #[serde(default)]
-    pub linear_num_key_heads: Option<usize>,
-    /// GDN value heads, a multiple of the key heads (default: the key heads).
-    #[serde(default)]
-    pub linear_num_value_heads: Option<usize>,
-    /// GDN key head dim (default: the target's head_dim).
-    #[serde(default)]
-    pub linear_key_head_dim: Option<usize>,
-    /// GDN value head dim (default: the target's head_dim).
-    #[serde(default)]
-    pub linear_value_head_dim: Option<usize>,
-    /// Short causal conv width.
-    #[serde(default = "default_conv")]
-    pub linear_conv_kernel_dim: usize,
-    /// Chunk length of the chunked delta rule (16, 32 or 64 are usual).
-    #[serde(default = "default_chunk")]
-    pub chunk_size: usize,
-    /// Start from a folder with this plugin's config.json + model.safetensors (`dflash-host
-    /// export` of a GDN run): its config replaces the fields above, its weights the random ones.
-    #[serde(default)]
-    pub init_from: Option<String>,
+drafter_layers::drafter_section! {
+    /// The `[drafter]` section. The dense drafter's fields mean the same here, so switching
+    /// `plugin = "dflash"` to `plugin = "gdn"` is the only change a config needs; the GDN fields
+    /// default from the target.
+    #[derive(Debug, Clone, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct DrafterSection {
+        /// Draft layers (default 5, or the length of `layer_types`).
+        #[serde(default)]
+        pub num_hidden_layers: Option<usize>,
+        /// Every n-th layer is dense attention, the others GDN: 5 gives 4 GDN : 1 attention
+        /// (`g g g g a`); a drafter with fewer than n layers is all GDN (1 layer: one GDN layer).
+        #[serde(default = "default_interval")]
+        pub full_attention_interval: usize,
+        /// Explicit pattern, e.g. `["gdn", "gdn", "attention"]` (overrides the interval).
+        #[serde(default)]
+        pub layer_types: Option<Vec<LayerType>>,
+        /// GDN q/k heads (default: the target's attention heads).
+        #[serde(default)]
+        pub linear_num_key_heads: Option<usize>,
+        /// GDN value heads, a multiple of the key heads (default: the key heads).
+        #[serde(default)]
+        pub linear_num_value_heads: Option<usize>,
+        /// GDN key head dim (default: the target's head_dim).
+        #[serde(default)]
+        pub linear_key_head_dim: Option<usize>,
+        /// GDN value head dim (default: the target's head_dim).
+        #[serde(default)]
+        pub linear_value_head_dim: Option<usize>,
+        /// Short causal conv width.
+        #[serde(default = "default_conv")]
+        pub linear_conv_kernel_dim: usize,
+        /// Chunk length of the chunked delta rule (16, 32 or 64 are usual).
+        #[serde(default = "default_chunk")]
+        pub chunk_size: usize,
+    }
 }
 
-fn default_layers() -> usize {
-    5
-}
-fn default_block() -> usize {
-    16
-}
-fn default_n_feat() -> usize {
-    5
-}
 fn default_interval() -> usize {
     5
 }
@@ -202,19 +184,46 @@ impl DrafterSection {
         if self.full_attention_interval == 0 {
             return bad("full_attention_interval", "must be >= 1".into());
         }
-        let n = self.num_hidden_layers.unwrap_or_else(default_layers);
+        let n = self.num_hidden_layers.unwrap_or_else(drafter_layers::section::default_num_hidden_layers);
         let every = self.full_attention_interval;
         Ok((0..n).map(|i| if (i + 1) % every == 0 { LayerType::Attention } else { LayerType::Gdn }).collect())
+    }
+
+    /// What can be checked without the target (the layer pattern, ranges), so a bad section is
+    /// refused before the target loads; `resolve` runs it first.
+    pub fn check(&self) -> Result<(), PluginError> {
+        let bad = |field: &str, why: String| Err(PluginError::new(format!("field `{field}`: {why}")));
+        let layers = self.layer_types()?.len();
+        if layers == 0 || layers > 64 {
+            return bad("num_hidden_layers", format!("must be in 1..=64, got {layers}"));
+        }
+        drafter_layers::dflash::check(self.block_size, self.num_target_features, self.target_layer_ids.as_deref())?;
+        if let (Some(k), Some(v)) = (self.linear_num_key_heads, self.linear_num_value_heads) {
+            if k == 0 || v % k != 0 {
+                return bad("linear_num_value_heads", format!("{v} must be a multiple of linear_num_key_heads ({k}), both > 0"));
+            }
+        }
+        if self.linear_key_head_dim == Some(0) || self.linear_value_head_dim == Some(0) {
+            return bad("linear_key_head_dim", "head dims must be > 0".into());
+        }
+        if self.intermediate_size == Some(0) {
+            return bad("intermediate_size", "0: must be >= 1".into());
+        }
+        if !(1..=16).contains(&self.linear_conv_kernel_dim) {
+            return bad("linear_conv_kernel_dim", format!("must be in 1..=16, got {}", self.linear_conv_kernel_dim));
+        }
+        if !(1..=256).contains(&self.chunk_size) {
+            return bad("chunk_size", format!("must be in 1..=256, got {}", self.chunk_size));
+        }
+        Ok(())
     }
 
     /// The full drafter config for `target`, validated.
     pub fn resolve(&self, target: &TargetSpec) -> Result<GdnConfig, PluginError> {
         let bad = |field: &str, why: String| Err(PluginError::new(format!("field `{field}`: {why}")));
+        self.check()?;
         let l = target.num_hidden_layers as usize;
         let layer_types = self.layer_types()?;
-        if layer_types.is_empty() || layer_types.len() > 64 {
-            return bad("num_hidden_layers", format!("must be in 1..=64, got {}", layer_types.len()));
-        }
         let dflash_config = drafter_layers::dflash::resolve(
             self.block_size,
             self.num_target_features,
@@ -234,15 +243,6 @@ impl DrafterSection {
         let value_dim = self.linear_value_head_dim.unwrap_or(target.head_dim as usize);
         if key_dim == 0 || value_dim == 0 {
             return bad("linear_key_head_dim", "head dims must be > 0".into());
-        }
-        if self.intermediate_size == Some(0) {
-            return bad("intermediate_size", "0: must be >= 1".into());
-        }
-        if !(1..=16).contains(&self.linear_conv_kernel_dim) {
-            return bad("linear_conv_kernel_dim", format!("must be in 1..=16, got {}", self.linear_conv_kernel_dim));
-        }
-        if !(1..=256).contains(&self.chunk_size) {
-            return bad("chunk_size", format!("must be in 1..=256, got {}", self.chunk_size));
         }
         // The dense layers' RoPE and the context length, as the target has them.
         let facts = drafter_layers::target_facts::read(target)?;

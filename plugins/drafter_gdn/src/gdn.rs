@@ -161,30 +161,16 @@ impl GatedDeltaNet {
 mod tests {
     use super::*;
     use crate::config::DrafterSection;
-    use plugin_api::{
-        abi_stable::std_types::{RNone, RString},
-        tch::Device,
-        TargetSpec,
-    };
+    use plugin_api::{tch::Device, TargetSpec};
+    use test_support::TinySpec;
 
     fn tiny_config(section: &str) -> GdnConfig {
         let spec = TargetSpec {
-            architecture: RString::from("llama"),
-            num_hidden_layers: 8,
             hidden_size: 24,
-            vocab_size: 64,
             num_attention_heads: 3,
             num_key_value_heads: 1,
-            head_dim: 8,
             intermediate_size: 40,
-            rope_theta: 10000.0,
-            rms_norm_eps: 1e-6,
-            bos_token_id: RNone,
-            eos_token_id: 2,
-            pad_token_id: RNone,
-            chat_template: RString::new(),
-            source: RString::from("test"),
-            source_sha256: RString::new(),
+            ..TargetSpec::tiny()
         };
         let s: DrafterSection = plugin_api::parse_section(section).unwrap();
         s.resolve(&spec).unwrap()

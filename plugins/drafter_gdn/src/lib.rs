@@ -39,8 +39,8 @@ pub mod model;
 mod tests;
 
 pub use config::{DrafterSection, GdnConfig, LayerType};
+pub use drafter_layers::shell::DrafterShell;
 use plugin_api::{
-    abi_stable::std_types::RVec,
     tch::{nn, Device, Kind, Tensor},
     DrafterInput, DrafterPlugin, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind, TargetSpec,
 };
@@ -55,37 +55,35 @@ impl GdnPlugin {
         let (vs, model) = model::build(cfg, device, kind);
         Self { vs, model }
     }
+}
 
-    /// Copy weights in by name (every parameter present with its shape).
-    pub fn load(&mut self, weights: RVec<NamedTensor>) -> Result<(), PluginError> {
-        drafter_layers::weights::load_named(&self.vs, weights)
+impl DrafterShell for GdnPlugin {
+    type Section = DrafterSection;
+    type Config = GdnConfig;
+    const NAME: &'static str = "gdn";
+
+    fn vs(&self) -> &nn::VarStore {
+        &self.vs
+    }
+    fn config(&self) -> &GdnConfig {
+        &self.model.cfg
+    }
+    fn init_from(section: &DrafterSection) -> Option<&str> {
+        section.init_from.as_deref()
+    }
+    fn resolve(section: &DrafterSection, target: &TargetSpec) -> Result<GdnConfig, PluginError> {
+        section.resolve(target)
+    }
+    fn read_folder(dir: &std::path::Path, target: &TargetSpec) -> Result<(GdnConfig, Vec<NamedTensor>), PluginError> {
+        read_folder(dir, target)
+    }
+    fn build(cfg: &GdnConfig, device: Device, kind: Kind) -> Self {
+        Self::new(cfg, device, kind)
     }
 }
 
 impl DrafterPlugin for GdnPlugin {
-    fn config_json(&self) -> String {
-        serde_json::to_string_pretty(&self.model.cfg).expect("config serializes")
-    }
-
-    fn target_layer_ids(&self) -> Vec<u32> {
-        self.model.cfg.dflash_config.target_layer_ids.clone()
-    }
-
-    fn block_size(&self) -> u32 {
-        self.model.cfg.block_size as u32
-    }
-
-    fn mask_token_id(&self) -> u32 {
-        self.model.cfg.dflash_config.mask_token_id
-    }
-
-    fn parameters(&self) -> Vec<(String, Tensor)> {
-        drafter_layers::weights::named_parameters(&self.vs).into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect()
-    }
-
-    fn load_weights(&mut self, weights: Vec<(String, Tensor)>) -> Result<(), PluginError> {
-        self.load(weights.into_iter().map(|(n, t)| NamedTensor::new(n, t)).collect())
-    }
+    drafter_layers::drafter_shell_methods!();
 
     fn forward(&mut self, input: &DrafterInput) -> Result<Tensor, PluginError> {
         Ok(self.model.forward(&input.target_hidden, &input.block_embeds, &input.anchors))
@@ -118,24 +116,7 @@ pub fn read_folder(dir: &std::path::Path, target: &TargetSpec) -> Result<(GdnCon
 }
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
-    let section: DrafterSection = plugin_api::parse_section(config)?;
-    let target = ctx
-        .target
-        .as_ref()
-        .into_option()
-        .ok_or_else(|| PluginError::new("the gdn drafter needs a target model's spec"))?;
-    let (device, kind) = (ctx.tch_device()?, ctx.tch_kind()?);
-    plugin_api::tch::manual_seed(ctx.seed as i64);
-    let drafter = match &section.init_from {
-        Some(dir) => {
-            let dir = ctx.resolve_path(dir);
-            let (cfg, weights) = read_folder(&dir, target).map_err(|e| e.context("field `init_from`"))?;
-            let mut d = GdnPlugin::new(&cfg, device, kind);
-            d.load(weights.into()).map_err(|e| e.context(format!("field `init_from`: {}", dir.display())))?;
-            d
-        }
-        None => GdnPlugin::new(&section.resolve(target)?, device, kind),
-    };
+    let (drafter, _) = drafter_layers::shell::create::<GdnPlugin>(config, ctx)?;
     Ok(PluginInstance::drafter(drafter))
 }
 

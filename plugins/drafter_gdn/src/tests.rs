@@ -1,39 +1,18 @@
 //! The drafter as a whole: DFlash's visibility rule, weights in and out, the plugin trait
 //! object, Muon's routing of the GDN parameters, and the default config with one line changed.
 
-use crate::{config::LayerType, DrafterSection, GdnConfig, GdnPlugin};
+use crate::{config::LayerType, DrafterSection, DrafterShell, GdnConfig, GdnPlugin};
 use optim_muon::config::{Group, MuonConfig};
+use test_support::TinySpec;
 use plugin_api::{
-    abi_stable::std_types::{RNone, RSome, RString},
+    abi_stable::std_types::RSome,
     tch::{Device, Kind, Tensor},
     DraftInput, Drafter, HostContext, PluginInstance, TargetSpec, TensorHandle,
 };
 
-/// A small llama-like target: hidden 32, 4 heads of 8, 8 layers.
-fn target_spec() -> TargetSpec {
-    TargetSpec {
-        architecture: RString::from("llama"),
-        num_hidden_layers: 8,
-        hidden_size: 32,
-        vocab_size: 64,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        intermediate_size: 48,
-        rope_theta: 10000.0,
-        rms_norm_eps: 1e-6,
-        bos_token_id: RNone,
-        eos_token_id: 2,
-        pad_token_id: RNone,
-        chat_template: RString::new(),
-        source: RString::from("test"),
-        source_sha256: RString::new(),
-    }
-}
-
 fn tiny_config(section: &str) -> GdnConfig {
     let s: DrafterSection = plugin_api::parse_section(section).unwrap();
-    s.resolve(&target_spec()).unwrap()
+    s.resolve(&TargetSpec::tiny()).unwrap()
 }
 
 /// A hybrid with a small chunk, so contexts span several chunks.
@@ -177,7 +156,7 @@ fn weights_round_trip() {
 #[test]
 fn forward_and_backward_through_the_plugin_trait_object() {
     let mut ctx = HostContext::cpu();
-    ctx.target = RSome(target_spec());
+    ctx.target = RSome(TargetSpec::tiny());
     let module = crate::plugin_module();
     assert_eq!(module.info()().name.as_str(), "gdn");
     let section = "num_hidden_layers = 5\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63";
@@ -227,7 +206,7 @@ fn init_from_reads_an_exported_folder() {
     Tensor::write_safetensors(&weights, dir.join("model.safetensors")).unwrap();
 
     let mut ctx = HostContext::cpu();
-    ctx.target = RSome(target_spec());
+    ctx.target = RSome(TargetSpec::tiny());
     ctx.seed = 99; // other random weights, were they not loaded
     let section = format!("num_hidden_layers = 1\ninit_from = \"{}\"", dir.display());
     let created = crate::plugin_module().create()(section.as_str().into(), &ctx).into_result();
@@ -312,19 +291,7 @@ fn default_config_with_one_line_changed() {
     let dense = std::fs::read_to_string(root.join("configs/smollm2-chitchat.toml")).unwrap();
     assert_eq!(dense.matches("plugin = \"dflash\"").count(), 1);
     let gdn_text = dense.replace("plugin = \"dflash\"", "plugin = \"gdn\"");
-    let smollm2 = TargetSpec {
-        num_hidden_layers: 30,
-        hidden_size: 576,
-        vocab_size: 49152,
-        num_attention_heads: 9,
-        num_key_value_heads: 3,
-        head_dim: 64,
-        intermediate_size: 1536,
-        rope_theta: 100000.0,
-        eos_token_id: 2,
-        pad_token_id: RSome(2),
-        ..target_spec()
-    };
+    let smollm2 = TargetSpec::smollm2_135m();
     let drafter_section = |text: &str| {
         let mut table: toml::Table = toml::from_str(text).unwrap();
         let mut section = table.remove("drafter").unwrap().as_table().unwrap().clone();
@@ -344,6 +311,6 @@ fn default_config_with_one_line_changed() {
 #[test]
 fn a_zero_mlp_width_is_refused() {
     let s: DrafterSection = plugin_api::parse_section("mask_token_id = 63\nintermediate_size = 0").unwrap();
-    let e = s.resolve(&target_spec()).unwrap_err().to_string();
+    let e = s.resolve(&TargetSpec::tiny()).unwrap_err().to_string();
     assert!(e.contains("field `intermediate_size`: 0: must be >= 1"), "{e}");
 }

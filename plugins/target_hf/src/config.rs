@@ -417,6 +417,29 @@ impl DecoderConfig {
         }
     }
 
+    /// What the host and the drafter learn of this model (`TargetSpec`), None without an EOS id.
+    /// Where it came from (chat template, source, its SHA-256) is the loader's to fill in.
+    pub fn target_spec(&self) -> Option<plugin_api::TargetSpec> {
+        Some(plugin_api::TargetSpec {
+            architecture: self.model_type.clone().into(),
+            num_hidden_layers: self.num_hidden_layers as u32,
+            hidden_size: self.hidden_size as u32,
+            vocab_size: self.vocab_size as u32,
+            num_attention_heads: self.num_attention_heads as u32,
+            num_key_value_heads: self.num_kv_heads() as u32,
+            head_dim: self.head_dim() as u32,
+            intermediate_size: self.spec_intermediate_size() as u32,
+            rope_theta: self.rope_theta,
+            rms_norm_eps: self.rms_norm_eps,
+            bos_token_id: self.bos_token_id.into(),
+            eos_token_id: self.eos()?,
+            pad_token_id: self.pad_token_id.into(),
+            chat_template: Default::default(),
+            source: Default::default(),
+            source_sha256: Default::default(),
+        })
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if !SUPPORTED.contains(&self.model_type.as_str()) {
             return Err(format!("model_type `{}` is not supported (supported: {})", self.model_type, SUPPORTED.join(", ")));
@@ -656,13 +679,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let read = |extra: Vec<(&'static str, W)>| {
             let mut kvs = vec![
-                ("general.architecture", W::Str("llama")),
+                ("general.architecture", W::str("llama")),
                 ("llama.attention.head_count", W::U32(4)),
                 ("llama.embedding_length", W::U32(32)),
                 ("llama.feed_forward_length", W::U32(48)),
                 ("llama.block_count", W::U32(2)),
                 ("llama.context_length", W::U32(4096)),
-                ("tokenizer.ggml.tokens", W::Arr(8, vec![W::Str("a"), W::Str("b")])),
+                ("tokenizer.ggml.tokens", W::Arr(8, vec![W::str("a"), W::str("b")])),
             ];
             kvs.extend(extra);
             let path = dir.path().join("m.gguf");
@@ -671,15 +694,15 @@ mod tests {
         };
         let c = read(vec![]);
         assert_eq!((c.rope_theta, c.max_position_embeddings, c.rope_scaling().unwrap()), (10000.0, Some(4096), RopeScaling::Default));
-        let c = read(vec![("llama.rope.freq_base", W::F32(5e5)), ("llama.rope.scaling.type", W::Str("linear")), ("llama.rope.scaling.factor", W::F32(4.0))]);
+        let c = read(vec![("llama.rope.freq_base", W::F32(5e5)), ("llama.rope.scaling.type", W::str("linear")), ("llama.rope.scaling.factor", W::F32(4.0))]);
         assert_eq!((c.rope_theta, c.rope_scaling().unwrap()), (5e5, RopeScaling::Linear { factor: 4.0 }));
         let c = read(vec![
-            ("llama.rope.scaling.type", W::Str("yarn")),
+            ("llama.rope.scaling.type", W::str("yarn")),
             ("llama.rope.scaling.factor", W::F32(4.0)),
             ("llama.rope.scaling.original_context_length", W::U32(1024)),
         ]);
         assert!(matches!(c.rope_scaling().unwrap(), RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 1024.0, .. }));
-        let c = read(vec![("llama.rope.scaling.type", W::Str("longrope"))]);
+        let c = read(vec![("llama.rope.scaling.type", W::str("longrope"))]);
         assert!(c.validate().unwrap_err().contains("rope_type `longrope` is not supported"));
         let mut c = read(vec![]);
         c.rope_freq_factors = Some(vec![1.0; 3]);

@@ -200,11 +200,11 @@ mod tests {
         let types = [3, 1, 1, 1, 1, 1, 1, 1];
         gguf_bytes(
             &[
-                ("tokenizer.ggml.model", W::Str(model)),
-                ("tokenizer.ggml.pre", W::Str(pre)),
+                ("tokenizer.ggml.model", W::str(model)),
+                ("tokenizer.ggml.pre", W::str(pre)),
                 (
                     "tokenizer.ggml.tokens",
-                    W::Arr(8, toks.iter().map(|t| W::Str(t)).collect()),
+                    W::Arr(8, toks.iter().map(|t| W::str(t)).collect()),
                 ),
                 (
                     "tokenizer.ggml.token_type",
@@ -212,11 +212,11 @@ mod tests {
                 ),
                 (
                     "tokenizer.ggml.merges",
-                    W::Arr(8, vec![W::Str("a b"), W::Str("Ġ ab")]),
+                    W::Arr(8, vec![W::str("a b"), W::str("Ġ ab")]),
                 ),
                 ("tokenizer.ggml.bos_token_id", W::U32(0)),
                 ("tokenizer.ggml.eos_token_id", W::U32(0)),
-                ("tokenizer.chat_template", W::Str("{{ messages }}")),
+                ("tokenizer.chat_template", W::str("{{ messages }}")),
             ],
             &[],
             32,

@@ -76,24 +76,11 @@ impl HfTarget {
     fn new(loaded: load::Loaded, path: &Path, device: Device, kind: Kind, generate_batch_size: usize) -> Result<Self, String> {
         let load::Loaded { cfg, weights, tokenizer, chat_template } = loaded;
         let model = Decoder::new(&cfg, weights, device, kind)?;
-        let eos = cfg.eos().ok_or_else(|| format!("{}: no EOS token id", path.display()))?;
         let spec = TargetSpec {
-            architecture: cfg.model_type.clone().into(),
-            num_hidden_layers: cfg.num_hidden_layers as u32,
-            hidden_size: cfg.hidden_size as u32,
-            vocab_size: cfg.vocab_size as u32,
-            num_attention_heads: cfg.num_attention_heads as u32,
-            num_key_value_heads: cfg.num_kv_heads() as u32,
-            head_dim: cfg.head_dim() as u32,
-            intermediate_size: cfg.spec_intermediate_size() as u32,
-            rope_theta: cfg.rope_theta,
-            rms_norm_eps: cfg.rms_norm_eps,
-            bos_token_id: cfg.bos_token_id.into(),
-            eos_token_id: eos,
-            pad_token_id: cfg.pad_token_id.into(),
             chat_template: chat_template.into(),
             source: path.display().to_string().into(),
             source_sha256: sha256_path(path).map_err(|e| format!("{}: {e}", path.display()))?.into(),
+            ..cfg.target_spec().ok_or_else(|| format!("{}: no EOS token id", path.display()))?
         };
         let session = model.new_cache(true);
         Ok(Self { model, tokenizer, spec, generate_batch_size, session })

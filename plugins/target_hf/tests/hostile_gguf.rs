@@ -7,7 +7,7 @@ use plugin_api::tch::{Device, Kind};
 use std::{
     alloc::{GlobalAlloc, Layout, System},
     cell::Cell,
-    path::{Path, PathBuf},
+    path::Path,
 };
 use target_hf::{
     config::DecoderConfig,
@@ -16,6 +16,7 @@ use target_hf::{
     load::load_gguf,
     model::Decoder,
 };
+use test_support::gguf::{write_temp as write, Gguf, WTensor as T, V};
 
 // ---------------------------------------------------------------------------------------------
 // An allocator that refuses to let a parse allocate out of proportion to its input
@@ -88,141 +89,10 @@ fn capped<R>(cap: usize, f: impl FnOnce() -> R) -> (R, usize) {
     (r, LARGEST.with(Cell::get))
 }
 
-// ---------------------------------------------------------------------------------------------
-// A tiny GGUF writer that remembers where each field is
-// ---------------------------------------------------------------------------------------------
-
-#[derive(Clone)]
-enum V {
-    U8(u8),
-    I16(i16),
-    U32(u32),
-    I32(i32),
-    U64(u64),
-    I64(i64),
-    F32(f32),
-    F64(f64),
-    Bool(bool),
-    Str(String),
-    /// (element type id, elements)
-    Arr(u32, Vec<V>),
-}
-
-impl V {
-    fn type_id(&self) -> u32 {
-        match self {
-            V::U8(_) => 0,
-            V::I16(_) => 3,
-            V::U32(_) => 4,
-            V::I32(_) => 5,
-            V::F32(_) => 6,
-            V::Bool(_) => 7,
-            V::Str(_) => 8,
-            V::Arr(..) => 9,
-            V::U64(_) => 10,
-            V::I64(_) => 11,
-            V::F64(_) => 12,
-        }
-    }
-}
-
-struct T {
-    name: &'static str,
-    /// GGUF order (ne[0] first).
-    dims: Vec<u64>,
-    ty: u32,
-    data: Vec<u8>,
-}
-
-/// Where a fixed-width field sits in the file.
-#[derive(Debug, Clone, Copy)]
-struct Field {
-    at: usize,
-    width: usize,
-}
-
-struct Gguf {
-    bytes: Vec<u8>,
-    /// Every count, length, type id, dim and offset in the header, metadata and tensor infos.
-    fields: Vec<Field>,
-    /// (tensor name, offset of its type id).
-    type_ids: Vec<(&'static str, usize)>,
-    /// Where each tensor info starts (its name length).
-    infos_at: Vec<usize>,
-    data_offset: usize,
-}
-
-struct Writer {
-    out: Vec<u8>,
-    fields: Vec<Field>,
-}
-
-impl Writer {
-    fn field(&mut self, bytes: &[u8]) {
-        self.fields.push(Field { at: self.out.len(), width: bytes.len() });
-        self.out.extend_from_slice(bytes);
-    }
-
-    fn str(&mut self, s: &str) {
-        self.field(&(s.len() as u64).to_le_bytes());
-        self.out.extend_from_slice(s.as_bytes());
-    }
-
-    fn value(&mut self, v: &V) {
-        match v {
-            V::U8(x) => self.field(&x.to_le_bytes()),
-            V::I16(x) => self.field(&x.to_le_bytes()),
-            V::U32(x) => self.field(&x.to_le_bytes()),
-            V::I32(x) => self.field(&x.to_le_bytes()),
-            V::U64(x) => self.field(&x.to_le_bytes()),
-            V::I64(x) => self.field(&x.to_le_bytes()),
-            V::F32(x) => self.field(&x.to_le_bytes()),
-            V::F64(x) => self.field(&x.to_le_bytes()),
-            V::Bool(x) => self.field(&[*x as u8]),
-            V::Str(s) => self.str(s),
-            V::Arr(elem, items) => {
-                self.field(&elem.to_le_bytes());
-                self.field(&(items.len() as u64).to_le_bytes());
-                for it in items {
-                    self.value(it);
-                }
-            }
-        }
-    }
-}
-
 const ALIGN: usize = 32;
 
 fn gguf(kvs: &[(&str, V)], tensors: &[T]) -> Gguf {
-    let mut w = Writer { out: b"GGUF".to_vec(), fields: Vec::new() };
-    w.field(&3u32.to_le_bytes());
-    w.field(&(tensors.len() as u64).to_le_bytes());
-    w.field(&(kvs.len() as u64).to_le_bytes());
-    for (k, v) in kvs {
-        w.str(k);
-        w.field(&v.type_id().to_le_bytes());
-        w.value(v);
-    }
-    let (mut offset, mut offsets, mut type_ids, mut infos_at) = (0usize, Vec::new(), Vec::new(), Vec::new());
-    for t in tensors {
-        infos_at.push(w.out.len());
-        w.str(t.name);
-        w.field(&(t.dims.len() as u32).to_le_bytes());
-        for d in &t.dims {
-            w.field(&d.to_le_bytes());
-        }
-        type_ids.push((t.name, w.out.len()));
-        w.field(&t.ty.to_le_bytes());
-        w.field(&(offset as u64).to_le_bytes());
-        offsets.push(offset);
-        offset = (offset + t.data.len()).next_multiple_of(ALIGN);
-    }
-    let data_offset = w.out.len().next_multiple_of(ALIGN);
-    for (t, off) in tensors.iter().zip(offsets) {
-        w.out.resize(data_offset + off, 0);
-        w.out.extend_from_slice(&t.data);
-    }
-    Gguf { bytes: w.out, fields: w.fields, type_ids, infos_at, data_offset }
+    test_support::gguf::gguf(kvs, tensors, ALIGN)
 }
 
 /// Deterministic bytes (LCG), masked so that no f32 / f16 / bf16 pattern is Inf or NaN.
@@ -287,12 +157,6 @@ fn tiny_llama() -> Gguf {
         T { name: "blk.0.ffn_down.weight", dims: vec![32, 32], ty: 8, data: data(q(32, 34), 12) },
     ];
     gguf(&kvs, &tensors)
-}
-
-fn write(dir: &tempfile::TempDir, name: &str, bytes: &[u8]) -> PathBuf {
-    let p = dir.path().join(name);
-    std::fs::write(&p, bytes).unwrap();
-    p
 }
 
 /// Everything the target plugin does with a GGUF: open, dequantise each tensor, read the config

@@ -1,102 +1,12 @@
 
-//! The reader's tests, and the tiny GGUF writer they (and gguf_tokenizer's) build files with.
+//! The reader's tests, on files written by test_support's GGUF writer.
 
 use super::parse::*;
 use super::types::*;
 use super::*;
 
-// --- a tiny GGUF writer (also used by gguf_tokenizer's tests) ---
-
-pub(crate) enum W {
-    U32(u32),
-    I32(i32),
-    F32(f32),
-    Bool(bool),
-    Str(&'static str),
-    /// (element type id, elements)
-    Arr(u32, Vec<W>),
-}
-
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    out.extend((s.len() as u64).to_le_bytes());
-    out.extend(s.as_bytes());
-}
-
-fn type_id(v: &W) -> u32 {
-    match v {
-        W::U32(_) => 4,
-        W::I32(_) => 5,
-        W::F32(_) => 6,
-        W::Bool(_) => 7,
-        W::Str(_) => 8,
-        W::Arr(..) => 9,
-    }
-}
-
-fn put_value(out: &mut Vec<u8>, v: &W) {
-    match v {
-        W::U32(x) => out.extend(x.to_le_bytes()),
-        W::I32(x) => out.extend(x.to_le_bytes()),
-        W::F32(x) => out.extend(x.to_le_bytes()),
-        W::Bool(x) => out.push(*x as u8),
-        W::Str(s) => put_str(out, s),
-        W::Arr(elem, items) => {
-            out.extend(elem.to_le_bytes());
-            out.extend((items.len() as u64).to_le_bytes());
-            for it in items {
-                put_value(out, it);
-            }
-        }
-    }
-}
-
-/// A tensor to write: name, GGUF-order dims, ggml type id, raw data bytes.
-pub(crate) struct WTensor {
-    pub name: &'static str,
-    pub dims: Vec<u64>,
-    pub ty: u32,
-    pub data: Vec<u8>,
-}
-
-/// GGUF v3 bytes with the given KVs and tensors; data padded to `align` (which must match
-/// any `general.alignment` KV passed in).
-pub(crate) fn gguf_bytes(kvs: &[(&str, W)], tensors: &[WTensor], align: usize) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend(b"GGUF");
-    out.extend(3u32.to_le_bytes());
-    out.extend((tensors.len() as u64).to_le_bytes());
-    out.extend((kvs.len() as u64).to_le_bytes());
-    for (k, v) in kvs {
-        put_str(&mut out, k);
-        out.extend(type_id(v).to_le_bytes());
-        put_value(&mut out, v);
-    }
-    let mut offset = 0usize;
-    let mut offsets = Vec::new();
-    for t in tensors {
-        put_str(&mut out, t.name);
-        out.extend((t.dims.len() as u32).to_le_bytes());
-        for d in &t.dims {
-            out.extend(d.to_le_bytes());
-        }
-        out.extend(t.ty.to_le_bytes());
-        out.extend((offset as u64).to_le_bytes());
-        offsets.push(offset);
-        offset = (offset + t.data.len()).next_multiple_of(align);
-    }
-    let data_start = out.len().next_multiple_of(align);
-    for (t, off) in tensors.iter().zip(offsets) {
-        out.resize(data_start + off, 0);
-        out.extend(&t.data);
-    }
-    out
-}
-
-pub(crate) fn write_temp(dir: &tempfile::TempDir, name: &str, bytes: &[u8]) -> PathBuf {
-    let p = dir.path().join(name);
-    std::fs::write(&p, bytes).unwrap();
-    p
-}
+// The GGUF writer (also used by gguf_tokenizer's and config's tests) is test_support's.
+pub(crate) use test_support::gguf::{gguf_bytes, write_temp, WTensor, V as W};
 
 fn f16_bytes(x: f32) -> [u8; 2] {
     f16::from_f32(x).to_le_bytes()
@@ -343,13 +253,13 @@ fn small_file() -> Vec<u8> {
     }
     gguf_bytes(
         &[
-            ("general.architecture", W::Str("llama")),
+            ("general.architecture", W::str("llama")),
             ("general.alignment", W::U32(64)),
             ("llama.block_count", W::U32(30)),
             ("llama.rope.freq_base", W::F32(100000.0)),
             ("neg", W::I32(-3)),
             ("flag", W::Bool(true)),
-            ("names", W::Arr(8, vec![W::Str("a"), W::Str("bé")])),
+            ("names", W::Arr(8, vec![W::str("a"), W::str("bé")])),
             (
                 "nested",
                 W::Arr(
@@ -472,7 +382,8 @@ fn one_kv(ty: u32, value: &[u8]) -> Vec<u8> {
     out.extend(3u32.to_le_bytes());
     out.extend(0u64.to_le_bytes());
     out.extend(1u64.to_le_bytes());
-    put_str(&mut out, "k");
+    out.extend(1u64.to_le_bytes()); // the key "k": length, bytes
+    out.extend(b"k");
     out.extend(ty.to_le_bytes());
     out.extend(value);
     out

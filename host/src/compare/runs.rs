@@ -1,0 +1,353 @@
+//! Reading experiment folders: each run's config, manifest, metrics, summary and eval files, an
+//! A/B parent folder expanded into its runs; broken or unfinished runs are noted, never fatal.
+
+use super::*;
+
+/// The fields of one `metrics.jsonl` line (`train::StepMetrics`) the report uses.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    pub step: u64,
+    pub tokens: f64,
+    pub loss: f64,
+    /// Top-1 accuracy per block position 1..B-1 over the logging window.
+    pub acc: Vec<f64>,
+    pub tau_hat: f64,
+    pub elapsed_s: f64,
+    /// The learning rate of the step and the gradient norm (NaN in records that lack them).
+    pub lr: f64,
+    pub grad_norm: f64,
+}
+
+/// Largest magnitude a metric may have (loss, tau_hat, accuracy, seconds); beyond it a value is
+/// corrupt, and plotting it would need axes no plot can draw.
+pub const MAX_ABS: f64 = 1e15;
+/// Largest token count a record may have (x axis).
+pub const MAX_TOKENS: f64 = 1e18;
+
+impl Record {
+    /// Values beyond [`MAX_ABS`] (or not finite) become NaN, shown as missing; returns how many.
+    /// A record whose token count is not a count is refused.
+    pub fn sanitized(mut self) -> Result<(Self, usize), String> {
+        if !(self.tokens.is_finite() && (0.0..=MAX_TOKENS).contains(&self.tokens)) {
+            return Err(format!("`tokens` {} is not a token count", self.tokens));
+        }
+        let mut n = 0;
+        for v in [&mut self.loss, &mut self.tau_hat, &mut self.elapsed_s, &mut self.lr, &mut self.grad_norm].into_iter().chain(self.acc.iter_mut()) {
+            if (v.is_finite() && v.abs() > MAX_ABS) || v.is_infinite() {
+                *v = f64::NAN;
+                n += 1;
+            }
+        }
+        Ok((self, n))
+    }
+
+    /// Parse one line; JSON `null` (how serde_json writes NaN) reads as NaN.
+    pub fn parse(line: &str) -> Result<Self, String> {
+        let v: Value = serde_json::from_str(line).map_err(|e| e.to_string())?;
+        let num = |key: &str| match v.get(key) {
+            Some(Value::Null) => Ok(f64::NAN),
+            Some(x) => x.as_f64().ok_or_else(|| format!("`{key}` is not a number")),
+            None => Err(format!("no `{key}`")),
+        };
+        let acc = match v.get("acc") {
+            Some(Value::Array(a)) => a.iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect(),
+            _ => Vec::new(),
+        };
+        Ok(Self {
+            step: num("step")? as u64,
+            tokens: num("tokens")?,
+            loss: num("loss")?,
+            acc,
+            tau_hat: num("tau_hat")?,
+            elapsed_s: num("elapsed_s").unwrap_or(f64::NAN),
+            lr: num("lr").unwrap_or(f64::NAN),
+            grad_norm: num("grad_norm").unwrap_or(f64::NAN),
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// `summary.json` written: the run ended.
+    Complete,
+    /// Metrics but no `summary.json`: still running, or stopped.
+    Unfinished,
+    NoMetrics,
+    EmptyMetrics,
+    NotExperiment,
+}
+
+impl Status {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Complete => "complete",
+            Status::Unfinished => "unfinished",
+            Status::NoMetrics => "no metrics",
+            Status::EmptyMetrics => "empty metrics",
+            Status::NotExperiment => "not an experiment",
+        }
+    }
+}
+
+/// One directory as read from disk.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub dir: PathBuf,
+    /// Short name for tables and plots (the folder name, made unique in `load_runs`).
+    pub label: String,
+    pub group: String,
+    pub status: Status,
+    /// Sorted by tokens.
+    pub records: Vec<Record>,
+    /// What was wrong or odd, for the report (empty for a clean complete run).
+    pub notes: Vec<String>,
+    /// `summary.json`'s `wall_s`.
+    pub summary_wall_s: Option<f64>,
+    /// `eval.json`'s `tau` (measured acceptance length), when an eval has run.
+    pub eval_tau: Option<f64>,
+    /// Every `eval*.json` of the run (other prompt sets, checkpoints, drafters), by file name.
+    pub evals: Vec<EvalResult>,
+}
+
+/// One `eval*.json`: what it measured and on what.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalResult {
+    pub file: String,
+    /// z-lab's per-response tau and the pooled one (all accepted + 1 over all verify cycles).
+    pub tau: Option<f64>,
+    pub tau_pooled: Option<f64>,
+    pub cycles: Option<u64>,
+    pub prompts: Option<u64>,
+    pub source: String,
+    /// The checkpoint step evaluated, or the drafter folder.
+    pub checkpoint_step: Option<u64>,
+    pub drafter: Option<String>,
+}
+
+impl EvalResult {
+    fn parse(file: String, v: &Value) -> Self {
+        let num = |k: &str| v.get(k).and_then(Value::as_f64);
+        Self {
+            file,
+            tau: num("tau"),
+            tau_pooled: num("tau_pooled"),
+            cycles: v.get("cycles").and_then(Value::as_u64),
+            prompts: v.get("prompts").and_then(Value::as_u64),
+            source: v.get("source").and_then(Value::as_str).unwrap_or("?").to_string(),
+            checkpoint_step: v.pointer("/evaluated/checkpoint_step").and_then(Value::as_u64),
+            drafter: v.pointer("/evaluated/drafter").and_then(Value::as_str).map(str::to_string),
+        }
+    }
+}
+
+impl Run {
+    pub fn has_data(&self) -> bool {
+        !self.records.is_empty()
+    }
+
+    pub fn final_tokens(&self) -> Option<f64> {
+        self.records.last().map(|r| r.tokens)
+    }
+
+    /// Total wall time: `summary.json`'s, else the last record's `elapsed_s`.
+    pub fn wall_s(&self) -> Option<f64> {
+        self.summary_wall_s.or_else(|| self.records.last().map(|r| r.elapsed_s))
+    }
+}
+
+/// Read one directory. Never fails: problems become `status` and `notes`.
+pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
+    let label = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let mut run = Run {
+        dir: dir.to_path_buf(),
+        label: label.clone(),
+        group: label,
+        status: Status::NotExperiment,
+        records: Vec::new(),
+        notes: Vec::new(),
+        summary_wall_s: None,
+        eval_tau: None,
+        evals: Vec::new(),
+    };
+    if !dir.is_dir() {
+        run.notes.push(if dir.exists() { "not a directory".into() } else { "does not exist".into() });
+        return run;
+    }
+    let (config_path, manifest_path, metrics_path) =
+        (dir.join("config.toml"), dir.join("manifest.json"), dir.join("metrics.jsonl"));
+    if !config_path.exists() && !manifest_path.exists() && !metrics_path.exists() {
+        run.notes.push(if dir.join("report.md").exists() {
+            "a `compare` report folder, not an experiment".into()
+        } else {
+            "no config.toml, manifest.json or metrics.jsonl".into()
+        });
+        return run;
+    }
+
+    // 1. Config and manifest: only for the group key.
+    let config = read_optional(&config_path, &mut run.notes, |s| toml::from_str::<toml::Value>(s).map_err(|e| e.to_string()));
+    let manifest = read_optional(&manifest_path, &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
+    if let Some(key) = group_by {
+        let value = config.as_ref().and_then(|c| toml_lookup(c, key)).or_else(|| manifest.as_ref().and_then(|m| json_lookup(m, key)));
+        if value.is_none() {
+            run.notes.push(format!("no `{key}` in config.toml or manifest.json"));
+        }
+        run.group = format!("{key}={}", value.unwrap_or_else(|| "?".into()));
+    } else if let Some(arm) = manifest.as_ref().and_then(|m| json_lookup(m, "arm")) {
+        run.group = arm;
+    } else if let Some(name) = config.as_ref().and_then(|c| toml_lookup(c, "name")) {
+        run.group = name;
+    }
+
+    // 2. Metrics: whole lines only (a last line that does not parse is a write in progress), each
+    //    line capped, values beyond any real run's treated as missing (plots stay finite).
+    if !metrics_path.exists() {
+        run.status = Status::NoMetrics;
+        run.notes.push("no metrics.jsonl".into());
+        return run;
+    }
+    let lines = match crate::experiment::metrics::lines(&metrics_path) {
+        Ok(lines) => lines,
+        Err(e) => {
+            run.status = Status::NoMetrics;
+            run.notes.push(format!("metrics.jsonl unreadable: {e}"));
+            return run;
+        }
+    };
+    let mut lines = lines.enumerate().peekable();
+    let mut absurd = 0;
+    while let Some((i, line)) = lines.next() {
+        let line = match line {
+            Ok(l) => l,
+            Err(e) => {
+                run.notes.push(format!("metrics.jsonl read up to line {}: {e}", i + 1));
+                break;
+            }
+        };
+        if line.trim().is_empty() {
+            continue;
+        }
+        match Record::parse(&line).and_then(Record::sanitized) {
+            Ok((r, n)) => {
+                absurd += n;
+                run.records.push(r);
+            }
+            Err(e) if lines.peek().is_none() => run.notes.push(format!("truncated last line of metrics.jsonl ignored ({e})")),
+            Err(e) => run.notes.push(format!("metrics.jsonl line {} skipped: {e}", i + 1)),
+        }
+    }
+    if absurd > 0 {
+        run.notes.push(format!("{absurd} values in metrics.jsonl beyond ±{MAX_ABS:e} or not finite, treated as missing"));
+    }
+    if run.records.windows(2).any(|w| w[1].tokens < w[0].tokens) {
+        run.notes.push("tokens decrease somewhere in metrics.jsonl (appended runs?); records sorted by tokens".into());
+        run.records.sort_by(|a, b| a.tokens.total_cmp(&b.tokens));
+    }
+
+    // 3. Finished? Then the eval hook.
+    let summary = read_optional(&dir.join("summary.json"), &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
+    run.summary_wall_s = summary.as_ref().and_then(|s| s.get("wall_s")).and_then(Value::as_f64);
+    run.status = match (run.records.is_empty(), &summary) {
+        (true, _) => {
+            run.notes.push("metrics.jsonl has no complete record".into());
+            Status::EmptyMetrics
+        }
+        (false, Some(_)) => Status::Complete,
+        (false, None) => {
+            if !dir.join("summary.json").exists() {
+                run.notes.push("no summary.json (still running, or stopped)".into());
+            }
+            Status::Unfinished
+        }
+    };
+    let eval = read_optional(&dir.join("eval.json"), &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
+    if let Some(eval) = eval {
+        run.eval_tau = eval.get("tau").and_then(Value::as_f64);
+        if run.eval_tau.is_none() {
+            run.notes.push("eval.json has no numeric `tau`".into());
+        }
+    }
+    // 4. Every eval*.json, by name (eval.json first).
+    let mut files: Vec<String> = fs::read_dir(dir)
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    files.retain(|f| f.starts_with("eval") && f.ends_with(".json"));
+    files.sort_by_key(|f| (f != "eval.json", f.clone()));
+    for f in files {
+        let mut notes = Vec::new();
+        if let Some(v) = read_optional(&dir.join(&f), &mut notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string())) {
+            run.evals.push(EvalResult::parse(f, &v));
+        }
+        run.notes.extend(notes);
+    }
+    run
+}
+
+/// The run folders among `dirs`: an experiment is itself; an A/B folder (no config.toml of its
+/// own, runs in its subfolders) stands for its runs, in name order.
+pub fn expand_dirs(dirs: &[PathBuf]) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for d in dirs {
+        if d.join("config.toml").exists() || !d.is_dir() {
+            out.push(d.clone());
+            continue;
+        }
+        let mut runs: Vec<PathBuf> = fs::read_dir(d)
+            .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.join("config.toml").is_file()).collect())
+            .unwrap_or_default();
+        runs.sort();
+        if runs.is_empty() {
+            out.push(d.clone()); // reported as what it is
+        } else {
+            out.extend(runs);
+        }
+    }
+    out
+}
+
+/// Load every directory; labels made unique by prefixing parent folders where names repeat.
+pub fn load_runs(dirs: &[PathBuf], group_by: Option<&str>) -> Vec<Run> {
+    let mut runs: Vec<Run> = dirs.iter().map(|d| load_run(d, group_by)).collect();
+    let labels: Vec<String> = runs.iter().map(|r| r.label.clone()).collect();
+    for (i, run) in runs.iter_mut().enumerate() {
+        if labels.iter().filter(|l| **l == labels[i]).count() > 1 {
+            let parts: Vec<String> = run.dir.components().rev().take(2).map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+            run.label = parts.into_iter().rev().collect::<Vec<_>>().join("/");
+        }
+    }
+    runs
+}
+
+/// Read and parse a file that may be absent (None, no note) or broken (None, a note).
+fn read_optional<T>(path: &Path, notes: &mut Vec<String>, parse: impl FnOnce(&str) -> Result<T, String>) -> Option<T> {
+    if !path.exists() {
+        return None;
+    }
+    let name = path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    // Reports are small; a FIFO, device or huge file here is a note, never a hang.
+    match input_files::read_to_string_capped(path, 64 << 20).map_err(|e| e.to_string()).and_then(|s| parse(&s)) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            notes.push(format!("{name} unreadable: {}", e.lines().next().unwrap_or("")));
+            None
+        }
+    }
+}
+
+/// `a.b.c` in a TOML document, as text (strings unquoted).
+fn toml_lookup(doc: &toml::Value, key: &str) -> Option<String> {
+    let v = key.split('.').try_fold(doc, |v, k| v.get(k))?;
+    Some(match v {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    })
+}
+
+fn json_lookup(doc: &Value, key: &str) -> Option<String> {
+    let v = key.split('.').try_fold(doc, |v, k| v.get(k))?;
+    match v {
+        Value::Null => None,
+        Value::String(s) => Some(s.clone()),
+        other => Some(other.to_string()),
+    }
+}

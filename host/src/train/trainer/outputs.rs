@@ -1,0 +1,129 @@
+//! The trainer's phases that leave the process: a metrics line (metrics.jsonl, TensorBoard, the
+//! log), a checkpoint when one is due, and the run's summary.
+
+use super::*;
+
+impl Trainer<'_> {
+    /// A metrics line over the window since the last one (metrics.jsonl, TensorBoard, the log),
+    /// then a new window.
+    pub(super) fn log(&mut self, step: u64, grad_norm: f64, feed: &Feed<Micro>) -> Result<()> {
+        let t = &self.cfg.train;
+        let w = &self.state.window;
+        let acc = w.acc();
+        let secs = self.times.started.map_or(0.0, |s| s.elapsed().as_secs_f64()).max(1e-9);
+        let busy_now = feed.worker_busy_s();
+        let target_busy: Vec<f64> = busy_now.iter().zip(&self.busy_before).map(|(a, b)| (a - b) / secs).collect();
+        let target_s: f64 = busy_now.iter().zip(&self.busy_before).map(|(a, b)| a - b).sum();
+        self.times.wait_s = feed.wait_s - self.wait_before;
+        let steps_w = w.steps.max(1) as f64;
+        let (hs_bytes, hs_peak_bytes) = feed.bytes();
+        let gpu = self.gpus.sample();
+        let scale = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac);
+        let m = StepMetrics {
+            step,
+            epoch: self.state.data_epoch,
+            tokens: self.state.tokens,
+            draft_tokens: self.state.draft_tokens,
+            loss: w.loss_sum / (w.micro - w.skipped_micro).max(1) as f64,
+            tau_hat: tau_hat(&acc),
+            acc,
+            lr: scale * self.optimizer.base_lr(),
+            grad_norm,
+            skipped_steps: self.state.skipped_steps,
+            tok_per_s: w.tokens as f64 / secs,
+            draft_tok_per_s: w.draft_tokens as f64 / secs,
+            target_s: target_s / steps_w,
+            drafter_s: self.times.drafter_s / steps_w,
+            optim_s: self.times.optim_s / steps_w,
+            wait_s: self.times.wait_s / steps_w,
+            target_busy,
+            drafter_busy: (self.times.drafter_s + self.times.optim_s) / secs,
+            q_hs: self.times.depth_sum / w.micro.max(1) as f64,
+            q_hs_now: feed.depth(),
+            hs_bytes,
+            hs_peak_bytes,
+            hs_total_bytes: self.hs_total_bytes,
+            peak_rss_mb: peak_rss_mb(),
+            gpu_util: gpu.as_ref().map(|g| g.util.clone()),
+            gpu_power_w: gpu.as_ref().map(|g| g.power_w.clone()),
+            gpu_mem_mb: gpu.as_ref().map(|g| g.mem_mb.clone()),
+            eta_s: (t.steps - step) as f64 * secs / steps_w,
+            elapsed_s: self.elapsed_before + self.started.elapsed().as_secs_f64(),
+        };
+        self.exp.log(&m)?; // a no-op on ranks other than 0
+        if let Some(tb) = self.tb.as_mut() {
+            tensorboard::log_metrics(tb, &serde_json::to_value(&m)?)?;
+        }
+        self.bar.set_message(format!("loss {:.3}  τ̂ {:.3}  {:.0} tok/s  q_hs {:.1}", m.loss, m.tau_hat, m.tok_per_s, m.q_hs));
+        self.bar.suspend(|| {
+            tracing::info!(
+                "step {step}/{}  loss {:.4}  τ̂ {:.3}  acc@1 {:.3}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  q_hs {:.1}",
+                t.steps,
+                m.loss,
+                m.tau_hat,
+                m.acc.first().copied().unwrap_or(0.0),
+                m.lr,
+                m.grad_norm,
+                m.tok_per_s,
+                m.q_hs
+            )
+        });
+        self.first.get_or_insert_with(|| m.clone());
+        self.last = Some(m);
+        self.state.window = WindowSums::new(self.draft.block_size);
+        self.times = WindowTimes::default();
+        self.busy_before = busy_now;
+        self.wait_before = feed.wait_s;
+        Ok(())
+    }
+
+    /// A checkpoint when one is due (every `checkpoint_every` steps, the last step, a stop), on
+    /// the lead rank, and never of non-finite weights.
+    pub(super) fn maybe_checkpoint(&mut self, step: u64) -> Result<()> {
+        let t = &self.cfg.train;
+        let due = (t.checkpoint_every > 0 && step % t.checkpoint_every == 0)
+            || step == t.steps
+            || self.interrupted.is_some()
+            || self.stopped_at.is_some();
+        if !due {
+            return Ok(());
+        }
+        if !all_finite(&self.params) {
+            // Never let a diverged state replace a good checkpoint.
+            self.bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
+        } else if self.lead {
+            self.state.elapsed_s = self.elapsed_before + self.started.elapsed().as_secs_f64();
+            let dir = self.exp.save_checkpoint(
+                step,
+                &self.drafter.parameters(),
+                self.drafter.config_json().as_str(),
+                &self.optimizer.state(),
+                &self.state,
+                t.keep_checkpoints,
+            )?;
+            self.last_ckpt = Some(dir.display().to_string());
+        }
+        Ok(())
+    }
+
+    /// The run's summary (also written to the experiment when the schedule ran to its end).
+    pub(super) fn finish(self) -> Result<TrainSummary> {
+        self.bar.finish_and_clear();
+        let summary = TrainSummary {
+            experiment: self.exp.dir.display().to_string(),
+            steps: self.state.step,
+            tokens: self.state.tokens,
+            wall_s: self.started.elapsed().as_secs_f64(),
+            first: self.first,
+            last: self.last,
+            last_checkpoint: self.last_ckpt,
+            interrupted: self.interrupted,
+            stopped_at: self.stopped_at,
+            distill: self.distilled,
+        };
+        if summary.interrupted.is_none() && summary.stopped_at.is_none() && self.lead {
+            self.exp.write_summary(&summary)?;
+        }
+        Ok(summary)
+    }
+}
