@@ -224,6 +224,15 @@ macro_rules! declare_plugin {
 
         $crate::inventory::submit! { $crate::BuiltinPlugin { module: plugin_module } }
 
+        /// Whether a value-returning method of the instance at `address` panicked (the message,
+        /// or empty): [`take_poison`]($crate::author::take_poison) in this library's copy of
+        /// plugin-api. Outside the checked ABI: a host looks it up by name, and a plugin built
+        /// before it existed simply has none.
+        #[export_name = concat!("dflash_poison_", stringify!($name))]
+        pub extern "C" fn __dflash_poison(address: usize) -> $crate::abi_stable::std_types::RString {
+            $crate::author::take_poison(address).unwrap_or_default().into()
+        }
+
         /// The shared-library entry point (what `#[export_root_module]` makes, under a name of
         /// this plugin's own).
         #[export_name = concat!("dflash_plugin_", stringify!($name))]

@@ -94,6 +94,8 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         gamma,
         normalization: t.loss_normalization,
     };
+    // Before anything above is trained with: a panicked value method gave a placeholder.
+    c.check_poisoned()?;
 
     // 3. Resume: weights, optimizer state, counters, data position.
     let mut state = TrainerState {
@@ -309,6 +311,8 @@ impl<'a> Trainer<'a> {
             if stop_at == Some(step) && step < t.steps {
                 self.stopped_at = Some(step);
             }
+            self.names.check(PluginKind::Drafter, &*self.drafter)?;
+            self.names.check(PluginKind::Optimizer, &*self.optimizer)?;
             self.maybe_checkpoint(step)?;
             self.bar.inc(1);
             if let Some(code) = self.interrupted {
@@ -511,14 +515,11 @@ impl<'a> Trainer<'a> {
             self.bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
         } else if self.lead {
             self.state.elapsed_s = self.elapsed_before + self.started.elapsed().as_secs_f64();
-            let dir = self.exp.save_checkpoint(
-                step,
-                &self.drafter.parameters(),
-                self.drafter.config_json().as_str(),
-                &self.optimizer.state(),
-                &self.state,
-                t.keep_checkpoints,
-            )?;
+            let (weights, config_json, optimizer_state) = (self.drafter.parameters(), self.drafter.config_json(), self.optimizer.state());
+            // A panic there gave a placeholder (no weights, no state): never write it.
+            self.names.check(PluginKind::Drafter, &*self.drafter)?;
+            self.names.check(PluginKind::Optimizer, &*self.optimizer)?;
+            let dir = self.exp.save_checkpoint(step, &weights, config_json.as_str(), &optimizer_state, &self.state, t.keep_checkpoints)?;
             self.last_ckpt = Some(dir.display().to_string());
         }
         Ok(())
