@@ -176,10 +176,12 @@ impl RootModule for PluginModule_Ref {
     declare_root_module_statics! {PluginModule_Ref}
     const BASE_NAME: &'static str = "dflash_plugin";
     const NAME: &'static str = "dflash_plugin";
-    #[cfg(not(feature = "test-fake-abi-2"))]
+    #[cfg(not(any(feature = "test-fake-abi-2", feature = "test-older-minor")))]
     const VERSION_STRINGS: VersionStrings = package_version_strings!();
     #[cfg(feature = "test-fake-abi-2")]
     const VERSION_STRINGS: VersionStrings = VersionStrings::new("2.0.0");
+    #[cfg(all(feature = "test-older-minor", not(feature = "test-fake-abi-2")))]
+    const VERSION_STRINGS: VersionStrings = VersionStrings::new("1.0.0");
 }
 
 /// A plugin linked into the host, registered with `inventory` by [`declare_plugin!`].
