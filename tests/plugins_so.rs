@@ -356,7 +356,7 @@ fn ids_file(dir: &Path) -> PathBuf {
 
 /// `plugins new` -> `cargo build --release` -> `plugins check` -> `train --plugin`, for the
 /// templates of all four kinds (built into the workspace's target folder, so only the new crate
-/// compiles; a few seconds each), trained 4 steps.
+/// compiles; a few seconds each), trained 2 steps.
 #[test]
 fn a_scaffolded_plugin_builds_passes_its_check_and_trains() {
     common::require_model();
@@ -366,10 +366,10 @@ fn a_scaffolded_plugin_builds_passes_its_check_and_trains() {
     let kinds = [
         ("optimizer", "scaffold_opt", "lr = 0.05".to_string()),
         ("data", "scaffold_data", data_section),
-        ("drafter", "scaffold_drafter", "mask_token_id = 16".to_string()),
+        ("drafter", "scaffold_drafter", "mask_token_id = 16\nintermediate_size = 64".to_string()),
         ("target", "scaffold_target", "seed = 1".to_string()),
     ];
-    let head = HEAD.replace("steps = 20", "steps = 4");
+    let head = HEAD.replace("steps = 20", "steps = 2");
     for (kind, name, section) in kinds {
         let crate_dir = dir.path().join(name);
         let out = Command::new(host()).args(["plugins", "new", name, "--kind", kind, "--out"]).arg(&crate_dir).output().unwrap();

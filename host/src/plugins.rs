@@ -6,13 +6,17 @@
 //! `dflash_plugin_*` entry symbol (both read from the file); its SHA-256 (which a resume compares
 //! with the manifest's, through [`Registry::with_gate`]). Then a child process (`dflash-host
 //! plugins probe`) loads it and checks what only loading can show: its plugin ABI major version is
-//! ours, its types' layouts equal ours (abi_stable), it was built against the same tch / libtorch
-//! (build id); a library that crashes or hangs there costs the child, not this process. Only a
+//! ours, its types' layouts equal ours (abi_stable; an older minor version's trait vtables may lack
+//! the methods appended since), it was built against the same tch / libtorch (build id); a library
+//! that crashes or hangs there costs the child, not this process. Only a
 //! plugin a run actually creates is loaded here (`dlopen`), after its file is hashed once more.
 //! So `plugins list` and `plugins inspect` never load a library into the host.
 
 pub mod check;
 pub mod new;
+mod poison;
+
+pub use poison::{Instance, Poison, PoisonFn};
 
 use crate::config::PluginSection;
 use anyhow::{anyhow, bail, Context, Result};
@@ -21,12 +25,10 @@ use plugin_api::{
     abi_stable::{
         abi_stability::abi_checking::{check_layout_compatibility, AbiInstability},
         library::{LibHeader, LibraryError, RawLibrary},
-        std_types::RString,
         type_layout::{TLFieldOrFunction, TypeLayout},
         StableAbi,
     },
-    builtin_plugins, DataLoaderBox, DrafterBox, HostContext, OptimizerBox, PluginInfo, PluginInstance, PluginKind, PluginModule_Ref,
-    TargetBox, ABI_VERSION,
+    builtin_plugins, HostContext, PluginInfo, PluginInstance, PluginKind, PluginModule_Ref, ABI_VERSION,
 };
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -59,65 +61,6 @@ enum Source {
     Builtin(PluginModule_Ref),
     /// A probed library, loaded into this process the first time a plugin of it is created.
     Library { path: PathBuf, module: OnceLock<(PluginModule_Ref, Poison)> },
-}
-
-/// A library's `dflash_poison_<name>` (see `plugin_api::declare_plugin!`).
-type PoisonFn = extern "C" fn(usize) -> RString;
-
-/// How to ask a plugin whether a value-returning method of an instance panicked. Such a method
-/// cannot return an error across the ABI: plugin-api gives the host a placeholder (no weights,
-/// zero, empty) and records the panic, which the host asks for after its calls so that it stops
-/// before using the placeholder.
-#[derive(Clone, Copy)]
-pub enum Poison {
-    /// Linked in: this binary's plugin-api holds the record.
-    Builtin,
-    /// The library's query; None for one built before plugin-api had it (its next fallible
-    /// call still fails with the panic).
-    Library(Option<PoisonFn>),
-}
-
-impl Poison {
-    /// The panic left on `instance` (`` `<method>` panicked: <message> ``), taken.
-    pub fn take(self, instance: &impl Instance) -> Option<String> {
-        self.take_at(instance.address())
-    }
-
-    /// [`Poison::take`] by the instance's [`Instance::address`].
-    pub fn take_at(self, address: usize) -> Option<String> {
-        let why = match self {
-            Poison::Builtin => plugin_api::author::take_poison(address)?,
-            Poison::Library(f) => f?(address).into_string(),
-        };
-        (!why.is_empty()).then_some(why)
-    }
-}
-
-/// A created plugin instance, known to its plugin-api by the address of its value.
-pub trait Instance {
-    fn address(&self) -> usize;
-}
-
-macro_rules! instance {
-    ($($t:ty),*) => {$(
-        impl Instance for $t {
-            fn address(&self) -> usize {
-                self.obj.sabi_erased_ref().as_ptr() as usize
-            }
-        }
-    )*};
-}
-instance!(TargetBox, DrafterBox, OptimizerBox, DataLoaderBox);
-
-impl Instance for PluginInstance {
-    fn address(&self) -> usize {
-        match self {
-            PluginInstance::Target(t) => t.address(),
-            PluginInstance::Drafter(d) => d.address(),
-            PluginInstance::Optimizer(o) => o.address(),
-            PluginInstance::DataLoader(d) => d.address(),
-        }
-    }
 }
 
 impl Plugin {
