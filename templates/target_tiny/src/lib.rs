@@ -196,7 +196,7 @@ impl TargetPlugin for TinyLm {
             pad_token_id: RSome(PAD),
             chat_template: CHAT_TEMPLATE.into(),
             source: format!("tiny_lm seed {}", c.seed).into(),
-            // Identifies the weights for the host's caches: the seed and sizes make them.
+            // Identifies the weights for the host's caches: its seed and sizes make them.
             source_sha256: format!("tiny_lm-{}-{}x{}-{}", c.seed, c.num_hidden_layers, c.hidden_size, c.num_attention_heads).into(),
         }
     }
