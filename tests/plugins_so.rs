@@ -93,6 +93,8 @@ fn wrong_libraries_are_refused_in_one_line() {
         (build_plugin("tests/plugins/faulty", "faulty", &["test-fake-abi-2"], "faulty-abi2"), "built for plugin ABI 2.0.0"),
         (build_plugin("tests/plugins/faulty", "faulty", &["test-old-layout"], "faulty-layout"), "types differ from this host's"),
         (build_plugin("tests/plugins/faulty", "faulty", &["test-other-libtorch"], "faulty-libtorch"), "libtorch 2.10.0"),
+        // An older minor version may lack trait methods, nothing else.
+        (build_plugin("tests/plugins/faulty", "faulty", &["test-old-layout", "test-older-minor"], "faulty-older-layout"), "types differ from this host's"),
     ];
     for (path, want) in cases {
         let line = error_line(&inspect(&path));
@@ -169,9 +171,18 @@ fn a_diverged_run_skips_then_stops_keeping_its_last_good_checkpoint() {
     assert!(last["skipped_steps"].as_u64().unwrap() <= 2);
 }
 
+/// A config whose `[drafter]` or `[data]` section is replaced by `section`.
+fn with_section(config: &str, kind: &str, section: &str) -> String {
+    let start = config.find(&format!("[{kind}]\n")).unwrap();
+    let end = config[start + 1..].find("\n[").map_or(config.len(), |e| start + 2 + e);
+    format!("{}[{kind}]\n{section}\n\n{}", &config[..start], &config[end..])
+}
+
 /// A panic in a method that returns a plain value (the ABI cannot carry an error there) still
-/// stops the run with one line naming the plugin and the method, exit code 2: the optimizer's
-/// `base_lr`, the target's `spec`.
+/// stops the run with one line naming the plugin and the method, exit code 2, before the
+/// placeholder it gave is used: the optimizer's `base_lr`, the target's `spec`, the drafter's
+/// `parameters` for the first checkpoint (which is not written), the data loader's `position`.
+/// Panics in the drafter's and the data loader's fallible methods too.
 #[test]
 fn a_panic_in_a_value_returning_method_is_one_line_and_exit_code_2() {
     let so = build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
@@ -179,12 +190,112 @@ fn a_panic_in_a_value_returning_method_is_one_line_and_exit_code_2() {
     let line = error_line(&out);
     assert!(line.contains("optimizer plugin `faulty`") && line.contains("`base_lr` panicked: deliberate panic in base_lr"), "{line}");
 
+    let adamw = common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3");
+    let drafter = build_plugin("tests/plugins/faulty_drafter", "faulty_drafter", &[], "faulty_drafter");
+    let config = with_section(&adamw, "drafter", "plugin = \"faulty_drafter\"\npanic_in = \"parameters\"\npanic_at_call = 2");
+    let (out, dir) = common::train(&[&drafter], &config);
+    let line = error_line(&out);
+    assert_eq!(line, "error: drafter plugin `faulty_drafter`: `parameters` panicked: deliberate panic in parameters");
+    let ckpts = dir.path().join("exp/checkpoints");
+    assert!(!ckpts.join("step-2").exists(), "a checkpoint was written from the placeholder");
+    let config = with_section(&adamw, "drafter", "plugin = \"faulty_drafter\"\npanic_in = \"forward\"");
+    let line = error_line(&common::train(&[&drafter], &config).0);
+    assert_eq!(line, "error: drafter plugin `faulty_drafter`: forward: panicked: deliberate panic in forward");
+
+    let data = build_plugin("tests/plugins/faulty_data", "faulty_data", &[], "faulty_data");
+    for (method, want) in [("position", "`position` panicked"), ("next_batch", "next_batch: panicked")] {
+        let config = with_section(&adamw, "data", &format!("plugin = \"faulty_data\"\npanic_in = \"{method}\""));
+        // The producer stage adds `data loader: `.
+        let line = error_line(&common::train(&[&data], &config).0);
+        assert!(line.ends_with(&format!("data plugin `faulty_data`: {want}: deliberate panic in {method}")), "{line}");
+    }
+
     let target = build_plugin("tests/plugins/synthetic_target", "synthetic_target", &[], "synthetic_target");
     let config = common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3")
         .replace("plugin = \"hf\"\npath = \"$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf\"", "plugin = \"synthetic\"\npanic_in = \"spec\"");
     let (out, _dir) = common::train(&[&target], &config);
     let line = error_line(&out);
     assert!(line.contains("target plugin `synthetic`") && line.contains("`spec` panicked: deliberate panic in spec"), "{line}");
+}
+
+/// Versioning: plugins built against the previous minor version of plugin-api still load and
+/// train (a minor version only appends). Both come from this repository's history, so nothing old
+/// is committed twice and the test follows each bump by itself: plugin-api and the templates as
+/// they were just before plugin-api took its current minor version (the first parent of the
+/// commit that bumped it, or HEAD while a bump is not committed yet), each template that existed
+/// then built against that plugin-api and trained 2 steps in this host. A template whose kind's
+/// trait gained methods since runs them as their defaults.
+#[test]
+fn a_plugin_built_against_the_previous_minor_abi_still_loads() {
+    let git = |args: &[&str]| -> Vec<u8> {
+        let out = Command::new("git").args(args).current_dir(root()).output().expect("git, to read plugin-api's history");
+        assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        out.stdout
+    };
+    let text = |args: &[&str]| String::from_utf8(git(args)).unwrap();
+    assert_eq!(text(&["rev-parse", "--is-shallow-repository"]).trim(), "false", "this test builds plugin-api from history: git fetch --unshallow");
+    // (major, minor) of a plugin-api/Cargo.toml.
+    let version = |manifest: &str| -> (u64, u64) {
+        let v = manifest.lines().find_map(|l| l.strip_prefix("version = \"")).map(|v| v.trim_end_matches('"')).unwrap_or("0.0");
+        let mut parts = v.split('.').map(|p| p.parse::<u64>().unwrap());
+        (parts.next().unwrap(), parts.next().unwrap())
+    };
+    let now = version(&std::fs::read_to_string(root().join("plugin-api/Cargo.toml")).unwrap());
+    let commits: Vec<String> = text(&["log", "--first-parent", "--format=%H", "--", "plugin-api/Cargo.toml"]).lines().map(String::from).collect();
+    let at = |c: &str| version(&text(&["show", &format!("{c}:plugin-api/Cargo.toml")]));
+    let i = commits.iter().position(|c| at(c) < now).expect("no earlier minor version of plugin-api in the history");
+    let snapshot = if i == 0 { "HEAD".to_string() } else { format!("{}^1", commits[i - 1]) };
+    let old = at(&snapshot);
+    assert!(old.0 == now.0 && old.1 < now.1, "plugin-api {old:?} at {snapshot}, {now:?} now");
+
+    // The templates of then: folder, library, kind, plugin name, config section.
+    let dir = tempfile::tempdir().unwrap();
+    let data_section = format!("path = {:?}\nbatch_size = 2", ids_file(dir.path()).display().to_string());
+    let templates = [
+        ("plugin-template", "optim_sgd", "optimizer", "sgd", "lr = 0.05".to_string()),
+        ("templates/data_ids", "data_ids", "data", "ids", data_section),
+        ("templates/drafter_tiny", "drafter_tiny", "drafter", "tiny_drafter", "mask_token_id = 16".to_string()),
+        ("templates/target_tiny", "target_tiny", "target", "tiny_lm", "seed = 1".to_string()),
+    ];
+    let then: Vec<_> = templates.into_iter().filter(|t| Command::new("git").args(["cat-file", "-e", &format!("{snapshot}:{}/Cargo.toml", t.0)]).current_dir(root()).stderr(std::process::Stdio::null()).status().unwrap().success()).collect();
+    let mut paths = vec!["Cargo.toml", "plugin-api"];
+    paths.extend(then.iter().map(|t| t.0));
+    let tar = dir.path().join("old.tar");
+    let mut archive = vec!["archive", "-o", tar.to_str().unwrap(), snapshot.as_str()];
+    archive.extend(&paths);
+    git(&archive);
+    let old_root = dir.path().join("old");
+    std::fs::create_dir(&old_root).unwrap();
+    let out = Command::new("tar").arg("-xf").arg(&tar).arg("-C").arg(&old_root).output().unwrap();
+    assert!(out.status.success(), "tar: {}", String::from_utf8_lossy(&out.stderr));
+    // The workspace root (plugin-api inherits fields from it) reduced to plugin-api.
+    let manifest = old_root.join("Cargo.toml");
+    let mut ws: toml::Table = toml::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    let table = ws["workspace"].as_table_mut().unwrap();
+    table.insert("members".into(), toml::Value::Array(vec!["plugin-api".into()]));
+    table.remove("default-members");
+    table.remove("exclude");
+    std::fs::write(&manifest, toml::to_string(&ws).unwrap()).unwrap();
+
+    let head = HEAD.replace("steps = 20", "steps = 2");
+    for (folder, lib, kind, plugin, section) in then {
+        // Its own library name, apart from today's template's in the shared target folder.
+        let cargo_toml = old_root.join(folder).join("Cargo.toml");
+        let renamed = std::fs::read_to_string(&cargo_toml).unwrap().replacen(&format!("name = \"{lib}\""), &format!("name = \"{lib}_previous\""), 1);
+        std::fs::write(&cargo_toml, renamed).unwrap();
+        let lib = format!("{lib}_previous");
+        let so = build_plugin(old_root.join(folder).to_str().unwrap(), &lib, &[], &lib);
+        let out = inspect(&so);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && stdout.contains(&format!(" {}.{}.", old.0, old.1)), "{folder}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+        let section = format!("plugin = \"{plugin}\"\n{section}");
+        let config = match kind {
+            "optimizer" => common::tiny_config(&head, &section),
+            _ => with_section(&common::tiny_config(&head, "plugin = \"adamw\"\nlr = 3e-3"), kind, &section),
+        };
+        let (out, _exp) = common::train(&[&so], &config);
+        assert!(out.status.success(), "{folder} of plugin-api {old:?} in this host ({now:?}): {}", String::from_utf8_lossy(&out.stderr));
+    }
 }
 
 fn check(plugins: &[&Path], args: &[&str]) -> (Option<i32>, String) {
@@ -218,33 +329,58 @@ fn the_conformance_kit_passes_the_built_ins_and_names_a_failed_clause() {
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("pass  features of the requested layers"), "{text}");
     assert!(text.contains("FAIL  KV-cache extend / truncate equals recomputation: cache_extend: the synthetic target has no KV cache"), "{text}");
+    let drafter = build_plugin("tests/plugins/faulty_drafter", "faulty_drafter", &[], "faulty_drafter");
+    let drafter = drafter.to_str().unwrap();
+    let (code, text) = check(&[], &[drafter, "--section", "dead_parameter = true"]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("pass  output shape") && text.contains("FAIL  gradients reach every trainable parameter: no gradient for unused.weight"), "{text}");
+    // A panic in `parameters` fails the clause that used its placeholder (an empty list, where no
+    // parameter lacks a gradient).
+    let (code, text) = check(&[], &[drafter, "--section", "panic_in = \"parameters\""]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("FAIL  gradients reach every trainable parameter: `parameters` panicked: deliberate panic in parameters"), "{text}");
+    let data = build_plugin("tests/plugins/faulty_data", "faulty_data", &[], "faulty_data");
+    let (code, text) = check(&[], &[data.to_str().unwrap(), "--section", "mask_prompt = true"]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("pass  seeking to a saved position gives the same batches"), "{text}");
+    assert!(text.contains("FAIL  the loss mask is on response tokens only: sequence 0: its first token is in the loss mask"), "{text}");
+}
+
+/// Pre-tokenized `PROMPT | RESPONSE` lines for the data template, in SmolLM2's vocabulary.
+fn ids_file(dir: &Path) -> PathBuf {
+    let ids = dir.join("train.ids");
+    let lines: Vec<String> = (0..8).map(|i| format!("1 {} {} 2 | {} {} {} 2", 100 + i, 200 + i, 300 + i, 400 + i, 500 + i)).collect();
+    std::fs::write(&ids, lines.join("\n")).unwrap();
+    ids
 }
 
 /// `plugins new` -> `cargo build --release` -> `plugins check` -> `train --plugin`, for the
-/// optimizer and the data loader templates (built into the workspace's target folder, so only the
-/// new crate compiles).
+/// templates of all four kinds (built into the workspace's target folder, so only the new crate
+/// compiles; a few seconds each), trained 2 steps.
 #[test]
 fn a_scaffolded_plugin_builds_passes_its_check_and_trains() {
     common::require_model();
     let dir = tempfile::tempdir().unwrap();
-    let ids = dir.path().join("train.ids");
-    // Token ids of SmolLM2's vocabulary: a prompt, then a response to learn.
-    let lines: Vec<String> = (0..8).map(|i| format!("1 {} {} 2 | {} {} {} 2", 100 + i, 200 + i, 300 + i, 400 + i, 500 + i)).collect();
-    std::fs::write(&ids, lines.join("\n")).unwrap();
+    let ids = ids_file(dir.path());
     let data_section = format!("path = {:?}\nbatch_size = 2", ids.display().to_string());
-    for (kind, name, section) in [("optimizer", "scaffold_opt", "lr = 0.05".to_string()), ("data", "scaffold_data", data_section)] {
+    let kinds = [
+        ("optimizer", "scaffold_opt", "lr = 0.05".to_string()),
+        ("data", "scaffold_data", data_section),
+        ("drafter", "scaffold_drafter", "mask_token_id = 16\nintermediate_size = 64".to_string()),
+        ("target", "scaffold_target", "seed = 1".to_string()),
+    ];
+    let head = HEAD.replace("steps = 20", "steps = 2");
+    for (kind, name, section) in kinds {
         let crate_dir = dir.path().join(name);
         let out = Command::new(host()).args(["plugins", "new", name, "--kind", kind, "--out"]).arg(&crate_dir).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let so = build_plugin(crate_dir.to_str().unwrap(), name, &[], name);
         let (code, text) = check(&[], &[so.to_str().unwrap(), "--section", &section]);
         assert_eq!(code, Some(0), "{kind}:\n{text}");
-        let config = if kind == "optimizer" {
-            common::tiny_config(HEAD, &format!("plugin = \"{name}\"\n{section}"))
-        } else {
-            let c = common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3");
-            let at = c.find("[data]").unwrap();
-            format!("{}[data]\nplugin = \"{name}\"\n{section}\n", &c[..at])
+        let section = format!("plugin = \"{name}\"\n{section}");
+        let config = match kind {
+            "optimizer" => common::tiny_config(&head, &section),
+            _ => with_section(&common::tiny_config(&head, "plugin = \"adamw\"\nlr = 3e-3"), kind, &section),
         };
         let (out, exp) = common::train(&[&so], &config);
         assert!(out.status.success(), "{kind}: {}", String::from_utf8_lossy(&out.stderr));

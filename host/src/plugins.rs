@@ -6,19 +6,28 @@
 //! `dflash_plugin_*` entry symbol (both read from the file); its SHA-256 (which a resume compares
 //! with the manifest's, through [`Registry::with_gate`]). Then a child process (`dflash-host
 //! plugins probe`) loads it and checks what only loading can show: its plugin ABI major version is
-//! ours, its types' layouts equal ours (abi_stable), it was built against the same tch / libtorch
-//! (build id); a library that crashes or hangs there costs the child, not this process. Only a
+//! ours, its types' layouts equal ours (abi_stable; an older minor version's trait vtables may lack
+//! the methods appended since), it was built against the same tch / libtorch (build id); a library
+//! that crashes or hangs there costs the child, not this process. Only a
 //! plugin a run actually creates is loaded here (`dlopen`), after its file is hashed once more.
 //! So `plugins list` and `plugins inspect` never load a library into the host.
 
 pub mod check;
 pub mod new;
+mod poison;
+
+pub use poison::{Instance, Poison, PoisonFn};
 
 use crate::config::PluginSection;
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
     abi_major,
-    abi_stable::library::{LibHeader, LibraryError, RawLibrary},
+    abi_stable::{
+        abi_stability::abi_checking::{check_layout_compatibility, AbiInstability},
+        library::{LibHeader, LibraryError, RawLibrary},
+        type_layout::{TLFieldOrFunction, TypeLayout},
+        StableAbi,
+    },
     builtin_plugins, HostContext, PluginInfo, PluginInstance, PluginKind, PluginModule_Ref, ABI_VERSION,
 };
 use serde::Serialize;
@@ -51,7 +60,7 @@ pub struct Plugin {
 enum Source {
     Builtin(PluginModule_Ref),
     /// A probed library, loaded into this process the first time a plugin of it is created.
-    Library { path: PathBuf, module: OnceLock<PluginModule_Ref> },
+    Library { path: PathBuf, module: OnceLock<(PluginModule_Ref, Poison)> },
 }
 
 impl Plugin {
@@ -60,15 +69,23 @@ impl Plugin {
         match &self.source {
             Source::Builtin(m) => Ok(*m),
             Source::Library { path, module } => {
-                if let Some(m) = module.get() {
+                if let Some((m, _)) = module.get() {
                     return Ok(*m);
                 }
                 let loaded = load_library(path, self.record.sha256.as_deref())?;
                 if loaded.record != self.record {
                     bail!("plugin {}: changed since it was checked (its metadata differs); run again", path.display());
                 }
-                Ok(*module.get_or_init(|| loaded.module))
+                Ok(module.get_or_init(|| (loaded.module, Poison::Library(loaded.poison))).0)
             }
+        }
+    }
+
+    /// How to ask this plugin about its instances' panics (a library not loaded yet has none).
+    pub fn poison(&self) -> Poison {
+        match &self.source {
+            Source::Builtin(_) => Poison::Builtin,
+            Source::Library { module, .. } => module.get().map_or(Poison::Library(None), |(_, p)| *p),
         }
     }
 }
@@ -140,6 +157,11 @@ impl Registry {
         }
         let known: Vec<_> = self.plugins.iter().filter(|p| p.record.kind == kind_s).map(|p| p.record.name.clone()).collect();
         bail!("no {kind} plugin named `{name}` (available: {}; load others with --plugin PATH)", known.join(", "))
+    }
+
+    /// How to ask the plugin of `kind` named `name` about its instances' panics.
+    pub fn poison(&self, kind: PluginKind, name: &str) -> Poison {
+        self.find(kind, name).map_or(Poison::Library(None), Plugin::poison)
     }
 
     /// Create the plugin a config section names; the instance must be of the section's kind.
@@ -310,6 +332,7 @@ fn signal_name(sig: i32) -> String {
 pub struct Loaded {
     pub module: PluginModule_Ref,
     pub record: PluginRecord,
+    pub poison: Option<PoisonFn>,
 }
 
 /// Load and check a plugin shared library in this process (see the module doc for the checks):
@@ -332,18 +355,48 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
     if abi_major(&theirs) != abi_major(ABI_VERSION) {
         bail!("plugin {shown}: built for plugin ABI {theirs}, this host speaks ABI {ABI_VERSION} (major versions differ; rebuild the plugin against this plugin-api)");
     }
-    let module = header.init_root_module::<PluginModule_Ref>().map_err(|e| match e {
+    let refused = |e: LibraryError| match e {
         LibraryError::AbiInstability(_) => anyhow!(
             "plugin {shown}: its plugin-api types differ from this host's (built against another plugin-api {theirs}?); rebuild it"
         ),
         other => anyhow!("plugin {shown}: incompatible: {}", first_line(&other.to_string())),
-    })?;
+    };
+    let module = match header.init_root_module::<PluginModule_Ref>() {
+        Ok(m) => m,
+        Err(LibraryError::AbiInstability(_)) if abi_minor(&theirs) < abi_minor(ABI_VERSION) && header.layout().is_some_and(only_appended) => {
+            // SAFETY: the layouts were just compared: they differ only as an older minor version's do.
+            unsafe { header.init_root_module_with_unchecked_layout::<PluginModule_Ref>() }.map_err(refused)?
+        }
+        Err(e) => return Err(refused(e)),
+    };
     let build = (module.build_id())();
     if build.as_str() != plugin_api::build_id() {
         bail!("plugin {shown}: built for `{build}`, this host is `{}`: tensors cannot cross between different libtorch builds", plugin_api::build_id());
     }
     let info = checked_info(module, &format!("plugin {shown}"))?;
-    Ok(Loaded { record: record(&info, &theirs, path.display().to_string(), Some(sha)), module })
+    let query = symbol.replacen("dflash_plugin_", "dflash_poison_", 1);
+    // SAFETY: declare_plugin! defines this symbol as a PoisonFn; older plugins lack it.
+    let poison = unsafe { raw.get::<PoisonFn>(format!("{query}\0").as_bytes()).ok().map(|f| *f) };
+    Ok(Loaded { record: record(&info, &theirs, path.display().to_string(), Some(sha)), module, poison })
+}
+
+fn abi_minor(version: &str) -> u64 {
+    version.split('.').nth(1).and_then(|m| m.parse().ok()).unwrap_or(0)
+}
+
+/// Whether a library's types differ from this host's only as a plugin built against an older
+/// minor version's do: trait vtables (prefix types) without the methods appended since. abi_stable
+/// refuses those (its interface may not have more fields than the library), but a generated
+/// trait object checks that a method after `last_prefix_field` is in the plugin's vtable before
+/// calling it and runs the trait's default otherwise. Every other difference, including in the
+/// methods both have, still refuses the library.
+fn only_appended(theirs: &'static TypeLayout) -> bool {
+    let Err(e) = check_layout_compatibility(<PluginModule_Ref as StableAbi>::LAYOUT, theirs) else { return true };
+    // Each nested type's own errors (none for the types on the way down to one that differs).
+    e.errors.iter().all(|err| {
+        let in_vtable = err.stack_trace.last().is_some_and(|f| matches!(&f.expected, TLFieldOrFunction::Field(field) if field.layout().is_prefix_kind()));
+        err.errs.iter().all(|i| in_vtable && matches!(i, AbiInstability::FieldCountMismatch(n) if n.expected > n.found))
+    })
 }
 
 /// The plugin's info; one whose `info()` panicked (an empty name, the panic as description) is

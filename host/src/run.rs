@@ -84,6 +84,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     let components = build(cfg, config_path, &config_dir, registry)?;
     let spec = components.target.spec();
     let gamma = crate::train::loss::resolve_gamma(cfg.train.loss_gamma, components.drafter.block_size() as usize);
+    components.check_poisoned()?;
     let resolved = toml::to_string(cfg)?;
     let target_source = PathBuf::from(spec.source.as_str());
     let known = |p: &Path| same_file(p, &target_source).then(|| spec.source_sha256.to_string());

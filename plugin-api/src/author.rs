@@ -13,7 +13,8 @@
 //! carry an error across the ABI, so a panic there returns a placeholder (empty, zero, the
 //! default; a [`TargetSpec`] with an empty `architecture` and the panic in `source`) and poisons
 //! the instance: its next `Result` call fails with `` `<method>` panicked: <message> `` without
-//! running. The host stops at that error, so the placeholder is never trained with.
+//! running, and the host, which asks after its calls ([`take_poison`]), stops with that error
+//! before it uses the placeholder.
 
 use crate::{
     abi_stable::{
@@ -245,17 +246,31 @@ fn key<T>(obj: &T) -> (usize, &'static str) {
     (obj as *const T as usize, std::any::type_name::<T>())
 }
 
-/// The poison of an instance, taken: `Err` once after a value-returning method panicked.
-fn poison<T>(obj: &T) -> Result<(), PluginError> {
+/// The first poison that `matches` an instance's key, taken.
+fn take(matches: impl Fn(usize, &'static str) -> bool) -> Option<String> {
     if !ANY_POISONED.load(Ordering::Acquire) {
-        return Ok(());
+        return None;
     }
-    let (addr, ty) = key(obj);
     let mut list = POISONED.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(i) = list.iter().position(|(a, t, _)| *a == addr && *t == ty) else { return Ok(()) };
+    let i = list.iter().position(|(a, t, _)| matches(*a, t))?;
     let (_, _, why) = list.swap_remove(i);
     ANY_POISONED.store(!list.is_empty(), Ordering::Release);
-    Err(PluginError::new(why))
+    Some(why)
+}
+
+/// The poison of an instance, taken: `Err` once after a value-returning method panicked.
+fn poison<T>(obj: &T) -> Result<(), PluginError> {
+    let (addr, ty) = key(obj);
+    take(|a, t| a == addr && t == ty).map_or(Ok(()), |why| Err(PluginError::new(why)))
+}
+
+/// What a value-returning method's panic left on the instance at `address` (the plugin value's
+/// address inside its trait object, `obj.sabi_erased_ref()`), taken: `` `<method>` panicked:
+/// <message> ``. The host asks after such calls (through the library's `dflash_poison_<name>`
+/// symbol, see [`declare_plugin!`](crate::declare_plugin)) so that it stops before it uses the
+/// placeholder, e.g. writes a checkpoint without the weights `parameters` should have given.
+pub fn take_poison(address: usize) -> Option<String> {
+    take(|a, _| a == address)
 }
 
 /// A fallible method: refused while the instance is poisoned (`poisoned`, read first), its
@@ -547,5 +562,17 @@ mod tests {
         // Reported once; another instance was never poisoned.
         assert!(o.step(1.0).is_ok());
         assert!(boxed("").step(1.0).is_ok());
+    }
+
+    #[test]
+    fn the_host_finds_the_poison_by_the_address_inside_the_trait_object() {
+        let (o, healthy) = (boxed("base_lr"), boxed(""));
+        let at = |b: &crate::OptimizerBox| b.obj.sabi_erased_ref().as_ptr() as usize;
+        assert_eq!(take_poison(at(&o)), None);
+        let _ = (o.base_lr(), healthy.base_lr());
+        assert_eq!(take_poison(at(&healthy)), None);
+        assert_eq!(take_poison(at(&o)).as_deref(), Some("`base_lr` panicked: boom in base_lr"));
+        // Taken: neither the host nor the next fallible call sees it again.
+        assert_eq!(take_poison(at(&o)), None);
     }
 }

@@ -176,10 +176,12 @@ impl RootModule for PluginModule_Ref {
     declare_root_module_statics! {PluginModule_Ref}
     const BASE_NAME: &'static str = "dflash_plugin";
     const NAME: &'static str = "dflash_plugin";
-    #[cfg(not(feature = "test-fake-abi-2"))]
+    #[cfg(not(any(feature = "test-fake-abi-2", feature = "test-older-minor")))]
     const VERSION_STRINGS: VersionStrings = package_version_strings!();
     #[cfg(feature = "test-fake-abi-2")]
     const VERSION_STRINGS: VersionStrings = VersionStrings::new("2.0.0");
+    #[cfg(all(feature = "test-older-minor", not(feature = "test-fake-abi-2")))]
+    const VERSION_STRINGS: VersionStrings = VersionStrings::new("1.0.0");
 }
 
 /// A plugin linked into the host, registered with `inventory` by [`declare_plugin!`].
@@ -223,6 +225,15 @@ macro_rules! declare_plugin {
         }
 
         $crate::inventory::submit! { $crate::BuiltinPlugin { module: plugin_module } }
+
+        /// Whether a value-returning method of the instance at `address` panicked (the message,
+        /// or empty): [`take_poison`]($crate::author::take_poison) in this library's copy of
+        /// plugin-api. Outside the checked ABI: a host looks it up by name, and a plugin built
+        /// before it existed simply has none.
+        #[export_name = concat!("dflash_poison_", stringify!($name))]
+        pub extern "C" fn __dflash_poison(address: usize) -> $crate::abi_stable::std_types::RString {
+            $crate::author::take_poison(address).unwrap_or_default().into()
+        }
 
         /// The shared-library entry point (what `#[export_root_module]` makes, under a name of
         /// this plugin's own).

@@ -95,6 +95,7 @@ pub struct CycleMs {
 
 pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
     let tokenizer = c.target.tokenizer_json();
+    c.names.check(PluginKind::Target, &c.target)?;
     c.data.open(tokenizer.as_rstr()).into_result().map_err(c.err(PluginKind::DataLoader, "open"))?;
     let prompts = c.data.eval_prompts(opts.source.as_str().into(), opts.limit).into_result();
     let prompts = prompts.map_err(c.err(PluginKind::DataLoader, "eval_prompts"))?;
@@ -112,6 +113,7 @@ pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
         time_split: opts.time_split,
     };
     let stop = [c.target.spec().eos_token_id];
+    c.check_poisoned()?;
     let bar = indicatif::ProgressBar::new(prompts.len() as u64);
     let (mut t_target, mut t_spec, mut n_target, mut n_spec) = (0.0, 0.0, 0usize, 0usize);
     let (mut taus, mut taus_kept) = (Vec::new(), Vec::new());

@@ -3,7 +3,7 @@
 
 use crate::{
     config::RunConfig,
-    plugins::{PluginRecord, Registry},
+    plugins::{Instance, Poison, PluginRecord, Registry},
 };
 use anyhow::{anyhow, Result};
 use plugin_api::{
@@ -66,25 +66,41 @@ pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path,
     let PluginInstance::DataLoader(data) = create(PluginKind::DataLoader, &ctx)? else {
         return Err(wrong(PluginKind::DataLoader));
     };
-    let names = PluginNames::new(&records);
+    let names = PluginNames::new(&records, registry);
     Ok(Components { target, extra_targets: targets, drafter, optimizer, data, records, names })
 }
 
-/// Plugin names for error messages, usable while the components are borrowed by the stages.
+/// Plugin names for error messages, and how to ask each plugin about panics, usable while the
+/// components are borrowed by the stages.
 #[derive(Clone)]
-pub struct PluginNames(Vec<(String, String)>);
+pub struct PluginNames(Vec<(String, String, Poison)>);
 
 impl PluginNames {
-    pub fn new(records: &[PluginRecord]) -> Self {
-        Self(records.iter().map(|r| (r.kind.clone(), r.name.clone())).collect())
+    pub fn new(records: &[PluginRecord], registry: &Registry) -> Self {
+        let poison = |r: &PluginRecord| {
+            let kind = [PluginKind::Target, PluginKind::Drafter, PluginKind::Optimizer, PluginKind::DataLoader].into_iter().find(|k| k.as_str() == r.kind);
+            kind.map_or(Poison::Library(None), |k| registry.poison(k, &r.name))
+        };
+        Self(records.iter().map(|r| (r.kind.clone(), r.name.clone(), poison(r))).collect())
+    }
+
+    fn name(&self, kind: PluginKind) -> &str {
+        self.0.iter().find(|(k, ..)| k == kind.as_str()).map_or("?", |(_, n, _)| n.as_str())
     }
 
     /// An error from a plugin call, naming the plugin and the call.
     pub fn err(&self, kind: PluginKind, call: &str) -> impl Fn(plugin_api::PluginError) -> anyhow::Error + '_ {
         let call = call.to_string();
-        move |e| {
-            let name = self.0.iter().find(|(k, _)| k == kind.as_str()).map_or("?", |(_, n)| n.as_str());
-            anyhow!("{kind} plugin `{name}`: {call}: {e}")
+        move |e| anyhow!("{kind} plugin `{}`: {call}: {e}", self.name(kind))
+    }
+
+    /// An error when a value-returning method of `instance` (of the `kind` plugin) panicked: what
+    /// it returned was a placeholder, so the run stops before using it.
+    pub fn check(&self, kind: PluginKind, instance: &impl Instance) -> Result<()> {
+        let Some((_, name, poison)) = self.0.iter().find(|(k, ..)| k == kind.as_str()) else { return Ok(()) };
+        match poison.take(instance) {
+            Some(why) => Err(anyhow!("{kind} plugin `{name}`: {why}")),
+            None => Ok(()),
         }
     }
 }
@@ -93,5 +109,15 @@ impl Components {
     /// An error from a plugin call, naming the plugin and the call.
     pub fn err(&self, kind: PluginKind, call: &str) -> impl Fn(plugin_api::PluginError) -> anyhow::Error + '_ {
         self.names.err(kind, call)
+    }
+
+    /// [`PluginNames::check`] for every component.
+    pub fn check_poisoned(&self) -> Result<()> {
+        for t in std::iter::once(&self.target).chain(&self.extra_targets) {
+            self.names.check(PluginKind::Target, t)?;
+        }
+        self.names.check(PluginKind::Drafter, &self.drafter)?;
+        self.names.check(PluginKind::Optimizer, &self.optimizer)?;
+        self.names.check(PluginKind::DataLoader, &self.data)
     }
 }

@@ -39,7 +39,9 @@ pub struct DistillStats {
 
 /// Tokenize the data with the target's tokenizer, then self-distil if the loader asks.
 pub fn prepare_data(c: &mut Components, cache_dir: &Path) -> Result<Option<DistillStats>> {
-    let summary = c.data.open(c.target.tokenizer_json().as_rstr()).into_result().map_err(c.err(PluginKind::DataLoader, "open"))?;
+    let tokenizer = c.target.tokenizer_json();
+    c.names.check(PluginKind::Target, &c.target)?;
+    let summary = c.data.open(tokenizer.as_rstr()).into_result().map_err(c.err(PluginKind::DataLoader, "open"))?;
     tracing::info!("data: {}", summary.description);
     let Some((s, stats)) = run(c, cache_dir)? else { return Ok(None) };
     tracing::info!("data after self-distillation: {}", s.description);
@@ -53,6 +55,7 @@ pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<(DataSummary, 
         return Ok(None);
     }
     let opts = c.data.distill_options();
+    c.check_poisoned()?;
     let started = Instant::now();
     let mut cache = ReplyCache::open(cache_dir, &c.target.spec().source_sha256, &first, &opts)?;
     let total = opts.replies_total.max(first.prompts.len() as u64);

@@ -54,12 +54,14 @@ pub fn next_batch(data: &mut DataLoaderBox, names: &PluginNames) -> Result<HostB
     for _ in 0..2 {
         let next = data.next_batch().into_result().map_err(names.err(PluginKind::DataLoader, "next_batch"))?;
         if let Some(b) = next.into_option() {
+            let position = data.position();
+            names.check(PluginKind::DataLoader, data)?;
             return Ok(HostBatch {
                 input_ids: b.input_ids.into_tensor(),
                 loss_mask: b.loss_mask.into_tensor(),
                 lengths: b.lengths.into_vec(),
                 sequence_ids: b.sequence_ids.into_vec(),
-                position: data.position(),
+                position,
                 index: 0,
                 cache_ticket: None,
             });

@@ -6,7 +6,7 @@
 //! another plugin), the config's target supplies the spec and tokenizer a drafter and a data
 //! loader need. Inputs are small (a few tokens, 8x4 matrices): the kit takes seconds.
 
-use super::{PluginRecord, Registry};
+use super::{Instance, Poison, PluginRecord, Registry};
 use crate::config::{PluginSection, RunConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
@@ -15,7 +15,7 @@ use plugin_api::{
     DataLoaderBox, DataPosition, DraftInput, DrafterBox, HostContext, NamedTensor, OptimizerBox, PluginInstance, PluginKind,
     TargetBox, TensorHandle,
 };
-use std::{path::PathBuf, process::ExitCode};
+use std::{cell::RefCell, path::PathBuf, process::ExitCode};
 
 /// The default run config: a seconds-long run on the real target and data.
 const TINY: &str = include_str!("../../../configs/tiny.toml");
@@ -64,7 +64,7 @@ pub fn run(plugin_args: &[PathBuf], args: CheckArgs) -> Result<ExitCode> {
         target: RNone,
     };
     crate::say!("checking {} plugin `{}` ({})", record.kind, record.name, record.origin);
-    let kit = Kit { registry: &registry, section, ctx, cfg };
+    let kit = Kit { registry: &registry, section, ctx, cfg, made: RefCell::new(Vec::new()) };
     let clauses = match kind {
         PluginKind::Optimizer => kit.optimizer()?,
         PluginKind::DataLoader => kit.data_loader()?,
@@ -124,14 +124,21 @@ struct Kit<'a> {
     section: PluginSection,
     ctx: HostContext,
     cfg: RunConfig,
+    /// The instances a clause created, to ask about their panics after it.
+    made: RefCell<Vec<(Poison, usize)>>,
 }
 
-fn clause(name: &'static str, f: impl FnOnce() -> Result<()>) -> Clause {
-    // The host's own code is checked here too: a panic (a tch shape error on a bad output) is a
-    // failed clause, not a crash.
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
-        .unwrap_or_else(|p| Err(anyhow!("panicked: {}", p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default())));
-    Clause { name, result }
+impl Kit<'_> {
+    fn clause(&self, name: &'static str, f: impl FnOnce() -> Result<()>) -> Clause {
+        // The host's own code is checked here too: a panic (a tch shape error on a bad output) is a
+        // failed clause, not a crash.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+            .unwrap_or_else(|p| Err(anyhow!("panicked: {}", p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default())));
+        // A value-returning method that panicked gave a placeholder the clause may have passed on
+        // (an empty parameter list has no parameter without a gradient).
+        let panicked = self.made.borrow_mut().drain(..).find_map(|(poison, at)| poison.take_at(at));
+        Clause { name, result: result.and(panicked.map_or(Ok(()), |why| Err(anyhow!(why)))) }
+    }
 }
 
 fn ok<T>(r: plugin_api::abi_stable::std_types::RResult<T, plugin_api::PluginError>, call: &str) -> Result<T> {
@@ -149,7 +156,9 @@ const CPU: (Kind, Device) = (Kind::Float, Device::Cpu);
 
 impl Kit<'_> {
     fn create(&self, kind: PluginKind, section: &PluginSection, ctx: &HostContext) -> Result<PluginInstance> {
-        Ok(self.registry.create(kind, section, ctx)?.0)
+        let instance = self.registry.create(kind, section, ctx)?.0;
+        self.made.borrow_mut().push((self.registry.poison(kind, &section.plugin), instance.address()));
+        Ok(instance)
     }
 
     fn optimizer_box(&self) -> Result<OptimizerBox> {
@@ -194,7 +203,7 @@ impl Kit<'_> {
         };
         let copy = |ps: &[(String, Tensor)]| -> Vec<(String, Tensor)> { ps.iter().map(|(n, p)| (n.clone(), p.detach().copy().set_requires_grad(true))).collect() };
         let mut out = Vec::new();
-        out.push(clause("state save/load round trip gives identical next steps", || {
+        out.push(self.clause("state save/load round trip gives identical next steps", || {
             let a_params = params();
             let mut a = self.optimizer_box()?;
             ok(a.init(named(&a_params)), "init")?;
@@ -221,7 +230,7 @@ impl Kit<'_> {
             }
             Ok(())
         }));
-        out.push(clause("zero gradients leave weights unchanged (but for weight decay)", || {
+        out.push(self.clause("zero gradients leave weights unchanged (but for weight decay)", || {
             let ps = params();
             let before = copy(&ps);
             let mut o = self.optimizer_box()?;
@@ -238,7 +247,7 @@ impl Kit<'_> {
             }
             Ok(())
         }));
-        out.push(clause("parameters without gradients are skipped", || {
+        out.push(self.clause("parameters without gradients are skipped", || {
             let ps = params();
             let before = copy(&ps);
             let mut o = self.optimizer_box()?;
@@ -293,7 +302,7 @@ impl Kit<'_> {
             Ok(out)
         };
         let mut out = Vec::new();
-        out.push(clause("seeking to a saved position gives the same batches", || {
+        out.push(self.clause("seeking to a saved position gives the same batches", || {
             let mut a = self.data_box(&tokenizer)?;
             batches(&mut a, 1)?;
             let saved: DataPosition = a.position();
@@ -308,7 +317,7 @@ impl Kit<'_> {
             }
             Ok(())
         }));
-        out.push(clause("the loss mask is on response tokens only", || {
+        out.push(self.clause("the loss mask is on response tokens only", || {
             let mut d = self.data_box(&tokenizer)?;
             let (mut seen, mut calls) = (0, 0);
             while seen < 2 {
@@ -376,7 +385,7 @@ impl Kit<'_> {
             Ok(ok(d.forward(&x), "forward")?.into_tensor())
         };
         let mut out = Vec::new();
-        out.push(clause("output shape [B, A*Bk, H]", || {
+        out.push(self.clause("output shape [B, A*Bk, H]", || {
             let mut d = self.drafter_box(&ctx)?;
             let y = tch::no_grad(|| forward(&mut d))?;
             let want = vec![2, 2 * d.block_size() as i64, h];
@@ -385,7 +394,7 @@ impl Kit<'_> {
             }
             Ok(())
         }));
-        out.push(clause("deterministic under a seed", || {
+        out.push(self.clause("deterministic under a seed", || {
             let mut a = self.drafter_box(&ctx)?;
             let mut b = self.drafter_box(&ctx)?;
             let (ya, yb) = tch::no_grad(|| Ok::<_, anyhow::Error>((forward(&mut a)?, forward(&mut b)?)))?;
@@ -395,7 +404,7 @@ impl Kit<'_> {
             }
             Ok(())
         }));
-        out.push(clause("gradients reach every trainable parameter", || {
+        out.push(self.clause("gradients reach every trainable parameter", || {
             let mut d = self.drafter_box(&ctx)?;
             let y = forward(&mut d)?;
             if y.requires_grad() && y.is_leaf() {
@@ -418,7 +427,7 @@ impl Kit<'_> {
             }
             Ok(())
         }));
-        out.push(clause("config_json parses and its weights re-create the same model", || {
+        out.push(self.clause("config_json parses and its weights re-create the same model", || {
             let mut a = self.drafter_box(&ctx)?;
             let json = a.config_json().to_string();
             serde_json::from_str::<serde_json::Value>(&json).map_err(|e| anyhow!("config_json is not JSON: {e}"))?;
@@ -450,7 +459,7 @@ impl Kit<'_> {
         let ids = Tensor::from_slice(&[1i64, 5, 9, 2, 7, 3, 8, 4]).remainder(v).view([1, 8]);
         let layers = [0u32, n.saturating_sub(1)];
         let mut out = Vec::new();
-        out.push(clause("features of the requested layers", || {
+        out.push(self.clause("features of the requested layers", || {
             let both = ok(t.forward(&TensorHandle::new(ids.shallow_clone()), layers[..].into(), true), "forward")?;
             let hidden = both.hidden.tensor();
             if hidden.size() != [1, 8, 2 * h] {
@@ -475,7 +484,7 @@ impl Kit<'_> {
             }
             Ok(())
         }));
-        out.push(clause("KV-cache extend / truncate equals recomputation", || {
+        out.push(self.clause("KV-cache extend / truncate equals recomputation", || {
             let full = ok(t.forward(&TensorHandle::new(ids.shallow_clone()), layers[..].into(), true), "forward")?;
             let logits_of = |o: plugin_api::TargetOutput| o.logits.into_option().map(|l| l.tensor()).ok_or_else(|| anyhow!("no logits"));
             let (fh, fl) = (full.hidden.tensor(), logits_of(full)?);

@@ -1,8 +1,9 @@
 //! `dflash-host plugins new NAME --kind K [--out DIR]`: write a plugin crate from a template.
 //!
 //! The templates are complete out-of-tree crates that depend on plugin-api alone, kept buildable
-//! in this repository (`plugin-template/`, `templates/`) and embedded here; the copy gets the
-//! crate's and the plugin's name, and a path to this checkout's plugin-api.
+//! in this repository (`plugin-template/` for optimizers, `templates/` for the other kinds) and
+//! embedded here; the copy gets the crate's and the plugin's name, and a path to this checkout's
+//! plugin-api.
 
 use anyhow::{bail, Context, Result};
 use std::{path::PathBuf, process::ExitCode};
@@ -12,7 +13,7 @@ pub struct NewArgs {
     /// The crate's and the plugin's name (`[optimizer] plugin = "NAME"`): lowercase letters,
     /// digits and `_`, starting with a letter.
     name: String,
-    /// optimizer | data
+    /// optimizer | drafter | target | data
     #[arg(long)]
     kind: String,
     /// The folder to write (default: ./NAME); it must not exist or be empty.
@@ -45,7 +46,18 @@ fn template(kind: &str) -> Result<Template> {
             crate_name: "data_ids",
             plugin_name: "ids",
         },
-        "drafter" | "target" => bail!("--kind {kind}: no template yet (optimizer and data have one; docs/PLUGINS.md gives the {kind} trait)"),
+        "drafter" => Template {
+            cargo_toml: include_str!("../../../templates/drafter_tiny/Cargo.toml"),
+            lib_rs: include_str!("../../../templates/drafter_tiny/src/lib.rs"),
+            crate_name: "drafter_tiny",
+            plugin_name: "tiny_drafter",
+        },
+        "target" => Template {
+            cargo_toml: include_str!("../../../templates/target_tiny/Cargo.toml"),
+            lib_rs: include_str!("../../../templates/target_tiny/src/lib.rs"),
+            crate_name: "target_tiny",
+            plugin_name: "tiny_lm",
+        },
         k => bail!("--kind {k}: expected optimizer, data, drafter or target"),
     })
 }

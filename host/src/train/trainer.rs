@@ -97,6 +97,8 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         gamma,
         normalization: t.loss_normalization,
     };
+    // Before anything above is trained with: a panicked value method gave a placeholder.
+    c.check_poisoned()?;
 
     // 3. Resume: weights, optimizer state, counters, data position.
     let mut state = TrainerState {
@@ -312,6 +314,8 @@ impl<'a> Trainer<'a> {
             if stop_at == Some(step) && step < t.steps {
                 self.stopped_at = Some(step);
             }
+            self.names.check(PluginKind::Drafter, &*self.drafter)?;
+            self.names.check(PluginKind::Optimizer, &*self.optimizer)?;
             self.maybe_checkpoint(step)?;
             self.bar.inc(1);
             if let Some(code) = self.interrupted {

@@ -93,14 +93,11 @@ impl Trainer<'_> {
             self.bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
         } else if self.lead {
             self.state.elapsed_s = self.elapsed_before + self.started.elapsed().as_secs_f64();
-            let dir = self.exp.save_checkpoint(
-                step,
-                &self.drafter.parameters(),
-                self.drafter.config_json().as_str(),
-                &self.optimizer.state(),
-                &self.state,
-                t.keep_checkpoints,
-            )?;
+            let (weights, config_json, optimizer_state) = (self.drafter.parameters(), self.drafter.config_json(), self.optimizer.state());
+            // A panic there gave a placeholder (no weights, no state): never write it.
+            self.names.check(PluginKind::Drafter, &*self.drafter)?;
+            self.names.check(PluginKind::Optimizer, &*self.optimizer)?;
+            let dir = self.exp.save_checkpoint(step, &weights, config_json.as_str(), &optimizer_state, &self.state, t.keep_checkpoints)?;
             self.last_ckpt = Some(dir.display().to_string());
         }
         Ok(())
