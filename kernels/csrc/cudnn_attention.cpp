@@ -1,5 +1,6 @@
 // libtorch's cuDNN attention forward with its log-sum-exp, which tch does not bind (its backward
 // it does). Tensors cross as tch's handles (at::Tensor*); errors come back as text.
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
 #include <cstdio>
@@ -24,4 +25,12 @@ extern "C" int dflash_cudnn_attention_forward(
     std::snprintf(err, err_len, "%s", e.what());
     return 1;
   }
+}
+
+// libtorch's switch for whether scaled_dot_product_attention may pick cuDNN's kernel; returns
+// what it was.
+extern "C" int dflash_allow_cudnn_sdp(int enabled) {
+  int was = at::globalContext().userEnabledCuDNNSDP();
+  at::globalContext().setSDPUseCuDNN(enabled != 0);
+  return was;
 }

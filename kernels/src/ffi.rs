@@ -26,6 +26,7 @@ extern "C" {
         max_q: *mut i64, max_k: *mut i64, seed: *mut *mut c_void, offset: *mut *mut c_void,
         err: *mut c_char, err_len: usize,
     ) -> c_int;
+    pub fn dflash_allow_cudnn_sdp(enabled: c_int) -> c_int;
 
     // csrc/profiler.cpp
     pub fn dflash_profiler_start(cuda: c_int, err: *mut c_char, err_len: usize) -> c_int;

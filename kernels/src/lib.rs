@@ -26,6 +26,39 @@ pub mod profiler;
 
 /// Load libtorch's CUDA library, which the linker's `--as-needed` drops from binaries that name
 /// none of its symbols; needed before the first CUDA op. It stays loaded.
+/// Let libtorch's `scaled_dot_product_attention` pick cuDNN's kernel or not (process-wide, the
+/// plugins' calls included); returns the previous setting. cuDNN builds a plan per shape, about
+/// 60 ms each in bf16 on an H200 (scripts/probe_sdpa_shapes.py): fine for training's fixed
+/// shapes, ruinous in decoding, where every call has a new key length.
+pub fn allow_cudnn_attention(enabled: bool) -> bool {
+    // SAFETY: sets one flag in libtorch's global context.
+    unsafe { ffi::dflash_allow_cudnn_sdp(enabled as std::ffi::c_int) != 0 }
+}
+
+/// cuDNN's attention kept out of `scaled_dot_product_attention` while this lives (decoding); the
+/// previous setting comes back when it is dropped.
+pub struct CudnnAttentionOff {
+    was: bool,
+}
+
+impl CudnnAttentionOff {
+    pub fn new() -> Self {
+        Self { was: allow_cudnn_attention(false) }
+    }
+}
+
+impl Default for CudnnAttentionOff {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for CudnnAttentionOff {
+    fn drop(&mut self) {
+        allow_cudnn_attention(self.was);
+    }
+}
+
 pub fn load_libtorch_cuda() -> Result<(), String> {
     use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
     // SAFETY: loading libtorch's own CUDA library; it is never unloaded.

@@ -121,6 +121,8 @@ pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
     let mut accepted_at = vec![0usize; shared.block_size - 1];
     let (mut all_cycles, mut all_accepted) = (0usize, 0usize);
     let mut times = PhaseTimes::default();
+    // Decoding gives attention a new key length every call: no per-shape cuDNN plans.
+    let _no_cudnn = kernels::CudnnAttentionOff::new();
     // Warm-up, untimed: the first calls on a GPU pay for kernel loading and allocator growth.
     let warm = opts.max_new_tokens.min(16);
     let base = c.target.generate(vec![prompts[0].clone()].into(), warm, stop.as_slice().into()).into_result();
