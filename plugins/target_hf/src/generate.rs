@@ -7,6 +7,9 @@ use plugin_api::tch::{Kind, Tensor};
 /// are grouped by length into batches of `batch`, left-padded, and returned in input order.
 pub fn greedy(model: &Decoder, prompts: &[Vec<u32>], max_new: usize, stop: &[u32], batch: usize) -> Vec<Vec<u32>> {
     let _guard = plugin_api::tch::no_grad_guard();
+    // Every step has a new key length, and cuDNN's attention plans per shape (60 ms each in
+    // bf16 on an H200): self-distillation and eval baselines decode without it.
+    let _no_cudnn = kernels::CudnnAttentionOff::new();
     let mut order: Vec<usize> = (0..prompts.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(prompts[i].len()));
     let mut out = vec![Vec::new(); prompts.len()];
