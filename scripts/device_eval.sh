@@ -11,6 +11,7 @@
 #   device 2: scripts/device_eval.sh run                         # carry .devcarry/eval/b
 # `run` also works here on the CPU for checking the script: DEVICE=cpu LIMIT=2 TOKENS=8.
 set -euo pipefail
+source "$(dirname "$0")/device_parts.sh"
 STASH=/tmp/dflash-eval
 MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
 case ${1:?"pack EXP_DIR [OLD_BINARY] | stash | run"} in
@@ -18,12 +19,9 @@ pack)
     exp=${2:?"the experiment folder of a make run"}
     src=${DFLASH_CACHE:-$HOME/.cache/dflash}
     gguf=$(readlink -f "$src/$MODEL")
-    rm -rf .devcarry/eval && mkdir -p .devcarry/eval/a .devcarry/eval/b/exp
+    rm -rf .devcarry/eval && mkdir -p .devcarry/eval/b/exp
     # Not quite halves: the first call also carries the binaries.
-    half=$(($(stat -c %s "$gguf") / 2 - 3000000))
-    head -c "$half" "$gguf" > .devcarry/eval/a/model.part1
-    tail -c +"$((half + 1))" "$gguf" > .devcarry/eval/b/model.part2
-    sha256sum < "$gguf" | cut -d' ' -f1 > .devcarry/eval/b/model.sha256
+    split_model "$gguf" .devcarry/eval 3000000
     xz -T2 -6 -c "${B:-target/device/dflash-host}" > .devcarry/eval/a/dflash-host.xz
     if [ -n "${3:-}" ]; then xz -T2 -6 -c "$3" > .devcarry/eval/a/dflash-host.old.xz; fi
     # The held-out prompts are the last records by id: the tail of the file is enough.
@@ -47,14 +45,10 @@ stash)
 run)
     [ -f "$STASH/model.part1" ] || { echo "no $STASH/model.part1: run 'stash' first, on the same machine" >&2; exit 1; }
     export DFLASH_CACHE=$STASH
-    cat "$STASH/model.part1" .devcarry/eval/b/model.part2 > "$STASH/$MODEL"
-    [ "$(sha256sum < "$STASH/$MODEL" | cut -d' ' -f1)" = "$(cat .devcarry/eval/b/model.sha256)" ] || { echo "$MODEL: checksum differs" >&2; exit 1; }
+    join_model "$STASH/model.part1" .devcarry/eval/b "$STASH/$MODEL"
     xz -dc .devcarry/eval/b/chitchat.json.xz > "$STASH/chitchat.json"
     cp -r .devcarry/eval/b/drafter "$STASH"/
-    if python3 -c 'import torch' 2> /dev/null; then
-        LD_LIBRARY_PATH="$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__) + "/lib")')${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-        export LD_LIBRARY_PATH
-    fi
+    if python3 -c 'import torch' 2> /dev/null; then use_torch_libs; fi
     out=${OUT:-/tmp/dflash-eval-out}
     mkdir -p "$out"
     for dtype in f32 bf16; do

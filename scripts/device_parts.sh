@@ -1,7 +1,8 @@
 # Sourced by the device scripts (bench_h200.sh, bench_hybrid_h200.sh, device_nccl.sh,
-# device_sliding_window.sh); expects $OUT. Gives `use_torch_libs` and `part`.
+# device_sliding_window.sh, device_real_run.sh, device_eval.sh). Gives `use_torch_libs`, `part`
+# (logging into $OUT), and `split_model` / `join_model` for a model too big for one call.
 
-LOG=$OUT/log.txt
+LOG=${OUT:-.}/log.txt
 
 # libtorch's libraries from the machine's Python torch, on the loader's path (the binaries carried
 # there were linked against the same libtorch version).
@@ -20,4 +21,22 @@ part() {
     echo "==== $name: $*" >> "$LOG"
     timeout "$limit" "$@" >> "$LOG" 2>&1
     echo "== $name: exit $? in $((SECONDS - start)) s" | tee -a "$LOG"
+}
+
+# split_model GGUF DIR [SHIFT]: the model in two parts for two calls to the same warm machine
+# (the device tool carries 64 MiB a call): DIR/a/model.part1, SHIFT bytes short of half to leave
+# room for what else rides in the first call, and DIR/b/model.part2 with the whole's checksum.
+split_model() {
+    local gguf=$1 dir=$2 half
+    half=$((($(stat -c %s "$gguf") + 1) / 2 - ${3:-0}))
+    mkdir -p "$dir/a" "$dir/b"
+    head -c "$half" "$gguf" > "$dir/a/model.part1"
+    tail -c +"$((half + 1))" "$gguf" > "$dir/b/model.part2"
+    sha256sum < "$gguf" | cut -d' ' -f1 > "$dir/b/model.sha256"
+}
+
+# join_model PART1 DIR_B OUT: the model whole again at OUT, its checksum checked.
+join_model() {
+    cat "$1" "$2/model.part2" > "$3"
+    [ "$(sha256sum < "$3" | cut -d' ' -f1)" = "$(cat "$2/model.sha256")" ] || { echo "$3: checksum differs" >&2; return 1; }
 }

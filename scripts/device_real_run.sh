@@ -11,17 +11,15 @@
 #   device 2: scripts/device_real_run.sh run       # carry .devcarry/real/b
 # `run` also works here, on the CPU, for checking the script: DEVICE=cpu STEPS=2.
 set -euo pipefail
+source "$(dirname "$0")/device_parts.sh"
 STASH=/tmp/dflash-real
 MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
 case ${1:?"pack | stash | run"} in
 pack)
     src=${DFLASH_CACHE:-$HOME/.cache/dflash}
     gguf=$(readlink -f "$src/$MODEL")
-    rm -rf .devcarry/real && mkdir -p .devcarry/real/a .devcarry/real/b
-    half=$((($(stat -c %s "$gguf") + 1) / 2))
-    head -c "$half" "$gguf" > .devcarry/real/a/model.part1
-    tail -c +"$((half + 1))" "$gguf" > .devcarry/real/b/model.part2
-    sha256sum < "$gguf" | cut -d' ' -f1 > .devcarry/real/b/model.sha256
+    rm -rf .devcarry/real
+    split_model "$gguf" .devcarry/real
     xz -T2 -6 -c "$(readlink -f "$src/chitchat.json")" > .devcarry/real/b/chitchat.json.xz
     if [ -d "$src/distill" ]; then cp -r "$src/distill" .devcarry/real/b/; fi
     du -sh .devcarry/real/a .devcarry/real/b
@@ -33,14 +31,10 @@ stash)
 run)
     [ -f "$STASH/model.part1" ] || { echo "no $STASH/model.part1: run 'stash' first, on the same machine" >&2; exit 1; }
     export DFLASH_CACHE=$STASH
-    cat "$STASH/model.part1" .devcarry/real/b/model.part2 > "$STASH/$MODEL"
-    [ "$(sha256sum < "$STASH/$MODEL" | cut -d' ' -f1)" = "$(cat .devcarry/real/b/model.sha256)" ] || { echo "$MODEL: checksum differs" >&2; exit 1; }
+    join_model "$STASH/model.part1" .devcarry/real/b "$STASH/$MODEL"
     xz -dc .devcarry/real/b/chitchat.json.xz > "$STASH/chitchat.json"
     if [ -d .devcarry/real/b/distill ]; then cp -r .devcarry/real/b/distill "$STASH"/; fi
-    if python3 -c 'import torch' 2> /dev/null; then
-        LD_LIBRARY_PATH="$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__) + "/lib")')${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-        export LD_LIBRARY_PATH
-    fi
+    if python3 -c 'import torch' 2> /dev/null; then use_torch_libs; fi
     B=${B:-$STASH/dflash-host}
     # dtype and the loader's pad_to_multiple_of ([data] is the config's last section); 1 pads
     # each batch only to its longest sequence: a new shape for cuDNN nearly every batch.

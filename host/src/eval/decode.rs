@@ -79,12 +79,9 @@ pub fn speculative_decode(
     let mut clock = PhaseClock::new(device, shared.time_split);
     c.target.cache_reset();
     // 1. Prefill: the prompt's features, and the target's first token (kept on the device).
-    let out = c.target.cache_extend(&TensorHandle::new(ids_tensor(prompt)), layers.into()).into_result();
-    let out = out.map_err(c.err(PluginKind::Target, "cache_extend"))?;
-    let logits = out.logits.into_option().ok_or_else(|| anyhow!("target gave no logits"))?.into_tensor();
+    let (mut context, logits) = extend(c, ids_tensor(prompt), layers)?;
     let mut anchor = logits.narrow(1, prompt.len() as i64 - 1, 1).argmax(-1, false).to_device(device); // [1, 1]
-    // The features the drafter has not been given yet (all of them while it keeps none).
-    let mut context = out.hidden.into_tensor();
+    // `context`: the features the drafter has not been given yet (all of them while it keeps none).
     let mut keeps_context = true;
     let mut held = 0usize;
     let mut anchor_pos = prompt.len();
@@ -128,10 +125,7 @@ pub fn speculative_decode(
         let drafts = hidden.narrow(1, 1, b - 1).matmul(&shared.lm_head.tr()).argmax(-1, false); // [1, B-1]
         times.draft += clock.lap();
         // 3. Verify [anchor, drafts] in one target forward.
-        let verify = Tensor::cat(&[&anchor, &drafts], 1);
-        let out = c.target.cache_extend(&TensorHandle::new(verify), layers.into()).into_result();
-        let out = out.map_err(c.err(PluginKind::Target, "cache_extend"))?;
-        let logits = out.logits.into_option().ok_or_else(|| anyhow!("target gave no logits"))?.into_tensor();
+        let (block_hidden, logits) = extend(c, Tensor::cat(&[&anchor, &drafts], 1), layers)?;
         let posterior = logits.argmax(-1, false).to_device(device); // [1, B]
         times.verify += clock.lap();
         // 4. One wait for the device: the drafts and the verdict together. Keep the accepted
@@ -141,7 +135,7 @@ pub fn speculative_decode(
         let accepted = drafts.iter().zip(verdict).take_while(|(d, p)| d == p).count();
         let kept = (anchor_pos + accepted + 1) as u32;
         c.target.cache_truncate(kept).into_result().map_err(c.err(PluginKind::Target, "cache_truncate"))?;
-        let verified = out.hidden.into_tensor().narrow(1, 0, accepted as i64 + 1);
+        let verified = block_hidden.narrow(1, 0, accepted as i64 + 1);
         context = if keeps_context { verified } else { Tensor::cat(&[context, verified], 1) };
         let before = kept_len(&all, max_new, stop);
         all.extend_from_slice(&drafts[..accepted]);
@@ -156,6 +150,14 @@ pub fn speculative_decode(
     }
     all.truncate(kept_len(&all, max_new, stop));
     Ok((all, cycles))
+}
+
+/// The target's cache extended by `ids` [1, L]: their features of `layers` and logits.
+fn extend(c: &mut Components, ids: Tensor, layers: &[u32]) -> Result<(Tensor, Tensor)> {
+    let out = c.target.cache_extend(&TensorHandle::new(ids), layers.into()).into_result();
+    let out = out.map_err(c.err(PluginKind::Target, "cache_extend"))?;
+    let logits = out.logits.into_option().ok_or_else(|| anyhow!("target gave no logits"))?;
+    Ok((out.hidden.into_tensor(), logits.into_tensor()))
 }
 
 /// Wall time between laps, waiting for the device at each lap only when asked (the waits

@@ -16,7 +16,7 @@ use crate::{
 };
 use anyhow::{anyhow, bail, Result};
 use plugin_api::{
-    tch::{Kind, Tensor},
+    tch::{Device, Kind, Tensor},
     PluginKind,
 };
 use prompts::{prompts_name, tempfile_dir};
@@ -124,10 +124,12 @@ pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
     // Decoding gives attention a new key length every call: no per-shape cuDNN plans.
     let _no_cudnn = kernels::CudnnAttentionOff::new();
     // Warm-up, untimed: the first calls on a GPU pay for kernel loading and allocator growth.
-    let warm = opts.max_new_tokens.min(16);
-    let base = c.target.generate(vec![prompts[0].clone()].into(), warm, stop.as_slice().into()).into_result();
-    base.map_err(c.err(PluginKind::Target, "generate"))?;
-    speculative_decode(c, &prompts[0], warm as usize, &stop, &shared, &mut PhaseTimes::default())?;
+    if device.is_cuda() {
+        let warm = opts.max_new_tokens.min(16);
+        let base = c.target.generate(vec![prompts[0].clone()].into(), warm, stop.as_slice().into()).into_result();
+        base.map_err(c.err(PluginKind::Target, "generate"))?;
+        speculative_decode(c, &prompts[0], warm as usize, &stop, &shared, &mut PhaseTimes::default())?;
+    }
     for (i, prompt) in prompts.iter().enumerate() {
         let t0 = Instant::now();
         let base = c.target.generate(vec![prompt.clone()].into(), opts.max_new_tokens, stop.as_slice().into()).into_result();
@@ -172,7 +174,10 @@ pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
         target_tok_per_s: n_target as f64 / t_target,
         spec_tok_per_s: n_spec as f64 / t_spec,
         speedup: t_target / t_spec * (n_spec as f64 / n_target.max(1) as f64),
-        device: format!("{device:?}").to_lowercase().replace("cuda(", "cuda:").replace(')', ""),
+        device: match device {
+            Device::Cuda(i) => format!("cuda:{i}"),
+            other => format!("{other:?}").to_lowercase(),
+        },
         cycle_ms: opts.time_split.then(|| {
             let per = |t: f64| 1e3 * t / all_cycles.max(1) as f64;
             CycleMs { draft: per(times.draft), verify: per(times.verify), bookkeeping: per(times.bookkeeping) }
