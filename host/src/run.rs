@@ -382,7 +382,12 @@ pub fn distill(cfg: &RunConfig, config_path: &Path, out: &Path, registry: &Regis
     if stats.is_none() {
         anyhow::bail!("{}: the data loader regenerates no replies (in [data], distill = false?)", config_path.display());
     }
-    let tmp = out.with_extension("jsonl.tmp");
+    // Written beside `out`, then renamed into place; a `.gz` name stays last (the loader gzips it).
+    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = out.with_file_name(match name.strip_suffix(".gz") {
+        Some(stem) => format!("{stem}.partial.gz"),
+        None => format!("{name}.partial"),
+    });
     let n = c.data.export_distilled(tmp.display().to_string().as_str().into()).into_result();
     let n = n.map_err(c.err(plugin_api::PluginKind::DataLoader, "export_distilled"))?;
     std::fs::rename(&tmp, out).with_context(|| format!("writing {}", out.display()))?;

@@ -310,14 +310,15 @@ pub const MAX_LINE_BYTES: usize = 256 << 20;
 pub const MAX_JSON_ARRAY_BYTES: u64 = 4 << 30;
 
 /// Reads any supported file: a `save_to_disk` folder or `.arrow` file, `.parquet`, a JSON array
-/// (the first non-blank character is `[`), else JSONL.
+/// (the first non-blank character is `[`), else JSONL; either of the last two may be gzipped
+/// (`.gz`, as HF datasets often ship JSONL).
 pub fn read_records(path: &Path, schema: &Schema, on_error: OnError) -> Result<ReadReport, DataError> {
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("").to_ascii_lowercase();
     if path.is_dir() || ext == "arrow" || ext == "parquet" {
         return crate::columnar::read(path, schema, on_error);
     }
     let io_err = |cause| DataError::Io { path: path.to_path_buf(), cause };
-    let mut file = BufReader::new(input_files::open_regular(path)?);
+    let mut file = open_text(path)?;
     let first = loop {
         let buf = file.fill_buf().map_err(io_err)?;
         match buf.iter().position(|b| !b.is_ascii_whitespace()) {
@@ -330,10 +331,29 @@ pub fn read_records(path: &Path, schema: &Schema, on_error: OnError) -> Result<R
         }
     };
     if first == Some(b'[') {
-        let bytes = input_files::read_capped(path, MAX_JSON_ARRAY_BYTES)?;
+        let mut bytes = Vec::new();
+        // Capped like a plain file's size, here on the decompressed bytes.
+        file.take(MAX_JSON_ARRAY_BYTES + 1).read_to_end(&mut bytes).map_err(io_err)?;
+        if bytes.len() as u64 > MAX_JSON_ARRAY_BYTES {
+            let size = bytes.len() as u64;
+            return Err(input_files::InputError::TooLarge { path: path.to_path_buf(), size, max: MAX_JSON_ARRAY_BYTES }.into());
+        }
         return read_json_array(path, &bytes, schema, on_error);
     }
     read_jsonl_with(path, schema, on_error)
+}
+
+fn is_gzip(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gz"))
+}
+
+/// The file's text, decompressed if it is gzipped.
+fn open_text(path: &Path) -> Result<Box<dyn BufRead>, DataError> {
+    let file = input_files::open_regular(path)?;
+    Ok(match is_gzip(path) {
+        true => Box::new(BufReader::new(flate2::read::GzDecoder::new(file))),
+        false => Box::new(BufReader::new(file)),
+    })
 }
 
 /// Reads one OpenAI-messages record per line. Blank lines are ignored.
@@ -349,7 +369,7 @@ pub fn read_jsonl_with(path: &Path, schema: &Schema, on_error: OnError) -> Resul
 
 fn read_jsonl_capped(path: &Path, schema: &Schema, on_error: OnError, max_line: usize) -> Result<ReadReport, DataError> {
     let io_err = |cause| DataError::Io { path: path.to_path_buf(), cause };
-    let mut reader = BufReader::new(input_files::open_regular(path)?);
+    let mut reader = open_text(path)?;
     let mut report = ReadReport::default();
     let mut buf = Vec::new();
     let mut line = 0;
@@ -408,15 +428,30 @@ fn read_json_array(path: &Path, bytes: &[u8], schema: &Schema, on_error: OnError
     Ok(report)
 }
 
-/// Writes one OpenAI-messages record per line, in the format [`read_jsonl`] reads.
+/// Writes one OpenAI-messages record per line, in the format [`read_jsonl`] reads; gzipped when
+/// the name ends in `.gz`.
 pub fn write_jsonl(path: &Path, records: &[ChatRecord]) -> Result<(), DataError> {
     let io_err = |cause| DataError::Io { path: path.to_path_buf(), cause };
-    let mut out = BufWriter::new(File::create(path).map_err(io_err)?);
-    for record in records {
-        serde_json::to_writer(&mut out, record).map_err(|e| io_err(e.into()))?;
-        out.write_all(b"\n").map_err(io_err)?;
-    }
-    out.flush().map_err(io_err)
+    let out = BufWriter::new(File::create(path).map_err(io_err)?);
+    let lines = |mut w: &mut dyn Write| -> io::Result<()> {
+        for record in records {
+            serde_json::to_writer(&mut w, record)?;
+            w.write_all(b"\n")?;
+        }
+        Ok(())
+    };
+    let written = match is_gzip(path) {
+        true => {
+            let mut gz = flate2::write::GzEncoder::new(out, flate2::Compression::best());
+            // finish() writes the gzip trailer; a plain flush would leave the stream cut short.
+            lines(&mut gz).and_then(|_| gz.finish()).and_then(|mut out| out.flush())
+        }
+        false => {
+            let mut out = out;
+            lines(&mut out).and_then(|_| out.flush())
+        }
+    };
+    written.map_err(io_err)
 }
 
 /// Parses one OpenAI-messages line; `Ok(None)` for a blank line, `Err(why)` for a bad one.
@@ -663,6 +698,30 @@ mod tests {
         assert_eq!(text.lines().count(), 2, "one record per line:\n{text}");
         let report = read_jsonl(&path, OnError::Fail).unwrap();
         assert_eq!(report.records, records);
+    }
+
+    #[test]
+    fn gzipped_jsonl_and_json_arrays_read_like_plain_ones() {
+        let records = fixture_records();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.jsonl.gz");
+        write_jsonl(&path, &records).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(&bytes[..2], &[0x1f, 0x8b], "written gzipped");
+        assert_eq!(read_records(&path, &Schema::messages(), OnError::Fail).unwrap().records, records);
+        // A JSON array, gzipped; a bad record is still named by its line.
+        let array = format!("[\n{GOOD},\n{{\"messages\": 3}}\n]");
+        let gz_path = dir.path().join("array.json.gz");
+        let mut gz = flate2::write::GzEncoder::new(File::create(&gz_path).unwrap(), flate2::Compression::fast());
+        gz.write_all(array.as_bytes()).unwrap();
+        gz.finish().unwrap();
+        let report = read_records(&gz_path, &Schema::messages(), OnError::Skip).unwrap();
+        assert_eq!((report.records.len(), report.skipped.len(), report.skipped[0].0), (1, 1, 3));
+        // A file named .gz that is not gzip fails with its name.
+        let fake = dir.path().join("fake.jsonl.gz");
+        std::fs::write(&fake, GOOD).unwrap();
+        let err = read_records(&fake, &Schema::messages(), OnError::Fail).unwrap_err().to_string();
+        assert!(err.contains("fake.jsonl.gz"), "{err}");
     }
 
     /// The conversations of tests/fixtures/datasets (scripts/make_data_fixtures.py).
