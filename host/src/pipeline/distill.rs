@@ -6,7 +6,9 @@
 //! appended and flushed after every chunk: a run that crashes or is stopped resumes where it
 //! stopped, and later runs (other seeds of an A/B, a changed `max_records`) reuse every reply
 //! whose prompt they share. `<settings>` hashes what else decides a reply: the target's weights,
-//! the reply cap, the stop tokens, the temperature and the sampling seed.
+//! the reply cap, the stop tokens, the temperature and the sampling seed. A gzipped copy beside
+//! it, `<settings>.jsonl.gz`, is read as well: replies shipped with a project (the default run's
+//! are in `data/distill/`, which `make setup` links here) so nobody regenerates them.
 
 use super::components::Components;
 use anyhow::{Context, Result};
@@ -180,13 +182,15 @@ impl ReplyCache {
         let key = format!("{:x}", h.finalize());
         let path = cache_dir.join("distill").join(format!("{}.jsonl", &key[..32]));
         let mut replies = HashMap::new();
+        // Replies shipped with a project (`<key>.jsonl.gz`, e.g. the default run's, which `make
+        // setup` puts here) come first; then this machine's own.
+        let shipped = path.with_extension("jsonl.gz");
+        if let Ok(file) = std::fs::File::open(&shipped) {
+            let text = std::io::read_to_string(flate2::read::GzDecoder::new(file)).with_context(|| format!("reading {}", shipped.display()))?;
+            read_lines(&text, &mut replies);
+        }
         if let Ok(text) = std::fs::read_to_string(&path) {
-            // A line cut short by a crash is simply not there.
-            for line in text.lines() {
-                let Ok(l) = serde_json::from_str::<CacheLine>(line) else { continue };
-                let Some(hash) = hex32(&l.p) else { continue };
-                replies.insert(hash, l.r);
-            }
+            read_lines(&text, &mut replies);
         }
         Ok(Self { path, replies })
     }
@@ -215,6 +219,15 @@ impl ReplyCache {
         f.write_all(buf.as_bytes()).with_context(|| format!("writing {}", self.path.display()))?;
         f.sync_data().with_context(|| format!("syncing {}", self.path.display()))?;
         Ok(())
+    }
+}
+
+/// Cache lines into `replies`; a line cut short by a crash is simply not there.
+fn read_lines(text: &str, replies: &mut HashMap<[u8; 32], Vec<u32>>) {
+    for line in text.lines() {
+        let Ok(l) = serde_json::from_str::<CacheLine>(line) else { continue };
+        let Some(hash) = hex32(&l.p) else { continue };
+        replies.insert(hash, l.r);
     }
 }
 
@@ -320,6 +333,16 @@ mod tests {
         assert_eq!(again.get(&a), Some(&vec![7, 2]));
         assert_eq!(again.get(&b), Some(&vec![9]));
         assert_eq!(again.get(&[5]), None);
+        // Replies shipped as `<key>.jsonl.gz` are read too; this machine's own lines win.
+        let mut gz = flate2::write::GzEncoder::new(std::fs::File::create(cache.path.with_extension("jsonl.gz")).unwrap(), flate2::Compression::fast());
+        let shipped = |prompt: &[u32], reply: &[u32]| {
+            let p: String = prompt_hash(prompt).iter().map(|b| format!("{b:02x}")).collect();
+            format!("{}\n", serde_json::to_string(&CacheLine { p, r: reply.to_vec() }).unwrap())
+        };
+        gz.write_all((shipped(&[5], &[6, 2]) + &shipped(&a, &[1])).as_bytes()).unwrap();
+        gz.finish().unwrap();
+        let seeded = ReplyCache::open(dir.path(), "abc", &req, &opts).unwrap();
+        assert_eq!((seeded.get(&[5]), seeded.get(&a)), (Some(&vec![6, 2]), Some(&vec![7, 2])));
         // Other settings, another file.
         let other = ReplyCache::open(dir.path(), "abc", &req, &DistillOptions { temperature: 0.7, ..opts }).unwrap();
         assert_ne!(other.path, cache.path);
