@@ -369,18 +369,11 @@ impl ChatData {
     fn prompt_window(&self, msgs: &[Message], end: usize) -> Result<Option<(usize, Vec<Message>, EncodedChat)>, PluginError> {
         let budget = self.cfg.max_len - self.cfg.distill_max_new_tokens;
         let system: Vec<Message> = msgs.iter().take(1).filter(|m| m.role == Role::System).cloned().collect();
-        let mut start = system.len();
-        loop {
+        earliest_fit(&window_starts(msgs, system.len(), end), budget, |start| {
             let window: Vec<Message> = system.iter().cloned().chain(msgs[start..end].iter().cloned()).collect();
             let enc = self.template().encode(self.tok(), &window, true, |_| false).map_err(|e| self.err(e))?;
-            if enc.ids.len() <= budget {
-                return Ok(Some((start, window, enc)));
-            }
-            match msgs[start + 1..end].iter().position(|m| m.role == Role::User) {
-                Some(p) => start = start + 1 + p,
-                None => return Ok(None),
-            }
-        }
+            Ok((window, enc))
+        })
     }
 
     /// Without distillation: the record up to its last reply, every reply trained, leading
@@ -388,25 +381,20 @@ impl ChatData {
     fn full_window(&self, msgs: &[Message]) -> Result<Option<EncodedChat>, PluginError> {
         let Some(end) = msgs.iter().rposition(|m| m.role == Role::Assistant) else { return Ok(None) };
         let system: Vec<Message> = msgs.iter().take(1).filter(|m| m.role == Role::System).cloned().collect();
-        let mut start = system.len();
-        loop {
+        let encode = |start: usize| {
             let window: Vec<Message> = system.iter().cloned().chain(msgs[start..=end].iter().cloned()).collect();
-            let mut enc = self
-                .template()
-                .encode(self.tok(), &window, false, |i| window[i].role == Role::Assistant)
-                .map_err(|e| self.err(e))?;
-            if enc.ids.len() <= self.cfg.max_len {
-                return Ok(Some(enc));
-            }
-            match msgs[start + 1..end].iter().position(|m| m.role == Role::User) {
-                Some(p) => start = start + 1 + p,
-                None => {
-                    enc.ids.truncate(self.cfg.max_len);
-                    enc.loss_mask.truncate(self.cfg.max_len);
-                    return Ok(enc.loss_mask.contains(&1).then_some(enc));
-                }
-            }
+            let enc = self.template().encode(self.tok(), &window, false, |i| window[i].role == Role::Assistant).map_err(|e| self.err(e))?;
+            Ok((window, enc))
+        };
+        let starts = window_starts(msgs, system.len(), end);
+        if let Some((_, _, enc)) = earliest_fit(&starts, self.cfg.max_len, encode)? {
+            return Ok(Some(enc));
         }
+        // Not even the last exchange fits: cut it.
+        let (_, mut enc) = encode(*starts.last().expect("the first message starts a window"))?;
+        enc.ids.truncate(self.cfg.max_len);
+        enc.loss_mask.truncate(self.cfg.max_len);
+        Ok(enc.loss_mask.contains(&1).then_some(enc))
     }
 
     /// The training example of record `i` (None: skipped, it does not fit).
@@ -713,6 +701,34 @@ impl ChatData {
         }
         Ok(out)
     }
+}
+
+/// Where a window of `msgs[..end]` may start: its first message after the system prompt, or any
+/// later user turn.
+fn window_starts(msgs: &[Message], first: usize, end: usize) -> Vec<usize> {
+    std::iter::once(first).chain((first + 1..end).filter(|&j| msgs[j].role == Role::User)).collect()
+}
+
+/// The earliest start whose window encodes to at most `budget` tokens. Fewer messages never take
+/// more tokens, so it is found by bisection: a scan rendered and tokenized a long conversation
+/// once for every exchange it dropped (15 ms a chitchat record).
+fn earliest_fit(
+    starts: &[usize],
+    budget: usize,
+    mut encode: impl FnMut(usize) -> Result<(Vec<Message>, EncodedChat), PluginError>,
+) -> Result<Option<(usize, Vec<Message>, EncodedChat)>, PluginError> {
+    let (mut lo, mut hi, mut fits) = (0, starts.len(), None);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        let (window, enc) = encode(starts[mid])?;
+        if enc.ids.len() <= budget {
+            fits = Some((starts[mid], window, enc));
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    Ok(fits)
 }
 
 /// `1 record`, `2 records`.
