@@ -118,7 +118,8 @@ pub enum Command {
     },
     /// Speculative-decoding eval of an experiment's drafter: real acceptance length tau,
     /// per-position acceptance, speed-up over the target alone; lossless check. Writes eval.json
-    /// (the newest checkpoint on the held-out records), else eval-[SET-]step-N.json or
+    /// (the newest checkpoint on the held-out test records), eval-validation.json (the newest
+    /// checkpoint on the validation records), else eval-[SET-]step-N.json or
     /// eval-[SET-]drafter-SHA.json.
     Eval {
         #[arg(long)]
@@ -129,8 +130,9 @@ pub enum Command {
         /// Evaluate this z-lab format drafter folder instead of a checkpoint.
         #[arg(long)]
         drafter: Option<PathBuf>,
-        /// `holdout` (records the config holds out; never trained on), `humaneval`, or a file
-        /// (chat records, or a benchmark's: see --prompt-format).
+        /// `holdout` (the test records the config holds out; never trained on), `validation`
+        /// (its validation records, `validation` in [data]), `humaneval`, or a file (chat
+        /// records, or a benchmark's: see --prompt-format).
         #[arg(long, default_value = "holdout")]
         prompts: String,
         /// How the --prompts file is laid out: chat records as [data] reads them, MT-Bench

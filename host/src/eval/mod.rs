@@ -27,7 +27,7 @@ use std::{
 };
 
 pub struct EvalOptions {
-    /// `holdout` or a chat JSONL file, through the data plugin.
+    /// `holdout`, `validation`, `humaneval` or a chat JSONL file, through the data plugin.
     pub source: String,
     pub limit: u32,
     pub max_new_tokens: u32,
@@ -46,7 +46,7 @@ impl EvalOptions {
         if self.max_new_tokens == 0 {
             bail!("--max-new-tokens 0: nothing would be decoded (no acceptance to measure); give at least 1");
         }
-        if !matches!(self.source.as_str(), "holdout" | "humaneval") {
+        if !is_named_set(&self.source) {
             input_files::open_regular(std::path::Path::new(&self.source)).map_err(|e| anyhow!("--prompts {e}"))?;
         }
         Ok(())
@@ -232,7 +232,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     // 2. Benchmark files become chat prompts for the data plugin.
     let converted = tempfile_dir()?;
     if args.prompt_format != PromptFormat::Chat {
-        if matches!(opts.source.as_str(), "holdout" | "humaneval") {
+        if is_named_set(&opts.source) {
             bail!("--prompt-format {:?} reads a file: give it with --prompts FILE", args.prompt_format);
         }
         let file = converted.join("prompts.jsonl");
@@ -307,6 +307,14 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     Ok(())
 }
 
+/// The results of the newest checkpoint on the validation prompts.
+pub const VALIDATION_FILE: &str = "eval-validation.json";
+
+/// Prompt sets the data plugin knows by name (anything else is a file).
+fn is_named_set(source: &str) -> bool {
+    matches!(source, "holdout" | "validation" | "humaneval")
+}
+
 /// What was evaluated: a checkpoint of the run, or a z-lab drafter folder and its weights' hash.
 #[derive(Debug, Clone, Serialize)]
 pub struct Evaluated {
@@ -319,12 +327,13 @@ pub struct Evaluated {
 }
 
 impl Evaluated {
-    /// The results file: `eval.json` for the run's newest checkpoint on its held-out records,
-    /// else named after the prompt set and the checkpoint or drafter, so no result overwrites
-    /// another's.
+    /// The results file: `eval.json` for the run's newest checkpoint on its held-out test
+    /// records (`eval-validation.json` on its validation records), else named after the prompt
+    /// set and the checkpoint or drafter, so no result overwrites another's.
     pub fn file_name(&self, set: Option<&str>, newest_step: Option<u64>) -> String {
         let what = match (self.checkpoint_step, &self.drafter) {
             (Some(s), _) if set.is_none() && Some(s) == newest_step => return "eval.json".into(),
+            (Some(s), _) if set == Some("validation") && Some(s) == newest_step => return VALIDATION_FILE.into(),
             (Some(s), _) => format!("step-{s}"),
             (None, _) => format!("drafter-{}", &self.drafter_sha256[..12]),
         };
@@ -357,6 +366,7 @@ mod tests {
     fn arguments_that_give_no_evaluation_are_refused() {
         let opts = |source: &str, limit, max_new_tokens| EvalOptions { source: source.into(), limit, max_new_tokens, time_split: false };
         opts("holdout", 32, 64).validate().unwrap();
+        opts("validation", 32, 64).validate().unwrap();
         let err = opts("holdout", 0, 64).validate().unwrap_err().to_string();
         assert!(err.starts_with("--limit 0"), "{err}");
         let err = opts("holdout", 32, 0).validate().unwrap_err().to_string();
@@ -377,5 +387,7 @@ mod tests {
         assert_eq!(e(Some(4), None).file_name(None, Some(8)), "eval-step-4.json");
         assert_eq!(e(None, Some("/z")).file_name(None, Some(8)), "eval-drafter-0123456789ab.json");
         assert_eq!(e(Some(8), None).file_name(Some("mt_bench"), Some(8)), "eval-mt_bench-step-8.json");
+        assert_eq!(e(Some(8), None).file_name(Some("validation"), Some(8)), "eval-validation.json");
+        assert_eq!(e(Some(4), None).file_name(Some("validation"), Some(8)), "eval-validation-step-4.json");
     }
 }
