@@ -94,9 +94,20 @@ pub struct CycleMs {
 }
 
 pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
+    open_data(c)?;
+    evaluate_opened(c, opts)
+}
+
+/// Open the data plugin with the target's tokenizer (once for any number of prompt sets).
+pub fn open_data(c: &mut Components) -> Result<()> {
     let tokenizer = c.target.tokenizer_json();
     c.names.check(PluginKind::Target, &c.target)?;
     c.data.open(tokenizer.as_rstr()).into_result().map_err(c.err(PluginKind::DataLoader, "open"))?;
+    Ok(())
+}
+
+/// [`evaluate`] with the data plugin opened already.
+pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
     let prompts = c.data.eval_prompts(opts.source.as_str().into(), opts.limit).into_result();
     let prompts = prompts.map_err(c.err(PluginKind::DataLoader, "eval_prompts"))?;
     if prompts.is_empty() {
@@ -220,11 +231,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
             let shown = d.canonicalize().unwrap_or_else(|_| d.clone());
             Evaluated { checkpoint_step: None, drafter: Some(shown.display().to_string()), drafter_sha256: sha }
         }
-        None => {
-            let ckpt = checkpoint::find(exp_dir, args.checkpoint)?;
-            let sha = crate::plugins::sha256_file(&ckpt.dir.join("model.safetensors"))?;
-            Evaluated { checkpoint_step: Some(ckpt.step), drafter: None, drafter_sha256: sha }
-        }
+        None => Evaluated::checkpoint(exp_dir, args.checkpoint)?,
     };
     let newest = checkpoint::newest_good(exp_dir).0.map(|c| c.step);
     let written = exp_dir.join(evaluated.file_name(prompts_name(&opts.source).as_deref(), newest));
@@ -249,12 +256,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     let _ = std::fs::remove_dir_all(&converted);
     report.source = args.prompts.clone();
     let tau_hat = experiment::metrics::last_number(exp_dir, "tau_hat");
-    let mut json = serde_json::to_value(&report)?;
-    json["tau_hat"] = tau_hat.into();
-    json["evaluated"] = serde_json::to_value(&evaluated)?;
-    json["prompt_format"] = format!("{:?}", args.prompt_format).to_lowercase().into();
-    json["loadavg_before"] = load_before.into();
-    json["loadavg_after"] = load_after.into();
+    let mut json = results_json(&report, &evaluated, exp_dir, args.prompt_format, (load_before, load_after))?;
     // 4. Print, then write the results whole.
     match (&evaluated.drafter, evaluated.checkpoint_step) {
         (Some(d), _) => say!("drafter      {d} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16]),
@@ -307,6 +309,20 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     Ok(())
 }
 
+/// What a results file holds: the report, the training tau-hat beside it, what was evaluated,
+/// and the machine's load before and after the timing.
+pub fn results_json(
+    report: &EvalReport, evaluated: &Evaluated, exp_dir: &Path, format: PromptFormat, (load_before, load_after): (Option<f64>, Option<f64>),
+) -> Result<serde_json::Value> {
+    let mut json = serde_json::to_value(report)?;
+    json["tau_hat"] = experiment::metrics::last_number(exp_dir, "tau_hat").into();
+    json["evaluated"] = serde_json::to_value(evaluated)?;
+    json["prompt_format"] = format!("{format:?}").to_lowercase().into();
+    json["loadavg_before"] = load_before.into();
+    json["loadavg_after"] = load_after.into();
+    Ok(json)
+}
+
 /// The results of the newest checkpoint on the validation prompts.
 pub const VALIDATION_FILE: &str = "eval-validation.json";
 
@@ -327,6 +343,13 @@ pub struct Evaluated {
 }
 
 impl Evaluated {
+    /// Checkpoint `step` of the run (default: the newest that verifies) and its weights' hash.
+    pub fn checkpoint(exp_dir: &Path, step: Option<u64>) -> Result<Self> {
+        let ckpt = checkpoint::find(exp_dir, step)?;
+        let sha = crate::plugins::sha256_file(&ckpt.dir.join("model.safetensors"))?;
+        Ok(Evaluated { checkpoint_step: Some(ckpt.step), drafter: None, drafter_sha256: sha })
+    }
+
     /// The results file: `eval.json` for the run's newest checkpoint on its held-out test
     /// records (`eval-validation.json` on its validation records), else named after the prompt
     /// set and the checkpoint or drafter, so no result overwrites another's.
