@@ -346,9 +346,12 @@ pub fn run(
     }
     // 3. Every seed at those values; the compared runs are evaluated on the test prompts too.
     let compared = plan.compared_runs(&chosen);
-    for (i, r) in compared.iter().enumerate() {
+    let later = compared.iter().filter(|r| r.seed != first[0].seed).count();
+    let mut k = 0;
+    for r in &compared {
         if r.seed != first[0].seed {
-            tracing::info!("A/B phase 2, run {}/{}: arm `{}`{}, seed {}", i + 1, compared.len(), r.arm, point_text(r), r.seed);
+            k += 1;
+            tracing::info!("A/B phase 2, run {k}/{later}: arm `{}`{}, seed {}", r.arm, point_text(r), r.seed);
             if let Some(code) = train_one(r, registry, print_summary)? {
                 return Ok((report, Some(code)));
             }

@@ -245,3 +245,30 @@ fn best_takes_the_first_of_equals_and_skips_the_unscored() {
     assert_eq!(select::best(&[None, Some(2.0), Some(1.0)], false), Some(2));
     assert_eq!(select::best(&[None, None], true), None);
 }
+
+#[test]
+fn the_ab_files_in_configs_plan() {
+    let configs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&configs).unwrap().map(|e| e.unwrap().path()).collect();
+    files.retain(|f| f.file_name().unwrap().to_string_lossy().starts_with("ab-"));
+    assert!(files.len() >= 3, "{files:?}");
+    for f in files {
+        plan(&f, None, Path::new("experiments")).unwrap_or_else(|e| panic!("{}: {e:#}", f.display()));
+    }
+    let p = plan(&configs.join("ab-adamw-vs-muon-lr.toml"), None, Path::new("experiments")).unwrap();
+    let first: Vec<String> = p.first_seed_runs().map(folder).collect();
+    assert_eq!(
+        first,
+        [
+            "adamw-lr=0.001-s0",
+            "adamw-lr=0.003-s0",
+            "adamw-lr=0.01-s0",
+            "muon-adamw.lr=0.001-optimizer.lr=0.001-s0",
+            "muon-adamw.lr=0.003-optimizer.lr=0.003-s0",
+            "muon-adamw.lr=0.01-optimizer.lr=0.01-s0"
+        ]
+    );
+    assert_eq!((p.select, p.eval.as_ref().map(|e| e.limit)), (Some(Select::ValTau), Some(32)));
+    let muon = p.first_seed_runs().nth(4).unwrap().config.section("optimizer");
+    assert!(muon.config_toml.contains("lr = 0.003") && muon.config_toml.contains("adjust_lr"), "{}", muon.config_toml);
+}

@@ -493,7 +493,8 @@ pub fn render_markdown(runs: &[Run], cmp: &Comparison, sweeps: &Sweeps, plots: &
     }
     if !plots.is_empty() || !plot_errors.is_empty() {
         s += "## Plots\n\n";
-        for (stem, title) in plots {
+        // Sweep plots are shown with their sweeps.
+        for (stem, title) in plots.iter().filter(|(stem, _)| !sweeps.arms().any(|(_, _, a)| *stem == sweep_plot_stem(&a.arm))) {
             let _ = writeln!(s, "### {title}\n\n![{title}]({stem}.png)\n\n[SVG]({stem}.svg)\n");
         }
         for e in plot_errors {
