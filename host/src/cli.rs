@@ -104,9 +104,12 @@ pub enum Command {
         group_by: Option<String>,
     },
     /// Run an A/B: arms that differ only in what the A/B config names, each over several seeds,
-    /// side by side in experiments/<name>/, then a comparison report.
+    /// side by side in experiments/<name>/, then a comparison report. An arm that sweeps fields
+    /// runs each value with the first seed, keeps the best on the validation split
+    /// (selection.json), then runs the other seeds at it.
     Ab {
-        /// The A/B config (TOML: name, base, seeds, [arms.<name>]).
+        /// The A/B config (TOML: name, base, seeds, select, [common], [eval], [arms.<name>] with
+        /// an optional `sweep`).
         #[arg(long)]
         config: PathBuf,
         /// Seeds 0..N (overrides the file's `seeds`).
