@@ -36,6 +36,23 @@ impl PromptSet {
     }
 }
 
+/// `[eval]` needs both prompt sets; with the built-in data plugin that is checked before any run
+/// (another plugin says so when asked).
+pub fn check(cfg: &crate::config::RunConfig) -> Result<()> {
+    let data = cfg.section("data");
+    if data.plugin == "chat" {
+        let s: data_chat::ChatSection = plugin_api::parse_section(&data.config_toml).map_err(|e| anyhow::anyhow!("[data] {e}"))?;
+        if s.validation == 0 || s.eval_holdout == 0 {
+            anyhow::bail!(
+                "[eval] decodes the validation and the test prompts, but [data] has `validation = {}`, `eval_holdout = {}`: hold records out for both",
+                s.validation,
+                s.eval_holdout
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Evaluate `dir`'s newest checkpoint on each of `sets` whose results file is missing (the
 /// target and drafter loaded once for all).
 pub fn ensure(dir: &Path, registry: &Registry, spec: &EvalSpec, sets: &[PromptSet]) -> Result<()> {

@@ -241,6 +241,9 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path) -> Result<Plan> {
                 t.insert("seed".into(), toml::Value::Integer(seed as i64));
                 let config: RunConfig = t.try_into().map_err(|e: toml::de::Error| bad(&e.message()))?;
                 config.validate().map_err(|e| bad(&e))?;
+                if ab.eval.is_some() {
+                    evals::check(&config).map_err(|e| bad(&e))?;
+                }
                 if let (Some(select), Some(p)) = (select, &point) {
                     select.check(&config, ab.eval.is_some()).map_err(|e| bad(&format!("{}: {e}", p.label)))?;
                 }

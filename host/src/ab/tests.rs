@@ -123,7 +123,7 @@ base = "base.toml"
 seeds = [0, 1]
 [common]
 train = { steps = 7, eval_every = 5 }
-data = { validation = 2 }
+data = { validation = 2, eval_holdout = 3 }
 [arms.adamw]
 sweep = { "optimizer.lr" = [1e-3, 3e-3, 1e-2] }
 [arms.muon]
@@ -180,6 +180,7 @@ fn a_sweep_without_a_validation_measure_is_refused_before_any_run() {
         (("eval_every = 5", "eval_every = 0"), "lr=0.001: chosen by val_tau_hat, but `train.eval_every` is 0"),
         (("name = \"opt\"", "name = \"opt\"\nselect = \"val_tau\""), "lr=0.001: chosen by val_tau (real tau on the validation prompts), but the A/B has no [eval] table"),
         (("validation = 2", "validation = 0"), "[data] has `validation = 0`"),
+        (("eval_holdout = 3 }\n", "eval_holdout = 0 }\n[eval]\n"), "[eval] decodes the validation and the test prompts, but [data] has `validation = 2`, `eval_holdout = 0`"),
         (("\"optimizer.lr\" = [1e-3, 3e-3, 1e-2]", "\"train.stepz\" = [1, 2]"), "arm `adamw`: unknown field `stepz`"),
         (("name = \"opt\"", "name = \"opt\"\nselect = \"test_tau\""), "unknown variant `test_tau`"),
     ] {
