@@ -288,10 +288,11 @@ fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
     common::require_model();
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("base.toml"), tiny().replace("keep_checkpoints = 1", "keep_checkpoints = 3").replace("checkpoint_every = 4", "checkpoint_every = 1")).unwrap();
+    // Arm b sweeps its learning rate, chosen on the validation split's tau-hat.
     std::fs::write(
         dir.path().join("ab.toml"),
-        "name = \"rerun\"\nbase = \"base.toml\"\nseeds = [0]\n[common]\ntrain = { steps = 3 }\n\
-         [arms.a]\noptimizer = { lr = 3e-3 }\n[arms.b]\noptimizer = { lr = 1e-3 }\n",
+        "name = \"rerun\"\nbase = \"base.toml\"\nseeds = [0]\n[common]\ntrain = { steps = 3, eval_every = 3 }\n\
+         data = { validation = 2 }\n[arms.a]\noptimizer = { lr = 3e-3 }\n[arms.b]\nsweep = { \"optimizer.lr\" = [1e-3, 2e-3] }\n",
     )
     .unwrap();
     let ab = || {
@@ -305,7 +306,13 @@ fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
     };
     let out = ab();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let (a, b) = (dir.path().join("experiments/rerun/a-s0"), dir.path().join("experiments/rerun/b-s0"));
+    let (a, b) = (dir.path().join("experiments/rerun/a-s0"), dir.path().join("experiments/rerun/b-lr=0.001-s0"));
+    let selection: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("experiments/rerun/selection.json")).unwrap()).unwrap();
+    let scores: Vec<f64> = selection["arms"][0]["points"].as_array().unwrap().iter().map(|p| p["score"].as_f64().unwrap()).collect();
+    let chosen = if scores[1] > scores[0] { "lr=0.002" } else { "lr=0.001" };
+    assert_eq!((selection["select"].as_str(), selection["arms"][0]["chosen"].as_str()), (Some("val_tau_hat"), Some(chosen)), "{selection}");
+    let md = std::fs::read_to_string(dir.path().join("reports/rerun/report.md")).unwrap();
+    assert!(md.contains("## Sweeps") && md.contains("| b | 1 |"), "{md}");
     // Arm a as if killed after step 2; arm b finished.
     std::fs::remove_file(a.join("summary.json")).unwrap();
     std::fs::remove_dir_all(a.join("checkpoints/step-3")).unwrap();
@@ -315,7 +322,7 @@ fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("is unfinished: resuming it") && err.contains("resuming from") && err.contains("step-2"), "{err}");
-    assert!(err.contains(&format!("{} is complete already", b.display())) || err.contains("b-s0 is complete already"), "{err}");
+    assert!(err.contains("b-lr=0.001-s0 is complete already") && err.contains("b-lr=0.002-s0 is complete already"), "{err}");
     assert!(a.join("summary.json").exists());
     // The report goes where --out says, not into the A/B folder.
     assert!(dir.path().join("reports/rerun/report.md").exists() && !dir.path().join("experiments/rerun/report").exists());

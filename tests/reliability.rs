@@ -17,12 +17,14 @@ use std::{
 const STEPS: u64 = 30;
 
 /// A 30-step run with a checkpoint every step, no feature cache (features recomputed after a
-/// resume round like the first time only without it: see docs/EXPERIMENTS.md, "Resume").
+/// resume round like the first time only without it: see docs/EXPERIMENTS.md, "Resume"), and
+/// the validation split scored every 10 steps (its scores must survive a resume too).
 fn config() -> String {
     common::tiny_config(
-        &format!("name = \"rel\"\nseed = 3\n[train]\nsteps = {STEPS}\nanchors_per_seq = 8\nlog_every = 3\ncheckpoint_every = 1\nkeep_checkpoints = 3\nhidden_cache_mb = 0"),
+        &format!("name = \"rel\"\nseed = 3\n[train]\nsteps = {STEPS}\nanchors_per_seq = 8\nlog_every = 3\neval_every = 10\ncheckpoint_every = 1\nkeep_checkpoints = 3\nhidden_cache_mb = 0"),
         "plugin = \"adamw\"\nlr = 3e-3",
     )
+    .replace("eval_holdout = 3", "eval_holdout = 3\nvalidation = 2")
 }
 
 fn host() -> Command {
@@ -57,7 +59,8 @@ fn resume(exp: &Path, extra: &[&str]) -> Command {
 
 /// metrics.jsonl without the timing fields, which no two runs share.
 fn metrics(exp: &Path) -> Vec<serde_json::Value> {
-    common::metrics(exp, &["step", "epoch", "tokens", "draft_tokens", "loss", "acc", "tau_hat", "lr", "grad_norm", "skipped_steps"])
+    let keys = ["step", "epoch", "tokens", "draft_tokens", "loss", "acc", "tau_hat", "lr", "grad_norm", "skipped_steps"];
+    common::metrics(exp, &[&keys[..], &["val_loss", "val_acc", "val_tau_hat"]].concat())
 }
 
 fn final_weights(exp: &Path) -> Vec<u8> {
@@ -88,6 +91,14 @@ fn stop_and_resume_equals_the_uninterrupted_run_bit_for_bit() {
     ok(resume(&exp, &[]).output().unwrap());
     assert_eq!(&metrics(&exp), want_metrics);
     assert!(&final_weights(&exp) == want_weights, "final weights differ from the uninterrupted run's");
+    // The validation split was scored at steps 10, 20 and 30 (each logged, off the log_every
+    // grid), on every label of its 2 sequences, and nowhere else.
+    let scored: Vec<u64> = want_metrics.iter().filter(|m| m["val_loss"].is_number()).map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(scored, [10, 20, 30]);
+    let last = want_metrics.last().unwrap();
+    assert_eq!(last["val_acc"].as_array().unwrap().len(), 3);
+    assert!(last["val_tau_hat"].as_f64().unwrap() >= 1.0 && last["val_loss"].as_f64().unwrap() > 0.0, "{last}");
+    assert!(want_metrics.iter().all(|m| m["val_loss"].is_number() || m["val_acc"].is_null()));
     let out = resume(&exp, &[]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("nothing to do: the run is at step {STEPS} of {STEPS}")));
 }

@@ -104,9 +104,12 @@ pub enum Command {
         group_by: Option<String>,
     },
     /// Run an A/B: arms that differ only in what the A/B config names, each over several seeds,
-    /// side by side in experiments/<name>/, then a comparison report.
+    /// side by side in experiments/<name>/, then a comparison report. An arm that sweeps fields
+    /// runs each value with the first seed, keeps the best on the validation split
+    /// (selection.json), then runs the other seeds at it.
     Ab {
-        /// The A/B config (TOML: name, base, seeds, [arms.<name>]).
+        /// The A/B config (TOML: name, base, seeds, select, [common], [eval], [arms.<name>] with
+        /// an optional `sweep`).
         #[arg(long)]
         config: PathBuf,
         /// Seeds 0..N (overrides the file's `seeds`).
@@ -118,7 +121,8 @@ pub enum Command {
     },
     /// Speculative-decoding eval of an experiment's drafter: real acceptance length tau,
     /// per-position acceptance, speed-up over the target alone; lossless check. Writes eval.json
-    /// (the newest checkpoint on the held-out records), else eval-[SET-]step-N.json or
+    /// (the newest checkpoint on the held-out test records), eval-validation.json (the newest
+    /// checkpoint on the validation records), else eval-[SET-]step-N.json or
     /// eval-[SET-]drafter-SHA.json.
     Eval {
         #[arg(long)]
@@ -129,8 +133,9 @@ pub enum Command {
         /// Evaluate this z-lab format drafter folder instead of a checkpoint.
         #[arg(long)]
         drafter: Option<PathBuf>,
-        /// `holdout` (records the config holds out; never trained on), `humaneval`, or a file
-        /// (chat records, or a benchmark's: see --prompt-format).
+        /// `holdout` (the test records the config holds out; never trained on), `validation`
+        /// (its validation records, `validation` in [data]), `humaneval`, or a file (chat
+        /// records, or a benchmark's: see --prompt-format).
         #[arg(long, default_value = "holdout")]
         prompts: String,
         /// How the --prompts file is laid out: chat records as [data] reads them, MT-Bench

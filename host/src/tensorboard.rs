@@ -80,8 +80,9 @@ impl EventWriter {
 
 /// Write every numeric field of one metrics record (a `StepMetrics` as JSON) as a scalar at its
 /// `step`, in one event, and flush. Tags are grouped as TensorBoard shows sections (see
-/// [`tag`]); arrays become `key/k` with k from 1 (`acc`: `train/acc/pos1`, the block position);
-/// nested objects `key/sub`. `step` itself is the x axis, not a scalar.
+/// [`tag`]); arrays become `key/k` with k from 1 (`acc`: `train/acc/pos1`, the block position;
+/// `val_acc`: `validation/acc/pos1`); nested objects `key/sub`. `step` itself is the x axis, not
+/// a scalar.
 pub fn log_metrics(writer: &mut EventWriter, record: &Value) -> io::Result<()> {
     let step = record
         .get("step")
@@ -90,10 +91,11 @@ pub fn log_metrics(writer: &mut EventWriter, record: &Value) -> io::Result<()> {
     let mut values = Vec::new();
     if let Value::Object(map) = record {
         for (key, v) in map {
-            if key == "acc" {
+            if key == "acc" || key == "val_acc" {
                 if let Value::Array(items) = v {
+                    let group = if key == "acc" { "train" } else { "validation" };
                     for (i, item) in items.iter().enumerate() {
-                        flatten(&format!("train/acc/pos{}", i + 1), item, &mut values);
+                        flatten(&format!("{group}/acc/pos{}", i + 1), item, &mut values);
                     }
                 }
             } else if key != "step" {
@@ -106,14 +108,18 @@ pub fn log_metrics(writer: &mut EventWriter, record: &Value) -> io::Result<()> {
 }
 
 /// A metric's TensorBoard tag: `train/` what the drafter learns (loss, tau_hat, lr, gradient
-/// norm, counters), `pipeline/` how the stages move (rates, stage seconds, the hidden-state
-/// buffer), `system/` the machine (memory, GPUs, time).
+/// norm, counters), `validation/` the validation split's scores (`val_*`), `pipeline/` how the
+/// stages move (rates, stage seconds, the hidden-state buffer), `system/` the machine (memory,
+/// GPUs, time).
 pub fn tag(key: &str) -> String {
     const PIPELINE: &[&str] = &[
         "tok_per_s", "draft_tok_per_s", "target_s", "drafter_s", "optim_s", "wait_s", "target_busy", "drafter_busy", "q_hs",
         "q_hs_now", "hs_bytes", "hs_peak_bytes", "hs_total_bytes",
     ];
     const SYSTEM: &[&str] = &["peak_rss_mb", "gpu_util", "gpu_power_w", "gpu_mem_mb", "eta_s", "elapsed_s"];
+    if let Some(rest) = key.strip_prefix("val_") {
+        return format!("validation/{rest}");
+    }
     let group = if PIPELINE.contains(&key) {
         "pipeline"
     } else if SYSTEM.contains(&key) {
@@ -480,6 +486,7 @@ mod tests {
         assert_eq!(get("train/acc/pos2"), 0.25);
         assert_eq!(get("train/loss"), 7.0987f32);
         assert_eq!(tag("q_hs"), "pipeline/q_hs");
+        assert_eq!(tag("val_tau_hat"), "validation/tau_hat");
         assert!(log_metrics(&mut w, &serde_json::json!({"loss": 1.0})).is_err(), "a record without step is refused");
     }
 }

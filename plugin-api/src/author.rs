@@ -164,6 +164,17 @@ pub struct TrainBatch {
     pub sequence_ids: Vec<u64>,
 }
 
+impl TrainBatch {
+    fn into_abi(self) -> crate::Batch {
+        crate::Batch {
+            input_ids: self.input_ids.into(),
+            loss_mask: self.loss_mask.into(),
+            lengths: self.lengths.into(),
+            sequence_ids: self.sequence_ids.into(),
+        }
+    }
+}
+
 /// The data loader (the ABI's [`DataLoader`], in plain Rust).
 pub trait DataLoaderPlugin: Send + 'static {
     /// Read and tokenize with the target's tokenizer (`tokenizer.json` text).
@@ -202,6 +213,11 @@ pub trait DataLoaderPlugin: Send + 'static {
     fn export_distilled(&self, path: &str) -> Result<u64, PluginError> {
         let _ = path;
         Err(PluginError::new("this data loader cannot export its self-distilled replies"))
+    }
+
+    /// The validation split as batches, never trained on, the same every call (empty: none).
+    fn validation_batches(&mut self) -> Result<Vec<TrainBatch>, PluginError> {
+        Ok(Vec::new())
     }
 }
 
@@ -462,16 +478,7 @@ impl<T: DataLoaderPlugin> DataLoader for T {
     }
 
     fn next_batch(&mut self) -> RResult<ROption<crate::Batch>, PluginError> {
-        fallible(poison(self), || {
-            Ok(DataLoaderPlugin::next_batch(self)?
-                .map(|b| crate::Batch {
-                    input_ids: b.input_ids.into(),
-                    loss_mask: b.loss_mask.into(),
-                    lengths: b.lengths.into(),
-                    sequence_ids: b.sequence_ids.into(),
-                })
-                .into())
-        })
+        fallible(poison(self), || Ok(DataLoaderPlugin::next_batch(self)?.map(TrainBatch::into_abi).into()))
     }
 
     fn position(&self) -> DataPosition {
@@ -494,6 +501,10 @@ impl<T: DataLoaderPlugin> DataLoader for T {
 
     fn export_distilled(&self, path: RStr<'_>) -> RResult<u64, PluginError> {
         fallible(poison(self), || DataLoaderPlugin::export_distilled(self, path.as_str()))
+    }
+
+    fn validation_batches(&mut self) -> RResult<RVec<crate::Batch>, PluginError> {
+        fallible(poison(self), || Ok(DataLoaderPlugin::validation_batches(self)?.into_iter().map(TrainBatch::into_abi).collect()))
     }
 }
 

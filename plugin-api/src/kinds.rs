@@ -317,8 +317,11 @@ pub trait DataLoader: Send {
     fn seek(&mut self, position: DataPosition) -> RResult<(), PluginError>;
 
     /// Evaluation prompts, never trained on (ABI 1.1): `source` is `holdout` (records the config
-    /// holds out), a named set the plugin knows (`humaneval` for data_chat) or a chat JSONL file;
-    /// each ends with the generation prompt; at most `limit`.
+    /// holds out: the test prompts), `validation` (the prompts of [`validation_batches`]'s
+    /// sequences, ABI 1.6), a named set the plugin knows (`humaneval` for data_chat) or a chat
+    /// JSONL file; each ends with the generation prompt; at most `limit`.
+    ///
+    /// [`validation_batches`]: Self::validation_batches
     #[sabi(last_prefix_field)]
     fn eval_prompts(&mut self, source: RStr<'_>, limit: u32) -> RResult<RVec<RVec<u32>>, PluginError>;
 
@@ -333,6 +336,14 @@ pub trait DataLoader: Send {
     fn export_distilled(&self, path: RStr<'_>) -> RResult<u64, PluginError> {
         let _ = path;
         RResult::RErr(PluginError::new("this data loader cannot export its self-distilled replies"))
+    }
+
+    /// The validation split as batches (ABI 1.6): sequences never trained on, disjoint from the
+    /// `holdout` evaluation prompts, the same batches in the same order at every call (after
+    /// self-distillation, like `next_batch`). Their prompts are `eval_prompts("validation")`.
+    /// Empty when the loader has none, as for a loader built before this method existed.
+    fn validation_batches(&mut self) -> RResult<RVec<Batch>, PluginError> {
+        RResult::ROk(RVec::new())
     }
 }
 

@@ -1,13 +1,16 @@
 //! `dflash-host compare DIR...`: compare experiment directories at equal target tokens.
 //!
 //! Reads each run's `config.toml`, `manifest.json`, `metrics.jsonl`, `summary.json` (present =
-//! finished) and optional `eval.json` (`tau`: measured acceptance length), groups runs (manifest
-//! `arm`, else config `name`, or `--group-by KEY`), and writes `report.md` plus PNG and SVG plots
-//! into the output folder, and prints the tables. Every run is read at one token count T, the
-//! smallest final token count among finished runs, interpolating linearly between logged records.
-//! Broken or unfinished runs are reported, never fatal.//!
-//! Files: `runs.rs` reads the folders, `stats.rs` compares them at equal tokens, `report.rs`
-//! writes the tables, `plot.rs` the plots; this file runs the command.
+//! finished) and optional `eval.json` (`tau`: measured acceptance length on the test prompts) and
+//! `eval-validation.json`, groups runs (manifest `arm`, else config `name`, or `--group-by KEY`),
+//! and writes `report.md` plus PNG and SVG plots into the output folder, and prints the tables.
+//! Every run is read at one token count T, the smallest final token count among finished runs,
+//! interpolating linearly between logged records, and at one training time W likewise. An A/B
+//! folder's `selection.json` shows each swept arm's values as its sweep, and only its runs at the
+//! chosen value are compared. Broken or unfinished runs are reported, never fatal.
+//!
+//! Files: `runs.rs` reads the folders, `sweep.rs` the sweeps, `stats.rs` compares them at equal
+//! tokens and time, `report.rs` writes the tables, `plot.rs` the plots; this file runs the command.
 
 
 use anyhow::{anyhow, Context, Result};
@@ -22,11 +25,13 @@ mod plot;
 mod report;
 mod runs;
 mod stats;
+mod sweep;
 
 use plot::*;
 use report::*;
 pub use runs::*;
 pub use stats::*;
+pub use sweep::*;
 
 // ---------------------------------------------------------------------------------------------
 // Entry point
@@ -79,13 +84,17 @@ pub fn run(dirs: &[PathBuf], out: Option<&Path>, group_by: Option<&str>) -> Resu
     let out = out.map_or_else(|| default_out(dirs), Path::to_path_buf);
     let dirs = &expand_dirs(dirs);
     fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let runs = load_runs(dirs, group_by);
+    let all = load_runs(dirs, group_by);
+    // A swept arm's values other than the chosen one are its sweep, not its comparison.
+    let (selections, notes) = read_selections(&all);
+    let runs: Vec<Run> = all.iter().filter(|r| !is_unchosen(r, &selections)).cloned().collect();
+    let sweeps = Sweeps { selections, runs: all, notes };
     let cmp = compare(&runs);
-    let (plots, plot_errors) = write_plots(&runs, &cmp, &out);
+    let (plots, plot_errors) = write_plots(&runs, &cmp, &sweeps, &out);
     let report = out.join("report.md");
-    fs::write(&report, render_markdown(&runs, &cmp, &plots, &plot_errors))
+    fs::write(&report, render_markdown(&runs, &cmp, &sweeps, &plots, &plot_errors))
         .with_context(|| format!("writing {}", report.display()))?;
-    crate::say!("{}", render_terminal(&runs, &cmp).trim_end_matches('\n'));
+    crate::say!("{}", render_terminal(&runs, &cmp, &sweeps).trim_end_matches('\n'));
     for e in &plot_errors {
         crate::say!("plot failed: {e}");
     }

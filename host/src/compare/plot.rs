@@ -384,16 +384,23 @@ pub(super) fn interp(records: &[Record], t: f64, metric: fn(&Record) -> f64) -> 
     Some(lerp(metric(a), metric(b), (t - a.tokens) / (b.tokens - a.tokens)))
 }
 
-/// Write the three figures; returns (stem, title) of those written and the errors of the rest.
-pub fn write_plots(runs: &[Run], cmp: &Comparison, out: &Path) -> (Vec<(String, String)>, Vec<String>) {
+/// Write the figures; returns (stem, title) of those written and the errors of the rest.
+pub fn write_plots(runs: &[Run], cmp: &Comparison, sweeps: &Sweeps, out: &Path) -> (Vec<(String, String)>, Vec<String>) {
     let (mut done, mut errors) = (Vec::new(), Vec::new());
-    if cmp.tokens.is_none() {
-        return (done, errors);
-    }
     let mut attempt = |stem: &str, title: &str, result: Result<()>| match result {
         Ok(()) => done.push((stem.to_string(), title.to_string())),
         Err(e) => errors.push(format!("{stem}: {e:#}")),
     };
+    // Each swept arm: its validation score against the swept value (one numeric field).
+    for (_, sel, arm) in sweeps.arms() {
+        if let Some(fig) = SweepFigure::new(sel, arm) {
+            let stem = sweep_plot_stem(&arm.arm);
+            attempt(&stem, &format!("{} sweep", arm.arm), save(&fig, out, &stem));
+        }
+    }
+    if cmp.tokens.is_none() {
+        return (done, errors);
+    }
     let loss = CurveFigure::new("Loss vs target tokens", "loss (log scale)", true, runs, cmp, |r| r.loss);
     attempt("loss_vs_tokens", "Loss vs tokens", save(&loss, out, "loss_vs_tokens"));
     let mut tau = CurveFigure::new("tau_hat (expected acceptance length) vs target tokens", "tau_hat", false, runs, cmp, |r| r.tau_hat);
@@ -426,6 +433,15 @@ pub fn write_plots(runs: &[Run], cmp: &Comparison, out: &Path) -> (Vec<(String, 
         let gn = CurveFigure::new("Gradient norm (before clipping) vs target tokens", "gradient norm (log scale)", true, runs, cmp, |r| r.grad_norm);
         attempt("grad_norm_vs_tokens", "Gradient norm vs tokens", save(&gn, out, "grad_norm_vs_tokens"));
     }
+    // The validation split's scores, at the tokens each evaluation had trained on.
+    let vals: Vec<Run> = runs.iter().map(val_points).collect();
+    if vals.iter().any(|r| !r.records.is_empty()) {
+        let loss = CurveFigure::new("Validation loss vs target tokens", "validation loss (log scale)", true, &vals, cmp, |r| r.loss);
+        attempt("val_loss_vs_tokens", "Validation loss vs tokens", save(&loss, out, "val_loss_vs_tokens"));
+        let mut tau = CurveFigure::new("Validation tau_hat vs target tokens", "validation tau_hat", false, &vals, cmp, |r| r.tau_hat);
+        tau.legend = SeriesLabelPosition::LowerRight;
+        attempt("val_tau_hat_vs_tokens", "Validation tau_hat vs tokens", save(&tau, out, "val_tau_hat_vs_tokens"));
+    }
     // Measured tau of the evaluated checkpoints, at the tokens each had trained on.
     let evals: Vec<Run> = runs.iter().map(eval_points).collect();
     if evals.iter().any(|r| !r.records.is_empty()) {
@@ -452,4 +468,121 @@ fn eval_points(run: &Run) -> Run {
     points.sort_by(|a, b| a.tokens.total_cmp(&b.tokens));
     points.dedup_by(|a, b| a.tokens == b.tokens);
     Run { records: points, ..run.clone() }
+}
+
+/// A run whose records are its validation scores (loss, tau-hat, accuracy), at their tokens.
+fn val_points(run: &Run) -> Run {
+    let records = run
+        .val
+        .iter()
+        .map(|v| Record {
+            step: v.step,
+            tokens: v.tokens,
+            loss: v.loss,
+            acc: v.acc.clone(),
+            tau_hat: v.tau_hat,
+            elapsed_s: f64::NAN,
+            lr: f64::NAN,
+            grad_norm: f64::NAN,
+        })
+        .collect();
+    Run { records, ..run.clone() }
+}
+
+/// One swept arm: the score that chose against the swept field's value (log scale when the
+/// values span a decade or more), the chosen value ringed.
+pub(super) struct SweepFigure {
+    title: String,
+    field: String,
+    measure: String,
+    /// (value, score, chosen).
+    points: Vec<(f64, f64, bool)>,
+    log_x: bool,
+}
+
+impl SweepFigure {
+    /// None unless the arm sweeps one numeric field and some value has a score.
+    fn new(sel: &Selection, arm: &ArmSweep) -> Option<Self> {
+        let [field] = arm.fields.as_slice() else { return None };
+        let points: Vec<(f64, f64, bool)> = arm
+            .points
+            .iter()
+            .filter_map(|p| Some((p.values.get(field)?.as_f64()?, p.score?, p.label == arm.chosen)))
+            .filter(|(x, y, _)| x.is_finite() && y.is_finite())
+            .collect();
+        if points.is_empty() {
+            return None;
+        }
+        let (lo, hi) = points.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.0), b.max(p.0)));
+        Some(Self {
+            title: format!("{}: {} vs {field} (seed {})", arm.arm, sel.select, sel.seed),
+            field: field.clone(),
+            measure: format!("{} ({} is better)", sel.select, if sel.higher_is_better { "higher" } else { "lower" }),
+            log_x: lo > 0.0 && hi / lo >= 10.0,
+            points,
+        })
+    }
+
+    fn draw_on<DB: DrawingBackend, X>(&self, root: &DrawingArea<DB, Shift>, x: X, y: Range<f64>) -> Result<()>
+    where
+        X: AsRangedCoord<Value = f64>,
+        X::CoordDescType: Ranged<ValueType = f64> + ValueFormatter<f64>,
+    {
+        let mut chart = ChartBuilder::on(root)
+            .caption(&self.title, (FONT, 24))
+            .margin(18)
+            .x_label_area_size(50)
+            .y_label_area_size(70)
+            .build_cartesian_2d(x, y.clone())
+            .map_err(plot_err)?;
+        let decimals = tick_decimals(y.end - y.start);
+        chart
+            .configure_mesh()
+            .x_desc(self.field.as_str())
+            .y_desc(self.measure.as_str())
+            .x_label_formatter(&|v| trim_decimals(*v, 6))
+            .y_label_formatter(&|v| trim_decimals(*v, decimals))
+            .label_style((FONT, 14))
+            .axis_desc_style((FONT, 16))
+            .light_line_style(RGBColor(240, 240, 240))
+            .bold_line_style(RGBColor(215, 215, 215))
+            .draw()
+            .map_err(plot_err)?;
+        let color = COLORS[0];
+        let mut line: Vec<(f64, f64)> = self.points.iter().map(|p| (p.0, p.1)).collect();
+        line.sort_by(|a, b| a.0.total_cmp(&b.0));
+        chart.draw_series(LineSeries::new(line.iter().copied(), color.stroke_width(2))).map_err(plot_err)?;
+        chart.draw_series(line.iter().map(|&p| Circle::new(p, 5, color.filled()))).map_err(plot_err)?;
+        let chosen = COLORS[3];
+        chart
+            .draw_series(self.points.iter().filter(|p| p.2).map(|p| Circle::new((p.0, p.1), 10, chosen.stroke_width(3))))
+            .map_err(plot_err)?
+            .label("chosen")
+            .legend(move |(x, y)| Circle::new((x + 12, y), 6, chosen.stroke_width(3)));
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(RGBColor(180, 180, 180))
+            .label_font((FONT, 14))
+            .draw()
+            .map_err(plot_err)?;
+        Ok(())
+    }
+}
+
+impl Figure for SweepFigure {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
+        root.fill(&WHITE).map_err(plot_err)?;
+        let (xlo, xhi) = self.points.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.0), b.max(p.0)));
+        let (ylo, yhi) = self.points.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.1), b.max(p.1)));
+        let ypad = ((yhi - ylo) * 0.1).max(1e-3 * yhi.abs().max(1.0));
+        let y = (ylo - ypad)..(yhi + ypad);
+        if self.log_x {
+            self.draw_on(root, LogAxis((xlo / 1.5)..(xhi * 1.5)), y)
+        } else {
+            let xpad = ((xhi - xlo) * 0.08).max(1e-3 * xhi.abs().max(1e-12));
+            self.draw_on(root, (xlo - xpad)..(xhi + xpad), y)
+        }
+    }
 }

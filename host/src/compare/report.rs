@@ -144,6 +144,87 @@ pub(super) fn group_table(cmp: &Comparison) -> Table {
     Table { header: header.map(String::from).to_vec(), rows, text_cols: 2 }
 }
 
+/// Each group on held-out data: the validation split at each run's end (loss, tau-hat, real
+/// tau on its prompts) and real tau on the test prompts.
+pub(super) fn held_out_table(cmp: &Comparison) -> Table {
+    let header = ["group", "runs", "val loss", "val tau_hat", "val tau (eval)", "test tau (eval)"];
+    let rows = cmp
+        .groups
+        .iter()
+        .map(|g| {
+            let n = g.members.len();
+            vec![
+                g.name.clone(),
+                n.to_string(),
+                fmt_stat(g.val_loss, 4, n),
+                fmt_stat(g.val_tau_hat, 3, n),
+                fmt_stat(g.val_eval_tau, 3, n),
+                fmt_stat(g.eval_tau, 3, n),
+            ]
+        })
+        .collect();
+    Table { header: header.map(String::from).to_vec(), rows, text_cols: 2 }
+}
+
+pub(super) fn has_held_out(cmp: &Comparison) -> bool {
+    cmp.groups.iter().any(|g| g.val_loss.is_some() || g.val_tau_hat.is_some() || g.val_eval_tau.is_some() || g.eval_tau.is_some())
+}
+
+/// Each group after W training seconds.
+pub(super) fn wall_table(cmp: &Comparison) -> Table {
+    let header = ["group", "runs", "loss @W", "tau_hat @W", "tokens @W"];
+    let rows = cmp
+        .groups
+        .iter()
+        .map(|g| {
+            let n = g.members.len();
+            vec![g.name.clone(), n.to_string(), fmt_stat(g.loss_at_wall, 4, n), fmt_stat(g.tau_hat_at_wall, 3, n), fmt_stat(g.tokens_at_wall, 0, n)]
+        })
+        .collect();
+    Table { header: header.map(String::from).to_vec(), rows, text_cols: 2 }
+}
+
+/// One swept arm's values: the score that chose (what `selection.json` recorded) and each
+/// value's first-seed run on the validation split and in training.
+pub(super) fn sweep_table(sweeps: &Sweeps, ab_dir: &Path, sel: &Selection, arm: &ArmSweep) -> Table {
+    let header = ["value", "run", "status", &format!("{} (chooses)", sel.select), "val loss", "val tau_hat", "val tau (eval)", "train loss (end)", "chosen"];
+    let rows = arm
+        .points
+        .iter()
+        .map(|p| {
+            let run = sweeps.run_of(ab_dir, p);
+            let val = run.and_then(Run::last_val);
+            vec![
+                p.label.clone(),
+                p.run.clone(),
+                run.map_or("missing".into(), |r| r.status.as_str().to_string()),
+                fmt_opt(p.score, 4),
+                fmt_opt(val.map(|v| v.loss), 4),
+                fmt_opt(val.map(|v| v.tau_hat), 3),
+                fmt_opt(run.and_then(|r| r.val_eval_tau), 3),
+                fmt_opt(run.and_then(|r| r.records.last()).map(|x| x.loss), 4),
+                if p.label == arm.chosen { "yes".into() } else { String::new() },
+            ]
+        })
+        .collect();
+    Table { header: header.iter().map(|h| h.to_string()).collect(), rows, text_cols: 3 }
+}
+
+pub(super) fn sweep_sentence(sel: &Selection, arm: &ArmSweep) -> String {
+    format!(
+        "Arm **{}** swept `{}` over {} values with seed {}, each scored on the validation split by `{}` ({} is better); \
+         chosen: **{}**. Its runs at that value, one per seed, are the arm's in the comparison; the test prompts played no \
+         part in the choice.",
+        arm.arm,
+        arm.fields.join("`, `"),
+        arm.points.len(),
+        sel.seed,
+        sel.select,
+        if sel.higher_is_better { "higher" } else { "lower" },
+        arm.chosen
+    )
+}
+
 pub(super) fn run_table(runs: &[Run], cmp: &Comparison) -> Table {
     let header = [
         "run", "group", "status", "loss @T", "best loss", "tau_hat @T", "best tau_hat", "acc@1 @T", "wall @T (s)",
@@ -288,9 +369,14 @@ pub(super) fn problems(runs: &[Run]) -> Vec<(String, String)> {
         .collect()
 }
 
-/// The terminal version: comparison point, group and run tables, problems.
-pub fn render_terminal(runs: &[Run], cmp: &Comparison) -> String {
+/// The terminal version: sweeps, comparison point, group and run tables, problems.
+pub fn render_terminal(runs: &[Run], cmp: &Comparison, sweeps: &Sweeps) -> String {
     let mut s = String::new();
+    for (dir, sel, arm) in sweeps.arms() {
+        s += &(sweep_sentence(sel, arm).replace("**", "") + "\n");
+        s += &sweep_table(sweeps, dir, sel, arm).terminal();
+        s.push('\n');
+    }
     let finals = final_table(runs);
     if !finals.rows.is_empty() {
         s += "final values (each run at its own end)\n";
@@ -309,6 +395,16 @@ pub fn render_terminal(runs: &[Run], cmp: &Comparison) -> String {
         s += if cmp.from_complete { "groups (mean ± std over complete runs)\n" } else { "groups (mean ± std over all runs: none has finished)\n" };
         s += &group_table(cmp).terminal();
         s.push('\n');
+        if has_held_out(cmp) {
+            s += "held-out data (validation split at each run's end; test prompts)\n";
+            s += &held_out_table(cmp).terminal();
+            s.push('\n');
+        }
+        if let Some(w) = cmp.wall {
+            let _ = writeln!(s, "equal wall time: W = {w:.1} training seconds");
+            s += &wall_table(cmp).terminal();
+            s.push('\n');
+        }
     }
     s += "runs\n";
     s += &run_table(runs, cmp).terminal();
@@ -324,7 +420,7 @@ pub fn render_terminal(runs: &[Run], cmp: &Comparison) -> String {
 
 /// `report.md`. `plots`: (file stem, title) of the figures written beside it; `plot_errors`
 /// lines for figures that failed.
-pub fn render_markdown(runs: &[Run], cmp: &Comparison, plots: &[(String, String)], plot_errors: &[String]) -> String {
+pub fn render_markdown(runs: &[Run], cmp: &Comparison, sweeps: &Sweeps, plots: &[(String, String)], plot_errors: &[String]) -> String {
     let mut s = String::from("# dflash experiment comparison\n\n");
     let _ = writeln!(s, "Generated {} UTC from {} folder(s):\n", utc_timestamp(unix_now(), true), runs.len());
     for r in runs {
@@ -341,6 +437,21 @@ pub fn render_markdown(runs: &[Run], cmp: &Comparison, plots: &[(String, String)
               cycles (as serving engines report it).\n\n";
         s += &evals.markdown();
     }
+    if sweeps.arms().next().is_some() || !sweeps.notes.is_empty() {
+        s += "\n## Sweeps\n\nEach swept arm's values, run with the first seed and scored on the validation split only. \
+              The other columns are shown for reading, not for choosing.\n";
+        for (dir, sel, arm) in sweeps.arms() {
+            let _ = write!(s, "\n### {}\n\n{}\n\n", arm.arm, sweep_sentence(sel, arm));
+            s += &sweep_table(sweeps, dir, sel, arm).markdown();
+            let stem = sweep_plot_stem(&arm.arm);
+            if plots.iter().any(|(p, _)| *p == stem) {
+                let _ = write!(s, "\n![{} sweep]({stem}.png)\n\n[SVG]({stem}.svg)\n", arm.arm);
+            }
+        }
+        for n in &sweeps.notes {
+            let _ = writeln!(s, "\n- {n}");
+        }
+    }
     let _ = writeln!(s, "\n## Equal-token comparison\n\n{}\n", comparison_sentence(runs, cmp));
     if !cmp.groups.is_empty() {
         let over = if cmp.from_complete { "complete runs" } else { "runs (none has finished)" };
@@ -351,6 +462,22 @@ pub fn render_markdown(runs: &[Run], cmp: &Comparison, plots: &[(String, String)
         );
         s += &group_table(cmp).markdown();
         s.push('\n');
+        if has_held_out(cmp) {
+            s += "## Held-out data\n\nThe validation split at each run's end (`train.eval_every`: loss and tau_hat on its \
+                  fixed anchors; `eval --prompts validation`: real tau on its prompts) and real tau on the test prompts \
+                  (`eval.json`), mean ± std over the group's runs.\n\n";
+            s += &held_out_table(cmp).markdown();
+            s.push('\n');
+        }
+        if let Some(w) = cmp.wall {
+            let _ = write!(
+                s,
+                "## Equal wall time\n\nEvery run read after **W = {w:.1} training seconds** (`elapsed_s`, validation time left \
+                 out; the smallest final time among the runs T comes from), linearly interpolated.\n\n"
+            );
+            s += &wall_table(cmp).markdown();
+            s.push('\n');
+        }
     }
     s += "## Runs\n\n";
     s += &run_table(runs, cmp).markdown();
@@ -366,7 +493,8 @@ pub fn render_markdown(runs: &[Run], cmp: &Comparison, plots: &[(String, String)
     }
     if !plots.is_empty() || !plot_errors.is_empty() {
         s += "## Plots\n\n";
-        for (stem, title) in plots {
+        // Sweep plots are shown with their sweeps.
+        for (stem, title) in plots.iter().filter(|(stem, _)| !sweeps.arms().any(|(_, _, a)| *stem == sweep_plot_stem(&a.arm))) {
             let _ = writeln!(s, "### {title}\n\n![{title}]({stem}.png)\n\n[SVG]({stem}.svg)\n");
         }
         for e in plot_errors {
@@ -388,7 +516,10 @@ tau_hat is the expected acceptance length implied by the per-position accuracies
 - **best loss**, **best tau_hat**: lowest loss / highest tau_hat among the records up to T and the value at T.\n\
 - **wall @T**: training seconds (`elapsed_s`) to reach T; **tok/s**: T / wall @T.\n\
 - **final tokens**, **wall total**: the run's own end (`summary.json`'s `wall_s`, else the last `elapsed_s`).\n\
-- **tau (eval)**: measured acceptance length from the run's `eval.json` (`tau`), — when none.\n\
+- **tau (eval)**, **test tau (eval)**: measured acceptance length on the test prompts, from the run's `eval.json` \
+(`tau`), — when none; **val tau (eval)**: the same on the validation prompts (`eval-validation.json`).\n\
+- **val loss**, **val tau_hat**: the validation split's scores at the run's last evaluation (`train.eval_every`).\n\
+- **@W**: after W training seconds, interpolated between the records around W.\n\
 - Group statistics cover complete runs only; an unfinished run that reached T is listed with its values at T.\n";
     s
 }

@@ -66,6 +66,31 @@ impl Record {
     }
 }
 
+/// The validation split's scores on one metrics line (`train.eval_every`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValPoint {
+    pub step: u64,
+    pub tokens: f64,
+    pub loss: f64,
+    pub tau_hat: f64,
+    pub acc: Vec<f64>,
+}
+
+impl ValPoint {
+    /// The line's validation scores, if it has any (`null`, how NaN is written, reads as NaN;
+    /// values beyond [`MAX_ABS`] too).
+    pub fn parse(line: &str) -> Option<Self> {
+        let v: Value = serde_json::from_str(line).ok()?;
+        if v.get("val_loss").is_none() && v.get("val_tau_hat").is_none() {
+            return None;
+        }
+        let clean = |x: Option<f64>| x.filter(|x| x.is_finite() && x.abs() <= MAX_ABS).unwrap_or(f64::NAN);
+        let num = |k: &str| clean(v.get(k).and_then(Value::as_f64));
+        let acc = v.get("val_acc").and_then(Value::as_array).map(|a| a.iter().map(|x| clean(x.as_f64())).collect()).unwrap_or_default();
+        Some(Self { step: v.get("step")?.as_u64()?, tokens: v.get("tokens")?.as_f64()?, loss: num("val_loss"), tau_hat: num("val_tau_hat"), acc })
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Status {
     /// `summary.json` written: the run ended.
@@ -107,6 +132,12 @@ pub struct Run {
     pub eval_tau: Option<f64>,
     /// Every `eval*.json` of the run (other prompt sets, checkpoints, drafters), by file name.
     pub evals: Vec<EvalResult>,
+    /// The validation split's scores, in file order (`train.eval_every`).
+    pub val: Vec<ValPoint>,
+    /// `eval-validation.json`'s `tau`: measured on the validation prompts.
+    pub val_eval_tau: Option<f64>,
+    /// The A/B arm the manifest names.
+    pub arm: Option<String>,
 }
 
 /// One `eval*.json`: what it measured and on what.
@@ -149,6 +180,11 @@ impl Run {
         self.records.last().map(|r| r.tokens)
     }
 
+    /// The validation split's last scores (the run's end, with `eval_every`).
+    pub fn last_val(&self) -> Option<&ValPoint> {
+        self.val.last()
+    }
+
     /// Total wall time: `summary.json`'s, else the last record's `elapsed_s`.
     pub fn wall_s(&self) -> Option<f64> {
         self.summary_wall_s.or_else(|| self.records.last().map(|r| r.elapsed_s))
@@ -168,6 +204,9 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
         summary_wall_s: None,
         eval_tau: None,
         evals: Vec::new(),
+        val: Vec::new(),
+        val_eval_tau: None,
+        arm: None,
     };
     if !dir.is_dir() {
         run.notes.push(if dir.exists() { "not a directory".into() } else { "does not exist".into() });
@@ -187,6 +226,7 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
     // 1. Config and manifest: only for the group key.
     let config = read_optional(&config_path, &mut run.notes, |s| toml::from_str::<toml::Value>(s).map_err(|e| e.to_string()));
     let manifest = read_optional(&manifest_path, &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
+    run.arm = manifest.as_ref().and_then(|m| json_lookup(m, "arm"));
     if let Some(key) = group_by {
         let value = config.as_ref().and_then(|c| toml_lookup(c, key)).or_else(|| manifest.as_ref().and_then(|m| json_lookup(m, key)));
         if value.is_none() {
@@ -231,6 +271,7 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
             Ok((r, n)) => {
                 absurd += n;
                 run.records.push(r);
+                run.val.extend(ValPoint::parse(&line));
             }
             Err(e) if lines.peek().is_none() => run.notes.push(format!("truncated last line of metrics.jsonl ignored ({e})")),
             Err(e) => run.notes.push(format!("metrics.jsonl line {} skipped: {e}", i + 1)),
@@ -276,6 +317,9 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
     for f in files {
         let mut notes = Vec::new();
         if let Some(v) = read_optional(&dir.join(&f), &mut notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string())) {
+            if f == crate::eval::VALIDATION_FILE {
+                run.val_eval_tau = v.get("tau").and_then(Value::as_f64);
+            }
             run.evals.push(EvalResult::parse(f, &v));
         }
         run.notes.extend(notes);

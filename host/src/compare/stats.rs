@@ -49,6 +49,27 @@ pub fn at_tokens(records: &[Record], t: f64) -> Option<AtTokens> {
     Some(AtTokens { loss, best_loss, tau_hat, best_tau_hat, acc, elapsed_s, tok_per_s: t / elapsed_s })
 }
 
+/// One run's training metrics after `w` training seconds (`elapsed_s`, validation time left
+/// out), linearly interpolated; None when its records do not span `w`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AtWall {
+    pub loss: f64,
+    pub tau_hat: f64,
+    pub tokens: f64,
+}
+
+pub fn at_wall(records: &[Record], w: f64) -> Option<AtWall> {
+    let timed: Vec<&Record> = records.iter().filter(|r| r.elapsed_s.is_finite()).collect();
+    let (first, last) = (timed.first()?, timed.last()?);
+    if w < first.elapsed_s || w > last.elapsed_s {
+        return None;
+    }
+    let i = timed.partition_point(|r| r.elapsed_s < w);
+    let (a, b) = if timed[i].elapsed_s == w || i == 0 { (timed[i], timed[i]) } else { (timed[i - 1], timed[i]) };
+    let x = if b.elapsed_s > a.elapsed_s { (w - a.elapsed_s) / (b.elapsed_s - a.elapsed_s) } else { 0.0 };
+    Some(AtWall { loss: lerp(a.loss, b.loss, x), tau_hat: lerp(a.tau_hat, b.tau_hat, x), tokens: lerp(a.tokens, b.tokens, x) })
+}
+
 /// Mean and sample standard deviation (n-1; None for one value).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Stat {
@@ -84,7 +105,16 @@ pub struct GroupStats {
     pub tok_per_s: Option<Stat>,
     pub final_tokens: Option<Stat>,
     pub wall_s: Option<Stat>,
+    /// Real tau on the test prompts (`eval.json`).
     pub eval_tau: Option<Stat>,
+    /// The validation split at each run's end: loss, tau-hat, and real tau on its prompts.
+    pub val_loss: Option<Stat>,
+    pub val_tau_hat: Option<Stat>,
+    pub val_eval_tau: Option<Stat>,
+    /// At W training seconds (over the counted runs that reach it).
+    pub loss_at_wall: Option<Stat>,
+    pub tau_hat_at_wall: Option<Stat>,
+    pub tokens_at_wall: Option<Stat>,
 }
 
 #[derive(Debug, Clone)]
@@ -97,6 +127,10 @@ pub struct Comparison {
     pub at: Vec<Option<AtTokens>>,
     /// Whether a run counts in its group's statistics.
     pub counted: Vec<bool>,
+    /// W: the smallest final training time (`elapsed_s`) among the runs T comes from, and each
+    /// run's metrics there.
+    pub wall: Option<f64>,
+    pub at_wall: Vec<Option<AtWall>>,
     pub groups: Vec<GroupStats>,
 }
 
@@ -113,6 +147,9 @@ pub fn compare(runs: &[Run]) -> Comparison {
         .zip(&at)
         .map(|(r, a)| a.is_some() && (r.status == Status::Complete || (!from_complete && r.has_data())))
         .collect();
+    let in_pool = |r: &Run| if from_complete { r.status == Status::Complete } else { r.has_data() };
+    let wall = runs.iter().filter(|r| in_pool(r)).filter_map(|r| r.records.last().map(|x| x.elapsed_s)).filter(|w| w.is_finite()).reduce(f64::min);
+    let at_wall_: Vec<Option<AtWall>> = runs.iter().map(|r| wall.and_then(|w| at_wall(&r.records, w))).collect();
 
     let mut names: Vec<&str> = Vec::new();
     for r in runs.iter().filter(|r| r.has_data()) {
@@ -143,9 +180,15 @@ pub fn compare(runs: &[Run]) -> Comparison {
                 final_tokens: stat(members.iter().filter_map(|&i| runs[i].final_tokens())),
                 wall_s: stat(members.iter().filter_map(|&i| runs[i].wall_s())),
                 eval_tau: stat(members.iter().filter_map(|&i| runs[i].eval_tau)),
+                val_loss: stat(members.iter().filter_map(|&i| runs[i].last_val().map(|v| v.loss)).filter(|x| x.is_finite())),
+                val_tau_hat: stat(members.iter().filter_map(|&i| runs[i].last_val().map(|v| v.tau_hat)).filter(|x| x.is_finite())),
+                val_eval_tau: stat(members.iter().filter_map(|&i| runs[i].val_eval_tau)),
+                loss_at_wall: stat(members.iter().filter_map(|&i| at_wall_[i].as_ref().map(|a| a.loss))),
+                tau_hat_at_wall: stat(members.iter().filter_map(|&i| at_wall_[i].as_ref().map(|a| a.tau_hat))),
+                tokens_at_wall: stat(members.iter().filter_map(|&i| at_wall_[i].as_ref().map(|a| a.tokens))),
                 members,
             }
         })
         .collect();
-    Comparison { tokens, from_complete, at, counted, groups }
+    Comparison { tokens, from_complete, at, counted, wall, at_wall: at_wall_, groups }
 }

@@ -180,8 +180,8 @@ fn half_written_and_foreign_dirs_are_reported_not_fatal() {
 
     let out = root.path().join("report");
     fs::create_dir_all(&out).unwrap();
-    let md = render_markdown(&runs, &cmp, &[], &[]);
-    let term = render_terminal(&runs, &cmp);
+    let md = render_markdown(&runs, &cmp, &Sweeps::default(), &[], &[]);
+    let term = render_terminal(&runs, &cmp, &Sweeps::default());
     for text in [&md, &term] {
         for want in ["truncated last line", "unfinished", "empty metrics", "no metrics", "not an experiment", "does not exist"] {
             assert!(text.contains(want), "missing `{want}` in:\n{text}");
@@ -198,7 +198,7 @@ fn no_finished_run_gives_a_provisional_comparison() {
     let cmp = compare(&runs);
     assert_eq!((cmp.tokens, cmp.from_complete), (Some(3000.0), false));
     assert_eq!(cmp.groups[0].members, vec![0, 1]);
-    assert!(render_markdown(&runs, &cmp, &[], &[]).contains("provisional"));
+    assert!(render_markdown(&runs, &cmp, &Sweeps::default(), &[], &[]).contains("provisional"));
 }
 
 #[test]
@@ -297,4 +297,67 @@ fn default_out_is_one_folder_beside_the_runs_or_in_the_ab() {
     assert_eq!(default_out(&[root.path().to_path_buf()]), root.path().join("report"), "an A/B folder's report");
     assert_eq!(utc_timestamp(0.0, true), "1970-01-01 00:00:00");
     assert_eq!(utc_timestamp(951_782_400.0, false), "20000229-000000");
+}
+
+/// The validation scores on a run's last metrics line.
+fn with_val(dir: &Path, loss: f64, tau_hat: f64) {
+    let path = dir.join("metrics.jsonl");
+    let mut lines: Vec<serde_json::Value> = fs::read_to_string(&path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let last = lines.last_mut().unwrap();
+    last["val_loss"] = loss.into();
+    last["val_tau_hat"] = tau_hat.into();
+    last["val_acc"] = serde_json::json!([0.5, 0.25, 0.1]);
+    fs::write(&path, lines.iter().map(|l| l.to_string() + "\n").collect::<String>()).unwrap();
+}
+
+#[test]
+fn a_swept_arm_is_compared_at_its_chosen_value_and_its_sweep_shown_apart() {
+    let root = tempfile::tempdir().unwrap();
+    let ab = root.path().join("ab");
+    for (dir, arm, scale, val) in [
+        ("adamw-lr=0.001-s0", "adamw", 2.0, (3.0, 1.2)),
+        ("adamw-lr=0.003-s0", "adamw", 1.0, (2.0, 1.6)),
+        ("adamw-lr=0.003-s1", "adamw", 1.1, (2.1, 1.5)),
+        ("muon-s0", "muon", 0.8, (1.8, 1.7)),
+        ("muon-s1", "muon", 0.9, (1.9, 1.8)),
+    ] {
+        let d = fake_run(&ab, dir, "x", Some(arm), &rows(scale, 5000), true);
+        with_val(&d, val.0, val.1);
+    }
+    fs::write(ab.join("muon-s0/eval.json"), r#"{"tau": 2.0, "source": "holdout"}"#).unwrap();
+    fs::write(ab.join("muon-s1/eval.json"), r#"{"tau": 2.2, "source": "holdout"}"#).unwrap();
+    fs::write(ab.join("muon-s0/eval-validation.json"), r#"{"tau": 1.9, "source": "validation"}"#).unwrap();
+    let point = |label: &str, lr: f64, score: f64| SweepScore {
+        label: label.into(),
+        values: [("optimizer.lr".to_string(), serde_json::json!(lr))].into(),
+        run: format!("adamw-{label}-s0"),
+        score: Some(score),
+    };
+    let selection = Selection {
+        select: "val_tau_hat".into(),
+        higher_is_better: true,
+        seed: 0,
+        arms: vec![ArmSweep {
+            arm: "adamw".into(),
+            fields: vec!["optimizer.lr".into()],
+            points: vec![point("lr=0.001", 0.001, 1.2), point("lr=0.003", 0.003, 1.6)],
+            chosen: "lr=0.003".into(),
+            chosen_runs: vec!["adamw-lr=0.003-s0".into(), "adamw-lr=0.003-s1".into()],
+        }],
+    };
+    fs::write(ab.join(SELECTION_FILE), serde_json::to_string(&selection).unwrap()).unwrap();
+    let md = fs::read_to_string(run(&[ab.clone()], None, None).unwrap()).unwrap();
+    // The sweep: both values, the score that chose, the chosen one marked, its plot.
+    assert!(md.contains("## Sweeps") && md.contains("chosen: **lr=0.003**"), "{md}");
+    assert!(md.contains("| lr=0.001 | adamw-lr=0.001-s0 | complete | 1.2000 | 3.0000 | 1.200 |"), "{md}");
+    assert!(md.contains("| lr=0.003 | adamw-lr=0.003-s0 | complete | 1.6000 | 2.0000 | 1.600 |") && md.contains("| yes |"), "{md}");
+    assert!(ab.join("report/sweep_adamw.png").exists() && md.contains("(sweep_adamw.png)"));
+    // The comparison: adamw is its two runs at lr=0.003, never the other value.
+    assert!(md.contains("| adamw | 2 |") && md.contains("| muon | 2 |"), "{md}");
+    // Held-out data: validation at each run's end, real tau on validation and test prompts.
+    assert!(md.contains("| adamw | 2 | 2.0500 ± 0.0707 | 1.550 ± 0.071 | — | — |"), "{md}");
+    assert!(md.contains("| muon | 2 | 1.8500 ± 0.0707 | 1.750 ± 0.071 | 1.900 (n=1) | 2.100 ± 0.141 |"), "{md}");
+    // Equal wall time: every run ends at 50 s here.
+    assert!(md.contains("W = 50.0 training seconds"), "{md}");
+    assert!(ab.join("report/val_tau_hat_vs_tokens.png").exists());
 }

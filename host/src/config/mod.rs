@@ -163,6 +163,9 @@ impl RunConfig {
         range("keep_checkpoints", t.keep_checkpoints >= 1, format!("{} (must be >= 1)", t.keep_checkpoints))?;
         range("max_nonfinite_steps", t.max_nonfinite_steps >= 1, format!("{} (must be >= 1)", t.max_nonfinite_steps))?;
         range("hidden_cache_mb", t.hidden_cache_mb <= MAX_MB, format!("{} (must be <= {MAX_MB})", t.hidden_cache_mb))?;
+        if t.eval_every > 0 && self.pipeline.capture.is_some() {
+            bail!("field `train.eval_every`: needs the target online (a capture holds the training batches' features only); set it to 0 to train from `pipeline.capture`");
+        }
         if let Some(LossGamma::Decay(g)) = t.loss_gamma {
             range("loss_gamma", g > 0.0 && g.is_finite(), format!("{g} (must be > 0, or \"none\")"))?;
         }

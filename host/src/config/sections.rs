@@ -45,6 +45,12 @@ pub struct TrainConfig {
     /// (`train_step/*` tags; 0 = off). The metrics lines (every `log_every`) go there either way.
     #[serde(default)]
     pub tensorboard_every: u64,
+    /// Score the drafter on the data's validation split (`validation` in [data]) every N steps
+    /// and at the last step, without gradients: `val_loss`, `val_acc`, `val_tau_hat` in that
+    /// step's metrics line (and TensorBoard's `validation/`). The same anchors every time and in
+    /// every run, whatever its seed. 0 = off.
+    #[serde(default)]
+    pub eval_every: u64,
     /// Write a checkpoint every N steps (and at the end); 0 = only at the end.
     #[serde(default)]
     pub checkpoint_every: u64,

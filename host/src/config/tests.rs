@@ -110,6 +110,11 @@ fn wrong_type_and_out_of_range_are_named() {
     assert!(err.contains("cfg.toml:4:") && err.contains("invalid type"), "{err}");
     let err = parse(&GOOD.replace("steps = 3", "steps = 3\nwarmup_frac = 1.5")).unwrap_err().to_string();
     assert!(err.contains("train.warmup_frac") && err.contains("1.5"), "{err}");
+    // Validation needs the target online: a capture has no features for it.
+    let eval = GOOD.replace("steps = 3", "steps = 3\neval_every = 5");
+    parse(&eval).unwrap();
+    let err = parse(&format!("{eval}[pipeline]\ncapture = \"features\"\n")).unwrap_err().to_string();
+    assert!(err.starts_with("field `train.eval_every`: needs the target online"), "{err}");
 }
 
 #[test]

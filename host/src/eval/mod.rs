@@ -27,7 +27,7 @@ use std::{
 };
 
 pub struct EvalOptions {
-    /// `holdout` or a chat JSONL file, through the data plugin.
+    /// `holdout`, `validation`, `humaneval` or a chat JSONL file, through the data plugin.
     pub source: String,
     pub limit: u32,
     pub max_new_tokens: u32,
@@ -46,7 +46,7 @@ impl EvalOptions {
         if self.max_new_tokens == 0 {
             bail!("--max-new-tokens 0: nothing would be decoded (no acceptance to measure); give at least 1");
         }
-        if !matches!(self.source.as_str(), "holdout" | "humaneval") {
+        if !is_named_set(&self.source) {
             input_files::open_regular(std::path::Path::new(&self.source)).map_err(|e| anyhow!("--prompts {e}"))?;
         }
         Ok(())
@@ -94,9 +94,20 @@ pub struct CycleMs {
 }
 
 pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
+    open_data(c)?;
+    evaluate_opened(c, opts)
+}
+
+/// Open the data plugin with the target's tokenizer (once for any number of prompt sets).
+pub fn open_data(c: &mut Components) -> Result<()> {
     let tokenizer = c.target.tokenizer_json();
     c.names.check(PluginKind::Target, &c.target)?;
     c.data.open(tokenizer.as_rstr()).into_result().map_err(c.err(PluginKind::DataLoader, "open"))?;
+    Ok(())
+}
+
+/// [`evaluate`] with the data plugin opened already.
+pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
     let prompts = c.data.eval_prompts(opts.source.as_str().into(), opts.limit).into_result();
     let prompts = prompts.map_err(c.err(PluginKind::DataLoader, "eval_prompts"))?;
     if prompts.is_empty() {
@@ -220,11 +231,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
             let shown = d.canonicalize().unwrap_or_else(|_| d.clone());
             Evaluated { checkpoint_step: None, drafter: Some(shown.display().to_string()), drafter_sha256: sha }
         }
-        None => {
-            let ckpt = checkpoint::find(exp_dir, args.checkpoint)?;
-            let sha = crate::plugins::sha256_file(&ckpt.dir.join("model.safetensors"))?;
-            Evaluated { checkpoint_step: Some(ckpt.step), drafter: None, drafter_sha256: sha }
-        }
+        None => Evaluated::checkpoint(exp_dir, args.checkpoint)?,
     };
     let newest = checkpoint::newest_good(exp_dir).0.map(|c| c.step);
     let written = exp_dir.join(evaluated.file_name(prompts_name(&opts.source).as_deref(), newest));
@@ -232,7 +239,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     // 2. Benchmark files become chat prompts for the data plugin.
     let converted = tempfile_dir()?;
     if args.prompt_format != PromptFormat::Chat {
-        if matches!(opts.source.as_str(), "holdout" | "humaneval") {
+        if is_named_set(&opts.source) {
             bail!("--prompt-format {:?} reads a file: give it with --prompts FILE", args.prompt_format);
         }
         let file = converted.join("prompts.jsonl");
@@ -249,12 +256,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     let _ = std::fs::remove_dir_all(&converted);
     report.source = args.prompts.clone();
     let tau_hat = experiment::metrics::last_number(exp_dir, "tau_hat");
-    let mut json = serde_json::to_value(&report)?;
-    json["tau_hat"] = tau_hat.into();
-    json["evaluated"] = serde_json::to_value(&evaluated)?;
-    json["prompt_format"] = format!("{:?}", args.prompt_format).to_lowercase().into();
-    json["loadavg_before"] = load_before.into();
-    json["loadavg_after"] = load_after.into();
+    let mut json = results_json(&report, &evaluated, exp_dir, args.prompt_format, (load_before, load_after))?;
     // 4. Print, then write the results whole.
     match (&evaluated.drafter, evaluated.checkpoint_step) {
         (Some(d), _) => say!("drafter      {d} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16]),
@@ -307,6 +309,28 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     Ok(())
 }
 
+/// What a results file holds: the report, the training tau-hat beside it, what was evaluated,
+/// and the machine's load before and after the timing.
+pub fn results_json(
+    report: &EvalReport, evaluated: &Evaluated, exp_dir: &Path, format: PromptFormat, (load_before, load_after): (Option<f64>, Option<f64>),
+) -> Result<serde_json::Value> {
+    let mut json = serde_json::to_value(report)?;
+    json["tau_hat"] = experiment::metrics::last_number(exp_dir, "tau_hat").into();
+    json["evaluated"] = serde_json::to_value(evaluated)?;
+    json["prompt_format"] = format!("{format:?}").to_lowercase().into();
+    json["loadavg_before"] = load_before.into();
+    json["loadavg_after"] = load_after.into();
+    Ok(json)
+}
+
+/// The results of the newest checkpoint on the validation prompts.
+pub const VALIDATION_FILE: &str = "eval-validation.json";
+
+/// Prompt sets the data plugin knows by name (anything else is a file).
+fn is_named_set(source: &str) -> bool {
+    matches!(source, "holdout" | "validation" | "humaneval")
+}
+
 /// What was evaluated: a checkpoint of the run, or a z-lab drafter folder and its weights' hash.
 #[derive(Debug, Clone, Serialize)]
 pub struct Evaluated {
@@ -319,12 +343,20 @@ pub struct Evaluated {
 }
 
 impl Evaluated {
-    /// The results file: `eval.json` for the run's newest checkpoint on its held-out records,
-    /// else named after the prompt set and the checkpoint or drafter, so no result overwrites
-    /// another's.
+    /// Checkpoint `step` of the run (default: the newest that verifies) and its weights' hash.
+    pub fn checkpoint(exp_dir: &Path, step: Option<u64>) -> Result<Self> {
+        let ckpt = checkpoint::find(exp_dir, step)?;
+        let sha = crate::plugins::sha256_file(&ckpt.dir.join("model.safetensors"))?;
+        Ok(Evaluated { checkpoint_step: Some(ckpt.step), drafter: None, drafter_sha256: sha })
+    }
+
+    /// The results file: `eval.json` for the run's newest checkpoint on its held-out test
+    /// records (`eval-validation.json` on its validation records), else named after the prompt
+    /// set and the checkpoint or drafter, so no result overwrites another's.
     pub fn file_name(&self, set: Option<&str>, newest_step: Option<u64>) -> String {
         let what = match (self.checkpoint_step, &self.drafter) {
             (Some(s), _) if set.is_none() && Some(s) == newest_step => return "eval.json".into(),
+            (Some(s), _) if set == Some("validation") && Some(s) == newest_step => return VALIDATION_FILE.into(),
             (Some(s), _) => format!("step-{s}"),
             (None, _) => format!("drafter-{}", &self.drafter_sha256[..12]),
         };
@@ -357,6 +389,7 @@ mod tests {
     fn arguments_that_give_no_evaluation_are_refused() {
         let opts = |source: &str, limit, max_new_tokens| EvalOptions { source: source.into(), limit, max_new_tokens, time_split: false };
         opts("holdout", 32, 64).validate().unwrap();
+        opts("validation", 32, 64).validate().unwrap();
         let err = opts("holdout", 0, 64).validate().unwrap_err().to_string();
         assert!(err.starts_with("--limit 0"), "{err}");
         let err = opts("holdout", 32, 0).validate().unwrap_err().to_string();
@@ -377,5 +410,7 @@ mod tests {
         assert_eq!(e(Some(4), None).file_name(None, Some(8)), "eval-step-4.json");
         assert_eq!(e(None, Some("/z")).file_name(None, Some(8)), "eval-drafter-0123456789ab.json");
         assert_eq!(e(Some(8), None).file_name(Some("mt_bench"), Some(8)), "eval-mt_bench-step-8.json");
+        assert_eq!(e(Some(8), None).file_name(Some("validation"), Some(8)), "eval-validation.json");
+        assert_eq!(e(Some(4), None).file_name(Some("validation"), Some(8)), "eval-validation-step-4.json");
     }
 }

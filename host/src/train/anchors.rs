@@ -32,6 +32,13 @@ pub struct Anchors {
     pub count: usize,
 }
 
+impl Anchors {
+    /// The same anchors, sharing the tensors' storage.
+    pub fn shallow_clone(&self) -> Self {
+        Self { positions: self.positions.shallow_clone(), valid: self.valid.shallow_clone(), count: self.count }
+    }
+}
+
 impl AnchorSampler {
     /// `loss_mask` [B, S] (any integer kind, 1 = response). `draw` numbers this batch.
     pub fn sample(&self, loss_mask: &Tensor, draw: u64) -> Anchors {

@@ -214,6 +214,12 @@ fn logits_fp32(h: &Tensor, head_t: &Tensor) -> Tensor {
     h.matmul(head_t).to_kind(Kind::Float)
 }
 
+/// Top-1 accuracy per block position from its correct predictions and counted labels (0 where
+/// nothing was counted).
+pub fn accuracy(correct: &[i64], count: &[i64]) -> Vec<f64> {
+    correct.iter().zip(count).map(|(&c, &n)| if n > 0 { c as f64 / n as f64 } else { 0.0 }).collect()
+}
+
 /// tau-hat = 1 + sum_k prod_{i<=k} acc_i (the DFlash paper, "Metrics").
 pub fn tau_hat(acc: &[f64]) -> f64 {
     let mut prod = 1.0;

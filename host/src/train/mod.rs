@@ -1,6 +1,7 @@
 //! Training the drafter: the loop ([`trainer`]), one micro-batch through the drafter and the
-//! step's reductions ([`step`]), what is kept between steps ([`state`]), and the DFlash pieces the
-//! step is made of: anchors, the loss, the learning-rate schedule.
+//! step's reductions ([`step`]), what is kept between steps ([`state`]), the validation split scored
+//! every `eval_every` steps ([`validation`]), and the DFlash pieces the step is made of: anchors,
+//! the loss, the learning-rate schedule.
 
 pub mod anchors;
 pub mod loss;
@@ -8,6 +9,7 @@ pub mod schedule;
 pub mod state;
 pub mod step;
 pub mod trainer;
+pub mod validation;
 
 pub use state::{DistillSummary, ResumeFrom, StepMetrics, TrainSummary, TrainerState};
 pub use step::DraftLoss;

@@ -63,7 +63,18 @@ pub struct StepMetrics {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_mem_mb: Option<Vec<f64>>,
     pub eta_s: f64,
+    /// Training seconds so far (the validation's own time left out).
     pub elapsed_s: f64,
+    /// The validation split at this step (`train.eval_every`): the DFlash loss over all its
+    /// labels, top-1 accuracy per block position, tau-hat, and the seconds it took.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_acc: Option<Vec<f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_tau_hat: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_s: Option<f64>,
 }
 
 /// Everything a resumed run needs to continue exactly where a checkpoint was written (besides
@@ -200,6 +211,8 @@ pub(super) struct WindowTimes {
     pub optim_s: f64,
     pub wait_s: f64,
     pub depth_sum: f64,
+    /// Spent scoring the validation split (left out of the window's rates).
+    pub val_s: f64,
     pub started: Option<Instant>,
 }
 
@@ -215,7 +228,7 @@ impl WindowSums {
     }
 
     pub(super) fn acc(&self) -> Vec<f64> {
-        self.correct.iter().zip(&self.count).map(|(&c, &n)| if n > 0 { c as f64 / n as f64 } else { 0.0 }).collect()
+        super::loss::accuracy(&self.correct, &self.count)
     }
 }
 

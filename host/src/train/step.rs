@@ -10,8 +10,9 @@
 
 use super::{
     anchors::{block_token_ids, AnchorSampler, Anchors},
-    loss::{dflash_loss, LossInput, LossOut, Reduction},
+    loss::{dflash_loss, LossInput, LossOut},
 };
+pub use super::loss::Reduction;
 pub use crate::config::LossNormalization;
 use crate::dist::Communicator;
 use anyhow::Result;
@@ -45,8 +46,22 @@ impl DraftLoss {
         hidden: &Tensor,
         draw: u64,
     ) -> Result<Drafted, plugin_api::PluginError> {
-        let device = self.embedding.device();
         let anchors = self.sampler.sample(loss_mask, draw);
+        self.compute_with(drafter, input_ids, loss_mask, hidden, anchors, self.reduction())
+    }
+
+    /// [`compute`](Self::compute) at given anchors, the loss reduced as `reduction` says (the
+    /// validation split: fixed anchors, sums over the whole split).
+    pub fn compute_with(
+        &self,
+        drafter: &mut DrafterBox,
+        input_ids: &Tensor,
+        loss_mask: &Tensor,
+        hidden: &Tensor,
+        anchors: Anchors,
+        reduction: Reduction,
+    ) -> Result<Drafted, plugin_api::PluginError> {
+        let device = self.embedding.device();
         let input_ids = to_device_async(input_ids, device);
         let loss_mask = &to_device_async(loss_mask, device);
         let anchor_pos = to_device_async(&anchors.positions, device);
@@ -69,7 +84,7 @@ impl DraftLoss {
             anchor_valid: &input.anchor_valid.tensor(),
             block_size: self.block_size,
             gamma: self.gamma,
-            reduction: self.reduction(),
+            reduction,
         });
         Ok(Drafted { loss, anchors, output: block_hidden })
     }

@@ -11,6 +11,7 @@ use super::{
         WindowTimes,
     },
     step::{clip_grad_norm, normalize_gradients, DraftLoss, StepSums},
+    validation::{ValidationScores, ValidationSet},
 };
 use crate::{
     config::RunConfig,
@@ -96,6 +97,12 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         mask_token_id,
         gamma,
         normalization: t.loss_normalization,
+    };
+    // The validation split's target features, once, before the target moves to its worker.
+    // Every rank scores it alike (same weights, same batches); rank 0 writes the scores.
+    let validation = match t.eval_every {
+        0 => None,
+        n => Some(ValidationSet::prepare(&mut c, &layer_ids, &draft.sampler, n)?),
     };
     // Before anything above is trained with: a panicked value method gave a placeholder.
     c.check_poisoned()?;
@@ -195,6 +202,8 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
         params,
         device: drafter_device,
         draft,
+        validation,
+        val_total_s: 0.0,
         guard: NonFiniteGuard { max: t.max_nonfinite_steps, consecutive: state.nonfinite_in_a_row },
         elapsed_before: state.elapsed_s,
         bar: progress_bar(t.steps, state.step, lead),
@@ -245,6 +254,10 @@ struct Trainer<'a> {
     /// The drafter's trainable parameters (handles sharing its storage).
     params: Vec<Tensor>,
     draft: DraftLoss,
+    /// Scored every `eval_every` steps and at the last.
+    validation: Option<ValidationSet>,
+    /// Seconds spent on it in this process (not training time).
+    val_total_s: f64,
     state: TrainerState,
     exp: &'a mut Experiment,
     comm: Option<Box<dyn Communicator>>,
@@ -307,8 +320,9 @@ impl<'a> Trainer<'a> {
                 self.micro_step(&ready.item, &mut acc)?;
             }
             let (grad_norm, any_rank_stopped) = self.finish_step(step, acc)?;
-            if step % t.log_every == 0 || step == t.steps || step == 1 {
-                self.log(step, grad_norm, feed)?;
+            let val = self.maybe_validate(step)?;
+            if step % t.log_every == 0 || step == t.steps || step == 1 || val.is_some() {
+                self.log(step, grad_norm, feed, val)?;
             }
             self.interrupted = self.stop.requested().or(any_rank_stopped.then_some(143));
             if stop_at == Some(step) && step < t.steps {
@@ -331,6 +345,34 @@ impl<'a> Trainer<'a> {
             }
         }
         Ok(())
+    }
+
+    /// The validation split's scores when an evaluation is due (every `eval_every` steps and at
+    /// the last step).
+    fn maybe_validate(&mut self, step: u64) -> Result<Option<ValidationScores>> {
+        let t = &self.cfg.train;
+        let Some(set) = self.validation.as_ref().filter(|_| step % t.eval_every == 0 || step == t.steps) else { return Ok(None) };
+        let scores = set.score(&self.draft, self.drafter).map_err(self.names.err(PluginKind::Drafter, "forward (validation)"))?;
+        self.names.check(PluginKind::Drafter, &*self.drafter)?;
+        self.times.val_s += scores.seconds;
+        self.val_total_s += scores.seconds;
+        let n = set.sequences();
+        self.bar.suspend(|| {
+            tracing::info!(
+                "step {step}/{}  validation ({n} sequences): loss {:.4}  τ̂ {:.3}  acc@1 {:.3}  ({:.1} s)",
+                t.steps,
+                scores.loss,
+                scores.tau_hat,
+                scores.acc.first().copied().unwrap_or(0.0),
+                scores.seconds
+            )
+        });
+        Ok(Some(scores))
+    }
+
+    /// Training seconds so far, over every session of the run (validation left out).
+    fn train_elapsed_s(&self) -> f64 {
+        self.elapsed_before + self.started.elapsed().as_secs_f64() - self.val_total_s
     }
 
     /// One micro-batch: anchors, drafter forward, loss, backward (its sum, or with per-micro-batch

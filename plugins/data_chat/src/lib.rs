@@ -96,9 +96,16 @@ pub struct ChatSection {
     /// Use at most this many records (0 = all), after the held-out ones.
     #[serde(default)]
     pub max_records: usize,
-    /// Records held out for evaluation, never trained on (the last ones by order).
+    /// Records held out for evaluation, never trained on (the last ones by order): the test
+    /// prompts of `eval` (`--prompts holdout`).
     #[serde(default)]
     pub eval_holdout: usize,
+    /// Records held out for validation, never trained on: the `validation` records just before
+    /// the `eval_holdout` ones. The trainer scores them every `train.eval_every` steps, and
+    /// `eval --prompts validation` decodes their prompts; A/B sweeps choose on them, never on
+    /// the test records.
+    #[serde(default)]
+    pub validation: usize,
     /// Malformed records: `fail` (default) or `skip` (counted).
     #[serde(default)]
     pub on_error: OnError,
@@ -207,6 +214,8 @@ pub struct ChatData {
     records: Vec<ChatRecord>,
     /// Never trained on: evaluation prompts (`eval_prompts("holdout")`).
     holdout: Vec<ChatRecord>,
+    /// Never trained on: validation batches and prompts (`eval_prompts("validation")`).
+    validation: Vec<ChatRecord>,
     skipped: u64,
     /// Records without a reply, left out when nothing regenerates one.
     prompt_only: u64,
@@ -220,10 +229,18 @@ pub struct ChatData {
     template: Option<ChatTemplate>,
     stop_tokens: Vec<u32>,
     pad_id: u32,
+    /// The training examples, then the validation ones (`examples[n_train..]`): both are
+    /// self-distilled alike, only the first are ever batched for training.
     examples: Vec<Example>,
+    n_train: usize,
     order: Vec<usize>,
     pos: DataPosition,
 }
+
+/// Offsets of the window choice (which reply ends a record's window) per split, so a test or
+/// validation record's window does not repeat a training record's choice at the same index.
+const HOLDOUT_WINDOWS: usize = 1_000_000;
+const VALIDATION_WINDOWS: usize = 2_000_000;
 
 /// Deterministic per-record choice (which reply ends the window).
 fn mix(a: u64, b: u64) -> u64 {
@@ -268,13 +285,28 @@ impl ChatData {
                 (report.records, report.skipped.len() as u64)
             }
         };
-        // Held-out records come off the end, before `max_records` caps the training set.
+        // Held-out records come off the end, before `max_records` caps the training set: the
+        // test records last, the validation records just before them (so adding a validation
+        // split leaves the test records as they were).
         let keep = records.len().saturating_sub(cfg.eval_holdout);
         let holdout = records.split_off(keep);
-        // Without distillation a prompt-only record has no reply to train on.
+        if cfg.validation > 0 && records.len() <= cfg.validation {
+            return Err(PluginError::new(format!(
+                "field `validation`: {} records asked for, but {} has {} besides the {} eval_holdout ones (and training needs some)",
+                cfg.validation,
+                path.display(),
+                records.len(),
+                holdout.len()
+            )));
+        }
+        let keep = records.len() - cfg.validation;
+        let mut validation = records.split_off(keep);
+        // Without distillation a prompt-only record has no reply to train on (nor to score).
         let before = records.len();
         if cfg.distill == Distill::Off {
-            records.retain(|r| r.messages.iter().any(|m| m.role == Role::Assistant));
+            let has_reply = |r: &ChatRecord| r.messages.iter().any(|m| m.role == Role::Assistant);
+            records.retain(has_reply);
+            validation.retain(has_reply);
         }
         let prompt_only = (before - records.len()) as u64;
         if cfg.max_records > 0 {
@@ -291,6 +323,7 @@ impl ChatData {
             seed,
             records,
             holdout,
+            validation,
             skipped,
             prompt_only,
             template_text: template::CHATML.to_string(),
@@ -303,6 +336,7 @@ impl ChatData {
             stop_tokens: Vec::new(),
             pad_id: 0,
             examples: Vec::new(),
+            n_train: 0,
             order: Vec::new(),
             pos: DataPosition::default(),
         })
@@ -438,18 +472,28 @@ impl ChatData {
         Ok(Some(Example { messages: window, targets, replaced, replies: Vec::new(), encoded, pending: true }))
     }
 
+    /// The training examples (the validation ones follow them).
+    fn train_examples(&self) -> &[Example] {
+        &self.examples[..self.n_train]
+    }
+
     fn summary(&self, what: &str) -> DataSummary {
-        let tokens: u64 = self.examples.iter().map(|e| e.encoded.ids.len() as u64).sum();
-        let loss_tokens: u64 = self.examples.iter().map(|e| e.encoded.loss_mask.iter().map(|&m| m as u64).sum::<u64>()).sum();
+        let train = self.train_examples();
+        let tokens: u64 = train.iter().map(|e| e.encoded.ids.len() as u64).sum();
+        let loss_tokens: u64 = train.iter().map(|e| e.encoded.loss_mask.iter().map(|&m| m as u64).sum::<u64>()).sum();
+        let validation = match self.examples.len() - self.n_train {
+            0 => String::new(),
+            n => format!(" (+ {} for validation)", count(n as u64, "sequence")),
+        };
         DataSummary {
-            sequences: self.examples.len() as u64,
+            sequences: train.len() as u64,
             tokens,
             loss_tokens,
             skipped: self.skipped,
             description: format!(
-                "{}: {} sequences, {} tokens ({} trained on) {what}",
+                "{}: {} sequences{validation}, {} tokens ({} trained on) {what}",
                 self.path.display(),
-                self.examples.len(),
+                train.len(),
                 tokens,
                 loss_tokens
             )
@@ -458,7 +502,7 @@ impl ChatData {
     }
 
     fn shuffle_epoch(&mut self) {
-        self.order = (0..self.examples.len()).collect();
+        self.order = (0..self.n_train).collect();
         let mut rng = ChaCha8Rng::seed_from_u64(mix(self.seed, 1 + self.pos.epoch));
         self.order.shuffle(&mut rng);
     }
@@ -471,29 +515,42 @@ impl ChatData {
             return None;
         }
         let end = (start + self.cfg.batch_size).min(self.order.len());
-        let picked: Vec<&EncodedChat> = self.order[start..end].iter().map(|&i| &self.examples[i].encoded).collect();
-        let longest = picked.iter().map(|e| e.ids.len()).max().unwrap_or(1);
+        self.pos.index = end as u64;
+        Some(self.pack(&self.order[start..end]))
+    }
+
+    /// Examples `picked` as one right-padded batch; their indices are their sequence ids.
+    fn pack(&self, picked: &[usize]) -> TrainBatch {
+        let encoded: Vec<&EncodedChat> = picked.iter().map(|&i| &self.examples[i].encoded).collect();
+        let longest = encoded.iter().map(|e| e.ids.len()).max().unwrap_or(1);
         let s = padded_len(longest, self.cfg.pad_to_multiple_of, self.cfg.max_len);
-        let b = picked.len();
+        let b = encoded.len();
         // Right padding: causal attention means padding changes nothing before it, and its loss
         // mask is 0, so no anchor or label lands there.
         let mut ids = vec![self.pad_id as i64; b * s];
         let mut mask = vec![0i64; b * s];
-        for (r, e) in picked.iter().enumerate() {
+        for (r, e) in encoded.iter().enumerate() {
             for (c, (&t, &m)) in e.ids.iter().zip(&e.loss_mask).enumerate() {
                 ids[r * s + c] = t as i64;
                 mask[r * s + c] = m as i64;
             }
         }
-        let lengths: Vec<u32> = picked.iter().map(|e| e.ids.len() as u32).collect();
-        let sequence_ids: Vec<u64> = self.order[start..end].iter().map(|&i| i as u64).collect();
-        self.pos.index = end as u64;
-        Some(TrainBatch {
+        TrainBatch {
             input_ids: Tensor::from_slice(&ids).view([b as i64, s as i64]),
             loss_mask: Tensor::from_slice(&mask).view([b as i64, s as i64]),
-            lengths,
-            sequence_ids,
-        })
+            lengths: encoded.iter().map(|e| e.ids.len() as u32).collect(),
+            sequence_ids: picked.iter().map(|&i| i as u64).collect(),
+        }
+    }
+
+    /// The validation split in record order, `batch_size` sequences a batch (the same batches
+    /// every call). Their sequence ids follow the training ones, so no cache confuses the two.
+    pub fn validation_batches_impl(&self) -> Result<Vec<TrainBatch>, PluginError> {
+        if self.pending().next().is_some() {
+            return Err(PluginError::new("validation batches asked for before the distilled replies arrived"));
+        }
+        let all: Vec<usize> = (self.n_train..self.examples.len()).collect();
+        Ok(all.chunks(self.cfg.batch_size).map(|picked| self.pack(picked)).collect())
     }
 
     pub fn open_impl(&mut self, tokenizer_json: &str) -> Result<DataSummary, PluginError> {
@@ -541,7 +598,7 @@ impl ChatData {
         self.template = Some(tpl);
 
         let mode = self.cfg.distill;
-        let mut examples = Vec::with_capacity(self.records.len());
+        let mut examples = Vec::with_capacity(self.records.len() + self.validation.len());
         for (i, record) in self.records.iter().enumerate() {
             if let Some(ex) = self.example(record, i, mode)? {
                 examples.push(ex);
@@ -550,8 +607,18 @@ impl ChatData {
         if examples.is_empty() {
             return Err(PluginError::new(format!("{}: no record fits max_len {}", self.path.display(), self.cfg.max_len)));
         }
-        let unfit = self.records.len() - examples.len();
+        let n_train = examples.len();
+        for (j, record) in self.validation.iter().enumerate() {
+            if let Some(ex) = self.example(record, VALIDATION_WINDOWS + j, mode)? {
+                examples.push(ex);
+            }
+        }
+        if !self.validation.is_empty() && examples.len() == n_train {
+            return Err(PluginError::new(format!("field `validation`: no validation record fits max_len {}", self.cfg.max_len)));
+        }
+        let unfit = self.records.len() + self.validation.len() - examples.len();
         self.examples = examples;
+        self.n_train = n_train;
         self.pos = DataPosition::default();
         self.shuffle_epoch();
         let mut notes = vec![format!("template: {}", self.describe_source(&self.template_source))];
@@ -562,7 +629,7 @@ impl ChatData {
             notes.push(format!("{} left out (nothing writes their reply with distill = false)", count(self.prompt_only, "prompt-only record")));
         }
         if mode != Distill::Off {
-            let replies: usize = self.records.iter().map(|r| r.messages.iter().filter(|m| m.role == Role::Assistant).count()).sum();
+            let replies: usize = self.records.iter().chain(&self.validation).map(|r| r.messages.iter().filter(|m| m.role == Role::Assistant).count()).sum();
             let replaced: usize = self.examples.iter().map(|e| e.replaced).sum();
             let answered: usize = self.examples.iter().map(|e| e.targets.len() - e.replaced).sum();
             let how = if self.cfg.distill_temperature > 0.0 {
@@ -588,23 +655,26 @@ impl ChatData {
         if self.tokenizer.is_none() {
             return Err(PluginError::new("eval_prompts before open"));
         }
-        let records: Vec<ChatRecord> = match source {
-            "holdout" => self.holdout.clone(),
-            "humaneval" => humaneval_records(&self.cache_dir.join("HumanEval.jsonl.gz"))?,
+        // Offset the window choice from the training records' so held-out prompts vary too; a
+        // validation prompt is the prompt of its validation sequence.
+        let (records, windows): (Vec<ChatRecord>, usize) = match source {
+            "holdout" => (self.holdout.clone(), HOLDOUT_WINDOWS),
+            "validation" => (self.validation.clone(), VALIDATION_WINDOWS),
+            "humaneval" => (humaneval_records(&self.cache_dir.join("HumanEval.jsonl.gz"))?, HOLDOUT_WINDOWS),
             path => {
                 let schema = Schema::new(self.cfg.format, &self.cfg.fields);
-                records::read_records(Path::new(path), &schema, OnError::Fail).map_err(|e| PluginError::new(e.to_string()))?.records
+                let read = records::read_records(Path::new(path), &schema, OnError::Fail).map_err(|e| PluginError::new(e.to_string()))?;
+                (read.records, HOLDOUT_WINDOWS)
             }
         };
         if records.is_empty() {
             return Err(PluginError::new(format!(
-                "no evaluation prompts in `{source}` (for `holdout`, set `eval_holdout` in [data])"
+                "no evaluation prompts in `{source}` (for `holdout`, set `eval_holdout` in [data]; for `validation`, `validation`)"
             )));
         }
         let mut prompts = Vec::new();
-        // Offset the window choice from the training records' so held-out prompts vary too.
         for (i, r) in records.iter().enumerate() {
-            if let Some(e) = self.example(r, 1_000_000 + i, Distill::Last)? {
+            if let Some(e) = self.example(r, windows + i, Distill::Last)? {
                 prompts.push(e.encoded.ids);
             }
             if prompts.len() >= limit {
@@ -687,8 +757,8 @@ impl ChatData {
         if self.examples.is_empty() || self.pending().next().is_some() {
             return Err(PluginError::new("the self-distilled replies have not all arrived"));
         }
-        let mut out = Vec::with_capacity(self.examples.len());
-        for ex in &self.examples {
+        let mut out = Vec::with_capacity(self.n_train);
+        for ex in self.train_examples() {
             let mut messages = ex.messages.clone();
             let (last, earlier) = ex.replies.split_last().expect("every example has a reply");
             for (&t, r) in ex.targets.iter().zip(earlier) {
@@ -788,16 +858,19 @@ impl DataLoaderPlugin for ChatData {
         self.pos
     }
 
+    fn validation_batches(&mut self) -> Result<Vec<TrainBatch>, PluginError> {
+        self.validation_batches_impl()
+    }
+
     fn eval_prompts(&mut self, source: &str, limit: u32) -> Result<Vec<Vec<u32>>, PluginError> {
         self.eval_prompts_impl(source, limit as usize)
     }
 
     fn seek(&mut self, position: DataPosition) -> Result<(), PluginError> {
-        if position.index as usize > self.examples.len() {
+        if position.index as usize > self.n_train {
             return Err(PluginError::new(format!(
                 "data position {} is past the end of the epoch ({} sequences)",
-                position.index,
-                self.examples.len()
+                position.index, self.n_train
             )));
         }
         self.pos = position;

@@ -217,3 +217,83 @@ fn distill_accepts_a_flag_or_a_mode() {
     let d = plugin_api::parse_section::<ChatSection>("path = \"x\"").unwrap();
     assert_eq!((d.distill, d.distill_temperature, d.format), (Distill::Last, 0.0, Format::Auto));
 }
+
+/// `n` one-exchange records, record i asking `qi` and answered `ai`.
+fn numbered(dir: &Path, n: usize) -> PathBuf {
+    let path = dir.join("numbered.jsonl");
+    let lines: String = (0..n)
+        .map(|i| format!("{{\"messages\":[{{\"role\":\"user\",\"content\":\"q{i}\"}},{{\"role\":\"assistant\",\"content\":\"a{i}\"}}]}}\n"))
+        .collect();
+    std::fs::write(&path, lines).unwrap();
+    path
+}
+
+/// The replies a set of batches trains on, in order (`a3`, ...).
+fn replies_in(batches: &[TrainBatch]) -> Vec<String> {
+    let mut out = Vec::new();
+    for b in batches {
+        let (ids, mask) = (Vec::<i64>::try_from(b.input_ids.flatten(0, -1)).unwrap(), Vec::<i64>::try_from(b.loss_mask.flatten(0, -1)).unwrap());
+        let s = b.input_ids.size()[1] as usize;
+        for r in 0..b.lengths.len() {
+            let kept: Vec<u32> = (r * s..(r + 1) * s).filter(|&i| mask[i] == 1).map(|i| ids[i] as u32).collect();
+            out.push(text(&kept).trim_end_matches("<|im_end|>").to_string());
+        }
+    }
+    out
+}
+
+#[test]
+fn the_validation_split_sits_before_the_test_records_and_is_never_trained_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = numbered(dir.path(), 10);
+    let split = "distill = false\nbatch_size = 2\neval_holdout = 2";
+    // Without a validation split the test prompts are records 8 and 9; with one, still.
+    let (mut plain, _) = opened(&path, split, "").unwrap();
+    assert!(plain.validation_batches().unwrap().is_empty());
+    let test_prompts = plain.eval_prompts_impl("holdout", 10).unwrap();
+    let (mut data, summary) = opened(&path, &format!("{split}\nvalidation = 3"), "").unwrap();
+    assert_eq!(data.eval_prompts_impl("holdout", 10).unwrap(), test_prompts);
+    assert!(text(&test_prompts[0]).contains("q8") && text(&test_prompts[1]).contains("q9"));
+    assert!(summary.description.contains("5 sequences (+ 3 sequences for validation)"), "{}", summary.description);
+    assert_eq!(summary.sequences, 5);
+
+    // Validation: records 5..8 in order, the same batches at every call, ids after training's.
+    let val = data.validation_batches().unwrap();
+    assert_eq!(replies_in(&val), ["a5", "a6", "a7"]);
+    assert_eq!(val.iter().map(|b| b.lengths.len()).collect::<Vec<_>>(), [2, 1]);
+    assert_eq!(val[0].sequence_ids, [5, 6]);
+    assert_eq!(replies_in(&data.validation_batches().unwrap()), ["a5", "a6", "a7"]);
+    let prompts: Vec<String> = data.eval_prompts_impl("validation", 10).unwrap().iter().map(|p| text(p)).collect();
+    assert_eq!(prompts.len(), 3);
+    assert!(prompts.iter().zip(["q5", "q6", "q7"]).all(|(p, q)| p.contains(q) && p.ends_with("<|im_start|>assistant\n")), "{prompts:?}");
+
+    // Two epochs of training see records 0..5 only.
+    let mut trained_on = Vec::new();
+    for _ in 0..2 {
+        while let Some(b) = data.next_batch().unwrap() {
+            trained_on.extend(replies_in(&[b]));
+        }
+    }
+    trained_on.sort();
+    assert_eq!(trained_on, ["a0", "a0", "a1", "a1", "a2", "a2", "a3", "a3", "a4", "a4"]);
+
+    // Too few records for the split: named.
+    let err = opened(&path, "distill = false\neval_holdout = 2\nvalidation = 8", "").err().unwrap().to_string();
+    assert!(err.starts_with("field `validation`: 8 records asked for"), "{err}");
+}
+
+#[test]
+fn validation_records_are_self_distilled_with_the_training_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = numbered(dir.path(), 4);
+    let (mut data, _) = opened(&path, "distill = \"last\"\nvalidation = 1", "").unwrap();
+    let req = data.distill_request();
+    assert_eq!(req.prompts.len(), 4, "the validation record's prompt is asked for too");
+    assert!(text(&req.prompts[3]).contains("q3"));
+    assert!(data.validation_batches().is_err(), "no validation batch before the replies");
+    data.set_distilled_impl(vec![reply("X0"), reply("X1"), reply("X2"), reply("X3")]).unwrap();
+    assert_eq!(replies_in(&data.validation_batches().unwrap()), ["X3"]);
+    // Its prompt is the one the target answered; the exported dataset is the training split.
+    assert_eq!(data.eval_prompts_impl("validation", 1).unwrap(), vec![req.prompts[3].clone().into_vec()]);
+    assert_eq!(data.distilled_records().unwrap().len(), 3);
+}

@@ -6,11 +6,11 @@ use super::*;
 impl Trainer<'_> {
     /// A metrics line over the window since the last one (metrics.jsonl, TensorBoard, the log),
     /// then a new window.
-    pub(super) fn log(&mut self, step: u64, grad_norm: f64, feed: &Feed<Micro>) -> Result<()> {
+    pub(super) fn log(&mut self, step: u64, grad_norm: f64, feed: &Feed<Micro>, val: Option<ValidationScores>) -> Result<()> {
         let t = &self.cfg.train;
         let w = &self.state.window;
         let acc = w.acc();
-        let secs = self.times.started.map_or(0.0, |s| s.elapsed().as_secs_f64()).max(1e-9);
+        let secs = (self.times.started.map_or(0.0, |s| s.elapsed().as_secs_f64()) - self.times.val_s).max(1e-9);
         let busy_now = feed.worker_busy_s();
         let target_busy: Vec<f64> = busy_now.iter().zip(&self.busy_before).map(|(a, b)| (a - b) / secs).collect();
         let target_s: f64 = busy_now.iter().zip(&self.busy_before).map(|(a, b)| a - b).sum();
@@ -48,7 +48,11 @@ impl Trainer<'_> {
             gpu_power_w: gpu.as_ref().map(|g| g.power_w.clone()),
             gpu_mem_mb: gpu.as_ref().map(|g| g.mem_mb.clone()),
             eta_s: (t.steps - step) as f64 * secs / steps_w,
-            elapsed_s: self.elapsed_before + self.started.elapsed().as_secs_f64(),
+            elapsed_s: self.train_elapsed_s(),
+            val_loss: val.as_ref().map(|v| v.loss),
+            val_tau_hat: val.as_ref().map(|v| v.tau_hat),
+            val_s: val.as_ref().map(|v| v.seconds),
+            val_acc: val.map(|v| v.acc),
         };
         self.exp.log(&m)?; // a no-op on ranks other than 0
         if let Some(tb) = self.tb.as_mut() {
@@ -92,7 +96,7 @@ impl Trainer<'_> {
             // Never let a diverged state replace a good checkpoint.
             self.bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
         } else if self.lead {
-            self.state.elapsed_s = self.elapsed_before + self.started.elapsed().as_secs_f64();
+            self.state.elapsed_s = self.train_elapsed_s();
             let (weights, config_json, optimizer_state) = (self.drafter.parameters(), self.drafter.config_json(), self.optimizer.state());
             // A panic there gave a placeholder (no weights, no state): never write it.
             self.names.check(PluginKind::Drafter, &*self.drafter)?;

@@ -1,0 +1,83 @@
+//! `[eval]` in an A/B: after a run, real tau by speculative decoding of its newest checkpoint,
+//! in this process, into the files `eval` would write: `eval-validation.json` on the validation
+//! prompts (every run: a sweep may choose by it) and `eval.json` on the test prompts (the runs
+//! compared). A file already there is kept, so a rerun of the A/B does not redo it.
+
+use super::EvalSpec;
+use crate::{
+    eval::{self, EvalOptions, Evaluated, PromptFormat},
+    experiment,
+    plugins::Registry,
+};
+use anyhow::{Context, Result};
+use std::path::Path;
+
+/// A prompt set an A/B evaluates on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptSet {
+    Validation,
+    Test,
+}
+
+impl PromptSet {
+    /// The data plugin's name for it.
+    fn source(self) -> &'static str {
+        match self {
+            PromptSet::Validation => "validation",
+            PromptSet::Test => "holdout",
+        }
+    }
+
+    fn file(self) -> &'static str {
+        match self {
+            PromptSet::Validation => eval::VALIDATION_FILE,
+            PromptSet::Test => "eval.json",
+        }
+    }
+}
+
+/// `[eval]` needs both prompt sets; with the built-in data plugin that is checked before any run
+/// (another plugin says so when asked).
+pub fn check(cfg: &crate::config::RunConfig) -> Result<()> {
+    let data = cfg.section("data");
+    if data.plugin == "chat" {
+        let s: data_chat::ChatSection = plugin_api::parse_section(&data.config_toml).map_err(|e| anyhow::anyhow!("[data] {e}"))?;
+        if s.validation == 0 || s.eval_holdout == 0 {
+            anyhow::bail!(
+                "[eval] decodes the validation and the test prompts, but [data] has `validation = {}`, `eval_holdout = {}`: hold records out for both",
+                s.validation,
+                s.eval_holdout
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Evaluate `dir`'s newest checkpoint on each of `sets` whose results file is missing (the
+/// target and drafter loaded once for all).
+pub fn ensure(dir: &Path, registry: &Registry, spec: &EvalSpec, sets: &[PromptSet]) -> Result<()> {
+    let missing: Vec<PromptSet> = sets.iter().copied().filter(|s| !dir.join(s.file()).exists()).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let evaluated = Evaluated::checkpoint(dir, None)?;
+    let (cfg, mut c) = crate::run::load_experiment(dir, registry, evaluated.checkpoint_step, None)?;
+    eval::open_data(&mut c)?;
+    for set in missing {
+        let opts = EvalOptions { source: set.source().into(), limit: spec.limit, max_new_tokens: spec.max_new_tokens, time_split: false };
+        let loads = eval::loadavg();
+        let report = eval::evaluate_opened(&mut c, &opts).with_context(|| format!("[eval] of {} on its {} prompts", dir.display(), set.source()))?;
+        let json = eval::results_json(&report, &evaluated, dir, PromptFormat::Chat, (loads, eval::loadavg()))?;
+        experiment::write_json_atomic(&dir.join(set.file()), &json)?;
+        tracing::info!(
+            "{}: tau {:.3} on {} {} prompts (step {}){}",
+            dir.join(set.file()).display(),
+            report.tau,
+            report.prompts,
+            set.source(),
+            evaluated.checkpoint_step.unwrap_or(0),
+            if report.lossless { String::new() } else { format!("; NOT lossless on {} of them ({})", report.mismatches.len(), cfg.dtype()) }
+        );
+    }
+    Ok(())
+}

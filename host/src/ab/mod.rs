@@ -1,0 +1,409 @@
+//! A/B experiments: arms that differ only in what the A/B config names (an optimizer, a drafter
+//! setting, ...), each over several seeds, run one after another into side-by-side experiment
+//! directories, then compared. A seed fixes the drafter's initial weights, the data order and
+//! the anchors, so arm `a` seed 1 and arm `b` seed 1 see exactly the same batches.
+//!
+//! ```toml
+//! name = "adamw-vs-muon"
+//! base = "smollm2-chitchat.toml"   # relative to this file
+//! seeds = [0, 1, 2]
+//! select = "val_tau"                # what picks a swept arm's value (validation only)
+//! [common]                          # shared by every arm, e.g. a shorter schedule
+//! train = { steps = 100, eval_every = 20 }
+//! data = { validation = 32 }
+//! [eval]                            # after each run: real tau on the validation and test prompts
+//! limit = 32
+//! [arms.adamw]
+//! optimizer = { plugin = "adamw" }
+//! sweep = { "optimizer.lr" = [1e-3, 3e-3, 1e-2] }
+//! [arms.muon]
+//! optimizer = { plugin = "muon", lr = 0.02 }
+//! ```
+//!
+//! An arm that sweeps ([`sweep`]) runs every value with the first seed; its value is then chosen
+//! on a validation measure only ([`select`]: never the test prompts, never training metrics),
+//! and the other seeds run at that value. Folders: `experiments/<name>/<arm>-s<seed>`, or
+//! `<arm>-<field>=<value>-s<seed>` for a swept arm; `selection.json` records the choice; `[eval]`
+//! runs `eval` in-process after each run ([`evals`]).
+
+mod evals;
+mod select;
+mod sweep;
+
+pub use select::{choose, Select};
+pub use sweep::SweepPoint;
+
+use crate::config::{validate_name, RunConfig};
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AbConfig {
+    pub name: String,
+    /// The run config every arm starts from (relative to the A/B file).
+    pub base: PathBuf,
+    #[serde(default = "default_seeds")]
+    pub seeds: Vec<u64>,
+    /// What chooses a swept arm's value: `val_tau` (real tau on the validation prompts, needs
+    /// `[eval]`; the default with it), `val_tau_hat` (the last validation tau-hat, needs
+    /// `train.eval_every`; the default without `[eval]`) or `val_loss` (the last validation loss).
+    #[serde(default)]
+    pub select: Option<Select>,
+    /// Speculative-decoding eval after each run.
+    #[serde(default)]
+    pub eval: Option<EvalSpec>,
+    /// Changes every arm shares (e.g. a shorter schedule than the base's), applied first.
+    #[serde(default)]
+    pub common: toml::Table,
+    /// Arm name -> what it changes in the base config, and optionally `sweep`.
+    pub arms: BTreeMap<String, toml::Table>,
+}
+
+fn default_seeds() -> Vec<u64> {
+    vec![0]
+}
+
+/// `[eval]`: after each run, real tau by speculative decoding of the newest checkpoint on the
+/// validation prompts (`eval-validation.json`) and, for the runs compared, on the test prompts
+/// (`eval.json`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EvalSpec {
+    /// Prompts per set.
+    #[serde(default = "default_eval_limit")]
+    pub limit: u32,
+    #[serde(default = "default_eval_tokens")]
+    pub max_new_tokens: u32,
+}
+
+fn default_eval_limit() -> u32 {
+    32
+}
+fn default_eval_tokens() -> u32 {
+    64
+}
+
+/// One run of the plan.
+#[derive(Debug)]
+pub struct ArmRun {
+    pub arm: String,
+    /// The swept point's label (None: the arm sweeps nothing).
+    pub point: Option<String>,
+    pub seed: u64,
+    pub config: RunConfig,
+    /// The base config file (relative paths in it resolve from its folder).
+    pub base_path: PathBuf,
+    pub dir: PathBuf,
+}
+
+/// One value of an arm (its only one when it sweeps nothing) and its runs, one per seed.
+#[derive(Debug)]
+pub struct PointRuns {
+    pub point: Option<SweepPoint>,
+    pub runs: Vec<ArmRun>,
+}
+
+#[derive(Debug)]
+pub struct ArmPlan {
+    pub arm: String,
+    /// The swept fields (empty: none).
+    pub fields: Vec<String>,
+    pub points: Vec<PointRuns>,
+}
+
+/// Everything an A/B file asks for, every config checked.
+#[derive(Debug)]
+pub struct Plan {
+    pub name: String,
+    /// `<root>/<name>`: the runs' parent, where `selection.json` goes.
+    pub dir: PathBuf,
+    /// What chooses swept values (None: no arm sweeps).
+    pub select: Option<Select>,
+    pub eval: Option<EvalSpec>,
+    pub arms: Vec<ArmPlan>,
+}
+
+impl Plan {
+    /// Phase 1: the first seed of every value of every arm.
+    pub fn first_seed_runs(&self) -> impl Iterator<Item = &ArmRun> {
+        self.arms.iter().flat_map(|a| a.points.iter().map(|p| &p.runs[0]))
+    }
+
+    /// Phase 2: every seed at each arm's chosen value (`chosen`: arm -> point label; an arm
+    /// that sweeps nothing has its one value), seed by seed.
+    pub fn compared_runs(&self, chosen: &BTreeMap<String, String>) -> Vec<&ArmRun> {
+        let at: Vec<&PointRuns> = self
+            .arms
+            .iter()
+            .filter_map(|a| match chosen.get(&a.arm) {
+                Some(label) => a.points.iter().find(|p| p.point.as_ref().is_some_and(|q| &q.label == label)),
+                None => a.points.first().filter(|p| p.point.is_none()),
+            })
+            .collect();
+        let seeds = at.first().map_or(0, |p| p.runs.len());
+        (0..seeds).flat_map(|i| at.iter().map(move |p| &p.runs[i])).collect()
+    }
+
+    /// Every run the plan may make.
+    pub fn all_runs(&self) -> impl Iterator<Item = &ArmRun> {
+        self.arms.iter().flat_map(|a| a.points.iter().flat_map(|p| &p.runs))
+    }
+}
+
+const PLUGIN_SECTIONS: [&str; 4] = ["target", "drafter", "optimizer", "data"];
+
+/// Apply an arm's changes: tables merge key by key, except a plugin section that names another
+/// plugin, which replaces the base section whole (the old plugin's keys mean nothing to the new).
+pub fn merge(base: &mut toml::Table, arm: &toml::Table) {
+    for (k, v) in arm {
+        let replaces_plugin = PLUGIN_SECTIONS.contains(&k.as_str())
+            && v.get("plugin").is_some()
+            && v.get("plugin") != base.get(k).and_then(|b| b.get("plugin"));
+        match (base.get_mut(k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(a)) if !replaces_plugin => merge(b, a),
+            _ => {
+                base.insert(k.clone(), v.clone());
+            }
+        }
+    }
+}
+
+/// Read an A/B file and expand it into runs under `root/<name>/`: every arm, every value it
+/// sweeps, every seed, each config typed and checked now (a bad value is refused before any run).
+pub fn plan(path: &Path, seeds: Option<u64>, root: &Path) -> Result<Plan> {
+    let text = input_files::read_to_string_capped(path, crate::config::MAX_CONFIG_BYTES).with_context(|| format!("reading {}", path.display()))?;
+    let ab: AbConfig =
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}", crate::config::toml_error(path, &text, &e)))?;
+    validate_name(&ab.name).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    if ab.arms.len() < 2 {
+        bail!("{}: an A/B needs at least two arms, found {}", path.display(), ab.arms.len());
+    }
+    let seeds: Vec<u64> = match seeds {
+        Some(n) if n == 0 => bail!("--seeds must be >= 1"),
+        Some(n) => (0..n).collect(),
+        None => ab.seeds.clone(),
+    };
+    if seeds.is_empty() {
+        bail!("{}: field `seeds`: give at least one", path.display());
+    }
+    if let Some(e) = &ab.eval {
+        if e.limit == 0 || e.max_new_tokens == 0 {
+            bail!("{}: [eval]: `limit` and `max_new_tokens` must be >= 1", path.display());
+        }
+    }
+    let base_path = crate::config::config_dir(path).join(&ab.base);
+    let base_text = input_files::read_to_string_capped(&base_path, crate::config::MAX_CONFIG_BYTES)
+        .with_context(|| format!("reading base config {}", base_path.display()))?;
+    let base: toml::Table = toml::from_str(&base_text)
+        .map_err(|e| anyhow::anyhow!("{}", crate::config::toml_error(&base_path, &base_text, &e)))?;
+    let dir = root.join(&ab.name);
+    let sweeps = ab.arms.values().any(|a| a.contains_key("sweep"));
+    let select = match (sweeps, ab.select, &ab.eval) {
+        (false, _, _) => None,
+        (true, Some(s), _) => Some(s),
+        (true, None, Some(_)) => Some(Select::ValTau),
+        (true, None, None) => Some(Select::ValTauHat),
+    };
+    let mut arms = Vec::new();
+    for (arm, changes) in &ab.arms {
+        let bad = |e: &dyn std::fmt::Display| anyhow::anyhow!("{}: arm `{arm}`: {e}", path.display());
+        validate_name(arm).map_err(|e| bad(&e))?;
+        let mut changes = changes.clone();
+        let (fields, points) = match changes.remove("sweep") {
+            Some(s) => {
+                let (fields, points) = sweep::expand(&s).map_err(|e| bad(&e))?;
+                (fields, points.into_iter().map(Some).collect())
+            }
+            None => (Vec::new(), vec![None]),
+        };
+        let mut table = base.clone();
+        merge(&mut table, &ab.common);
+        merge(&mut table, &changes);
+        let mut point_runs = Vec::new();
+        for point in points {
+            let mut runs = Vec::new();
+            for &seed in &seeds {
+                let mut t = table.clone();
+                if let Some(p) = &point {
+                    sweep::apply(&mut t, p).map_err(|e| bad(&e))?;
+                }
+                let folder = match &point {
+                    Some(p) => format!("{arm}-{}-s{seed}", p.label),
+                    None => format!("{arm}-s{seed}"),
+                };
+                // The run's name holds what its folder does (`=` is no name character).
+                t.insert("name".into(), toml::Value::String(format!("{}-{}", ab.name, folder.replace('=', "_"))));
+                t.insert("seed".into(), toml::Value::Integer(seed as i64));
+                let config: RunConfig = t.try_into().map_err(|e: toml::de::Error| bad(&e.message()))?;
+                config.validate().map_err(|e| bad(&e))?;
+                if ab.eval.is_some() {
+                    evals::check(&config).map_err(|e| bad(&e))?;
+                }
+                if let (Some(select), Some(p)) = (select, &point) {
+                    select.check(&config, ab.eval.is_some()).map_err(|e| bad(&format!("{}: {e}", p.label)))?;
+                }
+                runs.push(ArmRun { arm: arm.clone(), point: point.as_ref().map(|p| p.label.clone()), seed, config, base_path: base_path.clone(), dir: dir.join(folder) });
+            }
+            point_runs.push(PointRuns { point, runs });
+        }
+        arms.push(ArmPlan { arm: arm.clone(), fields, points: point_runs });
+    }
+    Ok(Plan { name: ab.name, dir, select, eval: ab.eval, arms })
+}
+
+/// Where an arm's run stands on disk, so a rerun of the A/B continues instead of redoing work.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ArmState {
+    /// No folder (or an empty one): start it.
+    New,
+    /// Started with this arm's config and not finished (interrupted, killed): resume it.
+    Unfinished,
+    /// Finished (summary.json, or its last checkpoint is at the last step): leave it.
+    Finished,
+}
+
+/// The state of `run`'s folder. An unfinished arm must have been started with the config the
+/// plan gives it now (an edited A/B file is refused, naming the fields, rather than mixed in);
+/// nothing is ever deleted.
+pub fn arm_state(run: &ArmRun) -> Result<ArmState> {
+    let dir = &run.dir;
+    if !dir.exists() || std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?.next().is_none() {
+        return Ok(ArmState::New);
+    }
+    if crate::experiment::is_finished(dir) {
+        return Ok(ArmState::Finished);
+    }
+    let cfg_path = dir.join(crate::experiment::CONFIG);
+    if !cfg_path.is_file() {
+        bail!("{}: exists but is not an experiment (no config.toml); move it away to run arm `{}` seed {}", dir.display(), run.arm, run.seed);
+    }
+    let then = input_files::read_to_string_capped(&cfg_path, crate::config::MAX_CONFIG_BYTES)?;
+    let drift = crate::experiment::manifest::config_drift(&then, &toml::to_string(&run.config)?);
+    if !drift.is_empty() {
+        let fields: Vec<String> = drift.iter().map(|d| d.to_string()).collect();
+        bail!(
+            "arm `{}` seed {}: {} was started with another config ({}); move it away to run the arm again with this one",
+            run.arm,
+            run.seed,
+            dir.display(),
+            fields.join("; ")
+        );
+    }
+    // Killed between its last checkpoint and its summary: nothing is left to train.
+    let at = crate::experiment::checkpoint::newest_good(dir).0.map_or(0, |c| c.step);
+    if at >= run.config.train.steps {
+        tracing::warn!("{}: its last checkpoint is at the last step, but it has no summary.json; counted as finished", dir.display());
+        return Ok(ArmState::Finished);
+    }
+    Ok(ArmState::Unfinished)
+}
+
+/// `dflash-host ab`: phase 1 runs every arm's first seed at every value it sweeps, phase 2 every
+/// seed at each arm's value (chosen on the validation split between them, `selection.json`),
+/// each run followed by `[eval]`; finished runs are skipped, unfinished ones resumed. Then the
+/// comparison into `out` (default: the A/B folder's `report/`). Returns the report and, when a
+/// run was interrupted, its exit code (rerunning the A/B resumes it).
+pub fn run(
+    config: &Path,
+    seeds: Option<u64>,
+    out: Option<&Path>,
+    registry: &crate::plugins::Registry,
+    print_summary: fn(&crate::train::TrainSummary),
+) -> Result<(PathBuf, Option<u8>)> {
+    let plan = plan(config, seeds, Path::new("experiments"))?;
+    let report = plan.dir.join("report");
+    let first: Vec<&ArmRun> = plan.first_seed_runs().collect();
+    let swept = plan.arms.iter().filter(|a| !a.fields.is_empty()).count();
+    let n_seeds = plan.arms[0].points[0].runs.len();
+    tracing::info!(
+        "A/B {}: {} arms{}, {n_seeds} seed(s), {} runs",
+        plan.dir.display(),
+        plan.arms.len(),
+        if swept > 0 { format!(" ({swept} sweeping, chosen by {})", plan.select.map_or("-", Select::as_str)) } else { String::new() },
+        first.len() + plan.arms.len() * (n_seeds - 1),
+    );
+    // 1. Every arm's first seed, at every value it sweeps.
+    for (i, r) in first.iter().enumerate() {
+        tracing::info!("A/B phase 1, run {}/{}: arm `{}`{}, seed {}", i + 1, first.len(), r.arm, point_text(r), r.seed);
+        if let Some(code) = train_one(r, registry, print_summary)? {
+            return Ok((report, Some(code)));
+        }
+        if let Some(spec) = &plan.eval {
+            evals::ensure(&r.dir, registry, spec, &[evals::PromptSet::Validation])?;
+        }
+    }
+    // 2. Each swept arm's value, on the validation split only.
+    let selection = choose(&plan)?;
+    let mut chosen = BTreeMap::new();
+    if !selection.arms.is_empty() {
+        select::write(&plan, &selection)?;
+        for a in &selection.arms {
+            tracing::info!("A/B: arm `{}` runs at {} (best {} on the validation split)", a.arm, a.chosen, selection.select);
+            chosen.insert(a.arm.clone(), a.chosen.clone());
+        }
+    }
+    // 3. Every seed at those values; the compared runs are evaluated on the test prompts too.
+    let compared = plan.compared_runs(&chosen);
+    let later = compared.iter().filter(|r| r.seed != first[0].seed).count();
+    let mut k = 0;
+    for r in &compared {
+        if r.seed != first[0].seed {
+            k += 1;
+            tracing::info!("A/B phase 2, run {k}/{later}: arm `{}`{}, seed {}", r.arm, point_text(r), r.seed);
+            if let Some(code) = train_one(r, registry, print_summary)? {
+                return Ok((report, Some(code)));
+            }
+        }
+        if let Some(spec) = &plan.eval {
+            evals::ensure(&r.dir, registry, spec, &[evals::PromptSet::Validation, evals::PromptSet::Test])?;
+        }
+    }
+    // 4. The comparison: every run made (the sweep's other values shown as such).
+    let mut dirs: Vec<PathBuf> = first.iter().chain(&compared).map(|r| r.dir.clone()).collect();
+    dirs.sort();
+    dirs.dedup();
+    let out = out.map_or(report, Path::to_path_buf);
+    Ok((crate::compare::run(&dirs, Some(&out), None)?, None))
+}
+
+fn point_text(r: &ArmRun) -> String {
+    r.point.as_ref().map_or(String::new(), |p| format!(" at {p}"))
+}
+
+/// Train one run of the plan (new, resumed, or left as it is when finished). Returns the exit
+/// code of an interrupted run.
+fn train_one(r: &ArmRun, registry: &crate::plugins::Registry, print_summary: fn(&crate::train::TrainSummary)) -> Result<Option<u8>> {
+    let summary = match arm_state(r)? {
+        ArmState::Finished => {
+            tracing::info!("{} is complete already; skipping it", r.dir.display());
+            None
+        }
+        ArmState::Unfinished => {
+            tracing::info!("{} is unfinished: resuming it", r.dir.display());
+            Some(crate::run::resume_with(&r.dir, None, registry, &crate::run::ResumeOptions::default())?)
+        }
+        ArmState::New => {
+            let ab_name = r.dir.parent().and_then(Path::file_name).unwrap_or_default().to_string_lossy().to_string();
+            Some(crate::run::run(crate::run::RunSpec {
+                cfg: &r.config,
+                config_path: &r.base_path,
+                exp_dir: &r.dir,
+                registry,
+                ab: Some((&ab_name, &r.arm)),
+                stop_at: None,
+            })?)
+        }
+    };
+    Ok(summary.and_then(|s| {
+        print_summary(&s);
+        s.interrupted
+    }))
+}
+
+#[cfg(test)]
+mod tests;
