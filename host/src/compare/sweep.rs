@@ -14,7 +14,7 @@ pub struct Selection {
     /// The validation measure: `val_tau`, `val_tau_hat` or `val_loss`.
     pub select: String,
     pub higher_is_better: bool,
-    /// The seed every value ran with.
+    /// Seed of every swept value's run.
     pub seed: u64,
     pub arms: Vec<ArmSweep>,
 }
