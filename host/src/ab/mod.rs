@@ -11,7 +11,7 @@
 //! [common]                          # shared by every arm, e.g. a shorter schedule
 //! train = { steps = 100, eval_every = 20 }
 //! data = { validation = 32 }
-//! [eval]                            # after each run: real tau on the validation and test prompts
+//! [eval]                            # real tau on the validation (if it selects) and test prompts
 //! limit = 32
 //! [arms.adamw]
 //! optimizer = { plugin = "adamw" }
@@ -69,8 +69,8 @@ fn default_seeds() -> Vec<u64> {
 }
 
 /// `[eval]`: after each run, real tau by speculative decoding of the newest checkpoint on the
-/// validation prompts (`eval-validation.json`) and, for the runs compared, on the test prompts
-/// (`eval.json`).
+/// validation prompts (`eval-validation.json`, when `select = "val_tau"` chooses by it) and, for
+/// the runs compared, on the test prompts (`eval.json`).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct EvalSpec {
@@ -333,7 +333,9 @@ pub fn run(
         if let Some(code) = train_one(r, registry, print_summary)? {
             return Ok((report, Some(code)));
         }
-        if let Some(spec) = &plan.eval {
+        // Real tau on the validation prompts only where it chooses: decoding costs more than
+        // the training of a small run.
+        if let (Some(spec), Some(Select::ValTau)) = (&plan.eval, plan.select) {
             evals::ensure(&r.dir, registry, spec, &[evals::PromptSet::Validation])?;
         }
     }
@@ -360,7 +362,11 @@ pub fn run(
             }
         }
         if let Some(spec) = &plan.eval {
-            evals::ensure(&r.dir, registry, spec, &[evals::PromptSet::Validation, evals::PromptSet::Test])?;
+            let sets: &[evals::PromptSet] = match plan.select {
+                Some(Select::ValTau) => &[evals::PromptSet::Validation, evals::PromptSet::Test],
+                _ => &[evals::PromptSet::Test],
+            };
+            evals::ensure(&r.dir, registry, spec, sets)?;
         }
     }
     // 4. The comparison: every run made (the sweep's other values shown as such).
