@@ -269,7 +269,7 @@ fn the_ab_files_in_configs_plan() {
             "muon-adamw.lr=0.01-optimizer.lr=0.01-s0"
         ]
     );
-    assert_eq!((p.select, p.eval.as_ref().map(|e| e.limit)), (Some(Select::ValTauHat), Some(24)));
+    assert_eq!((p.select, p.eval.as_ref().map(|e| e.limit)), (Some(Select::ValTauHat), Some(16)));
     let muon = p.first_seed_runs().nth(4).unwrap().config.section("optimizer");
     assert!(muon.config_toml.contains("lr = 0.003") && muon.config_toml.contains("adjust_lr"), "{}", muon.config_toml);
 }
