@@ -301,7 +301,7 @@ fn default_config_with_one_line_changed() {
     };
     let cfg = drafter_section(&gdn_text);
     assert_eq!(cfg.layer_types, vec![LayerType::Gdn]);
-    assert_eq!((cfg.block_size, cfg.dflash_config.mask_token_id, cfg.dflash_config.target_layer_ids.len()), (8, 16, 3));
+    assert_eq!((cfg.block_size, cfg.dflash_config.mask_token_id, cfg.dflash_config.target_layer_ids.len()), (4, 16, 3));
     assert_eq!((cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), (9, 64, 64));
     let shipped = std::fs::read_to_string(root.join("configs/smollm2-chitchat-gdn.toml")).unwrap();
     assert_eq!(drafter_section(&shipped), cfg);
