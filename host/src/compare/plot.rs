@@ -46,6 +46,18 @@ pub(super) fn plot_err(e: impl std::fmt::Display) -> anyhow::Error {
     anyhow!("{e}")
 }
 
+/// The series' legend, the same box on every figure.
+fn draw_legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(chart: &mut ChartContext<'a, DB, CT>, position: SeriesLabelPosition) -> Result<()> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.9))
+        .border_style(RGBColor(180, 180, 180))
+        .label_font((FONT, 14))
+        .draw()
+        .map_err(plot_err)
+}
+
 /// A log-scale axis ticked at 1, 2, 5 × 10^k (plotters' `LogCoord` ticks only powers of ten from
 /// the first one inside the range, so a loss between 4 and 9 gets no label).
 #[derive(Clone)]
@@ -229,14 +241,7 @@ impl CurveFigure {
                 .label(format!("T = {} tokens", fmt_tokens_short(t)))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], grey.stroke_width(1)));
         }
-        chart
-            .configure_series_labels()
-            .position(self.legend.clone())
-            .background_style(WHITE.mix(0.9))
-            .border_style(RGBColor(180, 180, 180))
-            .label_font((FONT, 14))
-            .draw()
-            .map_err(plot_err)?;
+        draw_legend(&mut chart, self.legend.clone())?;
         Ok(())
     }
 }
@@ -317,14 +322,7 @@ impl Figure for AccFigure {
             });
             chart.draw_series(whiskers).map_err(plot_err)?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(RGBColor(180, 180, 180))
-            .label_font((FONT, 14))
-            .draw()
-            .map_err(plot_err)?;
+        draw_legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         Ok(())
     }
 }
@@ -559,14 +557,7 @@ impl SweepFigure {
             .map_err(plot_err)?
             .label("chosen")
             .legend(move |(x, y)| Circle::new((x + 12, y), 6, chosen.stroke_width(3)));
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(RGBColor(180, 180, 180))
-            .label_font((FONT, 14))
-            .draw()
-            .map_err(plot_err)?;
+        draw_legend(&mut chart, SeriesLabelPosition::UpperRight)?;
         Ok(())
     }
 }
