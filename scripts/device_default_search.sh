@@ -21,15 +21,13 @@ pack)
     gguf=$(readlink -f "$src/$MODEL")
     rm -rf .devcarry/search
     split_model "$gguf" .devcarry/search 4000000
-    xz -T2 -6 -c "${B:-target/device/dflash-host}" > .devcarry/search/a/dflash-host.xz
+    pack_binaries .devcarry/search
     xz -T2 -6 -c "$(readlink -f "$src/chitchat.json")" > .devcarry/search/b/chitchat.json.xz
     if [ -d "$src/distill" ]; then cp -r "$src/distill" .devcarry/search/b/; fi
     du -sh .devcarry/search/a .devcarry/search/b
     ;;
 stash)
-    mkdir -p "$STASH" && cp .devcarry/search/a/model.part1 "$STASH"/
-    xz -dc .devcarry/search/a/dflash-host.xz > "$STASH/dflash-host" && chmod +x "$STASH/dflash-host"
-    ls -la "$STASH"
+    stash_first_half .devcarry/search "$STASH"
     ;;
 run)
     [ -f "$STASH/model.part1" ] || { echo "no $STASH/model.part1: run 'stash' first, on the same machine" >&2; exit 1; }

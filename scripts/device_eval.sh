@@ -22,8 +22,7 @@ pack)
     rm -rf .devcarry/eval && mkdir -p .devcarry/eval/b/exp
     # Not quite halves: the first call also carries the binaries.
     split_model "$gguf" .devcarry/eval 3000000
-    xz -T2 -6 -c "${B:-target/device/dflash-host}" > .devcarry/eval/a/dflash-host.xz
-    if [ -n "${3:-}" ]; then xz -T2 -6 -c "$3" > .devcarry/eval/a/dflash-host.old.xz; fi
+    pack_binaries .devcarry/eval "${3:-}"
     # The held-out prompts are the last records by id: the tail of the file is enough.
     python3 - "$(readlink -f "$src/chitchat.json")" .devcarry/eval/b/chitchat.json <<'EOF'
 import json, sys
@@ -38,9 +37,7 @@ EOF
     du -sh .devcarry/eval/a .devcarry/eval/b
     ;;
 stash)
-    mkdir -p "$STASH" && cp .devcarry/eval/a/model.part1 "$STASH"/
-    for b in .devcarry/eval/a/dflash-host*.xz; do xz -dc "$b" > "$STASH/$(basename "$b" .xz)" && chmod +x "$STASH/$(basename "$b" .xz)"; done
-    ls -la "$STASH"
+    stash_first_half .devcarry/eval "$STASH"
     ;;
 run)
     [ -f "$STASH/model.part1" ] || { echo "no $STASH/model.part1: run 'stash' first, on the same machine" >&2; exit 1; }

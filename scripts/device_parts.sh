@@ -1,6 +1,7 @@
 # Sourced by the device scripts (bench_h200.sh, bench_hybrid_h200.sh, device_nccl.sh,
-# device_sliding_window.sh, device_real_run.sh, device_eval.sh). Gives `use_torch_libs`, `part`
-# (logging into $OUT), and `split_model` / `join_model` for a model too big for one call.
+# device_sliding_window.sh, device_real_run.sh, device_eval.sh, device_default_search.sh,
+# device_study.sh). Gives `use_torch_libs`, `part` (logging into $OUT), and for a model too big
+# for one call `split_model` / `join_model`, `pack_binaries` / `stash_first_half`.
 
 LOG=${OUT:-.}/log.txt
 
@@ -39,4 +40,20 @@ split_model() {
 join_model() {
     cat "$1" "$2/model.part2" > "$3"
     [ "$(sha256sum < "$3" | cut -d' ' -f1)" = "$(cat "$2/model.sha256")" ] || { echo "$3: checksum differs" >&2; return 1; }
+}
+
+# pack_binaries DIR [OLD_BINARY]: the binary ($B, default target/device/dflash-host), and an older
+# one as dflash-host.old, xz-compressed into DIR/a beside the model's first half.
+pack_binaries() {
+    xz -T2 -6 -c "${B:-target/device/dflash-host}" > "$1/a/dflash-host.xz"
+    if [ -n "${2:-}" ]; then xz -T2 -6 -c "$2" > "$1/a/dflash-host.old.xz"; fi
+}
+
+# stash_first_half DIR STASH: on the device, the model's first half and the binaries of DIR/a
+# into STASH, where the next call (on the same warm machine) joins the model.
+stash_first_half() {
+    local b
+    mkdir -p "$2" && cp "$1/a/model.part1" "$2"/
+    for b in "$1"/a/dflash-host*.xz; do xz -dc "$b" > "$2/$(basename "$b" .xz)" && chmod +x "$2/$(basename "$b" .xz)"; done
+    ls -la "$2"
 }

@@ -24,14 +24,12 @@ pack)
     src=${DFLASH_CACHE:-$HOME/.cache/dflash}
     rm -rf .devcarry/study
     split_model "$(readlink -f "$src/$MODEL")" .devcarry/study 4000000
-    xz -T2 -6 -c "${B:-target/device/dflash-host}" > .devcarry/study/a/dflash-host.xz
+    pack_binaries .devcarry/study
     xz -T2 -6 -c "$(readlink -f "$src/chitchat.json")" > .devcarry/study/b/chitchat.json.xz
     du -sh .devcarry/study/a .devcarry/study/b
     ;;
 stash)
-    mkdir -p "$STASH" && cp .devcarry/study/a/model.part1 "$STASH"/
-    xz -dc .devcarry/study/a/dflash-host.xz > "$STASH/dflash-host" && chmod +x "$STASH/dflash-host"
-    ls -la "$STASH"
+    stash_first_half .devcarry/study "$STASH"
     ;;
 run)
     shift

@@ -39,9 +39,7 @@ impl PromptSet {
 /// `[eval]` needs both prompt sets; with the built-in data plugin that is checked before any run
 /// (another plugin says so when asked).
 pub fn check(cfg: &crate::config::RunConfig) -> Result<()> {
-    let data = cfg.section("data");
-    if data.plugin == "chat" {
-        let s: data_chat::ChatSection = plugin_api::parse_section(&data.config_toml).map_err(|e| anyhow::anyhow!("[data] {e}"))?;
+    if let Some(s) = super::chat_data(cfg)? {
         if s.validation == 0 || s.eval_holdout == 0 {
             anyhow::bail!(
                 "[eval] decodes the validation and the test prompts, but [data] has `validation = {}`, `eval_holdout = {}`: hold records out for both",

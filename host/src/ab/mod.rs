@@ -155,6 +155,16 @@ impl Plan {
     }
 }
 
+/// The run's `[data]` when it is the built-in chat loader's (None for another plugin, whose
+/// splits only it knows): what the checks before any run read.
+fn chat_data(cfg: &RunConfig) -> Result<Option<data_chat::ChatSection>> {
+    let data = cfg.section("data");
+    if data.plugin != "chat" {
+        return Ok(None);
+    }
+    plugin_api::parse_section(&data.config_toml).map(Some).map_err(|e| anyhow::anyhow!("[data] {e}"))
+}
+
 const PLUGIN_SECTIONS: [&str; 4] = ["target", "drafter", "optimizer", "data"];
 
 /// Apply an arm's changes: tables merge key by key, except a plugin section that names another

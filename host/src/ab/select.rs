@@ -45,12 +45,8 @@ impl Select {
             }
             _ => {}
         }
-        let data = cfg.section("data");
-        if data.plugin == "chat" {
-            let s: data_chat::ChatSection = plugin_api::parse_section(&data.config_toml).map_err(|e| anyhow::anyhow!("[data] {e}"))?;
-            if s.validation == 0 {
-                bail!("chosen by {} on the validation split, but [data] has `validation = 0`: hold some records out", self.as_str());
-            }
+        if super::chat_data(cfg)?.is_some_and(|s| s.validation == 0) {
+            bail!("chosen by {} on the validation split, but [data] has `validation = 0`: hold some records out", self.as_str());
         }
         Ok(())
     }

@@ -120,16 +120,7 @@ fn value_text(v: &toml::Value) -> String {
 /// Set a point's values in a run config's table, creating tables on the way.
 pub fn apply(table: &mut toml::Table, point: &SweepPoint) -> Result<()> {
     for (field, value) in &point.values {
-        let parts: Vec<&str> = field.split('.').collect();
-        let mut t = &mut *table;
-        for (i, p) in parts[..parts.len() - 1].iter().enumerate() {
-            let entry = t.entry(p.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
-            t = match entry {
-                toml::Value::Table(inner) => inner,
-                _ => bail!("`sweep`: `{}` is not a section", parts[..=i].join(".")),
-            };
-        }
-        t.insert(parts[parts.len() - 1].to_string(), value.clone());
+        crate::config::set_dotted(table, field, value.clone()).map_err(|not_a_section| anyhow::anyhow!("`sweep`: `{not_a_section}` is not a section"))?;
     }
     Ok(())
 }

@@ -24,14 +24,7 @@ pub(super) fn lerp(a: f64, b: f64, w: f64) -> f64 {
 /// The run's metrics at `t` tokens, linearly interpolated between the two records around it;
 /// None when the run's records do not span `t`.
 pub fn at_tokens(records: &[Record], t: f64) -> Option<AtTokens> {
-    let first = records.first()?;
-    let last = records.last()?;
-    if t < first.tokens || t > last.tokens {
-        return None;
-    }
-    let i = records.partition_point(|r| r.tokens < t);
-    let (a, b) = if records[i].tokens == t || i == 0 { (&records[i], &records[i]) } else { (&records[i - 1], &records[i]) };
-    let w = if b.tokens > a.tokens { (t - a.tokens) / (b.tokens - a.tokens) } else { 0.0 };
+    let (a, b, w) = around(&records.iter().collect::<Vec<_>>(), t, |r| r.tokens)?;
     let n = a.acc.len().max(b.acc.len());
     let acc = (0..n)
         .map(|k| match (a.acc.get(k), b.acc.get(k)) {
@@ -60,14 +53,21 @@ pub struct AtWall {
 
 pub fn at_wall(records: &[Record], w: f64) -> Option<AtWall> {
     let timed: Vec<&Record> = records.iter().filter(|r| r.elapsed_s.is_finite()).collect();
-    let (first, last) = (timed.first()?, timed.last()?);
-    if w < first.elapsed_s || w > last.elapsed_s {
+    let (a, b, x) = around(&timed, w, |r| r.elapsed_s)?;
+    Some(AtWall { loss: lerp(a.loss, b.loss, x), tau_hat: lerp(a.tau_hat, b.tau_hat, x), tokens: lerp(a.tokens, b.tokens, x) })
+}
+
+/// The two records around `x` on the axis `key` (ascending in `records`; one record twice when
+/// it sits at `x` or is the first) and `x`'s weight between them; None outside the records.
+fn around<'r>(records: &[&'r Record], x: f64, key: fn(&Record) -> f64) -> Option<(&'r Record, &'r Record, f64)> {
+    let (first, last) = (records.first()?, records.last()?);
+    if x < key(first) || x > key(last) {
         return None;
     }
-    let i = timed.partition_point(|r| r.elapsed_s < w);
-    let (a, b) = if timed[i].elapsed_s == w || i == 0 { (timed[i], timed[i]) } else { (timed[i - 1], timed[i]) };
-    let x = if b.elapsed_s > a.elapsed_s { (w - a.elapsed_s) / (b.elapsed_s - a.elapsed_s) } else { 0.0 };
-    Some(AtWall { loss: lerp(a.loss, b.loss, x), tau_hat: lerp(a.tau_hat, b.tau_hat, x), tokens: lerp(a.tokens, b.tokens, x) })
+    let i = records.partition_point(|r| key(r) < x);
+    let (a, b) = if key(records[i]) == x || i == 0 { (records[i], records[i]) } else { (records[i - 1], records[i]) };
+    let w = if key(b) > key(a) { (x - key(a)) / (key(b) - key(a)) } else { 0.0 };
+    Some((a, b, w))
 }
 
 /// Mean and sample standard deviation (n-1; None for one value).

@@ -11,7 +11,7 @@ mod overrides;
 mod sections;
 
 pub use locate::{locate_key, locate_plugin_error, toml_error};
-pub use overrides::Override;
+pub use overrides::{set_dotted, Override};
 pub use sections::{AnchorRule, LossGamma, LossNormalization, PipelineConfig, TrainConfig};
 
 use anyhow::{bail, Context, Result};

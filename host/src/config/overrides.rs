@@ -3,6 +3,22 @@
 
 use anyhow::{bail, Result};
 
+/// Set `key` (dotted, e.g. `optimizer.adamw.lr`) in a config's TOML table, creating the tables
+/// on the way; Err names the part of the key that holds a value, not a table.
+pub fn set_dotted(table: &mut toml::Table, key: &str, value: toml::Value) -> std::result::Result<(), String> {
+    let parts: Vec<&str> = key.split('.').collect();
+    let mut t = table;
+    for (i, p) in parts[..parts.len() - 1].iter().enumerate() {
+        let entry = t.entry(p.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        t = match entry {
+            toml::Value::Table(inner) => inner,
+            _ => return Err(parts[..=i].join(".")),
+        };
+    }
+    t.insert(parts[parts.len() - 1].to_string(), value);
+    Ok(())
+}
+
 /// One command-line change to the config: `--set train.steps=400` or `--device cuda:1`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Override {
@@ -45,17 +61,7 @@ impl Override {
 
     /// Set the value in the config's TOML table, creating the tables on the way.
     pub(super) fn apply(&self, table: &mut toml::Table) -> Result<()> {
-        let parts: Vec<&str> = self.key.split('.').collect();
-        let mut t = table;
-        for (i, p) in parts[..parts.len() - 1].iter().enumerate() {
-            let entry = t.entry(p.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
-            t = match entry {
-                toml::Value::Table(inner) => inner,
-                _ => bail!("{}: field `{}` is not a section", self.arg, parts[..=i].join(".")),
-            };
-        }
-        t.insert(parts[parts.len() - 1].to_string(), self.value.clone());
-        Ok(())
+        set_dotted(table, &self.key, self.value.clone()).map_err(|not_a_section| anyhow::anyhow!("{}: field `{not_a_section}` is not a section", self.arg))
     }
 
     /// This override set the field an error message names (`field `lr``, `unknown field `lr``

@@ -255,8 +255,8 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     let load_after = loadavg();
     let _ = std::fs::remove_dir_all(&converted);
     report.source = args.prompts.clone();
-    let tau_hat = experiment::metrics::last_number(exp_dir, "tau_hat");
     let mut json = results_json(&report, &evaluated, exp_dir, args.prompt_format, (load_before, load_after))?;
+    let tau_hat = json["tau_hat"].as_f64();
     // 4. Print, then write the results whole.
     match (&evaluated.drafter, evaluated.checkpoint_step) {
         (Some(d), _) => say!("drafter      {d} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16]),
