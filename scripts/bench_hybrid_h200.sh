@@ -13,6 +13,8 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     transformers==5.8.1 tokenizers==0.22.2 'regex>=2025.10.22' fla-core==0.6.0
 #   device: scripts/bench_hybrid_h200.sh   (carry target/device/dflash-host and .whl; results in $OUT)
+# PARTS="gdn_test train_27b_b4 split_27b split_gdn train_27b_b4_loop hf_27b" runs the target
+# forward with the fused delta-rule scan and without it, and transformers', in one call.
 # Each part has its own time limit and a failing part does not stop the rest; the most important
 # run first (the optional transformers-with-FLA and MoE comparisons last), so a call cut short
 # still brings them back. About 7-9 minutes in all: run it with the 600 s limit, and if it is cut,
@@ -49,8 +51,16 @@ C27=configs/bench/qwen3.6-27b.toml
 sed "s/^batch_size = 4/batch_size = 1/" "$C27" > configs/bench/qwen3.6-27b-b1.toml
 
 part gpu 20 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,memory.used --format=csv
+# The fused Gated DeltaNet kernels (conv, scan) against the libtorch ops, when the test binary was carried:
+#   cargo test --release -p gated_deltanet --no-run; strip -o target/device/gated_deltanet-tests <it>
+if [ -x target/device/gated_deltanet-tests ]; then
+    part gdn_test 120 target/device/gated_deltanet-tests --test-threads=1 --nocapture fused_
+fi
 part train_27b_b4 300 "$B" bench train --config "$C27" --json "$OUT/train_27b_b4.json" --trace "$OUT/trace"
 part split_27b 60 python3 scripts/trace_summary.py "$OUT/trace/target_forward.trace.json" --top 30
+part split_gdn 60 python3 scripts/trace_summary.py "$OUT/trace/target_forward.trace.json" --top 20 --range gdn
+# The same with the NVRTC kernels off: the delta rule's scan as the libtorch loop (side by side).
+part train_27b_b4_loop 300 env DFLASH_NVRTC=0 "$B" bench train --config "$C27" --json "$OUT/train_27b_b4_loop.json"
 part hf_27b 300 env PYTHONPATH="$HF_PATH" python3 scripts/bench_transformers_target.py \
     --config configs/bench/qwen3.6-27b-config.json --batch 4 1 --warmup 1 --iters 3 --json "$OUT/hf_27b.json"
 part train_27b_b1 180 "$B" bench train --config configs/bench/qwen3.6-27b-b1.toml --json "$OUT/train_27b_b1.json"

@@ -8,7 +8,9 @@
 //!   backward (autograd does not see it: a drafter cuts its graph around it and runs
 //!   `Drafter::backward`).
 //! - `block_part`: the block part of it as one CUDA kernel each way (bf16).
+//! - `causal_conv`: a Gated DeltaNet layer's short causal conv and SiLU in one pass (CUDA).
 //! - `cross_entropy`: the loss's row statistics and softmax gradient in two passes (CUDA).
+//! - `gdn_scan`: the chunked gated delta rule's scan over chunks in one kernel, forward (CUDA).
 //! - `nvrtc`: compile CUDA C++ at run time and launch it on libtorch's stream (cudarc).
 //! - `optim`: libtorch's fused multi-tensor AdamW.
 //! - `profiler`: libtorch's Kineto profiler (Chrome traces with named ranges), for the benches.
@@ -16,8 +18,10 @@
 pub mod autograd;
 pub mod block_attention;
 pub mod block_part;
+pub mod causal_conv;
 pub mod cross_entropy;
 pub mod ffi;
+pub mod gdn_scan;
 #[cfg(test)]
 mod cuda_tests;
 pub mod nvrtc;

@@ -15,6 +15,7 @@
 //! state at its anchor.
 
 use std::sync::atomic::{AtomicU8, Ordering};
+use kernels::gdn_scan;
 use tch::{Kind, Tensor};
 
 /// Step-by-step recurrence from `initial` (zeros if None): the outputs [B, H, L, dv] and the
@@ -109,6 +110,10 @@ pub fn chunked_with(
     let (u, w, kte) = (flat(&ch.u), flat(&ch.w), flat(&ch.k_to_end));
     let (qd, intra) = (flat(&q_decayed), flat(&intra));
     let chunk_decay = ch.chunk_decay.reshape([bh, n, 1, 1]);
+    if let Some((o, state)) = fused_scan(&u, &w, &qd, &intra, &kte, &chunk_decay, &initial, ch.c, p) {
+        let o = o.view([b, h, n * ch.c, dv]).narrow(2, 0, l);
+        return (o, state.view([b, h, dk, dv]));
+    }
     let mut state = initial.reshape([bh, dk, dv]);
     let mut outs = Vec::with_capacity(n as usize);
     for i in 0..n {
@@ -121,6 +126,48 @@ pub fn chunked_with(
     }
     let o = Tensor::cat(&outs, 1).view([b, h, n * ch.c, dv]).narrow(2, 0, l); // [B, H, L, dv]
     (o, state.view([b, h, dk, dv]))
+}
+
+/// The loop over chunks as one CUDA kernel (`kernels::gdn_scan`): bf16 operands, no autograd
+/// (a target's forward), chunks of 64; None where it does not apply, and the loop runs. A kernel
+/// that fails to build or launch is reported once and not tried again.
+#[allow(clippy::too_many_arguments)]
+fn fused_scan(
+    u: &Tensor,
+    w: &Tensor,
+    qd: &Tensor,
+    intra: &Tensor,
+    kte: &Tensor,
+    decay: &Tensor,
+    initial: &Tensor,
+    chunk: i64,
+    p: Precision,
+) -> Option<(Tensor, Tensor)> {
+    static FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let (dk, dv) = (w.size()[3], u.size()[3]);
+    let grad = [u, w, qd, intra, kte, initial].iter().any(|t| t.requires_grad());
+    if p != Precision::Bf16 || grad || FAILED.load(Ordering::Relaxed) || !gdn_scan::applies(u.device(), chunk, dk, dv) {
+        return None;
+    }
+    let bh = u.size()[0];
+    let inputs = gdn_scan::ScanInputs {
+        u,
+        w,
+        q_decayed: qd,
+        intra,
+        k_to_end: kte,
+        decay: &decay.reshape([bh, -1]),
+        state: initial,
+    };
+    match gdn_scan::forward(&inputs) {
+        Ok(out) => Some(out),
+        Err(e) => {
+            if !FAILED.swap(true, Ordering::Relaxed) {
+                eprintln!("warning: the fused Gated DeltaNet scan failed ({e}); using the libtorch loop");
+            }
+            None
+        }
+    }
 }
 
 /// a @ b over [N, m, k] x [N, k, n], fp32 result (see [`mm`]).
@@ -236,16 +283,18 @@ impl Chunks {
         let k_beta = &k * &beta;
         let strictly_lower = mm(&k_beta, &k.transpose(-1, -2), p) * &decay;
         let strictly_lower = strictly_lower.masked_fill(&upper.logical_or(&Tensor::eye(c, (Kind::Bool, k.device()))), 0.0);
-        let dv = v.size()[4];
-        let rhs = Tensor::cat(&[&v * &beta, k_beta * g_cum.exp().unsqueeze(-1)], -1);
-        let solved = if strictly_lower.requires_grad() || rhs.requires_grad() {
-            // Training: libtorch's triangular solve, which has a backward.
-            strictly_lower.linalg_solve_triangular(&rhs, false, true, true)
+        let (v_beta, k_decayed) = (&v * &beta, k_beta * g_cum.exp().unsqueeze(-1));
+        let (u, w) = if strictly_lower.requires_grad() || v_beta.requires_grad() || k_decayed.requires_grad() {
+            // Training: libtorch's triangular solve, which has a backward, for both at once.
+            let dv = v.size()[4];
+            let solved = strictly_lower.linalg_solve_triangular(&Tensor::cat(&[&v_beta, &k_decayed], -1), false, true, true);
+            (solved.narrow(-1, 0, dv), solved.narrow(-1, dv, solved.size()[4] - dv))
         } else {
-            mm(&unit_lower_inverse(&strictly_lower), &rhs, p)
+            // Inference: the blocked inverse, applied to each right-hand side (dense results).
+            let inverse = unit_lower_inverse(&strictly_lower);
+            (mm(&inverse, &v_beta, p), mm(&inverse, &k_decayed, p))
         };
-        let u = solved.narrow(-1, 0, dv);
-        let w = operand(&solved.narrow(-1, dv, solved.size()[4] - dv), p);
+        let w = operand(&w, p);
         // 3. What carries a state across a chunk: S exp(G_last) + sum_i exp(G_last - G_i) k_i write_i^T.
         let g_last = g_cum.narrow(-1, c - 1, 1); // [B, H, n, 1]
         let k_to_end = operand(&(&k * (&g_last - &g_cum).exp().unsqueeze(-1)).transpose(-1, -2), p);
@@ -560,6 +609,40 @@ mod tests {
         let (e_o, e_h) = (rel_rms(&o_ref, &o16), rel_rms(&states.select(2, 150), &ht16));
         assert!(e_o < 2e-2 && e_h < 2e-2, "bf16 operands: output {e_o:.2e}, state {e_h:.2e}");
         assert!(e_o > 1e-5, "bf16 operands are rounded ({e_o:.2e})");
+    }
+
+    /// On a GPU (skipped without one): the fused scan kernel against the libtorch loop it
+    /// replaces, both with bf16 operands, and both against the fp32 step-by-step reference, at a
+    /// target's head dims (128), a length that is not a multiple of the chunk, from a state; and
+    /// value dims 64 and 32 (the kernel's other tilings).
+    #[test]
+    fn fused_scan_matches_the_loop_on_cuda() {
+        if kernels::load_libtorch_cuda().is_err() || !tch::Cuda::is_available() {
+            eprintln!("no CUDA device: skipped");
+            return;
+        }
+        let _guard = tch::no_grad_guard();
+        let dev = Device::Cuda(0);
+        tch::manual_seed(11);
+        for (b, h, l, dk, dv) in [(2, 3, 300, 128, 128), (1, 2, 64, 128, 64), (1, 2, 130, 64, 32)] {
+            let x = Inputs::new(b, h, l, dk, dv);
+            let (q, k, v, g, beta) = x.rule_args();
+            let [q, k, v, g, beta, h0] = [&q, &k, &v, &g, &beta, &x.h0].map(|t| t.to_device(dev));
+            let (o_ref, states) = naive(&q, &k, &v, &g, &beta, Some(&h0));
+            let ht_ref = states.select(2, l);
+            let run = |fused: bool| kernels::nvrtc::with_enabled(fused, || chunked_with(&q, &k, &v, &g, &beta, Some(&h0), 64, Precision::Bf16));
+            let ((o_loop, ht_loop), (o, ht)) = (run(false), run(true));
+            let case = format!("B={b} H={h} L={l} dk={dk} dv={dv}");
+            let (e_loop, e_fused) = (rel_rms(&o_ref, &o_loop), rel_rms(&o_ref, &o));
+            let (s_loop, s_fused) = (rel_rms(&ht_ref, &ht_loop), rel_rms(&ht_ref, &ht));
+            let between = (rel_rms(&o_loop, &o), rel_rms(&ht_loop, &ht));
+            eprintln!("{case}: vs fp32, loop {e_loop:.2e} / {s_loop:.2e}, fused {e_fused:.2e} / {s_fused:.2e}; fused vs loop {:.2e} / {:.2e}", between.0, between.1);
+            // bf16 rounding, no more than the loop's own (a wrong fragment layout is off by O(1)).
+            assert!(e_fused < 2e-2 && s_fused < 2e-2, "{case}: fused vs fp32: output {e_fused:.2e}, state {s_fused:.2e}");
+            assert!(e_fused < 1.5 * e_loop + 1e-4 && s_fused < 1.5 * s_loop + 1e-4, "{case}: fused error above the loop's");
+            assert!(between.0 < 1e-2 && between.1 < 1e-2, "{case}: fused vs loop {between:?}");
+            assert!(between.0 > 0.0, "{case}: the fused kernel did not run (its results equal the loop's bit for bit)");
+        }
     }
 
     /// Running a sequence in two pieces, the second from the first's final state, equals one run:

@@ -11,7 +11,7 @@
 pub mod conv;
 pub mod delta_rule;
 
-pub use conv::{causal_conv, depthwise_conv};
+pub use conv::{causal_conv, conv_silu, depthwise_conv};
 pub use delta_rule::{chunked, chunked_with, naive, states_at, unit_lower_inverse, Precision};
 
 use tch::{Kind, Tensor};

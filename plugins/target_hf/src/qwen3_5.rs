@@ -16,7 +16,7 @@ use crate::{
     config::DecoderConfig,
     model::Loader,
 };
-use gated_deltanet::{chunked_with, depthwise_conv, l2norm, Precision};
+use gated_deltanet::{chunked_with, conv_silu, l2norm, Precision};
 use plugin_api::tch::{Kind, Tensor};
 
 /// Steps per chunk of the chunked delta rule (transformers' and FLA's 64).
@@ -103,8 +103,7 @@ impl GatedDeltaNet {
             Some(s) => s.conv.shallow_clone(),
             None => Tensor::zeros([b, self.kernel - 1, c], (x.kind(), x.device())),
         };
-        let rows = Tensor::cat(&[&history, &mixed], 1); // [B, K-1+L, C]
-        let (q, k, v) = self.heads(&depthwise_conv(&rows, &self.conv).silu());
+        let (q, k, v) = self.heads(&conv_silu(&history, &mixed, &self.conv));
         // 3. Gates, fp32: [B, L, nv] -> [B, nv, L].
         let (g, beta) = self.gates(&a_in, &b_in);
         // 4. The delta rule from the cached state (zeros at the start), chunked.
@@ -124,7 +123,10 @@ impl GatedDeltaNet {
                 g: g.shallow_clone(),
                 beta: beta.shallow_clone(),
             });
-            let conv = rows.narrow(1, l, self.kernel - 1).contiguous();
+            // The last K-1 rows of history | mixed.
+            let recent = mixed.narrow(1, (l - self.kernel + 1).max(0), l.min(self.kernel - 1));
+            let rows = Tensor::cat(&[&history, &recent], 1);
+            let conv = rows.narrow(1, rows.size()[1] - (self.kernel - 1), self.kernel - 1).contiguous();
             *slot = Some(LinearState { conv, state: last, undo });
         }
         out
@@ -140,7 +142,9 @@ impl GatedDeltaNet {
         s.state = if keep == 0 {
             u.state.as_ref().map_or_else(|| s.state.zeros_like(), Tensor::shallow_clone)
         } else {
-            let (_, k, v) = self.heads(&depthwise_conv(&rows, &self.conv).silu());
+            // As the forward computes it (the fused kernel on a GPU), so a rewound state equals
+            // the one a forward over the kept positions leaves.
+            let (_, k, v) = self.heads(&conv_silu(&u.conv, &u.mixed.narrow(1, 0, keep), &self.conv));
             let (g, beta) = (u.g.narrow(2, 0, keep), u.beta.narrow(2, 0, keep));
             chunked_with(&k, &k, &v, &g, &beta, u.state.as_ref(), CHUNK, self.precision).1
         };
