@@ -23,6 +23,8 @@ pub struct Components {
     pub records: Vec<PluginRecord>,
     /// Plugin names for error messages (from `records`).
     pub names: PluginNames,
+    /// The dtype they run in (`f32`, `bf16`, ..): the target's replies depend on it.
+    pub dtype: String,
 }
 
 pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path, cache_dir: &Path) -> Result<Components> {
@@ -67,7 +69,7 @@ pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path,
         return Err(wrong(PluginKind::DataLoader));
     };
     let names = PluginNames::new(&records, registry);
-    Ok(Components { target, extra_targets: targets, drafter, optimizer, data, records, names })
+    Ok(Components { target, extra_targets: targets, drafter, optimizer, data, records, names, dtype: cfg.dtype().to_string() })
 }
 
 /// Plugin names for error messages, and how to ask each plugin about panics, usable while the

@@ -6,7 +6,7 @@
 //! appended and flushed after every chunk: a run that crashes or is stopped resumes where it
 //! stopped, and later runs (other seeds of an A/B, a changed `max_records`) reuse every reply
 //! whose prompt they share. `<settings>` hashes what else decides a reply: the target's weights,
-//! the reply cap, the stop tokens, the temperature and the sampling seed. A gzipped copy beside
+//! the dtype it runs in, the reply cap, the stop tokens, the temperature and the sampling seed. A gzipped copy beside
 //! it, `<settings>.jsonl.gz`, is read as well: replies shipped with a project (the default run's
 //! are in `data/distill/`, which `make setup` links here) so nobody regenerates them.
 
@@ -59,7 +59,7 @@ pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<(DataSummary, 
     let opts = c.data.distill_options();
     c.check_poisoned()?;
     let started = Instant::now();
-    let mut cache = ReplyCache::open(cache_dir, &c.target.spec().source_sha256, &first, &opts)?;
+    let mut cache = ReplyCache::open(cache_dir, &c.target.spec().source_sha256, &c.dtype, &first, &opts)?;
     let total = opts.replies_total.max(first.prompts.len() as u64);
     let known = first.prompts.iter().filter(|p| cache.get(p).is_some()).count();
     tracing::info!(
@@ -167,10 +167,13 @@ struct CacheLine {
 }
 
 impl ReplyCache {
-    fn open(cache_dir: &Path, target_sha: &str, req: &DistillRequest, opts: &DistillOptions) -> Result<Self> {
+    fn open(cache_dir: &Path, target_sha: &str, dtype: &str, req: &DistillRequest, opts: &DistillOptions) -> Result<Self> {
         let mut h = Sha256::new();
-        h.update(b"dflash distill cache v2");
+        h.update(b"dflash distill cache v3");
         h.update(target_sha.as_bytes());
+        // bf16 greedy replies part from f32 ones after a few tokens.
+        h.update(dtype.as_bytes());
+        h.update([0u8]);
         h.update(req.max_new_tokens.to_le_bytes());
         for t in req.stop_tokens.iter() {
             h.update(t.to_le_bytes());
@@ -322,13 +325,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let req = DistillRequest { prompts: RVec::new(), max_new_tokens: 8, stop_tokens: vec![2u32].into() };
         let opts = DistillOptions::default();
-        let mut cache = ReplyCache::open(dir.path(), "abc", &req, &opts).unwrap();
+        let mut cache = ReplyCache::open(dir.path(), "abc", "f32", &req, &opts).unwrap();
         let (a, b) = (vec![1u32, 2, 3], vec![4u32]);
         cache.append([(a.as_slice(), &vec![7u32, 2]), (b.as_slice(), &vec![9u32])].into_iter()).unwrap();
         // A crash mid-write leaves half a line.
         let mut f = std::fs::OpenOptions::new().append(true).open(&cache.path).unwrap();
         f.write_all(b"{\"p\":\"00\",\"r\":[1,").unwrap();
-        let again = ReplyCache::open(dir.path(), "abc", &req, &opts).unwrap();
+        let again = ReplyCache::open(dir.path(), "abc", "f32", &req, &opts).unwrap();
         assert_eq!(again.path, cache.path);
         assert_eq!(again.get(&a), Some(&vec![7, 2]));
         assert_eq!(again.get(&b), Some(&vec![9]));
@@ -341,11 +344,15 @@ mod tests {
         };
         gz.write_all((shipped(&[5], &[6, 2]) + &shipped(&a, &[1])).as_bytes()).unwrap();
         gz.finish().unwrap();
-        let seeded = ReplyCache::open(dir.path(), "abc", &req, &opts).unwrap();
+        let seeded = ReplyCache::open(dir.path(), "abc", "f32", &req, &opts).unwrap();
         assert_eq!((seeded.get(&[5]), seeded.get(&a)), (Some(&vec![6, 2]), Some(&vec![7, 2])));
         // Other settings, another file.
-        let other = ReplyCache::open(dir.path(), "abc", &req, &DistillOptions { temperature: 0.7, ..opts }).unwrap();
+        let other = ReplyCache::open(dir.path(), "abc", "f32", &req, &DistillOptions { temperature: 0.7, ..opts }).unwrap();
         assert_ne!(other.path, cache.path);
         assert_eq!(other.get(&a), None);
+        // Another dtype, another file: bf16 replies are not an f32 run's.
+        let bf16 = ReplyCache::open(dir.path(), "abc", "bf16", &req, &opts).unwrap();
+        assert_ne!(bf16.path, cache.path);
+        assert_eq!(bf16.get(&a), None);
     }
 }
