@@ -34,8 +34,6 @@ fn tile(dv: i64) -> Option<i64> {
 /// - `k_to_end` bf16 [BH, n, dk, 64]: the keys decayed to the chunk's end, transposed;
 /// - `decay` fp32 [BH, n]: the whole chunk's decay of the state;
 /// - `state` fp32 [BH, dk, dv]: the state entering the first chunk.
-///
-/// Returns the outputs fp32 [BH, n * 64, dv] and the final state fp32 [BH, dk, dv].
 pub struct ScanInputs<'a> {
     pub u: &'a Tensor,
     pub w: &'a Tensor,
@@ -46,6 +44,7 @@ pub struct ScanInputs<'a> {
     pub state: &'a Tensor,
 }
 
+/// The scan: the outputs fp32 [BH, n * 64, dv] and the final state fp32 [BH, dk, dv].
 pub fn forward(x: &ScanInputs) -> Result<(Tensor, Tensor), String> {
     let device = x.u.device();
     let Device::Cuda(ordinal) = device else { return Err("not a CUDA tensor".into()) };

@@ -14,8 +14,8 @@
 //! length from the same chunk quantities, which is how a DFlash block starts from the context
 //! state at its anchor.
 
-use std::sync::atomic::{AtomicU8, Ordering};
 use kernels::gdn_scan;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use tch::{Kind, Tensor};
 
 /// Step-by-step recurrence from `initial` (zeros if None): the outputs [B, H, L, dv] and the
@@ -73,7 +73,8 @@ pub fn chunked(
 ///
 /// Everything that does not depend on the state (the WY writes, the intra-chunk scores, the keys
 /// decayed to their chunk's end) is computed for all chunks at once in batched matmuls; the loop
-/// over chunks carries only the state, five small batched matmuls a chunk, no per-step work.
+/// over chunks carries only the state, five small batched matmuls a chunk, no per-step work. A
+/// target's forward (bf16, no autograd, on a GPU) runs that loop as one kernel instead.
 #[allow(clippy::too_many_arguments)]
 pub fn chunked_with(
     q: &Tensor,
@@ -143,7 +144,7 @@ fn fused_scan(
     chunk: i64,
     p: Precision,
 ) -> Option<(Tensor, Tensor)> {
-    static FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    static FAILED: AtomicBool = AtomicBool::new(false);
     let (dk, dv) = (w.size()[3], u.size()[3]);
     let grad = [u, w, qd, intra, kte, initial].iter().any(|t| t.requires_grad());
     if p != Precision::Bf16 || grad || FAILED.load(Ordering::Relaxed) || !gdn_scan::applies(u.device(), chunk, dk, dv) {
