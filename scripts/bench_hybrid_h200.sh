@@ -51,10 +51,10 @@ C27=configs/bench/qwen3.6-27b.toml
 sed "s/^batch_size = 4/batch_size = 1/" "$C27" > configs/bench/qwen3.6-27b-b1.toml
 
 part gpu 20 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,memory.used --format=csv
-# The fused Gated DeltaNet kernels (conv, scan) against the libtorch ops, when the test binary was carried:
+# The Gated DeltaNet kernels (conv, WY inverse, scan) against the libtorch ops, when the test binary was carried:
 #   cargo test --release -p gated_deltanet --no-run; strip -o target/device/gated_deltanet-tests <it>
 if [ -x target/device/gated_deltanet-tests ]; then
-    part gdn_test 120 target/device/gated_deltanet-tests --test-threads=1 --nocapture fused_
+    part gdn_test 120 target/device/gated_deltanet-tests --test-threads=1 --nocapture on_cuda
 fi
 part train_27b_b4 300 "$B" bench train --config "$C27" --json "$OUT/train_27b_b4.json" --trace "$OUT/trace"
 part split_27b 60 python3 scripts/trace_summary.py "$OUT/trace/target_forward.trace.json" --top 30

@@ -14,6 +14,7 @@
 //! - `nvrtc`: compile CUDA C++ at run time and launch it on libtorch's stream (cudarc).
 //! - `optim`: libtorch's fused multi-tensor AdamW.
 //! - `profiler`: libtorch's Kineto profiler (Chrome traces with named ranges), for the benches.
+//! - `unit_lower_inverse`: the delta rule's WY systems inverted on chip, a matrix a CTA (CUDA).
 
 pub mod autograd;
 pub mod block_attention;
@@ -27,6 +28,7 @@ mod cuda_tests;
 pub mod nvrtc;
 pub mod optim;
 pub mod profiler;
+pub mod unit_lower_inverse;
 
 /// Load libtorch's CUDA library, which the linker's `--as-needed` drops from binaries that name
 /// none of its symbols; needed before the first CUDA op. It stays loaded.

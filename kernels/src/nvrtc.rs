@@ -12,7 +12,7 @@ use cudarc::{
 use std::{
     collections::HashMap,
     sync::{
-        atomic::{AtomicU8, Ordering},
+        atomic::{AtomicBool, AtomicU8, Ordering},
         Arc, Mutex, OnceLock,
     },
 };
@@ -42,6 +42,22 @@ pub fn with_enabled<T>(on: bool, f: impl FnOnce() -> T) -> T {
     let _restore = Restore(enabled());
     set(on);
     f()
+}
+
+/// `kernel()`, unless it failed before in this process (`failed`, one flag a kernel): its first
+/// failure is reported as `what` and it is not tried again. None then, and the caller runs the
+/// libtorch ops it replaces.
+pub fn try_kernel<T>(failed: &AtomicBool, what: &str, kernel: impl FnOnce() -> Result<T, String>) -> Option<T> {
+    if failed.load(Ordering::Relaxed) {
+        return None;
+    }
+    kernel()
+        .map_err(|e| {
+            if !failed.swap(true, Ordering::Relaxed) {
+                eprintln!("warning: {what} failed ({e}); using libtorch ops instead");
+            }
+        })
+        .ok()
 }
 
 fn set(on: bool) {

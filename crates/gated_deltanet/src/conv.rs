@@ -1,7 +1,7 @@
 //! The short causal conv of a Gated DeltaNet layer (depthwise over channels, along time).
 
-use kernels::causal_conv as conv_kernel;
-use std::sync::atomic::{AtomicBool, Ordering};
+use kernels::{causal_conv as conv_kernel, nvrtc};
+use std::sync::atomic::AtomicBool;
 use tch::Tensor;
 
 /// Depthwise conv over time with no padding: x [B, L+K-1, C], w [C, 1, K] or [C, K] -> [B, L, C],
@@ -24,14 +24,9 @@ pub fn depthwise_conv(x: &Tensor, w: &Tensor) -> Tensor {
 pub fn conv_silu(history: &Tensor, x: &Tensor, w: &Tensor) -> Tensor {
     static FAILED: AtomicBool = AtomicBool::new(false);
     let grad = history.requires_grad() || x.requires_grad() || w.requires_grad();
-    if !grad && !FAILED.load(Ordering::Relaxed) && conv_kernel::applies(x) {
-        match conv_kernel::forward(Some(history), x, w) {
-            Ok(out) => return out,
-            Err(e) => {
-                if !FAILED.swap(true, Ordering::Relaxed) {
-                    eprintln!("warning: the fused causal conv failed ({e}); using libtorch ops");
-                }
-            }
+    if !grad && conv_kernel::applies(x) {
+        if let Some(out) = nvrtc::try_kernel(&FAILED, "the fused causal conv", || conv_kernel::forward(Some(history), x, w)) {
+            return out;
         }
     }
     depthwise_conv(&Tensor::cat(&[history, x], 1), w).silu()

@@ -14,7 +14,7 @@
 //! length from the same chunk quantities, which is how a DFlash block starts from the context
 //! state at its anchor.
 
-use kernels::gdn_scan;
+use kernels::{gdn_scan, nvrtc, unit_lower_inverse as inverse_kernel};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use tch::{Kind, Tensor};
 
@@ -147,7 +147,7 @@ fn fused_scan(
     static FAILED: AtomicBool = AtomicBool::new(false);
     let (dk, dv) = (w.size()[3], u.size()[3]);
     let grad = [u, w, qd, intra, kte, initial].iter().any(|t| t.requires_grad());
-    if p != Precision::Bf16 || grad || FAILED.load(Ordering::Relaxed) || !gdn_scan::applies(u.device(), chunk, dk, dv) {
+    if p != Precision::Bf16 || grad || !gdn_scan::applies(u.device(), chunk, dk, dv) {
         return None;
     }
     let bh = u.size()[0];
@@ -160,15 +160,7 @@ fn fused_scan(
         decay: &decay.reshape([bh, -1]),
         state: initial,
     };
-    match gdn_scan::forward(&inputs) {
-        Ok(out) => Some(out),
-        Err(e) => {
-            if !FAILED.swap(true, Ordering::Relaxed) {
-                eprintln!("warning: the fused Gated DeltaNet scan failed ({e}); using the libtorch loop");
-            }
-            None
-        }
-    }
+    nvrtc::try_kernel(&FAILED, "the fused Gated DeltaNet scan", || gdn_scan::forward(&inputs))
 }
 
 /// a @ b over [N, m, k] x [N, k, n], fp32 result (see [`mm`]).
@@ -314,11 +306,19 @@ impl Chunks {
     }
 }
 
-/// (I + A)^{-1} for strictly lower-triangular A [.., C, C], without autograd: forward
+/// (I + A)^{-1} for strictly lower-triangular A [.., C, C], without autograd (on a GPU: a kernel
+/// of its own, `kernels::unit_lower_inverse`): forward
 /// substitution by blocks of 16 (libtorch's batched triangular solve runs one small system at a
 /// time). The 16 x 16 diagonal blocks are inverted row by row, all at once (X_i = -A_i X, 15
 /// steps); then each block row below is -D_r^{-1} A_{r,<r} X_{<r}: two batched matmuls a block row.
 pub fn unit_lower_inverse(a: &Tensor) -> Tensor {
+    // On a GPU, one kernel: forward substitution on chip, a matrix a CTA.
+    static FAILED: AtomicBool = AtomicBool::new(false);
+    if !a.requires_grad() && inverse_kernel::applies(a) {
+        if let Some(x) = nvrtc::try_kernel(&FAILED, "the unit lower inverse kernel", || inverse_kernel::forward(a)) {
+            return x;
+        }
+    }
     const BS: i64 = 16;
     let size = a.size();
     let c = size[size.len() - 1];
@@ -643,6 +643,31 @@ mod tests {
             assert!(e_fused < 1.5 * e_loop + 1e-4 && s_fused < 1.5 * s_loop + 1e-4, "{case}: fused error above the loop's");
             assert!(between.0 < 1e-2 && between.1 < 1e-2, "{case}: fused vs loop {between:?}");
             assert!(between.0 > 0.0, "{case}: the fused kernel did not run (its results equal the loop's bit for bit)");
+        }
+    }
+
+    /// On a GPU (skipped without one): the inverse kernel against libtorch's triangular solve and
+    /// against the blocked substitution it replaces, in the hard case of the CPU test above.
+    #[test]
+    fn the_inverse_kernel_equals_the_triangular_solve_on_cuda() {
+        if kernels::load_libtorch_cuda().is_err() || !tch::Cuda::is_available() {
+            eprintln!("no CUDA device: skipped");
+            return;
+        }
+        let dev = Device::Cuda(0);
+        tch::manual_seed(13);
+        for c in [1i64, 16, 37, 64] {
+            for scale in [0.3, 1.0] {
+                let a = (Tensor::rand([3, 2, c, c], (Kind::Float, dev)) * scale).tril(-1);
+                let eye = Tensor::eye(c, (Kind::Float, dev)).expand([3, 2, c, c], false);
+                let want = a.linalg_solve_triangular(&eye, false, true, true);
+                let fused = kernels::nvrtc::with_enabled(true, || unit_lower_inverse(&a));
+                let blocked = kernels::nvrtc::with_enabled(false, || unit_lower_inverse(&a));
+                let (e_fused, e_blocked) = (rel_rms(&want, &fused), rel_rms(&want, &blocked));
+                eprintln!("C={c} scale {scale}: kernel {e_fused:.2e}, blocked {e_blocked:.2e}");
+                assert!(e_fused < 1e-5, "C={c} scale {scale}: kernel rel. RMS error {e_fused:.2e}");
+                assert!(c == 1 || !fused.equal(&blocked), "C={c}: the kernel did not run (bit-identical to the blocked substitution)");
+            }
         }
     }
 
