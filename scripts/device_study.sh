@@ -44,15 +44,11 @@ run)
     # An A/B on this device, its folder (minus checkpoints) copied out as one archive.
     ab() {
         local file=$1 name=$2
-        timeout "${AB_LIMIT:-540}" "$B" ab --config "$file" > "$out/ab-$name.log" 2>&1 || { echo "ab $name failed"; tail -20 "$out/ab-$name.log"; }
+        timeout "${AB_LIMIT:-540}" "$B" ab --config "$file" --device "$dev" > "$out/ab-$name.log" 2>&1 || { echo "ab $name failed"; tail -20 "$out/ab-$name.log"; }
         tar czf "$out/ab-$name.tgz" --exclude=checkpoints -C experiments "$name" 2> /dev/null || true
         python3 -c "import json,sys; s=json.load(open(sys.argv[1])); [print(a['arm'], a['chosen'], [(p['label'], p['score']) for p in a['points']]) for a in s['arms']]" "experiments/$name/selection.json" || true
         grep -E "tau [0-9]|A/B:" "$out/ab-$name.log" | tail -12 || true
     }
-    # The A/B files as they are, run on this device.
-    for f in configs/ab-default.toml configs/ab-adamw-vs-muon-lr.toml configs/ab-gdn-adamw-vs-muon-lr.toml; do
-        sed -i "s/^\[common\]\$/[common]\ndevice = \"$dev\"/" "$f"
-    done
     for stage in "$@"; do
         start=$SECONDS
         case $stage in

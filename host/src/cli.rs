@@ -115,6 +115,9 @@ pub enum Command {
         /// Seeds 0..N (overrides the file's `seeds`).
         #[arg(long)]
         seeds: Option<u64>,
+        /// Every run's device (`cpu`, `cuda`, `cuda:N`), as `train --device` sets it.
+        #[arg(long)]
+        device: Option<String>,
         /// The report's folder (default: experiments/<name>/report).
         #[arg(long)]
         out: Option<PathBuf>,

@@ -145,9 +145,9 @@ fn run() -> Result<ExitCode> {
             say!("exported {} -> {}", ckpt.display(), out.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Ab { config, seeds, out } => {
+        Command::Ab { config, seeds, device, out } => {
             let registry = Registry::new(&cli.plugins)?;
-            let (report, interrupted) = ab::run(&config, seeds, out.as_deref(), &registry, print_summary)?;
+            let (report, interrupted) = ab::run(&config, seeds, device.as_deref(), out.as_deref(), &registry, print_summary)?;
             if let Some(code) = interrupted {
                 return Ok(ExitCode::from(code)); // rerunning the A/B resumes this arm
             }

@@ -129,6 +129,16 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Every run on `device` (`ab --device`, as `train --device` sets a run's `device`).
+    pub fn on_device(mut self, device: &str) -> Self {
+        for point in self.arms.iter_mut().flat_map(|a| a.points.iter_mut()) {
+            for run in &mut point.runs {
+                run.config.device = device.to_string();
+            }
+        }
+        self
+    }
+
     /// Phase 1: the first seed of every value of every arm.
     pub fn first_seed_runs(&self) -> impl Iterator<Item = &ArmRun> {
         self.arms.iter().flat_map(|a| a.points.iter().map(|p| &p.runs[0]))
@@ -321,11 +331,16 @@ pub fn arm_state(run: &ArmRun) -> Result<ArmState> {
 pub fn run(
     config: &Path,
     seeds: Option<u64>,
+    device: Option<&str>,
     out: Option<&Path>,
     registry: &crate::plugins::Registry,
     print_summary: fn(&crate::train::TrainSummary),
 ) -> Result<(PathBuf, Option<u8>)> {
     let plan = plan(config, seeds, Path::new("experiments"))?;
+    let plan = match device {
+        Some(d) => plan.on_device(d),
+        None => plan,
+    };
     let report = plan.dir.join("report");
     let first: Vec<&ArmRun> = plan.first_seed_runs().collect();
     let swept = plan.arms.iter().filter(|a| !a.fields.is_empty()).count();

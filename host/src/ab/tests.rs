@@ -60,6 +60,11 @@ fn arms_differ_only_in_what_they_name() {
     assert_eq!(runs[1].config.seed, runs[3].config.seed);
     let more = plan(&dir.path().join("ab.toml"), Some(3), Path::new("x")).unwrap();
     assert_eq!(more.all_runs().count(), 6);
+    // `ab --device`: every run moves, nothing else does.
+    let before: Vec<String> = more.all_runs().map(|r| r.config.device.clone()).collect();
+    assert!(before.iter().all(|d| d != "cuda:1"));
+    let moved = more.on_device("cuda:1");
+    assert!(moved.all_runs().all(|r| r.config.device == "cuda:1" && r.config.train.steps == 7));
 }
 
 #[test]
