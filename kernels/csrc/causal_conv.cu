@@ -1,6 +1,6 @@
 // A Gated DeltaNet layer's short causal conv with its SiLU (crates/gated_deltanet/src/conv.rs),
 // forward only, in one pass: out[b, t, c] = silu(sum_j w[c, j] row(b, t + j, c)), where the rows
-// are the K-1 rows of history (zeros when `hist` is null) followed by x. The libtorch composite is
+// are the K-1 rows of history followed by x. The libtorch composite is
 // a concatenation, a multiply, K-1 fused multiply-adds and the SiLU, each a pass over the whole
 // tensor; here each input element is read once and the sum is fp32 (rounded to bf16 once).
 //
@@ -21,7 +21,7 @@ __device__ __forceinline__ bf16 to_bf16(float x) {  // round to nearest even, Na
     return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// hist [B, K-1, C] dense or null; x [B, L, C] with batch stride xb and row stride xt (channels
+// hist [B, K-1, C] dense; x [B, L, C] with batch stride xb and row stride xt (channels
 // dense); w [C, K] dense; out [B, L, C] dense.
 extern "C" __global__ void __launch_bounds__(THREADS) causal_conv_silu(
     const bf16* hist, const bf16* x, long long xb, long long xt, const bf16* w, bf16* out, int L, int C) {
@@ -32,8 +32,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) causal_conv_silu(
     for (int j = 0; j < K; j++) wj[j] = to_f32(w[(long long)c * K + j]);
     const bf16* xs = x + b * xb + c;
     // Row s of history | x (s < K-1: history).
-#define ROW(s) ((s) < K - 1 ? (hist ? to_f32(hist[((long long)b * (K - 1) + (s)) * C + c]) : 0.f) \
-                            : to_f32(xs[(long long)((s) - (K - 1)) * xt]))
+#define ROW(s) to_f32((s) < K - 1 ? hist[((long long)b * (K - 1) + (s)) * C + c] : xs[(long long)((s) - (K - 1)) * xt])
 #pragma unroll
     for (int j = 0; j < K - 1; j++) win[j] = ROW(t0 + j);
     bf16* o = out + ((long long)b * L) * C + c;

@@ -17,9 +17,9 @@ pub fn applies(x: &Tensor) -> bool {
     nvrtc::enabled() && x.device().is_cuda() && x.kind() == Kind::BFloat16 && x.dim() == 3 && x.stride()[2] == 1
 }
 
-/// silu(depthwise causal conv) of `x` [B, L, C] (rows may be strided) after `history` [B, K-1, C]
-/// (None: zeros), weights `w` [C, K] -> [B, L, C] bf16, dense.
-pub fn forward(history: Option<&Tensor>, x: &Tensor, w: &Tensor) -> Result<Tensor, String> {
+/// silu(depthwise causal conv) of `x` [B, L, C] (rows may be strided) after `history` [B, K-1, C],
+/// weights `w` [C, K] -> [B, L, C] bf16, dense.
+pub fn forward(history: &Tensor, x: &Tensor, w: &Tensor) -> Result<Tensor, String> {
     let Device::Cuda(ordinal) = x.device() else { return Err("not a CUDA tensor".into()) };
     let (b, l, c) = (x.size()[0], x.size()[1], x.size()[2]);
     let k = w.size()[1];
@@ -27,18 +27,16 @@ pub fn forward(history: Option<&Tensor>, x: &Tensor, w: &Tensor) -> Result<Tenso
         return Err(format!("x {:?} (strides {:?}), w {:?}: expected w [C, K] and dense channels", x.size(), x.stride(), w.size()));
     }
     let w = w.to_kind(Kind::BFloat16).contiguous();
-    let hist = match history {
-        Some(h) if h.size() != [b, k - 1, c] => return Err(format!("history {:?}, expected {:?}", h.size(), [b, k - 1, c])),
-        Some(h) => Some(h.to_kind(Kind::BFloat16).contiguous()),
-        None => None,
-    };
+    if history.size() != [b, k - 1, c] {
+        return Err(format!("history {:?}, expected {:?}", history.size(), [b, k - 1, c]));
+    }
+    let hist = history.to_kind(Kind::BFloat16).contiguous();
     let out = Tensor::empty([b, l, c], (Kind::BFloat16, x.device()));
     if l == 0 {
         return Ok(out);
     }
     let m = nvrtc::module(ordinal, SRC, &[("K", k)], &[FORWARD])?;
-    let p_hist = hist.as_ref().map_or(0u64, |h| h.data_ptr() as u64);
-    let (p_x, p_w, p_out) = (x.data_ptr() as u64, w.data_ptr() as u64, out.data_ptr() as u64);
+    let (p_hist, p_x, p_w, p_out) = (hist.data_ptr() as u64, x.data_ptr() as u64, w.data_ptr() as u64, out.data_ptr() as u64);
     let (xb, xt) = (x.stride()[0], x.stride()[1]);
     let (l32, c32) = (l as i32, c as i32);
     let mut launch = m.stream.launch_builder(m.function(FORWARD));

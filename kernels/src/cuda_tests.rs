@@ -4,18 +4,9 @@
 
 use crate::{block_attention as ba, cross_entropy, nvrtc};
 use std::sync::Mutex;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 static SWITCH: Mutex<()> = Mutex::new(());
-
-/// CUDA device 0 with libtorch's CUDA library loaded (tch links only the CPU one), or None.
-fn cuda() -> Option<Device> {
-    if crate::load_libtorch_cuda().is_ok() && tch::Cuda::is_available() {
-        return Some(Device::Cuda(0));
-    }
-    eprintln!("no CUDA device: skipped");
-    None
-}
 
 fn max_abs(t: &Tensor) -> f64 {
     t.abs().max().double_value(&[])
@@ -25,7 +16,7 @@ fn max_abs(t: &Tensor) -> f64 {
 /// against libtorch's log-softmax, argmax and exp in fp32.
 #[test]
 fn cross_entropy_kernels_match_libtorch() {
-    let Some(dev) = cuda() else { return };
+    let Some(dev) = crate::cuda_test_device() else { return };
     let _lock = SWITCH.lock().unwrap();
     tch::manual_seed(0);
     let (c, v) = (300, 151_936);
@@ -67,7 +58,7 @@ fn cross_entropy_kernels_match_libtorch() {
 /// start past key 0: with the 256-key tiles, the last run's smallest anchor 400 less 100 + 1).
 #[test]
 fn fused_block_part_matches_the_composite() {
-    let Some(dev) = cuda() else { return };
+    let Some(dev) = crate::cuda_test_device() else { return };
     let _lock = SWITCH.lock().unwrap();
     for window in [None, Some(16), Some(100)] {
         tch::manual_seed(1);
@@ -117,7 +108,7 @@ fn fused_block_part_matches_the_composite() {
 /// head transposed): the same numbers as the product in fp32.
 #[test]
 fn bf16_matmul_with_fp32_output_matches_fp32() {
-    let Some(dev) = cuda() else { return };
+    let Some(dev) = crate::cuda_test_device() else { return };
     tch::manual_seed(2);
     let h = Tensor::randn([384, 4096], (Kind::BFloat16, dev));
     let head = Tensor::randn([151_936, 4096], (Kind::BFloat16, dev)) * 0.02;

@@ -30,8 +30,6 @@ pub mod optim;
 pub mod profiler;
 pub mod unit_lower_inverse;
 
-/// Load libtorch's CUDA library, which the linker's `--as-needed` drops from binaries that name
-/// none of its symbols; needed before the first CUDA op. It stays loaded.
 /// Let libtorch's `scaled_dot_product_attention` pick cuDNN's kernel or not (process-wide, the
 /// plugins' calls included); returns the previous setting. cuDNN builds a plan per shape, about
 /// 60 ms each in bf16 on an H200 (scripts/probe_sdpa_shapes.py): fine for training's fixed
@@ -65,10 +63,23 @@ impl Drop for CudnnAttentionOff {
     }
 }
 
+/// Load libtorch's CUDA library, which the linker's `--as-needed` drops from binaries that name
+/// none of its symbols; needed before the first CUDA op. It stays loaded.
 pub fn load_libtorch_cuda() -> Result<(), String> {
     use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
     // SAFETY: loading libtorch's own CUDA library; it is never unloaded.
     let lib = unsafe { Library::open(Some("libtorch_cuda.so"), RTLD_NOW | RTLD_GLOBAL) }.map_err(|e| e.to_string())?;
     std::mem::forget(lib);
     Ok(())
+}
+
+/// CUDA device 0 with libtorch's CUDA library loaded, or None with a line saying the test is
+/// skipped: how the CUDA tests here and in the crates that use these kernels run on a GPU and
+/// pass without one (CI).
+pub fn cuda_test_device() -> Option<tch::Device> {
+    if load_libtorch_cuda().is_ok() && tch::Cuda::is_available() {
+        return Some(tch::Device::Cuda(0));
+    }
+    eprintln!("no CUDA device: skipped");
+    None
 }

@@ -25,7 +25,7 @@ pub fn conv_silu(history: &Tensor, x: &Tensor, w: &Tensor) -> Tensor {
     static FAILED: AtomicBool = AtomicBool::new(false);
     let grad = history.requires_grad() || x.requires_grad() || w.requires_grad();
     if !grad && conv_kernel::applies(x) {
-        if let Some(out) = nvrtc::try_kernel(&FAILED, "the fused causal conv", || conv_kernel::forward(Some(history), x, w)) {
+        if let Some(out) = nvrtc::try_kernel(&FAILED, "the fused causal conv", || conv_kernel::forward(history, x, w)) {
             return out;
         }
     }
@@ -63,12 +63,8 @@ mod tests {
     /// projections give it); in bf16 its error is no larger than the bf16 composite's.
     #[test]
     fn fused_conv_silu_matches_the_composite_on_cuda() {
-        if kernels::load_libtorch_cuda().is_err() || !tch::Cuda::is_available() {
-            eprintln!("no CUDA device: skipped");
-            return;
-        }
+        let Some(dev) = kernels::cuda_test_device() else { return };
         let _guard = tch::no_grad_guard();
-        let dev = Device::Cuda(0);
         tch::manual_seed(12);
         let (b, l, c, k) = (2, 77, 300, 4);
         let wide = Tensor::randn([b, l, c + 40], (Kind::Float, dev)).to_kind(Kind::BFloat16);

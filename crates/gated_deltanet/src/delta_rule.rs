@@ -111,7 +111,9 @@ pub fn chunked_with(
     let (u, w, kte) = (flat(&ch.u), flat(&ch.w), flat(&ch.k_to_end));
     let (qd, intra) = (flat(&q_decayed), flat(&intra));
     let chunk_decay = ch.chunk_decay.reshape([bh, n, 1, 1]);
-    if let Some((o, state)) = fused_scan(&u, &w, &qd, &intra, &kte, &chunk_decay, &initial, ch.c, p) {
+    let decay = ch.chunk_decay.reshape([bh, n]);
+    let scan = gdn_scan::ScanInputs { u: &u, w: &w, q_decayed: &qd, intra: &intra, k_to_end: &kte, decay: &decay, state: &initial };
+    if let Some((o, state)) = fused_scan(&scan, ch.c, p) {
         let o = o.view([b, h, n * ch.c, dv]).narrow(2, 0, l);
         return (o, state.view([b, h, dk, dv]));
     }
@@ -132,35 +134,14 @@ pub fn chunked_with(
 /// The loop over chunks as one CUDA kernel (`kernels::gdn_scan`): bf16 operands, no autograd
 /// (a target's forward), chunks of 64; None where it does not apply, and the loop runs. A kernel
 /// that fails to build or launch is reported once and not tried again.
-#[allow(clippy::too_many_arguments)]
-fn fused_scan(
-    u: &Tensor,
-    w: &Tensor,
-    qd: &Tensor,
-    intra: &Tensor,
-    kte: &Tensor,
-    decay: &Tensor,
-    initial: &Tensor,
-    chunk: i64,
-    p: Precision,
-) -> Option<(Tensor, Tensor)> {
+fn fused_scan(x: &gdn_scan::ScanInputs, chunk: i64, p: Precision) -> Option<(Tensor, Tensor)> {
     static FAILED: AtomicBool = AtomicBool::new(false);
-    let (dk, dv) = (w.size()[3], u.size()[3]);
-    let grad = [u, w, qd, intra, kte, initial].iter().any(|t| t.requires_grad());
-    if p != Precision::Bf16 || grad || !gdn_scan::applies(u.device(), chunk, dk, dv) {
+    let (dk, dv) = (x.w.size()[3], x.u.size()[3]);
+    let grad = [x.u, x.w, x.q_decayed, x.intra, x.k_to_end, x.state].iter().any(|t| t.requires_grad());
+    if p != Precision::Bf16 || grad || !gdn_scan::applies(x.u.device(), chunk, dk, dv) {
         return None;
     }
-    let bh = u.size()[0];
-    let inputs = gdn_scan::ScanInputs {
-        u,
-        w,
-        q_decayed: qd,
-        intra,
-        k_to_end: kte,
-        decay: &decay.reshape([bh, -1]),
-        state: initial,
-    };
-    nvrtc::try_kernel(&FAILED, "the fused Gated DeltaNet scan", || gdn_scan::forward(&inputs))
+    nvrtc::try_kernel(&FAILED, "the fused Gated DeltaNet scan", || gdn_scan::forward(x))
 }
 
 /// a @ b over [N, m, k] x [N, k, n], fp32 result (see [`mm`]).
@@ -618,12 +599,8 @@ mod tests {
     /// value dims 64 and 32 (the kernel's other tilings).
     #[test]
     fn fused_scan_matches_the_loop_on_cuda() {
-        if kernels::load_libtorch_cuda().is_err() || !tch::Cuda::is_available() {
-            eprintln!("no CUDA device: skipped");
-            return;
-        }
+        let Some(dev) = kernels::cuda_test_device() else { return };
         let _guard = tch::no_grad_guard();
-        let dev = Device::Cuda(0);
         tch::manual_seed(11);
         for (b, h, l, dk, dv) in [(2, 3, 300, 128, 128), (1, 2, 64, 128, 64), (1, 2, 130, 64, 32)] {
             let x = Inputs::new(b, h, l, dk, dv);
@@ -650,11 +627,7 @@ mod tests {
     /// against the blocked substitution it replaces, in the hard case of the CPU test above.
     #[test]
     fn the_inverse_kernel_equals_the_triangular_solve_on_cuda() {
-        if kernels::load_libtorch_cuda().is_err() || !tch::Cuda::is_available() {
-            eprintln!("no CUDA device: skipped");
-            return;
-        }
-        let dev = Device::Cuda(0);
+        let Some(dev) = kernels::cuda_test_device() else { return };
         tch::manual_seed(13);
         for c in [1i64, 16, 37, 64] {
             for scale in [0.3, 1.0] {

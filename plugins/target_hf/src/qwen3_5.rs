@@ -123,11 +123,7 @@ impl GatedDeltaNet {
                 g: g.shallow_clone(),
                 beta: beta.shallow_clone(),
             });
-            // The last K-1 rows of history | mixed.
-            let recent = mixed.narrow(1, (l - self.kernel + 1).max(0), l.min(self.kernel - 1));
-            let rows = Tensor::cat(&[&history, &recent], 1);
-            let conv = rows.narrow(1, rows.size()[1] - (self.kernel - 1), self.kernel - 1).contiguous();
-            *slot = Some(LinearState { conv, state: last, undo });
+            *slot = Some(LinearState { conv: self.conv_tail(&history, &mixed), state: last, undo });
         }
         out
     }
@@ -137,17 +133,24 @@ impl GatedDeltaNet {
     /// extension started at.
     pub fn rewind(&self, s: &mut LinearState, keep: i64) {
         let u = s.undo.as_ref().expect("rewind needs the undo record of a rollback cache");
-        let rows = Tensor::cat(&[&u.conv, &u.mixed.narrow(1, 0, keep)], 1); // [B, K-1+keep, C]
-        s.conv = rows.narrow(1, keep, self.kernel - 1).contiguous();
+        let kept = u.mixed.narrow(1, 0, keep);
+        s.conv = self.conv_tail(&u.conv, &kept);
         s.state = if keep == 0 {
             u.state.as_ref().map_or_else(|| s.state.zeros_like(), Tensor::shallow_clone)
         } else {
             // As the forward computes it (the fused kernel on a GPU), so a rewound state equals
             // the one a forward over the kept positions leaves.
-            let (_, k, v) = self.heads(&conv_silu(&u.conv, &u.mixed.narrow(1, 0, keep), &self.conv));
+            let (_, k, v) = self.heads(&conv_silu(&u.conv, &kept, &self.conv));
             let (g, beta) = (u.g.narrow(2, 0, keep), u.beta.narrow(2, 0, keep));
             chunked_with(&k, &k, &v, &g, &beta, u.state.as_ref(), CHUNK, self.precision).1
         };
+    }
+
+    /// The conv's cache after `x` [B, L, C]: the last K-1 rows of `history` | `x`.
+    fn conv_tail(&self, history: &Tensor, x: &Tensor) -> Tensor {
+        let (l, k1) = (x.size()[1], self.kernel - 1);
+        let rows = Tensor::cat(&[history, &x.narrow(1, (l - k1).max(0), l.min(k1))], 1);
+        rows.narrow(1, rows.size()[1] - k1, k1).contiguous()
     }
 
     /// conv output [B, L, C] -> q, k [B, nv, L, dk] (L2-normalised, each key head repeated to its
