@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue-8 benchmarks in one device call (docs/BENCHMARKS.md). Built here, run there:
+# The drafter-step benchmarks in one device call (docs/BENCHMARKS.md). Built here, run there:
 #   cargo build --release -p dflash-host && strip -o target/device/dflash-host target/release/dflash-host
 #   device: scripts/bench_h200.sh   (carry target/device/dflash-host; results in $OUT)
 # Each part has its own time limit and a failing part does not stop the rest; the most
@@ -20,9 +20,11 @@ part gpu 20 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,tempe
 if [ -x target/device/kernels-tests ]; then
     part kernel_tests 120 target/device/kernels-tests --test-threads=1 --nocapture cuda_tests
 fi
-part attention 120 "$B" bench attention --json "$OUT/attn.json"
 part train 240 "$B" bench train --config "$CONFIG" --json "$OUT/train.json" --trace "$OUT/trace"
 part trace_summary 60 python3 scripts/trace_summary.py "$OUT/trace/drafter_step.trace.json" --top 40
+part train_b8 240 "$B" bench train --config "$CONFIG" --set bench.batch_size=8 --json "$OUT/train_b8.json"
+part attention 120 "$B" bench attention --json "$OUT/attn.json"
+part context_probe 120 python3 scripts/probe_context_bias_cost.py --json "$OUT/context_probe.json"
 DFLASH_NVRTC=0 part train_no_nvrtc 180 "$B" bench train --config "$CONFIG" --json "$OUT/no_nvrtc.json"
 part torch 300 python3 scripts/bench_torch_drafter.py --target --attn-alone flex --json "$OUT/torch.json"
 if [ "${CHECKPOINT:-0}" = 1 ]; then

@@ -212,6 +212,8 @@ pub enum BenchCommand {
         /// (Chrome traces; scripts/trace_summary.py makes tables of them).
         #[arg(long, value_name = "DIR")]
         trace: Option<PathBuf>,
+        #[command(flatten)]
+        overrides: ConfigOverrides,
     },
     /// The data-parallel gradient all-reduce (c10d: Gloo on the CPU, NCCL on a GPU) on the
     /// gradients of the config's drafter, per bucket size. Alone it is a world of 1 (the fixed

@@ -108,9 +108,10 @@ fn run() -> Result<ExitCode> {
             dflash_host::bench::abi(&registry, exp_dir.as_deref(), iters)?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Bench { what: BenchCommand::Train { config, json, trace } } => {
+        Command::Bench { what: BenchCommand::Train { config, json, trace, overrides } } => {
             let registry = Registry::new(&cli.plugins)?;
-            let report = dflash_host::bench::train::train(&registry, &config, trace.as_deref())?;
+            let overrides = Override::from_args(&overrides.set, overrides.device.as_deref())?;
+            let report = dflash_host::bench::train::train(&registry, &config, &overrides, trace.as_deref())?;
             dflash_host::bench::train::print(&report);
             let line = serde_json::to_string(&report)?;
             say!("{line}");

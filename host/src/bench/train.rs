@@ -14,7 +14,7 @@ use super::{
     memory,
 };
 use crate::{
-    config::PluginSection,
+    config::{Override, PluginSection},
     plugins::Registry,
     train::{
         anchors::{AnchorRule, AnchorSampler},
@@ -236,9 +236,15 @@ fn drafter_layout(drafter: &DrafterBox, spec: &TargetSpec) -> Option<(Shape, usi
     dflash.then_some((shape, cfg["num_hidden_layers"].as_u64()? as usize))
 }
 
-pub fn train(registry: &Registry, config_path: &Path, trace: Option<&Path>) -> Result<Report> {
+/// `overrides`: `--set bench.batch_size=8` and `--device`, applied to the file's table.
+pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], trace: Option<&Path>) -> Result<Report> {
     let text = std::fs::read_to_string(config_path).with_context(|| format!("reading {}", config_path.display()))?;
-    let cfg: BenchConfig = toml::from_str(&text).with_context(|| format!("{}", config_path.display()))?;
+    let mut table: toml::Table = toml::from_str(&text).with_context(|| format!("{}", config_path.display()))?;
+    for o in overrides {
+        o.apply(&mut table)?;
+    }
+    let shown = overrides.iter().map(|o| format!(" ({})", o.arg)).collect::<String>();
+    let cfg: BenchConfig = toml::Value::Table(table).try_into().with_context(|| format!("{}{shown}", config_path.display()))?;
     let sh = &cfg.bench;
     let dtype = cfg.dtype.clone().unwrap_or_else(|| if cfg.device == "cpu" { "f32" } else { "bf16" }.into());
     if cfg.device.starts_with("cuda") && !crate::run::enable_cuda() {
@@ -414,7 +420,9 @@ mod tests {
         let registry = Registry::new(&[]).unwrap();
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bench/tiny.toml");
         let trace = tempfile::tempdir().unwrap();
-        let r = train(&registry, &path, Some(trace.path())).unwrap();
+        let batch_3 = [Override::parse_set("bench.batch_size=3").unwrap()];
+        let r = train(&registry, &path, &batch_3, Some(trace.path())).unwrap();
+        assert_eq!(r.batch_size, 3, "--set reaches the bench section");
         assert!(r.drafter_flop_exact);
         for p in [&r.target_features, &r.target_full, &r.drafter_step, &r.pipeline] {
             assert!(p.step_s > 0.0 && p.tok_per_s > 0.0 && p.flop > 0.0 && p.mfu > 0.0, "{p:?}");

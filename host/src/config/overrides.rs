@@ -60,7 +60,7 @@ impl Override {
     }
 
     /// Set the value in the config's TOML table, creating the tables on the way.
-    pub(super) fn apply(&self, table: &mut toml::Table) -> Result<()> {
+    pub(crate) fn apply(&self, table: &mut toml::Table) -> Result<()> {
         set_dotted(table, &self.key, self.value.clone()).map_err(|not_a_section| anyhow::anyhow!("{}: field `{not_a_section}` is not a section", self.arg))
     }
 
