@@ -63,20 +63,24 @@ __device__ __forceinline__ float row_sum(float x) {
 }
 
 // Forward. q [B, nh, N, D]; k, v [B, nkv, S + N, D] (the block keys from S); o_ctx [B, nh, N, D]
-// and lse_ctx [B, nh, N] (fp32, dense) the context part's; anchors [B, A] (int64, dense): a block
-// at anchor 0 (or, windowed, a row past window - 2) sees no context and its context part is
-// ignored. Writes out [B, nh, N, D] (any strides) and the merged lse [B, nh, N] (fp32, dense).
+// and lse_ctx [B, nh, N] (fp32, dense) the context part's, and where it ran in two spans, o_pre
+// and lse_pre the other span's (lse_pre null: none; -inf in a row: none for that row); anchors
+// [B, A] (int64, dense): a block at anchor 0 (or, windowed, a row past window - 2) sees no
+// context and its context part is ignored. Writes out [B, nh, N, D] (any strides) and the merged
+// lse [B, nh, N] (fp32, dense).
 extern "C" __global__ void __launch_bounds__(THREADS) block_part_forward(
     const bf16* q, long long qb, long long qh, long long qn,
     const bf16* k, long long kb, long long kh, long long kn,
     const bf16* v, long long vb, long long vh, long long vn,
     const bf16* o_ctx, long long cb, long long ch, long long cn,
-    const float* lse_ctx, const long long* anchors,
+    const float* lse_ctx,
+    const bf16* o_pre, long long pb, long long ph, long long pn,
+    const float* lse_pre, const long long* anchors,
     bf16* out, long long ob, long long oh, long long on,
     float* lse, int nh, int n, int s, int window, float scale) {
     const int a = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
     __shared__ __align__(16) float sk[BK][DP], sv[BK][DP], sq[BK][DP];
-    __shared__ float sp[BK][BK + 1], sw[BK];
+    __shared__ float sp[BK][BK + 1], sw[BK], sw_pre[BK];
     const long long row0 = (long long)a * BK;
     load_rows(sk, k + b * kb + kvh * kh + (s + row0) * kn, kn);
     load_rows(sv, v + b * vb + kvh * vh + (s + row0) * vn, vn);
@@ -107,14 +111,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) block_part_forward(
             float sum = 0.f;
             for (int j = 0; j <= last; j++) sum += expf(sp[t][j] - m);
             const float lb = m + logf(sum);
-            float l = lb, w = 0.f;
+            float l = lb, w = 0.f, w_pre = 0.f;
             if (block_has_context && (window == 0 || t < window - 1)) {
-                const float lc = lse_ctx[idx], mx = fmaxf(lc, lb);
-                l = mx + logf(expf(lc - mx) + expf(lb - mx));
+                const float lc = lse_ctx[idx], lp = lse_pre ? lse_pre[idx] : __int_as_float(0xff800000);
+                const float mx = fmaxf(fmaxf(lc, lp), lb);
+                l = mx + logf(expf(lc - mx) + expf(lp - mx) + expf(lb - mx));
                 w = expf(lc - l);
+                w_pre = expf(lp - l);
             }
             lse[idx] = l;
             sw[t] = w;
+            sw_pre[t] = w_pre;
             for (int j = 0; j < BK; j++) sp[t][j] = j <= last ? expf(sp[t][j] - l) : 0.f;
         }
         __syncthreads();
@@ -125,6 +132,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) block_part_forward(
 #pragma unroll
             for (int j = 0; j < BK; j++) fma4(acc, sp[i][j], at4(sv, j, d));
             if (sw[i] > 0.f) fma4(acc, sw[i], load4(o_ctx + b * cb + h * ch + (row0 + i) * cn + d));
+            if (sw_pre[i] > 0.f) fma4(acc, sw_pre[i], load4(o_pre + b * pb + h * ph + (row0 + i) * pn + d));
             store4(out + b * ob + h * oh + (row0 + i) * on + d, acc);
         }
         __syncthreads();

@@ -1,9 +1,11 @@
 // libtorch's cuDNN attention forward with its log-sum-exp, which tch does not bind (its backward
-// it does). Tensors cross as tch's handles (at::Tensor*); errors come back as text.
+// it does). Tensors cross as tch's handles (at::Tensor*), a null bias for none; errors come back
+// as text.
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_scaled_dot_product_cudnn_attention.h>
 #include <cstdio>
+#include <optional>
 #include <exception>
 
 extern "C" int dflash_cudnn_attention_forward(
@@ -11,7 +13,8 @@ extern "C" int dflash_cudnn_attention_forward(
     at::Tensor** out, at::Tensor** lse, at::Tensor** cum_q, at::Tensor** cum_k, int64_t* max_q, int64_t* max_k,
     at::Tensor** seed, at::Tensor** offset, char* err, size_t err_len) {
   try {
-    auto r = at::_scaled_dot_product_cudnn_attention(*q, *k, *v, *bias, true, 0.0, false, false, scale);
+    std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(*bias) : std::nullopt;
+    auto r = at::_scaled_dot_product_cudnn_attention(*q, *k, *v, b, true, 0.0, false, false, scale);
     *out = new at::Tensor(std::get<0>(r));
     *lse = new at::Tensor(std::get<1>(r));
     *cum_q = new at::Tensor(std::get<2>(r));

@@ -8,6 +8,9 @@
 //! The context part runs on ranges of whole blocks ([`ContextMask`]): with the anchors known on
 //! the host, each range scores only the context keys its blocks can see (its largest anchor), so
 //! sorted anchors spread over the sequence cost about half of scoring every query against all S.
+//! A range's keys before its smallest anchor are seen by all its queries: that prefix runs
+//! without the bias (a bias costs cuDNN ~40% of its rate), only the staircase tail with it, and
+//! the two are merged through their log-sum-exps like the block part.
 //!
 //! Sliding-window layers (`window` = W, HF's `sliding_window`, W >= the block) are served causal:
 //! the query at position p sees keys at p-W+1..=p (SGLang runs such a DFlash layer as a decoder
@@ -35,9 +38,8 @@ pub struct Saved {
     /// log-sum-exp [B, nh, N] (fp32).
     out: Tensor,
     lse: Tensor,
-    /// Which fused kernel ran each range's context part, with what its backward wants back
-    /// (None: the range sees no context).
-    backends: Vec<Option<Backend>>,
+    /// The fused-kernel runs of each range's context part (none: the range sees no context).
+    runs: Vec<Vec<ContextRun>>,
     /// Whether the block part ran as the fused kernel ([`block_part`]).
     fused: bool,
     block: i64,
@@ -111,13 +113,23 @@ pub struct ContextMask {
 }
 
 /// Query rows `start..start + len` (whole blocks) see no context key before `first_key` or at or
-/// past `keys`.
+/// past `keys`, and every key of `first_key..prefix`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QueryRange {
     pub start: i64,
     pub len: i64,
     pub first_key: i64,
+    pub prefix: i64,
     pub keys: i64,
+}
+
+impl QueryRange {
+    /// The key spans the fused kernel runs on, and whether each needs the bias: the prefix
+    /// without it, the rest with it (none when the range sees no context).
+    fn spans(&self) -> Vec<(i64, i64, bool)> {
+        let parts = [(self.first_key, self.prefix, false), (self.prefix, self.keys, true)];
+        parts.into_iter().filter(|&(from, to, _)| to > from).collect()
+    }
 }
 
 impl ContextMask {
@@ -130,7 +142,7 @@ impl ContextMask {
     pub fn whole(anchors: &Tensor, s: i64, block: i64, kind: Kind, window: Option<i64>) -> Self {
         check_window(window, block);
         let n = anchors.size()[1] * block;
-        let ranges = vec![QueryRange { start: 0, len: n, first_key: 0, keys: s }];
+        let ranges = vec![QueryRange { start: 0, len: n, first_key: 0, prefix: 0, keys: s }];
         Self { anchors: anchors.shallow_clone(), bias: context_bias(anchors, s, block, kind, window), ranges, window }
     }
 
@@ -171,7 +183,8 @@ pub const KERNEL_TILE: Tile = Tile { queries: 128, keys: 256 };
 /// Split the rows' A anchors each into up to `ranges` runs of whole blocks (the same runs in every
 /// row) and give each run the context keys its blocks see in any row: up to its largest anchor,
 /// rounded up to `tile.keys` (at most `s`; 0 when every anchor in it is 0), and with a sliding
-/// window W from its smallest anchor - W + 1, rounded down to `tile.keys`.
+/// window W from its smallest anchor - W + 1, rounded down to `tile.keys`. Without a window, the
+/// keys before its smallest anchor, rounded down to `tile.keys`, are its unbiased prefix.
 pub fn query_ranges(rows: &[&[i64]], s: i64, block: i64, ranges: usize, tile: Tile, window: Option<i64>) -> Vec<QueryRange> {
     let a = rows.first().map_or(0, |r| r.len());
     let min_blocks = (tile.queries + block - 1) / block;
@@ -183,11 +196,16 @@ pub fn query_ranges(rows: &[&[i64]], s: i64, block: i64, ranges: usize, tile: Ti
             let anchors = || rows.iter().flat_map(|r| &r[j..end]).copied();
             let last = anchors().max().unwrap_or(0);
             let keys = if last <= 0 { 0 } else { ((last + tile.keys - 1) / tile.keys * tile.keys).min(s) };
-            let first_key = match window {
-                Some(w) if keys > 0 => ((anchors().min().unwrap_or(0) - w + 1).max(0) / tile.keys * tile.keys).min(keys),
-                _ => 0,
+            let smallest = anchors().min().unwrap_or(0);
+            let (first_key, prefix) = match window {
+                Some(w) if keys > 0 => {
+                    let first = ((smallest - w + 1).max(0) / tile.keys * tile.keys).min(keys);
+                    (first, first)
+                }
+                Some(_) => (0, 0),
+                None => (0, (smallest / tile.keys * tile.keys).min(keys)),
             };
-            QueryRange { start: j as i64 * block, len: (end - j) as i64 * block, first_key, keys }
+            QueryRange { start: j as i64 * block, len: (end - j) as i64 * block, first_key, prefix, keys }
         })
         .collect()
 }
@@ -203,35 +221,60 @@ impl Saved {
 /// of the same anchors -> output [B, nh, N, D] and what the backward needs.
 pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i64, scale: f64) -> (Tensor, Saved) {
     let (b, nh, n, d) = size4(q);
-    let (nkv, s) = (k.size()[1], k.size()[2] - n);
-    let g = nh / nkv;
-    let (k_ctx, v_ctx) = (context_for_heads(k, s, g), context_for_heads(v, s, g));
+    let s = k.size()[2] - n;
+    let (k_ctx, v_ctx) = (context_keys(q, k, s), context_keys(q, v, s));
 
-    // 1. Context part: the fused kernel's output and log-sum-exp, range by range.
-    let (mut outs, mut lses, mut backends) = (vec![], vec![], vec![]);
+    // 1. Context part: the fused kernel's output and log-sum-exp, range by range, span by span;
+    //    where a range ran in two spans, its unbiased prefix's go to `pre` (a second context part
+    //    for the merge, -inf log-sum-exp in the rows of other ranges).
+    let (mut outs, mut lses, mut runs) = (vec![], vec![], vec![]);
+    let mut pre: Option<(Tensor, Tensor)> = None;
     for r in &mask.ranges {
-        if r.keys == 0 {
-            outs.push(Tensor::zeros([b, nh, r.len, d], (q.kind(), q.device())));
-            lses.push(Tensor::zeros([b, nh, r.len], (work_kind(q), q.device())));
-            backends.push(None);
-            continue;
+        let mut parts: Vec<(Tensor, Tensor)> = vec![];
+        let mut range_runs = vec![];
+        for (from, to, biased) in r.spans() {
+            let bias = biased.then(|| mask.bias.narrow(2, r.start, r.len).narrow(3, from, to - from));
+            let keys = |t: &Tensor| t.narrow(2, from, to - from);
+            let (o, lse, backend) = context_forward(&q.narrow(2, r.start, r.len), &keys(&k_ctx), &keys(&v_ctx), bias.as_ref(), scale);
+            parts.push((o, lse));
+            range_runs.push(ContextRun { from, to, biased, backend });
         }
-        let (from, len) = (r.first_key, r.keys - r.first_key);
-        let bias = mask.bias.narrow(2, r.start, r.len).narrow(3, from, len);
-        let (o, lse, backend) = context_forward(&q.narrow(2, r.start, r.len), &k_ctx.narrow(2, from, len), &v_ctx.narrow(2, from, len), &bias, scale);
+        let (o, lse) = match parts.len() {
+            0 => (Tensor::zeros([b, nh, r.len, d], (q.kind(), q.device())), Tensor::zeros([b, nh, r.len], (work_kind(q), q.device()))),
+            1 => parts.remove(0),
+            _ => {
+                let (tail, prefix) = (parts.remove(1), parts.remove(0));
+                let (o_pre, lse_pre) = pre.get_or_insert_with(|| {
+                    let lse = Tensor::full([b, nh, n], f64::NEG_INFINITY, (work_kind(q), q.device()));
+                    (Tensor::zeros([b, nh, n, d], (q.kind(), q.device())), lse)
+                });
+                o_pre.narrow(2, r.start, r.len).copy_(&prefix.0);
+                lse_pre.narrow(2, r.start, r.len).copy_(&prefix.1);
+                tail
+            }
+        };
         outs.push(o);
         lses.push(lse);
-        backends.push(Some(backend));
+        runs.push(range_runs);
     }
     let (o_ctx, lse_ctx) = if outs.len() == 1 { (outs.remove(0), lses.remove(0)) } else { (Tensor::cat(&outs, 2), Tensor::cat(&lses, 2)) };
 
-    // 2. Block part, and the merge: softmax over both key sets from the two log-sum-exps.
+    // 2. Block part, and the merge: softmax over all key sets from their log-sum-exps.
     let window = mask.window.unwrap_or(0);
     let fused_out = block_part::applies(q, block)
-        .then(|| block_part::forward(q, k, v, &o_ctx, &lse_ctx, &mask.anchors, block, window, scale).map_err(|e| warn_unfused(&e)).ok())
+        .then(|| {
+            let pre = pre.as_ref().map(|(o, l)| (o, l));
+            block_part::forward(q, k, v, &o_ctx, &lse_ctx, pre, &mask.anchors, block, window, scale).map_err(|e| warn_unfused(&e)).ok()
+        })
         .flatten();
     let fused = fused_out.is_some();
-    let (out, lse) = fused_out.unwrap_or_else(|| composite_forward(q, k, v, mask, o_ctx, lse_ctx, s, block, scale));
+    let (out, lse) = fused_out.unwrap_or_else(|| {
+        let (o_ctx, lse_ctx) = match pre {
+            Some(pre) => merge_parts(pre, (o_ctx, lse_ctx)),
+            None => (o_ctx, lse_ctx),
+        };
+        composite_forward(q, k, v, mask, o_ctx, lse_ctx, s, block, scale)
+    });
     let saved = Saved {
         q: q.shallow_clone(),
         k: k.shallow_clone(),
@@ -240,7 +283,7 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
         fused,
         out: out.shallow_clone(),
         lse,
-        backends,
+        runs,
         block,
         scale,
     };
@@ -274,6 +317,16 @@ fn composite_forward(
     (dims.to_bnhd(&merged, q.kind()), dims.ungroup_rows(&lse))
 }
 
+/// Two context spans' (output, log-sum-exp) as one: each output weighed by its share of the merged
+/// softmax, exp(lse_i - lse) (0 where lse_i is -inf).
+fn merge_parts((o1, l1): (Tensor, Tensor), (o2, l2): (Tensor, Tensor)) -> (Tensor, Tensor) {
+    let (l1, l2) = (l1.to_kind(work_kind(&o1)), l2.to_kind(work_kind(&o1)));
+    let lse = l1.logaddexp(&l2);
+    let weight = |l: &Tensor| (l - &lse).exp().unsqueeze(-1);
+    let o = (o1.to_kind(lse.kind()) * weight(&l1)).addcmul_(&o2, &weight(&l2)).to_kind(o1.kind());
+    (o, lse)
+}
+
 fn warn_unfused(e: &str) {
     static WARNED: std::sync::Once = std::sync::Once::new();
     WARNED.call_once(|| eprintln!("block attention: the fused block part is unavailable ({e}); using batched matmuls"));
@@ -281,16 +334,15 @@ fn warn_unfused(e: &str) {
 
 /// One range's context part: the output [B, nh, n, D], log-sum-exp [B, nh, n] (fp32) and the
 /// kernel that ran it.
-fn context_forward(q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, bias: &Tensor, scale: f64) -> (Tensor, Tensor, Backend) {
+fn context_forward(q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, bias: Option<&Tensor>, scale: f64) -> (Tensor, Tensor, Backend) {
     let (b, nh, n, _) = size4(q);
     if q.device() == Device::Cpu {
-        let (o, lse) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(q, k_ctx, v_ctx, 0.0, false, Some(bias), scale);
+        let (o, lse) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(q, k_ctx, v_ctx, 0.0, false, bias, scale);
         return (o, lse, Backend::CpuFlash);
     }
-    let per_head = bias.expand([b, nh, n, k_ctx.size()[2]], false);
-    // cuDNN attention is for 16-bit inputs (it returns NaN for fp32 rather than an error).
-    let cudnn = if matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
-        cudnn::forward(q, k_ctx, v_ctx, &per_head, scale)
+    let per_head = bias.map(|bias| bias.expand([b, nh, n, k_ctx.size()[2]], false));
+    let cudnn = if takes_cudnn(q) {
+        cudnn::forward(q, k_ctx, v_ctx, per_head.as_ref(), scale)
     } else {
         Err(format!("{:?} inputs", q.kind()))
     };
@@ -301,8 +353,9 @@ fn context_forward(q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, bias: &Tensor, sc
             if matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
                 WARNED.call_once(|| eprintln!("block attention: cuDNN attention unavailable ({e}); using the memory-efficient kernel"));
             }
+            let (k_ctx, v_ctx) = (repeat_heads(k_ctx, nh), repeat_heads(v_ctx, nh));
             let (o, lse, seed, offset) =
-                Tensor::internal_scaled_dot_product_efficient_attention(q, k_ctx, v_ctx, Some(&per_head), true, 0.0, false, scale);
+                Tensor::internal_scaled_dot_product_efficient_attention(q, &k_ctx, &v_ctx, per_head.as_ref(), true, 0.0, false, scale);
             (o, lse.narrow(2, 0, n), Backend::Efficient { seed, offset })
         }
     }
@@ -310,33 +363,47 @@ fn context_forward(q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, bias: &Tensor, sc
 
 /// The gradients (dq, dk, dv) of the loss from `d_out` = dLoss/d(output).
 pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
-    let Saved { q, k, v, mask, out, lse, backends, fused, block, scale } = saved;
+    let Saved { q, k, v, mask, out, lse, runs, fused, block, scale } = saved;
     let causal = mask.window.is_some();
     let (b, nh, n, d) = size4(q);
     let (nkv, s) = (k.size()[1], k.size()[2] - n);
     let g = nh / nkv;
     let wk = work_kind(q);
     let d_out = &d_out.to_kind(q.kind());
-    // Rebuilt rather than kept from the forward (0.2 GB a layer at the bench shapes).
-    let (k_ctx, v_ctx) = (&context_for_heads(k, s, g), &context_for_heads(v, s, g));
+    // Rebuilt rather than kept from the forward (where repeated to the query heads, 0.2 GB a
+    // layer at the bench shapes).
+    let (k_ctx, v_ctx) = (&context_keys(q, k, s), &context_keys(q, v, s));
 
-    // 1. Context part, range by range: the fused backward with the merged output and
-    //    log-sum-exp. dk and dv add up over the ranges (each reads a prefix of the keys).
+    // 1. Context part, range by range, span by span: the fused backward with the merged output
+    //    and log-sum-exp (so each span's are its exact share). dk and dv add up over the ranges
+    //    (each reads a prefix of the keys), dq over a range's spans.
     let dq = Tensor::zeros([b, nh, n, d], (q.kind(), q.device()));
     let dk_ctx = Tensor::zeros([b, nkv, s, d], (wk, q.device()));
     let dv_ctx = Tensor::zeros([b, nkv, s, d], (wk, q.device()));
-    for (r, backend) in mask.ranges.iter().zip(backends) {
-        let Some(backend) = backend else { continue };
-        let (from, len) = (r.first_key, r.keys - r.first_key);
+    for (r, range_runs) in mask.ranges.iter().zip(runs) {
         let rows = |t: &Tensor| t.narrow(2, r.start, r.len);
-        let keys = |t: &Tensor| t.narrow(2, from, len);
-        let bias = mask.bias.narrow(2, r.start, r.len).narrow(3, from, len);
-        let (dq_r, dk_r, dv_r) =
-            context_backward(backend, &rows(d_out), &rows(q), &keys(k_ctx), &keys(v_ctx), &rows(out), &rows(lse), &bias, *scale);
-        rows(&dq).copy_(&dq_r);
-        let sum_groups = |x: Tensor| x.view([b, nkv, g, len, d]).sum_dim_intlist(&[2i64][..], false, wk);
-        let _ = keys(&dk_ctx).g_add_(&sum_groups(dk_r));
-        let _ = keys(&dv_ctx).g_add_(&sum_groups(dv_r));
+        // dO and O contiguous [B, nh, n, D], as the kernels return O: with other strides cuDNN's
+        // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200).
+        let (d_out_r, out_r, lse_r) = (rows(d_out).contiguous(), rows(out).contiguous(), rows(lse).contiguous());
+        for (i, run) in range_runs.iter().enumerate() {
+            let len = run.to - run.from;
+            let keys = |t: &Tensor| t.narrow(2, run.from, len);
+            let bias = run.biased.then(|| mask.bias.narrow(2, r.start, r.len).narrow(3, run.from, len));
+            let (dq_r, dk_r, dv_r) =
+                context_backward(&run.backend, &d_out_r, &rows(q), &keys(k_ctx), &keys(v_ctx), &out_r, &lse_r, bias.as_ref(), *scale);
+            if i == 0 {
+                rows(&dq).copy_(&dq_r);
+            } else {
+                let _ = rows(&dq).g_add_(&dq_r);
+            }
+            // Per query head where the kernel took the keys repeated: summed over each group.
+            let sum_groups = |x: Tensor| match x.size()[1] == nkv {
+                true => x,
+                false => x.view([b, nkv, g, len, d]).sum_dim_intlist(&[2i64][..], false, wk),
+            };
+            let _ = keys(&dk_ctx).g_add_(&sum_groups(dk_r));
+            let _ = keys(&dv_ctx).g_add_(&sum_groups(dv_r));
+        }
     }
 
     // 2. Block part: the fused kernel adds to dq and writes the block rows of dk and dv.
@@ -382,28 +449,31 @@ fn composite_backward(
 
 /// One range's context backward: (dq, dk, dv) with dk and dv per query head [B, nh, keys, D].
 #[allow(clippy::too_many_arguments)]
+/// `d_out`, `out` and `lse` come contiguous.
+#[allow(clippy::too_many_arguments)]
 fn context_backward(
-    backend: &Backend, d_out: &Tensor, q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, out: &Tensor, lse: &Tensor, bias: &Tensor, scale: f64,
+    backend: &Backend, d_out: &Tensor, q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, out: &Tensor, lse: &Tensor, bias: Option<&Tensor>,
+    scale: f64,
 ) -> (Tensor, Tensor, Tensor) {
     let (b, nh, n, _) = size4(q);
     let s = k_ctx.size()[2];
-    let per_head = || bias.expand([b, nh, n, s], false);
-    // dO and O contiguous [B, nh, n, D], as the kernels return O: with other strides cuDNN's
-    // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200).
-    let (d_out, out) = (&d_out.contiguous(), &out.contiguous());
+    let per_head = || bias.map(|bias| bias.expand([b, nh, n, s], false));
     match backend {
         Backend::CpuFlash => Tensor::internal_scaled_dot_product_flash_attention_for_cpu_backward(
-            d_out, q, k_ctx, v_ctx, out, &lse.contiguous(), 0.0, false, Some(bias), scale,
+            d_out, q, k_ctx, v_ctx, out, lse, 0.0, false, bias, scale,
         ),
         Backend::Cudnn { cum_q, cum_k, max_q, max_k, seed, offset } => {
-            let lse = lse.contiguous().view([b, nh, n, 1]);
+            let lse = lse.view([b, nh, n, 1]);
+            // An undefined tensor is libtorch's "no bias".
+            let bias = per_head().unwrap_or_else(Tensor::new);
             Tensor::internal_scaled_dot_product_cudnn_attention_backward(
-                d_out, q, k_ctx, v_ctx, out, &lse, seed, offset, &per_head(), cum_q, cum_k, *max_q, *max_k, 0.0, false, scale,
+                d_out, q, k_ctx, v_ctx, out, &lse, seed, offset, &bias, cum_q, cum_k, *max_q, *max_k, 0.0, false, scale,
             )
         }
         Backend::Efficient { seed, offset } => {
             // The kernel's own layout, [B, M, heads, D], as libtorch's SDPA backward passes it.
             let t = |x: &Tensor| x.transpose(1, 2);
+            let (k_ctx, v_ctx) = (&repeat_heads(k_ctx, nh), &repeat_heads(v_ctx, nh));
             // The kernel keeps log-sum-exps padded to 32 queries.
             let lse_padded = Tensor::zeros([b, nh, (n + 31) / 32 * 32], (Kind::Float, q.device()));
             lse_padded.narrow(2, 0, n).copy_(lse);
@@ -411,7 +481,7 @@ fn context_backward(
             // comes out wrong (measured on the H200, scripts/probe_efficient_attention.py).
             let (d_out_t, out_t) = (t(d_out).contiguous(), t(out).contiguous());
             let (dq, dk, dv, _) = Tensor::internal_efficient_attention_backward(
-                &d_out_t, &t(q), &t(k_ctx), &t(v_ctx), Some(&per_head()), &out_t, None::<&Tensor>, None,
+                &d_out_t, &t(q), &t(k_ctx), &t(v_ctx), per_head().as_ref(), &out_t, None::<&Tensor>, None,
                 n, s, &lse_padded, 0.0, seed, offset, 0, false, scale, None, None, false,
             );
             (t(&dq), t(&dk), t(&dv))
@@ -526,7 +596,15 @@ impl Blocks {
     }
 }
 
-/// The fused kernel behind the context part.
+/// One fused-kernel run of a range's context part: keys `from..to`, with the bias or without.
+struct ContextRun {
+    from: i64,
+    to: i64,
+    biased: bool,
+    backend: Backend,
+}
+
+/// The fused kernel behind a context run.
 enum Backend {
     CpuFlash,
     Cudnn { cum_q: Tensor, cum_k: Tensor, max_q: i64, max_k: i64, seed: Tensor, offset: Tensor },
@@ -543,7 +621,8 @@ mod cudnn {
     use tch::Tensor;
 
     /// The output, the log-sum-exp [B, nh, N, 1] (natural log) and what the backward wants back.
-    pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, scale: f64) -> Result<(Tensor, Tensor, super::Backend), String> {
+    /// `bias` None: every query sees every key.
+    pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>, scale: f64) -> Result<(Tensor, Tensor, super::Backend), String> {
         let mut p = [std::ptr::null_mut::<c_void>(); 6];
         let (mut max_q, mut max_k) = (0i64, 0i64);
         let [out, lse, cum_q, cum_k, seed, offset] = &mut p;
@@ -551,7 +630,7 @@ mod cudnn {
         // returns six new at::Tensor* that the Tensors below take ownership of.
         with_error_buffer(|err, err_len| unsafe {
             dflash_cudnn_attention_forward(
-                q.as_ptr() as _, k.as_ptr() as _, v.as_ptr() as _, bias.as_ptr() as _, scale,
+                q.as_ptr() as _, k.as_ptr() as _, v.as_ptr() as _, bias.map_or(std::ptr::null_mut(), |b| b.as_ptr() as _), scale,
                 out, lse, cum_q, cum_k, &mut max_q, &mut max_k, seed, offset, err, err_len,
             )
         })?;
@@ -562,11 +641,29 @@ mod cudnn {
     }
 }
 
-/// The context part of k or v [B, nkv, S+N, D], repeated to the query heads [B, nkv*g, S, D] (the
-/// fused kernels take no GQA).
-fn context_for_heads(t: &Tensor, s: i64, g: i64) -> Tensor {
-    let (b, nkv, _, d) = size4(t);
-    t.narrow(2, 0, s).unsqueeze(2).expand([b, nkv, g, s, d], false).reshape([b, nkv * g, s, d])
+/// The context part of k or v [B, nkv, S+N, D] as the context kernel for `q` takes it: cuDNN reads
+/// the kv heads' keys for their query heads itself (GQA), the CPU kernel wants them repeated.
+fn context_keys(q: &Tensor, t: &Tensor, s: i64) -> Tensor {
+    let ctx = t.narrow(2, 0, s);
+    match takes_cudnn(q) {
+        true => ctx,
+        false => repeat_heads(&ctx, q.size()[1]),
+    }
+}
+
+/// Whether the context part of `q` runs on cuDNN's kernel: 16-bit on CUDA (for fp32 it returns
+/// NaN rather than an error).
+fn takes_cudnn(q: &Tensor) -> bool {
+    q.device().is_cuda() && matches!(q.kind(), Kind::BFloat16 | Kind::Half)
+}
+
+/// k or v [B, nkv, L, D] repeated to `nh` heads [B, nh, L, D] (a copy; as it is when nkv = nh).
+fn repeat_heads(t: &Tensor, nh: i64) -> Tensor {
+    let (b, nkv, l, d) = size4(t);
+    match nkv == nh {
+        true => t.shallow_clone(),
+        false => t.unsqueeze(2).expand([b, nkv, nh / nkv, l, d], false).reshape([b, nh, l, d]),
+    }
 }
 
 /// fp32 for the block part and the merge (f64 when the inputs are, for the tests).
@@ -607,15 +704,16 @@ mod tests {
 
     /// Split attention equals masked SDPA over [context; blocks], forward and gradients, with GQA,
     /// blocks at anchor 0 (no context) and at the last position: over the whole context, and in
-    /// ranges that score fewer keys, one of them none; full attention and sliding windows (one
-    /// as long as the block, where the block's last query sees no context).
+    /// ranges that score fewer keys, one of them none, one an unbiased prefix and a biased tail,
+    /// one its prefix alone; full attention and sliding windows (one as long as the block, where
+    /// the block's last query sees no context).
     #[test]
     fn split_attention_equals_masked_sdpa() {
         let (b, nh, nkv, d, s, block) = (2, 4, 2, 8, 11, 4);
-        let anchors = Tensor::from_slice(&[0i64, 0, 3, 10, 0, 5, 6, 9]).view([2, 4]);
+        let anchors = Tensor::from_slice(&[0i64, 0, 3, 10, 0, 5, 6, 10]).view([2, 4]);
         let n = 4 * block;
         let opts = (Kind::Double, Device::Cpu);
-        let rows = [&[0i64, 0, 3, 10][..], &[0, 5, 6, 9]];
+        let rows = [&[0i64, 0, 3, 10][..], &[0, 5, 6, 10]];
         for window in [None, Some(4), Some(6)] {
             let q = Tensor::randn([b, nh, n, d], opts).set_requires_grad(true);
             let k = Tensor::randn([b, nkv, s + n, d], opts).set_requires_grad(true);
@@ -627,9 +725,13 @@ mod tests {
             (&want * &d_out).sum(Kind::Double).backward();
 
             let ranges = query_ranges(&rows, s, block, 4, Tile { queries: block, keys: 2 }, window);
-            let first = window.map_or(0, |w| (9 - w + 1) / 2 * 2); // the last range's smallest anchor is 9
-            let expect = [(0, 4, 0, 0), (4, 4, 0, 6), (8, 4, 0, 6), (12, 4, first, 10)];
-            let expect: Vec<_> = expect.iter().map(|&(start, len, first_key, keys)| QueryRange { start, len, first_key, keys }).collect();
+            let first = window.map_or(0, |w| (10 - w + 1) / 2 * 2); // the last range's anchors are 10
+            // Without a window: the third range's prefix 0..2 runs unbiased, 2..6 biased; the
+            // last range's keys are all its prefix.
+            let prefix = |p: i64| if window.is_some() { 0 } else { p };
+            let expect = [(0, 4, 0, 0, 0), (4, 4, 0, 0, 6), (8, 4, 0, prefix(2), 6), (12, 4, first, window.map_or(10, |_| first), 10)];
+            let expect: Vec<_> =
+                expect.iter().map(|&(start, len, first_key, prefix, keys)| QueryRange { start, len, first_key, prefix, keys }).collect();
             assert_eq!(ranges[..], expect[..], "window {window:?}");
             let bias = context_bias(&anchors, s, block, Kind::Double, window);
             let ranged = ContextMask { anchors: anchors.shallow_clone(), bias, ranges, window };
@@ -679,18 +781,24 @@ mod tests {
         }
     }
 
-    /// Ranges hold at least a tile of queries, keys round up to the tile and stop at S; with a
-    /// window they start at the tile below their smallest anchor - W + 1.
+    /// Ranges hold at least a tile of queries, keys round up to the tile and stop at S, the
+    /// unbiased prefix rounds down; with a window they start at the tile below their smallest
+    /// anchor - W + 1.
     #[test]
     fn query_ranges_follow_the_tiles() {
         let row: Vec<i64> = (0..40).map(|j| j * 20).collect(); // anchors 0..780
         let r = query_ranges(&[&row], 1000, 16, 8, KERNEL_TILE, None); // 8 blocks (128 queries) a range
-        let got: Vec<_> = r.iter().map(|r| (r.start, r.len, r.first_key, r.keys)).collect();
-        assert_eq!(got, [(0, 128, 0, 256), (128, 128, 0, 512), (256, 128, 0, 512), (384, 128, 0, 768), (512, 128, 0, 1000)]);
-        assert_eq!(query_ranges(&[&row], 1000, 16, 1, KERNEL_TILE, None), [QueryRange { start: 0, len: 640, first_key: 0, keys: 1000 }]);
+        let got: Vec<_> = r.iter().map(|r| (r.start, r.len, r.first_key, r.prefix, r.keys)).collect();
+        // Smallest anchors 0, 160, 320, 480, 640: prefixes rounded down to 256.
+        assert_eq!(got, [(0, 128, 0, 0, 256), (128, 128, 0, 0, 512), (256, 128, 0, 256, 512), (384, 128, 0, 256, 768), (512, 128, 0, 512, 1000)]);
+        assert_eq!(
+            query_ranges(&[&row], 1000, 16, 1, KERNEL_TILE, None),
+            [QueryRange { start: 0, len: 640, first_key: 0, prefix: 0, keys: 1000 }]
+        );
         // Window 300: the ranges' smallest anchors 0, 160, 320, 480, 640 start at 0, 0, 0, 0, 256.
         let r = query_ranges(&[&row], 1000, 16, 8, KERNEL_TILE, Some(300));
         assert_eq!(r.iter().map(|r| r.first_key).collect::<Vec<_>>(), [0, 0, 0, 0, 256]);
+        assert!(r.iter().all(|r| r.prefix == r.first_key), "a window's ranges run biased whole: {r:?}");
         let r = query_ranges(&[&row], 1000, 16, 8, KERNEL_TILE, Some(100));
         assert_eq!(r.iter().map(|r| r.first_key).collect::<Vec<_>>(), [0, 0, 0, 256, 512]);
     }

@@ -26,7 +26,7 @@ pub fn applies(q: &Tensor, block: i64) -> bool {
         && d / 4 <= 32
         && block % 2 == 0
         && (block * d / 4) % threads == 0
-        && 4 * block * (d + 4) * 4 + 2 * block * (block + 1) * 4 + block * 4 <= 48 << 10
+        && 4 * block * (d + 4) * 4 + 2 * block * (block + 1) * 4 + 2 * block * 4 <= 48 << 10
 }
 
 /// The kernels' defines: block, head dim and query heads per kv head.
@@ -70,12 +70,15 @@ fn config(q: &Tensor, k: &Tensor, block: i64) -> LaunchConfig {
 }
 
 /// q [B, nh, N, D], k/v [B, nkv, S+N, D], the context part's output o_ctx [B, nh, N, D] and
-/// log-sum-exp lse_ctx [B, nh, N] (fp32; rows that see no context are ignored), anchors [B, A]
-/// -> the merged output [B, nh, N, D] ([B, N, nh, D] in memory) and log-sum-exp [B, nh, N].
-/// `window` > 0: a sliding-window layer's block part (causal within the block; window >= block).
+/// log-sum-exp lse_ctx [B, nh, N] (fp32; rows that see no context are ignored), and `pre`, the
+/// same of a second context span where it ran in two (-inf log-sum-exp in the rows it did not),
+/// anchors [B, A] -> the merged output [B, nh, N, D] ([B, N, nh, D] in memory) and log-sum-exp
+/// [B, nh, N]. `window` > 0: a sliding-window layer's block part (causal within the block;
+/// window >= block).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
-    q: &Tensor, k: &Tensor, v: &Tensor, o_ctx: &Tensor, lse_ctx: &Tensor, anchors: &Tensor, block: i64, window: i64, scale: f64,
+    q: &Tensor, k: &Tensor, v: &Tensor, o_ctx: &Tensor, lse_ctx: &Tensor, pre: Option<(&Tensor, &Tensor)>, anchors: &Tensor, block: i64,
+    window: i64, scale: f64,
 ) -> Result<(Tensor, Tensor), String> {
     let m = module(q, k, block)?;
     let (b, nh, n, d) = (q.size()[0], q.size()[1], q.size()[2], q.size()[3]);
@@ -87,12 +90,21 @@ pub fn forward(
     let [aq, ak, av, ac, ao] = [q, k, v, o_ctx, &out].map(Arg::new);
     let (aq, ak, av, ac, ao) = (aq?, ak?, av?, ac?, ao?);
     let (p_lse_ctx, p_anchors, p_lse) = (lse_ctx.data_ptr() as u64, anchors.data_ptr() as u64, lse.data_ptr() as u64);
+    // No second span: a null log-sum-exp (its output pointer is never read).
+    let lse_pre = pre.map(|(_, l)| l.to_kind(Kind::Float).contiguous());
+    let ap = match pre {
+        Some((o, _)) => Arg::new(o)?,
+        None => Arg { ptr: 0, strides: [0; 3] },
+    };
+    let p_lse_pre = lse_pre.as_ref().map_or(0u64, |l| l.data_ptr() as u64);
     let (nh32, n32, s32, w32, scale32) = (nh as i32, n as i32, s as i32, window_arg(window)?, scale as f32);
     let mut launch = m.stream.launch_builder(m.function(FORWARD));
     for a in [&aq, &ak, &av, &ac] {
         a.push(&mut launch);
     }
-    launch.arg(&p_lse_ctx).arg(&p_anchors);
+    launch.arg(&p_lse_ctx);
+    ap.push(&mut launch);
+    launch.arg(&p_lse_pre).arg(&p_anchors);
     ao.push(&mut launch);
     launch.arg(&p_lse).arg(&nh32).arg(&n32).arg(&s32).arg(&w32).arg(&scale32);
     // SAFETY: the arguments match the kernel's signature; every pointer is a live tensor's data

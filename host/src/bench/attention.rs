@@ -57,6 +57,9 @@ pub struct Report {
     pub ranged: Vec<(usize, usize, f64, f64)>,
     /// The drafter's runs with the composite block part: forward ms, forward + backward ms.
     pub ranged_composite_ms: (f64, f64),
+    /// The drafter's runs, fused block part, each run's keys all under the bias (no unbiased
+    /// prefix): forward ms, forward + backward ms.
+    pub ranged_biased_whole_ms: (f64, f64),
     /// Forward + backward FLOPs of the keys each query needs (context before its anchor + its
     /// block), and the useful TFLOP/s of each.
     pub useful_tflop: f64,
@@ -115,17 +118,30 @@ impl Problem {
 
     /// The context mask over the whole context (`ranges` = 1) or in up to `ranges` runs.
     fn mask(&self, sh: &Shape, kind: Kind, ranges: usize) -> block_attention::ContextMask {
-        match ranges {
+        self.mask_with(sh, kind, ranges, true)
+    }
+
+    /// `prefix` false: every run's keys under the bias (no unbiased prefix split off).
+    fn mask_with(&self, sh: &Shape, kind: Kind, ranges: usize, prefix: bool) -> block_attention::ContextMask {
+        let mut mask = match ranges {
             1 => block_attention::ContextMask::whole(&self.anchors, sh.context, sh.block, kind, None),
             r => block_attention::ContextMask::ranged(&self.anchors, &self.anchors.to_device(Device::Cpu), sh.context, sh.block, kind, r, None),
+        };
+        if !prefix {
+            mask.ranges.iter_mut().for_each(|r| r.prefix = r.first_key);
         }
+        mask
     }
 
     /// `fused`: the fused block part where it applies, or the composite.
     fn split(&self, sh: &Shape, kind: Kind, backward: bool, ranges: usize, fused: bool) -> Vec<Tensor> {
+        self.split_with(sh, kind, backward, ranges, fused, true)
+    }
+
+    fn split_with(&self, sh: &Shape, kind: Kind, backward: bool, ranges: usize, fused: bool, prefix: bool) -> Vec<Tensor> {
         let run = || {
             let (q, k, v) = self.inputs(kind, false);
-            let mask = self.mask(sh, kind, ranges);
+            let mask = self.mask_with(sh, kind, ranges, prefix);
             let (out, saved) = block_attention::forward(&q, &k, &v, &mask, sh.block, self.scale);
             if !backward {
                 return vec![out];
@@ -188,6 +204,10 @@ pub fn attention(sh: &Shape) -> Result<Report> {
     let split_fwd_bwd_ms = time(device, it, || drop(p.split(sh, low, true, 1, false)));
     let ranged_composite_ms =
         (time(device, it, || drop(p.split(sh, low, false, runs, false))), time(device, it, || drop(p.split(sh, low, true, runs, false))));
+    let ranged_biased_whole_ms = (
+        time(device, it, || drop(p.split_with(sh, low, false, runs, true, false))),
+        time(device, it, || drop(p.split_with(sh, low, true, runs, true, false))),
+    );
     let ranged = [1, 2, 4, 8, 16]
         .into_iter()
         .map(|r| {
@@ -218,6 +238,7 @@ pub fn attention(sh: &Shape) -> Result<Report> {
         split_fwd_bwd_ms,
         ranged,
         ranged_composite_ms,
+        ranged_biased_whole_ms,
         useful_tflop,
         masked_tflops: useful_tflop / masked_fwd_bwd_ms * 1e3,
         split_tflops: useful_tflop / split_fwd_bwd_ms * 1e3,
@@ -236,6 +257,8 @@ pub fn print(r: &Report) {
     crate::say!("  split, whole context, composite block part: forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.split_fwd_ms, r.split_fwd_bwd_ms, r.split_tflops);
     let (cf, cfb) = r.ranged_composite_ms;
     crate::say!("  split, the drafter's runs, composite block part: forward {cf:.2} ms, forward + backward {cfb:.2} ms");
+    let (bf, bfb) = r.ranged_biased_whole_ms;
+    crate::say!("  split, the drafter's runs, no unbiased prefix: forward {bf:.2} ms, forward + backward {bfb:.2} ms");
     for &(asked, made, fwd, fwd_bwd) in &r.ranged {
         let tflops = r.useful_tflop / fwd_bwd * 1e3;
         crate::say!("  split, fused block part, {asked:>2} runs ({made:>2} made): forward {fwd:.2} ms, forward + backward {fwd_bwd:.2} ms ({tflops:.1} useful TFLOP/s)");

@@ -89,7 +89,8 @@ fn drafting_without_grad_is_the_plain_forward() {
 }
 
 /// With the anchors on the host, split attention runs the context in runs of blocks, each against
-/// only the keys it sees (with a sliding window, from past key 0 too), and still gives autograd's
+/// only the keys it sees (with a sliding window, from past key 0 too; without one, the keys all
+/// its queries see without the bias), and still gives autograd's
 /// gradients through masked SDPA.
 #[test]
 fn split_attention_in_runs_of_blocks_gives_autograds_gradients() {
@@ -100,6 +101,8 @@ fn split_attention_in_runs_of_blocks_gives_autograds_gradients() {
     let ranges = query_ranges(&[&rows[0], &rows[1]], s, 4, drafter_dflash::model::CONTEXT_RANGES, KERNEL_TILE, None);
     assert_eq!(ranges.len(), 2);
     assert!(ranges[0].keys < s, "{ranges:?}");
+    // The second run's keys before 256 (its smallest anchor 288, rounded down) run unbiased.
+    assert_eq!((ranges[1].prefix, ranges[1].keys), (256, s), "{ranges:?}");
     // Window 24: the second run starts at key 256 (its smallest anchor 288, less 23, rounded down
     // to the tile).
     let windowed = query_ranges(&[&rows[0], &rows[1]], s, 4, drafter_dflash::model::CONTEXT_RANGES, KERNEL_TILE, Some(24));
