@@ -86,6 +86,9 @@ fn fused_block_part_matches_the_composite() {
             if window == Some(100) {
                 assert!(mask.ranges.iter().any(|r| r.first_key > 0), "no range starts past key 0: {:?}", mask.ranges);
             }
+            if window.is_none() {
+                assert!(mask.ranges.iter().any(|r| r.prefix > 0 && r.keys > r.prefix), "no range splits off an unbiased prefix: {:?}", mask.ranges);
+            }
             let (out, saved) = tch::no_grad(|| ba::forward(&bf(&q), &bf(&k), &bf(&v), &mask, block, scale));
             assert_eq!(saved.fused(), fused, "fused block part asked for: {fused}");
             let (dq, dk, dv) = tch::no_grad(|| ba::backward(&saved, &bf(&d_out)));
@@ -118,4 +121,70 @@ fn bf16_matmul_with_fp32_output_matches_fp32() {
     eprintln!("logits: std {:.3} (want {:.3}), max |diff| {err:.2e} of {scale:.2}", z.std(true).double_value(&[]), want.std(true).double_value(&[]));
     assert_eq!(z.kind(), Kind::Float);
     assert!(err < 1e-3 * scale, "max |diff| {err} against |logits| up to {scale}");
+}
+
+/// The SwiGLU kernels against libtorch's ops in fp32 on the same bf16 inputs: each output within
+/// bf16 rounding of its own size (the kernels round once; libtorch's bf16 chain rounds between
+/// ops, so it is the fp32 product that both are held to).
+#[test]
+fn swiglu_kernels_match_libtorch() {
+    let Some(dev) = crate::cuda_test_device() else { return };
+    let _lock = SWITCH.lock().unwrap();
+    tch::manual_seed(3);
+    let bf = (Kind::BFloat16, dev);
+    let (gate, up, dh) = (Tensor::randn([1000, 1536], bf) * 3.0, Tensor::randn([1000, 1536], bf), Tensor::randn([1000, 1536], bf));
+    let h = nvrtc::with_enabled(true, || crate::swiglu::forward(&gate, &up));
+    let (h2, d_gate, d_up) = nvrtc::with_enabled(true, || crate::swiglu::backward(&gate, &up, &dh));
+    let f = |t: &Tensor| t.to_kind(Kind::Float);
+    let (g, u, d) = (f(&gate), f(&up), f(&dh));
+    let act = g.silu();
+    let want_h = &act * &u;
+    let want_gate = g.silu_backward(&(&d * &u));
+    let want_up = &d * &act;
+    for (name, got, want) in [("h", &h, &want_h), ("h (backward)", &h2, &want_h), ("d_gate", &d_gate, &want_gate), ("d_up", &d_up, &want_up)] {
+        let diff = (f(got) - want).abs();
+        let excess = (&diff - want.abs() * (1.0 / 256.0)).max().double_value(&[]);
+        eprintln!("swiglu {name}: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}", max_abs(&diff));
+        assert!(excess < 1e-5, "{name}: beyond bf16 rounding by {excess}");
+    }
+    assert!(h.equal(&h2), "forward and backward recompute the same h");
+}
+
+/// The q/k norm + RoPE kernels against libtorch's autograd in fp32 on the same bf16 inputs: a
+/// strided dy as block attention hands it ([B, H, L, D] memory), the output within bf16 rounding,
+/// dx and the weight's gradient (summed over 150K rows) within bf16-input noise.
+#[test]
+fn norm_rope_kernels_match_autograd() {
+    let Some(dev) = crate::cuda_test_device() else { return };
+    let _lock = SWITCH.lock().unwrap();
+    tch::manual_seed(4);
+    let (b, l, h, d, eps) = (2i64, 600i64, 8i64, 128i64, 1e-6);
+    let bf = (Kind::BFloat16, dev);
+    let x = Tensor::randn([b, l, h, d], bf) * 2.0;
+    let w = (Tensor::rand([d], bf) + 0.5).to_kind(Kind::BFloat16);
+    let angle = Tensor::rand([b, 1, l, d / 2], (Kind::Float, dev)) * 6.0;
+    let cos = Tensor::cat(&[angle.cos(), angle.cos()], -1).to_kind(Kind::BFloat16);
+    let ssin = Tensor::cat(&[-angle.sin(), angle.sin()], -1).to_kind(Kind::BFloat16);
+    let dy = Tensor::randn([b, h, l, d], bf).transpose(1, 2); // [B, L, H, D], strided
+
+    assert!(crate::norm_rope::applies(&x, &cos));
+    let y = crate::norm_rope::forward(&x, &w, eps, &cos, &ssin).expect("the forward kernel runs");
+    let (dx, dw) = crate::norm_rope::backward(&x, &w, eps, &cos, &ssin, &dy).expect("the backward kernel runs");
+
+    let f = |t: &Tensor| t.to_kind(Kind::Float);
+    let (xr, wr) = (f(&x).set_requires_grad(true), f(&w).set_requires_grad(true));
+    let normed = xr.rms_norm([d], Some(&wr), eps);
+    let swap = |t: &Tensor| Tensor::cat(&[t.narrow(3, d / 2, d / 2), t.narrow(3, 0, d / 2)], 3);
+    let (c, s) = (f(&cos).transpose(1, 2), f(&ssin).transpose(1, 2)); // [B, L, 1, D]
+    let want = &normed * &c + swap(&normed) * &s;
+    (&want * f(&dy)).sum(Kind::Float).backward();
+
+    let excess = ((f(&y) - &want).abs() - want.abs() * (1.0 / 256.0)).max().double_value(&[]);
+    eprintln!("norm + rope y: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}", max_abs(&(f(&y) - &want)));
+    assert!(excess < 1e-4, "y beyond bf16 rounding by {excess}");
+    for (name, got, want) in [("dx", f(&dx), xr.grad()), ("dw", dw, wr.grad())] {
+        let rel = max_abs(&(&got - &want)) / max_abs(&want);
+        eprintln!("norm + rope {name}: relative max error {rel:.2e}");
+        assert!(rel < 1e-2, "{name}: relative max error {rel}");
+    }
 }

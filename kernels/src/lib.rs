@@ -11,9 +11,11 @@
 //! - `causal_conv`: a Gated DeltaNet layer's short causal conv and SiLU in one pass (CUDA).
 //! - `cross_entropy`: the loss's row statistics and softmax gradient in two passes (CUDA).
 //! - `gdn_scan`: the chunked gated delta rule's scan over chunks in one kernel, forward (CUDA).
+//! - `norm_rope`: an attention's q/k RMSNorm and rotary embedding in one pass each way (CUDA).
 //! - `nvrtc`: compile CUDA C++ at run time and launch it on libtorch's stream (cudarc).
 //! - `optim`: libtorch's fused multi-tensor AdamW.
 //! - `profiler`: libtorch's Kineto profiler (Chrome traces with named ranges), for the benches.
+//! - `swiglu`: an MLP's silu(gate) * up in one pass each way (CUDA).
 //! - `unit_lower_inverse`: the delta rule's WY systems inverted on chip, a matrix a CTA (CUDA).
 
 pub mod autograd;
@@ -25,9 +27,11 @@ pub mod ffi;
 pub mod gdn_scan;
 #[cfg(test)]
 mod cuda_tests;
+pub mod norm_rope;
 pub mod nvrtc;
 pub mod optim;
 pub mod profiler;
+pub mod swiglu;
 pub mod unit_lower_inverse;
 
 /// Let libtorch's `scaled_dot_product_attention` pick cuDNN's kernel or not (process-wide, the

@@ -3,6 +3,7 @@
 
 use crate::rope::RopeScaling;
 use plugin_api::tch::{nn, nn::Module, Kind, Tensor};
+use std::sync::atomic::AtomicBool;
 
 /// The shape of a dense decoder layer.
 #[derive(Debug, Clone, Copy)]
@@ -37,6 +38,49 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Tensor {
         x.rms_norm(self.weight.size(), Some(&self.weight), self.eps)
     }
+
+    /// The norm of x [B, L, H, D] (per head), then RoPE with `cos` / signed sin [B, 1, L, D] (as
+    /// [`rope_cos_sin`] makes them), outside autograd: [B, L, H, D]. One kernel on a GPU
+    /// (`kernels::norm_rope`), the ops of [`forward`](Self::forward) and [`apply_rope`] elsewhere.
+    pub fn forward_rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        static FAILED: AtomicBool = AtomicBool::new(false);
+        let kernel = || kernels::norm_rope::forward(x, &self.weight, self.eps, cos, sin);
+        let fused = kernels::norm_rope::applies(x, cos).then(|| kernels::nvrtc::try_kernel(&FAILED, "the q/k norm + RoPE kernel", kernel));
+        fused.flatten().unwrap_or_else(|| apply_rope(&self.forward(x).transpose(1, 2), cos, sin).transpose(1, 2))
+    }
+
+    /// [`forward_rope`](Self::forward_rope)'s backward from dy = dLoss/dy [B, L, H, D]: dLoss/dx
+    /// and dLoss/d(weight) (in the weight's kind). With g = dLoss/d(w * xn), the rotation
+    /// transposed, g = dy cos + swap(dy ssin) (swap([a, b]) = [b, a]); dw = sum g xn; dx = r (g w -
+    /// xn mean(g w xn)), r = 1 / rms(x), xn = x r.
+    pub fn backward_rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, dy: &Tensor) -> (Tensor, Tensor) {
+        static FAILED: AtomicBool = AtomicBool::new(false);
+        let kernel = || kernels::norm_rope::backward(x, &self.weight, self.eps, cos, sin, dy);
+        let fused = kernels::norm_rope::applies(x, cos).then(|| kernels::nvrtc::try_kernel(&FAILED, "the q/k norm + RoPE kernel", kernel));
+        let (dx, dw) = fused.flatten().unwrap_or_else(|| {
+            let wk = if x.kind() == Kind::Double { Kind::Double } else { Kind::Float };
+            let xf = x.to_kind(wk);
+            let r = (xf.square().mean_dim(-1, true, wk) + self.eps).rsqrt();
+            let xn = &xf * &r;
+            let (c, s, dy) = (cos.transpose(1, 2).to_kind(wk), sin.transpose(1, 2).to_kind(wk), dy.to_kind(wk)); // [B, L, 1, D]
+            let g = &dy * c + swap_halves(&(&dy * s));
+            let dw = (&g * &xn).sum_dim_intlist(&[0i64, 1, 2][..], false, wk);
+            let dxn = g * self.weight.to_kind(wk);
+            let dot = (&dxn * &xn).mean_dim(-1, true, wk);
+            ((dxn - xn * dot) * r, dw)
+        });
+        (dx.to_kind(x.kind()), dw.to_kind(self.weight.kind()))
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+}
+
+/// [a, b] -> [b, a] over the last dim's halves.
+fn swap_halves(x: &Tensor) -> Tensor {
+    let half = *x.size().last().expect("a last dim") / 2;
+    Tensor::cat(&[x.narrow(-1, half, half), x.narrow(-1, 0, half)], -1)
 }
 
 /// HF's default `initializer_range`.
@@ -75,9 +119,7 @@ pub fn rope_cos_sin(positions: &Tensor, head_dim: usize, theta: f64, scaling: &R
 /// x * cos + rotate_half(x) * sin with rotate_half([a, b]) = [-b, a], as x * cos + [b, a] *
 /// signed_sin: three passes (swap, scale, fused multiply-add) where the textbook form takes five.
 pub fn apply_rope(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
-    let half = x.size()[3] / 2;
-    let swapped = Tensor::cat(&[x.narrow(3, half, half), x.narrow(3, 0, half)], 3);
-    (x * cos).addcmul(&swapped, signed_sin)
+    (x * cos).addcmul(&swap_halves(x), signed_sin)
 }
 
 /// What every attention layer of one forward shares: RoPE tables (cos and signed sin, as
@@ -180,6 +222,39 @@ impl Attention {
         (apply_rope(&q, &at.q_cos, &at.q_sin), apply_rope(&k, &at.k_cos, &at.k_sin), v)
     }
 
+    /// [`project`](Self::project) for a drafter running its own backward: the graph stops at the q
+    /// and k projections (kept in the returned [`QkCut`]) and their norm and RoPE run outside
+    /// autograd (one kernel each way on a GPU); [`qk_grads`](Self::qk_grads) writes their
+    /// backward out. v keeps its graph.
+    pub fn project_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> (Tensor, Tensor, Tensor, QkCut) {
+        let (b, n, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
+        let q_lin = self.q_proj.forward(x).view([b, n, self.num_heads, self.head_dim]);
+        let k_lin = Tensor::cat(&[self.k_proj.forward(ctx), self.k_proj.forward(x)], 1).view([b, s + n, self.num_kv_heads, self.head_dim]);
+        let v = Tensor::cat(&[self.v_proj.forward(ctx), self.v_proj.forward(x)], 1)
+            .view([b, s + n, self.num_kv_heads, self.head_dim])
+            .transpose(1, 2);
+        let (q, k) = plugin_api::tch::no_grad(|| {
+            (self.q_norm.forward_rope(&q_lin, &at.q_cos, &at.q_sin), self.k_norm.forward_rope(&k_lin, &at.k_cos, &at.k_sin))
+        });
+        (q.transpose(1, 2), k.transpose(1, 2), v, QkCut { q_lin, k_lin })
+    }
+
+    /// What one backward pass takes for [`project_cut`](Self::project_cut)'s q and k, given their
+    /// gradients dq [B, nh, N, D] and dk [B, nkv, S+N, D]: (tensor, gradient) pairs for the q and
+    /// k projections' outputs (autograd carries on from them) and for the two norms' weights.
+    pub fn qk_grads(&self, cut: &QkCut, at: &AttentionInputs, dq: &Tensor, dk: &Tensor) -> [(Tensor, Tensor); 4] {
+        plugin_api::tch::no_grad(|| {
+            let (d_q_lin, d_wq) = self.q_norm.backward_rope(&cut.q_lin, &at.q_cos, &at.q_sin, &dq.transpose(1, 2));
+            let (d_k_lin, d_wk) = self.k_norm.backward_rope(&cut.k_lin, &at.k_cos, &at.k_sin, &dk.transpose(1, 2));
+            [
+                (cut.q_lin.shallow_clone(), d_q_lin),
+                (cut.k_lin.shallow_clone(), d_k_lin),
+                (self.q_norm.weight().shallow_clone(), d_wq),
+                (self.k_norm.weight().shallow_clone(), d_wk),
+            ]
+        })
+    }
+
     /// Decoding: keys (RoPE'd with `cos`/`sin` at their positions) and values [B, nkv, n, D] of
     /// `rows` [B, n, H]: the fused context's, kept between draft cycles, or the block's own.
     pub fn keys_values(&self, rows: &Tensor, cos: &Tensor, sin: &Tensor) -> (Tensor, Tensor) {
@@ -242,11 +317,12 @@ impl Mlp {
     /// graph, the SwiGLU product and the down projection run outside autograd, and
     /// [`cut_grads`](Self::cut_grads) writes their backward out. Autograd would also keep silu(gate)
     /// and the product for it: two more [tokens, ffn] tensors a layer (0.8 GB each at the bench
-    /// shapes), recomputed here from gate and up instead.
+    /// shapes), recomputed here from gate and up instead. On a GPU the product and its backward
+    /// are one kernel each (`kernels::swiglu`).
     pub fn forward_cut(&self, x: &Tensor) -> (Tensor, MlpCut) {
         let gate = self.gate_proj.forward(x);
         let up = self.up_proj.forward(x);
-        let y = plugin_api::tch::no_grad(|| (gate.silu() * &up).matmul(&self.down_proj.ws.tr()));
+        let y = plugin_api::tch::no_grad(|| kernels::swiglu::forward(&gate, &up).matmul(&self.down_proj.ws.tr()));
         (y, MlpCut { gate, up })
     }
 
@@ -257,14 +333,18 @@ impl Mlp {
         plugin_api::tch::no_grad(|| {
             let w = &self.down_proj.ws; // [H, F]
             let (h_dim, f_dim) = (w.size()[0], w.size()[1]);
-            let act = cut.gate.silu();
             let d_hidden = dy.matmul(w); // [.., F]
-            let d_w = dy.reshape([-1, h_dim]).tr().matmul(&(&act * &cut.up).reshape([-1, f_dim]));
-            let d_up = &d_hidden * &act;
-            let d_gate = cut.gate.silu_backward(&(d_hidden * &cut.up));
+            let (h, d_gate, d_up) = kernels::swiglu::backward(&cut.gate, &cut.up, &d_hidden);
+            let d_w = dy.reshape([-1, h_dim]).tr().matmul(&h.reshape([-1, f_dim]));
             [(cut.gate.shallow_clone(), d_gate), (cut.up.shallow_clone(), d_up), (w.shallow_clone(), d_w)]
         })
     }
+}
+
+/// The q and k projections' outputs [B, L, heads, D], with their graph ([`Attention::project_cut`]).
+pub struct QkCut {
+    q_lin: Tensor,
+    k_lin: Tensor,
 }
 
 /// The MLP's gate and up projection outputs, with their graph ([`Mlp::forward_cut`]).

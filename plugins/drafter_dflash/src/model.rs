@@ -6,7 +6,7 @@
 //! `drafter_layers`'.
 
 use crate::config::DFlashConfig;
-use drafter_layers::layers::{linear, rope_cos_sin, Attention, AttentionInputs, Mlp, MlpCut, RmsNorm};
+use drafter_layers::layers::{linear, rope_cos_sin, Attention, AttentionInputs, Mlp, MlpCut, QkCut, RmsNorm};
 use kernels::block_attention;
 use plugin_api::tch::{self as tch, nn, nn::Module, Device, Kind, Tensor};
 
@@ -43,19 +43,20 @@ impl DecoderLayer {
         &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
     }
 
-    /// `forward` with split block attention, outside autograd: the graph stops at q, k, v and
+    /// `forward` with split block attention, outside autograd: the graph stops at the q and k
+    /// projections (their norm and RoPE written out, `Attention::project_cut`) and at v, and
     /// restarts at the attention output (a leaf), and the MLP keeps only its gate and up
     /// projections (`Mlp::forward_cut`), for the drafter's own backward.
     fn forward_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, masks: &ContextMasks, block: i64) -> (Tensor, Cut) {
         let mask = masks.for_layer(self.self_attn.window);
-        let (q, k, v) = self.self_attn.project(&self.input_layernorm.forward(x), ctx, at);
+        let (q, k, v, qk) = self.self_attn.project_cut(&self.input_layernorm.forward(x), ctx, at);
         let attention = kernels::profiler::range("block attention");
         let (o, saved) = tch::no_grad(|| block_attention::forward(&q, &k, &v, mask, block, self.self_attn.scale()));
         let o = o.set_requires_grad(true);
         drop(attention);
         let x = x + self.self_attn.output(&o);
         let (mlp_out, mlp) = self.mlp.forward_cut(&self.post_attention_layernorm.forward(&x));
-        (&x + mlp_out, Cut { q, k, v, o, saved, mlp })
+        (&x + mlp_out, Cut { qk, v, o, saved, mlp })
     }
 }
 
@@ -209,7 +210,10 @@ impl DFlashDrafter {
             if let Some(c) = &seg.cut {
                 let _range = kernels::profiler::range("block attention");
                 let (dq, dk, dv) = tch::no_grad(|| block_attention::backward(&c.saved, &c.o.grad()));
-                pull(&[(&c.q, &dq), (&c.k, &dk), (&c.v, &dv)]);
+                let qk = layer.self_attn.qk_grads(&c.qk, &at, &dq, &dk);
+                let mut pairs = vec![(&c.v, &dv)];
+                pairs.extend(qk.iter().map(|(t, d)| (t, d)));
+                pull(&pairs);
             }
             // The first layer's input is the frozen embedding: no gradient.
             g = seg.x.grad();
@@ -316,11 +320,11 @@ struct Segment {
     cut: Option<Cut>,
 }
 
-/// The attention cut out of a layer's graph: its inputs (with their graph), its output leaf and
-/// what its backward needs; and the MLP's part outside the graph.
+/// The attention cut out of a layer's graph: its inputs (v, and the q and k projections, with
+/// their graph), its output leaf and what its backward needs; and the MLP's part outside the
+/// graph.
 struct Cut {
-    q: Tensor,
-    k: Tensor,
+    qk: QkCut,
     v: Tensor,
     o: Tensor,
     saved: block_attention::Saved,

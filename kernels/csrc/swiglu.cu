@@ -1,0 +1,67 @@
+// The SwiGLU product of an MLP, h = silu(gate) * up, and its backward in one pass each: the
+// composite of libtorch ops it replaces reads and writes the [tokens, ffn] tensors five times
+// more (silu, the product, the recomputed product, two gradient products and silu's backward).
+//
+// Compiled at run time by NVRTC (kernels/src/swiglu.rs); bf16 in and out, fp32 inside. Tensors
+// dense and 16-byte aligned, n a multiple of 8: each thread moves 8 elements at a time.
+
+typedef unsigned short bf16;
+
+__device__ __forceinline__ void load8(const bf16* p, float* x) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x[2 * i] = __uint_as_float(w[i] << 16);
+        x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ unsigned bf16_bits(float x) {  // round to nearest even, NaN kept
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return 0x7fc0u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+__device__ __forceinline__ void store8(bf16* p, const float* x) {
+    unsigned w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = bf16_bits(x[2 * i]) | (bf16_bits(x[2 * i + 1]) << 16);
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }
+
+// h = silu(gate) * up over n elements.
+extern "C" __global__ void swiglu_forward(const bf16* gate, const bf16* up, bf16* h, long long n) {
+    for (long long i = 8 * ((long long)blockIdx.x * blockDim.x + threadIdx.x); i < n; i += 8LL * gridDim.x * blockDim.x) {
+        float g[8], u[8], y[8];
+        load8(gate + i, g);
+        load8(up + i, u);
+#pragma unroll
+        for (int j = 0; j < 8; j++) y[j] = g[j] * sigmoid(g[j]) * u[j];
+        store8(h + i, y);
+    }
+}
+
+// From dh = dLoss/dh: h again (the down projection's weight gradient needs it), d_gate =
+// dh * up * silu'(gate) and d_up = dh * silu(gate), silu'(x) = s(x) (1 + x (1 - s(x))).
+extern "C" __global__ void swiglu_backward(const bf16* gate, const bf16* up, const bf16* dh, bf16* h, bf16* d_gate,
+                                           bf16* d_up, long long n) {
+    for (long long i = 8 * ((long long)blockIdx.x * blockDim.x + threadIdx.x); i < n; i += 8LL * gridDim.x * blockDim.x) {
+        float g[8], u[8], d[8], y[8], dg[8], du[8];
+        load8(gate + i, g);
+        load8(up + i, u);
+        load8(dh + i, d);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float s = sigmoid(g[j]), act = g[j] * s;
+            y[j] = act * u[j];
+            du[j] = d[j] * act;
+            dg[j] = d[j] * u[j] * s * (1.f + g[j] * (1.f - s));
+        }
+        store8(h + i, y);
+        store8(d_gate + i, dg);
+        store8(d_up + i, du);
+    }
+}
