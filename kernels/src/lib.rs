@@ -1,6 +1,7 @@
 //! Kernels and libtorch entry points that tch does not bind, through small C++ shims (csrc/),
 //! and CUDA kernels of our own compiled at run time with NVRTC (csrc/*.cu, `nvrtc`).
 //!
+//! - `adamw`: one AdamW step of a bf16 parameter with its fp32 master, in one pass (CUDA).
 //! - `autograd`: backward from several outputs with their gradients; gradients dropped; pinned
 //!   copies.
 //! - `block_attention`: DFlash block attention split into the context part (libtorch's fused
@@ -18,6 +19,7 @@
 //! - `swiglu`: an MLP's silu(gate) * up in one pass each way (CUDA).
 //! - `unit_lower_inverse`: the delta rule's WY systems inverted on chip, a matrix a CTA (CUDA).
 
+pub mod adamw;
 pub mod autograd;
 pub mod block_attention;
 pub mod block_part;

@@ -104,6 +104,24 @@ pub fn adamw_update_fused(
         .map_err(PluginError::new)
 }
 
+/// Whether [`adamw_update_master`] applies: a bf16 CUDA parameter and gradient, dense fp32 master
+/// and moments of its shape.
+pub fn adamw_master_applies(param: &Tensor, grad: &Tensor, master: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor) -> bool {
+    kernels::adamw::applies(param, grad, master, exp_avg, exp_avg_sq)
+}
+
+/// [`adamw_update`] of a bf16 CUDA parameter through its fp32 `master` in one kernel
+/// (`kernels::adamw`): master and moments updated, the parameter set to the master rounded, the
+/// bf16 gradient read as it is (where it does not apply, [`adamw_update_fused`] over fp32
+/// copies).
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_update_master(
+    param: &Tensor, grad: &Tensor, master: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor, step: i64, lr: f64, h: &ParamsAdamW,
+) -> Result<(), String> {
+    let step = kernels::adamw::Step { lr, betas: h.betas, weight_decay: h.weight_decay, eps: h.eps, step };
+    kernels::adamw::master_step(param, grad, master, exp_avg, exp_avg_sq, step)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,7 +9,7 @@ use plugin_api::{
 
 // The update math lives in optim_math (shared with the Muon plugin's AdamW group); re-exported so
 // `optim_adamw::{ParamsAdamW, adamw_update}` keeps working.
-pub use optim_math::{adamw_update, adamw_update_fused, ParamsAdamW};
+pub use optim_math::{adamw_master_applies, adamw_update, adamw_update_fused, adamw_update_master, ParamsAdamW};
 
 struct Slot {
     name: String,
@@ -33,26 +33,36 @@ impl AdamW {
         Self { params, slots: Vec::new(), step: 0, step_on_device: None }
     }
 
-    /// Every slot with a gradient in one fused kernel, then the masters copied back.
+    /// Every slot with a gradient: a bf16 parameter with its master in one pass of its own
+    /// (`adamw_update_master`), the rest in one fused kernel, then their masters copied back.
     fn step_fused(&mut self, lr: f64) -> Result<(), PluginError> {
         let device = self.slots[0].param.device();
-        let step = self.step_on_device.get_or_insert_with(|| Tensor::zeros([], (Kind::Float, device)));
-        let _ = step.fill_(self.step as f64);
-        let (mut params, mut grads, mut exp_avgs, mut exp_avg_sqs) = (vec![], vec![], vec![], vec![]);
+        let (mut params, mut grads, mut exp_avgs, mut exp_avg_sqs, mut copy_back) = (vec![], vec![], vec![], vec![], vec![]);
         for s in &self.slots {
             let grad = s.param.grad();
-            if grad.defined() {
-                params.push(s.master.as_ref().unwrap_or(&s.param).shallow_clone());
-                grads.push(grad.to_kind(Kind::Float));
-                exp_avgs.push(s.exp_avg.shallow_clone());
-                exp_avg_sqs.push(s.exp_avg_sq.shallow_clone());
+            if !grad.defined() {
+                continue;
             }
+            if let Some(master) = &s.master {
+                if adamw_master_applies(&s.param, &grad, master, &s.exp_avg, &s.exp_avg_sq) {
+                    adamw_update_master(&s.param, &grad, master, &s.exp_avg, &s.exp_avg_sq, self.step, lr, &self.params)
+                        .map_err(PluginError::new)?;
+                    continue;
+                }
+                copy_back.push((s.param.shallow_clone(), master.shallow_clone()));
+            }
+            params.push(s.master.as_ref().unwrap_or(&s.param).shallow_clone());
+            grads.push(grad.to_kind(Kind::Float));
+            exp_avgs.push(s.exp_avg.shallow_clone());
+            exp_avg_sqs.push(s.exp_avg_sq.shallow_clone());
         }
-        adamw_update_fused(&params, &grads, &exp_avgs, &exp_avg_sqs, step, lr, &self.params)?;
-        for s in &mut self.slots {
-            if let (Some(master), true) = (&s.master, s.param.grad().defined()) {
-                let _ = s.param.copy_(master);
-            }
+        if !params.is_empty() {
+            let step = self.step_on_device.get_or_insert_with(|| Tensor::zeros([], (Kind::Float, device)));
+            let _ = step.fill_(self.step as f64);
+            adamw_update_fused(&params, &grads, &exp_avgs, &exp_avg_sqs, step, lr, &self.params)?;
+        }
+        for (mut param, master) in copy_back {
+            let _ = param.copy_(&master);
         }
         Ok(())
     }
