@@ -10,6 +10,8 @@
 typedef unsigned short bf16;
 
 #define STATS_THREADS 512
+#define UNROLL 4
+#define GRAD_GROUPS 2
 
 __device__ __forceinline__ unsigned bf16_bits(float x) {  // round to nearest even, NaN kept
     unsigned u = __float_as_uint(x);
@@ -59,12 +61,24 @@ extern "C" __global__ void __launch_bounds__(STATS_THREADS) ce_row_stats(
     st.m = 0.f;
     st.s = 0.f;
     st.i = 0x7fffffff;
-    for (int v = threadIdx.x * 4; v < V; v += STATS_THREADS * 4) {
-        const float4 x = *reinterpret_cast<const float4*>(row + v);
-        st = push(st, x.x, v);
-        st = push(st, x.y, v + 1);
-        st = push(st, x.z, v + 2);
-        st = push(st, x.w, v + 3);
+    // UNROLL loads in flight a thread (the pushes are a serial chain); the same order as one at
+    // a time.
+    for (int v0 = threadIdx.x * 4; v0 < V; v0 += STATS_THREADS * 4 * UNROLL) {
+        float4 x[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const int v = v0 + u * STATS_THREADS * 4;
+            if (v < V) x[u] = *reinterpret_cast<const float4*>(row + v);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            const int v = v0 + u * STATS_THREADS * 4;
+            if (v >= V) break;
+            st = push(st, x[u].x, v);
+            st = push(st, x[u].y, v + 1);
+            st = push(st, x[u].z, v + 2);
+            st = push(st, x[u].w, v + 3);
+        }
     }
     for (int off = 16; off > 0; off /= 2) {
         Stat o;
@@ -88,20 +102,30 @@ extern "C" __global__ void __launch_bounds__(STATS_THREADS) ce_row_stats(
     }
 }
 
-// softmax - onehot in bf16: grid (ceil(V / 4 / threads), rows).
+// softmax - onehot in bf16: grid (ceil(V / (4 * GRAD_GROUPS) / threads), rows); a thread takes
+// GRAD_GROUPS groups of 4, a block apart, all loads first.
 extern "C" __global__ void ce_softmax_grad(
     const float* z, long long ld, int V, const long long* labels, const float* lse, bf16* out, long long ldo) {
     const long long r = blockIdx.y;
-    const int v = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
-    if (v >= V) return;
-    const float4 x = *reinterpret_cast<const float4*>(z + r * ld + v);
+    const int v0 = blockIdx.x * blockDim.x * 4 * GRAD_GROUPS + threadIdx.x * 4;
     const float l = lse[r];
-    float p[4] = {expf(x.x - l), expf(x.y - l), expf(x.z - l), expf(x.w - l)};
     const long long label = labels[r];
-    if (label >= v && label < v + 4) {
-        const float xs[4] = {x.x, x.y, x.z, x.w};
-        p[label - v] = expm1f(xs[label - v] - l);
+    float4 x[GRAD_GROUPS];
+#pragma unroll
+    for (int u = 0; u < GRAD_GROUPS; u++) {
+        const int v = v0 + u * blockDim.x * 4;
+        if (v < V) x[u] = *reinterpret_cast<const float4*>(z + r * ld + v);
     }
-    *reinterpret_cast<uint2*>(out + r * ldo + v) =
-        make_uint2(bf16_bits(p[0]) | (bf16_bits(p[1]) << 16), bf16_bits(p[2]) | (bf16_bits(p[3]) << 16));
+#pragma unroll
+    for (int u = 0; u < GRAD_GROUPS; u++) {
+        const int v = v0 + u * blockDim.x * 4;
+        if (v >= V) break;
+        float p[4] = {expf(x[u].x - l), expf(x[u].y - l), expf(x[u].z - l), expf(x[u].w - l)};
+        if (label >= v && label < v + 4) {
+            const float xs[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+            p[label - v] = expm1f(xs[label - v] - l);
+        }
+        *reinterpret_cast<uint2*>(out + r * ldo + v) =
+            make_uint2(bf16_bits(p[0]) | (bf16_bits(p[1]) << 16), bf16_bits(p[2]) | (bf16_bits(p[3]) << 16));
+    }
 }

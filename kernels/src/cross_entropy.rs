@@ -11,6 +11,8 @@ const STATS: &str = "ce_row_stats";
 const GRAD: &str = "ce_softmax_grad";
 const STATS_THREADS: u32 = 512;
 const GRAD_THREADS: u32 = 256;
+/// Groups of 4 logits a thread of the gradient kernel takes (its GRAD_GROUPS).
+const GRAD_GROUPS: u32 = 2;
 
 /// Per row of z: the label's log-probability [c] (fp32), whether the argmax is the label [c]
 /// (bool), and when asked for, softmax - onehot [c, V] in bf16.
@@ -67,7 +69,7 @@ fn launch(z: &Tensor, labels: &Tensor, with_grad: bool, c: i64, v: i64) -> Resul
         let (po, ldo) = (out.data_ptr() as u64, v);
         let mut g = m.stream.launch_builder(m.function(GRAD));
         g.arg(&pz).arg(&ld).arg(&v32).arg(&pl).arg(&p_lse).arg(&po).arg(&ldo);
-        let blocks = (v as u32 / 4).div_ceil(GRAD_THREADS);
+        let blocks = (v as u32 / 4).div_ceil(GRAD_THREADS * GRAD_GROUPS);
         let cfg = LaunchConfig { grid_dim: (blocks, c as u32, 1), block_dim: (GRAD_THREADS, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: as above; `out` is a fresh dense [c, V] bf16 tensor.
         unsafe { g.launch(cfg) }.map_err(|e| format!("{GRAD}: {e}"))?;
