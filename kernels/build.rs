@@ -1,5 +1,5 @@
 //! Compile the small C++ shims in csrc/ (cuDNN attention forward, autograd backward with output
-//! gradients, fused AdamW, the Kineto profiler) against libtorch's headers ($LIBTORCH, as
+//! gradients, fused AdamW and the clip's multi-tensor scaling, the Kineto profiler) against libtorch's headers ($LIBTORCH, as
 //! torch-sys does).
 
 fn main() {

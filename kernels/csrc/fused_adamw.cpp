@@ -1,5 +1,7 @@
-// libtorch's fused multi-tensor AdamW (torch.optim.AdamW(fused=True)), which tch does not bind:
-// one kernel over every parameter instead of a dozen elementwise passes per tensor.
+// libtorch's multi-tensor ops for the optimizer step, which tch does not bind: fused AdamW
+// (torch.optim.AdamW(fused=True)), one kernel over every parameter instead of a dozen elementwise
+// passes per tensor; and the gradient clip's scaling, one kernel over every gradient.
+#include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <cstdio>
 #include <exception>
@@ -22,6 +24,18 @@ extern "C" int dflash_fused_adamw(
     std::vector<at::Tensor> steps(n, *step);
     at::_fused_adamw_(list(params, n), list(grads, n), list(exp_avgs, n), list(exp_avg_sqs, n), {}, steps, lr, beta1,
                       beta2, weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(err, err_len, "%s", e.what());
+    return 1;
+  }
+}
+
+// Every tensor times `scale` (a one-element tensor on their device), in place: torch's
+// _foreach_mul_ as clip_grad_norm_(foreach=True) calls it.
+extern "C" int dflash_foreach_mul_(const at::Tensor* const* ts, size_t n, const at::Tensor* scale, char* err, size_t err_len) {
+  try {
+    at::_foreach_mul_(list(ts, n), *scale);
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(err, err_len, "%s", e.what());

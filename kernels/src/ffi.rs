@@ -18,6 +18,7 @@ extern "C" {
         exp_avg_sqs: *const *const c_void, n: usize, step: *const c_void, lr: f64, beta1: f64, beta2: f64,
         weight_decay: f64, eps: f64, err: *mut c_char, err_len: usize,
     ) -> c_int;
+    pub fn dflash_foreach_mul_(ts: *const *const c_void, n: usize, scale: *const c_void, err: *mut c_char, err_len: usize) -> c_int;
 
     // csrc/cudnn_attention.cpp
     pub fn dflash_cudnn_attention_forward(

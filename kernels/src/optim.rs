@@ -1,6 +1,7 @@
-//! libtorch's fused multi-tensor AdamW through csrc/fused_adamw.cpp (tch does not bind it).
+//! libtorch's multi-tensor optimizer ops through csrc/fused_adamw.cpp (tch binds neither): fused
+//! AdamW, and the scaling of every gradient by a clip coefficient.
 
-use crate::ffi::{dflash_fused_adamw, with_error_buffer};
+use crate::ffi::{dflash_foreach_mul_, dflash_fused_adamw, with_error_buffer};
 use std::ffi::c_void;
 use tch::Tensor;
 
@@ -26,4 +27,12 @@ pub fn fused_adamw(
             weight_decay, eps, err, err_len,
         )
     })
+}
+
+/// Every tensor times `scale` (a one-element tensor on their device, no host synchronisation), in
+/// place, as one multi-tensor kernel (torch's `_foreach_mul_`).
+pub fn foreach_mul_(tensors: &[Tensor], scale: &Tensor) -> Result<(), String> {
+    let ptrs: Vec<*const c_void> = tensors.iter().map(|t| t.as_ptr() as *const c_void).collect();
+    // SAFETY: tch handles are at::Tensor*; the shim reads n of them and scales them in place.
+    with_error_buffer(|err, err_len| unsafe { dflash_foreach_mul_(ptrs.as_ptr(), ptrs.len(), scale.as_ptr() as *const c_void, err, err_len) })
 }
