@@ -1,7 +1,8 @@
 // The block part of split block attention (kernels/src/block_attention.rs), fused: one CTA per
-// (block, kv head, sequence) scores the G query heads' BK rows against the block's own BK keys,
-// merges them with the context part through the log-sum-exps, and (backward) adds to dq in place
-// and writes the block keys' dk, dv. The composite it replaces is a dozen passes of small batched
+// (block, query head, sequence) scores the head's BK rows against the block's own BK keys and
+// merges them with the context part through the log-sum-exps; backward, one CTA per (block, kv
+// head, sequence) takes the G query heads in turn, adds to dq in place and writes the block keys'
+// dk, dv. The composite it replaces is a dozen passes of small batched
 // matmuls, casts and layout copies; this reads each input once.
 //
 // Compiled at run time by NVRTC (kernels/src/nvrtc.rs) with -DBK=.. -DD=.. -DG=..; bf16 in and
@@ -21,11 +22,14 @@ typedef unsigned short bf16;
 #define HALF (BK / 2)     // a pair work item scores key j and j + HALF
 #define QUADS (BK * D / 4 / THREADS)  // 4-element groups of a BK x D slab, per thread
 
-__device__ __forceinline__ float4 load4(const bf16* p) {  // 4 bf16 -> fp32
-    const uint2 u = *reinterpret_cast<const uint2*>(p);
+__device__ __forceinline__ float4 widen(uint2 u) {  // 4 bf16 -> fp32
     return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
                        __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
 }
+
+__device__ __forceinline__ uint2 load_raw(const bf16* p) { return *reinterpret_cast<const uint2*>(p); }
+
+__device__ __forceinline__ float4 load4(const bf16* p) { return widen(load_raw(p)); }
 
 __device__ __forceinline__ unsigned bf16_bits(float x) {  // round to nearest even, NaN kept
     unsigned u = __float_as_uint(x);
@@ -62,80 +66,125 @@ __device__ __forceinline__ float row_sum(float x) {
     return x;
 }
 
-// Forward. q [B, nh, N, D]; k, v [B, nkv, S + N, D] (the block keys from S); o_ctx [B, nh, N, D]
-// and lse_ctx [B, nh, N] (fp32, dense) the context part's, and where it ran in two spans, o_pre
-// and lse_pre the other span's (lse_pre null: none; -inf in a row: none for that row); anchors
-// [B, A] (int64, dense): a block at anchor 0 (or, windowed, a row past window - 2) sees no
-// context and its context part is ignored. Writes out [B, nh, N, D] (any strides) and the merged
-// lse [B, nh, N] (fp32, dense).
+#define MAX_RANGES 16
+#define MAX_SPANS 2
+
+// The context part, range by range as its fused kernel ran it: range r covers query rows
+// start[r]..start[r] + len[r] and ran in spans[r] spans of keys, span p with output o[r][p]
+// ([B, nh, len, D] bf16, strides ob, oh, on) and log-sum-exp lse[r][p] ([B, nh, len] fp32,
+// dense).
+struct Parts {
+    int start[MAX_RANGES], len[MAX_RANGES], spans[MAX_RANGES];
+    unsigned long long o[MAX_RANGES][MAX_SPANS], lse[MAX_RANGES][MAX_SPANS];
+    long long ob[MAX_RANGES][MAX_SPANS], oh[MAX_RANGES][MAX_SPANS], on[MAX_RANGES][MAX_SPANS];
+    int n;
+};
+
+// Forward. q [B, nh, N, D]; k, v [B, nkv, S + N, D] (the block keys from S); `parts` the context
+// part's outputs and log-sum-exps; anchors [B, A] (int64, dense): a block at anchor 0 (or,
+// windowed, a row past window - 2) sees no context and its context part is ignored. Writes out
+// [B, nh, N, D] (any strides) and the merged lse [B, nh, N] (fp32, dense). One CTA a (block,
+// query head, sequence): the G heads of a kv head in CTAs of their own rather than one after
+// another (the kernel waits on memory, not math).
 extern "C" __global__ void __launch_bounds__(THREADS) block_part_forward(
     const bf16* q, long long qb, long long qh, long long qn,
     const bf16* k, long long kb, long long kh, long long kn,
     const bf16* v, long long vb, long long vh, long long vn,
-    const bf16* o_ctx, long long cb, long long ch, long long cn,
-    const float* lse_ctx,
-    const bf16* o_pre, long long pb, long long ph, long long pn,
-    const float* lse_pre, const long long* anchors,
+    const Parts parts, const long long* anchors,
     bf16* out, long long ob, long long oh, long long on,
     float* lse, int nh, int n, int s, int window, float scale) {
-    const int a = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, t = threadIdx.x;
+    const int a = blockIdx.x, h = blockIdx.y, kvh = h / G, b = blockIdx.z, t = threadIdx.x;
     __shared__ __align__(16) float sk[BK][DP], sv[BK][DP], sq[BK][DP];
-    __shared__ float sp[BK][BK + 1], sw[BK], sw_pre[BK];
+    __shared__ float sp[BK][BK + 1], sw[BK][MAX_SPANS];
     const long long row0 = (long long)a * BK;
     load_rows(sk, k + b * kb + kvh * kh + (s + row0) * kn, kn);
     load_rows(sv, v + b * vb + kvh * vh + (s + row0) * vn, vn);
-    const bool block_has_context = anchors[(long long)b * gridDim.x + a] > 0;
-
-    for (int gi = 0; gi < G; gi++) {
-        const int h = kvh * G + gi;
-        load_rows(sq, q + b * qb + h * qh + row0 * qn, qn);
-        __syncthreads();
-        for (int p = t; p < BK * HALF; p += THREADS) {  // scores of (i, j) and (i, j + HALF)
-            const int i = p / HALF, j = p % HALF;
-            float s0 = 0.f, s1 = 0.f;
-#pragma unroll 8
-            for (int d = 0; d < D; d += 4) {
-                const float4 x = at4(sq, i, d);
-                s0 += dot4(x, at4(sk, j, d));
-                s1 += dot4(x, at4(sk, j + HALF, d));
+    load_rows(sq, q + b * qb + h * qh + row0 * qn, qn);
+    // The range holding this block (none: it sees no context), and its spans' outputs for the
+    // merge, loaded now so their latency hides behind the scores (used only where their weight
+    // is > 0).
+    // (Unrolled: constant indices into the parameter block; an index known only at run time
+    // would make the compiler copy the whole block into each thread's local memory.)
+    int spans = 0, len = 1;
+    long long in_range = 0;
+    const bf16* o[MAX_SPANS];
+    const float* lse_span[MAX_SPANS];
+    long long o_b[MAX_SPANS], o_h[MAX_SPANS], o_n[MAX_SPANS];
+#pragma unroll
+    for (int r = 0; r < MAX_RANGES; r++) {
+        if (r < parts.n && row0 >= parts.start[r] && row0 < parts.start[r] + parts.len[r]) {
+            spans = parts.spans[r];
+            len = parts.len[r];
+            in_range = row0 - parts.start[r];
+#pragma unroll
+            for (int p = 0; p < MAX_SPANS; p++) {
+                o[p] = reinterpret_cast<const bf16*>(parts.o[r][p]);
+                lse_span[p] = reinterpret_cast<const float*>(parts.lse[r][p]);
+                o_b[p] = parts.ob[r][p];
+                o_h[p] = parts.oh[r][p];
+                o_n[p] = parts.on[r][p];
             }
-            sp[i][j] = s0 * scale;
-            sp[i][j + HALF] = s1 * scale;
         }
-        __syncthreads();
-        if (t < BK) {  // row t: the block's softmax merged with the context's
-            const long long idx = ((long long)b * nh + h) * n + row0 + t;
-            const int last = window > 0 ? t : BK - 1;  // the last block key row t sees
-            float m = __int_as_float(0xff800000);  // -inf
-            for (int j = 0; j <= last; j++) m = fmaxf(m, sp[t][j]);
-            float sum = 0.f;
-            for (int j = 0; j <= last; j++) sum += expf(sp[t][j] - m);
-            const float lb = m + logf(sum);
-            float l = lb, w = 0.f, w_pre = 0.f;
-            if (block_has_context && (window == 0 || t < window - 1)) {
-                const float lc = lse_ctx[idx], lp = lse_pre ? lse_pre[idx] : __int_as_float(0xff800000);
-                const float mx = fmaxf(fmaxf(lc, lp), lb);
-                l = mx + logf(expf(lc - mx) + expf(lp - mx) + expf(lb - mx));
-                w = expf(lc - l);
-                w_pre = expf(lp - l);
-            }
-            lse[idx] = l;
-            sw[t] = w;
-            sw_pre[t] = w_pre;
-            for (int j = 0; j < BK; j++) sp[t][j] = j <= last ? expf(sp[t][j] - l) : 0.f;
-        }
-        __syncthreads();
+    }
+    // Read now, used after the scores: the loads above do not wait for it.
+    const bool has_context = anchors[(long long)b * gridDim.x + a] > 0;
+    float4 from_ctx[MAX_SPANS][QUADS];
+#pragma unroll
+    for (int p = 0; p < MAX_SPANS; p++) {
 #pragma unroll
         for (int qd = 0; qd < QUADS; qd++) {
             const int i = SLAB_R(qd), d = SLAB_D(qd);
-            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int j = 0; j < BK; j++) fma4(acc, sp[i][j], at4(sv, j, d));
-            if (sw[i] > 0.f) fma4(acc, sw[i], load4(o_ctx + b * cb + h * ch + (row0 + i) * cn + d));
-            if (sw_pre[i] > 0.f) fma4(acc, sw_pre[i], load4(o_pre + b * pb + h * ph + (row0 + i) * pn + d));
-            store4(out + b * ob + h * oh + (row0 + i) * on + d, acc);
+            from_ctx[p][qd] = p < spans ? load4(o[p] + b * o_b[p] + h * o_h[p] + (in_range + i) * o_n[p] + d) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
-        __syncthreads();
+    }
+    __syncthreads();
+    for (int p = t; p < BK * HALF; p += THREADS) {  // scores of (i, j) and (i, j + HALF)
+        const int i = p / HALF, j = p % HALF;
+        float s0 = 0.f, s1 = 0.f;
+#pragma unroll 8
+        for (int d = 0; d < D; d += 4) {
+            const float4 x = at4(sq, i, d);
+            s0 += dot4(x, at4(sk, j, d));
+            s1 += dot4(x, at4(sk, j + HALF, d));
+        }
+        sp[i][j] = s0 * scale;
+        sp[i][j + HALF] = s1 * scale;
+    }
+    __syncthreads();
+    if (t < BK) {  // row t: the block's softmax merged with the context's
+        const long long idx = ((long long)b * nh + h) * n + row0 + t;
+        const int last = window > 0 ? t : BK - 1;  // the last block key row t sees
+        float m = __int_as_float(0xff800000);  // -inf
+        for (int j = 0; j <= last; j++) m = fmaxf(m, sp[t][j]);
+        float sum = 0.f;
+        for (int j = 0; j <= last; j++) sum += expf(sp[t][j] - m);
+        const float lb = m + logf(sum);
+        float l = lb, lc[MAX_SPANS];
+        const bool sees = has_context && (window == 0 || t < window - 1);
+#pragma unroll
+        for (int p = 0; p < MAX_SPANS; p++) {
+            lc[p] = sees && p < spans ? lse_span[p][((long long)b * nh + h) * len + in_range + t] : __int_as_float(0xff800000);
+        }
+        float mx = lb;
+        for (int p = 0; p < MAX_SPANS; p++) mx = fmaxf(mx, lc[p]);
+        float sum_all = expf(lb - mx);
+        for (int p = 0; p < MAX_SPANS; p++) sum_all += expf(lc[p] - mx);
+        l = mx + logf(sum_all);
+        lse[idx] = l;
+        for (int p = 0; p < MAX_SPANS; p++) sw[t][p] = expf(lc[p] - l);
+        for (int j = 0; j < BK; j++) sp[t][j] = j <= last ? expf(sp[t][j] - l) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int qd = 0; qd < QUADS; qd++) {
+        const int i = SLAB_R(qd), d = SLAB_D(qd);
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int j = 0; j < BK; j++) fma4(acc, sp[i][j], at4(sv, j, d));
+#pragma unroll
+        for (int p = 0; p < MAX_SPANS; p++)
+            if (sw[i][p] > 0.f) fma4(acc, sw[i][p], from_ctx[p][qd]);
+        store4(out + b * ob + h * oh + (row0 + i) * on + d, acc);
     }
 }
 
@@ -162,18 +211,38 @@ extern "C" __global__ void __launch_bounds__(THREADS) block_part_backward(
 #pragma unroll
     for (int qd = 0; qd < QUADS; qd++) acc_k[qd] = acc_v[qd] = make_float4(0.f, 0.f, 0.f, 0.f);
 
+    // A head's q, dO, O and dq rows, fetched (as raw bf16) one head ahead: their latency hides
+    // behind the previous head's math.
+    uint2 next_q[QUADS], next_do[QUADS], next_o[QUADS], next_dq[QUADS];
+#define FETCH(head)                                                                 \
+    for (int qd = 0; qd < QUADS; qd++) {                                            \
+        const long long i = row0 + SLAB_R(qd), d = SLAB_D(qd);                      \
+        next_q[qd] = load_raw(q + b * qb + (head) * qh + i * qn + d);               \
+        next_do[qd] = load_raw(d_out + b * db + (head) * dh + i * dn + d);          \
+        next_o[qd] = load_raw(out + b * ob + (head) * oh + i * on + d);             \
+        next_dq[qd] = load_raw(dq + b * gb + (head) * gh + i * gn + d);             \
+    }
+#pragma unroll
+    FETCH(kvh * G)
+
     for (int gi = 0; gi < G; gi++) {
         const int h = kvh * G + gi;
-        load_rows(sq, q + b * qb + h * qh + row0 * qn, qn);
+        float4 old_dq[QUADS];
 #pragma unroll
-        for (int qd = 0; qd < QUADS; qd++) {  // dO into shared, and D_i = rowsum(dO * O)
+        for (int qd = 0; qd < QUADS; qd++) {  // q, dO into shared, and D_i = rowsum(dO * O)
             const int i = SLAB_R(qd), d = SLAB_D(qd);
-            const float4 g = load4(d_out + b * db + h * dh + (row0 + i) * dn + d);
+            at4(sq, i, d) = widen(next_q[qd]);
+            const float4 g = widen(next_do[qd]);
             at4(sdo, i, d) = g;
-            const float part = row_sum(dot4(g, load4(out + b * ob + h * oh + (row0 + i) * on + d)));
+            old_dq[qd] = widen(next_dq[qd]);
+            const float part = row_sum(dot4(g, widen(next_o[qd])));
             if (d == 0) srow[i] = part;
         }
         __syncthreads();
+        if (gi + 1 < G) {
+#pragma unroll
+            FETCH(h + 1)
+        }
         for (int p = t; p < BK * HALF; p += THREADS) {
             const int i = p / HALF, j = p % HALF;
             float s0 = 0.f, s1 = 0.f, g0 = 0.f, g1 = 0.f;
@@ -201,9 +270,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) block_part_backward(
             float4 g = make_float4(0.f, 0.f, 0.f, 0.f);  // dq row r += dS K
 #pragma unroll
             for (int j = 0; j < BK; j++) fma4(g, sds[r][j], at4(sk, j, d));
-            bf16* at = dq + b * gb + h * gh + (row0 + r) * gn + d;
-            const float4 old = load4(at);
-            store4(at, make_float4(old.x + g.x, old.y + g.y, old.z + g.z, old.w + g.w));
+            const float4 old = old_dq[qd];
+            store4(dq + b * gb + h * gh + (row0 + r) * gn + d, make_float4(old.x + g.x, old.y + g.y, old.z + g.z, old.w + g.w));
 #pragma unroll
             for (int i = 0; i < BK; i++) {  // key row r: dk += dS^T Q, dv += P^T dO
                 fma4(acc_k[qd], sds[i][r], at4(sq, i, d));
@@ -219,4 +287,5 @@ extern "C" __global__ void __launch_bounds__(THREADS) block_part_backward(
         store4(dk + at, acc_k[qd]);
         store4(dv + at, acc_v[qd]);
     }
+#undef FETCH
 }

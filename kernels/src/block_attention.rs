@@ -25,7 +25,7 @@
 //! itself. libtorch's autograd does not see this op: a drafter using it cuts its graph at the
 //! attention output and calls [`backward`] itself (`Drafter::backward`).
 
-use crate::block_part;
+use crate::{block_part, range_sum};
 use tch::{Device, Kind, Tensor};
 
 /// What the backward needs. Tensors as in [`forward`].
@@ -224,55 +224,43 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
     let s = k.size()[2] - n;
     let (k_ctx, v_ctx) = (context_keys(q, k, s), context_keys(q, v, s));
 
-    // 1. Context part: the fused kernel's output and log-sum-exp, range by range, span by span;
-    //    where a range ran in two spans, its unbiased prefix's go to `pre` (a second context part
-    //    for the merge, -inf log-sum-exp in the rows of other ranges).
-    let (mut outs, mut lses, mut runs) = (vec![], vec![], vec![]);
-    let mut pre: Option<(Tensor, Tensor)> = None;
+    // 1. Context part: the fused kernel's output and log-sum-exp, range by range, span by span
+    //    (the unbiased prefix first).
+    let (mut parts, mut runs) = (vec![], vec![]);
     for r in &mask.ranges {
-        let mut parts: Vec<(Tensor, Tensor)> = vec![];
-        let mut range_runs = vec![];
+        let (mut spans, mut range_runs) = (vec![], vec![]);
         for (from, to, biased) in r.spans() {
             let bias = biased.then(|| mask.bias.narrow(2, r.start, r.len).narrow(3, from, to - from));
             let keys = |t: &Tensor| t.narrow(2, from, to - from);
             let (o, lse, backend) = context_forward(&q.narrow(2, r.start, r.len), &keys(&k_ctx), &keys(&v_ctx), bias.as_ref(), scale);
-            parts.push((o, lse));
+            spans.push((o, lse));
             range_runs.push(ContextRun { from, to, biased, backend });
         }
-        let (o, lse) = match parts.len() {
-            0 => (Tensor::zeros([b, nh, r.len, d], (q.kind(), q.device())), Tensor::zeros([b, nh, r.len], (work_kind(q), q.device()))),
-            1 => parts.remove(0),
-            _ => {
-                let (tail, prefix) = (parts.remove(1), parts.remove(0));
-                let (o_pre, lse_pre) = pre.get_or_insert_with(|| {
-                    let lse = Tensor::full([b, nh, n], f64::NEG_INFINITY, (work_kind(q), q.device()));
-                    (Tensor::zeros([b, nh, n, d], (q.kind(), q.device())), lse)
-                });
-                o_pre.narrow(2, r.start, r.len).copy_(&prefix.0);
-                lse_pre.narrow(2, r.start, r.len).copy_(&prefix.1);
-                tail
-            }
-        };
-        outs.push(o);
-        lses.push(lse);
+        parts.push(block_part::ContextPart { start: r.start, len: r.len, spans });
         runs.push(range_runs);
     }
-    let (o_ctx, lse_ctx) = if outs.len() == 1 { (outs.remove(0), lses.remove(0)) } else { (Tensor::cat(&outs, 2), Tensor::cat(&lses, 2)) };
 
     // 2. Block part, and the merge: softmax over all key sets from their log-sum-exps.
     let window = mask.window.unwrap_or(0);
     let fused_out = block_part::applies(q, block)
-        .then(|| {
-            let pre = pre.as_ref().map(|(o, l)| (o, l));
-            block_part::forward(q, k, v, &o_ctx, &lse_ctx, pre, &mask.anchors, block, window, scale).map_err(|e| warn_unfused(&e)).ok()
-        })
+        .then(|| block_part::forward(q, k, v, &parts, &mask.anchors, block, window, scale).map_err(|e| warn_unfused(&e)).ok())
         .flatten();
     let fused = fused_out.is_some();
     let (out, lse) = fused_out.unwrap_or_else(|| {
-        let (o_ctx, lse_ctx) = match pre {
-            Some(pre) => merge_parts(pre, (o_ctx, lse_ctx)),
-            None => (o_ctx, lse_ctx),
-        };
+        // The ranges' spans merged, then in one tensor; a range that sees no context gets zeros
+        // (its rows' context part weighs nothing).
+        let (mut outs, mut lses) = (vec![], vec![]);
+        for part in parts {
+            let mut spans = part.spans.into_iter();
+            let (o, lse) = match (spans.next(), spans.next()) {
+                (None, _) => (Tensor::zeros([b, nh, part.len, d], (q.kind(), q.device())), Tensor::zeros([b, nh, part.len], (work_kind(q), q.device()))),
+                (Some(only), None) => only,
+                (Some(first), Some(second)) => merge_parts(first, second),
+            };
+            outs.push(o);
+            lses.push(lse);
+        }
+        let (o_ctx, lse_ctx) = (Tensor::cat(&outs, 2), Tensor::cat(&lses, 2));
         composite_forward(q, k, v, mask, o_ctx, lse_ctx, s, block, scale)
     });
     let saved = Saved {
@@ -375,45 +363,66 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     let (k_ctx, v_ctx) = (&context_keys(q, k, s), &context_keys(q, v, s));
 
     // 1. Context part, range by range, span by span: the fused backward with the merged output
-    //    and log-sum-exp (so each span's are its exact share). dk and dv add up over the ranges
-    //    (each reads a prefix of the keys), dq over a range's spans.
-    let dq = Tensor::zeros([b, nh, n, d], (q.kind(), q.device()));
-    let dk_ctx = Tensor::zeros([b, nkv, s, d], (wk, q.device()));
-    let dv_ctx = Tensor::zeros([b, nkv, s, d], (wk, q.device()));
+    //    and log-sum-exp (so each span's are its exact share). Each run's dq covers its range's
+    //    rows, its dk and dv its span of keys (spans of different ranges overlap).
+    let (mut dq_runs, mut dk_runs, mut dv_runs) = (vec![], vec![], vec![]);
     for (r, range_runs) in mask.ranges.iter().zip(runs) {
         let rows = |t: &Tensor| t.narrow(2, r.start, r.len);
         // dO and O contiguous [B, nh, n, D], as the kernels return O: with other strides cuDNN's
         // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200).
         let (d_out_r, out_r, lse_r) = (rows(d_out).contiguous(), rows(out).contiguous(), rows(lse).contiguous());
-        for (i, run) in range_runs.iter().enumerate() {
+        for run in range_runs {
             let len = run.to - run.from;
             let keys = |t: &Tensor| t.narrow(2, run.from, len);
             let bias = run.biased.then(|| mask.bias.narrow(2, r.start, r.len).narrow(3, run.from, len));
             let (dq_r, dk_r, dv_r) =
                 context_backward(&run.backend, &d_out_r, &rows(q), &keys(k_ctx), &keys(v_ctx), &out_r, &lse_r, bias.as_ref(), *scale);
-            if i == 0 {
-                rows(&dq).copy_(&dq_r);
-            } else {
-                let _ = rows(&dq).g_add_(&dq_r);
-            }
             // Per query head where the kernel took the keys repeated: summed over each group.
             let sum_groups = |x: Tensor| match x.size()[1] == nkv {
                 true => x,
                 false => x.view([b, nkv, g, len, d]).sum_dim_intlist(&[2i64][..], false, wk),
             };
-            let _ = keys(&dk_ctx).g_add_(&sum_groups(dk_r));
-            let _ = keys(&dv_ctx).g_add_(&sum_groups(dv_r));
+            dq_runs.push((dq_r, r.start));
+            dk_runs.push((sum_groups(dk_r), run.from));
+            dv_runs.push((sum_groups(dv_r), run.from));
         }
     }
 
-    // 2. Block part: the fused kernel adds to dq and writes the block rows of dk and dv.
+    // 2. The runs summed, then the block part. With the fused kernels: the sums written once in
+    //    16 bits (dk and dv into their context rows), then the block-part kernel adds to dq and
+    //    writes the block rows of dk and dv.
+    if *fused {
+        let dq = Tensor::empty([b, nh, n, d], (q.kind(), q.device()));
+        let (dk, dv) = (Tensor::empty([b, nkv, s + n, d], (k.kind(), k.device())), Tensor::empty([b, nkv, s + n, d], (v.kind(), v.device())));
+        let context = |t: &Tensor| t.narrow(2, 0, s);
+        let targets = [(&dq, &dq_runs), (&context(&dk), &dk_runs), (&context(&dv), &dv_runs)];
+        if targets.iter().all(|(out, runs)| range_sum::applies(out, runs)) {
+            let sums = range_sum::sum_into(&dq, &dq_runs)
+                .and_then(|()| range_sum::sum_into(&context(&dk), &dk_runs))
+                .and_then(|()| range_sum::sum_into(&context(&dv), &dv_runs))
+                .and_then(|()| block_part::backward(q, k, v, d_out, out, lse, &dq, &dk, &dv, *block, mask.window.unwrap_or(0), *scale));
+            match sums {
+                Ok(()) => return (dq, dk, dv),
+                Err(e) => warn_unfused(&e),
+            }
+        }
+    }
+    // Elsewhere: fp32 sums.
+    let sum = |runs: &[(Tensor, i64)], shape: [i64; 4]| {
+        let total = Tensor::zeros(shape, (wk, q.device()));
+        for (t, from) in runs {
+            let _ = total.narrow(2, *from, t.size()[2]).g_add_(t);
+        }
+        total
+    };
+    let (dq, dk_ctx, dv_ctx) = (sum(&dq_runs, [b, nh, n, d]), sum(&dk_runs, [b, nkv, s, d]), sum(&dv_runs, [b, nkv, s, d]));
     if *fused {
         let whole = |ctx: &Tensor| {
             let t = Tensor::empty([b, nkv, s + n, d], (k.kind(), k.device()));
             t.narrow(2, 0, s).copy_(ctx);
             t
         };
-        let (dk, dv) = (whole(&dk_ctx), whole(&dv_ctx));
+        let (dq, dk, dv) = (dq.to_kind(q.kind()), whole(&dk_ctx), whole(&dv_ctx));
         match block_part::backward(q, k, v, d_out, out, lse, &dq, &dk, &dv, *block, mask.window.unwrap_or(0), *scale) {
             Ok(()) => return (dq, dk, dv),
             Err(e) => warn_unfused(&e),
@@ -424,7 +433,7 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     // dq_ctx += dq_blk, added in fp32 and rounded once.
     let _ = dims.grouped_view(&dq).g_add_(&dq_blk.view(dims.grouped_shape(d)));
     let cat = |ctx: Tensor, blk: Tensor| Tensor::cat(&[ctx, blk.view([b, nkv, n, d]).to_kind(wk)], 2).to_kind(k.kind());
-    (dq, cat(dk_ctx, dk_blk), cat(dv_ctx, dv_blk))
+    (dq.to_kind(q.kind()), cat(dk_ctx, dk_blk), cat(dv_ctx, dv_blk))
 }
 
 /// The block part's backward as batched matmuls: P from the merged log-sum-exp, then softmax

@@ -4,7 +4,7 @@
 //! its composite of batched matmuls where it does not apply or fails to build.
 
 use crate::nvrtc;
-use cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
 const SRC: &str = include_str!("../csrc/block_part.cu");
@@ -26,7 +26,7 @@ pub fn applies(q: &Tensor, block: i64) -> bool {
         && d / 4 <= 32
         && block % 2 == 0
         && (block * d / 4) % threads == 0
-        && 4 * block * (d + 4) * 4 + 2 * block * (block + 1) * 4 + 2 * block * 4 <= 48 << 10
+        && 4 * block * (d + 4) * 4 + 2 * block * (block + 1) * 4 + (1 + MAX_SPANS as i64) * block * 4 <= 48 << 10
 }
 
 /// The kernels' defines: block, head dim and query heads per kv head.
@@ -64,52 +64,98 @@ impl Arg {
     }
 }
 
-fn config(q: &Tensor, k: &Tensor, block: i64) -> LaunchConfig {
-    let (b, n, nkv) = (q.size()[0], q.size()[2], k.size()[1]);
-    LaunchConfig { grid_dim: ((n / block) as u32, nkv as u32, b as u32), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+/// The grid: a CTA per (block, head, sequence), `heads` the query heads (forward) or the kv heads
+/// (backward, which sums the group's gradients in the CTA).
+fn config(q: &Tensor, heads: i64, block: i64) -> LaunchConfig {
+    let (b, n) = (q.size()[0], q.size()[2]);
+    LaunchConfig { grid_dim: ((n / block) as u32, heads as u32, b as u32), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
-/// q [B, nh, N, D], k/v [B, nkv, S+N, D], the context part's output o_ctx [B, nh, N, D] and
-/// log-sum-exp lse_ctx [B, nh, N] (fp32; rows that see no context are ignored), and `pre`, the
-/// same of a second context span where it ran in two (-inf log-sum-exp in the rows it did not),
-/// anchors [B, A] -> the merged output [B, nh, N, D] ([B, N, nh, D] in memory) and log-sum-exp
-/// [B, nh, N]. `window` > 0: a sliding-window layer's block part (causal within the block;
-/// window >= block).
+/// One range of the context part as its fused kernel ran it: query rows `start..start + len`,
+/// and per span of keys (none, one, or the unbiased prefix and the biased rest) the output
+/// [B, nh, len, D] and log-sum-exp [B, nh, len].
+pub struct ContextPart {
+    pub start: i64,
+    pub len: i64,
+    pub spans: Vec<(Tensor, Tensor)>,
+}
+
+/// The kernel's MAX_RANGES and MAX_SPANS.
+const MAX_RANGES: usize = 16;
+const MAX_SPANS: usize = 2;
+
+/// The kernel's `Parts`, field for field.
+#[repr(C)]
+struct Parts {
+    start: [i32; MAX_RANGES],
+    len: [i32; MAX_RANGES],
+    spans: [i32; MAX_RANGES],
+    o: [[u64; MAX_SPANS]; MAX_RANGES],
+    lse: [[u64; MAX_SPANS]; MAX_RANGES],
+    ob: [[i64; MAX_SPANS]; MAX_RANGES],
+    oh: [[i64; MAX_SPANS]; MAX_RANGES],
+    on: [[i64; MAX_SPANS]; MAX_RANGES],
+    n: i32,
+}
+
+// SAFETY: plain integers in C layout, as the kernel declares them.
+unsafe impl DeviceRepr for Parts {}
+
+/// q [B, nh, N, D], k/v [B, nkv, S+N, D], the context part range by range (rows that see no
+/// context are ignored), anchors [B, A] -> the merged output [B, nh, N, D] ([B, N, nh, D] in
+/// memory) and log-sum-exp [B, nh, N]. `window` > 0: a sliding-window layer's block part (causal
+/// within the block; window >= block).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
-    q: &Tensor, k: &Tensor, v: &Tensor, o_ctx: &Tensor, lse_ctx: &Tensor, pre: Option<(&Tensor, &Tensor)>, anchors: &Tensor, block: i64,
-    window: i64, scale: f64,
+    q: &Tensor, k: &Tensor, v: &Tensor, parts: &[ContextPart], anchors: &Tensor, block: i64, window: i64, scale: f64,
 ) -> Result<(Tensor, Tensor), String> {
+    if parts.len() > MAX_RANGES || parts.iter().any(|p| p.spans.len() > MAX_SPANS) {
+        return Err(format!("{} context ranges (at most {MAX_RANGES}, of at most {MAX_SPANS} spans each)", parts.len()));
+    }
     let m = module(q, k, block)?;
     let (b, nh, n, d) = (q.size()[0], q.size()[1], q.size()[2], q.size()[3]);
     let s = k.size()[2] - n;
     let out = Tensor::empty([b, n, nh, d], (q.kind(), q.device())).transpose(1, 2);
     let lse = Tensor::empty([b, nh, n], (Kind::Float, q.device()));
-    let lse_ctx = lse_ctx.to_kind(Kind::Float).contiguous();
     let anchors = anchors.to_kind(Kind::Int64).contiguous();
-    let [aq, ak, av, ac, ao] = [q, k, v, o_ctx, &out].map(Arg::new);
-    let (aq, ak, av, ac, ao) = (aq?, ak?, av?, ac?, ao?);
-    let (p_lse_ctx, p_anchors, p_lse) = (lse_ctx.data_ptr() as u64, anchors.data_ptr() as u64, lse.data_ptr() as u64);
-    // No second span: a null log-sum-exp (its output pointer is never read).
-    let lse_pre = pre.map(|(_, l)| l.to_kind(Kind::Float).contiguous());
-    let ap = match pre {
-        Some((o, _)) => Arg::new(o)?,
-        None => Arg { ptr: 0, strides: [0; 3] },
+    let mut table = Parts {
+        start: [0; MAX_RANGES],
+        len: [0; MAX_RANGES],
+        spans: [0; MAX_RANGES],
+        o: [[0; MAX_SPANS]; MAX_RANGES],
+        lse: [[0; MAX_SPANS]; MAX_RANGES],
+        ob: [[0; MAX_SPANS]; MAX_RANGES],
+        oh: [[0; MAX_SPANS]; MAX_RANGES],
+        on: [[0; MAX_SPANS]; MAX_RANGES],
+        n: parts.len() as i32,
     };
-    let p_lse_pre = lse_pre.as_ref().map_or(0u64, |l| l.data_ptr() as u64);
+    // The log-sum-exps as the kernel reads them (fp32, dense), alive until the launch is queued.
+    let mut lses = vec![];
+    for (r, part) in parts.iter().enumerate() {
+        (table.start[r], table.len[r], table.spans[r]) = (part.start as i32, part.len as i32, part.spans.len() as i32);
+        for (p, (o, l)) in part.spans.iter().enumerate() {
+            let a = Arg::new(o)?;
+            let l = l.to_kind(Kind::Float).contiguous();
+            (table.o[r][p], table.lse[r][p]) = (a.ptr, l.data_ptr() as u64);
+            (table.ob[r][p], table.oh[r][p], table.on[r][p]) = (a.strides[0], a.strides[1], a.strides[2]);
+            lses.push(l);
+        }
+    }
+    let [aq, ak, av, ao] = [q, k, v, &out].map(Arg::new);
+    let (aq, ak, av, ao) = (aq?, ak?, av?, ao?);
+    let (p_anchors, p_lse) = (anchors.data_ptr() as u64, lse.data_ptr() as u64);
     let (nh32, n32, s32, w32, scale32) = (nh as i32, n as i32, s as i32, window_arg(window)?, scale as f32);
     let mut launch = m.stream.launch_builder(m.function(FORWARD));
-    for a in [&aq, &ak, &av, &ac] {
+    for a in [&aq, &ak, &av] {
         a.push(&mut launch);
     }
-    launch.arg(&p_lse_ctx);
-    ap.push(&mut launch);
-    launch.arg(&p_lse_pre).arg(&p_anchors);
+    launch.arg(&table).arg(&p_anchors);
     ao.push(&mut launch);
     launch.arg(&p_lse).arg(&nh32).arg(&n32).arg(&s32).arg(&w32).arg(&scale32);
     // SAFETY: the arguments match the kernel's signature; every pointer is a live tensor's data
-    // on this device with the strides passed, and the launch is ordered on libtorch's stream.
-    unsafe { launch.launch(config(q, k, block)) }.map_err(|e| format!("{FORWARD}: {e}"))?;
+    // on this device with the strides passed (the table's too: `parts` and `lses` outlive the
+    // queueing), and the launch is ordered on libtorch's stream.
+    unsafe { launch.launch(config(q, nh, block)) }.map_err(|e| format!("{FORWARD}: {e}"))?;
     Ok((out, lse))
 }
 
@@ -140,7 +186,7 @@ pub fn backward(
     launch.arg(&adk.ptr).arg(&p_dv).arg(&adk.strides[0]).arg(&adk.strides[1]).arg(&adk.strides[2]);
     launch.arg(&nh32).arg(&n32).arg(&s32).arg(&w32).arg(&scale32);
     // SAFETY: as in `forward`; dk and dv are dense with the same shape, so they share strides.
-    unsafe { launch.launch(config(q, k, block)) }.map_err(|e| format!("{BACKWARD}: {e}"))?;
+    unsafe { launch.launch(config(q, k.size()[1], block)) }.map_err(|e| format!("{BACKWARD}: {e}"))?;
     Ok(())
 }
 
@@ -154,11 +200,14 @@ mod tests {
     /// The kernels compile with NVRTC (no GPU needed) at the bench shapes and a smaller one.
     #[test]
     fn the_kernels_compile() {
+        assert_eq!(std::mem::size_of::<super::Parts>(), 3 * 16 * 4 + 5 * 16 * 2 * 8 + 8, "the kernel's Parts layout");
         for (bk, d, g) in [(16, 128, 4), (16, 64, 2), (32, 32, 1)] {
             let ptx = super::nvrtc::compile(super::SRC, &[("BK", bk), ("D", d), ("G", g)]);
             let ptx = ptx.unwrap_or_else(|e| panic!("BK {bk} D {d} G {g}: {e}"));
             let text = ptx.to_src();
             assert!(text.contains(".entry block_part_forward") && text.contains(".entry block_part_backward"));
+            // The range table is read at constant offsets: no copy of it in local memory.
+            assert!(!text.contains(".local"), "BK {bk} D {d} G {g}: the kernels use local memory");
         }
     }
 }

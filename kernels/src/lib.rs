@@ -16,6 +16,7 @@
 //! - `nvrtc`: compile CUDA C++ at run time and launch it on libtorch's stream (cudarc).
 //! - `optim`: libtorch's fused multi-tensor AdamW.
 //! - `profiler`: libtorch's Kineto profiler (Chrome traces with named ranges), for the benches.
+//! - `range_sum`: the context part's gradients summed over its runs in one pass (CUDA).
 //! - `swiglu`: an MLP's silu(gate) * up in one pass each way (CUDA).
 //! - `unit_lower_inverse`: the delta rule's WY systems inverted on chip, a matrix a CTA (CUDA).
 
@@ -33,6 +34,7 @@ pub mod norm_rope;
 pub mod nvrtc;
 pub mod optim;
 pub mod profiler;
+pub mod range_sum;
 pub mod swiglu;
 pub mod unit_lower_inverse;
 
