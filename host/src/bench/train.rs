@@ -195,12 +195,7 @@ fn clip_grad_norm(params: &[Tensor], max_norm: f64) {
     let norms: Vec<Tensor> = grads.iter().map(|g| g.norm_scalaropt_dtype(2.0, Kind::Float)).collect();
     let total = Tensor::stack(&norms, 0).norm();
     let coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
-    // One multi-tensor kernel (torch's foreach path); a kernel a tensor where that fails.
-    if kernels::optim::foreach_mul_(&grads, &coef).is_err() {
-        for mut g in grads {
-            let _ = g.g_mul_(&coef.to_kind(g.kind()));
-        }
-    }
+    kernels::optim::scale_all_(&grads, &coef);
 }
 
 /// Random token ids [B, S] and a response mask that counts every position but the first, on the
