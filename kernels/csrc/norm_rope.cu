@@ -39,6 +39,14 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// 1 / rms of the warp's row (this lane's V elements in xv).
+__device__ __forceinline__ float inverse_rms(const float* xv, float eps) {
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < V; i++) ss += xv[i] * xv[i];
+    return rsqrtf(warp_sum(ss) / D + eps);
+}
+
 // y = rope(w * x / rms(x)) for `rows` rows of x; `heads` rows share a table row.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) norm_rope_forward(
     const bf16* x, const bf16* w, const bf16* cos, const bf16* ssin, bf16* y, long long rows, int heads, float eps) {
@@ -50,10 +58,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) norm_rope_forward(
         const long long at = row * D + lane * V, table = row / heads * D + lane * V;
         float xv[V], c[V], s[V], out[V];
         loadv(x + at, xv);
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < V; i++) ss += xv[i] * xv[i];
-        const float r = rsqrtf(warp_sum(ss) / D + eps);
+        const float r = inverse_rms(xv, eps);
         loadv(cos + table, c);
         loadv(ssin + table, s);
 #pragma unroll
@@ -85,10 +90,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) norm_rope_backward(
         const long long at = row * D + lane * V, table = pos * D + lane * V;
         float xv[V], c[V], s[V], d[V], g[V];
         loadv(x + at, xv);
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < V; i++) ss += xv[i] * xv[i];
-        const float r = rsqrtf(warp_sum(ss) / D + eps);
+        const float r = inverse_rms(xv, eps);
         loadv(cos + table, c);
         loadv(ssin + table, s);
         loadv(dy + b * db + l * dl + h * dh + lane * V, d);
