@@ -1,7 +1,8 @@
 //! DFlash block attention with its own backward, split in two exact parts:
-//! - the context keys, through libtorch's fused attention (cuDNN on CUDA in 16-bit, the
-//!   memory-efficient kernel in fp32, flash on the CPU) with a staircase bias: a block's queries
-//!   see the keys before its anchor;
+//! - the context keys, through libtorch's fused attention (cuDNN on CUDA in 16-bit, reading the
+//!   kv heads for their query heads itself; the memory-efficient kernel in fp32 and flash on the
+//!   CPU, with the keys repeated to the query heads) with a staircase bias: a block's queries see
+//!   the keys before its anchor;
 //! - each block's own keys: one fused kernel each way on CUDA in bf16 ([`block_part`]), small
 //!   batched matmuls elsewhere.
 //!
@@ -22,7 +23,8 @@
 //! all blocks] scores every query against all S + A*Bk keys; this scores it against S + Bk. The
 //! backward hands the *merged* output and log-sum-exp to the fused kernel's backward, which then
 //! yields the context part's exact gradients (as ring attention does), and does the block part
-//! itself. libtorch's autograd does not see this op: a drafter using it cuts its graph at the
+//! itself; on CUDA the runs' overlapping gradients are summed in one pass ([`range_sum`]).
+//! libtorch's autograd does not see this op: a drafter using it cuts its graph at the
 //! attention output and calls [`backward`] itself (`Drafter::backward`).
 
 use crate::{block_part, range_sum};

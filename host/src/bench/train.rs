@@ -19,7 +19,7 @@ use crate::{
     train::{
         anchors::{AnchorRule, AnchorSampler},
         loss::{default_gamma, dflash_loss, LossInput, Reduction},
-        step::LossNormalization,
+        step::{self, LossNormalization},
         DraftLoss,
     },
 };
@@ -115,7 +115,8 @@ impl DrafterStep {
         d.backward(&mut self.drafter, 1.0).map_err(|e| anyhow!("drafter backward: {e}"))?;
         drop(backward);
         let clip = profiler::range("clip");
-        clip_grad_norm(&self.params, self.grad_clip);
+        // The trainer's clip, as training runs it (its norm stays on the device, unread).
+        let _ = step::clip_grad_norm(&self.params, self.grad_clip);
         drop(clip);
         let _optimizer = profiler::range("optimizer");
         self.optimizer.step(1.0).into_result().map_err(|e| anyhow!("optimizer step: {e}"))?;
@@ -183,19 +184,6 @@ fn fused_loss_error(draft: &DraftLoss, spec: &TargetSpec, sh: &BenchShape, devic
         (spec.vocab_size as f64).ln() + sigma * sigma / 2.0
     );
     Ok(Some([(fused.0 - plain.0).abs() / plain.0.abs(), grad_err]))
-}
-
-/// Global-norm clip without a host synchronisation (the scale stays on the device).
-fn clip_grad_norm(params: &[Tensor], max_norm: f64) {
-    let _guard = tch::no_grad_guard();
-    let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).filter(|g| g.defined()).collect();
-    if grads.is_empty() || max_norm <= 0.0 {
-        return;
-    }
-    let norms: Vec<Tensor> = grads.iter().map(|g| g.norm_scalaropt_dtype(2.0, Kind::Float)).collect();
-    let total = Tensor::stack(&norms, 0).norm();
-    let coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
-    kernels::optim::scale_all_(&grads, &coef);
 }
 
 /// Random token ids [B, S] and a response mask that counts every position but the first, on the

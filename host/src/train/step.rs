@@ -185,7 +185,7 @@ fn to_device_async(t: &Tensor, device: tch::Device) -> Tensor {
 /// torch.nn.utils.clip_grad_norm_ does it: the norm of the per-tensor norms, each gradient read
 /// once with fp32 accumulation, then every gradient times min(1, max_norm / (norm + 1e-6)).
 /// Nothing waits for the GPU.
-pub(super) fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Tensor {
+pub(crate) fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Tensor {
     let _guard = tch::no_grad_guard();
     let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).filter(|g| g.defined()).collect();
     if grads.is_empty() {
