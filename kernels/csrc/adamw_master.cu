@@ -3,9 +3,9 @@
 // libtorch path it replaces takes three: the gradient cast to fp32, the fused AdamW kernel over
 // the masters, and the masters copied back into the parameters.
 //
-// Compiled at run time by NVRTC (kernels/src/adamw.rs). The arithmetic is torch's fused AdamW's
+// Compiled at run time by NVRTC (kernels/src/adamw.rs). The formula is torch's fused AdamW's
 // (ATen's fused_adam_utils.cuh, ADAMW mode), in the same order: decay, moments, the bias-corrected
-// step. Tensors dense, n elements each.
+// step; in fp32 throughout (torch takes its scalars in double), so equal to fp32 rounding. Tensors dense, n elements each.
 
 typedef unsigned short bf16;
 

@@ -458,9 +458,8 @@ fn composite_backward(
     (dq_blk, dk_blk, dv_blk)
 }
 
-/// One range's context backward: (dq, dk, dv) with dk and dv per query head [B, nh, keys, D].
-#[allow(clippy::too_many_arguments)]
-/// `d_out`, `out` and `lse` come contiguous.
+/// One range's context backward: (dq, dk, dv), dk and dv per kv head or per query head as the
+/// keys came. `d_out`, `out` and `lse` come contiguous.
 #[allow(clippy::too_many_arguments)]
 fn context_backward(
     backend: &Backend, d_out: &Tensor, q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, out: &Tensor, lse: &Tensor, bias: Option<&Tensor>,

@@ -110,7 +110,8 @@ pub fn forward(
     q: &Tensor, k: &Tensor, v: &Tensor, parts: &[ContextPart], anchors: &Tensor, block: i64, window: i64, scale: f64,
 ) -> Result<(Tensor, Tensor), String> {
     if parts.len() > MAX_RANGES || parts.iter().any(|p| p.spans.len() > MAX_SPANS) {
-        return Err(format!("{} context ranges (at most {MAX_RANGES}, of at most {MAX_SPANS} spans each)", parts.len()));
+        let spans = parts.iter().map(|p| p.spans.len()).max().unwrap_or(0);
+        return Err(format!("{} context ranges, up to {spans} spans each (at most {MAX_RANGES}, of {MAX_SPANS})", parts.len()));
     }
     let m = module(q, k, block)?;
     let (b, nh, n, d) = (q.size()[0], q.size()[1], q.size()[2], q.size()[3]);

@@ -57,6 +57,9 @@ pub fn sum_into(out: &Tensor, runs: &[(Tensor, i64)]) -> Result<(), String> {
     }
     let Device::Cuda(ordinal) = out.device() else { return Err("not a CUDA tensor".into()) };
     let (b, h, rows, d) = (out.size()[0], out.size()[1], out.size()[2], out.size()[3]);
+    if rows == 0 || b == 0 || h == 0 {
+        return Ok(());
+    }
     let m = nvrtc::module(ordinal, SRC, &[("D", d)], &[KERNEL])?;
     let mut p = Runs { ptr: [0; MAX_RUNS], sb: [0; MAX_RUNS], sh: [0; MAX_RUNS], sl: [0; MAX_RUNS], from: [0; MAX_RUNS], len: [0; MAX_RUNS], n: runs.len() as i32 };
     for (i, (t, from)) in runs.iter().enumerate() {

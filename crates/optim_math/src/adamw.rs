@@ -2,6 +2,7 @@
 //!.
 
 use plugin_api::{tch::Tensor, PluginError};
+use std::sync::atomic::AtomicBool;
 use serde::Deserialize;
 
 /// Hyper-parameters; `Default` is PyTorch's, with `fused` on.
@@ -112,14 +113,16 @@ pub fn adamw_master_applies(param: &Tensor, grad: &Tensor, master: &Tensor, exp_
 
 /// [`adamw_update`] of a bf16 CUDA parameter through its fp32 `master` in one kernel
 /// (`kernels::adamw`): master and moments updated, the parameter set to the master rounded, the
-/// bf16 gradient read as it is (where it does not apply, [`adamw_update_fused`] over fp32
-/// copies).
+/// bf16 gradient read as it is. False where the kernel failed (reported once; nothing was
+/// updated): the caller takes [`adamw_update_fused`] over fp32 copies instead.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_update_master(
     param: &Tensor, grad: &Tensor, master: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor, step: i64, lr: f64, h: &ParamsAdamW,
-) -> Result<(), String> {
+) -> bool {
+    static FAILED: AtomicBool = AtomicBool::new(false);
     let step = kernels::adamw::Step { lr, betas: h.betas, weight_decay: h.weight_decay, eps: h.eps, step };
-    kernels::adamw::master_step(param, grad, master, exp_avg, exp_avg_sq, step)
+    let run = || kernels::adamw::master_step(param, grad, master, exp_avg, exp_avg_sq, step);
+    kernels::nvrtc::try_kernel(&FAILED, "the AdamW master-weight kernel", run).is_some()
 }
 
 #[cfg(test)]

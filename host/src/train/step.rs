@@ -183,8 +183,9 @@ fn to_device_async(t: &Tensor, device: tch::Device) -> Tensor {
 
 /// Global gradient norm (a scalar on the gradients' device), clipped to `max_norm` as
 /// torch.nn.utils.clip_grad_norm_ does it: the norm of the per-tensor norms, each gradient read
-/// once with fp32 accumulation, then every gradient times min(1, max_norm / (norm + 1e-6)).
-/// Nothing waits for the GPU.
+/// once with fp32 accumulation, then every gradient times min(1, max_norm / (norm + 1e-6)) (that
+/// factor in the gradient's own dtype, as this crate always did; torch keeps it in fp32). Nothing
+/// waits for the GPU.
 pub(crate) fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Tensor {
     let _guard = tch::no_grad_guard();
     let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).filter(|g| g.defined()).collect();

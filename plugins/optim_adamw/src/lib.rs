@@ -34,7 +34,8 @@ impl AdamW {
     }
 
     /// Every slot with a gradient: a bf16 parameter with its master in one pass of its own
-    /// (`adamw_update_master`), the rest in one fused kernel, then their masters copied back.
+    /// (`adamw_update_master`), the rest (and those, if that kernel fails) in one fused kernel,
+    /// then their masters copied back.
     fn step_fused(&mut self, lr: f64) -> Result<(), PluginError> {
         let device = self.slots[0].param.device();
         let (mut params, mut grads, mut exp_avgs, mut exp_avg_sqs, mut copy_back) = (vec![], vec![], vec![], vec![], vec![]);
@@ -44,9 +45,8 @@ impl AdamW {
                 continue;
             }
             if let Some(master) = &s.master {
-                if adamw_master_applies(&s.param, &grad, master, &s.exp_avg, &s.exp_avg_sq) {
-                    adamw_update_master(&s.param, &grad, master, &s.exp_avg, &s.exp_avg_sq, self.step, lr, &self.params)
-                        .map_err(PluginError::new)?;
+                let applies = adamw_master_applies(&s.param, &grad, master, &s.exp_avg, &s.exp_avg_sq);
+                if applies && adamw_update_master(&s.param, &grad, master, &s.exp_avg, &s.exp_avg_sq, self.step, lr, &self.params) {
                     continue;
                 }
                 copy_back.push((s.param.shallow_clone(), master.shallow_clone()));
