@@ -3,7 +3,7 @@
 //! parameters, in place of a cast of the gradient, libtorch's fused AdamW and a copy back.
 
 use crate::nvrtc;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::PushKernelArg;
 use tch::{Device, Kind, Tensor};
 
 const SRC: &str = include_str!("../csrc/adamw_master.cu");
@@ -52,8 +52,7 @@ pub fn master_step(param: &Tensor, grad: &Tensor, master: &Tensor, exp_avg: &Ten
     let mut launch = m.stream.launch_builder(m.function(STEP));
     launch.arg(&pg).arg(&pm).arg(&pa).arg(&ps).arg(&pp).arg(&n);
     launch.arg(&lr).arg(&b1).arg(&b2).arg(&wd).arg(&eps).arg(&step_size).arg(&bc2_sqrt);
-    let ctas = (n as u64).div_ceil(THREADS as u64).clamp(1, 132 * 16) as u32;
-    let config = LaunchConfig { grid_dim: (ctas, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let config = nvrtc::grid_stride(n as u64, THREADS as u64, THREADS);
     // SAFETY: five dense tensors of n elements on this device, of the kinds `applies` checked; the
     // launch is ordered on libtorch's stream.
     unsafe { launch.launch(config) }.map_err(|e| format!("{STEP}: {e}"))?;

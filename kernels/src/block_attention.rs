@@ -390,41 +390,15 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
         }
     }
 
-    // 2. The runs summed, then the block part. With the fused kernels: the sums written once in
-    //    16 bits (dk and dv into their context rows), then the block-part kernel adds to dq and
-    //    writes the block rows of dk and dv.
+    // 2. The runs summed into the gradients' context rows (one pass on CUDA, fp32 adds
+    //    elsewhere), then the block part: the fused kernel adds to dq and writes the block rows of
+    //    dk and dv.
+    let dq = Tensor::empty([b, nh, n, d], (if *fused { q.kind() } else { wk }, q.device()));
+    let (dk, dv) = (Tensor::empty([b, nkv, s + n, d], (k.kind(), k.device())), Tensor::empty([b, nkv, s + n, d], (v.kind(), v.device())));
+    sum_runs_into(&dq, &dq_runs, wk);
+    sum_runs_into(&dk.narrow(2, 0, s), &dk_runs, wk);
+    sum_runs_into(&dv.narrow(2, 0, s), &dv_runs, wk);
     if *fused {
-        let dq = Tensor::empty([b, nh, n, d], (q.kind(), q.device()));
-        let (dk, dv) = (Tensor::empty([b, nkv, s + n, d], (k.kind(), k.device())), Tensor::empty([b, nkv, s + n, d], (v.kind(), v.device())));
-        let context = |t: &Tensor| t.narrow(2, 0, s);
-        let targets = [(&dq, &dq_runs), (&context(&dk), &dk_runs), (&context(&dv), &dv_runs)];
-        if targets.iter().all(|(out, runs)| range_sum::applies(out, runs)) {
-            let sums = range_sum::sum_into(&dq, &dq_runs)
-                .and_then(|()| range_sum::sum_into(&context(&dk), &dk_runs))
-                .and_then(|()| range_sum::sum_into(&context(&dv), &dv_runs))
-                .and_then(|()| block_part::backward(q, k, v, d_out, out, lse, &dq, &dk, &dv, *block, mask.window.unwrap_or(0), *scale));
-            match sums {
-                Ok(()) => return (dq, dk, dv),
-                Err(e) => warn_unfused(&e),
-            }
-        }
-    }
-    // Elsewhere: fp32 sums.
-    let sum = |runs: &[(Tensor, i64)], shape: [i64; 4]| {
-        let total = Tensor::zeros(shape, (wk, q.device()));
-        for (t, from) in runs {
-            let _ = total.narrow(2, *from, t.size()[2]).g_add_(t);
-        }
-        total
-    };
-    let (dq, dk_ctx, dv_ctx) = (sum(&dq_runs, [b, nh, n, d]), sum(&dk_runs, [b, nkv, s, d]), sum(&dv_runs, [b, nkv, s, d]));
-    if *fused {
-        let whole = |ctx: &Tensor| {
-            let t = Tensor::empty([b, nkv, s + n, d], (k.kind(), k.device()));
-            t.narrow(2, 0, s).copy_(ctx);
-            t
-        };
-        let (dq, dk, dv) = (dq.to_kind(q.kind()), whole(&dk_ctx), whole(&dv_ctx));
         match block_part::backward(q, k, v, d_out, out, lse, &dq, &dk, &dv, *block, mask.window.unwrap_or(0), *scale) {
             Ok(()) => return (dq, dk, dv),
             Err(e) => warn_unfused(&e),
@@ -434,8 +408,25 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     let dims = Blocks::dims_of(q, k, *block);
     // dq_ctx += dq_blk, added in fp32 and rounded once.
     let _ = dims.grouped_view(&dq).g_add_(&dq_blk.view(dims.grouped_shape(d)));
-    let cat = |ctx: Tensor, blk: Tensor| Tensor::cat(&[ctx, blk.view([b, nkv, n, d]).to_kind(wk)], 2).to_kind(k.kind());
-    (dq.to_kind(q.kind()), cat(dk_ctx, dk_blk), cat(dv_ctx, dv_blk))
+    dk.narrow(2, s, n).copy_(&dk_blk.view([b, nkv, n, d]));
+    dv.narrow(2, s, n).copy_(&dv_blk.view([b, nkv, n, d]));
+    (dq.to_kind(q.kind()), dk, dv)
+}
+
+/// `out` [B, H, rows, D] = the runs ([B, H, len, D], each with the row it starts at) summed over
+/// the rows each covers, zeros elsewhere: one kernel on CUDA ([`range_sum`]), else fp32 adds.
+fn sum_runs_into(out: &Tensor, runs: &[(Tensor, i64)], wk: Kind) {
+    if range_sum::applies(out, runs) {
+        match range_sum::sum_into(out, runs) {
+            Ok(()) => return,
+            Err(e) => warn_unfused(&e),
+        }
+    }
+    let total = Tensor::zeros(out.size(), (wk, out.device()));
+    for (t, from) in runs {
+        let _ = total.narrow(2, *from, t.size()[2]).g_add_(t);
+    }
+    out.shallow_clone().copy_(&total);
 }
 
 /// The block part's backward as batched matmuls: P from the merged log-sum-exp, then softmax

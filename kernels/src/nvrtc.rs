@@ -60,6 +60,14 @@ pub fn try_kernel<T>(failed: &AtomicBool, what: &str, kernel: impl FnOnce() -> R
         .ok()
 }
 
+/// A one-dimensional grid for a grid-stride kernel over `items` work items, `per_cta` of them a
+/// CTA of `threads` threads: enough CTAs to fill an H100/H200 (132 SMs) a few times over, each
+/// looping over the rest.
+pub fn grid_stride(items: u64, per_cta: u64, threads: u32) -> cudarc::driver::LaunchConfig {
+    let ctas = items.div_ceil(per_cta.max(1)).clamp(1, 132 * 16) as u32;
+    cudarc::driver::LaunchConfig { grid_dim: (ctas, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
 fn set(on: bool) {
     STATE.store(if on { ON } else { OFF }, Ordering::Relaxed);
 }

@@ -51,10 +51,9 @@ fn module(t: &Tensor) -> Result<nvrtc::Module, String> {
     nvrtc::module(ordinal, SRC, &[], &[FORWARD, BACKWARD])
 }
 
-/// Enough CTAs to fill the GPU a few times over; each thread loops over its 8-element groups.
+/// A thread an 8-element group at a time, looping over the rest.
 fn config(n: i64) -> LaunchConfig {
-    let ctas = ((n / 8) as u64).div_ceil(THREADS as u64).clamp(1, 132 * 16) as u32;
-    LaunchConfig { grid_dim: (ctas, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+    nvrtc::grid_stride((n / 8) as u64, THREADS as u64, THREADS)
 }
 
 fn launch_forward(gate: &Tensor, up: &Tensor) -> Result<Tensor, String> {

@@ -211,15 +211,22 @@ impl Attention {
     /// Q from the block only [B, nh, N, D]; K/V from [context; block] [B, nkv, S+N, D]; RoPE at
     /// anchor + k for blocks, 0..S-1 for the context.
     pub fn project(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> (Tensor, Tensor, Tensor) {
+        let (q, k, v) = self.projections(x, ctx);
+        let q = self.q_norm.forward(&q).transpose(1, 2);
+        let k = self.k_norm.forward(&k).transpose(1, 2);
+        (apply_rope(&q, &at.q_cos, &at.q_sin), apply_rope(&k, &at.k_cos, &at.k_sin), v)
+    }
+
+    /// The q projection of the block [B, N, nh, D], and the k [B, S+N, nkv, D] and v [B, nkv,
+    /// S+N, D] projections of [context; block]: before the norms and RoPE.
+    fn projections(&self, x: &Tensor, ctx: &Tensor) -> (Tensor, Tensor, Tensor) {
         let (b, n, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
         let q = self.q_proj.forward(x).view([b, n, self.num_heads, self.head_dim]);
-        let q = self.q_norm.forward(&q).transpose(1, 2);
         let k = Tensor::cat(&[self.k_proj.forward(ctx), self.k_proj.forward(x)], 1).view([b, s + n, self.num_kv_heads, self.head_dim]);
-        let k = self.k_norm.forward(&k).transpose(1, 2);
         let v = Tensor::cat(&[self.v_proj.forward(ctx), self.v_proj.forward(x)], 1)
             .view([b, s + n, self.num_kv_heads, self.head_dim])
             .transpose(1, 2);
-        (apply_rope(&q, &at.q_cos, &at.q_sin), apply_rope(&k, &at.k_cos, &at.k_sin), v)
+        (q, k, v)
     }
 
     /// [`project`](Self::project) for a drafter running its own backward: the graph stops at the q
@@ -227,12 +234,7 @@ impl Attention {
     /// autograd (one kernel each way on a GPU); [`qk_grads`](Self::qk_grads) writes their
     /// backward out. v keeps its graph.
     pub fn project_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> (Tensor, Tensor, Tensor, QkCut) {
-        let (b, n, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
-        let q_lin = self.q_proj.forward(x).view([b, n, self.num_heads, self.head_dim]);
-        let k_lin = Tensor::cat(&[self.k_proj.forward(ctx), self.k_proj.forward(x)], 1).view([b, s + n, self.num_kv_heads, self.head_dim]);
-        let v = Tensor::cat(&[self.v_proj.forward(ctx), self.v_proj.forward(x)], 1)
-            .view([b, s + n, self.num_kv_heads, self.head_dim])
-            .transpose(1, 2);
+        let (q_lin, k_lin, v) = self.projections(x, ctx);
         let (q, k) = plugin_api::tch::no_grad(|| {
             (self.q_norm.forward_rope(&q_lin, &at.q_cos, &at.q_sin), self.k_norm.forward_rope(&k_lin, &at.k_cos, &at.k_sin))
         });

@@ -105,21 +105,19 @@ pub fn adamw_update_fused(
         .map_err(PluginError::new)
 }
 
-/// Whether [`adamw_update_master`] applies: a bf16 CUDA parameter and gradient, dense fp32 master
-/// and moments of its shape.
-pub fn adamw_master_applies(param: &Tensor, grad: &Tensor, master: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor) -> bool {
-    kernels::adamw::applies(param, grad, master, exp_avg, exp_avg_sq)
-}
-
 /// [`adamw_update`] of a bf16 CUDA parameter through its fp32 `master` in one kernel
 /// (`kernels::adamw`): master and moments updated, the parameter set to the master rounded, the
-/// bf16 gradient read as it is. False where the kernel failed (reported once; nothing was
-/// updated): the caller takes [`adamw_update_fused`] over fp32 copies instead.
+/// bf16 gradient read as it is. False where the kernel does not apply (another dtype, the CPU) or
+/// failed (reported once), with nothing updated: the caller takes [`adamw_update_fused`] over
+/// fp32 copies instead.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_update_master(
     param: &Tensor, grad: &Tensor, master: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor, step: i64, lr: f64, h: &ParamsAdamW,
 ) -> bool {
     static FAILED: AtomicBool = AtomicBool::new(false);
+    if !kernels::adamw::applies(param, grad, master, exp_avg, exp_avg_sq) {
+        return false;
+    }
     let step = kernels::adamw::Step { lr, betas: h.betas, weight_decay: h.weight_decay, eps: h.eps, step };
     let run = || kernels::adamw::master_step(param, grad, master, exp_avg, exp_avg_sq, step);
     kernels::nvrtc::try_kernel(&FAILED, "the AdamW master-weight kernel", run).is_some()

@@ -9,7 +9,7 @@ use plugin_api::{
 
 // The update math lives in optim_math (shared with the Muon plugin's AdamW group); re-exported so
 // `optim_adamw::{ParamsAdamW, adamw_update}` keeps working.
-pub use optim_math::{adamw_master_applies, adamw_update, adamw_update_fused, adamw_update_master, ParamsAdamW};
+pub use optim_math::{adamw_update, adamw_update_fused, adamw_update_master, ParamsAdamW};
 
 struct Slot {
     name: String,
@@ -45,8 +45,7 @@ impl AdamW {
                 continue;
             }
             if let Some(master) = &s.master {
-                let applies = adamw_master_applies(&s.param, &grad, master, &s.exp_avg, &s.exp_avg_sq);
-                if applies && adamw_update_master(&s.param, &grad, master, &s.exp_avg, &s.exp_avg_sq, self.step, lr, &self.params) {
+                if adamw_update_master(&s.param, &grad, master, &s.exp_avg, &s.exp_avg_sq, self.step, lr, &self.params) {
                     continue;
                 }
                 copy_back.push((s.param.shallow_clone(), master.shallow_clone()));
