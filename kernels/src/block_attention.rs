@@ -372,7 +372,7 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
         let rows = |t: &Tensor| t.narrow(2, r.start, r.len);
         // dO and O contiguous [B, nh, n, D], as the kernels return O: with other strides cuDNN's
         // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200).
-        let (d_out_r, out_r, lse_r) = (rows(d_out).contiguous(), rows(out).contiguous(), rows(lse).contiguous());
+        let (d_out_r, out_r, lse_r) = (dense(&rows(d_out)), dense(&rows(out)), rows(lse).contiguous());
         for run in range_runs {
             let len = run.to - run.from;
             let keys = |t: &Tensor| t.narrow(2, run.from, len);
@@ -427,6 +427,21 @@ fn sum_runs_into(out: &Tensor, runs: &[(Tensor, i64)], wk: Kind) {
         let _ = total.narrow(2, *from, t.size()[2]).g_add_(t);
     }
     out.shallow_clone().copy_(&total);
+}
+
+/// `t` [B, H, len, D] as a contiguous copy. On CUDA the run-sum kernel copies it (one run): a
+/// row's D elements are one 16-byte load a thread, where libtorch's copy of this permuted layout
+/// (o and dO are [B, N, H, D] in memory) moves it at a fraction of the bandwidth.
+fn dense(t: &Tensor) -> Tensor {
+    if t.is_contiguous() {
+        return t.shallow_clone();
+    }
+    let out = Tensor::empty(t.size(), (t.kind(), t.device()));
+    let run = [(t.shallow_clone(), 0)];
+    match range_sum::applies(&out, &run) && range_sum::sum_into(&out, &run).is_ok() {
+        true => out,
+        false => t.contiguous(),
+    }
 }
 
 /// The block part's backward as batched matmuls: P from the merged log-sum-exp, then softmax
