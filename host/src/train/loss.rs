@@ -40,7 +40,8 @@ pub struct LossInput<'a> {
     pub block_hidden: &'a Tensor,
     /// [V, H] the target's output head.
     pub lm_head: &'a Tensor,
-    /// [B, S] int64 tokens and response mask.
+    /// [B, S] int64 tokens and response mask. These and the anchors may stay on the host (as
+    /// training passes them): the loss then picks its positions without waiting for the GPU.
     pub input_ids: &'a Tensor,
     pub loss_mask: &'a Tensor,
     /// [B, A] anchor positions and validity.
@@ -103,16 +104,22 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let device = x.block_hidden.device();
     let hidden = *x.block_hidden.size().last().expect("hidden dim");
 
+    // 1-3 run where the token ids, masks and anchors are (the host, in training): which positions
+    // count is then known without waiting for the GPU, and only the counted positions' indices,
+    // labels and weights travel, queued behind the forward.
+    let meta = x.input_ids.device();
+    let on_device = |t: Tensor| super::step::to_device_async(&t, device);
+
     // 1. Labels: block position k of anchor a predicts token[a + k].
-    let k = Tensor::arange(bk, (Kind::Int64, device));
-    let pos = x.anchors.to_device(device).unsqueeze(-1) + &k; // [B, A, Bk]
+    let k = Tensor::arange(bk, (Kind::Int64, meta));
+    let pos = x.anchors.to_device(meta).unsqueeze(-1) + &k; // [B, A, Bk]
     let in_range = pos.lt(s);
     let pos_flat = pos.clamp_max(s - 1).view([b, a * bk]);
-    let labels = x.input_ids.to_device(device).gather(1, &pos_flat, false).view([b, a, bk]);
-    let in_response = x.loss_mask.to_device(device).gather(1, &pos_flat, false).view([b, a, bk]).gt(0);
+    let labels = x.input_ids.gather(1, &pos_flat, false).view([b, a, bk]);
+    let in_response = x.loss_mask.to_device(meta).gather(1, &pos_flat, false).view([b, a, bk]).gt(0);
     let valid = x
         .anchor_valid
-        .to_device(device)
+        .to_device(meta)
         .unsqueeze(-1)
         .logical_and(&in_range)
         .logical_and(&in_response)
@@ -132,9 +139,11 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
         let weight_sum = Tensor::zeros([], (Kind::Float, device));
         return LossOut { loss: zero, weight_sum, counts: Tensor::zeros([2, bk - 1], (Kind::Int64, device)) };
     }
+    let target = on_device(labels.flatten(0, -1).index_select(0, &idx));
+    let wsel = on_device(weights.flatten(0, -1).index_select(0, &idx));
+    let kk = on_device(idx.remainder(bk));
+    let idx = on_device(idx);
     let h = x.block_hidden.reshape([-1, hidden]).index_select(0, &idx); // [M, H]
-    let target = labels.flatten(0, -1).index_select(0, &idx);
-    let wsel = weights.flatten(0, -1).index_select(0, &idx);
     let wsum = wsel.sum(Kind::Float);
     let want_grad = h.requires_grad();
 
@@ -175,10 +184,10 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     };
 
     // 5. Per-position accuracy counts.
-    let kk = idx.remainder(bk);
+    // (index_add, not bincount: libtorch's CUDA bincount reads the maximum back to the host.)
     let hit = Tensor::cat(&hits, 0).to_kind(Kind::Int64);
     let correct = Tensor::zeros([bk], (Kind::Int64, device)).index_add(0, &kk, &hit);
-    let count = kk.bincount::<&Tensor>(None, bk);
+    let count = Tensor::zeros([bk], (Kind::Int64, device)).index_add(0, &kk, &Tensor::ones_like(&kk));
     LossOut { loss, weight_sum: wsum, counts: Tensor::stack(&[correct, count], 0).narrow(1, 1, bk - 1) }
 }
 

@@ -62,10 +62,8 @@ impl DraftLoss {
         reduction: Reduction,
     ) -> Result<Drafted, plugin_api::PluginError> {
         let device = self.embedding.device();
-        let input_ids = to_device_async(input_ids, device);
-        let loss_mask = &to_device_async(loss_mask, device);
         let anchor_pos = to_device_async(&anchors.positions, device);
-        let block_ids = block_token_ids(&input_ids, &anchor_pos, self.block_size, self.mask_token_id);
+        let block_ids = block_token_ids(&to_device_async(input_ids, device), &anchor_pos, self.block_size, self.mask_token_id);
         let block_embeds = tch::no_grad(|| Tensor::embedding(&self.embedding, &block_ids, -1, false, false));
         let input = DraftInput {
             target_hidden: TensorHandle::new(to_device_async(hidden, device).to_kind(self.embedding.kind())),
@@ -75,13 +73,14 @@ impl DraftLoss {
         };
         drafter.anchors_on_host(&TensorHandle::new(anchors.positions.shallow_clone())).into_result()?;
         let block_hidden = drafter.forward(&input).into_result()?.into_tensor();
+        // The loss's labels and masks from the host's copies: no wait for the GPU (loss.rs).
         let loss = dflash_loss(&LossInput {
             block_hidden: &block_hidden,
             lm_head: &self.lm_head,
-            input_ids: &input_ids,
+            input_ids,
             loss_mask,
-            anchors: &anchor_pos,
-            anchor_valid: &input.anchor_valid.tensor(),
+            anchors: &anchors.positions,
+            anchor_valid: &anchors.valid,
             block_size: self.block_size,
             gamma: self.gamma,
             reduction,
@@ -171,7 +170,7 @@ impl Drafted {
 
 /// `t` on `device` without the host waiting: a CPU tensor goes through pinned memory with a
 /// non-blocking copy (a copy from pageable memory first waits for all the GPU work queued).
-fn to_device_async(t: &Tensor, device: tch::Device) -> Tensor {
+pub(crate) fn to_device_async(t: &Tensor, device: tch::Device) -> Tensor {
     match (t.device(), device.is_cuda()) {
         (tch::Device::Cpu, true) => match kernels::autograd::pinned(t) {
             Ok(p) => p.to_device_(device, t.kind(), true, false),
