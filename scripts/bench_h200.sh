@@ -25,6 +25,7 @@ part trace_summary 60 python3 scripts/trace_summary.py "$OUT/trace/drafter_step.
 part train_b8 240 "$B" bench train --config "$CONFIG" --set bench.batch_size=8 --json "$OUT/train_b8.json"
 part attention 120 "$B" bench attention --json "$OUT/attn.json"
 part context_probe 120 python3 scripts/probe_context_bias_cost.py --json "$OUT/context_probe.json"
+part lm_head_chunks 60 python3 scripts/probe_lm_head_chunks.py --json "$OUT/lm_head_chunks.json"
 part flex_attention 240 python3 scripts/bench_torch_drafter.py --attn --attn-alone flex --json "$OUT/flex_attention.json"
 DFLASH_NVRTC=0 part train_no_nvrtc 180 "$B" bench train --config "$CONFIG" --json "$OUT/no_nvrtc.json"
 part torch 300 python3 scripts/bench_torch_drafter.py --target --attn-alone flex --json "$OUT/torch.json"
