@@ -16,6 +16,18 @@ pub fn pinned(t: &Tensor) -> Result<Tensor, String> {
     Ok(unsafe { Tensor::from_ptr(out as _) })
 }
 
+/// `t` on `device` without the host waiting: a CPU tensor goes through pinned memory with a
+/// non-blocking copy (a copy from pageable memory first waits for all the GPU work queued).
+pub fn to_device_async(t: &Tensor, device: tch::Device) -> Tensor {
+    match (t.device(), device.is_cuda()) {
+        (tch::Device::Cpu, true) => match pinned(t) {
+            Ok(p) => p.to_device_(device, t.kind(), true, false),
+            Err(_) => t.to_device(device),
+        },
+        _ => t.to_device(device),
+    }
+}
+
 /// Drop `t`'s gradient, as PyTorch's `zero_grad()` does by default (set_to_none): between a step
 /// and the next backward the gradients then take no memory, which lowers the peak (the forward's
 /// activations and last step's gradients never coexist); the next backward allocates them anew.

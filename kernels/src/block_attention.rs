@@ -135,6 +135,11 @@ impl QueryRange {
 }
 
 impl ContextMask {
+    /// The bias of range `r`'s queries on context keys `from..to`.
+    fn bias_for(&self, r: &QueryRange, from: i64, to: i64) -> Tensor {
+        self.bias.narrow(2, r.start, r.len).narrow(3, from, to - from)
+    }
+
     /// The same mask, sharing its tensors.
     pub fn shallow_clone(&self) -> Self {
         Self { anchors: self.anchors.shallow_clone(), bias: self.bias.shallow_clone(), ranges: self.ranges.clone(), window: self.window }
@@ -232,7 +237,7 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
     for r in &mask.ranges {
         let (mut spans, mut range_runs) = (vec![], vec![]);
         for (from, to, biased) in r.spans() {
-            let bias = biased.then(|| mask.bias.narrow(2, r.start, r.len).narrow(3, from, to - from));
+            let bias = biased.then(|| mask.bias_for(r, from, to));
             let keys = |t: &Tensor| t.narrow(2, from, to - from);
             let (o, lse, backend) = context_forward(&q.narrow(2, r.start, r.len), &keys(&k_ctx), &keys(&v_ctx), bias.as_ref(), scale);
             spans.push((o, lse));
@@ -369,6 +374,9 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     //    rows, its dk and dv its span of keys (spans of different ranges overlap).
     let (mut dq_runs, mut dk_runs, mut dv_runs) = (vec![], vec![], vec![]);
     for (r, range_runs) in mask.ranges.iter().zip(runs) {
+        if range_runs.is_empty() {
+            continue; // a range that sees no context
+        }
         let rows = |t: &Tensor| t.narrow(2, r.start, r.len);
         // dO and O contiguous [B, nh, n, D], as the kernels return O: with other strides cuDNN's
         // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200).
@@ -376,7 +384,7 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
         for run in range_runs {
             let len = run.to - run.from;
             let keys = |t: &Tensor| t.narrow(2, run.from, len);
-            let bias = run.biased.then(|| mask.bias.narrow(2, r.start, r.len).narrow(3, run.from, len));
+            let bias = run.biased.then(|| mask.bias_for(r, run.from, run.to));
             let (dq_r, dk_r, dv_r) =
                 context_backward(&run.backend, &d_out_r, &rows(q), &keys(k_ctx), &keys(v_ctx), &out_r, &lse_r, bias.as_ref(), *scale);
             // Per query head where the kernel took the keys repeated: summed over each group.

@@ -86,6 +86,7 @@ const MAX_SPANS: usize = 2;
 
 /// The kernel's `Parts`, field for field.
 #[repr(C)]
+#[derive(Default)]
 struct Parts {
     start: [i32; MAX_RANGES],
     len: [i32; MAX_RANGES],
@@ -119,17 +120,7 @@ pub fn forward(
     let out = Tensor::empty([b, n, nh, d], (q.kind(), q.device())).transpose(1, 2);
     let lse = Tensor::empty([b, nh, n], (Kind::Float, q.device()));
     let anchors = anchors.to_kind(Kind::Int64).contiguous();
-    let mut table = Parts {
-        start: [0; MAX_RANGES],
-        len: [0; MAX_RANGES],
-        spans: [0; MAX_RANGES],
-        o: [[0; MAX_SPANS]; MAX_RANGES],
-        lse: [[0; MAX_SPANS]; MAX_RANGES],
-        ob: [[0; MAX_SPANS]; MAX_RANGES],
-        oh: [[0; MAX_SPANS]; MAX_RANGES],
-        on: [[0; MAX_SPANS]; MAX_RANGES],
-        n: parts.len() as i32,
-    };
+    let mut table = Parts { n: parts.len() as i32, ..Default::default() };
     // The log-sum-exps as the kernel reads them (fp32, dense), alive until the launch is queued.
     let mut lses = vec![];
     for (r, part) in parts.iter().enumerate() {

@@ -3,7 +3,7 @@
 //!
 //! - `adamw`: one AdamW step of a bf16 parameter with its fp32 master, in one pass (CUDA).
 //! - `autograd`: backward from several outputs with their gradients; gradients dropped; pinned
-//!   copies.
+//!   copies and non-blocking uploads.
 //! - `block_attention`: DFlash block attention split into the context part (libtorch's fused
 //!   attention with a staircase bias) and each block's own keys, merged exactly, with its own
 //!   backward (autograd does not see it: a drafter cuts its graph around it and runs

@@ -14,6 +14,7 @@ pub const MAX_RUNS: usize = 32;
 
 /// The kernel's `Runs`, field for field.
 #[repr(C)]
+#[derive(Default)]
 struct Runs {
     ptr: [u64; MAX_RUNS],
     sb: [i64; MAX_RUNS],
@@ -61,7 +62,7 @@ pub fn sum_into(out: &Tensor, runs: &[(Tensor, i64)]) -> Result<(), String> {
         return Ok(());
     }
     let m = nvrtc::module(ordinal, SRC, &[("D", d)], &[KERNEL])?;
-    let mut p = Runs { ptr: [0; MAX_RUNS], sb: [0; MAX_RUNS], sh: [0; MAX_RUNS], sl: [0; MAX_RUNS], from: [0; MAX_RUNS], len: [0; MAX_RUNS], n: runs.len() as i32 };
+    let mut p = Runs { n: runs.len() as i32, ..Default::default() };
     for (i, (t, from)) in runs.iter().enumerate() {
         let st = t.stride();
         (p.ptr[i], p.sb[i], p.sh[i], p.sl[i]) = (t.data_ptr() as u64, st[0], st[1], st[2]);

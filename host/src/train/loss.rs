@@ -108,7 +108,7 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     // count is then known without waiting for the GPU, and only the counted positions' indices,
     // labels and weights travel, queued behind the forward.
     let meta = x.input_ids.device();
-    let on_device = |t: Tensor| super::step::to_device_async(&t, device);
+    let on_device = |t: Tensor| kernels::autograd::to_device_async(&t, device);
 
     // 1. Labels: block position k of anchor a predicts token[a + k].
     let k = Tensor::arange(bk, (Kind::Int64, meta));

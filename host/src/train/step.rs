@@ -16,6 +16,7 @@ pub use super::loss::Reduction;
 pub use crate::config::LossNormalization;
 use crate::dist::Communicator;
 use anyhow::Result;
+use kernels::autograd::to_device_async;
 use plugin_api::{
     tch::{self, Kind, Tensor},
     DraftInput, DrafterBox, TensorHandle,
@@ -165,18 +166,6 @@ impl Drafted {
             drafter.backward(&TensorHandle::new(self.output.grad())).into_result()?;
         }
         Ok(())
-    }
-}
-
-/// `t` on `device` without the host waiting: a CPU tensor goes through pinned memory with a
-/// non-blocking copy (a copy from pageable memory first waits for all the GPU work queued).
-pub(crate) fn to_device_async(t: &Tensor, device: tch::Device) -> Tensor {
-    match (t.device(), device.is_cuda()) {
-        (tch::Device::Cpu, true) => match kernels::autograd::pinned(t) {
-            Ok(p) => p.to_device_(device, t.kind(), true, false),
-            Err(_) => t.to_device(device),
-        },
-        _ => t.to_device(device),
     }
 }
 
