@@ -1,14 +1,19 @@
-//! The block part of split block attention fused into one kernel each way (csrc/block_part.cu),
-//! for CUDA bf16 tensors: each block's g query heads against its own keys, merged with the
-//! context part through the log-sum-exps. [`crate::block_attention`] calls it and falls back to
-//! its composite of batched matmuls where it does not apply or fails to build.
+//! The block part of split block attention fused into one kernel each way, for CUDA bf16
+//! tensors: each block's g query heads against its own keys, merged with the context part
+//! through the log-sum-exps. Blocks of 16 with head dims 64 or 128 run on tensor cores
+//! (csrc/block_part_mma.cu), other shapes on the SIMT kernels (csrc/block_part.cu), with the same
+//! parameters. [`crate::block_attention`] calls it and falls back to its composite of batched
+//! matmuls where it does not apply or fails to build.
 
 use crate::nvrtc;
 use cudarc::driver::{DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
 const SRC: &str = include_str!("../csrc/block_part.cu");
+const SRC_MMA: &str = include_str!("../csrc/block_part_mma.cu");
 const THREADS: u32 = 128;
+/// The tensor-core forward's warps a CTA (a query head each).
+const MMA_WARPS: i64 = 4;
 const FORWARD: &str = "block_part_forward";
 const BACKWARD: &str = "block_part_backward";
 
@@ -29,11 +34,34 @@ pub fn applies(q: &Tensor, block: i64) -> bool {
         && 4 * block * (d + 4) * 4 + 2 * block * (block + 1) * 4 + (1 + MAX_SPANS as i64) * block * 4 <= 48 << 10
 }
 
-/// The kernels' defines: block, head dim and query heads per kv head.
-fn module(q: &Tensor, k: &Tensor, block: i64) -> Result<nvrtc::Module, String> {
+/// The two implementations of the same kernels.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kernels {
+    Simt,
+    Mma,
+}
+
+/// The tensor-core kernels where the block is one 16-row tile, the head dim 64 or 128, a kv
+/// head's query heads at most 16 (the backward's warps a CTA) and every row the kernels read or
+/// write 16-byte aligned; else the SIMT ones.
+fn kernels(q: &Tensor, k: &Tensor, block: i64, args: &[&Arg]) -> Kernels {
+    let d = q.size()[3];
+    let group = q.size()[1] / k.size()[1];
+    if block == 16 && matches!(d, 64 | 128) && group <= 16 && args.iter().all(|a| a.aligned(16)) {
+        Kernels::Mma
+    } else {
+        Kernels::Simt
+    }
+}
+
+/// The kernels' module: block, head dim and query heads per kv head.
+fn module(q: &Tensor, k: &Tensor, block: i64, kernels: Kernels) -> Result<nvrtc::Module, String> {
     let Device::Cuda(device) = q.device() else { return Err("not a CUDA tensor".into()) };
     let (nh, d, nkv) = (q.size()[1], q.size()[3], k.size()[1]);
-    nvrtc::module(device, SRC, &[("BK", block), ("D", d), ("G", nh / nkv)], &[FORWARD, BACKWARD])
+    match kernels {
+        Kernels::Simt => nvrtc::module(device, SRC, &[("BK", block), ("D", d), ("G", nh / nkv)], &[FORWARD, BACKWARD]),
+        Kernels::Mma => nvrtc::module(device, SRC_MMA, &[("D", d), ("G", nh / nkv)], &[FORWARD, BACKWARD]),
+    }
 }
 
 /// A tensor as the kernels take it: device pointer and its first three strides (the last dim
@@ -58,6 +86,11 @@ impl Arg {
         Ok(Self { ptr, strides })
     }
 
+    /// Whether every row starts on a `bytes` boundary (bf16 elements).
+    fn aligned(&self, bytes: u64) -> bool {
+        self.ptr % bytes == 0 && self.strides.iter().all(|&s| (2 * s as u64) % bytes == 0)
+    }
+
     /// The pointer and the three strides, as the kernels' parameters take a tensor.
     fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>) {
         launch.arg(&self.ptr).arg(&self.strides[0]).arg(&self.strides[1]).arg(&self.strides[2]);
@@ -65,10 +98,16 @@ impl Arg {
 }
 
 /// The grid: a CTA per (block, head, sequence), `heads` the query heads (forward) or the kv heads
-/// (backward, which sums the group's gradients in the CTA).
-fn config(q: &Tensor, heads: i64, block: i64) -> LaunchConfig {
+/// (backward, which sums the group's gradients in the CTA). On tensor cores the forward does
+/// MMA_WARPS query heads a CTA and the backward's CTA is a warp per query head of its kv head.
+fn config(q: &Tensor, heads: i64, block: i64, kernels: Kernels, forward: bool) -> LaunchConfig {
     let (b, n) = (q.size()[0], q.size()[2]);
-    LaunchConfig { grid_dim: ((n / block) as u32, heads as u32, b as u32), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+    let (ctas, threads) = match (kernels, forward) {
+        (Kernels::Simt, _) => (heads, THREADS),
+        (Kernels::Mma, true) => ((heads + MMA_WARPS - 1) / MMA_WARPS, MMA_WARPS as u32 * 32),
+        (Kernels::Mma, false) => (heads, 32 * (q.size()[1] / heads) as u32),
+    };
+    LaunchConfig { grid_dim: ((n / block) as u32, ctas as u32, b as u32), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// One range of the context part as its fused kernel ran it: query rows `start..start + len`,
@@ -114,7 +153,6 @@ pub fn forward(
         let spans = parts.iter().map(|p| p.spans.len()).max().unwrap_or(0);
         return Err(format!("{} context ranges, up to {spans} spans each (at most {MAX_RANGES}, of {MAX_SPANS})", parts.len()));
     }
-    let m = module(q, k, block)?;
     let (b, nh, n, d) = (q.size()[0], q.size()[1], q.size()[2], q.size()[3]);
     let s = k.size()[2] - n;
     let out = Tensor::empty([b, n, nh, d], (q.kind(), q.device())).transpose(1, 2);
@@ -122,7 +160,7 @@ pub fn forward(
     let anchors = anchors.to_kind(Kind::Int64).contiguous();
     let mut table = Parts { n: parts.len() as i32, ..Default::default() };
     // The log-sum-exps as the kernel reads them (fp32, dense), alive until the launch is queued.
-    let mut lses = vec![];
+    let (mut lses, mut span_args) = (vec![], vec![]);
     for (r, part) in parts.iter().enumerate() {
         (table.start[r], table.len[r], table.spans[r]) = (part.start as i32, part.len as i32, part.spans.len() as i32);
         for (p, (o, l)) in part.spans.iter().enumerate() {
@@ -131,10 +169,13 @@ pub fn forward(
             (table.o[r][p], table.lse[r][p]) = (a.ptr, l.data_ptr() as u64);
             (table.ob[r][p], table.oh[r][p], table.on[r][p]) = (a.strides[0], a.strides[1], a.strides[2]);
             lses.push(l);
+            span_args.push(a);
         }
     }
     let [aq, ak, av, ao] = [q, k, v, &out].map(Arg::new);
     let (aq, ak, av, ao) = (aq?, ak?, av?, ao?);
+    let kernels = kernels(q, k, block, &[&aq, &ak, &av, &ao].into_iter().chain(&span_args).collect::<Vec<_>>());
+    let m = module(q, k, block, kernels)?;
     let (p_anchors, p_lse) = (anchors.data_ptr() as u64, lse.data_ptr() as u64);
     let (nh32, n32, s32, w32, scale32) = (nh as i32, n as i32, s as i32, window_arg(window)?, scale as f32);
     let mut launch = m.stream.launch_builder(m.function(FORWARD));
@@ -147,7 +188,7 @@ pub fn forward(
     // SAFETY: the arguments match the kernel's signature; every pointer is a live tensor's data
     // on this device with the strides passed (the table's too: `parts` and `lses` outlive the
     // queueing), and the launch is ordered on libtorch's stream.
-    unsafe { launch.launch(config(q, nh, block)) }.map_err(|e| format!("{FORWARD}: {e}"))?;
+    unsafe { launch.launch(config(q, nh, block, kernels, true)) }.map_err(|e| format!("{FORWARD}: {e}"))?;
     Ok((out, lse))
 }
 
@@ -159,7 +200,6 @@ pub fn backward(
     q: &Tensor, k: &Tensor, v: &Tensor, d_out: &Tensor, out: &Tensor, lse: &Tensor, dq: &Tensor, dk: &Tensor, dv: &Tensor,
     block: i64, window: i64, scale: f64,
 ) -> Result<(), String> {
-    let m = module(q, k, block)?;
     let (nh, n) = (q.size()[1], q.size()[2]);
     let s = k.size()[2] - n;
     if !dk.is_contiguous() || !dv.is_contiguous() || !lse.is_contiguous() {
@@ -168,6 +208,8 @@ pub fn backward(
     let [aq, ak, av, ad, ao, ag, adk] = [q, k, v, d_out, out, dq, dk].map(Arg::new);
     let (aq, ak, av, ad, ao, ag, adk) = (aq?, ak?, av?, ad?, ao?, ag?, adk?);
     let (p_lse, p_dv) = (lse.data_ptr() as u64, dv.data_ptr() as u64);
+    let kernels = if p_dv % 16 == 0 { kernels(q, k, block, &[&aq, &ak, &av, &ad, &ao, &ag, &adk]) } else { Kernels::Simt };
+    let m = module(q, k, block, kernels)?;
     let (nh32, n32, s32, w32, scale32) = (nh as i32, n as i32, s as i32, window_arg(window)?, scale as f32);
     let mut launch = m.stream.launch_builder(m.function(BACKWARD));
     for a in [&aq, &ak, &av, &ad, &ao] {
@@ -178,7 +220,7 @@ pub fn backward(
     launch.arg(&adk.ptr).arg(&p_dv).arg(&adk.strides[0]).arg(&adk.strides[1]).arg(&adk.strides[2]);
     launch.arg(&nh32).arg(&n32).arg(&s32).arg(&w32).arg(&scale32);
     // SAFETY: as in `forward`; dk and dv are dense with the same shape, so they share strides.
-    unsafe { launch.launch(config(q, k.size()[1], block)) }.map_err(|e| format!("{BACKWARD}: {e}"))?;
+    unsafe { launch.launch(config(q, k.size()[1], block, kernels, false)) }.map_err(|e| format!("{BACKWARD}: {e}"))?;
     Ok(())
 }
 
@@ -200,6 +242,16 @@ mod tests {
             assert!(text.contains(".entry block_part_forward") && text.contains(".entry block_part_backward"));
             // The range table is read at constant offsets: no copy of it in local memory.
             assert!(!text.contains(".local"), "BK {bk} D {d} G {g}: the kernels use local memory");
+        }
+        for (d, g) in [(128, 4), (64, 2), (128, 1), (64, 8)] {
+            let ptx = super::nvrtc::compile(super::SRC_MMA, &[("D", d), ("G", g)]);
+            let text = ptx.unwrap_or_else(|e| panic!("tensor cores, D {d} G {g}: {e}")).to_src();
+            assert!(text.contains(".entry block_part_forward") && text.contains(".entry block_part_backward"));
+            assert!(text.contains("mma.sync.aligned.m16n8k16"), "D {d} G {g}: no tensor-core instruction");
+            assert!(!text.contains(".local"), "tensor cores, D {d} G {g}: the kernels use local memory");
+            if let Ok(dir) = std::env::var("DFLASH_PTX_DIR") {
+                std::fs::write(format!("{dir}/block_part_mma_d{d}_g{g}.ptx"), &text).unwrap();
+            }
         }
     }
 }
