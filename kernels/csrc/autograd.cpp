@@ -27,12 +27,13 @@ extern "C" void dflash_clear_grad(const at::Tensor* t) {
   t->mutable_grad() = at::Tensor();
 }
 
-// A copy of a CPU tensor in pinned (page-locked) memory, so a copy to the GPU can be
-// asynchronous. tch's pin_memory passes a device argument that libtorch 2.11 warns about on every
-// call.
-extern "C" int dflash_pin_memory(const at::Tensor* t, at::Tensor** out, char* err, size_t err_len) {
+// An uninitialised CPU tensor shaped and typed as `t`, in pinned (page-locked) memory from
+// libtorch's caching host allocator, so copies between it and a GPU can be asynchronous. Filling
+// it is the caller's: a buffer about to be overwritten needs no copy, where `pin_memory()` on an
+// empty tensor copies its garbage.
+extern "C" int dflash_empty_pinned_like(const at::Tensor* t, at::Tensor** out, char* err, size_t err_len) {
   try {
-    *out = new at::Tensor(t->pin_memory());
+    *out = new at::Tensor(t->new_empty(t->sizes(), t->options().pinned_memory(true)));
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(err, err_len, "%s", e.what());

@@ -1,19 +1,26 @@
 //! `torch::autograd::backward` with output gradients, through csrc/autograd.cpp (tch's
 //! `backward` takes none): what a drafter running its own backward hands autograd.
 
-use crate::ffi::{dflash_backward, dflash_clear_grad, dflash_pin_memory, with_error_buffer};
+use crate::ffi::{dflash_backward, dflash_clear_grad, dflash_empty_pinned_like, with_error_buffer};
 use std::ffi::c_void;
 use tch::Tensor;
 
-/// `t` (a CPU tensor) in pinned memory, for asynchronous copies to a GPU; `t` itself when it
-/// already is (libtorch returns it). Needs a CUDA runtime.
-pub fn pinned(t: &Tensor) -> Result<Tensor, String> {
+/// An uninitialised tensor of `t`'s shape and kind in pinned CPU memory, for asynchronous copies
+/// between it and a GPU. Needs a CUDA runtime.
+pub fn empty_pinned_like(t: &Tensor) -> Result<Tensor, String> {
     let mut out = std::ptr::null_mut::<c_void>();
     // SAFETY: a tch handle is an at::Tensor*; on success the shim returns a new at::Tensor* that
     // the Tensor below owns; the error buffer has the length passed.
-    with_error_buffer(|err, err_len| unsafe { dflash_pin_memory(t.as_ptr() as *const c_void, &mut out, err, err_len) })?;
+    with_error_buffer(|err, err_len| unsafe { dflash_empty_pinned_like(t.as_ptr() as *const c_void, &mut out, err, err_len) })?;
     // SAFETY: see above.
     Ok(unsafe { Tensor::from_ptr(out as _) })
+}
+
+/// A copy of `t` (a CPU tensor) in pinned memory.
+pub fn pinned(t: &Tensor) -> Result<Tensor, String> {
+    let mut p = empty_pinned_like(t)?;
+    p.copy_(t);
+    Ok(p)
 }
 
 /// `t` on `device` without the host waiting: a CPU tensor goes through pinned memory with a

@@ -10,7 +10,7 @@ extern "C" {
     // csrc/autograd.cpp
     pub fn dflash_backward(tensors: *const *const c_void, grads: *const *const c_void, n: usize, err: *mut c_char, err_len: usize) -> c_int;
     pub fn dflash_clear_grad(t: *const c_void);
-    pub fn dflash_pin_memory(t: *const c_void, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    pub fn dflash_empty_pinned_like(t: *const c_void, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
 
     // csrc/fused_adamw.cpp
     pub fn dflash_fused_adamw(

@@ -79,7 +79,7 @@ fn to_buffer(hidden: Tensor, drafter: Device) -> Tensor {
         return hidden;
     }
     let empty = Tensor::empty(hidden.size(), (hidden.kind(), Device::Cpu));
-    let mut host = kernels::autograd::pinned(&empty).unwrap_or(empty);
+    let mut host = kernels::autograd::empty_pinned_like(&empty).unwrap_or(empty);
     host.copy_(&hidden);
     host
 }
