@@ -36,19 +36,24 @@ __device__ __forceinline__ Stat merge(Stat a, Stat b) {
     return r;
 }
 
-// One more element, with one exp (the merge above takes two).
-__device__ __forceinline__ Stat push(Stat a, float x, int i) {
-    if (a.s == 0.f) {
-        a.m = x;
-        a.s = 1.f;
-        a.i = i;
-    } else if (x > a.m) {  // strictly: the first index of the max stays
-        a.s = a.s * expf(a.m - x) + 1.f;
-        a.m = x;
-        a.i = i;
-    } else {
-        a.s += expf(x - a.m);
-    }
+// N more elements x[0..N) at indices idx[0..N) (increasing; -inf for none): their max first,
+// then their exps side by side (independent, where a push per element is a chain of them).
+template <int N>
+__device__ __forceinline__ Stat push_all(Stat a, const float* x, const int* idx) {
+    float m = x[0];
+#pragma unroll
+    for (int k = 1; k < N; k++) m = fmaxf(m, x[k]);
+    int i = idx[0];
+#pragma unroll
+    for (int k = N - 1; k >= 0; k--)
+        if (x[k] == m) i = idx[k];  // the first index of the max
+    const float mn = a.s == 0.f ? m : fmaxf(a.m, m);
+    float s = a.s == 0.f ? 0.f : a.s * expf(a.m - mn);
+#pragma unroll
+    for (int k = 0; k < N; k++) s += expf(x[k] - mn);
+    if (a.s == 0.f || m > a.m) a.i = i;  // strictly: the earlier index of an equal max stays
+    a.m = mn;
+    a.s = s;
     return a;
 }
 
@@ -61,24 +66,21 @@ extern "C" __global__ void __launch_bounds__(STATS_THREADS) ce_row_stats(
     st.m = 0.f;
     st.s = 0.f;
     st.i = 0x7fffffff;
-    // UNROLL loads in flight a thread (the pushes are a serial chain); the same order as one at
-    // a time.
+    // UNROLL loads in flight a thread, then their 4 UNROLL logits pushed at once.
     for (int v0 = threadIdx.x * 4; v0 < V; v0 += STATS_THREADS * 4 * UNROLL) {
-        float4 x[UNROLL];
+        float x[4 * UNROLL];
+        int idx[4 * UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
             const int v = v0 + u * STATS_THREADS * 4;
-            if (v < V) x[u] = *reinterpret_cast<const float4*>(row + v);
-        }
+            const float none = __int_as_float(0xff800000);  // -inf: past the row
+            float4 f = make_float4(none, none, none, none);
+            if (v < V) f = *reinterpret_cast<const float4*>(row + v);
+            x[4 * u] = f.x, x[4 * u + 1] = f.y, x[4 * u + 2] = f.z, x[4 * u + 3] = f.w;
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            const int v = v0 + u * STATS_THREADS * 4;
-            if (v >= V) break;
-            st = push(st, x[u].x, v);
-            st = push(st, x[u].y, v + 1);
-            st = push(st, x[u].z, v + 2);
-            st = push(st, x[u].w, v + 3);
+            for (int e = 0; e < 4; e++) idx[4 * u + e] = v + e;
         }
+        st = push_all<4 * UNROLL>(st, x, idx);
     }
     for (int off = 16; off > 0; off /= 2) {
         Stat o;
