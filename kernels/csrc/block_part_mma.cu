@@ -11,6 +11,7 @@
 // - P V (and dS K, dS^T Q, P^T dO) take the 16 block rows as the k-dim; their n-dim is d, mapped
 //   so that n-tile nt's column g is d = g NO + nt: lane g loads NO consecutive d of 4 rows, and
 //   lane c's accumulators hold d = 2c NO .. 2c NO + 2 NO of its rows (stored 16 bytes at a time).
+//   The backward's dk and dv do the same within slices of D/4: d = slice DS + g NS + nt.
 //
 // Compiled at run time by NVRTC (kernels/src/nvrtc.rs) with -DD=.. -DG=..; rows 16-byte aligned
 // (kernels/src/block_part.rs checks).
