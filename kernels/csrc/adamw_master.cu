@@ -15,18 +15,44 @@ __device__ __forceinline__ unsigned short bf16_round(float x) {  // round to nea
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t).
+struct Hyper {
+    float lr, beta1, beta2, weight_decay, eps, step_size, bc2_sqrt;
+};
+
+// One element: the master p and moments m, v updated in place from the gradient g.
+__device__ __forceinline__ void update(float g, float& p, float& m, float& v, const Hyper& h) {
+    p -= h.lr * h.weight_decay * p;
+    m = h.beta1 * m + (1.f - h.beta1) * g;
+    v = h.beta2 * v + (1.f - h.beta2) * g * g;
+    const float denom = sqrtf(v) / h.bc2_sqrt + h.eps;
+    p -= h.step_size * m / denom;
+}
+
+// step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t). The first 4 * n4 elements 4 at a
+// time (16-byte loads of the fp32 tensors, 8-byte of the bf16 ones: n4 is 0 unless all five are
+// 16-byte aligned), the rest one at a time.
 extern "C" __global__ void adamw_master_step(const bf16* grad, float* master, float* exp_avg, float* exp_avg_sq, bf16* param,
-                                             long long n, float lr, float beta1, float beta2, float weight_decay, float eps,
-                                             float step_size, float bc2_sqrt) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float g = __uint_as_float((unsigned)grad[i] << 16);
+                                             long long n, long long n4, float lr, float beta1, float beta2, float weight_decay,
+                                             float eps, float step_size, float bc2_sqrt) {
+    const Hyper h = {lr, beta1, beta2, weight_decay, eps, step_size, bc2_sqrt};
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = first; i < n4; i += stride) {
+        const uint2 gw = reinterpret_cast<const uint2*>(grad)[i];
+        float4 p = reinterpret_cast<float4*>(master)[i], m = reinterpret_cast<float4*>(exp_avg)[i],
+               v = reinterpret_cast<float4*>(exp_avg_sq)[i];
+        update(__uint_as_float(gw.x << 16), p.x, m.x, v.x, h);
+        update(__uint_as_float(gw.x & 0xffff0000u), p.y, m.y, v.y, h);
+        update(__uint_as_float(gw.y << 16), p.z, m.z, v.z, h);
+        update(__uint_as_float(gw.y & 0xffff0000u), p.w, m.w, v.w, h);
+        reinterpret_cast<float4*>(master)[i] = p;
+        reinterpret_cast<float4*>(exp_avg)[i] = m;
+        reinterpret_cast<float4*>(exp_avg_sq)[i] = v;
+        reinterpret_cast<uint2*>(param)[i] = make_uint2(bf16_round(p.x) | ((unsigned)bf16_round(p.y) << 16),
+                                                        bf16_round(p.z) | ((unsigned)bf16_round(p.w) << 16));
+    }
+    for (long long i = 4 * n4 + first; i < n; i += stride) {
         float p = master[i], m = exp_avg[i], v = exp_avg_sq[i];
-        p -= lr * weight_decay * p;
-        m = beta1 * m + (1.f - beta1) * g;
-        v = beta2 * v + (1.f - beta2) * g * g;
-        const float denom = sqrtf(v) / bc2_sqrt + eps;
-        p -= step_size * m / denom;
+        update(__uint_as_float((unsigned)grad[i] << 16), p, m, v, h);
         master[i] = p;
         exp_avg[i] = m;
         exp_avg_sq[i] = v;

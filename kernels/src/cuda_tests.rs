@@ -192,19 +192,19 @@ fn norm_rope_kernels_match_autograd() {
 
 /// The master-weight AdamW kernel against libtorch's fused AdamW over fp32 copies (the path it
 /// replaces), three steps with weight decay: masters and moments equal to fp32 rounding, the bf16
-/// parameters the masters rounded.
+/// parameters the masters rounded. 300,699 elements: groups of 4 and a tail of 3.
 #[test]
 fn adamw_master_kernel_matches_libtorch_fused() {
     let Some(dev) = crate::cuda_test_device() else { return };
     let _lock = SWITCH.lock().unwrap();
     tch::manual_seed(5);
     let f32 = (Kind::Float, dev);
-    let init = Tensor::randn([1000, 300], f32);
+    let init = Tensor::randn([999, 301], f32);
     let (param, master, m, v) = (init.to_kind(Kind::BFloat16), init.copy(), init.zeros_like(), init.zeros_like());
     let (ref_master, ref_m, ref_v) = (init.copy(), init.zeros_like(), init.zeros_like());
     let (lr, betas, wd, eps) = (1e-2, [0.9, 0.999], 0.1, 1e-8);
     for step in 1..=3 {
-        let grad = Tensor::randn([1000, 300], (Kind::BFloat16, dev));
+        let grad = Tensor::randn([999, 301], (Kind::BFloat16, dev));
         let h = crate::adamw::Step { lr, betas, weight_decay: wd, eps, step };
         nvrtc::with_enabled(true, || crate::adamw::master_step(&param, &grad, &master, &m, &v, h)).expect("the kernel runs");
         let step_t = Tensor::full([], step as f64, f32);
