@@ -5,16 +5,15 @@
 // dk, dv. The composite it replaces is a dozen passes of small batched
 // matmuls, casts and layout copies; this reads each input once.
 //
-// Compiled at run time by NVRTC (kernels/src/nvrtc.rs) with -DBK=.. -DD=.. -DG=..; bf16 in and
-// out, fp32 inside. Tensors come as base pointers and element strides: the last dim dense, rows
-// 8-byte aligned (kernels/src/block_part.rs checks), so each thread moves 4 elements at a time.
+// Compiled at run time by NVRTC (kernels/src/nvrtc.rs), after block_part_spans.cuh, with
+// -DBK=.. -DD=.. -DG=..; bf16 in and out, fp32 inside. Tensors come as base pointers and element
+// strides: the last dim dense, rows 8-byte aligned (kernels/src/block_part.rs checks), so each
+// thread moves 4 elements at a time.
 // A row of D elements is D/4 consecutive threads (a power of two up to a warp).
 //
 // `window` > 0: a sliding-window layer (HF's sliding_window, at least BK), served causal: row i
 // sees its block's keys 0..=i only, and the context only when its window reaches back past the
 // anchor (i < window - 1; the context part's bias cut the rest).
-
-typedef unsigned short bf16;
 
 #define THREADS 128
 #define DP (D + 4)        // shared rows padded by 4 words: consecutive rows start 4 banks apart
@@ -66,20 +65,6 @@ __device__ __forceinline__ float row_sum(float x) {
     return x;
 }
 
-#define MAX_RANGES 16
-#define MAX_SPANS 2
-
-// The context part, range by range as its fused kernel ran it: range r covers query rows
-// start[r]..start[r] + len[r] and ran in spans[r] spans of keys, span p with output o[r][p]
-// ([B, nh, len, D] bf16, strides ob, oh, on) and log-sum-exp lse[r][p] ([B, nh, len] fp32,
-// dense).
-struct Parts {
-    int start[MAX_RANGES], len[MAX_RANGES], spans[MAX_RANGES];
-    unsigned long long o[MAX_RANGES][MAX_SPANS], lse[MAX_RANGES][MAX_SPANS];
-    long long ob[MAX_RANGES][MAX_SPANS], oh[MAX_RANGES][MAX_SPANS], on[MAX_RANGES][MAX_SPANS];
-    int n;
-};
-
 // Forward. q [B, nh, N, D]; k, v [B, nkv, S + N, D] (the block keys from S); `parts` the context
 // part's outputs and log-sum-exps; anchors [B, A] (int64, dense): a block at anchor 0 (or,
 // windowed, a row past window - 2) sees no context and its context part is ignored. Writes out
@@ -100,32 +85,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) block_part_forward(
     load_rows(sk, k + b * kb + kvh * kh + (s + row0) * kn, kn);
     load_rows(sv, v + b * vb + kvh * vh + (s + row0) * vn, vn);
     load_rows(sq, q + b * qb + h * qh + row0 * qn, qn);
-    // The range holding this block (none: it sees no context), and its spans' outputs for the
+    // The context spans of this block (none: it sees no context), and their outputs for the
     // merge, loaded now so their latency hides behind the scores (used only where their weight
     // is > 0).
-    // (Unrolled: constant indices into the parameter block; an index known only at run time
-    // would make the compiler copy the whole block into each thread's local memory.)
-    int spans = 0, len = 1;
-    long long in_range = 0;
-    const bf16* o[MAX_SPANS];
-    const float* lse_span[MAX_SPANS];
-    long long o_b[MAX_SPANS], o_h[MAX_SPANS], o_n[MAX_SPANS];
-#pragma unroll
-    for (int r = 0; r < MAX_RANGES; r++) {
-        if (r < parts.n && row0 >= parts.start[r] && row0 < parts.start[r] + parts.len[r]) {
-            spans = parts.spans[r];
-            len = parts.len[r];
-            in_range = row0 - parts.start[r];
-#pragma unroll
-            for (int p = 0; p < MAX_SPANS; p++) {
-                o[p] = reinterpret_cast<const bf16*>(parts.o[r][p]);
-                lse_span[p] = reinterpret_cast<const float*>(parts.lse[r][p]);
-                o_b[p] = parts.ob[r][p];
-                o_h[p] = parts.oh[r][p];
-                o_n[p] = parts.on[r][p];
-            }
-        }
-    }
+    const BlockSpans spans = block_spans(parts, row0, b, h, nh);
     // Read now, used after the scores: the loads above do not wait for it.
     const bool has_context = anchors[(long long)b * gridDim.x + a] > 0;
     float4 from_ctx[MAX_SPANS][QUADS];
@@ -134,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) block_part_forward(
 #pragma unroll
         for (int qd = 0; qd < QUADS; qd++) {
             const int i = SLAB_R(qd), d = SLAB_D(qd);
-            from_ctx[p][qd] = p < spans ? load4(o[p] + b * o_b[p] + h * o_h[p] + (in_range + i) * o_n[p] + d) : make_float4(0.f, 0.f, 0.f, 0.f);
+            from_ctx[p][qd] = p < spans.n ? load4(spans.o[p] + i * spans.on[p] + d) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
     __syncthreads();
@@ -163,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) block_part_forward(
         const bool sees = has_context && (window == 0 || t < window - 1);
 #pragma unroll
         for (int p = 0; p < MAX_SPANS; p++) {
-            lc[p] = sees && p < spans ? lse_span[p][((long long)b * nh + h) * len + in_range + t] : __int_as_float(0xff800000);
+            lc[p] = sees && p < spans.n ? spans.lse[p][t] : __int_as_float(0xff800000);
         }
         float mx = lb;
         for (int p = 0; p < MAX_SPANS; p++) mx = fmaxf(mx, lc[p]);

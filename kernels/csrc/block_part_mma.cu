@@ -13,10 +13,9 @@
 //   lane c's accumulators hold d = 2c NO .. 2c NO + 2 NO of its rows (stored 16 bytes at a time).
 //   The backward's dk and dv do the same within slices of D/4: d = slice DS + g NS + nt.
 //
-// Compiled at run time by NVRTC (kernels/src/nvrtc.rs) with -DD=.. -DG=..; rows 16-byte aligned
-// (kernels/src/block_part.rs checks).
+// Compiled at run time by NVRTC (kernels/src/nvrtc.rs), after block_part_spans.cuh, with -DD=..
+// -DG=..; rows 16-byte aligned (kernels/src/block_part.rs checks).
 
-typedef unsigned short bf16;
 typedef unsigned int u32;
 
 #define BK 16
@@ -85,6 +84,13 @@ __device__ __forceinline__ void b_frag(const u32* r0, const u32* r1, const u32* 
     b1 = __byte_perm(r2[nt / 2], r3[nt / 2], sel);
 }
 
+// Element e (of 2N) of the lane's d range in row g + 8 rr, from the accumulators of N n-tiles
+// whose column g is d = g N + nt: column 2c of n-tile e, or column 2c+1 of n-tile e - N.
+template <int N>
+__device__ __forceinline__ float acc_at(const float (*acc)[4], int e, int rr) {
+    return e < N ? acc[e][2 * rr] : acc[e - N][2 * rr + 1];
+}
+
 // Sum over the 4 lanes of a row (c = 0..3).
 __device__ __forceinline__ float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
@@ -109,17 +115,6 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
     mma(acc[1], a0.x, a1.x, a0.y, a1.y, b1.x, b1.y);           \
     mma(acc[1], a0.z, a1.z, a0.w, a1.w, b1.z, b1.w);
 
-#define MAX_RANGES 16
-#define MAX_SPANS 2
-
-// As in block_part.cu.
-struct Parts {
-    int start[MAX_RANGES], len[MAX_RANGES], spans[MAX_RANGES];
-    unsigned long long o[MAX_RANGES][MAX_SPANS], lse[MAX_RANGES][MAX_SPANS];
-    long long ob[MAX_RANGES][MAX_SPANS], oh[MAX_RANGES][MAX_SPANS], on[MAX_RANGES][MAX_SPANS];
-    int n;
-};
-
 // Forward, as block_part.cu's. A warp a (block, query head), WARPS query heads a CTA.
 extern "C" __global__ void __launch_bounds__(WARPS * 32) block_part_forward(
     const bf16* __restrict__ q, long long qb, long long qh, long long qn,
@@ -134,33 +129,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) block_part_forward(
     const int kvh = h / G;
     const long long row0 = (long long)a * BK;
 
-    // The range holding this block, its spans' outputs and log-sum-exps (unrolled: constant
-    // indices into the parameter block, which a run-time index would copy to local memory).
-    int spans = 0, len = 1;
-    long long in_range = 0;
-    const bf16* o[MAX_SPANS];
-    const float* lse_span[MAX_SPANS];
-    long long o_n[MAX_SPANS];
-#pragma unroll
-    for (int r = 0; r < MAX_RANGES; r++) {
-        if (r < parts.n && row0 >= parts.start[r] && row0 < parts.start[r] + parts.len[r]) {
-            spans = parts.spans[r];
-            len = parts.len[r];
-            in_range = row0 - parts.start[r];
-#pragma unroll
-            for (int p = 0; p < MAX_SPANS; p++) {
-                o[p] = reinterpret_cast<const bf16*>(parts.o[r][p]) + b * parts.ob[r][p] + h * parts.oh[r][p] + (in_range + g) * parts.on[r][p] + 2 * c * NO;
-                o_n[p] = parts.on[r][p];
-                lse_span[p] = reinterpret_cast<const float*>(parts.lse[r][p]) + ((long long)b * nh + h) * len + in_range + g;
-            }
-        }
-    }
+    // The context spans of this block (none: it sees no context).
+    const BlockSpans spans = block_spans(parts, row0, b, h, nh);
     const bool has_context = anchors[(long long)b * gridDim.x + a] > 0;
     float lc[MAX_SPANS][2];
 #pragma unroll
     for (int p = 0; p < MAX_SPANS; p++)
 #pragma unroll
-        for (int rr = 0; rr < 2; rr++) lc[p][rr] = p < spans ? lse_span[p][8 * rr] : __int_as_float(0xff800000);
+        for (int rr = 0; rr < 2; rr++) lc[p][rr] = p < spans.n ? spans.lse[p][g + 8 * rr] : __int_as_float(0xff800000);
 
     // S = Q K^T: rows g, g+8; n-tile nt's column g is block key 8 nt + g.
     const bf16* qp = q + b * qb + h * qh + (row0 + g) * qn + 8 * c;
@@ -233,15 +209,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) block_part_forward(
     for (int rr = 0; rr < 2; rr++) {
         float x[2 * NO];
 #pragma unroll
-        for (int e = 0; e < NO; e++) {
-            x[e] = acc[e][2 * rr];
-            x[NO + e] = acc[e][2 * rr + 1];
-        }
+        for (int e = 0; e < 2 * NO; e++) x[e] = acc_at<NO>(acc, e, rr);
 #pragma unroll
         for (int p = 0; p < MAX_SPANS; p++) {
             if (w[p][rr] > 0.f) {
                 u32 ctx[NO];
-                ld_words<NO>(ctx, o[p] + 8 * rr * o_n[p]);
+                ld_words<NO>(ctx, spans.o[p] + (g + 8 * rr) * spans.on[p] + 2 * c * NO);
 #pragma unroll
                 for (int e = 0; e < NO; e++) {
                     x[2 * e] += w[p][rr] * lo(ctx[e]);
@@ -344,13 +317,7 @@ extern "C" __global__ void __launch_bounds__(G * 32) block_part_backward(
             u32 old[NO], y[NO];
             ld_words<NO>(old, dqp + 8 * rr * gn);
 #pragma unroll
-            for (int e = 0; e < NO; e++) {
-                // Elements 2e, 2e+1 of the lane's 2 NO: accumulator column 2c (the first NO) or 2c+1.
-                const int e0 = 2 * e, e1 = 2 * e + 1;
-                const float x0 = e0 < NO ? acc[e0][2 * rr] : acc[e0 - NO][2 * rr + 1];
-                const float x1 = e1 < NO ? acc[e1][2 * rr] : acc[e1 - NO][2 * rr + 1];
-                y[e] = pack(lo(old[e]) + x0, hi(old[e]) + x1);
-            }
+            for (int e = 0; e < NO; e++) y[e] = pack(lo(old[e]) + acc_at<NO>(acc, 2 * e, rr), hi(old[e]) + acc_at<NO>(acc, 2 * e + 1, rr));
             st_words<NO>(dqp + 8 * rr * gn, y);
         }
     }
@@ -390,9 +357,8 @@ extern "C" __global__ void __launch_bounds__(G * 32) block_part_backward(
             u32 yk[NS], yv[NS];
 #pragma unroll
             for (int e = 0; e < NS; e++) {
-                const int e0 = 2 * e, e1 = 2 * e + 1;
-                yk[e] = pack(e0 < NS ? acc_k[e0][2 * rr] : acc_k[e0 - NS][2 * rr + 1], e1 < NS ? acc_k[e1][2 * rr] : acc_k[e1 - NS][2 * rr + 1]);
-                yv[e] = pack(e0 < NS ? acc_v[e0][2 * rr] : acc_v[e0 - NS][2 * rr + 1], e1 < NS ? acc_v[e1][2 * rr] : acc_v[e1 - NS][2 * rr + 1]);
+                yk[e] = pack(acc_at<NS>(acc_k, 2 * e, rr), acc_at<NS>(acc_k, 2 * e + 1, rr));
+                yv[e] = pack(acc_at<NS>(acc_v, 2 * e, rr), acc_at<NS>(acc_v, 2 * e + 1, rr));
             }
             st_words<NS>(dk + at + 8 * rr * kgn, yk);
             st_words<NS>(dv + at + 8 * rr * kgn, yv);

@@ -9,8 +9,8 @@ use crate::nvrtc;
 use cudarc::driver::{DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
-const SRC: &str = include_str!("../csrc/block_part.cu");
-const SRC_MMA: &str = include_str!("../csrc/block_part_mma.cu");
+const SRC: &str = concat!(include_str!("../csrc/block_part_spans.cuh"), include_str!("../csrc/block_part.cu"));
+const SRC_MMA: &str = concat!(include_str!("../csrc/block_part_spans.cuh"), include_str!("../csrc/block_part_mma.cu"));
 const THREADS: u32 = 128;
 /// The tensor-core forward's warps a CTA (a query head each).
 const MMA_WARPS: i64 = 4;
@@ -205,10 +205,10 @@ pub fn backward(
     if !dk.is_contiguous() || !dv.is_contiguous() || !lse.is_contiguous() {
         return Err("dk, dv and lse must be dense".into());
     }
-    let [aq, ak, av, ad, ao, ag, adk] = [q, k, v, d_out, out, dq, dk].map(Arg::new);
-    let (aq, ak, av, ad, ao, ag, adk) = (aq?, ak?, av?, ad?, ao?, ag?, adk?);
-    let (p_lse, p_dv) = (lse.data_ptr() as u64, dv.data_ptr() as u64);
-    let kernels = if p_dv % 16 == 0 { kernels(q, k, block, &[&aq, &ak, &av, &ad, &ao, &ag, &adk]) } else { Kernels::Simt };
+    let [aq, ak, av, ad, ao, ag, adk, adv] = [q, k, v, d_out, out, dq, dk, dv].map(Arg::new);
+    let (aq, ak, av, ad, ao, ag, adk, adv) = (aq?, ak?, av?, ad?, ao?, ag?, adk?, adv?);
+    let p_lse = lse.data_ptr() as u64;
+    let kernels = kernels(q, k, block, &[&aq, &ak, &av, &ad, &ao, &ag, &adk, &adv]);
     let m = module(q, k, block, kernels)?;
     let (nh32, n32, s32, w32, scale32) = (nh as i32, n as i32, s as i32, window_arg(window)?, scale as f32);
     let mut launch = m.stream.launch_builder(m.function(BACKWARD));
@@ -217,7 +217,7 @@ pub fn backward(
     }
     launch.arg(&p_lse);
     ag.push(&mut launch);
-    launch.arg(&adk.ptr).arg(&p_dv).arg(&adk.strides[0]).arg(&adk.strides[1]).arg(&adk.strides[2]);
+    launch.arg(&adk.ptr).arg(&adv.ptr).arg(&adk.strides[0]).arg(&adk.strides[1]).arg(&adk.strides[2]);
     launch.arg(&nh32).arg(&n32).arg(&s32).arg(&w32).arg(&scale32);
     // SAFETY: as in `forward`; dk and dv are dense with the same shape, so they share strides.
     unsafe { launch.launch(config(q, k.size()[1], block, kernels, false)) }.map_err(|e| format!("{BACKWARD}: {e}"))?;
