@@ -1,8 +1,9 @@
 // Cross-entropy over fp32 logit rows (host/src/loss.rs), in two passes over the logits instead of
 // libtorch's five (log-softmax's three, exp, argmax): `ce_row_stats` reads a row once for its
 // log-sum-exp, the label's log-probability and whether the argmax is the label;
-// `ce_softmax_grad` reads it again and writes softmax - onehot in bf16 (the label's entry as
-// expm1 of its log-probability, from fp32: p - 1 near 1 would round away).
+// `ce_softmax_grad` reads it again and writes (softmax - onehot) times the row's scale (its loss
+// weight) in bf16 (the label's entry as expm1 of its log-probability, from fp32: p - 1 near 1
+// would round away).
 //
 // Compiled at run time by NVRTC (kernels/src/nvrtc.rs). Rows have V elements, V a multiple of 4,
 // row strides multiples of 4, so each thread reads 4 logits at a time.
@@ -104,13 +105,14 @@ extern "C" __global__ void __launch_bounds__(STATS_THREADS) ce_row_stats(
     }
 }
 
-// softmax - onehot in bf16: grid (ceil(V / (4 * GRAD_GROUPS) / threads), rows); a thread takes
+// (softmax - onehot) * row_scale in bf16: grid (ceil(V / (4 * GRAD_GROUPS) / threads), rows); a thread takes
 // GRAD_GROUPS groups of 4, a block apart, all loads first.
 extern "C" __global__ void ce_softmax_grad(
-    const float* z, long long ld, int V, const long long* labels, const float* lse, bf16* out, long long ldo) {
+    const float* z, long long ld, int V, const long long* labels, const float* lse, const float* row_scale, bf16* out,
+    long long ldo) {
     const long long r = blockIdx.y;
     const int v0 = blockIdx.x * blockDim.x * 4 * GRAD_GROUPS + threadIdx.x * 4;
-    const float l = lse[r];
+    const float l = lse[r], scale = row_scale[r];
     const long long label = labels[r];
     float4 x[GRAD_GROUPS];
 #pragma unroll
@@ -127,6 +129,8 @@ extern "C" __global__ void ce_softmax_grad(
             const float xs[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
             p[label - v] = expm1f(xs[label - v] - l);
         }
+#pragma unroll
+        for (int k = 0; k < 4; k++) p[k] *= scale;
         *reinterpret_cast<uint2*>(out + r * ldo + v) =
             make_uint2(bf16_bits(p[0]) | (bf16_bits(p[1]) << 16), bf16_bits(p[2]) | (bf16_bits(p[3]) << 16));
     }

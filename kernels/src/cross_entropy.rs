@@ -15,17 +15,17 @@ const GRAD_THREADS: u32 = 256;
 const GRAD_GROUPS: u32 = 2;
 
 /// Per row of z: the label's log-probability [c] (fp32), whether the argmax is the label [c]
-/// (bool), and when asked for, softmax - onehot [c, V] in bf16.
+/// (bool), and when asked for, (softmax - onehot) times a scale per row [c, V] in bf16.
 pub struct Rows {
     pub logp_label: Tensor,
     pub hit: Tensor,
     pub grad: Option<Tensor>,
 }
 
-/// The kernels for z [c, V] (fp32, CUDA, rows of whole float4s) against labels [c] (int64), the
-/// gradient in `grad` (bf16 only) if given; None where they do not apply or fail (the caller
-/// then runs libtorch's ops).
-pub fn rows(z: &Tensor, labels: &Tensor, grad: Option<Kind>) -> Option<Rows> {
+/// The kernels for z [c, V] (fp32, CUDA, rows of whole float4s) against labels [c] (int64); with
+/// `grad` = (kind, row scale [c]), the gradient too (bf16 only), each row times its scale. None
+/// where they do not apply or fail (the caller then runs libtorch's ops).
+pub fn rows(z: &Tensor, labels: &Tensor, grad: Option<(Kind, &Tensor)>) -> Option<Rows> {
     let (c, v) = (z.size()[0], z.size()[1]);
     let applies = nvrtc::enabled()
         && z.device().is_cuda()
@@ -36,11 +36,11 @@ pub fn rows(z: &Tensor, labels: &Tensor, grad: Option<Kind>) -> Option<Rows> {
         && (z.data_ptr() as usize) % 16 == 0
         && c > 0
         && c <= 65_535 // the gradient kernel's grid.y
-        && grad.is_none_or(|k| k == Kind::BFloat16);
+        && grad.is_none_or(|(k, _)| k == Kind::BFloat16);
     if !applies {
         return None;
     }
-    launch(z, labels, grad.is_some(), c, v)
+    launch(z, labels, grad.map(|(_, scale)| scale), c, v)
         .map_err(|e| {
             static WARNED: std::sync::Once = std::sync::Once::new();
             WARNED.call_once(|| eprintln!("loss: the fused cross-entropy kernels are unavailable ({e}); using libtorch's ops"));
@@ -48,7 +48,7 @@ pub fn rows(z: &Tensor, labels: &Tensor, grad: Option<Kind>) -> Option<Rows> {
         .ok()
 }
 
-fn launch(z: &Tensor, labels: &Tensor, with_grad: bool, c: i64, v: i64) -> Result<Rows, String> {
+fn launch(z: &Tensor, labels: &Tensor, grad_scale: Option<&Tensor>, c: i64, v: i64) -> Result<Rows, String> {
     let Device::Cuda(device) = z.device() else { unreachable!("checked by `rows`") };
     let m = nvrtc::module(device, SRC, &[], &[STATS, GRAD])?;
     let labels = labels.to_kind(Kind::Int64).contiguous();
@@ -64,14 +64,16 @@ fn launch(z: &Tensor, labels: &Tensor, with_grad: bool, c: i64, v: i64) -> Resul
     // 16-byte aligned rows (checked by `rows`), the outputs are fresh dense tensors of c
     // elements; the launch is ordered on libtorch's stream.
     unsafe { stats.launch(cfg) }.map_err(|e| format!("{STATS}: {e}"))?;
-    let grad = if with_grad {
+    let grad = if let Some(scale) = grad_scale {
+        let scale = scale.to_kind(Kind::Float).contiguous();
         let out = Tensor::empty([c, v], (Kind::BFloat16, z.device()));
-        let (po, ldo) = (out.data_ptr() as u64, v);
+        let (p_scale, po, ldo) = (scale.data_ptr() as u64, out.data_ptr() as u64, v);
         let mut g = m.stream.launch_builder(m.function(GRAD));
-        g.arg(&pz).arg(&ld).arg(&v32).arg(&pl).arg(&p_lse).arg(&po).arg(&ldo);
+        g.arg(&pz).arg(&ld).arg(&v32).arg(&pl).arg(&p_lse).arg(&p_scale).arg(&po).arg(&ldo);
         let blocks = (v as u32 / 4).div_ceil(GRAD_THREADS * GRAD_GROUPS);
         let cfg = LaunchConfig { grid_dim: (blocks, c as u32, 1), block_dim: (GRAD_THREADS, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: as above; `out` is a fresh dense [c, V] bf16 tensor.
+        // SAFETY: as above; `scale` is c dense fp32 elements, `out` a fresh dense [c, V] bf16
+        // tensor.
         unsafe { g.launch(cfg) }.map_err(|e| format!("{GRAD}: {e}"))?;
         Some(out)
     } else {

@@ -12,8 +12,8 @@ fn max_abs(t: &Tensor) -> f64 {
     t.abs().max().double_value(&[])
 }
 
-/// Row statistics and softmax - onehot of fp32 logit rows (a strided chunk, a 152K vocabulary)
-/// against libtorch's log-softmax, argmax and exp in fp32.
+/// Row statistics and (softmax - onehot) times a scale per row, of fp32 logit rows (a strided
+/// chunk, a 152K vocabulary), against libtorch's log-softmax, argmax and exp in fp32.
 #[test]
 fn cross_entropy_kernels_match_libtorch() {
     let Some(dev) = crate::cuda_test_device() else { return };
@@ -29,11 +29,14 @@ fn cross_entropy_kernels_match_libtorch() {
     let every_third = Tensor::arange(c, (Kind::Int64, dev)).remainder(3).eq(0);
     labels = argmax.where_self(&every_third, &labels);
 
-    let got = nvrtc::with_enabled(true, || cross_entropy::rows(&z, &labels, Some(Kind::BFloat16))).expect("the kernels run on a GPU");
+    // Row scales (the loss weights) in [0, 1), the first row's 0.
+    let scale = Tensor::rand([c], (Kind::Float, dev)).index_fill(0, &Tensor::from_slice(&[0i64]).to_device(dev), 0.0);
+
+    let got = nvrtc::with_enabled(true, || cross_entropy::rows(&z, &labels, Some((Kind::BFloat16, &scale)))).expect("the kernels run on a GPU");
     let logp = z.log_softmax(-1, Kind::Float);
     let want_label = logp.gather(1, &labels.unsqueeze(1), false).squeeze_dim(1);
     let want_hit = argmax.eq_tensor(&labels);
-    let want_grad = logp.exp() - labels.one_hot(v).to_kind(Kind::Float);
+    let want_grad = (logp.exp() - labels.one_hot(v).to_kind(Kind::Float)) * scale.unsqueeze(1);
 
     let err = max_abs(&(&got.logp_label - &want_label));
     eprintln!("label log-probability: max |diff| {err:.3e} (|logp| up to {:.1})", max_abs(&want_label));
@@ -43,8 +46,9 @@ fn cross_entropy_kernels_match_libtorch() {
     let grad = got.grad.expect("the gradient was asked for").to_kind(Kind::Float);
     // Each entry rounded once to bf16 (8 bits): within 2^-8 of its own size, plus fp32 noise.
     let excess = ((&grad - &want_grad).abs() - want_grad.abs() * (1.0 / 256.0)).max().double_value(&[]);
-    eprintln!("softmax - onehot: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}", max_abs(&(&grad - &want_grad)));
-    assert!(excess < 1e-6, "softmax - onehot beyond bf16 rounding by {excess}");
+    eprintln!("(softmax - onehot) * scale: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}", max_abs(&(&grad - &want_grad)));
+    assert!(excess < 1e-6, "(softmax - onehot) * scale beyond bf16 rounding by {excess}");
+    assert_eq!(max_abs(&grad.get(0)), 0.0, "a row of scale 0");
     // The label's entry p - 1 keeps its size: not rounded to -1 where p is near 1.
     let at_label = |g: &Tensor| g.gather(1, &labels.unsqueeze(1), false);
     let err = max_abs(&(at_label(&grad) - at_label(&want_grad)));

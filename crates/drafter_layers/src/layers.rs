@@ -2,7 +2,7 @@
 //! attention and the SwiGLU MLP.
 
 use crate::rope::RopeScaling;
-use plugin_api::tch::{nn, nn::Module, Kind, Tensor};
+use plugin_api::tch::{nn, nn::Module, no_grad, Kind, Tensor};
 use std::sync::atomic::AtomicBool;
 
 /// The shape of a dense decoder layer.
@@ -229,30 +229,53 @@ impl Attention {
         (q, k, v)
     }
 
-    /// [`project`](Self::project) for a drafter running its own backward: the graph stops at the q
-    /// and k projections (kept in the returned [`QkCut`]) and their norm and RoPE run outside
-    /// autograd (one kernel each way on a GPU); [`qk_grads`](Self::qk_grads) writes their
-    /// backward out. v keeps its graph.
-    pub fn project_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> (Tensor, Tensor, Tensor, QkCut) {
-        let (q_lin, k_lin, v) = self.projections(x, ctx);
-        let (q, k) = plugin_api::tch::no_grad(|| {
-            (self.q_norm.forward_rope(&q_lin, &at.q_cos, &at.q_sin), self.k_norm.forward_rope(&k_lin, &at.k_cos, &at.k_sin))
-        });
-        (q.transpose(1, 2), k.transpose(1, 2), v, QkCut { q_lin, k_lin })
+    /// [`project`](Self::project) for a drafter running its own backward, outside autograd (the q
+    /// and k norms and RoPE one kernel each on a GPU); [`cut_grads`](Self::cut_grads) writes the
+    /// backward out, down to x.
+    pub fn project_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> (Tensor, Tensor, Tensor, ProjCut) {
+        no_grad(|| {
+            let (q_lin, k_lin, v) = self.projections(x, ctx);
+            let q = self.q_norm.forward_rope(&q_lin, &at.q_cos, &at.q_sin);
+            let k = self.k_norm.forward_rope(&k_lin, &at.k_cos, &at.k_sin);
+            (q.transpose(1, 2), k.transpose(1, 2), v, ProjCut { x: x.shallow_clone(), q_lin, k_lin })
+        })
     }
 
-    /// What one backward pass takes for [`project_cut`](Self::project_cut)'s q and k, given their
-    /// gradients dq [B, nh, N, D] and dk [B, nkv, S+N, D]: (tensor, gradient) pairs for the q and
-    /// k projections' outputs (autograd carries on from them) and for the two norms' weights.
-    pub fn qk_grads(&self, cut: &QkCut, at: &AttentionInputs, dq: &Tensor, dk: &Tensor) -> [(Tensor, Tensor); 4] {
-        plugin_api::tch::no_grad(|| {
-            let (d_q_lin, d_wq) = self.q_norm.backward_rope(&cut.q_lin, &at.q_cos, &at.q_sin, &dq.transpose(1, 2));
-            let (d_k_lin, d_wk) = self.k_norm.backward_rope(&cut.k_lin, &at.k_cos, &at.k_sin, &dk.transpose(1, 2));
+    /// What one backward pass takes for [`project_cut`](Self::project_cut), given dq [B, nh, N,
+    /// D] and dk, dv [B, nkv, S+N, D]: (tensor, gradient) pairs for its input x (autograd carries
+    /// on from it) and for the five weights; the context's gradient is added into `d_ctx` [B, S,
+    /// H]. Each GEMM into x's and the context's gradients accumulates onto the one before: a
+    /// separate sum would cost two more passes over them each time.
+    pub fn cut_grads(&self, cut: &ProjCut, at: &AttentionInputs, ctx: &Tensor, dq: &Tensor, dk: &Tensor, dv: &Tensor, d_ctx: &mut Tensor) -> [(Tensor, Tensor); 6] {
+        no_grad(|| {
+            let (b, n, h) = (cut.x.size()[0], cut.x.size()[1], cut.x.size()[2]);
+            let (s, kv) = (ctx.size()[1], self.num_kv_heads * self.head_dim);
+            let (d_q_lin, d_q_norm) = self.q_norm.backward_rope(&cut.q_lin, &at.q_cos, &at.q_sin, &dq.transpose(1, 2));
+            let (d_k_lin, d_k_norm) = self.k_norm.backward_rope(&cut.k_lin, &at.k_cos, &at.k_sin, &dk.transpose(1, 2));
+            let d_q = d_q_lin.reshape([b * n, -1]);
+            let dx = d_q.mm(&self.q_proj.ws);
+            let d_wq = d_q.tr().mm(&cut.x.reshape([b * n, h]));
+            // k and v read [context; block] of each sequence: their rows of each part are dense.
+            let kv_grads = |d: Tensor, w: &Tensor| {
+                let d = d.reshape([b, s + n, kv]);
+                let mut dw = w.zeros_like();
+                for i in 0..b {
+                    let (d_context, d_block) = (d.get(i).narrow(0, 0, s), d.get(i).narrow(0, s, n));
+                    let _ = dx.narrow(0, i * n, n).addmm_(&d_block, w);
+                    let _ = d_ctx.get(i).addmm_(&d_context, w);
+                    let _ = dw.addmm_(&d_context.tr(), &ctx.get(i)).addmm_(&d_block.tr(), &cut.x.get(i));
+                }
+                dw
+            };
+            let d_wk = kv_grads(d_k_lin, &self.k_proj.ws);
+            let d_wv = kv_grads(dv.transpose(1, 2).contiguous(), &self.v_proj.ws);
             [
-                (cut.q_lin.shallow_clone(), d_q_lin),
-                (cut.k_lin.shallow_clone(), d_k_lin),
-                (self.q_norm.weight().shallow_clone(), d_wq),
-                (self.k_norm.weight().shallow_clone(), d_wk),
+                (cut.x.shallow_clone(), dx.view_as(&cut.x)),
+                (self.q_proj.ws.shallow_clone(), d_wq),
+                (self.k_proj.ws.shallow_clone(), d_wk),
+                (self.v_proj.ws.shallow_clone(), d_wv),
+                (self.q_norm.weight().shallow_clone(), d_q_norm),
+                (self.k_norm.weight().shallow_clone(), d_k_norm),
             ]
         })
     }
@@ -315,42 +338,52 @@ impl Mlp {
         self.down_proj.forward(&(self.gate_proj.forward(x).silu() * self.up_proj.forward(x)))
     }
 
-    /// `forward` for a drafter running its own backward: the gate and up projections keep their
-    /// graph, the SwiGLU product and the down projection run outside autograd, and
-    /// [`cut_grads`](Self::cut_grads) writes their backward out. Autograd would also keep silu(gate)
-    /// and the product for it: two more [tokens, ffn] tensors a layer (0.8 GB each at the bench
-    /// shapes), recomputed here from gate and up instead. On a GPU the product and its backward
-    /// are one kernel each (`kernels::swiglu`).
+    /// `forward` for a drafter running its own backward, outside autograd;
+    /// [`cut_grads`](Self::cut_grads) writes the backward out, down to x. Autograd would also keep
+    /// silu(gate) and the product for it: two more [tokens, ffn] tensors a layer (0.8 GB each at
+    /// the bench shapes), recomputed here from gate and up instead. On a GPU the product and its
+    /// backward are one kernel each (`kernels::swiglu`).
     pub fn forward_cut(&self, x: &Tensor) -> (Tensor, MlpCut) {
-        let gate = self.gate_proj.forward(x);
-        let up = self.up_proj.forward(x);
-        let y = plugin_api::tch::no_grad(|| kernels::swiglu::forward(&gate, &up).matmul(&self.down_proj.ws.tr()));
-        (y, MlpCut { gate, up })
+        no_grad(|| {
+            let gate = self.gate_proj.forward(x);
+            let up = self.up_proj.forward(x);
+            let y = kernels::swiglu::forward(&gate, &up).matmul(&self.down_proj.ws.tr());
+            (y, MlpCut { x: x.shallow_clone(), gate, up })
+        })
     }
 
     /// What one backward pass takes for the cut MLP, given dy = dLoss/d(output): (tensor,
-    /// gradient) pairs for the gate and up outputs (autograd carries on from them) and for the down
-    /// projection's weight (dy^T (silu(gate) * up), handed to autograd as the weight's own).
-    pub fn cut_grads(&self, cut: &MlpCut, dy: &Tensor) -> [(Tensor, Tensor); 3] {
-        plugin_api::tch::no_grad(|| {
-            let w = &self.down_proj.ws; // [H, F]
-            let (h_dim, f_dim) = (w.size()[0], w.size()[1]);
-            let d_hidden = dy.matmul(w); // [.., F]
-            let (h, d_gate, d_up) = kernels::swiglu::backward(&cut.gate, &cut.up, &d_hidden);
-            let d_w = dy.reshape([-1, h_dim]).tr().matmul(&h.reshape([-1, f_dim]));
-            [(cut.gate.shallow_clone(), d_gate), (cut.up.shallow_clone(), d_up), (w.shallow_clone(), d_w)]
+    /// gradient) pairs for its input x (autograd carries on from it) and for the three weights.
+    /// x's gradient through the up projection accumulates onto the gate's in its GEMM.
+    pub fn cut_grads(&self, cut: &MlpCut, dy: &Tensor) -> [(Tensor, Tensor); 4] {
+        no_grad(|| {
+            let (wg, wu, wd) = (&self.gate_proj.ws, &self.up_proj.ws, &self.down_proj.ws);
+            let rows = |t: &Tensor| t.reshape([-1, *t.size().last().expect("a last dim")]);
+            let (h, d_gate, d_up) = kernels::swiglu::backward(&cut.gate, &cut.up, &dy.matmul(wd));
+            let (x, dy, h, d_gate, d_up) = (rows(&cut.x), rows(dy), rows(&h), rows(&d_gate), rows(&d_up));
+            let mut dx = d_gate.mm(wg);
+            let _ = dx.addmm_(&d_up, wu);
+            [
+                (cut.x.shallow_clone(), dx.view_as(&cut.x)),
+                (wg.shallow_clone(), d_gate.tr().mm(&x)),
+                (wu.shallow_clone(), d_up.tr().mm(&x)),
+                (wd.shallow_clone(), dy.tr().mm(&h)),
+            ]
         })
     }
 }
 
-/// The q and k projections' outputs [B, L, heads, D], with their graph ([`Attention::project_cut`]).
-pub struct QkCut {
+/// What [`Attention::cut_grads`] takes: the projections' input and the q and k projections
+/// [B, L, heads, D] before their norm and RoPE.
+pub struct ProjCut {
+    x: Tensor,
     q_lin: Tensor,
     k_lin: Tensor,
 }
 
-/// The MLP's gate and up projection outputs, with their graph ([`Mlp::forward_cut`]).
+/// What [`Mlp::cut_grads`] takes: the MLP's input and its gate and up projections.
 pub struct MlpCut {
+    x: Tensor,
     gate: Tensor,
     up: Tensor,
 }

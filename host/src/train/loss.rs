@@ -147,10 +147,12 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let wsum = wsel.sum(Kind::Float);
     let want_grad = h.requires_grad();
 
-    // 4. Per chunk: weighted CE, top-1 hits and (training) the gradient w.r.t. h. The chunk's
-    //    logits come out of the GEMM in fp32 and the weights scale the [c, H] product rather
-    //    than the [c, V] logits.
-    let (mut ce_sum, mut hits, mut grads) = (Tensor::zeros([], (Kind::Float, device)), Vec::new(), Vec::new());
+    // 4. Per chunk: weighted CE, top-1 hits and (training) the gradient w.r.t. h, written into
+    //    its rows of `grad`. The chunk's logits come out of the GEMM in fp32; each row's weight
+    //    scales its softmax gradient as that is written, before the GEMM back to [c, H].
+    let mut ce_sum = Tensor::zeros([], (Kind::Float, device));
+    let mut hits = Vec::new();
+    let grad = want_grad.then(|| Tensor::empty(h.size(), (h.kind(), device)));
     tch::no_grad(|| {
         let head_t = x.lm_head.tr();
         for start in (0..m).step_by(chunk as usize) {
@@ -158,16 +160,15 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
             let hc = h.narrow(0, start, len);
             let wc = wsel.narrow(0, start, len);
             let z = logits_fp32(&hc, &head_t); // [c, V]
-            let (logp_label, hit, d_logits) = cross_entropy_rows(z, &target.narrow(0, start, len), want_grad.then(|| h.kind()));
+            let scale = grad.is_some().then(|| match x.reduction {
+                Reduction::Mean => &wc / &wsum,
+                Reduction::Sum => wc.shallow_clone(),
+            });
+            let (logp_label, hit, d_logits) = cross_entropy_rows(z, &target.narrow(0, start, len), scale.as_ref().map(|s| (h.kind(), s)));
             hits.push(hit);
             ce_sum -= (logp_label * &wc).sum(Kind::Float);
-            if let Some(d_logits) = d_logits {
-                let wc = match x.reduction {
-                    Reduction::Mean => wc / &wsum,
-                    Reduction::Sum => wc,
-                };
-                let g = d_logits.matmul(x.lm_head).to_kind(Kind::Float) * wc.unsqueeze(1);
-                grads.push(g.to_kind(h.kind())); // [c, H]
+            if let (Some(d_logits), Some(grad)) = (d_logits, &grad) {
+                let _ = d_logits.mm_out(&grad.narrow(0, start, len), x.lm_head);
             }
         }
     });
@@ -175,8 +176,7 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
         Reduction::Mean => ce_sum / &wsum,
         Reduction::Sum => ce_sum,
     };
-    let loss = if want_grad {
-        let g = Tensor::cat(&grads, 0);
+    let loss = if let Some(g) = grad {
         let s = (&h * g).sum(Kind::Float);
         value + (&s - s.detach())
     } else {
@@ -192,12 +192,13 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
 }
 
 /// Per row of logits z [c, V] against `labels` [c]: the label's log-probability (fp32), whether
-/// the argmax is the label, and with `grad_kind` the gradient softmax - onehot in that kind. On
-/// CUDA two passes over the logits (`kernels::cross_entropy`); elsewhere libtorch's ops: one
-/// log-softmax, then exp written straight into `grad_kind`, each label's entry expm1(logp) from
-/// fp32 (p - 1 near 1 would round away).
-fn cross_entropy_rows(z: Tensor, labels: &Tensor, grad_kind: Option<Kind>) -> (Tensor, Tensor, Option<Tensor>) {
-    if let Some(r) = kernels::cross_entropy::rows(&z, labels, grad_kind) {
+/// the argmax is the label, and with `grad` = (kind, row scale [c]) the gradient (softmax -
+/// onehot) times each row's scale, in that kind. On CUDA two passes over the logits
+/// (`kernels::cross_entropy`); elsewhere libtorch's ops: one log-softmax, then exp written
+/// straight into the kind, each label's entry expm1(logp) from fp32 (p - 1 near 1 would round
+/// away), then the scale.
+fn cross_entropy_rows(z: Tensor, labels: &Tensor, grad: Option<(Kind, &Tensor)>) -> (Tensor, Tensor, Option<Tensor>) {
+    if let Some(r) = kernels::cross_entropy::rows(&z, labels, grad) {
         return (r.logp_label, r.hit, r.grad);
     }
     let hit = z.argmax(-1, false).eq_tensor(labels);
@@ -205,9 +206,10 @@ fn cross_entropy_rows(z: Tensor, labels: &Tensor, grad_kind: Option<Kind>) -> (T
     drop(z);
     let tc = labels.unsqueeze(1);
     let logp_label = logp.gather(1, &tc, false); // [c, 1]
-    let grad = grad_kind.map(|kind| {
+    let grad = grad.map(|(kind, scale)| {
         let mut d = logp.exp_out(&Tensor::empty(logp.size(), (kind, logp.device())));
         let _ = d.scatter_(1, &tc, &logp_label.expm1().to_kind(kind));
+        d *= scale.unsqueeze(1);
         d
     });
     (logp_label.squeeze_dim(1), hit, grad)

@@ -6,7 +6,7 @@
 //! `drafter_layers`'.
 
 use crate::config::DFlashConfig;
-use drafter_layers::layers::{linear, rope_cos_sin, Attention, AttentionInputs, Mlp, MlpCut, QkCut, RmsNorm};
+use drafter_layers::layers::{linear, rope_cos_sin, Attention, AttentionInputs, Mlp, MlpCut, ProjCut, RmsNorm};
 use kernels::block_attention;
 use plugin_api::tch::{self as tch, nn, nn::Module, Device, Kind, Tensor};
 
@@ -43,20 +43,20 @@ impl DecoderLayer {
         &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
     }
 
-    /// `forward` with split block attention, outside autograd: the graph stops at the q and k
-    /// projections (their norm and RoPE written out, `Attention::project_cut`) and at v, and
-    /// restarts at the attention output (a leaf), and the MLP keeps only its gate and up
-    /// projections (`Mlp::forward_cut`), for the drafter's own backward.
+    /// `forward` with split block attention, for the drafter's own backward: autograd keeps only
+    /// the norms, the residual adds and the output projection. The graph stops at the norms'
+    /// outputs, whose consumers (the attention's projections, `Attention::project_cut`, and the
+    /// MLP, `Mlp::forward_cut`) run outside it, and restarts at the attention output (a leaf).
     fn forward_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, masks: &ContextMasks, block: i64) -> (Tensor, Cut) {
         let mask = masks.for_layer(self.self_attn.window);
-        let (q, k, v, qk) = self.self_attn.project_cut(&self.input_layernorm.forward(x), ctx, at);
+        let (q, k, v, proj) = self.self_attn.project_cut(&self.input_layernorm.forward(x), ctx, at);
         let attention = kernels::profiler::range("block attention");
         let (o, saved) = tch::no_grad(|| block_attention::forward(&q, &k, &v, mask, block, self.self_attn.scale()));
         let o = o.set_requires_grad(true);
         drop(attention);
         let x = x + self.self_attn.output(&o);
         let (mlp_out, mlp) = self.mlp.forward_cut(&self.post_attention_layernorm.forward(&x));
-        (&x + mlp_out, Cut { qk, v, o, saved, mlp })
+        (&x + mlp_out, Cut { proj, o, saved, mlp })
     }
 }
 
@@ -195,6 +195,8 @@ impl DFlashDrafter {
         let Tape { ctx, ctx_leaf, at, mask, kept, last, out } = tape;
         pull(&[(&out, grad)]);
         let mut g = last.grad();
+        // The cut layers' context gradients add up here (the others' in ctx_leaf's own).
+        let mut d_ctx = ctx_leaf.zeros_like();
         for (i, (layer, k)) in self.layers.iter().zip(kept).enumerate().rev() {
             let _range = kernels::profiler::range(&format!("layer {i}"));
             let seg = match k {
@@ -210,15 +212,17 @@ impl DFlashDrafter {
             if let Some(c) = &seg.cut {
                 let _range = kernels::profiler::range("block attention");
                 let (dq, dk, dv) = tch::no_grad(|| block_attention::backward(&c.saved, &c.o.grad()));
-                let qk = layer.self_attn.qk_grads(&c.qk, &at, &dq, &dk);
-                let mut pairs = vec![(&c.v, &dv)];
-                pairs.extend(qk.iter().map(|(t, d)| (t, d)));
-                pull(&pairs);
+                let proj = layer.self_attn.cut_grads(&c.proj, &at, &ctx_leaf, &dq, &dk, &dv, &mut d_ctx);
+                pull(&proj.iter().map(|(t, d)| (t, d)).collect::<Vec<_>>());
             }
             // The first layer's input is the frozen embedding: no gradient.
             g = seg.x.grad();
         }
-        pull(&[(&ctx, &ctx_leaf.grad())]);
+        let from_autograd = ctx_leaf.grad();
+        if from_autograd.defined() {
+            d_ctx += from_autograd;
+        }
+        pull(&[(&ctx, &d_ctx)]);
     }
 
     /// Layer `i` on `x` (made a leaf): plain, or cut at the attention output.
@@ -320,12 +324,10 @@ struct Segment {
     cut: Option<Cut>,
 }
 
-/// The attention cut out of a layer's graph: its inputs (v, and the q and k projections, with
-/// their graph), its output leaf and what its backward needs; and the MLP's part outside the
-/// graph.
+/// The parts of a layer outside its graph: the attention's projections, the attention (its
+/// output leaf and what its backward needs) and the MLP.
 struct Cut {
-    qk: QkCut,
-    v: Tensor,
+    proj: ProjCut,
     o: Tensor,
     saved: block_attention::Saved,
     mlp: MlpCut,
