@@ -194,6 +194,45 @@ fn norm_rope_kernels_match_autograd() {
     }
 }
 
+/// The residual add + RMSNorm kernels against libtorch's add, norm and autograd in fp32 on the
+/// same bf16 inputs, for a hidden size a CTA covers in whole 8-element groups (4,096) and one it
+/// does not (2,560): the sum exact, y within bf16 rounding, dx (with the residual's gradient) and
+/// the weight's gradient (over 1,200 rows) within bf16-input noise.
+#[test]
+fn rms_norm_kernels_match_autograd() {
+    let Some(dev) = crate::cuda_test_device() else { return };
+    let _lock = SWITCH.lock().unwrap();
+    tch::manual_seed(5);
+    let eps = 1e-6;
+    for h in [4096i64, 2560] {
+        let bf = (Kind::BFloat16, dev);
+        let x = Tensor::randn([2, 600, h], bf) * 2.0;
+        let delta = Tensor::randn([2, 600, h], bf);
+        let w = (Tensor::rand([h], bf) + 0.5).to_kind(Kind::BFloat16);
+        let (dy, g) = (Tensor::randn([2, 600, h], bf), Tensor::randn([2, 600, h], bf));
+
+        assert!(nvrtc::with_enabled(true, || crate::rms_norm::applies(&x)));
+        let (sum, y) = crate::rms_norm::add_forward(&x, &delta, &w, eps).expect("the forward kernel runs");
+        let (dx, dw) = crate::rms_norm::backward_add(&sum, &w, eps, &dy, &g).expect("the backward kernel runs");
+
+        let f = |t: &Tensor| t.to_kind(Kind::Float);
+        assert!(sum.equal(&(&x + &delta)), "H {h}: the sum is the bf16 add's");
+        let (sr, wr) = (f(&sum).set_requires_grad(true), f(&w).set_requires_grad(true));
+        let want = sr.rms_norm([h], Some(&wr), eps);
+        (&want * f(&dy)).sum(Kind::Float).backward();
+        let want_dx = sr.grad() + f(&g);
+
+        let excess = ((f(&y) - &want).abs() - want.abs() * (1.0 / 256.0)).max().double_value(&[]);
+        eprintln!("H {h} add + norm y: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}", max_abs(&(f(&y) - &want)));
+        assert!(excess < 1e-4, "H {h}: y beyond bf16 rounding by {excess}");
+        for (name, got, want) in [("dx", f(&dx), want_dx), ("dw", dw, wr.grad())] {
+            let rel = max_abs(&(&got - &want)) / max_abs(&want);
+            eprintln!("H {h} norm backward + add {name}: relative max error {rel:.2e}");
+            assert!(rel < 1e-2, "H {h} {name}: relative max error {rel}");
+        }
+    }
+}
+
 /// The master-weight AdamW kernel against libtorch's fused AdamW over fp32 copies (the path it
 /// replaces), three steps with weight decay: masters and moments equal to fp32 rounding, the bf16
 /// parameters the masters rounded. 300,699 elements: groups of 4 and a tail of 3.

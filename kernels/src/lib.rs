@@ -35,6 +35,7 @@ pub mod nvrtc;
 pub mod optim;
 pub mod profiler;
 pub mod range_sum;
+pub mod rms_norm;
 pub mod swiglu;
 pub mod unit_lower_inverse;
 

@@ -7,7 +7,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::sync::atomic::AtomicBool;
 use tch::{Device, Kind, Tensor};
 
-const SRC: &str = include_str!("../csrc/swiglu.cu");
+const SRC: &str = concat!(include_str!("../csrc/bf16x8.cuh"), include_str!("../csrc/swiglu.cu"));
 const FORWARD: &str = "swiglu_forward";
 const BACKWARD: &str = "swiglu_backward";
 const THREADS: u32 = 256;

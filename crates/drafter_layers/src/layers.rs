@@ -39,6 +39,41 @@ impl RmsNorm {
         x.rms_norm(self.weight.size(), Some(&self.weight), self.eps)
     }
 
+    /// (s, norm of s) with s = x + delta: a residual add and the norm after it, outside autograd.
+    /// One kernel on a GPU (`kernels::rms_norm`), the add and [`forward`](Self::forward) elsewhere.
+    pub fn forward_add(&self, x: &Tensor, delta: &Tensor) -> (Tensor, Tensor) {
+        static FAILED: AtomicBool = AtomicBool::new(false);
+        let kernel = || kernels::rms_norm::add_forward(x, delta, &self.weight, self.eps);
+        let fused = kernels::rms_norm::applies(x).then(|| kernels::nvrtc::try_kernel(&FAILED, "the RMSNorm kernel", kernel));
+        fused.flatten().unwrap_or_else(|| {
+            let s = x + delta;
+            let y = self.forward(&s);
+            (s, y)
+        })
+    }
+
+    /// The norm's backward from dy = dLoss/dy, plus the gradient g that reaches x around it (the
+    /// residual's): (g + dLoss/dx through the norm, dLoss/d(weight) in the weight's kind). With
+    /// a = dy w, r = 1 / rms(x), xn = x r: dx = r (a - xn mean(a xn)); dw = sum dy xn.
+    pub fn backward_add(&self, x: &Tensor, dy: &Tensor, g: &Tensor) -> (Tensor, Tensor) {
+        static FAILED: AtomicBool = AtomicBool::new(false);
+        let kernel = || kernels::rms_norm::backward_add(x, &self.weight, self.eps, dy, g);
+        let fused = kernels::rms_norm::applies(x).then(|| kernels::nvrtc::try_kernel(&FAILED, "the RMSNorm kernel", kernel));
+        let (dx, dw) = fused.flatten().unwrap_or_else(|| {
+            let wk = if x.kind() == Kind::Double { Kind::Double } else { Kind::Float };
+            let xf = x.to_kind(wk);
+            let r = (xf.square().mean_dim(-1, true, wk) + self.eps).rsqrt();
+            let xn = &xf * &r;
+            let dy = dy.to_kind(wk);
+            let rows: Vec<i64> = (0..x.dim() as i64 - 1).collect();
+            let dw = (&dy * &xn).sum_dim_intlist(rows.as_slice(), false, wk);
+            let a = dy * self.weight.to_kind(wk);
+            let dot = (&a * &xn).mean_dim(-1, true, wk);
+            ((a - xn * dot) * r + g.to_kind(wk), dw)
+        });
+        (dx.to_kind(x.kind()), dw.to_kind(self.weight.kind()))
+    }
+
     /// The norm of x [B, L, H, D] (per head), then RoPE with `cos` / signed sin [B, 1, L, D] (as
     /// [`rope_cos_sin`] makes them), outside autograd: [B, L, H, D]. One kernel on a GPU
     /// (`kernels::norm_rope`), the ops of [`forward`](Self::forward) and [`apply_rope`] elsewhere.
@@ -241,12 +276,12 @@ impl Attention {
         })
     }
 
-    /// What one backward pass takes for [`project_cut`](Self::project_cut), given dq [B, nh, N,
-    /// D] and dk, dv [B, nkv, S+N, D]: (tensor, gradient) pairs for its input x (autograd carries
-    /// on from it) and for the five weights; the context's gradient is added into `d_ctx` [B, S,
-    /// H]. Each GEMM into x's and the context's gradients accumulates onto the one before: a
-    /// separate sum would cost two more passes over them each time.
-    pub fn cut_grads(&self, cut: &ProjCut, at: &AttentionInputs, ctx: &Tensor, dq: &Tensor, dk: &Tensor, dv: &Tensor, d_ctx: &mut Tensor) -> [(Tensor, Tensor); 6] {
+    /// [`project_cut`](Self::project_cut)'s backward, given dq [B, nh, N, D] and dk, dv [B, nkv,
+    /// S+N, D]: dLoss/dx, and (weight, gradient) pairs for the five weights; the context's
+    /// gradient is added into `d_ctx` [B, S, H]. Each GEMM into x's and the context's gradients
+    /// accumulates onto the one before: a separate sum would cost two more passes over them each
+    /// time.
+    pub fn cut_grads(&self, cut: &ProjCut, at: &AttentionInputs, ctx: &Tensor, dq: &Tensor, dk: &Tensor, dv: &Tensor, d_ctx: &mut Tensor) -> (Tensor, [(Tensor, Tensor); 5]) {
         no_grad(|| {
             let (b, n, h) = (cut.x.size()[0], cut.x.size()[1], cut.x.size()[2]);
             let (s, kv) = (ctx.size()[1], self.num_kv_heads * self.head_dim);
@@ -269,14 +304,14 @@ impl Attention {
             };
             let d_wk = kv_grads(d_k_lin, &self.k_proj.ws);
             let d_wv = kv_grads(dv.transpose(1, 2).contiguous(), &self.v_proj.ws);
-            [
-                (cut.x.shallow_clone(), dx.view_as(&cut.x)),
+            let weights = [
                 (self.q_proj.ws.shallow_clone(), d_wq),
                 (self.k_proj.ws.shallow_clone(), d_wk),
                 (self.v_proj.ws.shallow_clone(), d_wv),
                 (self.q_norm.weight().shallow_clone(), d_q_norm),
                 (self.k_norm.weight().shallow_clone(), d_k_norm),
-            ]
+            ];
+            (dx.view_as(&cut.x), weights)
         })
     }
 
@@ -307,8 +342,32 @@ impl Attention {
 
     /// The attention output [B, nh, N, D] back to the hidden size.
     pub fn output(&self, o: &Tensor) -> Tensor {
+        self.output_merged(&self.heads_merged(o))
+    }
+
+    /// [`output`](Self::output) of the attention output as [`heads_merged`](Self::heads_merged)
+    /// gives it.
+    pub fn output_merged(&self, merged: &Tensor) -> Tensor {
+        self.o_proj.forward(merged)
+    }
+
+    /// The attention output [B, nh, N, D] as the output projection reads it: [B, N, nh D].
+    pub fn heads_merged(&self, o: &Tensor) -> Tensor {
         let (b, n) = (o.size()[0], o.size()[2]);
-        self.o_proj.forward(&o.transpose(1, 2).reshape([b, n, self.num_heads * self.head_dim]))
+        o.transpose(1, 2).reshape([b, n, self.num_heads * self.head_dim])
+    }
+
+    /// The output projection's backward, outside autograd, from its input `merged` ([B, N, nh D],
+    /// [`heads_merged`](Self::heads_merged)) and dy = dLoss/d(output) [B, N, H]: (dLoss/do
+    /// [B, nh, N, D], the weight's gradient pair).
+    pub fn output_grads(&self, merged: &Tensor, dy: &Tensor) -> (Tensor, (Tensor, Tensor)) {
+        no_grad(|| {
+            let (b, n, f) = (merged.size()[0], merged.size()[1], merged.size()[2]);
+            let dy = dy.reshape([b * n, -1]);
+            let d_merged = dy.mm(&self.o_proj.ws).view([b, n, self.num_heads, self.head_dim]).transpose(1, 2);
+            let d_w = dy.tr().mm(&merged.reshape([b * n, f]));
+            (d_merged, (self.o_proj.ws.shallow_clone(), d_w))
+        })
     }
 
     pub fn scale(&self) -> f64 {
@@ -352,10 +411,10 @@ impl Mlp {
         })
     }
 
-    /// What one backward pass takes for the cut MLP, given dy = dLoss/d(output): (tensor,
-    /// gradient) pairs for its input x (autograd carries on from it) and for the three weights.
-    /// x's gradient through the up projection accumulates onto the gate's in its GEMM.
-    pub fn cut_grads(&self, cut: &MlpCut, dy: &Tensor) -> [(Tensor, Tensor); 4] {
+    /// The cut MLP's backward from dy = dLoss/d(output): dLoss/dx, and (weight, gradient) pairs
+    /// for the three weights. x's gradient through the up projection accumulates onto the gate's
+    /// in its GEMM.
+    pub fn cut_grads(&self, cut: &MlpCut, dy: &Tensor) -> (Tensor, [(Tensor, Tensor); 3]) {
         no_grad(|| {
             let (wg, wu, wd) = (&self.gate_proj.ws, &self.up_proj.ws, &self.down_proj.ws);
             let rows = |t: &Tensor| t.reshape([-1, *t.size().last().expect("a last dim")]);
@@ -363,12 +422,12 @@ impl Mlp {
             let (x, dy, h, d_gate, d_up) = (rows(&cut.x), rows(dy), rows(&h), rows(&d_gate), rows(&d_up));
             let mut dx = d_gate.mm(wg);
             let _ = dx.addmm_(&d_up, wu);
-            [
-                (cut.x.shallow_clone(), dx.view_as(&cut.x)),
+            let weights = [
                 (wg.shallow_clone(), d_gate.tr().mm(&x)),
                 (wu.shallow_clone(), d_up.tr().mm(&x)),
                 (wd.shallow_clone(), dy.tr().mm(&h)),
-            ]
+            ];
+            (dx.view_as(&cut.x), weights)
         })
     }
 }

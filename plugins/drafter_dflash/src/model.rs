@@ -43,20 +43,41 @@ impl DecoderLayer {
         &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
     }
 
-    /// `forward` with split block attention, for the drafter's own backward: autograd keeps only
-    /// the norms, the residual adds and the output projection. The graph stops at the norms'
-    /// outputs, whose consumers (the attention's projections, `Attention::project_cut`, and the
-    /// MLP, `Mlp::forward_cut`) run outside it, and restarts at the attention output (a leaf).
+    /// `forward` with split block attention, outside autograd: [`backward_cut`](Self::backward_cut)
+    /// is written out. Each residual add is fused with the norm after it where a GPU kernel
+    /// applies (`RmsNorm::forward_add`).
     fn forward_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, masks: &ContextMasks, block: i64) -> (Tensor, Cut) {
-        let mask = masks.for_layer(self.self_attn.window);
-        let (q, k, v, proj) = self.self_attn.project_cut(&self.input_layernorm.forward(x), ctx, at);
+        tch::no_grad(|| {
+            let mask = masks.for_layer(self.self_attn.window);
+            let (q, k, v, proj) = self.self_attn.project_cut(&self.input_layernorm.forward(x), ctx, at);
+            let attention = kernels::profiler::range("block attention");
+            let (o, saved) = block_attention::forward(&q, &k, &v, mask, block, self.self_attn.scale());
+            drop(attention);
+            let merged = self.self_attn.heads_merged(&o);
+            let (x1, normed) = self.post_attention_layernorm.forward_add(x, &self.self_attn.output_merged(&merged));
+            let (mlp_out, mlp) = self.mlp.forward_cut(&normed);
+            (&x1 + mlp_out, Cut { x: x.shallow_clone(), x1, proj, merged, saved, mlp })
+        })
+    }
+
+    /// [`forward_cut`](Self::forward_cut)'s backward from g = dLoss/d(output): dLoss/dx, and
+    /// (weight, gradient) pairs for the layer's weights; the context's gradient is added into
+    /// `d_ctx`. The residual's gradient joins each norm's in its backward
+    /// (`RmsNorm::backward_add`).
+    fn backward_cut(&self, cut: &Cut, g: &Tensor, at: &AttentionInputs, ctx: &Tensor, d_ctx: &mut Tensor) -> (Tensor, Vec<(Tensor, Tensor)>) {
+        let (d_normed, mlp) = self.mlp.cut_grads(&cut.mlp, g);
+        let (dx1, d_post_norm) = self.post_attention_layernorm.backward_add(&cut.x1, &d_normed, g);
+        let (d_o, d_out) = self.self_attn.output_grads(&cut.merged, &dx1);
         let attention = kernels::profiler::range("block attention");
-        let (o, saved) = tch::no_grad(|| block_attention::forward(&q, &k, &v, mask, block, self.self_attn.scale()));
-        let o = o.set_requires_grad(true);
+        let (dq, dk, dv) = tch::no_grad(|| block_attention::backward(&cut.saved, &d_o));
         drop(attention);
-        let x = x + self.self_attn.output(&o);
-        let (mlp_out, mlp) = self.mlp.forward_cut(&self.post_attention_layernorm.forward(&x));
-        (&x + mlp_out, Cut { proj, o, saved, mlp })
+        let (d_normed, proj) = self.self_attn.cut_grads(&cut.proj, at, ctx, &dq, &dk, &dv, d_ctx);
+        let (dx, d_input_norm) = self.input_layernorm.backward_add(&cut.x, &d_normed, &dx1);
+        let mut weights: Vec<_> = mlp.into_iter().chain(proj).collect();
+        weights.push(d_out);
+        weights.push((self.post_attention_layernorm.weight().shallow_clone(), d_post_norm));
+        weights.push((self.input_layernorm.weight().shallow_clone(), d_input_norm));
+        (dx, weights)
     }
 }
 
@@ -148,9 +169,10 @@ impl DFlashDrafter {
 
     /// The training forward when the drafter runs its own backward (`mode` asks for split
     /// attention or layer checkpointing): the output is a leaf, and [`backward`](Self::backward)
-    /// takes the tape. The graph is cut into one segment per layer (and, with split attention,
-    /// at each attention output); with checkpointing only each layer's input is kept and the
-    /// segment is rebuilt in backward, for one more forward pass of the layers.
+    /// takes the tape. The graph is cut into one segment per layer (with split attention, a
+    /// layer runs outside autograd and its backward is written out); with checkpointing only each
+    /// layer's input is kept and the segment is rebuilt in backward, for one more forward pass of
+    /// the layers.
     ///
     /// `host_anchors`, the same anchors on the CPU, let split attention score each run of blocks
     /// against only the context keys it can see ([`block_attention::ContextMask::ranged`]).
@@ -203,20 +225,18 @@ impl DFlashDrafter {
                 Kept::Input(x) => self.segment(i, layer, &x, &ctx_leaf, &at, mask.as_ref()),
                 Kept::Segment(seg) => seg,
             };
-            // The output's gradient, and with a cut layer the MLP's written-out backward, in one
-            // pass: the MLP's output has no graph, so `y` passes `g` on through the residual only.
-            let mlp = seg.cut.as_ref().map(|c| layer.mlp.cut_grads(&c.mlp, &g));
-            let mut pairs = vec![(&seg.y, &g)];
-            pairs.extend(mlp.iter().flatten().map(|(t, d)| (t, d)));
-            pull(&pairs);
-            if let Some(c) = &seg.cut {
-                let _range = kernels::profiler::range("block attention");
-                let (dq, dk, dv) = tch::no_grad(|| block_attention::backward(&c.saved, &c.o.grad()));
-                let proj = layer.self_attn.cut_grads(&c.proj, &at, &ctx_leaf, &dq, &dk, &dv, &mut d_ctx);
-                pull(&proj.iter().map(|(t, d)| (t, d)).collect::<Vec<_>>());
-            }
-            // The first layer's input is the frozen embedding: no gradient.
-            g = seg.x.grad();
+            // (The first layer's input is the frozen embedding: its gradient goes unused.)
+            g = match &seg.cut {
+                Some(cut) => {
+                    let (dx, weights) = layer.backward_cut(cut, &g, &at, &ctx_leaf, &mut d_ctx);
+                    pull(&weights.iter().map(|(w, d)| (w, d)).collect::<Vec<_>>());
+                    dx
+                }
+                None => {
+                    pull(&[(&seg.y, &g)]);
+                    seg.x.grad()
+                }
+            };
         }
         let from_autograd = ctx_leaf.grad();
         if from_autograd.defined() {
@@ -225,7 +245,7 @@ impl DFlashDrafter {
         pull(&[(&ctx, &d_ctx)]);
     }
 
-    /// Layer `i` on `x` (made a leaf): plain, or cut at the attention output.
+    /// Layer `i` on `x` (made a leaf): through autograd, or with split attention outside it.
     fn segment(&self, i: usize, layer: &DecoderLayer, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, mask: Option<&ContextMasks>) -> Segment {
         let x = x.detach().set_requires_grad(i > 0);
         match mask {
@@ -316,19 +336,22 @@ enum Kept {
     Segment(Segment),
 }
 
-/// One layer's graph from its input leaf `x` to `y`, cut at the attention output with split
-/// attention.
+/// One layer from its input leaf `x` to `y`: autograd's graph, or with split attention none
+/// (the `cut` has what its written-out backward takes).
 struct Segment {
     x: Tensor,
     y: Tensor,
     cut: Option<Cut>,
 }
 
-/// The parts of a layer outside its graph: the attention's projections, the attention (its
-/// output leaf and what its backward needs) and the MLP.
+/// What [`DecoderLayer::backward_cut`] takes: the layer's input, the residual sum after the
+/// attention, the attention's projections, its output with heads merged, what its backward needs,
+/// and the MLP's.
 struct Cut {
+    x: Tensor,
+    x1: Tensor,
     proj: ProjCut,
-    o: Tensor,
+    merged: Tensor,
     saved: block_attention::Saved,
     mlp: MlpCut,
 }
