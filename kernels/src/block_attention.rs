@@ -356,7 +356,8 @@ fn context_forward(q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, bias: Option<&Ten
     }
 }
 
-/// The gradients (dq, dk, dv) of the loss from `d_out` = dLoss/d(output).
+/// The gradients (dq, dk, dv) of the loss from `d_out` = dLoss/d(output). dk and dv [B, nkv,
+/// S+N, D] are [B, S+N, nkv, D] in memory, the layout the k and v projections' backward reads.
 pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     let Saved { q, k, v, mask, out, lse, runs, fused, block, scale } = saved;
     let causal = mask.window.is_some();
@@ -402,7 +403,8 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     //    elsewhere), then the block part: the fused kernel adds to dq and writes the block rows of
     //    dk and dv.
     let dq = Tensor::empty([b, nh, n, d], (if *fused { q.kind() } else { wk }, q.device()));
-    let (dk, dv) = (Tensor::empty([b, nkv, s + n, d], (k.kind(), k.device())), Tensor::empty([b, nkv, s + n, d], (v.kind(), v.device())));
+    let position_major = |kind: Kind| Tensor::empty([b, s + n, nkv, d], (kind, k.device())).transpose(1, 2);
+    let (dk, dv) = (position_major(k.kind()), position_major(v.kind()));
     sum_runs_into(&dq, &dq_runs, wk);
     sum_runs_into(&dk.narrow(2, 0, s), &dk_runs, wk);
     sum_runs_into(&dv.narrow(2, 0, s), &dv_runs, wk);

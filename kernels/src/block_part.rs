@@ -193,8 +193,8 @@ pub fn forward(
 }
 
 /// The block part's backward: adds the block keys' share to `dq` [B, nh, N, D] (in place) and
-/// writes the block rows of `dk`, `dv` [B, nkv, S+N, D] (dense); `out` and `lse` the merged
-/// output and log-sum-exp of the forward.
+/// writes the block rows of `dk`, `dv` [B, nkv, S+N, D] (any strides, the same for both, the
+/// last dim dense); `out` and `lse` the merged output and log-sum-exp of the forward.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
     q: &Tensor, k: &Tensor, v: &Tensor, d_out: &Tensor, out: &Tensor, lse: &Tensor, dq: &Tensor, dk: &Tensor, dv: &Tensor,
@@ -202,8 +202,8 @@ pub fn backward(
 ) -> Result<(), String> {
     let (nh, n) = (q.size()[1], q.size()[2]);
     let s = k.size()[2] - n;
-    if !dk.is_contiguous() || !dv.is_contiguous() || !lse.is_contiguous() {
-        return Err("dk, dv and lse must be dense".into());
+    if dk.size() != dv.size() || dk.stride() != dv.stride() || !lse.is_contiguous() {
+        return Err(format!("dk {:?} and dv {:?} must share shape and strides ({:?}, {:?}), lse be dense", dk.size(), dv.size(), dk.stride(), dv.stride()));
     }
     let [aq, ak, av, ad, ao, ag, adk, adv] = [q, k, v, d_out, out, dq, dk, dv].map(Arg::new);
     let (aq, ak, av, ad, ao, ag, adk, adv) = (aq?, ak?, av?, ad?, ao?, ag?, adk?, adv?);
@@ -219,7 +219,7 @@ pub fn backward(
     ag.push(&mut launch);
     launch.arg(&adk.ptr).arg(&adv.ptr).arg(&adk.strides[0]).arg(&adk.strides[1]).arg(&adk.strides[2]);
     launch.arg(&nh32).arg(&n32).arg(&s32).arg(&w32).arg(&scale32);
-    // SAFETY: as in `forward`; dk and dv are dense with the same shape, so they share strides.
+    // SAFETY: as in `forward`; dk and dv have the same shape and strides (checked above).
     unsafe { launch.launch(config(q, k.size()[1], block, kernels, false)) }.map_err(|e| format!("{BACKWARD}: {e}"))?;
     Ok(())
 }

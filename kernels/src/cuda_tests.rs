@@ -195,16 +195,16 @@ fn norm_rope_kernels_match_autograd() {
 }
 
 /// The residual add + RMSNorm kernels against libtorch's add, norm and autograd in fp32 on the
-/// same bf16 inputs, for a hidden size a CTA covers in whole 8-element groups (4,096) and one it
-/// does not (2,560): the sum exact, y within bf16 rounding, dx (with the residual's gradient) and
-/// the weight's gradient (over 1,200 rows) within bf16-input noise.
+/// same bf16 inputs, for hidden sizes of whole warps of 8-element groups (4,096 and 2,560) and one
+/// whose last warp has idle threads (1,000): the sum exact, y within bf16 rounding, dx (with the
+/// residual's gradient) and the weight's gradient (over 1,200 rows) within bf16-input noise.
 #[test]
 fn rms_norm_kernels_match_autograd() {
     let Some(dev) = crate::cuda_test_device() else { return };
     let _lock = SWITCH.lock().unwrap();
     tch::manual_seed(5);
     let eps = 1e-6;
-    for h in [4096i64, 2560] {
+    for h in [4096i64, 2560, 1000] {
         let bf = (Kind::BFloat16, dev);
         let x = Tensor::randn([2, 600, h], bf) * 2.0;
         let delta = Tensor::randn([2, 600, h], bf);

@@ -4,54 +4,41 @@
 //! runs libtorch's ops.
 
 use crate::nvrtc;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys::CUdevice_attribute, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
 const SRC: &str = concat!(include_str!("../csrc/bf16x8.cuh"), include_str!("../csrc/rms_norm.cu"));
 const FORWARD: &str = "add_rms_norm";
 const BACKWARD: &str = "rms_norm_backward_add";
-const THREADS: i64 = 256;
-/// The most 8-element groups a thread holds: rows of up to 8,192 elements.
-const MAX_CHUNKS: i64 = 4;
-
 /// Whether the kernels apply to rows x [.., H]: bf16 on CUDA with the kernels enabled, dense and
-/// 16-byte aligned, H a multiple of 8 up to 8,192.
+/// 16-byte aligned, H a multiple of 8 up to 8,192 (a CTA of 1,024 threads, a group of 8 each).
 pub fn applies(x: &Tensor) -> bool {
     let h = x.size().last().copied().unwrap_or(0);
-    nvrtc::enabled()
-        && x.device().is_cuda()
-        && x.kind() == Kind::BFloat16
-        && dense(x)
-        && h > 0
-        && h % 8 == 0
-        && h <= THREADS * 8 * MAX_CHUNKS
+    nvrtc::enabled() && x.device().is_cuda() && x.kind() == Kind::BFloat16 && dense(x) && h > 0 && h % 8 == 0 && h <= 8192
 }
 
 fn dense(t: &Tensor) -> bool {
     t.is_contiguous() && t.data_ptr() as usize % 16 == 0
 }
 
+/// A CTA's threads for rows of h: one 8-element group each, in whole warps.
+fn threads(h: i64) -> i64 {
+    (h / 8 + 31) / 32 * 32
+}
+
 fn module(x: &Tensor) -> Result<nvrtc::Module, String> {
     let Device::Cuda(ordinal) = x.device() else { return Err("not a CUDA tensor".into()) };
     let h = *x.size().last().expect("applies checked a last dim");
-    nvrtc::module(ordinal, SRC, &[("H", h), ("CHUNKS", chunks(h))], &[FORWARD, BACKWARD])
+    nvrtc::module(ordinal, SRC, &[("H", h), ("THREADS", threads(h))], &[FORWARD, BACKWARD])
 }
 
-fn chunks(h: i64) -> i64 {
-    (h / 8 + THREADS - 1) / THREADS
-}
-
-/// A CTA a row at a time, as many CTAs as fit on an H200 at once (132 SMs, `per_sm` each: the
-/// forward's registers fit four, the backward's BACKWARD_CTAS in the source) when there are rows
-/// for them: a second partial wave would leave the SMs a third busy.
-fn config(rows: i64, per_sm: i64) -> LaunchConfig {
-    let ctas = rows.clamp(1, 132 * per_sm) as u32;
-    LaunchConfig { grid_dim: (ctas, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 }
-}
-
-/// The source's BACKWARD_CTAS.
-fn backward_ctas(h: i64) -> i64 {
-    if chunks(h) <= 2 { 3 } else { 2 }
+/// A CTA a row at a time, as many CTAs as the device holds at once (when there are rows for
+/// them): a second, partial wave would leave most SMs idle while it runs.
+fn config(m: &nvrtc::Module, function: &str, rows: i64, h: i64) -> Result<LaunchConfig, String> {
+    let sms = m.stream.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| e.to_string())?;
+    let per_sm = m.function(function).occupancy_max_active_blocks_per_multiprocessor(threads(h) as u32, 0, None).map_err(|e| e.to_string())?;
+    let ctas = rows.clamp(1, sms as i64 * per_sm.max(1) as i64) as u32;
+    Ok(LaunchConfig { grid_dim: (ctas, 1, 1), block_dim: (threads(h) as u32, 1, 1), shared_mem_bytes: 0 })
 }
 
 /// Checks that `t` matches x for the kernels: same shape, bf16, dense and aligned.
@@ -75,10 +62,11 @@ pub fn add_forward(x: &Tensor, delta: &Tensor, w: &Tensor, eps: f64) -> Result<(
     let eps32 = eps as f32;
     let mut launch = m.stream.launch_builder(m.function(FORWARD));
     launch.arg(&px).arg(&pd).arg(&pw).arg(&ps).arg(&py).arg(&rows).arg(&eps32);
+    let cfg = config(&m, FORWARD, rows, *x.size().last().expect("a last dim"))?;
     // SAFETY: x, delta, sum and y are dense, aligned bf16 of `rows` rows of H (checked above and
     // by `applies`), w has H elements; all on this device; the launch is ordered on libtorch's
     // stream.
-    unsafe { launch.launch(config(rows, 4)) }.map_err(|e| format!("{FORWARD}: {e}"))?;
+    unsafe { launch.launch(cfg) }.map_err(|e| format!("{FORWARD}: {e}"))?;
     Ok((sum, y))
 }
 
@@ -92,7 +80,7 @@ pub fn backward_add(x: &Tensor, w: &Tensor, eps: f64, dy: &Tensor, g: &Tensor) -
     let w = w.to_kind(Kind::BFloat16).contiguous();
     let h = *x.size().last().expect("a last dim");
     let rows = x.numel() as i64 / h;
-    let cfg = config(rows, backward_ctas(h));
+    let cfg = config(&m, BACKWARD, rows, h)?;
     let dx = Tensor::empty(x.size(), (Kind::BFloat16, x.device()));
     let dw_part = Tensor::empty([cfg.grid_dim.0 as i64, h], (Kind::Float, x.device()));
     let [px, pw, pdy, pg, pdx, pdw] = [x, &w, &dy, &g, &dx, &dw_part].map(|t| t.data_ptr() as u64);
@@ -106,12 +94,12 @@ pub fn backward_add(x: &Tensor, w: &Tensor, eps: f64, dy: &Tensor, g: &Tensor) -
 
 #[cfg(test)]
 mod tests {
-    /// The kernels compile with NVRTC (no GPU needed) for hidden sizes from 1,024 to 8,192 and
-    /// one not a multiple of a CTA's 2,048 (Qwen3's 2,560).
+    /// The kernels compile with NVRTC (no GPU needed) for hidden sizes from 1,000 (not whole
+    /// warps of groups) to 8,192, without spilling to local memory.
     #[test]
     fn the_kernels_compile() {
-        for h in [1024, 2560, 4096, 8192] {
-            let ptx = super::nvrtc::compile(super::SRC, &[("H", h), ("CHUNKS", super::chunks(h))]).unwrap_or_else(|e| panic!("H {h}: {e}"));
+        for h in [1000, 1024, 2560, 4096, 5120, 8192] {
+            let ptx = super::nvrtc::compile(super::SRC, &[("H", h), ("THREADS", super::threads(h))]).unwrap_or_else(|e| panic!("H {h}: {e}"));
             let text = ptx.to_src();
             assert!(text.contains(".entry add_rms_norm") && text.contains(".entry rms_norm_backward_add"));
             assert!(!text.contains(".local"), "H {h}: the kernels spill to local memory");

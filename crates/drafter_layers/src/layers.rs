@@ -303,7 +303,7 @@ impl Attention {
                 dw
             };
             let d_wk = kv_grads(d_k_lin, &self.k_proj.ws);
-            let d_wv = kv_grads(dv.transpose(1, 2).contiguous(), &self.v_proj.ws);
+            let d_wv = kv_grads(dv.transpose(1, 2), &self.v_proj.ws);
             let weights = [
                 (self.q_proj.ws.shallow_clone(), d_wq),
                 (self.k_proj.ws.shallow_clone(), d_wk),
