@@ -27,13 +27,13 @@ extern "C" void dflash_clear_grad(const at::Tensor* t) {
   t->mutable_grad() = at::Tensor();
 }
 
-// An uninitialised CPU tensor shaped and typed as `t`, in pinned (page-locked) memory from
-// libtorch's caching host allocator, so copies between it and a GPU can be asynchronous. Filling
-// it is the caller's: a buffer about to be overwritten needs no copy, where `pin_memory()` on an
-// empty tensor copies its garbage.
+// An uninitialised CPU tensor shaped and typed as `t` (on any device), in pinned (page-locked)
+// memory from libtorch's caching host allocator, so copies between it and a GPU can be
+// asynchronous. Filling it is the caller's: a buffer about to be overwritten needs no copy, where
+// `pin_memory()` on an empty tensor copies its garbage.
 extern "C" int dflash_empty_pinned_like(const at::Tensor* t, at::Tensor** out, char* err, size_t err_len) {
   try {
-    *out = new at::Tensor(t->new_empty(t->sizes(), t->options().pinned_memory(true)));
+    *out = new at::Tensor(t->new_empty(t->sizes(), t->options().device(at::kCPU).pinned_memory(true)));
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(err, err_len, "%s", e.what());

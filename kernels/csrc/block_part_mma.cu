@@ -84,6 +84,18 @@ __device__ __forceinline__ void b_frag(const u32* r0, const u32* r1, const u32* 
     b1 = __byte_perm(r2[nt / 2], r3[nt / 2], sel);
 }
 
+// acc[nt] += A B for the N n-tiles of B: A the 16 x 16 fragment a0..a3, B's rows 2c, 2c+1, 2c+8,
+// 2c+9 in r[0..3] as the lane loaded them (N / 2 words each).
+template <int N>
+__device__ __forceinline__ void mma_rows(float (*acc)[4], u32 a0, u32 a1, u32 a2, u32 a3, const u32 (*r)[N / 2]) {
+#pragma unroll
+    for (int nt = 0; nt < N; nt++) {
+        u32 b0, b1;
+        b_frag(r[0], r[1], r[2], r[3], nt, b0, b1);
+        mma(acc[nt], a0, a1, a2, a3, b0, b1);
+    }
+}
+
 // Element e (of 2N) of the lane's d range in row g + 8 rr, from the accumulators of N n-tiles
 // whose column g is d = g N + nt: column 2c of n-tile e, or column 2c+1 of n-tile e - N.
 template <int N>
@@ -196,12 +208,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) block_part_forward(
     // O = P V, P as the A fragment straight from the accumulators.
     const u32 p0 = pack(sc[0][0], sc[0][1]), p1 = pack(sc[0][2], sc[0][3]), p2 = pack(sc[1][0], sc[1][1]), p3 = pack(sc[1][2], sc[1][3]);
     float acc[NO][4] = {};
-#pragma unroll
-    for (int nt = 0; nt < NO; nt++) {
-        u32 b0, b1;
-        b_frag(vr[0], vr[1], vr[2], vr[3], nt, b0, b1);
-        mma(acc[nt], p0, p1, p2, p3, b0, b1);
-    }
+    mma_rows<NO>(acc, p0, p1, p2, p3, vr);
     // Plus the context spans' outputs weighed in (where a row sees them: a row that sees none
     // may hold anything there); rows g, g+8 at d = 2c NO .. 2c NO + 2 NO.
     bf16* op = out + b * ob + h * oh + (row0 + g) * on + 2 * c * NO;
@@ -305,12 +312,7 @@ extern "C" __global__ void __launch_bounds__(G * 32) block_part_backward(
         frag_dst[w][3][lane] = trans(ds3);
         // dq += dS K: rows g, g+8 at d = 2c NO .. 2c NO + 2 NO, on the context part's gradient.
         float acc[NO][4] = {};
-#pragma unroll
-        for (int nt = 0; nt < NO; nt++) {
-            u32 b0, b1;
-            b_frag(kt[0], kt[1], kt[2], kt[3], nt, b0, b1);
-            mma(acc[nt], ds0, ds1, ds2, ds3, b0, b1);
-        }
+        mma_rows<NO>(acc, ds0, ds1, ds2, ds3, kt);
         bf16* dqp = dq + b * gb + h * gh + (row0 + g) * gn + 2 * c * NO;
 #pragma unroll
         for (int rr = 0; rr < 2; rr++) {

@@ -5,8 +5,8 @@ use crate::ffi::{dflash_backward, dflash_clear_grad, dflash_empty_pinned_like, w
 use std::ffi::c_void;
 use tch::Tensor;
 
-/// An uninitialised tensor of `t`'s shape and kind in pinned CPU memory, for asynchronous copies
-/// between it and a GPU. Needs a CUDA runtime.
+/// An uninitialised tensor of `t`'s shape and kind (`t` on any device) in pinned CPU memory, for
+/// asynchronous copies between it and a GPU. Needs a CUDA runtime.
 pub fn empty_pinned_like(t: &Tensor) -> Result<Tensor, String> {
     let mut out = std::ptr::null_mut::<c_void>();
     // SAFETY: a tch handle is an at::Tensor*; on success the shim returns a new at::Tensor* that

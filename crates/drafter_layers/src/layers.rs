@@ -60,18 +60,26 @@ impl RmsNorm {
         let kernel = || kernels::rms_norm::backward_add(x, &self.weight, self.eps, dy, g);
         let fused = kernels::rms_norm::applies(x).then(|| kernels::nvrtc::try_kernel(&FAILED, "the RMSNorm kernel", kernel));
         let (dx, dw) = fused.flatten().unwrap_or_else(|| {
-            let wk = if x.kind() == Kind::Double { Kind::Double } else { Kind::Float };
-            let xf = x.to_kind(wk);
-            let r = (xf.square().mean_dim(-1, true, wk) + self.eps).rsqrt();
-            let xn = &xf * &r;
-            let dy = dy.to_kind(wk);
-            let rows: Vec<i64> = (0..x.dim() as i64 - 1).collect();
-            let dw = (&dy * &xn).sum_dim_intlist(rows.as_slice(), false, wk);
-            let a = dy * self.weight.to_kind(wk);
-            let dot = (&a * &xn).mean_dim(-1, true, wk);
-            ((a - xn * dot) * r + g.to_kind(wk), dw)
+            let (dx, dw) = self.composite_backward(x, dy);
+            (dx + g.to_kind(dw.kind()), dw)
         });
         (dx.to_kind(x.kind()), dw.to_kind(self.weight.kind()))
+    }
+
+    /// The norm's backward by libtorch's ops, in fp32 (fp64 for fp64 x), from dy = dLoss/d(norm
+    /// output): (dLoss/dx, dLoss/d(weight)) in that kind. With a = dy w, r = 1 / rms(x), xn = x
+    /// r: dx = r (a - xn mean(a xn)); dw = sum dy xn over every dim but the last.
+    fn composite_backward(&self, x: &Tensor, dy: &Tensor) -> (Tensor, Tensor) {
+        let wk = work_kind(x);
+        let xf = x.to_kind(wk);
+        let r = (xf.square().mean_dim(-1, true, wk) + self.eps).rsqrt();
+        let xn = &xf * &r;
+        let dy = dy.to_kind(wk);
+        let rows: Vec<i64> = (0..x.dim() as i64 - 1).collect();
+        let dw = (&dy * &xn).sum_dim_intlist(rows.as_slice(), false, wk);
+        let a = dy * self.weight.to_kind(wk);
+        let dot = (&a * &xn).mean_dim(-1, true, wk);
+        ((a - xn * dot) * r, dw)
     }
 
     /// The norm of x [B, L, H, D] (per head), then RoPE with `cos` / signed sin [B, 1, L, D] (as
@@ -93,16 +101,10 @@ impl RmsNorm {
         let kernel = || kernels::norm_rope::backward(x, &self.weight, self.eps, cos, sin, dy);
         let fused = kernels::norm_rope::applies(x, cos).then(|| kernels::nvrtc::try_kernel(&FAILED, "the q/k norm + RoPE kernel", kernel));
         let (dx, dw) = fused.flatten().unwrap_or_else(|| {
-            let wk = if x.kind() == Kind::Double { Kind::Double } else { Kind::Float };
-            let xf = x.to_kind(wk);
-            let r = (xf.square().mean_dim(-1, true, wk) + self.eps).rsqrt();
-            let xn = &xf * &r;
+            let wk = work_kind(x);
             let (c, s, dy) = (cos.transpose(1, 2).to_kind(wk), sin.transpose(1, 2).to_kind(wk), dy.to_kind(wk)); // [B, L, 1, D]
             let g = &dy * c + swap_halves(&(&dy * s));
-            let dw = (&g * &xn).sum_dim_intlist(&[0i64, 1, 2][..], false, wk);
-            let dxn = g * self.weight.to_kind(wk);
-            let dot = (&dxn * &xn).mean_dim(-1, true, wk);
-            ((dxn - xn * dot) * r, dw)
+            self.composite_backward(x, &g)
         });
         (dx.to_kind(x.kind()), dw.to_kind(self.weight.kind()))
     }
@@ -110,6 +112,11 @@ impl RmsNorm {
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }
+}
+
+/// The kind the norms' composite backward computes in: fp64 for fp64 input, else fp32.
+fn work_kind(x: &Tensor) -> Kind {
+    if x.kind() == Kind::Double { Kind::Double } else { Kind::Float }
 }
 
 /// [a, b] -> [b, a] over the last dim's halves.

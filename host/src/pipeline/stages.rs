@@ -78,8 +78,7 @@ fn to_buffer(hidden: Tensor, drafter: Device) -> Tensor {
     if from == drafter || from == Device::Cpu {
         return hidden;
     }
-    let empty = Tensor::empty(hidden.size(), (hidden.kind(), Device::Cpu));
-    let mut host = kernels::autograd::empty_pinned_like(&empty).unwrap_or(empty);
+    let mut host = kernels::autograd::empty_pinned_like(&hidden).unwrap_or_else(|_| Tensor::empty(hidden.size(), (hidden.kind(), Device::Cpu)));
     host.copy_(&hidden);
     host
 }

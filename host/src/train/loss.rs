@@ -181,8 +181,9 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
         // The gradient back in the block's rows, each written once (index_select's own backward
         // adds them with atomics, 1.3 ms a step at the bench shapes), then handed to autograd
         // as the gradient of a term whose value is zero.
-        let g = Tensor::zeros_like(&rows).index_copy(0, &idx, &g);
-        let s = (&rows * g).sum(Kind::Float);
+        let mut full = Tensor::zeros_like(&rows);
+        let _ = full.index_copy_(0, &idx, &g);
+        let s = (&rows * full).sum(Kind::Float);
         value + (&s - s.detach())
     } else {
         value
