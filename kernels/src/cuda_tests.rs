@@ -12,47 +12,56 @@ fn max_abs(t: &Tensor) -> f64 {
     t.abs().max().double_value(&[])
 }
 
-/// Row statistics and (softmax - onehot) times a scale per row, of fp32 logit rows (a strided
-/// chunk, a 152K vocabulary), against libtorch's log-softmax, argmax and exp in fp32.
+/// Row statistics and (softmax - onehot) times a scale per row, of fp32 and of bf16 logit rows (a
+/// strided chunk, a 152K vocabulary), against libtorch's log-softmax, argmax and exp in fp32 of
+/// the same logits; bf16 logits get their gradient written over them.
 #[test]
 fn cross_entropy_kernels_match_libtorch() {
     let Some(dev) = crate::cuda_test_device() else { return };
     let _lock = SWITCH.lock().unwrap();
-    tch::manual_seed(0);
-    let (c, v) = (300, 151_936);
-    // Rows of a wider tensor: the kernels take a row stride; logits up to ~|10| as a trained head
-    // gives, some rows with their label at the argmax.
-    let wide = Tensor::randn([c, v + 4], (Kind::Float, dev)) * 3.0;
-    let z = wide.narrow(1, 0, v);
-    let mut labels = Tensor::randint(v, [c], (Kind::Int64, dev));
-    let argmax = z.argmax(-1, false);
-    let every_third = Tensor::arange(c, (Kind::Int64, dev)).remainder(3).eq(0);
-    labels = argmax.where_self(&every_third, &labels);
+    for kind in [Kind::Float, Kind::BFloat16] {
+        tch::manual_seed(0);
+        let (c, v) = (300, 151_936);
+        // Rows of a wider tensor: the kernels take a row stride; logits up to ~|10| as a trained
+        // head gives, some rows with their label at the argmax.
+        let wide = (Tensor::randn([c, v + 8], (Kind::Float, dev)) * 3.0).to_kind(kind);
+        let z = wide.narrow(1, 0, v);
+        let (zf, padding) = (z.to_kind(Kind::Float), wide.narrow(1, v, 8).copy());
+        let mut labels = Tensor::randint(v, [c], (Kind::Int64, dev));
+        let argmax = zf.argmax(-1, false);
+        let every_third = Tensor::arange(c, (Kind::Int64, dev)).remainder(3).eq(0);
+        labels = argmax.where_self(&every_third, &labels);
 
-    // Row scales (the loss weights) in [0, 1), the first row's 0.
-    let scale = Tensor::rand([c], (Kind::Float, dev)).index_fill(0, &Tensor::from_slice(&[0i64]).to_device(dev), 0.0);
+        // Row scales (the loss weights) in [0, 1), the first row's 0.
+        let scale = Tensor::rand([c], (Kind::Float, dev)).index_fill(0, &Tensor::from_slice(&[0i64]).to_device(dev), 0.0);
+        let logp = zf.log_softmax(-1, Kind::Float);
+        let want_label = logp.gather(1, &labels.unsqueeze(1), false).squeeze_dim(1);
+        let want_hit = argmax.eq_tensor(&labels);
+        let want_grad = (logp.exp() - labels.one_hot(v).to_kind(Kind::Float)) * scale.unsqueeze(1);
 
-    let got = nvrtc::with_enabled(true, || cross_entropy::rows(&z, &labels, Some((Kind::BFloat16, &scale)))).expect("the kernels run on a GPU");
-    let logp = z.log_softmax(-1, Kind::Float);
-    let want_label = logp.gather(1, &labels.unsqueeze(1), false).squeeze_dim(1);
-    let want_hit = argmax.eq_tensor(&labels);
-    let want_grad = (logp.exp() - labels.one_hot(v).to_kind(Kind::Float)) * scale.unsqueeze(1);
-
-    let err = max_abs(&(&got.logp_label - &want_label));
-    eprintln!("label log-probability: max |diff| {err:.3e} (|logp| up to {:.1})", max_abs(&want_label));
-    assert!(err < 1e-4, "log-probability of the label: max |diff| {err}");
-    assert!(got.hit.equal(&want_hit), "argmax hits differ");
-    assert_eq!(got.hit.sum(Kind::Int64).int64_value(&[]), want_hit.sum(Kind::Int64).int64_value(&[]));
-    let grad = got.grad.expect("the gradient was asked for").to_kind(Kind::Float);
-    // Each entry rounded once to bf16 (8 bits): within 2^-8 of its own size, plus fp32 noise.
-    let excess = ((&grad - &want_grad).abs() - want_grad.abs() * (1.0 / 256.0)).max().double_value(&[]);
-    eprintln!("(softmax - onehot) * scale: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}", max_abs(&(&grad - &want_grad)));
-    assert!(excess < 1e-6, "(softmax - onehot) * scale beyond bf16 rounding by {excess}");
-    assert_eq!(max_abs(&grad.get(0)), 0.0, "a row of scale 0");
-    // The label's entry p - 1 keeps its size: not rounded to -1 where p is near 1.
-    let at_label = |g: &Tensor| g.gather(1, &labels.unsqueeze(1), false);
-    let err = max_abs(&(at_label(&grad) - at_label(&want_grad)));
-    assert!(err < 4e-3, "label entries: max |diff| {err}");
+        let got = nvrtc::with_enabled(true, || cross_entropy::rows(z.shallow_clone(), &labels, Some((Kind::BFloat16, &scale))))
+            .unwrap_or_else(|_| panic!("the {kind:?} kernels run on a GPU"));
+        let err = max_abs(&(&got.logp_label - &want_label));
+        eprintln!("{kind:?}: label log-probability: max |diff| {err:.3e} (|logp| up to {:.1})", max_abs(&want_label));
+        assert!(err < 1e-4, "{kind:?}: log-probability of the label: max |diff| {err}");
+        assert!(got.hit.equal(&want_hit), "{kind:?}: argmax hits differ");
+        let grad = got.grad.expect("the gradient was asked for");
+        if kind == Kind::BFloat16 {
+            assert_eq!(grad.data_ptr(), z.data_ptr(), "bf16 logits take their gradient in place");
+        }
+        let grad = grad.to_kind(Kind::Float);
+        // Each entry rounded once to bf16 (8 bits): within 2^-8 of its own size, plus fp32 noise.
+        let excess = ((&grad - &want_grad).abs() - want_grad.abs() * (1.0 / 256.0)).max().double_value(&[]);
+        eprintln!("{kind:?}: (softmax - onehot) * scale: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}", max_abs(&(&grad - &want_grad)));
+        assert!(excess < 1e-6, "{kind:?}: (softmax - onehot) * scale beyond bf16 rounding by {excess}");
+        assert_eq!(max_abs(&grad.get(0)), 0.0, "{kind:?}: a row of scale 0");
+        // The label's entry p - 1 keeps its size: not rounded to -1 where p is near 1.
+        let at_label = |g: &Tensor| g.gather(1, &labels.unsqueeze(1), false);
+        let err = max_abs(&(at_label(&grad) - at_label(&want_grad)));
+        assert!(err < 4e-3, "{kind:?}: label entries: max |diff| {err}");
+        // The padding past each row is untouched.
+        assert!(wide.narrow(1, v, 8).equal(&padding), "{kind:?}: the row padding was written");
+    }
 }
 
 /// Split attention in bf16 with the fused block part and with the composite, both against the

@@ -134,6 +134,20 @@ pub fn linear(p: &nn::Path, name: &str, in_dim: usize, out_dim: usize, initializ
     nn::linear(p / name, in_dim as i64, out_dim as i64, cfg)
 }
 
+/// A bias-free `lin` of the context [B, S, H] and block [B, N, H] rows as one [B, S+N, out]
+/// tensor, each part's batched GEMM writing its own rows of it (a `cat` of the two outputs would
+/// copy both once more). Outside autograd (an `out=` op).
+fn project_into_one(lin: &nn::Linear, ctx: &Tensor, x: &Tensor) -> Tensor {
+    let (b, s, n) = (x.size()[0], ctx.size()[1], x.size()[1]);
+    let w_t = lin.ws.tr(); // [H, out]
+    let out = Tensor::empty([b, s + n, w_t.size()[1]], (x.kind(), x.device()));
+    let w_t = w_t.unsqueeze(0).expand([b, -1, -1], false);
+    for (rows, from, len) in [(ctx, 0, s), (x, s, n)] {
+        let _ = rows.bmm_out(&out.narrow(1, from, len), &w_t);
+    }
+    out
+}
+
 /// Rotary embedding tables for integer positions [B, L] -> (cos, signed sin) [B, 1, L, D]; the
 /// sine's first half is negated so that [`apply_rope`] needs no negation pass. A RoPE scaling
 /// changes the frequencies and may scale cos and sin (YaRN's attention factor).
@@ -253,21 +267,20 @@ impl Attention {
     /// Q from the block only [B, nh, N, D]; K/V from [context; block] [B, nkv, S+N, D]; RoPE at
     /// anchor + k for blocks, 0..S-1 for the context.
     pub fn project(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> (Tensor, Tensor, Tensor) {
-        let (q, k, v) = self.projections(x, ctx);
+        let (q, k, v) = self.projections(x, ctx, |lin| Tensor::cat(&[lin.forward(ctx), lin.forward(x)], 1));
         let q = self.q_norm.forward(&q).transpose(1, 2);
         let k = self.k_norm.forward(&k).transpose(1, 2);
         (apply_rope(&q, &at.q_cos, &at.q_sin), apply_rope(&k, &at.k_cos, &at.k_sin), v)
     }
 
     /// The q projection of the block [B, N, nh, D], and the k [B, S+N, nkv, D] and v [B, nkv,
-    /// S+N, D] projections of [context; block]: before the norms and RoPE.
-    fn projections(&self, x: &Tensor, ctx: &Tensor) -> (Tensor, Tensor, Tensor) {
+    /// S+N, D] projections of [context; block] (`both` gives a projection's [B, S+N, kv] rows):
+    /// before the norms and RoPE.
+    fn projections(&self, x: &Tensor, ctx: &Tensor, both: impl Fn(&nn::Linear) -> Tensor) -> (Tensor, Tensor, Tensor) {
         let (b, n, s) = (x.size()[0], x.size()[1], ctx.size()[1]);
         let q = self.q_proj.forward(x).view([b, n, self.num_heads, self.head_dim]);
-        let k = Tensor::cat(&[self.k_proj.forward(ctx), self.k_proj.forward(x)], 1).view([b, s + n, self.num_kv_heads, self.head_dim]);
-        let v = Tensor::cat(&[self.v_proj.forward(ctx), self.v_proj.forward(x)], 1)
-            .view([b, s + n, self.num_kv_heads, self.head_dim])
-            .transpose(1, 2);
+        let k = both(&self.k_proj).view([b, s + n, self.num_kv_heads, self.head_dim]);
+        let v = both(&self.v_proj).view([b, s + n, self.num_kv_heads, self.head_dim]).transpose(1, 2);
         (q, k, v)
     }
 
@@ -276,7 +289,7 @@ impl Attention {
     /// backward out, down to x.
     pub fn project_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs) -> (Tensor, Tensor, Tensor, ProjCut) {
         no_grad(|| {
-            let (q_lin, k_lin, v) = self.projections(x, ctx);
+            let (q_lin, k_lin, v) = self.projections(x, ctx, |lin| project_into_one(lin, ctx, x));
             let q = self.q_norm.forward_rope(&q_lin, &at.q_cos, &at.q_sin);
             let k = self.k_norm.forward_rope(&k_lin, &at.k_cos, &at.k_sin);
             (q.transpose(1, 2), k.transpose(1, 2), v, ProjCut { x: x.shallow_clone(), q_lin, k_lin })

@@ -8,11 +8,11 @@
 
 use plugin_api::tch::{self, Kind, Tensor};
 
-/// fp32 logits formed at once (one chunk), at most: 1,536 positions for a 152K vocabulary. A
-/// chunk holds its fp32 logits and their 16-bit gradient at once (~1.4 GB there), on top of
-/// every activation the backward will need. Larger chunks feed the LM head's GEMMs better than
-/// 256 MiB ones (384 positions) did: 0.3-1.2% off the drafter step at the benchmark's shapes.
-pub const LOGIT_CHUNK_BYTES: i64 = 1 << 30;
+/// Logits formed at once (one chunk), at most: 1,536 positions of bf16 logits for a 152K
+/// vocabulary (their gradient is written over them), on top of every activation the backward
+/// will need. Chunks of 1,536 positions feed the LM head's GEMMs better than chunks of 384 did:
+/// 0.3-1.2% off the drafter step at the benchmark's shapes.
+pub const LOGIT_CHUNK_BYTES: i64 = 1 << 29;
 
 pub struct LossOut {
     /// Scalar, differentiable w.r.t. the block hidden states: the weighted cross-entropy summed
@@ -81,12 +81,12 @@ pub fn resolve_gamma(config: Option<crate::config::LossGamma>, block_size: usize
     }
 }
 
-/// The loss with chunks of at most `LOGIT_CHUNK_BYTES` of fp32 logits, in whole multiples of 384
+/// The loss with chunks of at most `LOGIT_CHUNK_BYTES` of logits, in whole multiples of 384
 /// positions where that fits (the GEMMs' row tiles are 128 or 192: a partial last tile is wasted
 /// work).
 pub fn dflash_loss(x: &LossInput) -> LossOut {
     let vocab = x.lm_head.size()[0];
-    let rows = (LOGIT_CHUNK_BYTES / (4 * vocab)).max(1);
+    let rows = (LOGIT_CHUNK_BYTES / (x.block_hidden.kind().elt_size_in_bytes() as i64 * vocab)).max(1);
     dflash_loss_chunked(x, if rows >= 384 { rows / 384 * 384 } else { rows })
 }
 
@@ -149,8 +149,10 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let wsum = wsel.sum(Kind::Float);
 
     // 4. Per chunk: weighted CE, top-1 hits and (training) the gradient w.r.t. h, written into
-    //    its rows of `grad`. The chunk's logits come out of the GEMM in fp32; each row's weight
-    //    scales its softmax gradient as that is written, before the GEMM back to [c, H].
+    //    its rows of `grad`. The chunk's logits come out of the GEMM in the hidden states' type,
+    //    as the model's own LM head gives them (HF's and SpecForge's loss: bf16 logits, the
+    //    statistics in fp32); each row's weight scales its softmax gradient as that is written,
+    //    before the GEMM back to [c, H].
     let mut ce_sum = Tensor::zeros([], (Kind::Float, device));
     let mut hits = Vec::new();
     let grad = want_grad.then(|| Tensor::empty(h.size(), (h.kind(), device)));
@@ -160,7 +162,7 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
             let len = chunk.min(m - start);
             let hc = h.narrow(0, start, len);
             let wc = wsel.narrow(0, start, len);
-            let z = logits_fp32(&hc, &head_t); // [c, V]
+            let z = hc.mm(&head_t); // [c, V]
             let scale = grad.is_some().then(|| match x.reduction {
                 Reduction::Mean => &wc / &wsum,
                 Reduction::Sum => wc.shallow_clone(),
@@ -200,13 +202,14 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
 /// Per row of logits z [c, V] against `labels` [c]: the label's log-probability (fp32), whether
 /// the argmax is the label, and with `grad` = (kind, row scale [c]) the gradient (softmax -
 /// onehot) times each row's scale, in that kind. On CUDA two passes over the logits
-/// (`kernels::cross_entropy`); elsewhere libtorch's ops: one log-softmax, then exp written
-/// straight into the kind, each label's entry expm1(logp) from fp32 (p - 1 near 1 would round
-/// away), then the scale.
+/// (`kernels::cross_entropy`); elsewhere libtorch's ops: one log-softmax in fp32, then exp
+/// written straight into the kind, each label's entry expm1(logp) from fp32 (p - 1 near 1 would
+/// round away), then the scale.
 fn cross_entropy_rows(z: Tensor, labels: &Tensor, grad: Option<(Kind, &Tensor)>) -> (Tensor, Tensor, Option<Tensor>) {
-    if let Some(r) = kernels::cross_entropy::rows(&z, labels, grad) {
-        return (r.logp_label, r.hit, r.grad);
-    }
+    let z = match kernels::cross_entropy::rows(z, labels, grad) {
+        Ok(r) => return (r.logp_label, r.hit, r.grad),
+        Err(z) => z,
+    };
     let hit = z.argmax(-1, false).eq_tensor(labels);
     let logp = z.log_softmax(-1, Kind::Float);
     drop(z);
@@ -219,18 +222,6 @@ fn cross_entropy_rows(z: Tensor, labels: &Tensor, grad: Option<(Kind, &Tensor)>)
         d
     });
     (logp_label.squeeze_dim(1), hit, grad)
-}
-
-/// h @ W^T with fp32 output. For 16-bit inputs on CUDA the GEMM writes fp32 itself (cuBLAS
-/// accumulates in fp32 anyway): a 16-bit product converted afterwards costs a rounding and a
-/// copy of the whole [c, V] chunk (libtorch's log-softmax converts bf16 input first).
-fn logits_fp32(h: &Tensor, head_t: &Tensor) -> Tensor {
-    if matches!(h.kind(), Kind::BFloat16 | Kind::Half) && h.device().is_cuda() {
-        if let Ok(z) = h.f_mm_dtype(head_t, Kind::Float) {
-            return z;
-        }
-    }
-    h.matmul(head_t).to_kind(Kind::Float)
 }
 
 /// Top-1 accuracy per block position from its correct predictions and counted labels (0 where
