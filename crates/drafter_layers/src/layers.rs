@@ -138,6 +138,7 @@ pub fn linear(p: &nn::Path, name: &str, in_dim: usize, out_dim: usize, initializ
 /// tensor, each part's batched GEMM writing its own rows of it (a `cat` of the two outputs would
 /// copy both once more). Outside autograd (an `out=` op).
 fn project_into_one(lin: &nn::Linear, ctx: &Tensor, x: &Tensor) -> Tensor {
+    debug_assert!(lin.bs.is_none(), "the drafter's projections have no bias");
     let (b, s, n) = (x.size()[0], ctx.size()[1], x.size()[1]);
     let w_t = lin.ws.tr(); // [H, out]
     let out = Tensor::empty([b, s + n, w_t.size()[1]], (x.kind(), x.device()));
