@@ -1,7 +1,9 @@
-// 8 bf16 elements at a time, as fp32 (16-byte loads and stores), for the kernels that move dense
-// bf16 rows: put in front of swiglu.cu and rms_norm.cu by their Rust modules (concat!).
+// bf16 as fp32, one element or 8 at a time (16-byte loads and stores), for the kernels that move
+// bf16 rows: put in front of swiglu.cu, rms_norm.cu and cross_entropy.cu by their Rust modules (concat!).
 
 typedef unsigned short bf16;
+
+__device__ __forceinline__ float bf16_float(bf16 x) { return __uint_as_float((unsigned)x << 16); }
 
 __device__ __forceinline__ void load8(const bf16* p, float* x) {
     const uint4 u = *reinterpret_cast<const uint4*>(p);

@@ -32,7 +32,7 @@ template <>
 struct Lanes<bf16> {
     static constexpr int E = 8;
     __device__ static void load(const bf16* p, float* x) { load8(p, x); }
-    __device__ static float one(const bf16* p) { return __uint_as_float((unsigned)*p << 16); }
+    __device__ static float one(const bf16* p) { return bf16_float(*p); }
 };
 
 template <int E>

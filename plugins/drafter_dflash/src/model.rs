@@ -63,21 +63,24 @@ impl DecoderLayer {
     /// [`forward_cut`](Self::forward_cut)'s backward from g = dLoss/d(output): dLoss/dx, and
     /// (weight, gradient) pairs for the layer's weights; the context's gradient is added into
     /// `d_ctx`. The residual's gradient joins each norm's in its backward
-    /// (`RmsNorm::backward_add`).
+    /// (`RmsNorm::backward_add`). Outside autograd, as the forward: the layer's input leaf
+    /// requires grad, and the norms' fallback would otherwise record a graph on it.
     fn backward_cut(&self, cut: &Cut, g: &Tensor, at: &AttentionInputs, ctx: &Tensor, d_ctx: &mut Tensor) -> (Tensor, Vec<(Tensor, Tensor)>) {
-        let (d_normed, mlp) = self.mlp.cut_grads(&cut.mlp, g);
-        let (dx1, d_post_norm) = self.post_attention_layernorm.backward_add(&cut.x1, &d_normed, g);
-        let (d_o, d_out) = self.self_attn.output_grads(&cut.merged, &dx1);
-        let attention = kernels::profiler::range("block attention");
-        let (dq, dk, dv) = tch::no_grad(|| block_attention::backward(&cut.saved, &d_o));
-        drop(attention);
-        let (d_normed, proj) = self.self_attn.cut_grads(&cut.proj, at, ctx, &dq, &dk, &dv, d_ctx);
-        let (dx, d_input_norm) = self.input_layernorm.backward_add(&cut.x, &d_normed, &dx1);
-        let mut weights: Vec<_> = mlp.into_iter().chain(proj).collect();
-        weights.push(d_out);
-        weights.push((self.post_attention_layernorm.weight().shallow_clone(), d_post_norm));
-        weights.push((self.input_layernorm.weight().shallow_clone(), d_input_norm));
-        (dx, weights)
+        tch::no_grad(|| {
+            let (d_normed, mlp) = self.mlp.cut_grads(&cut.mlp, g);
+            let (dx1, d_post_norm) = self.post_attention_layernorm.backward_add(&cut.x1, &d_normed, g);
+            let (d_o, d_out) = self.self_attn.output_grads(&cut.merged, &dx1);
+            let attention = kernels::profiler::range("block attention");
+            let (dq, dk, dv) = block_attention::backward(&cut.saved, &d_o);
+            drop(attention);
+            let (d_normed, proj) = self.self_attn.cut_grads(&cut.proj, at, ctx, &dq, &dk, &dv, d_ctx);
+            let (dx, d_input_norm) = self.input_layernorm.backward_add(&cut.x, &d_normed, &dx1);
+            let mut weights: Vec<_> = mlp.into_iter().chain(proj).collect();
+            weights.push(d_out);
+            weights.push((self.post_attention_layernorm.weight().shallow_clone(), d_post_norm));
+            weights.push((self.input_layernorm.weight().shallow_clone(), d_input_norm));
+            (dx, weights)
+        })
     }
 }
 
