@@ -13,10 +13,8 @@
 //   lane c's accumulators hold d = 2c NO .. 2c NO + 2 NO of its rows (stored 16 bytes at a time).
 //   The backward's dk and dv do the same within slices of D/4: d = slice DS + g NS + nt.
 //
-// Compiled at run time by NVRTC (kernels/src/nvrtc.rs), after block_part_spans.cuh, with -DD=..
+// Compiled at run time by NVRTC (kernels/src/nvrtc.rs), after block_part_spans.cuh and mma.cuh, with -DD=..
 // -DG=..; rows 16-byte aligned (kernels/src/block_part.rs checks).
-
-typedef unsigned int u32;
 
 #define BK 16
 #define WARPS 4      // the forward's query heads a CTA
@@ -24,20 +22,6 @@ typedef unsigned int u32;
 #define NO (D / 8)   // n-tiles of P V (and dS K); d a lane g loads of a row
 #define DS (D / 4)   // the backward's slices of d for dk, dv
 #define NS (DS / 8)  // their n-tiles; d a lane g loads of a row
-
-__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Two floats as bf16 (round to nearest even), `lo` in the low half.
-__device__ __forceinline__ u32 pack(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
 
 // The transpose of an 8 x 8 bf16 tile held as accumulator pairs (row g, columns 2c, 2c+1).
 __device__ __forceinline__ u32 trans(u32 x) {
@@ -101,17 +85,6 @@ __device__ __forceinline__ void mma_rows(float (*acc)[4], u32 a0, u32 a1, u32 a2
 template <int N>
 __device__ __forceinline__ float acc_at(const float (*acc)[4], int e, int rr) {
     return e < N ? acc[e][2 * rr] : acc[e - N][2 * rr + 1];
-}
-
-// Sum over the 4 lanes of a row (c = 0..3).
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
 // 8 bf16 products summed: a . b

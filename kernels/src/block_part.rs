@@ -10,7 +10,8 @@ use cudarc::driver::{DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
 const SRC: &str = concat!(include_str!("../csrc/block_part_spans.cuh"), include_str!("../csrc/block_part.cu"));
-const SRC_MMA: &str = concat!(include_str!("../csrc/block_part_spans.cuh"), include_str!("../csrc/block_part_mma.cu"));
+const SRC_MMA: &str =
+    concat!(include_str!("../csrc/block_part_spans.cuh"), include_str!("../csrc/mma.cuh"), include_str!("../csrc/block_part_mma.cu"));
 const THREADS: u32 = 128;
 /// The tensor-core forward's warps a CTA (a query head each).
 const MMA_WARPS: i64 = 4;
