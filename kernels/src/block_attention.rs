@@ -10,8 +10,10 @@
 //! the host, each range scores only the context keys its blocks can see (its largest anchor), so
 //! sorted anchors spread over the sequence cost about half of scoring every query against all S.
 //! A range's keys before its smallest anchor are seen by all its queries: that prefix runs
-//! without the bias (a bias costs cuDNN ~40% of its rate), only the staircase tail with it, and
-//! the two are merged through their log-sum-exps like the block part.
+//! without the bias (a bias costs cuDNN ~40% of its rate), and the two are merged through their
+//! log-sum-exps like the block part. The staircase tail runs on kernels of its own where they
+//! apply ([`context_tail`]: CUDA bf16, blocks of 16, full attention), which walk only the keys
+//! each block sees; elsewhere on the fused kernel with the bias.
 //!
 //! Sliding-window layers (`window` = W, HF's `sliding_window`, W >= the block) are served causal:
 //! the query at position p sees keys at p-W+1..=p (SGLang runs such a DFlash layer as a decoder
@@ -27,7 +29,7 @@
 //! libtorch's autograd does not see this op: a drafter using it cuts its graph at the
 //! attention output and calls [`backward`] itself (`Drafter::backward`).
 
-use crate::{block_part, range_sum};
+use crate::{block_part, context_tail, range_sum};
 use tch::{Device, Kind, Tensor};
 
 /// What the backward needs. Tensors as in [`forward`].
@@ -42,6 +44,8 @@ pub struct Saved {
     lse: Tensor,
     /// The fused-kernel runs of each range's context part (none: the range sees no context).
     runs: Vec<Vec<ContextRun>>,
+    /// The ranges' tails, where their runs went to [`context_tail`] (`Backend::Tail`).
+    tails: Vec<context_tail::Tail>,
     /// Whether the block part ran as the fused kernel ([`block_part`]).
     fused: bool,
     block: i64,
@@ -102,16 +106,19 @@ pub fn context_empty(anchors: &Tensor, block: i64, window: Option<i64>) -> Tenso
 /// the host (8 at 512 anchors: 64 blocks, 1024 queries a run; measured in docs/BENCHMARKS.md).
 pub const CONTEXT_RANGES: usize = 8;
 
-/// The context part's mask: the bias ([`context_bias`]), the sliding window it was made with,
-/// and the ranges of queries the fused kernel runs on, each against the context keys
-/// `first_key..keys` only.
+/// The context part's mask: the anchors, the sliding window, the ranges of queries the fused
+/// kernel runs on, each against the context keys `first_key..keys` only, and the bias
+/// ([`context_bias`]), built the first time a span needs it (the tail kernels do not).
 pub struct ContextMask {
     /// [B, A] on the device.
     pub anchors: Tensor,
-    pub bias: Tensor,
     pub ranges: Vec<QueryRange>,
     /// HF's `sliding_window` of a `sliding_attention` layer (None: full attention).
     pub window: Option<i64>,
+    bias: std::cell::OnceCell<Tensor>,
+    s: i64,
+    block: i64,
+    kind: Kind,
 }
 
 /// Query rows `start..start + len` (whole blocks) see no context key before `first_key` or at or
@@ -135,14 +142,24 @@ impl QueryRange {
 }
 
 impl ContextMask {
-    /// The bias of range `r`'s queries on context keys `from..to`.
-    fn bias_for(&self, r: &QueryRange, from: i64, to: i64) -> Tensor {
-        self.bias.narrow(2, r.start, r.len).narrow(3, from, to - from)
+    fn new(anchors: &Tensor, ranges: Vec<QueryRange>, s: i64, block: i64, kind: Kind, window: Option<i64>) -> Self {
+        Self { anchors: anchors.shallow_clone(), ranges, window, bias: Default::default(), s, block, kind }
     }
 
-    /// The same mask, sharing its tensors.
+    /// The bias [B, 1, N, S] ([`context_bias`]).
+    pub fn bias(&self) -> &Tensor {
+        self.bias.get_or_init(|| context_bias(&self.anchors, self.s, self.block, self.kind, self.window))
+    }
+
+    /// The bias of range `r`'s queries on context keys `from..to`.
+    fn bias_for(&self, r: &QueryRange, from: i64, to: i64) -> Tensor {
+        self.bias().narrow(2, r.start, r.len).narrow(3, from, to - from)
+    }
+
+    /// The same mask, sharing its tensors (the bias too, if built).
     pub fn shallow_clone(&self) -> Self {
-        Self { anchors: self.anchors.shallow_clone(), bias: self.bias.shallow_clone(), ranges: self.ranges.clone(), window: self.window }
+        let bias = self.bias.get().map_or_else(Default::default, |b| b.shallow_clone().into());
+        Self { anchors: self.anchors.shallow_clone(), ranges: self.ranges.clone(), bias, ..*self }
     }
 
     /// One range: every query scored against the whole context (the anchors stay on the device).
@@ -150,7 +167,7 @@ impl ContextMask {
         check_window(window, block);
         let n = anchors.size()[1] * block;
         let ranges = vec![QueryRange { start: 0, len: n, first_key: 0, prefix: 0, keys: s }];
-        Self { anchors: anchors.shallow_clone(), bias: context_bias(anchors, s, block, kind, window), ranges, window }
+        Self::new(anchors, ranges, s, block, kind, window)
     }
 
     /// Up to `ranges` runs of whole blocks, each scored against the keys its blocks can see
@@ -161,7 +178,7 @@ impl ContextMask {
         let flat = Vec::<i64>::try_from(host.to_kind(Kind::Int64).contiguous().view([-1])).expect("int64 anchors");
         let rows: Vec<&[i64]> = flat.chunks(a.max(1) as usize).take(b as usize).collect();
         let ranges = query_ranges(&rows, s, block, ranges, KERNEL_TILE, window);
-        Self { anchors: anchors.shallow_clone(), bias: context_bias(anchors, s, block, kind, window), ranges, window }
+        Self::new(anchors, ranges, s, block, kind, window)
     }
 }
 
@@ -222,6 +239,11 @@ impl Saved {
     pub fn fused(&self) -> bool {
         self.fused
     }
+
+    /// How many ranges' tails ran on the tail kernels (tests, benches).
+    pub fn tail_kernels(&self) -> usize {
+        self.tails.len()
+    }
 }
 
 /// q [B, nh, N, D] (N = A blocks of `block`), k/v [B, nkv, S+N, D] ([context; blocks]), `mask`
@@ -232,14 +254,27 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
     let (k_ctx, v_ctx) = (context_keys(q, k, s), context_keys(q, v, s));
 
     // 1. Context part: the fused kernel's output and log-sum-exp, range by range, span by span
-    //    (the unbiased prefix first).
+    //    (the unbiased prefix first). The biased tails go to the tail kernels where they apply,
+    //    every range's in one launch.
+    let mut tails = tails_of(mask, block);
+    let tail_out = (!tails.is_empty() && context_tail::applies(q, k, block, mask.window))
+        .then(|| context_tail::forward(q, &k_ctx, &v_ctx, &mask.anchors, &tails, scale).map_err(|e| warn_tail(&e)).ok())
+        .flatten();
+    if tail_out.is_none() {
+        tails.clear();
+    }
     let (mut parts, mut runs) = (vec![], vec![]);
     for r in &mask.ranges {
         let (mut spans, mut range_runs) = (vec![], vec![]);
         for (from, to, biased) in r.spans() {
-            let bias = biased.then(|| mask.bias_for(r, from, to));
             let keys = |t: &Tensor| t.narrow(2, from, to - from);
-            let (o, lse, backend) = context_forward(&q.narrow(2, r.start, r.len), &keys(&k_ctx), &keys(&v_ctx), bias.as_ref(), scale);
+            let (o, lse, backend) = match (&tail_out, biased) {
+                (Some((o, lse)), true) => (o.narrow(2, r.start, r.len), lse.narrow(2, r.start, r.len), Backend::Tail),
+                _ => {
+                    let bias = biased.then(|| mask.bias_for(r, from, to));
+                    context_forward(&q.narrow(2, r.start, r.len), &keys(&k_ctx), &keys(&v_ctx), bias.as_ref(), scale)
+                }
+            };
             spans.push((o, lse));
             range_runs.push(ContextRun { from, to, biased, backend });
         }
@@ -279,6 +314,7 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
         out: out.shallow_clone(),
         lse,
         runs,
+        tails,
         block,
         scale,
     };
@@ -322,6 +358,21 @@ fn merge_parts((o1, l1): (Tensor, Tensor), (o2, l2): (Tensor, Tensor)) -> (Tenso
     (o, lse)
 }
 
+/// Each range's biased tail as the tail kernels take it (without a window, the biased spans are
+/// exactly the tails).
+fn tails_of(mask: &ContextMask, block: i64) -> Vec<context_tail::Tail> {
+    let tail = |r: &QueryRange| {
+        let (from, to, _) = r.spans().into_iter().find(|&(_, _, biased)| biased)?;
+        Some(context_tail::Tail { first_block: r.start / block, blocks: r.len / block, from, keys: to - from })
+    };
+    mask.ranges.iter().filter_map(tail).collect()
+}
+
+fn warn_tail(e: &str) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| eprintln!("block attention: the tail kernels are unavailable ({e}); using cuDNN with the bias"));
+}
+
 fn warn_unfused(e: &str) {
     static WARNED: std::sync::Once = std::sync::Once::new();
     WARNED.call_once(|| eprintln!("block attention: the fused block part is unavailable ({e}); using batched matmuls"));
@@ -359,7 +410,7 @@ fn context_forward(q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, bias: Option<&Ten
 /// The gradients (dq, dk, dv) of the loss from `d_out` = dLoss/d(output). dk and dv [B, nkv,
 /// S+N, D] are [B, S+N, nkv, D] in memory, the layout the k and v projections' backward reads.
 pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
-    let Saved { q, k, v, mask, out, lse, runs, fused, block, scale } = saved;
+    let Saved { q, k, v, mask, out, lse, runs, tails, fused, block, scale } = saved;
     let causal = mask.window.is_some();
     let (b, nh, n, d) = size4(q);
     let (nkv, s) = (k.size()[1], k.size()[2] - n);
@@ -372,8 +423,17 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
 
     // 1. Context part, range by range, span by span: the fused backward with the merged output
     //    and log-sum-exp (so each span's are its exact share). Each run's dq covers its range's
-    //    rows, its dk and dv its span of keys (spans of different ranges overlap).
+    //    rows, its dk and dv its span of keys (spans of different ranges overlap). The tails that
+    //    ran on the tail kernels first, all in one launch each way: dq for every row, dk and dv
+    //    one tail after another.
     let (mut dq_runs, mut dk_runs, mut dv_runs) = (vec![], vec![], vec![]);
+    let tail_grads = (!tails.is_empty())
+        .then(|| context_tail::backward(q, k_ctx, v_ctx, d_out, out, lse, &mask.anchors, tails, *scale).map_err(|e| warn_tail(&e)).ok())
+        .flatten();
+    let mut tail_row = 0;
+    if let Some((dq_t, _, _)) = &tail_grads {
+        dq_runs.push((dq_t.shallow_clone(), 0));
+    }
     for (r, range_runs) in mask.ranges.iter().zip(runs) {
         if range_runs.is_empty() {
             continue; // a range that sees no context
@@ -385,9 +445,25 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
         for run in range_runs {
             let len = run.to - run.from;
             let keys = |t: &Tensor| t.narrow(2, run.from, len);
+            if let (Backend::Tail, Some((_, dk_t, dv_t))) = (&run.backend, &tail_grads) {
+                dk_runs.push((dk_t.narrow(2, tail_row, len), run.from));
+                dv_runs.push((dv_t.narrow(2, tail_row, len), run.from));
+                tail_row += len;
+                continue;
+            }
             let bias = run.biased.then(|| mask.bias_for(r, run.from, run.to));
+            // A tail whose kernels failed in the backward: cuDNN's forward for its state, then
+            // its backward.
+            let cudnn_run;
+            let backend = match &run.backend {
+                Backend::Tail => {
+                    cudnn_run = context_forward(&rows(q), &keys(k_ctx), &keys(v_ctx), bias.as_ref(), *scale).2;
+                    &cudnn_run
+                }
+                other => other,
+            };
             let (dq_r, dk_r, dv_r) =
-                context_backward(&run.backend, &d_out_r, &rows(q), &keys(k_ctx), &keys(v_ctx), &out_r, &lse_r, bias.as_ref(), *scale);
+                context_backward(backend, &d_out_r, &rows(q), &keys(k_ctx), &keys(v_ctx), &out_r, &lse_r, bias.as_ref(), *scale);
             // Per query head where the kernel took the keys repeated: summed over each group.
             let sum_groups = |x: Tensor| match x.size()[1] == nkv {
                 true => x,
@@ -496,6 +572,7 @@ fn context_backward(
                 d_out, q, k_ctx, v_ctx, out, &lse, seed, offset, &bias, cum_q, cum_k, *max_q, *max_k, 0.0, false, scale,
             )
         }
+        Backend::Tail => unreachable!("a tail's backward runs on the tail kernels, or its cuDNN forward's state"),
         Backend::Efficient { seed, offset } => {
             // The kernel's own layout, [B, M, heads, D], as libtorch's SDPA backward passes it.
             let t = |x: &Tensor| x.transpose(1, 2);
@@ -637,6 +714,8 @@ enum Backend {
     /// The memory-efficient kernel (when cuDNN attention is not available), with its dropout RNG
     /// state (unused: no dropout) passed back as it expects.
     Efficient { seed: Tensor, offset: Tensor },
+    /// A range's biased tail on the tail kernels ([`context_tail`]), which need no state.
+    Tail,
 }
 
 /// libtorch's cuDNN attention forward through csrc/cudnn_attention.cpp: tch binds its backward
@@ -759,8 +838,7 @@ mod tests {
             let expect: Vec<_> =
                 expect.iter().map(|&(start, len, first_key, prefix, keys)| QueryRange { start, len, first_key, prefix, keys }).collect();
             assert_eq!(ranges[..], expect[..], "window {window:?}");
-            let bias = context_bias(&anchors, s, block, Kind::Double, window);
-            let ranged = ContextMask { anchors: anchors.shallow_clone(), bias, ranges, window };
+            let ranged = ContextMask::new(&anchors, ranges, s, block, Kind::Double, window);
             for mask in [ContextMask::whole(&anchors, s, block, Kind::Double, window), ranged] {
                 let (got, saved) = tch::no_grad(|| forward(&q.detach(), &k.detach(), &v.detach(), &mask, block, scale));
                 let (dq, dk, dv) = tch::no_grad(|| backward(&saved, &d_out));

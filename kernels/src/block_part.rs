@@ -66,14 +66,14 @@ fn module(q: &Tensor, k: &Tensor, block: i64, kernels: Kernels) -> Result<nvrtc:
 }
 
 /// A tensor as the kernels take it: device pointer and its first three strides (the last dim
-/// must be dense).
-struct Arg {
-    ptr: u64,
-    strides: [i64; 3],
+/// must be dense). Also the tail kernels' ([`crate::context_tail`]).
+pub(crate) struct Arg {
+    pub(crate) ptr: u64,
+    pub(crate) strides: [i64; 3],
 }
 
 impl Arg {
-    fn new(t: &Tensor) -> Result<Self, String> {
+    pub(crate) fn new(t: &Tensor) -> Result<Self, String> {
         let st = t.stride();
         if st.last() != Some(&1) {
             return Err(format!("a tensor of shape {:?} with strides {st:?}: the last dim must be dense", t.size()));
@@ -88,12 +88,12 @@ impl Arg {
     }
 
     /// Whether every row starts on a `bytes` boundary (bf16 elements).
-    fn aligned(&self, bytes: u64) -> bool {
+    pub(crate) fn aligned(&self, bytes: u64) -> bool {
         self.ptr % bytes == 0 && self.strides.iter().all(|&s| (2 * s as u64) % bytes == 0)
     }
 
     /// The pointer and the three strides, as the kernels' parameters take a tensor.
-    fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>) {
+    pub(crate) fn push<'a>(&'a self, launch: &mut LaunchArgs<'a>) {
         launch.arg(&self.ptr).arg(&self.strides[0]).arg(&self.strides[1]).arg(&self.strides[2]);
     }
 }

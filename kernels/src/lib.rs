@@ -10,6 +10,8 @@
 //!   `Drafter::backward`).
 //! - `block_part`: the block part of it as one CUDA kernel each way (bf16).
 //! - `causal_conv`: a Gated DeltaNet layer's short causal conv and SiLU in one pass (CUDA).
+//! - `context_tail`: the context part's staircase tails, the keys a block sees past its range's
+//!   unbiased prefix, on tensor cores, one launch each way for every range (CUDA).
 //! - `cross_entropy`: the loss's row statistics and softmax gradient in two passes (CUDA).
 //! - `gdn_scan`: the chunked gated delta rule's scan over chunks in one kernel, forward (CUDA).
 //! - `norm_rope`: an attention's q/k RMSNorm and rotary embedding in one pass each way (CUDA).
@@ -25,6 +27,7 @@ pub mod autograd;
 pub mod block_attention;
 pub mod block_part;
 pub mod causal_conv;
+pub mod context_tail;
 pub mod cross_entropy;
 pub mod ffi;
 pub mod gdn_scan;

@@ -42,10 +42,11 @@ drafter_layers::drafter_section! {
         /// memory of one layer instead of all, for one more forward pass of the layers.
         #[serde(default)]
         pub checkpoint_layers: bool,
-        /// Block attention in training: "split" (default: the context through libtorch's fused
-        /// kernel with a staircase bias, in runs of blocks that each score only the keys before their
-        /// last anchor; each block's own keys apart, merged exactly) or "masked" (one SDPA over
-        /// [context; all blocks] with a mask; S + A*Bk keys a query).
+        /// Block attention in training: "split" (default: the context in runs of blocks that each
+        /// score only the keys before their last anchor, the keys all of a run's blocks see through
+        /// libtorch's fused kernel, the staircase past them through kernels of our own on CUDA or
+        /// that kernel with a bias; each block's own keys apart; merged exactly) or "masked" (one
+        /// SDPA over [context; all blocks] with a mask; S + A*Bk keys a query).
         #[serde(default)]
         pub attention: AttentionKind,
         /// HF's `layer_types`: `full_attention` (default) or `sliding_attention` per layer. A
