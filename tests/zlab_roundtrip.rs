@@ -103,7 +103,8 @@ fn export_then_import(extra: &str) -> serde_json::Value {
     let mut a = a;
     let ya = a.forward(&x).unwrap().into_tensor();
     let yb = b.forward(&x).unwrap().into_tensor();
-    assert!(ya.equal(&yb), "outputs differ after export/import");
+    let diff = || (&ya - &yb).abs().max().double_value(&[]);
+    assert!(ya.equal(&yb), "outputs differ after export/import: max |diff| {:e}", diff());
 
     // A folder for another target is refused with the reason.
     let mut other = TargetSpec::tiny();
