@@ -30,9 +30,6 @@ __device__ __forceinline__ u32 trans(u32 x) {
     return r;
 }
 
-__device__ __forceinline__ float lo(u32 x) { return __uint_as_float(x << 16); }
-__device__ __forceinline__ float hi(u32 x) { return __uint_as_float(x & 0xffff0000u); }
-
 __device__ __forceinline__ uint4 ld16(const bf16* p) { return *reinterpret_cast<const uint4*>(p); }
 
 // N words (2N bf16) from p: 16 bytes at a time, then 8, then 4 (p aligned to match).

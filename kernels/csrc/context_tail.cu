@@ -127,9 +127,7 @@ __device__ __forceinline__ const uint4* rows16(const uint4* tile, int row0, int 
 
 __device__ __forceinline__ u32 ld32(const bf16* p) { return *reinterpret_cast<const u32*>(p); }
 
-__device__ __forceinline__ float dot2(u32 a, u32 b) {
-    return __uint_as_float(a << 16) * __uint_as_float(b << 16) + __uint_as_float(a & 0xffff0000u) * __uint_as_float(b & 0xffff0000u);
-}
+__device__ __forceinline__ float dot2(u32 a, u32 b) { return lo(a) * lo(b) + hi(a) * hi(b); }
 
 // Rows g, g + 8 of a 16-row tile at p (row stride n) as A fragments of the KS k-steps.
 __device__ __forceinline__ void ld_a_global(u32 (*a)[4], const bf16* p, long long n, int g, int c) {

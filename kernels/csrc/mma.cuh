@@ -1,6 +1,6 @@
 // The tensor-core basics both attention kernel sources (block_part_mma.cu, context_tail.cu)
 // share, prepended to each by its Rust module (concat!): one m16n8k16 bf16 product with fp32
-// accumulators, bf16 packing, and reductions over the 4 lanes of a fragment row.
+// accumulators, bf16 packing and unpacking, and reductions over the 4 lanes of a fragment row.
 
 typedef unsigned int u32;
 
@@ -17,6 +17,10 @@ __device__ __forceinline__ u32 pack(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+
+// The low and high bf16 of a word as floats.
+__device__ __forceinline__ float lo(u32 x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float hi(u32 x) { return __uint_as_float(x & 0xffff0000u); }
 
 // Sum over the 4 lanes of a row (c = 0..3).
 __device__ __forceinline__ float quad_sum(float x) {

@@ -440,8 +440,9 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
         }
         let rows = |t: &Tensor| t.narrow(2, r.start, r.len);
         // dO and O contiguous [B, nh, n, D], as the kernels return O: with other strides cuDNN's
-        // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200).
-        let (d_out_r, out_r, lse_r) = (dense(&rows(d_out)), dense(&rows(out)), rows(lse).contiguous());
+        // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200). Made
+        // for the first run that needs them (a range with only a tail on the tail kernels: none).
+        let dense_rows = std::cell::OnceCell::new();
         for run in range_runs {
             let len = run.to - run.from;
             let keys = |t: &Tensor| t.narrow(2, run.from, len);
@@ -462,8 +463,9 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
                 }
                 other => other,
             };
+            let (d_out_r, out_r, lse_r) = dense_rows.get_or_init(|| (dense(&rows(d_out)), dense(&rows(out)), rows(lse).contiguous()));
             let (dq_r, dk_r, dv_r) =
-                context_backward(backend, &d_out_r, &rows(q), &keys(k_ctx), &keys(v_ctx), &out_r, &lse_r, bias.as_ref(), *scale);
+                context_backward(backend, d_out_r, &rows(q), &keys(k_ctx), &keys(v_ctx), out_r, lse_r, bias.as_ref(), *scale);
             // Per query head where the kernel took the keys repeated: summed over each group.
             let sum_groups = |x: Tensor| match x.size()[1] == nkv {
                 true => x,

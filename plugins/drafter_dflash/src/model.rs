@@ -56,16 +56,16 @@ impl DecoderLayer {
             let merged = self.self_attn.heads_merged(&o);
             let (x1, normed) = self.post_attention_layernorm.forward_add(x, &self.self_attn.output_merged(&merged));
             let (mlp_out, mlp) = self.mlp.forward_cut(&normed);
-            (&x1 + mlp_out, Cut { x: x.shallow_clone(), x1, proj, merged, saved, mlp })
+            (&x1 + mlp_out, Cut { x1, proj, merged, saved, mlp })
         })
     }
 
-    /// [`forward_cut`](Self::forward_cut)'s backward from g = dLoss/d(output): dLoss/dx, and
-    /// (weight, gradient) pairs for the layer's weights; the context's gradient is added into
-    /// `d_ctx`. The residual's gradient joins each norm's in its backward
+    /// [`forward_cut`](Self::forward_cut)'s backward, for its input x, from g = dLoss/d(output):
+    /// dLoss/dx, and (weight, gradient) pairs for the layer's weights; the context's gradient is
+    /// added into `d_ctx`. The residual's gradient joins each norm's in its backward
     /// (`RmsNorm::backward_add`). Outside autograd, as the forward: the layer's input leaf
     /// requires grad, and the norms' fallback would otherwise record a graph on it.
-    fn backward_cut(&self, cut: &Cut, g: &Tensor, at: &AttentionInputs, ctx: &Tensor, d_ctx: &mut Tensor) -> (Tensor, Vec<(Tensor, Tensor)>) {
+    fn backward_cut(&self, x: &Tensor, cut: &Cut, g: &Tensor, at: &AttentionInputs, ctx: &Tensor, d_ctx: &mut Tensor) -> (Tensor, Vec<(Tensor, Tensor)>) {
         tch::no_grad(|| {
             let (d_normed, mlp) = self.mlp.cut_grads(&cut.mlp, g);
             let (dx1, d_post_norm) = self.post_attention_layernorm.backward_add(&cut.x1, &d_normed, g);
@@ -74,7 +74,7 @@ impl DecoderLayer {
             let (dq, dk, dv) = block_attention::backward(&cut.saved, &d_o);
             drop(attention);
             let (d_normed, proj) = self.self_attn.cut_grads(&cut.proj, at, ctx, &dq, &dk, &dv, d_ctx);
-            let (dx, d_input_norm) = self.input_layernorm.backward_add(&cut.x, &d_normed, &dx1);
+            let (dx, d_input_norm) = self.input_layernorm.backward_add(x, &d_normed, &dx1);
             let mut weights: Vec<_> = mlp.into_iter().chain(proj).collect();
             weights.push(d_out);
             weights.push((self.post_attention_layernorm.weight().shallow_clone(), d_post_norm));
@@ -231,7 +231,7 @@ impl DFlashDrafter {
             // (The first layer's input is the frozen embedding: its gradient goes unused.)
             g = match &seg.cut {
                 Some(cut) => {
-                    let (dx, weights) = layer.backward_cut(cut, &g, &at, &ctx_leaf, &mut d_ctx);
+                    let (dx, weights) = layer.backward_cut(&seg.x, cut, &g, &at, &ctx_leaf, &mut d_ctx);
                     pull(&weights.iter().map(|(w, d)| (w, d)).collect::<Vec<_>>());
                     dx
                 }
@@ -347,11 +347,10 @@ struct Segment {
     cut: Option<Cut>,
 }
 
-/// What [`DecoderLayer::backward_cut`] takes: the layer's input, the residual sum after the
+/// What [`DecoderLayer::backward_cut`] takes besides the layer's input: the residual sum after the
 /// attention, the attention's projections, its output with heads merged, what its backward needs,
 /// and the MLP's.
 struct Cut {
-    x: Tensor,
     x1: Tensor,
     proj: ProjCut,
     merged: Tensor,
