@@ -34,7 +34,9 @@ fn git_revision() {
     println!("cargo:rerun-if-changed=build.rs");
     if let (Some(git_dir), Some(common)) = (git(&["rev-parse", "--git-dir"]), git(&["rev-parse", "--git-common-dir"])) {
         let branch = git(&["symbolic-ref", "-q", "HEAD"]);
-        let watched = [format!("{git_dir}/HEAD"), format!("{common}/packed-refs")].into_iter().chain(branch.map(|b| format!("{common}/{b}")));
+        let watched = [format!("{git_dir}/HEAD"), format!("{common}/packed-refs")]
+            .into_iter()
+            .chain(branch.map(|b| format!("{common}/{b}")));
         for path in watched.filter(|p| std::path::Path::new(p).exists()) {
             println!("cargo:rerun-if-changed={path}");
         }

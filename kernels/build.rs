@@ -8,7 +8,8 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/fused_adamw.cpp");
     println!("cargo:rerun-if-changed=csrc/autograd.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
-    let libtorch = std::path::PathBuf::from(std::env::var("LIBTORCH").expect("LIBTORCH (the libtorch folder, as for torch-sys)"));
+    let libtorch =
+        std::path::PathBuf::from(std::env::var("LIBTORCH").expect("LIBTORCH (the libtorch folder, as for torch-sys)"));
     cc::Build::new()
         .cpp(true)
         .file("csrc/cudnn_attention.cpp")

@@ -118,7 +118,10 @@ fn a_sharegpt_file_with_a_llama3_style_template_trains_and_exports() {
     let out = host(&["distill", "--config", "keep.toml", "--out", "kept.jsonl"], dir.path());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("keep.toml: the data loader regenerates no replies (in [data], distill = false?)"), "{stderr}");
+    assert!(
+        stderr.contains("keep.toml: the data loader regenerates no replies (in [data], distill = false?)"),
+        "{stderr}"
+    );
     assert!(!dir.path().join("kept.jsonl").exists());
 }
 

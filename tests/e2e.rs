@@ -6,7 +6,6 @@ use std::process::Command;
 mod common;
 use common::cache;
 
-
 const HEAD: &str = r#"
 name = "tiny"
 seed = 3
@@ -56,8 +55,10 @@ fn a_short_run_writes_a_complete_experiment_and_learns() {
         }
     }
 
-    let manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("manifest.json")).unwrap()).unwrap();
-    let names: Vec<&str> = manifest["plugins"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exp.join("manifest.json")).unwrap()).unwrap();
+    let names: Vec<&str> =
+        manifest["plugins"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["hf", "dflash", "adamw", "chat"]);
     assert_eq!(manifest["seed"], 3);
     assert_eq!(manifest["target_sha256"].as_str().unwrap().len(), 64);
@@ -68,10 +69,17 @@ fn a_short_run_writes_a_complete_experiment_and_learns() {
     let ck = exp.join("checkpoints/step-8");
     let weights = plugin_api::tch::Tensor::read_safetensors(ck.join("model.safetensors")).unwrap();
     let names: Vec<&str> = weights.iter().map(|(n, _)| n.as_str()).collect();
-    for want in ["fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"] {
+    for want in [
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.mlp.down_proj.weight",
+    ] {
         assert!(names.contains(&want), "checkpoint lacks {want}: {names:?}");
     }
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["block_size"], 4);
     assert_eq!(cfg["dflash_config"]["mask_token_id"], 16);
     assert_eq!(cfg["dflash_config"]["target_layer_ids"], serde_json::json!([1, 27]));
@@ -105,7 +113,10 @@ fn config_errors_name_the_file_line_and_field() {
     let (out, _dir) = run(&tiny().replace("max_len = 96", "max_len = \"long\""));
     let err = String::from_utf8_lossy(&out.stderr);
     let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
-    assert!(line.contains("run.toml:") && line.contains("[data]") && line.contains("field `max_len`: invalid type"), "{err}");
+    assert!(
+        line.contains("run.toml:") && line.contains("[data]") && line.contains("field `max_len`: invalid type"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -123,7 +134,8 @@ fn eval_is_lossless_and_reports_acceptance() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}\n{stdout}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("lossless     yes") && stdout.contains(" ms verify"), "{stdout}");
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap();
     assert_eq!(report["prompts"], 3);
     assert_eq!(report["lossless"], true);
     // z-lab's tau (every cycle whole), the tokens kept per cycle and the pooled one: all within a
@@ -138,10 +150,18 @@ fn eval_is_lossless_and_reports_acceptance() {
 
     // Export, then evaluate the exported z-lab folder: the same drafter up to bf16 rounding.
     let zlab = dir.path().join("zlab");
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host")).args(["export", "--exp-dir"]).arg(&exp).arg("--out").arg(&zlab).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(["export", "--exp-dir"])
+        .arg(&exp)
+        .arg("--out")
+        .arg(&zlab)
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     // Each config states the dtype of the weights beside it; the model card says how to serve.
-    let dtype = |p: &std::path::Path| serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(p).unwrap()).unwrap()["dtype"].clone();
+    let dtype = |p: &std::path::Path| {
+        serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(p).unwrap()).unwrap()["dtype"].clone()
+    };
     assert_eq!(dtype(&exp.join("checkpoints/step-8/config.json")), "float32");
     assert_eq!(dtype(&zlab.join("config.json")), "bfloat16");
     let card = std::fs::read_to_string(zlab.join("README.md")).unwrap();
@@ -166,9 +186,16 @@ fn eval_is_lossless_and_reports_acceptance() {
         .env("DFLASH_CACHE", cache())
         .output()
         .unwrap();
-    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("lossless     yes"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("lossless     yes"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // The run's own eval.json stays; the drafter's results name it and its weights' hash.
-    assert_eq!(serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap(), report);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap(),
+        report
+    );
     assert_eq!(report["evaluated"]["checkpoint_step"], 8);
     let sha = sha256_hex(&std::fs::read(zlab.join("model.safetensors")).unwrap());
     let file = exp.join(format!("eval-drafter-{}.json", &sha[..12]));
@@ -187,7 +214,8 @@ fn eval_is_lossless_and_reports_acceptance() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let mt: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("eval-question-step-8.json")).unwrap()).unwrap();
+    let mt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exp.join("eval-question-step-8.json")).unwrap()).unwrap();
     assert_eq!((mt["prompts"].as_u64(), mt["prompt_format"].as_str()), (Some(2), Some("mtbench")));
 }
 
@@ -197,7 +225,11 @@ fn ctrl_c_and_sighup_finish_the_step_write_a_checkpoint_and_exit_130_129() {
     for (signal, name, code) in [("-INT", "SIGINT", 130), ("-HUP", "SIGHUP", 129)] {
         let dir = tempfile::tempdir().unwrap();
         let cfg = dir.path().join("run.toml");
-        std::fs::write(&cfg, tiny().replace("steps = 8", "steps = 500").replace("checkpoint_every = 4", "checkpoint_every = 0")).unwrap();
+        std::fs::write(
+            &cfg,
+            tiny().replace("steps = 8", "steps = 500").replace("checkpoint_every = 4", "checkpoint_every = 0"),
+        )
+        .unwrap();
         let exp = dir.path().join("exp");
         let child = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
             .args(["train", "--config"])
@@ -226,7 +258,11 @@ fn ctrl_c_and_sighup_finish_the_step_write_a_checkpoint_and_exit_130_129() {
         let step: u64 = err.split(&said).nth(1).unwrap().split(';').next().unwrap().trim().parse().unwrap();
         assert!(step >= 2 && step < 500, "stopped at step {step}");
         let ckpt = exp.join(format!("checkpoints/step-{step}"));
-        assert!(plugin_api::tch::Tensor::read_safetensors(ckpt.join("model.safetensors")).is_ok(), "{}", ckpt.display());
+        assert!(
+            plugin_api::tch::Tensor::read_safetensors(ckpt.join("model.safetensors")).is_ok(),
+            "{}",
+            ckpt.display()
+        );
     }
 }
 
@@ -287,7 +323,13 @@ fn arguments_that_cannot_work_are_refused_before_any_work() {
 fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
     common::require_model();
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("base.toml"), tiny().replace("keep_checkpoints = 1", "keep_checkpoints = 3").replace("checkpoint_every = 4", "checkpoint_every = 1")).unwrap();
+    std::fs::write(
+        dir.path().join("base.toml"),
+        tiny()
+            .replace("keep_checkpoints = 1", "keep_checkpoints = 3")
+            .replace("checkpoint_every = 4", "checkpoint_every = 1"),
+    )
+    .unwrap();
     // Arm b sweeps its learning rate, chosen on the validation split's tau-hat.
     std::fs::write(
         dir.path().join("ab.toml"),
@@ -307,10 +349,17 @@ fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
     let out = ab();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let (a, b) = (dir.path().join("experiments/rerun/a-s0"), dir.path().join("experiments/rerun/b-lr=0.001-s0"));
-    let selection: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("experiments/rerun/selection.json")).unwrap()).unwrap();
-    let scores: Vec<f64> = selection["arms"][0]["points"].as_array().unwrap().iter().map(|p| p["score"].as_f64().unwrap()).collect();
+    let selection: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("experiments/rerun/selection.json")).unwrap())
+            .unwrap();
+    let scores: Vec<f64> =
+        selection["arms"][0]["points"].as_array().unwrap().iter().map(|p| p["score"].as_f64().unwrap()).collect();
     let chosen = if scores[1] > scores[0] { "lr=0.002" } else { "lr=0.001" };
-    assert_eq!((selection["select"].as_str(), selection["arms"][0]["chosen"].as_str()), (Some("val_tau_hat"), Some(chosen)), "{selection}");
+    assert_eq!(
+        (selection["select"].as_str(), selection["arms"][0]["chosen"].as_str()),
+        (Some("val_tau_hat"), Some(chosen)),
+        "{selection}"
+    );
     let md = std::fs::read_to_string(dir.path().join("reports/rerun/report.md")).unwrap();
     assert!(md.contains("## Sweeps") && md.contains("| b | 1 |"), "{md}");
     // Arm a as if killed after step 2; arm b finished.
@@ -321,11 +370,19 @@ fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
     let out = ab();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    assert!(err.contains("is unfinished: resuming it") && err.contains("resuming from") && err.contains("step-2"), "{err}");
-    assert!(err.contains("b-lr=0.001-s0 is complete already") && err.contains("b-lr=0.002-s0 is complete already"), "{err}");
+    assert!(
+        err.contains("is unfinished: resuming it") && err.contains("resuming from") && err.contains("step-2"),
+        "{err}"
+    );
+    assert!(
+        err.contains("b-lr=0.001-s0 is complete already") && err.contains("b-lr=0.002-s0 is complete already"),
+        "{err}"
+    );
     assert!(a.join("summary.json").exists());
     // The report goes where --out says, not into the A/B folder.
-    assert!(dir.path().join("reports/rerun/report.md").exists() && !dir.path().join("experiments/rerun/report").exists());
+    assert!(
+        dir.path().join("reports/rerun/report.md").exists() && !dir.path().join("experiments/rerun/report").exists()
+    );
     assert_eq!(std::fs::read(b.join("metrics.jsonl")).unwrap(), b_metrics);
     assert_eq!(std::fs::read(b.join("summary.json")).unwrap(), b_summary);
     let steps: Vec<u64> = std::fs::read_to_string(a.join("metrics.jsonl"))
@@ -358,22 +415,41 @@ fn train_with(config: &str, args: &[&str], exp_exists: bool) -> (std::process::O
 
 #[test]
 fn set_and_device_override_fields_and_the_experiment_records_the_result() {
-    let args = ["--set", "train.steps=2", "--set", "optimizer.lr=1e-3", "--set", "train.log_every=2", "--set", "train.tensorboard_every=1", "--device", "cpu"];
+    let args = [
+        "--set",
+        "train.steps=2",
+        "--set",
+        "optimizer.lr=1e-3",
+        "--set",
+        "train.log_every=2",
+        "--set",
+        "train.tensorboard_every=1",
+        "--device",
+        "cpu",
+    ];
     let (out, dir) = train_with(&tiny(), &args, false);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     // Logs into a pipe carry no colour codes.
     assert!(stderr.contains(" INFO ") && !stderr.contains('\u{1b}'), "{stderr}");
-    let recorded: toml::Table = toml::from_str(&std::fs::read_to_string(dir.path().join("exp/config.toml")).unwrap()).unwrap();
+    let recorded: toml::Table =
+        toml::from_str(&std::fs::read_to_string(dir.path().join("exp/config.toml")).unwrap()).unwrap();
     assert_eq!(recorded["train"]["steps"].as_integer(), Some(2));
     assert_eq!(recorded["train"]["log_every"].as_integer(), Some(2));
     assert_eq!(recorded["optimizer"]["lr"].as_float(), Some(1e-3));
     assert_eq!(recorded["device"].as_str(), Some("cpu"));
     let metrics = std::fs::read_to_string(dir.path().join("exp/metrics.jsonl")).unwrap();
-    let steps: Vec<u64> = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap()).collect();
+    let steps: Vec<u64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
     assert_eq!(steps.last(), Some(&2), "the run stopped at the overridden step count: {metrics}");
     // tensorboard_every = 1: each step's own values beside the metrics lines' (tags are stored as text).
-    let events = std::fs::read_dir(dir.path().join("exp")).unwrap().map(|e| e.unwrap().path()).find(|p| p.to_string_lossy().contains("tfevents")).unwrap();
+    let events = std::fs::read_dir(dir.path().join("exp"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains("tfevents"))
+        .unwrap();
     let bytes = std::fs::read(events).unwrap();
     let count = |tag: &str| bytes.windows(tag.len()).filter(|w| *w == tag.as_bytes()).count();
     assert_eq!((count("train_step/loss"), count("train_step/grad_norm")), (2, 2), "one point a step");
@@ -382,19 +458,44 @@ fn set_and_device_override_fields_and_the_experiment_records_the_result() {
 #[test]
 fn config_mistakes_are_refused_naming_the_argument_before_the_target_loads() {
     for (args, exists, want) in [
-        (vec!["--set", "train.steps=many"], false, vec!["--set train.steps=many", "field `train.steps`", "invalid type"]),
+        (
+            vec!["--set", "train.steps=many"],
+            false,
+            vec!["--set train.steps=many", "field `train.steps`", "invalid type"],
+        ),
         (vec!["--set", "train.stepz=3"], false, vec!["--set train.stepz=3", "unknown field `stepz`"]),
-        (vec!["--set", "train.warmup_frac=2"], false, vec!["--set train.warmup_frac=2", "train.warmup_frac", "out of range"]),
-        (vec!["--set", "data.batch_sise=2"], false, vec!["--set data.batch_sise=2", "[data] plugin `chat`", "unknown field `batch_sise`"]),
+        (
+            vec!["--set", "train.warmup_frac=2"],
+            false,
+            vec!["--set train.warmup_frac=2", "train.warmup_frac", "out of range"],
+        ),
+        (
+            vec!["--set", "data.batch_sise=2"],
+            false,
+            vec!["--set data.batch_sise=2", "[data] plugin `chat`", "unknown field `batch_sise`"],
+        ),
         (vec!["--set", "data.max_len=long"], false, vec!["--set data.max_len=long", "field `max_len`", "invalid type"]),
         (vec!["--set", "optimizer.lr=-1"], false, vec!["--set optimizer.lr=-1", "[optimizer] plugin `adamw`", "`lr`"]),
-        (vec!["--set", "data.max_len=8"], false, vec!["--set data.max_len=8", "[data] plugin `chat`", "field `max_len`", "must be >= 16"]),
+        (
+            vec!["--set", "data.max_len=8"],
+            false,
+            vec!["--set data.max_len=8", "[data] plugin `chat`", "field `max_len`", "must be >= 16"],
+        ),
         (
             vec!["--set", "drafter.num_hidden_layers=0"],
             false,
-            vec!["--set drafter.num_hidden_layers=0", "[drafter] plugin `dflash`", "field `num_hidden_layers`", "1..=64"],
+            vec![
+                "--set drafter.num_hidden_layers=0",
+                "[drafter] plugin `dflash`",
+                "field `num_hidden_layers`",
+                "1..=64",
+            ],
         ),
-        (vec!["--set", "data.path=missing.jsonl"], false, vec!["--set data.path=missing.jsonl", "field `path`", "missing.jsonl: no such file"]),
+        (
+            vec!["--set", "data.path=missing.jsonl"],
+            false,
+            vec!["--set data.path=missing.jsonl", "field `path`", "missing.jsonl: no such file"],
+        ),
         (vec!["--device", "gpu"], false, vec!["--device gpu", "expected `cpu`, `cuda` or `cuda:N`"]),
         (vec!["--set", "steps"], false, vec!["--set steps: expected KEY=VALUE"]),
         (vec![], true, vec!["experiment directory exp already exists"]),
@@ -408,7 +509,8 @@ fn config_mistakes_are_refused_naming_the_argument_before_the_target_loads() {
         assert!(!err.contains("creating target plugin"), "{args:?}: the target was loaded first:\n{err}");
     }
     // A mistake in the file itself keeps its line, with overrides given or not.
-    let (out, _dir) = train_with(&tiny().replace("max_len = 96", "max_len = \"long\""), &["--set", "train.steps=2"], false);
+    let (out, _dir) =
+        train_with(&tiny().replace("max_len = 96", "max_len = \"long\""), &["--set", "train.steps=2"], false);
     let line = error_line(&out);
     assert!(line.contains("run.toml:") && line.contains("field `max_len`"), "{line}");
     // A range the drafter checks (not the parse), in the file: refused at its line, target unloaded.
@@ -416,7 +518,10 @@ fn config_mistakes_are_refused_naming_the_argument_before_the_target_loads() {
     let at = bad.lines().position(|l| l == "block_size = 1").unwrap() + 1;
     let (out, _dir) = train_with(&bad, &[], false);
     let line = error_line(&out);
-    assert!(line.contains(&format!("run.toml:{at}: ")) && line.contains("field `block_size`: must be in 2..=64"), "{line}");
+    assert!(
+        line.contains(&format!("run.toml:{at}: ")) && line.contains("field `block_size`: must be in 2..=64"),
+        "{line}"
+    );
     assert!(!String::from_utf8_lossy(&out.stderr).contains("creating target plugin"), "the target was loaded first");
 }
 
@@ -442,17 +547,25 @@ fn compare_reads_an_ab_folder_into_one_report_folder_and_config_explain_prints_t
     let ab = dir.path().join("ab");
     fake_run(&ab.join("a-s0"), "a", 20, 10.0);
     fake_run(&ab.join("b-s0"), "b", 200, 10.0);
-    std::fs::write(ab.join("b-s0/eval-gsm8k-step-200.json"), "{\"tau\": 2.25, \"tau_pooled\": 2.5, \"cycles\": 10, \"source\": \"gsm8k.jsonl\"}").unwrap();
+    std::fs::write(
+        ab.join("b-s0/eval-gsm8k-step-200.json"),
+        "{\"tau\": 2.25, \"tau_pooled\": 2.5, \"cycles\": 10, \"source\": \"gsm8k.jsonl\"}",
+    )
+    .unwrap();
     let host = || Command::new(env!("CARGO_BIN_EXE_dflash-host"));
     for _ in 0..2 {
         let out = host().arg("compare").arg(&ab).output().unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         // b's own end (loss 10/200) apart from the comparison at a's end (20 steps).
-        assert!(stdout.contains("final values") && stdout.contains("0.0500") && stdout.contains("equal-token comparison"), "{stdout}");
+        assert!(
+            stdout.contains("final values") && stdout.contains("0.0500") && stdout.contains("equal-token comparison"),
+            "{stdout}"
+        );
         assert!(stdout.contains("eval-gsm8k-step-200.json") && stdout.contains("2.250"), "{stdout}");
     }
-    let mut entries: Vec<String> = std::fs::read_dir(&ab).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut entries: Vec<String> =
+        std::fs::read_dir(&ab).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     entries.sort();
     assert_eq!(entries, ["a-s0", "b-s0", "report"], "one report folder, reused");
     assert!(ab.join("report/lr_vs_tokens.png").exists() && ab.join("report/grad_norm_vs_tokens.svg").exists());
@@ -463,7 +576,11 @@ fn compare_reads_an_ab_folder_into_one_report_folder_and_config_explain_prints_t
     assert!(!stdout.contains("[train]"), "one section only: {stdout}");
     let committed = std::fs::read_to_string(common::root().join("docs/CONFIG.md")).unwrap();
     let all = host().args(["config", "explain"]).output().unwrap();
-    assert_eq!(String::from_utf8_lossy(&all.stdout).trim_end(), committed.trim_end(), "config explain prints docs/CONFIG.md");
+    assert_eq!(
+        String::from_utf8_lossy(&all.stdout).trim_end(),
+        committed.trim_end(),
+        "config explain prints docs/CONFIG.md"
+    );
     let line = error_line(&host().args(["config", "explain", "nope"]).output().unwrap());
     assert!(line.contains("no config section `nope`"), "{line}");
 }

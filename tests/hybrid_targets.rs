@@ -34,12 +34,16 @@ fn text_config(arch: &str) -> serde_json::Value {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     });
     let extra = match arch {
-        "qwen3_5" => serde_json::json!({"model_type": "qwen3_5_text", "intermediate_size": 48, "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "full_attention_interval": 2}),
-        "qwen3_5_moe" => serde_json::json!({"model_type": "qwen3_5_moe_text", "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "qwen3_5" => {
+            serde_json::json!({"model_type": "qwen3_5_text", "intermediate_size": 48, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "full_attention_interval": 2})
+        }
+        "qwen3_5_moe" => {
+            serde_json::json!({"model_type": "qwen3_5_moe_text", "linear_num_key_heads": 2, "linear_num_value_heads": 4,
             "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 6, "num_experts_per_tok": 2,
             "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
-            "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]}),
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"]})
+        }
         "qwen3_moe" => serde_json::json!({"model_type": "qwen3_moe", "intermediate_size": 48, "num_experts": 6,
             "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": true}),
         _ => unreachable!(),
@@ -78,7 +82,10 @@ fn write_target(arch: &str, dir: &Path) {
                 *name = format!("model.language_model.{rest}");
             }
         }
-        tensors.push(("model.visual.patch_embed.proj.weight".into(), Tensor::zeros([8, 3, 2, 2, 2], (Kind::Float, Device::Cpu))));
+        tensors.push((
+            "model.visual.patch_embed.proj.weight".into(),
+            Tensor::zeros([8, 3, 2, 2, 2], (Kind::Float, Device::Cpu)),
+        ));
         serde_json::json!({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
             "text_config": text, "vision_config": {"depth": 1}, "tie_word_embeddings": false})
     } else {
@@ -100,7 +107,8 @@ fn write_target(arch: &str, dir: &Path) {
     let g = GgufFile::open(cache().join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
     tokenizer_from_gguf(&g).unwrap().save(dir.join("tokenizer.json"), false).unwrap();
     let template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}";
-    std::fs::write(dir.join("tokenizer_config.json"), serde_json::json!({"chat_template": template}).to_string()).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), serde_json::json!({"chat_template": template}).to_string())
+        .unwrap();
 }
 
 fn config_for(target: &Path) -> String {
@@ -131,7 +139,8 @@ fn train_and_lossless_eval_on_hybrid_and_moe_targets() {
         let exp = dir.path().join("exp");
         let metrics = common::metrics(&exp, &["loss"]);
         assert_eq!(metrics.len(), 4, "{arch}");
-        let manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("manifest.json")).unwrap()).unwrap();
+        let manifest: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(exp.join("manifest.json")).unwrap()).unwrap();
         assert_eq!(manifest["plugins"][0]["name"], "hf", "{arch}");
         let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
             .args(["eval", "--limit", "2", "--max-new-tokens", "16", "--exp-dir"])
@@ -142,9 +151,13 @@ fn train_and_lossless_eval_on_hybrid_and_moe_targets() {
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{arch}: eval failed:\n{}\n{stdout}", String::from_utf8_lossy(&out.stderr));
-        let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap();
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap();
         assert_eq!(report["lossless"], true, "{arch}: speculative output differs from greedy:\n{stdout}");
-        assert!(report["cycles"].as_u64().unwrap() > 0 && report["new_tokens"].as_u64().unwrap() > 0, "{arch}: {report}");
+        assert!(
+            report["cycles"].as_u64().unwrap() > 0 && report["new_tokens"].as_u64().unwrap() > 0,
+            "{arch}: {report}"
+        );
     }
 }
 
@@ -154,7 +167,8 @@ fn an_unknown_architecture_fails_with_one_line_naming_it() {
     let root = tempfile::tempdir().unwrap();
     let target = root.path().join("mamba");
     write_target("qwen3_moe", &target);
-    let mut cfg: HashMap<String, serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(target.join("config.json")).unwrap()).unwrap();
+    let mut cfg: HashMap<String, serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(target.join("config.json")).unwrap()).unwrap();
     cfg.insert("model_type".into(), "mamba2".into());
     std::fs::write(target.join("config.json"), serde_json::to_string(&cfg).unwrap()).unwrap();
     let (out, _dir) = common::train(&[], &config_for(&target));
@@ -163,7 +177,9 @@ fn an_unknown_architecture_fails_with_one_line_naming_it() {
     let lines: Vec<&str> = err.lines().filter(|l| l.contains("mamba2")).collect();
     assert_eq!(lines.len(), 1, "{err}");
     assert!(
-        lines[0].contains("model_type `mamba2` is not supported (supported: llama, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_moe)"),
+        lines[0].contains(
+            "model_type `mamba2` is not supported (supported: llama, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_moe)"
+        ),
         "{err}"
     );
 }

@@ -47,7 +47,18 @@ fn drafter_config(c: &serde_json::Value) -> DFlashConfig {
         },
         "layer_types": c.get("layer_types").cloned().unwrap_or_else(|| serde_json::json!(vec!["full_attention"; layers])),
     });
-    for k in ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "block_size"] {
+    for k in [
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "block_size",
+    ] {
         json[k] = c[k].clone();
     }
     if let Some(w) = c.get("sliding_window") {
@@ -65,7 +76,8 @@ fn fixture_drafter(c: &serde_json::Value) -> (DFlashConfig, DFlashPlugin) {
     let cfg = drafter_config(c);
     let mut drafter = DFlashPlugin::new(&cfg, Device::Cpu, Kind::Float);
     let params = drafter.parameters();
-    let weights: Vec<NamedTensor> = params.iter().map(|p| NamedTensor::new(p.name.as_str(), f.get(p.name.as_str()))).collect();
+    let weights: Vec<NamedTensor> =
+        params.iter().map(|p| NamedTensor::new(p.name.as_str(), f.get(p.name.as_str()))).collect();
     drafter.load_weights(weights.into()).unwrap();
     (cfg, drafter)
 }
@@ -77,7 +89,8 @@ fn dflash_forward_loss_and_gradients_match_pytorch() {
     let cfg = drafter_config(&c);
     let mut drafter = DFlashPlugin::new(&cfg, Device::Cpu, Kind::Float);
     let params = drafter.parameters();
-    let weights: Vec<NamedTensor> = params.iter().map(|p| NamedTensor::new(p.name.as_str(), f.get(p.name.as_str()))).collect();
+    let weights: Vec<NamedTensor> =
+        params.iter().map(|p| NamedTensor::new(p.name.as_str(), f.get(p.name.as_str()))).collect();
     drafter.load_weights(weights.into()).unwrap();
 
     // The host's side of a training step: block tokens, embedding, drafter, loss.
@@ -150,7 +163,13 @@ fn sliding_window_drafter_matches_pytorch() {
         let block_ids = block_token_ids(&input_ids, &anchors, bk, cfg.dflash_config.mask_token_id as i64);
         let input = DraftInput {
             target_hidden: TensorHandle::new(f.get("in.target_hidden")),
-            block_embeds: TensorHandle::new(Tensor::embedding(&f.get("frozen.embed_tokens"), &block_ids, -1, false, false)),
+            block_embeds: TensorHandle::new(Tensor::embedding(
+                &f.get("frozen.embed_tokens"),
+                &block_ids,
+                -1,
+                false,
+                false,
+            )),
             anchors: TensorHandle::new(anchors.shallow_clone()),
             anchor_valid: TensorHandle::new(valid.shallow_clone()),
         };
@@ -197,7 +216,8 @@ fn global_normalisation_over_micro_batches_and_ranks_matches_pytorch() {
                 .map(|rank| {
                     s.spawn(move || {
                         // Per thread: tch tensors are not shared between threads.
-                        let (f, g) = (Fixture::load("dflash_loss.safetensors"), Fixture::load("dflash_global.safetensors"));
+                        let (f, g) =
+                            (Fixture::load("dflash_loss.safetensors"), Fixture::load("dflash_global.safetensors"));
                         let c = &f.json("config");
                         let env = DistEnv {
                             rank,
@@ -222,17 +242,29 @@ fn global_normalisation_over_micro_batches_and_ranks_matches_pytorch() {
                             normalization,
                         };
                         let (k, n) = (3u64, draft.block_size as usize - 1);
-                        let mut sums = StepSums { loss: 0.0, weight: 0.0, tokens: 0, correct: vec![0; n], count: vec![0; n], stop: false };
+                        let mut sums = StepSums {
+                            loss: 0.0,
+                            weight: 0.0,
+                            tokens: 0,
+                            correct: vec![0; n],
+                            count: vec![0; n],
+                            stop: false,
+                        };
                         let mut weight_sum = Tensor::zeros([], (Kind::Float, Device::Cpu));
                         for m in 0..k {
                             let at = |name: &str| g.get(&format!("in.r{rank}.m{m}.{name}"));
-                            let d = draft.compute(&mut drafter, &at("input_ids"), &at("loss_mask"), &at("target_hidden"), m).unwrap();
+                            let d = draft
+                                .compute(&mut drafter, &at("input_ids"), &at("loss_mask"), &at("target_hidden"), m)
+                                .unwrap();
                             // Every candidate taken: the fixture's anchors are the trainer's.
                             assert!(d.anchors.positions.equal(&at("anchors")), "rank {rank} micro-batch {m}: anchors");
                             assert!(d.anchors.valid.equal(&at("anchor_valid").to_kind(Kind::Bool)));
                             let w = d.loss.weight_sum.double_value(&[]);
                             let want = g.get(&format!("out.r{rank}.m{m}.weight_sum")).double_value(&[]);
-                            assert!((w - want).abs() < 1e-5 * want, "rank {rank} micro-batch {m}: weight sum {w} vs {want}");
+                            assert!(
+                                (w - want).abs() < 1e-5 * want,
+                                "rank {rank} micro-batch {m}: weight sum {w} vs {want}"
+                            );
                             d.backward(&mut drafter, draft.backward_scale(k)).unwrap();
                             sums.loss += d.loss.loss.double_value(&[]);
                             weight_sum += &d.loss.weight_sum;
@@ -241,7 +273,11 @@ fn global_normalisation_over_micro_batches_and_ranks_matches_pytorch() {
                         normalize_gradients(Some(&mut comm), &params, normalization, &weight_sum).unwrap();
                         sums.weight = weight_sum.double_value(&[]);
                         sums.all_reduce(comm.as_mut()).unwrap();
-                        let grads = drafter.parameters().iter().map(|p| (p.name.to_string(), p.tensor.tensor().grad())).collect();
+                        let grads = drafter
+                            .parameters()
+                            .iter()
+                            .map(|p| (p.name.to_string(), p.tensor.tensor().grad()))
+                            .collect();
                         (sums.step_loss(normalization, k * 2), grads)
                     })
                 })
@@ -253,13 +289,21 @@ fn global_normalisation_over_micro_batches_and_ranks_matches_pytorch() {
             LossNormalization::PerMicroBatch => g.get("out.loss_per_micro_batch").double_value(&[]),
         };
         for (rank, (loss, grads)) in results.iter().enumerate() {
-            assert!(((loss - want_loss) / want_loss).abs() < 1e-5, "{normalization:?} rank {rank}: step loss {loss} vs torch {want_loss}");
-            let errors: Vec<f64> = grads.iter().map(|(name, grad)| rel_err(grad, &g.get(&format!("grad.{name}")))).collect();
+            assert!(
+                ((loss - want_loss) / want_loss).abs() < 1e-5,
+                "{normalization:?} rank {rank}: step loss {loss} vs torch {want_loss}"
+            );
+            let errors: Vec<f64> =
+                grads.iter().map(|(name, grad)| rel_err(grad, &g.get(&format!("grad.{name}")))).collect();
             let worst = errors.iter().cloned().fold(0.0, f64::max);
             match normalization {
-                LossNormalization::Global => assert!(worst < 1e-5, "rank {rank}: gradients: relative error up to {worst:e}"),
+                LossNormalization::Global => {
+                    assert!(worst < 1e-5, "rank {rank}: gradients: relative error up to {worst:e}")
+                }
                 // The other normalisation is another step: the fixture tells the two apart.
-                LossNormalization::PerMicroBatch => assert!(worst > 0.1, "rank {rank}: per micro-batch gave the global gradients ({worst:e})"),
+                LossNormalization::PerMicroBatch => {
+                    assert!(worst > 0.1, "rank {rank}: per micro-batch gave the global gradients ({worst:e})")
+                }
             }
         }
     }
@@ -312,10 +356,15 @@ fn adamw_ten_steps_match_torch_optim_adamw() {
         for (n, p) in names.iter().zip(&params) {
             let want = f.get(&format!("param.{n}.{t}"));
             // torch's own optimizer tests: atol = rtol = 1e-6 in fp32.
-            assert!(p.allclose(&want, 1e-6, 1e-6, false), "{n} after step {t}: max diff {}", (p - &want).abs().max().double_value(&[]));
+            assert!(
+                p.allclose(&want, 1e-6, 1e-6, false),
+                "{n} after step {t}: max diff {}",
+                (p - &want).abs().max().double_value(&[])
+            );
         }
     }
-    let state: HashMap<String, Tensor> = opt.state().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor())).collect();
+    let state: HashMap<String, Tensor> =
+        opt.state().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor())).collect();
     assert_eq!(state["step"].int64_value(&[]), 10);
     for n in names {
         for slot in ["exp_avg", "exp_avg_sq"] {

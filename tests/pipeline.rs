@@ -14,7 +14,12 @@ fn config(name: &str, pipeline: &str) -> String {
 }
 
 fn host(args: &[&str], dir: &Path) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host")).args(args).current_dir(dir).env("DFLASH_CACHE", cache()).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(args)
+        .current_dir(dir)
+        .env("DFLASH_CACHE", cache())
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(out.status.success(), "dflash-host {args:?}: {err}");
     err
@@ -40,7 +45,8 @@ fn two_target_workers_and_a_capture_give_the_online_run_exactly() {
     // Capture (f32, the run's dtype) then train from it: the same numbers.
     std::fs::write(dir.path().join("cap.toml"), config("cap", "buffer_mb = 64")).unwrap();
     host(&["capture", "--config", "cap.toml", "--out", "features", "--shard-mb", "1"], dir.path());
-    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("features/index.json")).unwrap()).unwrap();
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("features/index.json")).unwrap()).unwrap();
     assert_eq!(index["batches"].as_array().unwrap().len(), 12);
     assert!(index["shards"].as_array().unwrap().len() > 1, "1 MiB shards: several");
     let offline = train(dir.path(), "offline", "capture = \"features\"");
@@ -51,7 +57,9 @@ fn two_target_workers_and_a_capture_give_the_online_run_exactly() {
     let fp8 = train(dir.path(), "fp8", "capture = \"features8\"");
     let (a, b) = (online.last().unwrap()["loss"].as_f64().unwrap(), fp8.last().unwrap()["loss"].as_f64().unwrap());
     assert!((a - b).abs() < 0.05 * a, "fp8 features: final loss {b} vs {a}");
-    let size = |d: &str| -> u64 { std::fs::read_dir(dir.path().join(d)).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum() };
+    let size = |d: &str| -> u64 {
+        std::fs::read_dir(dir.path().join(d)).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum()
+    };
     assert!(size("features8") * 3 < size("features"), "fp8 {} vs f32 {}", size("features8"), size("features"));
 }
 
@@ -69,7 +77,10 @@ fn a_capture_from_another_target_or_layers_is_refused() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("captured target layers") && err.contains("the drafter reads"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("captured target layers") && err.contains("the drafter reads"),
+        "{err}"
+    );
 }
 
 /// A target that fails (error or panic) at its 4th forward, on one of two workers: the run stops
@@ -81,7 +92,10 @@ fn a_failing_target_worker_stops_the_run_cleanly() {
         let dir = tempfile::tempdir().unwrap();
         let text = config("fail", "targets = [\"cpu\", \"cpu\"]\nbuffer_mb = 1")
             .replace("steps = 12", "steps = 50\ncheckpoint_every = 1\nhidden_cache_mb = 0")
-            .replace("plugin = \"hf\"\npath = \"$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf\"", &format!("plugin = \"synthetic\"\nforward_ms = 30\nfail_at_forward = 4\npanic = {panic}"))
+            .replace(
+                "plugin = \"hf\"\npath = \"$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf\"",
+                &format!("plugin = \"synthetic\"\nforward_ms = 30\nfail_at_forward = 4\npanic = {panic}"),
+            )
             .replace("distill_max_new_tokens = 12", "distill = false")
             .replace("mask_token_id = 16", "mask_token_id = 0");
         std::fs::write(dir.path().join("fail.toml"), text).unwrap();
@@ -99,9 +113,13 @@ fn a_failing_target_worker_stops_the_run_cleanly() {
         assert_eq!(out.status.code(), Some(2), "{err}");
         let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
         let what = if panic { "deliberate panic at forward 4" } else { "deliberate failure at forward 4" };
-        assert!(line.contains("target worker") && line.contains("target plugin `synthetic`") && line.contains(what), "{line}");
+        assert!(
+            line.contains("target worker") && line.contains("target plugin `synthetic`") && line.contains(what),
+            "{line}"
+        );
         assert!(started.elapsed().as_secs() < 120, "the failure took {:?} to stop the run", started.elapsed());
-        let newest = dflash_host::experiment::checkpoint::find(&dir.path().join("exp"), None).expect("a checkpoint before the failure");
+        let newest = dflash_host::experiment::checkpoint::find(&dir.path().join("exp"), None)
+            .expect("a checkpoint before the failure");
         dflash_host::experiment::verify_checkpoint(&newest.dir).unwrap();
     }
 }
@@ -109,7 +127,13 @@ fn a_failing_target_worker_stops_the_run_cleanly() {
 /// `world` ranks of `dflash-host train --config NAME.toml --exp-dir NAME` in `dir` (processes,
 /// through c10d's Gloo), started by hand as a launcher would; `extra` adds arguments and
 /// variables. Returns the children.
-fn spawn_ranks(dir: &Path, name: &str, world: usize, extra_args: &[&str], vars: &[(&str, &str)]) -> Vec<std::process::Child> {
+fn spawn_ranks(
+    dir: &Path,
+    name: &str,
+    world: usize,
+    extra_args: &[&str],
+    vars: &[(&str, &str)],
+) -> Vec<std::process::Child> {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     (0..world)
         .map(|rank| {
@@ -118,7 +142,12 @@ fn spawn_ranks(dir: &Path, name: &str, world: usize, extra_args: &[&str], vars: 
                 .args(["train", "--config", &format!("{name}.toml"), "--exp-dir", name])
                 .current_dir(dir)
                 .env("DFLASH_CACHE", cache())
-                .envs([("RANK", rank.to_string()), ("WORLD_SIZE", world.to_string()), ("MASTER_ADDR", "127.0.0.1".into()), ("MASTER_PORT", port.clone())])
+                .envs([
+                    ("RANK", rank.to_string()),
+                    ("WORLD_SIZE", world.to_string()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.clone()),
+                ])
                 .envs(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())))
                 .stderr(std::process::Stdio::piped())
                 .spawn()
@@ -148,7 +177,11 @@ fn ranks_equal_one_replica(world: usize, optimizer: &str, steps: u64, weight_tol
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     }
     let read = |name: &str| -> Vec<serde_json::Value> {
-        std::fs::read_to_string(dir.path().join(name).join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+        std::fs::read_to_string(dir.path().join(name).join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
     };
     let (one, dp) = (read("one"), read("dp"));
     assert_eq!(one.len(), dp.len());
@@ -158,10 +191,19 @@ fn ranks_equal_one_replica(world: usize, optimizer: &str, steps: u64, weight_tol
         }
         for key in ["loss", "grad_norm", "tau_hat"] {
             let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
-            assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-3), "{world} ranks, step {}: {key} {x} (one replica) vs {y}", a["step"]);
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs().max(1e-3),
+                "{world} ranks, step {}: {key} {x} (one replica) vs {y}",
+                a["step"]
+            );
         }
     }
-    let weights = |name: &str| plugin_api::tch::Tensor::read_safetensors(dir.path().join(name).join(format!("checkpoints/step-{steps}/model.safetensors"))).unwrap();
+    let weights = |name: &str| {
+        plugin_api::tch::Tensor::read_safetensors(
+            dir.path().join(name).join(format!("checkpoints/step-{steps}/model.safetensors")),
+        )
+        .unwrap()
+    };
     let dp_weights: std::collections::HashMap<String, plugin_api::tch::Tensor> = weights("dp").into_iter().collect();
     for (n, a) in weights("one") {
         let b = &dp_weights[&n];
@@ -191,7 +233,10 @@ fn a_killed_rank_stops_the_others_with_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let text = config("kill", "buffer_mb = 8")
         .replace("steps = 12", "steps = 400\ncheckpoint_every = 2\nhidden_cache_mb = 0")
-        .replace("plugin = \"hf\"\npath = \"$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf\"", "plugin = \"synthetic\"\nforward_ms = 5")
+        .replace(
+            "plugin = \"hf\"\npath = \"$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf\"",
+            "plugin = \"synthetic\"\nforward_ms = 5",
+        )
         .replace("distill_max_new_tokens = 12", "distill = false")
         .replace("mask_token_id = 16", "mask_token_id = 0");
     std::fs::write(dir.path().join("kill.toml"), text).unwrap();

@@ -55,7 +55,10 @@ fn an_out_of_tree_plugin_trains_without_rebuilding_the_host() {
     assert_eq!(sgd["origin"], so.display().to_string());
     assert_eq!(sgd["sha256"], sha256(&so));
     let metrics = std::fs::read_to_string(dir.path().join("exp/metrics.jsonl")).unwrap();
-    let losses: Vec<f64> = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap()).collect();
+    let losses: Vec<f64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect();
     assert!(losses.last().unwrap() < &(losses[0] * 0.5), "SGD did not train: {losses:?}");
     assert_eq!(sha256(&host()), before, "the host binary changed");
 }
@@ -78,9 +81,18 @@ fn a_built_in_can_be_replaced_by_its_shared_library_named_bare() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success() && stdout.contains(&so.display().to_string()), "{name}: {stdout}");
     }
-    let out = Command::new(host()).args(["--plugin", "optim_nothing", "plugins", "list"]).env("DFLASH_PLUGIN_PATH", "/tmp/a:/tmp/b").output().unwrap();
+    let out = Command::new(host())
+        .args(["--plugin", "optim_nothing", "plugins", "list"])
+        .env("DFLASH_PLUGIN_PATH", "/tmp/a:/tmp/b")
+        .output()
+        .unwrap();
     let line = error_line(&out);
-    assert!(line.contains("liboptim_nothing.so") && line.contains("/tmp/a, /tmp/b") && line.contains(&root().join("target/release").display().to_string()), "{line}");
+    assert!(
+        line.contains("liboptim_nothing.so")
+            && line.contains("/tmp/a, /tmp/b")
+            && line.contains(&root().join("target/release").display().to_string()),
+        "{line}"
+    );
 }
 
 #[test]
@@ -90,11 +102,28 @@ fn wrong_libraries_are_refused_in_one_line() {
         (root().join("target"), "is a directory"),
         (root().join("Cargo.toml"), "not a shared library"),
         (host(), "no `dflash_plugin_*` entry symbol"),
-        (build_plugin("tests/plugins/faulty", "faulty", &["test-fake-abi-2"], "faulty-abi2"), "built for plugin ABI 2.0.0"),
-        (build_plugin("tests/plugins/faulty", "faulty", &["test-old-layout"], "faulty-layout"), "types differ from this host's"),
-        (build_plugin("tests/plugins/faulty", "faulty", &["test-other-libtorch"], "faulty-libtorch"), "libtorch 2.10.0"),
+        (
+            build_plugin("tests/plugins/faulty", "faulty", &["test-fake-abi-2"], "faulty-abi2"),
+            "built for plugin ABI 2.0.0",
+        ),
+        (
+            build_plugin("tests/plugins/faulty", "faulty", &["test-old-layout"], "faulty-layout"),
+            "types differ from this host's",
+        ),
+        (
+            build_plugin("tests/plugins/faulty", "faulty", &["test-other-libtorch"], "faulty-libtorch"),
+            "libtorch 2.10.0",
+        ),
         // An older minor version may lack trait methods, nothing else.
-        (build_plugin("tests/plugins/faulty", "faulty", &["test-old-layout", "test-older-minor"], "faulty-older-layout"), "types differ from this host's"),
+        (
+            build_plugin(
+                "tests/plugins/faulty",
+                "faulty",
+                &["test-old-layout", "test-older-minor"],
+                "faulty-older-layout",
+            ),
+            "types differ from this host's",
+        ),
     ];
     for (path, want) in cases {
         let line = error_line(&inspect(&path));
@@ -105,7 +134,14 @@ fn wrong_libraries_are_refused_in_one_line() {
     let out = inspect(&ok);
     assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("faulty"));
     // Two libraries with one name.
-    let out = Command::new(host()).args(["--plugin"]).arg(&ok).arg("--plugin").arg(&ok).args(["plugins", "list"]).output().unwrap();
+    let out = Command::new(host())
+        .args(["--plugin"])
+        .arg(&ok)
+        .arg("--plugin")
+        .arg(&ok)
+        .args(["plugins", "list"])
+        .output()
+        .unwrap();
     assert!(error_line(&out).contains("two optimizer plugins named `faulty`"));
     // A plugin of the wrong kind for its slot.
     let (out, _dir) = train(&[], "plugin = \"dflash\"");
@@ -119,7 +155,10 @@ fn inspect_and_list_never_load_a_library_into_the_host_and_a_crash_is_one_line()
     let evil = common::build_c_library("evil");
     let dir = tempfile::tempdir().unwrap();
     let marker = dir.path().join("loaded-by");
-    for args in [vec!["plugins", "inspect", evil.to_str().unwrap()], vec!["--plugin", evil.to_str().unwrap(), "plugins", "list"]] {
+    for args in [
+        vec!["plugins", "inspect", evil.to_str().unwrap()],
+        vec!["--plugin", evil.to_str().unwrap(), "plugins", "list"],
+    ] {
         let child = Command::new(host())
             .args(&args)
             .env("DFLASH_EVIL_MARKER", &marker)
@@ -130,10 +169,16 @@ fn inspect_and_list_never_load_a_library_into_the_host_and_a_crash_is_one_line()
             .unwrap();
         let host_pid = child.id().to_string();
         let line = error_line(&child.wait_with_output().unwrap());
-        assert!(line.contains(&evil.display().to_string()) && line.contains("crashed the probe process"), "{args:?}: {line}");
+        assert!(
+            line.contains(&evil.display().to_string()) && line.contains("crashed the probe process"),
+            "{args:?}: {line}"
+        );
         let loaders = std::fs::read_to_string(&marker).unwrap_or_default();
         assert!(!loaders.is_empty(), "the probe never loaded it");
-        assert!(!loaders.lines().any(|p| p == host_pid), "the host itself ran the library's constructor ({host_pid}): {loaders}");
+        assert!(
+            !loaders.lines().any(|p| p == host_pid),
+            "the host itself ran the library's constructor ({host_pid}): {loaders}"
+        );
     }
 }
 
@@ -143,11 +188,14 @@ fn a_panic_inside_a_plugin_stops_the_run_with_its_last_checkpoint() {
     let (out, dir) = train(&[&so], "plugin = \"faulty\"\npanic_at_step = 5");
     let line = error_line(&out);
     assert!(
-        line.contains("optimizer plugin `faulty`") && line.contains("step") && line.contains("deliberate failure at step 5"),
+        line.contains("optimizer plugin `faulty`")
+            && line.contains("step")
+            && line.contains("deliberate failure at step 5"),
         "{line}"
     );
     let ckpts = dir.path().join("exp/checkpoints");
-    let names: Vec<String> = std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let names: Vec<String> =
+        std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     assert!(names.contains(&"step-4".to_string()) && !names.iter().any(|n| n.starts_with("step-5")), "{names:?}");
     let weights = plugin_api::tch::Tensor::read_safetensors(ckpts.join("step-4/model.safetensors")).unwrap();
     assert!(!weights.is_empty());
@@ -156,14 +204,16 @@ fn a_panic_inside_a_plugin_stops_the_run_with_its_last_checkpoint() {
 #[test]
 fn a_diverged_run_skips_then_stops_keeping_its_last_good_checkpoint() {
     let so = build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
-    let head = HEAD.replace("checkpoint_every = 2", "checkpoint_every = 1\nmax_nonfinite_steps = 2\nkeep_checkpoints = 5");
+    let head =
+        HEAD.replace("checkpoint_every = 2", "checkpoint_every = 1\nmax_nonfinite_steps = 2\nkeep_checkpoints = 5");
     let (out, dir) = common::train(&[&so], &common::tiny_config(&head, "plugin = \"faulty\"\nnan_at_step = 3"));
     let line = error_line(&out);
     assert!(line.contains("2 consecutive steps with a non-finite loss") && line.contains("step-2"), "{line}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("step 3: drafter weights are not finite; checkpoint not written"), "{err}");
     let ckpts = dir.path().join("exp/checkpoints");
-    let mut names: Vec<String> = std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut names: Vec<String> =
+        std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
     assert_eq!(names, ["step-1", "step-2"]);
     let metrics = std::fs::read_to_string(dir.path().join("exp/metrics.jsonl")).unwrap();
@@ -188,11 +238,15 @@ fn a_panic_in_a_value_returning_method_is_one_line_and_exit_code_2() {
     let so = build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
     let (out, _dir) = train(&[&so], "plugin = \"faulty\"\npanic_in = \"base_lr\"");
     let line = error_line(&out);
-    assert!(line.contains("optimizer plugin `faulty`") && line.contains("`base_lr` panicked: deliberate panic in base_lr"), "{line}");
+    assert!(
+        line.contains("optimizer plugin `faulty`") && line.contains("`base_lr` panicked: deliberate panic in base_lr"),
+        "{line}"
+    );
 
     let adamw = common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3");
     let drafter = build_plugin("tests/plugins/faulty_drafter", "faulty_drafter", &[], "faulty_drafter");
-    let config = with_section(&adamw, "drafter", "plugin = \"faulty_drafter\"\npanic_in = \"parameters\"\npanic_at_call = 2");
+    let config =
+        with_section(&adamw, "drafter", "plugin = \"faulty_drafter\"\npanic_in = \"parameters\"\npanic_at_call = 2");
     let (out, dir) = common::train(&[&drafter], &config);
     let line = error_line(&out);
     assert_eq!(line, "error: drafter plugin `faulty_drafter`: `parameters` panicked: deliberate panic in parameters");
@@ -211,11 +265,16 @@ fn a_panic_in_a_value_returning_method_is_one_line_and_exit_code_2() {
     }
 
     let target = build_plugin("tests/plugins/synthetic_target", "synthetic_target", &[], "synthetic_target");
-    let config = common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3")
-        .replace("plugin = \"hf\"\npath = \"$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf\"", "plugin = \"synthetic\"\npanic_in = \"spec\"");
+    let config = common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3").replace(
+        "plugin = \"hf\"\npath = \"$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf\"",
+        "plugin = \"synthetic\"\npanic_in = \"spec\"",
+    );
     let (out, _dir) = common::train(&[&target], &config);
     let line = error_line(&out);
-    assert!(line.contains("target plugin `synthetic`") && line.contains("`spec` panicked: deliberate panic in spec"), "{line}");
+    assert!(
+        line.contains("target plugin `synthetic`") && line.contains("`spec` panicked: deliberate panic in spec"),
+        "{line}"
+    );
 }
 
 /// Versioning: plugins built against the previous minor version of plugin-api still load and
@@ -228,20 +287,32 @@ fn a_panic_in_a_value_returning_method_is_one_line_and_exit_code_2() {
 #[test]
 fn a_plugin_built_against_the_previous_minor_abi_still_loads() {
     let git = |args: &[&str]| -> Vec<u8> {
-        let out = Command::new("git").args(args).current_dir(root()).output().expect("git, to read plugin-api's history");
+        let out =
+            Command::new("git").args(args).current_dir(root()).output().expect("git, to read plugin-api's history");
         assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         out.stdout
     };
     let text = |args: &[&str]| String::from_utf8(git(args)).unwrap();
-    assert_eq!(text(&["rev-parse", "--is-shallow-repository"]).trim(), "false", "this test builds plugin-api from history: git fetch --unshallow");
+    assert_eq!(
+        text(&["rev-parse", "--is-shallow-repository"]).trim(),
+        "false",
+        "this test builds plugin-api from history: git fetch --unshallow"
+    );
     // (major, minor) of a plugin-api/Cargo.toml.
     let version = |manifest: &str| -> (u64, u64) {
-        let v = manifest.lines().find_map(|l| l.strip_prefix("version = \"")).map(|v| v.trim_end_matches('"')).unwrap_or("0.0");
+        let v = manifest
+            .lines()
+            .find_map(|l| l.strip_prefix("version = \""))
+            .map(|v| v.trim_end_matches('"'))
+            .unwrap_or("0.0");
         let mut parts = v.split('.').map(|p| p.parse::<u64>().unwrap());
         (parts.next().unwrap(), parts.next().unwrap())
     };
     let now = version(&std::fs::read_to_string(root().join("plugin-api/Cargo.toml")).unwrap());
-    let commits: Vec<String> = text(&["log", "--first-parent", "--format=%H", "--", "plugin-api/Cargo.toml"]).lines().map(String::from).collect();
+    let commits: Vec<String> = text(&["log", "--first-parent", "--format=%H", "--", "plugin-api/Cargo.toml"])
+        .lines()
+        .map(String::from)
+        .collect();
     let at = |c: &str| version(&text(&["show", &format!("{c}:plugin-api/Cargo.toml")]));
     let i = commits.iter().position(|c| at(c) < now).expect("no earlier minor version of plugin-api in the history");
     let snapshot = if i == 0 { "HEAD".to_string() } else { format!("{}^1", commits[i - 1]) };
@@ -257,7 +328,18 @@ fn a_plugin_built_against_the_previous_minor_abi_still_loads() {
         ("templates/drafter_tiny", "drafter_tiny", "drafter", "tiny_drafter", "mask_token_id = 16".to_string()),
         ("templates/target_tiny", "target_tiny", "target", "tiny_lm", "seed = 1".to_string()),
     ];
-    let then: Vec<_> = templates.into_iter().filter(|t| Command::new("git").args(["cat-file", "-e", &format!("{snapshot}:{}/Cargo.toml", t.0)]).current_dir(root()).stderr(std::process::Stdio::null()).status().unwrap().success()).collect();
+    let then: Vec<_> = templates
+        .into_iter()
+        .filter(|t| {
+            Command::new("git")
+                .args(["cat-file", "-e", &format!("{snapshot}:{}/Cargo.toml", t.0)])
+                .current_dir(root())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .unwrap()
+                .success()
+        })
+        .collect();
     let mut paths = vec!["Cargo.toml", "plugin-api"];
     paths.extend(then.iter().map(|t| t.0));
     let tar = dir.path().join("old.tar");
@@ -281,20 +363,32 @@ fn a_plugin_built_against_the_previous_minor_abi_still_loads() {
     for (folder, lib, kind, plugin, section) in then {
         // Its own library name, apart from today's template's in the shared target folder.
         let cargo_toml = old_root.join(folder).join("Cargo.toml");
-        let renamed = std::fs::read_to_string(&cargo_toml).unwrap().replacen(&format!("name = \"{lib}\""), &format!("name = \"{lib}_previous\""), 1);
+        let renamed = std::fs::read_to_string(&cargo_toml).unwrap().replacen(
+            &format!("name = \"{lib}\""),
+            &format!("name = \"{lib}_previous\""),
+            1,
+        );
         std::fs::write(&cargo_toml, renamed).unwrap();
         let lib = format!("{lib}_previous");
         let so = build_plugin(old_root.join(folder).to_str().unwrap(), &lib, &[], &lib);
         let out = inspect(&so);
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success() && stdout.contains(&format!(" {}.{}.", old.0, old.1)), "{folder}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success() && stdout.contains(&format!(" {}.{}.", old.0, old.1)),
+            "{folder}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let section = format!("plugin = \"{plugin}\"\n{section}");
         let config = match kind {
             "optimizer" => common::tiny_config(&head, &section),
             _ => with_section(&common::tiny_config(&head, "plugin = \"adamw\"\nlr = 3e-3"), kind, &section),
         };
         let (out, _exp) = common::train(&[&so], &config);
-        assert!(out.status.success(), "{folder} of plugin-api {old:?} in this host ({now:?}): {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{folder} of plugin-api {old:?} in this host ({now:?}): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
@@ -303,7 +397,14 @@ fn check(plugins: &[&Path], args: &[&str]) -> (Option<i32>, String) {
     for p in plugins {
         cmd.arg("--plugin").arg(p);
     }
-    let out = cmd.args(["plugins", "check"]).args(args).current_dir(root()).env("DFLASH_CACHE", common::cache()).env_remove("RUST_BACKTRACE").output().unwrap();
+    let out = cmd
+        .args(["plugins", "check"])
+        .args(args)
+        .current_dir(root())
+        .env("DFLASH_CACHE", common::cache())
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     (out.status.code(), text)
 }
@@ -314,7 +415,14 @@ fn check(plugins: &[&Path], args: &[&str]) -> (Option<i32>, String) {
 fn the_conformance_kit_passes_the_built_ins_and_names_a_failed_clause() {
     common::require_model();
     const TINY_DATA: &str = "path = \"$DFLASH_CACHE/chitchat.json\"\nformat = \"chitchat\"\nbatch_size = 2\nmax_len = 96\nmax_records = 6\ndistill = false";
-    for args in [&["adamw"][..], &["muon", "--section", "lr = 0.02"], &["dflash"], &["gdn", "--section", "num_hidden_layers = 1\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 16"], &["hf"], &["chat", "--section", TINY_DATA]] {
+    for args in [
+        &["adamw"][..],
+        &["muon", "--section", "lr = 0.02"],
+        &["dflash"],
+        &["gdn", "--section", "num_hidden_layers = 1\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 16"],
+        &["hf"],
+        &["chat", "--section", TINY_DATA],
+    ] {
         let (code, text) = check(&[], args);
         assert_eq!(code, Some(0), "{args:?}:\n{text}");
         assert!(text.contains("clauses pass") && !text.contains("FAIL"), "{args:?}:\n{text}");
@@ -328,28 +436,48 @@ fn the_conformance_kit_passes_the_built_ins_and_names_a_failed_clause() {
     let (code, text) = check(&[], &[target.to_str().unwrap()]);
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("pass  features of the requested layers"), "{text}");
-    assert!(text.contains("FAIL  KV-cache extend / truncate equals recomputation: cache_extend: the synthetic target has no KV cache"), "{text}");
+    assert!(
+        text.contains(
+            "FAIL  KV-cache extend / truncate equals recomputation: cache_extend: the synthetic target has no KV cache"
+        ),
+        "{text}"
+    );
     let drafter = build_plugin("tests/plugins/faulty_drafter", "faulty_drafter", &[], "faulty_drafter");
     let drafter = drafter.to_str().unwrap();
     let (code, text) = check(&[], &[drafter, "--section", "dead_parameter = true"]);
     assert_eq!(code, Some(1), "{text}");
-    assert!(text.contains("pass  output shape") && text.contains("FAIL  gradients reach every trainable parameter: no gradient for unused.weight"), "{text}");
+    assert!(
+        text.contains("pass  output shape")
+            && text.contains("FAIL  gradients reach every trainable parameter: no gradient for unused.weight"),
+        "{text}"
+    );
     // A panic in `parameters` fails the clause that used its placeholder (an empty list, where no
     // parameter lacks a gradient).
     let (code, text) = check(&[], &[drafter, "--section", "panic_in = \"parameters\""]);
     assert_eq!(code, Some(1), "{text}");
-    assert!(text.contains("FAIL  gradients reach every trainable parameter: `parameters` panicked: deliberate panic in parameters"), "{text}");
+    assert!(
+        text.contains(
+            "FAIL  gradients reach every trainable parameter: `parameters` panicked: deliberate panic in parameters"
+        ),
+        "{text}"
+    );
     let data = build_plugin("tests/plugins/faulty_data", "faulty_data", &[], "faulty_data");
     let (code, text) = check(&[], &[data.to_str().unwrap(), "--section", "mask_prompt = true"]);
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("pass  seeking to a saved position gives the same batches"), "{text}");
-    assert!(text.contains("FAIL  the loss mask is on response tokens only: sequence 0: its first token is in the loss mask"), "{text}");
+    assert!(
+        text.contains(
+            "FAIL  the loss mask is on response tokens only: sequence 0: its first token is in the loss mask"
+        ),
+        "{text}"
+    );
 }
 
 /// Pre-tokenized `PROMPT | RESPONSE` lines for the data template, in SmolLM2's vocabulary.
 fn ids_file(dir: &Path) -> PathBuf {
     let ids = dir.join("train.ids");
-    let lines: Vec<String> = (0..8).map(|i| format!("1 {} {} 2 | {} {} {} 2", 100 + i, 200 + i, 300 + i, 400 + i, 500 + i)).collect();
+    let lines: Vec<String> =
+        (0..8).map(|i| format!("1 {} {} 2 | {} {} {} 2", 100 + i, 200 + i, 300 + i, 400 + i, 500 + i)).collect();
     std::fs::write(&ids, lines.join("\n")).unwrap();
     ids
 }
@@ -372,7 +500,11 @@ fn a_scaffolded_plugin_builds_passes_its_check_and_trains() {
     let head = HEAD.replace("steps = 20", "steps = 2");
     for (kind, name, section) in kinds {
         let crate_dir = dir.path().join(name);
-        let out = Command::new(host()).args(["plugins", "new", name, "--kind", kind, "--out"]).arg(&crate_dir).output().unwrap();
+        let out = Command::new(host())
+            .args(["plugins", "new", name, "--kind", kind, "--out"])
+            .arg(&crate_dir)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let so = build_plugin(crate_dir.to_str().unwrap(), name, &[], name);
         let (code, text) = check(&[], &[so.to_str().unwrap(), "--section", &section]);
@@ -385,6 +517,9 @@ fn a_scaffolded_plugin_builds_passes_its_check_and_trains() {
         let (out, exp) = common::train(&[&so], &config);
         assert!(out.status.success(), "{kind}: {}", String::from_utf8_lossy(&out.stderr));
         let manifest = std::fs::read_to_string(exp.path().join("exp/manifest.json")).unwrap();
-        assert!(manifest.contains(&format!("\"name\": \"{name}\"")) || manifest.contains(&format!("\"name\":\"{name}\"")), "{manifest}");
+        assert!(
+            manifest.contains(&format!("\"name\": \"{name}\"")) || manifest.contains(&format!("\"name\":\"{name}\"")),
+            "{manifest}"
+        );
     }
 }

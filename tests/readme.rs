@@ -86,7 +86,18 @@ fn every_dflash_host_command_in_the_readme_parses() {
 
 #[test]
 fn every_repository_path_the_readme_names_exists() {
-    const TOP: [&str; 10] = ["host", "plugins", "crates", "configs", "docs", "scripts", "tests", "kernels", "plugin-api", "plugin-template"];
+    const TOP: [&str; 10] = [
+        "host",
+        "plugins",
+        "crates",
+        "configs",
+        "docs",
+        "scripts",
+        "tests",
+        "kernels",
+        "plugin-api",
+        "plugin-template",
+    ];
     let text = readme();
     let mut candidates: Vec<String> = Vec::new();
     // `code`, [links](path) and the words of code blocks.

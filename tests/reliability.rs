@@ -59,7 +59,8 @@ fn resume(exp: &Path, extra: &[&str]) -> Command {
 
 /// metrics.jsonl without the timing fields, which no two runs share.
 fn metrics(exp: &Path) -> Vec<serde_json::Value> {
-    let keys = ["step", "epoch", "tokens", "draft_tokens", "loss", "acc", "tau_hat", "lr", "grad_norm", "skipped_steps"];
+    let keys =
+        ["step", "epoch", "tokens", "draft_tokens", "loss", "acc", "tau_hat", "lr", "grad_norm", "skipped_steps"];
     common::metrics(exp, &[&keys[..], &["val_loss", "val_acc", "val_tau_hat"]].concat())
 }
 
@@ -93,14 +94,17 @@ fn stop_and_resume_equals_the_uninterrupted_run_bit_for_bit() {
     assert!(&final_weights(&exp) == want_weights, "final weights differ from the uninterrupted run's");
     // The validation split was scored at steps 10, 20 and 30 (each logged, off the log_every
     // grid), on every label of its 2 sequences, and nowhere else.
-    let scored: Vec<u64> = want_metrics.iter().filter(|m| m["val_loss"].is_number()).map(|m| m["step"].as_u64().unwrap()).collect();
+    let scored: Vec<u64> =
+        want_metrics.iter().filter(|m| m["val_loss"].is_number()).map(|m| m["step"].as_u64().unwrap()).collect();
     assert_eq!(scored, [10, 20, 30]);
     let last = want_metrics.last().unwrap();
     assert_eq!(last["val_acc"].as_array().unwrap().len(), 3);
     assert!(last["val_tau_hat"].as_f64().unwrap() >= 1.0 && last["val_loss"].as_f64().unwrap() > 0.0, "{last}");
     assert!(want_metrics.iter().all(|m| m["val_loss"].is_number() || m["val_acc"].is_null()));
     let out = resume(&exp, &[]).output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("nothing to do: the run is at step {STEPS} of {STEPS}")));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&format!("nothing to do: the run is at step {STEPS} of {STEPS}"))
+    );
 }
 
 #[test]
@@ -128,7 +132,12 @@ fn resuming_with_a_changed_plugin_library_is_refused_unless_allowed() {
     let exp = dir.path().join("exp");
     let plugin = |p: &Path| ["--plugin".to_string(), p.display().to_string()];
     let mut cmd = host();
-    cmd.args(plugin(&so)).args(["train", "--config"]).arg(write_config(dir.path())).arg("--exp-dir").arg(&exp).args(["--stop-at", "2"]);
+    cmd.args(plugin(&so))
+        .args(["train", "--config"])
+        .arg(write_config(dir.path()))
+        .arg("--exp-dir")
+        .arg(&exp)
+        .args(["--stop-at", "2"]);
     ok(cmd.output().unwrap());
     // The same library, one byte longer: a different file (SHA-256) that still loads.
     let changed = dir.path().join("liboptim_adamw.so");
@@ -137,12 +146,23 @@ fn resuming_with_a_changed_plugin_library_is_refused_unless_allowed() {
     std::fs::write(&changed, bytes).unwrap();
     let out = host().args(plugin(&changed)).args(["train", "--resume"]).arg(&exp).output().unwrap();
     let line = refused(out);
-    assert!(line.contains("cannot resume") && line.contains("is not one the run started with") && line.contains("--allow-plugin-change"), "{line}");
+    assert!(
+        line.contains("cannot resume")
+            && line.contains("is not one the run started with")
+            && line.contains("--allow-plugin-change"),
+        "{line}"
+    );
     // A library that is no plugin at all: refused by its SHA-256 before any of its code runs,
     // in this process or any other (its constructor would write the marker).
     let evil = common::build_c_library("evil");
     let marker = dir.path().join("loaded-by");
-    let out = host().env("DFLASH_EVIL_MARKER", &marker).args(plugin(&evil)).args(["train", "--resume"]).arg(&exp).output().unwrap();
+    let out = host()
+        .env("DFLASH_EVIL_MARKER", &marker)
+        .args(plugin(&evil))
+        .args(["train", "--resume"])
+        .arg(&exp)
+        .output()
+        .unwrap();
     let line = refused(out);
     assert!(line.contains("is not one the run started with"), "{line}");
     assert!(!marker.exists(), "the replaced library's code ran");
@@ -172,12 +192,14 @@ fn kill_9_at_random_moments_loses_nothing() {
     let (mut kills, mut mid_checkpoint, mut before_first) = (0, 0, 0);
     let deadline = Instant::now() + Duration::from_secs(1800);
     let newest = |exp: &Path| -> u64 {
-        std::fs::read_dir(exp.join("checkpoints"))
-            .map_or(0, |d| d.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("step-")?.parse().ok()).max().unwrap_or(0))
+        std::fs::read_dir(exp.join("checkpoints")).map_or(0, |d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("step-")?.parse().ok()).max().unwrap_or(0)
+        })
     };
     let writing = |exp: &Path| -> bool {
-        std::fs::read_dir(exp.join("checkpoints"))
-            .is_ok_and(|d| d.filter_map(|e| e.ok()).any(|e| e.file_name().to_str().is_some_and(|n| n.ends_with(".tmp"))))
+        std::fs::read_dir(exp.join("checkpoints")).is_ok_and(|d| {
+            d.filter_map(|e| e.ok()).any(|e| e.file_name().to_str().is_some_and(|n| n.ends_with(".tmp")))
+        })
     };
     while kills < points {
         assert!(Instant::now() < deadline, "the crash test ran too long");
@@ -260,7 +282,8 @@ fn refused(out: Output) -> String {
 }
 
 fn names(dir: &Path) -> Vec<String> {
-    let mut n: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut n: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     n.sort();
     n
 }
@@ -329,7 +352,10 @@ fn a_resume_refuses_what_changed_and_a_refused_resume_changes_nothing() {
         assert!(now == was, "a refused resume changed the experiment: {line}");
     };
     edit("lr = 0.003", "lr = 0.01");
-    check(refused(resume(&exp, &[]).output().unwrap()), &["config field `optimizer.lr` changed: 0.003 then, 0.01 now", "--allow-change optimizer.lr"]);
+    check(
+        refused(resume(&exp, &[]).output().unwrap()),
+        &["config field `optimizer.lr` changed: 0.003 then, 0.01 now", "--allow-change optimizer.lr"],
+    );
     edit("block_size = 4", "block_size = 8");
     check(refused(resume(&exp, &[]).output().unwrap()), &["`drafter.block_size` changed: 4 then, 8 now"]);
     edit("max_records = 6", "max_records = 7");
@@ -341,7 +367,10 @@ fn a_resume_refuses_what_changed_and_a_refused_resume_changes_nothing() {
     let mut bytes = std::fs::read(&data).unwrap();
     bytes.push(b'\n');
     std::fs::write(&data, &bytes).unwrap();
-    check(refused(resume(&exp, &[]).output().unwrap()), &["the file `data.path` names changed", "--allow-change data.path"]);
+    check(
+        refused(resume(&exp, &[]).output().unwrap()),
+        &["the file `data.path` names changed", "--allow-change data.path"],
+    );
     bytes.pop();
     std::fs::write(&data, &bytes).unwrap();
     let model = dir.path().join("model.gguf");
@@ -349,7 +378,10 @@ fn a_resume_refuses_what_changed_and_a_refused_resume_changes_nothing() {
     let mut weights = std::fs::read(cache().join("SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
     weights.extend_from_slice(&[0; 32]); // still a loadable GGUF, another SHA-256
     std::fs::write(&model, &weights).unwrap();
-    check(refused(resume(&exp, &[]).output().unwrap()), &["the file `target.path` names changed", "--allow-change target.path"]);
+    check(
+        refused(resume(&exp, &[]).output().unwrap()),
+        &["the file `target.path` names changed", "--allow-change target.path"],
+    );
     std::fs::remove_file(&model).unwrap();
     std::os::unix::fs::symlink(cache().join("SmolLM2-135M-Instruct.Q4_1.gguf"), &model).unwrap();
 
@@ -362,7 +394,8 @@ fn a_resume_refuses_what_changed_and_a_refused_resume_changes_nothing() {
     let err = ok(out);
     assert!(err.contains("resuming although the config field `optimizer.lr` changed"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
-    let m: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(exp.join("manifest.json")).unwrap()).unwrap();
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exp.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(m["changes"][0]["field"], "optimizer.lr", "{m}");
     assert_eq!(m["changes"][0]["at_step"], 2, "{m}");
     ok(resume(&exp, &[]).output().unwrap());
@@ -381,7 +414,8 @@ fn one_process_at_a_time_and_a_killed_holder_leaves_no_stale_lock() {
     let dir = tempfile::tempdir().unwrap();
     let exp = dir.path().join("exp");
     ok(fresh(&write_config(dir.path()), &exp, &["--stop-at", "1"]).output().unwrap());
-    let mut first = resume(&exp, &[]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let mut first =
+        resume(&exp, &[]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
     let pid = first.id().to_string();
     let deadline = Instant::now() + Duration::from_secs(120);
     while std::fs::read_to_string(exp.join(".lock")).unwrap_or_default().trim() != pid {
@@ -389,7 +423,10 @@ fn one_process_at_a_time_and_a_killed_holder_leaves_no_stale_lock() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let line = refused(resume(&exp, &["--stop-at", "3"]).output().unwrap());
-    assert!(line.contains("the experiment is in use by another process") && line.contains(&format!("pid {pid}")), "{line}");
+    assert!(
+        line.contains("the experiment is in use by another process") && line.contains(&format!("pid {pid}")),
+        "{line}"
+    );
     first.kill().unwrap(); // SIGKILL: the kernel releases its lock
     first.wait().unwrap();
     let at = dflash_host::experiment::checkpoint::find(&exp, None).unwrap().step;
@@ -419,6 +456,9 @@ fn a_full_disk_leaves_no_partial_checkpoint_and_names_the_file() {
     }
     let line = refused(cmd.output().unwrap());
     assert!(line.contains("checkpoint step-1 not written") && line.contains(".step-1.tmp"), "{line}");
-    assert!(line.contains(".step-1.tmp/model.safetensors") || line.contains(".step-1.tmp/optimizer.safetensors"), "{line}");
+    assert!(
+        line.contains(".step-1.tmp/model.safetensors") || line.contains(".step-1.tmp/optimizer.safetensors"),
+        "{line}"
+    );
     assert!(names(&exp.join("checkpoints")).is_empty(), "{:?}", names(&exp.join("checkpoints")));
 }

@@ -37,8 +37,10 @@ fn export_then_import_keeps_sliding_window_layers() {
 /// exported config.json.
 fn export_then_import(extra: &str) -> serde_json::Value {
     let spec = TargetSpec::tiny();
-    let section: DrafterSection =
-        plugin_api::parse_section(&format!("num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63\n{extra}")).unwrap();
+    let section: DrafterSection = plugin_api::parse_section(&format!(
+        "num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63\n{extra}"
+    ))
+    .unwrap();
     let cfg = section.resolve(&spec).unwrap();
     plugin_api::tch::manual_seed(1);
     let a = DFlashPlugin::new(&cfg, Device::Cpu, Kind::Float);
@@ -52,9 +54,8 @@ fn export_then_import(extra: &str) -> serde_json::Value {
     });
     let dir = tempfile::tempdir().unwrap();
     let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
-    let ckpt = exp
-        .save_checkpoint(7, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1)
-        .unwrap();
+    let ckpt =
+        exp.save_checkpoint(7, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
     assert_eq!(dflash_host::experiment::checkpoint::find(&dir.path().join("exp"), None).unwrap().dir, ckpt);
     let out = dir.path().join("zlab");
     // What an export killed mid-write leaves (a dead process's temporary folder) goes; a live
@@ -67,7 +68,8 @@ fn export_then_import(extra: &str) -> serde_json::Value {
     assert!(!dead.exists() && live.exists(), "stale export folders: dead {}, live {}", dead.exists(), live.exists());
 
     // The folder is the z-lab format: config fields and bf16 tensors with z-lab names.
-    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(json["architectures"][0], "DFlashDraftModel");
     assert_eq!(json["model_type"], "qwen3");
     assert_eq!(json["dtype"], "bfloat16");
@@ -81,7 +83,13 @@ fn export_then_import(extra: &str) -> serde_json::Value {
     let tensors = Tensor::read_safetensors(out.join("model.safetensors")).unwrap();
     assert!(tensors.iter().all(|(_, t)| t.kind() == Kind::BFloat16));
     let names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
-    for n in ["fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight", "layers.0.mlp.gate_proj.weight"] {
+    for n in [
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.1.self_attn.k_norm.weight",
+        "layers.0.mlp.gate_proj.weight",
+    ] {
         assert!(names.contains(&n), "{n} missing: {names:?}");
     }
     assert!(!names.iter().any(|n| n.contains("embed") || n.contains("lm_head")));
@@ -120,18 +128,25 @@ fn export_then_import(extra: &str) -> serde_json::Value {
 fn init_from_refuses_fields_it_cannot_honour() {
     let spec = TargetSpec::tiny();
     let section: DrafterSection =
-        plugin_api::parse_section("num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63").unwrap();
+        plugin_api::parse_section("num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63")
+            .unwrap();
     let a = DFlashPlugin::new(&section.resolve(&spec).unwrap(), Device::Cpu, Kind::Float);
     let dir = tempfile::tempdir().unwrap();
     let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
-    let ckpt = exp.save_checkpoint(1, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
+    let ckpt =
+        exp.save_checkpoint(1, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
     let out = dir.path().join("zlab");
     export::export(&ckpt, &out, false).unwrap();
-    let good: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    let good: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     read_zlab(&out, &spec).unwrap();
     for (key, value, want) in [
         ("partial_rotary_factor", serde_json::json!(0.5), "unknown field `partial_rotary_factor`"),
-        ("rope_scaling", serde_json::json!({"rope_type": "longrope", "factor": 2.0}), "rope_type `longrope` is not supported"),
+        (
+            "rope_scaling",
+            serde_json::json!({"rope_type": "longrope", "factor": 2.0}),
+            "rope_type `longrope` is not supported",
+        ),
         ("attention_bias", serde_json::json!(true), "field `attention_bias`"),
         ("layer_types", serde_json::json!(["sliding_attention", "full_attention"]), "`sliding_window` is not set"),
         ("hidden_act", serde_json::json!("gelu"), "field `hidden_act`"),
@@ -160,8 +175,10 @@ fn presets_export_the_published_configs() {
     let on_disk = std::fs::read_dir(root.join("configs/presets")).unwrap().count();
     assert_eq!(on_disk, presets.len(), "a preset without a published config to check it against");
     for name in presets {
-        let published: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(root.join(format!("tests/fixtures/specforge/{name}-dflash.json"))).unwrap()).unwrap();
+        let published: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(root.join(format!("tests/fixtures/specforge/{name}-dflash.json"))).unwrap(),
+        )
+        .unwrap();
         let cfg = RunConfig::load(&root.join(format!("configs/presets/{name}.toml"))).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let mut drafter_section = cfg.section("drafter");
@@ -188,7 +205,8 @@ fn presets_export_the_published_configs() {
         });
         if hybrid {
             let layers = p("num_target_layers").as_u64().unwrap();
-            let types: Vec<&str> = (0..layers).map(|i| if i % 4 == 3 { "full_attention" } else { "linear_attention" }).collect();
+            let types: Vec<&str> =
+                (0..layers).map(|i| if i % 4 == 3 { "full_attention" } else { "linear_attention" }).collect();
             let hybrid_fields = serde_json::json!({
                 "layer_types": types, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_num_key_heads": 2,
                 "linear_num_value_heads": 4, "linear_value_head_dim": 8, "partial_rotary_factor": 0.25,
@@ -196,7 +214,9 @@ fn presets_export_the_published_configs() {
             });
             let experts = serde_json::json!({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "shared_expert_intermediate_size": 16});
             let moe = model_type.contains("moe");
-            for (k, v) in hybrid_fields.as_object().unwrap().iter().chain(experts.as_object().unwrap().iter().filter(|_| moe)) {
+            for (k, v) in
+                hybrid_fields.as_object().unwrap().iter().chain(experts.as_object().unwrap().iter().filter(|_| moe))
+            {
                 target[k] = v.clone();
             }
         }
@@ -206,8 +226,14 @@ fn presets_export_the_published_configs() {
         let target_json = dir.path().join("config.json");
         std::fs::write(&target_json, target.to_string()).unwrap();
         let ctx = HostContext::cpu();
-        let section = PluginSection { kind: "target", plugin: "hf".into(), config_toml: format!("path = {:?}\nrandom_init = true", target_json.display().to_string()) };
-        let PluginInstance::Target(t) = registry.create(PluginKind::Target, &section, &ctx).unwrap().0 else { panic!("not a target") };
+        let section = PluginSection {
+            kind: "target",
+            plugin: "hf".into(),
+            config_toml: format!("path = {:?}\nrandom_init = true", target_json.display().to_string()),
+        };
+        let PluginInstance::Target(t) = registry.create(PluginKind::Target, &section, &ctx).unwrap().0 else {
+            panic!("not a target")
+        };
 
         // 2. The preset's drafter against it (an explicit MLP width shrunk too).
         if table.contains_key("intermediate_size") {
@@ -215,14 +241,18 @@ fn presets_export_the_published_configs() {
         }
         drafter_section.config_toml = toml::to_string(&table).unwrap();
         let ctx = HostContext { target: RSome(t.spec()), ..ctx };
-        let PluginInstance::Drafter(d) = registry.create(PluginKind::Drafter, &drafter_section, &ctx).unwrap().0 else { panic!("not a drafter") };
+        let PluginInstance::Drafter(d) = registry.create(PluginKind::Drafter, &drafter_section, &ctx).unwrap().0 else {
+            panic!("not a drafter")
+        };
 
         // 3. Checkpoint and export as a run does, then every published field.
         let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
-        let ckpt = exp.save_checkpoint(1, &d.parameters(), d.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
+        let ckpt =
+            exp.save_checkpoint(1, &d.parameters(), d.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
         let out = dir.path().join("export");
         export::export(&ckpt, &out, false).unwrap();
-        let ours: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        let ours: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
         for (key, want) in published.as_object().unwrap() {
             // Which transformers wrote SpecForge's file: not a property of the drafter.
             if key == "transformers_version" {
@@ -238,7 +268,15 @@ fn presets_export_the_published_configs() {
         }
         // And it reads back as `init_from` for the same target.
         let (back, _) = read_zlab(&out, &t.spec()).unwrap();
-        assert_eq!(back.layer_types, published["layer_types"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect::<Vec<_>>());
+        assert_eq!(
+            back.layer_types,
+            published["layer_types"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_str().unwrap().to_string())
+                .collect::<Vec<_>>()
+        );
         assert!(Path::new(&out.join("model.safetensors")).exists());
     }
 }
@@ -249,7 +287,9 @@ fn same_json(a: &serde_json::Value, b: &serde_json::Value) -> bool {
     match (a, b) {
         (Number(x), Number(y)) => x.as_f64() == y.as_f64(),
         (Array(x), Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(x, y)| same_json(x, y)),
-        (Object(x), Object(y)) => x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same_json(v, w))),
+        (Object(x), Object(y)) => {
+            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same_json(v, w)))
+        }
         _ => a == b,
     }
 }

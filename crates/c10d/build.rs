@@ -24,27 +24,36 @@ fn main() {
     for i in &torch_includes {
         b.include(i);
     }
-    b.flag("-std=c++17").flag("-D_GLIBCXX_USE_CXX11_ABI=1").flag("-DGLOG_USE_GLOG_EXPORT").warnings(false).compile("dflash_c10d");
+    b.flag("-std=c++17")
+        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
+        .flag("-DGLOG_USE_GLOG_EXPORT")
+        .warnings(false)
+        .compile("dflash_c10d");
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");
 
     // The NCCL library, or an empty file where the headers are missing.
     let lib = out.join("libdflash_c10d_nccl.so");
     println!("cargo:rerun-if-env-changed=DFLASH_CACHE");
-    let headers = match (std::env::var_os("DFLASH_CUDA_HEADERS"), std::env::var_os("DFLASH_CACHE"), std::env::var_os("HOME")) {
-        (Some(h), _, _) => PathBuf::from(h),
-        (None, Some(c), _) => PathBuf::from(c).join("cuda-headers"),
-        (None, None, home) => PathBuf::from(home.unwrap_or_default()).join(".cache/dflash/cuda-headers"),
-    };
+    let headers =
+        match (std::env::var_os("DFLASH_CUDA_HEADERS"), std::env::var_os("DFLASH_CACHE"), std::env::var_os("HOME")) {
+            (Some(h), _, _) => PathBuf::from(h),
+            (None, Some(c), _) => PathBuf::from(c).join("cuda-headers"),
+            (None, None, home) => PathBuf::from(home.unwrap_or_default()).join(".cache/dflash/cuda-headers"),
+        };
     println!("cargo:rerun-if-changed={}", headers.display());
     let cuda = headers.join("nvidia/cu13/include");
     let includes = [cuda.clone(), cuda.join("cccl"), headers.join("nvidia/nccl/include")];
-    let missing: Vec<_> = [headers.join("nvidia/nccl/include/nccl.h"), cuda.join("crt/host_config.h"), cuda.join("cuda_runtime_api.h")]
-        .into_iter()
-        .filter(|p| !p.exists())
-        .collect();
+    let missing: Vec<_> =
+        [headers.join("nvidia/nccl/include/nccl.h"), cuda.join("crt/host_config.h"), cuda.join("cuda_runtime_api.h")]
+            .into_iter()
+            .filter(|p| !p.exists())
+            .collect();
     if !missing.is_empty() {
-        println!("cargo:warning=NCCL process groups disabled: missing {} (scripts/setup.sh installs them)", missing[0].display());
+        println!(
+            "cargo:warning=NCCL process groups disabled: missing {} (scripts/setup.sh installs them)",
+            missing[0].display()
+        );
         std::fs::write(&lib, b"").unwrap();
         return;
     }

@@ -25,8 +25,14 @@ struct Section {
 const HOST: &str = concat!(include_str!("config/mod.rs"), include_str!("config/sections.rs"));
 const TARGET_HF: &str = include_str!("../../plugins/target_hf/src/lib.rs");
 /// The drafters' sources, each with the DFlash fields' checks (their ranges) after it.
-const DFLASH: &str = concat!(include_str!("../../plugins/drafter_dflash/src/lib.rs"), include_str!("../../crates/drafter_layers/src/dflash.rs"));
-const GDN: &str = concat!(include_str!("../../plugins/drafter_gdn/src/config.rs"), include_str!("../../crates/drafter_layers/src/dflash.rs"));
+const DFLASH: &str = concat!(
+    include_str!("../../plugins/drafter_dflash/src/lib.rs"),
+    include_str!("../../crates/drafter_layers/src/dflash.rs")
+);
+const GDN: &str = concat!(
+    include_str!("../../plugins/drafter_gdn/src/config.rs"),
+    include_str!("../../crates/drafter_layers/src/dflash.rs")
+);
 /// The `[drafter]` fields `drafter_section!` adds to each drafter's own.
 const DRAFTER_SECTION: &str = include_str!("../../crates/drafter_layers/src/section.rs");
 const ADAMW: &str = include_str!("../../crates/optim_math/src/adamw.rs");
@@ -153,7 +159,9 @@ fn sections() -> Vec<Section> {
             path: "plugins/data_chat/src/records.rs",
             source: RECORDS,
             type_name: "Fields",
-            defaults: || debug_of::<data_chat::ChatSection>("path = \"x\"").split("fields: ").nth(1).unwrap_or("").to_string(),
+            defaults: || {
+                debug_of::<data_chat::ChatSection>("path = \"x\"").split("fields: ").nth(1).unwrap_or("").to_string()
+            },
             required: &[],
         },
     ]
@@ -349,8 +357,14 @@ fn range(source: &str, field: &str) -> String {
                 if let Some(open) = r.find('{') {
                     let name: String = r[open + 1..].chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
                     let def = format!("const {name}: ");
-                    match source.find(&def).and_then(|at| source[at..].split_once('=')).map(|(_, v)| v.split(';').next().unwrap_or("").trim()) {
-                        Some(v) if !v.is_empty() && r[open..].starts_with(&format!("{{{name}}}")) => r = r.replace(&format!("{{{name}}}"), v),
+                    match source
+                        .find(&def)
+                        .and_then(|at| source[at..].split_once('='))
+                        .map(|(_, v)| v.split(';').next().unwrap_or("").trim())
+                    {
+                        Some(v) if !v.is_empty() && r[open..].starts_with(&format!("{{{name}}}")) => {
+                            r = r.replace(&format!("{{{name}}}"), v)
+                        }
                         _ => r.truncate(r[..open].trim_end_matches([' ', '(']).len()),
                     }
                 }
@@ -380,7 +394,9 @@ fn fields(s: &Section) -> Result<Vec<Field>> {
         } else {
             match defaults.iter().find(|(k, _)| *k == name) {
                 Some((_, v)) => toml_value(v),
-                None => bail!("{}: field `{name}` of {} has no default in its Debug output {debug}", s.path, s.type_name),
+                None => {
+                    bail!("{}: field `{name}` of {} has no default in its Debug output {debug}", s.path, s.type_name)
+                }
             }
         };
         out.push(Field { ty: toml_type(&ty), range: range(s.source, &name), name, default, doc });
@@ -431,8 +447,10 @@ pub fn markdown(only: Option<&str>) -> Result<String> {
         }
     }
     if shown == 0 {
-        let known: Vec<String> =
-            sections().iter().map(|s| if s.table.is_empty() { "top".into() } else { s.table.trim_matches(['[', ']']).to_string() }).collect();
+        let known: Vec<String> = sections()
+            .iter()
+            .map(|s| if s.table.is_empty() { "top".into() } else { s.table.trim_matches(['[', ']']).to_string() })
+            .collect();
         bail!("no config section `{}` (known: {})", only.unwrap_or(""), known.join(", "));
     }
     Ok(md)
@@ -451,7 +469,12 @@ mod tests {
             let debug = (s.defaults)();
             for (name, _) in debug_fields(&debug) {
                 if name != "overrides" {
-                    assert!(documented.contains(&name), "{}: {name} of {} not found in its source", s.path, s.type_name);
+                    assert!(
+                        documented.contains(&name),
+                        "{}: {name} of {} not found in its source",
+                        s.path,
+                        s.type_name
+                    );
                 }
             }
             for f in fields(&s).unwrap() {
@@ -459,7 +482,12 @@ mod tests {
             }
         }
         let md = markdown(None).unwrap();
-        for want in ["| `steps` | integer | required | >= 1 |", "| `lr` | float | 0.001 | > 0 |", "| `distill` |", "`[data.fields]`"] {
+        for want in [
+            "| `steps` | integer | required | >= 1 |",
+            "| `lr` | float | 0.001 | > 0 |",
+            "| `distill` |",
+            "`[data.fields]`",
+        ] {
             assert!(md.contains(want), "{want}");
         }
         assert!(markdown(Some("nope")).is_err());

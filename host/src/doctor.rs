@@ -62,7 +62,8 @@ fn find<'a>(needed: &'a [Needed], prefix: &str) -> Option<&'a Needed> {
 pub fn run(libtorch: &Path) -> Result<ExitCode> {
     let mut missing: Vec<String> = Vec::new();
     crate::say!("dflash-host doctor");
-    let (version, cuda) = std::fs::read_to_string(libtorch.join("version.py")).map(|t| parse_torch_version(&t)).unwrap_or((None, None));
+    let (version, cuda) =
+        std::fs::read_to_string(libtorch.join("version.py")).map(|t| parse_torch_version(&t)).unwrap_or((None, None));
     match &version {
         Some(v) => crate::say!(
             "  libtorch     {v}{} at {}",
@@ -82,13 +83,23 @@ pub fn run(libtorch: &Path) -> Result<ExitCode> {
     let needed = ldd(&cuda_lib).unwrap_or_default();
     let cpu_needed = ldd(&libtorch.join("lib/libtorch_cpu.so")).unwrap_or_default();
     let runtime = find(&needed, "libcudart.so").or_else(|| find(&cpu_needed, "libcudart.so"));
-    let runtime_v = runtime.and_then(|n| n.path.as_deref()).and_then(|p| kernels::ffi::int_version(p, b"cudaRuntimeGetVersion\0"));
+    let runtime_v =
+        runtime.and_then(|n| n.path.as_deref()).and_then(|p| kernels::ffi::int_version(p, b"cudaRuntimeGetVersion\0"));
     let nvrtc = nvrtc_version(libtorch);
     crate::say!(
         "  CUDA         {}; runtime {}; NVRTC {}",
-        driver.map_or("no driver (libcuda.so.1 not found)".to_string(), |v| format!("driver {}", split_version(v, 1000, 1))),
-        runtime_v.map_or_else(|| "missing".to_string(), |v| format!("{} ({})", split_version(v, 1000, 1), runtime.map(|n| n.name.as_str()).unwrap_or(""))),
-        nvrtc.map_or_else(|| "missing (kernels/ cannot compile its CUDA sources)".to_string(), |(name, v)| format!("{v} ({name})")),
+        driver.map_or("no driver (libcuda.so.1 not found)".to_string(), |v| format!(
+            "driver {}",
+            split_version(v, 1000, 1)
+        )),
+        runtime_v.map_or_else(
+            || "missing".to_string(),
+            |v| format!("{} ({})", split_version(v, 1000, 1), runtime.map(|n| n.name.as_str()).unwrap_or(""))
+        ),
+        nvrtc.map_or_else(
+            || "missing (kernels/ cannot compile its CUDA sources)".to_string(),
+            |(name, v)| format!("{v} ({name})")
+        ),
     );
     let cudnn = find(&needed, "libcudnn.so");
     let cudnn_v = cudnn.and_then(|n| n.path.as_deref()).and_then(kernels::ffi::cudnn_version);
@@ -125,9 +136,15 @@ pub fn run(libtorch: &Path) -> Result<ExitCode> {
     let devices = if loads.is_ok() { tch::Cuda::device_count() } else { 0 };
     match &loads {
         Ok(()) => crate::say!("  libtorch_cuda.so loads; libtorch sees {devices} GPU(s)"),
-        Err(_) if needed.is_empty() => crate::say!("  libtorch_cuda.so  not found in {}", cuda_lib.parent().unwrap().display()),
+        Err(_) if needed.is_empty() => {
+            crate::say!("  libtorch_cuda.so  not found in {}", cuda_lib.parent().unwrap().display())
+        }
         Err(_) if !absent.is_empty() => {
-            crate::say!("  libtorch_cuda.so  does not load: {} of the {} libraries it needs are missing", absent.len(), needed.len())
+            crate::say!(
+                "  libtorch_cuda.so  does not load: {} of the {} libraries it needs are missing",
+                absent.len(),
+                needed.len()
+            )
         }
         Err(e) => crate::say!("  libtorch_cuda.so  does not load: {e}"),
     }
@@ -141,8 +158,13 @@ pub fn run(libtorch: &Path) -> Result<ExitCode> {
         crate::say!("  => ready for device = \"cpu\" and \"cuda\" ({devices} GPU(s))");
         Ok(ExitCode::SUCCESS)
     } else if gpu_here {
-        crate::say!("  => an NVIDIA driver is here but libtorch cannot use it: run `make setup` (or `GPU=1 make setup`),");
-        crate::say!("     which installs the NVIDIA wheels the torch {} wheel requires", version.as_deref().unwrap_or("2.11.0"));
+        crate::say!(
+            "  => an NVIDIA driver is here but libtorch cannot use it: run `make setup` (or `GPU=1 make setup`),"
+        );
+        crate::say!(
+            "     which installs the NVIDIA wheels the torch {} wheel requires",
+            version.as_deref().unwrap_or("2.11.0")
+        );
         Ok(ExitCode::from(1))
     } else if complete {
         crate::say!("  => ready for device = \"cpu\"; libtorch's GPU libraries are all here, device = \"cuda\" needs an NVIDIA driver");
@@ -157,7 +179,8 @@ pub fn run(libtorch: &Path) -> Result<ExitCode> {
 /// NVRTC as kernels/ loads it (the loader's search path, or beside libtorch), and its version.
 fn nvrtc_version(libtorch: &Path) -> Option<(String, String)> {
     let beside = libtorch.join("../nvidia/cu13/lib/libnvrtc.so.13");
-    let candidates = [PathBuf::from("libnvrtc.so.13"), PathBuf::from("libnvrtc.so.12"), PathBuf::from("libnvrtc.so"), beside];
+    let candidates =
+        [PathBuf::from("libnvrtc.so.13"), PathBuf::from("libnvrtc.so.12"), PathBuf::from("libnvrtc.so"), beside];
     candidates.iter().find_map(|p| {
         let (major, minor) = kernels::ffi::nvrtc_version(p)?;
         Some((p.file_name().unwrap().to_string_lossy().to_string(), format!("{major}.{minor}")))
@@ -167,7 +190,9 @@ fn nvrtc_version(libtorch: &Path) -> Option<(String, String)> {
 /// Each GPU as NVML sees it: name, memory, driver.
 fn gpus() -> std::result::Result<Vec<String>, String> {
     let nvml = nvml_wrapper::Nvml::init().map_err(|e| match e {
-        nvml_wrapper::error::NvmlError::LibloadingError(_) => "no NVIDIA driver: libnvidia-ml.so.1 not found".to_string(),
+        nvml_wrapper::error::NvmlError::LibloadingError(_) => {
+            "no NVIDIA driver: libnvidia-ml.so.1 not found".to_string()
+        }
         e => format!("NVML: {e}"),
     })?;
     let driver = nvml.sys_driver_version().unwrap_or_default();
@@ -195,7 +220,8 @@ mod tests {
                 Needed { name: "libcudart.so.13".into(), path: Some("/c/nvidia/cu13/lib/libcudart.so.13".into()) },
             ]
         );
-        let py = "__version__ = '2.11.0+cu130'\ndebug = False\ncuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n";
+        let py =
+            "__version__ = '2.11.0+cu130'\ndebug = False\ncuda: Optional[str] = '13.0'\nhip: Optional[str] = None\n";
         assert_eq!(parse_torch_version(py), (Some("2.11.0+cu130".into()), Some("13.0".into())));
         assert_eq!(split_version(13000, 1000, 1), "13.0");
         assert_eq!(split_version(91900, 10000, 100), "9.19.0");

@@ -30,16 +30,20 @@ pub fn model_card(exp_dir: &Path, step: u64, config_json: &Path, out: &Path) -> 
     let manifest = experiment::Manifest::read(exp_dir)?;
     let cfg: serde_json::Value = experiment::read_json(config_json)?;
     let run: toml::Table = toml::from_str(&std::fs::read_to_string(exp_dir.join(experiment::CONFIG))?)?;
-    let field = |section: &str, key: &str| run.get(section).and_then(|s| s.get(key)).map(|v| v.to_string().trim_matches('"').to_string());
+    let field = |section: &str, key: &str| {
+        run.get(section).and_then(|s| s.get(key)).map(|v| v.to_string().trim_matches('"').to_string())
+    };
     let block = cfg["block_size"].as_u64().unwrap_or(16);
     let id = |k: &str| if cfg[k].is_null() { "none".to_string() } else { cfg[k].to_string() };
     let target = &manifest.target_source;
-    let served_target = if target.ends_with(".gguf") { "HF_CHECKPOINT_OF_THE_TARGET".to_string() } else { target.clone() };
+    let served_target =
+        if target.ends_with(".gguf") { "HF_CHECKPOINT_OF_THE_TARGET".to_string() } else { target.clone() };
     let here = out.display();
     let eval = experiment::read_json::<serde_json::Value>(&exp_dir.join("eval.json")).ok();
     let tau = match &eval {
         Some(e) => {
-            let at = e["evaluated"]["checkpoint_step"].as_u64().map_or(String::new(), |s| format!(", checkpoint step-{s}"));
+            let at =
+                e["evaluated"]["checkpoint_step"].as_u64().map_or(String::new(), |s| format!(", checkpoint step-{s}"));
             format!(
                 "τ {:.3} per response, {:.3} over {} verify cycles (accepted + 1 per cycle), on {} prompts ({}{at}); lossless: {}",
                 e["tau"].as_f64().unwrap_or(f64::NAN),
@@ -55,15 +59,29 @@ pub fn model_card(exp_dir: &Path, step: u64, config_json: &Path, out: &Path) -> 
     let name = Path::new(target).file_name().map_or(target.clone(), |n| n.to_string_lossy().to_string());
     let text = |section: &str, key: &str, or: &str| field(section, key).unwrap_or_else(|| or.to_string());
     let mut card = format!("# DFlash drafter for `{name}`\n\n");
-    card += "A block-diffusion speculative-decoding drafter (DFlash): it reads the target's hidden states and drafts a \
+    card +=
+        "A block-diffusion speculative-decoding drafter (DFlash): it reads the target's hidden states and drafts a \
              block of tokens in one forward; the target verifies them, so the output is the target's own. It borrows \
              the target's embedding and LM head and works only with this target.\n\n";
     card += "| | |\n| --- | --- |\n";
     card += &format!("| target | `{target}` (SHA-256 `{}`) |\n", manifest.target_sha256);
-    card += &format!("| target token ids | bos {}, eos {}, pad {} |\n", id("bos_token_id"), id("eos_token_id"), id("pad_token_id"));
+    card += &format!(
+        "| target token ids | bos {}, eos {}, pad {} |\n",
+        id("bos_token_id"),
+        id("eos_token_id"),
+        id("pad_token_id")
+    );
     card += &format!("| data | `{}` (format {}) |\n", text("data", "path", "?"), text("data", "format", "auto"));
-    card += &format!("| training | step {step} of {}, seed {}, optimizer {} |\n", text("train", "steps", "?"), manifest.seed, text("optimizer", "plugin", "?"));
-    card += &format!("| drafter | layers: {}, block size {block}, target layers {} |\n", cfg["num_hidden_layers"], cfg["dflash_config"]["target_layer_ids"]);
+    card += &format!(
+        "| training | step {step} of {}, seed {}, optimizer {} |\n",
+        text("train", "steps", "?"),
+        manifest.seed,
+        text("optimizer", "plugin", "?")
+    );
+    card += &format!(
+        "| drafter | layers: {}, block size {block}, target layers {} |\n",
+        cfg["num_hidden_layers"], cfg["dflash_config"]["target_layer_ids"]
+    );
     card += "| weights | bfloat16 (`model.safetensors`) |\n";
     card += &format!("| acceptance length | {tau} |\n\n");
     card += "## Serving\n\n";
@@ -99,9 +117,13 @@ fn remove_dead_exports(parent: &Path, name: &str) {
     let Ok(entries) = std::fs::read_dir(parent) else { return };
     for e in entries.flatten() {
         let file = e.file_name();
-        let Some(pid) = file.to_str().and_then(|f| f.strip_prefix(&prefix)).and_then(|p| p.parse::<i32>().ok()) else { continue };
+        let Some(pid) = file.to_str().and_then(|f| f.strip_prefix(&prefix)).and_then(|p| p.parse::<i32>().ok()) else {
+            continue;
+        };
         // SAFETY: kill(pid, 0) only asks whether the process exists.
-        let alive = pid > 0 && (unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM));
+        let alive = pid > 0
+            && (unsafe { libc::kill(pid, 0) } == 0
+                || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM));
         if !alive {
             tracing::info!("removing {}, left by an export that did not finish", e.path().display());
             let _ = std::fs::remove_dir_all(e.path());
@@ -130,7 +152,8 @@ pub fn export_with_card(checkpoint: &Path, out: &Path, force: bool, card: Option
         );
     }
     let weights = experiment::read_safetensors(&checkpoint.join("model.safetensors"))?;
-    let bf16: Vec<(String, Tensor)> = weights.into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor().to_kind(Kind::BFloat16))).collect();
+    let bf16: Vec<(String, Tensor)> =
+        weights.into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor().to_kind(Kind::BFloat16))).collect();
 
     let parent = out.parent().expect("check_out gives a path with a parent");
     let name = out.file_name().expect("check_out gives a path with a name").to_string_lossy().to_string();
@@ -145,7 +168,9 @@ pub fn export_with_card(checkpoint: &Path, out: &Path, force: bool, card: Option
         }
         let model = tmp.join("model.safetensors");
         Tensor::write_safetensors(&bf16, &model).with_context(|| format!("writing {}", model.display()))?;
-        std::fs::File::open(&model).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", model.display()))?;
+        std::fs::File::open(&model)
+            .and_then(|f| f.sync_all())
+            .with_context(|| format!("syncing {}", model.display()))?;
         std::fs::File::open(&tmp).and_then(|d| d.sync_all()).with_context(|| format!("syncing {}", tmp.display()))
     })();
     if let Err(e) = written {
@@ -195,11 +220,13 @@ mod tests {
     fn checkpoint(root: &Path) -> PathBuf {
         let exp = Experiment::create(&root.join("exp"), "", &serde_json::json!({})).unwrap();
         let w = vec![NamedTensor::new("fc.weight", Tensor::ones([4, 4], (Kind::Float, Device::Cpu)))];
-        exp.save_checkpoint(3, &w, "{\"architectures\": [\"DFlashDraftModel\"]}", &[], &serde_json::json!({}), 1).unwrap()
+        exp.save_checkpoint(3, &w, "{\"architectures\": [\"DFlashDraftModel\"]}", &[], &serde_json::json!({}), 1)
+            .unwrap()
     }
 
     fn listing(dir: &Path) -> Vec<String> {
-        let mut n: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        let mut n: Vec<String> =
+            std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         n.sort();
         n
     }

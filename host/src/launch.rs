@@ -103,7 +103,10 @@ pub fn launch(nproc: usize, args: &[OsString]) -> Result<u8> {
             if at.elapsed() > GRACE {
                 for (rank, child) in &mut ranks {
                     if codes[*rank].is_none() {
-                        tracing::warn!("rank {rank} still running {} s after rank {r} failed: ending it", GRACE.as_secs());
+                        tracing::warn!(
+                            "rank {rank} still running {} s after rank {r} failed: ending it",
+                            GRACE.as_secs()
+                        );
                         let _ = child.kill();
                     }
                 }
@@ -125,7 +128,10 @@ mod tests {
     #[test]
     fn nproc_is_taken_out_of_the_ranks_arguments() {
         let a = |v: &[&str]| v.iter().map(OsString::from).collect::<Vec<_>>();
-        assert_eq!(without_nproc(&a(&["x", "train", "--nproc", "3", "--config", "c.toml"])), a(&["x", "train", "--config", "c.toml"]));
+        assert_eq!(
+            without_nproc(&a(&["x", "train", "--nproc", "3", "--config", "c.toml"])),
+            a(&["x", "train", "--config", "c.toml"])
+        );
         assert_eq!(without_nproc(&a(&["x", "train", "--nproc=2", "--steps", "4"])), a(&["x", "train", "--steps", "4"]));
     }
 }

@@ -4,7 +4,13 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use dflash_host::cli::{BenchCommand, Cli, Command, ConfigCommand, ConfigOverrides, PluginsCommand};
-use dflash_host::{ab, config::{Override, RunConfig}, eval, experiment, export, plugins, plugins::Registry, run, say, train};
+use dflash_host::{
+    ab,
+    config::{Override, RunConfig},
+    eval, experiment, export, plugins,
+    plugins::Registry,
+    run, say, train,
+};
 use std::{
     io::Write,
     path::{Path, PathBuf},
@@ -38,15 +44,23 @@ fn run() -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Doctor => {
-            let libtorch = std::env::var_os("LIBTORCH").map(PathBuf::from).unwrap_or_else(|| run::cache_dir().join("libtorch"));
+            let libtorch =
+                std::env::var_os("LIBTORCH").map(PathBuf::from).unwrap_or_else(|| run::cache_dir().join("libtorch"));
             dflash_host::doctor::run(&libtorch)
         }
         Command::Distill { config, out, overrides } => {
-            let cfg = RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
+            let cfg =
+                RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
             let registry = Registry::new(&cli.plugins)?;
             let (n, stats) = run::distill(&cfg, &config, &out, &registry)?;
             if let Some(s) = stats {
-                say!("distilled    {} replies in {:.1} s ({} from the cache {})", s.replies, s.seconds, s.cached, s.cache_file.display());
+                say!(
+                    "distilled    {} replies in {:.1} s ({} from the cache {})",
+                    s.replies,
+                    s.seconds,
+                    s.cached,
+                    s.cache_file.display()
+                );
             }
             say!("wrote        {n} records -> {}", out.display());
             say!("train on it  [data] path = \"{}\", distill = false", out.display());
@@ -57,19 +71,25 @@ fn run() -> Result<ExitCode> {
             say!("report: {}", report.display());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Train { nproc: Some(n), ref config, ref exp_dir, ref overrides, steps, .. } if n >= 1 && std::env::var_os("RANK").is_none() => {
+        Command::Train { nproc: Some(n), ref config, ref exp_dir, ref overrides, steps, .. }
+            if n >= 1 && std::env::var_os("RANK").is_none() =>
+        {
             let mut args = dflash_host::launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
             // One experiment folder for every rank (each would otherwise pick a fresh name).
             if let (Some(config), None) = (config, exp_dir) {
                 if !args.iter().any(|a| a == "--resume") {
                     let cfg = RunConfig::load_with(config, &train_overrides(overrides, steps)?)?;
-                    args.extend(["--exp-dir".into(), experiment::fresh_dir(Path::new("experiments"), &cfg.name).into()]);
+                    args.extend([
+                        "--exp-dir".into(),
+                        experiment::fresh_dir(Path::new("experiments"), &cfg.name).into(),
+                    ]);
                 }
             }
             Ok(ExitCode::from(dflash_host::launch::launch(n, &args)?))
         }
         Command::Train { resume: Some(dir), allow_plugin_change, allow_change, stop_at, .. } => {
-            let opts = run::ResumeOptions { plugin_paths: cli.plugins.clone(), allow_plugin_change, allow_change, stop_at };
+            let opts =
+                run::ResumeOptions { plugin_paths: cli.plugins.clone(), allow_plugin_change, allow_change, stop_at };
             let summary = run::resume(&dir, &opts)?;
             print_summary(&summary);
             Ok(summary.interrupted.map_or(ExitCode::SUCCESS, ExitCode::from))
@@ -79,27 +99,53 @@ fn run() -> Result<ExitCode> {
             let cfg = RunConfig::load_with(&config, &train_overrides(&overrides, steps)?)?;
             let registry = Registry::new(&cli.plugins)?;
             let dir = exp_dir.unwrap_or_else(|| experiment::fresh_dir(Path::new("experiments"), &cfg.name));
-            let summary =
-                run::run(run::RunSpec { cfg: &cfg, config_path: &config, exp_dir: &dir, registry: &registry, ab: None, stop_at })?;
+            let summary = run::run(run::RunSpec {
+                cfg: &cfg,
+                config_path: &config,
+                exp_dir: &dir,
+                registry: &registry,
+                ab: None,
+                stop_at,
+            })?;
             print_summary(&summary);
             Ok(summary.interrupted.map_or(ExitCode::SUCCESS, ExitCode::from))
         }
         Command::Capture { config, out, dtype, batches, shard_mb, overrides } => {
-            let cfg = RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
+            let cfg =
+                RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
             let registry = Registry::new(&cli.plugins)?;
-            let run_dtype = if cfg.dtype() == "bf16" { dflash_host::pipeline::capture::StoredDtype::Bf16 } else { dflash_host::pipeline::capture::StoredDtype::F32 };
+            let run_dtype = if cfg.dtype() == "bf16" {
+                dflash_host::pipeline::capture::StoredDtype::Bf16
+            } else {
+                dflash_host::pipeline::capture::StoredDtype::F32
+            };
             let opts = dflash_host::pipeline::capture::CaptureOptions {
                 dtype: dtype.unwrap_or(run_dtype),
                 micro_batches: batches.unwrap_or(cfg.train.steps * cfg.train.grad_accum),
                 shard_bytes: shard_mb << 20,
             };
             let index = run::capture(&cfg, &config, &out, &registry, &opts)?;
-            say!("captured     {} micro-batches in {} shards ({:?}) -> {}", index.batches.len(), index.shards.len(), index.dtype, out.display());
+            say!(
+                "captured     {} micro-batches in {} shards ({:?}) -> {}",
+                index.batches.len(),
+                index.shards.len(),
+                index.dtype,
+                out.display()
+            );
             say!("train on it  set `[pipeline] capture = \"{}\"` in the config", out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Eval { exp_dir, checkpoint, drafter, prompts, prompt_format, limit, max_new_tokens, time_split } => {
-            let args = eval::EvalCommand { exp_dir, checkpoint, drafter, prompts, prompt_format, limit, max_new_tokens, time_split };
+            let args = eval::EvalCommand {
+                exp_dir,
+                checkpoint,
+                drafter,
+                prompts,
+                prompt_format,
+                limit,
+                max_new_tokens,
+                time_split,
+            };
             eval::command(&args, &cli.plugins)?;
             Ok(ExitCode::SUCCESS)
         }
@@ -148,7 +194,8 @@ fn run() -> Result<ExitCode> {
         }
         Command::Ab { config, seeds, device, out } => {
             let registry = Registry::new(&cli.plugins)?;
-            let (report, interrupted) = ab::run(&config, seeds, device.as_deref(), out.as_deref(), &registry, print_summary)?;
+            let (report, interrupted) =
+                ab::run(&config, seeds, device.as_deref(), out.as_deref(), &registry, print_summary)?;
             if let Some(code) = interrupted {
                 return Ok(ExitCode::from(code)); // rerunning the A/B resumes this arm
             }
@@ -161,7 +208,11 @@ fn run() -> Result<ExitCode> {
 /// `--set`, `--device` and `--steps` (= `--set train.steps=N`) as config overrides.
 fn train_overrides(o: &ConfigOverrides, steps: Option<u64>) -> Result<Vec<Override>> {
     let mut all = Override::from_args(&o.set, o.device.as_deref())?;
-    all.extend(steps.map(|n| Override { arg: format!("--steps {n}"), key: "train.steps".into(), value: toml::Value::Integer(i64::try_from(n).unwrap_or(i64::MAX)) }));
+    all.extend(steps.map(|n| Override {
+        arg: format!("--steps {n}"),
+        key: "train.steps".into(),
+        value: toml::Value::Integer(i64::try_from(n).unwrap_or(i64::MAX)),
+    }));
     Ok(all)
 }
 
@@ -169,7 +220,16 @@ fn print_plugins<'a>(records: impl Iterator<Item = &'a plugins::PluginRecord>) {
     say!("{:<10} {:<10} {:<8} {:<6} {:<16} {:<64} origin", "kind", "name", "version", "abi", "sha256", "description");
     for r in records {
         let sha = r.sha256.as_deref().map_or("-".to_string(), |s| s[..16].to_string());
-        say!("{:<10} {:<10} {:<8} {:<6} {:<16} {:<64} {}", r.kind, r.name, r.version, r.abi, sha, r.description, r.origin);
+        say!(
+            "{:<10} {:<10} {:<8} {:<6} {:<16} {:<64} {}",
+            r.kind,
+            r.name,
+            r.version,
+            r.abi,
+            sha,
+            r.description,
+            r.origin
+        );
     }
 }
 
@@ -177,7 +237,13 @@ fn print_summary(s: &train::TrainSummary) {
     say!("experiment   {}", s.experiment);
     say!("steps        {}  ({} target tokens, {:.0} s)", s.steps, s.tokens, s.wall_s);
     if let Some(d) = &s.distill {
-        say!("distill      {} replies in {:.0} s ({} from the cache); run {:.0} s in all", d.replies, d.seconds, d.cached, d.seconds + s.wall_s);
+        say!(
+            "distill      {} replies in {:.0} s ({} from the cache); run {:.0} s in all",
+            d.replies,
+            d.seconds,
+            d.cached,
+            d.seconds + s.wall_s
+        );
     }
     if let (Some(f), Some(l)) = (&s.first, &s.last) {
         say!("loss         {:.4} -> {:.4}", f.loss, l.loss);
@@ -192,9 +258,7 @@ fn print_summary(s: &train::TrainSummary) {
 fn main() -> ExitCode {
     dflash_host::dist::set_nccl_defaults(); // before any thread starts
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .with_ansi(dflash_host::out::colour_on_stderr())
         .with_target(false)

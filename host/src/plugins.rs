@@ -60,7 +60,10 @@ pub struct Plugin {
 enum Source {
     Builtin(PluginModule_Ref),
     /// A probed library, loaded into this process the first time a plugin of it is created.
-    Library { path: PathBuf, module: OnceLock<(PluginModule_Ref, Poison)> },
+    Library {
+        path: PathBuf,
+        module: OnceLock<(PluginModule_Ref, Poison)>,
+    },
 }
 
 impl Plugin {
@@ -123,7 +126,10 @@ impl Registry {
         let mut plugins: Vec<Plugin> = builtin_plugins()
             .map(|module| {
                 let info = checked_info(module, "a built-in plugin")?;
-                Ok(Plugin { record: record(&info, ABI_VERSION, "builtin".into(), None), source: Source::Builtin(module) })
+                Ok(Plugin {
+                    record: record(&info, ABI_VERSION, "builtin".into(), None),
+                    source: Source::Builtin(module),
+                })
             })
             .collect::<Result<_>>()?;
         plugins.sort_by(|a, b| (&a.record.kind, &a.record.name).cmp(&(&b.record.kind, &b.record.name)));
@@ -131,7 +137,10 @@ impl Registry {
             let path = &find_library(arg)?;
             let (_, sha) = check_file(path)?;
             gate(path, &sha)?;
-            let plugin = Plugin { record: probe(path)?, source: Source::Library { path: path.clone(), module: OnceLock::new() } };
+            let plugin = Plugin {
+                record: probe(path)?,
+                source: Source::Library { path: path.clone(), module: OnceLock::new() },
+            };
             let (kind, name) = (&plugin.record.kind, &plugin.record.name);
             if let Some(i) = plugins.iter().position(|p| &p.record.kind == kind && &p.record.name == name) {
                 if plugins[i].record.origin != "builtin" {
@@ -155,7 +164,8 @@ impl Registry {
         if let Some(other) = self.plugins.iter().find(|p| p.record.name == name) {
             bail!("plugin `{name}` is a {} plugin, but the [{kind}] section needs a {kind} plugin", other.record.kind);
         }
-        let known: Vec<_> = self.plugins.iter().filter(|p| p.record.kind == kind_s).map(|p| p.record.name.clone()).collect();
+        let known: Vec<_> =
+            self.plugins.iter().filter(|p| p.record.kind == kind_s).map(|p| p.record.name.clone()).collect();
         bail!("no {kind} plugin named `{name}` (available: {}; load others with --plugin PATH)", known.join(", "))
     }
 
@@ -165,7 +175,12 @@ impl Registry {
     }
 
     /// Create the plugin a config section names; the instance must be of the section's kind.
-    pub fn create(&self, kind: PluginKind, section: &PluginSection, ctx: &HostContext) -> Result<(PluginInstance, PluginRecord)> {
+    pub fn create(
+        &self,
+        kind: PluginKind,
+        section: &PluginSection,
+        ctx: &HostContext,
+    ) -> Result<(PluginInstance, PluginRecord)> {
         let plugin = self.find(kind, &section.plugin).map_err(|e| anyhow!("[{}] {e}", section.kind))?;
         let instance = (plugin.module()?.create())(section.config_toml.as_str().into(), ctx)
             .into_result()
@@ -198,7 +213,9 @@ const MAX_LIBRARY_BYTES: u64 = 1 << 30;
 pub fn check_file(path: &Path) -> Result<(String, String)> {
     let shown = path.display();
     let bytes = input_files::read_capped(path, MAX_LIBRARY_BYTES).map_err(|e| match e {
-        input_files::InputError::NotRegular { kind: "a directory", .. } => anyhow!("plugin {shown}: is a directory, expected a shared library (.so)"),
+        input_files::InputError::NotRegular { kind: "a directory", .. } => {
+            anyhow!("plugin {shown}: is a directory, expected a shared library (.so)")
+        }
         e => anyhow!("plugin {e}"),
     })?;
     let symbol = entry_symbol(path, &bytes)?;
@@ -297,7 +314,8 @@ pub fn probe(path: &Path) -> Result<PluginRecord> {
     };
     if out.status.success() {
         let text = String::from_utf8_lossy(&out.stdout);
-        return serde_json::from_str(text.trim()).map_err(|e| anyhow!("plugin {shown}: its probe printed no plugin record ({e})"));
+        return serde_json::from_str(text.trim())
+            .map_err(|e| anyhow!("plugin {shown}: its probe printed no plugin record ({e})"));
     }
     use std::os::unix::process::ExitStatusExt;
     if let Some(sig) = out.status.signal() {
@@ -342,9 +360,14 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
     let shown = path.display();
     let (symbol, sha) = check_file(path)?;
     if let Some(want) = expect_sha256.filter(|w| *w != sha) {
-        bail!("plugin {shown}: changed since it was checked (SHA-256 {} then, {} now); run again", &want[..16.min(want.len())], &sha[..16]);
+        bail!(
+            "plugin {shown}: changed since it was checked (SHA-256 {} then, {} now); run again",
+            &want[..16.min(want.len())],
+            &sha[..16]
+        );
     }
-    let raw = RawLibrary::load_at(path).map_err(|e| anyhow!("plugin {shown}: cannot be loaded: {}", first_line(&e.to_string())))?;
+    let raw = RawLibrary::load_at(path)
+        .map_err(|e| anyhow!("plugin {shown}: cannot be loaded: {}", first_line(&e.to_string())))?;
     // Libraries are never unloaded: their tensors and vtables may outlive any handle.
     let raw: &'static RawLibrary = Box::leak(Box::new(raw));
     let header: &'static LibHeader = unsafe {
@@ -355,15 +378,19 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
     if abi_major(&theirs) != abi_major(ABI_VERSION) {
         bail!("plugin {shown}: built for plugin ABI {theirs}, this host speaks ABI {ABI_VERSION} (major versions differ; rebuild the plugin against this plugin-api)");
     }
-    let refused = |e: LibraryError| match e {
+    let refused = |e: LibraryError| {
+        match e {
         LibraryError::AbiInstability(_) => anyhow!(
             "plugin {shown}: its plugin-api types differ from this host's (built against another plugin-api {theirs}?); rebuild it"
         ),
         other => anyhow!("plugin {shown}: incompatible: {}", first_line(&other.to_string())),
+    }
     };
     let module = match header.init_root_module::<PluginModule_Ref>() {
         Ok(m) => m,
-        Err(LibraryError::AbiInstability(_)) if abi_minor(&theirs) < abi_minor(ABI_VERSION) && header.layout().is_some_and(only_appended) => {
+        Err(LibraryError::AbiInstability(_))
+            if abi_minor(&theirs) < abi_minor(ABI_VERSION) && header.layout().is_some_and(only_appended) =>
+        {
             // SAFETY: the layouts were just compared: they differ only as an older minor version's do.
             unsafe { header.init_root_module_with_unchecked_layout::<PluginModule_Ref>() }.map_err(refused)?
         }
@@ -394,7 +421,10 @@ fn only_appended(theirs: &'static TypeLayout) -> bool {
     let Err(e) = check_layout_compatibility(<PluginModule_Ref as StableAbi>::LAYOUT, theirs) else { return true };
     // Each nested type's own errors (none for the types on the way down to one that differs).
     e.errors.iter().all(|err| {
-        let in_vtable = err.stack_trace.last().is_some_and(|f| matches!(&f.expected, TLFieldOrFunction::Field(field) if field.layout().is_prefix_kind()));
+        let in_vtable = err
+            .stack_trace
+            .last()
+            .is_some_and(|f| matches!(&f.expected, TLFieldOrFunction::Field(field) if field.layout().is_prefix_kind()));
         err.errs.iter().all(|i| in_vtable && matches!(i, AbiInstability::FieldCountMismatch(n) if n.expected > n.found))
     })
 }

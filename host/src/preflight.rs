@@ -26,7 +26,11 @@ pub fn locate(cfg: &RunConfig, config_path: &Path, msg: String) -> anyhow::Error
 /// A new run's experiment folder must be free (Experiment::create checks again, atomically).
 pub fn check_exp_dir(dir: &Path) -> Result<()> {
     if std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) {
-        bail!("experiment directory {} already exists and is not empty (resume it with `train --resume {}`)", dir.display(), dir.display());
+        bail!(
+            "experiment directory {} already exists and is not empty (resume it with `train --resume {}`)",
+            dir.display(),
+            dir.display()
+        );
     }
     Ok(())
 }
@@ -39,7 +43,9 @@ pub fn check(cfg: &RunConfig, config_path: &Path, ctx: &HostContext, registry: &
     for (kind, table) in cfg.plugin_sections() {
         let section = cfg.section(kind);
         let plugin_kind = plugin_kind(kind);
-        let plugin = registry.find(plugin_kind, &section.plugin).map_err(|e| locate(cfg, config_path, format!("[{kind}] {e}")))?;
+        let plugin = registry
+            .find(plugin_kind, &section.plugin)
+            .map_err(|e| locate(cfg, config_path, format!("[{kind}] {e}")))?;
         let fail = |e: String| locate(cfg, config_path, format!("[{kind}] plugin `{}`: {e}", section.plugin));
         // 1. Paths: no FIFO or device where a file belongs (any plugin).
         manifest::section_paths(kind, table, ctx).map_err(|(key, e)| fail(format!("field `{key}`: {e}")))?;
@@ -47,7 +53,9 @@ pub fn check(cfg: &RunConfig, config_path: &Path, ctx: &HostContext, registry: &
         let builtin = plugin.record.origin == "builtin";
         let paths: Vec<(&str, Option<String>)> = match (kind, section.plugin.as_str(), builtin) {
             ("optimizer", _, _) => {
-                registry.create(plugin_kind, &section, ctx).map_err(|e| anyhow!("{}", located_text(cfg, config_path, e)))?;
+                registry
+                    .create(plugin_kind, &section, ctx)
+                    .map_err(|e| anyhow!("{}", located_text(cfg, config_path, e)))?;
                 vec![]
             }
             ("target", "hf", true) => {
@@ -83,7 +91,11 @@ pub fn check(cfg: &RunConfig, config_path: &Path, ctx: &HostContext, registry: &
     if let Some(capture) = &cfg.pipeline.capture {
         let path = Path::new(capture); // read as given, from the working folder
         if !path.exists() {
-            bail!("{}: field `pipeline.capture`: {}: no such folder", cfg.blame(config_path, "field `pipeline.capture`"), path.display());
+            bail!(
+                "{}: field `pipeline.capture`: {}: no such folder",
+                cfg.blame(config_path, "field `pipeline.capture`"),
+                path.display()
+            );
         }
     }
     Ok(())

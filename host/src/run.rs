@@ -10,8 +10,8 @@ use crate::{
         manifest::{self, ChangeRecord, Drift, DriftKind},
         Experiment, ExperimentLock, Manifest,
     },
-    plugins::{PluginRecord, Registry},
     pipeline::components::{build_components, Components},
+    plugins::{PluginRecord, Registry},
     train::{self, TrainSummary, TrainerState},
 };
 use anyhow::{bail, Context, Result};
@@ -110,7 +110,11 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         ab: ab.map(|(name, _)| name.to_string()),
         arm: ab.map(|(_, arm)| arm.to_string()),
     };
-    let mut exp = if follower_rank()? { Experiment::detached(exp_dir) } else { Experiment::create(exp_dir, &resolved, &manifest)? };
+    let mut exp = if follower_rank()? {
+        Experiment::detached(exp_dir)
+    } else {
+        Experiment::create(exp_dir, &resolved, &manifest)?
+    };
     let comm = connect(cfg, &components.records)?;
     tracing::info!("experiment: {}", exp_dir.display());
     train::train(cfg, components, &mut exp, &cache, train::TrainOptions { resume: None, stop_at, comm })
@@ -178,7 +182,8 @@ fn build(cfg: &RunConfig, config_path: &Path, config_dir: &Path, registry: &Regi
     crate::preflight::check(cfg, config_path, &ctx, registry)?;
     ensure_device(cfg)?;
     tch::manual_seed(cfg.seed as i64);
-    build_components(cfg, registry, config_dir, &cache_dir()).map_err(|e| crate::preflight::locate(cfg, config_path, format!("{e:#}")))
+    build_components(cfg, registry, config_dir, &cache_dir())
+        .map_err(|e| crate::preflight::locate(cfg, config_path, format!("{e:#}")))
 }
 
 /// How to resume: the libraries given with `--plugin`, and what may have changed.
@@ -200,7 +205,8 @@ pub fn resume(exp_dir: &Path, opts: &ResumeOptions) -> Result<TrainSummary> {
         if known {
             return Ok(());
         }
-        let what = format!("the plugin library {} (SHA-256 {}) is not one the run started with", path.display(), &sha[..16]);
+        let what =
+            format!("the plugin library {} (SHA-256 {}) is not one the run started with", path.display(), &sha[..16]);
         if !opts.allow_plugin_change {
             bail!("cannot resume {}: {what}; pass --allow-plugin-change to resume anyway", exp_dir.display());
         }
@@ -224,7 +230,12 @@ fn open_for_resume(exp_dir: &Path) -> Result<(Option<ExperimentLock>, Manifest)>
 /// the input files, the plugins and the target's weights must be those the run started with
 /// (unless `--allow-change` / `--allow-plugin-change`), and there must be steps left. Then the
 /// checkpoints after the one resumed from are set aside, metrics and events after it dropped.
-pub fn resume_with(exp_dir: &Path, lock: Option<ExperimentLock>, registry: &Registry, opts: &ResumeOptions) -> Result<TrainSummary> {
+pub fn resume_with(
+    exp_dir: &Path,
+    lock: Option<ExperimentLock>,
+    registry: &Registry,
+    opts: &ResumeOptions,
+) -> Result<TrainSummary> {
     let lock = match lock {
         Some(l) => Some(l),
         None if follower_rank()? => None,
@@ -241,7 +252,10 @@ pub fn resume_with(exp_dir: &Path, lock: Option<ExperimentLock>, registry: &Regi
     let mut drifts = match &manifest.config_toml {
         Some(then) => manifest::config_drift(then, &resolved),
         None => {
-            tracing::warn!("{}: the manifest predates config records; config changes cannot be checked", exp_dir.display());
+            tracing::warn!(
+                "{}: the manifest predates config records; config changes cannot be checked",
+                exp_dir.display()
+            );
             Vec::new()
         }
     };
@@ -252,10 +266,17 @@ pub fn resume_with(exp_dir: &Path, lock: Option<ExperimentLock>, registry: &Regi
     let mut allowed = manifest::refuse_drift(exp_dir, drifts, &opts.allow_change)?;
 
     // 2. Plugins: what each section picks now against what the run used (no library loaded yet).
-    let picked: Vec<PluginRecord> = [PluginKind::Target, PluginKind::Drafter, PluginKind::Optimizer, PluginKind::DataLoader]
-        .into_iter()
-        .map(|k| Ok(registry.find(k, &cfg.section(k.as_str()).plugin).map_err(|e| anyhow::anyhow!("[{k}] {e}"))?.record.clone()))
-        .collect::<Result<_>>()?;
+    let picked: Vec<PluginRecord> =
+        [PluginKind::Target, PluginKind::Drafter, PluginKind::Optimizer, PluginKind::DataLoader]
+            .into_iter()
+            .map(|k| {
+                Ok(registry
+                    .find(k, &cfg.section(k.as_str()).plugin)
+                    .map_err(|e| anyhow::anyhow!("[{k}] {e}"))?
+                    .record
+                    .clone())
+            })
+            .collect::<Result<_>>()?;
     let plugin_changes = check_plugins(&manifest.plugins, &picked, opts.allow_plugin_change)?;
 
     // 3. Where it resumes, and whether there is anything left to do.
@@ -279,7 +300,11 @@ pub fn resume_with(exp_dir: &Path, lock: Option<ExperimentLock>, registry: &Regi
     let components = build(&cfg, &cfg_path, &config_dir, registry)?;
     let spec = components.target.spec();
     if spec.source_sha256.as_str() != manifest.target_sha256 {
-        let field = manifest.inputs.iter().find(|i| is_target(Path::new(&i.path))).map_or("target".to_string(), |i| i.field.clone());
+        let field = manifest
+            .inputs
+            .iter()
+            .find(|i| is_target(Path::new(&i.path)))
+            .map_or("target".to_string(), |i| i.field.clone());
         let sha = |s: &str| format!("SHA-256 {}", &s[..16.min(s.len())]);
         let drift = Drift {
             field,
@@ -312,10 +337,20 @@ pub fn resume_with(exp_dir: &Path, lock: Option<ExperimentLock>, registry: &Regi
             checkpoint::set_aside_after(exp_dir, at)?;
             if !allowed.is_empty() || !plugin_changes.is_empty() || manifest.config_toml.is_none() {
                 for d in &allowed {
-                    manifest.changes.push(ChangeRecord { at_step: at, field: d.field.clone(), then: d.then.clone(), now: d.now.clone() });
+                    manifest.changes.push(ChangeRecord {
+                        at_step: at,
+                        field: d.field.clone(),
+                        then: d.then.clone(),
+                        now: d.now.clone(),
+                    });
                 }
                 for (kind, then, now) in &plugin_changes {
-                    manifest.changes.push(ChangeRecord { at_step: at, field: format!("plugins.{kind}"), then: then.clone(), now: now.clone() });
+                    manifest.changes.push(ChangeRecord {
+                        at_step: at,
+                        field: format!("plugins.{kind}"),
+                        then: then.clone(),
+                        now: now.clone(),
+                    });
                 }
                 manifest.plugins = picked.clone();
                 manifest.config_sha256 = Some(manifest::sha256_hex(resolved.as_bytes()));
@@ -344,15 +379,29 @@ fn read_checkpoint(dir: &Path) -> Result<train::ResumeFrom> {
 
 /// A resumed run must use the plugins the run started with: same kind, name, origin and file.
 /// Returns the changes `allow_change` let through, as (kind, then, now).
-pub fn check_plugins(recorded: &[PluginRecord], now: &[PluginRecord], allow_change: bool) -> Result<Vec<(String, String, String)>> {
+pub fn check_plugins(
+    recorded: &[PluginRecord],
+    now: &[PluginRecord],
+    allow_change: bool,
+) -> Result<Vec<(String, String, String)>> {
     let mut changes = Vec::new();
-    let sha = |s: &Option<String>| s.as_deref().map_or("built-in".to_string(), |s| format!("SHA-256 {}", &s[..16.min(s.len())]));
+    let sha = |s: &Option<String>| {
+        s.as_deref().map_or("built-in".to_string(), |s| format!("SHA-256 {}", &s[..16.min(s.len())]))
+    };
     for r in recorded {
         let Some(n) = now.iter().find(|n| n.kind == r.kind) else { continue };
         let changed = if n.name != r.name {
             Some(format!("the {} plugin was `{}`, now `{}`", r.kind, r.name, n.name))
         } else if n.sha256 != r.sha256 || n.origin != r.origin {
-            Some(format!("the {} plugin `{}` changed: {} ({}) then, {} ({}) now", r.kind, r.name, r.origin, sha(&r.sha256), n.origin, sha(&n.sha256)))
+            Some(format!(
+                "the {} plugin `{}` changed: {} ({}) then, {} ({}) now",
+                r.kind,
+                r.name,
+                r.origin,
+                sha(&r.sha256),
+                n.origin,
+                sha(&n.sha256)
+            ))
         } else {
             None
         };
@@ -361,26 +410,44 @@ pub fn check_plugins(recorded: &[PluginRecord], now: &[PluginRecord], allow_chan
                 anyhow::bail!("cannot resume: {what}; pass --allow-plugin-change to resume anyway");
             }
             tracing::warn!("resuming although {what} (--allow-plugin-change)");
-            changes.push((r.kind.clone(), format!("{} {} ({})", r.name, r.origin, sha(&r.sha256)), format!("{} {} ({})", n.name, n.origin, sha(&n.sha256))));
+            changes.push((
+                r.kind.clone(),
+                format!("{} {} ({})", r.name, r.origin, sha(&r.sha256)),
+                format!("{} {} ({})", n.name, n.origin, sha(&n.sha256)),
+            ));
         }
     }
     Ok(changes)
 }
 
 /// `dflash-host capture`: the config's targets over its data, features written to `out`.
-pub fn capture(cfg: &RunConfig, config_path: &Path, out: &Path, registry: &Registry, opts: &crate::pipeline::capture::CaptureOptions) -> Result<crate::pipeline::capture::CaptureIndex> {
+pub fn capture(
+    cfg: &RunConfig,
+    config_path: &Path,
+    out: &Path,
+    registry: &Registry,
+    opts: &crate::pipeline::capture::CaptureOptions,
+) -> Result<crate::pipeline::capture::CaptureIndex> {
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     let components = build(cfg, config_path, &config_dir, registry)?;
     crate::pipeline::capture::capture(cfg, components, out, &cache_dir(), opts)
 }
 
 /// Self-distil the config's data and write it as chat JSONL (`dflash-host distill --out`).
-pub fn distill(cfg: &RunConfig, config_path: &Path, out: &Path, registry: &Registry) -> Result<(u64, Option<crate::pipeline::distill::DistillStats>)> {
+pub fn distill(
+    cfg: &RunConfig,
+    config_path: &Path,
+    out: &Path,
+    registry: &Registry,
+) -> Result<(u64, Option<crate::pipeline::distill::DistillStats>)> {
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     let mut c = build(cfg, config_path, &config_dir, registry)?;
     let stats = crate::pipeline::distill::prepare_data(&mut c, &cache_dir())?;
     if stats.is_none() {
-        anyhow::bail!("{}: the data loader regenerates no replies (in [data], distill = false?)", config_path.display());
+        anyhow::bail!(
+            "{}: the data loader regenerates no replies (in [data], distill = false?)",
+            config_path.display()
+        );
     }
     // Written beside `out`, then renamed into place; a `.gz` name stays last (the loader gzips it).
     let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -463,13 +530,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cfg = write_config(dir.path(), "path = \"nope.gguf\"", "path = \"chat.jsonl\"");
         let err = build_error(&cfg);
-        let want = format!("run.toml:7: [target] plugin `hf`: field `path`: {}: no such file", dir.path().join("nope.gguf").display());
+        let want = format!(
+            "run.toml:7: [target] plugin `hf`: field `path`: {}: no such file",
+            dir.path().join("nope.gguf").display()
+        );
         assert!(err.contains(&want), "{err}\nshould contain\n{want}");
 
         let cfg = write_config(dir.path(), "path = \"tiny.json\"\nrandom_init = true", "path = \"nope.jsonl\"");
         let err = build_error(&cfg);
         // Found before the target loads (preflight), not by the data plugin after it.
-        let want = format!("run.toml:24: [data] plugin `chat`: field `path`: {}: no such file or folder", dir.path().join("nope.jsonl").display());
+        let want = format!(
+            "run.toml:24: [data] plugin `chat`: field `path`: {}: no such file or folder",
+            dir.path().join("nope.jsonl").display()
+        );
         assert!(err.contains(&want), "{err}\nshould contain\n{want}");
     }
 
@@ -479,14 +552,20 @@ mod tests {
         // Was "no such file" from the target plugin.
         let cfg = write_config(dir.path(), "path = \"/dev/zero\"", "path = \"chat.jsonl\"");
         let err = build_error(&cfg);
-        assert!(err.ends_with("run.toml:7: [target] plugin `hf`: field `path`: /dev/zero: not a regular file (a character device)"), "{err}");
+        assert!(
+            err.ends_with(
+                "run.toml:7: [target] plugin `hf`: field `path`: /dev/zero: not a regular file (a character device)"
+            ),
+            "{err}"
+        );
         // Blocked forever in the data plugin's read.
         let fifo = dir.path().join("chat.fifo");
         let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         let cfg = write_config(dir.path(), "path = \"tiny.json\"\nrandom_init = true", "path = \"chat.fifo\"");
         let err = build_error(&cfg);
-        let want = format!("run.toml:24: [data] plugin `chat`: field `path`: {}: not a regular file (a FIFO)", fifo.display());
+        let want =
+            format!("run.toml:24: [data] plugin `chat`: field `path`: {}: not a regular file (a FIFO)", fifo.display());
         assert!(err.ends_with(&want), "{err}\nshould end with\n{want}");
     }
 }

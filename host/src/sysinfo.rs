@@ -7,7 +7,9 @@ use nvml_wrapper::Nvml;
 pub fn peak_rss_mb() -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()))
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
@@ -29,7 +31,11 @@ impl GpuMonitor {
         let mut indices: Vec<u32> = devices.filter_map(|d| d.strip_prefix("cuda:")?.parse().ok()).collect();
         indices.sort_unstable();
         indices.dedup();
-        let nvml = if indices.is_empty() { None } else { Nvml::init().map_err(|e| tracing::info!("NVML unavailable ({e}): no GPU metrics")).ok() };
+        let nvml = if indices.is_empty() {
+            None
+        } else {
+            Nvml::init().map_err(|e| tracing::info!("NVML unavailable ({e}): no GPU metrics")).ok()
+        };
         Self { nvml, indices }
     }
 

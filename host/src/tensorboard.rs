@@ -113,8 +113,19 @@ pub fn log_metrics(writer: &mut EventWriter, record: &Value) -> io::Result<()> {
 /// GPUs, time).
 pub fn tag(key: &str) -> String {
     const PIPELINE: &[&str] = &[
-        "tok_per_s", "draft_tok_per_s", "target_s", "drafter_s", "optim_s", "wait_s", "target_busy", "drafter_busy", "q_hs",
-        "q_hs_now", "hs_bytes", "hs_peak_bytes", "hs_total_bytes",
+        "tok_per_s",
+        "draft_tok_per_s",
+        "target_s",
+        "drafter_s",
+        "optim_s",
+        "wait_s",
+        "target_busy",
+        "drafter_busy",
+        "q_hs",
+        "q_hs_now",
+        "hs_bytes",
+        "hs_peak_bytes",
+        "hs_total_bytes",
     ];
     const SYSTEM: &[&str] = &["peak_rss_mb", "gpu_util", "gpu_power_w", "gpu_mem_mb", "eta_s", "elapsed_s"];
     if let Some(rest) = key.strip_prefix("val_") {
@@ -163,7 +174,11 @@ fn hostname() -> String {
         .map(|s| s.trim().to_string())
         .unwrap_or_default();
     let clean: String = name.chars().filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_')).collect();
-    if clean.is_empty() { "localhost".into() } else { clean }
+    if clean.is_empty() {
+        "localhost".into()
+    } else {
+        clean
+    }
 }
 
 /// Temporary files of [`truncate_after`].
@@ -199,7 +214,8 @@ pub fn truncate_after(dir: &Path, step: u64) -> anyhow::Result<()> {
             // The temporary name has no "tfevents" in it: TensorBoard must never read it.
             let tmp = dir.join(format!("{TRUNCATING}{}", std::process::id()));
             crate::experiment::write_synced(&tmp, &kept)?;
-            std::fs::rename(&tmp, &path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+            std::fs::rename(&tmp, &path)
+                .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
         }
     }
     Ok(())
@@ -474,10 +490,23 @@ mod tests {
         let e = &events[1];
         assert_eq!(e.step, 20);
         let tags: Vec<&str> = e.values.iter().map(|(t, _)| t.as_str()).collect();
-        for want in ["train/epoch", "train/tokens", "train/draft_tokens", "train/loss", "train/acc/pos1", "train/acc/pos2", "train/acc/pos3", "train/tau_hat", "train/lr", "train/grad_norm"] {
+        for want in [
+            "train/epoch",
+            "train/tokens",
+            "train/draft_tokens",
+            "train/loss",
+            "train/acc/pos1",
+            "train/acc/pos2",
+            "train/acc/pos3",
+            "train/tau_hat",
+            "train/lr",
+            "train/grad_norm",
+        ] {
             assert!(tags.contains(&want), "missing {want} in {tags:?}");
         }
-        for want in ["pipeline/tok_per_s", "pipeline/target_s", "pipeline/drafter_s", "pipeline/optim_s", "system/elapsed_s"] {
+        for want in
+            ["pipeline/tok_per_s", "pipeline/target_s", "pipeline/drafter_s", "pipeline/optim_s", "system/elapsed_s"]
+        {
             assert!(tags.contains(&want), "missing {want} in {tags:?}");
         }
         assert_eq!(e.values.len(), 15, "{tags:?}");

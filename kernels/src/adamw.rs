@@ -18,7 +18,9 @@ pub fn applies(param: &Tensor, grad: &Tensor, master: &Tensor, exp_avg: &Tensor,
         && param.device().is_cuda()
         && param.kind() == Kind::BFloat16
         && grad.kind() == Kind::BFloat16
-        && [master, exp_avg, exp_avg_sq].iter().all(|t| t.kind() == Kind::Float && t.size() == size && t.is_contiguous())
+        && [master, exp_avg, exp_avg_sq]
+            .iter()
+            .all(|t| t.kind() == Kind::Float && t.size() == size && t.is_contiguous())
         && grad.size() == size
         && grad.is_contiguous()
         && param.is_contiguous()
@@ -37,10 +39,21 @@ pub struct Step {
 
 /// One step: `master`, the moments and `param` (= master rounded to bf16) updated in place from
 /// `grad`.
-pub fn master_step(param: &Tensor, grad: &Tensor, master: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor, h: Step) -> Result<(), String> {
+pub fn master_step(
+    param: &Tensor,
+    grad: &Tensor,
+    master: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    h: Step,
+) -> Result<(), String> {
     let Device::Cuda(ordinal) = param.device() else { return Err("not a CUDA tensor".into()) };
     if !applies(param, grad, master, exp_avg, exp_avg_sq) {
-        return Err(format!("parameter {:?} {:?}: expected bf16 with dense fp32 master and moments", param.size(), param.kind()));
+        return Err(format!(
+            "parameter {:?} {:?}: expected bf16 with dense fp32 master and moments",
+            param.size(),
+            param.kind()
+        ));
     }
     let m = nvrtc::module(ordinal, SRC, &[], &[STEP])?;
     let n = param.numel() as i64;

@@ -11,7 +11,9 @@ pub fn empty_pinned_like(t: &Tensor) -> Result<Tensor, String> {
     let mut out = std::ptr::null_mut::<c_void>();
     // SAFETY: a tch handle is an at::Tensor*; on success the shim returns a new at::Tensor* that
     // the Tensor below owns; the error buffer has the length passed.
-    with_error_buffer(|err, err_len| unsafe { dflash_empty_pinned_like(t.as_ptr() as *const c_void, &mut out, err, err_len) })?;
+    with_error_buffer(|err, err_len| unsafe {
+        dflash_empty_pinned_like(t.as_ptr() as *const c_void, &mut out, err, err_len)
+    })?;
     // SAFETY: see above.
     Ok(unsafe { Tensor::from_ptr(out as _) })
 }

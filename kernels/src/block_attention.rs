@@ -172,7 +172,15 @@ impl ContextMask {
 
     /// Up to `ranges` runs of whole blocks, each scored against the keys its blocks can see
     /// ([`query_ranges`]); `host` holds the same anchors as `anchors`, on the CPU.
-    pub fn ranged(anchors: &Tensor, host: &Tensor, s: i64, block: i64, kind: Kind, ranges: usize, window: Option<i64>) -> Self {
+    pub fn ranged(
+        anchors: &Tensor,
+        host: &Tensor,
+        s: i64,
+        block: i64,
+        kind: Kind,
+        ranges: usize,
+        window: Option<i64>,
+    ) -> Self {
         check_window(window, block);
         let (b, a) = (host.size()[0], host.size()[1]);
         let flat = Vec::<i64>::try_from(host.to_kind(Kind::Int64).contiguous().view([-1])).expect("int64 anchors");
@@ -209,7 +217,14 @@ pub const KERNEL_TILE: Tile = Tile { queries: 128, keys: 256 };
 /// rounded up to `tile.keys` (at most `s`; 0 when every anchor in it is 0), and with a sliding
 /// window W from its smallest anchor - W + 1, rounded down to `tile.keys`. Without a window, the
 /// keys before its smallest anchor, rounded down to `tile.keys`, are its unbiased prefix.
-pub fn query_ranges(rows: &[&[i64]], s: i64, block: i64, ranges: usize, tile: Tile, window: Option<i64>) -> Vec<QueryRange> {
+pub fn query_ranges(
+    rows: &[&[i64]],
+    s: i64,
+    block: i64,
+    ranges: usize,
+    tile: Tile,
+    window: Option<i64>,
+) -> Vec<QueryRange> {
     let a = rows.first().map_or(0, |r| r.len());
     let min_blocks = (tile.queries + block - 1) / block;
     let per = a.div_ceil(ranges.max(1)).max(min_blocks as usize).clamp(1, a.max(1));
@@ -285,7 +300,9 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
     // 2. Block part, and the merge: softmax over all key sets from their log-sum-exps.
     let window = mask.window.unwrap_or(0);
     let fused_out = block_part::applies(q, block)
-        .then(|| block_part::forward(q, k, v, &parts, &mask.anchors, block, window, scale).map_err(|e| warn_unfused(&e)).ok())
+        .then(|| {
+            block_part::forward(q, k, v, &parts, &mask.anchors, block, window, scale).map_err(|e| warn_unfused(&e)).ok()
+        })
         .flatten();
     let fused = fused_out.is_some();
     let (out, lse) = fused_out.unwrap_or_else(|| {
@@ -295,7 +312,10 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
         for part in parts {
             let mut spans = part.spans.into_iter();
             let (o, lse) = match (spans.next(), spans.next()) {
-                (None, _) => (Tensor::zeros([b, nh, part.len, d], (q.kind(), q.device())), Tensor::zeros([b, nh, part.len], (work_kind(q), q.device()))),
+                (None, _) => (
+                    Tensor::zeros([b, nh, part.len, d], (q.kind(), q.device())),
+                    Tensor::zeros([b, nh, part.len], (work_kind(q), q.device())),
+                ),
                 (Some(only), None) => only,
                 (Some(first), Some(second)) => merge_parts(first, second),
             };
@@ -325,7 +345,15 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, block: i6
 /// does not apply): the merged output [B, nh, N, D] ([B, N, nh, D] in memory) and log-sum-exp.
 #[allow(clippy::too_many_arguments)]
 fn composite_forward(
-    q: &Tensor, k: &Tensor, v: &Tensor, mask: &ContextMask, o_ctx: Tensor, lse_ctx: Tensor, s: i64, block: i64, scale: f64,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &ContextMask,
+    o_ctx: Tensor,
+    lse_ctx: Tensor,
+    s: i64,
+    block: i64,
+    scale: f64,
 ) -> (Tensor, Tensor) {
     // A query that sees no context (a block at anchor 0): what the kernels return for an
     // all-masked row is not an empty softmax (on CUDA it is not even finite), so make that part
@@ -370,7 +398,8 @@ fn tails_of(mask: &ContextMask, block: i64) -> Vec<context_tail::Tail> {
 
 fn warn_tail(e: &str) {
     static WARNED: std::sync::Once = std::sync::Once::new();
-    WARNED.call_once(|| eprintln!("block attention: the tail kernels are unavailable ({e}); using cuDNN with the bias"));
+    WARNED
+        .call_once(|| eprintln!("block attention: the tail kernels are unavailable ({e}); using cuDNN with the bias"));
 }
 
 fn warn_unfused(e: &str) {
@@ -380,10 +409,17 @@ fn warn_unfused(e: &str) {
 
 /// One range's context part: the output [B, nh, n, D], log-sum-exp [B, nh, n] (fp32) and the
 /// kernel that ran it.
-fn context_forward(q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, bias: Option<&Tensor>, scale: f64) -> (Tensor, Tensor, Backend) {
+fn context_forward(
+    q: &Tensor,
+    k_ctx: &Tensor,
+    v_ctx: &Tensor,
+    bias: Option<&Tensor>,
+    scale: f64,
+) -> (Tensor, Tensor, Backend) {
     let (b, nh, n, _) = size4(q);
     if q.device() == Device::Cpu {
-        let (o, lse) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(q, k_ctx, v_ctx, 0.0, false, bias, scale);
+        let (o, lse) =
+            Tensor::internal_scaled_dot_product_flash_attention_for_cpu(q, k_ctx, v_ctx, 0.0, false, bias, scale);
         return (o, lse, Backend::CpuFlash);
     }
     let per_head = bias.map(|bias| bias.expand([b, nh, n, k_ctx.size()[2]], false));
@@ -397,11 +433,21 @@ fn context_forward(q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, bias: Option<&Ten
         Err(e) => {
             static WARNED: std::sync::Once = std::sync::Once::new();
             if matches!(q.kind(), Kind::BFloat16 | Kind::Half) {
-                WARNED.call_once(|| eprintln!("block attention: cuDNN attention unavailable ({e}); using the memory-efficient kernel"));
+                WARNED.call_once(|| {
+                    eprintln!("block attention: cuDNN attention unavailable ({e}); using the memory-efficient kernel")
+                });
             }
             let (k_ctx, v_ctx) = (repeat_heads(k_ctx, nh), repeat_heads(v_ctx, nh));
-            let (o, lse, seed, offset) =
-                Tensor::internal_scaled_dot_product_efficient_attention(q, &k_ctx, &v_ctx, per_head.as_ref(), true, 0.0, false, scale);
+            let (o, lse, seed, offset) = Tensor::internal_scaled_dot_product_efficient_attention(
+                q,
+                &k_ctx,
+                &v_ctx,
+                per_head.as_ref(),
+                true,
+                0.0,
+                false,
+                scale,
+            );
             (o, lse.narrow(2, 0, n), Backend::Efficient { seed, offset })
         }
     }
@@ -428,7 +474,11 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
     //    one tail after another.
     let (mut dq_runs, mut dk_runs, mut dv_runs) = (vec![], vec![], vec![]);
     let tail_grads = (!tails.is_empty())
-        .then(|| context_tail::backward(q, k_ctx, v_ctx, d_out, out, lse, &mask.anchors, tails, *scale).map_err(|e| warn_tail(&e)).ok())
+        .then(|| {
+            context_tail::backward(q, k_ctx, v_ctx, d_out, out, lse, &mask.anchors, tails, *scale)
+                .map_err(|e| warn_tail(&e))
+                .ok()
+        })
         .flatten();
     let mut tail_row = 0;
     if let Some((dq_t, _, _)) = &tail_grads {
@@ -463,9 +513,19 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
                 }
                 other => other,
             };
-            let (d_out_r, out_r, lse_r) = dense_rows.get_or_init(|| (dense(&rows(d_out)), dense(&rows(out)), rows(lse).contiguous()));
-            let (dq_r, dk_r, dv_r) =
-                context_backward(backend, d_out_r, &rows(q), &keys(k_ctx), &keys(v_ctx), out_r, lse_r, bias.as_ref(), *scale);
+            let (d_out_r, out_r, lse_r) =
+                dense_rows.get_or_init(|| (dense(&rows(d_out)), dense(&rows(out)), rows(lse).contiguous()));
+            let (dq_r, dk_r, dv_r) = context_backward(
+                backend,
+                d_out_r,
+                &rows(q),
+                &keys(k_ctx),
+                &keys(v_ctx),
+                out_r,
+                lse_r,
+                bias.as_ref(),
+                *scale,
+            );
             // Per query head where the kernel took the keys repeated: summed over each group.
             let sum_groups = |x: Tensor| match x.size()[1] == nkv {
                 true => x,
@@ -537,7 +597,16 @@ fn dense(t: &Tensor) -> Tensor {
 /// the work kind.
 #[allow(clippy::too_many_arguments)]
 fn composite_backward(
-    q: &Tensor, k: &Tensor, v: &Tensor, d_out: &Tensor, out: &Tensor, lse: &Tensor, s: i64, block: i64, causal: bool, scale: f64,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_out: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    s: i64,
+    block: i64,
+    causal: bool,
+    scale: f64,
 ) -> (Tensor, Tensor, Tensor) {
     let blocks = Blocks::new(q, k, v, s, block, causal);
     let (dims, wk) = (blocks.dims, blocks.wk);
@@ -556,7 +625,14 @@ fn composite_backward(
 /// keys came. `d_out`, `out` and `lse` come contiguous.
 #[allow(clippy::too_many_arguments)]
 fn context_backward(
-    backend: &Backend, d_out: &Tensor, q: &Tensor, k_ctx: &Tensor, v_ctx: &Tensor, out: &Tensor, lse: &Tensor, bias: Option<&Tensor>,
+    backend: &Backend,
+    d_out: &Tensor,
+    q: &Tensor,
+    k_ctx: &Tensor,
+    v_ctx: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    bias: Option<&Tensor>,
     scale: f64,
 ) -> (Tensor, Tensor, Tensor) {
     let (b, nh, n, _) = size4(q);
@@ -586,8 +662,26 @@ fn context_backward(
             // comes out wrong (measured on the H200, scripts/probe_efficient_attention.py).
             let (d_out_t, out_t) = (t(d_out).contiguous(), t(out).contiguous());
             let (dq, dk, dv, _) = Tensor::internal_efficient_attention_backward(
-                &d_out_t, &t(q), &t(k_ctx), &t(v_ctx), per_head().as_ref(), &out_t, None::<&Tensor>, None,
-                n, s, &lse_padded, 0.0, seed, offset, 0, false, scale, None, None, false,
+                &d_out_t,
+                &t(q),
+                &t(k_ctx),
+                &t(v_ctx),
+                per_head().as_ref(),
+                &out_t,
+                None::<&Tensor>,
+                None,
+                n,
+                s,
+                &lse_padded,
+                0.0,
+                seed,
+                offset,
+                0,
+                false,
+                scale,
+                None,
+                None,
+                false,
             );
             (t(&dq), t(&dk), t(&dv))
         }
@@ -712,10 +806,20 @@ struct ContextRun {
 /// The fused kernel behind a context run.
 enum Backend {
     CpuFlash,
-    Cudnn { cum_q: Tensor, cum_k: Tensor, max_q: i64, max_k: i64, seed: Tensor, offset: Tensor },
+    Cudnn {
+        cum_q: Tensor,
+        cum_k: Tensor,
+        max_q: i64,
+        max_k: i64,
+        seed: Tensor,
+        offset: Tensor,
+    },
     /// The memory-efficient kernel (when cuDNN attention is not available), with its dropout RNG
     /// state (unused: no dropout) passed back as it expects.
-    Efficient { seed: Tensor, offset: Tensor },
+    Efficient {
+        seed: Tensor,
+        offset: Tensor,
+    },
     /// A range's biased tail on the tail kernels ([`context_tail`]), which need no state.
     Tail,
 }
@@ -729,7 +833,13 @@ mod cudnn {
 
     /// The output, the log-sum-exp [B, nh, N, 1] (natural log) and what the backward wants back.
     /// `bias` None: every query sees every key.
-    pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>, scale: f64) -> Result<(Tensor, Tensor, super::Backend), String> {
+    pub fn forward(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        bias: Option<&Tensor>,
+        scale: f64,
+    ) -> Result<(Tensor, Tensor, super::Backend), String> {
         let mut p = [std::ptr::null_mut::<c_void>(); 6];
         let (mut max_q, mut max_k) = (0i64, 0i64);
         let [out, lse, cum_q, cum_k, seed, offset] = &mut p;
@@ -737,13 +847,27 @@ mod cudnn {
         // returns six new at::Tensor* that the Tensors below take ownership of.
         with_error_buffer(|err, err_len| unsafe {
             dflash_cudnn_attention_forward(
-                q.as_ptr() as _, k.as_ptr() as _, v.as_ptr() as _, bias.map_or(std::ptr::null_mut(), |b| b.as_ptr() as _), scale,
-                out, lse, cum_q, cum_k, &mut max_q, &mut max_k, seed, offset, err, err_len,
+                q.as_ptr() as _,
+                k.as_ptr() as _,
+                v.as_ptr() as _,
+                bias.map_or(std::ptr::null_mut(), |b| b.as_ptr() as _),
+                scale,
+                out,
+                lse,
+                cum_q,
+                cum_k,
+                &mut max_q,
+                &mut max_k,
+                seed,
+                offset,
+                err,
+                err_len,
             )
         })?;
         // SAFETY: see above.
         let t = |x: *mut c_void| unsafe { Tensor::from_ptr(x as _) };
-        let backend = super::Backend::Cudnn { cum_q: t(p[2]), cum_k: t(p[3]), max_q, max_k, seed: t(p[4]), offset: t(p[5]) };
+        let backend =
+            super::Backend::Cudnn { cum_q: t(p[2]), cum_k: t(p[3]), max_q, max_k, seed: t(p[4]), offset: t(p[5]) };
         Ok((t(p[0]), t(p[1]), backend))
     }
 }
@@ -833,18 +957,27 @@ mod tests {
 
             let ranges = query_ranges(&rows, s, block, 4, Tile { queries: block, keys: 2 }, window);
             let first = window.map_or(0, |w| (10 - w + 1) / 2 * 2); // the last range's anchors are 10
-            // Without a window: the third range's prefix 0..2 runs unbiased, 2..6 biased; the
-            // last range's keys are all its prefix.
+                                                                    // Without a window: the third range's prefix 0..2 runs unbiased, 2..6 biased; the
+                                                                    // last range's keys are all its prefix.
             let prefix = |p: i64| if window.is_some() { 0 } else { p };
-            let expect = [(0, 4, 0, 0, 0), (4, 4, 0, 0, 6), (8, 4, 0, prefix(2), 6), (12, 4, first, window.map_or(10, |_| first), 10)];
-            let expect: Vec<_> =
-                expect.iter().map(|&(start, len, first_key, prefix, keys)| QueryRange { start, len, first_key, prefix, keys }).collect();
+            let expect = [
+                (0, 4, 0, 0, 0),
+                (4, 4, 0, 0, 6),
+                (8, 4, 0, prefix(2), 6),
+                (12, 4, first, window.map_or(10, |_| first), 10),
+            ];
+            let expect: Vec<_> = expect
+                .iter()
+                .map(|&(start, len, first_key, prefix, keys)| QueryRange { start, len, first_key, prefix, keys })
+                .collect();
             assert_eq!(ranges[..], expect[..], "window {window:?}");
             let ranged = ContextMask::new(&anchors, ranges, s, block, Kind::Double, window);
             for mask in [ContextMask::whole(&anchors, s, block, Kind::Double, window), ranged] {
                 let (got, saved) = tch::no_grad(|| forward(&q.detach(), &k.detach(), &v.detach(), &mask, block, scale));
                 let (dq, dk, dv) = tch::no_grad(|| backward(&saved, &d_out));
-                for (name, x, y) in [("out", &want, &got), ("dq", &q.grad(), &dq), ("dk", &k.grad(), &dk), ("dv", &v.grad(), &dv)] {
+                for (name, x, y) in
+                    [("out", &want, &got), ("dq", &q.grad(), &dq), ("dk", &k.grad(), &dk), ("dv", &v.grad(), &dv)]
+                {
                     let err = (x - y).abs().max().double_value(&[]);
                     assert!(err < 1e-13, "{name} (window {window:?}, {:?}): max |diff| {err}", mask.ranges);
                 }
@@ -896,7 +1029,16 @@ mod tests {
         let r = query_ranges(&[&row], 1000, 16, 8, KERNEL_TILE, None); // 8 blocks (128 queries) a range
         let got: Vec<_> = r.iter().map(|r| (r.start, r.len, r.first_key, r.prefix, r.keys)).collect();
         // Smallest anchors 0, 160, 320, 480, 640: prefixes rounded down to 256.
-        assert_eq!(got, [(0, 128, 0, 0, 256), (128, 128, 0, 0, 512), (256, 128, 0, 256, 512), (384, 128, 0, 256, 768), (512, 128, 0, 512, 1000)]);
+        assert_eq!(
+            got,
+            [
+                (0, 128, 0, 0, 256),
+                (128, 128, 0, 0, 512),
+                (256, 128, 0, 256, 512),
+                (384, 128, 0, 256, 768),
+                (512, 128, 0, 512, 1000)
+            ]
+        );
         assert_eq!(
             query_ranges(&[&row], 1000, 16, 1, KERNEL_TILE, None),
             [QueryRange { start: 0, len: 640, first_key: 0, prefix: 0, keys: 1000 }]

@@ -10,8 +10,11 @@ use cudarc::driver::{DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
 const SRC: &str = concat!(include_str!("../csrc/block_part_spans.cuh"), include_str!("../csrc/block_part.cu"));
-const SRC_MMA: &str =
-    concat!(include_str!("../csrc/block_part_spans.cuh"), include_str!("../csrc/mma.cuh"), include_str!("../csrc/block_part_mma.cu"));
+const SRC_MMA: &str = concat!(
+    include_str!("../csrc/block_part_spans.cuh"),
+    include_str!("../csrc/mma.cuh"),
+    include_str!("../csrc/block_part_mma.cu")
+);
 const THREADS: u32 = 128;
 /// The tensor-core forward's warps a CTA (a query head each).
 const MMA_WARPS: i64 = 4;
@@ -108,7 +111,11 @@ fn config(q: &Tensor, heads: i64, block: i64, kernels: Kernels, forward: bool) -
         (Kernels::Mma, true) => ((heads + MMA_WARPS - 1) / MMA_WARPS, MMA_WARPS as u32 * 32),
         (Kernels::Mma, false) => (heads, 32 * (q.size()[1] / heads) as u32),
     };
-    LaunchConfig { grid_dim: ((n / block) as u32, ctas as u32, b as u32), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: ((n / block) as u32, ctas as u32, b as u32),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// One range of the context part as its fused kernel ran it: query rows `start..start + len`,
@@ -148,11 +155,21 @@ unsafe impl DeviceRepr for Parts {}
 /// within the block; window >= block).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
-    q: &Tensor, k: &Tensor, v: &Tensor, parts: &[ContextPart], anchors: &Tensor, block: i64, window: i64, scale: f64,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    parts: &[ContextPart],
+    anchors: &Tensor,
+    block: i64,
+    window: i64,
+    scale: f64,
 ) -> Result<(Tensor, Tensor), String> {
     if parts.len() > MAX_RANGES || parts.iter().any(|p| p.spans.len() > MAX_SPANS) {
         let spans = parts.iter().map(|p| p.spans.len()).max().unwrap_or(0);
-        return Err(format!("{} context ranges, up to {spans} spans each (at most {MAX_RANGES}, of {MAX_SPANS})", parts.len()));
+        return Err(format!(
+            "{} context ranges, up to {spans} spans each (at most {MAX_RANGES}, of {MAX_SPANS})",
+            parts.len()
+        ));
     }
     let (b, nh, n, d) = (q.size()[0], q.size()[1], q.size()[2], q.size()[3]);
     let s = k.size()[2] - n;
@@ -198,13 +215,29 @@ pub fn forward(
 /// last dim dense); `out` and `lse` the merged output and log-sum-exp of the forward.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
-    q: &Tensor, k: &Tensor, v: &Tensor, d_out: &Tensor, out: &Tensor, lse: &Tensor, dq: &Tensor, dk: &Tensor, dv: &Tensor,
-    block: i64, window: i64, scale: f64,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_out: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dq: &Tensor,
+    dk: &Tensor,
+    dv: &Tensor,
+    block: i64,
+    window: i64,
+    scale: f64,
 ) -> Result<(), String> {
     let (nh, n) = (q.size()[1], q.size()[2]);
     let s = k.size()[2] - n;
     if dk.size() != dv.size() || dk.stride() != dv.stride() || !lse.is_contiguous() {
-        return Err(format!("dk {:?} and dv {:?} must share shape and strides ({:?}, {:?}), lse be dense", dk.size(), dv.size(), dk.stride(), dv.stride()));
+        return Err(format!(
+            "dk {:?} and dv {:?} must share shape and strides ({:?}, {:?}), lse be dense",
+            dk.size(),
+            dv.size(),
+            dk.stride(),
+            dv.stride()
+        ));
     }
     let [aq, ak, av, ad, ao, ag, adk, adv] = [q, k, v, d_out, out, dq, dk, dv].map(Arg::new);
     let (aq, ak, av, ad, ao, ag, adk, adv) = (aq?, ak?, av?, ad?, ao?, ag?, adk?, adv?);

@@ -24,7 +24,12 @@ pub fn forward(history: &Tensor, x: &Tensor, w: &Tensor) -> Result<Tensor, Strin
     let (b, l, c) = (x.size()[0], x.size()[1], x.size()[2]);
     let k = w.size()[1];
     if w.size() != [c, k] || x.stride()[2] != 1 {
-        return Err(format!("x {:?} (strides {:?}), w {:?}: expected w [C, K] and dense channels", x.size(), x.stride(), w.size()));
+        return Err(format!(
+            "x {:?} (strides {:?}), w {:?}: expected w [C, K] and dense channels",
+            x.size(),
+            x.stride(),
+            w.size()
+        ));
     }
     let w = w.to_kind(Kind::BFloat16).contiguous();
     if history.size() != [b, k - 1, c] {
@@ -36,7 +41,8 @@ pub fn forward(history: &Tensor, x: &Tensor, w: &Tensor) -> Result<Tensor, Strin
         return Ok(out);
     }
     let m = nvrtc::module(ordinal, SRC, &[("K", k)], &[FORWARD])?;
-    let (p_hist, p_x, p_w, p_out) = (hist.data_ptr() as u64, x.data_ptr() as u64, w.data_ptr() as u64, out.data_ptr() as u64);
+    let (p_hist, p_x, p_w, p_out) =
+        (hist.data_ptr() as u64, x.data_ptr() as u64, w.data_ptr() as u64, out.data_ptr() as u64);
     let (xb, xt) = (x.stride()[0], x.stride()[1]);
     let (l32, c32) = (l as i32, c as i32);
     let mut launch = m.stream.launch_builder(m.function(FORWARD));

@@ -72,7 +72,8 @@ impl Table {
         let (mut tiles, mut rows) = (0i64, 0i64);
         for (i, tail) in tails.iter().enumerate() {
             let int = |x: i64| i32::try_from(x).map_err(|_| format!("{tail:?} does not fit the kernel's ints"));
-            (t.first_block[i], t.blocks[i], t.from[i], t.keys[i]) = (int(tail.first_block)?, int(tail.blocks)?, int(tail.from)?, int(tail.keys)?);
+            (t.first_block[i], t.blocks[i], t.from[i], t.keys[i]) =
+                (int(tail.first_block)?, int(tail.blocks)?, int(tail.from)?, int(tail.keys)?);
             (t.first_tile[i], t.out_row[i]) = (int(tiles)?, int(rows)?);
             tiles += (tail.keys + KEYS_A_CTA - 1) / KEYS_A_CTA;
             rows += tail.keys;
@@ -99,7 +100,11 @@ fn args<const N: usize>(ts: [&Tensor; N]) -> Result<[Arg; N], String> {
     for t in ts {
         let a = Arg::new(t)?;
         if !a.aligned(16) {
-            return Err(format!("a tensor of shape {:?} with strides {:?}: rows must be 16-byte aligned", t.size(), t.stride()));
+            return Err(format!(
+                "a tensor of shape {:?} with strides {:?}: rows must be 16-byte aligned",
+                t.size(),
+                t.stride()
+            ));
         }
         out.push(a);
     }
@@ -114,7 +119,14 @@ fn anchors_arg(anchors: &Tensor) -> Tensor {
 /// q [B, nh, N, D], the context keys k, v [B, nkv, S, D], anchors [B, A] -> every tail's output
 /// [B, nh, N, D] and log-sum-exp [B, nh, N] (fp32), each block's rows from its range's tail (a
 /// block that sees none of it, or is in no tail: zeros and -inf).
-pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, anchors: &Tensor, tails: &[Tail], scale: f64) -> Result<(Tensor, Tensor), String> {
+pub fn forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    anchors: &Tensor,
+    tails: &[Tail],
+    scale: f64,
+) -> Result<(Tensor, Tensor), String> {
     let (b, nh, n, d) = (q.size()[0], q.size()[1], q.size()[2], q.size()[3]);
     let table = Table::new(tails)?;
     let out = Tensor::empty([b, nh, n, d], (q.kind(), q.device()));
@@ -122,7 +134,8 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, anchors: &Tensor, tails: &[Ta
     let anchors = anchors_arg(anchors);
     let [aq, ak, av, ao] = args([q, k, v, &out])?;
     let m = module(q, k)?;
-    let (p_anchors, ab, p_lse, lb, lh) = (anchors.data_ptr() as u64, anchors.stride()[0], lse.data_ptr() as u64, lse.stride()[0], lse.stride()[1]);
+    let (p_anchors, ab, p_lse, lb, lh) =
+        (anchors.data_ptr() as u64, anchors.stride()[0], lse.data_ptr() as u64, lse.stride()[0], lse.stride()[1]);
     let scale32 = scale as f32;
     let mut launch = m.stream.launch_builder(m.function(FORWARD));
     for a in [&aq, &ak, &av] {
@@ -143,7 +156,15 @@ pub fn forward(q: &Tensor, k: &Tensor, v: &Tensor, anchors: &Tensor, tails: &[Ta
 /// after the tails before it.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
-    q: &Tensor, k: &Tensor, v: &Tensor, d_out: &Tensor, out: &Tensor, lse: &Tensor, anchors: &Tensor, tails: &[Tail], scale: f64,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    d_out: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    anchors: &Tensor,
+    tails: &[Tail],
+    scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor), String> {
     let (b, nh, n, d) = (q.size()[0], q.size()[1], q.size()[2], q.size()[3]);
     let nkv = k.size()[1];
@@ -192,7 +213,11 @@ pub fn backward(
 /// The query-major kernels' grid: a CTA a (block, kv head, sequence), a warp a query head.
 fn query_grid(q: &Tensor, k: &Tensor, blocks: i64) -> LaunchConfig {
     let g = (q.size()[1] / k.size()[1]) as u32;
-    LaunchConfig { grid_dim: (blocks as u32, k.size()[1] as u32, q.size()[0] as u32), block_dim: (32 * g, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (blocks as u32, k.size()[1] as u32, q.size()[0] as u32),
+        block_dim: (32 * g, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 #[cfg(test)]

@@ -47,12 +47,21 @@ pub fn rows(z: Tensor, labels: &Tensor, grad: Option<(Kind, &Tensor)>) -> Result
     }
     launch(&z, labels, grad.map(|(_, scale)| scale), c, v, lanes).map_err(|e| {
         static WARNED: std::sync::Once = std::sync::Once::new();
-        WARNED.call_once(|| eprintln!("loss: the fused cross-entropy kernels are unavailable ({e}); using libtorch's ops"));
+        WARNED.call_once(|| {
+            eprintln!("loss: the fused cross-entropy kernels are unavailable ({e}); using libtorch's ops")
+        });
         z
     })
 }
 
-fn launch(z: &Tensor, labels: &Tensor, grad_scale: Option<&Tensor>, c: i64, v: i64, lanes: i64) -> Result<Rows, String> {
+fn launch(
+    z: &Tensor,
+    labels: &Tensor,
+    grad_scale: Option<&Tensor>,
+    c: i64,
+    v: i64,
+    lanes: i64,
+) -> Result<Rows, String> {
     let Device::Cuda(device) = z.device() else { unreachable!("checked by `rows`") };
     let m = nvrtc::module(device, SRC, &[], &KERNELS)?;
     let (stats_fn, grad_fn) = if z.kind() == Kind::Float { (KERNELS[0], KERNELS[1]) } else { (KERNELS[2], KERNELS[3]) };

@@ -33,14 +33,17 @@ fn cross_entropy_kernels_match_libtorch() {
         labels = argmax.where_self(&every_third, &labels);
 
         // Row scales (the loss weights) in [0, 1), the first row's 0.
-        let scale = Tensor::rand([c], (Kind::Float, dev)).index_fill(0, &Tensor::from_slice(&[0i64]).to_device(dev), 0.0);
+        let scale =
+            Tensor::rand([c], (Kind::Float, dev)).index_fill(0, &Tensor::from_slice(&[0i64]).to_device(dev), 0.0);
         let logp = zf.log_softmax(-1, Kind::Float);
         let want_label = logp.gather(1, &labels.unsqueeze(1), false).squeeze_dim(1);
         let want_hit = argmax.eq_tensor(&labels);
         let want_grad = (logp.exp() - labels.one_hot(v).to_kind(Kind::Float)) * scale.unsqueeze(1);
 
-        let got = nvrtc::with_enabled(true, || cross_entropy::rows(z.shallow_clone(), &labels, Some((Kind::BFloat16, &scale))))
-            .unwrap_or_else(|_| panic!("the {kind:?} kernels run on a GPU"));
+        let got = nvrtc::with_enabled(true, || {
+            cross_entropy::rows(z.shallow_clone(), &labels, Some((Kind::BFloat16, &scale)))
+        })
+        .unwrap_or_else(|_| panic!("the {kind:?} kernels run on a GPU"));
         let err = max_abs(&(&got.logp_label - &want_label));
         eprintln!("{kind:?}: label log-probability: max |diff| {err:.3e} (|logp| up to {:.1})", max_abs(&want_label));
         assert!(err < 1e-4, "{kind:?}: log-probability of the label: max |diff| {err}");
@@ -52,7 +55,10 @@ fn cross_entropy_kernels_match_libtorch() {
         let grad = grad.to_kind(Kind::Float);
         // Each entry rounded once to bf16 (8 bits): within 2^-8 of its own size, plus fp32 noise.
         let excess = ((&grad - &want_grad).abs() - want_grad.abs() * (1.0 / 256.0)).max().double_value(&[]);
-        eprintln!("{kind:?}: (softmax - onehot) * scale: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}", max_abs(&(&grad - &want_grad)));
+        eprintln!(
+            "{kind:?}: (softmax - onehot) * scale: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}",
+            max_abs(&(&grad - &want_grad))
+        );
         assert!(excess < 1e-6, "{kind:?}: (softmax - onehot) * scale beyond bf16 rounding by {excess}");
         assert_eq!(max_abs(&grad.get(0)), 0.0, "{kind:?}: a row of scale 0");
         // The label's entry p - 1 keeps its size: not rounded to -1 where p is near 1.
@@ -85,7 +91,11 @@ fn fused_block_part_matches_the_composite() {
         let anchors: Vec<i64> = (0..b * a).map(|i| if i % a == 0 { 0 } else { (i % a) * 25 + i / a }).collect();
         let anchors = Tensor::from_slice(&anchors).view([b, a]);
         let f32 = (Kind::Float, dev);
-        let (q, k, v) = (Tensor::randn([b, nh, n, d], f32), Tensor::randn([b, nkv, s + n, d], f32), Tensor::randn([b, nkv, s + n, d], f32));
+        let (q, k, v) = (
+            Tensor::randn([b, nh, n, d], f32),
+            Tensor::randn([b, nkv, s + n, d], f32),
+            Tensor::randn([b, nkv, s + n, d], f32),
+        );
         let d_out = Tensor::randn([b, nh, n, d], f32);
         let scale = 1.0 / (d as f64).sqrt();
 
@@ -94,7 +104,16 @@ fn fused_block_part_matches_the_composite() {
         let g = nh / nkv;
         let expand = |t: &Tensor| t.repeat_interleave_self_int(g, 1, None);
         let mask = ba::masked_sdpa_mask(&anchors.to_device(dev), s, block, window);
-        let want = Tensor::scaled_dot_product_attention(&qr, &expand(&kr), &expand(&vr), Some(&mask), 0.0, false, Some(scale), false);
+        let want = Tensor::scaled_dot_product_attention(
+            &qr,
+            &expand(&kr),
+            &expand(&vr),
+            Some(&mask),
+            0.0,
+            false,
+            Some(scale),
+            false,
+        );
         (&want * &d_out).sum(Kind::Float).backward();
         let reference = [want.detach(), qr.grad(), kr.grad(), vr.grad()];
 
@@ -105,7 +124,11 @@ fn fused_block_part_matches_the_composite() {
                 assert!(mask.ranges.iter().any(|r| r.first_key > 0), "no range starts past key 0: {:?}", mask.ranges);
             }
             if window.is_none() {
-                assert!(mask.ranges.iter().any(|r| r.prefix > 0 && r.keys > r.prefix), "no range splits off an unbiased prefix: {:?}", mask.ranges);
+                assert!(
+                    mask.ranges.iter().any(|r| r.prefix > 0 && r.keys > r.prefix),
+                    "no range splits off an unbiased prefix: {:?}",
+                    mask.ranges
+                );
             }
             let (out, saved) = tch::no_grad(|| ba::forward(&bf(&q), &bf(&k), &bf(&v), &mask, block, scale));
             assert_eq!(saved.fused(), fused, "fused block part asked for: {fused}");
@@ -122,7 +145,10 @@ fn fused_block_part_matches_the_composite() {
             let (e_fused, e_composite) = (rel(&fused[i]), rel(&composite[i]));
             let case = format!("window {window:?} heads {nh}/{nkv} dim {d} block {block} {name}");
             eprintln!("{case}: fused {e_fused:.2e}, composite {e_composite:.2e}");
-            assert!(e_fused < 1.6e-2 && e_fused < 2.0 * e_composite + 1e-3, "{case}: fused {e_fused:.2e}, composite {e_composite:.2e}");
+            assert!(
+                e_fused < 1.6e-2 && e_fused < 2.0 * e_composite + 1e-3,
+                "{case}: fused {e_fused:.2e}, composite {e_composite:.2e}"
+            );
         }
     }
 }
@@ -138,7 +164,11 @@ fn bf16_matmul_with_fp32_output_matches_fp32() {
     let z = h.mm_dtype(&head.tr(), Kind::Float);
     let want = h.to_kind(Kind::Float).mm(&head.tr().to_kind(Kind::Float));
     let (err, scale) = (max_abs(&(&z - &want)), max_abs(&want));
-    eprintln!("logits: std {:.3} (want {:.3}), max |diff| {err:.2e} of {scale:.2}", z.std(true).double_value(&[]), want.std(true).double_value(&[]));
+    eprintln!(
+        "logits: std {:.3} (want {:.3}), max |diff| {err:.2e} of {scale:.2}",
+        z.std(true).double_value(&[]),
+        want.std(true).double_value(&[])
+    );
     assert_eq!(z.kind(), Kind::Float);
     assert!(err < 1e-3 * scale, "max |diff| {err} against |logits| up to {scale}");
 }
@@ -152,7 +182,8 @@ fn swiglu_kernels_match_libtorch() {
     let _lock = SWITCH.lock().unwrap();
     tch::manual_seed(3);
     let bf = (Kind::BFloat16, dev);
-    let (gate, up, dh) = (Tensor::randn([1000, 1536], bf) * 3.0, Tensor::randn([1000, 1536], bf), Tensor::randn([1000, 1536], bf));
+    let (gate, up, dh) =
+        (Tensor::randn([1000, 1536], bf) * 3.0, Tensor::randn([1000, 1536], bf), Tensor::randn([1000, 1536], bf));
     let h = nvrtc::with_enabled(true, || crate::swiglu::forward(&gate, &up));
     let (h2, d_gate, d_up) = nvrtc::with_enabled(true, || crate::swiglu::backward(&gate, &up, &dh));
     let f = |t: &Tensor| t.to_kind(Kind::Float);
@@ -161,7 +192,9 @@ fn swiglu_kernels_match_libtorch() {
     let want_h = &act * &u;
     let want_gate = g.silu_backward(&(&d * &u));
     let want_up = &d * &act;
-    for (name, got, want) in [("h", &h, &want_h), ("h (backward)", &h2, &want_h), ("d_gate", &d_gate, &want_gate), ("d_up", &d_up, &want_up)] {
+    for (name, got, want) in
+        [("h", &h, &want_h), ("h (backward)", &h2, &want_h), ("d_gate", &d_gate, &want_gate), ("d_up", &d_up, &want_up)]
+    {
         let diff = (f(got) - want).abs();
         let excess = (&diff - want.abs() * (1.0 / 256.0)).max().double_value(&[]);
         eprintln!("swiglu {name}: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}", max_abs(&diff));
@@ -238,7 +271,10 @@ fn rms_norm_kernels_match_autograd() {
         let want_dx = sr.grad() + f(&g);
 
         let excess = ((f(&y) - &want).abs() - want.abs() * (1.0 / 256.0)).max().double_value(&[]);
-        eprintln!("H {h} add + norm y: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}", max_abs(&(f(&y) - &want)));
+        eprintln!(
+            "H {h} add + norm y: max |diff| {:.3e}, beyond bf16 rounding {excess:.3e}",
+            max_abs(&(f(&y) - &want))
+        );
         assert!(excess < 1e-4, "H {h}: y beyond bf16 rounding by {excess}");
         for (name, got, want) in [("dx", f(&dx), want_dx), ("dw", dw, wr.grad())] {
             let rel = max_abs(&(&got - &want)) / max_abs(&want);
@@ -264,10 +300,21 @@ fn adamw_master_kernel_matches_libtorch_fused() {
     for step in 1..=3 {
         let grad = Tensor::randn([999, 301], (Kind::BFloat16, dev));
         let h = crate::adamw::Step { lr, betas, weight_decay: wd, eps, step };
-        nvrtc::with_enabled(true, || crate::adamw::master_step(&param, &grad, &master, &m, &v, h)).expect("the kernel runs");
+        nvrtc::with_enabled(true, || crate::adamw::master_step(&param, &grad, &master, &m, &v, h))
+            .expect("the kernel runs");
         let step_t = Tensor::full([], step as f64, f32);
-        crate::optim::fused_adamw(&[ref_master.shallow_clone()], &[grad.to_kind(Kind::Float)], &[ref_m.shallow_clone()], &[ref_v.shallow_clone()], &step_t, lr, betas, wd, eps)
-            .unwrap();
+        crate::optim::fused_adamw(
+            &[ref_master.shallow_clone()],
+            &[grad.to_kind(Kind::Float)],
+            &[ref_m.shallow_clone()],
+            &[ref_v.shallow_clone()],
+            &step_t,
+            lr,
+            betas,
+            wd,
+            eps,
+        )
+        .unwrap();
     }
     for (name, got, want) in [("master", &master, &ref_master), ("exp_avg", &m, &ref_m), ("exp_avg_sq", &v, &ref_v)] {
         let rel = max_abs(&(got - want)) / max_abs(want);

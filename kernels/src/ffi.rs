@@ -8,24 +8,58 @@ use std::path::Path;
 
 extern "C" {
     // csrc/autograd.cpp
-    pub fn dflash_backward(tensors: *const *const c_void, grads: *const *const c_void, n: usize, err: *mut c_char, err_len: usize) -> c_int;
+    pub fn dflash_backward(
+        tensors: *const *const c_void,
+        grads: *const *const c_void,
+        n: usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     pub fn dflash_clear_grad(t: *const c_void);
-    pub fn dflash_empty_pinned_like(t: *const c_void, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    pub fn dflash_empty_pinned_like(t: *const c_void, out: *mut *mut c_void, err: *mut c_char, err_len: usize)
+        -> c_int;
 
     // csrc/fused_adamw.cpp
     pub fn dflash_fused_adamw(
-        params: *const *const c_void, grads: *const *const c_void, exp_avgs: *const *const c_void,
-        exp_avg_sqs: *const *const c_void, n: usize, step: *const c_void, lr: f64, beta1: f64, beta2: f64,
-        weight_decay: f64, eps: f64, err: *mut c_char, err_len: usize,
+        params: *const *const c_void,
+        grads: *const *const c_void,
+        exp_avgs: *const *const c_void,
+        exp_avg_sqs: *const *const c_void,
+        n: usize,
+        step: *const c_void,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        err: *mut c_char,
+        err_len: usize,
     ) -> c_int;
-    pub fn dflash_foreach_mul_(ts: *const *const c_void, n: usize, scale: *const c_void, err: *mut c_char, err_len: usize) -> c_int;
+    pub fn dflash_foreach_mul_(
+        ts: *const *const c_void,
+        n: usize,
+        scale: *const c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
 
     // csrc/cudnn_attention.cpp
     pub fn dflash_cudnn_attention_forward(
-        q: *const c_void, k: *const c_void, v: *const c_void, bias: *const c_void, scale: f64,
-        out: *mut *mut c_void, lse: *mut *mut c_void, cum_q: *mut *mut c_void, cum_k: *mut *mut c_void,
-        max_q: *mut i64, max_k: *mut i64, seed: *mut *mut c_void, offset: *mut *mut c_void,
-        err: *mut c_char, err_len: usize,
+        q: *const c_void,
+        k: *const c_void,
+        v: *const c_void,
+        bias: *const c_void,
+        scale: f64,
+        out: *mut *mut c_void,
+        lse: *mut *mut c_void,
+        cum_q: *mut *mut c_void,
+        cum_k: *mut *mut c_void,
+        max_q: *mut i64,
+        max_k: *mut i64,
+        seed: *mut *mut c_void,
+        offset: *mut *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
     ) -> c_int;
     pub fn dflash_allow_cudnn_sdp(enabled: c_int) -> c_int;
 
@@ -52,7 +86,8 @@ pub fn cuda_mem_used() -> Option<u64> {
     // SAFETY: cudaMemGetInfo(size_t*, size_t*) -> int writes two sizes.
     unsafe {
         let lib = libloading::Library::new("libcudart.so.13").ok()?;
-        let get: libloading::Symbol<unsafe extern "C" fn(*mut usize, *mut usize) -> i32> = lib.get(b"cudaMemGetInfo\0").ok()?;
+        let get: libloading::Symbol<unsafe extern "C" fn(*mut usize, *mut usize) -> i32> =
+            lib.get(b"cudaMemGetInfo\0").ok()?;
         let (mut free, mut total) = (0usize, 0usize);
         (get(&mut free, &mut total) == 0).then(|| (total - free) as u64)
     }

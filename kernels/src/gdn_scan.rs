@@ -67,11 +67,13 @@ pub fn forward(x: &ScanInputs) -> Result<(Tensor, Tensor), String> {
     let o = Tensor::empty([bh, n * CHUNK, dv], (Kind::Float, device));
     let m = nvrtc::module(ordinal, SRC, &[("DK", dk), ("DVT", dvt)], &[FORWARD])?;
     let ptr = |t: &Tensor| t.data_ptr() as u64;
-    let (pu, pw, pq, pi, pk, pd, ps, po) = (ptr(&u), ptr(&w), ptr(&qd), ptr(&intra), ptr(&kte), ptr(&decay), ptr(&state), ptr(&o));
+    let (pu, pw, pq, pi, pk, pd, ps, po) =
+        (ptr(&u), ptr(&w), ptr(&qd), ptr(&intra), ptr(&kte), ptr(&decay), ptr(&state), ptr(&o));
     let (n32, dv32) = (i32::try_from(n).map_err(|e| e.to_string())?, dv as i32);
     let mut launch = m.stream.launch_builder(m.function(FORWARD));
     launch.arg(&pu).arg(&pw).arg(&pq).arg(&pi).arg(&pk).arg(&pd).arg(&ps).arg(&po).arg(&n32).arg(&dv32);
-    let config = LaunchConfig { grid_dim: (bh as u32, (dv / dvt) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    let config =
+        LaunchConfig { grid_dim: (bh as u32, (dv / dvt) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature; every pointer is a live, dense tensor
     // of the checked shape on this device, and the launch is ordered on libtorch's stream.
     unsafe { launch.launch(config) }.map_err(|e| format!("{FORWARD}: {e}"))?;

@@ -29,10 +29,10 @@ pub mod block_part;
 pub mod causal_conv;
 pub mod context_tail;
 pub mod cross_entropy;
-pub mod ffi;
-pub mod gdn_scan;
 #[cfg(test)]
 mod cuda_tests;
+pub mod ffi;
+pub mod gdn_scan;
 pub mod norm_rope;
 pub mod nvrtc;
 pub mod optim;

@@ -46,7 +46,8 @@ fn config(ctas: u32) -> LaunchConfig {
 /// `drafter_layers::layers::rope_cos_sin` makes them) -> [B, L, H, D], dense.
 pub fn forward(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, ssin: &Tensor) -> Result<Tensor, String> {
     let m = module(x)?;
-    let (w, cos, ssin) = (w.to_kind(Kind::BFloat16).contiguous(), cos.contiguous(), ssin.to_kind(Kind::BFloat16).contiguous());
+    let (w, cos, ssin) =
+        (w.to_kind(Kind::BFloat16).contiguous(), cos.contiguous(), ssin.to_kind(Kind::BFloat16).contiguous());
     let y = Tensor::empty(x.size(), (Kind::BFloat16, x.device()));
     let s = x.size();
     let (rows, heads) = (s[0] * s[1] * s[2], s[2] as i32);
@@ -62,14 +63,31 @@ pub fn forward(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, ssin: &Tensor) ->
 
 /// From dy = dLoss/dy [B, L, H, D] (any strides, the last dim dense): (dx [B, L, H, D] dense,
 /// dLoss/dw [D] in fp32).
-pub fn backward(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, ssin: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor), String> {
+pub fn backward(
+    x: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    cos: &Tensor,
+    ssin: &Tensor,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor), String> {
     let s = x.size();
     let st = dy.stride();
-    if dy.size() != s || dy.kind() != Kind::BFloat16 || st[3] != 1 || st[..3].iter().any(|v| v % 2 != 0) || dy.data_ptr() as usize % 4 != 0 {
-        return Err(format!("dy {:?} {:?} (strides {st:?}): expected x's shape {s:?}, bf16, the last dim dense", dy.size(), dy.kind()));
+    if dy.size() != s
+        || dy.kind() != Kind::BFloat16
+        || st[3] != 1
+        || st[..3].iter().any(|v| v % 2 != 0)
+        || dy.data_ptr() as usize % 4 != 0
+    {
+        return Err(format!(
+            "dy {:?} {:?} (strides {st:?}): expected x's shape {s:?}, bf16, the last dim dense",
+            dy.size(),
+            dy.kind()
+        ));
     }
     let m = module(x)?;
-    let (w, cos, ssin) = (w.to_kind(Kind::BFloat16).contiguous(), cos.contiguous(), ssin.to_kind(Kind::BFloat16).contiguous());
+    let (w, cos, ssin) =
+        (w.to_kind(Kind::BFloat16).contiguous(), cos.contiguous(), ssin.to_kind(Kind::BFloat16).contiguous());
     let (rows, heads, len) = (s[0] * s[1] * s[2], s[2] as i32, s[1] as i32);
     let grid = ctas(rows);
     let dx = Tensor::empty(s.as_slice(), (Kind::BFloat16, x.device()));

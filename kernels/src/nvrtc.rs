@@ -109,7 +109,9 @@ fn load(device: usize, src: &str, defines: &[(&str, i64)], functions: &[&str]) -
     let module = ctx.load_module(ptx).map_err(|e| format!("loading the compiled module: {e}"))?;
     let functions = functions
         .iter()
-        .map(|&name| module.load_function(name).map(|f| (name.to_string(), f)).map_err(|e| format!("function `{name}`: {e}")))
+        .map(|&name| {
+            module.load_function(name).map(|f| (name.to_string(), f)).map_err(|e| format!("function `{name}`: {e}"))
+        })
         .collect::<Result<_, _>>()?;
     Ok(Module { stream: ctx.default_stream(), functions })
 }
@@ -135,16 +137,23 @@ fn load_nvrtc() -> Result<(), String> {
         .get_or_init(|| {
             // SAFETY: probes for the library; `culib` then keeps it loaded for the process.
             if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-                return Err("NVRTC (libnvrtc.so) is not available: install nvidia-cuda-nvrtc or add it to LD_LIBRARY_PATH".into());
+                return Err(
+                    "NVRTC (libnvrtc.so) is not available: install nvidia-cuda-nvrtc or add it to LD_LIBRARY_PATH"
+                        .into(),
+                );
             }
             let _ = unsafe { cudarc::nvrtc::sys::culib() };
             let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-            let dir = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.contains("/libnvrtc.so")).and_then(|p| {
-                std::path::Path::new(p).parent().map(|d| d.to_path_buf())
-            });
+            let dir = maps
+                .lines()
+                .filter_map(|l| l.split_whitespace().nth(5))
+                .find(|p| p.contains("/libnvrtc.so"))
+                .and_then(|p| std::path::Path::new(p).parent().map(|d| d.to_path_buf()));
             if let Some(dir) = dir {
                 let builtins = std::fs::read_dir(&dir).into_iter().flatten().flatten().map(|e| e.path()).find(|p| {
-                    p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libnvrtc-builtins.so.") && !n.contains("alt"))
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("libnvrtc-builtins.so.") && !n.contains("alt"))
                 });
                 if let Some(path) = builtins {
                     // SAFETY: a plain shared library with no initialisers that matter; kept loaded

@@ -10,12 +10,24 @@ use tch::Tensor;
 /// `step` a float scalar tensor on that device holding the step number (counted from 1).
 #[allow(clippy::too_many_arguments)]
 pub fn fused_adamw(
-    params: &[Tensor], grads: &[Tensor], exp_avgs: &[Tensor], exp_avg_sqs: &[Tensor], step: &Tensor,
-    lr: f64, betas: [f64; 2], weight_decay: f64, eps: f64,
+    params: &[Tensor],
+    grads: &[Tensor],
+    exp_avgs: &[Tensor],
+    exp_avg_sqs: &[Tensor],
+    step: &Tensor,
+    lr: f64,
+    betas: [f64; 2],
+    weight_decay: f64,
+    eps: f64,
 ) -> Result<(), String> {
     let n = params.len();
     if [grads.len(), exp_avgs.len(), exp_avg_sqs.len()].iter().any(|&l| l != n) {
-        return Err(format!("fused AdamW: {n} parameters but {} / {} / {} gradients / moments", grads.len(), exp_avgs.len(), exp_avg_sqs.len()));
+        return Err(format!(
+            "fused AdamW: {n} parameters but {} / {} / {} gradients / moments",
+            grads.len(),
+            exp_avgs.len(),
+            exp_avg_sqs.len()
+        ));
     }
     let ptrs = |ts: &[Tensor]| ts.iter().map(|t| t.as_ptr() as *const c_void).collect::<Vec<_>>();
     let (p, g, m, v) = (ptrs(params), ptrs(grads), ptrs(exp_avgs), ptrs(exp_avg_sqs));
@@ -23,8 +35,19 @@ pub fn fused_adamw(
     // tensors in place; the error buffer has the length passed.
     with_error_buffer(|err, err_len| unsafe {
         dflash_fused_adamw(
-            p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), n, step.as_ptr() as *const c_void, lr, betas[0], betas[1],
-            weight_decay, eps, err, err_len,
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            n,
+            step.as_ptr() as *const c_void,
+            lr,
+            betas[0],
+            betas[1],
+            weight_decay,
+            eps,
+            err,
+            err_len,
         )
     })
 }
@@ -34,7 +57,9 @@ pub fn fused_adamw(
 fn foreach_mul_(tensors: &[Tensor], scale: &Tensor) -> Result<(), String> {
     let ptrs: Vec<*const c_void> = tensors.iter().map(|t| t.as_ptr() as *const c_void).collect();
     // SAFETY: tch handles are at::Tensor*; the shim reads n of them and scales them in place.
-    with_error_buffer(|err, err_len| unsafe { dflash_foreach_mul_(ptrs.as_ptr(), ptrs.len(), scale.as_ptr() as *const c_void, err, err_len) })
+    with_error_buffer(|err, err_len| unsafe {
+        dflash_foreach_mul_(ptrs.as_ptr(), ptrs.len(), scale.as_ptr() as *const c_void, err, err_len)
+    })
 }
 
 /// Every tensor times `scale` in place (a one-element tensor, no host synchronisation): one
@@ -66,7 +91,11 @@ mod tests {
     #[test]
     fn scale_all_scales_every_tensor_in_its_dtype() {
         tch::manual_seed(6);
-        let ts = [Tensor::randn([5, 3], (Kind::Float, Device::Cpu)), Tensor::randn([4], (Kind::Double, Device::Cpu)), Tensor::randn([2, 2], (Kind::Float, Device::Cpu))];
+        let ts = [
+            Tensor::randn([5, 3], (Kind::Float, Device::Cpu)),
+            Tensor::randn([4], (Kind::Double, Device::Cpu)),
+            Tensor::randn([2, 2], (Kind::Float, Device::Cpu)),
+        ];
         let want: Vec<Tensor> = ts.iter().map(|t| t * 0.37).collect();
         super::scale_all_(&ts, &Tensor::from(0.37f32));
         for (t, w) in ts.iter().zip(&want) {

@@ -2,7 +2,9 @@
 //! `torch.profiler` writes, with every aten op, the GPU kernels each launched, and named ranges.
 //! `scripts/trace_summary.py` reads the trace back as tables.
 
-use crate::ffi::{dflash_profiler_start, dflash_profiler_stop, dflash_range_begin, dflash_range_end, with_error_buffer as call};
+use crate::ffi::{
+    dflash_profiler_start, dflash_profiler_stop, dflash_range_begin, dflash_range_end, with_error_buffer as call,
+};
 use std::ffi::{c_int, c_void, CString};
 use std::path::Path;
 
@@ -73,7 +75,8 @@ mod tests {
         }
         p.save(&path).unwrap();
         let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        let names: Vec<&str> = trace["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
+        let names: Vec<&str> =
+            trace["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
         assert!(names.contains(&"matmul_phase"), "{names:?}");
         assert!(names.contains(&"aten::matmul"), "{names:?}");
         std::fs::remove_dir_all(&dir).ok();

@@ -35,7 +35,10 @@ pub fn applies(out: &Tensor, runs: &[(Tensor, i64)]) -> bool {
     let o = out.size();
     let aligned = |t: &Tensor| {
         let st = t.stride();
-        t.kind() == Kind::BFloat16 && st[3] == 1 && st[..3].iter().all(|s| s % 8 == 0) && t.data_ptr() as usize % 16 == 0
+        t.kind() == Kind::BFloat16
+            && st[3] == 1
+            && st[..3].iter().all(|s| s % 8 == 0)
+            && t.data_ptr() as usize % 16 == 0
     };
     nvrtc::enabled()
         && out.device().is_cuda()
@@ -46,7 +49,13 @@ pub fn applies(out: &Tensor, runs: &[(Tensor, i64)]) -> bool {
         && aligned(out)
         && runs.iter().all(|(t, from)| {
             let s = t.size();
-            s.len() == 4 && s[0] == o[0] && s[1] == o[1] && s[3] == o[3] && *from >= 0 && from + s[2] <= o[2] && aligned(t)
+            s.len() == 4
+                && s[0] == o[0]
+                && s[1] == o[1]
+                && s[3] == o[3]
+                && *from >= 0
+                && from + s[2] <= o[2]
+                && aligned(t)
         })
 }
 

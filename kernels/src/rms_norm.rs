@@ -14,7 +14,13 @@ const BACKWARD: &str = "rms_norm_backward_add";
 /// 16-byte aligned, H a multiple of 8 up to 8,192 (a CTA of 1,024 threads, a group of 8 each).
 pub fn applies(x: &Tensor) -> bool {
     let h = x.size().last().copied().unwrap_or(0);
-    nvrtc::enabled() && x.device().is_cuda() && x.kind() == Kind::BFloat16 && dense(x) && h > 0 && h % 8 == 0 && h <= 8192
+    nvrtc::enabled()
+        && x.device().is_cuda()
+        && x.kind() == Kind::BFloat16
+        && dense(x)
+        && h > 0
+        && h % 8 == 0
+        && h <= 8192
 }
 
 fn dense(t: &Tensor) -> bool {
@@ -35,8 +41,15 @@ fn module(x: &Tensor) -> Result<nvrtc::Module, String> {
 /// A CTA a row at a time, as many CTAs as the device holds at once (when there are rows for
 /// them): a second, partial wave would leave most SMs idle while it runs.
 fn config(m: &nvrtc::Module, function: &str, rows: i64, h: i64) -> Result<LaunchConfig, String> {
-    let sms = m.stream.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| e.to_string())?;
-    let per_sm = m.function(function).occupancy_max_active_blocks_per_multiprocessor(threads(h) as u32, 0, None).map_err(|e| e.to_string())?;
+    let sms = m
+        .stream
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| e.to_string())?;
+    let per_sm = m
+        .function(function)
+        .occupancy_max_active_blocks_per_multiprocessor(threads(h) as u32, 0, None)
+        .map_err(|e| e.to_string())?;
     let ctas = rows.clamp(1, sms as i64 * per_sm.max(1) as i64) as u32;
     Ok(LaunchConfig { grid_dim: (ctas, 1, 1), block_dim: (threads(h) as u32, 1, 1), shared_mem_bytes: 0 })
 }
@@ -44,7 +57,12 @@ fn config(m: &nvrtc::Module, function: &str, rows: i64, h: i64) -> Result<Launch
 /// Checks that `t` matches x for the kernels: same shape, bf16, dense and aligned.
 fn like_x(name: &str, t: &Tensor, x: &Tensor) -> Result<(), String> {
     if t.size() != x.size() || t.kind() != Kind::BFloat16 || !dense(t) {
-        return Err(format!("{name} {:?} {:?}: expected x's shape {:?}, bf16, dense and 16-byte aligned", t.size(), t.kind(), x.size()));
+        return Err(format!(
+            "{name} {:?} {:?}: expected x's shape {:?}, bf16, dense and 16-byte aligned",
+            t.size(),
+            t.kind(),
+            x.size()
+        ));
     }
     Ok(())
 }
@@ -56,7 +74,8 @@ pub fn add_forward(x: &Tensor, delta: &Tensor, w: &Tensor, eps: f64) -> Result<(
     like_x("delta", &delta, x)?;
     let m = module(x)?;
     let w = w.to_kind(Kind::BFloat16).contiguous();
-    let (sum, y) = (Tensor::empty(x.size(), (Kind::BFloat16, x.device())), Tensor::empty(x.size(), (Kind::BFloat16, x.device())));
+    let (sum, y) =
+        (Tensor::empty(x.size(), (Kind::BFloat16, x.device())), Tensor::empty(x.size(), (Kind::BFloat16, x.device())));
     let rows = x.numel() as i64 / x.size().last().expect("a last dim");
     let [px, pd, pw, ps, py] = [x, &delta, &w, &sum, &y].map(|t| t.data_ptr() as u64);
     let eps32 = eps as f32;
@@ -99,7 +118,8 @@ mod tests {
     #[test]
     fn the_kernels_compile() {
         for h in [1000, 1024, 2560, 4096, 5120, 8192] {
-            let ptx = super::nvrtc::compile(super::SRC, &[("H", h), ("THREADS", super::threads(h))]).unwrap_or_else(|e| panic!("H {h}: {e}"));
+            let ptx = super::nvrtc::compile(super::SRC, &[("H", h), ("THREADS", super::threads(h))])
+                .unwrap_or_else(|e| panic!("H {h}: {e}"));
             let text = ptx.to_src();
             assert!(text.contains(".entry add_rms_norm") && text.contains(".entry rms_norm_backward_add"));
             assert!(!text.contains(".local"), "H {h}: the kernels spill to local memory");

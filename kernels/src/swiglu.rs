@@ -29,14 +29,18 @@ static FAILED: AtomicBool = AtomicBool::new(false);
 
 /// silu(gate) * up, by the kernel where it applies, else libtorch's ops.
 pub fn forward(gate: &Tensor, up: &Tensor) -> Tensor {
-    let fused = applies(gate, up).then(|| nvrtc::try_kernel(&FAILED, "the SwiGLU kernel", || launch_forward(gate, up))).flatten();
+    let fused = applies(gate, up)
+        .then(|| nvrtc::try_kernel(&FAILED, "the SwiGLU kernel", || launch_forward(gate, up)))
+        .flatten();
     fused.unwrap_or_else(|| gate.silu() * up)
 }
 
 /// From dh = dLoss/d(silu(gate) * up): (silu(gate) * up, d_gate, d_up).
 pub fn backward(gate: &Tensor, up: &Tensor, dh: &Tensor) -> (Tensor, Tensor, Tensor) {
     let fits = applies(gate, up) && dh.size() == gate.size() && dh.kind() == Kind::BFloat16;
-    let fused = fits.then(|| nvrtc::try_kernel(&FAILED, "the SwiGLU kernel", || launch_backward(gate, up, &dh.contiguous()))).flatten();
+    let fused = fits
+        .then(|| nvrtc::try_kernel(&FAILED, "the SwiGLU kernel", || launch_backward(gate, up, &dh.contiguous())))
+        .flatten();
     fused.unwrap_or_else(|| {
         let act = gate.silu();
         let h = &act * up;
@@ -59,7 +63,8 @@ fn config(n: i64) -> LaunchConfig {
 fn launch_forward(gate: &Tensor, up: &Tensor) -> Result<Tensor, String> {
     let m = module(gate)?;
     let h = Tensor::empty(gate.size(), (Kind::BFloat16, gate.device()));
-    let (p_gate, p_up, p_h, n) = (gate.data_ptr() as u64, up.data_ptr() as u64, h.data_ptr() as u64, gate.numel() as i64);
+    let (p_gate, p_up, p_h, n) =
+        (gate.data_ptr() as u64, up.data_ptr() as u64, h.data_ptr() as u64, gate.numel() as i64);
     let mut launch = m.stream.launch_builder(m.function(FORWARD));
     launch.arg(&p_gate).arg(&p_up).arg(&p_h).arg(&n);
     // SAFETY: dense bf16 tensors of n elements on this device (checked by `applies`), 16-byte

@@ -14,7 +14,12 @@ pub const MAX_SIDE: i64 = 64;
 /// Whether the kernel applies to `a` [.., C, C]: fp32 on CUDA, kernels enabled, C <= 64.
 pub fn applies(a: &Tensor) -> bool {
     let s = a.size();
-    nvrtc::enabled() && a.device().is_cuda() && a.kind() == Kind::Float && s.len() >= 2 && s[s.len() - 1] == s[s.len() - 2] && (1..=MAX_SIDE).contains(&s[s.len() - 1])
+    nvrtc::enabled()
+        && a.device().is_cuda()
+        && a.kind() == Kind::Float
+        && s.len() >= 2
+        && s[s.len() - 1] == s[s.len() - 2]
+        && (1..=MAX_SIDE).contains(&s[s.len() - 1])
 }
 
 /// (I + A)^{-1} of each [C, C] matrix of `a`, from its strictly lower part (the rest is not

@@ -21,9 +21,9 @@ use crate::{
         sabi_trait::TD_Opaque,
         std_types::{ROption, RResult, RSlice, RStr, RString, RVec},
     },
-    catch_plugin_panic, CollectivesBox, DataLoader, DataLoader_TO, DataPosition, DataSummary,
-    DecodeInput, DistillOptions, DistillRequest, DraftInput, Drafter, Drafter_TO, NamedTensor, Optimizer, Optimizer_TO,
-    PluginError, PluginInstance, TargetModel, TargetModel_TO, TargetOutput, TargetSpec, TensorHandle,
+    catch_plugin_panic, CollectivesBox, DataLoader, DataLoader_TO, DataPosition, DataSummary, DecodeInput,
+    DistillOptions, DistillRequest, DraftInput, Drafter, Drafter_TO, NamedTensor, Optimizer, Optimizer_TO, PluginError,
+    PluginInstance, TargetModel, TargetModel_TO, TargetOutput, TargetSpec, TensorHandle,
 };
 use std::sync::{
     atomic::{AtomicBool, Ordering},
@@ -47,10 +47,20 @@ pub trait TargetPlugin: Send + 'static {
     /// Forward over right-padded token ids [B, S] (int64): the features of `layer_ids` (the
     /// output of layer `id`, HF `hidden_states[id + 1]`) concatenated on the last dim [B, S, n*H],
     /// and the logits [B, S, V] when `want_logits`.
-    fn forward(&mut self, input_ids: &Tensor, layer_ids: &[u32], want_logits: bool) -> Result<(Tensor, Option<Tensor>), PluginError>;
+    fn forward(
+        &mut self,
+        input_ids: &Tensor,
+        layer_ids: &[u32],
+        want_logits: bool,
+    ) -> Result<(Tensor, Option<Tensor>), PluginError>;
 
     /// Greedy generation for each prompt, up to `max_new_tokens` or a stop token (included).
-    fn generate(&mut self, prompts: Vec<Vec<u32>>, max_new_tokens: u32, stop_tokens: &[u32]) -> Result<Vec<Vec<u32>>, PluginError>;
+    fn generate(
+        &mut self,
+        prompts: Vec<Vec<u32>>,
+        max_new_tokens: u32,
+        stop_tokens: &[u32],
+    ) -> Result<Vec<Vec<u32>>, PluginError>;
 
     /// Empty the incremental-decoding cache.
     fn cache_reset(&mut self);
@@ -122,7 +132,12 @@ pub trait DrafterPlugin: Send + 'static {
     /// A decoding draft with the context kept between calls (see [`Drafter::decode_block`]):
     /// `new_context` [1, n, L*H] from position `context_start`, then the block [1, Bk, H].
     /// `Ok(None)`: this drafter keeps no context.
-    fn decode_block(&mut self, new_context: &Tensor, context_start: u32, block_embeds: &Tensor) -> Result<Option<Tensor>, PluginError> {
+    fn decode_block(
+        &mut self,
+        new_context: &Tensor,
+        context_start: u32,
+        block_embeds: &Tensor,
+    ) -> Result<Option<Tensor>, PluginError> {
         let _ = (new_context, context_start, block_embeds);
         Ok(None)
     }
@@ -291,13 +306,21 @@ pub fn take_poison(address: usize) -> Option<String> {
 
 /// A fallible method: refused while the instance is poisoned (`poisoned`, read first), its
 /// panic an error.
-fn fallible<R>(poisoned: Result<(), PluginError>, f: impl FnOnce() -> Result<R, PluginError>) -> RResult<R, PluginError> {
+fn fallible<R>(
+    poisoned: Result<(), PluginError>,
+    f: impl FnOnce() -> Result<R, PluginError>,
+) -> RResult<R, PluginError> {
     poisoned.and_then(|()| catch_plugin_panic(f)).into()
 }
 
 /// A value-returning method of the instance `at` ([`key`]): a panic poisons it and gives
 /// `placeholder(why)`.
-fn value<R>(at: (usize, &'static str), method: &'static str, placeholder: impl FnOnce(&str) -> R, f: impl FnOnce() -> R) -> R {
+fn value<R>(
+    at: (usize, &'static str),
+    method: &'static str,
+    placeholder: impl FnOnce(&str) -> R,
+    f: impl FnOnce() -> R,
+) -> R {
     match catch_plugin_panic(|| Ok(f())) {
         Ok(r) => r,
         Err(e) => {
@@ -362,14 +385,24 @@ impl<T: TargetPlugin> TargetModel for T {
         value(key(self), "lm_head", |_| empty_tensor(), || TargetPlugin::lm_head(self).into())
     }
 
-    fn forward(&mut self, input_ids: &TensorHandle, layer_ids: RSlice<'_, u32>, want_logits: bool) -> RResult<TargetOutput, PluginError> {
+    fn forward(
+        &mut self,
+        input_ids: &TensorHandle,
+        layer_ids: RSlice<'_, u32>,
+        want_logits: bool,
+    ) -> RResult<TargetOutput, PluginError> {
         fallible(poison(self), || {
             let (hidden, logits) = TargetPlugin::forward(self, &input_ids.tensor(), layer_ids.as_slice(), want_logits)?;
             Ok(TargetOutput { hidden: hidden.into(), logits: logits.map(TensorHandle::new).into() })
         })
     }
 
-    fn generate(&mut self, prompts: RVec<RVec<u32>>, max_new_tokens: u32, stop_tokens: RSlice<'_, u32>) -> RResult<RVec<RVec<u32>>, PluginError> {
+    fn generate(
+        &mut self,
+        prompts: RVec<RVec<u32>>,
+        max_new_tokens: u32,
+        stop_tokens: RSlice<'_, u32>,
+    ) -> RResult<RVec<RVec<u32>>, PluginError> {
         fallible(poison(self), || {
             let prompts = prompts.into_iter().map(RVec::into_vec).collect();
             let out = TargetPlugin::generate(self, prompts, max_new_tokens, stop_tokens.as_slice())?;
@@ -381,7 +414,11 @@ impl<T: TargetPlugin> TargetModel for T {
         value(key(self), "cache_reset", |_| (), || TargetPlugin::cache_reset(self))
     }
 
-    fn cache_extend(&mut self, input_ids: &TensorHandle, layer_ids: RSlice<'_, u32>) -> RResult<TargetOutput, PluginError> {
+    fn cache_extend(
+        &mut self,
+        input_ids: &TensorHandle,
+        layer_ids: RSlice<'_, u32>,
+    ) -> RResult<TargetOutput, PluginError> {
         fallible(poison(self), || {
             let (hidden, logits) = TargetPlugin::cache_extend(self, &input_ids.tensor(), layer_ids.as_slice())?;
             Ok(TargetOutput { hidden: hidden.into(), logits: ROption::RSome(logits.into()) })
@@ -432,7 +469,12 @@ impl<T: DrafterPlugin> Drafter for T {
 
     fn decode_block(&mut self, input: &DecodeInput) -> RResult<ROption<TensorHandle>, PluginError> {
         fallible(poison(self), || {
-            let out = DrafterPlugin::decode_block(self, &input.new_context.tensor(), input.context_start, &input.block_embeds.tensor())?;
+            let out = DrafterPlugin::decode_block(
+                self,
+                &input.new_context.tensor(),
+                input.context_start,
+                &input.block_embeds.tensor(),
+            )?;
             Ok(out.map(TensorHandle::new).into())
         })
     }
@@ -474,7 +516,9 @@ impl<T: DataLoaderPlugin> DataLoader for T {
     }
 
     fn set_distilled(&mut self, replies: RVec<RVec<u32>>) -> RResult<DataSummary, PluginError> {
-        fallible(poison(self), || DataLoaderPlugin::set_distilled(self, replies.into_iter().map(RVec::into_vec).collect()))
+        fallible(poison(self), || {
+            DataLoaderPlugin::set_distilled(self, replies.into_iter().map(RVec::into_vec).collect())
+        })
     }
 
     fn next_batch(&mut self) -> RResult<ROption<crate::Batch>, PluginError> {
@@ -504,7 +548,9 @@ impl<T: DataLoaderPlugin> DataLoader for T {
     }
 
     fn validation_batches(&mut self) -> RResult<RVec<crate::Batch>, PluginError> {
-        fallible(poison(self), || Ok(DataLoaderPlugin::validation_batches(self)?.into_iter().map(TrainBatch::into_abi).collect()))
+        fallible(poison(self), || {
+            Ok(DataLoaderPlugin::validation_batches(self)?.into_iter().map(TrainBatch::into_abi).collect())
+        })
     }
 }
 
@@ -543,7 +589,9 @@ mod tests {
     }
 
     fn boxed(panic_in: &'static str) -> crate::OptimizerBox {
-        let PluginInstance::Optimizer(o) = PluginInstance::optimizer(Sgd { params: vec![], panic_in }) else { unreachable!() };
+        let PluginInstance::Optimizer(o) = PluginInstance::optimizer(Sgd { params: vec![], panic_in }) else {
+            unreachable!()
+        };
         o
     }
 

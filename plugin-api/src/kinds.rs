@@ -89,7 +89,11 @@ pub trait TargetModel: Send {
 
     /// Run `input_ids` [1, L] after the cached tokens (causally, at positions len..len+L): their
     /// features [1, L, n*H] and logits [1, L, V]; the cache grows by L.
-    fn cache_extend(&mut self, input_ids: &TensorHandle, layer_ids: RSlice<'_, u32>) -> RResult<TargetOutput, PluginError>;
+    fn cache_extend(
+        &mut self,
+        input_ids: &TensorHandle,
+        layer_ids: RSlice<'_, u32>,
+    ) -> RResult<TargetOutput, PluginError>;
 
     /// Keep the first `len` cached positions (drops rejected draft tokens).
     #[sabi(last_prefix_field)]

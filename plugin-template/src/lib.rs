@@ -76,9 +76,15 @@ impl OptimizerPlugin for Sgd {
         for (name, t) in state {
             if name == "step" {
                 self.steps = t.int64_value(&[]);
-            } else if let Some((_, p, buf)) = self.params.iter_mut().find(|(n, _, _)| format!("{n}.momentum_buffer") == name) {
+            } else if let Some((_, p, buf)) =
+                self.params.iter_mut().find(|(n, _, _)| format!("{n}.momentum_buffer") == name)
+            {
                 if t.size() != p.size() {
-                    return Err(PluginError::new(format!("optimizer state `{name}`: shape {:?}, expected {:?}", t.size(), p.size())));
+                    return Err(PluginError::new(format!(
+                        "optimizer state `{name}`: shape {:?}, expected {:?}",
+                        t.size(),
+                        p.size()
+                    )));
                 }
                 *buf = t.to_kind(Kind::Float).to_device(p.device());
             } else {

@@ -34,23 +34,71 @@ pub type Result<T> = std::result::Result<T, Error>;
 type ErrBuf = [c_char; 2048];
 
 extern "C" {
-    fn dflash_c10d_store_new(host: *const c_char, port: u16, server: bool, timeout_ms: i64, out: *mut *mut c_void, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_c10d_store_new(
+        host: *const c_char,
+        port: u16,
+        server: bool,
+        timeout_ms: i64,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
     fn dflash_c10d_store_free(s: *mut c_void);
-    fn dflash_c10d_store_set(s: *mut c_void, key: *const c_char, data: *const u8, n: usize, err: *mut c_char, len: usize) -> c_int;
-    fn dflash_c10d_store_get(s: *mut c_void, key: *const c_char, data: *mut *mut u8, n: *mut usize, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_c10d_store_set(
+        s: *mut c_void,
+        key: *const c_char,
+        data: *const u8,
+        n: usize,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
+    fn dflash_c10d_store_get(
+        s: *mut c_void,
+        key: *const c_char,
+        data: *mut *mut u8,
+        n: *mut usize,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
     fn dflash_c10d_bytes_free(data: *mut u8);
-    fn dflash_c10d_store_check(s: *mut c_void, key: *const c_char, present: *mut bool, err: *mut c_char, len: usize) -> c_int;
-    fn dflash_c10d_store_add(s: *mut c_void, key: *const c_char, value: i64, now: *mut i64, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_c10d_store_check(
+        s: *mut c_void,
+        key: *const c_char,
+        present: *mut bool,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
+    fn dflash_c10d_store_add(
+        s: *mut c_void,
+        key: *const c_char,
+        value: i64,
+        now: *mut i64,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
     fn dflash_c10d_store_raw(s: *mut c_void) -> *mut c_void;
     fn dflash_c10d_gloo_new(
-        s: *mut c_void, prefix: *const c_char, rank: c_int, world: c_int, timeout_ms: i64, out: *mut *mut c_void, err: *mut c_char,
+        s: *mut c_void,
+        prefix: *const c_char,
+        rank: c_int,
+        world: c_int,
+        timeout_ms: i64,
+        out: *mut *mut c_void,
+        err: *mut c_char,
         len: usize,
     ) -> c_int;
     fn dflash_c10d_group_adopt(backend: *mut c_void, timeout_ms: i64) -> *mut c_void;
     fn dflash_c10d_group_free(g: *mut c_void);
     fn dflash_c10d_all_reduce(g: *mut c_void, t: *const c_void, op: c_int, err: *mut c_char, len: usize) -> c_int;
     fn dflash_c10d_broadcast(g: *mut c_void, t: *const c_void, root: c_int, err: *mut c_char, len: usize) -> c_int;
-    fn dflash_c10d_all_gather(g: *mut c_void, outputs: *const *const c_void, world: usize, input: *const c_void, err: *mut c_char, len: usize) -> c_int;
+    fn dflash_c10d_all_gather(
+        g: *mut c_void,
+        outputs: *const *const c_void,
+        world: usize,
+        input: *const c_void,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
     fn dflash_c10d_barrier(g: *mut c_void, err: *mut c_char, len: usize) -> c_int;
 }
 
@@ -94,7 +142,9 @@ impl Store {
         let mut raw = std::ptr::null_mut();
         let h = cstr(host);
         // SAFETY: plain arguments; the shim writes `raw` on success.
-        call(|e, l| unsafe { dflash_c10d_store_new(h.as_ptr(), port, server, timeout.as_millis() as i64, &mut raw, e, l) })?;
+        call(|e, l| unsafe {
+            dflash_c10d_store_new(h.as_ptr(), port, server, timeout.as_millis() as i64, &mut raw, e, l)
+        })?;
         Ok(Self { raw, host: host.into(), port, timeout })
     }
 
@@ -186,21 +236,41 @@ impl ProcessGroup {
     /// A group over the store's rendezvous (its keys under `prefix`); every rank must call this
     /// with the same prefix. Collectives fail after `timeout` instead of waiting for a dead peer
     /// forever.
-    pub fn new(backend: Backend, store: &Store, prefix: &str, rank: usize, world: usize, timeout: Duration) -> Result<Self> {
+    pub fn new(
+        backend: Backend,
+        store: &Store,
+        prefix: &str,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
         let p = cstr(prefix);
         let ms = timeout.as_millis() as i64;
         let mut raw = std::ptr::null_mut();
         match backend {
             Backend::Gloo => {
                 // SAFETY: the store is alive for the call (the group keeps its own reference).
-                call(|e, l| unsafe { dflash_c10d_gloo_new(store.raw, p.as_ptr(), rank as c_int, world as c_int, ms, &mut raw, e, l) })?;
+                call(|e, l| unsafe {
+                    dflash_c10d_gloo_new(store.raw, p.as_ptr(), rank as c_int, world as c_int, ms, &mut raw, e, l)
+                })?;
             }
             Backend::Nccl => {
                 let new = nccl_library()?.new;
                 let mut backend_raw = std::ptr::null_mut();
                 // SAFETY: store_raw hands over a new reference, which the NCCL library takes;
                 // on success it returns one reference to the backend, which adopt takes.
-                call(|e, l| unsafe { new(dflash_c10d_store_raw(store.raw), p.as_ptr(), rank as c_int, world as c_int, ms, &mut backend_raw, e, l) })?;
+                call(|e, l| unsafe {
+                    new(
+                        dflash_c10d_store_raw(store.raw),
+                        p.as_ptr(),
+                        rank as c_int,
+                        world as c_int,
+                        ms,
+                        &mut backend_raw,
+                        e,
+                        l,
+                    )
+                })?;
                 raw = unsafe { dflash_c10d_group_adopt(backend_raw, ms) };
             }
         }
@@ -230,7 +300,9 @@ impl ProcessGroup {
         }
         let ptrs: Vec<*const c_void> = outputs.iter().map(|t| t.as_ptr() as *const c_void).collect();
         // SAFETY: as all_reduce; `ptrs` holds `world` handles.
-        call(|e, l| unsafe { dflash_c10d_all_gather(self.raw, ptrs.as_ptr(), ptrs.len(), input.as_ptr() as *const c_void, e, l) })
+        call(|e, l| unsafe {
+            dflash_c10d_all_gather(self.raw, ptrs.as_ptr(), ptrs.len(), input.as_ptr() as *const c_void, e, l)
+        })
     }
 
     pub fn barrier(&mut self) -> Result<()> {
@@ -250,7 +322,8 @@ impl Drop for ProcessGroup {
 /// NCCL headers.
 static NCCL_LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libdflash_c10d_nccl.so"));
 
-type NcclNew = unsafe extern "C" fn(*mut c_void, *const c_char, c_int, c_int, i64, *mut *mut c_void, *mut c_char, usize) -> c_int;
+type NcclNew =
+    unsafe extern "C" fn(*mut c_void, *const c_char, c_int, c_int, i64, *mut *mut c_void, *mut c_char, usize) -> c_int;
 type NcclVersion = unsafe extern "C" fn(*mut c_char, usize) -> c_int;
 
 struct Nccl {
@@ -312,7 +385,11 @@ mod tests {
     }
 
     /// `world` ranks on threads, each running `f(rank, group, store)`.
-    fn ranks<T: Send>(world: usize, timeout: Duration, f: impl Fn(usize, &mut ProcessGroup, &Store) -> T + Sync) -> Vec<T> {
+    fn ranks<T: Send>(
+        world: usize,
+        timeout: Duration,
+        f: impl Fn(usize, &mut ProcessGroup, &Store) -> T + Sync,
+    ) -> Vec<T> {
         let port = free_port();
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..world)
@@ -337,7 +414,8 @@ mod tests {
             pg.all_reduce(&t, ReduceOp::Sum).unwrap();
             let m = Tensor::from_slice(&[r as f32, -r as f32]);
             pg.all_reduce(&m, ReduceOp::Max).unwrap();
-            let b = if rank == 1 { Tensor::from_slice(&[7i64, 8]) } else { Tensor::zeros([2], (Kind::Int64, Device::Cpu)) };
+            let b =
+                if rank == 1 { Tensor::from_slice(&[7i64, 8]) } else { Tensor::zeros([2], (Kind::Int64, Device::Cpu)) };
             pg.broadcast(&b, 1).unwrap();
             let outs: Vec<Tensor> = (0..3).map(|_| Tensor::zeros([2], (Kind::Float, Device::Cpu))).collect();
             pg.all_gather(&outs, &Tensor::from_slice(&[r as f32, 2.0 * r as f32])).unwrap();
@@ -345,7 +423,12 @@ mod tests {
             store.set(&format!("k{rank}"), &[rank as u8]).unwrap();
             let n = store.add("count", 1).unwrap();
             assert!((1..=3).contains(&n));
-            (Vec::<f64>::try_from(&t).unwrap(), Vec::<f32>::try_from(&m).unwrap(), Vec::<i64>::try_from(&b).unwrap(), outs.iter().map(|o| Vec::<f32>::try_from(o).unwrap()).collect::<Vec<_>>())
+            (
+                Vec::<f64>::try_from(&t).unwrap(),
+                Vec::<f32>::try_from(&m).unwrap(),
+                Vec::<i64>::try_from(&b).unwrap(),
+                outs.iter().map(|o| Vec::<f32>::try_from(o).unwrap()).collect::<Vec<_>>(),
+            )
         });
         for (sum, max, bcast, gathered) in out {
             assert_eq!(sum, vec![3.0, 3.0, 30.0]);
@@ -373,7 +456,8 @@ mod tests {
     #[test]
     fn a_store_nobody_serves_is_an_error_after_the_timeout() {
         let t = std::time::Instant::now();
-        let err = Store::connect("127.0.0.1", free_port(), false, Duration::from_millis(1500)).err().expect("no server");
+        let err =
+            Store::connect("127.0.0.1", free_port(), false, Duration::from_millis(1500)).err().expect("no server");
         assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
         assert!(!err.0.is_empty());
     }

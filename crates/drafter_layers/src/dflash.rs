@@ -16,7 +16,11 @@ pub struct DFlashSection {
 
 /// The `[drafter]` section's DFlash fields, checked as far as they can be without the target
 /// (so a bad value is refused before it loads); [`resolve`] runs this first.
-pub fn check(block_size: usize, num_target_features: usize, target_layer_ids: Option<&[u32]>) -> Result<(), PluginError> {
+pub fn check(
+    block_size: usize,
+    num_target_features: usize,
+    target_layer_ids: Option<&[u32]>,
+) -> Result<(), PluginError> {
     let bad = |field: &str, why: String| Err(PluginError::new(format!("field `{field}`: {why}")));
     if !(2..=64).contains(&block_size) {
         return bad("block_size", format!("must be in 2..=64, got {block_size}"));
@@ -47,7 +51,10 @@ pub fn resolve(
         Some(ids) => ids.to_vec(),
         None => {
             if num_target_features == 0 || num_target_features > l {
-                return bad("num_target_features", format!("must be in 1..={l} (the target's layers), got {num_target_features}"));
+                return bad(
+                    "num_target_features",
+                    format!("must be in 1..={l} (the target's layers), got {num_target_features}"),
+                );
             }
             crate::target_layer_ids(l, num_target_features)
         }
@@ -58,18 +65,18 @@ pub fn resolve(
     if let Some(bad_id) = ids.iter().find(|&&i| i as usize >= l) {
         return bad("target_layer_ids", format!("layer {bad_id} does not exist (the target has {l} layers)"));
     }
-    let mask_token_id = match mask_token_id {
-        Some(id) => id,
-        None => match target.pad_token_id.into_option() {
-            Some(pad) if pad != target.eos_token_id => pad,
-            _ => {
-                return bad(
+    let mask_token_id =
+        match mask_token_id {
+            Some(id) => id,
+            None => match target.pad_token_id.into_option() {
+                Some(pad) if pad != target.eos_token_id => pad,
+                _ => return bad(
                     "mask_token_id",
-                    "not set and the target has no pad token distinct from EOS to use; set it to an unused token id".into(),
-                )
-            }
-        },
-    };
+                    "not set and the target has no pad token distinct from EOS to use; set it to an unused token id"
+                        .into(),
+                ),
+            },
+        };
     if mask_token_id >= target.vocab_size {
         return bad("mask_token_id", format!("{mask_token_id} is outside the vocabulary ({})", target.vocab_size));
     }
@@ -84,7 +91,12 @@ pub const SLIDING_ATTENTION: &str = "sliding_attention";
 /// `sliding_window`, checked: one entry per layer, known names, a window for sliding layers that
 /// is at least a block (a shorter one would cut the block's own keys, which neither SpecForge
 /// nor SGLang agree on).
-pub fn layer_windows(layer_types: &[String], sliding_window: Option<usize>, num_layers: usize, block_size: usize) -> Result<Vec<Option<i64>>, String> {
+pub fn layer_windows(
+    layer_types: &[String],
+    sliding_window: Option<usize>,
+    num_layers: usize,
+    block_size: usize,
+) -> Result<Vec<Option<i64>>, String> {
     if layer_types.len() != num_layers {
         return Err(format!("`layer_types` lists {} layers, `num_hidden_layers` is {num_layers}", layer_types.len()));
     }
@@ -94,7 +106,9 @@ pub fn layer_windows(layer_types: &[String], sliding_window: Option<usize>, num_
             FULL_ATTENTION => Ok(None),
             SLIDING_ATTENTION => match sliding_window {
                 None => Err(format!("`layer_types` has `{SLIDING_ATTENTION}` layers but `sliding_window` is not set")),
-                Some(w) if w < block_size => Err(format!("`sliding_window` {w} is shorter than a block ({block_size})")),
+                Some(w) if w < block_size => {
+                    Err(format!("`sliding_window` {w} is shorter than a block ({block_size})"))
+                }
                 Some(w) => Ok(Some(w as i64)),
             },
             other => Err(format!("`layer_types` entry `{other}` is not `{FULL_ATTENTION}` or `{SLIDING_ATTENTION}`")),
@@ -117,7 +131,13 @@ pub fn read_weights(dir: &Path) -> Result<Vec<NamedTensor>, PluginError> {
 }
 
 /// A saved drafter's sizes against the target it is loaded for.
-pub fn check_fits(dir: &Path, hidden_size: usize, vocab_size: usize, dflash: &DFlashSection, target: &TargetSpec) -> Result<(), PluginError> {
+pub fn check_fits(
+    dir: &Path,
+    hidden_size: usize,
+    vocab_size: usize,
+    dflash: &DFlashSection,
+    target: &TargetSpec,
+) -> Result<(), PluginError> {
     let mismatch = |what: &str, ours: usize, theirs: u32| {
         Err(PluginError::new(format!("{}: {what} {ours} does not fit the target's {theirs}", dir.display())))
     };

@@ -44,7 +44,8 @@ impl RmsNorm {
     pub fn forward_add(&self, x: &Tensor, delta: &Tensor) -> (Tensor, Tensor) {
         static FAILED: AtomicBool = AtomicBool::new(false);
         let kernel = || kernels::rms_norm::add_forward(x, delta, &self.weight, self.eps);
-        let fused = kernels::rms_norm::applies(x).then(|| kernels::nvrtc::try_kernel(&FAILED, "the RMSNorm kernel", kernel));
+        let fused =
+            kernels::rms_norm::applies(x).then(|| kernels::nvrtc::try_kernel(&FAILED, "the RMSNorm kernel", kernel));
         fused.flatten().unwrap_or_else(|| {
             let s = x + delta;
             let y = self.forward(&s);
@@ -58,7 +59,8 @@ impl RmsNorm {
     pub fn backward_add(&self, x: &Tensor, dy: &Tensor, g: &Tensor) -> (Tensor, Tensor) {
         static FAILED: AtomicBool = AtomicBool::new(false);
         let kernel = || kernels::rms_norm::backward_add(x, &self.weight, self.eps, dy, g);
-        let fused = kernels::rms_norm::applies(x).then(|| kernels::nvrtc::try_kernel(&FAILED, "the RMSNorm kernel", kernel));
+        let fused =
+            kernels::rms_norm::applies(x).then(|| kernels::nvrtc::try_kernel(&FAILED, "the RMSNorm kernel", kernel));
         let (dx, dw) = fused.flatten().unwrap_or_else(|| {
             let (dx, dw) = self.composite_backward(x, dy);
             (dx + g.to_kind(dw.kind()), dw)
@@ -88,7 +90,8 @@ impl RmsNorm {
     pub fn forward_rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
         static FAILED: AtomicBool = AtomicBool::new(false);
         let kernel = || kernels::norm_rope::forward(x, &self.weight, self.eps, cos, sin);
-        let fused = kernels::norm_rope::applies(x, cos).then(|| kernels::nvrtc::try_kernel(&FAILED, "the q/k norm + RoPE kernel", kernel));
+        let fused = kernels::norm_rope::applies(x, cos)
+            .then(|| kernels::nvrtc::try_kernel(&FAILED, "the q/k norm + RoPE kernel", kernel));
         fused.flatten().unwrap_or_else(|| apply_rope(&self.forward(x).transpose(1, 2), cos, sin).transpose(1, 2))
     }
 
@@ -99,7 +102,8 @@ impl RmsNorm {
     pub fn backward_rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, dy: &Tensor) -> (Tensor, Tensor) {
         static FAILED: AtomicBool = AtomicBool::new(false);
         let kernel = || kernels::norm_rope::backward(x, &self.weight, self.eps, cos, sin, dy);
-        let fused = kernels::norm_rope::applies(x, cos).then(|| kernels::nvrtc::try_kernel(&FAILED, "the q/k norm + RoPE kernel", kernel));
+        let fused = kernels::norm_rope::applies(x, cos)
+            .then(|| kernels::nvrtc::try_kernel(&FAILED, "the q/k norm + RoPE kernel", kernel));
         let (dx, dw) = fused.flatten().unwrap_or_else(|| {
             let wk = work_kind(x);
             let (c, s, dy) = (cos.transpose(1, 2).to_kind(wk), sin.transpose(1, 2).to_kind(wk), dy.to_kind(wk)); // [B, L, 1, D]
@@ -116,7 +120,11 @@ impl RmsNorm {
 
 /// The kind the norms' composite backward computes in: fp64 for fp64 input, else fp32.
 fn work_kind(x: &Tensor) -> Kind {
-    if x.kind() == Kind::Double { Kind::Double } else { Kind::Float }
+    if x.kind() == Kind::Double {
+        Kind::Double
+    } else {
+        Kind::Float
+    }
 }
 
 /// [a, b] -> [b, a] over the last dim's halves.
@@ -130,7 +138,11 @@ pub const INITIALIZER_RANGE: f64 = 0.02;
 
 /// A bias-free linear layer, weights drawn with std `initializer_range` (HF's init).
 pub fn linear(p: &nn::Path, name: &str, in_dim: usize, out_dim: usize, initializer_range: f64) -> nn::Linear {
-    let cfg = nn::LinearConfig { ws_init: nn::Init::Randn { mean: 0.0, stdev: initializer_range }, bs_init: None, bias: false };
+    let cfg = nn::LinearConfig {
+        ws_init: nn::Init::Randn { mean: 0.0, stdev: initializer_range },
+        bs_init: None,
+        bias: false,
+    };
     nn::linear(p / name, in_dim as i64, out_dim as i64, cfg)
 }
 
@@ -152,11 +164,19 @@ fn project_into_one(lin: &nn::Linear, ctx: &Tensor, x: &Tensor) -> Tensor {
 /// Rotary embedding tables for integer positions [B, L] -> (cos, signed sin) [B, 1, L, D]; the
 /// sine's first half is negated so that [`apply_rope`] needs no negation pass. A RoPE scaling
 /// changes the frequencies and may scale cos and sin (YaRN's attention factor).
-pub fn rope_cos_sin(positions: &Tensor, head_dim: usize, theta: f64, scaling: &RopeScaling, kind: Kind) -> (Tensor, Tensor) {
+pub fn rope_cos_sin(
+    positions: &Tensor,
+    head_dim: usize,
+    theta: f64,
+    scaling: &RopeScaling,
+    kind: Kind,
+) -> (Tensor, Tensor) {
     let d = head_dim as i64;
     let device = positions.device();
     let (inv_freq, attention) = match scaling {
-        RopeScaling::Default => ((Tensor::arange_start_step(0, d, 2, (Kind::Float, device)) / d as f64 * -theta.ln()).exp(), 1.0),
+        RopeScaling::Default => {
+            ((Tensor::arange_start_step(0, d, 2, (Kind::Float, device)) / d as f64 * -theta.ln()).exp(), 1.0)
+        }
         scaled => {
             let (freqs, attention) = scaled.inv_freq(head_dim, theta);
             (Tensor::from_slice(&freqs).to_kind(Kind::Float).to_device(device), attention)
@@ -196,7 +216,15 @@ pub struct AttentionInputs {
 impl AttentionInputs {
     /// anchors [B, A]; the context has `s` positions; blocks of `bk` tokens; `window`: the
     /// sliding window of the drafter's sliding-window layers, if it has any.
-    pub fn new(anchors: &Tensor, s: i64, bk: i64, cfg: &DenseShape, kind: Kind, masked: bool, window: Option<i64>) -> Self {
+    pub fn new(
+        anchors: &Tensor,
+        s: i64,
+        bk: i64,
+        cfg: &DenseShape,
+        kind: Kind,
+        masked: bool,
+        window: Option<i64>,
+    ) -> Self {
         let (b, a) = (anchors.size()[0], anchors.size()[1]);
         let device = anchors.device();
         // Positions: block token k of anchor a sits at a + k; the context at 0..S-1.
@@ -206,7 +234,8 @@ impl AttentionInputs {
         let k_pos = Tensor::cat(&[&ctx_pos, &block_pos], 1);
         let (k_cos, k_sin) = rope_cos_sin(&k_pos, cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling, kind);
         let mask = masked.then(|| kernels::block_attention::masked_sdpa_mask(anchors, s, bk, None));
-        let sliding = window.filter(|_| masked).map(|w| (w, kernels::block_attention::masked_sdpa_mask(anchors, s, bk, Some(w))));
+        let sliding =
+            window.filter(|_| masked).map(|w| (w, kernels::block_attention::masked_sdpa_mask(anchors, s, bk, Some(w))));
         Self { q_cos, q_sin, k_cos, k_sin, mask, sliding }
     }
 
@@ -302,7 +331,16 @@ impl Attention {
     /// gradient is added into `d_ctx` [B, S, H]. Each GEMM into x's and the context's gradients
     /// accumulates onto the one before: a separate sum would cost two more passes over them each
     /// time.
-    pub fn cut_grads(&self, cut: &ProjCut, at: &AttentionInputs, ctx: &Tensor, dq: &Tensor, dk: &Tensor, dv: &Tensor, d_ctx: &mut Tensor) -> (Tensor, [(Tensor, Tensor); 5]) {
+    pub fn cut_grads(
+        &self,
+        cut: &ProjCut,
+        at: &AttentionInputs,
+        ctx: &Tensor,
+        dq: &Tensor,
+        dk: &Tensor,
+        dv: &Tensor,
+        d_ctx: &mut Tensor,
+    ) -> (Tensor, [(Tensor, Tensor); 5]) {
         no_grad(|| {
             let (b, n, h) = (cut.x.size()[0], cut.x.size()[1], cut.x.size()[2]);
             let (s, kv) = (ctx.size()[1], self.num_kv_heads * self.head_dim);
@@ -350,7 +388,14 @@ impl Attention {
     /// the kept context keys/values and its own; `mask` [B, 1, Bk, S+Bk], or None where the
     /// block sees all of both (a full-attention layer: the context is exactly what lies before
     /// the anchor). Equals [`forward`](Self::forward) over the whole context.
-    pub fn forward_decode(&self, x: &Tensor, context: &(Tensor, Tensor), cos: &Tensor, sin: &Tensor, mask: Option<&Tensor>) -> Tensor {
+    pub fn forward_decode(
+        &self,
+        x: &Tensor,
+        context: &(Tensor, Tensor),
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Tensor {
         let (b, n) = (x.size()[0], x.size()[1]);
         let q = self.q_proj.forward(x).view([b, n, self.num_heads, self.head_dim]);
         let q = apply_rope(&self.q_norm.forward(&q).transpose(1, 2), cos, sin);

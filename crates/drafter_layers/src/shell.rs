@@ -77,7 +77,10 @@ pub fn config_json<D: DrafterShell>(d: &D) -> String {
 
 /// `DrafterPlugin::parameters`: every variable, sorted by name, sharing storage with the model.
 pub fn parameters<D: DrafterShell>(d: &D) -> Vec<(String, Tensor)> {
-    crate::weights::named_parameters(d.vs()).into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect()
+    crate::weights::named_parameters(d.vs())
+        .into_iter()
+        .map(|nt| (nt.name.into_string(), nt.tensor.into_tensor()))
+        .collect()
 }
 
 /// `DrafterPlugin::load_weights`.
@@ -111,7 +114,10 @@ macro_rules! drafter_shell_methods {
             $crate::shell::parameters(self)
         }
 
-        fn load_weights(&mut self, weights: Vec<(String, plugin_api::tch::Tensor)>) -> Result<(), plugin_api::PluginError> {
+        fn load_weights(
+            &mut self,
+            weights: Vec<(String, plugin_api::tch::Tensor)>,
+        ) -> Result<(), plugin_api::PluginError> {
             $crate::shell::load_weights(self, weights)
         }
     };

@@ -62,7 +62,9 @@ pub fn from_hf_config(json: &Value) -> TargetFacts {
 /// From GGUF metadata: `{arch}.context_length` and `{arch}.rope.scaling.*` (llama.cpp's names).
 fn from_gguf(path: &Path) -> Result<TargetFacts, String> {
     let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let meta = gguf_metadata(&mut BufReader::new(file), |key| key == "general.architecture" || key.contains(".context_length") || key.contains(".rope.scaling."))?;
+    let meta = gguf_metadata(&mut BufReader::new(file), |key| {
+        key == "general.architecture" || key.contains(".context_length") || key.contains(".rope.scaling.")
+    })?;
     let arch = match meta.iter().find(|(k, _)| k == "general.architecture") {
         Some((_, Value::String(a))) => a.clone(),
         _ => return Err("no general.architecture".into()),
@@ -74,7 +76,9 @@ fn from_gguf(path: &Path) -> Result<TargetFacts, String> {
     let rope_scaling = match get("rope.scaling.type").as_ref().and_then(Value::as_str) {
         None | Some("none") => Value::Null,
         Some("linear") => serde_json::json!({"rope_type": "linear", "factor": factor}),
-        Some("yarn") => serde_json::json!({"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}),
+        Some("yarn") => {
+            serde_json::json!({"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original})
+        }
         Some(other) => serde_json::json!({"rope_type": other}),
     };
     Ok(TargetFacts { max_position_embeddings, rope_scaling: Some(rope_scaling) })
@@ -211,8 +215,13 @@ mod tests {
         let f = from_hf_config(&json!({"text_config": {"max_position_embeddings": 262144,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25}}}));
         assert_eq!(f, TargetFacts { max_position_embeddings: Some(262144), rope_scaling: Some(Value::Null) });
-        let f = from_hf_config(&json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768}}));
-        assert_eq!(f.rope_scaling, Some(json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})));
+        let f = from_hf_config(
+            &json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768}}),
+        );
+        assert_eq!(
+            f.rope_scaling,
+            Some(json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}))
+        );
     }
 
     /// A GGUF header with a token array before the keys wanted, as llama.cpp writes them.

@@ -20,7 +20,8 @@ pub fn load_named(vs: &nn::VarStore, weights: RVec<NamedTensor>) -> Result<(), P
         weights.into_iter().map(|nt| (nt.name.into_string(), nt.tensor.into_tensor())).collect();
     let _guard = plugin_api::tch::no_grad_guard();
     for (name, mut var) in vs.variables() {
-        let src = given.remove(&name).ok_or_else(|| PluginError::new(format!("drafter weights: missing tensor `{name}`")))?;
+        let src =
+            given.remove(&name).ok_or_else(|| PluginError::new(format!("drafter weights: missing tensor `{name}`")))?;
         if src.size() != var.size() {
             return Err(PluginError::new(format!(
                 "drafter weights: tensor `{name}` has shape {:?}, expected {:?}",

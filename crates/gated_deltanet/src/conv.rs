@@ -49,7 +49,8 @@ mod tests {
         let x = Tensor::randn([2, 9, 5], (Kind::Float, Device::Cpu));
         let w = Tensor::randn([5, 1, 4], (Kind::Float, Device::Cpu));
         // torch: conv1d over [B, C, L] with K-1 zeros of left padding, groups = C.
-        let want = x.transpose(1, 2).constant_pad_nd([3, 0]).conv1d(&w, None::<Tensor>, [1], [0], [1], 5).transpose(1, 2);
+        let want =
+            x.transpose(1, 2).constant_pad_nd([3, 0]).conv1d(&w, None::<Tensor>, [1], [0], [1], 5).transpose(1, 2);
         let got = depthwise_conv(&x.constant_pad_nd([0, 0, 3, 0]), &w);
         assert!((&got - &want).abs().max().double_value(&[]) < 1e-5);
         assert!(causal_conv(&x, &w.squeeze_dim(1)).equal(&got));
@@ -70,7 +71,10 @@ mod tests {
         let wide = Tensor::randn([b, l, c + 40], (Kind::Float, dev)).to_kind(Kind::BFloat16);
         let x = wide.narrow(2, 8, c);
         let w = (Tensor::randn([c, k], (Kind::Float, dev)) * 0.5).to_kind(Kind::BFloat16);
-        for history in [Tensor::zeros([b, k - 1, c], (Kind::BFloat16, dev)), Tensor::randn([b, k - 1, c], (Kind::Float, dev)).to_kind(Kind::BFloat16)] {
+        for history in [
+            Tensor::zeros([b, k - 1, c], (Kind::BFloat16, dev)),
+            Tensor::randn([b, k - 1, c], (Kind::Float, dev)).to_kind(Kind::BFloat16),
+        ] {
             let f = |t: &Tensor| t.to_kind(Kind::Float);
             let want = depthwise_conv(&Tensor::cat(&[f(&history), f(&x)], 1), &f(&w)).silu();
             let composite = kernels::nvrtc::with_enabled(false, || conv_silu(&history, &x, &w));

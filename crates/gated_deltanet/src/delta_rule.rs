@@ -20,7 +20,14 @@ use tch::{Kind, Tensor};
 
 /// Step-by-step recurrence from `initial` (zeros if None): the outputs [B, H, L, dv] and the
 /// states after 0, 1, .., L steps [B, H, L+1, dk, dv].
-pub fn naive(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, beta: &Tensor, initial: Option<&Tensor>) -> (Tensor, Tensor) {
+pub fn naive(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    beta: &Tensor,
+    initial: Option<&Tensor>,
+) -> (Tensor, Tensor) {
     let (q, k, v, g, beta) = (f32(q), f32(k), f32(v), f32(g), f32(beta));
     let (l, dk) = (k.size()[2], k.size()[3]);
     let q = q * (dk as f64).powf(-0.5);
@@ -100,8 +107,8 @@ pub fn chunked_with(
     let q_decayed = operand(&(&q * ch.g_cum.exp().unsqueeze(-1)), p);
     // Intra-chunk part of every chunk: (q_i . k_j) exp(G_i - G_j) for j <= i, applied to the writes.
     let intra = operand(&(mm(&q, &ch.k.transpose(-1, -2), p) * &ch.decay), p); // [B, H, n, C, C]
-    // The loop over chunks on [B*H, ...] views made once: a dozen calls a chunk (the loop is
-    // launch-bound on a GPU, so it stays free of reshapes).
+                                                                               // The loop over chunks on [B*H, ...] views made once: a dozen calls a chunk (the loop is
+                                                                               // launch-bound on a GPU, so it stays free of reshapes).
     let (b, h, n) = (k.size()[0], k.size()[1], ch.n);
     let (dv, bh) = (v.size()[3], b * h);
     let flat = |t: &Tensor| {
@@ -112,7 +119,15 @@ pub fn chunked_with(
     let (qd, intra) = (flat(&q_decayed), flat(&intra));
     let chunk_decay = ch.chunk_decay.reshape([bh, n, 1, 1]);
     let decay = ch.chunk_decay.reshape([bh, n]);
-    let scan = gdn_scan::ScanInputs { u: &u, w: &w, q_decayed: &qd, intra: &intra, k_to_end: &kte, decay: &decay, state: &initial };
+    let scan = gdn_scan::ScanInputs {
+        u: &u,
+        w: &w,
+        q_decayed: &qd,
+        intra: &intra,
+        k_to_end: &kte,
+        decay: &decay,
+        state: &initial,
+    };
     if let Some((o, state)) = fused_scan(&scan, ch.c, p) {
         let o = o.view([b, h, n * ch.c, dv]).narrow(2, 0, l);
         return (o, state.view([b, h, dk, dv]));
@@ -148,7 +163,11 @@ fn fused_scan(x: &gdn_scan::ScanInputs, chunk: i64, p: Precision) -> Option<(Ten
 fn gemm(a: &Tensor, b: &Tensor, p: Precision) -> Tensor {
     match p {
         Precision::F32 => a.bmm(b),
-        Precision::Bf16 => lowp_or(a.device().is_cuda(), || a.f_bmm_dtype(b, Kind::Float), || a.to_kind(Kind::Float).bmm(&b.to_kind(Kind::Float))),
+        Precision::Bf16 => lowp_or(
+            a.device().is_cuda(),
+            || a.f_bmm_dtype(b, Kind::Float),
+            || a.to_kind(Kind::Float).bmm(&b.to_kind(Kind::Float)),
+        ),
     }
 }
 
@@ -256,12 +275,14 @@ impl Chunks {
         let beta = beta.unsqueeze(-1);
         let k_beta = &k * &beta;
         let strictly_lower = mm(&k_beta, &k.transpose(-1, -2), p) * &decay;
-        let strictly_lower = strictly_lower.masked_fill(&upper.logical_or(&Tensor::eye(c, (Kind::Bool, k.device()))), 0.0);
+        let strictly_lower =
+            strictly_lower.masked_fill(&upper.logical_or(&Tensor::eye(c, (Kind::Bool, k.device()))), 0.0);
         let (v_beta, k_decayed) = (&v * &beta, k_beta * g_cum.exp().unsqueeze(-1));
         let (u, w) = if strictly_lower.requires_grad() || v_beta.requires_grad() || k_decayed.requires_grad() {
             // Training: libtorch's triangular solve, which has a backward, for both at once.
             let dv = v.size()[4];
-            let solved = strictly_lower.linalg_solve_triangular(&Tensor::cat(&[&v_beta, &k_decayed], -1), false, true, true);
+            let solved =
+                strictly_lower.linalg_solve_triangular(&Tensor::cat(&[&v_beta, &k_decayed], -1), false, true, true);
             (solved.narrow(-1, 0, dv), solved.narrow(-1, dv, solved.size()[4] - dv))
         } else {
             // Inference: the blocked inverse, applied to each right-hand side (dense results).
@@ -608,7 +629,11 @@ mod tests {
             let [q, k, v, g, beta, h0] = [&q, &k, &v, &g, &beta, &x.h0].map(|t| t.to_device(dev));
             let (o_ref, states) = naive(&q, &k, &v, &g, &beta, Some(&h0));
             let ht_ref = states.select(2, l);
-            let run = |fused: bool| kernels::nvrtc::with_enabled(fused, || chunked_with(&q, &k, &v, &g, &beta, Some(&h0), 64, Precision::Bf16));
+            let run = |fused: bool| {
+                kernels::nvrtc::with_enabled(fused, || {
+                    chunked_with(&q, &k, &v, &g, &beta, Some(&h0), 64, Precision::Bf16)
+                })
+            };
             let ((o_loop, ht_loop), (o, ht)) = (run(false), run(true));
             let case = format!("B={b} H={h} L={l} dk={dk} dv={dv}");
             let (e_loop, e_fused) = (rel_rms(&o_ref, &o_loop), rel_rms(&o_ref, &o));
@@ -616,8 +641,14 @@ mod tests {
             let between = (rel_rms(&o_loop, &o), rel_rms(&ht_loop, &ht));
             eprintln!("{case}: vs fp32, loop {e_loop:.2e} / {s_loop:.2e}, fused {e_fused:.2e} / {s_fused:.2e}; fused vs loop {:.2e} / {:.2e}", between.0, between.1);
             // bf16 rounding, no more than the loop's own (a wrong fragment layout is off by O(1)).
-            assert!(e_fused < 2e-2 && s_fused < 2e-2, "{case}: fused vs fp32: output {e_fused:.2e}, state {s_fused:.2e}");
-            assert!(e_fused < 1.5 * e_loop + 1e-4 && s_fused < 1.5 * s_loop + 1e-4, "{case}: fused error above the loop's");
+            assert!(
+                e_fused < 2e-2 && s_fused < 2e-2,
+                "{case}: fused vs fp32: output {e_fused:.2e}, state {s_fused:.2e}"
+            );
+            assert!(
+                e_fused < 1.5 * e_loop + 1e-4 && s_fused < 1.5 * s_loop + 1e-4,
+                "{case}: fused error above the loop's"
+            );
             assert!(between.0 < 1e-2 && between.1 < 1e-2, "{case}: fused vs loop {between:?}");
             assert!(between.0 > 0.0, "{case}: the fused kernel did not run (its results equal the loop's bit for bit)");
         }
@@ -639,7 +670,10 @@ mod tests {
                 let (e_fused, e_blocked) = (rel_rms(&want, &fused), rel_rms(&want, &blocked));
                 eprintln!("C={c} scale {scale}: kernel {e_fused:.2e}, blocked {e_blocked:.2e}");
                 assert!(e_fused < 1e-5, "C={c} scale {scale}: kernel rel. RMS error {e_fused:.2e}");
-                assert!(c == 1 || !fused.equal(&blocked), "C={c}: the kernel did not run (bit-identical to the blocked substitution)");
+                assert!(
+                    c == 1 || !fused.equal(&blocked),
+                    "C={c}: the kernel did not run (bit-identical to the blocked substitution)"
+                );
             }
         }
     }
@@ -654,7 +688,8 @@ mod tests {
         let (o_all, _) = chunked(&q, &k, &v, &g, &beta, None, 16);
         let split = 23;
         let (head, tail) = (|t: &Tensor| t.narrow(2, 0, split), |t: &Tensor| t.narrow(2, split, 40 - split));
-        let s = states_at(&head(&k), &head(&v), &head(&g), &head(&beta), &Tensor::from_slice(&[split]).view([1, 1]), 16);
+        let s =
+            states_at(&head(&k), &head(&v), &head(&g), &head(&beta), &Tensor::from_slice(&[split]).view([1, 1]), 16);
         let (o_tail, _) = chunked(&tail(&q), &tail(&k), &tail(&v), &tail(&g), &tail(&beta), Some(&s.select(1, 0)), 8);
         let err = rel_rms(&o_all.narrow(2, split, 40 - split), &o_tail);
         assert!(err < 1e-4, "rel. RMS error {err:.2e}");

@@ -81,7 +81,8 @@ fn kind_name(t: FileType) -> &'static str {
 /// non-blocking, so the open returns at once and the FIFO is refused; the type is checked on the
 /// opened file, so nothing can be swapped in between a check and the open.
 pub fn open_regular(path: &Path) -> Result<File, InputError> {
-    let file = OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(|e| io_error(path, e))?;
+    let file =
+        OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(|e| io_error(path, e))?;
     let meta = file.metadata().map_err(|e| io_error(path, e))?;
     if !meta.is_file() {
         return Err(InputError::NotRegular { path: path.to_path_buf(), kind: kind_name(meta.file_type()) });

@@ -2,8 +2,8 @@
 //!.
 
 use plugin_api::{tch::Tensor, PluginError};
-use std::sync::atomic::AtomicBool;
 use serde::Deserialize;
+use std::sync::atomic::AtomicBool;
 
 /// Hyper-parameters; `Default` is PyTorch's, with `fused` on.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
@@ -112,7 +112,14 @@ pub fn adamw_update_fused(
 /// fp32 copies instead.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_update_master(
-    param: &Tensor, grad: &Tensor, master: &Tensor, exp_avg: &Tensor, exp_avg_sq: &Tensor, step: i64, lr: f64, h: &ParamsAdamW,
+    param: &Tensor,
+    grad: &Tensor,
+    master: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    step: i64,
+    lr: f64,
+    h: &ParamsAdamW,
 ) -> bool {
     static FAILED: AtomicBool = AtomicBool::new(false);
     if !kernels::adamw::applies(param, grad, master, exp_avg, exp_avg_sq) {
@@ -136,7 +143,8 @@ mod tests {
         let shapes: [&[i64]; 3] = [&[7, 5], &[5], &[3, 4, 2]];
         let init: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu))).collect();
         let zeros = |ts: &[Tensor]| ts.iter().map(|t| t.zeros_like()).collect::<Vec<_>>();
-        let (mut single, fused) = (init.iter().map(|t| t.copy()).collect::<Vec<_>>(), init.iter().map(|t| t.copy()).collect::<Vec<_>>());
+        let (mut single, fused) =
+            (init.iter().map(|t| t.copy()).collect::<Vec<_>>(), init.iter().map(|t| t.copy()).collect::<Vec<_>>());
         let (mut m1, mut v1, m2, v2) = (zeros(&init), zeros(&init), zeros(&init), zeros(&init));
         let step_t = Tensor::zeros([], (Kind::Float, Device::Cpu));
         for step in 1..=5 {

@@ -11,4 +11,7 @@ pub mod adamw;
 pub mod muon;
 
 pub use adamw::{adamw_update, adamw_update_fused, adamw_update_master, ParamsAdamW};
-pub use muon::{adjusted_lr, muon_momentum, muon_update, newton_schulz_cost, shard_by_cost, zeropower_via_newtonschulz5, AdjustLr, NS_COEFFICIENTS};
+pub use muon::{
+    adjusted_lr, muon_momentum, muon_update, newton_schulz_cost, shard_by_cost, zeropower_via_newtonschulz5, AdjustLr,
+    NS_COEFFICIENTS,
+};

@@ -62,19 +62,31 @@ impl RopeScaling {
             "default" => &[],
             "linear" => &["factor"],
             "dynamic" if dynamic => &["factor"],
-            "dynamic" => {
-                return Err("rope_type `dynamic` is not supported for a drafter: transformers recomputes its frequencies for each \
+            "dynamic" => return Err(
+                "rope_type `dynamic` is not supported for a drafter: transformers recomputes its frequencies for each \
                             sequence length, SGLang and vLLM fix them at load, so no single RoPE matches serving"
-                    .into())
-            }
+                    .into(),
+            ),
             "llama3" => &["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
-            "yarn" => &["factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"],
+            "yarn" => &[
+                "factor",
+                "original_max_position_embeddings",
+                "beta_fast",
+                "beta_slow",
+                "attention_factor",
+                "mscale",
+                "mscale_all_dim",
+                "truncate",
+            ],
             other => {
-                let known = if dynamic { "default, linear, dynamic, llama3, yarn" } else { "default, linear, llama3, yarn" };
+                let known =
+                    if dynamic { "default, linear, dynamic, llama3, yarn" } else { "default, linear, llama3, yarn" };
                 return Err(format!("rope_type `{other}` is not supported ({known})"));
             }
         };
-        if let Some(extra) = obj.keys().find(|k| !["rope_type", "type"].contains(&k.as_str()) && !keys.contains(&k.as_str())) {
+        if let Some(extra) =
+            obj.keys().find(|k| !["rope_type", "type"].contains(&k.as_str()) && !keys.contains(&k.as_str()))
+        {
             return Err(format!("key `{extra}` is not supported for rope_type `{kind}`"));
         }
         let num = |k: &str| -> Result<Option<f64>, String> {
@@ -85,7 +97,8 @@ impl RopeScaling {
             }
         };
         let need = |k: &str| num(k)?.ok_or_else(|| format!("rope_type `{kind}` needs `{k}`"));
-        let positive = |k: &str, x: f64| if x > 0.0 && x.is_finite() { Ok(x) } else { Err(format!("`{k}` must be > 0, got {x}")) };
+        let positive =
+            |k: &str, x: f64| if x > 0.0 && x.is_finite() { Ok(x) } else { Err(format!("`{k}` must be > 0, got {x}")) };
         Ok(match kind {
             "default" => Self::Default,
             "linear" => Self::Linear { factor: positive("factor", need("factor")?)? },
@@ -99,14 +112,20 @@ impl RopeScaling {
                     factor: positive("factor", need("factor")?)?,
                     low_freq_factor: positive("low_freq_factor", low)?,
                     high_freq_factor: high,
-                    original_max_position_embeddings: positive("original_max_position_embeddings", need("original_max_position_embeddings")?)?,
+                    original_max_position_embeddings: positive(
+                        "original_max_position_embeddings",
+                        need("original_max_position_embeddings")?,
+                    )?,
                 }
             }
             _ => Self::Yarn {
                 // transformers infers a missing factor from max_position_embeddings; the serving
                 // engines do not agree on it, so it must be given.
                 factor: positive("factor", need("factor")?)?,
-                original_max_position_embeddings: positive("original_max_position_embeddings", need("original_max_position_embeddings")?)?,
+                original_max_position_embeddings: positive(
+                    "original_max_position_embeddings",
+                    need("original_max_position_embeddings")?,
+                )?,
                 beta_fast: num("beta_fast")?.unwrap_or(32.0),
                 beta_slow: num("beta_slow")?.unwrap_or(1.0),
                 attention_factor: num("attention_factor")?,
@@ -144,13 +163,24 @@ impl RopeScaling {
                 put("high_freq_factor", high_freq_factor.into());
                 put("original_max_position_embeddings", whole(original_max_position_embeddings));
             }
-            Self::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate } => {
+            Self::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                mscale,
+                mscale_all_dim,
+                truncate,
+            } => {
                 put("rope_type", "yarn".into());
                 put("factor", factor.into());
                 put("original_max_position_embeddings", whole(original_max_position_embeddings));
                 put("beta_fast", beta_fast.into());
                 put("beta_slow", beta_slow.into());
-                for (k, v) in [("attention_factor", attention_factor), ("mscale", mscale), ("mscale_all_dim", mscale_all_dim)] {
+                for (k, v) in
+                    [("attention_factor", attention_factor), ("mscale", mscale), ("mscale_all_dim", mscale_all_dim)]
+                {
                     if let Some(v) = v {
                         put(k, v.into());
                     }
@@ -180,9 +210,16 @@ impl RopeScaling {
     /// model of `max_position_embeddings`: dynamic NTK raises the base to
     /// theta * (factor * L / max - (factor - 1)) ^ (d / (d - 2)) with L = max(seq_len, max)
     /// (transformers' `_compute_dynamic_ntk_parameters`); the other kinds ignore both.
-    pub fn inv_freq_at(&self, rotary_dim: usize, theta: f64, seq_len: usize, max_position_embeddings: usize) -> (Vec<f64>, f64) {
+    pub fn inv_freq_at(
+        &self,
+        rotary_dim: usize,
+        theta: f64,
+        seq_len: usize,
+        max_position_embeddings: usize,
+    ) -> (Vec<f64>, f64) {
         let d = rotary_dim as f64;
-        let powers = |theta: f64| -> Vec<f64> { (0..rotary_dim / 2).map(|i| theta.powf(-((2 * i) as f64) / d)).collect() };
+        let powers =
+            |theta: f64| -> Vec<f64> { (0..rotary_dim / 2).map(|i| theta.powf(-((2 * i) as f64) / d)).collect() };
         let base = powers(theta);
         match *self {
             Self::Default => (base, 1.0),
@@ -210,13 +247,23 @@ impl RopeScaling {
                     .collect();
                 (freqs, 1.0)
             }
-            Self::Yarn { factor, original_max_position_embeddings: old, beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, truncate } => {
+            Self::Yarn {
+                factor,
+                original_max_position_embeddings: old,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                mscale,
+                mscale_all_dim,
+                truncate,
+            } => {
                 let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
                 let attention = attention_factor.unwrap_or(match (mscale, mscale_all_dim) {
                     (Some(m), Some(all)) if m != 0.0 && all != 0.0 => get_mscale(factor, m) / get_mscale(factor, all),
                     _ => get_mscale(factor, 1.0),
                 });
-                let correction_dim = |rotations: f64| (d * (old / (rotations * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * theta.ln());
+                let correction_dim =
+                    |rotations: f64| (d * (old / (rotations * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * theta.ln());
                 let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
                 if truncate {
                     (low, high) = (low.floor(), high.ceil());
@@ -267,13 +314,19 @@ mod tests {
             assert_eq!(RopeScaling::from_json(&r.to_json()).unwrap(), r);
         }
         // The older `type` key reads the same.
-        assert_eq!(RopeScaling::from_json(&json!({"type": "linear", "factor": 2.0})).unwrap(), RopeScaling::Linear { factor: 2.0 });
+        assert_eq!(
+            RopeScaling::from_json(&json!({"type": "linear", "factor": 2.0})).unwrap(),
+            RopeScaling::Linear { factor: 2.0 }
+        );
         let err = |v: Value| RopeScaling::from_json(&v).unwrap_err();
-        assert!(err(json!({"rope_type": "dynamic", "factor": 2.0})).contains("rope_type `dynamic` is not supported for a drafter"));
+        assert!(err(json!({"rope_type": "dynamic", "factor": 2.0}))
+            .contains("rope_type `dynamic` is not supported for a drafter"));
         let dynamic = json!({"rope_type": "dynamic", "factor": 2.0});
         assert_eq!(RopeScaling::from_json_any(&dynamic).unwrap(), RopeScaling::Dynamic { factor: 2.0 });
         assert_eq!(RopeScaling::from_json_any(&dynamic).unwrap().to_json(), dynamic);
-        assert!(RopeScaling::from_json_any(&json!({"rope_type": "longrope"})).unwrap_err().contains("`longrope` is not supported"));
+        assert!(RopeScaling::from_json_any(&json!({"rope_type": "longrope"}))
+            .unwrap_err()
+            .contains("`longrope` is not supported"));
         assert!(err(json!({"rope_type": "linear", "factor": 2.0, "short_factor": [1]})).contains("key `short_factor`"));
         assert!(err(json!({"rope_type": "yarn", "factor": 4.0})).contains("needs `original_max_position_embeddings`"));
         assert!(err(json!({"rope_type": "linear", "factor": -1.0})).contains("`factor` must be > 0"));
@@ -286,7 +339,12 @@ mod tests {
         assert!((base[1] - 10000f64.powf(-0.25)).abs() < 1e-15);
         let (lin, _) = RopeScaling::Linear { factor: 4.0 }.inv_freq(8, 10000.0);
         assert!(lin.iter().zip(&base).all(|(l, b)| (l * 4.0 - b).abs() < 1e-15));
-        let l3 = RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 64.0 };
+        let l3 = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64.0,
+        };
         let (f, _) = l3.inv_freq(8, 10000.0);
         assert_eq!(f[0], base[0], "wavelength 2 pi < 16: kept");
         assert!((f[3] - base[3] / 8.0).abs() < 1e-18, "wavelength > 64: divided");

@@ -62,9 +62,15 @@ pub fn ensure(dir: &Path, registry: &Registry, spec: &EvalSpec, sets: &[PromptSe
     let (cfg, mut c) = crate::run::load_experiment(dir, registry, evaluated.checkpoint_step, None)?;
     eval::open_data(&mut c)?;
     for set in missing {
-        let opts = EvalOptions { source: set.source().into(), limit: spec.limit, max_new_tokens: spec.max_new_tokens, time_split: false };
+        let opts = EvalOptions {
+            source: set.source().into(),
+            limit: spec.limit,
+            max_new_tokens: spec.max_new_tokens,
+            time_split: false,
+        };
         let loads = eval::loadavg();
-        let report = eval::evaluate_opened(&mut c, &opts).with_context(|| format!("[eval] of {} on its {} prompts", dir.display(), set.source()))?;
+        let report = eval::evaluate_opened(&mut c, &opts)
+            .with_context(|| format!("[eval] of {} on its {} prompts", dir.display(), set.source()))?;
         let json = eval::results_json(&report, &evaluated, dir, PromptFormat::Chat, (loads, eval::loadavg()))?;
         experiment::write_json_atomic(&dir.join(set.file()), &json)?;
         tracing::info!(
@@ -74,7 +80,11 @@ pub fn ensure(dir: &Path, registry: &Registry, spec: &EvalSpec, sets: &[PromptSe
             report.prompts,
             set.source(),
             evaluated.checkpoint_step.unwrap_or(0),
-            if report.lossless { String::new() } else { format!("; NOT lossless on {} of them ({})", report.mismatches.len(), cfg.dtype()) }
+            if report.lossless {
+                String::new()
+            } else {
+                format!("; NOT lossless on {} of them ({})", report.mismatches.len(), cfg.dtype())
+            }
         );
     }
     Ok(())

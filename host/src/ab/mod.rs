@@ -196,7 +196,8 @@ pub fn merge(base: &mut toml::Table, arm: &toml::Table) {
 /// Read an A/B file and expand it into runs under `root/<name>/`: every arm, every value it
 /// sweeps, every seed, each config typed and checked now (a bad value is refused before any run).
 pub fn plan(path: &Path, seeds: Option<u64>, root: &Path) -> Result<Plan> {
-    let text = input_files::read_to_string_capped(path, crate::config::MAX_CONFIG_BYTES).with_context(|| format!("reading {}", path.display()))?;
+    let text = input_files::read_to_string_capped(path, crate::config::MAX_CONFIG_BYTES)
+        .with_context(|| format!("reading {}", path.display()))?;
     let ab: AbConfig =
         toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}", crate::config::toml_error(path, &text, &e)))?;
     validate_name(&ab.name).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
@@ -267,7 +268,14 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path) -> Result<Plan> {
                 if let (Some(select), Some(p)) = (select, &point) {
                     select.check(&config, ab.eval.is_some()).map_err(|e| bad(&format!("{}: {e}", p.label)))?;
                 }
-                runs.push(ArmRun { arm: arm.clone(), point: point.as_ref().map(|p| p.label.clone()), seed, config, base_path: base_path.clone(), dir: dir.join(folder) });
+                runs.push(ArmRun {
+                    arm: arm.clone(),
+                    point: point.as_ref().map(|p| p.label.clone()),
+                    seed,
+                    config,
+                    base_path: base_path.clone(),
+                    dir: dir.join(folder),
+                });
             }
             point_runs.push(PointRuns { point, runs });
         }
@@ -300,7 +308,12 @@ pub fn arm_state(run: &ArmRun) -> Result<ArmState> {
     }
     let cfg_path = dir.join(crate::experiment::CONFIG);
     if !cfg_path.is_file() {
-        bail!("{}: exists but is not an experiment (no config.toml); move it away to run arm `{}` seed {}", dir.display(), run.arm, run.seed);
+        bail!(
+            "{}: exists but is not an experiment (no config.toml); move it away to run arm `{}` seed {}",
+            dir.display(),
+            run.arm,
+            run.seed
+        );
     }
     let then = input_files::read_to_string_capped(&cfg_path, crate::config::MAX_CONFIG_BYTES)?;
     let drift = crate::experiment::manifest::config_drift(&then, &toml::to_string(&run.config)?);
@@ -317,7 +330,10 @@ pub fn arm_state(run: &ArmRun) -> Result<ArmState> {
     // Killed between its last checkpoint and its summary: nothing is left to train.
     let at = crate::experiment::checkpoint::newest_good(dir).0.map_or(0, |c| c.step);
     if at >= run.config.train.steps {
-        tracing::warn!("{}: its last checkpoint is at the last step, but it has no summary.json; counted as finished", dir.display());
+        tracing::warn!(
+            "{}: its last checkpoint is at the last step, but it has no summary.json; counted as finished",
+            dir.display()
+        );
         return Ok(ArmState::Finished);
     }
     Ok(ArmState::Unfinished)
@@ -349,7 +365,11 @@ pub fn run(
         "A/B {}: {} arms{}, {n_seeds} seed(s), {} runs",
         plan.dir.display(),
         plan.arms.len(),
-        if swept > 0 { format!(" ({swept} sweeping, chosen by {})", plan.select.map_or("-", Select::as_str)) } else { String::new() },
+        if swept > 0 {
+            format!(" ({swept} sweeping, chosen by {})", plan.select.map_or("-", Select::as_str))
+        } else {
+            String::new()
+        },
         first.len() + plan.arms.len() * (n_seeds - 1),
     );
     // 1. Every arm's first seed, at every value it sweeps.
@@ -370,7 +390,12 @@ pub fn run(
     if !selection.arms.is_empty() {
         select::write(&plan, &selection)?;
         for a in &selection.arms {
-            tracing::info!("A/B: arm `{}` runs at {} (best {} on the validation split)", a.arm, a.chosen, selection.select);
+            tracing::info!(
+                "A/B: arm `{}` runs at {} (best {} on the validation split)",
+                a.arm,
+                a.chosen,
+                selection.select
+            );
             chosen.insert(a.arm.clone(), a.chosen.clone());
         }
     }
@@ -408,7 +433,11 @@ fn point_text(r: &ArmRun) -> String {
 
 /// Train one run of the plan (new, resumed, or left as it is when finished). Returns the exit
 /// code of an interrupted run.
-fn train_one(r: &ArmRun, registry: &crate::plugins::Registry, print_summary: fn(&crate::train::TrainSummary)) -> Result<Option<u8>> {
+fn train_one(
+    r: &ArmRun,
+    registry: &crate::plugins::Registry,
+    print_summary: fn(&crate::train::TrainSummary),
+) -> Result<Option<u8>> {
     let summary = match arm_state(r)? {
         ArmState::Finished => {
             tracing::info!("{} is complete already; skipping it", r.dir.display());

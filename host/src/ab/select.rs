@@ -39,14 +39,19 @@ impl Select {
     /// for the others, and (with the built-in data plugin) a validation split.
     pub fn check(self, cfg: &RunConfig, has_eval: bool) -> Result<()> {
         match self {
-            Select::ValTau if !has_eval => bail!("chosen by val_tau (real tau on the validation prompts), but the A/B has no [eval] table"),
+            Select::ValTau if !has_eval => {
+                bail!("chosen by val_tau (real tau on the validation prompts), but the A/B has no [eval] table")
+            }
             Select::ValTauHat | Select::ValLoss if cfg.train.eval_every == 0 => {
                 bail!("chosen by {}, but `train.eval_every` is 0: set it (in [common], say)", self.as_str())
             }
             _ => {}
         }
         if super::chat_data(cfg)?.is_some_and(|s| s.validation == 0) {
-            bail!("chosen by {} on the validation split, but [data] has `validation = 0`: hold some records out", self.as_str());
+            bail!(
+                "chosen by {} on the validation split, but [data] has `validation = 0`: hold some records out",
+                self.as_str()
+            );
         }
         Ok(())
     }
@@ -55,7 +60,8 @@ impl Select {
     pub fn score(self, dir: &Path) -> Option<f64> {
         let v = match self {
             Select::ValTau => {
-                let text = input_files::read_to_string_capped(&dir.join(crate::eval::VALIDATION_FILE), 64 << 20).ok()?;
+                let text =
+                    input_files::read_to_string_capped(&dir.join(crate::eval::VALIDATION_FILE), 64 << 20).ok()?;
                 serde_json::from_str::<serde_json::Value>(&text).ok()?.get("tau")?.as_f64()
             }
             Select::ValTauHat => crate::experiment::metrics::last_number(dir, "val_tau_hat"),
@@ -68,10 +74,15 @@ impl Select {
 /// The best score's index (the first among equals); None when no value has one.
 pub fn best(scores: &[Option<f64>], higher_is_better: bool) -> Option<usize> {
     let key = |x: f64| if higher_is_better { x } else { -x };
-    scores.iter().enumerate().filter_map(|(i, s)| s.map(|s| (i, key(s)))).fold(None, |b: Option<(usize, f64)>, (i, k)| match b {
-        Some((_, bk)) if bk >= k => b,
-        _ => Some((i, k)),
-    }).map(|(i, _)| i)
+    scores
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| s.map(|s| (i, key(s))))
+        .fold(None, |b: Option<(usize, f64)>, (i, k)| match b {
+            Some((_, bk)) if bk >= k => b,
+            _ => Some((i, k)),
+        })
+        .map(|(i, _)| i)
 }
 
 /// Score every swept value's first-seed run and choose each swept arm's best; arms that sweep
@@ -89,15 +100,19 @@ pub fn choose(plan: &Plan) -> Result<Selection> {
                 a.points.iter().map(|p| p.runs[0].dir.display().to_string()).collect::<Vec<_>>().join(", ")
             );
         };
-        let folder = |r: &super::ArmRun| r.dir.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        let folder =
+            |r: &super::ArmRun| r.dir.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
         let points = a
             .points
             .iter()
             .zip(&scores)
             .map(|(p, &score)| {
                 let point = p.point.as_ref().expect("a swept arm's points are points");
-                let values: BTreeMap<String, serde_json::Value> =
-                    point.values.iter().map(|(f, v)| (f.clone(), serde_json::to_value(v).unwrap_or(serde_json::Value::Null))).collect();
+                let values: BTreeMap<String, serde_json::Value> = point
+                    .values
+                    .iter()
+                    .map(|(f, v)| (f.clone(), serde_json::to_value(v).unwrap_or(serde_json::Value::Null)))
+                    .collect();
                 SweepScore { label: point.label.clone(), values, run: folder(&p.runs[0]), score }
             })
             .collect();

@@ -34,7 +34,10 @@ pub fn expand(sweep: &toml::Value) -> Result<(Vec<String>, Vec<SweepPoint>)> {
                 if values.is_empty() {
                     bail!("`sweep.{field}`: no values");
                 }
-                points = points.into_iter().flat_map(|p| values.iter().map(move |v| [p.clone(), vec![(field.clone(), v.clone())]].concat())).collect();
+                points = points
+                    .into_iter()
+                    .flat_map(|p| values.iter().map(move |v| [p.clone(), vec![(field.clone(), v.clone())]].concat()))
+                    .collect();
             }
             points
         }
@@ -67,7 +70,12 @@ pub fn expand(sweep: &toml::Value) -> Result<(Vec<String>, Vec<SweepPoint>)> {
     let points: Vec<SweepPoint> = points
         .into_iter()
         .map(|values| {
-            let label = values.iter().zip(&keys).map(|((_, v), k)| format!("{k}={}", value_text(v))).collect::<Vec<_>>().join("-");
+            let label = values
+                .iter()
+                .zip(&keys)
+                .map(|((_, v), k)| format!("{k}={}", value_text(v)))
+                .collect::<Vec<_>>()
+                .join("-");
             SweepPoint { label, values }
         })
         .collect();
@@ -120,7 +128,8 @@ fn value_text(v: &toml::Value) -> String {
 /// Set a point's values in a run config's table, creating tables on the way.
 pub fn apply(table: &mut toml::Table, point: &SweepPoint) -> Result<()> {
     for (field, value) in &point.values {
-        crate::config::set_dotted(table, field, value.clone()).map_err(|not_a_section| anyhow::anyhow!("`sweep`: `{not_a_section}` is not a section"))?;
+        crate::config::set_dotted(table, field, value.clone())
+            .map_err(|not_a_section| anyhow::anyhow!("`sweep`: `{not_a_section}` is not a section"))?;
     }
     Ok(())
 }
@@ -147,11 +156,15 @@ mod tests {
         // Nested tables are the same fields; two lists multiply.
         let (fields, points) = sweep(r#"{ optimizer = { lr = [0.01, 0.02], momentum = [0.9, 0.95] } }"#).unwrap();
         assert_eq!(fields, ["optimizer.lr", "optimizer.momentum"]);
-        assert_eq!(labels(&points), ["lr=0.01-momentum=0.9", "lr=0.01-momentum=0.95", "lr=0.02-momentum=0.9", "lr=0.02-momentum=0.95"]);
+        assert_eq!(
+            labels(&points),
+            ["lr=0.01-momentum=0.9", "lr=0.01-momentum=0.95", "lr=0.02-momentum=0.9", "lr=0.02-momentum=0.95"]
+        );
         // Tied fields: names keep what tells them apart.
         let (_, points) = sweep(r#"[{ "optimizer.lr" = 0.01, "optimizer.adamw.lr" = 1e-3 }, { "optimizer.lr" = 0.02, "optimizer.adamw.lr" = 2e-3 }]"#).unwrap();
         assert_eq!(labels(&points), ["adamw.lr=0.001-optimizer.lr=0.01", "adamw.lr=0.002-optimizer.lr=0.02"]);
-        let (_, points) = sweep(r#"{ "drafter.layer_types" = [["full", "sliding"]], "data.path" = ["a b/c.json"] }"#).unwrap();
+        let (_, points) =
+            sweep(r#"{ "drafter.layer_types" = [["full", "sliding"]], "data.path" = ["a b/c.json"] }"#).unwrap();
         assert_eq!(labels(&points), [r#"path=a_b_c.json-layer_types=__full____sliding__"#]);
         let mut t: toml::Table = toml::from_str("[optimizer]\nplugin = \"adamw\"\nlr = 1.0").unwrap();
         apply(&mut t, &points[0]).unwrap();

@@ -42,7 +42,12 @@ fn arms_differ_only_in_what_they_name() {
     let names: Vec<_> = runs.iter().map(|r| (r.arm.as_str(), r.seed, r.config.name.as_str())).collect();
     assert_eq!(
         names,
-        [("adamw", 0, "opt-adamw-s0"), ("adamw", 1, "opt-adamw-s1"), ("muon", 0, "opt-muon-s0"), ("muon", 1, "opt-muon-s1")]
+        [
+            ("adamw", 0, "opt-adamw-s0"),
+            ("adamw", 1, "opt-adamw-s1"),
+            ("muon", 0, "opt-muon-s0"),
+            ("muon", 1, "opt-muon-s1")
+        ]
     );
     assert_eq!(runs[2].dir, Path::new("experiments/opt/muon-s0"));
     // Same-plugin change merges (betas kept); another plugin replaces the section.
@@ -76,7 +81,9 @@ fn a_rerun_resumes_unfinished_arms_keeps_finished_ones_and_refuses_edited_ones()
     let runs: Vec<&ArmRun> = p.all_runs().collect();
     let r = runs[0];
     assert_eq!(arm_state(r).unwrap(), ArmState::New);
-    let exp = crate::experiment::Experiment::create(&r.dir, &toml::to_string(&r.config).unwrap(), &serde_json::json!({})).unwrap();
+    let exp =
+        crate::experiment::Experiment::create(&r.dir, &toml::to_string(&r.config).unwrap(), &serde_json::json!({}))
+            .unwrap();
     drop(exp);
     assert_eq!(arm_state(r).unwrap(), ArmState::Unfinished);
     std::fs::write(r.dir.join("summary.json"), "{}").unwrap();
@@ -86,7 +93,10 @@ fn a_rerun_resumes_unfinished_arms_keeps_finished_ones_and_refuses_edited_ones()
     std::fs::write(dir.path().join("ab.toml"), AB.replace("lr = 2e-3", "lr = 5e-3")).unwrap();
     let edited = plan(&dir.path().join("ab.toml"), None, &dir.path().join("experiments")).unwrap();
     let err = arm_state(edited.all_runs().next().unwrap()).unwrap_err().to_string();
-    assert!(err.contains("arm `adamw` seed 0") && err.contains("`optimizer.lr` changed: 0.002 then, 0.005 now"), "{err}");
+    assert!(
+        err.contains("arm `adamw` seed 0") && err.contains("`optimizer.lr` changed: 0.002 then, 0.005 now"),
+        "{err}"
+    );
     assert!(r.dir.join("config.toml").exists());
     std::fs::remove_dir_all(&runs[1].dir).ok();
     std::fs::create_dir_all(&runs[1].dir).unwrap();
@@ -171,11 +181,21 @@ fn a_sweep_runs_every_value_with_the_first_seed_then_every_seed_at_the_chosen_on
     assert_eq!(p.all_runs().count(), 3 * 2 + 2, "every value x seed is planned (and checked)");
     // With [eval], real tau on the validation prompts chooses.
     let with_eval = sweep_plan(&SWEEP.replace("[arms.adamw]", "[eval]\nlimit = 4\n[arms.adamw]"), dir.path()).unwrap();
-    assert_eq!((with_eval.select, with_eval.eval.as_ref().map(|e| (e.limit, e.max_new_tokens))), (Some(Select::ValTau), Some((4, 64))));
+    assert_eq!(
+        (with_eval.select, with_eval.eval.as_ref().map(|e| (e.limit, e.max_new_tokens))),
+        (Some(Select::ValTau), Some((4, 64)))
+    );
     // Without a sweep, nothing to choose and the folders are as they always were.
-    let plain = sweep_plan(&SWEEP.replace("sweep = { \"optimizer.lr\" = [1e-3, 3e-3, 1e-2] }", "optimizer = { lr = 2e-3 }"), dir.path()).unwrap();
+    let plain = sweep_plan(
+        &SWEEP.replace("sweep = { \"optimizer.lr\" = [1e-3, 3e-3, 1e-2] }", "optimizer = { lr = 2e-3 }"),
+        dir.path(),
+    )
+    .unwrap();
     assert_eq!(plain.select, None);
-    assert_eq!(plain.compared_runs(&BTreeMap::new()).into_iter().map(folder).collect::<Vec<_>>(), ["adamw-s0", "muon-s0", "adamw-s1", "muon-s1"]);
+    assert_eq!(
+        plain.compared_runs(&BTreeMap::new()).into_iter().map(folder).collect::<Vec<_>>(),
+        ["adamw-s0", "muon-s0", "adamw-s1", "muon-s1"]
+    );
 }
 
 #[test]
@@ -183,9 +203,15 @@ fn a_sweep_without_a_validation_measure_is_refused_before_any_run() {
     let dir = tempfile::tempdir().unwrap();
     for (edit, want) in [
         (("eval_every = 5", "eval_every = 0"), "lr=0.001: chosen by val_tau_hat, but `train.eval_every` is 0"),
-        (("name = \"opt\"", "name = \"opt\"\nselect = \"val_tau\""), "lr=0.001: chosen by val_tau (real tau on the validation prompts), but the A/B has no [eval] table"),
+        (
+            ("name = \"opt\"", "name = \"opt\"\nselect = \"val_tau\""),
+            "lr=0.001: chosen by val_tau (real tau on the validation prompts), but the A/B has no [eval] table",
+        ),
         (("validation = 2", "validation = 0"), "[data] has `validation = 0`"),
-        (("eval_holdout = 3 }\n", "eval_holdout = 0 }\n[eval]\n"), "[eval] decodes the validation and the test prompts, but [data] has `validation = 2`, `eval_holdout = 0`"),
+        (
+            ("eval_holdout = 3 }\n", "eval_holdout = 0 }\n[eval]\n"),
+            "[eval] decodes the validation and the test prompts, but [data] has `validation = 2`, `eval_holdout = 0`",
+        ),
         (("\"optimizer.lr\" = [1e-3, 3e-3, 1e-2]", "\"train.stepz\" = [1, 2]"), "arm `adamw`: unknown field `stepz`"),
         (("name = \"opt\"", "name = \"opt\"\nselect = \"test_tau\""), "unknown variant `test_tau`"),
     ] {
@@ -203,8 +229,13 @@ fn scored_run(dir: &Path, train_tau_hat: f64, val: (f64, f64), val_tau: f64, tes
         serde_json::json!({"step": 7, "tokens": 70, "loss": 2.0, "tau_hat": train_tau_hat, "val_loss": val.0, "val_tau_hat": val.1}),
     ];
     std::fs::write(dir.join("metrics.jsonl"), lines.map(|l| l.to_string() + "\n").concat()).unwrap();
-    std::fs::write(dir.join(crate::eval::VALIDATION_FILE), serde_json::json!({"tau": val_tau, "source": "validation"}).to_string()).unwrap();
-    std::fs::write(dir.join("eval.json"), serde_json::json!({"tau": test_tau, "source": "holdout"}).to_string()).unwrap();
+    std::fs::write(
+        dir.join(crate::eval::VALIDATION_FILE),
+        serde_json::json!({"tau": val_tau, "source": "validation"}).to_string(),
+    )
+    .unwrap();
+    std::fs::write(dir.join("eval.json"), serde_json::json!({"tau": test_tau, "source": "holdout"}).to_string())
+        .unwrap();
 }
 
 #[test]
@@ -226,14 +257,17 @@ fn the_value_is_chosen_on_the_validation_split_never_on_the_test_prompts_or_trai
     assert_eq!(a.points[0].values["optimizer.lr"], serde_json::json!(0.001));
     assert_eq!(s.arms.len(), 1, "the unswept arm has nothing to choose");
     let by = |select: &str| {
-        let p = sweep_plan(&SWEEP.replace("name = \"opt\"", &format!("name = \"opt\"\nselect = \"{select}\"")), dir.path()).unwrap();
+        let p =
+            sweep_plan(&SWEEP.replace("name = \"opt\"", &format!("name = \"opt\"\nselect = \"{select}\"")), dir.path())
+                .unwrap();
         choose(&p).unwrap().arms[0].chosen.clone()
     };
     assert_eq!(by("val_tau_hat"), "lr=0.003");
     assert_eq!(by("val_loss"), "lr=0.01", "lowest validation loss");
     // selection.json is what compare reads back.
     select::write(&p, &s).unwrap();
-    let back: crate::compare::Selection = crate::experiment::read_json(&p.dir.join(crate::compare::SELECTION_FILE)).unwrap();
+    let back: crate::compare::Selection =
+        crate::experiment::read_json(&p.dir.join(crate::compare::SELECTION_FILE)).unwrap();
     assert_eq!(back, s);
     // A value with no score is never chosen; none at all is an error naming the runs.
     std::fs::remove_file(at("lr=0.003").join(crate::eval::VALIDATION_FILE)).unwrap();
@@ -242,7 +276,10 @@ fn the_value_is_chosen_on_the_validation_split_never_on_the_test_prompts_or_trai
         std::fs::remove_file(at(l).join(crate::eval::VALIDATION_FILE)).unwrap();
     }
     let err = choose(&p).unwrap_err().to_string();
-    assert!(err.contains("arm `adamw`: none of its swept values has a val_tau") && err.contains("adamw-lr=0.001-s0"), "{err}");
+    assert!(
+        err.contains("arm `adamw`: none of its swept values has a val_tau") && err.contains("adamw-lr=0.001-s0"),
+        "{err}"
+    );
 }
 
 #[test]

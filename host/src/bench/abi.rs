@@ -30,7 +30,9 @@ fn ns_per(iters: u64, f: impl Fn()) -> f64 {
 pub fn abi(registry: &Registry, exp_dir: Option<&Path>, iters: u64) -> Result<()> {
     let ctx = HostContext::cpu();
     let plugin = registry.find(PluginKind::Optimizer, "adamw")?;
-    let PluginInstance::Optimizer(opt) = (plugin.module()?.create())("lr = 1e-3".into(), &ctx).into_result().map_err(|e| anyhow!("{e}"))? else {
+    let PluginInstance::Optimizer(opt) =
+        (plugin.module()?.create())("lr = 1e-3".into(), &ctx).into_result().map_err(|e| anyhow!("{e}"))?
+    else {
         return Err(anyhow!("adamw did not create an optimizer"));
     };
     // 1. A method call through the abi_stable vtable (for a --plugin library: into the .so).
@@ -52,7 +54,8 @@ pub fn abi(registry: &Registry, exp_dir: Option<&Path>, iters: u64) -> Result<()
     crate::say!("tensor handle {handle:.1} ns   (wrap + new reference + drop)");
     if let Some(dir) = exp_dir {
         let text = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
-        let last: serde_json::Value = serde_json::from_str(text.lines().last().ok_or_else(|| anyhow!("empty metrics"))?)?;
+        let last: serde_json::Value =
+            serde_json::from_str(text.lines().last().ok_or_else(|| anyhow!("empty metrics"))?)?;
         let cfg: toml::Table = toml::from_str(&std::fs::read_to_string(dir.join("config.toml"))?)?;
         let k = cfg["train"].get("grad_accum").and_then(|v| v.as_integer()).unwrap_or(1) as f64;
         let step_s = ["target_s", "drafter_s", "optim_s"].iter().map(|f| last[f].as_f64().unwrap_or(0.0)).sum::<f64>();

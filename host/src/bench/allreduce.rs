@@ -64,13 +64,17 @@ pub fn allreduce(registry: &Registry, config_path: &Path, bucket_mb: &[usize], i
     tch::manual_seed(cfg.seed as i64);
 
     // 1. The drafter (the target only for its facts; dropped before timing).
-    let create = |kind: PluginKind, table: &toml::Table, ctx: &HostContext| -> Result<PluginInstance> { Ok(registry.create(kind, &section(kind.as_str(), table)?, ctx)?.0) };
+    let create = |kind: PluginKind, table: &toml::Table, ctx: &HostContext| -> Result<PluginInstance> {
+        Ok(registry.create(kind, &section(kind.as_str(), table)?, ctx)?.0)
+    };
     let spec = match create(PluginKind::Target, &cfg.target, &ctx)? {
         PluginInstance::Target(t) => t.spec(),
         _ => bail!("[target] made no target"),
     };
     ctx.target = RSome(spec);
-    let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &cfg.drafter, &ctx)? else { bail!("[drafter] made no drafter") };
+    let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &cfg.drafter, &ctx)? else {
+        bail!("[drafter] made no drafter")
+    };
     let grads: Vec<Tensor> = drafter.parameters().iter().map(|nt| nt.tensor.tensor().randn_like()).collect();
     let bytes: usize = grads.iter().map(|g| g.numel() * g.kind().elt_size_in_bytes()).sum();
 
@@ -79,10 +83,18 @@ pub fn allreduce(registry: &Registry, config_path: &Path, bucket_mb: &[usize], i
         Some(env) => env,
         None => {
             let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-            DistEnv { rank: 0, world: 1, local_rank: 0, master_addr: "127.0.0.1".into(), master_port: port, timeout: crate::dist::DEFAULT_TIMEOUT }
+            DistEnv {
+                rank: 0,
+                world: 1,
+                local_rank: 0,
+                master_addr: "127.0.0.1".into(),
+                master_port: port,
+                timeout: crate::dist::DEFAULT_TIMEOUT,
+            }
         }
     };
-    let mut comm = C10dCommunicator::connect(&env, device, &Identity { config: "bench".into(), build: "bench".into() })?;
+    let mut comm =
+        C10dCommunicator::connect(&env, device, &Identity { config: "bench".into(), build: "bench".into() })?;
     let sync = || {
         if let Device::Cuda(i) = device {
             tch::Cuda::synchronize(i as i64);

@@ -125,7 +125,15 @@ impl Problem {
     fn mask_with(&self, sh: &Shape, kind: Kind, ranges: usize, prefix: bool) -> block_attention::ContextMask {
         let mut mask = match ranges {
             1 => block_attention::ContextMask::whole(&self.anchors, sh.context, sh.block, kind, None),
-            r => block_attention::ContextMask::ranged(&self.anchors, &self.anchors.to_device(Device::Cpu), sh.context, sh.block, kind, r, None),
+            r => block_attention::ContextMask::ranged(
+                &self.anchors,
+                &self.anchors.to_device(Device::Cpu),
+                sh.context,
+                sh.block,
+                kind,
+                r,
+                None,
+            ),
         };
         if !prefix {
             mask.ranges.iter_mut().for_each(|r| r.prefix = r.first_key);
@@ -138,7 +146,15 @@ impl Problem {
         self.split_with(sh, kind, backward, ranges, fused, true)
     }
 
-    fn split_with(&self, sh: &Shape, kind: Kind, backward: bool, ranges: usize, fused: bool, prefix: bool) -> Vec<Tensor> {
+    fn split_with(
+        &self,
+        sh: &Shape,
+        kind: Kind,
+        backward: bool,
+        ranges: usize,
+        fused: bool,
+        prefix: bool,
+    ) -> Vec<Tensor> {
         let run = || {
             let (q, k, v) = self.inputs(kind, false);
             let mask = self.mask_with(sh, kind, ranges, prefix);
@@ -202,8 +218,10 @@ pub fn attention(sh: &Shape) -> Result<Report> {
     let masked_fwd_bwd_ms = time(device, it, || drop(p.masked(sh, low, true)));
     let split_fwd_ms = time(device, it, || drop(p.split(sh, low, false, 1, false)));
     let split_fwd_bwd_ms = time(device, it, || drop(p.split(sh, low, true, 1, false)));
-    let ranged_composite_ms =
-        (time(device, it, || drop(p.split(sh, low, false, runs, false))), time(device, it, || drop(p.split(sh, low, true, runs, false))));
+    let ranged_composite_ms = (
+        time(device, it, || drop(p.split(sh, low, false, runs, false))),
+        time(device, it, || drop(p.split(sh, low, true, runs, false))),
+    );
     let ranged_biased_whole_ms = (
         time(device, it, || drop(p.split_with(sh, low, false, runs, true, false))),
         time(device, it, || drop(p.split_with(sh, low, true, runs, true, false))),
@@ -253,15 +271,26 @@ pub fn print(r: &Report) {
     crate::say!("                             ranged low {} (fused block part)", e(&r.error_ranged_bf16));
     crate::say!("                             ranged low {} (composite)", e(&r.error_ranged_composite_bf16));
     crate::say!("                             masked low {}", e(&r.error_masked_bf16));
-    crate::say!("  masked SDPA: forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.masked_fwd_ms, r.masked_fwd_bwd_ms, r.masked_tflops);
+    crate::say!(
+        "  masked SDPA: forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)",
+        r.masked_fwd_ms,
+        r.masked_fwd_bwd_ms,
+        r.masked_tflops
+    );
     crate::say!("  split, whole context, composite block part: forward {:.2} ms, forward + backward {:.2} ms ({:.1} useful TFLOP/s)", r.split_fwd_ms, r.split_fwd_bwd_ms, r.split_tflops);
     let (cf, cfb) = r.ranged_composite_ms;
-    crate::say!("  split, the drafter's runs, composite block part: forward {cf:.2} ms, forward + backward {cfb:.2} ms");
+    crate::say!(
+        "  split, the drafter's runs, composite block part: forward {cf:.2} ms, forward + backward {cfb:.2} ms"
+    );
     let (bf, bfb) = r.ranged_biased_whole_ms;
     crate::say!("  split, the drafter's runs, no unbiased prefix: forward {bf:.2} ms, forward + backward {bfb:.2} ms");
     for &(asked, made, fwd, fwd_bwd) in &r.ranged {
         let tflops = r.useful_tflop / fwd_bwd * 1e3;
         crate::say!("  split, fused block part, {asked:>2} runs ({made:>2} made): forward {fwd:.2} ms, forward + backward {fwd_bwd:.2} ms ({tflops:.1} useful TFLOP/s)");
     }
-    crate::say!("  split vs masked: forward {:.2}x, forward + backward {:.2}x", r.masked_fwd_ms / r.split_fwd_ms, r.masked_fwd_bwd_ms / r.split_fwd_bwd_ms);
+    crate::say!(
+        "  split vs masked: forward {:.2}x, forward + backward {:.2}x",
+        r.masked_fwd_ms / r.split_fwd_ms,
+        r.masked_fwd_bwd_ms / r.split_fwd_bwd_ms
+    );
 }

@@ -24,16 +24,16 @@ use crate::{
     },
 };
 use anyhow::{anyhow, bail, Context, Result};
+use kernels::profiler;
 use plugin_api::{
     abi_stable::std_types::{RNone, RSome},
     tch::{self, Device, Kind, Tensor},
     DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind, TargetSpec, TensorHandle,
 };
-use kernels::profiler;
 use std::{path::Path, time::Instant};
 
-pub use super::train_report::{print, BenchConfig, BenchShape, Phase, Report};
 use super::train_report::phase;
+pub use super::train_report::{print, BenchConfig, BenchShape, Phase, Report};
 
 pub(crate) fn section(kind: &'static str, table: &toml::Table) -> Result<PluginSection> {
     let mut rest = table.clone();
@@ -106,10 +106,14 @@ struct StepCounts {
 impl DrafterStep {
     fn run(&mut self, input_ids: &Tensor, loss_mask: &Tensor, target_hidden: Tensor) -> Result<StepCounts> {
         let forward = profiler::range("forward + loss");
-        let d = self.draft.compute(&mut self.drafter, input_ids, loss_mask, &target_hidden, self.draws).map_err(|e| anyhow!("drafter forward: {e}"))?;
+        let d = self
+            .draft
+            .compute(&mut self.drafter, input_ids, loss_mask, &target_hidden, self.draws)
+            .map_err(|e| anyhow!("drafter forward: {e}"))?;
         let (l, anchors) = (&d.loss, &d.anchors);
         self.draws += 1;
-        let anchor_pos_sum = f64::try_from(anchors.positions.to_kind(Kind::Double).masked_select(&anchors.valid).sum(Kind::Double))?;
+        let anchor_pos_sum =
+            f64::try_from(anchors.positions.to_kind(Kind::Double).masked_select(&anchors.valid).sum(Kind::Double))?;
         drop(forward);
         let backward = profiler::range("backward");
         d.backward(&mut self.drafter, 1.0).map_err(|e| anyhow!("drafter backward: {e}"))?;
@@ -132,7 +136,13 @@ impl DrafterStep {
 
 /// The loss and its gradient w.r.t. random drafter outputs, with the run-time compiled kernels
 /// and with libtorch's ops, compared (None on the CPU, where only the latter run).
-fn fused_loss_error(draft: &DraftLoss, spec: &TargetSpec, sh: &BenchShape, device: Device, kind: Kind) -> Result<Option<[f64; 2]>> {
+fn fused_loss_error(
+    draft: &DraftLoss,
+    spec: &TargetSpec,
+    sh: &BenchShape,
+    device: Device,
+    kind: Kind,
+) -> Result<Option<[f64; 2]>> {
     // Nothing to compare where the kernels do not run (the CPU, a failed build).
     if device == Device::Cpu {
         return Ok(None);
@@ -230,7 +240,8 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
         o.apply(&mut table)?;
     }
     let shown = overrides.iter().map(|o| format!(" ({})", o.arg)).collect::<String>();
-    let cfg: BenchConfig = toml::Value::Table(table).try_into().with_context(|| format!("{}{shown}", config_path.display()))?;
+    let cfg: BenchConfig =
+        toml::Value::Table(table).try_into().with_context(|| format!("{}{shown}", config_path.display()))?;
     let sh = &cfg.bench;
     let dtype = cfg.dtype.clone().unwrap_or_else(|| if cfg.device == "cpu" { "f32" } else { "bf16" }.into());
     if cfg.device.starts_with("cuda") && !crate::run::enable_cuda() {
@@ -252,10 +263,14 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     let create = |kind: PluginKind, table: &toml::Table, ctx: &HostContext| -> Result<PluginInstance> {
         Ok(registry.create(kind, &section(kind.as_str(), table)?, ctx)?.0)
     };
-    let PluginInstance::Target(mut target) = create(PluginKind::Target, &cfg.target, &ctx)? else { bail!("[target] made no target") };
+    let PluginInstance::Target(mut target) = create(PluginKind::Target, &cfg.target, &ctx)? else {
+        bail!("[target] made no target")
+    };
     let spec = target.spec();
     ctx.target = RSome(spec.clone());
-    let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &cfg.drafter, &ctx)? else { bail!("[drafter] made no drafter") };
+    let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &cfg.drafter, &ctx)? else {
+        bail!("[drafter] made no drafter")
+    };
     let PluginInstance::Optimizer(mut optimizer) = create(PluginKind::Optimizer, &cfg.optimizer, &ctx)? else {
         bail!("[optimizer] made no optimizer")
     };
@@ -295,7 +310,8 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     // 3. Drafter step on synthetic target features (fixed; the drafter only reads them).
     let (b, s) = (sh.batch_size, sh.seq_len);
     let (ids, loss_mask) = synthetic_batch(&spec, b, s);
-    let features = Tensor::randn([b as i64, s as i64, layer_ids.len() as i64 * spec.hidden_size as i64], (kind, device));
+    let features =
+        Tensor::randn([b as i64, s as i64, layer_ids.len() as i64 * spec.hidden_size as i64], (kind, device));
     let mut counts = None;
     let drafter_s = time(device, sh.warmup, sh.iters, || {
         counts = Some(step.run(&ids, &loss_mask, features.shallow_clone())?);
@@ -326,7 +342,15 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
             };
             (work.step(), true)
         }
-        None => (flops::drafter_step_estimate(n_params, (c.anchors as i64 * block_size) as f64, c.counted as f64, &target_shape), false),
+        None => (
+            flops::drafter_step_estimate(
+                n_params,
+                (c.anchors as i64 * block_size) as f64,
+                c.counted as f64,
+                &target_shape,
+            ),
+            false,
+        ),
     };
     let draft_tokens = (b * sh.anchors_per_seq) as f64 * block_size as f64;
     let drafter_step = phase(drafter_s, draft_tokens, drafter_flop, ceiling, mem(device));
@@ -334,7 +358,10 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     // 4. Target forward: to the deepest feature layer (training), and whole with logits.
     let ids_dev = TensorHandle::new(ids.to_device(device));
     let mut forward = |want_logits: bool| -> Result<Tensor> {
-        let out = target.forward(&ids_dev, layer_ids.as_slice().into(), want_logits).into_result().map_err(|e| anyhow!("target forward: {e}"))?;
+        let out = target
+            .forward(&ids_dev, layer_ids.as_slice().into(), want_logits)
+            .into_result()
+            .map_err(|e| anyhow!("target forward: {e}"))?;
         Ok(out.hidden.into_tensor())
     };
     let features_s = time(device, sh.warmup, sh.iters, || forward(false).map(drop))?;
@@ -368,11 +395,16 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
             eprintln!("trace: {}", path.display());
             Ok(())
         };
-        let features = Tensor::randn([b as i64, s as i64, layer_ids.len() as i64 * spec.hidden_size as i64], (kind, device));
+        let features =
+            Tensor::randn([b as i64, s as i64, layer_ids.len() as i64 * spec.hidden_size as i64], (kind, device));
         profile("drafter_step", &mut || step.run(&ids, &loss_mask, features.shallow_clone()).map(drop))?;
         drop(features);
         profile("target_forward", &mut || {
-            target.forward(&ids_dev, layer_ids.as_slice().into(), false).into_result().map(drop).map_err(|e| anyhow!("target forward: {e}"))
+            target
+                .forward(&ids_dev, layer_ids.as_slice().into(), false)
+                .into_result()
+                .map(drop)
+                .map_err(|e| anyhow!("target forward: {e}"))
         })?;
     }
 
@@ -431,7 +463,9 @@ mod tests {
     #[test]
     fn the_hybrid_and_moe_bench_configs_read() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bench");
-        for (name, layers, drafter_heads) in [("qwen3.6-27b.toml", 64, (32, 8, 128)), ("qwen3-30b-a3b.toml", 48, (32, 4, 128))] {
+        for (name, layers, drafter_heads) in
+            [("qwen3.6-27b.toml", 64, (32, 8, 128)), ("qwen3-30b-a3b.toml", 48, (32, 4, 128))]
+        {
             let path = dir.join(name);
             let cfg: BenchConfig = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
             let ctx = HostContext {

@@ -113,10 +113,28 @@ pub(super) fn phase(step_s: f64, tokens: f64, flop: f64, ceiling: f64, mem_gib: 
 pub fn print(r: &Report) {
     crate::say!(
         "bench train: {} {}, batch {} x {} tokens, {} anchors a sequence, drafter `{}`",
-        r.device, r.dtype, r.batch_size, r.seq_len, r.anchors_per_seq, r.drafter
+        r.device,
+        r.dtype,
+        r.batch_size,
+        r.seq_len,
+        r.anchors_per_seq,
+        r.drafter
     );
-    crate::say!("matmul ceiling {:.1} TFLOP/s; memory in use once built {}", r.ceiling_tflop_per_s, gib(r.built_mem_gib));
-    crate::say!("{:<26} {:>9} {:>12} {:>10} {:>10} {:>7} {:>10}", "phase", "s/step", "tok/s", "TFLOP", "TFLOP/s", "MFU", "mem GiB");
+    crate::say!(
+        "matmul ceiling {:.1} TFLOP/s; memory in use once built {}",
+        r.ceiling_tflop_per_s,
+        gib(r.built_mem_gib)
+    );
+    crate::say!(
+        "{:<26} {:>9} {:>12} {:>10} {:>10} {:>7} {:>10}",
+        "phase",
+        "s/step",
+        "tok/s",
+        "TFLOP",
+        "TFLOP/s",
+        "MFU",
+        "mem GiB"
+    );
     let row = |name: &str, p: &Phase| {
         crate::say!(
             "{:<26} {:>9.4} {:>12.0} {:>10.2} {:>10.1} {:>6.1}% {:>10}",
@@ -152,7 +170,9 @@ pub fn print(r: &Report) {
         r.drafter_step.step_s
     );
     match r.fused_loss_error {
-        Some([loss, grad]) => crate::say!("loss with the NVRTC kernels vs libtorch's ops: loss {loss:.1e}, gradient {grad:.1e} (relative)"),
+        Some([loss, grad]) => crate::say!(
+            "loss with the NVRTC kernels vs libtorch's ops: loss {loss:.1e}, gradient {grad:.1e} (relative)"
+        ),
         None if r.device != "cpu" => crate::say!("loss: the NVRTC cross-entropy kernels did not run"),
         None => {}
     }

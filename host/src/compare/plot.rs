@@ -10,7 +10,6 @@ use plotters::{
 };
 use std::{ops::Range, sync::Once};
 
-
 /// Tableau 10: distinct, colour-blind-friendly-ish group colours.
 pub(super) const COLORS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
@@ -47,7 +46,10 @@ pub(super) fn plot_err(e: impl std::fmt::Display) -> anyhow::Error {
 }
 
 /// The series' legend, the same box on every figure.
-fn draw_legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(chart: &mut ChartContext<'a, DB, CT>, position: SeriesLabelPosition) -> Result<()> {
+fn draw_legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    position: SeriesLabelPosition,
+) -> Result<()> {
     chart
         .configure_series_labels()
         .position(position)
@@ -155,7 +157,8 @@ impl CurveFigure {
             .iter()
             .filter_map(|r| {
                 let group = group_of(r)?;
-                let points = decimate(r.records.iter().map(|x| (x.tokens, metric(x))).filter(|p| p.1.is_finite()).collect());
+                let points =
+                    decimate(r.records.iter().map(|x| (x.tokens, metric(x))).filter(|p| p.1.is_finite()).collect());
                 Some(Line { group, points, finished: r.status == Status::Complete })
             })
             .collect();
@@ -249,7 +252,8 @@ impl CurveFigure {
 impl Figure for CurveFigure {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
         root.fill(&WHITE).map_err(plot_err)?;
-        let ys: Vec<f64> = self.runs.iter().flat_map(|l| l.points.iter().map(|p| p.1)).filter(|y| y.is_finite()).collect();
+        let ys: Vec<f64> =
+            self.runs.iter().flat_map(|l| l.points.iter().map(|p| p.1)).filter(|y| y.is_finite()).collect();
         let (lo, hi) = ys.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &y| (a.min(y), b.max(y)));
         // Values are capped on reading (MAX_ABS); an axis span that is still not finite (or a
         // range plotters' tick search cannot cover) gets the default axis, never a hang.
@@ -277,7 +281,12 @@ impl Figure for AccFigure {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
         root.fill(&WHITE).map_err(plot_err)?;
         let positions = self.groups.iter().map(|g| g.1.len()).max().unwrap_or(1).max(1);
-        let hi = self.groups.iter().flat_map(|g| g.1.iter().map(|p| p.1 + p.2)).filter(|v| v.is_finite()).fold(0.0, f64::max);
+        let hi = self
+            .groups
+            .iter()
+            .flat_map(|g| g.1.iter().map(|p| p.1 + p.2))
+            .filter(|v| v.is_finite())
+            .fold(0.0, f64::max);
         let y_max = (hi * 1.2).clamp(0.01, 1.0);
         let mut chart = ChartBuilder::on(root)
             .caption(&self.title, (FONT, 24))
@@ -355,8 +364,11 @@ pub(super) fn mean_curve(members: &[&Run], metric: fn(&Record) -> f64) -> Vec<(f
             }
             // The mean of piecewise-linear curves is piecewise linear with corners at the members'
             // records: evaluating there is exact.
-            let mut grid: Vec<f64> =
-                members.iter().flat_map(|r| r.records.iter().map(|x| x.tokens)).filter(|&t| t >= lo && t <= hi).collect();
+            let mut grid: Vec<f64> = members
+                .iter()
+                .flat_map(|r| r.records.iter().map(|x| x.tokens))
+                .filter(|&t| t >= lo && t <= hi)
+                .collect();
             grid.sort_by(f64::total_cmp);
             grid.dedup();
             let points = grid
@@ -383,7 +395,12 @@ pub(super) fn interp(records: &[Record], t: f64, metric: fn(&Record) -> f64) -> 
 }
 
 /// Write the figures; returns (stem, title) of those written and the errors of the rest.
-pub fn write_plots(runs: &[Run], cmp: &Comparison, sweeps: &Sweeps, out: &Path) -> (Vec<(String, String)>, Vec<String>) {
+pub fn write_plots(
+    runs: &[Run],
+    cmp: &Comparison,
+    sweeps: &Sweeps,
+    out: &Path,
+) -> (Vec<(String, String)>, Vec<String>) {
     let (mut done, mut errors) = (Vec::new(), Vec::new());
     let mut attempt = |stem: &str, title: &str, result: Result<()>| match result {
         Ok(()) => done.push((stem.to_string(), title.to_string())),
@@ -401,7 +418,10 @@ pub fn write_plots(runs: &[Run], cmp: &Comparison, sweeps: &Sweeps, out: &Path) 
     }
     let loss = CurveFigure::new("Loss vs target tokens", "loss (log scale)", true, runs, cmp, |r| r.loss);
     attempt("loss_vs_tokens", "Loss vs tokens", save(&loss, out, "loss_vs_tokens"));
-    let mut tau = CurveFigure::new("tau_hat (expected acceptance length) vs target tokens", "tau_hat", false, runs, cmp, |r| r.tau_hat);
+    let mut tau =
+        CurveFigure::new("tau_hat (expected acceptance length) vs target tokens", "tau_hat", false, runs, cmp, |r| {
+            r.tau_hat
+        });
     tau.legend = SeriesLabelPosition::LowerRight;
     attempt("tau_hat_vs_tokens", "tau_hat vs tokens", save(&tau, out, "tau_hat_vs_tokens"));
     let t = cmp.tokens.unwrap_or(0.0);
@@ -428,22 +448,46 @@ pub fn write_plots(runs: &[Run], cmp: &Comparison, sweeps: &Sweeps, out: &Path) 
         attempt("lr_vs_tokens", "Learning rate vs tokens", save(&lr, out, "lr_vs_tokens"));
     }
     if runs.iter().any(|r| r.records.iter().any(|x| x.grad_norm.is_finite() && x.grad_norm > 0.0)) {
-        let gn = CurveFigure::new("Gradient norm (before clipping) vs target tokens", "gradient norm (log scale)", true, runs, cmp, |r| r.grad_norm);
+        let gn = CurveFigure::new(
+            "Gradient norm (before clipping) vs target tokens",
+            "gradient norm (log scale)",
+            true,
+            runs,
+            cmp,
+            |r| r.grad_norm,
+        );
         attempt("grad_norm_vs_tokens", "Gradient norm vs tokens", save(&gn, out, "grad_norm_vs_tokens"));
     }
     // The validation split's scores, at the tokens each evaluation had trained on.
     let vals: Vec<Run> = runs.iter().map(val_points).collect();
     if vals.iter().any(|r| !r.records.is_empty()) {
-        let loss = CurveFigure::new("Validation loss vs target tokens", "validation loss (log scale)", true, &vals, cmp, |r| r.loss);
+        let loss = CurveFigure::new(
+            "Validation loss vs target tokens",
+            "validation loss (log scale)",
+            true,
+            &vals,
+            cmp,
+            |r| r.loss,
+        );
         attempt("val_loss_vs_tokens", "Validation loss vs tokens", save(&loss, out, "val_loss_vs_tokens"));
-        let mut tau = CurveFigure::new("Validation tau_hat vs target tokens", "validation tau_hat", false, &vals, cmp, |r| r.tau_hat);
+        let mut tau =
+            CurveFigure::new("Validation tau_hat vs target tokens", "validation tau_hat", false, &vals, cmp, |r| {
+                r.tau_hat
+            });
         tau.legend = SeriesLabelPosition::LowerRight;
         attempt("val_tau_hat_vs_tokens", "Validation tau_hat vs tokens", save(&tau, out, "val_tau_hat_vs_tokens"));
     }
     // Measured tau of the evaluated checkpoints, at the tokens each had trained on.
     let evals: Vec<Run> = runs.iter().map(eval_points).collect();
     if evals.iter().any(|r| !r.records.is_empty()) {
-        let mut fig = CurveFigure::new("Measured tau (eval, held-out prompts) vs target tokens", "tau", false, &evals, cmp, |r| r.tau_hat);
+        let mut fig = CurveFigure::new(
+            "Measured tau (eval, held-out prompts) vs target tokens",
+            "tau",
+            false,
+            &evals,
+            cmp,
+            |r| r.tau_hat,
+        );
         fig.legend = SeriesLabelPosition::LowerRight;
         attempt("eval_tau_vs_tokens", "Eval tau vs tokens", save(&fig, out, "eval_tau_vs_tokens"));
     }
@@ -553,7 +597,9 @@ impl SweepFigure {
         chart.draw_series(line.iter().map(|&p| Circle::new(p, 5, color.filled()))).map_err(plot_err)?;
         let chosen = COLORS[3];
         chart
-            .draw_series(self.points.iter().filter(|p| p.2).map(|p| Circle::new((p.0, p.1), 10, chosen.stroke_width(3))))
+            .draw_series(
+                self.points.iter().filter(|p| p.2).map(|p| Circle::new((p.0, p.1), 10, chosen.stroke_width(3))),
+            )
             .map_err(plot_err)?
             .label("chosen")
             .legend(move |(x, y)| Circle::new((x + 12, y), 6, chosen.stroke_width(3)));
@@ -565,8 +611,10 @@ impl SweepFigure {
 impl Figure for SweepFigure {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()> {
         root.fill(&WHITE).map_err(plot_err)?;
-        let (xlo, xhi) = self.points.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.0), b.max(p.0)));
-        let (ylo, yhi) = self.points.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.1), b.max(p.1)));
+        let (xlo, xhi) =
+            self.points.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.0), b.max(p.0)));
+        let (ylo, yhi) =
+            self.points.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.1), b.max(p.1)));
         let ypad = ((yhi - ylo) * 0.1).max(1e-3 * yhi.abs().max(1.0));
         let y = (ylo - ypad)..(yhi + ypad);
         if self.log_x {

@@ -2,7 +2,6 @@
 
 use super::*;
 
-
 pub(super) struct Table {
     header: Vec<String>,
     rows: Vec<Vec<String>>,
@@ -35,7 +34,11 @@ impl Table {
                 .enumerate()
                 .map(|(c, cell)| {
                     let pad = " ".repeat(widths[c] - width(cell));
-                    if c < self.text_cols { format!("{cell}{pad}") } else { format!("{pad}{cell}") }
+                    if c < self.text_cols {
+                        format!("{cell}{pad}")
+                    } else {
+                        format!("{pad}{cell}")
+                    }
                 })
                 .collect();
             parts.join("  ").trim_end().to_string() + "\n"
@@ -106,18 +109,36 @@ pub(super) fn trim_num(x: f64) -> String {
 /// `x` with at most `decimals` decimals, trailing zeros dropped.
 pub(super) fn trim_decimals(x: f64, decimals: usize) -> String {
     let s = format!("{x:.decimals$}");
-    if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s }
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
 }
 
 /// Decimals that tell ticks apart on an axis spanning `span` (about ten ticks).
 pub(super) fn tick_decimals(span: f64) -> usize {
-    if span > 0.0 && span.is_finite() { (1.0 - (span / 10.0).log10().floor()).clamp(0.0, 8.0) as usize } else { 2 }
+    if span > 0.0 && span.is_finite() {
+        (1.0 - (span / 10.0).log10().floor()).clamp(0.0, 8.0) as usize
+    } else {
+        2
+    }
 }
 
 pub(super) fn group_table(cmp: &Comparison) -> Table {
     let header = [
-        "group", "runs", "loss @T", "best loss", "tau_hat @T", "best tau_hat", "acc@1 @T", "wall @T (s)", "tok/s",
-        "final tokens", "wall total (s)", "tau (eval)",
+        "group",
+        "runs",
+        "loss @T",
+        "best loss",
+        "tau_hat @T",
+        "best tau_hat",
+        "acc@1 @T",
+        "wall @T (s)",
+        "tok/s",
+        "final tokens",
+        "wall total (s)",
+        "tau (eval)",
     ];
     let rows = cmp
         .groups
@@ -167,7 +188,9 @@ pub(super) fn held_out_table(cmp: &Comparison) -> Table {
 }
 
 pub(super) fn has_held_out(cmp: &Comparison) -> bool {
-    cmp.groups.iter().any(|g| g.val_loss.is_some() || g.val_tau_hat.is_some() || g.val_eval_tau.is_some() || g.eval_tau.is_some())
+    cmp.groups
+        .iter()
+        .any(|g| g.val_loss.is_some() || g.val_tau_hat.is_some() || g.val_eval_tau.is_some() || g.eval_tau.is_some())
 }
 
 /// Each group after W training seconds.
@@ -178,7 +201,13 @@ pub(super) fn wall_table(cmp: &Comparison) -> Table {
         .iter()
         .map(|g| {
             let n = g.members.len();
-            vec![g.name.clone(), n.to_string(), fmt_stat(g.loss_at_wall, 4, n), fmt_stat(g.tau_hat_at_wall, 3, n), fmt_stat(g.tokens_at_wall, 0, n)]
+            vec![
+                g.name.clone(),
+                n.to_string(),
+                fmt_stat(g.loss_at_wall, 4, n),
+                fmt_stat(g.tau_hat_at_wall, 3, n),
+                fmt_stat(g.tokens_at_wall, 0, n),
+            ]
         })
         .collect();
     Table { header: header.map(String::from).to_vec(), rows, text_cols: 2 }
@@ -187,7 +216,17 @@ pub(super) fn wall_table(cmp: &Comparison) -> Table {
 /// One swept arm's values: the score that chose (what `selection.json` recorded) and each
 /// value's first-seed run on the validation split and in training.
 pub(super) fn sweep_table(sweeps: &Sweeps, ab_dir: &Path, sel: &Selection, arm: &ArmSweep) -> Table {
-    let header = ["value", "run", "status", &format!("{} (chooses)", sel.select), "val loss", "val tau_hat", "val tau (eval)", "train loss (end)", "chosen"];
+    let header = [
+        "value",
+        "run",
+        "status",
+        &format!("{} (chooses)", sel.select),
+        "val loss",
+        "val tau_hat",
+        "val tau (eval)",
+        "train loss (end)",
+        "chosen",
+    ];
     let rows = arm
         .points
         .iter()
@@ -227,8 +266,19 @@ pub(super) fn sweep_sentence(sel: &Selection, arm: &ArmSweep) -> String {
 
 pub(super) fn run_table(runs: &[Run], cmp: &Comparison) -> Table {
     let header = [
-        "run", "group", "status", "loss @T", "best loss", "tau_hat @T", "best tau_hat", "acc@1 @T", "wall @T (s)",
-        "tok/s", "final tokens", "wall total (s)", "tau (eval)",
+        "run",
+        "group",
+        "status",
+        "loss @T",
+        "best loss",
+        "tau_hat @T",
+        "best tau_hat",
+        "acc@1 @T",
+        "wall @T (s)",
+        "tok/s",
+        "final tokens",
+        "wall total (s)",
+        "tau (eval)",
     ];
     let rows = runs
         .iter()
@@ -263,7 +313,20 @@ pub(super) fn run_table(runs: &[Run], cmp: &Comparison) -> Table {
 
 /// Each run at its own end: what it reached, whatever the others did.
 pub(super) fn final_table(runs: &[Run]) -> Table {
-    let header = ["run", "group", "status", "step", "tokens", "loss", "tau_hat", "acc@1", "lr", "grad norm", "wall (s)", "tau (eval)"];
+    let header = [
+        "run",
+        "group",
+        "status",
+        "step",
+        "tokens",
+        "loss",
+        "tau_hat",
+        "acc@1",
+        "lr",
+        "grad norm",
+        "wall (s)",
+        "tau (eval)",
+    ];
     let rows = runs
         .iter()
         .filter(|r| r.has_data())
@@ -316,7 +379,8 @@ pub(super) fn eval_table(runs: &[Run]) -> Table {
 
 pub(super) fn acc_tables(runs: &[Run], cmp: &Comparison) -> (Table, Table) {
     let positions = cmp.at.iter().flatten().map(|a| a.acc.len()).max().unwrap_or(0);
-    let pos_header = |first: &str| std::iter::once(first.to_string()).chain((1..=positions).map(|k| format!("pos {k}"))).collect();
+    let pos_header =
+        |first: &str| std::iter::once(first.to_string()).chain((1..=positions).map(|k| format!("pos {k}"))).collect();
     let groups = Table {
         header: pos_header("group"),
         rows: cmp
@@ -338,7 +402,9 @@ pub(super) fn acc_tables(runs: &[Run], cmp: &Comparison) -> (Table, Table) {
             .zip(&cmp.at)
             .filter_map(|(r, a)| a.as_ref().map(|a| (r, a)))
             .map(|(r, a)| {
-                std::iter::once(r.label.clone()).chain((0..positions).map(|k| fmt_opt(a.acc.get(k).copied(), 3))).collect()
+                std::iter::once(r.label.clone())
+                    .chain((0..positions).map(|k| fmt_opt(a.acc.get(k).copied(), 3)))
+                    .collect()
             })
             .collect(),
         text_cols: 1,
@@ -392,7 +458,11 @@ pub fn render_terminal(runs: &[Run], cmp: &Comparison, sweeps: &Sweeps) -> Strin
     s += "equal-token comparison: ";
     s += &(comparison_sentence(runs, cmp).replace("**", "") + "\n\n");
     if !cmp.groups.is_empty() {
-        s += if cmp.from_complete { "groups (mean ± std over complete runs)\n" } else { "groups (mean ± std over all runs: none has finished)\n" };
+        s += if cmp.from_complete {
+            "groups (mean ± std over complete runs)\n"
+        } else {
+            "groups (mean ± std over all runs: none has finished)\n"
+        };
         s += &group_table(cmp).terminal();
         s.push('\n');
         if has_held_out(cmp) {
@@ -420,7 +490,13 @@ pub fn render_terminal(runs: &[Run], cmp: &Comparison, sweeps: &Sweeps) -> Strin
 
 /// `report.md`. `plots`: (file stem, title) of the figures written beside it; `plot_errors`
 /// lines for figures that failed.
-pub fn render_markdown(runs: &[Run], cmp: &Comparison, sweeps: &Sweeps, plots: &[(String, String)], plot_errors: &[String]) -> String {
+pub fn render_markdown(
+    runs: &[Run],
+    cmp: &Comparison,
+    sweeps: &Sweeps,
+    plots: &[(String, String)],
+    plot_errors: &[String],
+) -> String {
     let mut s = String::from("# dflash experiment comparison\n\n");
     let _ = writeln!(s, "Generated {} UTC from {} folder(s):\n", utc_timestamp(unix_now(), true), runs.len());
     for r in runs {
@@ -438,7 +514,8 @@ pub fn render_markdown(runs: &[Run], cmp: &Comparison, sweeps: &Sweeps, plots: &
         s += &evals.markdown();
     }
     if sweeps.arms().next().is_some() || !sweeps.notes.is_empty() {
-        s += "\n## Sweeps\n\nEach swept arm's values, run with the first seed and scored on the validation split only. \
+        s +=
+            "\n## Sweeps\n\nEach swept arm's values, run with the first seed and scored on the validation split only. \
               The other columns are shown for reading, not for choosing.\n";
         for (dir, sel, arm) in sweeps.arms() {
             let _ = write!(s, "\n### {}\n\n{}\n\n", arm.arm, sweep_sentence(sel, arm));
@@ -494,7 +571,9 @@ pub fn render_markdown(runs: &[Run], cmp: &Comparison, sweeps: &Sweeps, plots: &
     if !plots.is_empty() || !plot_errors.is_empty() {
         s += "## Plots\n\n";
         // Sweep plots are shown with their sweeps.
-        for (stem, title) in plots.iter().filter(|(stem, _)| !sweeps.arms().any(|(_, _, a)| *stem == sweep_plot_stem(&a.arm))) {
+        for (stem, title) in
+            plots.iter().filter(|(stem, _)| !sweeps.arms().any(|(_, _, a)| *stem == sweep_plot_stem(&a.arm)))
+        {
             let _ = writeln!(s, "### {title}\n\n![{title}]({stem}.png)\n\n[SVG]({stem}.svg)\n");
         }
         for e in plot_errors {

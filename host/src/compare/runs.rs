@@ -32,7 +32,10 @@ impl Record {
             return Err(format!("`tokens` {} is not a token count", self.tokens));
         }
         let mut n = 0;
-        for v in [&mut self.loss, &mut self.tau_hat, &mut self.elapsed_s, &mut self.lr, &mut self.grad_norm].into_iter().chain(self.acc.iter_mut()) {
+        for v in [&mut self.loss, &mut self.tau_hat, &mut self.elapsed_s, &mut self.lr, &mut self.grad_norm]
+            .into_iter()
+            .chain(self.acc.iter_mut())
+        {
             if (v.is_finite() && v.abs() > MAX_ABS) || v.is_infinite() {
                 *v = f64::NAN;
                 n += 1;
@@ -86,8 +89,18 @@ impl ValPoint {
         }
         let clean = |x: Option<f64>| x.filter(|x| x.is_finite() && x.abs() <= MAX_ABS).unwrap_or(f64::NAN);
         let num = |k: &str| clean(v.get(k).and_then(Value::as_f64));
-        let acc = v.get("val_acc").and_then(Value::as_array).map(|a| a.iter().map(|x| clean(x.as_f64())).collect()).unwrap_or_default();
-        Some(Self { step: v.get("step")?.as_u64()?, tokens: v.get("tokens")?.as_f64()?, loss: num("val_loss"), tau_hat: num("val_tau_hat"), acc })
+        let acc = v
+            .get("val_acc")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().map(|x| clean(x.as_f64())).collect())
+            .unwrap_or_default();
+        Some(Self {
+            step: v.get("step")?.as_u64()?,
+            tokens: v.get("tokens")?.as_f64()?,
+            loss: num("val_loss"),
+            tau_hat: num("val_tau_hat"),
+            acc,
+        })
     }
 }
 
@@ -224,11 +237,16 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
     }
 
     // 1. Config and manifest: only for the group key.
-    let config = read_optional(&config_path, &mut run.notes, |s| toml::from_str::<toml::Value>(s).map_err(|e| e.to_string()));
-    let manifest = read_optional(&manifest_path, &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
+    let config =
+        read_optional(&config_path, &mut run.notes, |s| toml::from_str::<toml::Value>(s).map_err(|e| e.to_string()));
+    let manifest =
+        read_optional(&manifest_path, &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
     run.arm = manifest.as_ref().and_then(|m| json_lookup(m, "arm"));
     if let Some(key) = group_by {
-        let value = config.as_ref().and_then(|c| toml_lookup(c, key)).or_else(|| manifest.as_ref().and_then(|m| json_lookup(m, key)));
+        let value = config
+            .as_ref()
+            .and_then(|c| toml_lookup(c, key))
+            .or_else(|| manifest.as_ref().and_then(|m| json_lookup(m, key)));
         if value.is_none() {
             run.notes.push(format!("no `{key}` in config.toml or manifest.json"));
         }
@@ -273,12 +291,15 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
                 run.records.push(r);
                 run.val.extend(ValPoint::parse(&line));
             }
-            Err(e) if lines.peek().is_none() => run.notes.push(format!("truncated last line of metrics.jsonl ignored ({e})")),
+            Err(e) if lines.peek().is_none() => {
+                run.notes.push(format!("truncated last line of metrics.jsonl ignored ({e})"))
+            }
             Err(e) => run.notes.push(format!("metrics.jsonl line {} skipped: {e}", i + 1)),
         }
     }
     if absurd > 0 {
-        run.notes.push(format!("{absurd} values in metrics.jsonl beyond ±{MAX_ABS:e} or not finite, treated as missing"));
+        run.notes
+            .push(format!("{absurd} values in metrics.jsonl beyond ±{MAX_ABS:e} or not finite, treated as missing"));
     }
     if run.records.windows(2).any(|w| w[1].tokens < w[0].tokens) {
         run.notes.push("tokens decrease somewhere in metrics.jsonl (appended runs?); records sorted by tokens".into());
@@ -286,7 +307,9 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
     }
 
     // 3. Finished? Then the eval hook.
-    let summary = read_optional(&dir.join("summary.json"), &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
+    let summary = read_optional(&dir.join("summary.json"), &mut run.notes, |s| {
+        serde_json::from_str::<Value>(s).map_err(|e| e.to_string())
+    });
     run.summary_wall_s = summary.as_ref().and_then(|s| s.get("wall_s")).and_then(Value::as_f64);
     run.status = match (run.records.is_empty(), &summary) {
         (true, _) => {
@@ -301,7 +324,9 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
             Status::Unfinished
         }
     };
-    let eval = read_optional(&dir.join("eval.json"), &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
+    let eval = read_optional(&dir.join("eval.json"), &mut run.notes, |s| {
+        serde_json::from_str::<Value>(s).map_err(|e| e.to_string())
+    });
     if let Some(eval) = eval {
         run.eval_tau = eval.get("tau").and_then(Value::as_f64);
         if run.eval_tau.is_none() {
@@ -316,7 +341,9 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
     files.sort_by_key(|f| (f != "eval.json", f.clone()));
     for f in files {
         let mut notes = Vec::new();
-        if let Some(v) = read_optional(&dir.join(&f), &mut notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string())) {
+        if let Some(v) =
+            read_optional(&dir.join(&f), &mut notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()))
+        {
             if f == crate::eval::VALIDATION_FILE {
                 run.val_eval_tau = v.get("tau").and_then(Value::as_f64);
             }
@@ -355,7 +382,8 @@ pub fn load_runs(dirs: &[PathBuf], group_by: Option<&str>) -> Vec<Run> {
     let labels: Vec<String> = runs.iter().map(|r| r.label.clone()).collect();
     for (i, run) in runs.iter_mut().enumerate() {
         if labels.iter().filter(|l| **l == labels[i]).count() > 1 {
-            let parts: Vec<String> = run.dir.components().rev().take(2).map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+            let parts: Vec<String> =
+                run.dir.components().rev().take(2).map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
             run.label = parts.into_iter().rev().collect::<Vec<_>>().join("/");
         }
     }

@@ -54,7 +54,11 @@ pub struct AtWall {
 pub fn at_wall(records: &[Record], w: f64) -> Option<AtWall> {
     let timed: Vec<&Record> = records.iter().filter(|r| r.elapsed_s.is_finite()).collect();
     let (a, b, x) = around(&timed, w, |r| r.elapsed_s)?;
-    Some(AtWall { loss: lerp(a.loss, b.loss, x), tau_hat: lerp(a.tau_hat, b.tau_hat, x), tokens: lerp(a.tokens, b.tokens, x) })
+    Some(AtWall {
+        loss: lerp(a.loss, b.loss, x),
+        tau_hat: lerp(a.tau_hat, b.tau_hat, x),
+        tokens: lerp(a.tokens, b.tokens, x),
+    })
 }
 
 /// The two records around `x` on the axis `key` (ascending in `records`; one record twice when
@@ -137,7 +141,8 @@ pub struct Comparison {
 /// T = smallest final token count among complete runs (or among all runs with metrics when none
 /// is complete); each run read at T; group statistics over the counted runs.
 pub fn compare(runs: &[Run]) -> Comparison {
-    let complete: Vec<f64> = runs.iter().filter(|r| r.status == Status::Complete).filter_map(Run::final_tokens).collect();
+    let complete: Vec<f64> =
+        runs.iter().filter(|r| r.status == Status::Complete).filter_map(Run::final_tokens).collect();
     let from_complete = !complete.is_empty();
     let pool: Vec<f64> = if from_complete { complete } else { runs.iter().filter_map(Run::final_tokens).collect() };
     let tokens = pool.into_iter().reduce(f64::min);
@@ -148,7 +153,12 @@ pub fn compare(runs: &[Run]) -> Comparison {
         .map(|(r, a)| a.is_some() && (r.status == Status::Complete || (!from_complete && r.has_data())))
         .collect();
     let in_pool = |r: &Run| if from_complete { r.status == Status::Complete } else { r.has_data() };
-    let wall = runs.iter().filter(|r| in_pool(r)).filter_map(|r| r.records.last().map(|x| x.elapsed_s)).filter(|w| w.is_finite()).reduce(f64::min);
+    let wall = runs
+        .iter()
+        .filter(|r| in_pool(r))
+        .filter_map(|r| r.records.last().map(|x| x.elapsed_s))
+        .filter(|w| w.is_finite())
+        .reduce(f64::min);
     let at_wall_: Vec<Option<AtWall>> = runs.iter().map(|r| wall.and_then(|w| at_wall(&r.records, w))).collect();
 
     let mut names: Vec<&str> = Vec::new();
@@ -162,7 +172,9 @@ pub fn compare(runs: &[Run]) -> Comparison {
         .map(|name| {
             let members: Vec<usize> = (0..runs.len()).filter(|&i| counted[i] && runs[i].group == name).collect();
             let listed = runs.iter().filter(|r| r.has_data() && r.group == name).count();
-            let of = |f: &dyn Fn(&AtTokens) -> f64| stat(members.iter().map(|&i| f(at[i].as_ref().expect("counted runs reach T"))));
+            let of = |f: &dyn Fn(&AtTokens) -> f64| {
+                stat(members.iter().map(|&i| f(at[i].as_ref().expect("counted runs reach T"))))
+            };
             let positions = members.iter().map(|&i| at[i].as_ref().map_or(0, |a| a.acc.len())).max().unwrap_or(0);
             let acc = (0..positions)
                 .map(|k| stat(members.iter().filter_map(|&i| at[i].as_ref().and_then(|a| a.acc.get(k).copied()))))
@@ -180,8 +192,12 @@ pub fn compare(runs: &[Run]) -> Comparison {
                 final_tokens: stat(members.iter().filter_map(|&i| runs[i].final_tokens())),
                 wall_s: stat(members.iter().filter_map(|&i| runs[i].wall_s())),
                 eval_tau: stat(members.iter().filter_map(|&i| runs[i].eval_tau)),
-                val_loss: stat(members.iter().filter_map(|&i| runs[i].last_val().map(|v| v.loss)).filter(|x| x.is_finite())),
-                val_tau_hat: stat(members.iter().filter_map(|&i| runs[i].last_val().map(|v| v.tau_hat)).filter(|x| x.is_finite())),
+                val_loss: stat(
+                    members.iter().filter_map(|&i| runs[i].last_val().map(|v| v.loss)).filter(|x| x.is_finite()),
+                ),
+                val_tau_hat: stat(
+                    members.iter().filter_map(|&i| runs[i].last_val().map(|v| v.tau_hat)).filter(|x| x.is_finite()),
+                ),
                 val_eval_tau: stat(members.iter().filter_map(|&i| runs[i].val_eval_tau)),
                 loss_at_wall: stat(members.iter().filter_map(|&i| at_wall_[i].as_ref().map(|a| a.loss))),
                 tau_hat_at_wall: stat(members.iter().filter_map(|&i| at_wall_[i].as_ref().map(|a| a.tau_hat))),

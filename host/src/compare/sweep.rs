@@ -56,7 +56,10 @@ pub fn read_selections(runs: &[Run]) -> (Vec<(PathBuf, Selection)>, Vec<String>)
         if !path.exists() {
             continue;
         }
-        match input_files::read_to_string_capped(&path, 64 << 20).map_err(|e| e.to_string()).and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string())) {
+        match input_files::read_to_string_capped(&path, 64 << 20)
+            .map_err(|e| e.to_string())
+            .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+        {
             Ok(s) => out.push((parent.to_path_buf(), s)),
             Err(e) => notes.push(format!("{}: unreadable, sweeps not shown ({e})", path.display())),
         }
@@ -67,7 +70,10 @@ pub fn read_selections(runs: &[Run]) -> (Vec<(PathBuf, Selection)>, Vec<String>)
 /// Whether a run belongs to a swept arm but is not one of its runs at the chosen value (shown in
 /// the arm's sweep only, never compared).
 pub fn is_unchosen(run: &Run, selections: &[(PathBuf, Selection)]) -> bool {
-    let (Some(name), Some(arm)) = (run.dir.file_name().map(|n| n.to_string_lossy().into_owned()), run.arm.as_deref()) else { return false };
+    let (Some(name), Some(arm)) = (run.dir.file_name().map(|n| n.to_string_lossy().into_owned()), run.arm.as_deref())
+    else {
+        return false;
+    };
     selections
         .iter()
         .filter(|(dir, _)| Some(dir.as_path()) == run.dir.parent())

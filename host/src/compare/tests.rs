@@ -11,13 +11,20 @@ fn ab_folders_expand_evals_are_all_read_and_final_values_are_per_run() {
     fs::create_dir_all(ab.join("report")).unwrap();
     fs::write(long.join("eval.json"), r#"{"tau": 1.8, "tau_pooled": 1.9, "cycles": 40, "prompts": 4, "source": "holdout", "evaluated": {"checkpoint_step": 200}}"#).unwrap();
     fs::write(long.join("eval-step-100.json"), r#"{"tau": 1.5, "tau_pooled": 1.6, "cycles": 50, "prompts": 4, "source": "holdout", "evaluated": {"checkpoint_step": 100}}"#).unwrap();
-    fs::write(long.join("eval-humaneval-drafter-0123456789ab.json"), r#"{"tau": 2.5, "source": "humaneval", "evaluated": {"drafter": "/z"}}"#).unwrap();
+    fs::write(
+        long.join("eval-humaneval-drafter-0123456789ab.json"),
+        r#"{"tau": 2.5, "source": "humaneval", "evaluated": {"drafter": "/z"}}"#,
+    )
+    .unwrap();
     assert_eq!(expand_dirs(&[ab.clone()]), vec![short.clone(), long.clone()]);
     let report = run(&[ab.clone()], None, None).unwrap();
     assert_eq!(report, ab.join("report/report.md"));
     let md = fs::read_to_string(&report).unwrap();
     let runs = load_runs(&expand_dirs(&[ab.clone()]), None);
-    assert_eq!(runs[1].evals.iter().map(|e| e.file.as_str()).collect::<Vec<_>>(), ["eval.json", "eval-humaneval-drafter-0123456789ab.json", "eval-step-100.json"]);
+    assert_eq!(
+        runs[1].evals.iter().map(|e| e.file.as_str()).collect::<Vec<_>>(),
+        ["eval.json", "eval-humaneval-drafter-0123456789ab.json", "eval-step-100.json"]
+    );
     assert!(runs[1].records.iter().all(|r| r.lr == 1e-4 && r.grad_norm == 1.0));
     // The long run's own end (loss 10*0.5/20 = 0.25) next to the comparison at the short run's end.
     assert!(md.contains("## Final values") && md.contains("| b-s0 |") && md.contains("0.2500"), "{md}");
@@ -33,7 +40,14 @@ fn ab_folders_expand_evals_are_all_read_and_final_values_are_per_run() {
 
 /// A fake experiment: config (name), optional manifest arm, metrics from (tokens, loss, tau,
 /// acc) rows, summary when `finished`.
-fn fake_run(root: &Path, dir: &str, name: &str, arm: Option<&str>, rows: &[(u64, f64, f64, [f64; 3])], finished: bool) -> PathBuf {
+fn fake_run(
+    root: &Path,
+    dir: &str,
+    name: &str,
+    arm: Option<&str>,
+    rows: &[(u64, f64, f64, [f64; 3])],
+    finished: bool,
+) -> PathBuf {
     let d = root.join(dir);
     fs::create_dir_all(&d).unwrap();
     fs::write(d.join("config.toml"), format!("name = \"{name}\"\nseed = 0\n\n[optimizer]\nlr = 0.0006\n")).unwrap();
@@ -55,8 +69,11 @@ fn fake_run(root: &Path, dir: &str, name: &str, arm: Option<&str>, rows: &[(u64,
     fs::write(d.join("metrics.jsonl"), text).unwrap();
     if finished {
         let wall = rows.last().map_or(0.0, |r| r.0 as f64 / 100.0);
-        fs::write(d.join("summary.json"), serde_json::json!({"wall_s": wall, "tokens": rows.last().map(|r| r.0)}).to_string())
-            .unwrap();
+        fs::write(
+            d.join("summary.json"),
+            serde_json::json!({"wall_s": wall, "tokens": rows.last().map(|r| r.0)}).to_string(),
+        )
+        .unwrap();
     }
     d
 }
@@ -183,7 +200,9 @@ fn half_written_and_foreign_dirs_are_reported_not_fatal() {
     let md = render_markdown(&runs, &cmp, &Sweeps::default(), &[], &[]);
     let term = render_terminal(&runs, &cmp, &Sweeps::default());
     for text in [&md, &term] {
-        for want in ["truncated last line", "unfinished", "empty metrics", "no metrics", "not an experiment", "does not exist"] {
+        for want in
+            ["truncated last line", "unfinished", "empty metrics", "no metrics", "not an experiment", "does not exist"]
+        {
             assert!(text.contains(want), "missing `{want}` in:\n{text}");
         }
     }
@@ -302,7 +321,8 @@ fn default_out_is_one_folder_beside_the_runs_or_in_the_ab() {
 /// The validation scores on a run's last metrics line.
 fn with_val(dir: &Path, loss: f64, tau_hat: f64) {
     let path = dir.join("metrics.jsonl");
-    let mut lines: Vec<serde_json::Value> = fs::read_to_string(&path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mut lines: Vec<serde_json::Value> =
+        fs::read_to_string(&path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let last = lines.last_mut().unwrap();
     last["val_loss"] = loss.into();
     last["val_tau_hat"] = tau_hat.into();
@@ -350,7 +370,10 @@ fn a_swept_arm_is_compared_at_its_chosen_value_and_its_sweep_shown_apart() {
     // The sweep: both values, the score that chose, the chosen one marked, its plot.
     assert!(md.contains("## Sweeps") && md.contains("chosen: **lr=0.003**"), "{md}");
     assert!(md.contains("| lr=0.001 | adamw-lr=0.001-s0 | complete | 1.2000 | 3.0000 | 1.200 |"), "{md}");
-    assert!(md.contains("| lr=0.003 | adamw-lr=0.003-s0 | complete | 1.6000 | 2.0000 | 1.600 |") && md.contains("| yes |"), "{md}");
+    assert!(
+        md.contains("| lr=0.003 | adamw-lr=0.003-s0 | complete | 1.6000 | 2.0000 | 1.600 |") && md.contains("| yes |"),
+        "{md}"
+    );
     assert!(ab.join("report/sweep_adamw.png").exists() && md.contains("(sweep_adamw.png)"));
     // The comparison: adamw is its two runs at lr=0.003, never the other value.
     assert!(md.contains("| adamw | 2 |") && md.contains("| muon | 2 |"), "{md}");

@@ -46,7 +46,6 @@ pub struct RunConfig {
     pub overrides: Vec<Override>,
 }
 
-
 fn default_device() -> String {
     "cpu".into()
 }
@@ -105,7 +104,10 @@ impl RunConfig {
         };
         cfg.overrides = overrides.to_vec();
         // `cuda` is the first GPU, as in torch.
-        for d in std::iter::once(&mut cfg.device).chain(cfg.pipeline.targets.iter_mut()).chain(cfg.pipeline.drafter.iter_mut()) {
+        for d in std::iter::once(&mut cfg.device)
+            .chain(cfg.pipeline.targets.iter_mut())
+            .chain(cfg.pipeline.drafter.iter_mut())
+        {
             if d == "cuda" {
                 *d = "cuda:0".into();
             }
@@ -173,7 +175,10 @@ impl RunConfig {
             match table.get("plugin") {
                 Some(toml::Value::String(_)) => {}
                 Some(_) => bail!("field `{kind}.plugin`: expected a string (the plugin's name)"),
-                None => bail!("section [{kind}]: missing field `plugin` (the plugin's name, e.g. plugin = \"{}\")", default_plugin(kind)),
+                None => bail!(
+                    "section [{kind}]: missing field `plugin` (the plugin's name, e.g. plugin = \"{}\")",
+                    default_plugin(kind)
+                ),
             }
         }
         Ok(())

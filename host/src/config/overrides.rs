@@ -61,7 +61,8 @@ impl Override {
 
     /// Set the value in the config's TOML table, creating the tables on the way.
     pub(crate) fn apply(&self, table: &mut toml::Table) -> Result<()> {
-        set_dotted(table, &self.key, self.value.clone()).map_err(|not_a_section| anyhow::anyhow!("{}: field `{not_a_section}` is not a section", self.arg))
+        set_dotted(table, &self.key, self.value.clone())
+            .map_err(|not_a_section| anyhow::anyhow!("{}: field `{not_a_section}` is not a section", self.arg))
     }
 
     /// This override set the field an error message names (`field `lr``, `unknown field `lr``

@@ -29,12 +29,20 @@ fn parse(text: &str) -> Result<RunConfig> {
 fn loss_settings_parse_and_round_trip() {
     let cfg = parse(GOOD).unwrap();
     let t = &cfg.train;
-    assert_eq!((t.loss_gamma, t.loss_normalization, t.anchors), (None, LossNormalization::Global, AnchorRule::Response));
+    assert_eq!(
+        (t.loss_gamma, t.loss_normalization, t.anchors),
+        (None, LossNormalization::Global, AnchorRule::Response)
+    );
     let set = |lines: &str| GOOD.replace("steps = 3", &format!("steps = 3\n{lines}"));
-    let cfg = parse(&set("loss_gamma = \"none\"\nloss_normalization = \"per_micro_batch\"\nanchors = \"before_response\"")).unwrap();
+    let cfg =
+        parse(&set("loss_gamma = \"none\"\nloss_normalization = \"per_micro_batch\"\nanchors = \"before_response\""))
+            .unwrap();
     let again = parse(&toml::to_string(&cfg).unwrap()).unwrap();
     for t in [&cfg.train, &again.train] {
-        assert_eq!((t.loss_gamma, t.loss_normalization, t.anchors), (Some(LossGamma::None), LossNormalization::PerMicroBatch, AnchorRule::BeforeResponse));
+        assert_eq!(
+            (t.loss_gamma, t.loss_normalization, t.anchors),
+            (Some(LossGamma::None), LossNormalization::PerMicroBatch, AnchorRule::BeforeResponse)
+        );
     }
     assert_eq!(parse(&set("loss_gamma = 7")).unwrap().train.loss_gamma, Some(LossGamma::Decay(7.0)));
     for (line, want) in [
@@ -54,7 +62,14 @@ fn overrides_are_typed_like_the_file_and_errors_name_them() {
         let o: Vec<Override> = args.iter().map(|a| Override::parse_set(a).unwrap()).collect();
         RunConfig::from_toml_with(Path::new("cfg.toml"), GOOD, &o)
     };
-    let cfg = with(&["train.steps=400", "optimizer.lr=1e-3", "name=run-2", "pipeline.targets=[\"cpu\", \"cpu\"]", "data.fields.role=who"]).unwrap();
+    let cfg = with(&[
+        "train.steps=400",
+        "optimizer.lr=1e-3",
+        "name=run-2",
+        "pipeline.targets=[\"cpu\", \"cpu\"]",
+        "data.fields.role=who",
+    ])
+    .unwrap();
     assert_eq!((cfg.train.steps, cfg.name.as_str(), cfg.target_devices().len()), (400, "run-2", 2));
     assert_eq!(cfg.section("optimizer").config_toml.trim(), "lr = 0.001");
     assert_eq!(cfg.data["fields"]["role"].as_str(), Some("who"));
@@ -69,12 +84,20 @@ fn overrides_are_typed_like_the_file_and_errors_name_them() {
         let e = with(args).unwrap_err().to_string();
         assert!(e.starts_with(want), "{args:?}: {e}");
     }
-    let e = RunConfig::from_toml_with(Path::new("cfg.toml"), GOOD, &[Override::device("cuda:x")]).unwrap_err().to_string();
+    let e =
+        RunConfig::from_toml_with(Path::new("cfg.toml"), GOOD, &[Override::device("cuda:x")]).unwrap_err().to_string();
     assert!(e.starts_with("--device cuda:x: field `device`"), "{e}");
-    assert_eq!(RunConfig::from_toml_with(Path::new("cfg.toml"), GOOD, &[Override::device("cuda")]).unwrap().device, "cuda:0");
+    assert_eq!(
+        RunConfig::from_toml_with(Path::new("cfg.toml"), GOOD, &[Override::device("cuda")]).unwrap().device,
+        "cuda:0"
+    );
     assert!(Override::parse_set("steps").is_err() && Override::parse_set("a..b=1").is_err());
     // The file's own mistake keeps its line though an override is given.
-    let e = RunConfig::from_toml_with(Path::new("cfg.toml"), &GOOD.replace("steps = 3", "steps = \"x\""), &[Override::device("cpu")]);
+    let e = RunConfig::from_toml_with(
+        Path::new("cfg.toml"),
+        &GOOD.replace("steps = 3", "steps = \"x\""),
+        &[Override::device("cpu")],
+    );
     assert!(e.unwrap_err().to_string().starts_with("cfg.toml:4:"));
 }
 
@@ -91,9 +114,13 @@ fn good_config_parses_and_splits_sections() {
 fn cuda_means_the_first_gpu() {
     let text = GOOD.replacen("name = ", "device = \"cuda\"\nname = ", 1);
     let cfg = RunConfig::from_toml(Path::new("cfg.toml"), &text).unwrap();
-    assert_eq!((cfg.device.as_str(), cfg.target_devices(), cfg.drafter_device()), ("cuda:0", vec!["cuda:0".to_string()], "cuda:0"));
+    assert_eq!(
+        (cfg.device.as_str(), cfg.target_devices(), cfg.drafter_device()),
+        ("cuda:0", vec!["cuda:0".to_string()], "cuda:0")
+    );
     assert_eq!(parse_device("cuda").unwrap(), plugin_api::tch::Device::Cuda(0));
-    let err = RunConfig::from_toml(Path::new("cfg.toml"), &text.replace("\"cuda\"", "\"gpu\"")).unwrap_err().to_string();
+    let err =
+        RunConfig::from_toml(Path::new("cfg.toml"), &text.replace("\"cuda\"", "\"gpu\"")).unwrap_err().to_string();
     assert!(err.contains("expected `cpu`, `cuda` or `cuda:N`, got `gpu`"), "{err}");
 }
 
@@ -272,11 +299,41 @@ on_error = "skip"
 "#;
 
     const KEYS: &[&str] = &[
-        "name", "seed", "device", "dtype", "steps", "grad_accum", "anchors_per_seq", "loss_gamma", "loss_normalization", "anchors",
-        "warmup_frac", "min_lr_frac", "grad_clip", "log_every", "checkpoint_every", "keep_checkpoints",
-        "max_nonfinite_steps", "hidden_cache_mb", "targets", "drafter", "buffer_mb", "deterministic",
-        "capture", "plugin", "path", "generate_batch_size", "num_hidden_layers", "block_size",
-        "target_layer_ids", "mask_token_id", "lr", "weight_decay", "format", "batch_size", "max_len",
+        "name",
+        "seed",
+        "device",
+        "dtype",
+        "steps",
+        "grad_accum",
+        "anchors_per_seq",
+        "loss_gamma",
+        "loss_normalization",
+        "anchors",
+        "warmup_frac",
+        "min_lr_frac",
+        "grad_clip",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "max_nonfinite_steps",
+        "hidden_cache_mb",
+        "targets",
+        "drafter",
+        "buffer_mb",
+        "deterministic",
+        "capture",
+        "plugin",
+        "path",
+        "generate_batch_size",
+        "num_hidden_layers",
+        "block_size",
+        "target_layer_ids",
+        "mask_token_id",
+        "lr",
+        "weight_decay",
+        "format",
+        "batch_size",
+        "max_len",
         "on_error",
     ];
 
@@ -299,7 +356,8 @@ on_error = "skip"
             any::<i64>().prop_map(|v| v.to_string()),
             any::<u64>().prop_map(|v| v.to_string()),
             any::<f64>().prop_map(|v| format!("{v:?}")),
-            prop::sample::select(vec!["nan", "inf", "-inf", "-0", "1e999", "0", "0.0", "-1.0", "1.5"]).prop_map(str::to_string),
+            prop::sample::select(vec!["nan", "inf", "-inf", "-0", "1e999", "0", "0.0", "-1.0", "1.5"])
+                .prop_map(str::to_string),
             "[ -~]{0,12}".prop_map(|s| toml::Value::from(s).to_string()),
             prop::sample::select(vec!["\"../x\"", "\"a/b\"", "\"cuda:\"", "\"cuda:99999999999\"", "\"bf16\"", "\"\""])
                 .prop_map(str::to_string),
@@ -315,9 +373,26 @@ on_error = "skip"
     fn junk_line() -> impl Strategy<Value = String> {
         prop_oneof![
             prop::sample::select(vec![
-                "[train]", "[[train]]", "[pipeline.x]", "[data.extra]", "[]", "[", "= 1", "x =", "\"k\" = 1",
-                "name = \"dup\"", "a.b.c = 1", "[target]", "plugin = 3", "plugin = \"nope\"", "'''", "\"\"\"",
-                "# comment", "\u{feff}", "\t", "steps = 1\r",
+                "[train]",
+                "[[train]]",
+                "[pipeline.x]",
+                "[data.extra]",
+                "[]",
+                "[",
+                "= 1",
+                "x =",
+                "\"k\" = 1",
+                "name = \"dup\"",
+                "a.b.c = 1",
+                "[target]",
+                "plugin = 3",
+                "plugin = \"nope\"",
+                "'''",
+                "\"\"\"",
+                "# comment",
+                "\u{feff}",
+                "\t",
+                "steps = 1\r",
             ])
             .prop_map(str::to_string),
             (prop::sample::select(KEYS.to_vec()), value()).prop_map(|(k, v)| format!("{k} = {v}")),
@@ -408,8 +483,13 @@ on_error = "skip"
                         for kind in ["target", "drafter", "optimizer", "data"] {
                             let sec = cfg.section(kind);
                             let res = match kind {
-                                "target" => plugin_api::parse_section::<target_hf::TargetSection>(&sec.config_toml).map(drop),
-                                "drafter" => plugin_api::parse_section::<drafter_dflash::DrafterSection>(&sec.config_toml).map(drop),
+                                "target" => {
+                                    plugin_api::parse_section::<target_hf::TargetSection>(&sec.config_toml).map(drop)
+                                }
+                                "drafter" => {
+                                    plugin_api::parse_section::<drafter_dflash::DrafterSection>(&sec.config_toml)
+                                        .map(drop)
+                                }
                                 "optimizer" => optim_adamw::ParamsAdamW::from_toml(&sec.config_toml).map(drop),
                                 _ => plugin_api::parse_section::<data_chat::ChatSection>(&sec.config_toml).map(drop),
                             };
@@ -429,7 +509,10 @@ on_error = "skip"
             })
             .unwrap();
         let (ok, err) = counts.get();
-        eprintln!("config fuzz: {} inputs ran, no panic ({ok} parsed, {err} refused with an error naming the file)", ok + err);
+        eprintln!(
+            "config fuzz: {} inputs ran, no panic ({ok} parsed, {err} refused with an error naming the file)",
+            ok + err
+        );
         assert_eq!(ok + err, n);
     }
 }

@@ -72,7 +72,9 @@ impl Shared {
     /// those that were stopping on a failure of their own diagnosis.
     fn gone_ranks(&self) -> c10d::Result<Vec<usize>> {
         let store = self.store.lock().expect("store lock");
-        let read = |key: fn(usize) -> String| (0..self.world).map(|r| store.add(&key(r), 0)).collect::<c10d::Result<Vec<i64>>>();
+        let read = |key: fn(usize) -> String| {
+            (0..self.world).map(|r| store.add(&key(r), 0)).collect::<c10d::Result<Vec<i64>>>()
+        };
         let before = read(beat_key)?;
         std::thread::sleep(HEARTBEAT * MISSED_BEATS);
         let after = read(beat_key)?;
@@ -118,7 +120,10 @@ impl C10dCommunicator {
             if rank == 0 {
                 anyhow!("rank 0: serving the rendezvous store on {addr}: {e}")
             } else {
-                anyhow!("rank 0 gone: rank {rank} could not reach its rendezvous store at {addr} within {} s: {e}", timeout.as_secs())
+                anyhow!(
+                    "rank 0 gone: rank {rank} could not reach its rendezvous store at {addr} within {} s: {e}",
+                    timeout.as_secs()
+                )
             }
         })?;
         // 1. Everyone says who they are, then waits for everyone (naming who never came).
@@ -137,23 +142,31 @@ impl C10dCommunicator {
             }
             if Instant::now() > deadline {
                 let s = if missing.len() > 1 { "s" } else { "" };
-                bail!("rank{s} {} did not join the rendezvous at {addr} within {} s (world size {world})", missing.join(", "), timeout.as_secs());
+                bail!(
+                    "rank{s} {} did not join the rendezvous at {addr} within {} s (world size {world})",
+                    missing.join(", "),
+                    timeout.as_secs()
+                );
             }
             std::thread::sleep(Duration::from_millis(100));
         }
         // 2. The same world, config and build everywhere, or one line naming who differs. Rank 0
         //    serves the store, so it waits until every rank has read before it may leave.
         let rdv = |e: c10d::Error| anyhow!("rank {rank}: rendezvous at {addr}: {e}");
-        let hellos = (0..world).map(|r| store.get(&hello_key(r)).map(|v| String::from_utf8_lossy(&v).into_owned())).collect::<c10d::Result<Vec<_>>>().map_err(rdv)?;
+        let hellos = (0..world)
+            .map(|r| store.get(&hello_key(r)).map(|v| String::from_utf8_lossy(&v).into_owned()))
+            .collect::<c10d::Result<Vec<_>>>()
+            .map_err(rdv)?;
         store.add("dflash/checked", 1).map_err(rdv)?;
         while rank == 0 && store.add("dflash/checked", 0).map_err(rdv)? < world as i64 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
         if let Some((r, theirs)) = hellos.iter().enumerate().find(|(_, h)| *h != &hellos[0]) {
-            let diff = hellos[0].split(", ").zip(theirs.split(", ")).find(|(a, b)| a != b).map_or_else(
-                || format!("`{theirs}` vs `{}`", hellos[0]),
-                |(a, b)| format!("{b} vs {a} on rank 0"),
-            );
+            let diff = hellos[0]
+                .split(", ")
+                .zip(theirs.split(", "))
+                .find(|(a, b)| a != b)
+                .map_or_else(|| format!("`{theirs}` vs `{}`", hellos[0]), |(a, b)| format!("{b} vs {a} on rank 0"));
             bail!("rank {r} differs from rank 0: {diff}; every rank must run the same build with the same config");
         }
         // 3. The group, and the heartbeat that names a rank that dies.
@@ -276,4 +289,3 @@ impl Collectives for Lent {
         self.0.run("all-gather", |g| g.all_gather(&outs, &input)).map_err(|e| PluginError::new(format!("{e:#}"))).into()
     }
 }
-

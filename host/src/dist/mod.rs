@@ -44,7 +44,11 @@ impl DistEnv {
 
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<Self>> {
         let num = |k: &str| -> Result<Option<usize>> {
-            var(k).map(|v| v.trim().parse::<usize>().with_context(|| format!("environment variable {k}=`{v}`: not a number"))).transpose()
+            var(k)
+                .map(|v| {
+                    v.trim().parse::<usize>().with_context(|| format!("environment variable {k}=`{v}`: not a number"))
+                })
+                .transpose()
         };
         // A launcher's world of 1 (torchrun --nproc-per-node 1) runs through c10d too.
         let Some(world) = num("WORLD_SIZE")? else { return Ok(None) };
@@ -66,7 +70,10 @@ impl DistEnv {
             world,
             local_rank: num("LOCAL_RANK")?.unwrap_or(rank),
             master_addr: var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
-            master_port: master_port.trim().parse().with_context(|| format!("MASTER_PORT=`{master_port}`: not a port"))?,
+            master_port: master_port
+                .trim()
+                .parse()
+                .with_context(|| format!("MASTER_PORT=`{master_port}`: not a port"))?,
             timeout,
         }))
     }
@@ -180,21 +187,47 @@ mod tests {
 
     #[test]
     fn the_launcher_environment_is_read_and_checked() {
-        let vars = |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
         assert_eq!(DistEnv::from_vars(vars(&[])).unwrap(), None);
-        assert_eq!(DistEnv::from_vars(vars(&[("WORLD_SIZE", "1"), ("RANK", "0"), ("MASTER_PORT", "2")])).unwrap().map(|e| e.world), Some(1));
-        let env = DistEnv::from_vars(vars(&[("WORLD_SIZE", "4"), ("RANK", "2"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500")]))
-            .unwrap()
-            .unwrap();
-        assert_eq!((env.rank, env.world, env.local_rank, env.master_addr.as_str(), env.master_port), (2, 4, 0, "node0", 29500));
+        assert_eq!(
+            DistEnv::from_vars(vars(&[("WORLD_SIZE", "1"), ("RANK", "0"), ("MASTER_PORT", "2")]))
+                .unwrap()
+                .map(|e| e.world),
+            Some(1)
+        );
+        let env = DistEnv::from_vars(vars(&[
+            ("WORLD_SIZE", "4"),
+            ("RANK", "2"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29500"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (env.rank, env.world, env.local_rank, env.master_addr.as_str(), env.master_port),
+            (2, 4, 0, "node0", 29500)
+        );
         assert_eq!(env.timeout, DEFAULT_TIMEOUT);
-        let env = DistEnv::from_vars(vars(&[("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_PORT", "1"), ("DFLASH_DIST_TIMEOUT", "20")])).unwrap().unwrap();
+        let env = DistEnv::from_vars(vars(&[
+            ("WORLD_SIZE", "2"),
+            ("RANK", "1"),
+            ("MASTER_PORT", "1"),
+            ("DFLASH_DIST_TIMEOUT", "20"),
+        ]))
+        .unwrap()
+        .unwrap();
         assert_eq!(env.timeout, Duration::from_secs(20));
         let err = DistEnv::from_vars(vars(&[("WORLD_SIZE", "2"), ("RANK", "2"), ("MASTER_PORT", "1")])).unwrap_err();
         assert!(err.to_string().contains("RANK 2 is not below WORLD_SIZE 2"), "{err}");
         let err = DistEnv::from_vars(vars(&[("WORLD_SIZE", "2"), ("RANK", "x")])).unwrap_err();
         assert!(err.to_string().contains("RANK=`x`"), "{err}");
-        assert!(DistEnv::from_vars(vars(&[("WORLD_SIZE", "2"), ("RANK", "1")])).unwrap_err().to_string().contains("MASTER_PORT"));
+        assert!(DistEnv::from_vars(vars(&[("WORLD_SIZE", "2"), ("RANK", "1")]))
+            .unwrap_err()
+            .to_string()
+            .contains("MASTER_PORT"));
     }
 
     fn free_port() -> u16 {
@@ -202,14 +235,25 @@ mod tests {
     }
 
     /// `world` ranks on threads, each connecting with `identity(rank)` and running `f`.
-    fn ranks<T: Send>(world: usize, identity: impl Fn(usize) -> Identity + Sync, f: impl Fn(&mut C10dCommunicator) -> T + Sync) -> Vec<Result<T>> {
+    fn ranks<T: Send>(
+        world: usize,
+        identity: impl Fn(usize) -> Identity + Sync,
+        f: impl Fn(&mut C10dCommunicator) -> T + Sync,
+    ) -> Vec<Result<T>> {
         let port = free_port();
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..world)
                 .map(|rank| {
                     let (f, identity) = (&f, &identity);
                     s.spawn(move || {
-                        let env = DistEnv { rank, world, local_rank: rank, master_addr: "127.0.0.1".into(), master_port: port, timeout: Duration::from_secs(20) };
+                        let env = DistEnv {
+                            rank,
+                            world,
+                            local_rank: rank,
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                            timeout: Duration::from_secs(20),
+                        };
                         C10dCommunicator::connect(&env, Device::Cpu, &identity(rank)).map(|mut c| f(&mut c))
                     })
                 })
@@ -245,10 +289,17 @@ mod tests {
             let mut lent = c.collectives();
             let outs: Vec<Tensor> = (0..3).map(|_| Tensor::zeros([2], (Kind::Int64, Device::Cpu))).collect();
             let handles: Vec<TensorHandle> = outs.iter().map(|t| TensorHandle::new(t.shallow_clone())).collect();
-            lent.all_gather(handles.as_slice().into(), &TensorHandle::new(Tensor::from_slice(&[c.rank() as i64, 7]))).unwrap();
+            lent.all_gather(handles.as_slice().into(), &TensorHandle::new(Tensor::from_slice(&[c.rank() as i64, 7])))
+                .unwrap();
             c.barrier().unwrap();
             let v = |t: &Tensor| Vec::<f64>::try_from(t.to_kind(Kind::Double).reshape([-1])).unwrap();
-            (sums, ts.iter().map(v).collect::<Vec<_>>(), v(&p.grad()), v(&p.detach()), outs.iter().map(v).collect::<Vec<_>>())
+            (
+                sums,
+                ts.iter().map(v).collect::<Vec<_>>(),
+                v(&p.grad()),
+                v(&p.detach()),
+                outs.iter().map(v).collect::<Vec<_>>(),
+            )
         });
         for o in out {
             let (sums, ts, grad, p, gathered) = o.unwrap();
@@ -264,7 +315,8 @@ mod tests {
     /// names it.
     #[test]
     fn a_rank_with_another_config_is_named_at_the_rendezvous() {
-        let out = ranks(3, |r| Identity { config: if r == 2 { "x".into() } else { "c".into() }, build: "b".into() }, |_| ());
+        let out =
+            ranks(3, |r| Identity { config: if r == 2 { "x".into() } else { "c".into() }, build: "b".into() }, |_| ());
         for o in out {
             let e = format!("{:#}", o.unwrap_err());
             assert!(e.starts_with("rank 2 differs from rank 0: config x vs config c on rank 0"), "{e}");
@@ -276,9 +328,17 @@ mod tests {
     #[test]
     fn a_missing_rank_is_named_after_the_timeout() {
         let port = free_port();
-        let env = DistEnv { rank: 0, world: 2, local_rank: 0, master_addr: "127.0.0.1".into(), master_port: port, timeout: Duration::from_secs(2) };
+        let env = DistEnv {
+            rank: 0,
+            world: 2,
+            local_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            timeout: Duration::from_secs(2),
+        };
         let t = Instant::now();
-        let e = format!("{:#}", C10dCommunicator::connect(&env, Device::Cpu, &same(0)).err().expect("rank 1 never came"));
+        let e =
+            format!("{:#}", C10dCommunicator::connect(&env, Device::Cpu, &same(0)).err().expect("rank 1 never came"));
         assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
         assert!(e.starts_with("rank 1 did not join the rendezvous"), "{e}");
     }
@@ -297,7 +357,10 @@ mod tests {
     fn each_local_rank_gets_its_own_gpus() {
         let s = |v: &[&str]| v.iter().map(|d| d.to_string()).collect::<Vec<_>>();
         assert_eq!(rank_devices(&s(&["cuda:0"]), 3, 8).unwrap(), s(&["cuda:3"]));
-        assert_eq!(rank_devices(&s(&["cuda:0", "cuda:1", "cuda:2", "cuda:3"]), 1, 8).unwrap(), s(&["cuda:4", "cuda:5", "cuda:6", "cuda:7"]));
+        assert_eq!(
+            rank_devices(&s(&["cuda:0", "cuda:1", "cuda:2", "cuda:3"]), 1, 8).unwrap(),
+            s(&["cuda:4", "cuda:5", "cuda:6", "cuda:7"])
+        );
         assert_eq!(rank_devices(&s(&["cpu"]), 2, 0).unwrap(), s(&["cpu"]));
         // Slurm's per-task CUDA_VISIBLE_DEVICES: each rank sees one GPU, already its own.
         assert_eq!(rank_devices(&s(&["cuda:0"]), 5, 1).unwrap(), s(&["cuda:0"]));

@@ -60,7 +60,11 @@ fn ids_tensor(ids: &[u32]) -> Tensor {
 }
 
 fn to_ids(t: &Tensor) -> Vec<u32> {
-    Vec::<i64>::try_from(t.to_device(Device::Cpu).flatten(0, -1)).expect("token ids").into_iter().map(|t| t as u32).collect()
+    Vec::<i64>::try_from(t.to_device(Device::Cpu).flatten(0, -1))
+        .expect("token ids")
+        .into_iter()
+        .map(|t| t as u32)
+        .collect()
 }
 
 /// Greedy speculative decoding of one prompt: the new tokens (up to `max_new`, and the first stop
@@ -81,7 +85,7 @@ pub fn speculative_decode(
     // 1. Prefill: the prompt's features, and the target's first token (kept on the device).
     let (mut context, logits) = extend(c, ids_tensor(prompt), layers)?;
     let mut anchor = logits.narrow(1, prompt.len() as i64 - 1, 1).argmax(-1, false).to_device(device); // [1, 1]
-    // `context`: the features the drafter has not been given yet (all of them while it keeps none).
+                                                                                                       // `context`: the features the drafter has not been given yet (all of them while it keeps none).
     let mut keeps_context = true;
     let mut held = 0usize;
     let mut anchor_pos = prompt.len();
@@ -196,7 +200,8 @@ pub fn kept_len(tokens: &[u32], max_new: usize, stop: &[u32]) -> usize {
 /// One response's z-lab tau (mean accepted + 1 over its cycles) and tokens kept per cycle that
 /// kept any; None without cycles.
 pub fn response_taus(cycles: &[Cycle]) -> (Option<f64>, Option<f64>) {
-    let tau = (!cycles.is_empty()).then(|| cycles.iter().map(|c| (c.accepted + 1) as f64).sum::<f64>() / cycles.len() as f64);
+    let tau =
+        (!cycles.is_empty()).then(|| cycles.iter().map(|c| (c.accepted + 1) as f64).sum::<f64>() / cycles.len() as f64);
     let kept: Vec<usize> = cycles.iter().map(|c| c.produced).filter(|&p| p > 0).collect();
     let tau_kept = (!kept.is_empty()).then(|| kept.iter().sum::<usize>() as f64 / kept.len() as f64);
     (tau, tau_kept)
@@ -211,7 +216,11 @@ mod tests {
     fn taus_count_cycles_as_zlab_and_as_kept() {
         // max_new 8: 1 (prefill) + 4 kept + 3 of the 16 the second cycle gave, then a cycle past
         // the cap that keeps nothing.
-        let cycles = [Cycle { accepted: 3, produced: 4 }, Cycle { accepted: 15, produced: 3 }, Cycle { accepted: 5, produced: 0 }];
+        let cycles = [
+            Cycle { accepted: 3, produced: 4 },
+            Cycle { accepted: 15, produced: 3 },
+            Cycle { accepted: 5, produced: 0 },
+        ];
         let (tau, kept) = response_taus(&cycles);
         assert_eq!(tau, Some((4.0 + 16.0 + 6.0) / 3.0));
         assert_eq!(kept, Some(3.5));

@@ -143,7 +143,8 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
     }
     for (i, prompt) in prompts.iter().enumerate() {
         let t0 = Instant::now();
-        let base = c.target.generate(vec![prompt.clone()].into(), opts.max_new_tokens, stop.as_slice().into()).into_result();
+        let base =
+            c.target.generate(vec![prompt.clone()].into(), opts.max_new_tokens, stop.as_slice().into()).into_result();
         let base = base.map_err(c.err(PluginKind::Target, "generate"))?.remove(0).into_vec();
         t_target += t0.elapsed().as_secs_f64();
         n_target += base.len();
@@ -214,8 +215,12 @@ pub struct EvalCommand {
 /// evaluate, print, and write the results file named after what was evaluated.
 pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     let exp_dir = &args.exp_dir;
-    let mut opts =
-        EvalOptions { source: args.prompts.clone(), limit: args.limit, max_new_tokens: args.max_new_tokens, time_split: args.time_split };
+    let mut opts = EvalOptions {
+        source: args.prompts.clone(),
+        limit: args.limit,
+        max_new_tokens: args.max_new_tokens,
+        time_split: args.time_split,
+    };
     opts.validate()?;
     if !exp_dir.join(experiment::CONFIG).is_file() {
         bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
@@ -249,7 +254,8 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     }
     // 3. Evaluate, with the machine's load before and after the timing.
     let registry = Registry::new(plugin_paths)?;
-    let (cfg, mut c) = crate::run::load_experiment(exp_dir, &registry, evaluated.checkpoint_step, args.drafter.as_deref())?;
+    let (cfg, mut c) =
+        crate::run::load_experiment(exp_dir, &registry, evaluated.checkpoint_step, args.drafter.as_deref())?;
     let load_before = loadavg();
     let mut report = evaluate(&mut c, &opts)?;
     let load_after = loadavg();
@@ -260,12 +266,21 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     // 4. Print, then write the results whole.
     match (&evaluated.drafter, evaluated.checkpoint_step) {
         (Some(d), _) => say!("drafter      {d} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16]),
-        (None, Some(s)) => say!("checkpoint   step-{s} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16]),
+        (None, Some(s)) => {
+            say!("checkpoint   step-{s} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16])
+        }
         (None, None) => {}
     }
     say!("prompts      {} ({})", report.prompts, report.source);
-    say!("tau          {:.3}   per response (z-lab's benchmark: accepted + 1 per cycle, the mean over responses)", report.tau);
-    say!("tau_pooled   {:.3}   over all {} verify cycles (as SGLang and vLLM report it)", report.tau_pooled, report.cycles);
+    say!(
+        "tau          {:.3}   per response (z-lab's benchmark: accepted + 1 per cycle, the mean over responses)",
+        report.tau
+    );
+    say!(
+        "tau_pooled   {:.3}   over all {} verify cycles (as SGLang and vLLM report it)",
+        report.tau_pooled,
+        report.cycles
+    );
     say!(
         "tau_kept     {:.3}   tokens kept per cycle; tau_hat from training {}",
         report.tau_kept,
@@ -292,7 +307,14 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     // there is no fault of the drafter or the cache (both runs are the target's own greedy
     // choices), and only an f32 run checks exactness.
     let exact = cfg.dtype() == "f32";
-    say!("lossless     {}", if report.lossless { "yes".to_string() } else { format!("NO ({} of {} responses)", report.mismatches.len(), report.prompts) });
+    say!(
+        "lossless     {}",
+        if report.lossless {
+            "yes".to_string()
+        } else {
+            format!("NO ({} of {} responses)", report.mismatches.len(), report.prompts)
+        }
+    );
     experiment::write_json_atomic(&written, &json)?;
     say!("written      {}", written.display());
     if !report.lossless {
@@ -312,7 +334,11 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
 /// What a results file holds: the report, the training tau-hat beside it, what was evaluated,
 /// and the machine's load before and after the timing.
 pub fn results_json(
-    report: &EvalReport, evaluated: &Evaluated, exp_dir: &Path, format: PromptFormat, (load_before, load_after): (Option<f64>, Option<f64>),
+    report: &EvalReport,
+    evaluated: &Evaluated,
+    exp_dir: &Path,
+    format: PromptFormat,
+    (load_before, load_after): (Option<f64>, Option<f64>),
 ) -> Result<serde_json::Value> {
     let mut json = serde_json::to_value(report)?;
     json["tau_hat"] = experiment::metrics::last_number(exp_dir, "tau_hat").into();
@@ -387,7 +413,12 @@ mod tests {
 
     #[test]
     fn arguments_that_give_no_evaluation_are_refused() {
-        let opts = |source: &str, limit, max_new_tokens| EvalOptions { source: source.into(), limit, max_new_tokens, time_split: false };
+        let opts = |source: &str, limit, max_new_tokens| EvalOptions {
+            source: source.into(),
+            limit,
+            max_new_tokens,
+            time_split: false,
+        };
         opts("holdout", 32, 64).validate().unwrap();
         opts("validation", 32, 64).validate().unwrap();
         let err = opts("holdout", 0, 64).validate().unwrap_err().to_string();
@@ -405,7 +436,11 @@ mod tests {
         assert!(load_warning(Some(0.5), Some(2.5)).is_some());
         assert!(load_warning(Some(8.0), Some(8.9)).is_none());
         assert!(load_warning(None, Some(9.0)).is_none());
-        let e = |step, drafter: Option<&str>| Evaluated { checkpoint_step: step, drafter: drafter.map(Into::into), drafter_sha256: "0123456789abcdef".into() };
+        let e = |step, drafter: Option<&str>| Evaluated {
+            checkpoint_step: step,
+            drafter: drafter.map(Into::into),
+            drafter_sha256: "0123456789abcdef".into(),
+        };
         assert_eq!(e(Some(8), None).file_name(None, Some(8)), "eval.json");
         assert_eq!(e(Some(4), None).file_name(None, Some(8)), "eval-step-4.json");
         assert_eq!(e(None, Some("/z")).file_name(None, Some(8)), "eval-drafter-0123456789ab.json");

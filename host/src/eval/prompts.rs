@@ -60,7 +60,8 @@ fn benchmark_prompt(format: PromptFormat, v: &serde_json::Value) -> Result<Strin
 pub fn convert_prompts(path: &Path, format: PromptFormat, out: &Path) -> Result<usize> {
     let text = input_files::read_to_string_capped(path, 1 << 30)?;
     let records: Vec<(usize, serde_json::Value)> = if text.trim_start().starts_with('[') {
-        let all: Vec<serde_json::Value> = serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        let all: Vec<serde_json::Value> =
+            serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}", path.display()))?;
         all.into_iter().enumerate().map(|(i, v)| (i + 1, v)).collect()
     } else {
         let mut v = Vec::new();
@@ -71,7 +72,8 @@ pub fn convert_prompts(path: &Path, format: PromptFormat, out: &Path) -> Result<
     };
     let mut lines = String::new();
     for (at, v) in &records {
-        let prompt = benchmark_prompt(format, v).map_err(|e| anyhow!("{}:{at}: {e} ({format:?} format)", path.display()))?;
+        let prompt =
+            benchmark_prompt(format, v).map_err(|e| anyhow!("{}:{at}: {e} ({format:?} format)", path.display()))?;
         lines.push_str(&serde_json::json!({"messages": [{"role": "user", "content": prompt}]}).to_string());
         lines.push('\n');
     }
@@ -88,7 +90,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("p.jsonl");
         for (format, text, want) in [
-            (PromptFormat::MtBench, "{\"question_id\": 81, \"turns\": [\"Write a poem.\", \"Now shorter.\"]}\n", "Write a poem."),
+            (
+                PromptFormat::MtBench,
+                "{\"question_id\": 81, \"turns\": [\"Write a poem.\", \"Now shorter.\"]}\n",
+                "Write a poem.",
+            ),
             (PromptFormat::Gsm8k, "{\"question\": \"2+2?\", \"answer\": \"4\"}\n", "2+2?"),
             (PromptFormat::Alpaca, "[{\"instruction\": \"Sum\", \"input\": \"1 2\", \"output\": \"3\"}]", "Sum\n\n1 2"),
         ] {

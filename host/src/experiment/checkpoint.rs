@@ -4,7 +4,7 @@
 //! touching the one just written; corrupt ones or ones past a resume point are moved aside to
 //! `checkpoints/corrupt/`, never used and never silently deleted.
 
-use super::{read_json, write_json, write_synced, sync_dir};
+use super::{read_json, sync_dir, write_json, write_synced};
 use anyhow::{bail, Context, Result};
 use plugin_api::{tch::Tensor, NamedTensor};
 use serde::Serialize;
@@ -15,7 +15,8 @@ use std::{
 };
 
 /// The files of a checkpoint, each with a checksum in `checksums.json`.
-pub const CHECKPOINT_FILES: [&str; 4] = ["model.safetensors", "config.json", "optimizer.safetensors", "trainer_state.json"];
+pub const CHECKPOINT_FILES: [&str; 4] =
+    ["model.safetensors", "config.json", "optimizer.safetensors", "trainer_state.json"];
 pub const CHECKSUMS: &str = "checksums.json";
 /// Where corrupt checkpoints and ones past a resume point go (kept for a post-mortem).
 pub const SET_ASIDE: &str = "corrupt";
@@ -47,7 +48,10 @@ pub fn write<S: Serialize>(exp_dir: &Path, step: u64, data: &CheckpointData<S>, 
     let _ = fs::remove_dir_all(&tmp);
     if let Err(e) = write_files(&tmp, data) {
         let _ = fs::remove_dir_all(&tmp);
-        return Err(e.context(format!("checkpoint step-{step} not written (its partial folder {} was removed)", tmp.display())));
+        return Err(e.context(format!(
+            "checkpoint step-{step} not written (its partial folder {} was removed)",
+            tmp.display()
+        )));
     }
     if final_dir.exists() {
         // Only a run that resumed before this step can meet its own old folder here, and resume
@@ -77,7 +81,9 @@ fn write_files<S: Serialize>(tmp: &Path, data: &CheckpointData<S>) -> Result<()>
 fn write_safetensors(path: &Path, tensors: &[NamedTensor]) -> Result<()> {
     let owned: Vec<(String, Tensor)> = tensors
         .iter()
-        .map(|nt| (nt.name.to_string(), nt.tensor.tensor().detach().to_device(plugin_api::tch::Device::Cpu).contiguous()))
+        .map(|nt| {
+            (nt.name.to_string(), nt.tensor.tensor().detach().to_device(plugin_api::tch::Device::Cpu).contiguous())
+        })
         .collect();
     Tensor::write_safetensors(&owned, path).with_context(|| format!("writing {}", path.display()))?;
     File::open(path).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", path.display()))
@@ -102,10 +108,16 @@ pub fn verify(dir: &Path) -> Result<()> {
     let sums_path = dir.join(CHECKSUMS);
     let sums: serde_json::Map<String, serde_json::Value> = read_json(&sums_path)?;
     for file in CHECKPOINT_FILES {
-        let want = sums.get(file).and_then(|v| v.as_str()).with_context(|| format!("{}: no checksum for {file}", sums_path.display()))?;
+        let want = sums
+            .get(file)
+            .and_then(|v| v.as_str())
+            .with_context(|| format!("{}: no checksum for {file}", sums_path.display()))?;
         let got = format!("{:08x}", file_crc(&dir.join(file))?);
         if got != want {
-            bail!("{}: checksum mismatch (CRC-32C {got}, recorded {want}): the file is truncated or corrupt", dir.join(file).display());
+            bail!(
+                "{}: checksum mismatch (CRC-32C {got}, recorded {want}): the file is truncated or corrupt",
+                dir.join(file).display()
+            );
         }
     }
     Ok(())
@@ -119,7 +131,9 @@ pub fn list(exp_dir: &Path) -> Vec<Checkpoint> {
         .flatten()
         .filter_map(|e| e.ok())
         .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-        .filter_map(|e| Some(Checkpoint { step: e.file_name().to_str()?.strip_prefix("step-")?.parse().ok()?, dir: e.path() }))
+        .filter_map(|e| {
+            Some(Checkpoint { step: e.file_name().to_str()?.strip_prefix("step-")?.parse().ok()?, dir: e.path() })
+        })
         .collect();
     all.sort_by(|a, b| b.step.cmp(&a.step));
     all
@@ -152,7 +166,11 @@ pub fn find(exp_dir: &Path, step: Option<u64>) -> Result<Checkpoint> {
             let dir = root(exp_dir).join(format!("step-{n}"));
             if !dir.is_dir() {
                 let have: Vec<String> = list(exp_dir).iter().map(|c| c.step.to_string()).collect();
-                bail!("{}: no checkpoint step-{n} (have: {})", exp_dir.display(), if have.is_empty() { "none".into() } else { have.join(", ") });
+                bail!(
+                    "{}: no checkpoint step-{n} (have: {})",
+                    exp_dir.display(),
+                    if have.is_empty() { "none".into() } else { have.join(", ") }
+                );
             }
             verify(&dir).with_context(|| format!("checkpoint step-{n} is not usable"))?;
             Ok(Checkpoint { step: n, dir })
@@ -228,7 +246,8 @@ mod tests {
     use plugin_api::tch::{Device, Kind};
 
     fn names(dir: &Path) -> Vec<String> {
-        let mut n: Vec<String> = fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        let mut n: Vec<String> =
+            fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         n.sort();
         n
     }
@@ -290,7 +309,11 @@ mod tests {
         corrupt(&exp.dir.join("checkpoints/step-2"));
         assert_eq!(find(&exp.dir, None).unwrap().step, 1);
         let err = format!("{:#}", find(&exp.dir, Some(2)).unwrap_err());
-        assert!(err.contains("checkpoint step-2 is not usable") && err.contains("step-2/model.safetensors: checksum mismatch"), "{err}");
+        assert!(
+            err.contains("checkpoint step-2 is not usable")
+                && err.contains("step-2/model.safetensors: checksum mismatch"),
+            "{err}"
+        );
         let err = format!("{:#}", find(&exp.dir, Some(7)).unwrap_err());
         assert!(err.ends_with("no checkpoint step-7 (have: 2, 1)"), "{err}");
         corrupt(&exp.dir.join("checkpoints/step-1"));

@@ -45,7 +45,9 @@ impl ExperimentLock {
             }
             return Err(err).with_context(|| format!("locking {}", path.display()));
         }
-        file.set_len(0).and_then(|_| file.rewind()).and_then(|_| writeln!(file, "{}", std::process::id()))
+        file.set_len(0)
+            .and_then(|_| file.rewind())
+            .and_then(|_| writeln!(file, "{}", std::process::id()))
             .with_context(|| format!("writing {}", path.display()))?;
         Ok(Self { _file: file, path })
     }
@@ -62,7 +64,10 @@ mod tests {
         // flock locks belong to the open file: a second open in this process conflicts like
         // another process would.
         let err = ExperimentLock::acquire(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("in use by another process") && err.contains(&format!("pid {}", std::process::id())), "{err}");
+        assert!(
+            err.contains("in use by another process") && err.contains(&format!("pid {}", std::process::id())),
+            "{err}"
+        );
         drop(first);
         ExperimentLock::acquire(dir.path()).unwrap();
     }

@@ -109,8 +109,12 @@ pub enum DriftKind {
 impl fmt::Display for Drift {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
         match self.what {
-            DriftKind::Config => write!(f, "config field `{}` changed: {} then, {} now", self.field, self.then, self.now),
-            DriftKind::Input => write!(f, "the file `{}` names changed: {} then, {} now", self.field, self.then, self.now),
+            DriftKind::Config => {
+                write!(f, "config field `{}` changed: {} then, {} now", self.field, self.then, self.now)
+            }
+            DriftKind::Input => {
+                write!(f, "the file `{}` names changed: {} then, {} now", self.field, self.then, self.now)
+            }
         }
     }
 }
@@ -122,8 +126,15 @@ pub fn config_drift(then: &str, now: &str) -> Vec<Drift> {
         let cfg: RunConfig = toml::from_str(text).ok()?;
         toml::from_str(&toml::to_string(&cfg).ok()?).ok()
     };
-    let (Some(a), Some(b)) = (normal(then).or_else(|| toml::from_str(then).ok()), normal(now).or_else(|| toml::from_str(now).ok())) else {
-        return vec![Drift { field: "config".into(), then: "(unreadable)".into(), now: "(another)".into(), what: DriftKind::Config }];
+    let (Some(a), Some(b)) =
+        (normal(then).or_else(|| toml::from_str(then).ok()), normal(now).or_else(|| toml::from_str(now).ok()))
+    else {
+        return vec![Drift {
+            field: "config".into(),
+            then: "(unreadable)".into(),
+            now: "(another)".into(),
+            what: DriftKind::Config,
+        }];
     };
     let mut out = Vec::new();
     diff_tables("", &a, &b, &mut out);
@@ -173,7 +184,11 @@ pub fn refuse_drift(exp_dir: &Path, drifts: Vec<Drift>, allow: &[String]) -> Res
     if let Some(first) = refused.first() {
         let more = match refused.len() {
             1 => String::new(),
-            n => format!(" (and {} more: {})", n - 1, refused[1..].iter().map(|d| format!("`{}`", d.field)).collect::<Vec<_>>().join(", ")),
+            n => format!(
+                " (and {} more: {})",
+                n - 1,
+                refused[1..].iter().map(|d| format!("`{}`", d.field)).collect::<Vec<_>>().join(", ")
+            ),
         };
         let fields: Vec<&str> = refused.iter().map(|d| d.field.as_str()).collect();
         let flags: Vec<String> = fields.iter().map(|f| format!("--allow-change {f}")).collect();
@@ -220,7 +235,8 @@ pub fn input_paths(cfg: &RunConfig, config_dir: &Path, cache_dir: &Path) -> Resu
     let ctx = plugin_context(cfg, config_dir, cache_dir);
     let mut out = Vec::new();
     for (kind, table) in cfg.plugin_sections() {
-        let paths = section_paths(kind, table, &ctx).map_err(|(key, e)| anyhow::anyhow!("field `{kind}.{key}`: {e}"))?;
+        let paths =
+            section_paths(kind, table, &ctx).map_err(|(key, e)| anyhow::anyhow!("field `{kind}.{key}`: {e}"))?;
         out.extend(paths);
     }
     if let Some(dir) = &cfg.pipeline.capture {
@@ -288,9 +304,9 @@ fn strings(field: &str, v: &toml::Value, out: &mut Vec<(String, String)>) {
     match v {
         toml::Value::String(s) => out.push((field.to_string(), s.clone())),
         toml::Value::Array(items) => items.iter().for_each(|i| strings(field, i, out)),
-        toml::Value::Table(t) => {
-            t.iter().for_each(|(k, i)| strings(&if field.is_empty() { k.clone() } else { format!("{field}.{k}") }, i, out))
-        }
+        toml::Value::Table(t) => t
+            .iter()
+            .for_each(|(k, i)| strings(&if field.is_empty() { k.clone() } else { format!("{field}.{k}") }, i, out)),
         _ => {}
     }
 }
@@ -308,7 +324,11 @@ fn hash_path(path: &Path, field: &str) -> Result<String> {
         .map(|e| e.path())
         .collect();
     if files.len() > MAX_DIR_FILES {
-        bail!("field `{field}`: {} holds {} files, more than the {MAX_DIR_FILES} an input folder may", path.display(), files.len());
+        bail!(
+            "field `{field}`: {} holds {} files, more than the {MAX_DIR_FILES} an input folder may",
+            path.display(),
+            files.len()
+        );
     }
     files.sort();
     let mut h = Sha256::new();
@@ -352,7 +372,13 @@ format = "jsonl"
         assert!(config_drift(&a, &a).is_empty());
         let b = resolved(&CFG.replace("lr = 1e-3", "lr = 2e-3").replace("block_size = 4", "block_size = 8"));
         let fields: Vec<String> = config_drift(&a, &b).iter().map(|d| d.to_string()).collect();
-        assert_eq!(fields, ["config field `drafter.block_size` changed: 4 then, 8 now", "config field `optimizer.lr` changed: 0.001 then, 0.002 now"]);
+        assert_eq!(
+            fields,
+            [
+                "config field `drafter.block_size` changed: 4 then, 8 now",
+                "config field `optimizer.lr` changed: 0.001 then, 0.002 now"
+            ]
+        );
         // The manifest's text lacks a field this host writes with its default: not a change.
         let old = a.lines().filter(|l| !l.starts_with("max_nonfinite_steps")).collect::<Vec<_>>().join("\n");
         assert_ne!(old, a);
@@ -366,9 +392,13 @@ format = "jsonl"
     fn allow_change_names_a_field_or_a_section_above_it() {
         let allow = vec!["optimizer".to_string(), "train.steps".to_string()];
         assert!(allowed("optimizer.lr", &allow) && allowed("train.steps", &allow));
-        assert!(!allowed("train.steps_x", &allow) && !allowed("optimizers.lr", &allow) && !allowed("data.path", &allow));
+        assert!(
+            !allowed("train.steps_x", &allow) && !allowed("optimizers.lr", &allow) && !allowed("data.path", &allow)
+        );
         let d = |f: &str| Drift { field: f.into(), then: "1".into(), now: "2".into(), what: DriftKind::Config };
-        let err = refuse_drift(Path::new("e"), vec![d("optimizer.lr"), d("data.path"), d("seed")], &allow).unwrap_err().to_string();
+        let err = refuse_drift(Path::new("e"), vec![d("optimizer.lr"), d("data.path"), d("seed")], &allow)
+            .unwrap_err()
+            .to_string();
         assert_eq!(
             err,
             "cannot resume e: config field `data.path` changed: 1 then, 2 now (and 1 more: `seed`); \
@@ -426,9 +456,17 @@ format = "jsonl"
         assert_eq!((got[0].field.as_str(), got[0].path.as_str()), ("target.path", snapshot.to_str().unwrap()));
         assert_eq!(got[0].sha256, hash_path(&snapshot, "x").unwrap());
         std::fs::write(repo.join("blobs/model.safetensors"), "other weights").unwrap();
-        assert_ne!(hash_inputs(&cfg, dir.path(), dir.path(), &|_| None, &|_| false).unwrap()[0].sha256, got[0].sha256, "the blobs are hashed");
+        assert_ne!(
+            hash_inputs(&cfg, dir.path(), dir.path(), &|_| None, &|_| false).unwrap()[0].sha256,
+            got[0].sha256,
+            "the blobs are hashed"
+        );
         // A revision the cache does not have: nothing recorded yet (the plugin downloads it).
-        let v2 = RunConfig::from_toml(Path::new("c.toml"), &CFG.replace("\"model.gguf\"", "\"Org/Tiny\"\nrevision = \"v2\"")).unwrap();
+        let v2 = RunConfig::from_toml(
+            Path::new("c.toml"),
+            &CFG.replace("\"model.gguf\"", "\"Org/Tiny\"\nrevision = \"v2\""),
+        )
+        .unwrap();
         let got = hash_inputs(&v2, dir.path(), dir.path(), &|_| None, &|_| false).unwrap();
         assert!(got.iter().all(|r| r.field != "target.path"), "{got:?}");
     }

@@ -68,10 +68,17 @@ mod tests {
     fn truncation_keeps_whole_records_through_the_step() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(METRICS);
-        std::fs::write(&path, "{\"step\":1,\"tau_hat\":1.5}\n{\"step\":2,\"tau_hat\":1.7}\n{\"step\":3}\n{\"step\":4,\"lo").unwrap();
+        std::fs::write(
+            &path,
+            "{\"step\":1,\"tau_hat\":1.5}\n{\"step\":2,\"tau_hat\":1.7}\n{\"step\":3}\n{\"step\":4,\"lo",
+        )
+        .unwrap();
         assert_eq!(last_number(dir.path(), "tau_hat"), Some(1.7));
         truncate_after(dir.path(), 2).unwrap();
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"step\":1,\"tau_hat\":1.5}\n{\"step\":2,\"tau_hat\":1.7}\n");
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "{\"step\":1,\"tau_hat\":1.5}\n{\"step\":2,\"tau_hat\":1.7}\n"
+        );
         assert!(!dir.path().join(".metrics.jsonl.tmp").exists());
     }
 }

@@ -56,9 +56,17 @@ impl Experiment {
     /// folder, removed by the next start).
     pub fn create(dir: &Path, config_toml: &str, manifest: &impl Serialize) -> Result<Self> {
         if dir.exists() && fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?.next().is_some() {
-            anyhow::bail!("experiment directory {} already exists and is not empty (resume it with `train --resume {}`)", dir.display(), dir.display());
+            anyhow::bail!(
+                "experiment directory {} already exists and is not empty (resume it with `train --resume {}`)",
+                dir.display(),
+                dir.display()
+            );
         }
-        let name = dir.file_name().with_context(|| format!("{}: not a folder name", dir.display()))?.to_string_lossy().to_string();
+        let name = dir
+            .file_name()
+            .with_context(|| format!("{}: not a folder name", dir.display()))?
+            .to_string_lossy()
+            .to_string();
         let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
         fs::create_dir_all(&parent).with_context(|| format!("creating {}", parent.display()))?;
         remove_abandoned_starts(&parent, &name);
@@ -70,7 +78,8 @@ impl Experiment {
         write_json(&tmp.join(manifest::MANIFEST), manifest)?;
         write_synced(&tmp.join(metrics::METRICS), b"")?;
         if dir.exists() {
-            fs::remove_dir(dir).with_context(|| format!("{}: not empty any more", dir.display()))?; // empty, checked above
+            fs::remove_dir(dir).with_context(|| format!("{}: not empty any more", dir.display()))?;
+            // empty, checked above
         }
         fs::rename(&tmp, dir).with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
         sync_dir(&parent)?;
@@ -93,7 +102,8 @@ impl Experiment {
 
     fn open(dir: &Path, lock: ExperimentLock) -> Result<Self> {
         let path = dir.join(metrics::METRICS);
-        let metrics = fs::OpenOptions::new().append(true).open(&path).with_context(|| format!("opening {}", path.display()))?;
+        let metrics =
+            fs::OpenOptions::new().append(true).open(&path).with_context(|| format!("opening {}", path.display()))?;
         Ok(Self { dir: dir.to_path_buf(), metrics: Some(BufWriter::new(metrics)), _lock: Some(lock) })
     }
 
@@ -148,7 +158,9 @@ pub fn with_weights_dtype(config_json: &str, weights: &[NamedTensor]) -> String 
         Kind::Double => Some("float64"),
         _ => None,
     };
-    let Some(name) = weights.iter().find_map(|w| float(w.tensor.tensor().kind())) else { return config_json.to_string() };
+    let Some(name) = weights.iter().find_map(|w| float(w.tensor.tensor().kind())) else {
+        return config_json.to_string();
+    };
     cfg.remove("torch_dtype");
     cfg.insert("dtype".into(), name.into());
     serde_json::to_string_pretty(&serde_json::Value::Object(cfg)).expect("a JSON value serialises")
@@ -186,8 +198,10 @@ pub fn write_json_atomic(path: &Path, value: &impl Serialize) -> Result<()> {
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let name = path.file_name().with_context(|| format!("{}: not a file name", path.display()))?.to_string_lossy();
     let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    let written = write_synced(&tmp, bytes)
-        .and_then(|_| fs::rename(&tmp, path).with_context(|| format!("writing {} (renaming {} over it)", path.display(), tmp.display())));
+    let written = write_synced(&tmp, bytes).and_then(|_| {
+        fs::rename(&tmp, path)
+            .with_context(|| format!("writing {} (renaming {} over it)", path.display(), tmp.display()))
+    });
     if written.is_err() {
         let _ = fs::remove_file(&tmp);
     }
@@ -282,8 +296,14 @@ mod tests {
         let dir = root.path().join("exp");
         let exp = Experiment::create(&dir, "name = \"x\"\n", &serde_json::json!({"seed": 1})).unwrap();
         let w = vec![
-            NamedTensor::new("fc.weight", Tensor::ones([64, 32], (plugin_api::tch::Kind::Float, plugin_api::tch::Device::Cpu))),
-            NamedTensor::new("fc.bias", Tensor::zeros([64], (plugin_api::tch::Kind::Float, plugin_api::tch::Device::Cpu))),
+            NamedTensor::new(
+                "fc.weight",
+                Tensor::ones([64, 32], (plugin_api::tch::Kind::Float, plugin_api::tch::Device::Cpu)),
+            ),
+            NamedTensor::new(
+                "fc.bias",
+                Tensor::zeros([64], (plugin_api::tch::Kind::Float, plugin_api::tch::Device::Cpu)),
+            ),
         ];
         let ckpt = exp.save_checkpoint(1, &w, "{}", &[], &serde_json::json!({"step": 1}), 1).unwrap();
         let model = ckpt.join("model.safetensors");

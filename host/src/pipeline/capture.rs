@@ -72,7 +72,13 @@ pub struct CaptureOptions {
 }
 
 /// Run the targets over the data and write the capture.
-pub fn capture(cfg: &crate::config::RunConfig, mut c: Components, out: &Path, cache_dir: &Path, opts: &CaptureOptions) -> Result<CaptureIndex> {
+pub fn capture(
+    cfg: &crate::config::RunConfig,
+    mut c: Components,
+    out: &Path,
+    cache_dir: &Path,
+    opts: &CaptureOptions,
+) -> Result<CaptureIndex> {
     if out.join("index.json").exists() {
         bail!("{}: a capture is already there", out.display());
     }
@@ -100,8 +106,9 @@ pub fn capture(cfg: &crate::config::RunConfig, mut c: Components, out: &Path, ca
     };
     let workers = target_workers(target, extra, &devices, &layer_ids, &cache, Device::Cpu, &names);
     let pipe = PipelineOptions { buffer_bytes: cfg.pipeline.buffer_bytes(), deterministic: true };
-    let bar = ProgressBar::new(opts.micro_batches)
-        .with_style(ProgressStyle::with_template("capture {bar:30} {pos}/{len} batches  {msg}  ETA {eta}").expect("template"));
+    let bar = ProgressBar::new(opts.micro_batches).with_style(
+        ProgressStyle::with_template("capture {bar:30} {pos}/{len} batches  {msg}  ETA {eta}").expect("template"),
+    );
     let mut index = CaptureIndex {
         version: 1,
         target_source: spec.source.to_string(),
@@ -122,7 +129,11 @@ pub fn capture(cfg: &crate::config::RunConfig, mut c: Components, out: &Path, ca
             let tensors = stored_tensors(i, m, opts.dtype);
             shard_bytes += tensors.iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum::<usize>();
             shard.extend(tensors);
-            index.batches.push(BatchEntry { shard: index.shards.len(), epoch: m.position.epoch, index: m.position.index });
+            index.batches.push(BatchEntry {
+                shard: index.shards.len(),
+                epoch: m.position.epoch,
+                index: m.position.index,
+            });
             if shard_bytes >= opts.shard_bytes {
                 write_shard(out, &mut index, &mut shard)?;
                 shard_bytes = 0;
@@ -210,9 +221,11 @@ struct Shard {
 impl CaptureReader {
     pub fn open(dir: &Path, target: &TargetSpec) -> Result<Self> {
         let index_path = dir.join("index.json");
-        let text = input_files::read_to_string_capped(&index_path, 1 << 30)
-            .with_context(|| format!("{}: no capture index (an unfinished capture, or not a capture folder)", index_path.display()))?;
-        let index: CaptureIndex = serde_json::from_str(&text).with_context(|| format!("{}: not a capture index", index_path.display()))?;
+        let text = input_files::read_to_string_capped(&index_path, 1 << 30).with_context(|| {
+            format!("{}: no capture index (an unfinished capture, or not a capture folder)", index_path.display())
+        })?;
+        let index: CaptureIndex =
+            serde_json::from_str(&text).with_context(|| format!("{}: not a capture index", index_path.display()))?;
         if index.target_sha256 != target.source_sha256.as_str() {
             bail!(
                 "{}: captured from target {} (SHA-256 {}), but the config's target is {} ({})",
@@ -227,9 +240,17 @@ impl CaptureReader {
             bail!("{}: the capture holds no batches", dir.display());
         }
         if index.shard_crc32c.is_empty() {
-            tracing::warn!("{}: the capture has no shard checksums (written by an older host); its shards are not verified", dir.display());
+            tracing::warn!(
+                "{}: the capture has no shard checksums (written by an older host); its shards are not verified",
+                dir.display()
+            );
         } else if index.shard_crc32c.len() != index.shards.len() {
-            bail!("{}: {} shard checksums for {} shards", index_path.display(), index.shard_crc32c.len(), index.shards.len());
+            bail!(
+                "{}: {} shard checksums for {} shards",
+                index_path.display(),
+                index.shard_crc32c.len(),
+                index.shards.len()
+            );
         }
         let shards = index
             .shards
@@ -243,21 +264,35 @@ impl CaptureReader {
                 if let Some(want) = index.shard_crc32c.get(i) {
                     let got = format!("{:08x}", crc32c::crc32c(&map));
                     if &got != want {
-                        bail!("{}: checksum mismatch (CRC-32C {got}, recorded {want}): the shard is corrupt or cut short", path.display());
+                        bail!(
+                            "{}: checksum mismatch (CRC-32C {got}, recorded {want}): the shard is corrupt or cut short",
+                            path.display()
+                        );
                     }
                 }
-                let (header_len, metadata) =
-                    safetensors::SafeTensors::read_metadata(&map).with_context(|| format!("{}: corrupt shard", path.display()))?;
+                let (header_len, metadata) = safetensors::SafeTensors::read_metadata(&map)
+                    .with_context(|| format!("{}: corrupt shard", path.display()))?;
                 Ok(Shard { data_start: 8 + header_len, metadata, map })
             })
             .collect::<Result<_>>()?;
-        tracing::info!("capture {}: {} micro-batches in {} shards ({:?})", dir.display(), index.batches.len(), index.shards.len(), index.dtype);
+        tracing::info!(
+            "capture {}: {} micro-batches in {} shards ({:?})",
+            dir.display(),
+            index.batches.len(),
+            index.shards.len(),
+            index.dtype
+        );
         Ok(Self { dir: dir.to_path_buf(), index, shards })
     }
 
     pub fn check_layers(&self, layer_ids: &[u32]) -> Result<()> {
         if self.index.layer_ids != layer_ids {
-            bail!("{}: captured target layers {:?}, but the drafter reads {:?}", self.dir.display(), self.index.layer_ids, layer_ids);
+            bail!(
+                "{}: captured target layers {:?}, but the drafter reads {:?}",
+                self.dir.display(),
+                self.index.layer_ids,
+                layer_ids
+            );
         }
         Ok(())
     }
@@ -273,7 +308,10 @@ impl CaptureReader {
             d => bail!("{file}: tensor `{name}` has unexpected dtype {d:?}"),
         };
         let (start, end) = info.data_offsets;
-        let data = sh.map.get(sh.data_start + start..sh.data_start + end).with_context(|| format!("{file}: tensor `{name}` runs past the end"))?;
+        let data = sh
+            .map
+            .get(sh.data_start + start..sh.data_start + end)
+            .with_context(|| format!("{file}: tensor `{name}` runs past the end"))?;
         let shape: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
         Ok(Tensor::f_from_data_size(data, &shape, kind)?)
     }
@@ -282,10 +320,16 @@ impl CaptureReader {
     pub fn batch(&self, n: u64) -> Result<HostBatch> {
         let i = (n % self.index.batches.len() as u64) as usize;
         if n as usize == self.index.batches.len() {
-            tracing::warn!("capture {}: all {} micro-batches used; starting over", self.dir.display(), self.index.batches.len());
+            tracing::warn!(
+                "capture {}: all {} micro-batches used; starting over",
+                self.dir.display(),
+                self.index.batches.len()
+            );
         }
         let e = &self.index.batches[i];
-        let ints = |name: &str| -> Result<Vec<i64>> { Ok(Vec::<i64>::try_from(self.tensor(e.shard, &format!("b{i}.{name}"))?)?) };
+        let ints = |name: &str| -> Result<Vec<i64>> {
+            Ok(Vec::<i64>::try_from(self.tensor(e.shard, &format!("b{i}.{name}"))?)?)
+        };
         Ok(HostBatch {
             input_ids: self.tensor(e.shard, &format!("b{i}.input_ids"))?,
             loss_mask: self.tensor(e.shard, &format!("b{i}.loss_mask"))?,
@@ -323,12 +367,7 @@ mod tests {
     fn a_corrupt_shard_is_refused_naming_it() {
         use test_support::TinySpec;
         let dir = tempfile::tempdir().unwrap();
-        let spec = TargetSpec {
-            hidden_size: 4,
-            source: "t".into(),
-            source_sha256: "abc".into(),
-            ..TargetSpec::tiny()
-        };
+        let spec = TargetSpec { hidden_size: 4, source: "t".into(), source_sha256: "abc".into(), ..TargetSpec::tiny() };
         let mut index = CaptureIndex {
             version: 1,
             target_source: "t".into(),
@@ -340,7 +379,8 @@ mod tests {
             shards: Vec::new(),
             shard_crc32c: Vec::new(),
         };
-        let mut shard = vec![("b0.hidden".to_string(), Tensor::ones([1, 2, 4], (Kind::Float, plugin_api::tch::Device::Cpu)))];
+        let mut shard =
+            vec![("b0.hidden".to_string(), Tensor::ones([1, 2, 4], (Kind::Float, plugin_api::tch::Device::Cpu)))];
         write_shard(dir.path(), &mut index, &mut shard).unwrap();
         fs::write(dir.path().join("index.json"), serde_json::to_string(&index).unwrap()).unwrap();
         CaptureReader::open(dir.path(), &spec).unwrap();
@@ -357,7 +397,8 @@ mod tests {
     #[test]
     fn fp8_round_trip_keeps_rows_within_e4m3_precision() {
         plugin_api::tch::manual_seed(0);
-        let h = Tensor::randn([2, 5, 64], (Kind::Float, Device::Cpu)) * Tensor::from_slice(&[0.01f32, 100.0]).view([2, 1, 1]);
+        let h = Tensor::randn([2, 5, 64], (Kind::Float, Device::Cpu))
+            * Tensor::from_slice(&[0.01f32, 100.0]).view([2, 1, 1]);
         let (q, s) = fp8_quantize(&h);
         assert_eq!(q.kind(), Kind::Uint8);
         let back = fp8_dequantize(&q, &s);

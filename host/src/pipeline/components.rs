@@ -3,7 +3,7 @@
 
 use crate::{
     config::RunConfig,
-    plugins::{Instance, Poison, PluginRecord, Registry},
+    plugins::{Instance, PluginRecord, Poison, Registry},
 };
 use anyhow::{anyhow, Result};
 use plugin_api::{
@@ -27,7 +27,12 @@ pub struct Components {
     pub dtype: String,
 }
 
-pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path, cache_dir: &Path) -> Result<Components> {
+pub fn build_components(
+    cfg: &RunConfig,
+    registry: &Registry,
+    config_dir: &Path,
+    cache_dir: &Path,
+) -> Result<Components> {
     let ctx_on = |device: &str| HostContext {
         device: device.into(),
         dtype: cfg.dtype().into(),
@@ -50,7 +55,9 @@ pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path,
     let devices = cfg.target_devices();
     let mut targets = Vec::new();
     for d in &devices {
-        let PluginInstance::Target(t) = create(PluginKind::Target, &ctx_on(d))? else { return Err(wrong(PluginKind::Target)) };
+        let PluginInstance::Target(t) = create(PluginKind::Target, &ctx_on(d))? else {
+            return Err(wrong(PluginKind::Target));
+        };
         targets.push(t);
     }
     let target = targets.remove(0);
@@ -61,7 +68,9 @@ pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path,
         return Err(anyhow!("target plugin `{}`: spec: {}", cfg.section("target").plugin, spec.source));
     }
     ctx.target = RSome(spec);
-    let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &ctx)? else { return Err(wrong(PluginKind::Drafter)) };
+    let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &ctx)? else {
+        return Err(wrong(PluginKind::Drafter));
+    };
     let PluginInstance::Optimizer(optimizer) = create(PluginKind::Optimizer, &ctx)? else {
         return Err(wrong(PluginKind::Optimizer));
     };
@@ -69,7 +78,16 @@ pub fn build_components(cfg: &RunConfig, registry: &Registry, config_dir: &Path,
         return Err(wrong(PluginKind::DataLoader));
     };
     let names = PluginNames::new(&records, registry);
-    Ok(Components { target, extra_targets: targets, drafter, optimizer, data, records, names, dtype: cfg.dtype().to_string() })
+    Ok(Components {
+        target,
+        extra_targets: targets,
+        drafter,
+        optimizer,
+        data,
+        records,
+        names,
+        dtype: cfg.dtype().to_string(),
+    })
 }
 
 /// Plugin names for error messages, and how to ask each plugin about panics, usable while the
@@ -80,7 +98,9 @@ pub struct PluginNames(Vec<(String, String, Poison)>);
 impl PluginNames {
     pub fn new(records: &[PluginRecord], registry: &Registry) -> Self {
         let poison = |r: &PluginRecord| {
-            let kind = [PluginKind::Target, PluginKind::Drafter, PluginKind::Optimizer, PluginKind::DataLoader].into_iter().find(|k| k.as_str() == r.kind);
+            let kind = [PluginKind::Target, PluginKind::Drafter, PluginKind::Optimizer, PluginKind::DataLoader]
+                .into_iter()
+                .find(|k| k.as_str() == r.kind);
             kind.map_or(Poison::Library(None), |k| registry.poison(k, &r.name))
         };
         Self(records.iter().map(|r| (r.kind.clone(), r.name.clone(), poison(r))).collect())

@@ -67,7 +67,11 @@ pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<(DataSummary, 
         if opts.temperature > 0.0 { format!("sampled at temperature {}", opts.temperature) } else { "greedy".into() },
         first.max_new_tokens,
         cache.path.display(),
-        if known > 0 { format!(" ({known} of the first {} already there)", first.prompts.len()) } else { String::new() }
+        if known > 0 {
+            format!(" ({known} of the first {} already there)", first.prompts.len())
+        } else {
+            String::new()
+        }
     );
     let mut progress = Progress::new(total);
     let mut stats = DistillStats { cache_file: cache.path.clone(), ..DistillStats::default() };
@@ -95,8 +99,10 @@ pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<(DataSummary, 
             progress.advance(ids.len() as u64);
         }
         stats.replies += replies.len() as u64;
-        let replies: RVec<RVec<u32>> = replies.into_iter().map(|r| RVec::from(r.expect("every prompt answered"))).collect();
-        let summary = c.data.set_distilled(replies).into_result().map_err(c.err(PluginKind::DataLoader, "set_distilled"))?;
+        let replies: RVec<RVec<u32>> =
+            replies.into_iter().map(|r| RVec::from(r.expect("every prompt answered"))).collect();
+        let summary =
+            c.data.set_distilled(replies).into_result().map_err(c.err(PluginKind::DataLoader, "set_distilled"))?;
         req = c.data.distill_request();
         if req.prompts.is_empty() {
             break summary;
@@ -116,7 +122,9 @@ pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<(DataSummary, 
 /// One reply sampled at `opts.temperature` through the target's KV-cache session, its random
 /// stream seeded by the prompt itself (a reply does not depend on what else is asked).
 fn sample(c: &mut Components, prompt: &RVec<u32>, req: &DistillRequest, opts: &DistillOptions) -> Result<Vec<u32>> {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opts.seed ^ u64::from_le_bytes(prompt_hash(prompt)[..8].try_into().expect("8 bytes")));
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
+        opts.seed ^ u64::from_le_bytes(prompt_hash(prompt)[..8].try_into().expect("8 bytes")),
+    );
     c.target.cache_reset();
     let mut input: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
     let mut out = Vec::new();
@@ -167,7 +175,13 @@ struct CacheLine {
 }
 
 impl ReplyCache {
-    fn open(cache_dir: &Path, target_sha: &str, dtype: &str, req: &DistillRequest, opts: &DistillOptions) -> Result<Self> {
+    fn open(
+        cache_dir: &Path,
+        target_sha: &str,
+        dtype: &str,
+        req: &DistillRequest,
+        opts: &DistillOptions,
+    ) -> Result<Self> {
         let mut h = Sha256::new();
         h.update(b"dflash distill cache v3");
         h.update(target_sha.as_bytes());
@@ -189,7 +203,8 @@ impl ReplyCache {
         // setup` puts here) come first; then this machine's own.
         let shipped = path.with_extension("jsonl.gz");
         if let Ok(file) = std::fs::File::open(&shipped) {
-            let text = std::io::read_to_string(flate2::read::GzDecoder::new(file)).with_context(|| format!("reading {}", shipped.display()))?;
+            let text = std::io::read_to_string(flate2::read::GzDecoder::new(file))
+                .with_context(|| format!("reading {}", shipped.display()))?;
             read_lines(&text, &mut replies);
         }
         if let Ok(text) = std::fs::read_to_string(&path) {
@@ -260,7 +275,8 @@ impl Progress {
     fn new(total: u64) -> Self {
         let bar = std::io::stderr().is_terminal().then(|| {
             ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr()).with_style(
-                ProgressStyle::with_template("distill {bar:30} {pos}/{len} replies  {per_sec}  ETA {eta}").expect("template"),
+                ProgressStyle::with_template("distill {bar:30} {pos}/{len} replies  {per_sec}  ETA {eta}")
+                    .expect("template"),
             )
         });
         let now = Instant::now();
@@ -337,7 +353,10 @@ mod tests {
         assert_eq!(again.get(&b), Some(&vec![9]));
         assert_eq!(again.get(&[5]), None);
         // Replies shipped as `<key>.jsonl.gz` are read too; this machine's own lines win.
-        let mut gz = flate2::write::GzEncoder::new(std::fs::File::create(cache.path.with_extension("jsonl.gz")).unwrap(), flate2::Compression::fast());
+        let mut gz = flate2::write::GzEncoder::new(
+            std::fs::File::create(cache.path.with_extension("jsonl.gz")).unwrap(),
+            flate2::Compression::fast(),
+        );
         let shipped = |prompt: &[u32], reply: &[u32]| {
             let p: String = prompt_hash(prompt).iter().map(|b| format!("{b:02x}")).collect();
             format!("{}\n", serde_json::to_string(&CacheLine { p, r: reply.to_vec() }).unwrap())
@@ -347,7 +366,8 @@ mod tests {
         let seeded = ReplyCache::open(dir.path(), "abc", "f32", &req, &opts).unwrap();
         assert_eq!((seeded.get(&[5]), seeded.get(&a)), (Some(&vec![6, 2]), Some(&vec![7, 2])));
         // Other settings, another file.
-        let other = ReplyCache::open(dir.path(), "abc", "f32", &req, &DistillOptions { temperature: 0.7, ..opts }).unwrap();
+        let other =
+            ReplyCache::open(dir.path(), "abc", "f32", &req, &DistillOptions { temperature: 0.7, ..opts }).unwrap();
         assert_ne!(other.path, cache.path);
         assert_eq!(other.get(&a), None);
         // Another dtype, another file: bf16 replies are not an f32 run's.

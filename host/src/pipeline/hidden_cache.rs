@@ -116,7 +116,9 @@ impl HiddenStateCache {
             .zip(lengths)
             .enumerate()
             .filter(|(_, (id, _))| ticket.claimed.iter().any(|(c, _)| c == *id))
-            .map(|(r, (&id, &len))| (id, hidden.get(r as i64).narrow(0, 0, len as i64).to_device(Device::Cpu).contiguous()))
+            .map(|(r, (&id, &len))| {
+                (id, hidden.get(r as i64).narrow(0, 0, len as i64).to_device(Device::Cpu).contiguous())
+            })
             .collect();
         let mut s = self.state.lock().expect("cache lock");
         for (id, row) in rows {

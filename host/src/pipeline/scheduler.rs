@@ -174,7 +174,10 @@ impl Drop for Closer<'_> {
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "panic".into())
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".into())
 }
 
 /// A named stage function.
@@ -251,7 +254,8 @@ pub fn run<'a, J: Send, T: Send, R>(
                             false
                         }
                         Err(p) => {
-                            let _ = tx.send(Err(anyhow!("target worker {i} ({}) panicked: {}", w.name, panic_message(p))));
+                            let _ =
+                                tx.send(Err(anyhow!("target worker {i} ({}) panicked: {}", w.name, panic_message(p))));
                             false
                         }
                     };
@@ -285,7 +289,13 @@ mod tests {
 
     /// Synthetic stages with set times: `n_workers` targets taking `target_ms` per batch, a
     /// drafter taking `drafter_ms`. Returns (items/s, peak bytes, order of seqs).
-    fn synthetic(n_workers: usize, target_ms: u64, drafter_ms: u64, jobs: u64, deterministic: bool) -> (f64, usize, Vec<u64>) {
+    fn synthetic(
+        n_workers: usize,
+        target_ms: u64,
+        drafter_ms: u64,
+        jobs: u64,
+        deterministic: bool,
+    ) -> (f64, usize, Vec<u64>) {
         let opts = PipelineOptions { buffer_bytes: 4 * 100, deterministic };
         let mut produced = 0;
         let producer = move || {
@@ -329,7 +339,10 @@ mod tests {
             let bound = target_rate.min(drafter_rate);
             // Start-up (the first batch has nothing to overlap with) costs one stage time.
             let expected = jobs as f64 / (jobs as f64 / bound + target_ms as f64 / 1e3);
-            assert!(rate >= 0.95 * expected, "{n} targets: {rate:.1} items/s vs bound {bound:.1} (expected {expected:.1})");
+            assert!(
+                rate >= 0.95 * expected,
+                "{n} targets: {rate:.1} items/s vs bound {bound:.1} (expected {expected:.1})"
+            );
             assert_eq!(order, (0..jobs).collect::<Vec<_>>(), "deterministic order");
         }
     }
@@ -343,7 +356,9 @@ mod tests {
             n += 1;
             Ok((n <= 50).then_some(Job { payload: n, bytes: 100 }))
         };
-        let workers = (0..3).map(|i| Worker { name: format!("w{i}"), work: Box::new(Ok) as Box<dyn FnMut(u64) -> Result<u64> + Send> }).collect();
+        let workers = (0..3)
+            .map(|i| Worker { name: format!("w{i}"), work: Box::new(Ok) as Box<dyn FnMut(u64) -> Result<u64> + Send> })
+            .collect();
         let (count, peak) = run(&opts, producer, workers, |feed| {
             let mut count = 0;
             while let Some(_r) = feed.next()? {
@@ -386,14 +401,18 @@ mod tests {
         })
         .unwrap_err();
         let msg = format!("{err:#}");
-        assert!(msg.contains("target worker 0 (cpu-0)") && (msg.contains("deliberate failure") || msg.contains("boom")), "{msg}");
+        assert!(
+            msg.contains("target worker 0 (cpu-0)") && (msg.contains("deliberate failure") || msg.contains("boom")),
+            "{msg}"
+        );
     }
 
     #[test]
     fn a_failing_consumer_or_producer_stops_every_thread() {
         let opts = PipelineOptions { buffer_bytes: 50, deterministic: false };
         let producer = || Ok(Some(Job { payload: 1u64, bytes: 10 }));
-        let workers = vec![Worker { name: "w".into(), work: Box::new(Ok) as Box<dyn FnMut(u64) -> Result<u64> + Send> }];
+        let workers =
+            vec![Worker { name: "w".into(), work: Box::new(Ok) as Box<dyn FnMut(u64) -> Result<u64> + Send> }];
         let err = run(&opts, producer, workers, |feed| -> Result<()> {
             feed.next()?;
             anyhow::bail!("drafter failed")
@@ -409,7 +428,8 @@ mod tests {
             }
             Ok(Some(Job { payload: 1u64, bytes: 10 }))
         };
-        let workers = vec![Worker { name: "w".into(), work: Box::new(Ok) as Box<dyn FnMut(u64) -> Result<u64> + Send> }];
+        let workers =
+            vec![Worker { name: "w".into(), work: Box::new(Ok) as Box<dyn FnMut(u64) -> Result<u64> + Send> }];
         let err = run(&opts, producer, workers, |feed| {
             while feed.next()?.is_some() {}
             Ok(())
@@ -418,7 +438,8 @@ mod tests {
         assert!(format!("{err:#}").contains("data loader: bad record"), "{err:#}");
 
         let producer = || Ok(Some(Job { payload: 1u64, bytes: 51 }));
-        let workers = vec![Worker { name: "w".into(), work: Box::new(Ok) as Box<dyn FnMut(u64) -> Result<u64> + Send> }];
+        let workers =
+            vec![Worker { name: "w".into(), work: Box::new(Ok) as Box<dyn FnMut(u64) -> Result<u64> + Send> }];
         let err = run(&opts, producer, workers, |feed| feed.next().map(|_| ())).unwrap_err();
         assert!(err.to_string().contains("raise `pipeline.buffer_mb`"), "{err}");
     }

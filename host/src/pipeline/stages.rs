@@ -78,7 +78,8 @@ fn to_buffer(hidden: Tensor, drafter: Device) -> Tensor {
     if from == drafter || from == Device::Cpu {
         return hidden;
     }
-    let mut host = kernels::autograd::empty_pinned_like(&hidden).unwrap_or_else(|_| Tensor::empty(hidden.size(), (hidden.kind(), Device::Cpu)));
+    let mut host = kernels::autograd::empty_pinned_like(&hidden)
+        .unwrap_or_else(|_| Tensor::empty(hidden.size(), (hidden.kind(), Device::Cpu)));
     host.copy_(&hidden);
     host
 }
@@ -97,7 +98,9 @@ pub fn target_workers<'a>(
         .chain(extra.iter_mut())
         .zip(devices)
         .enumerate()
-        .map(|(i, (t, d))| target_worker(i, d.clone(), t, layer_ids.to_vec(), Arc::clone(cache), drafter_device, names.clone()))
+        .map(|(i, (t, d))| {
+            target_worker(i, d.clone(), t, layer_ids.to_vec(), Arc::clone(cache), drafter_device, names.clone())
+        })
         .collect()
 }
 
@@ -129,7 +132,10 @@ fn target_worker<'a>(
                 None => {
                     let ids = TensorHandle::new(b.input_ids.shallow_clone());
                     let out = target.forward(&ids, layer_ids.as_slice().into(), false).into_result();
-                    let h = out.map_err(names.err(PluginKind::Target, &format!("forward (worker {index})")))?.hidden.into_tensor();
+                    let h = out
+                        .map_err(names.err(PluginKind::Target, &format!("forward (worker {index})")))?
+                        .hidden
+                        .into_tensor();
                     if let Some(t) = &ticket {
                         cache.store(t, &b.sequence_ids, &b.lengths, &h);
                     }

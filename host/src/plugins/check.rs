@@ -6,14 +6,14 @@
 //! another plugin), the config's target supplies the spec and tokenizer a drafter and a data
 //! loader need. Inputs are small (a few tokens, 8x4 matrices): the kit takes seconds.
 
-use super::{Instance, Poison, PluginRecord, Registry};
+use super::{Instance, PluginRecord, Poison, Registry};
 use crate::config::{PluginSection, RunConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
     abi_stable::std_types::{RNone, RSome},
     tch::{self, Device, Kind, Tensor},
-    DataLoaderBox, DataPosition, DraftInput, DrafterBox, HostContext, NamedTensor, OptimizerBox, PluginInstance, PluginKind,
-    TargetBox, TensorHandle,
+    DataLoaderBox, DataPosition, DraftInput, DrafterBox, HostContext, NamedTensor, OptimizerBox, PluginInstance,
+    PluginKind, TargetBox, TensorHandle,
 };
 use std::{cell::RefCell, path::PathBuf, process::ExitCode};
 
@@ -51,7 +51,11 @@ pub fn run(plugin_args: &[PathBuf], args: CheckArgs) -> Result<ExitCode> {
     let config_dir = args.config.as_deref().map(crate::config::config_dir).unwrap_or_else(|| PathBuf::from("."));
     let mut section = cfg.section(kind.as_str());
     if section.plugin != record.name {
-        section = PluginSection { kind: section.kind, plugin: record.name.clone(), config_toml: args.section.clone().unwrap_or_default() };
+        section = PluginSection {
+            kind: section.kind,
+            plugin: record.name.clone(),
+            config_toml: args.section.clone().unwrap_or_default(),
+        };
     } else if let Some(s) = &args.section {
         section.config_toml = s.clone();
     }
@@ -96,7 +100,8 @@ fn resolve(plugin_args: &[PathBuf], arg: &std::path::Path) -> Result<(PluginReco
     let builtin = Registry::new(plugin_args)?;
     let is_library = text.contains('/') || text.ends_with(".so") || super::find_library(arg).is_ok();
     if !is_library {
-        let mut found: Vec<PluginRecord> = builtin.plugins.iter().map(|p| p.record.clone()).filter(|r| r.name == text).collect();
+        let mut found: Vec<PluginRecord> =
+            builtin.plugins.iter().map(|p| p.record.clone()).filter(|r| r.name == text).collect();
         return match found.len() {
             1 => Ok((found.remove(0), builtin)),
             0 => bail!("plugin {text}: no library of that name (see `plugins inspect`) and no plugin named `{text}`"),
@@ -108,7 +113,13 @@ fn resolve(plugin_args: &[PathBuf], arg: &std::path::Path) -> Result<(PluginReco
     paths.push(path.clone());
     let registry = Registry::new(&paths)?;
     let shown = path.display().to_string();
-    let record = registry.plugins.iter().map(|p| &p.record).find(|r| r.origin == shown).cloned().ok_or_else(|| anyhow!("plugin {shown}: not registered"))?;
+    let record = registry
+        .plugins
+        .iter()
+        .map(|p| &p.record)
+        .find(|r| r.origin == shown)
+        .cloned()
+        .ok_or_else(|| anyhow!("plugin {shown}: not registered"))?;
     Ok((record, registry))
 }
 
@@ -132,8 +143,15 @@ impl Kit<'_> {
     fn clause(&self, name: &'static str, f: impl FnOnce() -> Result<()>) -> Clause {
         // The host's own code is checked here too: a panic (a tch shape error on a bad output) is a
         // failed clause, not a crash.
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
-            .unwrap_or_else(|p| Err(anyhow!("panicked: {}", p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default())));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+            Err(anyhow!(
+                "panicked: {}",
+                p.downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default()
+            ))
+        });
         // A value-returning method that panicked gave a placeholder the clause may have passed on
         // (an empty parameter list has no parameter without a gradient).
         let panicked = self.made.borrow_mut().drain(..).find_map(|(poison, at)| poison.take_at(at));
@@ -201,7 +219,9 @@ impl Kit<'_> {
         let named = |ps: &[(String, Tensor)]| -> plugin_api::abi_stable::std_types::RVec<NamedTensor> {
             ps.iter().map(|(n, p)| NamedTensor::new(n.clone(), p.shallow_clone())).collect()
         };
-        let copy = |ps: &[(String, Tensor)]| -> Vec<(String, Tensor)> { ps.iter().map(|(n, p)| (n.clone(), p.detach().copy().set_requires_grad(true))).collect() };
+        let copy = |ps: &[(String, Tensor)]| -> Vec<(String, Tensor)> {
+            ps.iter().map(|(n, p)| (n.clone(), p.detach().copy().set_requires_grad(true))).collect()
+        };
         let mut out = Vec::new();
         out.push(self.clause("state save/load round trip gives identical next steps", || {
             let a_params = params();
@@ -211,11 +231,15 @@ impl Kit<'_> {
                 set_grads(&a_params, 10 + step, 1.0);
                 ok(a.step(1.0), "step")?;
             }
-            let state: Vec<(String, Tensor)> = a.state().iter().map(|nt| (nt.name.to_string(), nt.tensor.tensor().copy())).collect();
+            let state: Vec<(String, Tensor)> =
+                a.state().iter().map(|nt| (nt.name.to_string(), nt.tensor.tensor().copy())).collect();
             let b_params = copy(&a_params);
             let mut b = self.optimizer_box()?;
             ok(b.init(named(&b_params)), "init")?;
-            ok(b.load_state(state.iter().map(|(n, t)| NamedTensor::new(n.clone(), t.shallow_clone())).collect()), "load_state")?;
+            ok(
+                b.load_state(state.iter().map(|(n, t)| NamedTensor::new(n.clone(), t.shallow_clone())).collect()),
+                "load_state",
+            )?;
             for step in 0..2 {
                 set_grads(&a_params, 20 + step, 1.0);
                 set_grads(&b_params, 20 + step, 1.0);
@@ -239,10 +263,14 @@ impl Kit<'_> {
             ok(o.step(1.0), "step")?;
             for ((n, p), (_, b)) in ps.iter().zip(&before) {
                 // Decoupled weight decay scales a tensor by one factor in (0, 1]; anything else moved it.
-                let c = (p.detach() * b).sum(Kind::Double).double_value(&[]) / (b * b).sum(Kind::Double).double_value(&[]);
+                let c =
+                    (p.detach() * b).sum(Kind::Double).double_value(&[]) / (b * b).sum(Kind::Double).double_value(&[]);
                 let d = max_diff(&p.detach(), &(b * c));
                 if !(c > 0.0 && c <= 1.0) || d > 1e-6 {
-                    bail!("`{n}` moved with a zero gradient (max difference {:e} from a decay by {c:.6})", max_diff(&p.detach(), b));
+                    bail!(
+                        "`{n}` moved with a zero gradient (max difference {:e} from a decay by {c:.6})",
+                        max_diff(&p.detach(), b)
+                    );
                 }
             }
             Ok(())
@@ -270,7 +298,11 @@ impl Kit<'_> {
     // ---- data loader ----
 
     fn data_box(&self, tokenizer: &str) -> Result<DataLoaderBox> {
-        let PluginInstance::DataLoader(mut d) = self.create(PluginKind::DataLoader, &self.section, &self.ctx_with_target()?)? else { unreachable!() };
+        let PluginInstance::DataLoader(mut d) =
+            self.create(PluginKind::DataLoader, &self.section, &self.ctx_with_target()?)?
+        else {
+            unreachable!()
+        };
         ok(d.open(tokenizer.into()), "open")?;
         if !d.distill_request().prompts.is_empty() {
             bail!("the data loader asks for self-distillation; check it with a section that turns it off (e.g. --section '... distill = false')");
@@ -437,7 +469,11 @@ impl Kit<'_> {
             if b.config_json().as_str() != json {
                 bail!("the same section gives another config_json");
             }
-            let weights: Vec<NamedTensor> = a.parameters().iter().map(|p| NamedTensor::new(p.name.to_string(), p.tensor.tensor().detach().copy())).collect();
+            let weights: Vec<NamedTensor> = a
+                .parameters()
+                .iter()
+                .map(|p| NamedTensor::new(p.name.to_string(), p.tensor.tensor().detach().copy()))
+                .collect();
             ok(b.load_weights(weights.into()), "load_weights")?;
             let (ya, yb) = tch::no_grad(|| Ok::<_, anyhow::Error>((forward(&mut a)?, forward(&mut b)?)))?;
             let d = max_diff(&ya, &yb);
@@ -452,7 +488,9 @@ impl Kit<'_> {
     // ---- target ----
 
     fn target(&self) -> Result<Vec<Clause>> {
-        let PluginInstance::Target(mut t) = self.create(PluginKind::Target, &self.section, &self.ctx)? else { unreachable!() };
+        let PluginInstance::Target(mut t) = self.create(PluginKind::Target, &self.section, &self.ctx)? else {
+            unreachable!()
+        };
         let spec = t.spec();
         let (n, h) = (spec.num_hidden_layers, spec.hidden_size as i64);
         let v = spec.vocab_size as i64;
@@ -470,7 +508,9 @@ impl Kit<'_> {
                 bail!("logits {:?}, expected [1, 8, {v}]", logits.size());
             }
             for (i, &l) in layers.iter().enumerate() {
-                let one = ok(t.forward(&TensorHandle::new(ids.shallow_clone()), [l][..].into(), false), "forward")?.hidden.tensor();
+                let one = ok(t.forward(&TensorHandle::new(ids.shallow_clone()), [l][..].into(), false), "forward")?
+                    .hidden
+                    .tensor();
                 let d = max_diff(&one, &hidden.narrow(-1, i as i64 * h, h));
                 if d > 1e-5 {
                     bail!("layer {l} asked alone differs from its slice of [{}, {}] by {d:e}", layers[0], layers[1]);

@@ -78,20 +78,29 @@ pub fn run(args: NewArgs) -> Result<ExitCode> {
         Some(p) => p.clone(),
         None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../plugin-api")),
     };
-    let api = api.canonicalize().with_context(|| format!("plugin-api at {} (give --plugin-api PATH)", api.display()))?;
+    let api =
+        api.canonicalize().with_context(|| format!("plugin-api at {} (give --plugin-api PATH)", api.display()))?;
     let rename = |text: &str| {
         text.replace(t.crate_name, name)
             .replace(&format!("PluginInfo::new(\"{}\"", t.plugin_name), &format!("PluginInfo::new(\"{name}\""))
             .replace(&format!("plugin = \"{}\"", t.plugin_name), &format!("plugin = \"{name}\""))
     };
     let cargo_toml = rename(t.cargo_toml);
-    let Some(dep) = cargo_toml.lines().find(|l| l.starts_with("plugin-api = ")) else { bail!("template without a plugin-api dependency") };
+    let Some(dep) = cargo_toml.lines().find(|l| l.starts_with("plugin-api = ")) else {
+        bail!("template without a plugin-api dependency")
+    };
     let cargo_toml = cargo_toml.replace(dep, &format!("plugin-api = {{ path = {:?} }}", api.display().to_string()));
     std::fs::create_dir_all(out.join("src")).with_context(|| format!("creating {}", out.display()))?;
-    std::fs::write(out.join("Cargo.toml"), cargo_toml).with_context(|| format!("writing {}", out.join("Cargo.toml").display()))?;
-    std::fs::write(out.join("src/lib.rs"), rename(t.lib_rs)).with_context(|| format!("writing {}", out.join("src/lib.rs").display()))?;
+    std::fs::write(out.join("Cargo.toml"), cargo_toml)
+        .with_context(|| format!("writing {}", out.join("Cargo.toml").display()))?;
+    std::fs::write(out.join("src/lib.rs"), rename(t.lib_rs))
+        .with_context(|| format!("writing {}", out.join("src/lib.rs").display()))?;
     std::fs::write(out.join(".gitignore"), "target/\nCargo.lock\n")?;
     crate::say!("wrote a {} plugin `{name}` to {}", args.kind, out.display());
-    crate::say!("next: (cd {} && cargo build --release), then dflash-host plugins check {}/target/release/lib{name}.so", out.display(), out.display());
+    crate::say!(
+        "next: (cd {} && cargo build --release), then dflash-host plugins check {}/target/release/lib{name}.so",
+        out.display(),
+        out.display()
+    );
     Ok(ExitCode::SUCCESS)
 }

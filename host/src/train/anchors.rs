@@ -43,15 +43,17 @@ impl AnchorSampler {
     /// `loss_mask` [B, S] (any integer kind, 1 = response). `draw` numbers this batch.
     pub fn sample(&self, loss_mask: &Tensor, draw: u64) -> Anchors {
         let (b, s) = (loss_mask.size()[0] as usize, loss_mask.size()[1] as usize);
-        let mask: Vec<i64> = Vec::try_from(loss_mask.to_device(Device::Cpu).to_kind(Kind::Int64).flatten(0, -1))
-            .expect("loss mask");
+        let mask: Vec<i64> =
+            Vec::try_from(loss_mask.to_device(Device::Cpu).to_kind(Kind::Int64).flatten(0, -1)).expect("loss mask");
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ draw);
         let rows: Vec<Vec<i64>> = (0..b)
             .map(|r| {
                 let row = &mask[r * s..(r + 1) * s];
-                let candidates: Vec<i64> = (0..s.saturating_sub(1)).filter(|&p| self.rule.allows(row, p)).map(|p| p as i64).collect();
+                let candidates: Vec<i64> =
+                    (0..s.saturating_sub(1)).filter(|&p| self.rule.allows(row, p)).map(|p| p as i64).collect();
                 let k = candidates.len().min(self.per_seq);
-                let mut picked: Vec<i64> = sample(&mut rng, candidates.len(), k).into_iter().map(|i| candidates[i]).collect();
+                let mut picked: Vec<i64> =
+                    sample(&mut rng, candidates.len(), k).into_iter().map(|i| candidates[i]).collect();
                 picked.sort_unstable();
                 picked
             })
@@ -91,7 +93,8 @@ mod tests {
     fn anchors_are_response_tokens_followed_by_one() {
         // Row 0: response at 3..8 then a user turn at 8..10 and a reply at 10..12; row 1: one reply
         // token at 2 (no anchor: nothing after it is a response), padding.
-        let mask = Tensor::from_slice(&[0i64, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]).view([2, 12]);
+        let mask = Tensor::from_slice(&[0i64, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0])
+            .view([2, 12]);
         let sampler = AnchorSampler { per_seq: 100, seed: 3, rule: AnchorRule::Response };
         let a = sampler.sample(&mask, 0);
         let pos: Vec<i64> = Vec::try_from(a.positions.flatten(0, -1)).unwrap();

@@ -167,7 +167,8 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
                 Reduction::Mean => &wc / &wsum,
                 Reduction::Sum => wc.shallow_clone(),
             });
-            let (logp_label, hit, d_logits) = cross_entropy_rows(z, &target.narrow(0, start, len), scale.as_ref().map(|s| (h.kind(), s)));
+            let (logp_label, hit, d_logits) =
+                cross_entropy_rows(z, &target.narrow(0, start, len), scale.as_ref().map(|s| (h.kind(), s)));
             hits.push(hit);
             ce_sum -= (logp_label * &wc).sum(Kind::Float);
             if let (Some(d_logits), Some(grad)) = (d_logits, &grad) {
@@ -268,7 +269,10 @@ mod tests {
         let pos = x.anchors.unsqueeze(-1) + &k;
         let pos_flat = pos.clamp_max(s - 1).view([b, a * bk]);
         let labels = x.input_ids.gather(1, &pos_flat, false).flatten(0, -1);
-        let valid = x.anchor_valid.unsqueeze(-1).logical_and(&pos.lt(s))
+        let valid = x
+            .anchor_valid
+            .unsqueeze(-1)
+            .logical_and(&pos.lt(s))
             .logical_and(&x.loss_mask.gather(1, &pos_flat, false).view([b, a, bk]).gt(0))
             .logical_and(&k.gt(0).view([1, 1, bk]));
         let decay = ((k.to_kind(Kind::Float) - 1.0) / -x.gamma.unwrap_or(f64::INFINITY)).exp();
@@ -294,7 +298,8 @@ mod tests {
         let mask: Vec<i64> = (0..b * s).map(|i| i64::from(i % s >= if i < s { 10 } else { 30 })).collect();
         let loss_mask = Tensor::from_slice(&mask).view([b, s]);
         let anchors = Tensor::from_slice(&[9i64, 14, 20, 31, 37, 29, 32, 36, 38, 0]).view([b, a]);
-        let anchor_valid = Tensor::from_slice(&[true, true, true, true, true, true, true, true, true, false]).view([b, a]);
+        let anchor_valid =
+            Tensor::from_slice(&[true, true, true, true, true, true, true, true, true, false]).view([b, a]);
         let x = LossInput {
             block_hidden: &block_hidden,
             lm_head: &lm_head,
@@ -310,14 +315,20 @@ mod tests {
         let whole = dflash_loss_chunked(&x, 1 << 20);
         // Counted labels per position (k = 1, 2, 3), so the weight sums are known.
         let n: Vec<f64> = whole.host_counts().1.iter().map(|&c| c as f64).collect();
-        for (gamma, reduction) in [(Some(2.0), Reduction::Mean), (Some(2.0), Reduction::Sum), (None, Reduction::Mean), (None, Reduction::Sum)] {
+        for (gamma, reduction) in
+            [(Some(2.0), Reduction::Mean), (Some(2.0), Reduction::Sum), (None, Reduction::Mean), (None, Reduction::Sum)]
+        {
             let x = LossInput { gamma, reduction, ..x };
             let (want_loss, want_grad) = reference(&x);
-            let want_wsum: f64 = n.iter().enumerate().map(|(i, c)| c * gamma.map_or(1.0, |g| (-(i as f64) / g).exp())).sum();
+            let want_wsum: f64 =
+                n.iter().enumerate().map(|(i, c)| c * gamma.map_or(1.0, |g| (-(i as f64) / g).exp())).sum();
             for chunk in [1, 3, 7, 1 << 20] {
                 let out = dflash_loss_chunked(&x, chunk);
                 let (ours, theirs) = (out.loss.double_value(&[]), want_loss.double_value(&[]));
-                assert!((ours - theirs).abs() < 1e-5 * theirs.abs(), "{gamma:?} {reduction:?} chunk {chunk}: loss {ours} vs {theirs}");
+                assert!(
+                    (ours - theirs).abs() < 1e-5 * theirs.abs(),
+                    "{gamma:?} {reduction:?} chunk {chunk}: loss {ours} vs {theirs}"
+                );
                 let g = Tensor::run_backward(&[&out.loss], &[&block_hidden], false, false).remove(0);
                 let e = (&g - &want_grad).norm().double_value(&[]) / want_grad.norm().double_value(&[]);
                 assert!(e < 1e-5, "{gamma:?} {reduction:?} chunk {chunk}: gradient relative error {e:e}");
@@ -330,7 +341,10 @@ mod tests {
         assert_eq!(whole.host_counts().1.iter().sum::<i64>(), (3 + 3 + 3 + 3 + 2) + (3 + 3 + 3 + 1));
         // Without grad the value is the same and nothing is differentiable.
         let plain = tch::no_grad(|| dflash_loss_chunked(&LossInput { block_hidden: &block_hidden.detach(), ..x }, 3));
-        assert!((plain.loss.double_value(&[]) - want_loss.double_value(&[])).abs() < 1e-5 * want_loss.double_value(&[]).abs());
+        assert!(
+            (plain.loss.double_value(&[]) - want_loss.double_value(&[])).abs()
+                < 1e-5 * want_loss.double_value(&[]).abs()
+        );
         assert!(!plain.loss.requires_grad());
     }
 }

@@ -114,7 +114,10 @@ impl NonFiniteGuard {
             return Ok(true);
         }
         self.consecutive += 1;
-        tracing::warn!("step {step}: loss {loss}, gradient norm {grad_norm}: step skipped ({} in a row)", self.consecutive);
+        tracing::warn!(
+            "step {step}: loss {loss}, gradient norm {grad_norm}: step skipped ({} in a row)",
+            self.consecutive
+        );
         if self.consecutive >= self.max {
             bail!("{} consecutive steps with a non-finite loss or gradient (up to step {step})", self.consecutive);
         }

@@ -8,11 +8,11 @@
 //! token-weighted mean per step. "per_micro_batch" backpropagates each micro-batch's own mean
 //! scaled by 1/K and averages over ranks.
 
+pub use super::loss::Reduction;
 use super::{
     anchors::{block_token_ids, AnchorSampler, Anchors},
     loss::{dflash_loss, LossInput, LossOut},
 };
-pub use super::loss::Reduction;
 pub use crate::config::LossNormalization;
 use crate::dist::Communicator;
 use anyhow::Result;
@@ -64,7 +64,8 @@ impl DraftLoss {
     ) -> Result<Drafted, plugin_api::PluginError> {
         let device = self.embedding.device();
         let anchor_pos = to_device_async(&anchors.positions, device);
-        let block_ids = block_token_ids(&to_device_async(input_ids, device), &anchor_pos, self.block_size, self.mask_token_id);
+        let block_ids =
+            block_token_ids(&to_device_async(input_ids, device), &anchor_pos, self.block_size, self.mask_token_id);
         let block_embeds = tch::no_grad(|| Tensor::embedding(&self.embedding, &block_ids, -1, false, false));
         let input = DraftInput {
             target_hidden: TensorHandle::new(to_device_async(hidden, device).to_kind(self.embedding.kind())),
@@ -115,7 +116,10 @@ const MIN_WEIGHT_SUM: f64 = 1e-12;
 /// mean [`crate::dist::average_gradients`] takes times W over it). Per micro-batch: averaged
 /// over ranks. Returns the global weight sum where it was fetched.
 pub fn normalize_gradients(
-    comm: Option<&mut Box<dyn Communicator>>, params: &[Tensor], normalization: LossNormalization, weight_sum: &Tensor,
+    comm: Option<&mut Box<dyn Communicator>>,
+    params: &[Tensor],
+    normalization: LossNormalization,
+    weight_sum: &Tensor,
 ) -> Result<Option<f64>> {
     match (normalization, comm.map(|c| &mut **c)) {
         (LossNormalization::PerMicroBatch, None) => Ok(None),
@@ -129,7 +133,10 @@ pub fn normalize_gradients(
             comm.all_reduce_sum(&mut total)?;
             crate::dist::average_gradients(comm, params)?;
             let world = comm.world() as f64;
-            scale_gradients(params, &Tensor::scalar_tensor(world / total[0].max(MIN_WEIGHT_SUM), (Kind::Float, tch::Device::Cpu)));
+            scale_gradients(
+                params,
+                &Tensor::scalar_tensor(world / total[0].max(MIN_WEIGHT_SUM), (Kind::Float, tch::Device::Cpu)),
+            );
             Ok(Some(total[0]))
         }
     }
@@ -204,7 +211,8 @@ pub struct StepSums {
 
 impl StepSums {
     pub fn all_reduce(&mut self, comm: &mut dyn Communicator) -> Result<()> {
-        let mut v: Vec<f64> = [self.loss, self.weight, self.tokens as f64, self.stop as u8 as f64].into_iter().collect();
+        let mut v: Vec<f64> =
+            [self.loss, self.weight, self.tokens as f64, self.stop as u8 as f64].into_iter().collect();
         v.extend(self.correct.iter().chain(&self.count).map(|&c| c as f64));
         comm.all_reduce_sum(&mut v)?;
         let n = self.correct.len();

@@ -7,8 +7,8 @@ use super::{
     loss::{resolve_gamma, tau_hat},
     schedule::lr_scale,
     state::{
-        all_finite, DistillSummary, NonFiniteGuard, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState, WindowSums,
-        WindowTimes,
+        all_finite, DistillSummary, NonFiniteGuard, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState,
+        WindowSums, WindowTimes,
     },
     step::{clip_grad_norm, normalize_gradients, DraftLoss, StepSums},
     validation::{ValidationScores, ValidationSet},
@@ -48,7 +48,13 @@ pub struct TrainOptions {
     pub comm: Option<Box<dyn Communicator>>,
 }
 
-pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir: &Path, opts: TrainOptions) -> Result<TrainSummary> {
+pub fn train(
+    cfg: &RunConfig,
+    mut c: Components,
+    exp: &mut Experiment,
+    cache_dir: &Path,
+    opts: TrainOptions,
+) -> Result<TrainSummary> {
     let t = &cfg.train;
     let mut comm = opts.comm;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank() as u64, c.world() as u64));
@@ -86,7 +92,10 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     // Replicas: every rank starts from rank 0's weights; the optimizer may split its work.
     if let Some(comm) = comm.as_deref_mut() {
         comm.broadcast(&params, 0)?;
-        c.optimizer.set_collectives(comm.collectives()).into_result().map_err(names.err(PluginKind::Optimizer, "set_collectives"))?;
+        c.optimizer
+            .set_collectives(comm.collectives())
+            .into_result()
+            .map_err(names.err(PluginKind::Optimizer, "set_collectives"))?;
     }
     c.optimizer.init(named).into_result().map_err(names.err(PluginKind::Optimizer, "init"))?;
     let draft = DraftLoss {
@@ -123,8 +132,14 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     };
     let mut last_ckpt = None;
     if let Some(r) = opts.resume {
-        c.drafter.load_weights(r.weights.into()).into_result().map_err(names.err(PluginKind::Drafter, "load_weights"))?;
-        c.optimizer.load_state(r.optimizer_state.into()).into_result().map_err(names.err(PluginKind::Optimizer, "load_state"))?;
+        c.drafter
+            .load_weights(r.weights.into())
+            .into_result()
+            .map_err(names.err(PluginKind::Drafter, "load_weights"))?;
+        c.optimizer
+            .load_state(r.optimizer_state.into())
+            .into_result()
+            .map_err(names.err(PluginKind::Optimizer, "load_state"))?;
         if capture.is_none() {
             let pos = DataPosition { epoch: r.state.data_epoch, index: r.state.data_index };
             c.data.seek(pos).into_result().map_err(names.err(PluginKind::DataLoader, "seek"))?;
@@ -143,7 +158,8 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
     let feature_bytes_per_token = feature_bytes_per_token(cfg, layer_ids.len(), spec.hidden_size);
     let cache = HiddenStateCache::new(t.hidden_cache_mb << 20, feature_bytes_per_token);
     let cache_p = Arc::clone(&cache);
-    let pipe = PipelineOptions { buffer_bytes: cfg.pipeline.buffer_bytes(), deterministic: cfg.pipeline.deterministic() };
+    let pipe =
+        PipelineOptions { buffer_bytes: cfg.pipeline.buffer_bytes(), deterministic: cfg.pipeline.deterministic() };
     let devices = cfg.target_devices();
     let n_workers = if capture.is_some() { 1 } else { devices.len() };
     let (data, target, extra) = (&mut c.data, &mut c.target, &mut c.extra_targets);
@@ -236,8 +252,9 @@ pub fn train(cfg: &RunConfig, mut c: Components, exp: &mut Experiment, cache_dir
 }
 
 fn progress_bar(steps: u64, at: u64, lead: bool) -> ProgressBar {
-    let bar = ProgressBar::new(steps)
-        .with_style(ProgressStyle::with_template("train {bar:30} {pos}/{len} steps  {msg}  ETA {eta}").expect("template"));
+    let bar = ProgressBar::new(steps).with_style(
+        ProgressStyle::with_template("train {bar:30} {pos}/{len} steps  {msg}  ETA {eta}").expect("template"),
+    );
     bar.set_position(at);
     if !lead {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -351,8 +368,12 @@ impl<'a> Trainer<'a> {
     /// the last step).
     fn maybe_validate(&mut self, step: u64) -> Result<Option<ValidationScores>> {
         let t = &self.cfg.train;
-        let Some(set) = self.validation.as_ref().filter(|_| step % t.eval_every == 0 || step == t.steps) else { return Ok(None) };
-        let scores = set.score(&self.draft, self.drafter).map_err(self.names.err(PluginKind::Drafter, "forward (validation)"))?;
+        let Some(set) = self.validation.as_ref().filter(|_| step % t.eval_every == 0 || step == t.steps) else {
+            return Ok(None);
+        };
+        let scores = set
+            .score(&self.draft, self.drafter)
+            .map_err(self.names.err(PluginKind::Drafter, "forward (validation)"))?;
         self.names.check(PluginKind::Drafter, &*self.drafter)?;
         self.times.val_s += scores.seconds;
         self.val_total_s += scores.seconds;
@@ -404,8 +425,14 @@ impl<'a> Trainer<'a> {
         let t = &self.cfg.train;
         let t2 = Instant::now();
         let n = self.draft.block_size as usize - 1;
-        let mut sums =
-            StepSums { loss: 0.0, weight: 0.0, tokens: acc.tokens, correct: vec![0; n], count: vec![0; n], stop: self.stop.requested().is_some() };
+        let mut sums = StepSums {
+            loss: 0.0,
+            weight: 0.0,
+            tokens: acc.tokens,
+            correct: vec![0; n],
+            count: vec![0; n],
+            stop: self.stop.requested().is_some(),
+        };
         // Replicas: normalise the gradients over all of them, sum what the step counted, agree
         // on stopping.
         normalize_gradients(self.comm.as_mut(), &self.params, t.loss_normalization, &acc.weight_sum)?;

@@ -50,9 +50,15 @@ impl ValidationSet {
     /// The data loader's validation batches (after self-distillation) with the target's features
     /// of `layer_ids` and their anchors. `eval_every` names the setting in the error when the
     /// loader has no validation split.
-    pub fn prepare(c: &mut Components, layer_ids: &[u32], sampler_like: &AnchorSampler, eval_every: u64) -> Result<Self> {
+    pub fn prepare(
+        c: &mut Components,
+        layer_ids: &[u32],
+        sampler_like: &AnchorSampler,
+        eval_every: u64,
+    ) -> Result<Self> {
         let started = Instant::now();
-        let got = c.data.validation_batches().into_result().map_err(c.err(PluginKind::DataLoader, "validation_batches"))?;
+        let got =
+            c.data.validation_batches().into_result().map_err(c.err(PluginKind::DataLoader, "validation_batches"))?;
         if got.is_empty() {
             bail!(
                 "field `train.eval_every` = {eval_every}: the data plugin `{}` gives no validation batches \
@@ -65,8 +71,13 @@ impl ValidationSet {
         let mut sequences = 0;
         for (j, b) in got.into_iter().enumerate() {
             let (input_ids, loss_mask) = (b.input_ids.into_tensor(), b.loss_mask.into_tensor());
-            let out = c.target.forward(&TensorHandle::new(input_ids.shallow_clone()), layer_ids.into(), false).into_result();
-            let hidden = out.map_err(c.err(PluginKind::Target, "forward (validation)"))?.hidden.into_tensor().to_device(Device::Cpu);
+            let out =
+                c.target.forward(&TensorHandle::new(input_ids.shallow_clone()), layer_ids.into(), false).into_result();
+            let hidden = out
+                .map_err(c.err(PluginKind::Target, "forward (validation)"))?
+                .hidden
+                .into_tensor()
+                .to_device(Device::Cpu);
             let anchors = sampler.sample(&loss_mask, j as u64);
             sequences += b.lengths.len();
             batches.push(ValidationBatch { input_ids, loss_mask, hidden, anchors });
@@ -86,7 +97,11 @@ impl ValidationSet {
 
     /// The drafter's loss, per-position accuracy and tau-hat over every validation label, without
     /// gradients (one wait for the device, at the end).
-    pub fn score(&self, draft: &DraftLoss, drafter: &mut DrafterBox) -> Result<ValidationScores, plugin_api::PluginError> {
+    pub fn score(
+        &self,
+        draft: &DraftLoss,
+        drafter: &mut DrafterBox,
+    ) -> Result<ValidationScores, plugin_api::PluginError> {
         let started = Instant::now();
         let _no_grad = tch::no_grad_guard();
         let device = draft.embedding.device();
@@ -94,7 +109,14 @@ impl ValidationSet {
         let mut weight_sum = Tensor::zeros([], (Kind::Float, device));
         let mut counts = Tensor::zeros([2, draft.block_size - 1], (Kind::Int64, device));
         for b in &self.batches {
-            let d = draft.compute_with(drafter, &b.input_ids, &b.loss_mask, &b.hidden, b.anchors.shallow_clone(), Reduction::Sum)?;
+            let d = draft.compute_with(
+                drafter,
+                &b.input_ids,
+                &b.loss_mask,
+                &b.hidden,
+                b.anchors.shallow_clone(),
+                Reduction::Sum,
+            )?;
             loss_sum += d.loss.loss.detach();
             weight_sum += &d.loss.weight_sum;
             counts += &d.loss.counts;

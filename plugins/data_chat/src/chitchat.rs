@@ -40,20 +40,18 @@ pub fn load_chitchat(path: &Path) -> Result<Vec<(String, ChatRecord)>, DataError
     let bytes = input_files::read_capped(path, crate::records::MAX_JSON_ARRAY_BYTES)?;
     // Parse in two steps so that a bad conversation is reported by its id:
     // first the id -> raw value map (a BTreeMap, which also sorts by id), then each value.
-    let conversations: BTreeMap<String, Value> =
-        serde_json::from_slice(&bytes).map_err(|e| DataError::Line {
-            path: path.to_path_buf(),
-            line: e.line(),
-            msg: format!("malformed chitchat JSON: {e}"),
-        })?;
+    let conversations: BTreeMap<String, Value> = serde_json::from_slice(&bytes).map_err(|e| DataError::Line {
+        path: path.to_path_buf(),
+        line: e.line(),
+        msg: format!("malformed chitchat JSON: {e}"),
+    })?;
     let mut records = Vec::new();
     for (id, value) in conversations {
-        let conversation: Conversation =
-            serde_json::from_value(value).map_err(|e| DataError::Conversation {
-                path: path.to_path_buf(),
-                id: id.clone(),
-                msg: e.to_string(),
-            })?;
+        let conversation: Conversation = serde_json::from_value(value).map_err(|e| DataError::Conversation {
+            path: path.to_path_buf(),
+            id: id.clone(),
+            msg: e.to_string(),
+        })?;
         if let Some(record) = to_record(conversation) {
             records.push((id, record));
         }
@@ -82,11 +80,7 @@ fn to_record(conversation: Conversation) -> Option<ChatRecord> {
         .into_iter()
         .enumerate()
         .map(|(i, (_, texts))| Message {
-            role: if i % 2 == 0 {
-                Role::User
-            } else {
-                Role::Assistant
-            },
+            role: if i % 2 == 0 { Role::User } else { Role::Assistant },
             content: texts.join("\n"),
         })
         .collect();
@@ -110,11 +104,7 @@ mod tests {
     }
 
     fn roles_and_texts(record: &ChatRecord) -> Vec<(Role, &str)> {
-        record
-            .messages
-            .iter()
-            .map(|m| (m.role, m.content.as_str()))
-            .collect()
+        record.messages.iter().map(|m| (m.role, m.content.as_str())).collect()
     }
 
     #[test]
@@ -129,11 +119,7 @@ mod tests {
         assert_eq!(ids, vec!["a-conv", "b-conv"], "sorted by id");
         assert_eq!(
             roles_and_texts(&records[1].1),
-            vec![
-                (Role::User, "hi"),
-                (Role::Assistant, "hello\nhow are you?"),
-                (Role::User, "fine")
-            ]
+            vec![(Role::User, "hi"), (Role::Assistant, "hello\nhow are you?"), (Role::User, "fine")]
         );
     }
 
@@ -152,15 +138,12 @@ mod tests {
 
     #[test]
     fn an_empty_turn_merges_its_neighbours() {
-        let file = json!({"c": {"messages": [[m("a", "x")], [m("b", "y")], [m("", "x")], [m("c", "y")], [m("d", "x")]]}});
+        let file =
+            json!({"c": {"messages": [[m("a", "x")], [m("b", "y")], [m("", "x")], [m("c", "y")], [m("d", "x")]]}});
         let records = load_json(&file).unwrap();
         assert_eq!(
             roles_and_texts(&records[0].1),
-            vec![
-                (Role::User, "a"),
-                (Role::Assistant, "b\nc"),
-                (Role::User, "d")
-            ]
+            vec![(Role::User, "a"), (Role::Assistant, "b\nc"), (Role::User, "d")]
         );
     }
 
@@ -170,12 +153,7 @@ mod tests {
         let records = load_json(&file).unwrap();
         assert_eq!(
             roles_and_texts(&records[0].1),
-            vec![
-                (Role::User, "a"),
-                (Role::Assistant, "b"),
-                (Role::User, "c"),
-                (Role::Assistant, "d")
-            ]
+            vec![(Role::User, "a"), (Role::Assistant, "b"), (Role::User, "c"), (Role::Assistant, "d")]
         );
     }
 
@@ -189,28 +167,16 @@ mod tests {
         });
         std::fs::write(&path, file.to_string()).unwrap();
         let err = load_chitchat(&path).unwrap_err().to_string();
-        let prefix = format!(
-            "{}: conversation bad-id: invalid type: integer `5`",
-            path.display()
-        );
+        let prefix = format!("{}: conversation bad-id: invalid type: integer `5`", path.display());
         assert!(err.starts_with(&prefix), "{err}");
 
         std::fs::write(&path, r#"{"c": {"prompt": "p"}}"#).unwrap();
         let err = load_chitchat(&path).unwrap_err().to_string();
-        assert_eq!(
-            err,
-            format!(
-                "{}: conversation c: missing field `messages`",
-                path.display()
-            )
-        );
+        assert_eq!(err, format!("{}: conversation c: missing field `messages`", path.display()));
 
         std::fs::write(&path, "{\n\"c\": {\"messages\": [[\n").unwrap();
         let err = load_chitchat(&path).unwrap_err().to_string();
-        assert!(
-            err.starts_with(&format!("{}:3: malformed chitchat JSON", path.display())),
-            "{err}"
-        );
+        assert!(err.starts_with(&format!("{}:3: malformed chitchat JSON", path.display())), "{err}");
     }
 
     #[test]
@@ -223,7 +189,10 @@ mod tests {
 
         std::fs::write(&path, "[1, 2]").unwrap();
         let err = load_chitchat(&path).unwrap_err().to_string();
-        assert!(err.starts_with(&format!("{}:1: malformed chitchat JSON: invalid type: sequence", path.display())), "{err}");
+        assert!(
+            err.starts_with(&format!("{}:1: malformed chitchat JSON: invalid type: sequence", path.display())),
+            "{err}"
+        );
     }
 
     /// The real dataset, fetched by `make setup`.
@@ -231,11 +200,7 @@ mod tests {
     fn loads_the_real_chitchat_file() {
         let home = std::env::var("HOME").expect("HOME is set");
         let path = Path::new(&home).join(".cache/dflash/chitchat.json");
-        assert!(
-            path.exists(),
-            "{} is missing: run `make setup` to download the chitchat dataset",
-            path.display()
-        );
+        assert!(path.exists(), "{} is missing: run `make setup` to download the chitchat dataset", path.display());
         let records = load_chitchat(&path).unwrap();
         // 7,168 conversations in the file: 3,150 have a single turn, and one more
         // (1f48d55a-...) has only one non-blank turn; all are dropped.
@@ -255,21 +220,14 @@ mod tests {
                 ),
                 (Role::User, "Goals"),
                 (Role::Assistant, "Banzai is such a good time no joke"),
-                (
-                    Role::User,
-                    "Truth\nI changed my mind I would definitely just raid like cafe rio and stuff"
-                ),
+                (Role::User, "Truth\nI changed my mind I would definitely just raid like cafe rio and stuff"),
             ]
         );
         // Every kept record alternates strictly and has a reply to train on.
         for (id, record) in &records {
             assert!(record.messages.len() >= 2, "{id}");
             for (i, message) in record.messages.iter().enumerate() {
-                let expected = if i % 2 == 0 {
-                    Role::User
-                } else {
-                    Role::Assistant
-                };
+                let expected = if i % 2 == 0 { Role::User } else { Role::Assistant };
                 assert_eq!(message.role, expected, "{id} messages[{i}]");
                 assert!(!message.content.is_empty(), "{id} messages[{i}]");
             }

@@ -69,8 +69,11 @@ fn dataset_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
     let state = dir.join("state.json");
     if state.exists() {
         let text = input_files::read_to_string_capped(&state, STATE_JSON_BYTES)?;
-        let v: Value = serde_json::from_str(&text).map_err(|e| DataError::File { path: state.clone(), msg: format!("malformed JSON: {e}") })?;
-        let files = v["_data_files"].as_array().ok_or_else(|| DataError::File { path: state.clone(), msg: "no `_data_files` list".into() })?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| DataError::File { path: state.clone(), msg: format!("malformed JSON: {e}") })?;
+        let files = v["_data_files"]
+            .as_array()
+            .ok_or_else(|| DataError::File { path: state.clone(), msg: "no `_data_files` list".into() })?;
         return files
             .iter()
             .map(|f| {
@@ -102,7 +105,9 @@ fn arrow_batches(path: &Path) -> Result<Vec<RecordBatch>, DataError> {
     let is_file_format = file.read_exact(&mut magic).is_ok() && &magic == b"ARROW1";
     let file = input_files::open_regular(path)?;
     let batches: Result<Vec<RecordBatch>, _> = if is_file_format {
-        arrow_ipc::reader::FileReader::try_new(file, None).map_err(|e| err(format!("not a readable Arrow file: {e}")))?.collect()
+        arrow_ipc::reader::FileReader::try_new(file, None)
+            .map_err(|e| err(format!("not a readable Arrow file: {e}")))?
+            .collect()
     } else {
         arrow_ipc::reader::StreamReader::try_new(BufReader::new(file), None)
             .map_err(|e| err(format!("not a readable Arrow stream: {e}")))?

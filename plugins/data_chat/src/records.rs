@@ -164,7 +164,9 @@ impl Schema {
         let (mut list, mut role, mut content) = match format {
             Format::Messages | Format::Jsonl => (v(&["messages"]), v(&["role"]), v(&["content"])),
             Format::Sharegpt => (v(&["conversations"]), v(&["from", "role"]), v(&["value", "content"])),
-            Format::Auto | Format::Chitchat => (v(&["messages", "conversations"]), v(&["role", "from"]), v(&["content", "value"])),
+            Format::Auto | Format::Chitchat => {
+                (v(&["messages", "conversations"]), v(&["role", "from"]), v(&["content", "value"]))
+            }
         };
         if let Some(k) = &fields.messages {
             list = vec![k.clone()];
@@ -219,7 +221,13 @@ impl Schema {
             match system {
                 Value::String(s) if !s.is_empty() => messages.push(Message { role: Role::System, content: s.clone() }),
                 Value::String(_) | Value::Null => {}
-                other => return Err(format!(r#"field "{}" must be a string, got {}"#, self.system.as_deref().unwrap_or(""), kind(other))),
+                other => {
+                    return Err(format!(
+                        r#"field "{}" must be a string, got {}"#,
+                        self.system.as_deref().unwrap_or(""),
+                        kind(other)
+                    ))
+                }
             }
         }
         if let Some((prompt, response)) = &self.single_turn {
@@ -231,7 +239,9 @@ impl Schema {
                 }
             };
             messages.push(Message { role: Role::User, content: text(prompt, true)?.unwrap_or_default() });
-            if let Some(reply) = response.as_deref().map(|k| text(k, false)).transpose()?.flatten().filter(|r| !r.is_empty()) {
+            if let Some(reply) =
+                response.as_deref().map(|k| text(k, false)).transpose()?.flatten().filter(|r| !r.is_empty())
+            {
                 messages.push(Message { role: Role::Assistant, content: reply });
             }
             return Ok(ChatRecord { messages });
@@ -245,7 +255,8 @@ impl Schema {
         if turns.is_empty() {
             return Err(format!(r#"field "{key}" is empty"#));
         }
-        let from_turns = turns.iter().enumerate().map(|(i, t)| self.parse_turn(key, i, t)).collect::<Result<Vec<_>, _>>()?;
+        let from_turns =
+            turns.iter().enumerate().map(|(i, t)| self.parse_turn(key, i, t)).collect::<Result<Vec<_>, _>>()?;
         if from_turns.iter().any(|m| m.role == Role::System) {
             messages.clear(); // the turns' own system prompt wins over a top-level one
         }
@@ -260,7 +271,12 @@ impl Schema {
         let Some(object) = value.as_object() else {
             return Err(format!("{list}[{i}] must be an object, got {}", kind(value)));
         };
-        fn field<'a>(object: &'a serde_json::Map<String, Value>, keys: &'a [String], list: &str, i: usize) -> Result<(&'a String, &'a Value), String> {
+        fn field<'a>(
+            object: &'a serde_json::Map<String, Value>,
+            keys: &'a [String],
+            list: &str,
+            i: usize,
+        ) -> Result<(&'a String, &'a Value), String> {
             keys.iter()
                 .find_map(|k| object.get(k).map(|v| (k, v)))
                 .ok_or_else(|| format!("missing field {} in {list}[{i}]", quoted_or(keys)))
@@ -336,7 +352,12 @@ pub fn read_records(path: &Path, schema: &Schema, on_error: OnError) -> Result<R
         file.take(MAX_JSON_ARRAY_BYTES + 1).read_to_end(&mut bytes).map_err(io_err)?;
         if bytes.len() as u64 > MAX_JSON_ARRAY_BYTES {
             let size = bytes.len() as u64;
-            return Err(input_files::InputError::TooLarge { path: path.to_path_buf(), size, max: MAX_JSON_ARRAY_BYTES }.into());
+            return Err(input_files::InputError::TooLarge {
+                path: path.to_path_buf(),
+                size,
+                max: MAX_JSON_ARRAY_BYTES,
+            }
+            .into());
         }
         return read_json_array(path, &bytes, schema, on_error);
     }
@@ -367,7 +388,12 @@ pub fn read_jsonl_with(path: &Path, schema: &Schema, on_error: OnError) -> Resul
     read_jsonl_capped(path, schema, on_error, MAX_LINE_BYTES)
 }
 
-fn read_jsonl_capped(path: &Path, schema: &Schema, on_error: OnError, max_line: usize) -> Result<ReadReport, DataError> {
+fn read_jsonl_capped(
+    path: &Path,
+    schema: &Schema,
+    on_error: OnError,
+    max_line: usize,
+) -> Result<ReadReport, DataError> {
     let io_err = |cause| DataError::Io { path: path.to_path_buf(), cause };
     let mut reader = open_text(path)?;
     let mut report = ReadReport::default();
@@ -487,10 +513,7 @@ mod tests {
     use super::*;
 
     fn msg(role: Role, content: &str) -> Message {
-        Message {
-            role,
-            content: content.to_string(),
-        }
+        Message { role, content: content.to_string() }
     }
 
     /// Writes `bytes` to `chat.jsonl` in a fresh temp dir (kept alive by the returned guard).
@@ -501,8 +524,7 @@ mod tests {
         (dir, path)
     }
 
-    const GOOD: &str =
-        r#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"hello"}]}"#;
+    const GOOD: &str = r#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"hello"}]}"#;
 
     /// A file whose line 2 is `bad`, between two good lines; returns the Fail-mode error text.
     fn fail_message(bad: &[u8]) -> String {
@@ -517,10 +539,7 @@ mod tests {
         }
         let text = err.to_string();
         let prefix = format!("{}:2: ", path.display());
-        assert!(
-            text.starts_with(&prefix),
-            "{text:?} should start with {prefix:?}"
-        );
+        assert!(text.starts_with(&prefix), "{text:?} should start with {prefix:?}");
         text[prefix.len()..].to_string()
     }
 
@@ -536,15 +555,9 @@ mod tests {
         assert_eq!(
             report.records,
             vec![
+                ChatRecord { messages: vec![msg(Role::User, "hi"), msg(Role::Assistant, "hello")] },
                 ChatRecord {
-                    messages: vec![msg(Role::User, "hi"), msg(Role::Assistant, "hello")]
-                },
-                ChatRecord {
-                    messages: vec![
-                        msg(Role::System, "be brief"),
-                        msg(Role::User, "a"),
-                        msg(Role::Assistant, "b")
-                    ]
+                    messages: vec![msg(Role::System, "be brief"), msg(Role::User, "a"), msg(Role::Assistant, "b")]
                 },
             ]
         );
@@ -570,22 +583,13 @@ mod tests {
 
     #[test]
     fn wrong_types_are_errors() {
-        assert_eq!(
-            fail_message(b"[1,2]"),
-            "expected a JSON object, got an array"
-        );
-        assert_eq!(
-            fail_message(br#"{"messages":"hi"}"#),
-            r#"field "messages" must be an array, got a string"#
-        );
+        assert_eq!(fail_message(b"[1,2]"), "expected a JSON object, got an array");
+        assert_eq!(fail_message(br#"{"messages":"hi"}"#), r#"field "messages" must be an array, got a string"#);
         assert_eq!(
             fail_message(br#"{"messages":[{"role":"user","content":null}]}"#),
             r#"field "content" in messages[0] must be a string, got null"#
         );
-        assert_eq!(
-            fail_message(br#"{"messages":[["user","hi"]]}"#),
-            "messages[0] must be an object, got an array"
-        );
+        assert_eq!(fail_message(br#"{"messages":[["user","hi"]]}"#), "messages[0] must be an object, got an array");
     }
 
     #[test]
@@ -603,9 +607,7 @@ mod tests {
     #[test]
     fn unknown_role_is_an_error() {
         assert_eq!(
-            fail_message(
-                br#"{"messages":[{"role":"user","content":"a"},{"role":"tool","content":"b"}]}"#
-            ),
+            fail_message(br#"{"messages":[{"role":"user","content":"a"},{"role":"tool","content":"b"}]}"#),
             r#"unknown role "tool" in messages[1] (expected assistant, system, user; map others in [data.fields] roles)"#
         );
     }
@@ -674,7 +676,11 @@ mod tests {
         let err = read_jsonl_capped(&path, &schema, OnError::Skip, 64).unwrap_err().to_string();
         assert_eq!(err, format!("{}:2: line longer than 64 bytes", path.display()));
         let (_d, path) = jsonl(format!("{good}\r\n{good}").as_bytes());
-        assert_eq!(read_jsonl_capped(&path, &schema, OnError::Fail, good.len()).unwrap().records.len(), 2, "the cap is on the line itself");
+        assert_eq!(
+            read_jsonl_capped(&path, &schema, OnError::Fail, good.len()).unwrap().records.len(),
+            2,
+            "the cap is on the line itself"
+        );
     }
 
     #[test]
@@ -687,9 +693,7 @@ mod tests {
                     msg(Role::Assistant, "ok"),
                 ],
             },
-            ChatRecord {
-                messages: vec![msg(Role::User, ""), msg(Role::Assistant, "  spaces kept  ")],
-            },
+            ChatRecord { messages: vec![msg(Role::User, ""), msg(Role::Assistant, "  spaces kept  ")] },
         ];
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("out.jsonl");
@@ -727,7 +731,9 @@ mod tests {
     /// The conversations of tests/fixtures/datasets (scripts/make_data_fixtures.py).
     fn fixture_records() -> Vec<ChatRecord> {
         vec![
-            ChatRecord { messages: vec![msg(Role::System, "Be brief."), msg(Role::User, "Hi!"), msg(Role::Assistant, "Hello.")] },
+            ChatRecord {
+                messages: vec![msg(Role::System, "Be brief."), msg(Role::User, "Hi!"), msg(Role::Assistant, "Hello.")],
+            },
             ChatRecord {
                 messages: vec![
                     msg(Role::User, "2+2?"),
@@ -759,9 +765,12 @@ mod tests {
         let openai = write(
             "openai.jsonl",
             concat!(
-                r#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi!"},{"role":"assistant","content":"Hello."}]}"#, "\n",
-                r#"{"id":"c1","messages":[{"role":"user","content":"2+2?"},{"role":"assistant","content":[{"type":"text","text":"4"}]},{"role":"user","content":"And 3+3?"},{"role":"assistant","content":"6, with \"quotes\" and ünïcode."}]}"#, "\n",
-                r#"{"messages":[{"role":"user","content":"Name a colour."}]}"#, "\n",
+                r#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi!"},{"role":"assistant","content":"Hello."}]}"#,
+                "\n",
+                r#"{"id":"c1","messages":[{"role":"user","content":"2+2?"},{"role":"assistant","content":[{"type":"text","text":"4"}]},{"role":"user","content":"And 3+3?"},{"role":"assistant","content":"6, with \"quotes\" and ünïcode."}]}"#,
+                "\n",
+                r#"{"messages":[{"role":"user","content":"Name a colour."}]}"#,
+                "\n",
             ),
         );
         // ShareGPT as a pretty-printed JSON array, the system prompt as a top-level field.
@@ -781,18 +790,24 @@ mod tests {
         let specforge = write(
             "specforge.jsonl",
             concat!(
-                r#"{"id":"0","conversations":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi!"},{"role":"assistant","content":"Hello."}]}"#, "\n",
-                r#"{"id":"1","conversations":[{"from":"human","value":"2+2?"},{"role":"assistant","content":"4"},{"from":"user","value":"And 3+3?"},{"from":"gpt","value":"6, with \"quotes\" and ünïcode."}]}"#, "\n",
-                r#"{"id":"2","conversations":[{"role":"user","content":"Name a colour."}]}"#, "\n",
+                r#"{"id":"0","conversations":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi!"},{"role":"assistant","content":"Hello."}]}"#,
+                "\n",
+                r#"{"id":"1","conversations":[{"from":"human","value":"2+2?"},{"role":"assistant","content":"4"},{"from":"user","value":"And 3+3?"},{"from":"gpt","value":"6, with \"quotes\" and ünïcode."}]}"#,
+                "\n",
+                r#"{"id":"2","conversations":[{"role":"user","content":"Name a colour."}]}"#,
+                "\n",
             ),
         );
         // Anything else, through [data.fields].
         let custom = write(
             "custom.jsonl",
             concat!(
-                r#"{"sys":"Be brief.","dialog":[{"who":"customer","says":"Hi!"},{"who":"agent","says":"Hello."}]}"#, "\n",
-                r#"{"dialog":[{"who":"customer","says":"2+2?"},{"who":"agent","says":"4"},{"who":"customer","says":"And 3+3?"},{"who":"agent","says":"6, with \"quotes\" and ünïcode."}]}"#, "\n",
-                r#"{"dialog":[{"who":"customer","says":"Name a colour."}]}"#, "\n",
+                r#"{"sys":"Be brief.","dialog":[{"who":"customer","says":"Hi!"},{"who":"agent","says":"Hello."}]}"#,
+                "\n",
+                r#"{"dialog":[{"who":"customer","says":"2+2?"},{"who":"agent","says":"4"},{"who":"customer","says":"And 3+3?"},{"who":"agent","says":"6, with \"quotes\" and ünïcode."}]}"#,
+                "\n",
+                r#"{"dialog":[{"who":"customer","says":"Name a colour."}]}"#,
+                "\n",
             ),
         );
         let fields = Fields {
@@ -822,8 +837,16 @@ mod tests {
             assert_eq!(got.records, want, "{} as {format:?}", path.display());
         }
         // Single-turn columns (Alpaca-like): prompt and reply, an empty reply = a prompt.
-        let alpaca = write("alpaca.json", r#"[{"instruction":"Hi!","output":"Hello.","sys":"Be brief."},{"instruction":"Name a colour.","output":""}]"#);
-        let fields = Fields { prompt: Some("instruction".into()), response: Some("output".into()), system: Some("sys".into()), ..Fields::default() };
+        let alpaca = write(
+            "alpaca.json",
+            r#"[{"instruction":"Hi!","output":"Hello.","sys":"Be brief."},{"instruction":"Name a colour.","output":""}]"#,
+        );
+        let fields = Fields {
+            prompt: Some("instruction".into()),
+            response: Some("output".into()),
+            system: Some("sys".into()),
+            ..Fields::default()
+        };
         let got = read(&alpaca, Format::Auto, &fields).unwrap().records;
         assert_eq!(got, vec![want[0].clone(), want[2].clone()]);
     }
@@ -881,9 +904,32 @@ mod tests {
 
         /// Byte strings that break JSON or UTF-8 in interesting ways.
         const SPLICES: &[&[u8]] = &[
-            b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\xaf", b"\0", b"\r", b"\n", b"\"",
-            b"\\", b"\\ud800", b"\\u00", b"{", b"}", b"[", b"]", b",", b":", b"null", b"1e999", b"-",
-            b"\"messages\"", b"\"role\"", b"\"content\"", b"\"assistant\"", b"\"tool\"",
+            b"\xff",
+            b"\xc3",
+            b"\xed\xa0\x80",
+            b"\xf4\x90\x80\x80",
+            b"\xc0\xaf",
+            b"\0",
+            b"\r",
+            b"\n",
+            b"\"",
+            b"\\",
+            b"\\ud800",
+            b"\\u00",
+            b"{",
+            b"}",
+            b"[",
+            b"]",
+            b",",
+            b":",
+            b"null",
+            b"1e999",
+            b"-",
+            b"\"messages\"",
+            b"\"role\"",
+            b"\"content\"",
+            b"\"assistant\"",
+            b"\"tool\"",
         ];
 
         #[derive(Debug, Clone)]
@@ -933,7 +979,8 @@ mod tests {
                 any::<bool>().prop_map(Value::from),
                 any::<i64>().prop_map(Value::from),
                 any::<f64>().prop_map(Value::from),
-                prop::sample::select(vec!["user", "assistant", "system", "tool", "", "Assistant"]).prop_map(Value::from),
+                prop::sample::select(vec!["user", "assistant", "system", "tool", "", "Assistant"])
+                    .prop_map(Value::from),
                 ".{0,8}".prop_map(Value::from),
             ];
             leaf.prop_recursive(4, 24, 4, |inner| {
@@ -1009,7 +1056,12 @@ mod tests {
                             prop_assert_eq!(e.to_string(), format!("{}:{line}: {why}", path.display()));
                             files.set((whole, refused + 1));
                         }
-                        (got, want) => prop_assert!(false, "fail mode gave {:?}, skip mode's first bad line {:?}", got.map(|r| r.records.len()), want),
+                        (got, want) => prop_assert!(
+                            false,
+                            "fail mode gave {:?}, skip mode's first bad line {:?}",
+                            got.map(|r| r.records.len()),
+                            want
+                        ),
                     }
                     Ok(())
                 })

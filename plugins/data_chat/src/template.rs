@@ -41,7 +41,9 @@ pub enum TemplateError {
     Compile(JinjaError),
     #[error("chat template failed: {0:#}")]
     Render(JinjaError),
-    #[error("the chat template rewrites assistant message {index}'s text, so its tokens cannot be found in the rendering")]
+    #[error(
+        "the chat template rewrites assistant message {index}'s text, so its tokens cannot be found in the rendering"
+    )]
     Unlocatable { index: usize },
     #[error("tokenizing the rendered chat: {0}")]
     Tokenize(String),
@@ -81,7 +83,11 @@ pub struct EncodedChat {
 impl ChatTemplate {
     /// Compile `source`. `special` are the special-token strings the template may use
     /// (`bos_token`, `eos_token`); `kwargs` the config's extra template variables.
-    pub fn new(source: &str, special: &[(&str, String)], kwargs: &[(String, serde_json::Value)]) -> Result<Self, TemplateError> {
+    pub fn new(
+        source: &str,
+        special: &[(&str, String)],
+        kwargs: &[(String, serde_json::Value)],
+    ) -> Result<Self, TemplateError> {
         let mut env = Environment::new();
         let mut syntax = minijinja::syntax::SyntaxConfig::builder();
         syntax.trim_blocks(true).lstrip_blocks(true);
@@ -93,7 +99,8 @@ impl ChatTemplate {
         env.add_function("strftime_now", |fmt: String| strftime(&fmt, unix_now()));
         env.add_filter("tojson", tojson);
         env.add_template_owned("chat", strip_generation_tags(source)).map_err(TemplateError::Compile)?;
-        let mut extra: Vec<(String, Value)> = special.iter().map(|(k, v)| (k.to_string(), Value::from(v.as_str()))).collect();
+        let mut extra: Vec<(String, Value)> =
+            special.iter().map(|(k, v)| (k.to_string(), Value::from(v.as_str()))).collect();
         for (k, v) in kwargs {
             extra.retain(|(name, _)| name != k);
             extra.push((k.clone(), Value::from(Serde(v))));
@@ -112,7 +119,8 @@ impl ChatTemplate {
     /// The template's output for `messages`, exactly as transformers renders it.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, TemplateError> {
         let tmpl = self.env.get_template("chat").map_err(TemplateError::Render)?;
-        let msgs: Vec<TemplateMessage> = messages.iter().map(|m| TemplateMessage { role: m.role.as_str(), content: &m.content }).collect();
+        let msgs: Vec<TemplateMessage> =
+            messages.iter().map(|m| TemplateMessage { role: m.role.as_str(), content: &m.content }).collect();
         let mut ctx: Vec<(String, Value)> = vec![
             ("messages".into(), Value::from(Serde(&msgs))),
             ("add_generation_prompt".into(), Value::from(add_generation_prompt)),
@@ -125,9 +133,14 @@ impl ChatTemplate {
     }
 
     /// Render and find, for each assistant message, the bytes it is trained on.
-    pub fn render_with_spans(&self, messages: &[Message], add_generation_prompt: bool) -> Result<Rendered, TemplateError> {
+    pub fn render_with_spans(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<Rendered, TemplateError> {
         let text = self.render(messages, add_generation_prompt)?;
-        let assistants: Vec<usize> = messages.iter().enumerate().filter(|(_, m)| m.role == Role::Assistant).map(|(i, _)| i).collect();
+        let assistants: Vec<usize> =
+            messages.iter().enumerate().filter(|(_, m)| m.role == Role::Assistant).map(|(i, _)| i).collect();
         let mut spans = vec![None; messages.len()];
         if assistants.is_empty() {
             return Ok(Rendered { text, spans });
@@ -170,10 +183,22 @@ impl ChatTemplate {
     /// Where the content of each assistant message lies in `text`: rendered again with the
     /// content between sentinels. None when the template does not carry them through (it then
     /// depends on the content in ways a marker disturbs).
-    fn locate_by_sentinels(&self, messages: &[Message], gen: bool, text: &str, assistants: &[usize]) -> Option<Vec<Range<usize>>> {
+    fn locate_by_sentinels(
+        &self,
+        messages: &[Message],
+        gen: bool,
+        text: &str,
+        assistants: &[usize],
+    ) -> Option<Vec<Range<usize>>> {
         let marked: Vec<Message> = messages
             .iter()
-            .map(|m| if m.role == Role::Assistant { Message { role: m.role, content: mark(&m.content) } } else { m.clone() })
+            .map(|m| {
+                if m.role == Role::Assistant {
+                    Message { role: m.role, content: mark(&m.content) }
+                } else {
+                    m.clone()
+                }
+            })
             .collect();
         let with_marks = self.render(&marked, gen).ok()?;
         // Positions in the unmarked text, and which sentinel stood there.
@@ -236,7 +261,11 @@ fn mark(content: &str) -> String {
 
 /// The fallback when sentinels do not survive: each assistant message's trimmed content,
 /// searched in order.
-fn locate_by_search(messages: &[Message], text: &str, assistants: &[usize]) -> Result<Vec<Range<usize>>, TemplateError> {
+fn locate_by_search(
+    messages: &[Message],
+    text: &str,
+    assistants: &[usize],
+) -> Result<Vec<Range<usize>>, TemplateError> {
     let mut cursor = 0;
     let mut out = Vec::new();
     for &i in assistants {
@@ -302,7 +331,13 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<String, JinjaError> {
         None if indent.is_some() => (",".into(), ": ".into()),
         None => (", ".into(), ": ".into()),
     };
-    let opts = JsonOpts { indent, ensure_ascii: ensure_ascii.unwrap_or(false), sort_keys: sort_keys.unwrap_or(false), item, key };
+    let opts = JsonOpts {
+        indent,
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+        sort_keys: sort_keys.unwrap_or(false),
+        item,
+        key,
+    };
     let mut out = String::new();
     write_json(value, &opts, 0, &mut out)?;
     Ok(out)
@@ -426,8 +461,20 @@ fn unix_now() -> i64 {
 
 /// The subset of `strftime` chat templates use (`%d %b %Y` and friends), in UTC.
 fn strftime(fmt: &str, unix: i64) -> String {
-    const MONTHS: [&str; 12] =
-        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
     const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
     let days = unix.div_euclid(86_400);
     let secs = unix.rem_euclid(86_400);
@@ -510,14 +557,23 @@ pub(crate) mod test_util {
     /// mask is visible.
     pub(crate) fn byte_tokenizer() -> Tokenizer {
         let table = byte_chars();
-        let vocab: serde_json::Map<String, serde_json::Value> = table.iter().enumerate().map(|(i, c)| (c.to_string(), json!(i))).collect();
-        let markers = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"];
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            table.iter().enumerate().map(|(i, c)| (c.to_string(), json!(i))).collect();
+        let markers = [
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|begin_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+        ];
         let added: Vec<serde_json::Value> = markers
             .iter()
             .enumerate()
             .map(|(i, m)| json!({"id": 256 + i, "content": m, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
             .collect();
-        let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
+        let byte_level =
+            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
         let spec = json!({
             "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
             "pre_tokenizer": byte_level, "post_processor": null, "decoder": byte_level,
@@ -526,7 +582,6 @@ pub(crate) mod test_util {
         });
         Tokenizer::from_str(&spec.to_string()).unwrap()
     }
-
 }
 
 #[cfg(test)]
@@ -543,7 +598,8 @@ mod tests {
     /// renders.json (made by scripts/make_template_fixtures.py with transformers).
     fn renders() -> serde_json::Value {
         let path = fixtures().join("renders.json");
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+            .unwrap()
     }
 
     fn messages(v: &serde_json::Value) -> Vec<Message> {
@@ -566,7 +622,8 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str().unwrap().to_string()))
             .collect();
-        let kwargs: Vec<(String, serde_json::Value)> = kwargs.as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let kwargs: Vec<(String, serde_json::Value)> =
+            kwargs.as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         ChatTemplate::new(&source, &special, &kwargs).unwrap_or_else(|e| panic!("{name}: {e}"))
     }
 
@@ -583,7 +640,10 @@ mod tests {
             let msgs = messages(&doc["conversations"][conv]);
             let got = t.render(&msgs, case["add_generation_prompt"].as_bool().unwrap()).unwrap();
             if got != case["rendered"].as_str().unwrap() {
-                wrong.push(format!("{name} / {conv} / {}:\n  want {:?}\n  got  {:?}", case["kwargs"], case["rendered"], got));
+                wrong.push(format!(
+                    "{name} / {conv} / {}:\n  want {:?}\n  got  {:?}",
+                    case["kwargs"], case["rendered"], got
+                ));
             }
         }
         assert!(wrong.is_empty(), "{} of {} renders differ:\n{}", wrong.len(), cases.len(), wrong.join("\n"));
@@ -609,13 +669,16 @@ mod tests {
                     continue;
                 };
                 let trained = &r.text[span.clone()];
-                let body = trained.strip_suffix(closing).unwrap_or_else(|| panic!("{name} / {conv}: {trained:?} lacks {closing}"));
+                let body = trained
+                    .strip_suffix(closing)
+                    .unwrap_or_else(|| panic!("{name} / {conv}: {trained:?} lacks {closing}"));
                 assert_eq!(body.trim(), m.content.trim(), "{name} / {conv}: message {i}");
                 expected.push_str(trained);
             }
             // Token level: what the mask selects decodes to exactly those spans.
             let enc = t.encode(&tok, &msgs, gen, |_| true).unwrap();
-            let ids: Vec<u32> = enc.ids.iter().zip(&enc.loss_mask).filter(|(_, &m)| m == 1).map(|(&id, _)| id).collect();
+            let ids: Vec<u32> =
+                enc.ids.iter().zip(&enc.loss_mask).filter(|(_, &m)| m == 1).map(|(&id, _)| id).collect();
             assert_eq!(tok.decode(&ids, false).unwrap(), expected, "{name} / {conv}");
             assert_eq!(tok.decode(&enc.ids, false).unwrap(), r.text, "{name} / {conv}: tokenized in one piece");
         }
@@ -639,7 +702,9 @@ mod tests {
     #[test]
     fn a_template_that_rewrites_replies_is_refused_naming_the_message() {
         // Renders the reply's length, not its text: nothing to mask.
-        let t = ChatTemplate::new("{% for m in messages %}{{ m.role }}:{{ m.content | length }};{% endfor %}", &[], &[]).unwrap();
+        let t =
+            ChatTemplate::new("{% for m in messages %}{{ m.role }}:{{ m.content | length }};{% endfor %}", &[], &[])
+                .unwrap();
         let msgs = vec![
             Message { role: Role::User, content: "hi".into() },
             Message { role: Role::Assistant, content: "hello".into() },
@@ -680,12 +745,16 @@ mod tests {
     #[test]
     fn hf_extensions_behave_as_in_transformers() {
         let render = |src: &str, kwargs: serde_json::Value| {
-            let kw: Vec<(String, serde_json::Value)> = kwargs.as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            let kw: Vec<(String, serde_json::Value)> =
+                kwargs.as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
             ChatTemplate::new(src, &[("bos_token", "<s>".to_string())], &kw).unwrap().render(&[], false).unwrap()
         };
         // Python's json.dumps (outputs copied from Python 3); keys keep their order.
         assert_eq!(
-            render(r#"{{ {"name": "f", "args": [1, 2.5, v, none, true, 1e20, 1e-5, 0.1], "é": {}, "l": []} | tojson }}"#, json!({"v": "x\"y\\n"})),
+            render(
+                r#"{{ {"name": "f", "args": [1, 2.5, v, none, true, 1e20, 1e-5, 0.1], "é": {}, "l": []} | tojson }}"#,
+                json!({"v": "x\"y\\n"})
+            ),
             r#"{"name": "f", "args": [1, 2.5, "x\"y\\n", null, true, 1e+20, 1e-05, 0.1], "é": {}, "l": []}"#
         );
         assert_eq!(
@@ -704,7 +773,10 @@ mod tests {
             ),
             "3 a b <s> True" // Python prints booleans capitalised, so does minijinja
         );
-        assert_eq!(strftime("%d %b %Y|%A %a %B %m %y %H:%M:%S %j %%", 1_796_216_709), "02 Dec 2026|Wednesday Wed December 12 26 13:05:09 336 %");
+        assert_eq!(
+            strftime("%d %b %Y|%A %a %B %m %y %H:%M:%S %j %%", 1_796_216_709),
+            "02 Dec 2026|Wednesday Wed December 12 26 13:05:09 336 %"
+        );
         assert_eq!(strftime("%d %b %Y %j %a", 1_709_164_800), "29 Feb 2024 060 Thu");
     }
 }

@@ -134,7 +134,10 @@ fn distill_last_regenerates_one_reply_per_record_and_says_so() {
         assert_eq!(trained(&e.encoded), format!("{r}<|im_end|>"));
     }
     let out = data.distilled_records().unwrap();
-    assert_eq!(out[1].messages, vec![Message { role: Role::User, content: "p".into() }, Message { role: Role::Assistant, content: "Y".into() }]);
+    assert_eq!(
+        out[1].messages,
+        vec![Message { role: Role::User, content: "p".into() }, Message { role: Role::Assistant, content: "Y".into() }]
+    );
     assert_eq!(out[0].messages.last().unwrap().content, "X");
 }
 
@@ -142,10 +145,17 @@ fn distill_last_regenerates_one_reply_per_record_and_says_so() {
 fn distill_all_regenerates_every_reply_turn_by_turn() {
     let dir = tempfile::tempdir().unwrap();
     let (mut data, summary) = opened(&dataset(dir.path()), "distill = \"all\"", "").unwrap();
-    assert!(summary.description.contains("regenerates 2 of the dataset's 2 replies and answers 1 prompt"), "{}", summary.description);
+    assert!(
+        summary.description.contains("regenerates 2 of the dataset's 2 replies and answers 1 prompt"),
+        "{}",
+        summary.description
+    );
     assert_eq!(data.distill_options().replies_total, 3);
     let req = data.distill_request();
-    assert_eq!(text(&req.prompts[0]), "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n");
+    assert_eq!(
+        text(&req.prompts[0]),
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n"
+    );
     data.set_distilled_impl(vec![reply("X"), reply("Z")]).unwrap();
     // Round two: the first conversation's next prompt carries the target's first reply.
     let req = data.distill_request();
@@ -165,7 +175,13 @@ fn distill_all_regenerates_every_reply_turn_by_turn() {
     let m = |role, c: &str| Message { role, content: c.into() };
     assert_eq!(
         back[0].messages,
-        vec![m(Role::System, "S"), m(Role::User, "a"), m(Role::Assistant, "X"), m(Role::User, "c"), m(Role::Assistant, "Y")]
+        vec![
+            m(Role::System, "S"),
+            m(Role::User, "a"),
+            m(Role::Assistant, "X"),
+            m(Role::User, "c"),
+            m(Role::Assistant, "Y")
+        ]
     );
     assert_eq!(back[1].messages, vec![m(Role::User, "p"), m(Role::Assistant, "Z")]);
 }
@@ -173,8 +189,12 @@ fn distill_all_regenerates_every_reply_turn_by_turn() {
 #[test]
 fn the_checkpoint_template_and_its_kwargs_are_used() {
     let dir = tempfile::tempdir().unwrap();
-    let qwen3 = std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/templates/qwen3.jinja")).unwrap();
-    let (data, summary) = opened(&dataset(dir.path()), "template_kwargs = { enable_thinking = false }", &qwen3).unwrap();
+    let qwen3 = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/templates/qwen3.jinja"),
+    )
+    .unwrap();
+    let (data, summary) =
+        opened(&dataset(dir.path()), "template_kwargs = { enable_thinking = false }", &qwen3).unwrap();
     assert!(summary.description.contains("template: the checkpoint's chat template"), "{}", summary.description);
     let req = data.distill_request();
     assert_eq!(text(&req.prompts[1]), "<|im_start|>user\np<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
@@ -186,7 +206,8 @@ fn the_checkpoint_template_and_its_kwargs_are_used() {
     std::fs::write(&file, "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}").unwrap();
     let text_cfg = "path = \"x\"\nmax_len = 256\ndistill = false\nchat_template = \"llama.jinja\"";
     let cfg: ChatSection = plugin_api::parse_section(text_cfg).unwrap();
-    let mut data = ChatData::new(cfg, dataset(dir.path()), PathBuf::new(), 0).unwrap().with_template(Some(file), &qwen3).unwrap();
+    let mut data =
+        ChatData::new(cfg, dataset(dir.path()), PathBuf::new(), 0).unwrap().with_template(Some(file), &qwen3).unwrap();
     let s = data.open_impl(&byte_tokenizer().to_string(false).unwrap()).unwrap();
     assert!(s.description.contains("llama.jinja"), "{}", s.description);
     assert_eq!(trained(&data.examples[0].encoded), "b<|eot_id|>d<|eot_id|>");
@@ -202,13 +223,15 @@ fn chatml_needs_its_markers_and_broken_templates_name_their_source() {
     let plain = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,"model":{"type":"WordLevel","vocab":{"<unk>":0},"unk_token":"<unk>"}}"#;
     let err = data.open_impl(plain).unwrap_err().to_string();
     assert_eq!(err, "the checkpoint has no chat template, and its tokenizer has no <|im_start|> / <|im_end|> special tokens for ChatML: give the model's template with [data] chat_template = \"FILE.jinja\"");
-    let err = ChatData::new(cfg, path, PathBuf::new(), 0).unwrap().with_template(None, "{% if %}").err().unwrap().to_string();
+    let err =
+        ChatData::new(cfg, path, PathBuf::new(), 0).unwrap().with_template(None, "{% if %}").err().unwrap().to_string();
     assert!(err.starts_with("the checkpoint's chat template: chat template does not compile: "), "{err}");
 }
 
 #[test]
 fn distill_accepts_a_flag_or_a_mode() {
-    let parse = |v: &str| plugin_api::parse_section::<ChatSection>(&format!("path = \"x\"\ndistill = {v}")).map(|c| c.distill);
+    let parse =
+        |v: &str| plugin_api::parse_section::<ChatSection>(&format!("path = \"x\"\ndistill = {v}")).map(|c| c.distill);
     assert_eq!(parse("true").unwrap(), Distill::Last);
     assert_eq!(parse("false").unwrap(), Distill::Off);
     assert_eq!(parse("\"all\"").unwrap(), Distill::All);
@@ -232,7 +255,10 @@ fn numbered(dir: &Path, n: usize) -> PathBuf {
 fn replies_in(batches: &[TrainBatch]) -> Vec<String> {
     let mut out = Vec::new();
     for b in batches {
-        let (ids, mask) = (Vec::<i64>::try_from(b.input_ids.flatten(0, -1)).unwrap(), Vec::<i64>::try_from(b.loss_mask.flatten(0, -1)).unwrap());
+        let (ids, mask) = (
+            Vec::<i64>::try_from(b.input_ids.flatten(0, -1)).unwrap(),
+            Vec::<i64>::try_from(b.loss_mask.flatten(0, -1)).unwrap(),
+        );
         let s = b.input_ids.size()[1] as usize;
         for r in 0..b.lengths.len() {
             let kept: Vec<u32> = (r * s..(r + 1) * s).filter(|&i| mask[i] == 1).map(|i| ids[i] as u32).collect();
@@ -265,7 +291,10 @@ fn the_validation_split_sits_before_the_test_records_and_is_never_trained_on() {
     assert_eq!(replies_in(&data.validation_batches().unwrap()), ["a5", "a6", "a7"]);
     let prompts: Vec<String> = data.eval_prompts_impl("validation", 10).unwrap().iter().map(|p| text(p)).collect();
     assert_eq!(prompts.len(), 3);
-    assert!(prompts.iter().zip(["q5", "q6", "q7"]).all(|(p, q)| p.contains(q) && p.ends_with("<|im_start|>assistant\n")), "{prompts:?}");
+    assert!(
+        prompts.iter().zip(["q5", "q6", "q7"]).all(|(p, q)| p.contains(q) && p.ends_with("<|im_start|>assistant\n")),
+        "{prompts:?}"
+    );
 
     // Two epochs of training see records 0..5 only.
     let mut trained_on = Vec::new();

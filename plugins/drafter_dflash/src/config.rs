@@ -147,7 +147,8 @@ impl DFlashConfig {
 
     /// Each layer's sliding window (None: full attention); the config is [`check`](Self::check)ed.
     pub fn windows(&self) -> Vec<Option<i64>> {
-        layer_windows(&self.layer_types, self.sliding_window, self.num_hidden_layers, self.block_size).expect("a checked config")
+        layer_windows(&self.layer_types, self.sliding_window, self.num_hidden_layers, self.block_size)
+            .expect("a checked config")
     }
 
     /// The sliding window of the drafter's sliding-window layers, if it has any.
@@ -163,12 +164,16 @@ impl DFlashConfig {
             // HF: sliding from `max_window_layers` on, when `use_sliding_window` and a window.
             let from = self.max_window_layers.unwrap_or(self.num_hidden_layers);
             let slide = self.use_sliding_window && self.sliding_window.is_some();
-            self.layer_types =
-                (0..self.num_hidden_layers).map(|i| if slide && i >= from { SLIDING_ATTENTION } else { FULL_ATTENTION }.to_string()).collect();
+            self.layer_types = (0..self.num_hidden_layers)
+                .map(|i| if slide && i >= from { SLIDING_ATTENTION } else { FULL_ATTENTION }.to_string())
+                .collect();
         }
         let bad = |field: &str, why: String| Err(format!("field `{field}`: {why}"));
         if self.architectures != default_architectures() {
-            return bad("architectures", format!("{:?}: this plugin computes [\"DFlashDraftModel\"] only", self.architectures));
+            return bad(
+                "architectures",
+                format!("{:?}: this plugin computes [\"DFlashDraftModel\"] only", self.architectures),
+            );
         }
         if self.model_type != "qwen3" {
             return bad("model_type", format!("`{}`: the draft layers are Qwen3 layers (\"qwen3\")", self.model_type));
@@ -196,7 +201,13 @@ impl DFlashConfig {
             }
         }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
-            return bad("num_attention_heads", format!("{} is not a multiple of num_key_value_heads {}", self.num_attention_heads, self.num_key_value_heads));
+            return bad(
+                "num_attention_heads",
+                format!(
+                    "{} is not a multiple of num_key_value_heads {}",
+                    self.num_attention_heads, self.num_key_value_heads
+                ),
+            );
         }
         if self.head_dim % 2 != 0 {
             return bad("head_dim", format!("{}: must be even for RoPE", self.head_dim));
@@ -205,7 +216,13 @@ impl DFlashConfig {
             return bad("block_size", format!("must be in 2..=64, got {}", self.block_size));
         }
         if !(self.rope_theta > 0.0 && self.rms_norm_eps > 0.0 && self.initializer_range > 0.0) {
-            return bad("rope_theta", format!("rope_theta {}, rms_norm_eps {}, initializer_range {}: must be > 0", self.rope_theta, self.rms_norm_eps, self.initializer_range));
+            return bad(
+                "rope_theta",
+                format!(
+                    "rope_theta {}, rms_norm_eps {}, initializer_range {}: must be > 0",
+                    self.rope_theta, self.rms_norm_eps, self.initializer_range
+                ),
+            );
         }
         let windows = layer_windows(&self.layer_types, self.sliding_window, self.num_hidden_layers, self.block_size)?;
         let sliding = windows.iter().any(Option::is_some);
@@ -237,15 +254,27 @@ mod tests {
         assert_eq!(c.layer_types, [FULL_ATTENTION, FULL_ATTENTION]);
         assert_eq!((c.dtype.as_str(), c.max_position_embeddings, c.window()), ("float32", 32768, None));
         // HF's older way: sliding from max_window_layers on.
-        let c = parse(&format!("{{{BASE}, \"use_sliding_window\": true, \"sliding_window\": 8, \"max_window_layers\": 1}}")).unwrap();
+        let c = parse(&format!(
+            "{{{BASE}, \"use_sliding_window\": true, \"sliding_window\": 8, \"max_window_layers\": 1}}"
+        ))
+        .unwrap();
         assert_eq!(c.windows(), [None, Some(8)]);
         let c = parse(&format!("{{{BASE}, \"layer_types\": [\"sliding_attention\", \"full_attention\"], \"use_sliding_window\": true, \"sliding_window\": 6}}")).unwrap();
         assert_eq!(c.windows(), [Some(6), None]);
         // What the drafter cannot compute is named.
         for (extra, field) in [
-            (r#""layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": true"#, "`sliding_window` is not set"),
-            (r#""layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": true, "sliding_window": 3"#, "shorter than a block"),
-            (r#""layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8"#, "field `use_sliding_window`"),
+            (
+                r#""layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": true"#,
+                "`sliding_window` is not set",
+            ),
+            (
+                r#""layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": true, "sliding_window": 3"#,
+                "shorter than a block",
+            ),
+            (
+                r#""layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8"#,
+                "field `use_sliding_window`",
+            ),
             (r#""layer_types": ["chunked_attention", "full_attention"]"#, "`chunked_attention`"),
             (r#""layer_types": ["full_attention"]"#, "lists 1 layers"),
             (r#""attention_bias": true"#, "field `attention_bias`"),

@@ -17,7 +17,8 @@ use drafter_layers::{
 };
 use plugin_api::{
     tch::{nn, Device, Kind, Tensor},
-    DrafterInput, DrafterPlugin, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind, TargetSpec,
+    DrafterInput, DrafterPlugin, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind,
+    TargetSpec,
 };
 use serde::Deserialize;
 
@@ -80,7 +81,6 @@ pub enum AttentionKind {
     Masked,
 }
 
-
 impl DrafterSection {
     /// What can be checked without the target (ranges, the attention shape where the section
     /// gives it, `rope_scaling`), so a bad section is refused before the target loads.
@@ -126,11 +126,15 @@ impl DrafterSection {
         let rope_scaling = match (&self.rope_scaling, facts.rope_scaling) {
             (Some(v), _) => RopeScaling::from_json(v).map_err(|e| bad("rope_scaling", e))?,
             (None, Some(v)) => RopeScaling::from_json(&v).map_err(|e| {
-                bad("rope_scaling", format!("the target's ({}): {e}; set it in [drafter] to train another", target.source))
+                bad(
+                    "rope_scaling",
+                    format!("the target's ({}): {e}; set it in [drafter] to train another", target.source),
+                )
             })?,
             (None, None) => RopeScaling::Default,
         };
-        let layer_types = self.layer_types.clone().unwrap_or_else(|| vec![FULL_ATTENTION.into(); self.num_hidden_layers]);
+        let layer_types =
+            self.layer_types.clone().unwrap_or_else(|| vec![FULL_ATTENTION.into(); self.num_hidden_layers]);
         let mut cfg = DFlashConfig {
             architectures: vec!["DFlashDraftModel".into()],
             auto_map: config::default_auto_map(),
@@ -145,7 +149,10 @@ impl DrafterSection {
             rms_norm_eps: target.rms_norm_eps,
             rope_theta: target.rope_theta,
             rope_scaling,
-            max_position_embeddings: self.max_position_embeddings.or(facts.max_position_embeddings).unwrap_or_else(config::default_max_pos),
+            max_position_embeddings: self
+                .max_position_embeddings
+                .or(facts.max_position_embeddings)
+                .unwrap_or_else(config::default_max_pos),
             attention_bias: false,
             attention_dropout: 0.0,
             hidden_act: "silu".into(),
@@ -205,7 +212,14 @@ pub struct DFlashPlugin {
 impl DFlashPlugin {
     pub fn new(cfg: &DFlashConfig, device: Device, kind: Kind) -> Self {
         let (vs, model) = model::build(cfg, device, kind);
-        Self { vs, model, mode: model::TrainMode::default(), pending: None, host_anchors: None, decoding: Default::default() }
+        Self {
+            vs,
+            model,
+            mode: model::TrainMode::default(),
+            pending: None,
+            host_anchors: None,
+            decoding: Default::default(),
+        }
     }
 
     pub fn with_mode(mut self, mode: model::TrainMode) -> Self {
@@ -231,7 +245,10 @@ impl DrafterShell for DFlashPlugin {
     fn resolve(section: &DrafterSection, target: &TargetSpec) -> Result<DFlashConfig, PluginError> {
         section.resolve(target)
     }
-    fn read_folder(dir: &std::path::Path, target: &TargetSpec) -> Result<(DFlashConfig, Vec<NamedTensor>), PluginError> {
+    fn read_folder(
+        dir: &std::path::Path,
+        target: &TargetSpec,
+    ) -> Result<(DFlashConfig, Vec<NamedTensor>), PluginError> {
         read_zlab(dir, target)
     }
     fn build(cfg: &DFlashConfig, device: Device, kind: Kind) -> Self {
@@ -259,14 +276,20 @@ impl DrafterPlugin for DFlashPlugin {
         Ok(())
     }
 
-    fn decode_block(&mut self, new_context: &Tensor, context_start: u32, block_embeds: &Tensor) -> Result<Option<Tensor>, PluginError> {
+    fn decode_block(
+        &mut self,
+        new_context: &Tensor,
+        context_start: u32,
+        block_embeds: &Tensor,
+    ) -> Result<Option<Tensor>, PluginError> {
         let _guard = plugin_api::tch::no_grad_guard();
         let out = self.model.decode_block(&mut self.decoding, new_context, context_start as i64, block_embeds);
         out.map(Some).map_err(PluginError::new)
     }
 
     fn backward(&mut self, grad: &Tensor) -> Result<(), PluginError> {
-        let tape = self.pending.take().ok_or_else(|| PluginError::new("backward without a training forward before it"))?;
+        let tape =
+            self.pending.take().ok_or_else(|| PluginError::new("backward without a training forward before it"))?;
         self.model.backward(tape, grad);
         Ok(())
     }
@@ -322,7 +345,10 @@ mod tests {
         )
         .unwrap();
         let c = s.resolve(&t).unwrap();
-        assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size), (32, 8, 128, 17408));
+        assert_eq!(
+            (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size),
+            (32, 8, 128, 17408)
+        );
         let s: DrafterSection = plugin_api::parse_section("mask_token_id = 248070").unwrap();
         let c = s.resolve(&t).unwrap();
         assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (24, 4, 256));

@@ -38,7 +38,14 @@ impl DecoderLayer {
     }
 
     /// `forward` for one decoding block against the layer's kept context keys/values.
-    fn forward_decode(&self, x: &Tensor, context: &(Tensor, Tensor), cos: &Tensor, sin: &Tensor, mask: Option<&Tensor>) -> Tensor {
+    fn forward_decode(
+        &self,
+        x: &Tensor,
+        context: &(Tensor, Tensor),
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Tensor {
         let x = x + self.self_attn.forward_decode(&self.input_layernorm.forward(x), context, cos, sin, mask);
         &x + self.mlp.forward(&self.post_attention_layernorm.forward(&x))
     }
@@ -46,7 +53,14 @@ impl DecoderLayer {
     /// `forward` with split block attention, outside autograd: [`backward_cut`](Self::backward_cut)
     /// is written out. Each residual add is fused with the norm after it where a GPU kernel
     /// applies (`RmsNorm::forward_add`).
-    fn forward_cut(&self, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, masks: &ContextMasks, block: i64) -> (Tensor, Cut) {
+    fn forward_cut(
+        &self,
+        x: &Tensor,
+        ctx: &Tensor,
+        at: &AttentionInputs,
+        masks: &ContextMasks,
+        block: i64,
+    ) -> (Tensor, Cut) {
         tch::no_grad(|| {
             let mask = masks.for_layer(self.self_attn.window);
             let (q, k, v, proj) = self.self_attn.project_cut(&self.input_layernorm.forward(x), ctx, at);
@@ -65,7 +79,15 @@ impl DecoderLayer {
     /// added into `d_ctx`. The residual's gradient joins each norm's in its backward
     /// (`RmsNorm::backward_add`). Outside autograd, as the forward: the layer's input leaf
     /// requires grad, and the norms' fallback would otherwise record a graph on it.
-    fn backward_cut(&self, x: &Tensor, cut: &Cut, g: &Tensor, at: &AttentionInputs, ctx: &Tensor, d_ctx: &mut Tensor) -> (Tensor, Vec<(Tensor, Tensor)>) {
+    fn backward_cut(
+        &self,
+        x: &Tensor,
+        cut: &Cut,
+        g: &Tensor,
+        at: &AttentionInputs,
+        ctx: &Tensor,
+        d_ctx: &mut Tensor,
+    ) -> (Tensor, Vec<(Tensor, Tensor)>) {
         tch::no_grad(|| {
             let (d_normed, mlp) = self.mlp.cut_grads(&cut.mlp, g);
             let (dx1, d_post_norm) = self.post_attention_layernorm.backward_add(&cut.x1, &d_normed, g);
@@ -101,7 +123,12 @@ impl DFlashDrafter {
             cfg: cfg.clone(),
             fc: linear(root, "fc", n_feat * h, h, cfg.initializer_range),
             hidden_norm: RmsNorm::new(root / "hidden_norm", h as i64, cfg.rms_norm_eps),
-            layers: cfg.windows().into_iter().enumerate().map(|(i, w)| DecoderLayer::new(root / "layers" / i, cfg, w)).collect(),
+            layers: cfg
+                .windows()
+                .into_iter()
+                .enumerate()
+                .map(|(i, w)| DecoderLayer::new(root / "layers" / i, cfg, w))
+                .collect(),
             norm: RmsNorm::new(root / "norm", h as i64, cfg.rms_norm_eps),
         }
     }
@@ -120,22 +147,48 @@ impl DFlashDrafter {
     /// 1. The target features fused: [B, S, n*H] -> [B, S, H]. 2. RoPE positions (block token k
     /// of anchor a at a + k, the context at 0..S-1) and, for masked attention, the mask: context
     /// keys strictly before the query's anchor, the query's own block.
-    fn context(&self, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor, masked: bool) -> (Tensor, AttentionInputs) {
+    fn context(
+        &self,
+        target_hidden: &Tensor,
+        block_embeds: &Tensor,
+        anchors: &Tensor,
+        masked: bool,
+    ) -> (Tensor, AttentionInputs) {
         let ctx = self.hidden_norm.forward(&self.fc.forward(target_hidden));
         let (s, bk) = (target_hidden.size()[1], self.cfg.block_size as i64);
-        (ctx, AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind(), masked, self.cfg.window()))
+        (
+            ctx,
+            AttentionInputs::new(
+                anchors,
+                s,
+                bk,
+                &self.cfg.dense_shape(),
+                block_embeds.kind(),
+                masked,
+                self.cfg.window(),
+            ),
+        )
     }
 
     /// One speculative-decoding block with the context kept in `cache`: `new_context` [1, n,
     /// L*H] holds the target features of positions `start..start+n` (start 0: a new sequence),
     /// `block_embeds` [1, Bk, H] the block at `start + n`. Equals [`forward`](Self::forward) over
     /// the whole context with that one anchor, for the cost of the new positions and the block.
-    pub fn decode_block(&self, cache: &mut DecodeCache, new_context: &Tensor, start: i64, block_embeds: &Tensor) -> Result<Tensor, String> {
+    pub fn decode_block(
+        &self,
+        cache: &mut DecodeCache,
+        new_context: &Tensor,
+        start: i64,
+        block_embeds: &Tensor,
+    ) -> Result<Tensor, String> {
         if start == 0 {
             cache.clear();
         }
         if start != cache.len {
-            return Err(format!("context_start is {start}, but the drafter holds {} positions of this sequence", cache.len));
+            return Err(format!(
+                "context_start is {start}, but the drafter holds {} positions of this sequence",
+                cache.len
+            ));
         }
         let shape = self.cfg.dense_shape();
         let (kind, device) = (block_embeds.kind(), block_embeds.device());
@@ -153,7 +206,11 @@ impl DFlashDrafter {
             let new = self.layers.iter().map(|l| l.self_attn.keys_values(&fused, &cos, &sin));
             cache.layers = match std::mem::take(&mut cache.layers) {
                 kept if kept.is_empty() => new.collect(),
-                kept => kept.into_iter().zip(new).map(|((k, v), (nk, nv))| (Tensor::cat(&[k, nk], 2), Tensor::cat(&[v, nv], 2))).collect(),
+                kept => kept
+                    .into_iter()
+                    .zip(new)
+                    .map(|((k, v), (nk, nv))| (Tensor::cat(&[k, nk], 2), Tensor::cat(&[v, nv], 2)))
+                    .collect(),
             };
             cache.len += n;
         }
@@ -180,7 +237,12 @@ impl DFlashDrafter {
     /// `host_anchors`, the same anchors on the CPU, let split attention score each run of blocks
     /// against only the context keys it can see ([`block_attention::ContextMask::ranged`]).
     pub fn forward_train(
-        &self, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor, host_anchors: Option<&Tensor>, mode: TrainMode,
+        &self,
+        target_hidden: &Tensor,
+        block_embeds: &Tensor,
+        anchors: &Tensor,
+        host_anchors: Option<&Tensor>,
+        mode: TrainMode,
     ) -> (Tensor, Tape) {
         let (ctx, at) = self.context(target_hidden, block_embeds, anchors, !mode.split_attention);
         // A leaf for the layers: their gradients w.r.t. the context add up in it.
@@ -194,7 +256,10 @@ impl DFlashDrafter {
                 None => block_attention::ContextMask::whole(anchors, s, bk, kind, window),
             };
             let window = windows.iter().flatten().next().copied();
-            ContextMasks { full: windows.iter().any(Option::is_none).then(|| make(None)), sliding: window.map(|w| make(Some(w))) }
+            ContextMasks {
+                full: windows.iter().any(Option::is_none).then(|| make(None)),
+                sliding: window.map(|w| make(Some(w))),
+            }
         });
         let mut x = block_embeds.shallow_clone();
         let mut kept = Vec::with_capacity(self.layers.len());
@@ -249,7 +314,15 @@ impl DFlashDrafter {
     }
 
     /// Layer `i` on `x` (made a leaf): through autograd, or with split attention outside it.
-    fn segment(&self, i: usize, layer: &DecoderLayer, x: &Tensor, ctx: &Tensor, at: &AttentionInputs, mask: Option<&ContextMasks>) -> Segment {
+    fn segment(
+        &self,
+        i: usize,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        ctx: &Tensor,
+        at: &AttentionInputs,
+        mask: Option<&ContextMasks>,
+    ) -> Segment {
         let x = x.detach().set_requires_grad(i > 0);
         match mask {
             None => Segment { y: layer.forward(&x, ctx, at), x, cut: None },

@@ -12,10 +12,13 @@ use plugin_api::{
 };
 
 fn drafter(extra: &str) -> DFlashPlugin {
-    let section: DrafterSection =
-        plugin_api::parse_section(&format!("num_hidden_layers = 3\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 0\n{extra}")).unwrap();
+    let section: DrafterSection = plugin_api::parse_section(&format!(
+        "num_hidden_layers = 3\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 0\n{extra}"
+    ))
+    .unwrap();
     tch::manual_seed(7);
-    DFlashPlugin::new(&section.resolve(&common::tiny_target()).unwrap(), Device::Cpu, Kind::Float).with_mode(TrainMode::default())
+    DFlashPlugin::new(&section.resolve(&common::tiny_target()).unwrap(), Device::Cpu, Kind::Float)
+        .with_mode(TrainMode::default())
 }
 
 fn decode(d: &mut DFlashPlugin, new_context: &Tensor, context_start: u32, block: &Tensor) -> Result<Tensor, String> {
@@ -34,7 +37,8 @@ fn decode(d: &mut DFlashPlugin, new_context: &Tensor, context_start: u32, block:
 #[test]
 fn kept_context_equals_the_whole_context_forward() {
     let _guard = tch::no_grad_guard();
-    let sliding = "layer_types = [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]\nsliding_window = 5";
+    let sliding =
+        "layer_types = [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]\nsliding_window = 5";
     for extra in ["", sliding] {
         let mut d = drafter(extra);
         tch::manual_seed(11);

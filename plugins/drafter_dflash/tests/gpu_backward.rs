@@ -5,11 +5,11 @@
 //! (docs/BENCHMARKS.md).
 
 use drafter_dflash::{model::TrainMode, DFlashPlugin, DrafterSection};
-use test_support::TinySpec;
 use plugin_api::{
     tch::{self, Device, Kind, Tensor},
     DrafterInput, DrafterPlugin, TargetSpec,
 };
+use test_support::TinySpec;
 
 /// Shapes the kernels take: head dim 64, blocks of 16, hidden 256; one sliding-window layer.
 fn drafter(mode: TrainMode, device: Device, kind: Kind) -> DFlashPlugin {
@@ -37,7 +37,8 @@ fn grads(mut d: DFlashPlugin, weights: &[(String, Tensor)], device: Device, kind
     d.load_weights(weights.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect()).unwrap();
     tch::manual_seed(11);
     let (b, s, a) = (2i64, 300i64, 8i64);
-    let anchors = Tensor::from_slice(&(0..b * a).map(|i| (i % a) * 33 + 5 + (i / a) * 7).collect::<Vec<i64>>()).view([b, a]);
+    let anchors =
+        Tensor::from_slice(&(0..b * a).map(|i| (i % a) * 33 + 5 + (i / a) * 7).collect::<Vec<i64>>()).view([b, a]);
     let on = |t: Tensor| t.to_device(device).to_kind(kind);
     let input = DrafterInput {
         target_hidden: on(Tensor::randn([b, s, 2 * 256], (Kind::Float, Device::Cpu))),
@@ -63,13 +64,21 @@ fn own_backward_in_bf16_on_a_gpu_is_as_close_to_fp32_as_autograds() {
     let weights = reference.parameters();
     let fp32 = grads(reference, &weights, Device::Cpu, Kind::Float);
     let autograd = grads(drafter(TrainMode::default(), gpu, Kind::BFloat16), &weights, gpu, Kind::BFloat16);
-    let own = grads(drafter(TrainMode { split_attention: true, checkpoint_layers: false }, gpu, Kind::BFloat16), &weights, gpu, Kind::BFloat16);
+    let own = grads(
+        drafter(TrainMode { split_attention: true, checkpoint_layers: false }, gpu, Kind::BFloat16),
+        &weights,
+        gpu,
+        Kind::BFloat16,
+    );
     for (((name, want), (_, a)), (_, o)) in fp32.iter().zip(&autograd).zip(&own) {
         let scale = want.abs().max().double_value(&[]);
         let err = |g: &Tensor| (g - want).abs().max().double_value(&[]) / scale;
         let (e_autograd, e_own) = (err(a), err(o));
         eprintln!("{name}: relative max error, autograd bf16 {e_autograd:.2e}, own backward bf16 {e_own:.2e}");
         assert!(scale > 0.0, "{name}: zero gradient");
-        assert!(e_own <= 2.0 * e_autograd + 1e-2, "{name}: own backward {e_own:.2e} against autograd's {e_autograd:.2e}");
+        assert!(
+            e_own <= 2.0 * e_autograd + 1e-2,
+            "{name}: own backward {e_own:.2e} against autograd's {e_autograd:.2e}"
+        );
     }
 }

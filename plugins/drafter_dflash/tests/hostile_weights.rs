@@ -12,7 +12,8 @@ use plugin_api::{
 
 fn tiny_config() -> DFlashConfig {
     let section: DrafterSection =
-        plugin_api::parse_section("num_hidden_layers = 1\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 0").unwrap();
+        plugin_api::parse_section("num_hidden_layers = 1\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 0")
+            .unwrap();
     section.resolve(&common::tiny_target()).unwrap()
 }
 

@@ -15,15 +15,18 @@ use plugin_api::{
 static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Layers 0 and 2 sliding (window 5: the context of the later blocks is cut), layer 1 full.
-const SLIDING: &str = "layer_types = [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]\nsliding_window = 5";
+const SLIDING: &str =
+    "layer_types = [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]\nsliding_window = 5";
 
 fn drafter(mode: TrainMode) -> DFlashPlugin {
     drafter_with(mode, "")
 }
 
 fn drafter_with(mode: TrainMode, extra: &str) -> DFlashPlugin {
-    let section: DrafterSection =
-        plugin_api::parse_section(&format!("num_hidden_layers = 3\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 0\n{extra}")).unwrap();
+    let section: DrafterSection = plugin_api::parse_section(&format!(
+        "num_hidden_layers = 3\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 0\n{extra}"
+    ))
+    .unwrap();
     tch::manual_seed(7);
     DFlashPlugin::new(&section.resolve(&common::tiny_target()).unwrap(), Device::Cpu, Kind::Float).with_mode(mode)
 }
@@ -70,8 +73,12 @@ fn own_backwards_give_autograds_gradients() {
         }
     }
     // The window changes the model: the sliding drafter's gradients are not the full one's.
-    let (full, sliding) = (grads(&mut drafter(TrainMode::default())), grads(&mut drafter_with(TrainMode::default(), SLIDING)));
-    let moved = full.iter().zip(&sliding).any(|((_, a), (_, b))| (a - b).abs().max().double_value(&[]) > 1e-3 * a.abs().max().double_value(&[]));
+    let (full, sliding) =
+        (grads(&mut drafter(TrainMode::default())), grads(&mut drafter_with(TrainMode::default(), SLIDING)));
+    let moved = full
+        .iter()
+        .zip(&sliding)
+        .any(|((_, a), (_, b))| (a - b).abs().max().double_value(&[]) > 1e-3 * a.abs().max().double_value(&[]));
     assert!(moved, "a window of 5 over 10 positions changed nothing");
 }
 
@@ -105,9 +112,11 @@ fn split_attention_in_runs_of_blocks_gives_autograds_gradients() {
     assert_eq!((ranges[1].prefix, ranges[1].keys), (256, s), "{ranges:?}");
     // Window 24: the second run starts at key 256 (its smallest anchor 288, less 23, rounded down
     // to the tile).
-    let windowed = query_ranges(&[&rows[0], &rows[1]], s, 4, drafter_dflash::model::CONTEXT_RANGES, KERNEL_TILE, Some(24));
+    let windowed =
+        query_ranges(&[&rows[0], &rows[1]], s, 4, drafter_dflash::model::CONTEXT_RANGES, KERNEL_TILE, Some(24));
     assert_eq!(windowed[1].first_key, 256, "{windowed:?}");
-    let window = "layer_types = [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]\nsliding_window = 24";
+    let window =
+        "layer_types = [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]\nsliding_window = 24";
     let anchors = Tensor::from_slice(&rows.concat()).view([2, a]);
     let input = || {
         tch::manual_seed(13);

@@ -200,7 +200,10 @@ impl DrafterSection {
         drafter_layers::dflash::check(self.block_size, self.num_target_features, self.target_layer_ids.as_deref())?;
         if let (Some(k), Some(v)) = (self.linear_num_key_heads, self.linear_num_value_heads) {
             if k == 0 || v % k != 0 {
-                return bad("linear_num_value_heads", format!("{v} must be a multiple of linear_num_key_heads ({k}), both > 0"));
+                return bad(
+                    "linear_num_value_heads",
+                    format!("{v} must be a multiple of linear_num_key_heads ({k}), both > 0"),
+                );
             }
         }
         if self.linear_key_head_dim == Some(0) || self.linear_value_head_dim == Some(0) {
@@ -247,7 +250,8 @@ impl DrafterSection {
         // The dense layers' RoPE and the context length, as the target has them.
         let facts = drafter_layers::target_facts::read(target)?;
         let rope_scaling = match facts.rope_scaling {
-            Some(v) => RopeScaling::from_json(&v).map_err(|e| PluginError::new(format!("the target's rope_scaling ({}): {e}", target.source)))?,
+            Some(v) => RopeScaling::from_json(&v)
+                .map_err(|e| PluginError::new(format!("the target's rope_scaling ({}): {e}", target.source)))?,
             None => RopeScaling::Default,
         };
         Ok(GdnConfig {
@@ -294,7 +298,10 @@ mod tests {
         assert_eq!(section("").layer_types().unwrap(), vec![G, G, G, G, A]);
         assert_eq!(section("num_hidden_layers = 1").layer_types().unwrap(), vec![G]);
         assert_eq!(section("num_hidden_layers = 8").layer_types().unwrap(), vec![G, G, G, G, A, G, G, G]);
-        assert_eq!(section("num_hidden_layers = 4\nfull_attention_interval = 2").layer_types().unwrap(), vec![G, A, G, A]);
+        assert_eq!(
+            section("num_hidden_layers = 4\nfull_attention_interval = 2").layer_types().unwrap(),
+            vec![G, A, G, A]
+        );
         let explicit = section("layer_types = [\"gdn\", \"attention\", \"linear_attention\", \"full_attention\"]");
         assert_eq!(explicit.layer_types().unwrap(), vec![G, A, G, A]);
         let e = section("num_hidden_layers = 3\nlayer_types = [\"gdn\"]").layer_types().unwrap_err().to_string();
@@ -307,6 +314,9 @@ mod tests {
     #[test]
     fn layer_types_serialize_with_hf_names() {
         assert_eq!(serde_json::to_string(&[G, A]).unwrap(), r#"["linear_attention","full_attention"]"#);
-        assert_eq!(serde_json::from_str::<Vec<LayerType>>(r#"["linear_attention","full_attention"]"#).unwrap(), vec![G, A]);
+        assert_eq!(
+            serde_json::from_str::<Vec<LayerType>>(r#"["linear_attention","full_attention"]"#).unwrap(),
+            vec![G, A]
+        );
     }
 }

@@ -17,8 +17,8 @@
 //! causal (token k reads block tokens 0..=k), where DFlash's attention is bidirectional.
 
 use crate::config::GdnConfig;
-use gated_deltanet::{delta_rule, depthwise_conv, l2norm};
 use drafter_layers::layers::{linear, INITIALIZER_RANGE};
+use gated_deltanet::{delta_rule, depthwise_conv, l2norm};
 use plugin_api::tch::{nn, nn::Module, Kind, Tensor};
 
 #[derive(Debug)]
@@ -105,10 +105,15 @@ impl GatedDeltaNet {
         let kv = Tensor::cat(&[self.k_proj.forward(&ctx_padded), self.v_proj.forward(&ctx_padded)], -1);
         let kv = depthwise_conv(&kv, &self.conv1d.narrow(0, q_channels, kv.size()[2])).silu(); // [B, S, C_k+C_v]
         let k_ctx = self.heads(&kv.narrow(-1, 0, q_channels), self.key_heads, self.key_dim, true);
-        let v_ctx = self.heads(&kv.narrow(-1, q_channels, kv.size()[2] - q_channels), self.value_heads, self.value_dim, false);
+        let v_ctx =
+            self.heads(&kv.narrow(-1, q_channels, kv.size()[2] - q_channels), self.value_heads, self.value_dim, false);
         let (g_ctx, beta_ctx) = self.gates(ctx);
-        let states = delta_rule::states_at(&k_ctx, &v_ctx, &g_ctx, &beta_ctx, &anchors, self.chunk)
-            .reshape([b * a, self.value_heads, self.key_dim, self.value_dim]);
+        let states = delta_rule::states_at(&k_ctx, &v_ctx, &g_ctx, &beta_ctx, &anchors, self.chunk).reshape([
+            b * a,
+            self.value_heads,
+            self.key_dim,
+            self.value_dim,
+        ]);
 
         // 2. Blocks, each its own sequence [K-1 context rows before the anchor; Bk block tokens]:
         //    the conv continues the context, the recurrence starts from the anchor's state.
@@ -117,11 +122,19 @@ impl GatedDeltaNet {
         let before = ctx_padded.reshape([-1, hidden]).index_select(0, &rows).view([b * a, history, hidden]);
         let blocks = x.reshape([b * a, bk, hidden]);
         let stream = Tensor::cat(&[before, blocks.shallow_clone()], 1); // [B*A, K-1+Bk, H]
-        let qkv = Tensor::cat(&[self.q_proj.forward(&stream), self.k_proj.forward(&stream), self.v_proj.forward(&stream)], -1);
+        let qkv = Tensor::cat(
+            &[self.q_proj.forward(&stream), self.k_proj.forward(&stream), self.v_proj.forward(&stream)],
+            -1,
+        );
         let qkv = depthwise_conv(&qkv, &self.conv1d).silu(); // [B*A, Bk, C]
         let q = self.heads(&qkv.narrow(-1, 0, q_channels), self.key_heads, self.key_dim, true);
         let k = self.heads(&qkv.narrow(-1, q_channels, q_channels), self.key_heads, self.key_dim, true);
-        let v = self.heads(&qkv.narrow(-1, 2 * q_channels, qkv.size()[2] - 2 * q_channels), self.value_heads, self.value_dim, false);
+        let v = self.heads(
+            &qkv.narrow(-1, 2 * q_channels, qkv.size()[2] - 2 * q_channels),
+            self.value_heads,
+            self.value_dim,
+            false,
+        );
         let (g, beta) = self.gates(&blocks);
         let (o, _) = delta_rule::chunked(&q, &k, &v, &g, &beta, Some(&states), self.chunk); // [B*A, nv, Bk, dv]
 

@@ -42,7 +42,8 @@ pub use config::{DrafterSection, GdnConfig, LayerType};
 pub use drafter_layers::shell::DrafterShell;
 use plugin_api::{
     tch::{nn, Device, Kind, Tensor},
-    DrafterInput, DrafterPlugin, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind, TargetSpec,
+    DrafterInput, DrafterPlugin, HostContext, NamedTensor, PluginError, PluginInfo, PluginInstance, PluginKind,
+    TargetSpec,
 };
 
 pub struct GdnPlugin {

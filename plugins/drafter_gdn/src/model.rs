@@ -67,7 +67,12 @@ impl GdnDrafter {
             cfg: cfg.clone(),
             fc: linear(root, "fc", n_feat * h, h, drafter_layers::layers::INITIALIZER_RANGE),
             hidden_norm: RmsNorm::new(root / "hidden_norm", h as i64, cfg.rms_norm_eps),
-            layers: cfg.layer_types.iter().enumerate().map(|(i, &t)| DecoderLayer::new(root / "layers" / i, cfg, t)).collect(),
+            layers: cfg
+                .layer_types
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| DecoderLayer::new(root / "layers" / i, cfg, t))
+                .collect(),
             norm: RmsNorm::new(root / "norm", h as i64, cfg.rms_norm_eps),
         }
     }
@@ -82,11 +87,10 @@ impl GdnDrafter {
         let ctx = self.hidden_norm.forward(&self.fc.forward(target_hidden));
 
         // 2. RoPE tables and the block mask, if any layer attends.
-        let attention = self
-            .cfg
-            .layer_types
-            .contains(&LayerType::Attention)
-            .then(|| AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind(), true, None));
+        let attention =
+            self.cfg.layer_types.contains(&LayerType::Attention).then(|| {
+                AttentionInputs::new(anchors, s, bk, &self.cfg.dense_shape(), block_embeds.kind(), true, None)
+            });
 
         // 3. Decoder layers over the block tokens, then the final norm.
         let mut x = block_embeds.shallow_clone();

@@ -3,12 +3,12 @@
 
 use crate::{config::LayerType, DrafterSection, DrafterShell, GdnConfig, GdnPlugin};
 use optim_muon::config::{Group, MuonConfig};
-use test_support::TinySpec;
 use plugin_api::{
     abi_stable::std_types::RSome,
     tch::{Device, Kind, Tensor},
     DraftInput, Drafter, HostContext, PluginInstance, TargetSpec, TensorHandle,
 };
+use test_support::TinySpec;
 
 fn tiny_config(section: &str) -> GdnConfig {
     let s: DrafterSection = plugin_api::parse_section(section).unwrap();
@@ -57,7 +57,11 @@ fn blocks_see_only_context_before_their_anchor_and_themselves() {
                 if anchor_at(bi, j) > p {
                     assert!(dj > 1e-4, "context {p} should reach block {j} (anchor {}) of row {bi}", anchor_at(bi, j));
                 } else {
-                    assert!(dj < 1e-6, "context {p} leaked into block {j} (anchor {}) of row {bi}: {dj:.2e}", anchor_at(bi, j));
+                    assert!(
+                        dj < 1e-6,
+                        "context {p} leaked into block {j} (anchor {}) of row {bi}: {dj:.2e}",
+                        anchor_at(bi, j)
+                    );
                 }
             }
         }
@@ -77,7 +81,12 @@ fn blocks_see_only_context_before_their_anchor_and_themselves() {
         }
     }
     // 3. A block's output does not depend on which other anchors share the batch.
-    let alone = forward(&mut d, &th.narrow(0, 0, 1), &be.narrow(0, 0, 1).narrow(1, 2 * bk, bk), &anchors.narrow(0, 0, 1).narrow(1, 2, 1));
+    let alone = forward(
+        &mut d,
+        &th.narrow(0, 0, 1),
+        &be.narrow(0, 0, 1).narrow(1, 2 * bk, bk),
+        &anchors.narrow(0, 0, 1).narrow(1, 2, 1),
+    );
     let err = (alone.view([bk, 32]) - base.get(0).get(2)).abs().max().double_value(&[]);
     assert!(err < 1e-5, "block 2 alone differs from block 2 among others by {err:.2e}");
 }
@@ -130,7 +139,12 @@ fn weights_round_trip() {
     assert_eq!(shape("layers.0.linear_attn.a_proj.weight"), vec![4, 32]);
     assert_eq!(shape("layers.0.linear_attn.norm.weight"), vec![8]);
 
-    let copies = || params.iter().map(|p| plugin_api::NamedTensor::new(p.name.to_string(), p.tensor.tensor().copy())).collect::<Vec<_>>();
+    let copies = || {
+        params
+            .iter()
+            .map(|p| plugin_api::NamedTensor::new(p.name.to_string(), p.tensor.tensor().copy()))
+            .collect::<Vec<_>>()
+    };
     b.load(copies().into()).unwrap();
     let err = (forward(&mut b, &th, &be, &anchors) - &want).abs().max().double_value(&[]);
     assert_eq!(err, 0.0);
@@ -142,11 +156,17 @@ fn weights_round_trip() {
     assert!(e.contains("missing tensor `layers.0.linear_attn.A_log`"), "{e}");
     let mut misshapen = copies();
     let i = misshapen.iter().position(|p| p.name.as_str() == "layers.0.linear_attn.conv1d.weight").unwrap();
-    misshapen[i] = plugin_api::NamedTensor::new("layers.0.linear_attn.conv1d.weight", Tensor::zeros([96, 4], (Kind::Float, Device::Cpu)));
+    misshapen[i] = plugin_api::NamedTensor::new(
+        "layers.0.linear_attn.conv1d.weight",
+        Tensor::zeros([96, 4], (Kind::Float, Device::Cpu)),
+    );
     let e = b.load(misshapen.into()).unwrap_err().to_string();
     assert!(e.contains("`layers.0.linear_attn.conv1d.weight` has shape [96, 4]"), "{e}");
     let mut extra = copies();
-    extra.push(plugin_api::NamedTensor::new("layers.9.linear_attn.A_log", Tensor::zeros([4], (Kind::Float, Device::Cpu))));
+    extra.push(plugin_api::NamedTensor::new(
+        "layers.9.linear_attn.A_log",
+        Tensor::zeros([4], (Kind::Float, Device::Cpu)),
+    ));
     let e = b.load(extra.into()).unwrap_err().to_string();
     assert!(e.contains("unexpected tensor `layers.9.linear_attn.A_log`"), "{e}");
 }
@@ -166,7 +186,16 @@ fn forward_and_backward_through_the_plugin_trait_object() {
     assert_eq!((d.block_size(), d.mask_token_id()), (4, 63));
     let json: serde_json::Value = serde_json::from_str(d.config_json().as_str()).unwrap();
     assert_eq!(json["architectures"][0], "DFlashGdnDraftModel");
-    assert_eq!(json["layer_types"], serde_json::json!(["linear_attention", "linear_attention", "linear_attention", "linear_attention", "full_attention"]));
+    assert_eq!(
+        json["layer_types"],
+        serde_json::json!([
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention"
+        ])
+    );
 
     let (b, s, a, bk) = (2, 11, 3, 4);
     let input = DraftInput {
@@ -185,7 +214,9 @@ fn forward_and_backward_through_the_plugin_trait_object() {
         assert!(g.abs().sum(Kind::Float).double_value(&[]) > 0.0, "`{}` got a zero gradient", p.name);
     }
     // A bad section is refused with the field named.
-    let e = match module.create()("layer_types = [\"gdn\"]\nnum_hidden_layers = 2\nmask_token_id = 63".into(), &ctx).into_result() {
+    let e = match module.create()("layer_types = [\"gdn\"]\nnum_hidden_layers = 2\nmask_token_id = 63".into(), &ctx)
+        .into_result()
+    {
         Err(e) => e.to_string(),
         Ok(_) => panic!("accepted a layer count that contradicts layer_types"),
     };
@@ -202,7 +233,8 @@ fn init_from_reads_an_exported_folder() {
     let dir = std::env::temp_dir().join(format!("drafter_gdn_init_from_{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("config.json"), original.config_json().as_str()).unwrap();
-    let weights: Vec<(String, Tensor)> = original.parameters().iter().map(|p| (p.name.to_string(), p.tensor.tensor().detach())).collect();
+    let weights: Vec<(String, Tensor)> =
+        original.parameters().iter().map(|p| (p.name.to_string(), p.tensor.tensor().detach())).collect();
     Tensor::write_safetensors(&weights, dir.join("model.safetensors")).unwrap();
 
     let mut ctx = HostContext::cpu();
@@ -236,8 +268,14 @@ fn bf16_forward_is_close_to_fp32() {
     tch::manual_seed(4);
     let mut f = GdnPlugin::new(&cfg, Device::Cpu, Kind::Float);
     let mut h = GdnPlugin::new(&cfg, Device::Cpu, Kind::BFloat16);
-    h.load(f.parameters().iter().map(|p| plugin_api::NamedTensor::new(p.name.to_string(), p.tensor.tensor().copy())).collect::<Vec<_>>().into())
-        .unwrap();
+    h.load(
+        f.parameters()
+            .iter()
+            .map(|p| plugin_api::NamedTensor::new(p.name.to_string(), p.tensor.tensor().copy()))
+            .collect::<Vec<_>>()
+            .into(),
+    )
+    .unwrap();
     let th = Tensor::randn([1, 12, 64], (Kind::Float, Device::Cpu));
     let be = Tensor::randn([1, 8, 32], (Kind::Float, Device::Cpu));
     let anchors = Tensor::from_slice(&[3i64, 12]).view([1, 2]);

@@ -38,14 +38,16 @@ impl AdamW {
     /// then their masters copied back.
     fn step_fused(&mut self, lr: f64) -> Result<(), PluginError> {
         let device = self.slots[0].param.device();
-        let (mut params, mut grads, mut exp_avgs, mut exp_avg_sqs, mut copy_back) = (vec![], vec![], vec![], vec![], vec![]);
+        let (mut params, mut grads, mut exp_avgs, mut exp_avg_sqs, mut copy_back) =
+            (vec![], vec![], vec![], vec![], vec![]);
         for s in &self.slots {
             let grad = s.param.grad();
             if !grad.defined() {
                 continue;
             }
             if let Some(master) = &s.master {
-                if adamw_update_master(&s.param, &grad, master, &s.exp_avg, &s.exp_avg_sq, self.step, lr, &self.params) {
+                if adamw_update_master(&s.param, &grad, master, &s.exp_avg, &s.exp_avg_sq, self.step, lr, &self.params)
+                {
                     continue;
                 }
                 copy_back.push((s.param.shallow_clone(), master.shallow_clone()));

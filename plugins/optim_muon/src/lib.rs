@@ -183,7 +183,8 @@ impl Muon {
             let buf = s.momentum_buffer.view([rows, s.cols]);
             let mut start = 0;
             for &n in &s.parts {
-                let direction = muon_momentum(&grad.narrow(0, start, n), &mut buf.narrow(0, start, n), c.momentum, c.nesterov);
+                let direction =
+                    muon_momentum(&grad.narrow(0, start, n), &mut buf.narrow(0, start, n), c.momentum, c.nesterov);
                 units.push(Unit { slot: i, start, rows: n, owner: 0, update: Some(direction) });
                 start += n;
             }
@@ -262,8 +263,7 @@ impl Muon {
     /// Replace the state; nothing changes unless every entry is present, shaped right, and no
     /// entry is left over. The error lists every mismatch by name.
     fn load_state_impl(&mut self, state: Vec<(String, Tensor)>) -> Result<(), PluginError> {
-        let mut by_name: HashMap<String, Tensor> =
-            state.into_iter().collect();
+        let mut by_name: HashMap<String, Tensor> = state.into_iter().collect();
         let mut problems = Vec::new();
         let step = match by_name.remove("step") {
             Some(t) if t.numel() == 1 => Some(t.int64_value(&[])),
@@ -369,7 +369,12 @@ impl plugin_api::OptimizerPlugin for Muon {
 /// Distributed Muon's exchange: each rank's orthogonalised parts, flattened in unit order into
 /// one buffer (padded to the longest rank's), all-gathered once; then each unit reads its update
 /// from its owner's buffer. Every rank derives the same layout from the shapes alone.
-fn gather_updates(k: &mut CollectivesBox, units: &mut [Unit], slots: &[MuonSlot], world: usize) -> Result<(), PluginError> {
+fn gather_updates(
+    k: &mut CollectivesBox,
+    units: &mut [Unit],
+    slots: &[MuonSlot],
+    world: usize,
+) -> Result<(), PluginError> {
     let numel = |u: &Unit| u.rows * slots[u.slot].cols;
     let mut lens = vec![0i64; world];
     for u in units.iter() {
@@ -378,7 +383,8 @@ fn gather_updates(k: &mut CollectivesBox, units: &mut [Unit], slots: &[MuonSlot]
     let len = lens.iter().copied().max().unwrap_or(0);
     let Some(device) = units.first().map(|u| slots[u.slot].param.device()) else { return Ok(()) };
     let rank = k.rank() as usize;
-    let mut mine: Vec<Tensor> = units.iter().filter(|u| u.owner == rank).map(|u| u.update.as_ref().expect("owned").flatten(0, -1)).collect();
+    let mut mine: Vec<Tensor> =
+        units.iter().filter(|u| u.owner == rank).map(|u| u.update.as_ref().expect("owned").flatten(0, -1)).collect();
     mine.push(Tensor::zeros([len - lens[rank]], (Kind::Float, device)));
     let input = Tensor::cat(&mine, 0);
     let outputs: Vec<Tensor> = (0..world).map(|_| Tensor::empty([len], (Kind::Float, device))).collect();

@@ -345,7 +345,11 @@ impl plugin_api::Collectives for ThreadCollectives {
         self.world
     }
 
-    fn all_gather(&mut self, outputs: plugin_api::abi_stable::std_types::RSlice<'_, TensorHandle>, input: &TensorHandle) -> RResult<(), PluginError> {
+    fn all_gather(
+        &mut self,
+        outputs: plugin_api::abi_stable::std_types::RSlice<'_, TensorHandle>,
+        input: &TensorHandle,
+    ) -> RResult<(), PluginError> {
         let (slots, barrier) = &*self.slots;
         slots.lock().unwrap()[self.rank as usize] = Some(input.tensor().copy());
         self.sent.lock().unwrap().push(input.tensor().numel() as i64);
@@ -382,7 +386,10 @@ fn distributed_muon_equals_one_process() {
     let want: HashMap<String, Tensor> = single.state_impl().into_iter().collect();
 
     for world in [2u32, 3] {
-        let slots = std::sync::Arc::new((std::sync::Mutex::new((0..world).map(|_| None).collect()), std::sync::Barrier::new(world as usize)));
+        let slots = std::sync::Arc::new((
+            std::sync::Mutex::new((0..world).map(|_| None).collect()),
+            std::sync::Barrier::new(world as usize),
+        ));
         let results: Vec<(Vec<(String, Tensor)>, Vec<(String, Tensor)>, i64)> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..world)
                 .map(|rank| {
@@ -390,7 +397,8 @@ fn distributed_muon_equals_one_process() {
                     s.spawn(move || {
                         let sent = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
                         let k = ThreadCollectives { rank, world, slots, sent: sent.clone() };
-                        let mut opt = Muon::new(cfg(text)).with_collectives(plugin_api::Collectives_TO::from_value(k, TD_Opaque));
+                        let mut opt =
+                            Muon::new(cfg(text)).with_collectives(plugin_api::Collectives_TO::from_value(k, TD_Opaque));
                         opt.init(named(&mine)).unwrap();
                         run(&mine, &mut opt, &grads);
                         let first = sent.lock().unwrap()[0];
@@ -400,7 +408,11 @@ fn distributed_muon_equals_one_process() {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let all_parts: i64 = one.iter().filter(|(n, p)| cfg(text).route(n, &p.size()) == Group::Muon).map(|(_, p)| p.numel() as i64).sum();
+        let all_parts: i64 = one
+            .iter()
+            .filter(|(n, p)| cfg(text).route(n, &p.size()) == Group::Muon)
+            .map(|(_, p)| p.numel() as i64)
+            .sum();
         for (rank, (mine, state, sent)) in results.iter().enumerate() {
             for ((name, p), (_, p1)) in mine.iter().zip(&one) {
                 let d = max_diff(p, p1);

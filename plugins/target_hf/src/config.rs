@@ -154,7 +154,9 @@ fn gguf_rope_scaling(g: &GgufFile, arch: &str) -> Option<serde_json::Value> {
     Some(match kind {
         "none" => return None,
         "linear" => serde_json::json!({"rope_type": "linear", "factor": factor}),
-        "yarn" => serde_json::json!({"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": context}),
+        "yarn" => {
+            serde_json::json!({"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": context})
+        }
         other => serde_json::json!({"rope_type": other}),
     })
 }
@@ -213,7 +215,10 @@ impl DecoderConfig {
             cfg.rope_theta = theta;
         } else if !theta_given {
             cfg.rope_theta = hf_default_theta(&cfg.model_type);
-            eprintln!("config.json has no rope_theta: transformers' default for {}, {}", cfg.model_type, cfg.rope_theta);
+            eprintln!(
+                "config.json has no rope_theta: transformers' default for {}, {}",
+                cfg.model_type, cfg.rope_theta
+            );
         }
         Ok((cfg, arch_name))
     }
@@ -442,7 +447,11 @@ impl DecoderConfig {
 
     pub fn validate(&self) -> Result<(), String> {
         if !SUPPORTED.contains(&self.model_type.as_str()) {
-            return Err(format!("model_type `{}` is not supported (supported: {})", self.model_type, SUPPORTED.join(", ")));
+            return Err(format!(
+                "model_type `{}` is not supported (supported: {})",
+                self.model_type,
+                SUPPORTED.join(", ")
+            ));
         }
         if let Some(act) = self.hidden_act.as_deref().filter(|a| *a != "silu") {
             return Err(format!("hidden_act `{act}`: only silu is supported"));
@@ -465,7 +474,10 @@ impl DecoderConfig {
         }
         let rotary = self.rotary_dim();
         if rotary == 0 || rotary % 2 != 0 {
-            return Err(format!("partial_rotary_factor gives {rotary} rotary dims of {}: must be even and >= 2", self.head_dim()));
+            return Err(format!(
+                "partial_rotary_factor gives {rotary} rotary dims of {}: must be even and >= 2",
+                self.head_dim()
+            ));
         }
         if self.has_dense_mlp() && self.intermediate_size == 0 {
             return Err("intermediate_size: missing or 0 (the dense MLP's width)".into());
@@ -482,7 +494,11 @@ impl DecoderConfig {
         if self.is_hybrid() {
             if let Some(types) = &self.layer_types {
                 if types.len() != self.num_hidden_layers {
-                    return Err(format!("layer_types has {} entries for {} layers", types.len(), self.num_hidden_layers));
+                    return Err(format!(
+                        "layer_types has {} entries for {} layers",
+                        types.len(),
+                        self.num_hidden_layers
+                    ));
                 }
                 if let Some(t) = types.iter().find(|t| *t != "linear_attention" && *t != "full_attention") {
                     return Err(format!("layer_types: `{t}` is neither linear_attention nor full_attention"));
@@ -501,7 +517,9 @@ impl DecoderConfig {
         }
         if let Some(m) = self.moe() {
             if m.experts == 0 || m.intermediate == 0 || m.shared_intermediate == Some(0) {
-                return Err("num_experts, moe_intermediate_size and shared_expert_intermediate_size must be >= 1".into());
+                return Err(
+                    "num_experts, moe_intermediate_size and shared_expert_intermediate_size must be >= 1".into()
+                );
             }
             if !(1..=m.experts).contains(&m.top_k) {
                 return Err(format!("num_experts_per_tok {} must be in 1..={} (num_experts)", m.top_k, m.experts));
@@ -599,7 +617,10 @@ mod tests {
         .unwrap();
         c.validate().unwrap();
         assert_eq!(arch.as_deref(), Some("Qwen3_5ForConditionalGeneration"));
-        assert_eq!((c.arch(), c.head_dim(), c.rotary_dim(), c.rope_theta, c.eos()), (Arch::Qwen35, 256, 64, 1e7, Some(248044)));
+        assert_eq!(
+            (c.arch(), c.head_dim(), c.rotary_dim(), c.rope_theta, c.eos()),
+            (Arch::Qwen35, 256, 64, 1e7, Some(248044))
+        );
         use Mixer::{Attention as A, Linear as L};
         assert_eq!(c.mixers(), vec![L, L, L, A, L, L, L, A]);
         let s = c.linear();
@@ -631,7 +652,10 @@ mod tests {
         )
         .unwrap();
         c.validate().unwrap();
-        assert_eq!((c.arch(), c.spec_intermediate_size(), c.moe().unwrap().shared_intermediate), (Arch::Qwen35Moe, 32, Some(24)));
+        assert_eq!(
+            (c.arch(), c.spec_intermediate_size(), c.moe().unwrap().shared_intermediate),
+            (Arch::Qwen35Moe, 32, Some(24))
+        );
         let mut bad = c.clone();
         bad.num_experts_per_tok = Some(9);
         assert_eq!(bad.validate().unwrap_err(), "num_experts_per_tok 9 must be in 1..=8 (num_experts)");
@@ -658,8 +682,13 @@ mod tests {
         };
         let c = cfg(r#", "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 500000.0"#);
         assert_eq!((c.rope_scaling().unwrap(), c.rope_theta), (RopeScaling::Linear { factor: 2.0 }, 5e5));
-        let c = cfg(r#", "max_position_embeddings": 4096, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}"#);
-        assert!(matches!(c.rope_scaling().unwrap(), RopeScaling::Yarn { original_max_position_embeddings: 4096.0, .. }));
+        let c = cfg(
+            r#", "max_position_embeddings": 4096, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}"#,
+        );
+        assert!(matches!(
+            c.rope_scaling().unwrap(),
+            RopeScaling::Yarn { original_max_position_embeddings: 4096.0, .. }
+        ));
         assert_eq!(c.rope_theta, 1e6);
         let c = cfg(r#", "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "mrope_section": [2, 1, 1]}"#);
         assert_eq!(c.rope_scaling().unwrap(), RopeScaling::Default);
@@ -693,15 +722,25 @@ mod tests {
             DecoderConfig::from_gguf(&GgufFile::open(&path).unwrap()).unwrap()
         };
         let c = read(vec![]);
-        assert_eq!((c.rope_theta, c.max_position_embeddings, c.rope_scaling().unwrap()), (10000.0, Some(4096), RopeScaling::Default));
-        let c = read(vec![("llama.rope.freq_base", W::F32(5e5)), ("llama.rope.scaling.type", W::str("linear")), ("llama.rope.scaling.factor", W::F32(4.0))]);
+        assert_eq!(
+            (c.rope_theta, c.max_position_embeddings, c.rope_scaling().unwrap()),
+            (10000.0, Some(4096), RopeScaling::Default)
+        );
+        let c = read(vec![
+            ("llama.rope.freq_base", W::F32(5e5)),
+            ("llama.rope.scaling.type", W::str("linear")),
+            ("llama.rope.scaling.factor", W::F32(4.0)),
+        ]);
         assert_eq!((c.rope_theta, c.rope_scaling().unwrap()), (5e5, RopeScaling::Linear { factor: 4.0 }));
         let c = read(vec![
             ("llama.rope.scaling.type", W::str("yarn")),
             ("llama.rope.scaling.factor", W::F32(4.0)),
             ("llama.rope.scaling.original_context_length", W::U32(1024)),
         ]);
-        assert!(matches!(c.rope_scaling().unwrap(), RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 1024.0, .. }));
+        assert!(matches!(
+            c.rope_scaling().unwrap(),
+            RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 1024.0, .. }
+        ));
         let c = read(vec![("llama.rope.scaling.type", W::str("longrope"))]);
         assert!(c.validate().unwrap_err().contains("rope_type `longrope` is not supported"));
         let mut c = read(vec![]);

@@ -50,7 +50,11 @@ pub fn forward(cfg: &DecoderConfig, layers: usize, batch: usize, seq: usize, log
     let (channels, kernel) = (l.conv_channels() as f64, l.conv_kernel as f64);
     let c = (CHUNK as f64).min(s);
     let rule_per_head = 2.0 * c * dk + c * (dk + dv) + 2.0 * c * dk + 2.0 * c * dv + 6.0 * dk * dv;
-    let gdn_layer = tokens * (2.0 * h * (channels + nv * dv + 2.0 * nv) + 2.0 * nv * dv * h + 2.0 * kernel * channels + nv * rule_per_head);
+    let gdn_layer = tokens
+        * (2.0 * h * (channels + nv * dv + 2.0 * nv)
+            + 2.0 * nv * dv * h
+            + 2.0 * kernel * channels
+            + nv * rule_per_head);
     let dense_mlp = tokens * 6.0 * h * cfg.intermediate_size as f64;
     let sparse_mlp = cfg.moe().map_or(0.0, |m| {
         let shared = m.shared_intermediate.map_or(0.0, |w| 6.0 * h * w as f64 + 2.0 * h);
@@ -115,7 +119,10 @@ mod tests {
         // Only the layers asked for: 62 of 64 (features up to layer 61) has 46 GDN + 15 attention + 1 GDN.
         let part = forward(&c, 62, 1, 3072, false);
         assert_eq!(part.head, 0.0);
-        assert!((part.gdn / f.gdn - 47.0 / 48.0).abs() < 1e-12 && (part.attention / f.attention - 15.0 / 16.0).abs() < 1e-12);
+        assert!(
+            (part.gdn / f.gdn - 47.0 / 48.0).abs() < 1e-12
+                && (part.attention / f.attention - 15.0 / 16.0).abs() < 1e-12
+        );
     }
 
     /// Qwen3-30B-A3B: 3.3B active parameters a token in its layers (8 of 128 experts of 768 +

@@ -21,7 +21,8 @@ const TOKEN_TYPE_CONTROL: i32 = 3;
 const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
 /// Qwen2's split regex, from its tokenizer.json.
-const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Llama 3's split regex: as Qwen2's but numbers in runs of up to 3 digits.
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -47,22 +48,14 @@ fn pre_config(pre: &str) -> Option<PreConfig> {
         "llama-bpe" | "llama3" | "llama-v3" => (Some(LLAMA3_REGEX), false, false, true),
         _ => return None,
     };
-    Some(PreConfig {
-        regex,
-        digits,
-        nfc,
-        ignore_merges,
-    })
+    Some(PreConfig { regex, digits, nfc, ignore_merges })
 }
 
 const KNOWN_PRE: &str =
     "gpt-2, smollm, starcoder, refact, codeshell, qwen2, deepseek-r1-qwen, llama-bpe, llama3, llama-v3";
 
 fn tok_err(g: &GgufFile, what: impl Into<String>) -> GgufError {
-    GgufError::Tokenizer {
-        path: g.path().to_path_buf(),
-        what: what.into(),
-    }
+    GgufError::Tokenizer { path: g.path().to_path_buf(), what: what.into() }
 }
 
 /// Builds the byte-level BPE tokenizer a "gpt2"-model GGUF describes.
@@ -72,35 +65,23 @@ pub fn tokenizer_from_gguf(g: &GgufFile) -> Result<Tokenizer, GgufError> {
     if model != "gpt2" {
         return Err(tok_err(
             g,
-            format!(
-                "tokenizer.ggml.model is {model:?}; only \"gpt2\" (byte-level BPE) is supported"
-            ),
+            format!("tokenizer.ggml.model is {model:?}; only \"gpt2\" (byte-level BPE) is supported"),
         ));
     }
     let pre = g.meta_str("tokenizer.ggml.pre")?;
-    let cfg = pre_config(pre).ok_or_else(|| {
-        tok_err(
-            g,
-            format!("unknown tokenizer.ggml.pre {pre:?} (known: {KNOWN_PRE})"),
-        )
-    })?;
+    let cfg = pre_config(pre)
+        .ok_or_else(|| tok_err(g, format!("unknown tokenizer.ggml.pre {pre:?} (known: {KNOWN_PRE})")))?;
 
     // 2. Vocabulary, merges and token types.
     let tokens = g.meta_str_array("tokenizer.ggml.tokens")?;
     let types = g.meta_i32_array("tokenizer.ggml.token_type")?;
     if types.len() != tokens.len() {
-        return Err(tok_err(
-            g,
-            format!("{} token types for {} tokens", types.len(), tokens.len()),
-        ));
+        return Err(tok_err(g, format!("{} token types for {} tokens", types.len(), tokens.len())));
     }
     let mut vocab = Vocab::with_capacity(tokens.len());
     for (id, &tok) in tokens.iter().enumerate() {
         if let Some(first) = vocab.insert(tok.to_string(), id as u32) {
-            return Err(tok_err(
-                g,
-                format!("token {tok:?} appears twice (ids {first} and {id})"),
-            ));
+            return Err(tok_err(g, format!("token {tok:?} appears twice (ids {first} and {id})")));
         }
     }
     // Merges are "left right"; byte-level tokens never hold a real space (it is "Ġ").
@@ -110,10 +91,7 @@ pub fn tokenizer_from_gguf(g: &GgufFile) -> Result<Tokenizer, GgufError> {
         .enumerate()
         .map(|(i, m)| match m.split_once(' ') {
             Some((a, b)) => Ok((a.to_string(), b.to_string())),
-            None => Err(tok_err(
-                g,
-                format!("merge #{i} {m:?} is not two tokens separated by a space"),
-            )),
+            None => Err(tok_err(g, format!("merge #{i} {m:?} is not two tokens separated by a space"))),
         })
         .collect::<Result<Vec<_>, _>>()?;
 
@@ -135,12 +113,8 @@ pub fn tokenizer_from_gguf(g: &GgufFile) -> Result<Tokenizer, GgufError> {
         steps.push(Digits::new(true).into());
     }
     if let Some(re) = cfg.regex {
-        let split = Split::new(
-            SplitPattern::Regex(re.into()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .map_err(|e| tok_err(g, format!("split regex: {e}")))?;
+        let split = Split::new(SplitPattern::Regex(re.into()), SplitDelimiterBehavior::Isolated, false)
+            .map_err(|e| tok_err(g, format!("split regex: {e}")))?;
         steps.push(split.into());
     }
     steps.push(ByteLevel::new(false, true, cfg.regex.is_none()).into());
@@ -184,9 +158,7 @@ impl SpecialIds {
 
 /// The Jinja chat template (`tokenizer.chat_template`), if the GGUF has one.
 pub fn chat_template(g: &GgufFile) -> Option<String> {
-    g.get("tokenizer.chat_template")
-        .and_then(|v| v.as_str())
-        .map(str::to_string)
+    g.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(str::to_string)
 }
 
 #[cfg(test)]
@@ -202,18 +174,9 @@ mod tests {
             &[
                 ("tokenizer.ggml.model", W::str(model)),
                 ("tokenizer.ggml.pre", W::str(pre)),
-                (
-                    "tokenizer.ggml.tokens",
-                    W::Arr(8, toks.iter().map(|t| W::str(t)).collect()),
-                ),
-                (
-                    "tokenizer.ggml.token_type",
-                    W::Arr(5, types.iter().map(|&t| W::I32(t)).collect()),
-                ),
-                (
-                    "tokenizer.ggml.merges",
-                    W::Arr(8, vec![W::str("a b"), W::str("Ġ ab")]),
-                ),
+                ("tokenizer.ggml.tokens", W::Arr(8, toks.iter().map(|t| W::str(t)).collect())),
+                ("tokenizer.ggml.token_type", W::Arr(5, types.iter().map(|&t| W::I32(t)).collect())),
+                ("tokenizer.ggml.merges", W::Arr(8, vec![W::str("a b"), W::str("Ġ ab")])),
                 ("tokenizer.ggml.bos_token_id", W::U32(0)),
                 ("tokenizer.ggml.eos_token_id", W::U32(0)),
                 ("tokenizer.chat_template", W::str("{{ messages }}")),
@@ -238,11 +201,7 @@ mod tests {
             // "ab" | " ab" -> "Ġab" | "1" | "2" | the control token, matched whole.
             assert_eq!(enc.get_ids(), &[6, 7, 4, 5, 0], "pre {pre}");
             assert_eq!(tok.decode(enc.get_ids(), false).unwrap(), text, "pre {pre}");
-            assert_eq!(
-                tok.decode(enc.get_ids(), true).unwrap(),
-                "ab ab12",
-                "pre {pre}"
-            );
+            assert_eq!(tok.decode(enc.get_ids(), true).unwrap(), "ab ab12", "pre {pre}");
         }
     }
 
@@ -250,30 +209,16 @@ mod tests {
     fn tiny_special_ids_and_template() {
         let dir = tempfile::tempdir().unwrap();
         let g = open_tiny(&dir, "gpt2", "smollm");
-        assert_eq!(
-            SpecialIds::from_gguf(&g).unwrap(),
-            SpecialIds {
-                bos: Some(0),
-                eos: Some(0),
-                pad: None
-            }
-        );
+        assert_eq!(SpecialIds::from_gguf(&g).unwrap(), SpecialIds { bos: Some(0), eos: Some(0), pad: None });
         assert_eq!(chat_template(&g).as_deref(), Some("{{ messages }}"));
     }
 
     #[test]
     fn unknown_model_or_pre_is_named() {
         let dir = tempfile::tempdir().unwrap();
-        let e = tokenizer_from_gguf(&open_tiny(&dir, "gpt2", "mystery-pre"))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("tok.gguf") && e.contains("unknown tokenizer.ggml.pre \"mystery-pre\""),
-            "{e}"
-        );
-        let e = tokenizer_from_gguf(&open_tiny(&dir, "llama", "smollm"))
-            .unwrap_err()
-            .to_string();
+        let e = tokenizer_from_gguf(&open_tiny(&dir, "gpt2", "mystery-pre")).unwrap_err().to_string();
+        assert!(e.contains("tok.gguf") && e.contains("unknown tokenizer.ggml.pre \"mystery-pre\""), "{e}");
+        let e = tokenizer_from_gguf(&open_tiny(&dir, "llama", "smollm")).unwrap_err().to_string();
         assert!(e.contains("tokenizer.ggml.model is \"llama\""), "{e}");
     }
 
@@ -327,10 +272,7 @@ mod tests {
         // port); in the first the space before the digits stands alone ("Ġ" = 216).
         for (s, want) in [
             ("Hello world! 123", &[19556, 905, 17, 216, 33, 34, 35][..]),
-            (
-                "Café déjà vu.",
-                &[51, 1939, 2756, 32564, 90, 16739, 386, 101, 30],
-            ),
+            ("Café déjà vu.", &[51, 1939, 2756, 32564, 90, 16739, 386, 101, 30]),
             ("  multiple   spaces", &[216, 2701, 256, 5600]),
             ("\n", &[198]),
         ] {

@@ -16,7 +16,12 @@ fn wanted(file: &str) -> bool {
     !file.contains('/')
         && (matches!(
             file,
-            "config.json" | "generation_config.json" | "tokenizer.json" | "tokenizer_config.json" | "special_tokens_map.json" | "chat_template.jinja"
+            "config.json"
+                | "generation_config.json"
+                | "tokenizer.json"
+                | "tokenizer_config.json"
+                | "special_tokens_map.json"
+                | "chat_template.jinja"
         ) || file.ends_with(".safetensors")
             || file == "model.safetensors.index.json")
 }
@@ -43,7 +48,9 @@ pub fn cache_dir() -> PathBuf {
     if let Some(d) = var("HF_HOME") {
         return d.join("hub");
     }
-    let cache = var("XDG_CACHE_HOME").or_else(|| var("HOME").map(|h| h.join(".cache"))).unwrap_or_else(|| PathBuf::from(".cache"));
+    let cache = var("XDG_CACHE_HOME")
+        .or_else(|| var("HOME").map(|h| h.join(".cache")))
+        .unwrap_or_else(|| PathBuf::from(".cache"));
     cache.join("huggingface").join("hub")
 }
 
@@ -78,7 +85,10 @@ pub fn resolve(repo: &str, revision: Option<&str>) -> Result<PathBuf, String> {
     }
     let looked = repo_folder(&cache, repo);
     download(&cache, repo, revision).map_err(|e| {
-        format!("`{repo}` is not a local path and not in the HF hub cache (looked in {}), and downloading it failed: {e}", looked.display())
+        format!(
+            "`{repo}` is not a local path and not in the HF hub cache (looked in {}), and downloading it failed: {e}",
+            looked.display()
+        )
     })
 }
 
@@ -129,7 +139,18 @@ mod tests {
         for ok in ["Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct", "HuggingFaceTB/SmolLM2-135M", "a/b.c_d"] {
             assert!(is_repo_id(ok), "{ok}");
         }
-        for bad in ["model.gguf", "./a/b", "a/b/c", "/abs/path", "../x", "a/..", "a/.hidden", "owner/", "a b/c", "$DFLASH_CACHE/x"] {
+        for bad in [
+            "model.gguf",
+            "./a/b",
+            "a/b/c",
+            "/abs/path",
+            "../x",
+            "a/..",
+            "a/.hidden",
+            "owner/",
+            "a b/c",
+            "$DFLASH_CACHE/x",
+        ] {
             assert!(!is_repo_id(bad), "{bad}");
         }
     }
@@ -157,10 +178,18 @@ mod tests {
 
     #[test]
     fn only_what_a_target_reads_is_downloaded() {
-        for f in ["config.json", "tokenizer.json", "model-00001-of-00004.safetensors", "model.safetensors.index.json", "chat_template.jinja"] {
+        for f in [
+            "config.json",
+            "tokenizer.json",
+            "model-00001-of-00004.safetensors",
+            "model.safetensors.index.json",
+            "chat_template.jinja",
+        ] {
             assert!(wanted(f), "{f}");
         }
-        for f in ["pytorch_model.bin", "model.gguf", "original/consolidated.00.pth", "README.md", "onnx/model.safetensors"] {
+        for f in
+            ["pytorch_model.bin", "model.gguf", "original/consolidated.00.pth", "README.md", "onnx/model.safetensors"]
+        {
             assert!(!wanted(f), "{f}");
         }
     }

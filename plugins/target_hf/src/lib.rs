@@ -73,7 +73,13 @@ impl HfTarget {
         Self::new(random::load_random(path, device, kind)?, path, device, kind, generate_batch_size)
     }
 
-    fn new(loaded: load::Loaded, path: &Path, device: Device, kind: Kind, generate_batch_size: usize) -> Result<Self, String> {
+    fn new(
+        loaded: load::Loaded,
+        path: &Path,
+        device: Device,
+        kind: Kind,
+        generate_batch_size: usize,
+    ) -> Result<Self, String> {
         let load::Loaded { cfg, weights, tokenizer, chat_template } = loaded;
         let model = Decoder::new(&cfg, weights, device, kind)?;
         let spec = TargetSpec {
@@ -88,7 +94,12 @@ impl HfTarget {
 
     /// Features of `layer_ids` concatenated [B, S, n*H] and optionally logits, for right-padded
     /// ids (causal attention, so padding at the end changes nothing before it).
-    pub fn features(&self, ids: &Tensor, layer_ids: &[u32], want_logits: bool) -> Result<(Tensor, Option<Tensor>), String> {
+    pub fn features(
+        &self,
+        ids: &Tensor,
+        layer_ids: &[u32],
+        want_logits: bool,
+    ) -> Result<(Tensor, Option<Tensor>), String> {
         let n = self.model.cfg.num_hidden_layers;
         if let Some(bad) = layer_ids.iter().find(|&&i| i as usize >= n) {
             return Err(format!("layer id {bad} out of range (the target has {n} layers)"));
@@ -132,7 +143,8 @@ impl HfTarget {
 fn sha256_path(path: &Path) -> std::io::Result<String> {
     let mut h = Sha256::new();
     let files: Vec<PathBuf> = if path.is_dir() {
-        let mut f: Vec<_> = std::fs::read_dir(path)?.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect();
+        let mut f: Vec<_> =
+            std::fs::read_dir(path)?.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect();
         f.sort();
         f
     } else {
@@ -162,11 +174,21 @@ impl TargetPlugin for HfTarget {
         self.model.lm_head.shallow_clone()
     }
 
-    fn forward(&mut self, input_ids: &Tensor, layer_ids: &[u32], want_logits: bool) -> Result<(Tensor, Option<Tensor>), PluginError> {
+    fn forward(
+        &mut self,
+        input_ids: &Tensor,
+        layer_ids: &[u32],
+        want_logits: bool,
+    ) -> Result<(Tensor, Option<Tensor>), PluginError> {
         self.features(input_ids, layer_ids, want_logits).map_err(PluginError::new)
     }
 
-    fn generate(&mut self, prompts: Vec<Vec<u32>>, max_new_tokens: u32, stop_tokens: &[u32]) -> Result<Vec<Vec<u32>>, PluginError> {
+    fn generate(
+        &mut self,
+        prompts: Vec<Vec<u32>>,
+        max_new_tokens: u32,
+        stop_tokens: &[u32],
+    ) -> Result<Vec<Vec<u32>>, PluginError> {
         Ok(generate::greedy(&self.model, &prompts, max_new_tokens as usize, stop_tokens, self.generate_batch_size))
     }
 

@@ -101,7 +101,10 @@ pub fn load_gguf(path: &Path) -> Result<Loaded, String> {
         };
         if let (true, Some(heads)) = (permuted, heads) {
             t = unpermute(&t, heads as i64).ok_or_else(|| {
-                format!("{}: tensor {name}: shape {shape:?} does not split into {heads} heads of row pairs", path.display())
+                format!(
+                    "{}: tensor {name}: shape {shape:?} does not split into {heads} heads of row pairs",
+                    path.display()
+                )
             })?;
         }
         tensors.insert(hf, t);
@@ -122,7 +125,8 @@ pub fn load_gguf(path: &Path) -> Result<Loaded, String> {
 pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
-    let (mut cfg, arch_name) = DecoderConfig::from_hf_json(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    let (mut cfg, arch_name) =
+        DecoderConfig::from_hf_json(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
     cfg.validate().map_err(|e| format!("{}: {e}", cfg_path.display()))?;
     if cfg.eos_token_id.is_none() {
         cfg.eos_token_id = generation_eos(dir);

@@ -18,8 +18,8 @@ use crate::{
     moe::SparseMoe,
     qwen3_5::GatedDeltaNet,
 };
-use rope_scaling::RopeScaling;
 use plugin_api::tch::{Device, Kind, Tensor};
+use rope_scaling::RopeScaling;
 use std::collections::HashMap;
 
 /// Named weights with checked look-ups: a missing tensor or a wrong shape names the tensor.
@@ -31,10 +31,7 @@ pub struct Weights {
 impl Weights {
     /// Take `name` out, checking its shape.
     pub fn take(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, String> {
-        let t = self
-            .tensors
-            .remove(name)
-            .ok_or_else(|| format!("{}: missing tensor `{name}`", self.source))?;
+        let t = self.tensors.remove(name).ok_or_else(|| format!("{}: missing tensor `{name}`", self.source))?;
         if t.size() != shape {
             return Err(format!("{}: tensor `{name}` has shape {:?}, expected {:?}", self.source, t.size(), shape));
         }
@@ -136,11 +133,14 @@ pub fn rope_cos_sin(positions: &Tensor, rope: &Rope, kind: Kind) -> (Tensor, Ten
             let freqs: Vec<f64> = base.iter().zip(factors).map(|(f, k)| f / k).collect();
             (Tensor::from_slice(&freqs).to_kind(Kind::Float).to_device(device), 1.0)
         }
-        (RopeScaling::Default, None) => ((Tensor::arange_start_step(0, d, 2, (Kind::Float, device)) / d as f64 * -rope.theta.ln()).exp(), 1.0),
+        (RopeScaling::Default, None) => {
+            ((Tensor::arange_start_step(0, d, 2, (Kind::Float, device)) / d as f64 * -rope.theta.ln()).exp(), 1.0)
+        }
         (scaled, None) => {
             // The only device sync, and only for dynamic NTK.
             let seq_len = if scaled.depends_on_length() { positions.max().int64_value(&[]) as usize + 1 } else { 0 };
-            let (freqs, attention) = scaled.inv_freq_at(rope.rotary_dim, rope.theta, seq_len, rope.max_position_embeddings);
+            let (freqs, attention) =
+                scaled.inv_freq_at(rope.rotary_dim, rope.theta, seq_len, rope.max_position_embeddings);
             (Tensor::from_slice(&freqs).to_kind(Kind::Float).to_device(device), attention)
         }
     };
@@ -195,14 +195,20 @@ impl Attention {
         let names = [("q_proj", q_rows), ("k_proj", nkv * d), ("v_proj", nkv * d)];
         let qkv = ld.fused(&names.map(|(n, r)| (format!("{p}.self_attn.{n}.weight"), r)), h)?;
         let qkv_bias = if cfg.qkv_bias() {
-            let b = names.iter().map(|(n, r)| ld.get(&format!("{p}.self_attn.{n}.bias"), &[*r])).collect::<Result<Vec<_>, _>>()?;
+            let b = names
+                .iter()
+                .map(|(n, r)| ld.get(&format!("{p}.self_attn.{n}.bias"), &[*r]))
+                .collect::<Result<Vec<_>, _>>()?;
             Some(Tensor::cat(&b, 0))
         } else {
             None
         };
         let (q_norm, k_norm) = if cfg.qk_norm() {
             let centred = cfg.centred_norms();
-            (Some(ld.norm(&format!("{p}.self_attn.q_norm.weight"), d, centred)?), Some(ld.norm(&format!("{p}.self_attn.k_norm.weight"), d, centred)?))
+            (
+                Some(ld.norm(&format!("{p}.self_attn.q_norm.weight"), d, centred)?),
+                Some(ld.norm(&format!("{p}.self_attn.k_norm.weight"), d, centred)?),
+            )
         } else {
             (None, None)
         };
@@ -553,7 +559,8 @@ mod tests {
         let err = Decoder::new(&cfg, w, Device::Cpu, Kind::Float).err().unwrap();
         assert!(err.contains("missing tensor `model.layers.1.self_attn.k_norm.weight`"), "{err}");
         let (cfg, mut w) = tiny("qwen2");
-        w.tensors.insert("model.layers.0.mlp.up_proj.weight".into(), Tensor::zeros([47, 32], (Kind::Float, Device::Cpu)));
+        w.tensors
+            .insert("model.layers.0.mlp.up_proj.weight".into(), Tensor::zeros([47, 32], (Kind::Float, Device::Cpu)));
         let err = Decoder::new(&cfg, w, Device::Cpu, Kind::Float).err().unwrap();
         assert!(err.contains("`model.layers.0.mlp.up_proj.weight` has shape [47, 32], expected [48, 32]"), "{err}");
     }
@@ -576,7 +583,12 @@ mod tests {
     #[test]
     fn gguf_frequency_factors_are_llama3() {
         let (factor, low, high, old) = (8.0, 1.0, 4.0, 64.0);
-        let llama3 = RopeScaling::Llama3 { factor, low_freq_factor: low, high_freq_factor: high, original_max_position_embeddings: old };
+        let llama3 = RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: low,
+            high_freq_factor: high,
+            original_max_position_embeddings: old,
+        };
         let (base, _) = RopeScaling::Default.inv_freq(16, 500000.0);
         let factors: Vec<f64> = base
             .iter()
@@ -594,7 +606,13 @@ mod tests {
             .collect();
         assert!(factors.iter().any(|&f| f > 1.0 && f < factor), "a factor on the ramp");
         let pos = Tensor::arange(200, (Kind::Int64, Device::Cpu)).unsqueeze(0);
-        let with = |scaling, freq_factors| Rope { rotary_dim: 16, theta: 500000.0, scaling, max_position_embeddings: 0, freq_factors };
+        let with = |scaling, freq_factors| Rope {
+            rotary_dim: 16,
+            theta: 500000.0,
+            scaling,
+            max_position_embeddings: 0,
+            freq_factors,
+        };
         let (c1, s1) = rope_cos_sin(&pos, &with(llama3, None), Kind::Float);
         let (c2, s2) = rope_cos_sin(&pos, &with(RopeScaling::Default, Some(factors)), Kind::Float);
         assert!(c1.allclose(&c2, 1e-5, 1e-5, false) && s1.allclose(&s2, 1e-5, 1e-5, false));

@@ -67,7 +67,8 @@ impl SparseMoe {
         let (gate_up, down) = if (ip, hp) == (i, h) {
             (gate_up, down)
         } else {
-            let pad = |t: Tensor, rows: i64, cols: i64| t.constant_pad_nd([0, cols - t.size()[2], 0, rows - t.size()[1]]);
+            let pad =
+                |t: Tensor, rows: i64, cols: i64| t.constant_pad_nd([0, cols - t.size()[2], 0, rows - t.size()[1]]);
             let (gate, up) = (gate_up.narrow(1, 0, i), gate_up.narrow(1, i, i));
             (Tensor::cat(&[pad(gate, ip, hp), pad(up, ip, hp)], 1), pad(down, hp, ip))
         };
@@ -78,7 +79,16 @@ impl SparseMoe {
             )),
             None => None,
         };
-        Ok(Self { router, gate_up, down, top_k: m.top_k as i64, norm_topk: m.norm_topk, intermediate: ip, hidden: hp, shared })
+        Ok(Self {
+            router,
+            gate_up,
+            down,
+            top_k: m.top_k as i64,
+            norm_topk: m.norm_topk,
+            intermediate: ip,
+            hidden: hp,
+            shared,
+        })
     }
 
     /// x [B, L, H] -> [B, L, H].

@@ -83,7 +83,13 @@ impl GatedDeltaNet {
     ///   they leave the conv history and the state at zero;
     /// - `state`: the layer's cache slot, continued and updated when given;
     /// - `keep_undo`: also keep what [`rewind`](Self::rewind) needs for this extension.
-    pub fn forward(&self, x: &Tensor, valid: Option<&Tensor>, state: Option<&mut Option<LinearState>>, keep_undo: bool) -> Tensor {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        valid: Option<&Tensor>,
+        state: Option<&mut Option<LinearState>>,
+        keep_undo: bool,
+    ) -> Tensor {
         let (b, l) = (x.size()[0], x.size()[1]);
         let (nv, dv) = (self.value_heads, self.value_dim);
         let c = self.conv_channels();

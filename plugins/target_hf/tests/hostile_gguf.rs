@@ -282,7 +282,10 @@ fn a_patched_quant_type_names_the_tensor_and_the_type() {
     set(&mut bytes, at, &12u32.to_le_bytes());
     let p = write(&dir, "q4k.gguf", &bytes);
     let e = load_error(&p);
-    assert!(e.contains(&format!("tensor {name}: dims [32]: ne[0] = 32 is not a multiple of the Q4_K block size 256")), "{e}");
+    assert!(
+        e.contains(&format!("tensor {name}: dims [32]: ne[0] = 32 is not a multiple of the Q4_K block size 256")),
+        "{e}"
+    );
 }
 
 /// Where the value of metadata `key` (of GGUF type `ty`) starts.
@@ -326,7 +329,11 @@ fn misshapen_tensors_are_named_with_both_shapes() {
     set(&mut bytes, at - 8, &16u64.to_le_bytes());
     let p = write(&dir, "q16.gguf", &bytes);
     let e = load_error(&p);
-    assert!(e.contains("q16.gguf") && e.contains("`model.layers.0.self_attn.q_proj.weight` has shape [16, 32], expected [32, 32]"), "{e}");
+    assert!(
+        e.contains("q16.gguf")
+            && e.contains("`model.layers.0.self_attn.q_proj.weight` has shape [16, 32], expected [32, 32]"),
+        "{e}"
+    );
     // 3 rows cannot be split into 2 heads of pairs: refused before the un-permutation.
     set(&mut bytes, at - 8, &3u64.to_le_bytes());
     let p = write(&dir, "q3.gguf", &bytes);
@@ -353,7 +360,10 @@ fn a_dim_past_i64_max_is_refused_by_the_reader() {
     set(&mut bytes, at - 8, &u64::MAX.to_le_bytes());
     let p = write(&dir, "neg.gguf", &bytes);
     let e = load_error(&p);
-    assert!(e.contains("neg.gguf") && e.contains("tensor blk.0.attn_k.weight: dims [0, 18446744073709551615]: ne[1]"), "{e}");
+    assert!(
+        e.contains("neg.gguf") && e.contains("tensor blk.0.attn_k.weight: dims [0, 18446744073709551615]: ne[1]"),
+        "{e}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

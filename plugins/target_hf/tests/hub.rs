@@ -18,7 +18,11 @@ fn write_cache(cache: &Path) -> PathBuf {
     for d in [repo.join("blobs"), repo.join("refs"), snapshot.clone()] {
         std::fs::create_dir_all(d).unwrap();
     }
-    for (name, src) in [("config.json", "config.default.json"), ("model.safetensors", "model.safetensors"), ("tokenizer.json", "tokenizer.json")] {
+    for (name, src) in [
+        ("config.json", "config.default.json"),
+        ("model.safetensors", "model.safetensors"),
+        ("tokenizer.json", "tokenizer.json"),
+    ] {
         let blob = repo.join("blobs").join(format!("blob-{name}"));
         std::fs::copy(fixture.join(src), &blob).unwrap();
         std::os::unix::fs::symlink(&blob, snapshot.join(name)).unwrap();
@@ -55,7 +59,13 @@ fn a_hub_name_loads_from_the_cache_and_a_missing_one_says_where_it_looked() {
         let err = hub::target_path(repo, dir.path().join("elsewhere").join(repo), revision).unwrap_err();
         let looked = cache.join(format!("models--{}", repo.replace('/', "--")));
         assert!(!err.contains('\n'), "one line: {err}");
-        assert!(err.contains(&format!("`{repo}` is not a local path and not in the HF hub cache (looked in {})", looked.display())), "{err}");
+        assert!(
+            err.contains(&format!(
+                "`{repo}` is not a local path and not in the HF hub cache (looked in {})",
+                looked.display()
+            )),
+            "{err}"
+        );
         assert!(err.contains("downloading it failed"), "{err}");
     }
 }

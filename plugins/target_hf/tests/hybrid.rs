@@ -76,7 +76,12 @@ fn a_bf16_target_runs_and_stays_near() {
         let (_, logits) = t.features(&r["in.input_ids"], &[0], true).unwrap();
         let (got, want) = (logits.unwrap().to_kind(Kind::Float), &r["out.logits"]);
         let rms = ((&got - want).square().mean(Kind::Float) / want.square().mean(Kind::Float)).sqrt().double_value(&[]);
-        let agree = got.argmax(-1, false).eq_tensor(&want.argmax(-1, false)).to_kind(Kind::Float).mean(Kind::Float).double_value(&[]);
+        let agree = got
+            .argmax(-1, false)
+            .eq_tensor(&want.argmax(-1, false))
+            .to_kind(Kind::Float)
+            .mean(Kind::Float)
+            .double_value(&[]);
         assert!(rms < 0.3 && agree > 0.8, "{arch} in bf16: logits RMS error {rms:.2e}, argmax agreement {agree:.3}");
         let out = generate::greedy(&t.model, &[to_vec(&r["gen.prompt"])], 4, &[], 1);
         assert_eq!(out[0].len(), 4);
@@ -155,7 +160,13 @@ fn speculative_decoding_is_lossless() {
             let at = out.len();
             let wrong_from = cycle % block;
             let drafts: Vec<u32> = (0..block - 1)
-                .map(|j| if j < wrong_from { greedy.get(at + j).copied().unwrap_or(0) } else { (7 * cycle as u32 + j as u32) % 60 })
+                .map(|j| {
+                    if j < wrong_from {
+                        greedy.get(at + j).copied().unwrap_or(0)
+                    } else {
+                        (7 * cycle as u32 + j as u32) % 60
+                    }
+                })
                 .collect();
             let base = (prompt.len() + out.len() - 1) as i64;
             let mut verify = vec![*out.last().unwrap()];

@@ -6,9 +6,8 @@
 //! shuffled per epoch from the seed and the epoch number, and resumable by position.
 
 use plugin_api::{
-    serde::Deserialize,
-    tch::Tensor,
-    DataLoaderPlugin, DataPosition, DataSummary, HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, TrainBatch,
+    serde::Deserialize, tch::Tensor, DataLoaderPlugin, DataPosition, DataSummary, HostContext, PluginError, PluginInfo,
+    PluginInstance, PluginKind, TrainBatch,
 };
 
 /// The `[data]` section (besides `plugin = "ids"`).
@@ -43,9 +42,13 @@ pub struct IdsData {
 
 /// `PROMPT | RESPONSE` -> a sequence; `line` (1-based) for errors.
 fn parse_line(text: &str, line: usize) -> Result<Sequence, PluginError> {
-    let (prompt, response) = text.split_once('|').ok_or_else(|| PluginError::new(format!("line {line}: expected `PROMPT_IDS | RESPONSE_IDS`")))?;
+    let (prompt, response) = text
+        .split_once('|')
+        .ok_or_else(|| PluginError::new(format!("line {line}: expected `PROMPT_IDS | RESPONSE_IDS`")))?;
     let ids = |s: &str| -> Result<Vec<i64>, PluginError> {
-        s.split_whitespace().map(|t| t.parse::<i64>().map_err(|e| PluginError::new(format!("line {line}: `{t}`: {e}")))).collect()
+        s.split_whitespace()
+            .map(|t| t.parse::<i64>().map_err(|e| PluginError::new(format!("line {line}: `{t}`: {e}"))))
+            .collect()
     };
     let (p, r) = (ids(prompt)?, ids(response)?);
     if p.is_empty() || r.is_empty() {
@@ -79,7 +82,8 @@ impl IdsData {
 
 impl DataLoaderPlugin for IdsData {
     fn open(&mut self, _tokenizer_json: &str) -> Result<DataSummary, PluginError> {
-        let text = std::fs::read_to_string(&self.file).map_err(|e| PluginError::new(format!("field `path`: {}: {e}", self.file.display())))?;
+        let text = std::fs::read_to_string(&self.file)
+            .map_err(|e| PluginError::new(format!("field `path`: {}: {e}", self.file.display())))?;
         self.sequences = text
             .lines()
             .enumerate()
@@ -126,7 +130,11 @@ impl DataLoaderPlugin for IdsData {
 
     fn seek(&mut self, position: DataPosition) -> Result<(), PluginError> {
         if position.index as usize > self.sequences.len() {
-            return Err(PluginError::new(format!("position {} is past the epoch's {} sequences", position.index, self.sequences.len())));
+            return Err(PluginError::new(format!(
+                "position {} is past the epoch's {} sequences",
+                position.index,
+                self.sequences.len()
+            )));
         }
         self.pos = position;
         self.shuffle_epoch();
@@ -135,7 +143,12 @@ impl DataLoaderPlugin for IdsData {
 }
 
 fn info() -> PluginInfo {
-    PluginInfo::new("ids", PluginKind::DataLoader, env!("CARGO_PKG_VERSION"), "pre-tokenized `PROMPT | RESPONSE` lines (template plugin)")
+    PluginInfo::new(
+        "ids",
+        PluginKind::DataLoader,
+        env!("CARGO_PKG_VERSION"),
+        "pre-tokenized `PROMPT | RESPONSE` lines (template plugin)",
+    )
 }
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
@@ -146,7 +159,15 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     let spec = ctx.target.as_ref().into_option();
     let pad_id = spec.map_or(0, |s| s.pad_token_id.into_option().unwrap_or(s.eos_token_id)) as i64;
     let file = ctx.resolve_path(&cfg.path);
-    Ok(PluginInstance::data_loader(IdsData { cfg, file, seed: ctx.seed, pad_id, sequences: Vec::new(), order: Vec::new(), pos: DataPosition::default() }))
+    Ok(PluginInstance::data_loader(IdsData {
+        cfg,
+        file,
+        seed: ctx.seed,
+        pad_id,
+        sequences: Vec::new(),
+        order: Vec::new(),
+        pos: DataPosition::default(),
+    }))
 }
 
 plugin_api::declare_plugin!(data_ids, info, create);

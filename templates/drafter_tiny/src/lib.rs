@@ -75,7 +75,11 @@ impl TinyDrafter {
             .into_iter()
             .map(|(name, shape)| {
                 // Norm gains start at 1, matrices small and random (from the seeded generator).
-                let t = if shape.len() == 1 { Tensor::ones(shape.as_slice(), (kind, device)) } else { Tensor::randn(shape.as_slice(), (kind, device)) * 0.02 };
+                let t = if shape.len() == 1 {
+                    Tensor::ones(shape.as_slice(), (kind, device))
+                } else {
+                    Tensor::randn(shape.as_slice(), (kind, device)) * 0.02
+                };
                 (name.to_string(), t.set_requires_grad(true))
             })
             .collect();
@@ -95,7 +99,8 @@ impl TinyDrafter {
         let anchor = anchors.index_select(1, &block);
         // Context: positions strictly before the anchor. Blocks: only the query's own.
         let context = Tensor::arange(s, (Kind::Int64, dev)).view([1, 1, s]).lt_tensor(&anchor.unsqueeze(-1));
-        let own = block.unsqueeze(1).eq_tensor(&block.unsqueeze(0)).unsqueeze(0).expand([anchors.size()[0], t, t], false);
+        let own =
+            block.unsqueeze(1).eq_tensor(&block.unsqueeze(0)).unsqueeze(0).expand([anchors.size()[0], t, t], false);
         Tensor::cat(&[context, own], -1)
     }
 }
@@ -131,9 +136,16 @@ impl DrafterPlugin for TinyDrafter {
         }
         let _guard = tch::no_grad_guard();
         for (name, p) in &mut self.params {
-            let (_, w) = weights.iter().find(|(n, _)| n == name).ok_or_else(|| PluginError::new(format!("weight `{name}` missing")))?;
+            let (_, w) = weights
+                .iter()
+                .find(|(n, _)| n == name)
+                .ok_or_else(|| PluginError::new(format!("weight `{name}` missing")))?;
             if w.size() != p.size() {
-                return Err(PluginError::new(format!("weight `{name}`: shape {:?}, expected {:?}", w.size(), p.size())));
+                return Err(PluginError::new(format!(
+                    "weight `{name}`: shape {:?}, expected {:?}",
+                    w.size(),
+                    p.size()
+                )));
             }
             p.f_copy_(w)?;
         }
@@ -157,7 +169,8 @@ impl DrafterPlugin for TinyDrafter {
         let k = split(linear(&keys_in, 4), s + t);
         let v = split(linear(&keys_in, 5), s + t);
         let blocked = self.visibility(&x.anchors, s, t).logical_not().unsqueeze(1);
-        let scores = (q.matmul(&k.transpose(-2, -1)) / ((h / heads) as f64).sqrt()).masked_fill(&blocked, f64::NEG_INFINITY);
+        let scores =
+            (q.matmul(&k.transpose(-2, -1)) / ((h / heads) as f64).sqrt()).masked_fill(&blocked, f64::NEG_INFINITY);
         let attn = scores.softmax(-1, scores.kind()).matmul(&v).transpose(1, 2).reshape([b, t, h]);
         let y = blocks + linear(&attn, 6);
         // 3. SwiGLU MLP, then the final norm.
@@ -168,12 +181,18 @@ impl DrafterPlugin for TinyDrafter {
 }
 
 fn info() -> PluginInfo {
-    PluginInfo::new("tiny_drafter", PluginKind::Drafter, env!("CARGO_PKG_VERSION"), "one-layer block drafter (template plugin)")
+    PluginInfo::new(
+        "tiny_drafter",
+        PluginKind::Drafter,
+        env!("CARGO_PKG_VERSION"),
+        "one-layer block drafter (template plugin)",
+    )
 }
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let cfg: TinyConfig = plugin_api::parse_section(config)?;
-    let spec = ctx.target.as_ref().into_option().ok_or_else(|| PluginError::new("a drafter needs the target's spec"))?;
+    let spec =
+        ctx.target.as_ref().into_option().ok_or_else(|| PluginError::new("a drafter needs the target's spec"))?;
     let n = spec.num_hidden_layers;
     let layers = cfg.target_layers.clone().unwrap_or_else(|| if n >= 4 { vec![1, n - 2] } else { (0..n).collect() });
     if let Some(bad) = layers.iter().find(|&&l| l >= n) {
@@ -185,7 +204,10 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     }
     let mask_token_id = cfg.mask_token_id.unwrap_or(spec.vocab_size.saturating_sub(1));
     if mask_token_id >= spec.vocab_size {
-        return Err(PluginError::new(format!("field `mask_token_id`: {mask_token_id}, the vocabulary has {}", spec.vocab_size)));
+        return Err(PluginError::new(format!(
+            "field `mask_token_id`: {mask_token_id}, the vocabulary has {}",
+            spec.vocab_size
+        )));
     }
     let dims = Dims {
         hidden: spec.hidden_size as i64,
@@ -209,7 +231,8 @@ mod tests {
 
     #[test]
     fn a_block_sees_the_context_before_its_anchor_and_itself() {
-        let dims = Dims { hidden: 8, intermediate: 16, heads: 2, block_size: 2, mask_token_id: 0, layers: vec![0], eps: 1e-6 };
+        let dims =
+            Dims { hidden: 8, intermediate: 16, heads: 2, block_size: 2, mask_token_id: 0, layers: vec![0], eps: 1e-6 };
         let d = TinyDrafter::new(dims, Device::Cpu, Kind::Float);
         // One sequence of 4 context positions, blocks at anchors 1 and 3.
         let v = d.visibility(&Tensor::from_slice(&[1i64, 3]).view([1, 2]), 4, 4);

@@ -147,14 +147,16 @@ impl TinyLm {
             // 1. Attention over the cached keys and these: query i (at past + i) sees keys <= past + i.
             let xn = x.rms_norm([h], Some(&layer.input_norm), EPS);
             let q = split(xn.linear::<&Tensor>(&layer.q, None));
-            let (mut k, mut v) = (split(xn.linear::<&Tensor>(&layer.k, None)), split(xn.linear::<&Tensor>(&layer.v, None)));
+            let (mut k, mut v) =
+                (split(xn.linear::<&Tensor>(&layer.k, None)), split(xn.linear::<&Tensor>(&layer.v, None)));
             if let Some((pk, pv)) = kv.as_ref() {
                 k = Tensor::cat(&[pk, &k], 2);
                 v = Tensor::cat(&[pv, &v], 2);
             }
             let past = k.size()[2] - l;
             let visible = Tensor::ones([l, past + l], (Kind::Bool, x.device())).tril(past);
-            let scores = (q.matmul(&k.transpose(-2, -1)) / ((h / heads) as f64).sqrt()).masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
+            let scores = (q.matmul(&k.transpose(-2, -1)) / ((h / heads) as f64).sqrt())
+                .masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
             let attn = scores.softmax(-1, scores.kind()).matmul(&v).transpose(1, 2).reshape([b, l, h]);
             *kv = Some((k, v));
             x = &x + attn.linear::<&Tensor>(&layer.o, None);
@@ -171,7 +173,11 @@ impl TinyLm {
     fn features(&self, outputs: &[Tensor], layer_ids: &[u32]) -> Result<Tensor, PluginError> {
         let picked = layer_ids
             .iter()
-            .map(|&i| outputs.get(i as usize).ok_or_else(|| PluginError::new(format!("layer {i}: the model has {} layers", outputs.len()))))
+            .map(|&i| {
+                outputs
+                    .get(i as usize)
+                    .ok_or_else(|| PluginError::new(format!("layer {i}: the model has {} layers", outputs.len())))
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Tensor::cat(&picked, -1))
     }
@@ -197,7 +203,11 @@ impl TargetPlugin for TinyLm {
             chat_template: CHAT_TEMPLATE.into(),
             source: format!("tiny_lm seed {}", c.seed).into(),
             // Identifies the weights for the host's caches: its seed and sizes make them.
-            source_sha256: format!("tiny_lm-{}-{}x{}-{}", c.seed, c.num_hidden_layers, c.hidden_size, c.num_attention_heads).into(),
+            source_sha256: format!(
+                "tiny_lm-{}-{}x{}-{}",
+                c.seed, c.num_hidden_layers, c.hidden_size, c.num_attention_heads
+            )
+            .into(),
         }
     }
 
@@ -213,12 +223,22 @@ impl TargetPlugin for TinyLm {
         self.embedding.shallow_clone()
     }
 
-    fn forward(&mut self, input_ids: &Tensor, layer_ids: &[u32], want_logits: bool) -> Result<(Tensor, Option<Tensor>), PluginError> {
+    fn forward(
+        &mut self,
+        input_ids: &Tensor,
+        layer_ids: &[u32],
+        want_logits: bool,
+    ) -> Result<(Tensor, Option<Tensor>), PluginError> {
         let (outputs, logits) = self.run(&input_ids.to_device(self.embedding.device()), &mut Vec::new());
         Ok((self.features(&outputs, layer_ids)?, want_logits.then_some(logits)))
     }
 
-    fn generate(&mut self, prompts: Vec<Vec<u32>>, max_new_tokens: u32, stop_tokens: &[u32]) -> Result<Vec<Vec<u32>>, PluginError> {
+    fn generate(
+        &mut self,
+        prompts: Vec<Vec<u32>>,
+        max_new_tokens: u32,
+        stop_tokens: &[u32],
+    ) -> Result<Vec<Vec<u32>>, PluginError> {
         let device = self.embedding.device();
         let mut replies = Vec::with_capacity(prompts.len());
         for prompt in prompts {
@@ -257,13 +277,20 @@ impl TargetPlugin for TinyLm {
 }
 
 fn info() -> PluginInfo {
-    PluginInfo::new("tiny_lm", PluginKind::Target, env!("CARGO_PKG_VERSION"), "tiny byte-level causal LM with seeded weights (template plugin)")
+    PluginInfo::new(
+        "tiny_lm",
+        PluginKind::Target,
+        env!("CARGO_PKG_VERSION"),
+        "tiny byte-level causal LM with seeded weights (template plugin)",
+    )
 }
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let cfg: TinyLmConfig = plugin_api::parse_section(config)?;
     if cfg.num_hidden_layers == 0 || cfg.num_attention_heads == 0 || cfg.hidden_size % cfg.num_attention_heads != 0 {
-        return Err(PluginError::new("fields `num_hidden_layers`, `num_attention_heads`: >= 1, and `hidden_size` a multiple of the heads"));
+        return Err(PluginError::new(
+            "fields `num_hidden_layers`, `num_attention_heads`: >= 1, and `hidden_size` a multiple of the heads",
+        ));
     }
     Ok(PluginInstance::target(TinyLm::random(cfg, ctx.tch_device()?, ctx.tch_kind()?)))
 }

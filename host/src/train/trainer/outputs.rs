@@ -6,7 +6,13 @@ use super::*;
 impl Trainer<'_> {
     /// A metrics line over the window since the last one (metrics.jsonl, TensorBoard, the log),
     /// then a new window.
-    pub(super) fn log(&mut self, step: u64, grad_norm: f64, feed: &Feed<Micro>, val: Option<ValidationScores>) -> Result<()> {
+    pub(super) fn log(
+        &mut self,
+        step: u64,
+        grad_norm: f64,
+        feed: &Feed<Micro>,
+        val: Option<ValidationScores>,
+    ) -> Result<()> {
         let t = &self.cfg.train;
         let w = &self.state.window;
         let acc = w.acc();
@@ -58,7 +64,10 @@ impl Trainer<'_> {
         if let Some(tb) = self.tb.as_mut() {
             tensorboard::log_metrics(tb, &serde_json::to_value(&m)?)?;
         }
-        self.bar.set_message(format!("loss {:.3}  τ̂ {:.3}  {:.0} tok/s  q_hs {:.1}", m.loss, m.tau_hat, m.tok_per_s, m.q_hs));
+        self.bar.set_message(format!(
+            "loss {:.3}  τ̂ {:.3}  {:.0} tok/s  q_hs {:.1}",
+            m.loss, m.tau_hat, m.tok_per_s, m.q_hs
+        ));
         self.bar.suspend(|| {
             tracing::info!(
                 "step {step}/{}  loss {:.4}  τ̂ {:.3}  acc@1 {:.3}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  q_hs {:.1}",
@@ -97,11 +106,19 @@ impl Trainer<'_> {
             self.bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
         } else if self.lead {
             self.state.elapsed_s = self.train_elapsed_s();
-            let (weights, config_json, optimizer_state) = (self.drafter.parameters(), self.drafter.config_json(), self.optimizer.state());
+            let (weights, config_json, optimizer_state) =
+                (self.drafter.parameters(), self.drafter.config_json(), self.optimizer.state());
             // A panic there gave a placeholder (no weights, no state): never write it.
             self.names.check(PluginKind::Drafter, &*self.drafter)?;
             self.names.check(PluginKind::Optimizer, &*self.optimizer)?;
-            let dir = self.exp.save_checkpoint(step, &weights, config_json.as_str(), &optimizer_state, &self.state, t.keep_checkpoints)?;
+            let dir = self.exp.save_checkpoint(
+                step,
+                &weights,
+                config_json.as_str(),
+                &optimizer_state,
+                &self.state,
+                t.keep_checkpoints,
+            )?;
             self.last_ckpt = Some(dir.display().to_string());
         }
         Ok(())

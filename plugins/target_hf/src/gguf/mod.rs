@@ -22,8 +22,8 @@ mod parse;
 pub(crate) mod tests;
 mod types;
 
-pub use types::GgmlType;
 use parse::*;
+pub use types::GgmlType;
 use types::*;
 
 const MAGIC: &[u8; 4] = b"GGUF";
@@ -36,33 +36,20 @@ const MAX_ARRAY_DEPTH: usize = 4;
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     #[error("{}: {source}", .path.display())]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     #[error("{}: {what}", .path.display())]
     Format { path: PathBuf, what: String },
     #[error("{}: metadata key {key}: missing", .path.display())]
     MissingKey { path: PathBuf, key: String },
     #[error("{}: metadata key {key}: expected {expected}, found {found}", .path.display())]
-    KeyType {
-        path: PathBuf,
-        key: String,
-        expected: &'static str,
-        found: String,
-    },
+    KeyType { path: PathBuf, key: String, expected: &'static str, found: String },
     #[error("{}: no tensor named {name}", .path.display())]
     MissingTensor { path: PathBuf, name: String },
     #[error("{}: tensor {name}: cannot dequantise ggml type {ty} (supported: {})", .path.display(), supported_names())]
-    UnsupportedType {
-        path: PathBuf,
-        name: String,
-        ty: &'static str,
-    },
+    UnsupportedType { path: PathBuf, name: String, ty: &'static str },
     #[error("{}: tokenizer: {what}", .path.display())]
     Tokenizer { path: PathBuf, what: String },
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // Metadata values
@@ -171,7 +158,6 @@ impl TensorInfo {
     }
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // The file
 // ---------------------------------------------------------------------------------------------
@@ -203,25 +189,14 @@ impl GgufFile {
     /// Maps and parses `path`, validating every tensor's data range against the file length.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
         let path = path.as_ref().to_path_buf();
-        let io = |source| GgufError::Io {
-            path: path.clone(),
-            source,
-        };
+        let io = |source| GgufError::Io { path: path.clone(), source };
         let file = File::open(&path).map_err(io)?;
         // SAFETY: the map is read-only; as with any mmap, another process truncating or
         // rewriting the file while it is open is outside what this reader can guard against.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
-        let p = parse(&mmap).map_err(|what| GgufError::Format {
-            path: path.clone(),
-            what,
-        })?;
+        let p = parse(&mmap).map_err(|what| GgufError::Format { path: path.clone(), what })?;
 
-        let meta_index = p
-            .metadata
-            .iter()
-            .enumerate()
-            .map(|(i, (k, _))| (k.clone(), i))
-            .collect();
+        let meta_index = p.metadata.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect();
         let mut tensor_index = HashMap::with_capacity(p.tensors.len());
         for (i, t) in p.tensors.iter().enumerate() {
             if tensor_index.insert(t.name.clone(), i).is_some() {
@@ -271,31 +246,18 @@ impl GgufFile {
     }
 
     fn require(&self, key: &str) -> Result<&GgufValue, GgufError> {
-        self.get(key).ok_or_else(|| GgufError::MissingKey {
-            path: self.path.clone(),
-            key: key.into(),
-        })
+        self.get(key).ok_or_else(|| GgufError::MissingKey { path: self.path.clone(), key: key.into() })
     }
 
     fn key_type(&self, key: &str, expected: &'static str, found: String) -> GgufError {
-        GgufError::KeyType {
-            path: self.path.clone(),
-            key: key.into(),
-            expected,
-            found,
-        }
+        GgufError::KeyType { path: self.path.clone(), key: key.into(), expected, found }
     }
 
     /// An integer of any GGUF integer type, converted to `T` when the value fits.
-    fn meta_int<T: TryFrom<i128>>(
-        &self,
-        key: &str,
-        expected: &'static str,
-    ) -> Result<T, GgufError> {
+    fn meta_int<T: TryFrom<i128>>(&self, key: &str, expected: &'static str) -> Result<T, GgufError> {
         let v = self.require(key)?;
         match v.as_int() {
-            Some(i) => T::try_from(i)
-                .map_err(|_| self.key_type(key, expected, format!("{} {i}", v.type_name()))),
+            Some(i) => T::try_from(i).map_err(|_| self.key_type(key, expected, format!("{} {i}", v.type_name()))),
             None => Err(self.key_type(key, expected, v.type_name())),
         }
     }
@@ -319,9 +281,7 @@ impl GgufFile {
     /// f32 or f64 (narrowed).
     pub fn meta_f32(&self, key: &str) -> Result<f32, GgufError> {
         let v = self.require(key)?;
-        v.as_float()
-            .map(|f| f as f32)
-            .ok_or_else(|| self.key_type(key, "a float", v.type_name()))
+        v.as_float().map(|f| f as f32).ok_or_else(|| self.key_type(key, "a float", v.type_name()))
     }
 
     pub fn meta_bool(&self, key: &str) -> Result<bool, GgufError> {
@@ -333,14 +293,12 @@ impl GgufFile {
 
     pub fn meta_str(&self, key: &str) -> Result<&str, GgufError> {
         let v = self.require(key)?;
-        v.as_str()
-            .ok_or_else(|| self.key_type(key, "string", v.type_name()))
+        v.as_str().ok_or_else(|| self.key_type(key, "string", v.type_name()))
     }
 
     fn meta_array(&self, key: &str, expected: &'static str) -> Result<&[GgufValue], GgufError> {
         let v = self.require(key)?;
-        v.as_array()
-            .ok_or_else(|| self.key_type(key, expected, v.type_name()))
+        v.as_array().ok_or_else(|| self.key_type(key, expected, v.type_name()))
     }
 
     pub fn meta_str_array(&self, key: &str) -> Result<Vec<&str>, GgufError> {
@@ -348,11 +306,7 @@ impl GgufFile {
         let items = self.meta_array(key, expected)?;
         items
             .iter()
-            .map(|v| {
-                v.as_str().ok_or_else(|| {
-                    self.key_type(key, expected, format!("array of {}", v.type_name()))
-                })
-            })
+            .map(|v| v.as_str().ok_or_else(|| self.key_type(key, expected, format!("array of {}", v.type_name()))))
             .collect()
     }
 
@@ -377,9 +331,9 @@ impl GgufFile {
         items
             .iter()
             .map(|v| {
-                v.as_float().map(|f| f as f32).ok_or_else(|| {
-                    self.key_type(key, expected, format!("array of {}", v.type_name()))
-                })
+                v.as_float()
+                    .map(|f| f as f32)
+                    .ok_or_else(|| self.key_type(key, expected, format!("array of {}", v.type_name())))
             })
             .collect()
     }
@@ -400,11 +354,7 @@ impl GgufFile {
     }
 
     fn require_tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
-        self.tensor_info(name)
-            .ok_or_else(|| GgufError::MissingTensor {
-                path: self.path.clone(),
-                name: name.into(),
-            })
+        self.tensor_info(name).ok_or_else(|| GgufError::MissingTensor { path: self.path.clone(), name: name.into() })
     }
 
     /// The tensor's raw bytes (in range: `open` checked it).
@@ -425,13 +375,9 @@ impl GgufFile {
         })?;
         let data = self.tensor_data(name)?;
         let mut out = vec![0f32; t.n_elements];
-        for (block, y) in data
-            .chunks_exact(ty.block_bytes())
-            .zip(out.chunks_exact_mut(ty.block_elems()))
-        {
+        for (block, y) in data.chunks_exact(ty.block_bytes()).zip(out.chunks_exact_mut(ty.block_elems())) {
             block_fn(block, y);
         }
         Ok((t.torch_shape(), out))
     }
 }
-

@@ -3,7 +3,6 @@
 
 use super::*;
 
-
 /// Bounds-checked little-endian reader; errors are plain descriptions, the caller adds where.
 pub(super) struct Cursor<'a> {
     pub(super) buf: &'a [u8],
@@ -46,10 +45,7 @@ impl<'a> Cursor<'a> {
         let n = self.u64()?;
         let fits = self.remaining() / unit;
         if n > fits as u64 {
-            return Err(format!(
-                "{what} {n} at byte {at} cannot fit in the {} bytes left",
-                self.remaining()
-            ));
+            return Err(format!("{what} {n} at byte {at} cannot fit in the {} bytes left", self.remaining()));
         }
         Ok(n as usize)
     }
@@ -81,15 +77,11 @@ impl<'a> Cursor<'a> {
                     return Err(format!("arrays nested deeper than {MAX_ARRAY_DEPTH}"));
                 }
                 let elem_ty = self.u32()?;
-                let unit = min_value_size(elem_ty)
-                    .ok_or_else(|| format!("unknown array element type {elem_ty}"))?;
+                let unit = min_value_size(elem_ty).ok_or_else(|| format!("unknown array element type {elem_ty}"))?;
                 let n = self.count(unit, "array length")?;
                 let mut items = Vec::with_capacity(n);
                 for i in 0..n {
-                    items.push(
-                        self.value(elem_ty, depth + 1)
-                            .map_err(|e| format!("[{i}]: {e}"))?,
-                    );
+                    items.push(self.value(elem_ty, depth + 1).map_err(|e| format!("[{i}]: {e}"))?);
                 }
                 GgufValue::Array(items)
             }
@@ -116,12 +108,8 @@ pub(super) fn min_value_size(ty: u32) -> Option<usize> {
 /// 93000000 -> "93,000,000", for readable sizes in messages.
 pub(super) fn commas(n: u128) -> String {
     let digits = n.to_string();
-    let groups: Vec<&str> = digits
-        .as_bytes()
-        .rchunks(3)
-        .rev()
-        .map(|g| std::str::from_utf8(g).expect("ASCII digits"))
-        .collect();
+    let groups: Vec<&str> =
+        digits.as_bytes().rchunks(3).rev().map(|g| std::str::from_utf8(g).expect("ASCII digits")).collect();
     groups.join(",")
 }
 
@@ -140,37 +128,24 @@ pub(super) fn parse(buf: &[u8]) -> Result<Parsed, String> {
     // 1. Header.
     let magic = cur.array::<4>().map_err(|e| format!("header: {e}"))?;
     if &magic != MAGIC {
-        return Err(format!(
-            "not a GGUF file (magic {magic:02x?}, expected \"GGUF\")"
-        ));
+        return Err(format!("not a GGUF file (magic {magic:02x?}, expected \"GGUF\")"));
     }
     let version = cur.u32().map_err(|e| format!("header: {e}"))?;
     if version != 2 && version != 3 {
         // v1 used u32 counts; a byte-swapped (big-endian) file shows up as a huge version.
-        return Err(format!(
-            "unsupported GGUF version {version} (supported: 2, 3, little-endian)"
-        ));
+        return Err(format!("unsupported GGUF version {version} (supported: 2, 3, little-endian)"));
     }
     // Smallest tensor info: name length 8 + n_dims 4 + type 4 + offset 8.
-    let n_tensors = cur
-        .count(24, "tensor count")
-        .map_err(|e| format!("header: {e}"))?;
+    let n_tensors = cur.count(24, "tensor count").map_err(|e| format!("header: {e}"))?;
     // Smallest KV: key length 8 + type 4 + a 1-byte value.
-    let n_kv = cur
-        .count(13, "metadata count")
-        .map_err(|e| format!("header: {e}"))?;
+    let n_kv = cur.count(13, "metadata count").map_err(|e| format!("header: {e}"))?;
 
     // 2. Metadata.
     let mut metadata = Vec::with_capacity(n_kv);
     let mut seen = HashMap::with_capacity(n_kv);
     for i in 0..n_kv {
-        let key = cur
-            .string()
-            .map_err(|e| format!("metadata #{i} key: {e}"))?;
-        let value = cur
-            .u32()
-            .and_then(|ty| cur.value(ty, 0))
-            .map_err(|e| format!("metadata key {key}: {e}"))?;
+        let key = cur.string().map_err(|e| format!("metadata #{i} key: {e}"))?;
+        let value = cur.u32().and_then(|ty| cur.value(ty, 0)).map_err(|e| format!("metadata key {key}: {e}"))?;
         if seen.insert(key.clone(), i).is_some() {
             return Err(format!("metadata key {key} appears twice"));
         }
@@ -189,8 +164,7 @@ pub(super) fn parse(buf: &[u8]) -> Result<Parsed, String> {
     let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors);
     for i in 0..n_tensors {
         let name = cur.string().map_err(|e| format!("tensor #{i} name: {e}"))?;
-        let info =
-            read_tensor_info(&mut cur, name.clone()).map_err(|e| format!("tensor {name}: {e}"))?;
+        let info = read_tensor_info(&mut cur, name.clone()).map_err(|e| format!("tensor {name}: {e}"))?;
         tensors.push(info);
     }
 
@@ -218,13 +192,7 @@ pub(super) fn parse(buf: &[u8]) -> Result<Parsed, String> {
         }
     }
 
-    Ok(Parsed {
-        version,
-        alignment,
-        data_offset,
-        metadata,
-        tensors,
-    })
+    Ok(Parsed { version, alignment, data_offset, metadata, tensors })
 }
 
 pub(super) fn read_tensor_info(cur: &mut Cursor, name: String) -> Result<TensorInfo, String> {
@@ -243,8 +211,7 @@ pub(super) fn read_tensor_info(cur: &mut Cursor, name: String) -> Result<TensorI
     let type_id = cur.u32()?;
     let offset = cur.u64()?;
 
-    let ggml_type =
-        GgmlType::from_id(type_id).ok_or_else(|| format!("unknown ggml type id {type_id}"))?;
+    let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| format!("unknown ggml type id {type_id}"))?;
     let n_elements = dims
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d))
@@ -265,12 +232,5 @@ pub(super) fn read_tensor_info(cur: &mut Cursor, name: String) -> Result<TensorI
     let offset = usize::try_from(offset).map_err(|_| format!("offset {offset} overflows"))?;
     // Each dim is at most n_elements (or the tensor is empty), so it fits usize.
     let dims = dims.iter().map(|&d| d as usize).collect();
-    Ok(TensorInfo {
-        name,
-        dims,
-        ggml_type,
-        offset,
-        n_elements,
-        n_bytes,
-    })
+    Ok(TensorInfo { name, dims, ggml_type, offset, n_elements, n_bytes })
 }

@@ -1,4 +1,3 @@
-
 //! The reader's tests, on files written by test_support's GGUF writer.
 
 use super::parse::*;
@@ -23,10 +22,7 @@ fn run(ty: u32, block: &[u8]) -> Vec<f32> {
 fn assert_close(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
-            "{what}[{i}]: got {g}, want {w}"
-        );
+        assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{what}[{i}]: got {g}, want {w}");
     }
 }
 
@@ -163,9 +159,7 @@ fn q4_k() {
     block.extend(f16_bytes(dmin));
     block.extend(pack_k_scales(&K_SC, &K_MN));
     block.extend(pack_k_nibbles(&q));
-    let want: Vec<f32> = (0..256)
-        .map(|e| d * K_SC[e / 32] as f32 * q[e] as f32 - dmin * K_MN[e / 32] as f32)
-        .collect();
+    let want: Vec<f32> = (0..256).map(|e| d * K_SC[e / 32] as f32 * q[e] as f32 - dmin * K_MN[e / 32] as f32).collect();
     assert_close(&run(12, &block), &want, "q4_k");
 }
 
@@ -185,9 +179,7 @@ fn q5_k() {
     block.extend(pack_k_scales(&K_SC, &K_MN));
     block.extend(qh);
     block.extend(pack_k_nibbles(&lo));
-    let want: Vec<f32> = (0..256)
-        .map(|e| d * K_SC[e / 32] as f32 * q[e] as f32 - dmin * K_MN[e / 32] as f32)
-        .collect();
+    let want: Vec<f32> = (0..256).map(|e| d * K_SC[e / 32] as f32 * q[e] as f32 - dmin * K_MN[e / 32] as f32).collect();
     assert_close(&run(13, &block), &want, "q5_k");
 }
 
@@ -195,9 +187,7 @@ fn q5_k() {
 fn q6_k() {
     let mut r = lcg(7);
     let q: Vec<u8> = (0..256).map(|_| (r() % 64) as u8).collect();
-    let sc: [i8; 16] = [
-        1, -2, 3, -4, 127, -128, 7, 8, -9, 10, 11, -12, 13, 14, -15, 16,
-    ];
+    let sc: [i8; 16] = [1, -2, 3, -4, 127, -128, 7, 8, -9, 10, 11, -12, 13, 14, -15, 16];
     let d = 0.125;
     // Element e: half h = e / 128; within it quarter k = (e % 128) / 32 and l = e % 32.
     // Low 4 bits: ql[64h + l + 32 (k odd)], low nibble for k < 2, high for k >= 2.
@@ -213,37 +203,23 @@ fn q6_k() {
     block.extend(qh);
     block.extend(sc.iter().map(|&s| s as u8));
     block.extend(f16_bytes(d));
-    let want: Vec<f32> = (0..256)
-        .map(|e| d * sc[e / 16] as f32 * (q[e] as f32 - 32.0))
-        .collect();
+    let want: Vec<f32> = (0..256).map(|e| d * sc[e / 16] as f32 * (q[e] as f32 - 32.0)).collect();
     assert_close(&run(14, &block), &want, "q6_k");
 }
 
 #[test]
 fn type_table_is_consistent() {
     for (i, t) in GGML_TYPES.iter().enumerate() {
-        assert!(
-            GGML_TYPES[i + 1..]
-                .iter()
-                .all(|u| u.id != t.id && u.name != t.name),
-            "{}",
-            t.name
-        );
+        assert!(GGML_TYPES[i + 1..].iter().all(|u| u.id != t.id && u.name != t.name), "{}", t.name);
         assert!(t.block_bytes > 0 && t.block_elems > 0);
     }
-    assert_eq!(
-        supported_names(),
-        "F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16"
-    );
+    assert_eq!(supported_names(), "F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16");
 }
 
 // --- a small file written here ---
 
 fn small_file() -> Vec<u8> {
-    let a: Vec<u8> = [1.0f32, -2.0, 3.5, 0.0, 0.25, -8.0]
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .collect();
+    let a: Vec<u8> = [1.0f32, -2.0, 3.5, 0.0, 0.25, -8.0].iter().flat_map(|x| x.to_le_bytes()).collect();
     // Q8_0, two blocks (dims [32, 2]): d = 0.5 and d = 2, quants -16..16 / 15..-17.
     let mut b = Vec::new();
     for (d, first) in [(0.5f32, -16i32), (2.0, 15)] {
@@ -260,27 +236,11 @@ fn small_file() -> Vec<u8> {
             ("neg", W::I32(-3)),
             ("flag", W::Bool(true)),
             ("names", W::Arr(8, vec![W::str("a"), W::str("bé")])),
-            (
-                "nested",
-                W::Arr(
-                    9,
-                    vec![W::Arr(5, vec![W::I32(1), W::I32(-2)]), W::Arr(5, vec![])],
-                ),
-            ),
+            ("nested", W::Arr(9, vec![W::Arr(5, vec![W::I32(1), W::I32(-2)]), W::Arr(5, vec![])])),
         ],
         &[
-            WTensor {
-                name: "a",
-                dims: vec![3, 2],
-                ty: 0,
-                data: a,
-            },
-            WTensor {
-                name: "b",
-                dims: vec![32, 2],
-                ty: 8,
-                data: b,
-            },
+            WTensor { name: "a", dims: vec![3, 2], ty: 0, data: a },
+            WTensor { name: "b", dims: vec![32, 2], ty: 8, data: b },
         ],
         64,
     )
@@ -303,46 +263,28 @@ fn small_file_parses() {
     assert!(g.meta_bool("flag").unwrap());
     assert_eq!(g.meta_str_array("names").unwrap(), vec!["a", "bé"]);
     let nested = g.get("nested").unwrap().as_array().unwrap();
-    assert_eq!(
-        nested[0],
-        GgufValue::Array(vec![GgufValue::I32(1), GgufValue::I32(-2)])
-    );
+    assert_eq!(nested[0], GgufValue::Array(vec![GgufValue::I32(1), GgufValue::I32(-2)]));
     assert_eq!(nested[1], GgufValue::Array(vec![]));
     assert_eq!(g.metadata().count(), 8);
 
     // Errors name the file and the key.
     let e = g.meta_u32("neg").unwrap_err().to_string();
-    assert!(
-        e.contains("small.gguf") && e.contains("neg") && e.contains("i32 -3"),
-        "{e}"
-    );
+    assert!(e.contains("small.gguf") && e.contains("neg") && e.contains("i32 -3"), "{e}");
     let e = g.meta_str("llama.block_count").unwrap_err().to_string();
-    assert!(
-        e.contains("llama.block_count") && e.contains("expected string, found u32"),
-        "{e}"
-    );
+    assert!(e.contains("llama.block_count") && e.contains("expected string, found u32"), "{e}");
     let e = g.meta_u32("nope").unwrap_err().to_string();
-    assert!(
-        e.contains("small.gguf") && e.contains("nope: missing"),
-        "{e}"
-    );
+    assert!(e.contains("small.gguf") && e.contains("nope: missing"), "{e}");
     assert!(g.meta_i32_array("names").is_err());
 
     assert_eq!(g.tensor_names().collect::<Vec<_>>(), vec!["a", "b"]);
     let ta = g.tensor_info("a").unwrap();
-    assert_eq!(
-        (ta.ggml_type, ta.n_elements, ta.n_bytes),
-        (GgmlType::from_id(0).unwrap(), 6, 24)
-    );
+    assert_eq!((ta.ggml_type, ta.n_elements, ta.n_bytes), (GgmlType::from_id(0).unwrap(), 6, 24));
     let (shape, v) = g.dequantize("a").unwrap();
     assert_eq!(shape, vec![2, 3]);
     assert_eq!(v, vec![1.0, -2.0, 3.5, 0.0, 0.25, -8.0]);
     let (shape, v) = g.dequantize("b").unwrap();
     assert_eq!(shape, vec![2, 32]);
-    let want: Vec<f32> = (0..32)
-        .map(|i| (i - 16) as f32 * 0.5)
-        .chain((0..32).map(|i| (15 - i) as f32 * 2.0))
-        .collect();
+    let want: Vec<f32> = (0..32).map(|i| (i - 16) as f32 * 0.5).chain((0..32).map(|i| (15 - i) as f32 * 2.0)).collect();
     assert_eq!(v, want);
     assert_eq!(g.tensor_data("b").unwrap().len(), 68);
     let e = g.dequantize("c").unwrap_err().to_string();
@@ -368,12 +310,7 @@ fn truncated_tensor_data_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let p = write_temp(&dir, "short.gguf", &bytes[..bytes.len() - 1]);
     let e = GgufFile::open(&p).unwrap_err().to_string();
-    assert!(
-        e.contains("short.gguf")
-            && e.contains("tensor b: data [")
-            && e.contains("beyond end of file"),
-        "{e}"
-    );
+    assert!(e.contains("short.gguf") && e.contains("tensor b: data [") && e.contains("beyond end of file"), "{e}");
 }
 
 /// Header + one KV whose value bytes are given raw.
@@ -425,59 +362,27 @@ fn hostile_fields_give_errors() {
     assert!(err("c.gguf", counts).contains("tensor count"));
 
     // Tensor-level problems name the tensor.
-    let t = |dims: Vec<u64>, ty: u32| {
-        gguf_bytes(
-            &[],
-            &[WTensor {
-                name: "blk.0.w",
-                dims,
-                ty,
-                data: vec![0; 68],
-            }],
-            32,
-        )
-    };
+    let t = |dims: Vec<u64>, ty: u32| gguf_bytes(&[], &[WTensor { name: "blk.0.w", dims, ty, data: vec![0; 68] }], 32);
     let e = err("ty.gguf", t(vec![32, 2], 4));
-    assert!(
-        e.contains("tensor blk.0.w") && e.contains("unknown ggml type id 4"),
-        "{e}"
-    );
+    assert!(e.contains("tensor blk.0.w") && e.contains("unknown ggml type id 4"), "{e}");
     let e = err("blk.gguf", t(vec![16, 2], 8));
-    assert!(
-        e.contains("tensor blk.0.w") && e.contains("not a multiple of the Q8_0 block size 32"),
-        "{e}"
-    );
+    assert!(e.contains("tensor blk.0.w") && e.contains("not a multiple of the Q8_0 block size 32"), "{e}");
     let e = err("dims.gguf", t(vec![1, 1, 1, 1, 1], 0));
     assert!(e.contains("5 dims"), "{e}");
     let e = err("ovf.gguf", t(vec![1 << 40, 1 << 40], 0));
     assert!(e.contains("overflows"), "{e}");
     let e = err("big.gguf", t(vec![32, 1 << 20], 8));
-    assert!(
-        e.contains("tensor blk.0.w: data [") && e.contains("beyond end of file"),
-        "{e}"
-    );
+    assert!(e.contains("tensor blk.0.w: data [") && e.contains("beyond end of file"), "{e}");
 }
 
 #[test]
 fn unsupported_type_names_tensor_and_type() {
     let dir = tempfile::tempdir().unwrap();
     // Q2_K, one block of zeros.
-    let bytes = gguf_bytes(
-        &[],
-        &[WTensor {
-            name: "w",
-            dims: vec![256],
-            ty: 10,
-            data: vec![0; 84],
-        }],
-        32,
-    );
+    let bytes = gguf_bytes(&[], &[WTensor { name: "w", dims: vec![256], ty: 10, data: vec![0; 84] }], 32);
     let g = GgufFile::open(write_temp(&dir, "q2k.gguf", &bytes)).unwrap();
     let e = g.dequantize("w").unwrap_err().to_string();
-    assert!(
-        e.contains("q2k.gguf") && e.contains("tensor w") && e.contains("Q2_K"),
-        "{e}"
-    );
+    assert!(e.contains("q2k.gguf") && e.contains("tensor w") && e.contains("Q2_K"), "{e}");
 }
 
 #[test]
@@ -495,10 +400,7 @@ fn commas_format() {
 pub(crate) fn smollm_path() -> PathBuf {
     let cache = std::env::var_os("DFLASH_CACHE")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME is not set"))
-                .join(".cache/dflash")
-        });
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME is not set")).join(".cache/dflash"));
     let p = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(p.exists(), "{} is missing: run `make setup`", p.display());
     p
@@ -514,10 +416,7 @@ fn smollm_metadata_and_embedding() {
     assert_eq!(g.meta_u32("llama.attention.head_count_kv").unwrap(), 3);
     assert_eq!(g.meta_u32("llama.feed_forward_length").unwrap(), 1536);
     assert_eq!(g.meta_f32("llama.rope.freq_base").unwrap(), 1e5);
-    assert_eq!(
-        g.meta_str_array("tokenizer.ggml.tokens").unwrap().len(),
-        49152
-    );
+    assert_eq!(g.meta_str_array("tokenizer.ggml.tokens").unwrap().len(), 49152);
 
     let t = g.tensor_info("token_embd.weight").unwrap();
     assert_eq!(t.ggml_type.name(), "Q8_0");
@@ -528,10 +427,7 @@ fn smollm_metadata_and_embedding() {
     let n = v.len() as f64;
     let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
     let std = (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
-    assert!(
-        mean.abs() < 0.05 && (0.01..1.0).contains(&std),
-        "mean {mean}, std {std}"
-    );
+    assert!(mean.abs() < 0.05 && (0.01..1.0).contains(&std), "mean {mean}, std {std}");
 
     // Every tensor dequantises (Q4_1 and F32 besides Q8_0) to finite values.
     for name in g.tensor_names() {

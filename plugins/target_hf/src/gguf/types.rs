@@ -2,7 +2,6 @@
 
 use super::dequant::*;
 
-
 /// Dequantises one block: `block.len()` = block bytes, `out.len()` = block elements.
 pub(super) type BlockFn = fn(&[u8], &mut [f32]);
 
@@ -55,11 +54,7 @@ pub(super) static GGML_TYPES: &[TypeInfo] = &[
 ];
 
 pub(super) fn supported_names() -> String {
-    let names: Vec<&str> = GGML_TYPES
-        .iter()
-        .filter(|t| t.dequant.is_some())
-        .map(|t| t.name)
-        .collect();
+    let names: Vec<&str> = GGML_TYPES.iter().filter(|t| t.dequant.is_some()).map(|t| t.name).collect();
     names.join(", ")
 }
 
@@ -108,4 +103,3 @@ impl std::fmt::Display for GgmlType {
         f.write_str(self.name())
     }
 }
-

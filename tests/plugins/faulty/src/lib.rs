@@ -4,9 +4,7 @@
 //! with plugin-api's test features it is refused at load.
 
 use plugin_api::{
-    serde::Deserialize,
-    tch::Tensor,
-    HostContext, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind,
+    serde::Deserialize, tch::Tensor, HostContext, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind,
 };
 
 #[derive(Deserialize)]

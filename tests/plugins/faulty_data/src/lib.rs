@@ -4,8 +4,8 @@
 //! method (`position`, `next_batch`, `distill_request`, ...).
 
 use plugin_api::{
-    serde::Deserialize, tch::Tensor, DataLoaderPlugin, DataPosition, DataSummary, DistillRequest, HostContext, PluginError,
-    PluginInfo, PluginInstance, PluginKind, TrainBatch,
+    serde::Deserialize, tch::Tensor, DataLoaderPlugin, DataPosition, DataSummary, DistillRequest, HostContext,
+    PluginError, PluginInfo, PluginInstance, PluginKind, TrainBatch,
 };
 
 #[derive(Deserialize)]
@@ -36,7 +36,13 @@ impl Faulty {
 impl DataLoaderPlugin for Faulty {
     fn open(&mut self, _tokenizer_json: &str) -> Result<DataSummary, PluginError> {
         self.maybe_panic("open");
-        Ok(DataSummary::new(SEQUENCES as u64, (SEQUENCES * LEN) as u64, (SEQUENCES * 3) as u64, 0, "eight fixed sequences"))
+        Ok(DataSummary::new(
+            SEQUENCES as u64,
+            (SEQUENCES * LEN) as u64,
+            (SEQUENCES * 3) as u64,
+            0,
+            "eight fixed sequences",
+        ))
     }
 
     fn distill_request(&self) -> DistillRequest {

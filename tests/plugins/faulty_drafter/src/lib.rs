@@ -69,7 +69,8 @@ impl DrafterPlugin for Faulty {
     fn load_weights(&mut self, weights: Vec<(String, Tensor)>) -> Result<(), PluginError> {
         let _guard = plugin_api::tch::no_grad_guard();
         for (name, p) in &mut self.params {
-            let (_, w) = weights.iter().find(|(n, _)| n == name).ok_or_else(|| PluginError::new(format!("`{name}` missing")))?;
+            let (_, w) =
+                weights.iter().find(|(n, _)| n == name).ok_or_else(|| PluginError::new(format!("`{name}` missing")))?;
             p.f_copy_(w)?;
         }
         Ok(())
@@ -89,9 +90,11 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     let cfg: Config = plugin_api::parse_section(config)?;
     let spec = ctx.target.as_ref().into_option().ok_or_else(|| PluginError::new("no target spec"))?;
     let h = spec.hidden_size as i64;
-    let mut params = vec![("gain.weight".to_string(), Tensor::ones([h], (Kind::Float, Device::Cpu)).set_requires_grad(true))];
+    let mut params =
+        vec![("gain.weight".to_string(), Tensor::ones([h], (Kind::Float, Device::Cpu)).set_requires_grad(true))];
     if cfg.dead_parameter {
-        params.push(("unused.weight".to_string(), Tensor::ones([h], (Kind::Float, Device::Cpu)).set_requires_grad(true)));
+        params
+            .push(("unused.weight".to_string(), Tensor::ones([h], (Kind::Float, Device::Cpu)).set_requires_grad(true)));
     }
     Ok(PluginInstance::drafter(Faulty { cfg, params, vocab: spec.vocab_size, calls: AtomicU64::new(0) }))
 }

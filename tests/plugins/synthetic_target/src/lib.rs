@@ -114,7 +114,12 @@ impl TargetPlugin for Synthetic {
         self.embedding.shallow_clone()
     }
 
-    fn forward(&mut self, input_ids: &Tensor, layer_ids: &[u32], want_logits: bool) -> Result<(Tensor, Option<Tensor>), PluginError> {
+    fn forward(
+        &mut self,
+        input_ids: &Tensor,
+        layer_ids: &[u32],
+        want_logits: bool,
+    ) -> Result<(Tensor, Option<Tensor>), PluginError> {
         self.forwards += 1;
         if self.cfg.fail_at_forward == self.forwards {
             if self.cfg.panic {
