@@ -38,6 +38,12 @@ fn a_short_run_writes_a_complete_experiment_and_learns() {
     assert!(out.status.success(), "train failed:\n{stderr}");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("experiment") && stdout.contains("tau_hat"), "{stdout}");
+    // stderr is no terminal here: the log lines are the progress, each with the time so far and
+    // the ETA, unknown during the first steps' warm-up, then from their pace; none left at the end.
+    let line = |step: &str| stderr.lines().find(|l| l.contains(&format!("step {step}/8  loss"))).unwrap_or_default();
+    assert!(line("2").contains(" elapsed, ETA -"), "{stderr}");
+    assert!(line("6").contains(" elapsed, ETA ") && !line("6").ends_with("ETA -"), "{stderr}");
+    assert!(line("8").ends_with(" elapsed, ETA 0s"), "{stderr}");
     let exp = dir.path().join("exp");
 
     let metrics: Vec<serde_json::Value> = std::fs::read_to_string(exp.join("metrics.jsonl"))

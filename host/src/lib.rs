@@ -18,6 +18,7 @@ pub mod out;
 pub mod pipeline;
 pub mod plugins;
 pub mod preflight;
+pub mod progress;
 pub mod run;
 pub mod sysinfo;
 pub mod tensorboard;

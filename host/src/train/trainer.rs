@@ -25,6 +25,7 @@ use crate::{
         stages::{feature_bytes_per_token, next_batch, target_workers, HostBatch, Micro},
         Feed, Job, PipelineOptions, Worker,
     },
+    progress::{elapsed_eta, Pace},
     sysinfo::{peak_rss_mb, GpuMonitor},
     tensorboard,
 };
@@ -220,6 +221,9 @@ pub fn train(
         draft,
         validation,
         val_total_s: 0.0,
+        val_count: 0,
+        pace: Pace::new(WARMUP_STEPS, PACE_WINDOW),
+        bar_stats: String::new(),
         guard: NonFiniteGuard { max: t.max_nonfinite_steps, consecutive: state.nonfinite_in_a_row },
         elapsed_before: state.elapsed_s,
         bar: progress_bar(t.steps, state.step, lead),
@@ -251,10 +255,15 @@ pub fn train(
     trainer.finish()
 }
 
+/// Steps left out of the ETA's pace: the first steps load kernels, grow the allocator and plan
+/// cuDNN's shapes.
+const WARMUP_STEPS: u64 = 3;
+/// Steps the pace is the mean of.
+const PACE_WINDOW: usize = 20;
+
 fn progress_bar(steps: u64, at: u64, lead: bool) -> ProgressBar {
-    let bar = ProgressBar::new(steps).with_style(
-        ProgressStyle::with_template("train {bar:30} {pos}/{len} steps  {msg}  ETA {eta}").expect("template"),
-    );
+    let bar = ProgressBar::new(steps)
+        .with_style(ProgressStyle::with_template("train {bar:30} {pos}/{len} steps  {msg}").expect("template"));
     bar.set_position(at);
     if !lead {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
@@ -273,8 +282,13 @@ struct Trainer<'a> {
     draft: DraftLoss,
     /// Scored every `eval_every` steps and at the last.
     validation: Option<ValidationSet>,
-    /// Seconds spent on it in this process (not training time).
+    /// Seconds spent on it in this process (not training time), and how many times it ran.
     val_total_s: f64,
+    val_count: u64,
+    /// Seconds per step (validation left out), for the ETA.
+    pace: Pace,
+    /// The last metrics line's values, shown on the bar beside the time.
+    bar_stats: String,
     state: TrainerState,
     exp: &'a mut Experiment,
     comm: Option<Box<dyn Communicator>>,
@@ -323,6 +337,7 @@ impl<'a> Trainer<'a> {
         self.wait_before = feed.wait_s;
         for step in self.state.step + 1..=t.steps {
             self.times.started.get_or_insert_with(Instant::now);
+            let (step_started, val_before) = (Instant::now(), self.val_total_s);
             let mut acc = StepAccum {
                 loss_sum: Tensor::zeros([], (Kind::Float, self.device)),
                 weight_sum: Tensor::zeros([], (Kind::Float, self.device)),
@@ -348,7 +363,9 @@ impl<'a> Trainer<'a> {
             self.names.check(PluginKind::Drafter, &*self.drafter)?;
             self.names.check(PluginKind::Optimizer, &*self.optimizer)?;
             self.maybe_checkpoint(step)?;
+            self.pace.record(step_started.elapsed().as_secs_f64() - (self.val_total_s - val_before));
             self.bar.inc(1);
+            self.bar.set_message(format!("{}  {}", self.bar_stats, self.timing(step)));
             if let Some(code) = self.interrupted {
                 let sig = StopSignal::name(code);
                 let ckpt = self.last_ckpt.as_deref().unwrap_or("-");
@@ -377,6 +394,7 @@ impl<'a> Trainer<'a> {
         self.names.check(PluginKind::Drafter, &*self.drafter)?;
         self.times.val_s += scores.seconds;
         self.val_total_s += scores.seconds;
+        self.val_count += 1;
         let n = set.sequences();
         self.bar.suspend(|| {
             tracing::info!(
@@ -389,6 +407,24 @@ impl<'a> Trainer<'a> {
             )
         });
         Ok(Some(scores))
+    }
+
+    /// Seconds until the configured steps are done: the steps left at the smoothed pace, and the
+    /// validations still due at their mean time so far; None while the pace is unknown.
+    fn eta_s(&self, step: u64) -> Option<f64> {
+        let t = &self.cfg.train;
+        let steps = self.pace.eta(t.steps - step)?;
+        let validations = match t.eval_every {
+            0 => 0,
+            n => t.steps / n - step / n + u64::from(t.steps % n != 0 && step < t.steps),
+        };
+        let per_validation = if self.val_count > 0 { self.val_total_s / self.val_count as f64 } else { 0.0 };
+        Some(steps + validations as f64 * per_validation)
+    }
+
+    /// `3m05s elapsed, ETA 12m00s`: this process's wall time and [`eta_s`](Self::eta_s).
+    fn timing(&self, step: u64) -> String {
+        elapsed_eta(self.started.elapsed().as_secs_f64(), self.eta_s(step))
     }
 
     /// Training seconds so far, over every session of the run (validation left out).

@@ -53,7 +53,7 @@ impl Trainer<'_> {
             gpu_util: gpu.as_ref().map(|g| g.util.clone()),
             gpu_power_w: gpu.as_ref().map(|g| g.power_w.clone()),
             gpu_mem_mb: gpu.as_ref().map(|g| g.mem_mb.clone()),
-            eta_s: (t.steps - step) as f64 * secs / steps_w,
+            eta_s: self.eta_s(step).unwrap_or((t.steps - step) as f64 * secs / steps_w),
             elapsed_s: self.train_elapsed_s(),
             val_loss: val.as_ref().map(|v| v.loss),
             val_tau_hat: val.as_ref().map(|v| v.tau_hat),
@@ -64,13 +64,12 @@ impl Trainer<'_> {
         if let Some(tb) = self.tb.as_mut() {
             tensorboard::log_metrics(tb, &serde_json::to_value(&m)?)?;
         }
-        self.bar.set_message(format!(
-            "loss {:.3}  τ̂ {:.3}  {:.0} tok/s  q_hs {:.1}",
-            m.loss, m.tau_hat, m.tok_per_s, m.q_hs
-        ));
+        self.bar_stats =
+            format!("loss {:.3}  τ̂ {:.3}  {:.0} tok/s  q_hs {:.1}", m.loss, m.tau_hat, m.tok_per_s, m.q_hs);
+        let timing = self.timing(step);
         self.bar.suspend(|| {
             tracing::info!(
-                "step {step}/{}  loss {:.4}  τ̂ {:.3}  acc@1 {:.3}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  q_hs {:.1}",
+                "step {step}/{}  loss {:.4}  τ̂ {:.3}  acc@1 {:.3}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  q_hs {:.1}  {timing}",
                 t.steps,
                 m.loss,
                 m.tau_hat,
