@@ -138,8 +138,11 @@ fn eval_is_lossless_and_reports_acceptance() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}\n{stdout}");
     assert!(stdout.contains("lossless     yes") && stdout.contains(" ms verify"), "{stdout}");
+    assert!(stderr.contains("eval: 3 prompts, at most 12 new tokens each"), "{stderr}");
+    assert!(stdout.contains("(vLLM's mean acceptance length)") && stdout.contains("(SGLang's accept length)"));
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap();
     assert_eq!(report["prompts"], 3);

@@ -4,11 +4,13 @@
 //! the target's own next token (the bonus) are kept; the cache is cropped to what was kept. The
 //! output must equal the target's own greedy output token for token.
 //!
-//! The cycles run as z-lab's `dflash_generate` runs them (full blocks; a cycle while fewer than
-//! max_new_tokens + 1 tokens are out; stop after the cycle that produced a stop token), and
-//! `tau` is z-lab's benchmark's: accepted + 1 for every cycle, averaged per response, then over
-//! responses, so it compares with published numbers. `tau_kept` counts only the tokens kept
-//! (up to the stop token and the length cap) per cycle that kept any.
+//! The cycles stop where the serving engines stop a request (vLLM's `check_stop`, SGLang's
+//! `check_finished`): once the output holds a stop token or `max_new_tokens` tokens, no further
+//! verify runs, so a response that ends exactly at the cap, or whose prefill token is a stop
+//! token, costs no extra cycle. (z-lab's `dflash_generate` runs one more cycle in those cases.)
+//! Every cycle drafts a full block. A cycle counts as the engines count it: its accepted drafts
+//! whole (vLLM; `tau`, `tau_pooled`), or its tokens kept, cut at the stop token and the cap
+//! (SGLang; `tau_kept`). The eval's report (`mod.rs`) says which figure is whose.
 //!
 //! On a GPU a cycle waits for the device once, to read the drafts and the target's verdict
 //! together; the drafter keeps its context's keys and values between cycles (`decode_block`)
@@ -41,7 +43,7 @@ pub struct Cycle {
     /// Drafted tokens the target agreed with (of B - 1).
     pub accepted: usize,
     /// Tokens kept in the output: accepted + the bonus, fewer where a stop token or the length
-    /// cap ended it (0 for a cycle past the cap).
+    /// cap ended it (at least 1: no cycle runs once the output is complete).
     pub produced: usize,
 }
 
@@ -92,9 +94,8 @@ pub fn speculative_decode(
     // Every token the cycles produce; the output is its first `max_new`, up to a stop token.
     let mut all = to_ids(&anchor);
     let mut cycles = Vec::new();
-    // z-lab: `while start < max_length`, i.e. while at most max_new tokens are out; the stop
-    // tokens are looked for after each cycle (so the first cycle runs whatever the prefill gave).
-    while all.len() <= max_new {
+    // As the engines stop a request: not once max_new tokens are out or a stop token is.
+    while !finished(&all, max_new, stop) {
         let b = shared.block_size as i64;
         // 2. Draft: [anchor, MASK x (B-1)] over the context strictly before the anchor.
         let block = Tensor::cat(&[&anchor, &shared.mask_ids], 1);
@@ -148,9 +149,6 @@ pub fn speculative_decode(
         anchor_pos += accepted + 1;
         anchor = posterior.narrow(1, accepted as i64, 1);
         times.bookkeeping += clock.lap();
-        if all.iter().any(|t| stop.contains(t)) {
-            break;
-        }
     }
     all.truncate(kept_len(&all, max_new, stop));
     Ok((all, cycles))
@@ -191,42 +189,110 @@ impl PhaseClock {
     }
 }
 
+/// Whether a response is complete, as vLLM's `check_stop` and SGLang's `check_finished` decide
+/// after each token: `max_new` tokens out, or a stop token among them.
+pub fn finished(tokens: &[u32], max_new: usize, stop: &[u32]) -> bool {
+    tokens.len() >= max_new || tokens.iter().any(|t| stop.contains(t))
+}
+
 /// How many of `tokens` the output keeps: at most `max_new`, through the first stop token.
 pub fn kept_len(tokens: &[u32], max_new: usize, stop: &[u32]) -> usize {
     let end = tokens.iter().position(|t| stop.contains(t)).map_or(tokens.len(), |i| i + 1);
     end.min(max_new)
 }
 
-/// One response's z-lab tau (mean accepted + 1 over its cycles) and tokens kept per cycle that
-/// kept any; None without cycles.
-pub fn response_taus(cycles: &[Cycle]) -> (Option<f64>, Option<f64>) {
-    let tau =
-        (!cycles.is_empty()).then(|| cycles.iter().map(|c| (c.accepted + 1) as f64).sum::<f64>() / cycles.len() as f64);
-    let kept: Vec<usize> = cycles.iter().map(|c| c.produced).filter(|&p| p > 0).collect();
-    let tau_kept = (!kept.is_empty()).then(|| kept.iter().sum::<usize>() as f64 / kept.len() as f64);
-    (tau, tau_kept)
+/// One response's z-lab tau: the mean of accepted + 1 over its cycles; None without cycles.
+pub fn response_tau(cycles: &[Cycle]) -> Option<f64> {
+    (!cycles.is_empty()).then(|| cycles.iter().map(|c| (c.accepted + 1) as f64).sum::<f64>() / cycles.len() as f64)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{config::RunConfig, pipeline::components::build_components, plugins::Registry};
 
-    /// z-lab's tau counts every cycle whole; the kept count stops at the stop token and the cap.
+    /// A random two-layer target (vocabulary 32) and a random drafter with blocks of 4.
+    fn tiny_components(dir: &std::path::Path) -> Components {
+        let tiny = r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "vocab_size": 32, "eos_token_id": 1}"#;
+        std::fs::write(dir.join("tiny.json"), tiny).unwrap();
+        std::fs::write(dir.join("chat.jsonl"), "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n")
+            .unwrap();
+        let toml =
+            "name = \"t\"\ndtype = \"f32\"\n[train]\nsteps = 1\n[target]\nplugin = \"hf\"\npath = \"tiny.json\"\n\
+                    random_init = true\n[drafter]\nplugin = \"dflash\"\nnum_hidden_layers = 1\nblock_size = 4\n\
+                    num_target_features = 1\nmask_token_id = 0\n[optimizer]\nplugin = \"adamw\"\n[data]\n\
+                    plugin = \"chat\"\npath = \"chat.jsonl\"\n";
+        std::fs::write(dir.join("run.toml"), toml).unwrap();
+        let cfg = RunConfig::load(&dir.join("run.toml")).unwrap();
+        tch::manual_seed(7);
+        build_components(&cfg, &Registry::new(&[]).unwrap(), dir, dir).unwrap()
+    }
+
+    fn shared(c: &Components) -> Shared {
+        Shared {
+            embedding: c.target.embedding().into_tensor(),
+            lm_head: c.target.lm_head().into_tensor(),
+            layer_ids: c.drafter.target_layer_ids().into_vec(),
+            block_size: 4,
+            mask_ids: Tensor::zeros([1, 3], (Kind::Int64, Device::Cpu)),
+            time_split: false,
+        }
+    }
+
+    /// A response that reaches max_new_tokens exactly at the end of a cycle runs no further
+    /// cycle (vLLM and SGLang stop the request there), nor does one whose prefill token is a
+    /// stop token. (A random target repeats one token and a random drafter seldom guesses it:
+    /// the cycles here keep one token each; `finished` is checked on its own below.)
     #[test]
-    fn taus_count_cycles_as_zlab_and_as_kept() {
-        // max_new 8: 1 (prefill) + 4 kept + 3 of the 16 the second cycle gave, then a cycle past
-        // the cap that keeps nothing.
-        let cycles = [
-            Cycle { accepted: 3, produced: 4 },
-            Cycle { accepted: 15, produced: 3 },
-            Cycle { accepted: 5, produced: 0 },
-        ];
-        let (tau, kept) = response_taus(&cycles);
-        assert_eq!(tau, Some((4.0 + 16.0 + 6.0) / 3.0));
-        assert_eq!(kept, Some(3.5));
-        assert_eq!(response_taus(&[]), (None, None));
+    fn decoding_stops_where_the_engines_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = tiny_components(dir.path());
+        let sh = shared(&c);
+        let prompt = [5u32, 9, 3, 7, 2];
+        let decode = |c: &mut Components, max_new, stop: &[u32]| {
+            speculative_decode(c, &prompt, max_new, stop, &sh, &mut PhaseTimes::default()).unwrap()
+        };
+        let (long, cycles) = decode(&mut c, 24, &[]);
+        assert_eq!(long.len(), 24);
+        // Where each cycle left the output: 1 (the prefill's token) + accepted + 1 per cycle.
+        let ends: Vec<usize> = cycles
+            .iter()
+            .scan(1, |n, cy| {
+                *n += cy.accepted + 1;
+                Some(*n)
+            })
+            .collect();
+        assert!(ends.len() >= 3 && ends[0] < 24, "{cycles:?}");
+        for (k, &end) in ends.iter().enumerate().take_while(|(_, &e)| e < 24) {
+            // Exactly at the cap after cycle k + 1: k + 1 cycles, the last one kept whole.
+            let (out, cy) = decode(&mut c, end, &[]);
+            assert_eq!((out.as_slice(), cy.len()), (&long[..end], k + 1), "max_new {end}");
+            assert_eq!(cy.last().unwrap().produced, cycles[k].accepted + 1);
+            assert!(cy.iter().all(|c| c.produced > 0));
+        }
+        // One token past a cycle's end: the next cycle runs, and keeps only that token when it
+        // accepted more.
+        let (out, cy) = decode(&mut c, ends[0] + 1, &[]);
+        assert_eq!((out.as_slice(), cy.len()), (&long[..ends[0] + 1], 2));
+        assert_eq!(cy[1].produced, 1);
+        // The prefill's token is a stop token: no cycle at all.
+        let (out, cy) = decode(&mut c, 24, &[long[0]]);
+        assert_eq!((out, cy.len()), (vec![long[0]], 0));
+    }
+
+    /// z-lab's tau counts every cycle whole; a response is complete at the cap or a stop token.
+    #[test]
+    fn taus_count_cycles_whole_and_responses_end_at_the_cap_or_a_stop_token() {
+        let cycles = [Cycle { accepted: 3, produced: 4 }, Cycle { accepted: 15, produced: 3 }];
+        assert_eq!(response_tau(&cycles), Some((4.0 + 16.0) / 2.0));
+        assert_eq!(response_tau(&[]), None);
         assert_eq!(kept_len(&[5, 6, 7, 8], 8, &[7]), 3, "through the stop token");
         assert_eq!(kept_len(&[5, 6, 7, 8], 2, &[7]), 2, "the cap first");
         assert_eq!(kept_len(&[5, 6], 8, &[7]), 2);
+        assert!(finished(&[5, 6, 8], 3, &[7]), "exactly at the cap: no further cycle");
+        assert!(!finished(&[5, 6], 3, &[7]));
+        assert!(finished(&[7], 3, &[7]), "a stop token from the prefill");
+        assert!(finished(&[5, 7, 6, 6], 8, &[7]));
     }
 }

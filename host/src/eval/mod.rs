@@ -1,17 +1,20 @@
 //! `dflash-host eval`: real acceptance length, and the wall-clock speed-up over the target's own
 //! greedy decoding, by lossless greedy speculative decoding of held-out or benchmark prompts
-//! ([`decode`]); the results file is named after what was evaluated.
+//! ([`decode`]); the results file is named after what was evaluated. Acceptance is counted three
+//! ways: z-lab's per response (`tau`), vLLM's pooled (`tau_pooled`) and SGLang's pooled
+//! (`tau_kept`). Progress (prompts, τ so far, tokens/s, ETA) goes to stderr as it runs.
 
 mod decode;
 mod prompts;
 
-pub use decode::{response_taus, speculative_decode, Cycle, PhaseTimes, Shared};
+pub use decode::{response_tau, speculative_decode, Cycle, PhaseTimes, Shared};
 pub use prompts::{convert_prompts, PromptFormat};
 
 use crate::{
     experiment::{self, checkpoint},
     pipeline::components::Components,
     plugins::Registry,
+    progress::{Pace, Progress},
     say,
 };
 use anyhow::{anyhow, bail, Result};
@@ -43,8 +46,12 @@ impl EvalOptions {
         if self.limit == 0 {
             bail!("--limit 0: evaluate at least one prompt");
         }
-        if self.max_new_tokens == 0 {
-            bail!("--max-new-tokens 0: nothing would be decoded (no acceptance to measure); give at least 1");
+        if self.max_new_tokens < 2 {
+            bail!(
+                "--max-new-tokens {}: the target's own first token would end every response, with no draft verified \
+                 (no acceptance to measure); give at least 2",
+                self.max_new_tokens
+            );
         }
         if !is_named_set(&self.source) {
             input_files::open_regular(std::path::Path::new(&self.source)).map_err(|e| anyhow!("--prompts {e}"))?;
@@ -58,14 +65,15 @@ pub struct EvalReport {
     pub source: String,
     pub prompts: usize,
     pub block_size: usize,
-    /// z-lab's acceptance length: mean over responses of (accepted drafts + 1) per cycle, every
-    /// cycle counted (the last one whole).
+    /// z-lab's benchmark's acceptance length: per response the mean of accepted drafts + 1 over
+    /// its cycles (the last one whole), then the mean over responses.
     pub tau: f64,
     pub tau_per_response: Vec<f64>,
-    /// Tokens kept per cycle (the output's tokens, up to its stop token and the length cap, over
-    /// the cycles that kept any), mean over responses.
+    /// SGLang's accept length: the tokens kept (cut at the stop token and the length cap) over
+    /// all verify cycles, pooled over responses.
     pub tau_kept: f64,
-    /// What serving engines report: all accepted + 1 over all cycles, pooled over responses.
+    /// vLLM's mean acceptance length: all accepted drafts + 1 over all verify cycles, pooled over
+    /// responses.
     pub tau_pooled: f64,
     /// Share of cycles whose k-th drafted token was accepted, k = 1..B-1.
     pub acceptance_per_position: Vec<f64>,
@@ -125,15 +133,19 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
     };
     let stop = [c.target.spec().eos_token_id];
     c.check_poisoned()?;
-    let bar = indicatif::ProgressBar::new(prompts.len() as u64);
     let (mut t_target, mut t_spec, mut n_target, mut n_spec) = (0.0, 0.0, 0usize, 0usize);
-    let (mut taus, mut taus_kept) = (Vec::new(), Vec::new());
+    let mut taus = Vec::new();
     let mut mismatches = Vec::new();
     let mut accepted_at = vec![0usize; shared.block_size - 1];
-    let (mut all_cycles, mut all_accepted) = (0usize, 0usize);
+    let (mut all_cycles, mut all_accepted, mut all_kept) = (0usize, 0usize, 0usize);
     let mut times = PhaseTimes::default();
     // Decoding gives attention a new key length every call: no per-shape cuDNN plans.
     let _no_cudnn = kernels::CudnnAttentionOff::new();
+    tracing::info!(
+        "eval: {} prompts, at most {} new tokens each, decoded by the target alone, then speculatively",
+        prompts.len(),
+        opts.max_new_tokens
+    );
     // Warm-up, untimed: the first calls on a GPU pay for kernel loading and allocator growth.
     if device.is_cuda() {
         let warm = opts.max_new_tokens.min(16);
@@ -141,6 +153,9 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
         base.map_err(c.err(PluginKind::Target, "generate"))?;
         speculative_decode(c, &prompts[0], warm as usize, &stop, &shared, &mut PhaseTimes::default())?;
     }
+    let mut progress = Progress::new("eval", "prompts", prompts.len() as u64);
+    // Prompts differ in length: the ETA goes by the mean over all of them.
+    let mut pace = Pace::new(0, prompts.len());
     for (i, prompt) in prompts.iter().enumerate() {
         let t0 = Instant::now();
         let base =
@@ -153,34 +168,46 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
         t_spec += t1.elapsed().as_secs_f64();
         n_spec += spec.len();
         if spec != base {
-            tracing::debug!("prompt {i}: speculative output differs from the target's greedy output");
+            progress
+                .suspend(|| tracing::debug!("prompt {i}: speculative output differs from the target's greedy output"));
             mismatches.push(i);
         }
-        // tau per response (z-lab): accepted + 1 per cycle; kept: tokens kept per cycle that
-        // kept any (the prefill's first token is no cycle).
-        let (t, k) = response_taus(&cycles);
-        taus.extend(t);
-        taus_kept.extend(k);
+        // tau per response (z-lab): accepted + 1 per cycle (the prefill's first token is no cycle).
+        taus.extend(response_tau(&cycles));
         all_cycles += cycles.len();
         all_accepted += cycles.iter().map(|c| c.accepted + 1).sum::<usize>();
+        all_kept += cycles.iter().map(|c| c.produced).sum::<usize>();
         for cy in &cycles {
             for slot in accepted_at.iter_mut().take(cy.accepted) {
                 *slot += 1;
             }
         }
-        bar.inc(1);
+        pace.record(t0.elapsed().as_secs_f64());
+        let status = format!(
+            "τ {:.3} pooled over {all_cycles} cycles  {:.1} tok/s speculative, {:.1} target-only",
+            all_accepted as f64 / all_cycles.max(1) as f64,
+            n_spec as f64 / t_spec.max(1e-9),
+            n_target as f64 / t_target.max(1e-9),
+        );
+        progress.update(i as u64 + 1, &status, pace.eta((prompts.len() - i - 1) as u64));
     }
-    bar.finish_and_clear();
+    progress.finish();
+    if all_cycles == 0 {
+        bail!(
+            "no draft was verified: every response ended at the target's first token (a stop token); \
+             no acceptance to measure on these prompts"
+        );
+    }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     Ok(EvalReport {
         source: opts.source.clone(),
         prompts: prompts.len(),
         block_size: shared.block_size,
         tau: mean(&taus),
-        tau_kept: mean(&taus_kept),
-        tau_pooled: all_accepted as f64 / all_cycles.max(1) as f64,
+        tau_kept: all_kept as f64 / all_cycles as f64,
+        tau_pooled: all_accepted as f64 / all_cycles as f64,
         tau_per_response: taus,
-        acceptance_per_position: accepted_at.iter().map(|&n| n as f64 / all_cycles.max(1) as f64).collect(),
+        acceptance_per_position: accepted_at.iter().map(|&n| n as f64 / all_cycles as f64).collect(),
         cycles: all_cycles,
         new_tokens: n_spec,
         target_tok_per_s: n_target as f64 / t_target,
@@ -277,12 +304,12 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
         report.tau
     );
     say!(
-        "tau_pooled   {:.3}   over all {} verify cycles (as SGLang and vLLM report it)",
+        "tau_pooled   {:.3}   accepted + 1 over all {} verify cycles (vLLM's mean acceptance length)",
         report.tau_pooled,
         report.cycles
     );
     say!(
-        "tau_kept     {:.3}   tokens kept per cycle; tau_hat from training {}",
+        "tau_kept     {:.3}   tokens kept over all cycles (SGLang's accept length); tau_hat from training {}",
         report.tau_kept,
         tau_hat.map_or("-".into(), |t| format!("{t:.3}"))
     );
@@ -425,6 +452,11 @@ mod tests {
         assert!(err.starts_with("--limit 0"), "{err}");
         let err = opts("holdout", 32, 0).validate().unwrap_err().to_string();
         assert!(err.starts_with("--max-new-tokens 0"), "{err}");
+        // One token is the prefill's: the engines verify no draft for it.
+        let err = opts("holdout", 32, 1).validate().unwrap_err().to_string();
+        assert!(
+            err.starts_with("--max-new-tokens 1: the target's own first token") && err.ends_with("give at least 2")
+        );
         let err = opts("/dev/zero", 32, 64).validate().unwrap_err().to_string();
         assert_eq!(err, "--prompts /dev/zero: not a regular file (a character device)");
         let err = opts("nope.jsonl", 32, 64).validate().unwrap_err().to_string();
