@@ -113,6 +113,27 @@ fn a_sharegpt_file_with_a_llama3_style_template_trains_and_exports() {
         assert!(m[0]["content"].as_str().unwrap().starts_with("Say one thing about"));
     }
 
+    // With a validation split and test records, the summary accounts for every reply and every
+    // record: 5 written with 5 replies, the 2 validation ones answered but held out, the test one
+    // never distilled.
+    std::fs::write(
+        dir.path().join("split.toml"),
+        CONFIG.replace("distill = \"last\"", "distill = \"last\"\nvalidation = 2\neval_holdout = 1"),
+    )
+    .unwrap();
+    let out = host(&["distill", "--config", "split.toml", "--out", "split.jsonl"], dir.path());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "distill failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    for want in [
+        "distilled    7 replies in",
+        "wrote        5 records with 5 of those replies -> split.jsonl",
+        "not written  2 validation records with their 2 replies (held out for validation, never trained on)",
+        "             1 test record (held out as eval's prompts (`eval_holdout`), not distilled)",
+    ] {
+        assert!(stdout.contains(want), "stdout lacks {want:?}:\n{stdout}");
+    }
+    assert_eq!(std::fs::read_to_string(dir.path().join("split.jsonl")).unwrap().lines().count(), 5);
+
     // Nothing to export when the config keeps the dataset's replies.
     std::fs::write(dir.path().join("keep.toml"), CONFIG.replace("distill = \"last\"", "distill = false")).unwrap();
     let out = host(&["distill", "--config", "keep.toml", "--out", "kept.jsonl"], dir.path());

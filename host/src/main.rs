@@ -52,18 +52,10 @@ fn run() -> Result<ExitCode> {
             let cfg =
                 RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
             let registry = Registry::new(&cli.plugins)?;
-            let (n, stats) = run::distill(&cfg, &config, &out, &registry)?;
-            if let Some(s) = stats {
-                say!(
-                    "distilled    {} replies in {:.1} s ({} from the cache {})",
-                    s.replies,
-                    s.seconds,
-                    s.cached,
-                    s.cache_file.display()
-                );
+            let (written, stats) = run::distill(&cfg, &config, &out, &registry)?;
+            for line in dflash_host::pipeline::distill::export_summary(&stats, &written, &out) {
+                say!("{line}");
             }
-            say!("wrote        {n} records -> {}", out.display());
-            say!("train on it  [data] path = \"{}\", distill = false", out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Compare { dirs, out, group_by } => {

@@ -433,32 +433,32 @@ pub fn capture(
     crate::pipeline::capture::capture(cfg, components, out, &cache_dir(), opts)
 }
 
-/// Self-distil the config's data and write it as chat JSONL (`dflash-host distill --out`).
+/// Self-distil the config's data and write it as chat JSONL (`dflash-host distill --out`): what
+/// was generated, and what was written and left out.
 pub fn distill(
     cfg: &RunConfig,
     config_path: &Path,
     out: &Path,
     registry: &Registry,
-) -> Result<(u64, Option<crate::pipeline::distill::DistillStats>)> {
+) -> Result<(plugin_api::DistilledExport, crate::pipeline::distill::DistillStats)> {
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     let mut c = build(cfg, config_path, &config_dir, registry)?;
-    let stats = crate::pipeline::distill::prepare_data(&mut c, &cache_dir())?;
-    if stats.is_none() {
+    let Some(stats) = crate::pipeline::distill::prepare_data(&mut c, &cache_dir())? else {
         anyhow::bail!(
             "{}: the data loader regenerates no replies (in [data], distill = false?)",
             config_path.display()
         );
-    }
+    };
     // Written beside `out`, then renamed into place; a `.gz` name stays last (the loader gzips it).
     let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = out.with_file_name(match name.strip_suffix(".gz") {
         Some(stem) => format!("{stem}.partial.gz"),
         None => format!("{name}.partial"),
     });
-    let n = c.data.export_distilled(tmp.display().to_string().as_str().into()).into_result();
-    let n = n.map_err(c.err(plugin_api::PluginKind::DataLoader, "export_distilled"))?;
+    let written = c.data.export_distilled_summary(tmp.display().to_string().as_str().into()).into_result();
+    let written = written.map_err(c.err(plugin_api::PluginKind::DataLoader, "export_distilled"))?;
     std::fs::rename(&tmp, out).with_context(|| format!("writing {}", out.display()))?;
-    Ok((n, stats))
+    Ok((written, stats))
 }
 
 /// Rebuild a finished experiment's plugins (eval, export): its resolved config, with the drafter

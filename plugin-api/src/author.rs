@@ -22,8 +22,8 @@ use crate::{
         std_types::{ROption, RResult, RSlice, RStr, RString, RVec},
     },
     catch_plugin_panic, CollectivesBox, DataLoader, DataLoader_TO, DataPosition, DataSummary, DecodeInput,
-    DistillOptions, DistillRequest, DraftInput, Drafter, Drafter_TO, NamedTensor, Optimizer, Optimizer_TO, PluginError,
-    PluginInstance, TargetModel, TargetModel_TO, TargetOutput, TargetSpec, TensorHandle,
+    DistillOptions, DistillRequest, DistilledExport, DraftInput, Drafter, Drafter_TO, NamedTensor, Optimizer,
+    Optimizer_TO, PluginError, PluginInstance, TargetModel, TargetModel_TO, TargetOutput, TargetSpec, TensorHandle,
 };
 use std::sync::{
     atomic::{AtomicBool, Ordering},
@@ -233,6 +233,11 @@ pub trait DataLoaderPlugin: Send + 'static {
     /// The validation split as batches, never trained on, the same every call (empty: none).
     fn validation_batches(&mut self) -> Result<Vec<TrainBatch>, PluginError> {
         Ok(Vec::new())
+    }
+
+    /// `export_distilled`, with what was not written and why.
+    fn export_distilled_summary(&self, path: &str) -> Result<DistilledExport, PluginError> {
+        Ok(DistilledExport { records: self.export_distilled(path)?, ..DistilledExport::default() })
     }
 }
 
@@ -551,6 +556,10 @@ impl<T: DataLoaderPlugin> DataLoader for T {
         fallible(poison(self), || {
             Ok(DataLoaderPlugin::validation_batches(self)?.into_iter().map(TrainBatch::into_abi).collect())
         })
+    }
+
+    fn export_distilled_summary(&self, path: RStr<'_>) -> RResult<DistilledExport, PluginError> {
+        fallible(poison(self), || DataLoaderPlugin::export_distilled_summary(self, path.as_str()))
     }
 }
 

@@ -298,6 +298,20 @@ impl Default for DistillOptions {
     }
 }
 
+/// What [`DataLoader::export_distilled_summary`] wrote and what it did not (ABI 1.7), so the
+/// host's summary accounts for every reply it generated.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, Default, PartialEq)]
+pub struct DistilledExport {
+    /// Records written.
+    pub records: u64,
+    /// Of the replies the target generated, those in records not written (a validation split's).
+    pub replies_not_written: u64,
+    /// Each kind of record not written: how many, what they are and why, e.g. `2 validation
+    /// records with their 2 replies (held out: never trained on)`.
+    pub not_written: RVec<RString>,
+}
+
 /// The data loader: records -> tokenized, masked, shuffled batches.
 #[sabi_trait]
 pub trait DataLoader: Send {
@@ -348,6 +362,12 @@ pub trait DataLoader: Send {
     /// Empty when the loader has none, as for a loader built before this method existed.
     fn validation_batches(&mut self) -> RResult<RVec<Batch>, PluginError> {
         RResult::ROk(RVec::new())
+    }
+
+    /// [`export_distilled`](Self::export_distilled), and an account of what was not written
+    /// (ABI 1.7). A loader built before this method gives the count alone.
+    fn export_distilled_summary(&self, path: RStr<'_>) -> RResult<DistilledExport, PluginError> {
+        self.export_distilled(path).map(|records| DistilledExport { records, ..DistilledExport::default() })
     }
 }
 

@@ -11,12 +11,13 @@
 //! are in `data/distill/`, which `make setup` links here) so nobody regenerates them.
 
 use super::components::Components;
+use crate::progress::clock;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use plugin_api::{
     abi_stable::std_types::{RSlice, RVec},
     tch::{Kind, Tensor},
-    DataSummary, DistillOptions, DistillRequest, PluginKind, TensorHandle,
+    DataSummary, DistillOptions, DistillRequest, DistilledExport, PluginKind, TensorHandle,
 };
 use rand::{Rng, SeedableRng};
 use sha2::{Digest, Sha256};
@@ -117,6 +118,32 @@ pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<(DataSummary, 
         stats.cached
     );
     Ok(Some((summary, stats)))
+}
+
+/// `dflash-host distill --out`'s summary: every reply generated, those in the file, and each
+/// kind of record not written, with why (from the data loader).
+pub fn export_summary(stats: &DistillStats, written: &DistilledExport, out: &Path) -> Vec<String> {
+    let mut lines = vec![format!(
+        "distilled    {} replies in {:.1} s ({} from the cache {})",
+        stats.replies,
+        stats.seconds,
+        stats.cached,
+        stats.cache_file.display()
+    )];
+    lines.push(match written.replies_not_written {
+        0 => format!("wrote        {} records -> {}", written.records, out.display()),
+        held => format!(
+            "wrote        {} records with {} of those replies -> {}",
+            written.records,
+            stats.replies.saturating_sub(held),
+            out.display()
+        ),
+    });
+    for (i, why) in written.not_written.iter().enumerate() {
+        lines.push(format!("{}{why}", if i == 0 { "not written  " } else { "             " }));
+    }
+    lines.push(format!("train on it  [data] path = \"{}\", distill = false", out.display()));
+    lines
 }
 
 /// One reply sampled at `opts.temperature` through the target's KV-cache session, its random
@@ -314,26 +341,33 @@ impl Progress {
     }
 }
 
-/// `1h02m`, `3m05s`, `12s`.
-pub fn clock(seconds: f64) -> String {
-    let s = seconds.max(0.0).round() as u64;
-    match (s / 3600, s / 60 % 60, s % 60) {
-        (0, 0, s) => format!("{s}s"),
-        (0, m, s) => format!("{m}m{s:02}s"),
-        (h, m, _) => format!("{h}h{m:02}m"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Every reply generated is in the file or in a line that says which records hold it.
     #[test]
-    fn clock_reads_like_a_stopwatch() {
-        assert_eq!(clock(0.4), "0s");
-        assert_eq!(clock(59.6), "1m00s");
-        assert_eq!(clock(185.0), "3m05s");
-        assert_eq!(clock(3725.0), "1h02m");
+    fn the_export_summary_accounts_for_every_reply_and_record() {
+        let stats = DistillStats { replies: 14, cached: 3, seconds: 2.04, cache_file: "c.jsonl".into() };
+        let written = DistilledExport {
+            records: 12,
+            replies_not_written: 2,
+            not_written: vec!["2 validation records with their 2 replies (held out)".into(), "3 test records".into()]
+                .into(),
+        };
+        let lines = export_summary(&stats, &written, Path::new("out.jsonl"));
+        assert_eq!(
+            lines,
+            [
+                "distilled    14 replies in 2.0 s (3 from the cache c.jsonl)",
+                "wrote        12 records with 12 of those replies -> out.jsonl",
+                "not written  2 validation records with their 2 replies (held out)",
+                "             3 test records",
+                "train on it  [data] path = \"out.jsonl\", distill = false",
+            ]
+        );
+        let all = DistilledExport { records: 14, ..DistilledExport::default() };
+        assert_eq!(export_summary(&stats, &all, Path::new("o"))[1], "wrote        14 records -> o");
     }
 
     #[test]

@@ -13,8 +13,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use plugin_api::{
-    tch::Tensor, DataLoaderPlugin, DataPosition, DataSummary, DistillOptions, DistillRequest, HostContext, PluginError,
-    PluginInfo, PluginInstance, PluginKind, TrainBatch,
+    tch::Tensor, DataLoaderPlugin, DataPosition, DataSummary, DistillOptions, DistillRequest, DistilledExport,
+    HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, TrainBatch,
 };
 use rand::{seq::SliceRandom, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -223,6 +223,8 @@ pub struct ChatData {
     skipped: u64,
     /// Records without a reply, left out when nothing regenerates one.
     prompt_only: u64,
+    /// Training records past `max_records`, not used.
+    past_max_records: u64,
     template_text: String,
     template_source: TemplateSource,
     /// The target's EOS and PAD ids, if known.
@@ -314,9 +316,11 @@ impl ChatData {
             validation.retain(has_reply);
         }
         let prompt_only = (before - records.len()) as u64;
+        let before = records.len();
         if cfg.max_records > 0 {
             records.truncate(cfg.max_records);
         }
+        let past_max_records = (before - records.len()) as u64;
         if records.is_empty() {
             let why = if prompt_only > 0 {
                 " (all are prompts without a reply: set distill = \"last\" to have the target answer them)"
@@ -335,6 +339,7 @@ impl ChatData {
             validation,
             skipped,
             prompt_only,
+            past_max_records,
             template_text: template::CHATML.to_string(),
             template_source: TemplateSource::ChatMl { fallback: true },
             eos_id: None,
@@ -814,6 +819,46 @@ impl ChatData {
     }
 }
 
+impl ChatData {
+    /// What `export_distilled` leaves out of the file, and why: the validation records (their
+    /// replies generated too), the test records, and what loading left out.
+    fn not_exported(&self) -> DistilledExport {
+        let validation = &self.examples[self.n_train..];
+        let replies: usize = validation.iter().map(|e| e.replies.len()).sum();
+        let unfit = self.records.len() + self.validation.len() - self.examples.len();
+        let mut why = Vec::new();
+        if !validation.is_empty() {
+            why.push(format!(
+                "{} with their {} (held out for validation, never trained on)",
+                count(validation.len() as u64, "validation record"),
+                if replies == 1 { "1 reply".to_string() } else { format!("{replies} replies") },
+            ));
+        }
+        let kinds = [
+            (
+                self.holdout.len() as u64,
+                "test record",
+                "held out as eval's prompts (`eval_holdout`), not distilled".to_string(),
+            ),
+            (
+                unfit as u64,
+                "record",
+                format!("left out at loading: the prompt does not fit max_len {}", self.cfg.max_len),
+            ),
+            (self.past_max_records, "record", format!("past max_records = {}, not used", self.cfg.max_records)),
+            (self.skipped, "malformed record", "skipped at loading (warned there)".to_string()),
+        ];
+        why.extend(
+            kinds.iter().filter(|(n, ..)| *n > 0).map(|(n, what, reason)| format!("{} ({reason})", count(*n, what))),
+        );
+        DistilledExport {
+            records: 0,
+            replies_not_written: replies as u64,
+            not_written: why.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
 /// Where a window of `msgs[..end]` may start: its first message after the system prompt, or any
 /// later user turn.
 fn window_starts(msgs: &[Message], first: usize, end: usize) -> Vec<usize> {
@@ -936,9 +981,13 @@ impl DataLoaderPlugin for ChatData {
     }
 
     fn export_distilled(&self, path: &str) -> Result<u64, PluginError> {
+        Ok(self.export_distilled_summary(path)?.records)
+    }
+
+    fn export_distilled_summary(&self, path: &str) -> Result<DistilledExport, PluginError> {
         let records = self.distilled_records()?;
         records::write_jsonl(Path::new(path), &records).map_err(|e| PluginError::new(e.to_string()))?;
-        Ok(records.len() as u64)
+        Ok(DistilledExport { records: records.len() as u64, ..self.not_exported() })
     }
 }
 
