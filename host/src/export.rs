@@ -151,6 +151,17 @@ pub fn export_with_card(checkpoint: &Path, out: &Path, force: bool, card: Option
             checkpoint.display()
         );
     }
+    let sliding = cfg["layer_types"].as_array().is_some_and(|t| t.iter().any(|l| l == "sliding_attention"));
+    if let (true, Some(w), Some(block)) = (sliding, cfg["sliding_window"].as_u64(), cfg["block_size"].as_u64()) {
+        if w < block {
+            tracing::warn!(
+                "{}: `sliding_window` {w} is shorter than `block_size` {block}: SGLang and vLLM run a sliding layer \
+                 causal over positions p-{w}+1..=p, which also cuts a block's own keys older than the window, \
+                 where training saw them; expect a lower acceptance length served than `eval` measures",
+                checkpoint.display()
+            );
+        }
+    }
     let weights = experiment::read_safetensors(&checkpoint.join("model.safetensors"))?;
     let bf16: Vec<(String, Tensor)> =
         weights.into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor().to_kind(Kind::BFloat16))).collect();

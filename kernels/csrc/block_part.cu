@@ -11,7 +11,7 @@
 // thread moves 4 elements at a time.
 // A row of D elements is D/4 consecutive threads (a power of two up to a warp).
 //
-// `window` > 0: a sliding-window layer (HF's sliding_window, at least BK), served causal: row i
+// `window` > 0: a sliding-window layer (HF's sliding_window, any length from 1), causal: row i
 // sees its block's keys 0..=i only, and the context only when its window reaches back past the
 // anchor (i < window - 1; the context part's bias cut the rest).
 

@@ -15,11 +15,12 @@
 //! apply ([`context_tail`]: CUDA bf16, blocks of 16, full attention), which walk only the keys
 //! each block sees; elsewhere on the fused kernel with the bias.
 //!
-//! Sliding-window layers (`window` = W, HF's `sliding_window`, W >= the block) are served causal:
-//! the query at position p sees keys at p-W+1..=p (SGLang runs such a DFlash layer as a decoder
-//! layer with window_left W-1; SpecForge trains the same mask). So a block's query at offset i
-//! sees the context keys anchor+i-W+1..anchor and its block's keys 0..=i; the bias carries the
-//! per-query lower bound, the block part masks the later block keys.
+//! Sliding-window layers (`window` = W, HF's `sliding_window`) are causal: a block's query at
+//! offset i sees the context keys anchor+i-W+1..anchor and its block's keys 0..=i, whatever W
+//! (SpecForge's training mask; for W >= the block it is the query at position p seeing p-W+1..=p,
+//! as SGLang and vLLM serve such a layer). With W shorter than the block, the queries at offsets
+//! W-1 and on see no context. The bias carries the per-query lower bound, the block part masks
+//! the later block keys.
 //!
 //! The two softmaxes are merged exactly through their log-sum-exps. Masked SDPA over [context;
 //! all blocks] scores every query against all S + A*Bk keys; this scores it against S + Bk. The
@@ -190,11 +191,10 @@ impl ContextMask {
     }
 }
 
-/// A window shorter than a block would also cut the block's own keys, which the block part does
-/// not do (the drafters refuse such a config).
+/// A window holds at least the query's own position (the drafters refuse 0).
 fn check_window(window: Option<i64>, block: i64) {
     if let Some(w) = window {
-        assert!(w >= block, "sliding window {w} is shorter than the block ({block})");
+        assert!(w >= 1, "sliding window {w} (block {block}): it must hold at least the query's own position");
     }
 }
 
@@ -908,8 +908,8 @@ fn work_kind(q: &Tensor) -> Kind {
 
 /// The mask masked SDPA takes over [context; all blocks] [B, 1, N, S+N]: the context keys the
 /// query sees ([`context_visible`]), and the query's own block, all of it, or with a sliding
-/// window its keys up to the query's own (the drafters' masked path, and the reference this
-/// module is checked against).
+/// window its keys up to the query's own, however short the window (the drafters' masked path,
+/// and the reference this module is checked against).
 pub fn masked_sdpa_mask(anchors: &Tensor, s: i64, block: i64, window: Option<i64>) -> Tensor {
     check_window(window, block);
     let (b, a) = (anchors.size()[0], anchors.size()[1]);
@@ -937,7 +937,8 @@ mod tests {
     /// blocks at anchor 0 (no context) and at the last position: over the whole context, and in
     /// ranges that score fewer keys, one of them none, one an unbiased prefix and a biased tail,
     /// one its prefix alone; full attention and sliding windows (one as long as the block, where
-    /// the block's last query sees no context).
+    /// the block's last query sees no context, and shorter ones, where more of them see none and
+    /// the last range sees no context at all with a window of 1).
     #[test]
     fn split_attention_equals_masked_sdpa() {
         let (b, nh, nkv, d, s, block) = (2, 4, 2, 8, 11, 4);
@@ -945,7 +946,7 @@ mod tests {
         let n = 4 * block;
         let opts = (Kind::Double, Device::Cpu);
         let rows = [&[0i64, 0, 3, 10][..], &[0, 5, 6, 10]];
-        for window in [None, Some(4), Some(6)] {
+        for window in [None, Some(1), Some(2), Some(4), Some(6)] {
             let q = Tensor::randn([b, nh, n, d], opts).set_requires_grad(true);
             let k = Tensor::randn([b, nkv, s + n, d], opts).set_requires_grad(true);
             let v = Tensor::randn([b, nkv, s + n, d], opts).set_requires_grad(true);
@@ -956,15 +957,16 @@ mod tests {
             (&want * &d_out).sum(Kind::Double).backward();
 
             let ranges = query_ranges(&rows, s, block, 4, Tile { queries: block, keys: 2 }, window);
-            let first = window.map_or(0, |w| (10 - w + 1) / 2 * 2); // the last range's anchors are 10
-                                                                    // Without a window: the third range's prefix 0..2 runs unbiased, 2..6 biased; the
-                                                                    // last range's keys are all its prefix.
-            let prefix = |p: i64| if window.is_some() { 0 } else { p };
+            // A range's first context key: with a window, its smallest anchor - W + 1 rounded down
+            // to the tile (2), and it runs biased from there; without one, from 0, its keys before
+            // the smallest anchor unbiased (the third range's 0..2; all of the last range's).
+            let first = |smallest: i64| window.map_or(0, |w| (smallest - w + 1).max(0) / 2 * 2);
+            let prefix = |p: i64, first: i64| if window.is_some() { first } else { p };
             let expect = [
                 (0, 4, 0, 0, 0),
-                (4, 4, 0, 0, 6),
-                (8, 4, 0, prefix(2), 6),
-                (12, 4, first, window.map_or(10, |_| first), 10),
+                (4, 4, first(0), prefix(0, first(0)), 6),
+                (8, 4, first(3), prefix(2, first(3)), 6),
+                (12, 4, first(10), prefix(10, first(10)), 10),
             ];
             let expect: Vec<_> = expect
                 .iter()
@@ -987,13 +989,15 @@ mod tests {
 
     /// The masks by their definition, position by position: block key j of anchor a sits at
     /// a + j; full attention sees the context before the anchor and the whole block; a sliding
-    /// window W sees the positions p-W+1..=p of the query at p (context and block alike).
+    /// window W sees the context positions p-W+1.. of the query at p and its block's keys up to
+    /// its own, also when W is shorter than the block (then the queries at offsets W-1 and on
+    /// see no context, and still their block's earlier keys).
     #[test]
     fn masks_follow_the_position_rules() {
         let (s, block) = (12i64, 4i64);
         let rows = [[0i64, 2, 7], [11, 5, 3]];
         let anchors = Tensor::from_slice(&rows.concat()).view([2, 3]);
-        for window in [None, Some(4), Some(5), Some(9)] {
+        for window in [None, Some(1), Some(2), Some(3), Some(4), Some(5), Some(9)] {
             let mask = masked_sdpa_mask(&anchors, s, block, window);
             let got: Vec<bool> = Vec::try_from(mask.flatten(0, -1)).unwrap();
             let n = 3 * block;
@@ -1008,7 +1012,7 @@ mod tests {
                             key < a && in_window(key)
                         } else {
                             let (kb, j) = ((key - s) / block, (key - s) % block);
-                            kb == qi / block && (window.is_none() || in_window(a + j))
+                            kb == qi / block && (window.is_none() || j <= i)
                         });
                     }
                 }

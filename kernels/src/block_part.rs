@@ -152,7 +152,7 @@ unsafe impl DeviceRepr for Parts {}
 /// q [B, nh, N, D], k/v [B, nkv, S+N, D], the context part range by range (rows that see no
 /// context are ignored), anchors [B, A] -> the merged output [B, nh, N, D] ([B, N, nh, D] in
 /// memory) and log-sum-exp [B, nh, N]. `window` > 0: a sliding-window layer's block part (causal
-/// within the block; window >= block).
+/// within the block; rows i >= window - 1 see no context).
 #[allow(clippy::too_many_arguments)]
 pub fn forward(
     q: &Tensor,

@@ -88,14 +88,17 @@ pub const FULL_ATTENTION: &str = "full_attention";
 pub const SLIDING_ATTENTION: &str = "sliding_attention";
 
 /// Each layer's sliding window (None: full attention) from HF's `layer_types` and
-/// `sliding_window`, checked: one entry per layer, known names, a window for sliding layers that
-/// is at least a block (a shorter one would cut the block's own keys, which neither SpecForge
-/// nor SGLang agree on).
+/// `sliding_window`, checked: one entry per layer, known names, a window of at least one position
+/// for sliding layers. A window applies to the context keys (the query at block offset i sees
+/// the context from anchor + i - W + 1 on); a block's own keys up to the query are always seen,
+/// whatever W, as SpecForge trains it. A window shorter than the block is allowed: its queries
+/// at offsets W - 1 and on see no context, only their block. (SGLang and vLLM run a sliding
+/// DFlash layer as a causal sliding-window decoder layer, which also cuts a block's keys older
+/// than W: the same model where W >= block_size, not below it.)
 pub fn layer_windows(
     layer_types: &[String],
     sliding_window: Option<usize>,
     num_layers: usize,
-    block_size: usize,
 ) -> Result<Vec<Option<i64>>, String> {
     if layer_types.len() != num_layers {
         return Err(format!("`layer_types` lists {} layers, `num_hidden_layers` is {num_layers}", layer_types.len()));
@@ -106,9 +109,7 @@ pub fn layer_windows(
             FULL_ATTENTION => Ok(None),
             SLIDING_ATTENTION => match sliding_window {
                 None => Err(format!("`layer_types` has `{SLIDING_ATTENTION}` layers but `sliding_window` is not set")),
-                Some(w) if w < block_size => {
-                    Err(format!("`sliding_window` {w} is shorter than a block ({block_size})"))
-                }
+                Some(0) => Err("`sliding_window` 0: a window holds at least the query's own position".into()),
                 Some(w) => Ok(Some(w as i64)),
             },
             other => Err(format!("`layer_types` entry `{other}` is not `{FULL_ATTENTION}` or `{SLIDING_ATTENTION}`")),
@@ -151,4 +152,31 @@ pub fn check_fits(
         return mismatch("target layer", id as usize, target.num_hidden_layers);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn types(t: &[&str]) -> Vec<String> {
+        t.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// A window shorter than the block is a model (SpecForge trains it); 0 is none, and a sliding
+    /// layer needs a window.
+    #[test]
+    fn sliding_windows_of_any_length_from_one_are_accepted() {
+        let layout = types(&[SLIDING_ATTENTION, FULL_ATTENTION]);
+        for w in [1, 3, 16, 2048] {
+            assert_eq!(layer_windows(&layout, Some(w), 2), Ok(vec![Some(w as i64), None]));
+        }
+        assert_eq!(
+            layer_windows(&layout, Some(0), 2),
+            Err("`sliding_window` 0: a window holds at least the query's own position".into())
+        );
+        assert!(layer_windows(&layout, None, 2).unwrap_err().contains("`sliding_window` is not set"));
+        assert!(layer_windows(&layout, Some(4), 3).unwrap_err().contains("lists 2 layers"));
+        let e = layer_windows(&types(&["chunked_attention"]), Some(4), 1).unwrap_err();
+        assert!(e.contains("`chunked_attention`"), "{e}");
+    }
 }

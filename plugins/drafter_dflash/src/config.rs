@@ -147,8 +147,7 @@ impl DFlashConfig {
 
     /// Each layer's sliding window (None: full attention); the config is [`check`](Self::check)ed.
     pub fn windows(&self) -> Vec<Option<i64>> {
-        layer_windows(&self.layer_types, self.sliding_window, self.num_hidden_layers, self.block_size)
-            .expect("a checked config")
+        layer_windows(&self.layer_types, self.sliding_window, self.num_hidden_layers).expect("a checked config")
     }
 
     /// The sliding window of the drafter's sliding-window layers, if it has any.
@@ -224,7 +223,7 @@ impl DFlashConfig {
                 ),
             );
         }
-        let windows = layer_windows(&self.layer_types, self.sliding_window, self.num_hidden_layers, self.block_size)?;
+        let windows = layer_windows(&self.layer_types, self.sliding_window, self.num_hidden_layers)?;
         let sliding = windows.iter().any(Option::is_some);
         if sliding && !self.use_sliding_window {
             // HF's Qwen3Config drops the window then, and SpecForge refuses the layout.
@@ -261,6 +260,9 @@ mod tests {
         assert_eq!(c.windows(), [None, Some(8)]);
         let c = parse(&format!("{{{BASE}, \"layer_types\": [\"sliding_attention\", \"full_attention\"], \"use_sliding_window\": true, \"sliding_window\": 6}}")).unwrap();
         assert_eq!(c.windows(), [Some(6), None]);
+        // Shorter than the block (4): SpecForge trains it, so it is read.
+        let c = parse(&format!("{{{BASE}, \"layer_types\": [\"sliding_attention\", \"full_attention\"], \"use_sliding_window\": true, \"sliding_window\": 3}}")).unwrap();
+        assert_eq!(c.windows(), [Some(3), None]);
         // What the drafter cannot compute is named.
         for (extra, field) in [
             (
@@ -268,8 +270,8 @@ mod tests {
                 "`sliding_window` is not set",
             ),
             (
-                r#""layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": true, "sliding_window": 3"#,
-                "shorter than a block",
+                r#""layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": true, "sliding_window": 0"#,
+                "`sliding_window` 0",
             ),
             (
                 r#""layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8"#,

@@ -51,11 +51,14 @@ drafter_layers::drafter_section! {
         #[serde(default)]
         pub attention: AttentionKind,
         /// HF's `layer_types`: `full_attention` (default) or `sliding_attention` per layer. A
-        /// sliding layer's query at position p sees positions p-W+1..=p only (causal within its
-        /// block), as SGLang serves it and SpecForge trains it.
+        /// sliding layer's query at position p sees the context positions p-W+1 and on, and its
+        /// block's keys up to its own (causal within the block), as SpecForge trains it and, for
+        /// W >= `block_size`, as SGLang and vLLM serve it.
         #[serde(default)]
         pub layer_types: Option<Vec<String>>,
-        /// W of the sliding layers (at least `block_size`).
+        /// W of the sliding layers, at least 1. Below `block_size` the block's later queries see
+        /// no context (SpecForge's mask); SGLang and vLLM then also cut the block's own keys
+        /// older than W, so such a drafter is served with less than it was trained with.
         #[serde(default)]
         pub sliding_window: Option<usize>,
         /// Default: the target's (its config.json or GGUF metadata), else 32768.

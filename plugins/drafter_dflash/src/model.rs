@@ -1,8 +1,8 @@
 //! The DFlash drafter (the DFlash paper; z-lab `dflash/model.py` for the layer order): target features
 //! fused by `fc` + `hidden_norm`, then Qwen3 decoder layers whose attention takes Q from the block
 //! tokens and K/V from [context; block], each block seeing the context strictly before its anchor
-//! and itself (a `sliding_attention` layer: the last `sliding_window` positions up to each query,
-//! causal within the block). Weight names equal the z-lab checkpoint's. The layers are
+//! and itself (a `sliding_attention` layer: the context within `sliding_window` positions of each
+//! query, and its block causal). Weight names equal the z-lab checkpoint's. The layers are
 //! `drafter_layers`'.
 
 use crate::config::DFlashConfig;

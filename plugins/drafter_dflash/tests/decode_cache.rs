@@ -1,6 +1,6 @@
 //! Decoding with the drafter's context kept between draft cycles (`decode_block`) gives what the
 //! forward over the whole context gives, cycle after cycle, with full-attention layers and with
-//! sliding-window ones whose window the growing context outruns.
+//! sliding-window ones whose window the growing context outruns, one shorter than a block.
 
 mod common;
 
@@ -39,7 +39,9 @@ fn kept_context_equals_the_whole_context_forward() {
     let _guard = tch::no_grad_guard();
     let sliding =
         "layer_types = [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]\nsliding_window = 5";
-    for extra in ["", sliding] {
+    // A window shorter than the block (2 < 4) as well.
+    let short = sliding.replace("sliding_window = 5", "sliding_window = 2");
+    for extra in ["", sliding, short.as_str()] {
         let mut d = drafter(extra);
         tch::manual_seed(11);
         let context = Tensor::randn([1, 24, 32], (Kind::Float, Device::Cpu));

@@ -1,6 +1,6 @@
 //! The drafter's own backward (`attention = "split"`, `checkpoint_layers = true`, both): the
 //! forward returns a leaf and the backward gives the gradients plain autograd gives through
-//! masked SDPA, with full-attention layers and with sliding-window ones.
+//! masked SDPA, with full-attention layers and with sliding-window ones (one shorter than a block).
 
 mod common;
 
@@ -17,6 +17,9 @@ static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Layers 0 and 2 sliding (window 5: the context of the later blocks is cut), layer 1 full.
 const SLIDING: &str =
     "layer_types = [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]\nsliding_window = 5";
+/// A window shorter than the block (2 < 4): a block's queries past its second see no context.
+const SHORT_WINDOW: &str =
+    "layer_types = [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]\nsliding_window = 2";
 
 fn drafter(mode: TrainMode) -> DFlashPlugin {
     drafter_with(mode, "")
@@ -56,7 +59,7 @@ fn grads(d: &mut DFlashPlugin) -> Vec<(String, Tensor)> {
 #[test]
 fn own_backwards_give_autograds_gradients() {
     let _one = SEEDED.lock().unwrap();
-    for extra in ["", SLIDING] {
+    for extra in ["", SLIDING, SHORT_WINDOW] {
         let plain = grads(&mut drafter_with(TrainMode::default(), extra));
         assert!(plain.iter().any(|(n, _)| n.starts_with("layers.2.")) && plain.iter().any(|(n, _)| n == "fc.weight"));
         for (split_attention, checkpoint_layers) in [(false, true), (true, false), (true, true)] {
