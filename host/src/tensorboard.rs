@@ -518,4 +518,50 @@ mod tests {
         assert_eq!(tag("val_tau_hat"), "validation/tau_hat");
         assert!(log_metrics(&mut w, &serde_json::json!({"loss": 1.0})).is_err(), "a record without step is refused");
     }
+
+    /// The MLflow route (docs: trackers): `scripts/trackers/mlflow_import.py --dry-run` reads
+    /// these event files with its own TFRecord and protobuf reader and would log every scalar at
+    /// its step under its TensorBoard tag, the config as `section.key` params and the results
+    /// files as artifacts; a record cut short by a crash is left out.
+    #[test]
+    fn the_mlflow_import_script_reads_every_scalar_of_the_event_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = EventWriter::create(dir.path()).unwrap();
+        let rec = serde_json::json!({"step": 20, "loss": 7.0987, "acc": [0.5, 0.25], "tau_hat": 1.8, "val_loss": 6.5,
+            "gpu_util": [55.0, 61.0]});
+        log_metrics(&mut w, &rec).unwrap();
+        w.add_scalars(21, &[("train_step/loss".to_string(), 6.75), ("train_step/lr".to_string(), 3e-4)]).unwrap();
+        w.flush().unwrap();
+        let mut written: Vec<(String, i64, f32)> = read_events(&w.path)
+            .into_iter()
+            .flat_map(|e| e.values.into_iter().map(move |(t, v)| (t, e.step, v)))
+            .collect();
+        let torn = std::fs::read(&w.path).unwrap();
+        // A crash in the middle of the next record: its header and part of its data.
+        std::fs::write(&w.path, [&torn[..], &torn[..20]].concat()).unwrap();
+        std::fs::write(dir.path().join("config.toml"), "name = \"x\"\n[train]\nsteps = 8\n[optimizer]\nlr = 0.003\n")
+            .unwrap();
+        std::fs::write(dir.path().join("eval.json"), "{}").unwrap();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/trackers/mlflow_import.py");
+        let out = std::process::Command::new("python3").arg(&script).arg(dir.path()).arg("--dry-run").output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let mut read: Vec<(String, i64, f32)> = got["metrics"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| (m[0].as_str().unwrap().into(), m[1].as_i64().unwrap(), m[2].as_f64().unwrap() as f32))
+            .collect();
+        written.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        read.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        assert_eq!(read, written);
+        assert_eq!(written.len(), 9, "{written:?}");
+        assert!(
+            read.contains(&("validation/loss".into(), 20, 6.5))
+                && read.contains(&("system/gpu_util/2".into(), 20, 61.0))
+        );
+        assert_eq!(got["params"], serde_json::json!({"name": "x", "train.steps": "8", "optimizer.lr": "0.003"}));
+        let files: Vec<&str> = got["artifacts"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+        assert!(files.len() == 2 && files[0].ends_with("config.toml") && files[1].ends_with("eval.json"), "{files:?}");
+    }
 }
