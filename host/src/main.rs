@@ -249,6 +249,7 @@ fn print_summary(s: &train::TrainSummary) {
 
 fn main() -> ExitCode {
     dflash_host::dist::set_nccl_defaults(); // before any thread starts
+    dflash_host::experiment::checkpoint::ignore_sigxfsz(); // `ulimit -f`: a write fails with EFBIG
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)

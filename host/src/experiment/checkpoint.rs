@@ -39,9 +39,23 @@ pub struct CheckpointData<'a, S: Serialize> {
     pub trainer_state: &'a S,
 }
 
+/// Let a write past the file-size limit (`ulimit -f`) fail with EFBIG, like one on a full disk,
+/// instead of the kernel killing the process with SIGXFSZ (no message, a partial folder left):
+/// the write path then removes its temporary folder and names the file. Process-wide and
+/// idempotent; `main` calls it first thing, [`write`] again for library callers.
+pub fn ignore_sigxfsz() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    // SAFETY: setting a signal's disposition to SIG_IGN installs no handler code.
+    ONCE.call_once(|| unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    });
+}
+
 /// Write `checkpoints/step-N/` through a temporary folder (fsynced, then renamed), then prune to
-/// `keep`. A failed write (a full disk) removes its temporary folder and names the file.
+/// `keep`. A failed write (a full disk, the file-size limit) removes its temporary folder and
+/// names the file.
 pub fn write<S: Serialize>(exp_dir: &Path, step: u64, data: &CheckpointData<S>, keep: usize) -> Result<PathBuf> {
+    ignore_sigxfsz();
     let root = root(exp_dir);
     let final_dir = root.join(format!("step-{step}"));
     let tmp = root.join(format!(".step-{step}.tmp"));

@@ -17,7 +17,7 @@ use plugin_api::NamedTensor;
 use serde::{de::DeserializeOwned, Serialize};
 use std::{
     fs::{self, File},
-    io::{BufWriter, Write},
+    io::Write,
     path::{Path, PathBuf},
 };
 
@@ -29,7 +29,7 @@ const MAX_JSON_BYTES: u64 = 64 << 20;
 pub struct Experiment {
     pub dir: PathBuf,
     /// None for a data-parallel rank other than 0: it trains but writes nothing.
-    metrics: Option<BufWriter<File>>,
+    metrics: Option<File>,
     /// Held for the life of the run (None on ranks other than 0).
     _lock: Option<ExperimentLock>,
 }
@@ -104,7 +104,7 @@ impl Experiment {
         let path = dir.join(metrics::METRICS);
         let metrics =
             fs::OpenOptions::new().append(true).open(&path).with_context(|| format!("opening {}", path.display()))?;
-        Ok(Self { dir: dir.to_path_buf(), metrics: Some(BufWriter::new(metrics)), _lock: Some(lock) })
+        Ok(Self { dir: dir.to_path_buf(), metrics: Some(metrics), _lock: Some(lock) })
     }
 
     /// Rank 1.. of a data-parallel run: rank 0 owns the folder.
@@ -116,9 +116,16 @@ impl Experiment {
     pub fn log(&mut self, record: &impl Serialize) -> Result<()> {
         let Some(metrics) = self.metrics.as_mut() else { return Ok(()) };
         let path = || format!("writing {}", self.dir.join(metrics::METRICS).display());
-        serde_json::to_writer(&mut *metrics, record).with_context(path)?;
-        metrics.write_all(b"\n").with_context(path)?;
-        metrics.flush().with_context(path)?;
+        let mut line = serde_json::to_vec(record).with_context(path)?;
+        line.push(b'\n');
+        let before = metrics.metadata().map(|m| m.len());
+        if let Err(e) = metrics.write_all(&line) {
+            // A write cut short (a full disk, the file-size limit) leaves no part of its record.
+            if let Ok(len) = before {
+                let _ = metrics.set_len(len);
+            }
+            return Err(anyhow::Error::new(e).context(path()));
+        }
         Ok(())
     }
 
@@ -248,6 +255,43 @@ mod tests {
         assert!(err.ends_with("eval.json: it is a folder"), "{err}");
         let err = format!("{:#}", check_writable(&root.path().join("gone/eval.json")).unwrap_err());
         assert!(err.contains("cannot write") && err.contains("gone/eval.json"), "{err}");
+    }
+
+    /// A metrics record written past the file-size limit (`ulimit -f`) fails with an error naming
+    /// metrics.jsonl and leaves no part of itself in the file. In a forked child, whose limit is
+    /// its own; the kernel writes the record's first bytes up to the limit, then refuses the rest.
+    #[test]
+    fn a_metrics_record_cut_by_the_file_size_limit_leaves_no_part_of_itself() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("exp");
+        let mut exp = Experiment::create(&dir, "", &serde_json::json!({})).unwrap();
+        exp.log(&serde_json::json!({"step": 1, "loss": 1.5})).unwrap();
+        let path = dir.join(metrics::METRICS);
+        let before = fs::read(&path).unwrap();
+        let big = serde_json::json!({"step": 2, "note": "x".repeat(4096)});
+        // SAFETY: the child sets its own limit, writes and leaves through _exit.
+        match unsafe { libc::fork() } {
+            0 => unsafe {
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                let limit = before.len() as libc::rlim_t + 100;
+                libc::setrlimit(libc::RLIMIT_FSIZE, &libc::rlimit { rlim_cur: limit, rlim_max: limit });
+                let code = match exp.log(&big) {
+                    Err(e) if format!("{e:#}").contains("metrics.jsonl") => 0,
+                    Err(_) => 2,
+                    Ok(()) => 3,
+                };
+                libc::_exit(code)
+            },
+            pid => {
+                let mut status = 0;
+                assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+                assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status}");
+            }
+        }
+        assert_eq!(fs::read(&path).unwrap(), before);
+        exp.log(&serde_json::json!({"step": 2, "loss": 1.25})).unwrap();
+        let lines = fs::read_to_string(&path).unwrap();
+        assert_eq!(lines.lines().count(), 2, "{lines}");
     }
 
     #[test]

@@ -110,14 +110,18 @@ impl Trainer<'_> {
             // A panic there gave a placeholder (no weights, no state): never write it.
             self.names.check(PluginKind::Drafter, &*self.drafter)?;
             self.names.check(PluginKind::Optimizer, &*self.optimizer)?;
-            let dir = self.exp.save_checkpoint(
-                step,
-                &weights,
-                config_json.as_str(),
-                &optimizer_state,
-                &self.state,
-                t.keep_checkpoints,
-            )?;
+            let last_good = self.last_ckpt.as_deref().unwrap_or("none yet");
+            let dir = self
+                .exp
+                .save_checkpoint(
+                    step,
+                    &weights,
+                    config_json.as_str(),
+                    &optimizer_state,
+                    &self.state,
+                    t.keep_checkpoints,
+                )
+                .map_err(|e| e.context(format!("stopped at step {step}; the last good checkpoint is {last_good}")))?;
             self.last_ckpt = Some(dir.display().to_string());
         }
         Ok(())
