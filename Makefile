@@ -1,5 +1,5 @@
 # dflash: `make run` trains the embedded default, `make test` runs the suite. Both set up what
-# they need first (libtorch, model, data: scripts/setup.sh, cached in $(DFLASH_CACHE)).
+# they need first (libtorch, model, data: scripts/setup/setup.sh, cached in $(DFLASH_CACHE)).
 SHELL := /bin/bash
 DFLASH_CACHE ?= $(HOME)/.cache/dflash
 CONFIG ?= configs/smollm2-chitchat.toml
@@ -12,7 +12,7 @@ export LD_LIBRARY_PATH := $(DFLASH_CACHE)/libtorch/lib:$(DFLASH_CACHE)/libtorch-
 .PHONY: setup build run test gpu-test crash-test clean-cache
 
 setup:
-	@scripts/setup.sh
+	@scripts/setup/setup.sh
 
 build: setup
 	$(CARGO) build --release --workspace
@@ -31,7 +31,7 @@ gpu-test: build
 
 # The full kill -9 test (20 kills; `make test` runs 5).
 crash-test: build
-	scripts/crash_test.sh 20
+	scripts/test/crash_test.sh 20
 
 clean-cache:
 	rm -rf $(DFLASH_CACHE)
