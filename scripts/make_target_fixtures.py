@@ -115,13 +115,95 @@ def build(arch):
             norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1], rope_theta=10000.0,
         )
         return transformers.Qwen3MoeForCausalLM(cfg)
+    if arch in ("mistral", "ministral"):
+        # Llama's layout with a sliding window (8 of the 66 positions): every layer (mistral) or
+        # the layers `layer_types` names (ministral).
+        extra = dict(layer_types=["sliding_attention", "full_attention"] * 2) if arch == "ministral" else {}
+        cls = transformers.MistralConfig if arch == "mistral" else transformers.MinistralConfig
+        cfg = cls(**TEXT, intermediate_size=48, sliding_window=8, rope_theta=10000.0, **extra)
+        model = transformers.MistralForCausalLM if arch == "mistral" else transformers.MinistralForCausalLM
+        return model(cfg)
+    if arch == "gemma3_text":
+        # Gemma 3's text model as its 4B+ checkpoints are: sliding layers with their own base,
+        # linear scaling on the global ones; a query scale other than head_dim's.
+        cfg = transformers.Gemma3TextConfig(
+            **dict(TEXT, tie_word_embeddings=True), intermediate_size=48, sliding_window=8, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        )
+        return transformers.Gemma3ForCausalLM(cfg)
+    if arch == "gemma2":
+        # Soft-capped scores and logits (eager attention: transformers' SDPA path ignores the cap).
+        cfg = transformers.Gemma2Config(
+            **dict(TEXT, tie_word_embeddings=True), intermediate_size=48, sliding_window=8, query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_theta=10000.0, attn_implementation="eager",
+        )
+        return transformers.Gemma2ForCausalLM(cfg)
+    if arch == "gpt_oss":
+        cfg = transformers.GptOssConfig(
+            **TEXT, intermediate_size=8, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+            rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 16, "rope_theta": 150000.0},
+        )
+        return transformers.GptOssForCausalLM(cfg)
+    if arch == "lfm2":
+        # LFM2 / LFM2.5: short-conv layers and attention layers; the MLP width adjusted from
+        # `intermediate_size` as the config's block_* keys say (int(2 * 48 / 3) * 1.5 -> 48).
+        cfg = transformers.Lfm2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
+            num_key_value_heads=2, norm_eps=1e-5, eos_token_id=EOS, tie_word_embeddings=True, conv_L_cache=3,
+            block_multiple_of=16, block_ffn_dim_multiplier=1.5, block_auto_adjust_ff_dim=True,
+            layer_types=["conv", "conv", "full_attention", "conv", "full_attention"], rope_theta=1e6,
+        )
+        return transformers.Lfm2ForCausalLM(cfg)
+    if arch == "deepseek_v3":
+        # MLA with both LoRA ranks, YaRN with mscale (so the softmax scale grows too), grouped
+        # routing (4 groups, 2 kept), layer 0 dense.
+        cfg = transformers.DeepseekV3Config(
+            **dict(TEXT, num_hidden_layers=3, num_key_value_heads=4, head_dim=4), intermediate_size=48, moe_intermediate_size=8,
+            n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=16, kv_lora_rank=12,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True, max_position_embeddings=64,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "rope_theta": 10000.0},
+        )
+        return transformers.DeepseekV3ForCausalLM(cfg)
+    if arch == "glm4_moe":
+        # GLM-4.5: half the head rotated, q/k/v biases, (here) q/k norms, layer 0 dense.
+        cfg = transformers.Glm4MoeConfig(
+            **dict(TEXT, num_hidden_layers=3), intermediate_size=48, moe_intermediate_size=8, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=1.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+            partial_rotary_factor=0.5, rope_theta=10000.0,
+        )
+        return transformers.Glm4MoeForCausalLM(cfg)
+    if arch == "longcat_flash":
+        # Two MLA sublayers and two dense MLPs a layer, the MoE on a shortcut; 4 zero-computation
+        # (identity) experts beside the 8 routed ones.
+        cfg = transformers.LongcatFlashConfig(
+            vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=4, eos_token_id=EOS,
+            tie_word_embeddings=False, ffn_hidden_size=48, expert_ffn_hidden_size=8, n_routed_experts=8,
+            zero_expert_num=4, moe_topk=3, routed_scaling_factor=6.0, q_lora_rank=16, kv_lora_rank=12,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, head_dim=4, v_head_dim=6, rms_norm_eps=1e-5,
+            rope_theta=10000000.0,
+        )
+        return transformers.LongcatFlashForCausalLM(cfg)
     raise ValueError(arch)
+
+
+# The families whose fixtures predate the per-family rules below (their draws stay as they were).
+QWEN = ("qwen3_5", "qwen3_5_moe_text", "qwen3_moe")
 
 
 @torch.no_grad()
 def randomise(model):
     """Every parameter at random: matrices ~ N(0, 1/fan_in) so activations stay O(1); norm gains
     and gate biases off their identity values; A = exp(A_log) in [1, 16] as transformers draws it."""
+    model_type = model.config.model_type
+    if model_type not in QWEN:
+        return randomise_family(model)
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
             p.copy_(torch.empty_like(p).uniform_(1, 16).log())
@@ -131,7 +213,7 @@ def randomise(model):
             p.copy_(1 + 0.2 * torch.randn_like(p))  # plain gain (the gated norm is not 1-centred)
         elif p.dim() == 1:
             p.copy_(0.2 * torch.randn_like(p))  # (1 + w) gains of the Qwen3.5 norms; Qwen3's plain gains
-            if "qwen3_moe" in model.config.model_type:
+            if "qwen3_moe" in model_type:
                 p.add_(1.0)
         elif "conv1d" in name:
             p.copy_(torch.randn_like(p) * 0.5)
@@ -141,12 +223,44 @@ def randomise(model):
             p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
 
 
+def randomise_family(model):
+    """The other families: norm gains 1 + N(0, 0.2^2) (Gemma's, which scale by 1 + w, N(0, 0.2^2));
+    biases N(0, 0.5^2), gpt-oss's expert gate/up biases N(0, 4^2) so that its clamp at 7 bites;
+    attention sinks and the routers' score-correction biases (buffers) at random too; gpt-oss's
+    experts are stored [E, in, out]."""
+    gemma = model.config.model_type.startswith("gemma")
+    gpt_oss = model.config.model_type == "gpt_oss"
+    for name, p in model.named_parameters():
+        if name.endswith("gate_up_proj_bias"):
+            p.copy_(torch.randn_like(p) * 4.0)
+        elif name.endswith("bias"):
+            p.copy_(torch.randn_like(p) * 0.5)
+        elif name.endswith("sinks"):
+            p.copy_(torch.randn_like(p))
+        elif p.dim() == 1:
+            p.copy_(0.2 * torch.randn_like(p) + (0.0 if gemma else 1.0))
+        elif name.endswith("conv.weight"):
+            p.copy_(torch.randn_like(p) * 0.5)
+        elif gpt_oss and p.dim() == 3:  # [E, in, out]
+            p.copy_(torch.randn_like(p) / math.sqrt(p.shape[1]))
+        else:
+            p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(torch.randn_like(b) * 0.2)
+
+
 def text_model(model):
     return model.model.language_model if hasattr(model.model, "language_model") else model.model
 
 
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_moe", "mistral", "ministral", "gemma3_text", "gemma2", "gpt_oss", "lfm2",
+            "deepseek_v3", "glm4_moe", "longcat_flash"]
+SEEDS = {arch: i for i, arch in enumerate(FAMILIES)}
+
+
 def make(arch, out_dir):
-    torch.manual_seed({"qwen3_5": 0, "qwen3_5_moe": 1, "qwen3_moe": 2}[arch])
+    torch.manual_seed(SEEDS[arch])
     model = build(arch).eval()
     randomise(model)
     ids = torch.randint(0, VOCAB - 1, (2, 66))  # EOS (63) only where the model says it
@@ -259,13 +373,13 @@ def make_rope(out_dir):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
-    ap.add_argument("--only", action="append", choices=["qwen3_5", "qwen3_5_moe", "qwen3_moe", "llama_rope"])
+    ap.add_argument("--only", action="append", choices=FAMILIES + ["llama_rope"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.set_default_dtype(torch.float32)
     transformers.logging.set_verbosity_error()
-    for arch in args.only or ["qwen3_5", "qwen3_5_moe", "qwen3_moe", "llama_rope"]:
+    for arch in args.only or FAMILIES + ["llama_rope"]:
         make_rope(args.out) if arch == "llama_rope" else make(arch, args.out)
 
 
