@@ -1,5 +1,6 @@
 //! Every family against transformers 5.8.1: tiny random models saved by transformers itself as
-//! HF folders (`tests/fixtures/target_*`, made by `scripts/make_target_fixtures.py`), loaded here
+//! HF folders (`tests/fixtures/target_*`, made by
+//! `scripts/fixtures/make_target_fixtures.py`), loaded here
 //! like any checkpoint (sharded, the multimodal layout for qwen3_5): the Qwen3.5 hybrid (Gated
 //! DeltaNet + gated attention), Qwen3.5-MoE, Qwen3-MoE, Mistral and Ministral (sliding windows),
 //! Gemma 2 (soft caps) and Gemma 3 (a RoPE per layer kind), gpt-oss (sinks, sliding layers,
