@@ -1,6 +1,6 @@
 //! The model families the target loads: the HF `model_type`s each answers to, how its layers
 //! are built, and the parallelism it runs with. One table: the unknown-`model_type` error,
-//! `dflash-host config explain target` and docs/TARGETS.md are all read from it.
+//! `dflash-host config explain target` and docs/CONFIG.md are all read from it.
 
 use crate::config::Arch;
 
