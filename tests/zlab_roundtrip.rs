@@ -164,14 +164,23 @@ fn init_from_refuses_fields_it_cannot_honour() {
 /// targets are tiny (hidden 32, MLP 96, one shared embedding; layers, heads, vocabulary, RoPE,
 /// context length and special tokens as the real ones; the Qwen3.5 / 3.6 targets Gated DeltaNet
 /// hybrids, 3 linear-attention layers to 1 full, partial rotary, the 35B-A3B with routed and
-/// shared experts); the hidden size and MLP width are compared at the tiny sizes.
+/// shared experts; LFM2.5 short convolutions with attention); the hidden size and MLP width are
+/// compared at the tiny sizes.
 #[test]
 fn presets_export_the_published_configs() {
     const TINY_HIDDEN: u64 = 32;
     const TINY_MLP: u64 = 96;
     let root = common::root();
     let registry = Registry::new(&[]).unwrap();
-    let presets = ["qwen3-8b", "qwen3-4b", "qwen2.5-0.5b", "qwen3.5-4b", "qwen3.5-35b-a3b", "qwen3.6-27b"];
+    let presets = [
+        "qwen3-8b",
+        "qwen3-4b",
+        "qwen2.5-0.5b",
+        "qwen3.5-4b",
+        "qwen3.5-35b-a3b",
+        "qwen3.6-27b",
+        "lfm2.5-1.2b-instruct",
+    ];
     let on_disk = std::fs::read_dir(root.join("configs/presets")).unwrap().count();
     assert_eq!(on_disk, presets.len(), "a preset without a published config to check it against");
     for name in presets {
@@ -191,6 +200,7 @@ fn presets_export_the_published_configs() {
             _ if name.starts_with("qwen2.5") => "qwen2",
             "qwen3.5-35b-a3b" => "qwen3_5_moe_text",
             _ if hybrid => "qwen3_5_text",
+            _ if name.starts_with("lfm2") => "lfm2",
             _ => "qwen3",
         };
         let own_heads = table.contains_key("num_attention_heads");
@@ -219,6 +229,16 @@ fn presets_export_the_published_configs() {
             {
                 target[k] = v.clone();
             }
+        }
+        if model_type == "lfm2" {
+            // LFM2.5-1.2B's layout: short convolutions with attention at layers 2, 5, 8, 10, 12, 14.
+            let attention = [2, 5, 8, 10, 12, 14];
+            let layers = p("num_target_layers").as_u64().unwrap();
+            let types: Vec<&str> =
+                (0..layers).map(|i| if attention.contains(&i) { "full_attention" } else { "conv" }).collect();
+            target["layer_types"] = serde_json::json!(types);
+            target["conv_L_cache"] = 3.into();
+            target["block_auto_adjust_ff_dim"] = false.into();
         }
         if let Some(pad) = published.get("pad_token_id") {
             target["pad_token_id"] = pad.clone();

@@ -445,6 +445,10 @@ pub fn markdown(only: Option<&str>) -> Result<String> {
                 cell(&f.doc)
             ));
         }
+        if s.table == "[target]" {
+            md.push_str("\nThe families it loads, by the `model_type` of the checkpoint's config.json:\n\n");
+            md.push_str(&target_hf::families::markdown());
+        }
     }
     if shown == 0 {
         let known: Vec<String> = sections()

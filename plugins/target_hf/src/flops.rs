@@ -2,29 +2,38 @@
 //! MFU (`dflash-host bench train`). One multiply-add is 2 FLOPs; a matmul [m, k] x [k, n] is
 //! 2mkn. Work the maths needs, counted per token from the config:
 //! - attention layers: the q (+ gate) / k / v / o projections and the causal scores (query i
-//!   against i + 1 keys, QK^T and PV);
+//!   against i + 1 keys, or the last `window` of them in a sliding layer; QK^T and PV);
+//!   latent attention: q (through its rank where it has one), the latent and rotary key
+//!   (kv_a), each head's key part and value from the latent (kv_b), o, and the scores over
+//!   qk_nope + qk_rope dims (PV over v dims);
 //! - Gated DeltaNet layers: the four input projections and out_proj, the conv (2K a channel),
 //!   and the chunked delta rule's matmuls as it runs them with chunks of c = min(64, seq): per
 //!   token and value head 2c dk (the WY system's k k^T), c (dk + dv) (its triangular solve),
 //!   2c dk and 2c dv (intra-chunk scores and their product), and 3 x 2 dk dv (the state read
 //!   twice and written once);
-//! - MLPs: dense SwiGLU 6 H F; sparse: the router 2 H E, the top-k experts 6 H I each (active
-//!   parameters only), the shared expert 6 H I_s and its gate 2 H;
+//! - short-conv layers (LFM2): in_proj (3H), the conv (2K a channel), out_proj;
+//! - MLPs: dense gated 6 H F; sparse: the router 2 H E, the top-k experts 6 H I each (active
+//!   parameters only; with zero-computation experts, the share of the k picks expected to land
+//!   on real ones, E / (E + Z), as uniform routing would give), the shared expert 6 H I_s (and
+//!   Qwen3.5's gate, 2 H); LongCat-Flash: two attention sublayers, two dense MLPs and the MoE a
+//!   layer;
 //! - the LM head 2 H V a token, when logits are asked for.
-//! Elementwise work (norms, activations, gates) is not counted.
+//! Elementwise work (norms, activations, gates, biases) is not counted.
 
 use crate::{
-    config::{DecoderConfig, Mixer},
+    config::{DecoderConfig, Mixer, SharedExpert},
     qwen3_5::CHUNK,
 };
 use serde::Serialize;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct ForwardFlops {
-    /// Attention layers' projections and scores.
+    /// Attention layers' projections and scores (latent attention's too).
     pub attention: f64,
     /// Gated DeltaNet layers' projections, conv and delta rule.
     pub gdn: f64,
+    /// Short-conv layers' projections and conv.
+    pub conv: f64,
     /// Every layer's MLP (dense or the active experts).
     pub mlp: f64,
     pub head: f64,
@@ -32,7 +41,15 @@ pub struct ForwardFlops {
 
 impl ForwardFlops {
     pub fn total(&self) -> f64 {
-        self.attention + self.gdn + self.mlp + self.head
+        self.attention + self.gdn + self.conv + self.mlp + self.head
+    }
+}
+
+/// Query-key pairs of a causal sequence of `s` tokens where each sees at most `window` keys.
+fn pairs(s: f64, window: Option<usize>) -> f64 {
+    match window.map(|w| w as f64) {
+        Some(w) if w < s => w * (w + 1.0) / 2.0 + (s - w) * w,
+        _ => s * (s + 1.0) / 2.0,
     }
 }
 
@@ -44,7 +61,17 @@ pub fn forward(cfg: &DecoderConfig, layers: usize, batch: usize, seq: usize, log
     let h = cfg.hidden_size as f64;
     let (nh, nkv, d) = (cfg.num_attention_heads as f64, cfg.num_kv_heads() as f64, cfg.head_dim() as f64);
     let q_rows = if cfg.is_hybrid() { 2.0 * nh * d } else { nh * d };
-    let attention_layer = tokens * 2.0 * h * (q_rows + 2.0 * nkv * d + nh * d) + b * 4.0 * nh * d * s * (s + 1.0) / 2.0;
+    let attention_layer =
+        |window| tokens * 2.0 * h * (q_rows + 2.0 * nkv * d + nh * d) + b * 4.0 * nh * d * pairs(s, window);
+    let mla_layer = cfg.mla().map_or(0.0, |m| {
+        let (r, dn, dr, dv) = (m.kv_lora_rank as f64, m.nope_dim as f64, m.rope_dim as f64, m.v_dim as f64);
+        let q = match m.q_lora_rank.map(|x| x as f64) {
+            Some(rq) => 2.0 * h * rq + 2.0 * rq * nh * (dn + dr),
+            None => 2.0 * h * nh * (dn + dr),
+        };
+        let projections = q + 2.0 * h * (r + dr) + 2.0 * r * nh * (dn + dv) + 2.0 * nh * dv * h;
+        tokens * projections + b * 2.0 * nh * (dn + dr + dv) * pairs(s, None)
+    });
     let l = cfg.linear();
     let (nv, dk, dv) = (l.value_heads as f64, l.key_dim as f64, l.value_dim as f64);
     let (channels, kernel) = (l.conv_channels() as f64, l.conv_kernel as f64);
@@ -55,18 +82,35 @@ pub fn forward(cfg: &DecoderConfig, layers: usize, batch: usize, seq: usize, log
             + 2.0 * nv * dv * h
             + 2.0 * kernel * channels
             + nv * rule_per_head);
-    let dense_mlp = tokens * 6.0 * h * cfg.intermediate_size as f64;
+    let conv_layer = tokens * (2.0 * h * 3.0 * h + 2.0 * cfg.short_conv_kernel() as f64 * h + 2.0 * h * h);
+    let dense_mlp = tokens * 6.0 * h * cfg.dense_width().unwrap_or(0) as f64;
     let sparse_mlp = cfg.moe().map_or(0.0, |m| {
-        let shared = m.shared_intermediate.map_or(0.0, |w| 6.0 * h * w as f64 + 2.0 * h);
-        tokens * (2.0 * h * m.experts as f64 + m.top_k as f64 * 6.0 * h * m.intermediate as f64 + shared)
+        let shared = match m.shared {
+            Some(SharedExpert::Gated(w)) => 6.0 * h * w as f64 + 2.0 * h,
+            Some(SharedExpert::Plain(w)) => 6.0 * h * w as f64,
+            None => 0.0,
+        };
+        let (e, z) = (m.experts as f64, m.zero_experts as f64);
+        let routed = m.top_k as f64 * e / (e + z);
+        tokens * (2.0 * h * (e + z) + routed * 6.0 * h * m.intermediate as f64 + shared)
     });
+    let longcat = cfg.mixers_per_layer() == 2;
     let mut f = ForwardFlops::default();
     for (i, mixer) in cfg.mixers().iter().enumerate().take(layers) {
+        let per_layer = cfg.mixers_per_layer() as f64;
         match mixer {
-            Mixer::Attention => f.attention += attention_layer,
+            Mixer::Attention => f.attention += attention_layer(cfg.window(i)),
+            Mixer::Mla => f.attention += per_layer * mla_layer,
             Mixer::Linear => f.gdn += gdn_layer,
+            Mixer::ShortConv => f.conv += conv_layer,
         }
-        f.mlp += if cfg.is_sparse_layer(i) { sparse_mlp } else { dense_mlp };
+        f.mlp += if longcat {
+            2.0 * dense_mlp + sparse_mlp
+        } else if cfg.is_sparse_layer(i) {
+            sparse_mlp
+        } else {
+            dense_mlp
+        };
     }
     if logits {
         f.head = tokens * 2.0 * h * cfg.vocab_size as f64;

@@ -1,19 +1,26 @@
-//! `target_hf`: decoders in tch, loaded from an HF folder or a GGUF file: Llama, Qwen2, Qwen3,
-//! Qwen3-MoE, and the Qwen3.5 / Qwen3.6 hybrids (Gated DeltaNet + gated attention; dense and
-//! MoE). The target is frozen: forward passes run without autograd.
+//! `target_hf`: decoders in tch, loaded from an HF folder or a GGUF file, every family of
+//! `families::FAMILIES`: Llama (Mistral, Ministral), Qwen2, Qwen3, Qwen3-MoE, the Qwen3.5 /
+//! Qwen3.6 hybrids (Gated DeltaNet + gated attention; dense and MoE), Gemma 2 and 3, gpt-oss,
+//! LFM2, DeepSeek-V3 (Kimi-K2), GLM-4.5 and LongCat-Flash. The target is frozen: forward passes
+//! run without autograd.
 
+pub mod attention;
 pub mod cache;
 pub mod config;
+pub mod families;
 pub mod flops;
 pub mod generate;
 pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod hub;
 pub mod load;
+mod longcat;
+pub mod mla;
 pub mod model;
 pub mod moe;
 pub mod qwen3_5;
 pub mod random;
+pub mod short_conv;
 
 use model::Decoder;
 use plugin_api::{
@@ -65,28 +72,29 @@ pub(crate) fn range(name: &str) -> kernels::profiler::Range {
 
 impl HfTarget {
     pub fn load(path: &Path, device: Device, kind: Kind, generate_batch_size: usize) -> Result<Self, String> {
-        Self::new(load::load(path)?, path, device, kind, generate_batch_size)
+        let load::Loaded { cfg, weights, tokenizer, chat_template } = load::load(path)?;
+        let model = Decoder::new(&cfg, weights, device, kind)?;
+        Self::new(model, tokenizer, chat_template, path, generate_batch_size)
     }
 
     /// Random weights at the shape of the config.json `path` (see `TargetSection::random_init`).
     pub fn random(path: &Path, device: Device, kind: Kind, generate_batch_size: usize) -> Result<Self, String> {
-        Self::new(random::load_random(path, device, kind)?, path, device, kind, generate_batch_size)
+        let (model, tokenizer) = random::load_random(path, device, kind)?;
+        Self::new(model, tokenizer, String::new(), path, generate_batch_size)
     }
 
     fn new(
-        loaded: load::Loaded,
+        model: Decoder,
+        tokenizer: tokenizers::Tokenizer,
+        chat_template: String,
         path: &Path,
-        device: Device,
-        kind: Kind,
         generate_batch_size: usize,
     ) -> Result<Self, String> {
-        let load::Loaded { cfg, weights, tokenizer, chat_template } = loaded;
-        let model = Decoder::new(&cfg, weights, device, kind)?;
         let spec = TargetSpec {
             chat_template: chat_template.into(),
             source: path.display().to_string().into(),
             source_sha256: sha256_path(path).map_err(|e| format!("{}: {e}", path.display()))?.into(),
-            ..cfg.target_spec().ok_or_else(|| format!("{}: no EOS token id", path.display()))?
+            ..model.cfg.target_spec().ok_or_else(|| format!("{}: no EOS token id", path.display()))?
         };
         let session = model.new_cache(true);
         Ok(Self { model, tokenizer, spec, generate_batch_size, session })
@@ -210,7 +218,7 @@ fn info() -> PluginInfo {
         "hf",
         PluginKind::Target,
         env!("CARGO_PKG_VERSION"),
-        "Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen3.5 (Gated DeltaNet hybrid, dense and MoE) decoder from an HF folder or a GGUF file",
+        "Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Qwen3.5 / Gemma 2-3 / gpt-oss / LFM2 / DeepSeek-V3 / GLM-4.5 / LongCat-Flash decoder from an HF folder or a GGUF file",
     )
 }
 

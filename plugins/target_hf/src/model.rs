@@ -1,22 +1,39 @@
 //! The decoder in plain tch (candle's llama.rs / qwen3.rs order), one struct for every family:
-//! a layer is a token mixer (softmax attention, or Qwen3.5's Gated DeltaNet in `qwen3_5.rs`)
-//! and an MLP (dense SwiGLU, or routed experts in `moe.rs`) between RMSNorms. Weights are looked
-//! up by their HF names (`model.layers.{i}.self_attn.q_proj.weight`), whatever file they came
-//! from, and taken out of [`Weights`] as they are used, so that fusing projections into one
+//! a layer is a token mixer and an MLP, each in a residual branch after an RMSNorm. Weights are
+//! looked up by their HF names (`model.layers.{i}.self_attn.q_proj.weight`), whatever file they
+//! came from, and taken out of [`Weights`] as they are used, so that fusing projections into one
 //! matrix does not hold two copies of the model.
 //!
-//! What each family changes:
-//! - llama / qwen2 / qwen3: attention (q/k/v biases for qwen2, q/k norms for qwen3), dense MLP;
+//! The token mixers: softmax attention (`attention.rs`: every family's variant, sliding windows
+//! through the mask), Qwen3.5's Gated DeltaNet (`qwen3_5.rs`), LFM2's gated short conv
+//! (`short_conv.rs`), multi-head latent attention (`mla.rs`). The MLPs: dense gated (SwiGLU,
+//! Gemma's GeGLU) or routed experts (`moe.rs`). What each family changes:
+//! - llama (mistral, ministral) / qwen2 / qwen3: attention (sliding layers where the config has
+//!   a window, q/k/v biases for qwen2, q/k norms for qwen3), dense MLP;
 //! - qwen3_moe: qwen3 attention, routed experts (some layers dense);
 //! - qwen3_5 / qwen3_5_moe: 3 Gated DeltaNet layers to 1 attention layer (`layer_types`); the
 //!   attention projects a sigmoid output gate with q and rotates only the first quarter of each
-//!   head; every RMSNorm scales by (1 + weight); qwen3_5_moe adds experts and a gated shared expert.
+//!   head; every RMSNorm scales by (1 + weight); qwen3_5_moe adds experts and a gated shared expert;
+//! - gemma2 / gemma3_text: embeddings times sqrt(H); norms (1 + w) before and after each
+//!   sublayer; sliding and global layers (Gemma 3: each kind its RoPE base); scores scaled by
+//!   1/sqrt(query_pre_attn_scalar) and (Gemma 2) soft-capped, as are the logits; GeGLU;
+//! - gpt_oss: sliding and global attention with sinks and biases, routed experts only;
+//! - lfm2: short-conv and attention layers (`operator_norm`, `ffn_norm`, `feed_forward.w1/w3/w2`,
+//!   the final `embedding_norm`);
+//! - deepseek_v3 (kimi_k2) / glm4_moe: MLA / partial-RoPE attention, dense first layers, then
+//!   routed experts with a shared expert;
+//! - longcat_flash: a layer is two (MLA, dense MLP) sublayers; the MoE reads the first
+//!   sublayer's MLP input and its output joins the layer's output (`longcat.rs`).
 
 use crate::{
-    cache::{Cache, Slot},
-    config::{DecoderConfig, Mixer},
+    attention::{causal_mask, Attention},
+    cache::{self, Cache, Slot},
+    config::{Activation, Arch, DecoderConfig, LayerKind, Mixer},
+    longcat,
+    mla::Mla,
     moe::SparseMoe,
     qwen3_5::GatedDeltaNet,
+    short_conv::{self, ShortConv},
 };
 use plugin_api::tch::{Device, Kind, Tensor};
 use rope_scaling::RopeScaling;
@@ -51,21 +68,44 @@ impl Weights {
     }
 }
 
-/// Weights converted to the model's device and dtype as they are taken.
+/// Weights converted to the model's device and dtype as they are taken. With `random`, a tensor
+/// the weights lack is drawn instead (`random::draw`), and also kept in `drawn` when that is Some.
 pub(crate) struct Loader<'a> {
     pub w: &'a mut Weights,
     pub device: Device,
     pub kind: Kind,
+    pub random: bool,
+    pub drawn: Option<HashMap<String, Tensor>>,
 }
 
-impl Loader<'_> {
-    pub fn get(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, String> {
-        Ok(self.w.take(name, shape)?.to_device(self.device).to_kind(self.kind))
+impl<'a> Loader<'a> {
+    pub fn new(w: &'a mut Weights, device: Device, kind: Kind) -> Self {
+        Self { w, device, kind, random: false, drawn: None }
     }
 
-    /// In fp32 whatever the model's dtype (gates, decay rates, norm gains).
+    fn take_or(&mut self, name: &str, shape: &[i64], draw: impl FnOnce() -> Tensor) -> Result<Tensor, String> {
+        if !self.random || self.w.contains(name) {
+            return self.w.take(name, shape);
+        }
+        let t = draw();
+        if let Some(d) = self.drawn.as_mut() {
+            d.insert(name.to_string(), t.shallow_clone());
+        }
+        Ok(t)
+    }
+
+    fn take(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, String> {
+        let (device, kind) = (self.device, self.kind);
+        self.take_or(name, shape, || crate::random::draw(name, shape, device, kind))
+    }
+
+    pub fn get(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, String> {
+        Ok(self.take(name, shape)?.to_device(self.device).to_kind(self.kind))
+    }
+
+    /// In fp32 whatever the model's dtype (gates, decay rates, norm gains, routers).
     pub fn get_f32(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, String> {
-        Ok(self.w.take(name, shape)?.to_device(self.device).to_kind(Kind::Float))
+        Ok(self.take(name, shape)?.to_device(self.device).to_kind(Kind::Float))
     }
 
     /// Several [out_i, in] matrices stacked into one [sum out_i, in]: one GEMM where the
@@ -75,10 +115,18 @@ impl Loader<'_> {
         Ok(if ts.len() == 1 { ts.into_iter().next().expect("one part") } else { Tensor::cat(&ts, 0) })
     }
 
-    /// An RMSNorm's effective gain: `w`, or `1 + w` for Qwen3.5's centred norms (in fp32, then
-    /// the model's dtype, as transformers computes `(1.0 + weight.float())`).
+    /// An RMSNorm's effective gain: `w`, or `1 + w` for centred norms (Qwen3.5's, Gemma's; in
+    /// fp32, then the model's dtype, as transformers computes `(1.0 + weight.float())`).
     pub fn norm(&mut self, name: &str, dim: i64, centred: bool) -> Result<Tensor, String> {
-        let w = self.w.take(name, &[dim])?.to_device(self.device).to_kind(Kind::Float);
+        let device = self.device;
+        let gain = move || {
+            if centred {
+                Tensor::zeros([dim], (Kind::Float, device))
+            } else {
+                Tensor::ones([dim], (Kind::Float, device))
+            }
+        };
+        let w = self.take_or(name, &[dim], gain)?.to_device(self.device).to_kind(Kind::Float);
         Ok(if centred { w + 1.0 } else { w }.to_kind(self.kind))
     }
 }
@@ -103,10 +151,16 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(cfg: &DecoderConfig) -> Result<Self, String> {
+        Self::for_kind(cfg, LayerKind::Full)
+    }
+
+    /// The RoPE of the layers of `kind` (Gemma 3's sliding layers have their own).
+    pub fn for_kind(cfg: &DecoderConfig, kind: LayerKind) -> Result<Self, String> {
+        let (theta, scaling) = cfg.rope_for(kind)?;
         Ok(Self {
             rotary_dim: cfg.rotary_dim(),
-            theta: cfg.rope_theta,
-            scaling: cfg.rope_scaling()?,
+            theta,
+            scaling,
             max_position_embeddings: cfg.max_position_embeddings.unwrap_or(0),
             freq_factors: cfg.rope_freq_factors.clone(),
         })
@@ -156,7 +210,7 @@ pub fn rope_cos_sin(positions: &Tensor, rope: &Rope, kind: Kind) -> (Tensor, Ten
 }
 
 /// x * cos + rotate_half(x) * sin on the first `cos.size(-1)` dims of each head (the rest pass
-/// through: Qwen3.5's partial rotary), with rotate_half([a, b]) = [-b, a] as x * cos + [b, a] *
+/// through: partial rotary), with rotate_half([a, b]) = [-b, a] as x * cos + [b, a] *
 /// signed_sin: three passes (swap, scale, fused multiply-add) where the textbook form takes five.
 pub fn apply_rope(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
     let (d, r) = (x.size()[3], cos.size()[3]);
@@ -171,182 +225,355 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, signed_sin: &Tensor) -> Tensor {
     }
 }
 
-/// Softmax attention with grouped-query heads: q|k|v in one GEMM (Qwen3.5: q and its output
-/// gate interleaved per head, [q_h | gate_h]), optional q/k norms per head, RoPE over the first
-/// `rotary_dim` dims of a head.
-pub struct Attention {
-    qkv: Tensor,
-    qkv_bias: Option<Tensor>,
-    o_proj: Tensor,
-    q_norm: Option<Tensor>,
-    k_norm: Option<Tensor>,
-    gated: bool,
-    num_heads: i64,
-    num_kv_heads: i64,
-    head_dim: i64,
-}
-
-impl Attention {
-    fn load(cfg: &DecoderConfig, ld: &mut Loader, p: &str) -> Result<Self, String> {
-        let h = cfg.hidden_size as i64;
-        let (nh, nkv, d) = (cfg.num_attention_heads as i64, cfg.num_kv_heads() as i64, cfg.head_dim() as i64);
-        let gated = cfg.is_hybrid();
-        let q_rows = if gated { 2 * nh * d } else { nh * d };
-        let names = [("q_proj", q_rows), ("k_proj", nkv * d), ("v_proj", nkv * d)];
-        let qkv = ld.fused(&names.map(|(n, r)| (format!("{p}.self_attn.{n}.weight"), r)), h)?;
-        let qkv_bias = if cfg.qkv_bias() {
-            let b = names
-                .iter()
-                .map(|(n, r)| ld.get(&format!("{p}.self_attn.{n}.bias"), &[*r]))
-                .collect::<Result<Vec<_>, _>>()?;
-            Some(Tensor::cat(&b, 0))
-        } else {
-            None
-        };
-        let (q_norm, k_norm) = if cfg.qk_norm() {
-            let centred = cfg.centred_norms();
-            (
-                Some(ld.norm(&format!("{p}.self_attn.q_norm.weight"), d, centred)?),
-                Some(ld.norm(&format!("{p}.self_attn.k_norm.weight"), d, centred)?),
-            )
-        } else {
-            (None, None)
-        };
-        let o_proj = ld.get(&format!("{p}.self_attn.o_proj.weight"), &[h, nh * d])?;
-        Ok(Self { qkv, qkv_bias, o_proj, q_norm, k_norm, gated, num_heads: nh, num_kv_heads: nkv, head_dim: d })
-    }
-
-    fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
-        cache: Option<&mut Option<(Tensor, Tensor)>>,
-        eps: f64,
-    ) -> Tensor {
-        let (b, l) = (x.size()[0], x.size()[1]);
-        let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        // 1. Project, split, (Qwen3.5) split q from its gate, normalise per head,
-        //    (B, L, H, D) -> (B, H, L, D), rotate.
-        let qkv = x.linear(&self.qkv, self.qkv_bias.as_ref());
-        let q_rows = if self.gated { 2 * nh * d } else { nh * d };
-        let (mut q, gate) = if self.gated {
-            let qg = qkv.narrow(2, 0, q_rows).view([b, l, nh, 2 * d]);
-            (qg.narrow(3, 0, d), Some(qg.narrow(3, d, d)))
-        } else {
-            (qkv.narrow(2, 0, q_rows).view([b, l, nh, d]), None)
-        };
-        let mut k = qkv.narrow(2, q_rows, nkv * d).view([b, l, nkv, d]);
-        let v = qkv.narrow(2, q_rows + nkv * d, nkv * d).view([b, l, nkv, d]);
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = rms_norm(&q, qn, eps);
-            k = rms_norm(&k, kn, eps);
-        }
-        let q = apply_rope(&q.transpose(1, 2), cos, sin);
-        let mut k = apply_rope(&k.transpose(1, 2), cos, sin);
-        let mut v = v.transpose(1, 2);
-        // 2. Append to the cache.
-        if let Some(slot) = cache {
-            if let Some((pk, pv)) = slot.as_ref() {
-                k = Tensor::cat(&[pk, &k], 2);
-                v = Tensor::cat(&[pv, &v], 2);
-            }
-            *slot = Some((k.shallow_clone(), v.shallow_clone()));
-        }
-        // 3. Attention (GQA by head groups), (B, H, L, D) -> (B, L, H*D), (Qwen3.5) times
-        //    sigmoid(gate), o_proj.
-        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, mask, 0.0, mask.is_none() && l > 1, None::<f64>, true);
-        let o = o.transpose(1, 2);
-        let o = match gate {
-            Some(g) => o * g.sigmoid(),
-            None => o,
-        };
-        o.reshape([b, l, nh * d]).linear::<&Tensor>(&self.o_proj, None)
-    }
-}
-
-/// SwiGLU: down(silu(gate(x)) * up(x)).
+/// A gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or Gemma's tanh GELU.
 pub struct Mlp {
     gate_proj: Tensor,
     up_proj: Tensor,
     down_proj: Tensor,
+    act: Activation,
 }
 
 impl Mlp {
+    /// HF's `gate_proj` / `up_proj` / `down_proj`, SiLU.
     pub(crate) fn load(ld: &mut Loader, p: &str, hidden: i64, width: i64) -> Result<Self, String> {
+        Self::load_named(ld, p, ["gate_proj", "up_proj", "down_proj"], hidden, width, Activation::Silu)
+    }
+
+    /// `names`: the gate, up and down projections' (LFM2: `w1`, `w3`, `w2`).
+    pub(crate) fn load_named(
+        ld: &mut Loader,
+        p: &str,
+        names: [&str; 3],
+        hidden: i64,
+        width: i64,
+        act: Activation,
+    ) -> Result<Self, String> {
         Ok(Self {
-            gate_proj: ld.get(&format!("{p}.gate_proj.weight"), &[width, hidden])?,
-            up_proj: ld.get(&format!("{p}.up_proj.weight"), &[width, hidden])?,
-            down_proj: ld.get(&format!("{p}.down_proj.weight"), &[hidden, width])?,
+            gate_proj: ld.get(&format!("{p}.{}.weight", names[0]), &[width, hidden])?,
+            up_proj: ld.get(&format!("{p}.{}.weight", names[1]), &[width, hidden])?,
+            down_proj: ld.get(&format!("{p}.{}.weight", names[2]), &[hidden, width])?,
+            act,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        (x.linear::<&Tensor>(&self.gate_proj, None).silu() * x.linear::<&Tensor>(&self.up_proj, None))
-            .linear::<&Tensor>(&self.down_proj, None)
+        let gate = x.linear::<&Tensor>(&self.gate_proj, None);
+        let gate = match self.act {
+            Activation::Silu => gate.silu(),
+            Activation::GeluTanh => gate.gelu("tanh"),
+        };
+        (gate * x.linear::<&Tensor>(&self.up_proj, None)).linear::<&Tensor>(&self.down_proj, None)
     }
 }
 
-enum TokenMixer {
+pub(crate) enum TokenMixer {
     Attention(Attention),
     Linear(GatedDeltaNet),
+    ShortConv(ShortConv),
+    Mla(Mla),
 }
 
-enum Ffn {
+impl TokenMixer {
+    fn kind(&self) -> Mixer {
+        match self {
+            Self::Attention(_) => Mixer::Attention,
+            Self::Linear(_) => Mixer::Linear,
+            Self::ShortConv(_) => Mixer::ShortConv,
+            Self::Mla(_) => Mixer::Mla,
+        }
+    }
+}
+
+pub(crate) enum Ffn {
     Dense(Mlp),
     Sparse(SparseMoe),
 }
 
-struct Layer {
-    mixer: TokenMixer,
+impl Ffn {
+    fn forward(&self, h: &Tensor) -> Tensor {
+        match self {
+            Self::Dense(m) => {
+                let _r = crate::range("mlp");
+                m.forward(h)
+            }
+            Self::Sparse(m) => {
+                let _r = crate::range("moe");
+                m.forward(h)
+            }
+        }
+    }
+}
+
+/// What every layer of one forward shares: the RoPE tables, the masks by window, padding.
+pub(crate) struct Context<'a> {
+    eps: f64,
+    /// (cos, signed sin) of each of the decoder's RoPEs.
+    tables: Vec<(Tensor, Tensor)>,
+    /// The mask of full attention (None: causal) and of each window the layers use.
+    full: Option<Tensor>,
+    windowed: Vec<(i64, Option<Tensor>)>,
+    valid: Option<&'a Tensor>,
+    rollback: bool,
+}
+
+impl Context<'_> {
+    fn mask(&self, window: Option<i64>) -> Option<&Tensor> {
+        match window {
+            None => self.full.as_ref(),
+            Some(w) => self.windowed.iter().find(|(x, _)| *x == w).and_then(|(_, m)| m.as_ref()),
+        }
+    }
+}
+
+/// The mask of a `window`-wide sliding layer: `full` (None: causal) and keys within the window
+/// (transformers': key j visible to query i when j > i - window, in cache positions); `full`
+/// again when every key is within it.
+fn window_mask(full: Option<&Tensor>, past: i64, l: i64, window: i64, device: Device) -> Option<Tensor> {
+    let t = past + l;
+    if t <= window {
+        return full.map(Tensor::shallow_clone);
+    }
+    let q = Tensor::arange_start(past, t, (Kind::Int64, device)).unsqueeze(1);
+    let k = Tensor::arange(t, (Kind::Int64, device)).unsqueeze(0);
+    let band = k.gt_tensor(&(q - window)).view([1, 1, l, t]);
+    Some(match full {
+        Some(m) => m.logical_and(&band),
+        None => causal_mask(l, t, device).logical_and(&band),
+    })
+}
+
+/// A token mixer and an MLP, each in a residual branch: x + out_norm(mixer(norm(x))) (the
+/// output norm Gemma's only), then the same with the MLP.
+pub(crate) struct Layer {
+    pub(crate) mixer: TokenMixer,
+    /// Which of the decoder's RoPEs its attention rotates with.
+    rope: usize,
+    window: Option<i64>,
     ffn: Ffn,
-    input_layernorm: Tensor,
-    post_attention_layernorm: Tensor,
+    mixer_norm: Tensor,
+    ffn_norm: Tensor,
+    mixer_out_norm: Option<Tensor>,
+    ffn_out_norm: Option<Tensor>,
+}
+
+/// Where a layer's parts are (LongCat-Flash's sublayers have their own).
+pub(crate) struct LayerPaths {
+    pub mixer: String,
+    pub ffn: String,
+    pub norms: [String; 2],
+    pub out_norms: Option<[String; 2]>,
+}
+
+impl LayerPaths {
+    /// Layer `i` of a one-mixer family.
+    fn plain(cfg: &DecoderConfig, i: usize) -> Self {
+        let p = format!("model.layers.{i}");
+        let names = cfg.norm_names();
+        let mixer = match cfg.mixer(i) {
+            Mixer::Attention | Mixer::Mla => "self_attn",
+            Mixer::Linear => "linear_attn",
+            Mixer::ShortConv => "conv",
+        };
+        let ffn = if cfg.arch() == Arch::Lfm2 { "feed_forward" } else { "mlp" };
+        Self {
+            mixer: format!("{p}.{mixer}"),
+            ffn: format!("{p}.{ffn}"),
+            norms: [format!("{p}.{}.weight", names.mixer), format!("{p}.{}.weight", names.ffn)],
+            out_norms: names
+                .mixer_out
+                .zip(names.ffn_out)
+                .map(|(a, f)| [format!("{p}.{a}.weight"), format!("{p}.{f}.weight")]),
+        }
+    }
+}
+
+impl Layer {
+    /// Layer `i`'s parts at `paths`; `ffn`: the MLP (a sparse one, or None for the dense MLP
+    /// the config gives).
+    pub(crate) fn load(
+        cfg: &DecoderConfig,
+        ld: &mut Loader,
+        i: usize,
+        paths: &LayerPaths,
+        sparse: bool,
+    ) -> Result<Self, String> {
+        let h = cfg.hidden_size as i64;
+        let mixer = match cfg.mixer(i) {
+            Mixer::Attention => TokenMixer::Attention(Attention::load(cfg, ld, &paths.mixer)?),
+            Mixer::Mla => TokenMixer::Mla(Mla::load(cfg, ld, &paths.mixer)?),
+            Mixer::Linear => TokenMixer::Linear(GatedDeltaNet::load(cfg, ld, &paths.mixer)?),
+            Mixer::ShortConv => TokenMixer::ShortConv(ShortConv::load(cfg, ld, &paths.mixer)?),
+        };
+        let ffn = if sparse {
+            Ffn::Sparse(SparseMoe::load(cfg, ld, &paths.ffn)?)
+        } else {
+            let names =
+                if cfg.arch() == Arch::Lfm2 { ["w1", "w3", "w2"] } else { ["gate_proj", "up_proj", "down_proj"] };
+            let width = cfg.dense_width().unwrap_or(cfg.intermediate_size) as i64;
+            Ffn::Dense(Mlp::load_named(ld, &paths.ffn, names, h, width, cfg.activation())?)
+        };
+        let centred = cfg.centred_norms();
+        let out_norms = match &paths.out_norms {
+            Some([a, f]) => Some((ld.norm(a, h, centred)?, ld.norm(f, h, centred)?)),
+            None => None,
+        };
+        let (mixer_out_norm, ffn_out_norm) = out_norms.unzip();
+        Ok(Self {
+            mixer,
+            rope: usize::from(cfg.arch() == Arch::Gemma3 && cfg.layer_kind(i) == LayerKind::Sliding),
+            window: cfg.window(i).map(|w| w as i64),
+            ffn,
+            mixer_norm: ld.norm(&paths.norms[0], h, centred)?,
+            ffn_norm: ld.norm(&paths.norms[1], h, centred)?,
+            mixer_out_norm,
+            ffn_out_norm,
+        })
+    }
+
+    /// x + the token mixer's branch.
+    pub(crate) fn mix(&self, x: &Tensor, ctx: &Context, slot: Option<&mut Slot>) -> Tensor {
+        let h = rms_norm(x, &self.mixer_norm, ctx.eps);
+        let (cos, sin) = &ctx.tables[self.rope];
+        let mask = ctx.mask(self.window);
+        let out = match &self.mixer {
+            TokenMixer::Attention(a) => {
+                let _r = crate::range("attention");
+                a.forward(&h, cos, sin, mask, slot.map(cache::kv), ctx.eps)
+            }
+            TokenMixer::Mla(m) => {
+                let _r = crate::range("attention");
+                m.forward(&h, cos, sin, mask, slot.map(cache::kv))
+            }
+            TokenMixer::Linear(g) => {
+                let _r = crate::range("gdn");
+                let state = slot.map(|s| match s {
+                    Slot::Linear(st) => st,
+                    _ => unreachable!("a cache slot follows its layer's kind"),
+                });
+                g.forward(&h, ctx.valid, state, ctx.rollback)
+            }
+            TokenMixer::ShortConv(c) => {
+                let _r = crate::range("conv");
+                let state = slot.map(|s| match s {
+                    Slot::Conv(st) => st,
+                    _ => unreachable!("a cache slot follows its layer's kind"),
+                });
+                c.forward(&h, ctx.valid, state, ctx.rollback)
+            }
+        };
+        match &self.mixer_out_norm {
+            Some(n) => x + rms_norm(&out, n, ctx.eps),
+            None => x + out,
+        }
+    }
+
+    /// The MLP's input (normed).
+    pub(crate) fn ffn_input(&self, x: &Tensor, ctx: &Context) -> Tensor {
+        rms_norm(x, &self.ffn_norm, ctx.eps)
+    }
+
+    /// The MLP's branch for its input `h`.
+    pub(crate) fn ffn_output(&self, h: &Tensor, ctx: &Context) -> Tensor {
+        let y = self.ffn.forward(h);
+        match &self.ffn_out_norm {
+            Some(n) => rms_norm(&y, n, ctx.eps),
+            None => y,
+        }
+    }
+
+    /// x + the MLP's branch.
+    fn feed(&self, x: &Tensor, ctx: &Context) -> Tensor {
+        x + self.ffn_output(&self.ffn_input(x, ctx), ctx)
+    }
+}
+
+/// A decoder layer: a [`Layer`], or LongCat-Flash's pair with its shortcut MoE.
+pub(crate) enum Block {
+    Plain(Layer),
+    Longcat(longcat::LongcatLayer),
+}
+
+impl Block {
+    fn layers(&self) -> &[Layer] {
+        match self {
+            Self::Plain(l) => std::slice::from_ref(l),
+            Self::Longcat(l) => &l.sublayers,
+        }
+    }
+
+    fn forward(&self, x: &Tensor, ctx: &Context, slots: Option<&mut [Slot]>) -> Tensor {
+        match self {
+            Self::Plain(layer) => layer.feed(&layer.mix(x, ctx, slots.map(|s| &mut s[0])), ctx),
+            Self::Longcat(l) => l.forward(x, ctx, slots),
+        }
+    }
 }
 
 pub struct Decoder {
     pub cfg: DecoderConfig,
-    rope: Rope,
+    /// The RoPE of full layers, then (Gemma 3) of sliding ones.
+    ropes: Vec<Rope>,
     pub embed_tokens: Tensor,
+    /// Gemma: embeddings times sqrt(H).
+    embed_scale: Option<f64>,
     pub lm_head: Tensor,
+    /// Gemma 2: logits -> cap tanh(logits / cap).
+    logit_cap: Option<f64>,
     norm: Tensor,
-    layers: Vec<Layer>,
+    blocks: Vec<Block>,
+    /// Where each block's cache slots start.
+    slot_start: Vec<usize>,
 }
 
 impl Decoder {
     /// Build from HF-named weights, converted to `kind` on `device`; the weights are consumed.
     pub fn new(cfg: &DecoderConfig, mut w: Weights, device: Device, kind: Kind) -> Result<Self, String> {
+        Self::build(cfg, &mut Loader::new(&mut w, device, kind))
+    }
+
+    /// Random weights at `cfg`'s shapes, drawn as each is looked up (`random::draw`).
+    pub fn random(cfg: &DecoderConfig, device: Device, kind: Kind) -> Result<Self, String> {
+        let mut w = Weights { tensors: HashMap::new(), source: "random_init".into() };
+        Self::build(cfg, &mut Loader { random: true, ..Loader::new(&mut w, device, kind) })
+    }
+
+    pub(crate) fn build(cfg: &DecoderConfig, ld: &mut Loader) -> Result<Self, String> {
         cfg.validate()?;
         let (h, v) = (cfg.hidden_size as i64, cfg.vocab_size as i64);
         // A checkpoint's own head wins; without one (tied embeddings) the embedding serves.
-        let untied = w.contains("lm_head.weight");
-        let mut ld = Loader { w: &mut w, device, kind };
+        let untied = if ld.random { !cfg.tie_word_embeddings } else { ld.w.contains("lm_head.weight") };
         let embed_tokens = ld.get("model.embed_tokens.weight", &[v, h])?;
         let lm_head = if untied { ld.get("lm_head.weight", &[v, h])? } else { embed_tokens.shallow_clone() };
-        let centred = cfg.centred_norms();
-        // The count may come from a hostile file: reserve no more than the weights could fill.
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers.min(ld.w.tensors.len()));
-        for i in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let mixer = match cfg.mixer(i) {
-                Mixer::Attention => TokenMixer::Attention(Attention::load(cfg, &mut ld, &p)?),
-                Mixer::Linear => TokenMixer::Linear(GatedDeltaNet::load(cfg, &mut ld, &format!("{p}.linear_attn"))?),
-            };
-            let ffn = if cfg.is_sparse_layer(i) {
-                Ffn::Sparse(SparseMoe::load(cfg, &mut ld, &format!("{p}.mlp"))?)
-            } else {
-                Ffn::Dense(Mlp::load(&mut ld, &format!("{p}.mlp"), h, cfg.intermediate_size as i64)?)
-            };
-            layers.push(Layer {
-                mixer,
-                ffn,
-                input_layernorm: ld.norm(&format!("{p}.input_layernorm.weight"), h, centred)?,
-                post_attention_layernorm: ld.norm(&format!("{p}.post_attention_layernorm.weight"), h, centred)?,
-            });
+        let mut ropes = vec![Rope::for_kind(cfg, LayerKind::Full)?];
+        if cfg.arch() == Arch::Gemma3 {
+            ropes.push(Rope::for_kind(cfg, LayerKind::Sliding)?);
         }
-        let norm = ld.norm("model.norm.weight", h, centred)?;
-        Ok(Self { cfg: cfg.clone(), rope: Rope::new(cfg)?, embed_tokens, lm_head, norm, layers })
+        // The count may come from a hostile file: reserve no more than the weights could fill.
+        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers.min(ld.w.tensors.len()));
+        let (mut slot_start, mut slots) = (Vec::with_capacity(blocks.capacity()), 0);
+        for i in 0..cfg.num_hidden_layers {
+            let block = if cfg.arch() == Arch::LongcatFlash {
+                Block::Longcat(longcat::LongcatLayer::load(cfg, ld, i)?)
+            } else {
+                Block::Plain(Layer::load(cfg, ld, i, &LayerPaths::plain(cfg, i), cfg.is_sparse_layer(i))?)
+            };
+            slot_start.push(slots);
+            slots += block.layers().len();
+            blocks.push(block);
+        }
+        let norm = ld.norm(&format!("{}.weight", cfg.norm_names().last), h, cfg.centred_norms())?;
+        let gemma = matches!(cfg.arch(), Arch::Gemma2 | Arch::Gemma3);
+        Ok(Self {
+            cfg: cfg.clone(),
+            ropes,
+            embed_tokens,
+            embed_scale: gemma.then(|| (cfg.hidden_size as f64).sqrt()),
+            lm_head,
+            logit_cap: cfg.final_logit_softcapping,
+            norm,
+            blocks,
+            slot_start,
+        })
     }
 
     pub fn device(&self) -> Device {
@@ -357,17 +584,25 @@ impl Decoder {
         self.embed_tokens.kind()
     }
 
-    /// An empty cache with a slot per layer; `rollback` keeps what [`truncate`](Self::truncate)
-    /// needs to cut into the last extension (the speculative-decoding session).
+    /// Every token mixer in the order the forward runs them (a cache slot each).
+    fn mixers(&self) -> impl Iterator<Item = &TokenMixer> {
+        self.blocks.iter().flat_map(|b| b.layers().iter().map(|l| &l.mixer))
+    }
+
+    /// An empty cache with a slot per token mixer; `rollback` keeps what
+    /// [`truncate`](Self::truncate) needs to cut into the last extension (the
+    /// speculative-decoding session).
     pub fn new_cache(&self, rollback: bool) -> Cache {
-        Cache::new(&self.cfg.mixers(), rollback)
+        Cache::new(&self.mixers().map(TokenMixer::kind).collect::<Vec<_>>(), rollback)
     }
 
     /// Run the decoder.
     /// - `ids` [B, L] int64, `positions` [B, L] int64 (RoPE positions);
     /// - `mask` [B, 1, L, T] bool over all keys (cache + new), true = visible; None = causal;
-    /// - `valid` [B, L] bool: false on left padding, whose rows the Gated DeltaNet layers zero
-    ///   (so a padded row's recurrence starts at its first token); None = all valid;
+    ///   sliding layers see only their window of it;
+    /// - `valid` [B, L] bool: false on left padding, whose rows the recurrent layers (Gated
+    ///   DeltaNet, short conv) zero (so a padded row's state starts at its first token); None =
+    ///   all valid;
     /// - `cache` extended in place when given;
     /// - `upto`: run only layers `0..upto` (the features needed), skipping the rest;
     /// - returns the output of each layer run ([B, L, H] each) and, if all layers ran, the
@@ -381,62 +616,57 @@ impl Decoder {
         mut cache: Option<&mut Cache>,
         upto: usize,
     ) -> (Vec<Tensor>, Option<Tensor>) {
-        let eps = self.cfg.rms_norm_eps;
-        let (cos, sin) = rope_cos_sin(positions, &self.rope, self.kind());
+        let (l, device) = (ids.size()[1], ids.device());
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        // Causal attention after cached keys needs its mask written out.
+        let full = match mask {
+            Some(m) => Some(m.shallow_clone()),
+            None if past > 0 => Some(causal_mask(l, past + l, device)),
+            None => None,
+        };
+        let mut windows: Vec<i64> =
+            self.blocks.iter().take(upto).flat_map(|b| b.layers().iter().filter_map(|l| l.window)).collect();
+        windows.sort_unstable();
+        windows.dedup();
+        let ctx = Context {
+            eps: self.cfg.rms_norm_eps,
+            tables: self.ropes.iter().map(|r| rope_cos_sin(positions, r, self.kind())).collect(),
+            windowed: windows.iter().map(|&w| (w, window_mask(full.as_ref(), past, l, w, device))).collect(),
+            full,
+            valid,
+            rollback: cache.as_ref().is_some_and(|c| c.rollback),
+        };
         let mut x = Tensor::embedding(&self.embed_tokens, ids, -1, false, false);
+        if let Some(scale) = self.embed_scale {
+            x = x * Tensor::from(scale).to_kind(self.kind()).to_device(device);
+        }
         let mut outs = Vec::with_capacity(upto);
-        let rollback = cache.as_ref().is_some_and(|c| c.rollback);
-        for (i, layer) in self.layers.iter().take(upto).enumerate() {
-            let slot = cache.as_deref_mut().map(|c| &mut c.slots[i]);
-            let h = rms_norm(&x, &layer.input_layernorm, eps);
-            let mixed = match (&layer.mixer, slot) {
-                (TokenMixer::Attention(a), slot) => {
-                    let _r = crate::range("attention");
-                    let kv = slot.map(|s| match s {
-                        Slot::Kv(kv) => kv,
-                        Slot::Linear(_) => unreachable!("a cache slot follows its layer's kind"),
-                    });
-                    a.forward(&h, &cos, &sin, mask, kv, eps)
-                }
-                (TokenMixer::Linear(g), slot) => {
-                    let _r = crate::range("gdn");
-                    let state = slot.map(|s| match s {
-                        Slot::Linear(st) => st,
-                        Slot::Kv(_) => unreachable!("a cache slot follows its layer's kind"),
-                    });
-                    g.forward(&h, valid, state, rollback)
-                }
-            };
-            x = x + mixed;
-            let h = rms_norm(&x, &layer.post_attention_layernorm, eps);
-            let ffn = match &layer.ffn {
-                Ffn::Dense(m) => {
-                    let _r = crate::range("mlp");
-                    m.forward(&h)
-                }
-                Ffn::Sparse(m) => {
-                    let _r = crate::range("moe");
-                    m.forward(&h)
-                }
-            };
-            x = x + ffn;
+        for (i, block) in self.blocks.iter().take(upto).enumerate() {
+            let n = block.layers().len();
+            let slots = cache.as_deref_mut().map(|c| &mut c.slots[self.slot_start[i]..self.slot_start[i] + n]);
+            x = block.forward(&x, &ctx, slots);
             outs.push(x.shallow_clone());
         }
         if let Some(c) = cache {
-            c.extended(ids.size()[1]);
+            c.extended(l);
         }
-        let normed = (upto >= self.layers.len()).then(|| rms_norm(&x, &self.norm, eps));
+        let normed = (upto >= self.blocks.len()).then(|| rms_norm(&x, &self.norm, self.cfg.rms_norm_eps));
         (outs, normed)
     }
 
     pub fn logits(&self, normed: &Tensor) -> Tensor {
         let _r = crate::range("lm head");
-        normed.matmul(&self.lm_head.tr())
+        let logits = normed.matmul(&self.lm_head.tr());
+        match self.logit_cap {
+            Some(cap) => (logits / cap).tanh() * cap,
+            None => logits,
+        }
     }
 
-    /// Keep the first `len` cached positions: attention caches are cut; a Gated DeltaNet state,
-    /// which cannot be cut, is recomputed from the state before the last extension over the
-    /// positions kept (so `len` must not be before that extension, unless it is 0).
+    /// Keep the first `len` cached positions: attention caches are cut; a recurrent state (Gated
+    /// DeltaNet, short conv), which cannot be, is recomputed from the state before the last
+    /// extension over the positions kept (so `len` must not be before that extension, unless
+    /// it is 0).
     pub fn truncate(&self, cache: &mut Cache, len: i64) -> Result<(), String> {
         if len > cache.len() {
             return Err(format!("cache_truncate({len}) beyond the cache ({})", cache.len()));
@@ -448,17 +678,17 @@ impl Decoder {
             *cache = self.new_cache(cache.rollback);
             return Ok(());
         }
-        let has_linear = self.layers.iter().any(|l| matches!(l.mixer, TokenMixer::Linear(_)));
+        let recurrent = self.mixers().any(|m| matches!(m, TokenMixer::Linear(_) | TokenMixer::ShortConv(_)));
         let start = cache.last_extension_start();
-        if has_linear && !(cache.rollback && len >= start) {
+        if recurrent && !(cache.rollback && len >= start) {
             return Err(format!(
-                "cache_truncate({len}): a Gated DeltaNet state rolls back only within the last extension \
-                 (positions {start}..{}), or to 0",
+                "cache_truncate({len}): a recurrent state (Gated DeltaNet, short conv) rolls back only within the \
+                 last extension (positions {start}..{}), or to 0",
                 cache.len()
             ));
         }
-        for (layer, slot) in self.layers.iter().zip(cache.slots.iter_mut()) {
-            match (&layer.mixer, slot) {
+        for (mixer, slot) in self.mixers().zip(cache.slots.iter_mut()) {
+            match (mixer, slot) {
                 (_, Slot::Kv(kv)) => {
                     if let Some((k, v)) = kv.as_mut() {
                         *k = k.narrow(2, 0, len);
@@ -466,6 +696,7 @@ impl Decoder {
                     }
                 }
                 (TokenMixer::Linear(g), Slot::Linear(Some(state))) => g.rewind(state, len - start),
+                (_, Slot::Conv(Some(state))) => short_conv::rewind(state, len - start),
                 _ => {}
             }
         }

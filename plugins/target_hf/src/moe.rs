@@ -1,37 +1,64 @@
-//! The sparse MLP of qwen3_moe and qwen3_5_moe (`model.layers.{i}.mlp`): a router picks the
-//! top-k experts of each token, each a SwiGLU MLP; Qwen3.5-MoE adds a shared expert whose output
-//! is scaled by sigmoid(x . shared_expert_gate).
+//! The sparse MLP (`model.layers.{i}.mlp`): a router picks the top-k experts of each token,
+//! each a gated MLP, and their outputs are summed with the router's weights. The families differ
+//! in routing (`config::Routing`: Qwen's softmax, gpt-oss's softmax over the top-k logits,
+//! DeepSeek-V3 / GLM-4.5's grouped sigmoid with a correction bias and a scale, LongCat-Flash's
+//! biased softmax over routed and zero-computation experts), in the experts (gpt-oss: biases,
+//! a clamped SwiGLU) and in the always-on experts beside them (Qwen3.5-MoE: a shared expert
+//! gated by sigmoid(x . shared_expert_gate); DeepSeek-V3 / GLM-4.5: `shared_experts`, ungated).
 //!
 //! Dispatch as grouped GEMMs, no loop over experts: the T*k (token, expert) pairs are sorted by
 //! expert, their rows gathered once, and each projection is one `_grouped_mm` over the experts'
 //! stacked weights with the per-expert row offsets (libtorch 2.11: CUTLASS grouped GEMM for
 //! bf16 on sm90; elsewhere its own per-group fallback). The offsets come from a `searchsorted`
 //! on the device, so routing never waits for the host. The results go back to (token, slot)
-//! order and are summed over the k slots with their router weights.
+//! order and are summed over the k slots with their router weights. A zero-computation expert
+//! returns its input: its pairs go to one extra expert of zero weights (output 0) and the
+//! input, weighted, is added beside.
 //!
-//! Weights: `gate.weight` [E, H] (router); experts either fused as transformers holds them in
-//! memory (`experts.gate_up_proj` [E, 2I, H], gate rows first; `experts.down_proj` [E, H, I]) or
-//! per expert as checkpoints store them (`experts.{e}.{gate,up,down}_proj.weight`);
-//! `shared_expert.{gate,up,down}_proj.weight`, `shared_expert_gate.weight` [1, H].
+//! Weights: the router `gate.weight` [E, H] (gpt-oss: `router.weight` and `router.bias`;
+//! LongCat-Flash: `router.classifier.weight` [E + Z, H]) and the correction bias
+//! (`gate.e_score_correction_bias`, `router.e_score_correction_bias`); experts either fused as
+//! transformers holds them in memory (`experts.gate_up_proj` [E, 2I, H], gate rows first;
+//! `experts.down_proj` [E, H, I]; gpt-oss's [E, H, 2I] with gate and up interleaved, and
+//! [E, I, H], with `_bias` [E, 2I] and [E, H]) or per expert as checkpoints store them
+//! (`experts.{e}.{gate,up,down}_proj.weight`); the shared experts' `shared_expert(s).*`.
 
 use crate::{
-    config::DecoderConfig,
+    config::{DecoderConfig, MoeShape, Routing, SharedExpert},
     model::{Loader, Mlp},
 };
 use plugin_api::tch::{Kind, Tensor};
 
+/// gpt-oss's SwiGLU: (clamp(up, -7, 7) + 1) * g sigmoid(1.702 g), g = min(gate, 7).
+const GPT_OSS_ALPHA: f64 = 1.702;
+const GPT_OSS_LIMIT: f64 = 7.0;
+
+enum Shared {
+    Gated(Mlp, Tensor),
+    Plain(Mlp),
+}
+
 pub struct SparseMoe {
     router: Tensor,
-    /// [E, 2I', H']: gate rows then up rows, per expert (I', H' padded, see `ALIGN`).
+    router_bias: Option<Tensor>,
+    /// The score-correction bias [E + Z], fp32 (grouped and biased routing).
+    correction: Option<Tensor>,
+    routing: Routing,
+    /// [E', 2I', H']: gate rows then up rows, per expert (I', H' padded, see `ALIGN`; E' = E + 1
+    /// with zero-computation experts, the last all zeros).
     gate_up: Tensor,
-    /// [E, H', I'].
+    gate_up_bias: Option<Tensor>,
+    /// [E', H', I'].
     down: Tensor,
+    down_bias: Option<Tensor>,
+    /// Experts with weights (the ids past them are zero-computation experts).
+    experts: i64,
     top_k: i64,
-    norm_topk: bool,
+    clamped: bool,
     /// I' and H'.
     intermediate: i64,
     hidden: i64,
-    shared: Option<(Mlp, Tensor)>,
+    shared: Option<Shared>,
 }
 
 /// `_grouped_mm` wants every row stride a multiple of 16 bytes: expert widths and the hidden size
@@ -43,52 +70,169 @@ fn pad_to(n: i64) -> i64 {
     (n + ALIGN - 1) / ALIGN * ALIGN
 }
 
+/// [.., 2n, ..] along `dim` with gate and up interleaved -> gate rows then up rows.
+fn deinterleave(t: &Tensor, dim: i64) -> Tensor {
+    let n = t.size()[dim as usize];
+    let even = Tensor::arange_start_step(0, n, 2, (Kind::Int64, t.device()));
+    Tensor::cat(&[t.index_select(dim, &even), t.index_select(dim, &(&even + 1))], dim)
+}
+
 impl SparseMoe {
     pub(crate) fn load(cfg: &DecoderConfig, ld: &mut Loader, p: &str) -> Result<Self, String> {
         let m = cfg.moe().ok_or_else(|| format!("{p}: a sparse layer in a model without experts"))?;
         let (h, e, i) = (cfg.hidden_size as i64, m.experts as i64, m.intermediate as i64);
-        let router = ld.get(&format!("{p}.gate.weight"), &[e, h])?;
-        let fused = format!("{p}.experts.gate_up_proj");
-        let (gate_up, down) = if ld.w.contains(&fused) {
-            (ld.get(&fused, &[e, 2 * i, h])?, ld.get(&format!("{p}.experts.down_proj"), &[e, h, i])?)
-        } else {
-            let (mut gate_up, mut down) = (Vec::with_capacity(e as usize), Vec::with_capacity(e as usize));
-            for x in 0..e {
-                let q = format!("{p}.experts.{x}");
-                let gate = ld.get(&format!("{q}.gate_proj.weight"), &[i, h])?;
-                let up = ld.get(&format!("{q}.up_proj.weight"), &[i, h])?;
-                gate_up.push(Tensor::cat(&[gate, up], 0));
-                down.push(ld.get(&format!("{q}.down_proj.weight"), &[h, i])?);
-            }
-            (Tensor::stack(&gate_up, 0), Tensor::stack(&down, 0))
+        let choices = e + m.zero_experts as i64;
+        // 1. The router.
+        let (router, router_bias, correction) = match m.routing {
+            Routing::Softmax { .. } => (ld.get(&format!("{p}.gate.weight"), &[e, h])?, None, None),
+            Routing::TopKSoftmax => (
+                ld.get(&format!("{p}.router.weight"), &[e, h])?,
+                Some(ld.get(&format!("{p}.router.bias"), &[e])?),
+                None,
+            ),
+            Routing::GroupedSigmoid { .. } => (
+                ld.get_f32(&format!("{p}.gate.weight"), &[e, h])?,
+                None,
+                Some(ld.get_f32(&format!("{p}.gate.e_score_correction_bias"), &[e])?),
+            ),
+            Routing::BiasedSoftmax { .. } => (
+                ld.get_f32(&format!("{p}.router.classifier.weight"), &[choices, h])?,
+                None,
+                Some(ld.get_f32(&format!("{p}.router.e_score_correction_bias"), &[choices])?),
+            ),
         };
-        // Pad: gate and up each [E, I, H] -> [E, I', H'], down [E, H, I] -> [E, H', I'].
+        // 2. The experts as [E, 2I, H] (gate rows first) and [E, H, I], with their biases.
+        let (mut gate_up, mut down, mut gate_up_bias, mut down_bias) = Self::load_experts(&m, ld, p, h)?;
+        if m.zero_experts > 0 {
+            let zero = |t: &Tensor| Tensor::cat(&[t, &t.narrow(0, 0, 1).zeros_like()], 0);
+            (gate_up, down) = (zero(&gate_up), zero(&down));
+            gate_up_bias = gate_up_bias.as_ref().map(zero);
+            down_bias = down_bias.as_ref().map(zero);
+        }
+        // 3. Pad: gate and up each [E, I, H] -> [E, I', H'], down [E, H, I] -> [E, H', I'].
         let (ip, hp) = (pad_to(i), pad_to(h));
-        let (gate_up, down) = if (ip, hp) == (i, h) {
-            (gate_up, down)
-        } else {
+        if (ip, hp) != (i, h) {
             let pad =
                 |t: Tensor, rows: i64, cols: i64| t.constant_pad_nd([0, cols - t.size()[2], 0, rows - t.size()[1]]);
             let (gate, up) = (gate_up.narrow(1, 0, i), gate_up.narrow(1, i, i));
-            (Tensor::cat(&[pad(gate, ip, hp), pad(up, ip, hp)], 1), pad(down, hp, ip))
-        };
-        let shared = match m.shared_intermediate {
-            Some(width) => Some((
+            gate_up = Tensor::cat(&[pad(gate, ip, hp), pad(up, ip, hp)], 1);
+            down = pad(down, hp, ip);
+            gate_up_bias = gate_up_bias.map(|b| {
+                let padded = |t: Tensor| t.constant_pad_nd([0, ip - i]);
+                Tensor::cat(&[padded(b.narrow(1, 0, i)), padded(b.narrow(1, i, i))], 1)
+            });
+            down_bias = down_bias.map(|b| b.constant_pad_nd([0, hp - h]));
+        }
+        // 4. The always-on experts.
+        let shared = match m.shared {
+            Some(SharedExpert::Gated(width)) => Some(Shared::Gated(
                 Mlp::load(ld, &format!("{p}.shared_expert"), h, width as i64)?,
                 ld.get(&format!("{p}.shared_expert_gate.weight"), &[1, h])?,
             )),
+            Some(SharedExpert::Plain(width)) => {
+                Some(Shared::Plain(Mlp::load(ld, &format!("{p}.shared_experts"), h, width as i64)?))
+            }
             None => None,
         };
         Ok(Self {
             router,
+            router_bias,
+            correction,
+            routing: m.routing,
             gate_up,
+            gate_up_bias,
             down,
+            down_bias,
+            experts: e,
             top_k: m.top_k as i64,
-            norm_topk: m.norm_topk,
+            clamped: m.gpt_oss,
             intermediate: ip,
             hidden: hp,
             shared,
         })
+    }
+
+    /// The experts' weights, unpadded: gate_up [E, 2I, H], down [E, H, I], their biases.
+    #[allow(clippy::type_complexity)]
+    fn load_experts(
+        m: &MoeShape,
+        ld: &mut Loader,
+        p: &str,
+        h: i64,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>, Option<Tensor>), String> {
+        let (e, i) = (m.experts as i64, m.intermediate as i64);
+        let fused = format!("{p}.experts.gate_up_proj");
+        if m.gpt_oss {
+            // [E, H, 2I] interleaved and [E, I, H] -> [E, 2I, H] gate rows first and [E, H, I].
+            let gate_up = deinterleave(&ld.get(&fused, &[e, h, 2 * i])?.transpose(1, 2), 1);
+            let bias = deinterleave(&ld.get(&format!("{fused}_bias"), &[e, 2 * i])?, 1);
+            let down = ld.get(&format!("{p}.experts.down_proj"), &[e, i, h])?.transpose(1, 2);
+            let down_bias = ld.get(&format!("{p}.experts.down_proj_bias"), &[e, h])?;
+            return Ok((gate_up.contiguous(), down.contiguous(), Some(bias), Some(down_bias)));
+        }
+        if ld.w.contains(&fused) || ld.random {
+            // LongCat-Flash's fused gate_up has a row block for each zero-computation expert too.
+            let stored = if ld.w.contains(&fused) { ld.w.tensors[&fused].size()[0] } else { e };
+            let stored = if stored == e + m.zero_experts as i64 { stored } else { e };
+            let gate_up = ld.get(&fused, &[stored, 2 * i, h])?.narrow(0, 0, e);
+            return Ok((gate_up, ld.get(&format!("{p}.experts.down_proj"), &[e, h, i])?, None, None));
+        }
+        let (mut gate_up, mut down) = (Vec::with_capacity(e as usize), Vec::with_capacity(e as usize));
+        for x in 0..e {
+            let q = format!("{p}.experts.{x}");
+            let gate = ld.get(&format!("{q}.gate_proj.weight"), &[i, h])?;
+            let up = ld.get(&format!("{q}.up_proj.weight"), &[i, h])?;
+            gate_up.push(Tensor::cat(&[gate, up], 0));
+            down.push(ld.get(&format!("{q}.down_proj.weight"), &[h, i])?);
+        }
+        Ok((Tensor::stack(&gate_up, 0), Tensor::stack(&down, 0), None, None))
+    }
+
+    /// Each token's experts [T, k] (int64; zero-computation experts numbered from E) and their
+    /// weights [T, k] (fp32), for x [T, H].
+    pub fn route(&self, x: &Tensor) -> (Tensor, Tensor) {
+        let k = self.top_k;
+        match self.routing {
+            // Softmax in fp32, top-k, renormalised to sum 1 where the family does.
+            Routing::Softmax { norm } => {
+                let probs = x.linear::<&Tensor>(&self.router, None).softmax(-1, Kind::Float);
+                let (mut w, experts) = probs.topk(k, -1, true, true);
+                if norm {
+                    w = &w / w.sum_dim_intlist(-1, true, Kind::Float);
+                }
+                (experts, w)
+            }
+            // The top-k logits, softmax over them (in the logits' dtype, as transformers).
+            Routing::TopKSoftmax => {
+                let logits = x.linear(&self.router, self.router_bias.as_ref());
+                let (top, experts) = logits.topk(k, -1, true, true);
+                (experts, top.softmax(-1, top.kind()).to_kind(Kind::Float))
+            }
+            Routing::GroupedSigmoid { groups, topk_groups, norm, scale } => {
+                let scores = x.to_kind(Kind::Float).linear::<&Tensor>(&self.router, None).sigmoid();
+                let choice = &scores + self.correction.as_ref().expect("grouped routing has a correction bias");
+                // A group's score: its two best; the experts of the best `topk_groups` groups.
+                let (t, e, g) = (x.size()[0], self.experts, groups as i64);
+                let group_scores =
+                    choice.view([t, g, e / g]).topk(2, -1, true, true).0.sum_dim_intlist(-1, false, None);
+                let (_, best) = group_scores.topk(topk_groups as i64, -1, true, true);
+                let kept = group_scores.zeros_like().scatter_value(1, &best, 1.0);
+                let kept = kept.unsqueeze(-1).expand([t, g, e / g], false).reshape([t, e]).gt(0.5);
+                let (_, experts) = choice.masked_fill(&kept.logical_not(), f64::NEG_INFINITY).topk(k, -1, true, true);
+                let mut w = scores.gather(1, &experts, false);
+                if norm {
+                    w = &w / (w.sum_dim_intlist(-1, true, Kind::Float) + 1e-20);
+                }
+                (experts, w * scale)
+            }
+            Routing::BiasedSoftmax { scale } => {
+                let scores = x.to_kind(Kind::Float).linear::<&Tensor>(&self.router, None).softmax(-1, Kind::Float);
+                let choice = &scores + self.correction.as_ref().expect("biased routing has a correction bias");
+                let (_, experts) = choice.topk(k, -1, true, true);
+                let w = scores.gather(1, &experts, false) * scale;
+                (experts, w)
+            }
+        }
     }
 
     /// x [B, L, H] -> [B, L, H].
@@ -97,27 +241,39 @@ impl SparseMoe {
         let h = size[2];
         let x = x.reshape([-1, h]);
         let (t, k, i) = (x.size()[0], self.top_k, self.intermediate);
-        // 1. Route (transformers): softmax over the experts in fp32, top-k, renormalised to sum 1
-        //    where the family does, then in the model's dtype.
-        let probs = x.linear::<&Tensor>(&self.router, None).softmax(-1, Kind::Float);
-        let (mut weights, experts) = probs.topk(k, -1, true, true); // [T, k]
-        if self.norm_topk {
-            weights = &weights / weights.sum_dim_intlist(-1, true, Kind::Float);
-        }
+        // 1. Route; zero-computation experts' pairs go to the zero expert E, their input aside.
+        let (mut experts, weights) = self.route(&x);
         let weights = weights.to_kind(x.kind());
+        let n_experts = self.gate_up.size()[0];
+        let identity = (n_experts > self.experts).then(|| {
+            let zero = experts.ge(self.experts);
+            experts = experts.clamp_max(self.experts);
+            (&weights * zero.to_kind(x.kind())).sum_dim_intlist(-1, true, x.kind()) * &x
+        });
         // 2. Sort the T*k pairs by expert; expert e's rows end at offs[e].
         let (sorted, order) = experts.view([-1]).sort_stable(true, 0, false);
-        let n_experts = self.gate_up.size()[0];
         let bounds = Tensor::arange(n_experts, (Kind::Int64, x.device()));
         let offs = bounds.searchsorted::<&Tensor>(&sorted, true, true, "right", None); // int32 [E]
         let mut rows = x.index_select(0, &order.divide_scalar_mode(k, "floor"));
         if self.hidden != h {
             rows = rows.constant_pad_nd([0, self.hidden - h]);
         }
-        // 3. The experts' SwiGLU as two grouped GEMMs.
-        let gate_up = rows.internal_grouped_mm(&self.gate_up.transpose(1, 2), Some(&offs), None, None::<Kind>);
-        let act = gate_up.narrow(1, 0, i).silu() * gate_up.narrow(1, i, i);
+        // 3. The experts' gated MLP as two grouped GEMMs (biases by each row's expert).
+        let mut gate_up = rows.internal_grouped_mm(&self.gate_up.transpose(1, 2), Some(&offs), None, None::<Kind>);
+        if let Some(b) = &self.gate_up_bias {
+            gate_up = gate_up + b.index_select(0, &sorted);
+        }
+        let (gate, up) = (gate_up.narrow(1, 0, i), gate_up.narrow(1, i, i));
+        let act = if self.clamped {
+            let gate = gate.clamp_max(GPT_OSS_LIMIT);
+            (up.clamp(-GPT_OSS_LIMIT, GPT_OSS_LIMIT) + 1.0) * (&gate * (&gate * GPT_OSS_ALPHA).sigmoid())
+        } else {
+            gate.silu() * up
+        };
         let mut y = act.internal_grouped_mm(&self.down.transpose(1, 2), Some(&offs), None, None::<Kind>); // [T*k, H']
+        if let Some(b) = &self.down_bias {
+            y = y + b.index_select(0, &sorted);
+        }
         if self.hidden != h {
             y = y.narrow(1, 0, h);
         }
@@ -126,9 +282,14 @@ impl SparseMoe {
         let inverse = order.zeros_like().index_copy(0, &order, &slots);
         let y = y.index_select(0, &inverse).view([t, k, h]);
         let mut out = (y * weights.unsqueeze(-1)).sum_dim_intlist(1, false, x.kind());
-        // 5. The shared expert, gated.
-        if let Some((mlp, gate)) = &self.shared {
-            out = out + x.linear::<&Tensor>(gate, None).sigmoid() * mlp.forward(&x);
+        if let Some(identity) = identity {
+            out = out + identity;
+        }
+        // 5. The always-on experts.
+        match &self.shared {
+            Some(Shared::Gated(mlp, gate)) => out = out + x.linear::<&Tensor>(gate, None).sigmoid() * mlp.forward(&x),
+            Some(Shared::Plain(mlp)) => out = out + mlp.forward(&x),
+            None => {}
         }
         out.view(size.as_slice())
     }
@@ -142,82 +303,129 @@ mod tests {
     use std::collections::HashMap;
 
     /// transformers' loop over experts (index_add of each expert's weighted output), written out
-    /// over the unpadded weights: `gate_up` [E, 2I, H], `down` [E, H, I].
-    fn reference(x: &Tensor, m: &SparseMoe, gate_up: &Tensor, down: &Tensor) -> Tensor {
-        let probs = x.linear::<&Tensor>(&m.router, None).softmax(-1, Kind::Float);
-        let (mut w, idx) = probs.topk(m.top_k, -1, true, true);
-        if m.norm_topk {
-            w = &w / w.sum_dim_intlist(-1, true, Kind::Float);
-        }
+    /// over the unpadded weights (`gate_up` [E, 2I, H], `down` [E, H, I], biases [E, 2I], [E, H])
+    /// for the routing `m.route` gives; experts from E on return their input.
+    fn reference(x: &Tensor, m: &SparseMoe, w: &(Tensor, Tensor, Option<Tensor>, Option<Tensor>)) -> Tensor {
+        let (gate_up, down, gu_bias, d_bias) = w;
+        let (idx, weights) = m.route(x);
         let out = x.zeros_like();
         let i = down.size()[2];
         for t in 0..x.size()[0] {
             for s in 0..m.top_k {
                 let e = idx.int64_value(&[t, s]);
-                let gu = x.get(t).matmul(&gate_up.get(e).tr());
-                let y = (gu.narrow(0, 0, i).silu() * gu.narrow(0, i, i)).matmul(&down.get(e).tr());
-                let _ = out.get(t).g_add_(&(y * w.double_value(&[t, s])));
+                let y = if e >= m.experts {
+                    x.get(t)
+                } else {
+                    let mut gu = x.get(t).matmul(&gate_up.get(e).tr());
+                    if let Some(b) = gu_bias {
+                        gu = gu + b.get(e);
+                    }
+                    let (g, u) = (gu.narrow(0, 0, i), gu.narrow(0, i, i));
+                    let act = if m.clamped {
+                        let g = g.clamp_max(7.0);
+                        (u.clamp(-7.0, 7.0) + 1.0) * (&g * (&g * 1.702).sigmoid())
+                    } else {
+                        g.silu() * u
+                    };
+                    let mut y = act.matmul(&down.get(e).tr());
+                    if let Some(b) = d_bias {
+                        y = y + b.get(e);
+                    }
+                    y
+                };
+                let _ = out.get(t).g_add_(&(y * weights.double_value(&[t, s])));
             }
         }
         out
     }
 
-    /// A sparse block with expert width 6 (padded to 8 inside) and its unpadded expert weights.
-    fn tiny(fused: bool, shared: bool) -> (SparseMoe, Tensor, Tensor) {
-        let (e, h, i) = (5i64, 8i64, 6i64);
+    /// A sparse block of `model_type` with 5 experts of width 6 (padded to 8 inside), stored
+    /// fused or per expert, and its unpadded expert weights [E, 2I, H] (gate rows first), [E,
+    /// H, I] with biases.
+    fn tiny(model_type: &str, fused: bool) -> (SparseMoe, (Tensor, Tensor, Option<Tensor>, Option<Tensor>)) {
+        let (e, h, i, z) = (5i64, 8i64, 6i64, 2i64);
         plugin_api::tch::manual_seed(3);
         let mut t = HashMap::new();
         let r = |s: &[i64]| Tensor::randn(s, (Kind::Float, Device::Cpu)) * 0.5;
-        t.insert("mlp.gate.weight".to_string(), r(&[e, h]));
         let (gate_up, down) = (r(&[e, 2 * i, h]), r(&[e, h, i]));
-        if fused {
-            t.insert("mlp.experts.gate_up_proj".into(), gate_up.copy());
-            t.insert("mlp.experts.down_proj".into(), down.copy());
-        } else {
-            for x in 0..e {
-                t.insert(format!("mlp.experts.{x}.gate_proj.weight"), gate_up.get(x).narrow(0, 0, i).copy());
-                t.insert(format!("mlp.experts.{x}.up_proj.weight"), gate_up.get(x).narrow(0, i, i).copy());
-                t.insert(format!("mlp.experts.{x}.down_proj.weight"), down.get(x).copy());
+        let mut biases = (None, None);
+        match model_type {
+            "gpt_oss" => {
+                t.insert("mlp.router.weight".to_string(), r(&[e, h]));
+                t.insert("mlp.router.bias".to_string(), r(&[e]));
+                // Stored [E, H, 2I] with gate and up interleaved (bias likewise).
+                let interleave = |x: &Tensor| {
+                    let d = x.dim() as i64 - 1;
+                    Tensor::stack(&[x.narrow(d, 0, i), x.narrow(d, i, i)], d + 1).flatten(d, d + 1)
+                };
+                let gu_bias = r(&[e, 2 * i]) * 8.0; // past the clamp
+                t.insert("mlp.experts.gate_up_proj".into(), interleave(&gate_up.transpose(1, 2)));
+                t.insert("mlp.experts.gate_up_proj_bias".into(), interleave(&gu_bias));
+                t.insert("mlp.experts.down_proj".into(), down.transpose(1, 2).copy());
+                let d_bias = r(&[e, h]);
+                t.insert("mlp.experts.down_proj_bias".into(), d_bias.copy());
+                biases = (Some(gu_bias), Some(d_bias));
+            }
+            "longcat_flash" => {
+                t.insert("mlp.router.classifier.weight".to_string(), r(&[e + z, h]));
+                t.insert("mlp.router.e_score_correction_bias".to_string(), r(&[e + z]) * 0.1);
+            }
+            _ => {
+                t.insert("mlp.gate.weight".to_string(), r(&[e, h]));
             }
         }
-        if shared {
-            for (n, s) in [("gate_proj", [4, h]), ("up_proj", [4, h]), ("down_proj", [h, 4])] {
-                t.insert(format!("mlp.shared_expert.{n}.weight"), r(&s));
+        if model_type != "gpt_oss" {
+            if fused {
+                t.insert("mlp.experts.gate_up_proj".into(), gate_up.copy());
+                t.insert("mlp.experts.down_proj".into(), down.copy());
+            } else {
+                for x in 0..e {
+                    t.insert(format!("mlp.experts.{x}.gate_proj.weight"), gate_up.get(x).narrow(0, 0, i).copy());
+                    t.insert(format!("mlp.experts.{x}.up_proj.weight"), gate_up.get(x).narrow(0, i, i).copy());
+                    t.insert(format!("mlp.experts.{x}.down_proj.weight"), down.get(x).copy());
+                }
             }
-            t.insert("mlp.shared_expert_gate.weight".into(), r(&[1, h]));
         }
         let cfg: DecoderConfig = serde_json::from_value(serde_json::json!({
-            "model_type": if shared { "qwen3_5_moe" } else { "qwen3_moe" }, "hidden_size": h, "num_hidden_layers": 1,
+            "model_type": model_type, "hidden_size": h, "num_hidden_layers": 1, "intermediate_size": i,
             "num_attention_heads": 1, "vocab_size": 4, "num_experts": e, "num_experts_per_tok": 2,
-            "moe_intermediate_size": i, "shared_expert_intermediate_size": 4, "norm_topk_prob": false,
+            "moe_intermediate_size": i, "norm_topk_prob": false, "zero_expert_num": z,
         }))
         .unwrap();
         let mut w = Weights { tensors: t, source: "tiny".into() };
-        let mut ld = Loader { w: &mut w, device: Device::Cpu, kind: Kind::Float };
-        (SparseMoe::load(&cfg, &mut ld, "mlp").unwrap(), gate_up, down)
+        let mut ld = Loader::new(&mut w, Device::Cpu, Kind::Float);
+        (SparseMoe::load(&cfg, &mut ld, "mlp").unwrap(), (gate_up, down, biases.0, biases.1))
     }
 
-    /// The grouped dispatch equals transformers' per-expert loop, with and without
-    /// renormalised weights, from per-expert and fused weights (expert width 6, padded to 8).
+    /// The grouped dispatch equals transformers' per-expert loop: from per-expert and fused
+    /// weights (expert width 6, padded to 8), with and without renormalised weights; gpt-oss's
+    /// interleaved, biased, clamped experts; LongCat-Flash's zero-computation experts.
     #[test]
     fn grouped_dispatch_equals_the_loop_over_experts() {
         let x = Tensor::randn([2, 7, 8], (Kind::Float, Device::Cpu));
         let x2 = x.view([-1, 8]);
+        type Experts = (Tensor, Tensor, Option<Tensor>, Option<Tensor>);
+        let check = |m: &SparseMoe, w: &Experts, what: &str| {
+            let err = (m.forward(&x).view([-1, 8]) - reference(&x2, m, w)).abs().max().double_value(&[]);
+            assert!(err < 1e-5, "{what}: max |diff| {err:.2e}");
+        };
         for fused in [false, true] {
-            let (mut m, gate_up, down) = tiny(fused, false);
+            let (mut m, w) = tiny("qwen3_moe", fused);
             for norm in [false, true] {
-                m.norm_topk = norm;
-                let want = reference(&x2, &m, &gate_up, &down).view([2, 7, 8]);
-                let got = m.forward(&x);
-                let err = (&got - &want).abs().max().double_value(&[]);
-                assert!(err < 1e-5, "fused {fused} norm {norm}: max |diff| {err:.2e}");
+                m.routing = Routing::Softmax { norm };
+                check(&m, &w, &format!("fused {fused} norm {norm}"));
             }
         }
-        // The shared expert adds sigmoid(x . gate) * mlp(x) on top.
-        let (m, gate_up, down) = tiny(false, true);
-        let (mlp, gate) = m.shared.as_ref().unwrap();
-        let want = reference(&x2, &m, &gate_up, &down) + x2.linear::<&Tensor>(gate, None).sigmoid() * mlp.forward(&x2);
-        let err = (m.forward(&x).view([-1, 8]) - want).abs().max().double_value(&[]);
-        assert!(err < 1e-5, "shared: max |diff| {err:.2e}");
+        // Softmax routing: the top-2 of softmax(x . router).
+        let (m, _) = tiny("qwen3_moe", false);
+        let (idx, w) = m.route(&x2);
+        let (want_w, want_idx) = x2.linear::<&Tensor>(&m.router, None).softmax(-1, Kind::Float).topk(2, -1, true, true);
+        assert!(idx.equal(&want_idx) && w.allclose(&want_w, 1e-6, 1e-6, false));
+        let (m, w) = tiny("gpt_oss", true);
+        check(&m, &w, "gpt-oss");
+        let (m, w) = tiny("longcat_flash", true);
+        let (idx, _) = m.route(&x2);
+        assert!(idx.ge(5).any().int64_value(&[]) == 1, "some token picks a zero-computation expert");
+        check(&m, &w, "zero-computation experts");
     }
 }

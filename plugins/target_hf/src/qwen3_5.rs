@@ -12,7 +12,7 @@
 //! (q scaled by dk^-0.5); out = out_proj(rmsnorm(o) * w * silu(z)) per value head.
 
 use crate::{
-    cache::{LinearState, Undo},
+    cache::{conv_tail, LinearState, Undo},
     config::DecoderConfig,
     model::Loader,
 };
@@ -129,7 +129,7 @@ impl GatedDeltaNet {
                 g: g.shallow_clone(),
                 beta: beta.shallow_clone(),
             });
-            *slot = Some(LinearState { conv: self.conv_tail(&history, &mixed), state: last, undo });
+            *slot = Some(LinearState { conv: conv_tail(&history, &mixed), state: last, undo });
         }
         out
     }
@@ -140,7 +140,7 @@ impl GatedDeltaNet {
     pub fn rewind(&self, s: &mut LinearState, keep: i64) {
         let u = s.undo.as_ref().expect("rewind needs the undo record of a rollback cache");
         let kept = u.mixed.narrow(1, 0, keep);
-        s.conv = self.conv_tail(&u.conv, &kept);
+        s.conv = conv_tail(&u.conv, &kept);
         s.state = if keep == 0 {
             u.state.as_ref().map_or_else(|| s.state.zeros_like(), Tensor::shallow_clone)
         } else {
@@ -150,13 +150,6 @@ impl GatedDeltaNet {
             let (g, beta) = (u.g.narrow(2, 0, keep), u.beta.narrow(2, 0, keep));
             chunked_with(&k, &k, &v, &g, &beta, u.state.as_ref(), CHUNK, self.precision).1
         };
-    }
-
-    /// The conv's cache after `x` [B, L, C]: the last K-1 rows of `history` | `x`.
-    fn conv_tail(&self, history: &Tensor, x: &Tensor) -> Tensor {
-        let (l, k1) = (x.size()[1], self.kernel - 1);
-        let rows = Tensor::cat(&[history, &x.narrow(1, (l - k1).max(0), l.min(k1))], 1);
-        rows.narrow(1, rows.size()[1] - k1, k1).contiguous()
     }
 
     /// conv output [B, L, C] -> q, k [B, nv, L, dk] (L2-normalised, each key head repeated to its

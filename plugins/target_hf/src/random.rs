@@ -1,124 +1,61 @@
 //! A decoder with random weights at the shape an HF `config.json` gives (`random_init = true`):
 //! benchmarks at real shapes without downloading weights. Weights are drawn on the target's
-//! device in its dtype (a Qwen3-8B shape is 16 GB in bf16, too much to draw on the host).
+//! device in its dtype (a Qwen3-8B shape is 16 GB in bf16, too much to draw on the host), each
+//! when the decoder looks it up, so every family gets its own tensors without a list here.
 
 use crate::{
-    config::{DecoderConfig, Mixer},
-    load::Loaded,
-    model::Weights,
+    config::DecoderConfig,
+    model::{Decoder, Loader, Weights},
 };
 use plugin_api::tch::{Device, Kind, Tensor};
 use std::{collections::HashMap, path::Path};
+use tokenizers::Tokenizer;
 
 /// A one-token word-level tokenizer: a random model has no vocabulary to decode into.
 const PLACEHOLDER_TOKENIZER: &str = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
 "normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
 "model":{"type":"WordLevel","vocab":{"<unk>":0},"unk_token":"<unk>"}}"#;
 
-/// `path`: a config.json, or a folder holding one.
-pub fn load_random(path: &Path, device: Device, kind: Kind) -> Result<Loaded, String> {
+/// `path`: a config.json, or a folder holding one. The weights are drawn as the decoder looks
+/// them up ([`Decoder::random`]), on the target's device in its dtype.
+pub fn load_random(path: &Path, device: Device, kind: Kind) -> Result<(Decoder, Tokenizer), String> {
     let cfg = DecoderConfig::read(path)?;
-    let weights = random_weights(&cfg, device, kind);
+    let model = Decoder::random(&cfg, device, kind)?;
     let tokenizer = PLACEHOLDER_TOKENIZER.parse().map_err(|e| format!("placeholder tokenizer: {e}"))?;
-    Ok(Loaded { cfg, weights, tokenizer, chat_template: String::new() })
+    Ok((model, tokenizer))
 }
 
-/// Every tensor `Decoder::new` looks up, by its HF name: matrices ~ N(0, 0.02) (HF's
-/// initializer_range), norm gains 1 (stored as 0 where the norm scales by 1 + w), biases 0; a
-/// Gated DeltaNet layer's conv ~ U(-1/sqrt(K), 1/sqrt(K)) (torch's Conv1d), A = exp(A_log) ~
-/// U(0, 16) and dt_bias 1 (transformers' init). Routed experts are drawn already stacked
-/// (`experts.gate_up_proj`), as transformers holds them.
+/// One random tensor for the weight `name` of `shape`, by what the name says it is: matrices ~
+/// N(0, 0.02) (HF's initializer_range); biases, attention sinks and routers' correction biases
+/// 0; plain norm gains 1 (a centred norm's, which the loader asks for itself, 0); a conv
+/// (Gated DeltaNet's, LFM2's) ~ U(-1/sqrt(K), 1/sqrt(K)) (torch's Conv1d); A = exp(A_log) ~
+/// U(0, 16) and dt_bias 1 (transformers' init for Gated DeltaNet).
+pub fn draw(name: &str, shape: &[i64], device: Device, kind: Kind) -> Tensor {
+    let last = shape.last().copied().unwrap_or(1);
+    if name.ends_with("A_log") {
+        return (Tensor::rand(shape, (Kind::Float, device)) * 16.0).clamp_min(1e-4).log();
+    }
+    if name.ends_with("dt_bias") || name.ends_with("norm.weight") {
+        return Tensor::ones(shape, (kind, device));
+    }
+    if name.ends_with("bias") || name.ends_with("sinks") {
+        return Tensor::zeros(shape, (kind, device));
+    }
+    if name.ends_with("conv1d.weight") || name.ends_with("conv.conv.weight") {
+        let bound = (last as f64).powf(-0.5);
+        return Tensor::rand(shape, (kind, device)) * (2.0 * bound) - bound;
+    }
+    Tensor::randn(shape, (kind, device)) * 0.02
+}
+
+/// Every tensor `Decoder::new` looks up for `cfg`, by its HF name, drawn by [`draw`] (routed
+/// experts drawn already stacked, `experts.gate_up_proj`, as transformers holds them). For
+/// tests that write a random checkpoint; builds the decoder once on the way.
 pub fn random_weights(cfg: &DecoderConfig, device: Device, kind: Kind) -> Weights {
-    let (h, f, v) = (cfg.hidden_size as i64, cfg.intermediate_size as i64, cfg.vocab_size as i64);
-    let (nh, nkv, d) = (cfg.num_attention_heads as i64, cfg.num_kv_heads() as i64, cfg.head_dim() as i64);
-    let mut t = HashMap::new();
-    let mut normal = |name: String, shape: &[i64]| {
-        t.insert(name, Tensor::randn(shape, (kind, device)) * 0.02);
-    };
-    normal("model.embed_tokens.weight".into(), &[v, h]);
-    if !cfg.tie_word_embeddings {
-        normal("lm_head.weight".into(), &[v, h]);
-    }
-    let s = cfg.linear();
-    let (nv, dv) = (s.value_heads as i64, s.value_dim as i64);
-    let conv_channels = s.conv_channels() as i64;
-    for (i, mixer) in cfg.mixers().iter().enumerate() {
-        let p = format!("model.layers.{i}");
-        match mixer {
-            Mixer::Attention => {
-                let q_rows = if cfg.is_hybrid() { 2 * nh * d } else { nh * d };
-                normal(format!("{p}.self_attn.q_proj.weight"), &[q_rows, h]);
-                normal(format!("{p}.self_attn.k_proj.weight"), &[nkv * d, h]);
-                normal(format!("{p}.self_attn.v_proj.weight"), &[nkv * d, h]);
-                normal(format!("{p}.self_attn.o_proj.weight"), &[h, nh * d]);
-            }
-            Mixer::Linear => {
-                let q = format!("{p}.linear_attn");
-                normal(format!("{q}.in_proj_qkv.weight"), &[conv_channels, h]);
-                normal(format!("{q}.in_proj_z.weight"), &[nv * dv, h]);
-                normal(format!("{q}.in_proj_b.weight"), &[nv, h]);
-                normal(format!("{q}.in_proj_a.weight"), &[nv, h]);
-                normal(format!("{q}.out_proj.weight"), &[h, nv * dv]);
-            }
-        }
-        if cfg.is_sparse_layer(i) {
-            let m = cfg.moe().expect("a sparse layer has experts");
-            let (e, w) = (m.experts as i64, m.intermediate as i64);
-            normal(format!("{p}.mlp.gate.weight"), &[e, h]);
-            normal(format!("{p}.mlp.experts.gate_up_proj"), &[e, 2 * w, h]);
-            normal(format!("{p}.mlp.experts.down_proj"), &[e, h, w]);
-            if let Some(sw) = m.shared_intermediate {
-                let sw = sw as i64;
-                normal(format!("{p}.mlp.shared_expert.gate_proj.weight"), &[sw, h]);
-                normal(format!("{p}.mlp.shared_expert.up_proj.weight"), &[sw, h]);
-                normal(format!("{p}.mlp.shared_expert.down_proj.weight"), &[h, sw]);
-                normal(format!("{p}.mlp.shared_expert_gate.weight"), &[1, h]);
-            }
-        } else {
-            normal(format!("{p}.mlp.gate_proj.weight"), &[f, h]);
-            normal(format!("{p}.mlp.up_proj.weight"), &[f, h]);
-            normal(format!("{p}.mlp.down_proj.weight"), &[h, f]);
-        }
-    }
-    // Gains: 1, stored as 0 where the norm multiplies by (1 + w).
-    let gain = |shape: &[i64]| {
-        if cfg.centred_norms() {
-            Tensor::zeros(shape, (kind, device))
-        } else {
-            Tensor::ones(shape, (kind, device))
-        }
-    };
-    t.insert("model.norm.weight".into(), gain(&[h]));
-    for (i, mixer) in cfg.mixers().iter().enumerate() {
-        let p = format!("model.layers.{i}");
-        t.insert(format!("{p}.input_layernorm.weight"), gain(&[h]));
-        t.insert(format!("{p}.post_attention_layernorm.weight"), gain(&[h]));
-        match mixer {
-            Mixer::Attention => {
-                if cfg.qk_norm() {
-                    t.insert(format!("{p}.self_attn.q_norm.weight"), gain(&[d]));
-                    t.insert(format!("{p}.self_attn.k_norm.weight"), gain(&[d]));
-                }
-                if cfg.qkv_bias() {
-                    for (name, n) in [("q_proj", nh * d), ("k_proj", nkv * d), ("v_proj", nkv * d)] {
-                        t.insert(format!("{p}.self_attn.{name}.bias"), Tensor::zeros([n], (kind, device)));
-                    }
-                }
-            }
-            Mixer::Linear => {
-                let q = format!("{p}.linear_attn");
-                let k = s.conv_kernel as i64;
-                let bound = (k as f64).powf(-0.5);
-                let conv = Tensor::rand([conv_channels, 1, k], (kind, device)) * (2.0 * bound) - bound;
-                t.insert(format!("{q}.conv1d.weight"), conv);
-                let a = (Tensor::rand([nv], (Kind::Float, device)) * 16.0).clamp_min(1e-4);
-                t.insert(format!("{q}.A_log"), a.log());
-                t.insert(format!("{q}.dt_bias"), Tensor::ones([nv], (kind, device)));
-                t.insert(format!("{q}.norm.weight"), Tensor::ones([dv], (kind, device)));
-            }
-        }
-    }
-    Weights { tensors: t, source: "random_init".into() }
+    let mut empty = Weights { tensors: HashMap::new(), source: "random_init".into() };
+    let mut ld = Loader { random: true, drawn: Some(HashMap::new()), ..Loader::new(&mut empty, device, kind) };
+    Decoder::build(cfg, &mut ld).expect("a valid config builds");
+    Weights { tensors: ld.drawn.take().unwrap_or_default(), source: "random_init".into() }
 }
 
 #[cfg(test)]

@@ -1,0 +1,274 @@
+//! Softmax attention with grouped-query heads (`model.layers.{i}.self_attn`), in every family's
+//! variant, and the scaled-dot-product core the latent attention shares:
+//! - q|k|v in one GEMM, with biases where the family has them (Qwen2, gpt-oss, GLM-4.5), and
+//!   Qwen3.5's sigmoid output gate projected with q (interleaved per head, [q_h | gate_h]);
+//! - q/k RMSNorms per head (Qwen3 and successors, Gemma 3 with (1 + w), LFM2's `q_layernorm`);
+//! - RoPE over the first `rotary_dim` dims of a head (partial: Qwen3.5, GLM-4.5);
+//! - the scale (Gemma: 1/sqrt(query_pre_attn_scalar)), a sliding window (the mask's), Gemma 2's
+//!   tanh soft cap on the scores, gpt-oss's per-head sinks (a logit in the softmax whose value
+//!   is dropped), an output bias (gpt-oss).
+
+use crate::{
+    config::DecoderConfig,
+    model::{apply_rope, rms_norm, Loader},
+};
+use plugin_api::tch::{Kind, Tensor};
+
+/// How scores become weights.
+#[derive(Default)]
+pub struct Scores {
+    pub scale: f64,
+    /// Scores -> cap tanh(scores / cap) before the mask (Gemma 2's `attn_logit_softcapping`).
+    pub softcap: Option<f64>,
+    /// Per-head sink logits [H] (gpt-oss), in the model's dtype.
+    pub sinks: Option<Tensor>,
+}
+
+/// softmax(q k^T scale + mask) v over grouped heads: q [B, H, L, D], k [B, Hkv, T, D], v [B,
+/// Hkv, T, Dv] -> [B, H, L, Dv]. `mask` [B or 1, 1, L, T] bool, true = visible; None = causal
+/// (L = T).
+///
+/// Plain scores run libtorch's fused attention. Sinks do too: a sink is one more key every query
+/// sees, with value 0 and score s_h for head h, so q gains a dim holding s_h / scale and k the
+/// dim 1 on the sink key and 0 elsewhere (grouped heads share keys, and the sink is per query
+/// head: it has to ride on q); the extra dims are padded to a multiple of 8 with zeros, which
+/// the fused kernels want. A soft cap is computed in the open (no fused kernel applies it).
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, s: &Scores) -> Tensor {
+    let (b, h, l, d) = (q.size()[0], q.size()[1], q.size()[2], q.size()[3]);
+    let t = k.size()[2];
+    if let Some(cap) = s.softcap {
+        return attend_in_the_open(q, k, v, mask, s.scale, cap, s.sinks.as_ref());
+    }
+    let Some(sinks) = &s.sinks else {
+        let causal = mask.is_none() && l > 1;
+        return Tensor::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, Some(s.scale), true);
+    };
+    let (hkv, dv) = (k.size()[1], v.size()[3]);
+    let extra = 8;
+    let opts = (q.kind(), q.device());
+    let sink_q = (sinks / s.scale).to_kind(q.kind()).view([1, h, 1, 1]).expand([b, h, l, 1], false);
+    let q = Tensor::cat(&[q, &sink_q, &Tensor::zeros([b, h, l, extra - 1], opts)], 3);
+    let k = Tensor::cat(&[k, &Tensor::zeros([b, hkv, t, extra], opts)], 3);
+    let sink_k = Tensor::zeros([b, hkv, 1, d + extra], opts);
+    let _ = sink_k.narrow(3, d, 1).fill_(1.0);
+    let k = Tensor::cat(&[k, sink_k], 2);
+    let v = Tensor::cat(&[v, &Tensor::zeros([b, hkv, 1, dv], opts)], 2);
+    let visible = match mask {
+        Some(m) => m.shallow_clone(),
+        None => causal_mask(l, t, q.device()),
+    };
+    let sees_sink = Tensor::ones([visible.size()[0], 1, l, 1], (Kind::Bool, q.device()));
+    let visible = Tensor::cat(&[visible.expand([-1, 1, l, t], false), sees_sink], 3);
+    Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&visible), 0.0, false, Some(s.scale), true)
+}
+
+/// [1, 1, L, T] bool: query i (the last L of T positions) sees keys up to itself.
+pub fn causal_mask(l: i64, t: i64, device: plugin_api::tch::Device) -> Tensor {
+    let q = Tensor::arange_start(t - l, t, (Kind::Int64, device)).unsqueeze(1);
+    let k = Tensor::arange(t, (Kind::Int64, device)).unsqueeze(0);
+    k.le_tensor(&q).view([1, 1, l, t])
+}
+
+/// transformers' eager attention with a soft cap: scores in the model's dtype, capped, masked,
+/// softmax in fp32 (with the sink column where there are sinks, then dropped).
+fn attend_in_the_open(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    cap: f64,
+    sinks: Option<&Tensor>,
+) -> Tensor {
+    let (b, h, l) = (q.size()[0], q.size()[1], q.size()[2]);
+    let (hkv, t) = (k.size()[1], k.size()[2]);
+    let repeat = |x: &Tensor| {
+        let s = x.size();
+        x.unsqueeze(2).expand([b, hkv, h / hkv, s[2], s[3]], false).reshape([b, h, s[2], s[3]])
+    };
+    let (k, v) = (repeat(k), repeat(v));
+    let scores = (q.matmul(&k.transpose(2, 3)) * scale / cap).tanh() * cap;
+    let visible = match mask {
+        Some(m) => m.shallow_clone(),
+        None => causal_mask(l, t, q.device()),
+    };
+    let mut scores = scores.masked_fill(&visible.logical_not(), f64::NEG_INFINITY).to_kind(Kind::Float);
+    if let Some(s) = sinks {
+        let column = s.to_kind(Kind::Float).view([1, h, 1, 1]).expand([b, h, l, 1], false);
+        scores = Tensor::cat(&[scores, column], 3);
+    }
+    let weights = scores.softmax(-1, Kind::Float).narrow(3, 0, t).to_kind(q.kind());
+    weights.matmul(&v)
+}
+
+pub struct Attention {
+    qkv: Tensor,
+    qkv_bias: Option<Tensor>,
+    o_proj: Tensor,
+    o_bias: Option<Tensor>,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    gated: bool,
+    num_heads: i64,
+    num_kv_heads: i64,
+    head_dim: i64,
+    scores: Scores,
+}
+
+impl Attention {
+    pub(crate) fn load(cfg: &DecoderConfig, ld: &mut Loader, p: &str) -> Result<Self, String> {
+        let h = cfg.hidden_size as i64;
+        let (nh, nkv, d) = (cfg.num_attention_heads as i64, cfg.num_kv_heads() as i64, cfg.head_dim() as i64);
+        let gated = cfg.is_hybrid();
+        let q_rows = if gated { 2 * nh * d } else { nh * d };
+        let names = [("q_proj", q_rows), ("k_proj", nkv * d), ("v_proj", nkv * d)];
+        let qkv = ld.fused(&names.map(|(n, r)| (format!("{p}.{n}.weight"), r)), h)?;
+        let qkv_bias = if cfg.qkv_bias() {
+            let b =
+                names.iter().map(|(n, r)| ld.get(&format!("{p}.{n}.bias"), &[*r])).collect::<Result<Vec<_>, _>>()?;
+            Some(Tensor::cat(&b, 0))
+        } else {
+            None
+        };
+        let (q_norm, k_norm) = if cfg.qk_norm() {
+            let centred = cfg.centred_norms();
+            let (qn, kn) = if cfg.arch() == crate::config::Arch::Lfm2 {
+                ("q_layernorm", "k_layernorm")
+            } else {
+                ("q_norm", "k_norm")
+            };
+            (
+                Some(ld.norm(&format!("{p}.{qn}.weight"), d, centred)?),
+                Some(ld.norm(&format!("{p}.{kn}.weight"), d, centred)?),
+            )
+        } else {
+            (None, None)
+        };
+        let o = if cfg.arch() == crate::config::Arch::Lfm2 { "out_proj" } else { "o_proj" };
+        let o_proj = ld.get(&format!("{p}.{o}.weight"), &[h, nh * d])?;
+        let o_bias = if cfg.o_bias() { Some(ld.get(&format!("{p}.{o}.bias"), &[h])?) } else { None };
+        let sinks =
+            if cfg.arch() == crate::config::Arch::GptOss { Some(ld.get(&format!("{p}.sinks"), &[nh])?) } else { None };
+        let scores = Scores { scale: cfg.attention_scale(), softcap: cfg.attn_logit_softcapping, sinks };
+        Ok(Self {
+            qkv,
+            qkv_bias,
+            o_proj,
+            o_bias,
+            q_norm,
+            k_norm,
+            gated,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: d,
+            scores,
+        })
+    }
+
+    /// x [B, L, H] (normed) -> [B, L, H]; `mask` as [`attend`]'s (a sliding layer's with its
+    /// window); `cache` extended in place.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+        eps: f64,
+    ) -> Tensor {
+        let (b, l) = (x.size()[0], x.size()[1]);
+        let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        // 1. Project, split, (Qwen3.5) split q from its gate, normalise per head,
+        //    (B, L, H, D) -> (B, H, L, D), rotate.
+        let qkv = x.linear(&self.qkv, self.qkv_bias.as_ref());
+        let q_rows = if self.gated { 2 * nh * d } else { nh * d };
+        let (mut q, gate) = if self.gated {
+            let qg = qkv.narrow(2, 0, q_rows).view([b, l, nh, 2 * d]);
+            (qg.narrow(3, 0, d), Some(qg.narrow(3, d, d)))
+        } else {
+            (qkv.narrow(2, 0, q_rows).view([b, l, nh, d]), None)
+        };
+        let mut k = qkv.narrow(2, q_rows, nkv * d).view([b, l, nkv, d]);
+        let v = qkv.narrow(2, q_rows + nkv * d, nkv * d).view([b, l, nkv, d]);
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = rms_norm(&q, qn, eps);
+            k = rms_norm(&k, kn, eps);
+        }
+        let q = apply_rope(&q.transpose(1, 2), cos, sin);
+        let k = apply_rope(&k.transpose(1, 2), cos, sin);
+        // 2. Append to the cache.
+        let (k, v) = append(cache, k, v.transpose(1, 2));
+        // 3. Attention (GQA by head groups), (B, H, L, D) -> (B, L, H*D), (Qwen3.5) times
+        //    sigmoid(gate), o_proj.
+        let o = attend(&q, &k, &v, mask, &self.scores).transpose(1, 2);
+        let o = match gate {
+            Some(g) => o * g.sigmoid(),
+            None => o,
+        };
+        o.reshape([b, l, nh * d]).linear(&self.o_proj, self.o_bias.as_ref())
+    }
+}
+
+/// Keys and values [B, Hkv, L, D] after the cached ones, the cache then holding all of them.
+pub(crate) fn append(cache: Option<&mut Option<(Tensor, Tensor)>>, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
+    let Some(slot) = cache else { return (k, v) };
+    let (k, v) = match slot.as_ref() {
+        Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2), Tensor::cat(&[pv, &v], 2)),
+        None => (k, v),
+    };
+    *slot = Some((k.shallow_clone(), v.shallow_clone()));
+    (k, v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use plugin_api::tch::Device;
+
+    /// The sink riding on an extra dim of q equals the softmax with a sink column written out,
+    /// for grouped heads, with a mask and causally; a soft cap is tanh on the scaled scores.
+    #[test]
+    fn sinks_and_soft_caps_are_the_written_out_softmax() {
+        plugin_api::tch::manual_seed(4);
+        let r = |s: &[i64]| Tensor::randn(s, (Kind::Float, Device::Cpu));
+        let (q, k, v) = (r(&[2, 4, 5, 8]), r(&[2, 2, 5, 8]), r(&[2, 2, 5, 6]));
+        let sinks = r(&[4]) * 2.0;
+        let scale = 0.3;
+        let reference = |mask: &Tensor, cap: Option<f64>, sinks: Option<&Tensor>| {
+            let rep = |x: &Tensor| x.repeat_interleave_self_int(2, 1, None);
+            let mut s = q.matmul(&rep(&k).transpose(2, 3)) * scale;
+            if let Some(c) = cap {
+                s = (s / c).tanh() * c;
+            }
+            let s = s.masked_fill(&mask.logical_not(), f64::NEG_INFINITY);
+            let s = match sinks {
+                Some(z) => Tensor::cat(&[s, z.view([1, 4, 1, 1]).expand([2, 4, 5, 1], false)], 3),
+                None => s,
+            };
+            s.softmax(-1, Kind::Float).narrow(3, 0, 5).matmul(&rep(&v))
+        };
+        let causal = causal_mask(5, 5, Device::Cpu);
+        let padded = causal.logical_and(&Tensor::from_slice(&[false, true, true, true, true]).view([1, 1, 1, 5]));
+        let padded =
+            Tensor::cat(&[causal.shallow_clone(), padded.logical_or(&Tensor::eye(5, (Kind::Bool, Device::Cpu)))], 0);
+        for (mask, given) in [(&causal, None), (&padded, Some(&padded))] {
+            let with_sinks = Scores { scale, softcap: None, sinks: Some(sinks.shallow_clone()) };
+            let got = attend(&q, &k, &v, given, &with_sinks);
+            let err = (got - reference(mask, None, Some(&sinks))).abs().max().double_value(&[]);
+            assert!(err < 1e-5, "sinks: {err:.2e}");
+            let capped = Scores { scale, softcap: Some(0.7), sinks: Some(sinks.shallow_clone()) };
+            let err = (attend(&q, &k, &v, given, &capped) - reference(mask, Some(0.7), Some(&sinks)))
+                .abs()
+                .max()
+                .double_value(&[]);
+            assert!(err < 1e-5, "cap and sinks: {err:.2e}");
+            let plain = Scores { scale, ..Default::default() };
+            let err = (attend(&q, &k, &v, given, &plain) - reference(mask, None, None)).abs().max().double_value(&[]);
+            assert!(err < 1e-5, "plain: {err:.2e}");
+        }
+        // The sinks take weight: without them the output differs.
+        let plain = attend(&q, &k, &v, None, &Scores { scale, ..Default::default() });
+        let sunk = attend(&q, &k, &v, None, &Scores { scale, softcap: None, sinks: Some(sinks) });
+        assert!((plain - sunk).abs().max().double_value(&[]) > 1e-2);
+    }
+}
