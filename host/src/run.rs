@@ -101,6 +101,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         plugins: components.records.clone(),
         target_source: spec.source.to_string(),
         target_sha256: spec.source_sha256.to_string(),
+        target_hub: manifest::target_hub(cfg, &config_dir, &cache),
         config_dir: config_dir.display().to_string(),
         loss_gamma: gamma.map_or_else(|| "none".into(), Into::into),
         config_sha256: Some(manifest::sha256_hex(resolved.as_bytes())),
@@ -359,6 +360,7 @@ pub fn resume_with(
                 manifest.inputs = manifest::hash_inputs(&cfg, &config_dir, &cache, &known, &|_| false)?;
                 manifest.target_sha256 = spec.source_sha256.to_string();
                 manifest.target_source = spec.source.to_string();
+                manifest.target_hub = manifest::target_hub(&cfg, &config_dir, &cache);
                 manifest.write(exp_dir)?;
             }
             Experiment::reopen(exp_dir, lock, at)?
