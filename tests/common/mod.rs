@@ -225,3 +225,47 @@ pub fn tiny_chats(n: usize) -> String {
         })
         .collect()
 }
+
+/// A run of seconds on [`tiny_hf_model`] and [`tiny_chats`]: `head` is the top of the file
+/// (name, ...), `target` the `[target]` lines after `plugin = "hf"`, `data` the data file.
+pub fn tiny_hf_config(head: &str, target: &str, data: &str) -> String {
+    format!(
+        r#"{head}
+[train]
+steps = 4
+anchors_per_seq = 4
+log_every = 1
+
+[target]
+plugin = "hf"
+{target}
+
+[drafter]
+plugin = "dflash"
+num_hidden_layers = 1
+block_size = 4
+num_target_features = 2
+mask_token_id = 62
+
+[optimizer]
+plugin = "adamw"
+lr = 1e-3
+
+[data]
+plugin = "chat"
+path = "{data}"
+batch_size = 2
+max_len = 32
+eval_holdout = 2
+distill_max_new_tokens = 8
+"#
+    )
+}
+
+/// [`tiny_hf_model`] written as a plain HF folder.
+pub fn write_tiny_hf_model(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    for (name, bytes) in tiny_hf_model() {
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+}
