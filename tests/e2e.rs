@@ -287,6 +287,7 @@ fn arguments_that_cannot_work_are_refused_before_any_work() {
     // No experiment is read before these are refused (this folder is not even one).
     for (args, want) in [
         (vec!["--max-new-tokens", "0"], "--max-new-tokens 0"),
+        (vec!["--max-new-tokens", "4294967295"], "--max-new-tokens 4294967295: at most 131072"),
         (vec!["--limit", "0"], "--limit 0"),
         (vec!["--prompts", "/dev/zero"], "--prompts /dev/zero: not a regular file (a character device)"),
     ] {
@@ -583,6 +584,35 @@ fn compare_reads_an_ab_folder_into_one_report_folder_and_config_explain_prints_t
     );
     let line = error_line(&host().args(["config", "explain", "nope"]).output().unwrap());
     assert!(line.contains("no config section `nope`"), "{line}");
+
+    // Which plugin's fields: every built-in's by default, one by --plugin, the config's by --config.
+    let explain = |args: &[&str]| {
+        let out = host().args(["config", "explain"]).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let both = explain(&["drafter"]);
+    assert!(both.contains("plugin = \"dflash\"") && both.contains("plugin = \"gdn\""), "{both}");
+    let gdn = explain(&["drafter", "--plugin", "gdn"]);
+    assert!(gdn.starts_with("Plugin `gdn`, as `--plugin gdn` asks."), "{gdn}");
+    assert!(gdn.contains("`[drafter]` plugin = \"gdn\"") && !gdn.contains("plugin = \"dflash\""), "{gdn}");
+    let cfg = ab.parent().unwrap().join("explain.toml");
+    std::fs::write(
+        &cfg,
+        "name = \"x\"\n[train]\nsteps = 1\n[drafter]\nplugin = \"gdn\"\n[optimizer]\nplugin = \"muon\"\n",
+    )
+    .unwrap();
+    let picked = explain(&["--config", cfg.to_str().unwrap()]);
+    assert!(picked.contains("- `[drafter]` plugin = \"gdn\" (line 5)"), "{picked}");
+    assert!(picked.contains("- `[optimizer]` plugin = \"muon\" (line 7)"), "{picked}");
+    assert!(picked.contains("- `[target]`: no `plugin` field"), "{picked}");
+    assert!(picked.contains("`[optimizer.adamw]` plugin = \"muon\"") && picked.contains("`[train]`"), "{picked}");
+    assert!(
+        !picked.contains("plugin = \"dflash\"") && !picked.contains("`[optimizer]` plugin = \"adamw\""),
+        "{picked}"
+    );
+    let line = error_line(&host().args(["config", "explain", "--plugin", "lora"]).output().unwrap());
+    assert!(line.contains("--plugin lora: no built-in plugin of that name (built-in: hf, dflash, gdn"), "{line}");
 }
 
 /// `[target] path = "Org/Tiny"` with `revision`: a tiny HF model from tests/fixtures laid out in
@@ -608,36 +638,7 @@ fn a_hub_name_trains_distils_evaluates_and_exports_from_the_hf_cache() {
     }
     common::hf_cache(&hub, "Org/Tiny", &[("main", &main, newer), ("v1", v1, model)]);
     std::fs::write(dir.path().join("chats.jsonl"), common::tiny_chats(12)).unwrap();
-    let config = r#"name = "hub"
-[train]
-steps = 4
-anchors_per_seq = 4
-log_every = 1
-
-[target]
-plugin = "hf"
-path = "Org/Tiny"
-revision = "v1"
-
-[drafter]
-plugin = "dflash"
-num_hidden_layers = 1
-block_size = 4
-num_target_features = 2
-mask_token_id = 62
-
-[optimizer]
-plugin = "adamw"
-lr = 1e-3
-
-[data]
-plugin = "chat"
-path = "chats.jsonl"
-batch_size = 2
-max_len = 32
-eval_holdout = 2
-distill_max_new_tokens = 8
-"#;
+    let config = common::tiny_hf_config("name = \"hub\"", "path = \"Org/Tiny\"\nrevision = \"v1\"", "chats.jsonl");
     let cfg = dir.path().join("run.toml");
     std::fs::write(&cfg, config).unwrap();
     let env = [("HF_HUB_CACHE", hub.as_path()), ("HF_HUB_OFFLINE", Path::new("1"))];

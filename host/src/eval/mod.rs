@@ -36,6 +36,9 @@ pub struct EvalOptions {
     pub time_split: bool,
 }
 
+/// The most `--max-new-tokens` a prompt: the longest context of the targets in use (128K).
+pub const MAX_NEW_TOKENS: u32 = 131_072;
+
 impl EvalOptions {
     /// Refuse what could only give an empty or misleading report, before anything is loaded: no
     /// prompts, no tokens, a prompts "file" that is a FIFO or device.
@@ -45,6 +48,12 @@ impl EvalOptions {
         }
         if self.max_new_tokens == 0 {
             bail!("--max-new-tokens 0: nothing would be decoded (no acceptance to measure); give at least 1");
+        }
+        if self.max_new_tokens > MAX_NEW_TOKENS {
+            bail!(
+                "--max-new-tokens {}: at most {MAX_NEW_TOKENS} (a reply that long is beyond any target's context)",
+                self.max_new_tokens
+            );
         }
         if !is_named_set(&self.source) {
             input_files::open_regular(std::path::Path::new(&self.source)).map_err(|e| anyhow!("--prompts {e}"))?;
@@ -249,7 +258,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
         }
         let file = converted.join("prompts.jsonl");
         let n = convert_prompts(Path::new(&opts.source), args.prompt_format, &file)?;
-        tracing::info!("{n} {:?} prompts from {}", args.prompt_format, opts.source);
+        tracing::info!("{n} prompts ({}) from {}", args.prompt_format, opts.source);
         opts.source = file.display().to_string();
     }
     // 3. Evaluate, with the machine's load before and after the timing.
