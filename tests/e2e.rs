@@ -1,7 +1,7 @@
 //! End to end through the real binary: a short run on the real SmolLM2 target and chitchat data
 //! writes a complete experiment directory and learns; bad configs fail with one clear line.
 
-use std::process::Command;
+use std::{path::Path, process::Command};
 
 mod common;
 use common::cache;
@@ -296,6 +296,7 @@ fn arguments_that_cannot_work_are_refused_before_any_work() {
     // No experiment is read before these are refused (this folder is not even one).
     for (args, want) in [
         (vec!["--max-new-tokens", "0"], "--max-new-tokens 0"),
+        (vec!["--max-new-tokens", "4294967295"], "--max-new-tokens 4294967295: at most 131072"),
         (vec!["--limit", "0"], "--limit 0"),
         (vec!["--prompts", "/dev/zero"], "--prompts /dev/zero: not a regular file (a character device)"),
     ] {
@@ -592,4 +593,112 @@ fn compare_reads_an_ab_folder_into_one_report_folder_and_config_explain_prints_t
     );
     let line = error_line(&host().args(["config", "explain", "nope"]).output().unwrap());
     assert!(line.contains("no config section `nope`"), "{line}");
+
+    // Which plugin's fields: every built-in's by default, one by --plugin, the config's by --config.
+    let explain = |args: &[&str]| {
+        let out = host().args(["config", "explain"]).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let both = explain(&["drafter"]);
+    assert!(both.contains("plugin = \"dflash\"") && both.contains("plugin = \"gdn\""), "{both}");
+    let gdn = explain(&["drafter", "--plugin", "gdn"]);
+    assert!(gdn.starts_with("Plugin `gdn`, as `--plugin gdn` asks."), "{gdn}");
+    assert!(gdn.contains("`[drafter]` plugin = \"gdn\"") && !gdn.contains("plugin = \"dflash\""), "{gdn}");
+    let cfg = ab.parent().unwrap().join("explain.toml");
+    std::fs::write(
+        &cfg,
+        "name = \"x\"\n[train]\nsteps = 1\n[drafter]\nplugin = \"gdn\"\n[optimizer]\nplugin = \"muon\"\n",
+    )
+    .unwrap();
+    let picked = explain(&["--config", cfg.to_str().unwrap()]);
+    assert!(picked.contains("- `[drafter]` plugin = \"gdn\" (line 5)"), "{picked}");
+    assert!(picked.contains("- `[optimizer]` plugin = \"muon\" (line 7)"), "{picked}");
+    assert!(picked.contains("- `[target]`: no `plugin` field"), "{picked}");
+    assert!(picked.contains("`[optimizer.adamw]` plugin = \"muon\"") && picked.contains("`[train]`"), "{picked}");
+    assert!(
+        !picked.contains("plugin = \"dflash\"") && !picked.contains("`[optimizer]` plugin = \"adamw\""),
+        "{picked}"
+    );
+    let line = error_line(&host().args(["config", "explain", "--plugin", "lora"]).output().unwrap());
+    assert!(line.contains("--plugin lora: no built-in plugin of that name (built-in: hf, dflash, gdn"), "{line}");
+}
+
+/// `[target] path = "Org/Tiny"` with `revision`: a tiny HF model from tests/fixtures laid out in
+/// an HF hub cache as the `hf` CLI writes it (`$HF_HUB_CACHE`, blobs, refs, symlinked
+/// snapshots), nothing downloaded (`HF_HUB_OFFLINE`): `train`, `distill`, `eval` and `export`
+/// all run through the name, the manifest records the name, revision and commit, and a revision
+/// the cache does not hold is refused before anything loads, naming where it looked.
+#[test]
+fn a_hub_name_trains_distils_evaluates_and_exports_from_the_hf_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = dir.path().join("hub");
+    let (main, v1) = ("a".repeat(40), "1234567890abcdef1234567890abcdef12345678");
+    let model = common::tiny_hf_model();
+    // `main` moved on to other weights' config; the run asks for the `v1` branch.
+    let mut newer = model.clone();
+    for (name, bytes) in newer.iter_mut() {
+        if name == "config.json" {
+            *bytes = String::from_utf8(bytes.clone())
+                .unwrap()
+                .replace("\"rms_norm_eps\": 1e-06", "\"rms_norm_eps\": 1e-05")
+                .into();
+        }
+    }
+    common::hf_cache(&hub, "Org/Tiny", &[("main", &main, newer), ("v1", v1, model)]);
+    std::fs::write(dir.path().join("chats.jsonl"), common::tiny_chats(12)).unwrap();
+    let config = common::tiny_hf_config("name = \"hub\"", "path = \"Org/Tiny\"\nrevision = \"v1\"", "chats.jsonl");
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(&cfg, config).unwrap();
+    let env = [("HF_HUB_CACHE", hub.as_path()), ("HF_HUB_OFFLINE", Path::new("1"))];
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let ok = |out: std::process::Output, what: &str| {
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{what} failed:\n{stderr}\n{}", String::from_utf8_lossy(&out.stdout));
+        stderr
+    };
+    let exp = dir.path().join("exp");
+    ok(common::host(&["train", "--config", &s(&cfg), "--exp-dir", &s(&exp)], &env), "train");
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exp.join("manifest.json")).unwrap()).unwrap();
+    let snapshot = hub.join("models--Org--Tiny/snapshots").join(v1);
+    assert_eq!(manifest["target_source"].as_str(), Some(s(&snapshot).as_str()), "{manifest}");
+    assert_eq!(manifest["target_hub"], serde_json::json!({"repo": "Org/Tiny", "revision": "v1", "commit": v1}));
+    assert_eq!(common::metrics(&exp, &["step"]).len(), 4);
+
+    // The revision as a commit hash.
+    let out_file = dir.path().join("distilled.jsonl");
+    let set = format!("target.revision={v1}");
+    let out = common::host(&["distill", "--config", &s(&cfg), "--set", &set, "--out", &s(&out_file)], &env);
+    ok(out, "distill");
+    assert_eq!(std::fs::read_to_string(&out_file).unwrap().lines().count(), 10, "the training records");
+
+    let out = common::host(&["eval", "--exp-dir", &s(&exp), "--limit", "2", "--max-new-tokens", "6"], &env);
+    ok(out, "eval");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap();
+    assert_eq!((report["prompts"].as_u64(), report["lossless"].as_bool()), (Some(2), Some(true)), "{report}");
+
+    let drafter = dir.path().join("drafter");
+    ok(common::host(&["export", "--exp-dir", &s(&exp), "--out", &s(&drafter)], &env), "export");
+    let card = std::fs::read_to_string(drafter.join("README.md")).unwrap();
+    assert!(card.contains("# DFlash drafter for `Org/Tiny`"), "{card}");
+    assert!(card.contains("--model-path Org/Tiny --revision v1"), "{card}");
+
+    // A revision the cache lacks: one line naming the name, the revision, the local path tried
+    // and the cache folder, before the target loads or the experiment folder is made.
+    let exp2 = dir.path().join("exp2");
+    let out =
+        common::host(&["train", "--config", &s(&cfg), "--exp-dir", &s(&exp2), "--set", "target.revision=v9"], &env);
+    let line = error_line(&out);
+    let want = format!(
+        "[target] plugin `hf`: field `path`: `Org/Tiny` (revision `v9`) is not a local path \
+         ({}: no such file or folder) and not in the HF hub cache (looked in {}, from $HF_HUB_CACHE: it has no refs/v9, \
+         and `v9` is not a commit hash); not downloaded, as HF_HUB_OFFLINE is set",
+        dir.path().join("Org/Tiny").display(),
+        hub.join("models--Org--Tiny").display()
+    );
+    assert!(line.ends_with(&want), "{line}\nshould end with\n{want}");
+    assert!(line.starts_with(&format!("error: {}:9: ", cfg.display())), "the line of `path`: {line}");
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("creating target plugin") && !exp2.exists());
 }

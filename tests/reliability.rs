@@ -467,3 +467,67 @@ fn a_full_disk_leaves_no_partial_checkpoint_and_names_the_file() {
     assert_eq!(names(&exp.join("checkpoints")), ["step-1"]);
     assert_eq!(dflash_host::experiment::checkpoint::find(&exp, None).unwrap().step, 1);
 }
+
+/// `train --resume DIR --steps N` (or `--set train.steps=N`) extends a finished run, and an
+/// interrupted one, to N steps: it continues from the newest checkpoint, the experiment's
+/// config.toml says N and the manifest's `changes` records the change as `--allow-change`
+/// would. Any other field changed with `--set` is refused (saying how to allow it), changing
+/// nothing, unless allowed. On a tiny HF model from tests/fixtures, so seconds.
+#[test]
+fn a_resume_with_more_steps_extends_the_run_and_records_it() {
+    let dir = tempfile::tempdir().unwrap();
+    common::write_tiny_hf_model(&dir.path().join("tiny"));
+    std::fs::write(dir.path().join("chats.jsonl"), common::tiny_chats(12)).unwrap();
+    let cfg = dir.path().join("run.toml");
+    let text = common::tiny_hf_config("name = \"more\"", "path = \"tiny\"", "chats.jsonl")
+        .replace("log_every = 1", "log_every = 1\ncheckpoint_every = 1\nkeep_checkpoints = 2");
+    std::fs::write(&cfg, text.replace("steps = 4", "steps = 2")).unwrap();
+    let exp = dir.path().join("exp");
+    ok(fresh(&cfg, &exp, &[]).output().unwrap());
+    let steps = || metrics(&exp).iter().map(|m| m["step"].as_u64().unwrap()).collect::<Vec<_>>();
+    let recorded = || std::fs::read_to_string(exp.join("config.toml")).unwrap();
+    let changes = || {
+        let m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(exp.join("manifest.json")).unwrap()).unwrap();
+        m["changes"].clone()
+    };
+    let line = refused(resume(&exp, &[]).output().unwrap());
+    assert!(
+        line.contains(&format!(
+            "nothing to do: the run is at step 2 of 2; extend it with `train --resume {} --steps N`",
+            exp.display()
+        )),
+        "{line}"
+    );
+
+    // Finished at 2: on to 4 (stopped at 3, as if interrupted), then to 5 by --set.
+    let err = ok(resume(&exp, &["--steps", "4", "--stop-at", "3"]).output().unwrap());
+    assert!(err.contains("--steps 4: train.steps 2 -> 4; the learning-rate schedule now spans 4 steps"), "{err}");
+    assert!(err.contains("resuming from") && err.contains("step-2"), "{err}");
+    // Settings are logged as the config writes them.
+    assert!(err.contains("loss_normalization global, anchors response"), "{err}");
+    assert_eq!(steps(), [1, 2, 3]);
+    assert!(recorded().contains("steps = 4"), "{}", recorded());
+    assert_eq!(changes(), serde_json::json!([{"at_step": 2, "field": "train.steps", "then": "2", "now": "4"}]));
+    ok(resume(&exp, &["--set", "train.steps=5"]).output().unwrap());
+    assert_eq!(steps(), [1, 2, 3, 4, 5]);
+    assert_eq!(changes()[1], serde_json::json!({"at_step": 3, "field": "train.steps", "then": "4", "now": "5"}));
+    assert!(exp.join("summary.json").exists() && exp.join("checkpoints/step-5").exists());
+
+    // Another field: refused, saying how, and nothing changes; allowed, it is recorded too.
+    let before = snapshot(&exp);
+    let line = refused(resume(&exp, &["--steps", "6", "--set", "optimizer.lr=2e-3"]).output().unwrap());
+    assert!(
+        line.contains("config field `optimizer.lr` changed: 0.001 then, 0.002 now; pass --allow-change optimizer.lr"),
+        "{line}"
+    );
+    assert!(snapshot(&exp) == before, "a refused resume changed the experiment");
+    ok(resume(&exp, &["--steps", "6", "--set", "optimizer.lr=2e-3", "--allow-change", "optimizer.lr"])
+        .output()
+        .unwrap());
+    assert_eq!(steps(), [1, 2, 3, 4, 5, 6]);
+    let fields: Vec<String> =
+        changes().as_array().unwrap().iter().map(|c| c["field"].as_str().unwrap().to_string()).collect();
+    assert_eq!(fields, ["train.steps", "train.steps", "optimizer.lr", "train.steps"]);
+    assert!(recorded().contains("lr = 0.002") && recorded().contains("steps = 6"), "{}", recorded());
+}

@@ -27,15 +27,20 @@ pub enum Command {
         /// Experiment directory (default: experiments/<name>, or <name>-N if that exists).
         #[arg(long, conflicts_with = "resume")]
         exp_dir: Option<PathBuf>,
-        /// Override `train.steps`.
-        #[arg(long, conflicts_with = "resume")]
+        /// Set `train.steps` (= `--set train.steps=N`). With --resume: extend a finished or
+        /// interrupted run to N steps (its learning-rate schedule then spans N), recorded in the
+        /// manifest's `changes`.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=crate::config::MAX_STEPS))]
         steps: Option<u64>,
         /// `--set train.steps=400 --set optimizer.lr=1e-3 --set 'data.template_kwargs={
-        /// enable_thinking = false }'`: the experiment's config.toml records the result.
+        /// enable_thinking = false }'`: the experiment's config.toml records the result. With
+        /// --resume, a field other than `train.steps` that changes is refused unless
+        /// `--allow-change FIELD` is given too.
         #[command(flatten)]
         overrides: ConfigOverrides,
-        /// Continue this experiment from its newest good checkpoint, with its own config.
-        #[arg(long, value_name = "EXP_DIR", conflicts_with_all = ["config", "set", "device"])]
+        /// Continue this experiment from its newest good checkpoint, with its own config (and
+        /// the --steps / --set / --device changes, checked as `--allow-change` says).
+        #[arg(long, value_name = "EXP_DIR", conflicts_with = "config")]
         resume: Option<PathBuf>,
         /// Resume even if a plugin library differs from the one the run started with.
         #[arg(long, requires = "resume")]
@@ -148,6 +153,7 @@ pub enum Command {
         /// Prompts to evaluate.
         #[arg(long, default_value_t = 32)]
         limit: u32,
+        /// Tokens to decode a prompt, at most 131072.
         #[arg(long, default_value_t = 64)]
         max_new_tokens: u32,
         /// Also time each cycle's phases (draft, verify, bookkeeping), waiting for the device
@@ -245,8 +251,18 @@ pub enum BenchCommand {
 #[derive(Subcommand)]
 pub enum ConfigCommand {
     /// Print the fields of every section, or of one (`top`, `train`, `pipeline`, `target`,
-    /// `drafter`, `optimizer`, `data`).
-    Explain { section: Option<String> },
+    /// `drafter`, `optimizer`, `data`). A plugin section's fields are its plugin's, picked by
+    /// its `plugin = "..."`: every built-in plugin's are shown unless --plugin or --config says
+    /// which.
+    Explain {
+        section: Option<String>,
+        /// Only this plugin's fields where a section has several plugins (`gdn`, `muon`).
+        #[arg(long, conflicts_with = "config")]
+        plugin: Option<String>,
+        /// Only the plugins this run config picks, saying which and where.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -272,7 +288,9 @@ pub enum PluginsCommand {
 /// `--set` and `--device` of the commands that read a config besides `train`.
 #[derive(Args)]
 pub struct ConfigOverrides {
-    /// Set a config field (repeatable), typed as in the file, e.g. `--set data.max_len=512`.
+    /// Set a config field (repeatable), typed as in the file, e.g. `--set data.max_len=512`; a
+    /// table sets the fields it lists (`--set 'train={steps=400, log_every=5}'`), a relative path
+    /// is against the working folder.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
     /// The run's device (`cpu`, `cuda`, `cuda:N`).

@@ -350,7 +350,9 @@ fn range(source: &str, field: &str) -> String {
                 let end = rest.find([')', '"']).unwrap_or(rest.len());
                 let end = rest[..end].find(", got").unwrap_or(end);
                 let mut r = rest[..end].to_string();
-                if r.matches('[').count() > r.matches(']').count() || r.matches('(').count() < r.matches(')').count() {
+                // Cut at the `)` that closes `[0, 1)` or `(max_len - 8)`.
+                let open_paren = r.matches('(').count() > r.matches(')').count();
+                if r.matches('[').count() > r.matches(']').count() || open_paren {
                     r.push(')');
                 }
                 // A value formatted into the message (`{MAX_MB}`) is the constant's definition.
@@ -412,23 +414,93 @@ fn title(s: &Section) -> String {
     }
 }
 
+/// Which plugin each plugin section is shown for (`drafter` -> `gdn`), and why.
+#[derive(Default)]
+pub struct Picks {
+    /// (kind, plugin) pairs; a kind not here shows every built-in plugin's fields.
+    chosen: Vec<(String, String)>,
+    /// Where the choice came from, printed above the sections.
+    why: String,
+}
+
+/// The plugin kind of a section's table (`[[optimizer.split]]` -> `optimizer`).
+fn kind_of(table: &str) -> &str {
+    table.trim_matches(['[', ']']).split('.').next().unwrap_or("")
+}
+
+impl Picks {
+    /// `--plugin NAME`: the sections of each kind that has a built-in plugin of that name.
+    pub fn plugin(name: &str) -> Result<Self> {
+        let all = sections();
+        let kinds: Vec<&str> = all.iter().filter(|s| s.plugin == Some(name)).map(|s| kind_of(s.table)).collect();
+        if kinds.is_empty() {
+            let mut known: Vec<&str> = all.iter().filter_map(|s| s.plugin).collect();
+            known.dedup();
+            bail!("--plugin {name}: no built-in plugin of that name (built-in: {})", known.join(", "));
+        }
+        let chosen: Vec<(String, String)> = kinds.iter().map(|k| (k.to_string(), name.to_string())).collect();
+        let why = format!("Plugin `{name}`, as `--plugin {name}` asks.\n");
+        Ok(Self { chosen, why })
+    }
+
+    /// `--config FILE`: each plugin section's `plugin` in FILE.
+    pub fn config(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let table: toml::Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| anyhow::anyhow!("{}", crate::config::toml_error(path, &text, &e)))?;
+        let mut chosen = Vec::new();
+        let mut why = format!("The plugins {} picks, each by its section's `plugin` field:\n\n", path.display());
+        for kind in ["target", "drafter", "optimizer", "data"] {
+            let plugin = table.get(kind).and_then(|t| t.get("plugin"));
+            match plugin.and_then(toml::Value::as_str) {
+                Some(p) => {
+                    let line = crate::config::locate_key(&text, kind, "plugin")
+                        .map_or(String::new(), |l| format!(" (line {l})"));
+                    why.push_str(&format!("- `[{kind}]` plugin = \"{p}\"{line}\n"));
+                    chosen.push((kind.to_string(), p.to_string()));
+                }
+                None => why.push_str(&format!("- `[{kind}]`: no `plugin` field, so every built-in plugin's fields\n")),
+            }
+        }
+        Ok(Self { chosen, why })
+    }
+
+    /// Whether a section is shown: the host's own, or its plugin is the one picked for its kind.
+    fn shows(&self, s: &Section) -> bool {
+        let Some(plugin) = s.plugin else { return true };
+        let kind = kind_of(s.table);
+        self.chosen.iter().find(|(k, _)| k == kind).is_none_or(|(_, p)| p == plugin)
+    }
+}
+
 /// The reference as Markdown; `only` keeps the sections whose table starts with it (`data`,
 /// `optimizer`, `train`; `top` for the top level).
 pub fn markdown(only: Option<&str>) -> Result<String> {
+    markdown_for(only, &Picks::default())
+}
+
+/// [`markdown`] with each plugin section shown for the plugin `picks` says (every plugin's
+/// where it says none), after a line saying why.
+pub fn markdown_for(only: Option<&str>, picks: &Picks) -> Result<String> {
     let mut md = String::new();
-    if only.is_none() {
+    if !picks.why.is_empty() {
+        md.push_str(&picks.why);
+    }
+    if only.is_none() && picks.why.is_empty() {
         md.push_str(
-            "# Config reference\n\nEvery field of a run config (TOML; unknown fields are refused), generated from the config \
-             types by `dflash-host config explain` (this file: `DFLASH_BLESS=1 cargo test --release -p dflash-host --lib \
-             config_doc`). A field may also be set on the command line: `dflash-host train --config FILE --set \
+            "# Config reference\n\nEvery field of a run config (TOML; unknown fields are refused): its type, default, range \
+             and meaning. `dflash-host config explain [SECTION]` prints the same, and `--config FILE` only the sections \
+             of the plugins FILE picks. A field may also be set on the command line: `dflash-host train --config FILE --set \
              optimizer.lr=1e-3 --device cuda:1`. Relative paths in plugin sections are against the config's folder; \
-             `$DFLASH_CACHE/...` points into the cache.\n",
+             `$DFLASH_CACHE/...` points into the cache; a relative path given with `--set` is against the working \
+             folder.\n",
         );
     }
     let mut shown = 0;
     for s in sections() {
         let key = if s.table.is_empty() { "top".to_string() } else { s.table.trim_matches(['[', ']']).to_string() };
-        if only.is_some_and(|o| !(key == o || key.starts_with(&format!("{o}.")))) {
+        if only.is_some_and(|o| !(key == o || key.starts_with(&format!("{o}.")))) || !picks.shows(&s) {
             continue;
         }
         shown += 1;
@@ -483,6 +555,10 @@ mod tests {
             }
             for f in fields(&s).unwrap() {
                 assert!(!f.ty.is_empty(), "{}.{}", s.table, f.name);
+                // A meaning of its own or one shared with a documented field above it.
+                assert!(!f.doc.is_empty(), "{}.{}: no meaning", s.table, f.name);
+                // A range cut where a formatted value was (`in 1..=`) says nothing.
+                assert!(!f.range.ends_with(['=', '.', '(', ' ']), "{}.{}: range `{}`", s.table, f.name, f.range);
             }
         }
         let md = markdown(None).unwrap();
@@ -491,6 +567,8 @@ mod tests {
             "| `lr` | float | 0.001 | > 0 |",
             "| `distill` |",
             "`[data.fields]`",
+            "| `distill_max_new_tokens` | integer | 64 | in 1..=(max_len - 8) |",
+            "| `pattern` | string | required |  | The parameters the rule applies to",
         ] {
             assert!(md.contains(want), "{want}");
         }

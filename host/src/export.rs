@@ -36,8 +36,12 @@ pub fn model_card(exp_dir: &Path, step: u64, config_json: &Path, out: &Path) -> 
     let block = cfg["block_size"].as_u64().unwrap_or(16);
     let id = |k: &str| if cfg[k].is_null() { "none".to_string() } else { cfg[k].to_string() };
     let target = &manifest.target_source;
-    let served_target =
-        if target.ends_with(".gguf") { "HF_CHECKPOINT_OF_THE_TARGET".to_string() } else { target.clone() };
+    let served_target = match &manifest.target_hub {
+        Some(h) if h.revision == "main" => h.repo.clone(),
+        Some(h) => format!("{} --revision {}", h.repo, h.revision),
+        None if target.ends_with(".gguf") => "HF_CHECKPOINT_OF_THE_TARGET".to_string(),
+        None => target.clone(),
+    };
     let here = out.display();
     let eval = experiment::read_json::<serde_json::Value>(&exp_dir.join("eval.json")).ok();
     let tau = match &eval {
@@ -56,7 +60,10 @@ pub fn model_card(exp_dir: &Path, step: u64, config_json: &Path, out: &Path) -> 
         }
         None => "not measured (run `dflash-host eval --exp-dir EXP`, then export again)".into(),
     };
-    let name = Path::new(target).file_name().map_or(target.clone(), |n| n.to_string_lossy().to_string());
+    let name = match &manifest.target_hub {
+        Some(h) => h.repo.clone(),
+        None => Path::new(target).file_name().map_or(target.clone(), |n| n.to_string_lossy().to_string()),
+    };
     let text = |section: &str, key: &str, or: &str| field(section, key).unwrap_or_else(|| or.to_string());
     let mut card = format!("# DFlash drafter for `{name}`\n\n");
     card +=
@@ -85,7 +92,7 @@ pub fn model_card(exp_dir: &Path, step: u64, config_json: &Path, out: &Path) -> 
     card += "| weights | bfloat16 (`model.safetensors`) |\n";
     card += &format!("| acceptance length | {tau} |\n\n");
     card += "## Serving\n\n";
-    if served_target != *target {
+    if target.ends_with(".gguf") {
         card += "The target was read from a GGUF file; the servers load the same model as an HF checkpoint.\n\n";
     }
     card += &format!(

@@ -39,8 +39,13 @@ fn run() -> Result<ExitCode> {
             say!("{}", serde_json::to_string(&loaded.record)?);
             Ok(ExitCode::SUCCESS)
         }
-        Command::Config { command: ConfigCommand::Explain { section } } => {
-            say!("{}", dflash_host::config_doc::markdown(section.as_deref())?.trim_end());
+        Command::Config { command: ConfigCommand::Explain { section, plugin, config } } => {
+            let picks = match (plugin, config) {
+                (Some(name), _) => dflash_host::config_doc::Picks::plugin(&name)?,
+                (None, Some(file)) => dflash_host::config_doc::Picks::config(&file)?,
+                (None, None) => dflash_host::config_doc::Picks::default(),
+            };
+            say!("{}", dflash_host::config_doc::markdown_for(section.as_deref(), &picks)?.trim_end());
             Ok(ExitCode::SUCCESS)
         }
         Command::Doctor => {
@@ -79,9 +84,14 @@ fn run() -> Result<ExitCode> {
             }
             Ok(ExitCode::from(dflash_host::launch::launch(n, &args)?))
         }
-        Command::Train { resume: Some(dir), allow_plugin_change, allow_change, stop_at, .. } => {
-            let opts =
-                run::ResumeOptions { plugin_paths: cli.plugins.clone(), allow_plugin_change, allow_change, stop_at };
+        Command::Train { resume: Some(dir), allow_plugin_change, allow_change, stop_at, steps, overrides, .. } => {
+            let opts = run::ResumeOptions {
+                plugin_paths: cli.plugins.clone(),
+                allow_plugin_change,
+                allow_change,
+                stop_at,
+                overrides: train_overrides(&overrides, steps)?,
+            };
             let summary = run::resume(&dir, &opts)?;
             print_summary(&summary);
             Ok(summary.interrupted.map_or(ExitCode::SUCCESS, ExitCode::from))
@@ -203,7 +213,7 @@ fn train_overrides(o: &ConfigOverrides, steps: Option<u64>) -> Result<Vec<Overri
     all.extend(steps.map(|n| Override {
         arg: format!("--steps {n}"),
         key: "train.steps".into(),
-        value: toml::Value::Integer(i64::try_from(n).unwrap_or(i64::MAX)),
+        value: toml::Value::Integer(i64::try_from(n).expect("clap bounds --steps by MAX_STEPS")),
     }));
     Ok(all)
 }

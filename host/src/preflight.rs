@@ -9,6 +9,7 @@ use crate::{
 use anyhow::{anyhow, bail, Result};
 use plugin_api::{HostContext, PluginKind};
 use std::path::Path;
+use target_hf::hub;
 
 /// A plugin's error pointed at its source: the `--set` argument that set the field, else the
 /// config line that did (or the section's header for a missing field).
@@ -38,7 +39,8 @@ pub fn check_exp_dir(dir: &Path) -> Result<()> {
 /// Everything that can be checked without the target: every plugin named exists, every section
 /// parses (the built-in plugins' with their own types, and their ranges checked as far as they
 /// go without the target; an optimizer of any plugin by creating it, which allocates nothing),
-/// and every file a section names is there and readable.
+/// and every file a section names is there and readable (a target's hub name is looked up as the
+/// target plugin looks it up: `target_hf::hub::locate`).
 pub fn check(cfg: &RunConfig, config_path: &Path, ctx: &HostContext, registry: &Registry) -> Result<()> {
     for (kind, table) in cfg.plugin_sections() {
         let section = cfg.section(kind);
@@ -60,7 +62,15 @@ pub fn check(cfg: &RunConfig, config_path: &Path, ctx: &HostContext, registry: &
             }
             ("target", "hf", true) => {
                 let s: target_hf::TargetSection = parse(&section.config_toml).map_err(fail)?;
-                vec![("path", Some(s.path))]
+                // As the plugin finds it (one lookup): a local path, or a hub name in the HF cache.
+                match hub::locate(&s.path, ctx.resolve_path(&s.path), s.revision.as_deref()).map_err(fail)? {
+                    hub::Location::Local(_) => vec![("path", Some(s.path))],
+                    hub::Location::Snapshot { .. } => vec![],
+                    hub::Location::NotCached(missing) if hub::offline() => {
+                        return Err(fail(format!("field `path`: {missing}; not downloaded, as HF_HUB_OFFLINE is set")))
+                    }
+                    hub::Location::NotCached(_) => vec![], // the plugin downloads it
+                }
             }
             ("drafter", "dflash", true) => {
                 let s: drafter_dflash::DrafterSection = parse(&section.config_toml).map_err(fail)?;

@@ -101,6 +101,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         plugins: components.records.clone(),
         target_source: spec.source.to_string(),
         target_sha256: spec.source_sha256.to_string(),
+        target_hub: manifest::target_hub(cfg, &config_dir, &cache),
         config_dir: config_dir.display().to_string(),
         loss_gamma: gamma.map_or_else(|| "none".into(), Into::into),
         config_sha256: Some(manifest::sha256_hex(resolved.as_bytes())),
@@ -194,6 +195,9 @@ pub struct ResumeOptions {
     /// `--allow-change FIELD`: config fields (or sections) and input files that may differ.
     pub allow_change: Vec<String>,
     pub stop_at: Option<u64>,
+    /// `--steps N` / `--set` / `--device`, applied to the experiment's config: `train.steps`
+    /// may change (extending the run), any other field only as `allow_change` allows.
+    pub overrides: Vec<config::Override>,
 }
 
 /// `train --resume DIR`: lock the experiment, then refuse any library the run did not start with
@@ -242,7 +246,7 @@ pub fn resume_with(
         None => Some(ExperimentLock::acquire(exp_dir)?),
     };
     let cfg_path = exp_dir.join(experiment::CONFIG);
-    let cfg = RunConfig::load(&cfg_path)?;
+    let cfg = RunConfig::load_with(&cfg_path, &opts.overrides)?;
     let mut manifest = Manifest::read(exp_dir)?;
     let config_dir = PathBuf::from(&manifest.config_dir);
     let cache = cache_dir();
@@ -263,7 +267,21 @@ pub fn resume_with(
     let is_target = |p: &Path| same_file(p, &target_source);
     let inputs_now = manifest::hash_inputs(&cfg, &config_dir, &cache, &|_| None, &is_target)?;
     drifts.extend(manifest::input_drift(&manifest.inputs, &inputs_now));
+    // `--steps N` (or `--set train.steps=N`) extends the run: that change needs no --allow-change.
+    let extend = opts.overrides.iter().rev().find(|o| o.fields().iter().any(|f| f == "train.steps"));
+    let (extended, drifts): (Vec<Drift>, Vec<Drift>) =
+        drifts.into_iter().partition(|d| extend.is_some() && d.what == DriftKind::Config && d.field == "train.steps");
     let mut allowed = manifest::refuse_drift(exp_dir, drifts, &opts.allow_change)?;
+    if let (Some(o), Some(d)) = (extend, extended.first()) {
+        tracing::info!(
+            "{}: train.steps {} -> {}; the learning-rate schedule now spans {} steps",
+            o.arg,
+            d.then,
+            d.now,
+            d.now
+        );
+    }
+    allowed.extend(extended);
 
     // 2. Plugins: what each section picks now against what the run used (no library loaded yet).
     let picked: Vec<PluginRecord> =
@@ -290,7 +308,11 @@ pub fn resume_with(
     };
     let at = state.as_ref().map_or(0, |s| s.step);
     if at >= cfg.train.steps {
-        bail!("nothing to do: the run is at step {at} of {} (raise `train.steps` in {} and pass --allow-change train.steps to go on)", cfg.train.steps, cfg_path.display());
+        bail!(
+            "nothing to do: the run is at step {at} of {}; extend it with `train --resume {} --steps N` (N > {at})",
+            cfg.train.steps,
+            exp_dir.display()
+        );
     }
     check_stop_at(opts.stop_at, at)?;
 
@@ -335,6 +357,10 @@ pub fn resume_with(
         None => Experiment::detached(exp_dir),
         Some(lock) => {
             checkpoint::set_aside_after(exp_dir, at)?;
+            if !opts.overrides.is_empty() {
+                // The command line changed the config: the experiment's config.toml says what runs.
+                experiment::write_atomic(&cfg_path, resolved.as_bytes())?;
+            }
             if !allowed.is_empty() || !plugin_changes.is_empty() || manifest.config_toml.is_none() {
                 for d in &allowed {
                     manifest.changes.push(ChangeRecord {
@@ -359,6 +385,7 @@ pub fn resume_with(
                 manifest.inputs = manifest::hash_inputs(&cfg, &config_dir, &cache, &known, &|_| false)?;
                 manifest.target_sha256 = spec.source_sha256.to_string();
                 manifest.target_source = spec.source.to_string();
+                manifest.target_hub = manifest::target_hub(&cfg, &config_dir, &cache);
                 manifest.write(exp_dir)?;
             }
             Experiment::reopen(exp_dir, lock, at)?

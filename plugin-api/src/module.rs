@@ -295,7 +295,33 @@ pub fn catch_plugin_panic<T>(f: impl FnOnce() -> Result<T, PluginError>) -> Resu
                 .map(|s| s.to_string())
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic payload".into());
-            Err(PluginError::new(format!("panicked: {msg}")))
+            Err(PluginError::new(format!("panicked: {}", without_libtorch_frames(&msg))))
         }
+    }
+}
+
+/// A libtorch error unwrapped in a panic (`... Torch("[enforce fail ...] what\nframe #0: ...")`)
+/// as its first line, `libtorch: what`: the C++ frames that follow are dozens of lines that say
+/// nothing to the user.
+fn without_libtorch_frames(msg: &str) -> String {
+    let Some(at) = msg.find("Torch(\"") else { return msg.to_string() };
+    let what = &msg[at + "Torch(\"".len()..];
+    let end = ["\\nframe #", "\nframe #", "\")"].iter().filter_map(|m| what.find(m)).min().unwrap_or(what.len());
+    format!("libtorch: {}", what[..end].trim_end_matches("\\n").trim_end())
+}
+
+#[cfg(test)]
+mod libtorch_message_tests {
+    use super::without_libtorch_frames;
+
+    #[test]
+    fn a_libtorch_error_loses_its_frames() {
+        let debug = r#"called `Result::unwrap()` on an `Err` value: Torch("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 128000000000 bytes. Error code 12 (Cannot allocate memory)\nframe #0: c10::ThrowEnforceNotMet(char const*, int) + 0x6a (0x7f in libc10.so)\nframe #1: c10::alloc_cpu(unsigned long)\n")"#;
+        assert_eq!(
+            without_libtorch_frames(debug),
+            "libtorch: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 128000000000 bytes. Error code 12 (Cannot allocate memory)"
+        );
+        assert_eq!(without_libtorch_frames("Torch(\"shape mismatch\")"), "libtorch: shape mismatch");
+        assert_eq!(without_libtorch_frames("index out of bounds"), "index out of bounds");
     }
 }

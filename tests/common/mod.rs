@@ -160,3 +160,112 @@ pub fn metrics(exp: &Path, keys: &[&str]) -> Vec<serde_json::Value> {
         })
         .collect()
 }
+
+/// `dflash-host ARGS` with `env` set, as a user would run it (no RUST_BACKTRACE).
+pub fn host(args: &[&str], env: &[(&str, &Path)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash-host"));
+    cmd.args(args).env("DFLASH_CACHE", cache()).env_remove("RUST_BACKTRACE");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+/// An HF hub cache holding `repo` as the `hf` CLI writes it: `models--Owner--Name/blobs/<sha256>`,
+/// `snapshots/<commit>/<file>` symlinks to `../../blobs/<sha256>`, `refs/<branch>` holding the
+/// commit. Each `(branch, commit, files)` is one snapshot; `files` are (name in the snapshot,
+/// its bytes). Files with the same bytes share a blob, as in the hub cache.
+pub fn hf_cache(cache: &Path, repo: &str, snapshots: &[(&str, &str, Vec<(String, Vec<u8>)>)]) {
+    use sha2::{Digest, Sha256};
+    let folder = cache.join(format!("models--{}", repo.replace('/', "--")));
+    std::fs::create_dir_all(folder.join("blobs")).unwrap();
+    std::fs::create_dir_all(folder.join("refs")).unwrap();
+    for (branch, commit, files) in snapshots {
+        let snapshot = folder.join("snapshots").join(commit);
+        std::fs::create_dir_all(&snapshot).unwrap();
+        for (name, bytes) in files {
+            let blob = format!("{:x}", Sha256::digest(bytes));
+            std::fs::write(folder.join("blobs").join(&blob), bytes).unwrap();
+            std::os::unix::fs::symlink(format!("../../blobs/{blob}"), snapshot.join(name)).unwrap();
+        }
+        std::fs::write(folder.join("refs").join(branch), commit).unwrap();
+    }
+}
+
+/// The files of a tiny HF model from tests/fixtures (`target_qwen3_moe`: Qwen3-MoE, 3 layers,
+/// 64 word-level tokens `t0`..`t63`, EOS `t63`, sharded safetensors with an index) plus a
+/// `tokenizer_config.json` holding a chat template in those tokens, as (name, bytes).
+pub fn tiny_hf_model() -> Vec<(String, Vec<u8>)> {
+    let fixture = root().join("tests/fixtures/target_qwen3_moe");
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&fixture)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "reference.safetensors")
+        .map(|n| (n.clone(), std::fs::read(fixture.join(&n)).unwrap()))
+        .collect();
+    files.sort();
+    let template = "{% for m in messages %}t1 {{ m['role'] }} {{ m['content'] }} t2 {% endfor %}\
+                    {% if add_generation_prompt %}t1 assistant {% endif %}";
+    files.push(("tokenizer_config.json".into(), serde_json::json!({ "chat_template": template }).to_string().into()));
+    files
+}
+
+/// `n` chat records (JSONL, OpenAI `messages`) in the tiny model's words.
+pub fn tiny_chats(n: usize) -> String {
+    let words = |seed: usize, len: usize| {
+        (0..len).map(|i| format!("t{}", 3 + (seed * 7 + i * 5) % 59)).collect::<Vec<_>>().join(" ")
+    };
+    (0..n)
+        .map(|i| {
+            let rec = serde_json::json!({"messages": [
+                {"role": "user", "content": words(i, 6)},
+                {"role": "assistant", "content": words(i + 100, 10)},
+            ]});
+            rec.to_string() + "\n"
+        })
+        .collect()
+}
+
+/// A run of seconds on [`tiny_hf_model`] and [`tiny_chats`]: `head` is the top of the file
+/// (name, ...), `target` the `[target]` lines after `plugin = "hf"`, `data` the data file.
+pub fn tiny_hf_config(head: &str, target: &str, data: &str) -> String {
+    format!(
+        r#"{head}
+[train]
+steps = 4
+anchors_per_seq = 4
+log_every = 1
+
+[target]
+plugin = "hf"
+{target}
+
+[drafter]
+plugin = "dflash"
+num_hidden_layers = 1
+block_size = 4
+num_target_features = 2
+mask_token_id = 62
+
+[optimizer]
+plugin = "adamw"
+lr = 1e-3
+
+[data]
+plugin = "chat"
+path = "{data}"
+batch_size = 2
+max_len = 32
+eval_holdout = 2
+distill_max_new_tokens = 8
+"#
+    )
+}
+
+/// [`tiny_hf_model`] written as a plain HF folder.
+pub fn write_tiny_hf_model(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    for (name, bytes) in tiny_hf_model() {
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+}

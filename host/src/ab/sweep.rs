@@ -128,8 +128,7 @@ fn value_text(v: &toml::Value) -> String {
 /// Set a point's values in a run config's table, creating tables on the way.
 pub fn apply(table: &mut toml::Table, point: &SweepPoint) -> Result<()> {
     for (field, value) in &point.values {
-        crate::config::set_dotted(table, field, value.clone())
-            .map_err(|not_a_section| anyhow::anyhow!("`sweep`: `{not_a_section}` is not a section"))?;
+        crate::config::set_dotted(table, field, value.clone()).map_err(|e| anyhow::anyhow!(e.message("`sweep`")))?;
     }
     Ok(())
 }

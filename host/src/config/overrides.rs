@@ -1,21 +1,57 @@
 //! `--set KEY=VALUE` and `--device`: command-line changes to the config, applied to its text
 //! before it is typed, so they are checked like the file.
+//!
+//! Three rules beyond "set this field": a table given for a key that holds one (`--set
+//! 'train={steps=1}'`) is refused, naming the key, since it would drop the section's other
+//! fields; an integer TOML cannot hold is refused as out of range, not
+//! read as a string; and a relative path given on the command line is relative to the working
+//! folder, as with every command-line tool (a path in the config file stays relative to the
+//! file's folder): it is made absolute, so the experiment records where it pointed.
 
 use anyhow::{bail, Result};
+use std::path::Path;
+
+/// Why a dotted key could not be set.
+#[derive(Debug, PartialEq)]
+pub enum SetError {
+    /// This part of the key holds a value, not a table.
+    NotASection(String),
+    /// The key holds a table and the value is one too: replacing it would drop the fields the
+    /// value does not list, merging would not be what TOML means, so neither is done.
+    TableOverTable(String),
+}
+
+impl SetError {
+    /// The error as `what`'s message (`--set ...` or `sweep`).
+    pub fn message(&self, what: &str) -> String {
+        match self {
+            SetError::NotASection(key) => format!("{what}: field `{key}` is not a section"),
+            SetError::TableOverTable(key) => format!(
+                "{what}: `{key}` is a section; set its fields one by one (e.g. `--set {key}.FIELD=VALUE`), \
+                 a table would replace the fields it does not list"
+            ),
+        }
+    }
+}
 
 /// Set `key` (dotted, e.g. `optimizer.adamw.lr`) in a config's TOML table, creating the tables
-/// on the way; Err names the part of the key that holds a value, not a table.
-pub fn set_dotted(table: &mut toml::Table, key: &str, value: toml::Value) -> std::result::Result<(), String> {
+/// on the way. Refused: a part of the key that holds a value, not a table, and a table for a
+/// key that already holds one.
+pub fn set_dotted(table: &mut toml::Table, key: &str, value: toml::Value) -> std::result::Result<(), SetError> {
     let parts: Vec<&str> = key.split('.').collect();
     let mut t = table;
-    for (i, p) in parts[..parts.len() - 1].iter().enumerate() {
-        let entry = t.entry(p.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    for (i, part) in parts[..parts.len() - 1].iter().enumerate() {
+        let entry = t.entry(part.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
         t = match entry {
             toml::Value::Table(inner) => inner,
-            _ => return Err(parts[..=i].join(".")),
+            _ => return Err(SetError::NotASection(parts[..=i].join("."))),
         };
     }
-    t.insert(parts[parts.len() - 1].to_string(), value);
+    let last = parts[parts.len() - 1];
+    if value.is_table() && t.get(last).is_some_and(toml::Value::is_table) {
+        return Err(SetError::TableOverTable(key.to_string()));
+    }
+    t.insert(last.to_string(), value);
     Ok(())
 }
 
@@ -29,9 +65,19 @@ pub struct Override {
     pub value: toml::Value,
 }
 
+/// Fields of the built-in plugins that name a file or folder (a hub name or `chatml` aside):
+/// relative on the command line, they are made absolute against the working folder even when
+/// nothing is there, so the error names the path the user meant.
+const PATH_FIELDS: &[&str] =
+    &["target.path", "drafter.init_from", "data.path", "data.chat_template", "pipeline.capture"];
+
+/// The sections whose string values may name files.
+const PATH_SECTIONS: &[&str] = &["target", "drafter", "optimizer", "data"];
+
 impl Override {
     /// `KEY=VALUE`: VALUE is read as a TOML value (`400`, `1e-3`, `true`, `["cuda:0", "cuda:1"]`,
-    /// `"text"`); anything that is not one is a string, so `--set name=run-2` needs no quotes.
+    /// `"text"`, `{ a = 1 }`); anything that is not one is a string, so `--set name=run-2` needs
+    /// no quotes. An integer beyond TOML's (a 64-bit signed one) is refused as out of range.
     pub fn parse_set(arg: &str) -> Result<Self> {
         let shown = format!("--set {arg}");
         let Some((key, raw)) = arg.split_once('=') else { bail!("{shown}: expected KEY=VALUE, e.g. train.steps=400") };
@@ -39,17 +85,31 @@ impl Override {
         if key.is_empty() || key.split('.').any(|p| p.trim().is_empty()) {
             bail!("{shown}: `{key}` is not a dotted field name (e.g. optimizer.lr)");
         }
+        let key = key.split('.').map(str::trim).collect::<Vec<_>>().join(".");
         let raw = raw.trim();
         let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
             Ok(mut t) => t.remove("v").expect("parsed `v`"),
+            Err(_) if is_integer_literal(raw) => {
+                let (bound, side) = if raw.starts_with('-') { (i64::MIN, "least") } else { (i64::MAX, "most") };
+                bail!("{shown}: field `{key}`: out of range: {raw} (a config integer is at {side} {bound})")
+            }
             Err(_) => toml::Value::String(raw.to_string()),
         };
-        Ok(Self { arg: shown, key: key.split('.').map(str::trim).collect::<Vec<_>>().join("."), value })
+        Ok(Self { arg: shown, key, value })
     }
 
-    /// The command line's `--set KEY=VALUE` arguments, then `--device`, in the order applied.
+    /// The command line's `--set KEY=VALUE` arguments, then `--device`, in the order applied;
+    /// relative paths among them made absolute against the working folder.
     pub fn from_args(set: &[String], device: Option<&str>) -> Result<Vec<Self>> {
-        let mut all = set.iter().map(|s| Self::parse_set(s)).collect::<Result<Vec<_>>>()?;
+        let cwd = std::env::current_dir().map_err(|e| anyhow::anyhow!("the working folder: {e}"))?;
+        let mut all = set
+            .iter()
+            .map(|s| {
+                let mut o = Self::parse_set(s)?;
+                o.resolve_paths(&cwd);
+                Ok(o)
+            })
+            .collect::<Result<Vec<_>>>()?;
         all.extend(device.map(Self::device));
         Ok(all)
     }
@@ -61,19 +121,82 @@ impl Override {
 
     /// Set the value in the config's TOML table, creating the tables on the way.
     pub(crate) fn apply(&self, table: &mut toml::Table) -> Result<()> {
-        set_dotted(table, &self.key, self.value.clone())
-            .map_err(|not_a_section| anyhow::anyhow!("{}: field `{not_a_section}` is not a section", self.arg))
+        set_dotted(table, &self.key, self.value.clone()).map_err(|e| anyhow::anyhow!(e.message(&self.arg)))
+    }
+
+    /// The dotted fields this override sets: its key, or for a table each field within.
+    pub fn fields(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        leaves(&self.key, &self.value, &mut |key, _| out.push(key.to_string()));
+        out
     }
 
     /// This override set the field an error message names (`field `lr``, `unknown field `lr``
     /// in `[optimizer]`, or `field `train.steps``).
     pub fn names_field_of(&self, message: &str) -> bool {
         let section = message.strip_prefix('[').and_then(|r| r.split(']').next());
+        let fields = self.fields();
         ["unknown field `", "field `"].iter().any(|p| {
             message.match_indices(p).any(|(at, _)| {
                 let field = message[at + p.len()..].split('`').next().unwrap_or("");
-                field == self.key || section.is_some_and(|s| format!("{s}.{field}") == self.key)
+                let dotted = section.map(|s| format!("{s}.{field}"));
+                field == self.key
+                    || fields.iter().any(|f| f == field || dotted.as_deref() == Some(f.as_str()))
+                    || dotted.as_deref() == Some(self.key.as_str())
             })
         })
     }
+
+    /// Relative paths in the value made absolute against `cwd`: a string in a plugin section or
+    /// `pipeline.capture` that names something there, or one of [`PATH_FIELDS`] (not a hub name
+    /// for `target.path`, not `chatml`). Absolute paths and `$DFLASH_CACHE/...` stay.
+    pub fn resolve_paths(&mut self, cwd: &Path) {
+        let key = self.key.clone();
+        leaves_mut(&key, &mut self.value, &mut |field, value| {
+            let toml::Value::String(s) = value else { return };
+            let section = field.split('.').next().unwrap_or("");
+            if !(PATH_SECTIONS.contains(&section) || field == "pipeline.capture") {
+                return;
+            }
+            if s.is_empty() || Path::new(s.as_str()).is_absolute() || s.starts_with("$DFLASH_CACHE") {
+                return;
+            }
+            let here = cwd.join(s.as_str());
+            let named = PATH_FIELDS.contains(&field)
+                && !(field == "target.path" && target_hf::hub::is_repo_id(s))
+                && !(field == "data.chat_template" && s == "chatml");
+            if named || std::fs::symlink_metadata(&here).is_ok() {
+                *s = std::path::absolute(&here).unwrap_or(here).display().to_string();
+            }
+        });
+    }
+}
+
+/// `f(dotted key, value)` for each non-table value under `key`.
+fn leaves(key: &str, value: &toml::Value, f: &mut dyn FnMut(&str, &toml::Value)) {
+    match value {
+        toml::Value::Table(t) => t.iter().for_each(|(k, v)| leaves(&format!("{key}.{k}"), v, f)),
+        v => f(key, v),
+    }
+}
+
+fn leaves_mut(key: &str, value: &mut toml::Value, f: &mut dyn FnMut(&str, &mut toml::Value)) {
+    match value {
+        toml::Value::Table(t) => t.iter_mut().for_each(|(k, v)| leaves_mut(&format!("{key}.{k}"), v, f)),
+        v => f(key, v),
+    }
+}
+
+/// `123`, `-4_000`, `+7`, `0x1F`: an integer as TOML writes one (whatever its size).
+fn is_integer_literal(raw: &str) -> bool {
+    let digits = raw.strip_prefix(['+', '-']).unwrap_or(raw);
+    let (digits, radix) = match digits.get(..2) {
+        Some("0x") => (&digits[2..], 16),
+        Some("0o") => (&digits[2..], 8),
+        Some("0b") => (&digits[2..], 2),
+        _ => (digits, 10),
+    };
+    !digits.is_empty()
+        && digits.chars().next().is_some_and(|c| c.is_digit(radix))
+        && digits.chars().all(|c| c == '_' || c.is_digit(radix))
 }

@@ -135,6 +135,25 @@ pub enum AnchorRule {
     BeforeResponse,
 }
 
+/// As the config writes it (`global`, `before_response`), for logs.
+impl std::fmt::Display for LossNormalization {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LossNormalization::Global => "global",
+            LossNormalization::PerMicroBatch => "per_micro_batch",
+        })
+    }
+}
+
+impl std::fmt::Display for AnchorRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AnchorRule::Response => "response",
+            AnchorRule::BeforeResponse => "before_response",
+        })
+    }
+}
+
 fn one() -> u64 {
     1
 }

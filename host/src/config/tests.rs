@@ -101,6 +101,85 @@ fn overrides_are_typed_like_the_file_and_errors_name_them() {
     assert!(e.unwrap_err().to_string().starts_with("cfg.toml:4:"));
 }
 
+/// `--set 'train={steps=7}'` would replace the section, dropping the fields it does not list:
+/// refused, naming the key and the way to set a field. A table for a key that holds none yet
+/// (`data.template_kwargs`) is set as given, and a value that is no table replaces what is there.
+#[test]
+fn a_table_given_to_set_for_a_section_is_refused() {
+    let text = GOOD.replace("steps = 3", "steps = 3\nlog_every = 5");
+    let o = |a: &str| Override::parse_set(a).unwrap();
+    for (arg, key) in [("train={steps=7}", "train"), ("data={path=\"x.jsonl\"}", "data")] {
+        let e = RunConfig::from_toml_with(Path::new("cfg.toml"), &text, &[o(arg)]).unwrap_err().to_string();
+        assert!(
+            e.starts_with(&format!(
+                "--set {arg}: `{key}` is a section; set its fields one by one (e.g. `--set {key}.FIELD=VALUE`)"
+            )),
+            "{e}"
+        );
+    }
+    let cfg = RunConfig::from_toml_with(
+        Path::new("cfg.toml"),
+        &text,
+        &[o("data.template_kwargs={enable_thinking=false}"), o("pipeline.targets=[\"cpu\"]")],
+    )
+    .unwrap();
+    assert_eq!(cfg.data["template_kwargs"]["enable_thinking"].as_bool(), Some(false));
+    assert_eq!((cfg.train.steps, cfg.train.log_every), (3, 5));
+    assert_eq!(cfg.pipeline.targets, ["cpu"]);
+    // Set twice: the second table would replace the first, so it is refused too.
+    let twice = [o("data.template_kwargs={a=1}"), o("data.template_kwargs={b=2}")];
+    let e = RunConfig::from_toml_with(Path::new("cfg.toml"), &text, &twice).unwrap_err().to_string();
+    assert!(e.contains("`data.template_kwargs` is a section"), "{e}");
+}
+
+/// An integer TOML cannot hold is out of range, naming the field and the bound, never a string
+/// ("invalid type: string").
+#[test]
+fn an_integer_too_large_for_toml_is_out_of_range() {
+    for (arg, want) in [
+        ("train.steps=18446744073709551615", "--set train.steps=18446744073709551615: field `train.steps`: out of range: 18446744073709551615 (a config integer is at most 9223372036854775807)"),
+        ("seed=-99999999999999999999", "--set seed=-99999999999999999999: field `seed`: out of range: -99999999999999999999 (a config integer is at least -9223372036854775808)"),
+        ("data.max_len=0x1_0000_0000_0000_0000", "field `data.max_len`: out of range"),
+    ] {
+        let e = Override::parse_set(arg).unwrap_err().to_string();
+        assert!(e.starts_with(want) || e.contains(want), "{arg}: {e}");
+    }
+    assert_eq!(Override::parse_set("train.steps=9223372036854775807").unwrap().value.as_integer(), Some(i64::MAX));
+    for text in ["12ab", "1.5.3", "v2", "0xZZ", "-"] {
+        assert!(Override::parse_set(&format!("name={text}")).unwrap().value.is_str(), "{text}");
+    }
+}
+
+/// A relative path on the command line is against the working folder (made absolute, so the
+/// experiment records where it pointed); hub names, `chatml`, `$DFLASH_CACHE/...`, absolute
+/// paths and values that name nothing stay as typed.
+#[test]
+fn command_line_paths_are_against_the_working_folder() {
+    let cwd = tempfile::tempdir().unwrap();
+    std::fs::write(cwd.path().join("here.jsonl"), "").unwrap();
+    let resolved = |arg: &str| {
+        let mut o = Override::parse_set(arg).unwrap();
+        o.resolve_paths(cwd.path());
+        o.value
+    };
+    let abs = |p: &str| toml::Value::String(cwd.path().join(p).display().to_string());
+    let same = |v: &str| toml::Value::String(v.into());
+    assert_eq!(resolved("data.path=here.jsonl"), abs("here.jsonl"));
+    assert_eq!(resolved("data.path=sub/missing.jsonl"), abs("sub/missing.jsonl"), "a path field, though missing");
+    assert_eq!(resolved("drafter.init_from=old-drafter"), abs("old-drafter"));
+    assert_eq!(resolved("data.my_file=here.jsonl"), abs("here.jsonl"), "any field naming something here");
+    assert_eq!(
+        resolved("data={path=\"here.jsonl\"}"),
+        toml::Value::Table([("path".to_string(), abs("here.jsonl"))].into_iter().collect())
+    );
+    assert_eq!(resolved("target.path=Qwen/Qwen3-8B"), same("Qwen/Qwen3-8B"));
+    assert_eq!(resolved("data.chat_template=chatml"), same("chatml"));
+    assert_eq!(resolved("data.format=jsonl"), same("jsonl"));
+    assert_eq!(resolved("data.path=$DFLASH_CACHE/chitchat.json"), same("$DFLASH_CACHE/chitchat.json"));
+    assert_eq!(resolved("data.path=/abs/x.jsonl"), same("/abs/x.jsonl"));
+    assert_eq!(resolved("name=here.jsonl"), same("here.jsonl"), "not a plugin section");
+}
+
 #[test]
 fn good_config_parses_and_splits_sections() {
     let cfg = parse(GOOD).unwrap();
@@ -515,4 +594,20 @@ on_error = "skip"
         );
         assert_eq!(ok + err, n);
     }
+}
+
+/// Logs name settings as the config writes them (`per_micro_batch`), never as Rust does
+/// (`PerMicroBatch`): each name read back as the config value gives the same setting.
+#[test]
+fn settings_print_as_the_config_writes_them() {
+    use super::sections::{AnchorRule, LossNormalization};
+    for v in [LossNormalization::Global, LossNormalization::PerMicroBatch] {
+        let back: LossNormalization = serde_json::from_value(serde_json::json!(v.to_string())).unwrap();
+        assert_eq!(back, v);
+    }
+    for v in [AnchorRule::Response, AnchorRule::BeforeResponse] {
+        let back: AnchorRule = serde_json::from_value(serde_json::json!(v.to_string())).unwrap();
+        assert_eq!(back, v);
+    }
+    assert_eq!(LossNormalization::PerMicroBatch.to_string(), "per_micro_batch");
 }

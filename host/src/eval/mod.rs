@@ -39,6 +39,9 @@ pub struct EvalOptions {
     pub time_split: bool,
 }
 
+/// The most `--max-new-tokens` a prompt: the longest context of the targets in use (128K).
+pub const MAX_NEW_TOKENS: u32 = 131_072;
+
 impl EvalOptions {
     /// Refuse what could only give an empty or misleading report, before anything is loaded: no
     /// prompts, no tokens, a prompts "file" that is a FIFO or device.
@@ -50,6 +53,12 @@ impl EvalOptions {
             bail!(
                 "--max-new-tokens {}: the target's own first token would end every response, with no draft verified \
                  (no acceptance to measure); give at least 2",
+                self.max_new_tokens
+            );
+        }
+        if self.max_new_tokens > MAX_NEW_TOKENS {
+            bail!(
+                "--max-new-tokens {}: at most {MAX_NEW_TOKENS} (a reply that long is beyond any target's context)",
                 self.max_new_tokens
             );
         }
@@ -276,7 +285,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
         }
         let file = converted.join("prompts.jsonl");
         let n = convert_prompts(Path::new(&opts.source), args.prompt_format, &file)?;
-        tracing::info!("{n} {:?} prompts from {}", args.prompt_format, opts.source);
+        tracing::info!("{n} prompts ({}) from {}", args.prompt_format, opts.source);
         opts.source = file.display().to_string();
     }
     // 3. Evaluate, with the machine's load before and after the timing.

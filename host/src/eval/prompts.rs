@@ -32,6 +32,14 @@ pub enum PromptFormat {
     Alpaca,
 }
 
+/// As `--prompt-format` names it (`mt-bench`), for logs.
+impl std::fmt::Display for PromptFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let v = clap::ValueEnum::to_possible_value(self).expect("no variant is skipped");
+        f.write_str(v.get_name())
+    }
+}
+
 /// One benchmark record's prompt text.
 fn benchmark_prompt(format: PromptFormat, v: &serde_json::Value) -> Result<String> {
     let text = |key: &str| v.get(key).and_then(|t| t.as_str()).map(str::to_string);

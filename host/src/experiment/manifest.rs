@@ -11,6 +11,7 @@ use std::{
     fmt,
     path::{Path, PathBuf},
 };
+use target_hf::hub;
 
 pub const MANIFEST: &str = "manifest.json";
 
@@ -27,6 +28,10 @@ pub struct Manifest {
     pub plugins: Vec<PluginRecord>,
     pub target_source: String,
     pub target_sha256: String,
+    /// The hub model a target `path` such as `Qwen/Qwen3-8B` named: the name, the revision
+    /// asked for and the commit whose snapshot `target_source` is (absent for a local target).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_hub: Option<HubRecord>,
     /// The config file's folder: relative paths in config.toml resolve from it.
     pub config_dir: String,
     /// The loss's decay gamma the run trains with (the paper's default for the block size when
@@ -59,6 +64,14 @@ pub struct InputRecord {
     pub field: String,
     pub path: String,
     pub sha256: String,
+}
+
+/// A hub model as a run found it in the HF cache.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HubRecord {
+    pub repo: String,
+    pub revision: String,
+    pub commit: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -278,7 +291,7 @@ pub fn section_paths(
         }
         let mut path = ctx.resolve_path(&s);
         if std::fs::symlink_metadata(&path).is_err() {
-            match hub_snapshot(kind, &key, &s, table) {
+            match hub_snapshot(kind, &key, &s, path.clone(), table) {
                 Some(snapshot) => path = snapshot,
                 None => continue, // not a path (or a missing one, which its plugin reports)
             }
@@ -289,15 +302,35 @@ pub fn section_paths(
     Ok(out)
 }
 
+/// The hub model the config's `[target] path` names, as found in the HF cache now (after the
+/// target plugin downloaded it, if it had to); None for a local target.
+pub fn target_hub(cfg: &RunConfig, config_dir: &Path, cache_dir: &Path) -> Option<HubRecord> {
+    let ctx = plugin_context(cfg, config_dir, cache_dir);
+    let value = cfg.target.get("path")?.as_str()?;
+    match hub_location("target", "path", value, ctx.resolve_path(value), &cfg.target)? {
+        hub::Location::Snapshot { repo, revision, commit, .. } => Some(HubRecord { repo, revision, commit }),
+        _ => None,
+    }
+}
+
 /// The HF hub cache snapshot that a target's `path` names as a Hub model (`owner/name`, no
 /// local path; `revision` when given), if it is cached: what the target plugin opens. A model
 /// not cached yet is the plugin's to download; the run records its snapshot once built.
-fn hub_snapshot(kind: &str, key: &str, value: &str, table: &toml::Table) -> Option<PathBuf> {
-    use target_hf::hub;
-    if kind != "target" || key != "path" || !hub::is_repo_id(value) {
+fn hub_snapshot(kind: &str, key: &str, value: &str, resolved: PathBuf, table: &toml::Table) -> Option<PathBuf> {
+    match hub_location(kind, key, value, resolved, table)? {
+        hub::Location::Snapshot { path, .. } => Some(path),
+        _ => None,
+    }
+}
+
+/// Where a target's `path` value (`resolved` against the config's folder) leads, as the target
+/// plugin finds it (`hub::locate`); None for any other field, a plugin other than `hf`, or a
+/// `revision` given with a local path.
+fn hub_location(kind: &str, key: &str, value: &str, resolved: PathBuf, table: &toml::Table) -> Option<hub::Location> {
+    if kind != "target" || key != "path" || table.get("plugin").and_then(|p| p.as_str()) != Some("hf") {
         return None;
     }
-    hub::cached(&hub::cache_dir(), value, table.get("revision").and_then(|r| r.as_str()))
+    hub::locate(value, resolved, table.get("revision").and_then(|r| r.as_str())).ok()
 }
 
 fn strings(field: &str, v: &toml::Value, out: &mut Vec<(String, String)>) {

@@ -84,7 +84,7 @@ pub fn train(
     let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
     tracing::info!(
         "drafter: {:.1}M trainable parameters, block {block_size}, target layers {layer_ids:?}, mask token {mask_token_id}, gamma {}, \
-         loss normalised {:?}, anchors {:?}",
+         loss_normalization {}, anchors {}",
         n_params as f64 / 1e6,
         gamma.map_or("none".to_string(), |g| g.to_string()),
         t.loss_normalization,

@@ -169,7 +169,7 @@ impl ChatSection {
         {
             return bad(
                 "distill_max_new_tokens",
-                format!("must be in 1..={} (leave room for a prompt in max_len)", self.max_len - 8),
+                format!("must be in 1..=(max_len - 8), got {} (max_len {})", self.distill_max_new_tokens, self.max_len),
             );
         }
         if !(self.distill_temperature.is_finite() && self.distill_temperature >= 0.0) {

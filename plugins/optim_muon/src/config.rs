@@ -89,7 +89,9 @@ impl NsDtype {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SplitRule {
+    /// The parameters the rule applies to, by name (`*` matches any run of characters).
     pub pattern: String,
+    /// Rows of each part along dim 0 (they sum to it): each part is orthogonalised on its own.
     pub parts: Vec<i64>,
 }
 

@@ -4,9 +4,11 @@
 //! (`main` unless the config gives `revision`, which may also be a commit hash). The hub cache
 //! is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`, else
 //! `~/.cache/huggingface/hub`, as `huggingface_hub` resolves it, so a model downloaded by
-//! Python is used as it is. A model not there is downloaded into that cache (the `hf-hub`
-//! crate: the same layout, `$HF_TOKEN` or the cache's `token` file for gated models); without
-//! a network the error names the repository and the folder looked in.
+//! Python or the `hf` CLI is used as it is. [`locate`] is the one lookup: the target plugin opens
+//! what it finds, and the host checks a config with it before anything loads. A model not there
+//! is downloaded into that cache when the plugin opens it (the `hf-hub` crate: the same layout,
+//! `$HF_TOKEN` or the cache's `token` file for gated models), unless `HF_HUB_OFFLINE` is set;
+//! the error then names the repository, the revision, the folder looked in and why it failed.
 
 use std::path::{Path, PathBuf};
 
@@ -39,19 +41,41 @@ pub fn is_repo_id(s: &str) -> bool {
     matches!(s.split_once('/'), Some((owner, name)) if part(owner) && part(name))
 }
 
+/// The hub cache folder, and what chose it (for messages).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheDir {
+    pub path: PathBuf,
+    /// `$HF_HUB_CACHE`, `$HF_HOME/hub`, `$XDG_CACHE_HOME/huggingface/hub` or
+    /// `~/.cache/huggingface/hub`.
+    pub chosen_by: &'static str,
+}
+
 /// The hub cache folder, as `huggingface_hub` picks it.
-pub fn cache_dir() -> PathBuf {
+pub fn cache() -> CacheDir {
     let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    if let Some(d) = var("HF_HUB_CACHE") {
-        return d;
-    }
-    if let Some(d) = var("HF_HOME") {
-        return d.join("hub");
-    }
-    let cache = var("XDG_CACHE_HOME")
-        .or_else(|| var("HOME").map(|h| h.join(".cache")))
-        .unwrap_or_else(|| PathBuf::from(".cache"));
-    cache.join("huggingface").join("hub")
+    let (path, chosen_by) = if let Some(d) = var("HF_HUB_CACHE") {
+        (d, "$HF_HUB_CACHE")
+    } else if let Some(d) = var("HF_HOME") {
+        (d.join("hub"), "$HF_HOME/hub")
+    } else if let Some(d) = var("XDG_CACHE_HOME") {
+        (d.join("huggingface").join("hub"), "$XDG_CACHE_HOME/huggingface/hub")
+    } else {
+        let home = var("HOME").map(|h| h.join(".cache")).unwrap_or_else(|| PathBuf::from(".cache"));
+        (home.join("huggingface").join("hub"), "~/.cache/huggingface/hub")
+    };
+    CacheDir { path, chosen_by }
+}
+
+/// The hub cache folder's path (see [`cache`]).
+pub fn cache_dir() -> PathBuf {
+    cache().path
+}
+
+/// `HF_HUB_OFFLINE` is set (`1`, `true`, `yes`, `on`), as `huggingface_hub` reads it: the cache
+/// only, no download.
+pub fn offline() -> bool {
+    std::env::var("HF_HUB_OFFLINE")
+        .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
 }
 
 /// `models--Owner--Name` in `cache`.
@@ -60,36 +84,119 @@ pub fn repo_folder(cache: &Path, repo: &str) -> PathBuf {
 }
 
 /// The snapshot of `repo` at `revision` (a branch or tag named by `refs/`, or a commit hash)
-/// in `cache`, if it is there with a `config.json`.
-pub fn cached(cache: &Path, repo: &str, revision: Option<&str>) -> Option<PathBuf> {
+/// in `cache`, as (commit, folder), if it is there with a `config.json`; else why not.
+pub fn lookup(cache: &Path, repo: &str, revision: Option<&str>) -> Result<(String, PathBuf), String> {
     let folder = repo_folder(cache, repo);
+    if !folder.is_dir() {
+        return Err("no such folder".into());
+    }
     let revision = revision.unwrap_or("main");
+    let is_commit = revision.len() == 40 && revision.chars().all(|c| c.is_ascii_hexdigit());
     let commit = match std::fs::read_to_string(folder.join("refs").join(revision)) {
         Ok(hash) => hash.trim().to_string(),
-        Err(_) if revision.len() == 40 && revision.chars().all(|c| c.is_ascii_hexdigit()) => revision.to_string(),
-        Err(_) => return None,
+        Err(_) if is_commit => revision.to_string(),
+        Err(_) => return Err(format!("it has no refs/{revision}, and `{revision}` is not a commit hash")),
     };
     if commit.is_empty() || commit.contains(['/', '\\']) || commit.starts_with('.') {
-        return None;
+        return Err(format!("its refs/{revision} names no commit"));
     }
-    let snapshot = folder.join("snapshots").join(commit);
-    snapshot.join("config.json").is_file().then_some(snapshot)
+    let snapshot = folder.join("snapshots").join(&commit);
+    if !snapshot.join("config.json").is_file() {
+        return Err(format!("its snapshot {commit} has no config.json"));
+    }
+    Ok((commit, snapshot))
 }
 
-/// The snapshot folder of `repo`: from the cache, else downloaded into it. The error is one
-/// line naming the repository, the folder looked in and why the download failed.
-pub fn resolve(repo: &str, revision: Option<&str>) -> Result<PathBuf, String> {
-    let cache = cache_dir();
-    if let Some(snapshot) = cached(&cache, repo, revision) {
-        return Ok(snapshot);
-    }
-    let looked = repo_folder(&cache, repo);
-    download(&cache, repo, revision).map_err(|e| {
-        format!(
-            "`{repo}` is not a local path and not in the HF hub cache (looked in {}), and downloading it failed: {e}",
-            looked.display()
+/// The snapshot folder of `repo` at `revision` in `cache`, if it is there (see [`lookup`]).
+pub fn cached(cache: &Path, repo: &str, revision: Option<&str>) -> Option<PathBuf> {
+    lookup(cache, repo, revision).ok().map(|(_, snapshot)| snapshot)
+}
+
+/// Where a target's `path` leads, without downloading anything: what the target plugin opens
+/// and what the host checks before it loads (both through [`locate`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Location {
+    /// A local file or folder: the config value against the config's folder (it may be missing,
+    /// which whoever opens it reports).
+    Local(PathBuf),
+    /// A hub repository's snapshot in the HF cache.
+    Snapshot { repo: String, revision: String, commit: String, path: PathBuf },
+    /// A hub repository the cache does not hold (at that revision): downloaded when the target
+    /// is opened, unless `HF_HUB_OFFLINE` is set.
+    NotCached(NotCached),
+}
+
+/// What [`locate`] tried for a hub name it did not find.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NotCached {
+    pub repo: String,
+    pub revision: String,
+    /// The local path the name did not name.
+    pub local: PathBuf,
+    /// The repository's folder in the hub cache, and what chose the cache.
+    pub looked_in: PathBuf,
+    pub chosen_by: &'static str,
+    /// Why the snapshot is not there.
+    pub why: String,
+}
+
+impl std::fmt::Display for NotCached {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(
+            f,
+            "`{}` (revision `{}`) is not a local path ({}: no such file or folder) and not in the HF hub cache \
+             (looked in {}, from {}: {})",
+            self.repo,
+            self.revision,
+            self.local.display(),
+            self.looked_in.display(),
+            self.chosen_by,
+            self.why
         )
+    }
+}
+
+/// Where the `[target]` `path` value `raw` leads: `resolved` (the value against the config's
+/// folder) when it exists or `raw` is no repository id; otherwise the hub cache's snapshot of
+/// `raw` at `revision`, or what was tried. Err (naming the field) for a `revision` given with
+/// a local path.
+pub fn locate(raw: &str, resolved: PathBuf, revision: Option<&str>) -> Result<Location, String> {
+    if resolved.exists() || !is_repo_id(raw) {
+        if revision.is_some() {
+            return Err(format!(
+                "field `revision`: `{raw}` is a local path ({}), not a hub repository",
+                resolved.display()
+            ));
+        }
+        return Ok(Location::Local(resolved));
+    }
+    let cache = cache();
+    let revision_shown = revision.unwrap_or("main").to_string();
+    Ok(match lookup(&cache.path, raw, revision) {
+        Ok((commit, path)) => Location::Snapshot { repo: raw.into(), revision: revision_shown, commit, path },
+        Err(why) => Location::NotCached(NotCached {
+            repo: raw.into(),
+            revision: revision_shown,
+            local: resolved,
+            looked_in: repo_folder(&cache.path, raw),
+            chosen_by: cache.chosen_by,
+            why,
+        }),
     })
+}
+
+/// A target's `path` as the plugin opens it ([`locate`]), a hub model not in the cache
+/// downloaded into it. The error is one line naming the field, what was looked for and where,
+/// and why the download failed (or that `HF_HUB_OFFLINE` forbade it).
+pub fn target_path(raw: &str, resolved: PathBuf, revision: Option<&str>) -> Result<PathBuf, String> {
+    match locate(raw, resolved, revision)? {
+        Location::Local(path) | Location::Snapshot { path, .. } => Ok(path),
+        Location::NotCached(missing) if offline() => {
+            Err(format!("field `path`: {missing}; not downloaded, as HF_HUB_OFFLINE is set"))
+        }
+        Location::NotCached(missing) => download(&cache_dir(), raw, revision)
+            .map_err(|e| format!("field `path`: {missing}; downloading it failed: {e}")),
+    }
 }
 
 fn download(cache: &Path, repo: &str, revision: Option<&str>) -> Result<PathBuf, String> {
@@ -116,18 +223,6 @@ fn download(cache: &Path, repo: &str, revision: Option<&str>) -> Result<PathBuf,
         snapshot = path.parent().map(Path::to_path_buf);
     }
     snapshot.ok_or_else(|| "nothing downloaded".to_string())
-}
-
-/// A target's `path` as the plugin opens it: `resolved` (the config value against the config's
-/// folder) when it exists or `raw` is no repository id; otherwise the hub snapshot.
-pub fn target_path(raw: &str, resolved: PathBuf, revision: Option<&str>) -> Result<PathBuf, String> {
-    if resolved.exists() || !is_repo_id(raw) {
-        if revision.is_some() {
-            return Err(format!("field `revision`: `{raw}` is a local path, not a hub repository"));
-        }
-        return Ok(resolved);
-    }
-    resolve(raw, revision)
 }
 
 #[cfg(test)]

@@ -228,7 +228,7 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
         return Err(PluginError::new("field `generate_batch_size`: must be >= 1"));
     }
     let path = hub::target_path(&section.path, ctx.resolve_path(&section.path), section.revision.as_deref())
-        .map_err(|e| PluginError::new(format!("field `path`: {e}")))?;
+        .map_err(PluginError::new)?;
     let (device, kind) = (ctx.tch_device()?, ctx.tch_kind()?);
     let build = if section.random_init { HfTarget::random } else { HfTarget::load };
     let target = build(&path, device, kind, section.generate_batch_size)

@@ -55,17 +55,28 @@ fn a_hub_name_loads_from_the_cache_and_a_missing_one_says_where_it_looked() {
     let err = hub::target_path("Org/Tiny", not_here, Some("main")).unwrap_err();
     assert!(err.contains("field `revision`"), "{err}");
 
-    for (repo, revision) in [("Org/Missing", None), ("Org/Tiny", Some("v2"))] {
-        let err = hub::target_path(repo, dir.path().join("elsewhere").join(repo), revision).unwrap_err();
+    // Not cached: one line naming the field, the name and revision, the local path tried, the
+    // repository's folder in the cache and what chose it, and why; then the download's failure.
+    for (repo, revision, why) in [
+        ("Org/Missing", None, "no such folder"),
+        ("Org/Tiny", Some("v2"), "it has no refs/v2, and `v2` is not a commit hash"),
+    ] {
+        let local = dir.path().join("elsewhere").join(repo);
+        let err = hub::target_path(repo, local.clone(), revision).unwrap_err();
         let looked = cache.join(format!("models--{}", repo.replace('/', "--")));
         assert!(!err.contains('\n'), "one line: {err}");
-        assert!(
-            err.contains(&format!(
-                "`{repo}` is not a local path and not in the HF hub cache (looked in {})",
-                looked.display()
-            )),
-            "{err}"
+        let want = format!(
+            "field `path`: `{repo}` (revision `{}`) is not a local path ({}: no such file or folder) and not in the HF \
+             hub cache (looked in {}, from $HF_HUB_CACHE: {why}); downloading it failed: ",
+            revision.unwrap_or("main"),
+            local.display(),
+            looked.display()
         );
-        assert!(err.contains("downloading it failed"), "{err}");
+        assert!(err.starts_with(&want), "{err}\nshould start with\n{want}");
     }
+    // HF_HUB_OFFLINE: the cache only, and the error says why nothing was downloaded.
+    std::env::set_var("HF_HUB_OFFLINE", "1");
+    let err = hub::target_path("Org/Missing", dir.path().join("x"), None).unwrap_err();
+    assert!(err.ends_with("; not downloaded, as HF_HUB_OFFLINE is set"), "{err}");
+    assert_eq!(hub::target_path("Org/Tiny", dir.path().join("x"), None).unwrap(), snapshot);
 }
