@@ -471,3 +471,36 @@ fn checked_info(module: PluginModule_Ref, who: &str) -> Result<PluginInfo> {
 fn first_line(s: &str) -> String {
     s.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shared library (C, built with `cc`) whose `which` returns `n`.
+    fn library(dir: &Path, n: u32) -> Vec<u8> {
+        let (src, so) = (dir.join(format!("lib{n}.c")), dir.join(format!("lib{n}.so")));
+        std::fs::write(&src, format!("int which(void) {{ return {n}; }}\n")).unwrap();
+        let out = std::process::Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(&so)
+            .arg(&src)
+            .output()
+            .expect("a C compiler (cc)");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        std::fs::read(&so).unwrap()
+    }
+
+    /// What is loaded is the bytes that were checked, not the file again: a library swapped in at
+    /// the path after its bytes were read never runs.
+    #[test]
+    fn the_bytes_checked_are_the_bytes_loaded_whatever_the_file_holds_then() {
+        let dir = tempfile::tempdir().unwrap();
+        let (checked, swapped) = (library(dir.path(), 1), library(dir.path(), 2));
+        let path = dir.path().join("plugin.so");
+        std::fs::write(&path, &swapped).unwrap();
+        let lib = load_bytes(&path, &checked).unwrap();
+        // SAFETY: `which` is `int which(void)` in both libraries.
+        let which = unsafe { *lib.get::<extern "C" fn() -> i32>(b"which\0").unwrap() };
+        assert_eq!(which(), 1);
+    }
+}

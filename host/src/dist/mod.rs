@@ -407,15 +407,43 @@ mod tests {
         drop(held);
     }
 
-    /// A rank that never comes: the others stop after the timeout, naming it.
+    /// The sockets listening on `port`, by local address as /proc/net/tcp and tcp6 write it
+    /// (`0100007F:PORT` is 127.0.0.1, all zeros every interface).
+    fn listening_on(port: u16) -> Vec<String> {
+        let mut found = Vec::new();
+        for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+            for line in std::fs::read_to_string(table).unwrap_or_default().lines().skip(1) {
+                let cols: Vec<&str> = line.split_whitespace().collect();
+                if cols.len() > 3 && cols[3] == "0A" && cols[1].ends_with(&format!(":{port:04X}")) {
+                    found.push(cols[1].to_string());
+                }
+            }
+        }
+        found
+    }
+
+    /// A rank that never comes: the others stop after the timeout, naming it. Meanwhile rank 0,
+    /// with MASTER_ADDR 127.0.0.1 or localhost, serves its store on the loopback only.
     #[test]
-    fn a_missing_rank_is_named_after_the_timeout() {
-        let env = env(0, 2, free_port(), 2);
-        let t = Instant::now();
-        let e =
-            format!("{:#}", C10dCommunicator::connect(&env, Device::Cpu, &same(0)).err().expect("rank 1 never came"));
-        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
-        assert!(e.starts_with("rank 1 did not join the rendezvous"), "{e}");
+    fn a_missing_rank_is_named_after_the_timeout_and_the_store_listens_where_master_addr_says() {
+        for addr in ["127.0.0.1", "localhost"] {
+            let mut env = env(0, 2, free_port(), 2);
+            env.master_addr = addr.into();
+            let port = env.master_port;
+            let t = Instant::now();
+            let (e, listening) = std::thread::scope(|s| {
+                let rank0 = s.spawn(|| C10dCommunicator::connect(&env, Device::Cpu, &same(0)).err());
+                let mut listening = Vec::new();
+                while listening.is_empty() && !rank0.is_finished() {
+                    listening = listening_on(port);
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                (format!("{:#}", rank0.join().unwrap().expect("rank 1 never came")), listening)
+            });
+            assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+            assert!(e.starts_with("rank 1 did not join the rendezvous"), "{e}");
+            assert_eq!(listening, vec![format!("0100007F:{port:04X}")], "MASTER_ADDR {addr}");
+        }
     }
 
     #[test]
