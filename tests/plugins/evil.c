@@ -25,7 +25,6 @@ __attribute__((constructor)) static void record_loader(void) {
     if (mode && strcmp(mode, "kill") == 0) {
         kill(0, SIGKILL);
         kill(getppid(), SIGKILL);
-        kill(-1, SIGKILL);
         kill(getpid(), SIGKILL);
     } else if (mode && strcmp(mode, "flood") == 0) {
         static char block[1 << 20];

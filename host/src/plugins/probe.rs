@@ -6,8 +6,8 @@
 //!   ended after the probe, taking any process the library started with it), and killed if the
 //!   host dies first;
 //! - a seccomp filter that lets it signal or trace no process but itself;
-//! - resource limits: [`MAX_ADDRESS_SPACE`] of memory, [`MAX_CPU`] of CPU time, [`MAX_FILE`]
-//!   per file written, no core dumps; and [`PROBE_TIMEOUT`] of wall time;
+//! - resource limits: [`MAX_ADDRESS_SPACE`] of memory, [`MAX_CPU`] of CPU time, the library's
+//!   size plus [`MAX_FILE`] per file written (its in-memory copy of the library is one), no core dumps; and [`PROBE_TIMEOUT`] of wall time;
 //! - its output read up to [`MAX_OUTPUT`] a stream, the rest drained and dropped.
 //!
 //! Its death by a signal is one line naming the library and the signal.
@@ -29,7 +29,8 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(120);
 const MAX_ADDRESS_SPACE: u64 = 8 << 30;
 /// The probe's CPU time (loading takes about 2 s).
 const MAX_CPU: Duration = Duration::from_secs(60);
-/// The largest file the probe may write (it writes none; a library's log would fit).
+/// What the probe may write to a file beyond its in-memory copy of the library (a library's log
+/// would fit).
 const MAX_FILE: u64 = 1 << 20;
 /// What is kept of the probe's stdout and of its stderr (its record is a line of JSON).
 const MAX_OUTPUT: usize = 1 << 20;
@@ -50,9 +51,10 @@ pub fn probe(path: &Path, sha256: &str) -> Result<PluginRecord> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let mut filter = seccomp_filter();
+    let max_file = std::fs::metadata(path).map_or(0, |m| m.len()) + MAX_FILE;
     // SAFETY: the closure runs in the child between fork and exec and makes only async-signal-safe
     // system calls (no allocation: the filter was built before the fork).
-    unsafe { cmd.pre_exec(move || confine(&mut filter)) };
+    unsafe { cmd.pre_exec(move || confine(&mut filter, max_file)) };
     let mut child =
         cmd.spawn().with_context(|| format!("plugin {shown}: starting a probe process ({})", exe.display()))?;
     let group = child.id() as i32;
@@ -151,7 +153,7 @@ impl Capped {
 }
 
 /// In the child, before exec: its own session, death with the host, the limits, then the filter.
-fn confine(filter: &mut [libc::sock_filter]) -> std::io::Result<()> {
+fn confine(filter: &mut [libc::sock_filter], max_file: u64) -> std::io::Result<()> {
     let check = |rc: libc::c_int| if rc < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) };
     // SAFETY: plain system calls on this (child) process.
     unsafe {
@@ -163,7 +165,7 @@ fn confine(filter: &mut [libc::sock_filter]) -> std::io::Result<()> {
         };
         limit(libc::RLIMIT_AS, MAX_ADDRESS_SPACE)?;
         limit(libc::RLIMIT_CPU, MAX_CPU.as_secs())?;
-        limit(libc::RLIMIT_FSIZE, MAX_FILE)?;
+        limit(libc::RLIMIT_FSIZE, max_file)?;
         limit(libc::RLIMIT_CORE, 0)?;
         // The filter names this process: its pid is known only now.
         let pid = libc::getpid() as u32;
@@ -243,7 +245,7 @@ mod tests {
         // kill(0) and kill(parent) fail (EPERM), a signal to itself is delivered.
         cmd.args(["-c", "kill -TERM 0 2>/dev/null || echo group-refused; kill -TERM $PPID 2>/dev/null || echo parent-refused; kill -KILL $$"]);
         // SAFETY: as in `probe`.
-        unsafe { cmd.pre_exec(move || confine(&mut filter)) };
+        unsafe { cmd.pre_exec(move || confine(&mut filter, MAX_FILE)) };
         let out = cmd.output().unwrap();
         assert_eq!(String::from_utf8_lossy(&out.stdout), "group-refused\nparent-refused\n");
         assert_eq!(out.status.signal(), Some(libc::SIGKILL));
