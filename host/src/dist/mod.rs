@@ -37,8 +37,8 @@ pub struct DistEnv {
     pub master_port: u16,
     pub timeout: Duration,
     /// What tells this run's ranks from another's at the rendezvous: `DFLASH_RUN_TOKEN`, else
-    /// torchrun's `TORCHELASTIC_RUN_ID` (not `none`); None: one is made from the experiment and
-    /// config.
+    /// torchrun's `TORCHELASTIC_RUN_ID` (not `none`); None: one is made from the experiment
+    /// folder.
     pub run_token: Option<String>,
 }
 

@@ -5,8 +5,9 @@
 //! the deadline `DFLASH_DIST_TIMEOUT` gives, whatever the peer does.
 //!
 //! The run token is `DFLASH_RUN_TOKEN` (`train --nproc` sets a random one), else torchrun's
-//! `TORCHELASTIC_RUN_ID` (unless it is `none`), else one made from the experiment folder and the
-//! config. It tells one run's ranks from another's that reached the same `MASTER_PORT`; it is no
+//! `TORCHELASTIC_RUN_ID` (unless it is `none`), else one made from the experiment folder (not
+//! the config: ranks whose configs differ belong to one run and are told which fields differ). It
+//! tells one run's ranks from another's that reached the same `MASTER_PORT`; it is no
 //! secret (anyone who can reach the port can read the store), so the store is served on the
 //! loopback when `MASTER_ADDR` is a loopback address.
 
@@ -165,7 +166,7 @@ fn holder() -> String {
 fn run_token(env: &DistEnv, identity: &Identity) -> String {
     let source = match &env.run_token {
         Some(t) => format!("token {t}"),
-        None => format!("experiment {}, config {}", identity.experiment, identity.config),
+        None => format!("experiment {}", identity.experiment),
     };
     Sha256::digest(source.as_bytes()).iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
