@@ -94,6 +94,11 @@ fn refuse_name(name: &str, cargo_toml: &str) -> Option<String> {
         .map(|d| format!("the name of `{d}`, a crate the plugin depends on, which its own crate would shadow"))
 }
 
+/// The line of a template that names its plugin (`PluginInfo::new(PLUGIN_NAME, ..)` reads it).
+fn plugin_name_line(name: &str) -> String {
+    format!("const PLUGIN_NAME: &str = \"{name}\";")
+}
+
 /// "a" or "an" before `word`.
 fn article(word: &str) -> &'static str {
     if word.starts_with(['a', 'e', 'i', 'o', 'u']) {
@@ -121,9 +126,12 @@ pub fn run(args: NewArgs) -> Result<ExitCode> {
         api.canonicalize().with_context(|| format!("plugin-api at {} (give --plugin-api PATH)", api.display()))?;
     let rename = |text: &str| {
         text.replace(t.crate_name, name)
-            .replace(&format!("PluginInfo::new(\"{}\"", t.plugin_name), &format!("PluginInfo::new(\"{name}\""))
+            .replace(&plugin_name_line(t.plugin_name), &plugin_name_line(name))
             .replace(&format!("plugin = \"{}\"", t.plugin_name), &format!("plugin = \"{name}\""))
     };
+    if !t.lib_rs.contains(&plugin_name_line(t.plugin_name)) {
+        bail!("the {} template does not declare `{}`", args.kind, plugin_name_line(t.plugin_name));
+    }
     let cargo_toml = rename(t.cargo_toml);
     let Some(dep) = cargo_toml.lines().find(|l| l.starts_with("plugin-api = ")) else {
         bail!("template without a plugin-api dependency")
