@@ -259,7 +259,7 @@ fn a_killed_rank_stops_the_others_with_an_error_naming_it() {
         let out = r.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "rank {rank}: {err}");
-        let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
+        let line = err.lines().find(|l| l.starts_with(&format!("[rank{rank}]: error:"))).unwrap_or_default();
         assert!(line.contains("rank 2 gone"), "rank {rank}: {line}");
     }
     assert!(killed.elapsed().as_secs() < 60, "the others took {:?} to stop", killed.elapsed());

@@ -149,37 +149,63 @@ fn wrong_libraries_are_refused_in_one_line() {
     assert!(line.contains("[optimizer]") && line.contains("`dflash` is a drafter plugin"), "{line}");
 }
 
+/// `evil.c` passes every check made from its file, and its constructor runs in whatever loads it:
+/// only ever the probe, which it may crash, kill with its whole process group and parent, or
+/// flood with 1.5 GB of output; the host survives each with one line naming the library and how
+/// its probe died, and stays small. A library whose entry symbol is a function is refused from
+/// its file.
 #[test]
 fn inspect_and_list_never_load_a_library_into_the_host_and_a_crash_is_one_line() {
-    // Its entry symbol is garbage and its constructor records who loaded it.
     let evil = common::build_c_library("evil");
     let dir = tempfile::tempdir().unwrap();
     let marker = dir.path().join("loaded-by");
-    for args in [
-        vec!["plugins", "inspect", evil.to_str().unwrap()],
-        vec!["--plugin", evil.to_str().unwrap(), "plugins", "list"],
-    ] {
+    let cases = [
+        ("none", vec!["plugins", "inspect", evil.to_str().unwrap()], "(SIGABRT"),
+        ("none", vec!["--plugin", evil.to_str().unwrap(), "plugins", "list"], "(SIGABRT"),
+        ("kill", vec!["plugins", "inspect", evil.to_str().unwrap()], "(SIGKILL"),
+        ("flood", vec!["plugins", "inspect", evil.to_str().unwrap()], "(SIGABRT"),
+    ];
+    for (mode, args, signal) in cases {
+        let _ = std::fs::remove_file(&marker);
         let child = Command::new(host())
             .args(&args)
             .env("DFLASH_EVIL_MARKER", &marker)
+            .env("DFLASH_EVIL_MODE", mode)
             .env_remove("RUST_BACKTRACE")
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let host_pid = child.id().to_string();
-        let line = error_line(&child.wait_with_output().unwrap());
+        let host_pid = child.id();
+        // The host's peak memory, read while it runs.
+        let status = format!("/proc/{host_pid}/status");
+        let watch = std::thread::spawn(move || {
+            let mut peak_kb = 0u64;
+            while let Ok(text) = std::fs::read_to_string(&status) {
+                let hwm = text.lines().find_map(|l| l.strip_prefix("VmHWM:")).map(|v| v.trim().trim_end_matches(" kB"));
+                peak_kb = peak_kb.max(hwm.and_then(|v| v.parse().ok()).unwrap_or(0));
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            peak_kb
+        });
+        let out = child.wait_with_output().unwrap();
+        let line = error_line(&out);
         assert!(
-            line.contains(&evil.display().to_string()) && line.contains("crashed the probe process"),
-            "{args:?}: {line}"
+            line.contains(&evil.display().to_string()) && line.contains(&format!("killed the probe process {signal}")),
+            "{mode} {args:?}: {line}"
         );
         let loaders = std::fs::read_to_string(&marker).unwrap_or_default();
         assert!(!loaders.is_empty(), "the probe never loaded it");
         assert!(
-            !loaders.lines().any(|p| p == host_pid),
+            !loaders.lines().any(|p| p == host_pid.to_string()),
             "the host itself ran the library's constructor ({host_pid}): {loaders}"
         );
+        let peak_mb = watch.join().unwrap() / 1024;
+        assert!(peak_mb < 600, "{mode}: the host grew to {peak_mb} MB");
     }
+    let function = common::build_c_library("evil_function");
+    let line = error_line(&inspect(&function));
+    assert!(line.contains("entry symbol `dflash_plugin_function` is a function, not the plugin header"), "{line}");
 }
 
 #[test]

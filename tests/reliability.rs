@@ -398,7 +398,14 @@ fn a_resume_refuses_what_changed_and_a_refused_resume_changes_nothing() {
         serde_json::from_str(&std::fs::read_to_string(exp.join("manifest.json")).unwrap()).unwrap();
     assert_eq!(m["changes"][0]["field"], "optimizer.lr", "{m}");
     assert_eq!(m["changes"][0]["at_step"], 2, "{m}");
-    ok(resume(&exp, &[]).output().unwrap());
+    // To its end with stdout and stderr on one pipe whose reader leaves after a line
+    // (`2>&1 | head -1`): the logs stop, the run does not (exit 0, not a panic's 101).
+    let (reader, writer) = std::io::pipe().unwrap();
+    let mut run = resume(&exp, &[]).stdout(writer.try_clone().unwrap()).stderr(writer).spawn().unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(reader), &mut first).unwrap();
+    assert!(!first.is_empty());
+    assert_eq!(run.wait().unwrap().code(), Some(0), "after the line {first:?}");
     assert!(exp.join("summary.json").exists());
 
     // A finished run: nothing to do, and nothing touched (its summary.json stays).
@@ -530,4 +537,129 @@ fn a_resume_with_more_steps_extends_the_run_and_records_it() {
         changes().as_array().unwrap().iter().map(|c| c["field"].as_str().unwrap().to_string()).collect();
     assert_eq!(fields, ["train.steps", "train.steps", "optimizer.lr", "train.steps"]);
     assert!(recorded().contains("lr = 0.002") && recorded().contains("steps = 6"), "{}", recorded());
+}
+
+/// A run on the synthetic target (a plugin: seconds to start, milliseconds a step) for the
+/// data-parallel tests, written to `dir/dp.toml`.
+fn dp_config(dir: &Path, steps: u64) -> PathBuf {
+    let text = common::tiny_config(
+        &format!("name = \"dp\"\nseed = 1\n[train]\nsteps = {steps}\nanchors_per_seq = 8\nlog_every = 1\nhidden_cache_mb = 0"),
+        "plugin = \"adamw\"\nlr = 3e-3",
+    )
+    .replace(
+        "plugin = \"hf\"\npath = \"$DFLASH_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf\"",
+        "plugin = \"synthetic\"\nforward_ms = 5",
+    )
+    .replace("distill_max_new_tokens = 12", "distill = false")
+    .replace("mask_token_id = 16", "mask_token_id = 0");
+    let path = dir.join("dp.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// `dflash-host --plugin SYNTHETIC train --config dir/dp.toml --exp-dir dir/dp` as `rank` of
+/// `world`, as a launcher starts it (stdout and stderr piped).
+fn dp_rank(dir: &Path, rank: usize, world: usize, port: u16, extra: &[&str]) -> Command {
+    let so = common::build_plugin("tests/plugins/synthetic_target", "synthetic_target", &[], "synthetic_target");
+    let mut cmd = host();
+    cmd.arg("--plugin")
+        .arg(so)
+        .args(["train", "--config", "dp.toml", "--exp-dir", "dp"])
+        .args(extra)
+        .current_dir(dir)
+        .envs([("RANK", rank.to_string()), ("WORLD_SIZE", world.to_string()), ("MASTER_PORT", port.to_string())])
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("DFLASH_DIST_TIMEOUT", "60")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    cmd
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// The `error:` line of a rank's stderr (after its `[rankN]: ` tag).
+fn rank_error(out: &Output) -> String {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    err.lines().find(|l| l.contains("error: ")).unwrap_or_else(|| panic!("no error line in:\n{err}")).to_string()
+}
+
+/// Two processes claiming rank 1 of a world of 2: the second is refused at once, naming the
+/// first, and the run goes on with the first. With several ranks every log line carries its
+/// rank, rank 1 logs warnings only, and rank 0 alone prints the summary.
+#[test]
+fn a_rank_claimed_twice_is_refused_at_once_and_the_run_goes_on() {
+    common::require_model();
+    let dir = tempfile::tempdir().unwrap();
+    dp_config(dir.path(), 40);
+    let port = free_port();
+    let zero = dp_rank(dir.path(), 0, 2, port, &[]).spawn().unwrap();
+    let ones =
+        [dp_rank(dir.path(), 1, 2, port, &[]).spawn().unwrap(), dp_rank(dir.path(), 1, 2, port, &[]).spawn().unwrap()];
+    let pids: Vec<u32> = ones.iter().map(|c| c.id()).collect();
+    let started = Instant::now();
+    let outs: Vec<Output> = ones.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let zero = zero.wait_with_output().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(240), "{:?}", started.elapsed());
+    let refused: Vec<usize> = (0..2).filter(|&i| !outs[i].status.success()).collect();
+    assert_eq!(
+        refused.len(),
+        1,
+        "exactly one claim of rank 1 is refused: {:?}",
+        outs.iter().map(|o| o.status).collect::<Vec<_>>()
+    );
+    let (lost, won) = (refused[0], 1 - refused[0]);
+    let line = rank_error(&outs[lost]);
+    assert!(
+        line.starts_with("[rank1]: error: rank 1 is taken: ")
+            && line.contains(&format!("pid {} on ", pids[won]))
+            && line.contains("every process needs its own RANK"),
+        "{line}"
+    );
+    // The run: rank 0 logs (tagged) and prints the summary; rank 1 only warns, prints nothing.
+    let (err0, err1) = (String::from_utf8_lossy(&zero.stderr), String::from_utf8_lossy(&outs[won].stderr));
+    assert!(zero.status.success(), "{err0}");
+    // (libtorch's own C++ warnings, if any, go to stderr untagged.)
+    let ours = |err: &str, tag: &str| {
+        err.lines()
+            .filter(|l| l.contains(" INFO ") || l.contains(" WARN ") || l.contains("error:"))
+            .all(|l| l.starts_with(tag))
+    };
+    assert!(ours(&err0, "[rank0]: ") && err0.contains(" INFO "), "{err0}");
+    assert!(ours(&err1, "[rank1]: ") && !err1.contains(" INFO "), "{err1}");
+    assert!(String::from_utf8_lossy(&zero.stdout).contains("experiment "), "rank 0 prints the summary");
+    assert!(outs[won].stdout.is_empty(), "rank 1 printed: {}", String::from_utf8_lossy(&outs[won].stdout));
+    assert!(dir.path().join("dp/summary.json").exists());
+}
+
+/// Each rendezvous failure is one line within the timeout: a MASTER_PORT held by a program that
+/// accepts connections and never answers, and a rank whose config differs (named by field).
+#[test]
+fn a_silent_master_port_and_a_differing_config_are_one_line_each_within_the_timeout() {
+    common::require_model();
+    let dir = tempfile::tempdir().unwrap();
+    dp_config(dir.path(), 4);
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let held = std::thread::spawn(move || silent.incoming().take(1).collect::<Vec<_>>());
+    let started = Instant::now();
+    let out = dp_rank(dir.path(), 1, 2, port, &[]).env("DFLASH_DIST_TIMEOUT", "3").output().unwrap();
+    let line = rank_error(&out);
+    assert!(line.contains(&format!("127.0.0.1:{port}")) && line.contains("did not answer"), "{line}");
+    assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
+    drop(held);
+
+    let port = free_port();
+    let zero = dp_rank(dir.path(), 0, 2, port, &[]).spawn().unwrap();
+    let one = dp_rank(dir.path(), 1, 2, port, &["--set", "optimizer.lr=0.01"]).spawn().unwrap();
+    for (rank, out) in [one.wait_with_output().unwrap(), zero.wait_with_output().unwrap()].iter().enumerate() {
+        let line = rank_error(out);
+        assert!(
+            line.ends_with("error: rank 1 differs from rank 0 in its config: optimizer.lr = 0.01 vs 0.003 on rank 0; every rank must run the same build with the same config"),
+            "{rank}: {line}"
+        );
+    }
 }

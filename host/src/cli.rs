@@ -278,7 +278,12 @@ pub enum PluginsCommand {
     /// Load one library in this process and print its record as JSON (what `inspect`, `list` and
     /// `--plugin` run in a child process).
     #[command(hide = true)]
-    Probe { path: PathBuf },
+    Probe {
+        path: PathBuf,
+        /// The SHA-256 the library was checked with: other bytes are refused, not loaded.
+        #[arg(long)]
+        sha256: Option<String>,
+    },
     /// Run the contract of a plugin's kind against it: pass / FAIL per clause.
     Check(crate::plugins::check::CheckArgs),
     /// Write a plugin crate from a template (build it with `cargo build --release`).

@@ -1,6 +1,8 @@
 //! `dflash-host train --nproc N`: N local ranks of the same command, for people without torchrun.
 //! Each rank is this binary again with the variables torchrun sets (`RANK`, `LOCAL_RANK`,
-//! `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`). The launcher waits for them; when one fails, the
+//! `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`) and a random `DFLASH_RUN_TOKEN` (unless the
+//! environment sets one), which tells this run's ranks from another's at the rendezvous. The
+//! launcher waits for them; when one fails, the
 //! others stop on their own with an error naming it (dist.rs), and any still running after
 //! [`GRACE`] are ended. SIGTERM is passed on to the ranks (each finishes its step and writes a
 //! checkpoint); Ctrl-C reaches them from the terminal directly.
@@ -42,6 +44,18 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
+/// 128 random bits in hex (the kernel's random source; the clock and pid where it cannot be read).
+fn random_token() -> String {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)).is_err() {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        bytes[..8].copy_from_slice(&now.as_nanos().to_le_bytes()[..8]);
+        bytes[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Start `nproc` ranks of `args` (this binary's arguments, without `--nproc`) and wait for them.
 /// Returns the exit code: the first failing rank's, else 0 (or the code they all share, such as
 /// 130 after Ctrl-C).
@@ -52,6 +66,7 @@ pub fn launch(nproc: usize, args: &[OsString]) -> Result<u8> {
         Ok(p) => p,
         Err(_) => std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string(),
     };
+    let token = std::env::var("DFLASH_RUN_TOKEN").ok().filter(|t| !t.is_empty()).unwrap_or_else(random_token);
     let term = Arc::new(AtomicBool::new(false));
     let int = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&term))?;
@@ -67,6 +82,7 @@ pub fn launch(nproc: usize, args: &[OsString]) -> Result<u8> {
             .env("LOCAL_WORLD_SIZE", nproc.to_string())
             .env("MASTER_ADDR", &addr)
             .env("MASTER_PORT", &port)
+            .env("DFLASH_RUN_TOKEN", &token)
             .spawn()
             .with_context(|| format!("starting rank {rank}"))?;
         ranks.push((rank, child));

@@ -12,7 +12,6 @@ use dflash_host::{
     run, say, train,
 };
 use std::{
-    io::Write,
     path::{Path, PathBuf},
     process::ExitCode,
 };
@@ -27,15 +26,15 @@ fn run() -> Result<ExitCode> {
         }
         Command::Plugins { command: PluginsCommand::Inspect { path } } => {
             let path = plugins::find_library(&path)?;
-            plugins::check_file(&path)?;
-            let record = plugins::probe(&path)?;
+            let (_, sha256) = plugins::check_file(&path)?;
+            let record = plugins::probe(&path, &sha256)?;
             print_plugins(std::iter::once(&record));
             Ok(ExitCode::SUCCESS)
         }
         Command::Plugins { command: PluginsCommand::Check(args) } => plugins::check::run(&cli.plugins, args),
         Command::Plugins { command: PluginsCommand::New(args) } => plugins::new::run(args),
-        Command::Plugins { command: PluginsCommand::Probe { path } } => {
-            let loaded = plugins::load_library(&path, None)?;
+        Command::Plugins { command: PluginsCommand::Probe { path, sha256 } } => {
+            let loaded = plugins::load_library(&path, sha256.as_deref())?;
             say!("{}", serde_json::to_string(&loaded.record)?);
             Ok(ExitCode::SUCCESS)
         }
@@ -236,6 +235,9 @@ fn print_plugins<'a>(records: impl Iterator<Item = &'a plugins::PluginRecord>) {
 }
 
 fn print_summary(s: &train::TrainSummary) {
+    if !dflash_host::out::is_lead() {
+        return; // rank 0 speaks for a data-parallel run
+    }
     say!("experiment   {}", s.experiment);
     say!("steps        {}  ({} target tokens, {:.0} s)", s.steps, s.tokens, s.wall_s);
     if let Some(d) = &s.distill {
@@ -260,18 +262,13 @@ fn print_summary(s: &train::TrainSummary) {
 fn main() -> ExitCode {
     dflash_host::dist::set_nccl_defaults(); // before any thread starts
     dflash_host::experiment::checkpoint::ignore_sigxfsz(); // `ulimit -f`: a write fails with EFBIG
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .with_ansi(dflash_host::out::colour_on_stderr())
-        .with_target(false)
-        .init();
+    dflash_host::out::init_logging();
     match run() {
         Ok(code) => code,
         Err(e) => {
-            // One line: causes joined by ": " (multi-line causes flattened).
-            // A closed stderr must not panic either.
-            let _ = writeln!(std::io::stderr(), "error: {}", format!("{e:#}").replace('\n', " "));
+            // One line: causes joined by ": " (multi-line causes flattened), tagged with the rank;
+            // a closed stderr is no panic either.
+            dflash_host::out::error_line(&format!("{e:#}"));
             ExitCode::from(2)
         }
     }

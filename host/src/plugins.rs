@@ -3,20 +3,25 @@
 //!
 //! A library is checked before this process runs any of its code, each check with a one-line
 //! error: the path is a regular file; it is a shared object; it exports exactly one
-//! `dflash_plugin_*` entry symbol (both read from the file); its SHA-256 (which a resume compares
-//! with the manifest's, through [`Registry::with_gate`]). Then a child process (`dflash-host
-//! plugins probe`) loads it and checks what only loading can show: its plugin ABI major version is
-//! ours, its types' layouts equal ours (abi_stable; an older minor version's trait vtables may lack
-//! the methods appended since), it was built against the same tch / libtorch (build id); a library
-//! that crashes or hangs there costs the child, not this process. Only a
-//! plugin a run actually creates is loaded here (`dlopen`), after its file is hashed once more.
-//! So `plugins list` and `plugins inspect` never load a library into the host.
+//! `dflash_plugin_*` entry symbol, which holds a plugin header (all read from the file); its
+//! SHA-256 (which a resume compares with the manifest's, through [`Registry::with_gate`]). Then a
+//! confined child process (probe.rs: `dflash-host plugins probe`) loads the bytes of that hash and
+//! checks what only loading can show: its plugin ABI major version is ours, its types' layouts
+//! equal ours (abi_stable; an older minor version's trait vtables may lack the methods appended
+//! since), it was built against the same tch / libtorch (build id); a library that crashes, hangs,
+//! floods its output or signals others there costs the child, not this process. Only a plugin a
+//! run actually creates is loaded here, after its file is read and hashed once more; what is
+//! loaded is a sealed in-memory copy of the bytes hashed, never the file again, so a file swapped
+//! after its check never runs. So `plugins list` and `plugins inspect` never load a library into
+//! the host.
 
 pub mod check;
 pub mod new;
 mod poison;
+mod probe;
 
 pub use poison::{Instance, Poison, PoisonFn};
+pub use probe::probe;
 
 use crate::config::PluginSection;
 use anyhow::{anyhow, bail, Context, Result};
@@ -35,7 +40,6 @@ use sha2::{Digest, Sha256};
 use std::{
     path::{Path, PathBuf},
     sync::OnceLock,
-    time::Duration,
 };
 
 /// What a plugin is and where it came from, for `plugins list` and manifests.
@@ -138,7 +142,7 @@ impl Registry {
             let (_, sha) = check_file(path)?;
             gate(path, &sha)?;
             let plugin = Plugin {
-                record: probe(path)?,
+                record: probe(path, &sha)?,
                 source: Source::Library { path: path.clone(), module: OnceLock::new() },
             };
             let (kind, name) = (&plugin.record.kind, &plugin.record.name);
@@ -208,9 +212,17 @@ pub fn sha256_file(path: &Path) -> Result<String> {
 /// Plugin libraries are small (tens of MB); a larger file is refused before it is read whole.
 const MAX_LIBRARY_BYTES: u64 = 1 << 30;
 
-/// The checks that only read the file: a regular file, a shared object with one entry symbol.
-/// Returns the entry symbol and the file's SHA-256.
-pub fn check_file(path: &Path) -> Result<(String, String)> {
+/// A library file read once: what is hashed, checked and loaded are these bytes.
+pub struct LibraryFile {
+    pub bytes: Vec<u8>,
+    /// Its `dflash_plugin_*` entry symbol.
+    pub symbol: String,
+    pub sha256: String,
+}
+
+/// Read a library and make the checks that need only its bytes: a regular file, a shared object
+/// with one entry symbol that holds a plugin header.
+pub fn read_library(path: &Path) -> Result<LibraryFile> {
     let shown = path.display();
     let bytes = input_files::read_capped(path, MAX_LIBRARY_BYTES).map_err(|e| match e {
         input_files::InputError::NotRegular { kind: "a directory", .. } => {
@@ -219,30 +231,71 @@ pub fn check_file(path: &Path) -> Result<(String, String)> {
         e => anyhow!("plugin {e}"),
     })?;
     let symbol = entry_symbol(path, &bytes)?;
-    Ok((symbol, format!("{:x}", Sha256::digest(&bytes))))
+    let sha256 = format!("{:x}", Sha256::digest(&bytes));
+    Ok(LibraryFile { bytes, symbol, sha256 })
+}
+
+/// [`read_library`]'s entry symbol and SHA-256.
+pub fn check_file(path: &Path) -> Result<(String, String)> {
+    read_library(path).map(|f| (f.symbol, f.sha256))
 }
 
 /// The library's `dflash_plugin_*` entry symbol, read from its dynamic symbol table without
-/// loading it.
+/// loading it; it must be data that starts as `declare_plugin!`'s header does (abi_stable's magic
+/// string and ABI version), not a function or other bytes.
 fn entry_symbol(path: &Path, bytes: &[u8]) -> Result<String> {
-    use object::{Object, ObjectKind, ObjectSymbol};
+    use object::{Object, ObjectKind, ObjectSection, ObjectSymbol, SymbolKind};
     let shown = path.display();
     let file = object::File::parse(bytes).map_err(|_| anyhow!("plugin {shown}: not a shared library"))?;
     if file.kind() != ObjectKind::Dynamic {
         bail!("plugin {shown}: not a shared library (an object of kind {:?})", file.kind());
     }
-    let mut found: Vec<String> = file
+    let mut found: Vec<_> = file
         .dynamic_symbols()
         .filter(|s| s.is_definition())
-        .filter_map(|s| s.name().ok().filter(|n| n.starts_with("dflash_plugin_")).map(str::to_string))
+        .filter(|s| s.name().is_ok_and(|n| n.starts_with("dflash_plugin_")))
         .collect();
-    found.sort();
-    found.dedup();
-    match found.len() {
+    found.sort_by_key(|s| s.name().unwrap_or_default().to_string());
+    found.dedup_by_key(|s| s.name().unwrap_or_default().to_string());
+    let sym = match found.len() {
         0 => bail!("plugin {shown}: no `dflash_plugin_*` entry symbol (not a dflash plugin; declare one with plugin_api::declare_plugin!)"),
-        1 => Ok(found.remove(0)),
-        _ => bail!("plugin {shown}: several entry symbols ({}); a plugin library declares exactly one", found.join(", ")),
+        1 => found.remove(0),
+        _ => {
+            let names: Vec<&str> = found.iter().filter_map(|s| s.name().ok()).collect();
+            bail!("plugin {shown}: several entry symbols ({}); a plugin library declares exactly one", names.join(", "))
+        }
+    };
+    let name = sym.name().unwrap_or_default().to_string();
+    let not_header = |what: &str| {
+        anyhow!("plugin {shown}: its entry symbol `{name}` is {what}, not the plugin header `plugin_api::declare_plugin!` exports; refused")
+    };
+    if sym.kind() != SymbolKind::Data {
+        let what = match sym.kind() {
+            SymbolKind::Text => "a function".to_string(),
+            k => format!("of kind {k:?}"),
+        };
+        return Err(not_header(&what));
     }
+    // abi_stable's AbiHeader opens the LibHeader: a magic string and its ABI version.
+    let want = plugin_api::abi_stable::library::AbiHeader::VALUE;
+    let header: Option<&[u8]> = sym
+        .section_index()
+        .and_then(|i| file.section_by_index(i).ok())
+        .and_then(|section| section.data_range(sym.address(), 40).ok().flatten());
+    let Some(header) = header else { return Err(not_header("data without contents in the file")) };
+    if header[..32] != want.magic_string {
+        return Err(not_header("other data"));
+    }
+    let version = |at: usize| u32::from_ne_bytes(header[at..at + 4].try_into().expect("4 bytes"));
+    let (major, minor) = (version(32), version(36));
+    if major != want.abi_major || (major == 0 && minor != want.abi_minor) {
+        bail!(
+            "plugin {shown}: built with abi_stable's ABI {major}.{minor}, this host's is {}.{}; rebuild it against this plugin-api",
+            want.abi_major,
+            want.abi_minor
+        );
+    }
+    Ok(name)
 }
 
 /// The library a `--plugin` argument names: a path as given (anything with a `/`, or a file
@@ -280,72 +333,6 @@ pub fn find_library(arg: &Path) -> Result<PathBuf> {
     )
 }
 
-/// How long a probe may take to load a library (a library whose constructor hangs is refused).
-const PROBE_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// The library's record, from a child process that loads and checks it (`dflash-host plugins
-/// probe PATH`, which runs [`load_library`] and prints the record as JSON).
-pub fn probe(path: &Path) -> Result<PluginRecord> {
-    use std::process::{Command, Stdio};
-    let shown = path.display();
-    let exe = std::env::current_exe().context("finding this program to probe a plugin with")?;
-    let child = Command::new(&exe)
-        .args(["plugins", "probe"])
-        .arg(path)
-        .env("RUST_LOG", "error")
-        .env_remove("RUST_BACKTRACE")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("plugin {shown}: starting a probe process ({})", exe.display()))?;
-    let pid = child.id();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    let out = match rx.recv_timeout(PROBE_TIMEOUT) {
-        Ok(out) => out.with_context(|| format!("plugin {shown}: waiting for its probe process"))?,
-        Err(_) => {
-            // SAFETY: kill(2) on the probe child started above (not yet reaped: the thread waits).
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            bail!("plugin {shown}: still loading after {} s in a probe process (a constructor that never returns?); refused", PROBE_TIMEOUT.as_secs());
-        }
-    };
-    if out.status.success() {
-        let text = String::from_utf8_lossy(&out.stdout);
-        return serde_json::from_str(text.trim())
-            .map_err(|e| anyhow!("plugin {shown}: its probe printed no plugin record ({e})"));
-    }
-    use std::os::unix::process::ExitStatusExt;
-    if let Some(sig) = out.status.signal() {
-        bail!("plugin {shown}: loading it crashed the probe process ({}); refused", signal_name(sig));
-    }
-    let err = String::from_utf8_lossy(&out.stderr);
-    if let Some(line) = err.lines().rev().find_map(|l| l.strip_prefix("error: ")) {
-        bail!("{line}");
-    }
-    let mut lines = err.lines().map(str::trim);
-    if lines.by_ref().any(|l| l.contains("panicked at")) {
-        let message = lines.next().unwrap_or("");
-        bail!("plugin {shown}: loading it crashed the probe process (a panic: {message}); refused");
-    }
-    bail!("plugin {shown}: its probe process failed ({}): {}", out.status, first_line(&err))
-}
-
-fn signal_name(sig: i32) -> String {
-    let name = match sig {
-        libc::SIGSEGV => "SIGSEGV, a segmentation fault",
-        libc::SIGABRT => "SIGABRT, an abort",
-        libc::SIGBUS => "SIGBUS, a bus error",
-        libc::SIGILL => "SIGILL, an illegal instruction",
-        libc::SIGFPE => "SIGFPE, an arithmetic fault",
-        libc::SIGKILL => "SIGKILL",
-        _ => return format!("signal {sig}"),
-    };
-    name.to_string()
-}
-
 /// A library loaded into this process.
 pub struct Loaded {
     pub module: PluginModule_Ref,
@@ -358,7 +345,7 @@ pub struct Loaded {
 /// file must still be the one probed.
 pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> {
     let shown = path.display();
-    let (symbol, sha) = check_file(path)?;
+    let LibraryFile { bytes, symbol, sha256: sha } = read_library(path)?;
     if let Some(want) = expect_sha256.filter(|w| *w != sha) {
         bail!(
             "plugin {shown}: changed since it was checked (SHA-256 {} then, {} now); run again",
@@ -366,8 +353,7 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
             &sha[..16]
         );
     }
-    let raw = RawLibrary::load_at(path)
-        .map_err(|e| anyhow!("plugin {shown}: cannot be loaded: {}", first_line(&e.to_string())))?;
+    let raw = load_bytes(path, &bytes)?;
     // Libraries are never unloaded: their tensors and vtables may outlive any handle.
     let raw: &'static RawLibrary = Box::leak(Box::new(raw));
     let header: &'static LibHeader = unsafe {
@@ -375,6 +361,11 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
             .map_err(|e| anyhow!("plugin {shown}: entry symbol `{symbol}`: {}", first_line(&e.to_string())))?
     };
     let theirs = header.version_strings().version.to_string();
+    if theirs.split('.').count() != 3
+        || !theirs.split('.').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+    {
+        bail!("plugin {shown}: its plugin header gives no plugin ABI version (`{theirs}`); not a dflash plugin built with plugin_api::declare_plugin!");
+    }
     if abi_major(&theirs) != abi_major(ABI_VERSION) {
         bail!("plugin {shown}: built for plugin ABI {theirs}, this host speaks ABI {ABI_VERSION} (major versions differ; rebuild the plugin against this plugin-api)");
     }
@@ -405,6 +396,44 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
     // SAFETY: declare_plugin! defines this symbol as a PoisonFn; older plugins lack it.
     let poison = unsafe { raw.get::<PoisonFn>(format!("{query}\0").as_bytes()).ok().map(|f| *f) };
     Ok(Loaded { record: record(&info, &theirs, path.display().to_string(), Some(sha)), module, poison })
+}
+
+/// `dlopen` exactly `bytes` (the ones hashed and checked), not the file again: a sealed in-memory
+/// copy (memfd), so a file swapped or rewritten after the checks never runs. The library's
+/// folder is not its `$ORIGIN` then; a dependency it names through `$ORIGIN` must be found
+/// another way (an absolute RUNPATH, LD_LIBRARY_PATH).
+fn load_bytes(path: &Path, bytes: &[u8]) -> Result<RawLibrary> {
+    use std::{io::Write, os::fd::FromRawFd};
+    let shown = path.display();
+    let name = path.file_name().map_or_else(|| "plugin".into(), |n| n.to_string_lossy().replace('\0', ""));
+    let name = std::ffi::CString::new(format!("dflash-plugin:{name}")).expect("no NUL left");
+    const MFD_EXEC: libc::c_uint = 0x10; // executable on kernels that default to noexec memfds
+    let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+    // SAFETY: memfd_create with a valid name; the descriptor is owned by `file` from here.
+    let fd = match unsafe { libc::memfd_create(name.as_ptr(), flags | MFD_EXEC) } {
+        -1 => unsafe { libc::memfd_create(name.as_ptr(), flags) },
+        fd => fd,
+    };
+    if fd < 0 {
+        bail!("plugin {shown}: an in-memory copy to load: {}", std::io::Error::last_os_error());
+    }
+    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.write_all(bytes).with_context(|| format!("plugin {shown}: writing its in-memory copy"))?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on the descriptor `file` owns.
+    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) } < 0 {
+        bail!("plugin {shown}: sealing its in-memory copy: {}", std::io::Error::last_os_error());
+    }
+    // The mapping keeps the copy alive after `file` closes it.
+    RawLibrary::load_at(Path::new(&format!("/proc/self/fd/{fd}"))).map_err(|e| {
+        let why = first_line(&e.to_string()).replace(&format!("/proc/self/fd/{fd}"), &shown.to_string());
+        let origin = if bytes.windows(7).any(|w| w == b"$ORIGIN") {
+            " (it is loaded from an in-memory copy of the bytes checked, where `$ORIGIN` does not name its folder: give its dependencies by an absolute RUNPATH or LD_LIBRARY_PATH)"
+        } else {
+            ""
+        };
+        anyhow!("plugin {shown}: cannot be loaded: {why}{origin}")
+    })
 }
 
 fn abi_minor(version: &str) -> u64 {
@@ -441,4 +470,37 @@ fn checked_info(module: PluginModule_Ref, who: &str) -> Result<PluginInfo> {
 
 fn first_line(s: &str) -> String {
     s.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shared library (C, built with `cc`) whose `which` returns `n`.
+    fn library(dir: &Path, n: u32) -> Vec<u8> {
+        let (src, so) = (dir.join(format!("lib{n}.c")), dir.join(format!("lib{n}.so")));
+        std::fs::write(&src, format!("int which(void) {{ return {n}; }}\n")).unwrap();
+        let out = std::process::Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(&so)
+            .arg(&src)
+            .output()
+            .expect("a C compiler (cc)");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        std::fs::read(&so).unwrap()
+    }
+
+    /// What is loaded is the bytes that were checked, not the file again: a library swapped in at
+    /// the path after its bytes were read never runs.
+    #[test]
+    fn the_bytes_checked_are_the_bytes_loaded_whatever_the_file_holds_then() {
+        let dir = tempfile::tempdir().unwrap();
+        let (checked, swapped) = (library(dir.path(), 1), library(dir.path(), 2));
+        let path = dir.path().join("plugin.so");
+        std::fs::write(&path, &swapped).unwrap();
+        let lib = load_bytes(&path, &checked).unwrap();
+        // SAFETY: `which` is `int which(void)` in both libraries.
+        let which = unsafe { *lib.get::<extern "C" fn() -> i32>(b"which\0").unwrap() };
+        assert_eq!(which(), 1);
+    }
 }

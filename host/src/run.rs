@@ -116,7 +116,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     } else {
         Experiment::create(exp_dir, &resolved, &manifest)?
     };
-    let comm = connect(cfg, &components.records)?;
+    let comm = connect(cfg, &components.records, exp_dir)?;
     tracing::info!("experiment: {}", exp_dir.display());
     train::train(cfg, components, &mut exp, &cache, train::TrainOptions { resume: None, stop_at, comm })
 }
@@ -128,16 +128,17 @@ fn same_file(a: &Path, b: &Path) -> bool {
 /// The data-parallel communicator when a launcher started several ranks (RANK, WORLD_SIZE, ...):
 /// c10d on the drafter's device (Gloo on the CPU, NCCL on a GPU), after the ranks checked that
 /// they run the same build with the same config.
-fn connect(cfg: &RunConfig, records: &[PluginRecord]) -> Result<Option<Box<dyn dist::Communicator>>> {
+fn connect(cfg: &RunConfig, records: &[PluginRecord], exp_dir: &Path) -> Result<Option<Box<dyn dist::Communicator>>> {
     let Some(env) = dist::DistEnv::from_env()? else { return Ok(None) };
     let device = config::parse_device(cfg.drafter_device())?;
-    let identity = identity(cfg, records)?;
+    let identity = identity(cfg, records, exp_dir)?;
     Ok(Some(Box::new(dist::C10dCommunicator::connect(&env, device, &identity)?)))
 }
 
-/// The hashes ranks compare at the rendezvous: the resolved config without its device placement
-/// (each rank's own, see `place_rank`), and this binary plus the plugin libraries.
-fn identity(cfg: &RunConfig, records: &[PluginRecord]) -> Result<dist::Identity> {
+/// What ranks compare at the rendezvous: the resolved config without its device placement (each
+/// rank's own, see `place_rank`), and this binary plus the plugin libraries; the experiment folder
+/// names the run when the launcher gives no run token.
+fn identity(cfg: &RunConfig, records: &[PluginRecord], exp_dir: &Path) -> Result<dist::Identity> {
     use sha2::{Digest, Sha256};
     let mut table = toml::Table::try_from(cfg)?;
     table.remove("device");
@@ -146,13 +147,12 @@ fn identity(cfg: &RunConfig, records: &[PluginRecord]) -> Result<dist::Identity>
         p.remove("drafter");
     }
     let short = |h: Sha256| h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect::<String>();
-    let config = short(Sha256::new_with_prefix(toml::to_string(&table)?));
     let exe = std::env::current_exe().context("this binary's path")?;
     let mut build = Sha256::new_with_prefix(std::fs::read(&exe).with_context(|| format!("reading {}", exe.display()))?);
     for r in records {
         build.update(format!("{} {} {} {:?}\n", r.kind, r.name, r.origin, r.sha256));
     }
-    Ok(dist::Identity { config, build: short(build) })
+    Ok(dist::Identity::new(toml::to_string(&table)?, short(build), exp_dir.display().to_string()))
 }
 
 /// This rank's devices when a launcher put several ranks on one machine: the config's CUDA
@@ -391,7 +391,7 @@ pub fn resume_with(
             Experiment::reopen(exp_dir, lock, at)?
         }
     };
-    let comm = connect(&cfg, &components.records)?;
+    let comm = connect(&cfg, &components.records, exp_dir)?;
     train::train(&cfg, components, &mut exp, &cache, train::TrainOptions { resume: from, stop_at: opts.stop_at, comm })
 }
 

@@ -1,10 +1,15 @@
 /* A library that passes every check made by reading its file (a shared object exporting one
- * `dflash_plugin_*` symbol) but is no plugin: its constructor records the pid of each process
- * that loads it (to the file $DFLASH_EVIL_MARKER), and its entry symbol holds bytes that, read
- * as the pointer to a root-module header, point nowhere. A host must never load it into its
- * own process, and loading it elsewhere crashes. Built by tests/plugins_so.rs with `cc`. */
+ * `dflash_plugin_*` symbol that starts with abi_stable's header: its magic string and ABI
+ * version) but is no plugin: past the header its bytes, read as the pointers of a root-module
+ * header, point nowhere, so loading it crashes. Its constructor records the pid of each process
+ * that loads it (to the file $DFLASH_EVIL_MARKER), and does what $DFLASH_EVIL_MODE says:
+ * `kill` signals its process group and its parent with SIGKILL, `flood` writes 1.5 GB to stdout.
+ * A host must never load it into its own process, and must survive a probe that does.
+ * Built by tests/plugins_so.rs with `cc`. */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 __attribute__((constructor)) static void record_loader(void) {
@@ -16,6 +21,25 @@ __attribute__((constructor)) static void record_loader(void) {
             fclose(f);
         }
     }
+    const char *mode = getenv("DFLASH_EVIL_MODE");
+    if (mode && strcmp(mode, "kill") == 0) {
+        kill(0, SIGKILL);
+        kill(getppid(), SIGKILL);
+        kill(getpid(), SIGKILL);
+    } else if (mode && strcmp(mode, "flood") == 0) {
+        static char block[1 << 20];
+        memset(block, 'x', sizeof block);
+        for (int i = 0; i < 1536; i++) {
+            if (write(1, block, sizeof block) < 0) break;
+        }
+    }
 }
 
-__attribute__((visibility("default"))) const unsigned char dflash_plugin_evil[64] = {[0 ... 63] = 0x41};
+struct header {
+    char magic[32];
+    unsigned int abi_major, abi_minor;
+    unsigned char rest[64];
+};
+
+__attribute__((visibility("default"))) const struct header dflash_plugin_evil = {
+    "abi stable library for Rust     ", 0, 11, {[0 ... 63] = 0x41}};

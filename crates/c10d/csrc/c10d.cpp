@@ -37,14 +37,17 @@ static int fail(const std::exception& e, char* err, size_t err_len) {
 
 extern "C" {
 
-// A TCPStore client of the store at host:port; `server` also starts it (rank 0). Connecting
+// A TCPStore client of the store at host:port; with `listen_fd` >= 0 (rank 0) it also serves the
+// store on that socket, which the caller bound and listens on (so it chooses the address: c10d's
+// own server would listen on every interface) and which the server takes over. Connecting
 // retries until `timeout_ms`.
-int dflash_c10d_store_new(const char* host, uint16_t port, bool server, int64_t timeout_ms, DflashStore** out, char* err,
-                          size_t err_len) {
+int dflash_c10d_store_new(const char* host, uint16_t port, int listen_fd, int64_t timeout_ms, DflashStore** out,
+                          char* err, size_t err_len) {
   GUARD_BEGIN
   c10d::TCPStoreOptions opts;
   opts.port = port;
-  opts.isServer = server;
+  opts.isServer = listen_fd >= 0;
+  if (listen_fd >= 0) opts.masterListenFd = listen_fd;
   opts.waitWorkers = false;  // we wait for the ranks ourselves, to name the one missing
   opts.timeout = std::chrono::milliseconds(timeout_ms);
   *out = new DflashStore{c10::make_intrusive<c10d::TCPStore>(host, opts)};
@@ -75,6 +78,20 @@ void dflash_c10d_bytes_free(uint8_t* data) { std::free(data); }
 int dflash_c10d_store_check(DflashStore* s, const char* key, bool* present, char* err, size_t err_len) {
   GUARD_BEGIN
   *present = s->store->check({std::string(key)});
+  GUARD_END
+}
+
+// Set `key` to `desired` if it holds `expected` (an empty `expected`: if it is unset); the value
+// it holds afterwards, malloc'ed (free with dflash_c10d_bytes_free).
+int dflash_c10d_store_compare_set(DflashStore* s, const char* key, const uint8_t* expected, size_t n_expected,
+                                  const uint8_t* desired, size_t n_desired, uint8_t** data, size_t* n, char* err,
+                                  size_t err_len) {
+  GUARD_BEGIN
+  auto v = s->store->compareSet(key, std::vector<uint8_t>(expected, expected + n_expected),
+                                std::vector<uint8_t>(desired, desired + n_desired));
+  *n = v.size();
+  *data = static_cast<uint8_t*>(std::malloc(v.size() ? v.size() : 1));
+  std::memcpy(*data, v.data(), v.size());
   GUARD_END
 }
 

@@ -12,7 +12,7 @@
 use std::{
     ffi::{c_char, c_int, c_void, CStr, CString},
     path::PathBuf,
-    sync::OnceLock,
+    sync::{Arc, OnceLock},
     time::Duration,
 };
 use tch::Tensor;
@@ -37,7 +37,7 @@ extern "C" {
     fn dflash_c10d_store_new(
         host: *const c_char,
         port: u16,
-        server: bool,
+        listen_fd: c_int,
         timeout_ms: i64,
         out: *mut *mut c_void,
         err: *mut c_char,
@@ -65,6 +65,19 @@ extern "C" {
         s: *mut c_void,
         key: *const c_char,
         present: *mut bool,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn dflash_c10d_store_compare_set(
+        s: *mut c_void,
+        key: *const c_char,
+        expected: *const u8,
+        n_expected: usize,
+        desired: *const u8,
+        n_desired: usize,
+        data: *mut *mut u8,
+        n: *mut usize,
         err: *mut c_char,
         len: usize,
     ) -> c_int;
@@ -123,77 +136,202 @@ fn cstr(s: &str) -> CString {
     CString::new(s.replace('\0', "")).expect("no NUL left")
 }
 
-/// A `TCPStore` client. Each thread that talks to the store while another does should have its
-/// own (calls on one client are serialised).
+/// A shim handle to a `TCPStore` client, freed when the last owner lets go (a call abandoned at its
+/// deadline keeps its own).
+struct RawStore(*mut c_void);
+
+// SAFETY: a TCPStore client is a socket plus a lock that serialises its calls; it may be used
+// from any thread.
+unsafe impl Send for RawStore {}
+unsafe impl Sync for RawStore {}
+
+impl Drop for RawStore {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from dflash_c10d_store_new and is freed once.
+        unsafe { dflash_c10d_store_free(self.0) }
+    }
+}
+
+/// What the shim's TCPStore may take beyond its own timeout before a call is given up (its own
+/// timeouts then speak first).
+const DEADLINE_MARGIN: Duration = Duration::from_secs(2);
+
+/// `f` on a thread of its own, given up after `deadline`: c10d's TCPStore client waits for an
+/// answer without a timeout everywhere but in `get`, so a peer that accepts the connection and
+/// never speaks (another program on the port, a stopped process) would hold the caller forever.
+/// A call given up is left to finish (or not) on its thread, which owns what it uses.
+fn bounded<T: Send + 'static>(
+    deadline: Duration,
+    silent: impl FnOnce() -> String,
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("c10d-store".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .map_err(|e| Error(format!("starting a store call: {e}")))?;
+    rx.recv_timeout(deadline).unwrap_or_else(|_| Err(Error(silent())))
+}
+
+/// A `TCPStore` client (rank 0's also serves the store). Every call has a deadline: the store's
+/// timeout (plus a little), whatever the peer does.
 pub struct Store {
-    raw: *mut c_void,
+    raw: Arc<RawStore>,
     host: String,
     port: u16,
     timeout: Duration,
 }
 
-// SAFETY: a TCPStore client is a socket plus a lock; it may move between threads.
-unsafe impl Send for Store {}
-
 impl Store {
-    /// Connect to the store at `host:port`, retrying up to `timeout`; with `server`, also serve it
-    /// (rank 0). Reads wait at most `timeout` for a key.
-    pub fn connect(host: &str, port: u16, server: bool, timeout: Duration) -> Result<Self> {
-        let mut raw = std::ptr::null_mut();
+    /// Connect to the store at `host:port`, retrying up to `timeout`. Reads wait at most `timeout`
+    /// for a key; every other call gets an answer within it or fails.
+    pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<Self> {
+        Self::open(host, port, -1, timeout)
+    }
+
+    /// Serve the store on `listener` (bound by the caller, on the address it chooses) and connect
+    /// to it; the store takes the socket over.
+    pub fn serve(listener: std::net::TcpListener, timeout: Duration) -> Result<Self> {
+        use std::os::fd::IntoRawFd;
+        let addr = listener.local_addr().map_err(|e| Error(format!("the store's socket: {e}")))?;
+        // Our own client connects where the socket listens (the loopback for "every interface").
+        let ip = match addr.ip() {
+            std::net::IpAddr::V4(ip) if ip.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::IpAddr::V6(ip) if ip.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+            ip => ip,
+        };
+        Self::open(&ip.to_string(), addr.port(), listener.into_raw_fd(), timeout)
+    }
+
+    fn open(host: &str, port: u16, listen_fd: c_int, timeout: Duration) -> Result<Self> {
         let h = cstr(host);
-        // SAFETY: plain arguments; the shim writes `raw` on success.
-        call(|e, l| unsafe {
-            dflash_c10d_store_new(h.as_ptr(), port, server, timeout.as_millis() as i64, &mut raw, e, l)
-        })?;
-        Ok(Self { raw, host: host.into(), port, timeout })
+        let shown = format!("{host}:{port}");
+        let raw = bounded(
+            timeout + DEADLINE_MARGIN,
+            || {
+                format!(
+                    "{shown} accepted the connection but did not answer as a c10d store within {} s (another program on that port?)",
+                    timeout.as_secs_f64()
+                )
+            },
+            move || {
+                let mut raw = std::ptr::null_mut();
+                // SAFETY: plain arguments; the shim writes `raw` on success and owns `listen_fd` from here.
+                call(|e, l| unsafe {
+                    dflash_c10d_store_new(h.as_ptr(), port, listen_fd, timeout.as_millis() as i64, &mut raw, e, l)
+                })?;
+                Ok(RawStore(raw))
+            },
+        )?;
+        Ok(Self { raw: Arc::new(raw), host: host.into(), port, timeout })
     }
 
     /// Another client of the same store (for a second thread).
     pub fn another(&self) -> Result<Self> {
-        Self::connect(&self.host, self.port, false, self.timeout)
+        Self::connect(&self.host, self.port, self.timeout)
+    }
+
+    /// `host:port` of the store.
+    pub fn address(&self) -> String {
+        format!("{}:{}", self.host, self.port)
+    }
+
+    /// `f` on the store within its deadline.
+    fn run<T: Send + 'static>(
+        &self,
+        what: &str,
+        f: impl FnOnce(*mut c_void, *mut c_char, usize) -> (c_int, T) + Send + 'static,
+    ) -> Result<T> {
+        let raw = Arc::clone(&self.raw);
+        let silent =
+            || format!("the store at {} did not answer {what} within {} s", self.address(), self.timeout.as_secs_f64());
+        bounded(self.timeout + DEADLINE_MARGIN, silent, move || {
+            let raw = raw;
+            let mut out = None;
+            call(|e, l| {
+                let (rc, v) = f(raw.0, e, l);
+                out = Some(v);
+                rc
+            })?;
+            Ok(out.expect("set by the call"))
+        })
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        let k = cstr(key);
-        // SAFETY: `value` is valid for its length during the call.
-        call(|e, l| unsafe { dflash_c10d_store_set(self.raw, k.as_ptr(), value.as_ptr(), value.len(), e, l) })
+        let (k, v) = (cstr(key), value.to_vec());
+        // SAFETY: `k` and `v` live for the call.
+        self.run("a write", move |s, e, l| {
+            (unsafe { dflash_c10d_store_set(s, k.as_ptr(), v.as_ptr(), v.len(), e, l) }, ())
+        })
     }
 
     /// The value of `key`, waiting for it up to the store's timeout.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         let k = cstr(key);
-        let (mut data, mut n) = (std::ptr::null_mut(), 0usize);
-        // SAFETY: the shim mallocs `n` bytes into `data` on success; copied, then freed by it.
-        call(|e, l| unsafe { dflash_c10d_store_get(self.raw, k.as_ptr(), &mut data, &mut n, e, l) })?;
-        let v = unsafe { std::slice::from_raw_parts(data, n) }.to_vec();
-        unsafe { dflash_c10d_bytes_free(data) };
-        Ok(v)
+        self.run("a read", move |s, e, l| {
+            let (mut data, mut n) = (std::ptr::null_mut(), 0usize);
+            // SAFETY: the shim mallocs `n` bytes into `data` on success; copied, then freed by it.
+            let rc = unsafe { dflash_c10d_store_get(s, k.as_ptr(), &mut data, &mut n, e, l) };
+            (rc, if rc == 0 { take_bytes(data, n) } else { Vec::new() })
+        })
     }
 
     /// Whether `key` is set, without waiting.
     pub fn check(&self, key: &str) -> Result<bool> {
         let k = cstr(key);
-        let mut present = false;
-        // SAFETY: plain arguments and one out-value.
-        call(|e, l| unsafe { dflash_c10d_store_check(self.raw, k.as_ptr(), &mut present, e, l) })?;
-        Ok(present)
+        self.run("a check", move |s, e, l| {
+            let mut present = false;
+            // SAFETY: plain arguments and one out-value.
+            let rc = unsafe { dflash_c10d_store_check(s, k.as_ptr(), &mut present, e, l) };
+            (rc, present)
+        })
     }
 
     /// Add to the counter `key` (0 if unset) and return its new value.
     pub fn add(&self, key: &str, value: i64) -> Result<i64> {
         let k = cstr(key);
-        let mut now = 0;
-        // SAFETY: plain arguments and one out-value.
-        call(|e, l| unsafe { dflash_c10d_store_add(self.raw, k.as_ptr(), value, &mut now, e, l) })?;
-        Ok(now)
+        self.run("an add", move |s, e, l| {
+            let mut now = 0;
+            // SAFETY: plain arguments and one out-value.
+            let rc = unsafe { dflash_c10d_store_add(s, k.as_ptr(), value, &mut now, e, l) };
+            (rc, now)
+        })
+    }
+
+    /// Set `key` to `desired` if it holds `expected` (an empty `expected`: if it is unset), in one
+    /// step on the server; returns the value `key` holds afterwards (`desired` when it was set).
+    pub fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
+        let (k, x, d) = (cstr(key), expected.to_vec(), desired.to_vec());
+        self.run("a compare-and-set", move |s, e, l| {
+            let (mut data, mut n) = (std::ptr::null_mut(), 0usize);
+            // SAFETY: as `get`; `x` and `d` live for the call.
+            let rc = unsafe {
+                dflash_c10d_store_compare_set(
+                    s,
+                    k.as_ptr(),
+                    x.as_ptr(),
+                    x.len(),
+                    d.as_ptr(),
+                    d.len(),
+                    &mut data,
+                    &mut n,
+                    e,
+                    l,
+                )
+            };
+            (rc, if rc == 0 { take_bytes(data, n) } else { Vec::new() })
+        })
     }
 }
 
-impl Drop for Store {
-    fn drop(&mut self) {
-        // SAFETY: `raw` came from dflash_c10d_store_new and is freed once.
-        unsafe { dflash_c10d_store_free(self.raw) }
-    }
+/// Copy and free bytes the shim malloc'ed.
+fn take_bytes(data: *mut u8, n: usize) -> Vec<u8> {
+    // SAFETY: `data` holds `n` bytes from the shim's malloc, freed once here.
+    let v = unsafe { std::slice::from_raw_parts(data, n) }.to_vec();
+    unsafe { dflash_c10d_bytes_free(data) };
+    v
 }
 
 /// Which c10d backend a group runs on.
@@ -246,22 +384,40 @@ impl ProcessGroup {
     ) -> Result<Self> {
         let p = cstr(prefix);
         let ms = timeout.as_millis() as i64;
-        let mut raw = std::ptr::null_mut();
-        match backend {
+        let raw = match backend {
             Backend::Gloo => {
-                // SAFETY: the store is alive for the call (the group keeps its own reference).
-                call(|e, l| unsafe {
-                    dflash_c10d_gloo_new(store.raw, p.as_ptr(), rank as c_int, world as c_int, ms, &mut raw, e, l)
-                })?;
+                /// The new group, handed back from the thread that made it.
+                struct Made(*mut c_void);
+                // SAFETY: a group not used yet; it moves to the caller's thread once.
+                unsafe impl Send for Made {}
+                let store_raw = Arc::clone(&store.raw);
+                let silent = || {
+                    format!(
+                        "making the Gloo group: the store at {} did not answer within {} s",
+                        store.address(),
+                        timeout.as_secs_f64()
+                    )
+                };
+                bounded(timeout + DEADLINE_MARGIN, silent, move || {
+                    let (store_raw, mut raw) = (store_raw, std::ptr::null_mut());
+                    // SAFETY: the store is alive for the call (the group keeps its own reference).
+                    call(|e, l| unsafe {
+                        dflash_c10d_gloo_new(store_raw.0, p.as_ptr(), rank as c_int, world as c_int, ms, &mut raw, e, l)
+                    })?;
+                    Ok(Made(raw))
+                })?
+                .0
             }
             Backend::Nccl => {
+                // Made on the calling thread (CUDA's current device is per thread); NCCL's own
+                // watchdog bounds what it waits for.
                 let new = nccl_library()?.new;
                 let mut backend_raw = std::ptr::null_mut();
                 // SAFETY: store_raw hands over a new reference, which the NCCL library takes;
                 // on success it returns one reference to the backend, which adopt takes.
                 call(|e, l| unsafe {
                     new(
-                        dflash_c10d_store_raw(store.raw),
+                        dflash_c10d_store_raw(store.raw.0),
                         p.as_ptr(),
                         rank as c_int,
                         world as c_int,
@@ -271,9 +427,10 @@ impl ProcessGroup {
                         l,
                     )
                 })?;
-                raw = unsafe { dflash_c10d_group_adopt(backend_raw, ms) };
+                // SAFETY: the reference the NCCL library returned, taken over once.
+                unsafe { dflash_c10d_group_adopt(backend_raw, ms) }
             }
-        }
+        };
         Ok(Self { raw, backend, rank, world })
     }
 
@@ -396,7 +553,12 @@ mod tests {
                 .map(|rank| {
                     let f = &f;
                     s.spawn(move || {
-                        let store = Store::connect("127.0.0.1", port, rank == 0, timeout).unwrap();
+                        let store = if rank == 0 {
+                            Store::serve(std::net::TcpListener::bind(("127.0.0.1", port)).unwrap(), timeout)
+                        } else {
+                            Store::connect("127.0.0.1", port, timeout)
+                        }
+                        .unwrap();
                         let mut pg = ProcessGroup::new(Backend::Gloo, &store, "test/", rank, world, timeout).unwrap();
                         f(rank, &mut pg, &store)
                     })
@@ -440,8 +602,8 @@ mod tests {
 
     #[test]
     fn the_store_reads_what_others_wrote_and_times_out_on_what_nobody_did() {
-        let port = free_port();
-        let server = Store::connect("127.0.0.1", port, true, Duration::from_millis(300)).unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let server = Store::serve(listener, Duration::from_millis(300)).unwrap();
         let client = server.another().unwrap();
         client.set("a", b"hello").unwrap();
         assert_eq!(server.get("a").unwrap(), b"hello");
@@ -451,13 +613,50 @@ mod tests {
         let err = client.get("b").unwrap_err();
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
         assert!(!err.0.contains('\n'), "{err}");
+        // Compare-and-set: the first claim wins, a second sees the first's value.
+        assert_eq!(client.compare_set("claim", b"", b"one").unwrap(), b"one");
+        assert_eq!(server.compare_set("claim", b"", b"two").unwrap(), b"one");
+        assert_eq!(server.compare_set("claim", b"one", b"two").unwrap(), b"two");
+    }
+
+    /// The store listens where its socket was bound: on the loopback, no other interface reaches it.
+    #[test]
+    fn a_store_served_on_the_loopback_listens_there_only() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let _server = Store::serve(listener, Duration::from_secs(5)).unwrap();
+        let sockets = std::fs::read_to_string("/proc/net/tcp").unwrap();
+        // Listening sockets (state 0A) on our port: local address 0100007F (127.0.0.1) only.
+        let listening: Vec<&str> = sockets
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(1).zip(l.split_whitespace().nth(3)))
+            .filter(|(local, state)| *state == "0A" && local.ends_with(&format!(":{port:04X}")))
+            .map(|(local, _)| local)
+            .collect();
+        assert_eq!(listening, vec![format!("0100007F:{port:04X}")]);
+        let tcp6 = std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
+        assert!(!tcp6.contains(&format!(":{port:04X} 00000000000000000000000000000000:0000 0A")), "{tcp6}");
+    }
+
+    /// A peer that accepts the connection and never answers (another program on the port): the
+    /// connection fails at the timeout, naming the address, and so does a call to a store that
+    /// stops answering.
+    #[test]
+    fn a_silent_peer_is_an_error_at_the_timeout_not_a_hang() {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = silent.local_addr().unwrap().port();
+        let held = std::thread::spawn(move || silent.incoming().take(1).collect::<Vec<_>>());
+        let t = std::time::Instant::now();
+        let err = Store::connect("127.0.0.1", port, Duration::from_secs(1)).err().expect("a silent peer");
+        assert!(t.elapsed() < Duration::from_secs(6), "{:?}", t.elapsed());
+        assert!(err.0.contains(&format!("127.0.0.1:{port}")) && err.0.contains("did not answer"), "{err}");
+        drop(held);
     }
 
     #[test]
     fn a_store_nobody_serves_is_an_error_after_the_timeout() {
         let t = std::time::Instant::now();
-        let err =
-            Store::connect("127.0.0.1", free_port(), false, Duration::from_millis(1500)).err().expect("no server");
+        let err = Store::connect("127.0.0.1", free_port(), Duration::from_millis(1500)).err().expect("no server");
         assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
         assert!(!err.0.is_empty());
     }

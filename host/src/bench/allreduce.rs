@@ -90,11 +90,12 @@ pub fn allreduce(registry: &Registry, config_path: &Path, bucket_mb: &[usize], i
                 master_addr: "127.0.0.1".into(),
                 master_port: port,
                 timeout: crate::dist::DEFAULT_TIMEOUT,
+                run_token: None,
             }
         }
     };
     let mut comm =
-        C10dCommunicator::connect(&env, device, &Identity { config: "bench".into(), build: "bench".into() })?;
+        C10dCommunicator::connect(&env, device, &Identity::new("bench".into(), "bench".into(), "bench".into()))?;
     let sync = || {
         if let Device::Cuda(i) = device {
             tch::Cuda::synchronize(i as i64);

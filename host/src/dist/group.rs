@@ -100,10 +100,6 @@ fn stopping_key(rank: usize) -> String {
     format!("dflash/stopping/{rank}")
 }
 
-fn hello_key(rank: usize) -> String {
-    format!("dflash/hello/{rank}")
-}
-
 /// The data-parallel communicator on c10d.
 pub struct C10dCommunicator {
     shared: Arc<Shared>,
@@ -111,64 +107,11 @@ pub struct C10dCommunicator {
 }
 
 impl C10dCommunicator {
-    /// Meet the other ranks through rank 0's store, check that they run the same thing, and make
-    /// the process group: Gloo when `device` is the CPU, NCCL on a CUDA device.
+    /// Meet the other ranks through rank 0's store (see `rendezvous`: this run's ranks, each
+    /// claimed once, with the same world, config and build), and make the process group: Gloo when `device` is the CPU, NCCL on a CUDA device.
     pub fn connect(env: &DistEnv, device: Device, identity: &Identity) -> Result<Self> {
         let (rank, world, timeout) = (env.rank, env.world, env.timeout);
-        let addr = format!("{}:{}", env.master_addr, env.master_port);
-        let store = Store::connect(&env.master_addr, env.master_port, rank == 0, timeout).map_err(|e| {
-            if rank == 0 {
-                anyhow!("rank 0: serving the rendezvous store on {addr}: {e}")
-            } else {
-                anyhow!(
-                    "rank 0 gone: rank {rank} could not reach its rendezvous store at {addr} within {} s: {e}",
-                    timeout.as_secs()
-                )
-            }
-        })?;
-        // 1. Everyone says who they are, then waits for everyone (naming who never came).
-        let hello = format!("world size {world}, config {}, build {}", identity.config, identity.build);
-        store.set(&hello_key(rank), hello.as_bytes()).map_err(|e| anyhow!("rank {rank}: rendezvous at {addr}: {e}"))?;
-        let deadline = Instant::now() + timeout;
-        loop {
-            let mut missing = Vec::new();
-            for r in 0..world {
-                if !store.check(&hello_key(r)).map_err(|e| anyhow!("rank {rank}: rendezvous at {addr}: {e}"))? {
-                    missing.push(r.to_string());
-                }
-            }
-            if missing.is_empty() {
-                break;
-            }
-            if Instant::now() > deadline {
-                let s = if missing.len() > 1 { "s" } else { "" };
-                bail!(
-                    "rank{s} {} did not join the rendezvous at {addr} within {} s (world size {world})",
-                    missing.join(", "),
-                    timeout.as_secs()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        // 2. The same world, config and build everywhere, or one line naming who differs. Rank 0
-        //    serves the store, so it waits until every rank has read before it may leave.
-        let rdv = |e: c10d::Error| anyhow!("rank {rank}: rendezvous at {addr}: {e}");
-        let hellos = (0..world)
-            .map(|r| store.get(&hello_key(r)).map(|v| String::from_utf8_lossy(&v).into_owned()))
-            .collect::<c10d::Result<Vec<_>>>()
-            .map_err(rdv)?;
-        store.add("dflash/checked", 1).map_err(rdv)?;
-        while rank == 0 && store.add("dflash/checked", 0).map_err(rdv)? < world as i64 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        if let Some((r, theirs)) = hellos.iter().enumerate().find(|(_, h)| *h != &hellos[0]) {
-            let diff = hellos[0]
-                .split(", ")
-                .zip(theirs.split(", "))
-                .find(|(a, b)| a != b)
-                .map_or_else(|| format!("`{theirs}` vs `{}`", hellos[0]), |(a, b)| format!("{b} vs {a} on rank 0"));
-            bail!("rank {r} differs from rank 0: {diff}; every rank must run the same build with the same config");
-        }
+        let (store, addr) = super::rendezvous::meet(env, identity)?;
         // 3. The group, and the heartbeat that names a rank that dies.
         let backend = if device == Device::Cpu { Backend::Gloo } else { Backend::Nccl };
         let group = ProcessGroup::new(backend, &store, "dflash/pg/", rank, world, timeout)

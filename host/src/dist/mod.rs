@@ -6,8 +6,9 @@
 //! Ranks meet through the launchers' environment (torchrun, Slurm, `train --nproc N`): `RANK`,
 //! `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`. The transport is libtorch's c10d
 //! (crates/c10d): a `TCPStore` served by rank 0 for the rendezvous, Gloo for CPU replicas, NCCL
-//! for CUDA ones. At the rendezvous the ranks compare their world size, config and build, and
-//! refuse to start with a line naming the rank that differs. A rank that dies or stops answering
+//! for CUDA ones. At the rendezvous (rendezvous.rs) each rank shows it belongs to this run and
+//! claims its rank once, and the ranks compare their world size, config and build, refusing to
+//! start with a line naming the rank and the config field that differ. A rank that dies or stops answering
 //! turns every other rank's next collective into an error naming it (each rank beats a counter
 //! in the store; the rank whose counter stopped is the one named), never a hang.
 
@@ -19,6 +20,7 @@ use plugin_api::{
 use std::time::Duration;
 
 mod group;
+mod rendezvous;
 pub use group::{C10dCommunicator, DEFAULT_BUCKET_BYTES};
 
 /// How long a collective or the rendezvous may wait for a peer (torch.distributed's default);
@@ -34,6 +36,10 @@ pub struct DistEnv {
     pub master_addr: String,
     pub master_port: u16,
     pub timeout: Duration,
+    /// What tells this run's ranks from another's at the rendezvous: `DFLASH_RUN_TOKEN`, else
+    /// torchrun's `TORCHELASTIC_RUN_ID` (not `none`); None: one is made from the experiment
+    /// folder.
+    pub run_token: Option<String>,
 }
 
 impl DistEnv {
@@ -75,6 +81,9 @@ impl DistEnv {
                 .parse()
                 .with_context(|| format!("MASTER_PORT=`{master_port}`: not a port"))?,
             timeout,
+            run_token: var("DFLASH_RUN_TOKEN")
+                .or_else(|| var("TORCHELASTIC_RUN_ID").filter(|id| id != "none"))
+                .filter(|t| !t.is_empty()),
         }))
     }
 }
@@ -87,12 +96,24 @@ pub fn set_nccl_defaults() {
     }
 }
 
-/// What ranks must agree on to train together, as hashes: the resolved config (without device
-/// placement, which is each rank's own) and the build (binary and plugin libraries).
+/// What ranks must agree on to train together: the resolved config (without device placement,
+/// which is each rank's own; its text, to name a field that differs, and its hash) and the build
+/// (a hash of the binary and plugin libraries); and the experiment folder, from which a run token
+/// is made when the launcher gives none.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Identity {
     pub config: String,
+    pub config_text: String,
     pub build: String,
+    pub experiment: String,
+}
+
+impl Identity {
+    pub fn new(config_text: String, build: String, experiment: String) -> Self {
+        use sha2::{Digest, Sha256};
+        let config = Sha256::digest(config_text.as_bytes()).iter().take(8).map(|b| format!("{b:02x}")).collect();
+        Self { config, config_text, build, experiment }
+    }
 }
 
 /// Collectives the trainer needs.
@@ -234,6 +255,37 @@ mod tests {
         std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
     }
 
+    fn env(rank: usize, world: usize, port: u16, timeout_s: u64) -> DistEnv {
+        DistEnv {
+            rank,
+            world,
+            local_rank: rank,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            timeout: Duration::from_secs(timeout_s),
+            run_token: Some("run".into()),
+        }
+    }
+
+    /// One process per `envs` entry, on threads, each connecting with `identity(i)` and running `f`.
+    fn processes<T: Send>(
+        envs: &[DistEnv],
+        identity: impl Fn(usize) -> Identity + Sync,
+        f: impl Fn(&mut C10dCommunicator) -> T + Sync,
+    ) -> Vec<Result<T>> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = envs
+                .iter()
+                .enumerate()
+                .map(|(i, env)| {
+                    let (f, identity) = (&f, &identity);
+                    s.spawn(move || C10dCommunicator::connect(env, Device::Cpu, &identity(i)).map(|mut c| f(&mut c)))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
     /// `world` ranks on threads, each connecting with `identity(rank)` and running `f`.
     fn ranks<T: Send>(
         world: usize,
@@ -241,29 +293,11 @@ mod tests {
         f: impl Fn(&mut C10dCommunicator) -> T + Sync,
     ) -> Vec<Result<T>> {
         let port = free_port();
-        std::thread::scope(|s| {
-            let handles: Vec<_> = (0..world)
-                .map(|rank| {
-                    let (f, identity) = (&f, &identity);
-                    s.spawn(move || {
-                        let env = DistEnv {
-                            rank,
-                            world,
-                            local_rank: rank,
-                            master_addr: "127.0.0.1".into(),
-                            master_port: port,
-                            timeout: Duration::from_secs(20),
-                        };
-                        C10dCommunicator::connect(&env, Device::Cpu, &identity(rank)).map(|mut c| f(&mut c))
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
-        })
+        processes(&(0..world).map(|r| env(r, world, port, 20)).collect::<Vec<_>>(), identity, f)
     }
 
     fn same(_: usize) -> Identity {
-        Identity { config: "c".into(), build: "b".into() }
+        Identity::new("seed = 1".into(), "b".into(), "exp".into())
     }
 
     /// Three ranks on Gloo: f64 sums, bucketed tensor sums (several buckets, mixed dtypes, a
@@ -312,35 +346,104 @@ mod tests {
     }
 
     /// A rank with another config is refused at the rendezvous, on every rank, in one line that
-    /// names it.
+    /// names it and the field that differs; another build, by its hash.
     #[test]
-    fn a_rank_with_another_config_is_named_at_the_rendezvous() {
-        let out =
-            ranks(3, |r| Identity { config: if r == 2 { "x".into() } else { "c".into() }, build: "b".into() }, |_| ());
+    fn a_rank_with_another_config_is_named_at_the_rendezvous_with_the_field() {
+        let config = |r: usize| format!("seed = 1\n[optimizer]\nlr = {}\n", if r == 2 { "0.01" } else { "0.003" });
+        let out = ranks(3, |r| Identity::new(config(r), "b".into(), "exp".into()), |_| ());
         for o in out {
             let e = format!("{:#}", o.unwrap_err());
-            assert!(e.starts_with("rank 2 differs from rank 0: config x vs config c on rank 0"), "{e}");
-            assert!(!e.contains('\n'), "{e}");
+            assert_eq!(
+                e,
+                "rank 2 differs from rank 0 in its config: optimizer.lr = 0.01 vs 0.003 on rank 0; every rank must run the same build with the same config"
+            );
+        }
+        let out = ranks(2, |r| Identity::new("seed = 1".into(), format!("b{r}"), "exp".into()), |_| ());
+        for o in out {
+            let e = format!("{:#}", o.unwrap_err());
+            assert!(e.starts_with("rank 1 differs from rank 0: build b1 vs build b0 on rank 0"), "{e}");
         }
     }
 
-    /// A rank that never comes: the others stop after the timeout, naming it.
+    /// A second process claiming a rank is refused at once, naming the rank and its holder; the
+    /// run goes on with the first.
     #[test]
-    fn a_missing_rank_is_named_after_the_timeout() {
+    fn a_second_claim_of_a_rank_is_refused_at_once_naming_the_holder() {
         let port = free_port();
-        let env = DistEnv {
-            rank: 0,
-            world: 2,
-            local_rank: 0,
-            master_addr: "127.0.0.1".into(),
-            master_port: port,
-            timeout: Duration::from_secs(2),
-        };
+        let envs = [env(0, 2, port, 20), env(1, 2, port, 20), env(1, 2, port, 20)];
         let t = Instant::now();
-        let e =
-            format!("{:#}", C10dCommunicator::connect(&env, Device::Cpu, &same(0)).err().expect("rank 1 never came"));
-        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+        // The run goes on a while (rank 0's store with it), as a training run does.
+        let out = processes(&envs, same, |c| {
+            std::thread::sleep(Duration::from_secs(3));
+            c.rank()
+        });
+        assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+        assert_eq!(out[0].as_ref().ok(), Some(&0));
+        let (ok, refused): (Vec<_>, Vec<_>) = out[1..].iter().partition(|o| o.is_ok());
+        assert_eq!(ok.len(), 1, "{out:?}");
+        let e = format!("{:#}", refused[0].as_ref().unwrap_err());
+        let holder = format!("pid {} on ", std::process::id());
+        assert!(e.starts_with("rank 1 is taken: ") && e.contains(&holder) && e.contains("own RANK"), "{e}");
+    }
+
+    /// A rank of another run (another token) that reaches this run's store is refused, and a
+    /// rank 0 whose port is taken names what holds it.
+    #[test]
+    fn a_rank_of_another_run_is_refused_and_a_taken_port_is_named() {
+        let port = free_port();
+        let mut stranger = env(1, 2, port, 2);
+        stranger.run_token = Some("another".into());
+        let mut twin = env(0, 2, port, 2);
+        twin.run_token = Some("another".into());
+        let out = processes(&[env(0, 2, port, 2), stranger], same, |_| ());
+        let e = format!("{:#}", out[1].as_ref().err().unwrap());
+        assert!(e.contains(&format!("the rendezvous store at 127.0.0.1:{port} serves another run")), "{e}");
+        let e = format!("{:#}", out[0].as_ref().err().unwrap());
         assert!(e.starts_with("rank 1 did not join the rendezvous"), "{e}");
+        // The port held by a program that is no store.
+        let held = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+        let e = format!("{:#}", C10dCommunicator::connect(&twin, Device::Cpu, &same(0)).err().unwrap());
+        assert!(e.contains(&format!("MASTER_PORT {port} on 127.0.0.1 is in use by another program")), "{e}");
+        drop(held);
+    }
+
+    /// The sockets listening on `port`, by local address as /proc/net/tcp and tcp6 write it
+    /// (`0100007F:PORT` is 127.0.0.1, all zeros every interface).
+    fn listening_on(port: u16) -> Vec<String> {
+        let mut found = Vec::new();
+        for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+            for line in std::fs::read_to_string(table).unwrap_or_default().lines().skip(1) {
+                let cols: Vec<&str> = line.split_whitespace().collect();
+                if cols.len() > 3 && cols[3] == "0A" && cols[1].ends_with(&format!(":{port:04X}")) {
+                    found.push(cols[1].to_string());
+                }
+            }
+        }
+        found
+    }
+
+    /// A rank that never comes: the others stop after the timeout, naming it. Meanwhile rank 0,
+    /// with MASTER_ADDR 127.0.0.1 or localhost, serves its store on the loopback only.
+    #[test]
+    fn a_missing_rank_is_named_after_the_timeout_and_the_store_listens_where_master_addr_says() {
+        for addr in ["127.0.0.1", "localhost"] {
+            let mut env = env(0, 2, free_port(), 2);
+            env.master_addr = addr.into();
+            let port = env.master_port;
+            let t = Instant::now();
+            let (e, listening) = std::thread::scope(|s| {
+                let rank0 = s.spawn(|| C10dCommunicator::connect(&env, Device::Cpu, &same(0)).err());
+                let mut listening = Vec::new();
+                while listening.is_empty() && !rank0.is_finished() {
+                    listening = listening_on(port);
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                (format!("{:#}", rank0.join().unwrap().expect("rank 1 never came")), listening)
+            });
+            assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+            assert!(e.starts_with("rank 1 did not join the rendezvous"), "{e}");
+            assert_eq!(listening, vec![format!("0100007F:{port:04X}")], "MASTER_ADDR {addr}");
+        }
     }
 
     #[test]

@@ -62,19 +62,58 @@ fn template(kind: &str) -> Result<Template> {
     })
 }
 
+/// Rust's keywords (strict and reserved, all editions): none can name a crate.
+const KEYWORDS: &[&str] = &[
+    "abstract", "as", "async", "await", "become", "box", "break", "const", "continue", "crate", "do", "dyn", "else",
+    "enum", "extern", "false", "final", "fn", "for", "gen", "if", "impl", "in", "let", "loop", "macro", "match", "mod",
+    "move", "mut", "override", "priv", "pub", "ref", "return", "self", "static", "struct", "super", "trait", "true",
+    "try", "type", "typeof", "unsafe", "unsized", "use", "virtual", "where", "while", "yield",
+];
+
+/// The crates of Rust's standard distribution, which a crate of the same name would shadow.
+const STANDARD_CRATES: &[&str] = &["std", "core", "alloc", "proc_macro", "test"];
+
+/// Why `name` cannot name the new crate and plugin, if it cannot: not a crate name, a keyword, a
+/// standard crate, or a dependency of the template (`cargo_toml`'s), which it would shadow.
+fn refuse_name(name: &str, cargo_toml: &str) -> Option<String> {
+    let valid = name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !valid {
+        return Some("use lowercase letters, digits and `_`, starting with a letter".into());
+    }
+    if KEYWORDS.contains(&name) {
+        return Some("a Rust keyword, which cannot name a crate".into());
+    }
+    if STANDARD_CRATES.contains(&name) {
+        return Some(format!("the name of Rust's `{name}` crate, which the plugin's crate would shadow"));
+    }
+    let deps = cargo_toml.parse::<toml::Table>().ok()?;
+    let deps = deps.get("dependencies")?.as_table()?;
+    deps.keys()
+        .find(|d| d.replace('-', "_") == name)
+        .map(|d| format!("the name of `{d}`, a crate the plugin depends on, which its own crate would shadow"))
+}
+
 /// The line of a template that names its plugin (`PluginInfo::new(PLUGIN_NAME, ..)` reads it).
 fn plugin_name_line(name: &str) -> String {
     format!("const PLUGIN_NAME: &str = \"{name}\";")
 }
 
+/// "a" or "an" before `word`.
+fn article(word: &str) -> &'static str {
+    if word.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    }
+}
+
 pub fn run(args: NewArgs) -> Result<ExitCode> {
     let name = &args.name;
-    let valid = name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
-        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if !valid {
-        bail!("plugin name `{name}`: use lowercase letters, digits and `_`, starting with a letter");
-    }
     let t = template(&args.kind)?;
+    if let Some(why) = refuse_name(name, t.cargo_toml) {
+        bail!("plugin name `{name}`: {why}; choose another");
+    }
     let out = args.out.clone().unwrap_or_else(|| PathBuf::from(name));
     if out.exists() && std::fs::read_dir(&out).map(|mut d| d.next().is_some()).unwrap_or(true) {
         bail!("--out {}: exists and is not an empty folder", out.display());
@@ -104,11 +143,27 @@ pub fn run(args: NewArgs) -> Result<ExitCode> {
     std::fs::write(out.join("src/lib.rs"), rename(t.lib_rs))
         .with_context(|| format!("writing {}", out.join("src/lib.rs").display()))?;
     std::fs::write(out.join(".gitignore"), "target/\nCargo.lock\n")?;
-    crate::say!("wrote a {} plugin `{name}` to {}", args.kind, out.display());
+    crate::say!("wrote {} {} plugin `{name}` to {}", article(&args.kind), args.kind, out.display());
     crate::say!(
         "next: (cd {} && cargo build --release), then dflash-host plugins check {}/target/release/lib{name}.so",
         out.display(),
         out.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_that_cannot_be_a_crate_or_would_shadow_one_are_refused_with_the_reason() {
+        let toml = template("optimizer").unwrap().cargo_toml;
+        assert_eq!(refuse_name("my_sgd", toml), None);
+        assert!(refuse_name("Sgd", toml).unwrap().contains("lowercase"));
+        assert!(refuse_name("self", toml).unwrap().contains("keyword"));
+        assert!(refuse_name("std", toml).unwrap().contains("Rust's `std` crate"));
+        assert!(refuse_name("plugin_api", toml).unwrap().contains("`plugin-api`, a crate the plugin depends on"));
+        assert_eq!((article("optimizer"), article("data"), article("target")), ("an", "a", "a"));
+    }
 }
