@@ -134,7 +134,7 @@ fn export_then_import(extra: &str) -> serde_json::Value {
 
 /// The export loads with transformers' `AutoModel` (`trust_remote_code`: the `dflash.py` it ships)
 /// and computes what our drafter computes, a sliding-window layer and GQA included:
-/// scripts/check_dflash_py.py runs it on inputs and the output ours gave, written here. Needs a
+/// scripts/test/check_dflash_py.py runs it on inputs and the output ours gave, written here. Needs a
 /// Python with torch and transformers (`DFLASH_PYTHON`, else `python3`); without one the test
 /// says so and passes.
 #[test]
@@ -172,7 +172,7 @@ fn automodel_loads_the_export_and_matches_our_forward() {
     )
     .unwrap();
     let run = std::process::Command::new(&python)
-        .arg(common::root().join("scripts/check_dflash_py.py"))
+        .arg(common::root().join("scripts/test/check_dflash_py.py"))
         .arg(&out)
         .arg(&reference)
         .env("HF_HUB_OFFLINE", "1")
@@ -180,7 +180,7 @@ fn automodel_loads_the_export_and_matches_our_forward() {
         .output()
         .unwrap();
     let said = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
-    assert!(run.status.success(), "{python} scripts/check_dflash_py.py: {said}");
+    assert!(run.status.success(), "{python} scripts/test/check_dflash_py.py: {said}");
     eprintln!("{}", said.trim());
 }
 

@@ -3,7 +3,7 @@
 what dflash-host's drafter gave on the same inputs.
 
 Usage:
-  python3 scripts/check_dflash_py.py EXPORT_DIR REFERENCE.safetensors
+  python3 scripts/test/check_dflash_py.py EXPORT_DIR REFERENCE.safetensors
 
 EXPORT_DIR is what `dflash-host export` wrote (config.json, model.safetensors, dflash.py).
 REFERENCE holds `target_hidden` [B, S, n*H], `block_embeds` [B, A*Bk, H], `anchors` [B, A]
