@@ -663,3 +663,330 @@ fn a_silent_master_port_and_a_differing_config_are_one_line_each_within_the_time
         );
     }
 }
+
+/// An experiment made without training, as `train` lays one out: config.toml, a manifest, and
+/// checkpoints step-1 and step-2 of a tiny DFlash drafter (z-lab config.json and weights) for the
+/// tiny test target. Seconds faster than a run, for the commands that only read checkpoints.
+fn made_experiment(dir: &Path) {
+    use plugin_api::{
+        tch::{Device, Kind},
+        Drafter,
+    };
+    use test_support::TinySpec;
+    let section: drafter_dflash::DrafterSection =
+        plugin_api::parse_section("num_hidden_layers = 1\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63")
+            .unwrap();
+    let cfg = section.resolve(&plugin_api::TargetSpec::tiny()).unwrap();
+    let d = drafter_dflash::DFlashPlugin::new(&cfg, Device::Cpu, Kind::Float);
+    let manifest = serde_json::json!({
+        "host_version": "test", "git_revision": "test", "command_line": [], "started_at_unix": 0, "seed": 1,
+        "device": "cpu", "dtype": "f32", "build_id": "test", "plugins": [],
+        "target_source": "/nowhere/models--Org--Tiny-Model/snapshots/abc", "target_sha256": "00", "config_dir": "/nowhere",
+    });
+    let exp = dflash_host::experiment::Experiment::create(dir, "name = \"made\"\n", &manifest).unwrap();
+    for step in [1, 2] {
+        exp.save_checkpoint(
+            step,
+            &d.parameters(),
+            d.config_json().as_str(),
+            &[],
+            &serde_json::json!({"step": step}),
+            2,
+        )
+        .unwrap();
+    }
+}
+
+fn export_cmd(exp: &Path, out: &Path, extra: &[&str]) -> Command {
+    let mut cmd = host();
+    cmd.args(["export", "--exp-dir"]).arg(exp).arg("--out").arg(out).args(extra);
+    cmd
+}
+
+/// `export --out` holding the experiment (its parent folder, with `--force`) once deleted it and
+/// everything beside it; `compare --out EXP` wrote into an experiment. Every command that writes
+/// an output refuses one that is an experiment, lies inside one or holds one, before any work,
+/// `--force` or not, and leaves every file as it was.
+#[test]
+fn no_command_writes_into_or_deletes_a_folder_that_holds_an_experiment() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let (run1, run2) = (root.join("experiments/run1"), root.join("experiments/run2"));
+    made_experiment(&run1);
+    made_experiment(&run2);
+    std::fs::write(root.join("experiments/notes.txt"), "mine").unwrap();
+    std::os::unix::fs::symlink(&run2, root.join("link")).unwrap();
+    let before = snapshot(root);
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec!["--out".into(), root.join("experiments").display().to_string(), "--force".into()],
+            "holds the experiment",
+        ),
+        (vec!["--out".into(), root.display().to_string(), "--force".into()], "holds the experiment"),
+        (vec!["--out".into(), run2.display().to_string(), "--force".into()], "is an experiment folder"),
+        (vec!["--out".into(), run1.join("zlab").display().to_string()], "lies inside the experiment"),
+        (
+            vec!["--out".into(), root.join("experiments/run1/../run2").display().to_string(), "--force".into()],
+            "is an experiment folder",
+        ),
+        (vec!["--out".into(), root.join("link").display().to_string(), "--force".into()], "is an experiment folder"),
+    ];
+    for (args, why) in cases {
+        let mut cmd = host();
+        cmd.args(["export", "--exp-dir"]).arg(&run1).args(&args);
+        let line = refused(cmd.output().unwrap());
+        assert!(line.contains(why) && line.contains("--out"), "export {args:?}: {line}");
+    }
+    // The other commands with an output, each refused before it reads its config or trains.
+    let missing = root.join("absent.toml").display().to_string();
+    let s = |p: &Path| p.display().to_string();
+    let commands: Vec<Vec<String>> = vec![
+        vec!["compare".into(), s(&run1), s(&run2), "--out".into(), s(&run2)],
+        vec!["compare".into(), s(&run1), "--out".into(), s(&root.join("experiments"))],
+        vec![
+            "capture".into(),
+            "--config".into(),
+            s(&common::root().join("configs/tiny.toml")),
+            "--out".into(),
+            s(&run1.join("features")),
+        ],
+        vec![
+            "distill".into(),
+            "--config".into(),
+            s(&common::root().join("configs/tiny.toml")),
+            "--out".into(),
+            s(&run1.join("metrics.jsonl")),
+        ],
+        vec!["ab".into(), "--config".into(), missing, "--out".into(), s(&run1)],
+        vec![
+            "plugins".into(),
+            "new".into(),
+            "mine".into(),
+            "--kind".into(),
+            "optimizer".into(),
+            "--out".into(),
+            s(&run1.join("mine")),
+        ],
+        vec!["bench".into(), "attention".into(), "--json".into(), s(&run1.join("bench.json"))],
+    ];
+    for args in commands {
+        let line = refused(host().args(&args).output().unwrap());
+        assert!(line.contains("experiment"), "{args:?}: {line}");
+    }
+    assert!(snapshot(root) == before, "a refused command changed a file");
+    // Beside the experiments, export works (and a second one replaces the first with --force).
+    let zlab = root.join("zlab");
+    for extra in [&[][..], &["--force"]] {
+        let out = export_cmd(&run1, &zlab, extra).output().unwrap();
+        let printed = String::from_utf8_lossy(&out.stdout).to_string();
+        ok(out);
+        // It prints the lines that serve the export from where it is, with the hub name of the
+        // target (its folder lay in a hub cache), for a target whose layout is unknown here.
+        let at = zlab.canonicalize().unwrap().display().to_string();
+        for want in [
+            format!("--speculative-draft-model-path {at}"),
+            "--model-path Org/Tiny-Model".into(),
+            format!("vllm serve Org/Tiny-Model \\\n  --speculative-config '{{\"method\": \"dflash\", \"model\": \"{at}\", \"num_speculative_tokens\": 3}}'"),
+            "--attention-backend flash_attn".into(),
+            "--mamba-scheduler-strategy extra_buffer".into(),
+        ] {
+            assert!(printed.contains(&want), "{want:?} not in:\n{printed}");
+        }
+        assert!(!printed.contains("```"), "{printed}");
+    }
+    assert_eq!(names(&zlab), ["README.md", "config.json", "dflash.py", "model.safetensors"]);
+    assert_eq!(names(root), ["experiments", "link", "zlab"]);
+}
+
+/// A kill -9 between the two renames an export once made to replace `--out` left it missing (the
+/// old export in `.out.replaced-PID`, the new one in `.out.export-PID`). The swap is now one
+/// rename; where a file system cannot swap, what such a kill leaves is put back by the next
+/// export to the same `--out`.
+#[test]
+fn what_a_killed_export_leaves_is_put_back_by_the_next() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = dir.path().join("exp");
+    made_experiment(&exp);
+    let zlab = dir.path().join("zlab");
+    ok(export_cmd(&exp, &zlab, &["--checkpoint", "1"]).output().unwrap());
+    let old = std::fs::read(zlab.join("README.md")).unwrap();
+    std::fs::rename(&zlab, dir.path().join(".zlab.replaced-2147483646")).unwrap();
+    std::fs::create_dir(dir.path().join(".zlab.export-2147483646")).unwrap();
+    std::fs::write(dir.path().join(".zlab.export-2147483646/config.json"), "{").unwrap();
+    // Without --force the export put back is kept, whole.
+    let err = String::from_utf8_lossy(&export_cmd(&exp, &zlab, &[]).output().unwrap().stderr).to_string();
+    assert!(err.contains("put back the export") && err.contains("exists and is not empty"), "{err}");
+    assert_eq!(std::fs::read(zlab.join("README.md")).unwrap(), old);
+    assert_eq!(names(dir.path()), ["exp", "zlab"]);
+    ok(export_cmd(&exp, &zlab, &["--force"]).output().unwrap());
+    assert!(String::from_utf8_lossy(&std::fs::read(zlab.join("README.md")).unwrap()).contains("step 2 of"));
+    assert_eq!(names(dir.path()), ["exp", "zlab"]);
+}
+
+/// Rewrite `file`'s safetensors header text with `edit` (the data untouched) and record the file's new
+/// CRC-32C in the checkpoint's checksums.json, as a careful tamperer would.
+fn tamper(ckpt: &Path, file: &str, edit: impl Fn(String) -> String) {
+    let path = ckpt.join(file);
+    let bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = edit(String::from_utf8(bytes[8..8 + n].to_vec()).unwrap());
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(&path, &out).unwrap();
+    recompute_checksum(ckpt, file);
+}
+
+fn recompute_checksum(ckpt: &Path, file: &str) {
+    let crc = crc32c::crc32c(&std::fs::read(ckpt.join(file)).unwrap());
+    let sums = ckpt.join("checksums.json");
+    let mut s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&sums).unwrap()).unwrap();
+    s[file] = format!("{crc:08x}").into();
+    std::fs::write(&sums, s.to_string()).unwrap();
+}
+
+/// Checkpoints whose checksums were recomputed after tampering were accepted: F32 weights
+/// relabelled I32 by eval, export and resume; a transposed `fc.weight`, a config.json with sizes
+/// of 2^40, NaN weights and a tensor name given twice by export. Each is refused now, in one line
+/// naming the file, the tensor and what was expected; a resume passes over it, saying so.
+#[test]
+fn a_tampered_checkpoint_with_recomputed_checksums_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = dir.path().join("exp");
+    let ckpt = exp.join("checkpoints/step-2");
+    let zlab = dir.path().join("zlab");
+    let pristine = dir.path().join("pristine");
+    made_experiment(&exp);
+    std::fs::create_dir(&pristine).unwrap();
+    for f in std::fs::read_dir(&ckpt).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), pristine.join(f.file_name())).unwrap();
+    }
+    let restore = || {
+        for f in std::fs::read_dir(&pristine).unwrap() {
+            let f = f.unwrap();
+            std::fs::copy(f.path(), ckpt.join(f.file_name())).unwrap();
+        }
+    };
+    let model = ckpt.join("model.safetensors").display().to_string();
+    let header = |h: &str| serde_json::from_str::<serde_json::Value>(h).unwrap();
+    let relabel = |h: String| {
+        let mut v = header(&h);
+        v["fc.weight"]["dtype"] = "I32".into(); // 4 bytes an element, as F32: the offsets still fit
+        v.to_string()
+    };
+    let transpose = |h: String| {
+        let mut v = header(&h);
+        let shape = v["fc.weight"]["shape"].as_array().unwrap().clone();
+        v["fc.weight"]["shape"] = serde_json::json!([shape[1], shape[0]]);
+        v.to_string()
+    };
+    let twice = |h: String| {
+        // `fc.weight` named again at the end: a JSON parser keeps one of the two silently.
+        let v = header(&h);
+        let text = v.to_string();
+        format!("{},\"fc.weight\":{}}}", &text[..text.len() - 1], v["fc.weight"])
+    };
+    type Case<'a> = (&'a str, Box<dyn Fn() + 'a>, Vec<String>);
+    let cases: Vec<Case> = vec![
+        (
+            "F32 relabelled I32",
+            Box::new(|| tamper(&ckpt, "model.safetensors", relabel)),
+            vec![model.clone(), "tensor `fc.weight` is I32; a drafter's weights are floating-point".into()],
+        ),
+        (
+            "fc.weight transposed",
+            Box::new(|| tamper(&ckpt, "model.safetensors", transpose)),
+            vec![model.clone(), "tensor `fc.weight` has shape [96, 32], the drafter declares [32, 96]".into()],
+        ),
+        (
+            "a name twice",
+            Box::new(|| tamper(&ckpt, "model.safetensors", twice)),
+            vec![model.clone(), "tensor name `fc.weight` appears twice".into()],
+        ),
+        (
+            "NaN weights",
+            Box::new(|| {
+                let path = ckpt.join("model.safetensors");
+                let mut bytes = std::fs::read(&path).unwrap();
+                let n = bytes.len();
+                bytes[n - 4..].copy_from_slice(&f32::NAN.to_le_bytes());
+                std::fs::write(&path, bytes).unwrap();
+                recompute_checksum(&ckpt, "model.safetensors");
+            }),
+            vec![model.clone(), "non-finite values".into()],
+        ),
+        (
+            "sizes of 2^40",
+            Box::new(|| {
+                let path = ckpt.join("config.json");
+                let text = std::fs::read_to_string(&path)
+                    .unwrap()
+                    .replace("\"hidden_size\": 32", "\"hidden_size\": 1099511627776");
+                std::fs::write(&path, text).unwrap();
+                recompute_checksum(&ckpt, "config.json");
+            }),
+            vec![
+                ckpt.join("config.json").display().to_string(),
+                "field `hidden_size`: 1099511627776: must be in 1..=1048576".into(),
+            ],
+        ),
+    ];
+    for (what, make, want) in cases {
+        restore();
+        make();
+        let line = refused(export_cmd(&exp, &zlab, &["--checkpoint", "2"]).output().unwrap());
+        for w in &want {
+            assert!(line.contains(w.as_str()), "{what}: export: {w:?} not in {line}");
+        }
+        assert!(!zlab.exists(), "{what}: exported");
+    }
+    // eval reads checkpoints through the same finder: the relabelled one is refused before any
+    // model loads, and the newest that reads is used when none is named.
+    restore();
+    tamper(&ckpt, "model.safetensors", relabel);
+    let mut eval = host();
+    eval.args(["eval", "--checkpoint", "2", "--exp-dir"]).arg(&exp);
+    let line = refused(eval.output().unwrap());
+    assert!(line.contains("checkpoint step-2 is not usable") && line.contains("is I32"), "{line}");
+    let err = ok(export_cmd(&exp, &zlab, &[]).output().unwrap());
+    assert!(err.contains("skipping checkpoint step-2") && err.contains("is I32"), "{err}");
+    assert!(String::from_utf8_lossy(&std::fs::read(zlab.join("README.md")).unwrap()).contains("step 1 of"));
+}
+
+/// With `checkpoint_every = 1, keep_checkpoints = 1` training removes each checkpoint a step
+/// after writing it: eval failed 3 of 3 and export 1 of 8 with "no such file" when the one they
+/// chose went between their check and their read (eval loads the target in between). They open
+/// its files once and read from those handles now, and take the newest again if it goes before
+/// they are open, so neither fails for it.
+#[test]
+fn eval_and_export_while_training_prunes_every_step_never_fail() {
+    common::require_model();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    let text = config().replace("keep_checkpoints = 3", "keep_checkpoints = 1").replace("steps = 30", "steps = 2000");
+    std::fs::write(&cfg, text).unwrap();
+    let exp = dir.path().join("exp");
+    let mut train =
+        fresh(&cfg, &exp, &[]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while dflash_host::experiment::checkpoint::list(&exp).is_empty() {
+        assert!(Instant::now() < deadline, "training wrote no checkpoint");
+        assert!(train.try_wait().unwrap().is_none(), "training stopped");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut eval = host();
+    eval.args(["eval", "--limit", "1", "--max-new-tokens", "4", "--exp-dir"]).arg(&exp);
+    let eval = eval.output().unwrap();
+    let zlab = dir.path().join("zlab");
+    let exports: Vec<Output> = (0..8).map(|_| export_cmd(&exp, &zlab, &["--force"]).output().unwrap()).collect();
+    let still_training = train.try_wait().unwrap().is_none();
+    train.kill().unwrap();
+    train.wait().unwrap();
+    assert!(still_training, "training ended before the readers did: nothing was pruned under them");
+    ok(eval);
+    for out in exports {
+        ok(out);
+    }
+    assert_eq!(names(&zlab), ["README.md", "config.json", "dflash.py", "model.safetensors"]);
+}

@@ -33,18 +33,16 @@ fn export_then_import_keeps_sliding_window_layers() {
     assert_eq!((json["sliding_window"].as_u64(), json["use_sliding_window"].as_bool()), (Some(5), Some(true)));
 }
 
-/// Export a 2-layer drafter (`extra` added to its section), read it back, compare outputs; the
-/// exported config.json.
-fn export_then_import(extra: &str) -> serde_json::Value {
-    let spec = TargetSpec::tiny();
+/// A 2-layer drafter for the tiny target (`extra` added to its section) whose f32 weights are
+/// bf16-exact, so the bf16 export holds them exactly; its config.
+fn bf16_exact_drafter(extra: &str) -> (DFlashPlugin, drafter_dflash::config::DFlashConfig) {
     let section: DrafterSection = plugin_api::parse_section(&format!(
         "num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63\n{extra}"
     ))
     .unwrap();
-    let cfg = section.resolve(&spec).unwrap();
+    let cfg = section.resolve(&TargetSpec::tiny()).unwrap();
     plugin_api::tch::manual_seed(1);
     let a = DFlashPlugin::new(&cfg, Device::Cpu, Kind::Float);
-    // Round the weights to bf16 so the bf16 export is exact.
     plugin_api::tch::no_grad(|| {
         for p in a.parameters().iter() {
             let mut t = p.tensor.tensor();
@@ -52,6 +50,24 @@ fn export_then_import(extra: &str) -> serde_json::Value {
             let _ = t.copy_(&t.to_kind(Kind::BFloat16).to_kind(Kind::Float));
         }
     });
+    (a, cfg)
+}
+
+/// Inputs for the tiny drafter: 2 sequences of 10 context positions, 2 blocks of 4 each.
+fn tiny_input() -> DraftInput {
+    DraftInput {
+        target_hidden: TensorHandle::new(Tensor::randn([2, 10, 96], (Kind::Float, Device::Cpu))),
+        block_embeds: TensorHandle::new(Tensor::randn([2, 8, 32], (Kind::Float, Device::Cpu))),
+        anchors: TensorHandle::new(Tensor::from_slice(&[2i64, 6, 1, 9]).view([2, 2])),
+        anchor_valid: TensorHandle::new(Tensor::ones([2, 2], (Kind::Bool, Device::Cpu))),
+    }
+}
+
+/// Export a 2-layer drafter (`extra` added to its section), read it back, compare outputs; the
+/// exported config.json.
+fn export_then_import(extra: &str) -> serde_json::Value {
+    let spec = TargetSpec::tiny();
+    let (a, cfg) = bf16_exact_drafter(extra);
     let dir = tempfile::tempdir().unwrap();
     let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
     let ckpt =
@@ -100,14 +116,8 @@ fn export_then_import(extra: &str) -> serde_json::Value {
     let mut b = DFlashPlugin::new(&cfg_b, Device::Cpu, Kind::Float);
     b.load(weights.into()).unwrap();
 
-    let input = || DraftInput {
-        target_hidden: TensorHandle::new(Tensor::randn([2, 10, 96], (Kind::Float, Device::Cpu))),
-        block_embeds: TensorHandle::new(Tensor::randn([2, 8, 32], (Kind::Float, Device::Cpu))),
-        anchors: TensorHandle::new(Tensor::from_slice(&[2i64, 6, 1, 9]).view([2, 2])),
-        anchor_valid: TensorHandle::new(Tensor::ones([2, 2], (Kind::Bool, Device::Cpu))),
-    };
     plugin_api::tch::manual_seed(3);
-    let x = input();
+    let x = tiny_input();
     let mut a = a;
     let ya = a.forward(&x).unwrap().into_tensor();
     let yb = b.forward(&x).unwrap().into_tensor();
@@ -120,6 +130,58 @@ fn export_then_import(extra: &str) -> serde_json::Value {
     let err = read_zlab(&out, &other).unwrap_err().to_string();
     assert!(err.contains("hidden_size 32 does not fit the target's 64"), "{err}");
     json
+}
+
+/// The export loads with transformers' `AutoModel` (`trust_remote_code`: the `dflash.py` it ships)
+/// and computes what our drafter computes, a sliding-window layer and GQA included:
+/// scripts/test/check_dflash_py.py runs it on inputs and the output ours gave, written here. Needs a
+/// Python with torch and transformers (`DFLASH_PYTHON`, else `python3`); without one the test
+/// says so and passes.
+#[test]
+fn automodel_loads_the_export_and_matches_our_forward() {
+    let python = match common::python_with(&["torch", "transformers", "safetensors"]) {
+        Ok(p) => p,
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+    let (mut a, _) = bf16_exact_drafter(
+        "num_attention_heads = 4\nnum_key_value_heads = 2\nhead_dim = 8\n\
+         layer_types = [\"sliding_attention\", \"full_attention\"]\nsliding_window = 5",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
+    let ckpt =
+        exp.save_checkpoint(7, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
+    let out = dir.path().join("zlab");
+    export::export(&ckpt, &out, false).unwrap();
+    assert!(out.join("dflash.py").is_file());
+    plugin_api::tch::manual_seed(3);
+    let x = tiny_input();
+    let hidden = a.forward(&x).unwrap().into_tensor().detach();
+    let reference = dir.path().join("reference.safetensors");
+    Tensor::write_safetensors(
+        &[
+            ("target_hidden", &x.target_hidden.tensor()),
+            ("block_embeds", &x.block_embeds.tensor()),
+            ("anchors", &x.anchors.tensor()),
+            ("hidden", &hidden),
+        ],
+        &reference,
+    )
+    .unwrap();
+    let run = std::process::Command::new(&python)
+        .arg(common::root().join("scripts/test/check_dflash_py.py"))
+        .arg(&out)
+        .arg(&reference)
+        .env("HF_HUB_OFFLINE", "1")
+        .env("HF_MODULES_CACHE", dir.path().join("hf_modules"))
+        .output()
+        .unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{python} scripts/test/check_dflash_py.py: {said}");
+    eprintln!("{}", said.trim());
 }
 
 /// `init_from` refuses a config.json field the drafter does not honour, in one line that names

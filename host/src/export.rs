@@ -1,161 +1,117 @@
 //! `dflash-host export`: a checkpoint as a z-lab format drafter (the DFlash paper: config.json +
-//! model.safetensors in bf16, no embedding / LM head), which SGLang and vLLM serve and which
-//! `[drafter] init_from = DIR` reads back. The config is the one the drafter trained with: its
-//! `max_position_embeddings`, `rope_theta` and `rope_scaling` are the target's (the drafter took
-//! them from the target when the run started), `layer_types` and `sliding_window` the layers'.
+//! model.safetensors in bf16, no embedding / LM head), which SGLang and vLLM serve, which
+//! `[drafter] init_from = DIR` reads back, and which transformers loads with
+//! `AutoModel.from_pretrained(DIR, trust_remote_code=True)` through the `dflash.py` it ships
+//! (the file `auto_map` names; written for this project, see docs/SERVING.md). The config is the
+//! one the drafter trained with: its `max_position_embeddings`, `rope_theta` and `rope_scaling`
+//! are the target's (the drafter took them from the target when the run started), `layer_types`
+//! and `sliding_window` the layers'. A README.md model card says how to serve it ([`card`]).
 //!
-//! The checkpoint is verified first (the finder every reader uses); the folder is written under
-//! a temporary name and renamed, so `--out` holds a whole export or none; `--out` may not lie
-//! inside the experiment (a checkpoint folder would be overwritten) nor be a non-empty folder
-//! unless `--force`.
+//! The checkpoint is opened and verified first (the finder every reader uses), and every tensor
+//! checked against the shapes its config.json implies. `--out` goes through the output guard (no
+//! experiment in it, around it, or under it, `--force` or not), may be a non-empty folder only
+//! with `--force`, and is replaced whole: the export is written under a temporary name beside it
+//! and swapped in with one `renameat2(RENAME_EXCHANGE)`, so `--out` always names a whole export;
+//! what a kill leaves (a temporary folder, or on a file system without the exchange the old
+//! export stepped aside) is cleaned up or put back by the next export to the same `--out`.
 
-use crate::experiment::{self, checkpoint};
+pub mod card;
+
+use crate::experiment::{self, checkpoint, guard};
 use anyhow::{bail, Context, Result};
 use plugin_api::tch::{Kind, Tensor};
-use std::path::{Path, PathBuf};
+use std::{
+    ffi::CString,
+    os::unix::ffi::OsStrExt,
+    path::{Path, PathBuf},
+};
 
-/// Export checkpoint `step` of `exp_dir` (default: the newest that verifies) to `out`; returns
-/// the checkpoint folder.
-pub fn export_experiment(exp_dir: &Path, step: Option<u64>, out: &Path, force: bool) -> Result<PathBuf> {
+/// The modeling file an export ships for transformers' `AutoModel` (`auto_map` names it).
+pub const MODELING_FILE: &str = "dflash.py";
+const MODELING: &str = include_str!("export/dflash.py");
+
+/// What an export of an experiment wrote.
+#[derive(Debug)]
+pub struct Exported {
+    /// The checkpoint folder exported.
+    pub checkpoint: PathBuf,
+    /// `--out`, absolute.
+    pub out: PathBuf,
+    /// The SGLang and vLLM command lines that serve it from `out` (those of its model card), as
+    /// plain text.
+    pub serving: String,
+}
+
+/// Export checkpoint `step` of `exp_dir` (default: the newest that verifies) to `out`, with a
+/// model card.
+pub fn export_experiment(exp_dir: &Path, step: Option<u64>, out: &Path, force: bool) -> Result<Exported> {
+    let abs = guard::check_out_folder("--out", out)?;
     let ckpt = checkpoint::find(exp_dir, step)?;
-    let card = model_card(exp_dir, ckpt.step, &ckpt.dir.join("config.json"), out)?;
-    export_with_card(&ckpt.dir, out, force, Some(&card))?;
-    Ok(ckpt.dir)
+    let card = card::model_card(exp_dir, &ckpt, out)?;
+    write(&ckpt, out, force, Some(&card.text))?;
+    // The card's lines with the drafter at `--out` itself, as a shell takes them (no code fences).
+    let lines = card.serving.lines(&abs.display().to_string());
+    let serving = lines.lines().filter(|l| !l.starts_with("```")).collect::<Vec<_>>().join("\n");
+    Ok(Exported { checkpoint: ckpt.dir, out: abs, serving })
 }
 
-/// The export's README.md: what the drafter is for and how it was trained, the acceptance length
-/// measured (when `eval` ran), and the SGLang and vLLM command lines that serve it (the flags
-/// z-lab's DFlash README documents for both).
-pub fn model_card(exp_dir: &Path, step: u64, config_json: &Path, out: &Path) -> Result<String> {
-    let manifest = experiment::Manifest::read(exp_dir)?;
-    let cfg: serde_json::Value = experiment::read_json(config_json)?;
-    let run: toml::Table = toml::from_str(&std::fs::read_to_string(exp_dir.join(experiment::CONFIG))?)?;
-    let field = |section: &str, key: &str| {
-        run.get(section).and_then(|s| s.get(key)).map(|v| v.to_string().trim_matches('"').to_string())
-    };
-    let block = cfg["block_size"].as_u64().unwrap_or(16);
-    let id = |k: &str| if cfg[k].is_null() { "none".to_string() } else { cfg[k].to_string() };
-    let target = &manifest.target_source;
-    let served_target = match &manifest.target_hub {
-        Some(h) if h.revision == "main" => h.repo.clone(),
-        Some(h) => format!("{} --revision {}", h.repo, h.revision),
-        None if target.ends_with(".gguf") => "HF_CHECKPOINT_OF_THE_TARGET".to_string(),
-        None => target.clone(),
-    };
-    let here = out.display();
-    let eval = experiment::read_json::<serde_json::Value>(&exp_dir.join("eval.json")).ok();
-    let tau = match &eval {
-        Some(e) => {
-            let at =
-                e["evaluated"]["checkpoint_step"].as_u64().map_or(String::new(), |s| format!(", checkpoint step-{s}"));
-            format!(
-                "τ {:.3} per response, {:.3} over {} verify cycles (accepted + 1 per cycle), on {} prompts ({}{at}); lossless: {}",
-                e["tau"].as_f64().unwrap_or(f64::NAN),
-                e["tau_pooled"].as_f64().unwrap_or(f64::NAN),
-                e["cycles"],
-                e["prompts"],
-                e["source"].as_str().unwrap_or("?"),
-                e["lossless"]
-            )
-        }
-        None => "not measured (run `dflash-host eval --exp-dir EXP`, then export again)".into(),
-    };
-    let name = match &manifest.target_hub {
-        Some(h) => h.repo.clone(),
-        None => Path::new(target).file_name().map_or(target.clone(), |n| n.to_string_lossy().to_string()),
-    };
-    let text = |section: &str, key: &str, or: &str| field(section, key).unwrap_or_else(|| or.to_string());
-    let mut card = format!("# DFlash drafter for `{name}`\n\n");
-    card +=
-        "A block-diffusion speculative-decoding drafter (DFlash): it reads the target's hidden states and drafts a \
-             block of tokens in one forward; the target verifies them, so the output is the target's own. It borrows \
-             the target's embedding and LM head and works only with this target.\n\n";
-    card += "| | |\n| --- | --- |\n";
-    card += &format!("| target | `{target}` (SHA-256 `{}`) |\n", manifest.target_sha256);
-    card += &format!(
-        "| target token ids | bos {}, eos {}, pad {} |\n",
-        id("bos_token_id"),
-        id("eos_token_id"),
-        id("pad_token_id")
-    );
-    card += &format!("| data | `{}` (format {}) |\n", text("data", "path", "?"), text("data", "format", "auto"));
-    card += &format!(
-        "| training | step {step} of {}, seed {}, optimizer {} |\n",
-        text("train", "steps", "?"),
-        manifest.seed,
-        text("optimizer", "plugin", "?")
-    );
-    card += &format!(
-        "| drafter | layers: {}, block size {block}, target layers {} |\n",
-        cfg["num_hidden_layers"], cfg["dflash_config"]["target_layer_ids"]
-    );
-    card += "| weights | bfloat16 (`model.safetensors`) |\n";
-    card += &format!("| acceptance length | {tau} |\n\n");
-    card += "## Serving\n\n";
-    if target.ends_with(".gguf") {
-        card += "The target was read from a GGUF file; the servers load the same model as an HF checkpoint.\n\n";
-    }
-    card += &format!(
-        "SGLang:\n\n```sh\npython -m sglang.launch_server --model-path {served_target} \\\n  --speculative-algorithm DFLASH \\\n  \
-         --speculative-draft-model-path {here} \\\n  --speculative-num-draft-tokens {block}\n```\n\n"
-    );
-    card += &format!(
-        r#"vLLM:
-
-```sh
-vllm serve {served_target} \
-  --speculative-config '{{"method": "dflash", "model": "{here}", "num_speculative_tokens": {}}}'
-```
-"#,
-        block.saturating_sub(1)
-    );
-    Ok(card)
-}
-
-/// Write `checkpoint`'s drafter to `out` in the z-lab format (see the module doc for the rules).
+/// Write the checkpoint folder `checkpoint`'s drafter to `out` in the z-lab format, without a
+/// model card.
 pub fn export(checkpoint: &Path, out: &Path, force: bool) -> Result<()> {
-    export_with_card(checkpoint, out, force, None)
+    guard::check_out_folder("--out", out)?;
+    write(&checkpoint::open_dir(checkpoint)?, out, force, None)
 }
 
-/// The temporary folders of exports to `name` whose process is gone (killed mid-export): an
-/// export that dies leaves `.NAME.export-PID` beside `--out`, never a partial `--out`.
-fn remove_dead_exports(parent: &Path, name: &str) {
-    let prefix = format!(".{name}.export-");
-    let Ok(entries) = std::fs::read_dir(parent) else { return };
-    for e in entries.flatten() {
-        let file = e.file_name();
-        let Some(pid) = file.to_str().and_then(|f| f.strip_prefix(&prefix)).and_then(|p| p.parse::<i32>().ok()) else {
-            continue;
-        };
-        // SAFETY: kill(pid, 0) only asks whether the process exists.
-        let alive = pid > 0
-            && (unsafe { libc::kill(pid, 0) } == 0
-                || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM));
-        if !alive {
-            tracing::info!("removing {}, left by an export that did not finish", e.path().display());
-            let _ = std::fs::remove_dir_all(e.path());
+/// The checkpoint's weights against the shapes its config.json implies, for the drafters this
+/// binary knows; the config's sizes are bounded and consistent with them. A drafter of another
+/// plugin is exported as it is, with a warning.
+fn check_config(ckpt: &checkpoint::Opened, arch: &str) -> Result<()> {
+    let file = ckpt.dir.join("config.json");
+    let shapes = match arch {
+        "DFlashDraftModel" => {
+            let mut cfg: drafter_dflash::config::DFlashConfig =
+                serde_json::from_str(&ckpt.config_json).with_context(|| format!("{}", file.display()))?;
+            cfg.check().map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+            cfg.parameter_shapes()
         }
-    }
+        "DFlashGdnDraftModel" => {
+            let cfg: drafter_gdn::GdnConfig =
+                serde_json::from_str(&ckpt.config_json).with_context(|| format!("{}", file.display()))?;
+            cfg.check_saved().map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+            cfg.parameter_shapes()
+        }
+        other => {
+            tracing::warn!(
+                "{}: drafter `{other}` is none this binary builds: its tensors are exported unchecked against its config",
+                file.display()
+            );
+            return Ok(());
+        }
+    };
+    let declared: Vec<_> = shapes.into_iter().map(|(name, shape)| (name, shape, Kind::Float)).collect();
+    checkpoint::check_declared(&ckpt.weights_file(), &ckpt.weights, &declared)
 }
 
-/// As [`export`], with a README.md model card.
-pub fn export_with_card(checkpoint: &Path, out: &Path, force: bool, card: Option<&str>) -> Result<()> {
-    checkpoint::verify(checkpoint)?;
-    let out = check_out(checkpoint, out, force)?;
-    let cfg_path = checkpoint.join("config.json");
-    let mut cfg: serde_json::Value = experiment::read_json(&cfg_path)?;
+/// The export itself (see the module doc).
+fn write(ckpt: &checkpoint::Opened, out: &Path, force: bool, card: Option<&str>) -> Result<()> {
+    let out = check_out(out, force)?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&ckpt.config_json)?;
+    let arch = cfg["architectures"][0].as_str().unwrap_or("?").to_string();
+    check_config(ckpt, &arch)?;
     // transformers 5's name for the weights' dtype (4.x wrote `torch_dtype`; both read back).
     if let Some(obj) = cfg.as_object_mut() {
         obj.remove("torch_dtype");
     }
     cfg["dtype"] = "bfloat16".into();
-    // Other drafter plugins (gdn) export the same way, but only z-lab's architecture is servable.
-    let arch = cfg["architectures"][0].as_str().unwrap_or("?").to_string();
-    if arch != "DFlashDraftModel" {
+    // Only z-lab's architecture is servable, and only it has a modeling file here.
+    let zlab = arch == "DFlashDraftModel";
+    if zlab {
+        cfg["auto_map"] = serde_json::json!({"AutoModel": "dflash.DFlashDraftModel"});
+    } else {
         tracing::warn!(
             "{}: drafter `{arch}` is not z-lab's DFlashDraftModel: the folder keeps its own config.json and bf16 weights \
              (its plugin's `init_from` reads it back); SGLang and vLLM cannot serve it",
-            checkpoint.display()
+            ckpt.dir.display()
         );
     }
     let sliding = cfg["layer_types"].as_array().is_some_and(|t| t.iter().any(|l| l == "sliding_attention"));
@@ -165,17 +121,15 @@ pub fn export_with_card(checkpoint: &Path, out: &Path, force: bool, card: Option
                 "{}: `sliding_window` {w} is shorter than `block_size` {block}: SGLang and vLLM run a sliding layer \
                  causal over positions p-{w}+1..=p, which also cuts a block's own keys older than the window, \
                  where training saw them; expect a lower acceptance length served than `eval` measures",
-                checkpoint.display()
+                ckpt.dir.display()
             );
         }
     }
-    let weights = experiment::read_safetensors(&checkpoint.join("model.safetensors"))?;
     let bf16: Vec<(String, Tensor)> =
-        weights.into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor().to_kind(Kind::BFloat16))).collect();
+        ckpt.weights.iter().map(|nt| (nt.name.to_string(), nt.tensor.tensor().to_kind(Kind::BFloat16))).collect();
 
     let parent = out.parent().expect("check_out gives a path with a parent");
     let name = out.file_name().expect("check_out gives a path with a name").to_string_lossy().to_string();
-    remove_dead_exports(parent, &name);
     let tmp = parent.join(format!(".{name}.export-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let written = (|| -> Result<()> {
@@ -183,6 +137,9 @@ pub fn export_with_card(checkpoint: &Path, out: &Path, force: bool, card: Option
         experiment::write_synced(&tmp.join("config.json"), (serde_json::to_string_pretty(&cfg)? + "\n").as_bytes())?;
         if let Some(card) = card {
             experiment::write_synced(&tmp.join("README.md"), card.as_bytes())?;
+        }
+        if zlab {
+            experiment::write_synced(&tmp.join(MODELING_FILE), MODELING.as_bytes())?;
         }
         let model = tmp.join("model.safetensors");
         Tensor::write_safetensors(&bf16, &model).with_context(|| format!("writing {}", model.display()))?;
@@ -195,28 +152,114 @@ pub fn export_with_card(checkpoint: &Path, out: &Path, force: bool, card: Option
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
-    // Replace: the old folder (empty, or --force) steps aside first, so a crash leaves one whole.
-    let old = parent.join(format!(".{name}.replaced-{}", std::process::id()));
-    if out.exists() {
-        std::fs::rename(&out, &old).with_context(|| format!("moving {} aside", out.display()))?;
+    publish(&tmp, &out, parent, &name)
+}
+
+/// `renameat2(from, to, flags)` (Linux 3.15; on a file system that lacks a flag: EINVAL).
+fn rename2(from: &Path, to: &Path, flags: libc::c_uint) -> std::io::Result<()> {
+    let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
+    let (from, to) = (c(from)?, c(to)?);
+    // SAFETY: two NUL-terminated paths that live through the call.
+    let r = unsafe { libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), flags) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
-    std::fs::rename(&tmp, &out).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))?;
-    let _ = std::fs::remove_dir_all(&old);
-    std::fs::File::open(parent).and_then(|d| d.sync_all()).with_context(|| format!("syncing {}", parent.display()))?;
+}
+
+fn unsupported(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::ENOSYS))
+}
+
+/// Put the finished `tmp` at `out` (`name` in `parent`). An existing `out` is swapped with `tmp`
+/// in one step and the old export, now under the temporary name, removed. Where the file system
+/// cannot swap, `out` steps aside to `.NAME.replaced-PID` first and `tmp` takes its place; a kill
+/// between the two leaves the old export there, which the next export puts back
+/// ([`recover`]).
+fn publish(tmp: &Path, out: &Path, parent: &Path, name: &str) -> Result<()> {
+    let renamed =
+        |e: std::io::Error| anyhow::Error::new(e).context(format!("renaming {} to {}", tmp.display(), out.display()));
+    if out.symlink_metadata().is_ok() {
+        match rename2(tmp, out, libc::RENAME_EXCHANGE) {
+            Ok(()) => {
+                let _ = std::fs::remove_dir_all(tmp); // the old export
+            }
+            Err(e) if unsupported(&e) => {
+                let old = parent.join(format!(".{name}.replaced-{}", std::process::id()));
+                std::fs::rename(out, &old).with_context(|| format!("moving {} aside", out.display()))?;
+                std::fs::rename(tmp, out).map_err(renamed)?;
+                let _ = std::fs::remove_dir_all(&old);
+            }
+            Err(e) => return Err(renamed(e)),
+        }
+    } else {
+        match rename2(tmp, out, libc::RENAME_NOREPLACE) {
+            Ok(()) => {}
+            Err(e) if unsupported(&e) => std::fs::rename(tmp, out).map_err(renamed)?,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(tmp);
+                return Err(renamed(e));
+            }
+        }
+    }
+    std::fs::File::open(parent).and_then(|d| d.sync_all()).with_context(|| format!("syncing {}", parent.display()))
+}
+
+/// Whether process `pid` is alive (it may be another user's).
+fn alive(pid: i32) -> bool {
+    // SAFETY: kill(pid, 0) only asks whether the process exists.
+    pid > 0
+        && (unsafe { libc::kill(pid, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+}
+
+/// What exports to `name` in `parent` killed part-way left: their temporary folders are removed
+/// (an export that dies leaves `.NAME.export-PID` beside `--out`, never a partial `--out`); an
+/// old export stepped aside (`.NAME.replaced-PID`, only where the file system cannot swap two
+/// folders) goes back to `--out` when `--out` is missing, else is removed. A live export's are
+/// left alone.
+pub fn recover(parent: &Path, name: &str) -> Result<()> {
+    let out = parent.join(name);
+    let Ok(entries) = std::fs::read_dir(parent) else { return Ok(()) };
+    let mut left: Vec<(PathBuf, bool)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let file = e.file_name();
+            let rest = file.to_str()?.strip_prefix('.')?.strip_prefix(name)?.strip_prefix('.')?.to_string();
+            let (replaced, pid) = match rest.split_once('-')? {
+                ("replaced", pid) => (true, pid),
+                ("export", pid) => (false, pid),
+                _ => return None,
+            };
+            (!alive(pid.parse().ok()?)).then(|| (e.path(), replaced))
+        })
+        .collect();
+    left.sort_by_key(|(_, replaced)| !replaced); // the old export first: it may be put back
+    for (path, replaced) in left {
+        if replaced && out.symlink_metadata().is_err() {
+            std::fs::rename(&path, &out).with_context(|| format!("putting {} back", path.display()))?;
+            tracing::warn!(
+                "{} was missing: put back the export {} held (an export was killed while replacing it)",
+                out.display(),
+                path.display()
+            );
+        } else {
+            tracing::info!("removing {}, left by an export that did not finish", path.display());
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
     Ok(())
 }
 
-/// `out` as an absolute path whose parent exists, after the checks: not inside the checkpoint's
-/// experiment, not a file, not a non-empty folder unless `force`.
-fn check_out(checkpoint: &Path, out: &Path, force: bool) -> Result<PathBuf> {
+/// `out` as an absolute path whose parent exists, after what a killed export left is recovered:
+/// not a file, not a non-empty folder unless `force` (the guard has run).
+fn check_out(out: &Path, force: bool) -> Result<PathBuf> {
     let name = out.file_name().with_context(|| format!("--out {}: not a folder name", out.display()))?;
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
-    let out_abs = parent.canonicalize().with_context(|| format!("{}", parent.display()))?.join(name);
-    let exp = checkpoint.parent().and_then(Path::parent).map(Path::canonicalize).transpose()?;
-    if let Some(exp) = exp.filter(|e| out_abs.starts_with(e)) {
-        bail!("--out {}: inside the experiment {}; export to a folder outside it (it would overwrite the experiment's files)", out.display(), exp.display());
-    }
+    let parent = parent.canonicalize().with_context(|| format!("{}", parent.display()))?;
+    recover(&parent, &name.to_string_lossy())?;
+    let out_abs = parent.join(name);
     if out_abs.exists() {
         if !out_abs.is_dir() {
             bail!("--out {}: exists and is not a folder", out.display());
@@ -235,11 +278,12 @@ mod tests {
     use crate::experiment::Experiment;
     use plugin_api::{tch::Device, NamedTensor};
 
+    /// A one-tensor checkpoint of an architecture export does not check (it keeps this test
+    /// about the folder rules).
     fn checkpoint(root: &Path) -> PathBuf {
         let exp = Experiment::create(&root.join("exp"), "", &serde_json::json!({})).unwrap();
         let w = vec![NamedTensor::new("fc.weight", Tensor::ones([4, 4], (Kind::Float, Device::Cpu)))];
-        exp.save_checkpoint(3, &w, "{\"architectures\": [\"DFlashDraftModel\"]}", &[], &serde_json::json!({}), 1)
-            .unwrap()
+        exp.save_checkpoint(3, &w, "{\"architectures\": [\"TestDraftModel\"]}", &[], &serde_json::json!({}), 1).unwrap()
     }
 
     fn listing(dir: &Path) -> Vec<String> {
@@ -254,9 +298,9 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let ckpt = checkpoint(root.path());
         let before = std::fs::read(ckpt.join("model.safetensors")).unwrap();
-        for inside in [ckpt.clone(), root.path().join("exp"), root.path().join("exp/zlab")] {
+        for inside in [ckpt.clone(), root.path().join("exp"), root.path().join("exp/zlab"), root.path().to_path_buf()] {
             let err = export(&ckpt, &inside, true).unwrap_err().to_string();
-            assert!(err.contains("inside the experiment"), "{}: {err}", inside.display());
+            assert!(err.contains("experiment"), "{}: {err}", inside.display());
         }
         assert_eq!(std::fs::read(ckpt.join("model.safetensors")).unwrap(), before, "the checkpoint was touched");
         checkpoint::verify(&ckpt).unwrap();
@@ -272,6 +316,70 @@ mod tests {
         assert_eq!(listing(root.path()), ["exp", "zlab"], "no temporary folder left behind");
         let back = Tensor::read_safetensors(out.join("model.safetensors")).unwrap();
         assert_eq!(back[0].1.kind(), Kind::BFloat16);
+    }
+
+    /// `--out` always names a whole export while it is replaced: readers polling it never find
+    /// it missing (the swap is one rename; two renames leave a moment without it, which these
+    /// readers see within a few dozen replacements).
+    #[test]
+    fn a_replaced_export_is_never_missing() {
+        let root = tempfile::tempdir().unwrap();
+        let ckpt = checkpoint(root.path());
+        let out = root.path().join("zlab");
+        export(&ckpt, &out, false).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (out, stop) = (out.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let (mut looks, mut missing) = (0u64, 0u64);
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        missing += u64::from(out.symlink_metadata().is_err());
+                        looks += 1;
+                    }
+                    (looks, missing)
+                })
+            })
+            .collect();
+        for _ in 0..60 {
+            export(&ckpt, &out, true).unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for r in readers {
+            let (looks, missing) = r.join().unwrap();
+            assert!(looks > 0);
+            assert_eq!(missing, 0, "--out was missing {missing} of {looks} times while it was replaced");
+        }
+        assert_eq!(listing(&out), ["config.json", "model.safetensors"]);
+        assert_eq!(listing(root.path()), ["exp", "zlab"]);
+    }
+
+    /// What a kill between two renames leaves (where the file system cannot swap folders): the
+    /// old export aside, the new one under its temporary name, `--out` missing. The next export
+    /// puts the old one back before anything else.
+    #[test]
+    fn an_export_killed_while_replacing_is_put_back_by_the_next() {
+        let root = tempfile::tempdir().unwrap();
+        let ckpt = checkpoint(root.path());
+        let out = root.path().join("zlab");
+        export(&ckpt, &out, false).unwrap();
+        let old = root.path().join(".zlab.replaced-2147483646");
+        std::fs::rename(&out, &old).unwrap();
+        std::fs::create_dir(root.path().join(".zlab.export-2147483646")).unwrap();
+        let live = root.path().join(format!(".zlab.export-{}", std::os::unix::process::parent_id()));
+        std::fs::create_dir(&live).unwrap();
+        let err = export(&ckpt, &out, false).unwrap_err().to_string();
+        assert!(err.contains("exists and is not empty"), "{err}");
+        assert_eq!(listing(&out), ["config.json", "model.safetensors"]);
+        assert_eq!(
+            listing(root.path()),
+            [
+                ".zlab.export-".to_string() + &std::os::unix::process::parent_id().to_string(),
+                "exp".into(),
+                "zlab".into()
+            ]
+        );
+        std::fs::remove_dir(&live).unwrap();
     }
 
     #[test]

@@ -156,6 +156,7 @@ fn run() -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench { what: BenchCommand::Train { config, json, trace, overrides } } => {
+            guard_bench_outputs(json.as_deref(), trace.as_deref())?;
             let registry = Registry::new(&cli.plugins)?;
             let overrides = Override::from_args(&overrides.set, overrides.device.as_deref())?;
             let report = dflash_host::bench::train::train(&registry, &config, &overrides, trace.as_deref())?;
@@ -168,6 +169,7 @@ fn run() -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench { what: BenchCommand::Allreduce { config, bucket_mb, iters, json } } => {
+            guard_bench_outputs(json.as_deref(), None)?;
             let registry = Registry::new(&cli.plugins)?;
             let report = dflash_host::bench::allreduce::allreduce(&registry, &config, &bucket_mb, iters)?;
             dflash_host::bench::allreduce::print(&report);
@@ -179,6 +181,7 @@ fn run() -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench { what: BenchCommand::Attention { shape, json } } => {
+            guard_bench_outputs(json.as_deref(), None)?;
             let report = dflash_host::bench::attention::attention(&shape)?;
             dflash_host::bench::attention::print(&report);
             let line = serde_json::to_string(&report)?;
@@ -189,8 +192,9 @@ fn run() -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Export { exp_dir, checkpoint, out, force } => {
-            let ckpt = export::export_experiment(&exp_dir, checkpoint, &out, force)?;
-            say!("exported {} -> {}", ckpt.display(), out.display());
+            let done = export::export_experiment(&exp_dir, checkpoint, &out, force)?;
+            say!("exported {} -> {}", done.checkpoint.display(), done.out.display());
+            say!("serve it with (see {}):\n\n{}", done.out.join("README.md").display(), done.serving);
             Ok(ExitCode::SUCCESS)
         }
         Command::Ab { config, seeds, device, out } => {
@@ -204,6 +208,18 @@ fn run() -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// A bench command's `--json` file and `--trace` folder, through the output guard (never into an
+/// experiment) before the benchmark runs.
+fn guard_bench_outputs(json: Option<&Path>, trace: Option<&Path>) -> Result<()> {
+    if let Some(file) = json {
+        experiment::guard::check_out_file("--json", file)?;
+    }
+    if let Some(dir) = trace {
+        experiment::guard::check_out_folder("--trace", dir)?;
+    }
+    Ok(())
 }
 
 /// `--set`, `--device` and `--steps` (= `--set train.steps=N`) as config overrides.

@@ -298,9 +298,12 @@ pub fn resume_with(
     let plugin_changes = check_plugins(&manifest.plugins, &picked, opts.allow_plugin_change)?;
 
     // 3. Where it resumes, and whether there is anything left to do.
-    let (good, _corrupt) = checkpoint::newest_good(exp_dir);
+    let (good, _corrupt) = checkpoint::newest_usable(exp_dir, true);
     let state: Option<TrainerState> = match &good {
-        Some(c) => Some(experiment::read_json(&c.dir.join("trainer_state.json"))?),
+        Some(c) => Some(
+            serde_json::from_value(c.trainer_state.clone())
+                .with_context(|| format!("{}: not valid", c.dir.join("trainer_state.json").display()))?,
+        ),
         None => {
             tracing::warn!("{}: no usable checkpoint; starting from step 0", exp_dir.display());
             None
@@ -347,8 +350,8 @@ pub fn resume_with(
             );
         }
     }
-    let from = match &good {
-        Some(c) => Some(read_checkpoint(&c.dir)?),
+    let from = match good {
+        Some(c) => Some(resume_from(c, state.expect("read with the checkpoint"), &components)?),
         None => None,
     };
 
@@ -395,12 +398,16 @@ pub fn resume_with(
     train::train(&cfg, components, &mut exp, &cache, train::TrainOptions { resume: from, stop_at: opts.stop_at, comm })
 }
 
-fn read_checkpoint(dir: &Path) -> Result<train::ResumeFrom> {
+/// What a resume starts from: the opened checkpoint, its weights checked against what the
+/// drafter declares.
+fn resume_from(c: checkpoint::Opened, state: TrainerState, components: &Components) -> Result<train::ResumeFrom> {
+    let declared = checkpoint::declared_by(&components.drafter.parameters());
+    checkpoint::check_declared(&c.weights_file(), &c.weights, &declared)?;
     Ok(train::ResumeFrom {
-        state: experiment::read_json(&dir.join("trainer_state.json"))?,
-        weights: experiment::read_safetensors(&dir.join("model.safetensors"))?,
-        optimizer_state: experiment::read_safetensors(&dir.join("optimizer.safetensors"))?,
-        checkpoint: dir.display().to_string(),
+        state,
+        weights: c.weights,
+        optimizer_state: c.optimizer_state.expect("opened for a resume"),
+        checkpoint: c.dir.display().to_string(),
     })
 }
 
@@ -455,6 +462,7 @@ pub fn capture(
     registry: &Registry,
     opts: &crate::pipeline::capture::CaptureOptions,
 ) -> Result<crate::pipeline::capture::CaptureIndex> {
+    experiment::guard::check_out_folder("--out", out)?;
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     let components = build(cfg, config_path, &config_dir, registry)?;
     crate::pipeline::capture::capture(cfg, components, out, &cache_dir(), opts)
@@ -468,6 +476,7 @@ pub fn distill(
     out: &Path,
     registry: &Registry,
 ) -> Result<(plugin_api::DistilledExport, crate::pipeline::distill::DistillStats)> {
+    experiment::guard::check_out_file("--out", out)?;
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     let mut c = build(cfg, config_path, &config_dir, registry)?;
     let Some(stats) = crate::pipeline::distill::prepare_data(&mut c, &cache_dir())? else {
@@ -488,24 +497,21 @@ pub fn distill(
     Ok((written, stats))
 }
 
-/// Rebuild a finished experiment's plugins (eval, export): its resolved config, with the drafter
-/// from `drafter` (a z-lab folder) or else from checkpoint `step` (default: the newest that
-/// verifies; a given one must verify).
-pub fn load_experiment(
-    exp_dir: &Path,
-    registry: &Registry,
-    step: Option<u64>,
-    drafter: Option<&Path>,
-) -> Result<(RunConfig, Components)> {
+/// Where an evaluated drafter's weights come from: a checkpoint already opened (found once, so
+/// a training run pruning it meanwhile cannot take it away), or a z-lab folder.
+pub enum DrafterFrom<'a> {
+    Checkpoint(checkpoint::Opened),
+    Folder(&'a Path),
+}
+
+/// Rebuild a finished experiment's plugins (eval): its resolved config, with the drafter from a
+/// checkpoint (its weights checked against what the drafter declares) or from a z-lab folder.
+pub fn load_experiment(exp_dir: &Path, registry: &Registry, drafter: DrafterFrom) -> Result<(RunConfig, Components)> {
     let cfg_path = exp_dir.join(experiment::CONFIG);
     let mut cfg = RunConfig::load(&cfg_path)?;
     let manifest = Manifest::read(exp_dir)?;
     let config_dir = PathBuf::from(&manifest.config_dir);
-    let ckpt = match drafter {
-        Some(_) => None,
-        None => Some(checkpoint::find(exp_dir, step)?),
-    };
-    if let Some(d) = drafter {
+    if let DrafterFrom::Folder(d) = drafter {
         let abs = d.canonicalize().with_context(|| format!("{}", d.display()))?;
         let mut t = toml::Table::new();
         t.insert("plugin".into(), "dflash".into());
@@ -514,9 +520,13 @@ pub fn load_experiment(
     }
     ensure_device(&cfg)?;
     let mut c = build_components(&cfg, registry, &config_dir, &cache_dir())?;
-    if let Some(ckpt) = ckpt {
-        let weights = experiment::read_safetensors(&ckpt.dir.join("model.safetensors"))?;
-        c.drafter.load_weights(weights.into()).into_result().map_err(c.err(PluginKind::Drafter, "load_weights"))?;
+    if let DrafterFrom::Checkpoint(ckpt) = drafter {
+        let declared = checkpoint::declared_by(&c.drafter.parameters());
+        checkpoint::check_declared(&ckpt.weights_file(), &ckpt.weights, &declared)?;
+        c.drafter
+            .load_weights(ckpt.weights.into())
+            .into_result()
+            .map_err(c.err(PluginKind::Drafter, "load_weights"))?;
         tracing::info!("drafter weights from {}", ckpt.dir.display());
     }
     Ok((cfg, c))

@@ -269,3 +269,17 @@ pub fn write_tiny_hf_model(dir: &Path) {
         std::fs::write(dir.join(name), bytes).unwrap();
     }
 }
+
+/// A Python that imports `modules`: `$DFLASH_PYTHON`, else `python3`; None (and why, for the
+/// skip message) when neither does.
+pub fn python_with(modules: &[&str]) -> Result<String, String> {
+    let candidates: Vec<String> =
+        std::env::var("DFLASH_PYTHON").ok().filter(|p| !p.is_empty()).into_iter().chain(["python3".into()]).collect();
+    let import = format!("import {}", modules.join(", "));
+    for python in &candidates {
+        if Command::new(python).args(["-c", &import]).output().is_ok_and(|o| o.status.success()) {
+            return Ok(python.clone());
+        }
+    }
+    Err(format!("no Python that can `{import}` (tried {}; set DFLASH_PYTHON)", candidates.join(", ")))
+}

@@ -83,6 +83,42 @@ pub fn resolve(
     Ok(DFlashSection { mask_token_id, target_layer_ids: ids })
 }
 
+/// The largest a saved drafter's config.json may make a layer's size or head count (2^20: far past
+/// any model), its layer counts (1024) and its vocabulary or context (2^24): a config beyond them
+/// is refused by name before any shape is computed from it.
+pub const MAX_LAYER_SIZE: usize = 1 << 20;
+pub const MAX_LAYERS: usize = 1024;
+pub const MAX_VOCAB_OR_CONTEXT: usize = 1 << 24;
+
+/// `n` (field `field`) in 1..=`max`.
+pub fn check_size(field: &str, n: usize, max: usize) -> Result<(), String> {
+    if n == 0 || n > max {
+        return Err(format!("field `{field}`: {n}: must be in 1..={max}"));
+    }
+    Ok(())
+}
+
+/// A saved drafter config's DFlash fields against its own sizes: `num_target_layers` bounded, the
+/// target layers inside it (and some), the mask token inside the vocabulary.
+pub fn check_saved(dflash: &DFlashSection, num_target_layers: usize, vocab_size: usize) -> Result<(), String> {
+    check_size("num_target_layers", num_target_layers, MAX_LAYERS)?;
+    if dflash.target_layer_ids.is_empty() {
+        return Err("field `dflash_config.target_layer_ids`: must not be empty".into());
+    }
+    if let Some(id) = dflash.target_layer_ids.iter().find(|&&i| i as usize >= num_target_layers) {
+        return Err(format!(
+            "field `dflash_config.target_layer_ids`: layer {id} is not below `num_target_layers` {num_target_layers}"
+        ));
+    }
+    if dflash.mask_token_id as usize >= vocab_size {
+        return Err(format!(
+            "field `dflash_config.mask_token_id`: {} is outside the vocabulary ({vocab_size})",
+            dflash.mask_token_id
+        ));
+    }
+    Ok(())
+}
+
 /// HF's `layer_types` names for a dense drafter's attention layers.
 pub const FULL_ATTENTION: &str = "full_attention";
 pub const SLIDING_ATTENTION: &str = "sliding_attention";

@@ -58,8 +58,9 @@ pub fn ensure(dir: &Path, registry: &Registry, spec: &EvalSpec, sets: &[PromptSe
     if missing.is_empty() {
         return Ok(());
     }
-    let evaluated = Evaluated::checkpoint(dir, None)?;
-    let (cfg, mut c) = crate::run::load_experiment(dir, registry, evaluated.checkpoint_step, None)?;
+    let ckpt = crate::experiment::checkpoint::find(dir, None)?;
+    let evaluated = Evaluated::checkpoint(&ckpt);
+    let (cfg, mut c) = crate::run::load_experiment(dir, registry, crate::run::DrafterFrom::Checkpoint(ckpt))?;
     eval::open_data(&mut c)?;
     for set in missing {
         let opts = EvalOptions {

@@ -352,6 +352,9 @@ pub fn run(
     registry: &crate::plugins::Registry,
     print_summary: fn(&crate::train::TrainSummary),
 ) -> Result<(PathBuf, Option<u8>)> {
+    if let Some(out) = out {
+        crate::experiment::guard::check_out_folder("--out", out)?; // before hours of training
+    }
     let plan = plan(config, seeds, Path::new("experiments"))?;
     let plan = match device {
         Some(d) => plan.on_device(d),

@@ -81,6 +81,7 @@ pub fn default_out(dirs: &[PathBuf]) -> PathBuf {
 /// Returns the report's path.
 pub fn run(dirs: &[PathBuf], out: Option<&Path>, group_by: Option<&str>) -> Result<PathBuf> {
     let out = out.map_or_else(|| default_out(dirs), Path::to_path_buf);
+    crate::experiment::guard::check_out_folder("--out", &out)?;
     let dirs = &expand_dirs(dirs);
     fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let all = load_runs(dirs, group_by);

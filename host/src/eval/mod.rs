@@ -265,14 +265,21 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     if args.drafter.is_none() && args.checkpoint.is_none() && prompts_name(&opts.source).is_none() {
         experiment::check_writable(&exp_dir.join("eval.json"))?;
     }
-    let evaluated = match &args.drafter {
+    // The checkpoint is opened once, here: its files are read from those handles, so a training
+    // run pruning it meanwhile cannot take it away.
+    let (evaluated, from) = match &args.drafter {
         Some(d) => {
             let weights = d.join("model.safetensors");
             let sha = crate::plugins::sha256_file(&weights).map_err(|e| anyhow!("--drafter {}: {e:#}", d.display()))?;
             let shown = d.canonicalize().unwrap_or_else(|_| d.clone());
-            Evaluated { checkpoint_step: None, drafter: Some(shown.display().to_string()), drafter_sha256: sha }
+            let evaluated =
+                Evaluated { checkpoint_step: None, drafter: Some(shown.display().to_string()), drafter_sha256: sha };
+            (evaluated, crate::run::DrafterFrom::Folder(d))
         }
-        None => Evaluated::checkpoint(exp_dir, args.checkpoint)?,
+        None => {
+            let ckpt = checkpoint::find(exp_dir, args.checkpoint)?;
+            (Evaluated::checkpoint(&ckpt), crate::run::DrafterFrom::Checkpoint(ckpt))
+        }
     };
     let newest = checkpoint::newest_good(exp_dir).0.map(|c| c.step);
     let written = exp_dir.join(evaluated.file_name(prompts_name(&opts.source).as_deref(), newest));
@@ -290,8 +297,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     }
     // 3. Evaluate, with the machine's load before and after the timing.
     let registry = Registry::new(plugin_paths)?;
-    let (cfg, mut c) =
-        crate::run::load_experiment(exp_dir, &registry, evaluated.checkpoint_step, args.drafter.as_deref())?;
+    let (cfg, mut c) = crate::run::load_experiment(exp_dir, &registry, from)?;
     let load_before = loadavg();
     let mut report = evaluate(&mut c, &opts)?;
     let load_after = loadavg();
@@ -405,11 +411,9 @@ pub struct Evaluated {
 }
 
 impl Evaluated {
-    /// Checkpoint `step` of the run (default: the newest that verifies) and its weights' hash.
-    pub fn checkpoint(exp_dir: &Path, step: Option<u64>) -> Result<Self> {
-        let ckpt = checkpoint::find(exp_dir, step)?;
-        let sha = crate::plugins::sha256_file(&ckpt.dir.join("model.safetensors"))?;
-        Ok(Evaluated { checkpoint_step: Some(ckpt.step), drafter: None, drafter_sha256: sha })
+    /// A checkpoint of the run (opened by [`checkpoint::find`]) and its weights' hash.
+    pub fn checkpoint(ckpt: &checkpoint::Opened) -> Self {
+        Evaluated { checkpoint_step: Some(ckpt.step), drafter: None, drafter_sha256: ckpt.weights_sha256.clone() }
     }
 
     /// The results file: `eval.json` for the run's newest checkpoint on its held-out test

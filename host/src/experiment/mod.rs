@@ -1,12 +1,15 @@
 //! The experiment directory, one run one folder: the resolved `config.toml`, `manifest.json`
 //! ([`manifest`]), `metrics.jsonl` ([`metrics`]), TensorBoard events, `checkpoints/`
 //! ([`checkpoint`]: written whole, verified before use), `summary.json` (present = finished),
-//! `eval.json`. A process that changes the folder holds its [`lock`].
+//! `eval.json`. A process that changes the folder holds its [`lock`]; a command writing an
+//! output folder or file goes through the [`guard`] (never into or over an experiment).
 
 pub mod checkpoint;
+pub mod guard;
 pub mod lock;
 pub mod manifest;
 pub mod metrics;
+pub mod tensors;
 
 pub use checkpoint::{read_safetensors, verify as verify_checkpoint, Checkpoint, CHECKPOINT_FILES};
 pub use lock::ExperimentLock;
@@ -24,7 +27,7 @@ use std::{
 pub const CONFIG: &str = "config.toml";
 pub const SUMMARY: &str = "summary.json";
 /// JSON files the host writes (manifest, summaries, states) are far below this.
-const MAX_JSON_BYTES: u64 = 64 << 20;
+pub(crate) const MAX_JSON_BYTES: u64 = 64 << 20;
 
 pub struct Experiment {
     pub dir: PathBuf,

@@ -150,6 +150,37 @@ impl DFlashConfig {
         layer_windows(&self.layer_types, self.sliding_window, self.num_hidden_layers).expect("a checked config")
     }
 
+    /// Every parameter the drafter has for this config, by checkpoint name, with its shape (what
+    /// `DFlashDrafter::new` builds; a test holds the two equal). Call on a
+    /// [`check`](Self::check)ed config (its sizes are bounded, so no product overflows).
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<i64>)> {
+        let (h, f) = (self.hidden_size as i64, self.intermediate_size as i64);
+        let (nh, nkv, d) = (self.num_attention_heads as i64, self.num_key_value_heads as i64, self.head_dim as i64);
+        let n_feat = self.dflash_config.target_layer_ids.len() as i64;
+        let mut out = vec![
+            ("fc.weight".to_string(), vec![h, n_feat * h]),
+            ("hidden_norm.weight".to_string(), vec![h]),
+            ("norm.weight".to_string(), vec![h]),
+        ];
+        for i in 0..self.num_hidden_layers {
+            let p = |name: &str, shape: Vec<i64>| (format!("layers.{i}.{name}.weight"), shape);
+            out.extend([
+                p("self_attn.q_proj", vec![nh * d, h]),
+                p("self_attn.k_proj", vec![nkv * d, h]),
+                p("self_attn.v_proj", vec![nkv * d, h]),
+                p("self_attn.o_proj", vec![h, nh * d]),
+                p("self_attn.q_norm", vec![d]),
+                p("self_attn.k_norm", vec![d]),
+                p("mlp.gate_proj", vec![f, h]),
+                p("mlp.up_proj", vec![f, h]),
+                p("mlp.down_proj", vec![h, f]),
+                p("input_layernorm", vec![h]),
+                p("post_attention_layernorm", vec![h]),
+            ]);
+        }
+        out
+    }
+
     /// The sliding window of the drafter's sliding-window layers, if it has any.
     pub fn window(&self) -> Option<i64> {
         self.windows().into_iter().flatten().next()
@@ -186,18 +217,30 @@ impl DFlashConfig {
         if self.hidden_act != "silu" {
             return bad("hidden_act", format!("`{}`: the MLP is SwiGLU (\"silu\")", self.hidden_act));
         }
-        for (field, n) in [
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("vocab_size", self.vocab_size),
+        use drafter_layers::dflash::{check_size, MAX_LAYERS, MAX_LAYER_SIZE, MAX_VOCAB_OR_CONTEXT};
+        for (field, n, max) in [
+            ("hidden_size", self.hidden_size, MAX_LAYER_SIZE),
+            ("intermediate_size", self.intermediate_size, MAX_LAYER_SIZE),
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", self.num_attention_heads, MAX_LAYER_SIZE),
+            ("num_key_value_heads", self.num_key_value_heads, MAX_LAYER_SIZE),
+            ("head_dim", self.head_dim, MAX_LAYER_SIZE),
+            ("vocab_size", self.vocab_size, MAX_VOCAB_OR_CONTEXT),
+            ("max_position_embeddings", self.max_position_embeddings, MAX_VOCAB_OR_CONTEXT),
         ] {
-            if n == 0 {
-                return bad(field, "0: must be >= 1".into());
-            }
+            check_size(field, n, max)?;
+        }
+        if let Some(w) = self.sliding_window {
+            check_size("sliding_window", w, MAX_VOCAB_OR_CONTEXT)?;
+        }
+        drafter_layers::dflash::check_saved(&self.dflash_config, self.num_target_layers, self.vocab_size)?;
+        let fits = self.num_attention_heads.checked_mul(self.head_dim).is_some_and(|n| n <= MAX_LAYER_SIZE)
+            && self.dflash_config.target_layer_ids.len().checked_mul(self.hidden_size).is_some();
+        if !fits {
+            return bad(
+                "num_attention_heads",
+                format!("{} heads of {} features: more than {MAX_LAYER_SIZE}", self.num_attention_heads, self.head_dim),
+            );
         }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             return bad(
@@ -283,9 +326,26 @@ mod tests {
             (r#""hidden_act": "gelu""#, "field `hidden_act`"),
             (r#""rope_scaling": {"rope_type": "dynamic", "factor": 2.0}"#, "rope_type `dynamic`"),
             (r#""partial_rotary_factor": 0.5"#, "unknown field `partial_rotary_factor`"),
+            (r#""max_position_embeddings": 1099511627776"#, "field `max_position_embeddings`"),
         ] {
             let e = parse(&format!("{{{BASE}, {extra}}}")).unwrap_err();
             assert!(e.contains(field), "{extra}: {e}");
+        }
+        // Sizes no drafter has, and ids outside what the config itself says, are refused by name.
+        for (from, to, field) in [
+            (
+                "\"hidden_size\": 64",
+                "\"hidden_size\": 1099511627776",
+                "field `hidden_size`: 1099511627776: must be in 1..=1048576",
+            ),
+            ("\"vocab_size\": 101", "\"vocab_size\": 1099511627776", "field `vocab_size`"),
+            ("\"num_target_layers\": 8", "\"num_target_layers\": 3", "layer 3 is not below `num_target_layers` 3"),
+            ("\"mask_token_id\": 100", "\"mask_token_id\": 101", "`dflash_config.mask_token_id`: 101 is outside"),
+            ("\"head_dim\": 16", "\"head_dim\": 1048576", "more than 1048576"),
+        ] {
+            assert!(BASE.contains(from), "{from}");
+            let e = parse(&format!("{{{}}}", BASE.replace(from, to))).unwrap_err();
+            assert!(e.contains(field), "{to}: {e}");
         }
         let e = parse(&format!("{{{}}}", BASE.replace("[1, 3]}", "[1, 3], \"projector_type\": \"mlp\"}"))).unwrap_err();
         assert!(e.contains("unknown field `projector_type`"), "{e}");

@@ -338,6 +338,25 @@ mod tests {
     use super::*;
     use test_support::TinySpec;
 
+    /// What `parameter_shapes` says a config builds is what the drafter builds, sliding layers
+    /// and a GQA shape included (export checks checkpoints against it).
+    #[test]
+    fn parameter_shapes_are_the_built_drafters() {
+        let s: DrafterSection = plugin_api::parse_section(
+            "num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63\nnum_attention_heads = 4\n\
+             num_key_value_heads = 2\nhead_dim = 8\nlayer_types = [\"sliding_attention\", \"full_attention\"]\nsliding_window = 5",
+        )
+        .unwrap();
+        let cfg = s.resolve(&TargetSpec::tiny()).unwrap();
+        let d = DFlashPlugin::new(&cfg, Device::Cpu, Kind::Float);
+        let mut built: Vec<(String, Vec<i64>)> =
+            d.parameters().into_iter().map(|(n, t)| (n, t.size())).collect::<Vec<_>>();
+        let mut said = cfg.parameter_shapes();
+        built.sort();
+        said.sort();
+        assert_eq!(said, built);
+    }
+
     /// The published Qwen3.6-27B drafter's attention shape, not its target's; the target's when
     /// the section says nothing; a shape that does not group is refused naming the fields.
     #[test]

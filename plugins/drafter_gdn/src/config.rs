@@ -110,6 +110,96 @@ impl drafter_layers::shell::DFlashConfigJson for GdnConfig {
 }
 
 impl GdnConfig {
+    /// A saved config's sizes: each bounded (see `drafter_layers::dflash::MAX_LAYER_SIZE`), one
+    /// layer type a layer, the DFlash fields inside its own sizes; the first wrong field named.
+    pub fn check_saved(&self) -> Result<(), String> {
+        use drafter_layers::dflash::{check_size, MAX_LAYERS, MAX_LAYER_SIZE, MAX_VOCAB_OR_CONTEXT};
+        for (field, n, max) in [
+            ("hidden_size", self.hidden_size, MAX_LAYER_SIZE),
+            ("intermediate_size", self.intermediate_size, MAX_LAYER_SIZE),
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", self.num_attention_heads, MAX_LAYER_SIZE),
+            ("num_key_value_heads", self.num_key_value_heads, MAX_LAYER_SIZE),
+            ("head_dim", self.head_dim, MAX_LAYER_SIZE),
+            ("linear_num_key_heads", self.linear_num_key_heads, MAX_LAYER_SIZE),
+            ("linear_num_value_heads", self.linear_num_value_heads, MAX_LAYER_SIZE),
+            ("linear_key_head_dim", self.linear_key_head_dim, MAX_LAYER_SIZE),
+            ("linear_value_head_dim", self.linear_value_head_dim, MAX_LAYER_SIZE),
+            ("linear_conv_kernel_dim", self.linear_conv_kernel_dim, MAX_LAYER_SIZE),
+            ("vocab_size", self.vocab_size, MAX_VOCAB_OR_CONTEXT),
+            ("max_position_embeddings", self.max_position_embeddings, MAX_VOCAB_OR_CONTEXT),
+        ] {
+            check_size(field, n, max)?;
+        }
+        if self.layer_types.len() != self.num_hidden_layers {
+            return Err(format!(
+                "field `layer_types`: {} entries, `num_hidden_layers` is {}",
+                self.layer_types.len(),
+                self.num_hidden_layers
+            ));
+        }
+        for (field, a, b) in [
+            ("num_attention_heads", self.num_attention_heads, self.head_dim),
+            ("linear_num_key_heads", self.linear_num_key_heads, self.linear_key_head_dim),
+            ("linear_num_value_heads", self.linear_num_value_heads, self.linear_value_head_dim),
+        ] {
+            if a.checked_mul(b).is_none_or(|n| n > MAX_LAYER_SIZE) {
+                return Err(format!("field `{field}`: {a} heads of {b} features: more than {MAX_LAYER_SIZE}"));
+            }
+        }
+        drafter_layers::dflash::check_saved(&self.dflash_config, self.num_target_layers, self.vocab_size)
+    }
+
+    /// Every parameter the drafter has for this config, by checkpoint name, with its shape (what
+    /// `GdnDrafter::new` builds; a test holds the two equal). Call on a config that passed
+    /// [`check_saved`](Self::check_saved).
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<i64>)> {
+        let (h, f) = (self.hidden_size as i64, self.intermediate_size as i64);
+        let (nh, nkv, d) = (self.num_attention_heads as i64, self.num_key_value_heads as i64, self.head_dim as i64);
+        let (nk, nv) = (self.linear_num_key_heads as i64, self.linear_num_value_heads as i64);
+        let (dk, dv) = (self.linear_key_head_dim as i64, self.linear_value_head_dim as i64);
+        let n_feat = self.dflash_config.target_layer_ids.len() as i64;
+        let mut out = vec![
+            ("fc.weight".to_string(), vec![h, n_feat * h]),
+            ("hidden_norm.weight".to_string(), vec![h]),
+            ("norm.weight".to_string(), vec![h]),
+        ];
+        for (i, kind) in self.layer_types.iter().enumerate() {
+            let p = |name: &str, shape: Vec<i64>| (format!("layers.{i}.{name}"), shape);
+            match kind {
+                LayerType::Gdn => out.extend([
+                    p("linear_attn.q_proj.weight", vec![nk * dk, h]),
+                    p("linear_attn.k_proj.weight", vec![nk * dk, h]),
+                    p("linear_attn.v_proj.weight", vec![nv * dv, h]),
+                    p("linear_attn.z_proj.weight", vec![nv * dv, h]),
+                    p("linear_attn.a_proj.weight", vec![nv, h]),
+                    p("linear_attn.b_proj.weight", vec![nv, h]),
+                    p("linear_attn.out_proj.weight", vec![h, nv * dv]),
+                    p("linear_attn.conv1d.weight", vec![2 * nk * dk + nv * dv, 1, self.linear_conv_kernel_dim as i64]),
+                    p("linear_attn.A_log", vec![nv]),
+                    p("linear_attn.dt_bias", vec![nv]),
+                    p("linear_attn.norm.weight", vec![dv]),
+                ]),
+                LayerType::Attention => out.extend([
+                    p("self_attn.q_proj.weight", vec![nh * d, h]),
+                    p("self_attn.k_proj.weight", vec![nkv * d, h]),
+                    p("self_attn.v_proj.weight", vec![nkv * d, h]),
+                    p("self_attn.o_proj.weight", vec![h, nh * d]),
+                    p("self_attn.q_norm.weight", vec![d]),
+                    p("self_attn.k_norm.weight", vec![d]),
+                ]),
+            }
+            out.extend([
+                p("mlp.gate_proj.weight", vec![f, h]),
+                p("mlp.up_proj.weight", vec![f, h]),
+                p("mlp.down_proj.weight", vec![h, f]),
+                p("input_layernorm.weight", vec![h]),
+                p("post_attention_layernorm.weight", vec![h]),
+            ]);
+        }
+        out
+    }
+
     /// The dense attention layers' shape.
     pub fn dense_shape(&self) -> drafter_layers::layers::DenseShape {
         drafter_layers::layers::DenseShape {

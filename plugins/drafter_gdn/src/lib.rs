@@ -104,15 +104,8 @@ fn info() -> PluginInfo {
 /// it): its config, checked against the target, and weights.
 pub fn read_folder(dir: &std::path::Path, target: &TargetSpec) -> Result<(GdnConfig, Vec<NamedTensor>), PluginError> {
     let cfg: GdnConfig = drafter_layers::dflash::read_config(dir)?;
+    cfg.check_saved().map_err(|e| PluginError::new(format!("{}: {e}", dir.join("config.json").display())))?;
     drafter_layers::dflash::check_fits(dir, cfg.hidden_size, cfg.vocab_size, &cfg.dflash_config, target)?;
-    if cfg.layer_types.len() != cfg.num_hidden_layers {
-        return Err(PluginError::new(format!(
-            "{}: num_hidden_layers {} but {} layer_types",
-            dir.display(),
-            cfg.num_hidden_layers,
-            cfg.layer_types.len()
-        )));
-    }
     Ok((cfg, drafter_layers::dflash::read_weights(dir)?))
 }
 

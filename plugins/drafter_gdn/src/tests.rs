@@ -352,3 +352,24 @@ fn a_zero_mlp_width_is_refused() {
     let e = s.resolve(&TargetSpec::tiny()).unwrap_err().to_string();
     assert!(e.contains("field `intermediate_size`: 0: must be >= 1"), "{e}");
 }
+
+/// What `parameter_shapes` says a config builds is what the drafter builds (export checks
+/// checkpoints against it); a saved config with sizes no drafter has is refused by name.
+#[test]
+fn parameter_shapes_are_the_built_drafters() {
+    let cfg = hybrid();
+    cfg.check_saved().unwrap();
+    let d = GdnPlugin::new(&cfg, Device::Cpu, Kind::Float);
+    let mut built: Vec<(String, Vec<i64>)> =
+        d.parameters().iter().map(|p| (p.name.to_string(), p.tensor.tensor().size())).collect();
+    let mut said = cfg.parameter_shapes();
+    built.sort();
+    said.sort();
+    assert_eq!(said, built);
+    let mut huge = cfg.clone();
+    huge.hidden_size = 1 << 40;
+    assert!(huge.check_saved().unwrap_err().contains("field `hidden_size`"));
+    let mut short = cfg;
+    short.layer_types.pop();
+    assert!(short.check_saved().unwrap_err().contains("field `layer_types`"));
+}
