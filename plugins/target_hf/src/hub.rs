@@ -60,27 +60,42 @@ pub fn repo_folder(cache: &Path, repo: &str) -> PathBuf {
 }
 
 /// The snapshot of `repo` at `revision` (a branch or tag named by `refs/`, or a commit hash)
-/// in `cache`, if it is there with a `config.json`.
+/// in `cache`, if it is there with a `config.json`; None for anything else (see [`lookup`]).
 pub fn cached(cache: &Path, repo: &str, revision: Option<&str>) -> Option<PathBuf> {
+    lookup(cache, repo, revision).ok().flatten()
+}
+
+/// [`cached`], telling a snapshot that is not there (`Ok(None)`: download it) from one that is
+/// there but broken: a `refs/` file or `config.json` that is a FIFO, a device or too large is an
+/// error naming it, read without blocking.
+pub fn lookup(cache: &Path, repo: &str, revision: Option<&str>) -> Result<Option<PathBuf>, String> {
     let folder = repo_folder(cache, repo);
     let revision = revision.unwrap_or("main");
-    let commit = match std::fs::read_to_string(folder.join("refs").join(revision)) {
-        Ok(hash) => hash.trim().to_string(),
-        Err(_) if revision.len() == 40 && revision.chars().all(|c| c.is_ascii_hexdigit()) => revision.to_string(),
-        Err(_) => return None,
+    let is_hash = revision.len() == 40 && revision.chars().all(|c| c.is_ascii_hexdigit());
+    let ref_file = folder.join("refs").join(revision);
+    let commit = match input_files::read_optional(&ref_file, input_files::limits::HUB_REF) {
+        Ok(Some(hash)) => hash.trim().to_string(),
+        Ok(None) if is_hash => revision.to_string(),
+        Ok(None) => return Ok(None),
+        Err(e) => return Err(e.to_string()),
     };
     if commit.is_empty() || commit.contains(['/', '\\']) || commit.starts_with('.') {
-        return None;
+        return Ok(None);
     }
     let snapshot = folder.join("snapshots").join(commit);
-    snapshot.join("config.json").is_file().then_some(snapshot)
+    match input_files::check_path(&snapshot.join("config.json")) {
+        Ok(input_files::PathKind::File) => Ok(Some(snapshot)),
+        Err(input_files::InputError::NotFound { .. }) => Ok(None),
+        Ok(input_files::PathKind::Dir) => Err(format!("{}: a directory", snapshot.join("config.json").display())),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// The snapshot folder of `repo`: from the cache, else downloaded into it. The error is one
 /// line naming the repository, the folder looked in and why the download failed.
 pub fn resolve(repo: &str, revision: Option<&str>) -> Result<PathBuf, String> {
     let cache = cache_dir();
-    if let Some(snapshot) = cached(&cache, repo, revision) {
+    if let Some(snapshot) = lookup(&cache, repo, revision)? {
         return Ok(snapshot);
     }
     let looked = repo_folder(&cache, repo);
@@ -174,6 +189,17 @@ mod tests {
         assert_eq!(cached(cache.path(), "Org/Other", None), None);
         std::fs::write(folder.join("refs/evil"), "../../x").unwrap();
         assert_eq!(cached(cache.path(), "Org/Tiny", Some("evil")), None);
+        // A FIFO as `refs/main` (was a hang) or a snapshot's `config.json` linked to /dev/zero:
+        // an error naming the file, not a download and not a wait.
+        std::fs::remove_file(folder.join("refs/main")).unwrap();
+        assert!(std::process::Command::new("mkfifo").arg(folder.join("refs/main")).status().unwrap().success());
+        let err = lookup(cache.path(), "Org/Tiny", None).unwrap_err();
+        assert_eq!(err, format!("{}: not a regular file (a FIFO)", folder.join("refs/main").display()));
+        let config = folder.join("snapshots").join(&old).join("config.json");
+        std::fs::remove_file(&config).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &config).unwrap();
+        let err = lookup(cache.path(), "Org/Tiny", Some(&old)).unwrap_err();
+        assert!(err.starts_with(&format!("{}: not a regular file (a character device", config.display())), "{err}");
     }
 
     #[test]
