@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """Chat-template fixtures for the data_chat plugin, rendered by transformers' apply_chat_template.
 
-For every template under tests/fixtures/templates/ (the real template strings, sources in that
-folder's README) this renders a fixed set of conversations, with and without the generation
-prompt and with the template kwargs the models document (Qwen3's enable_thinking, Llama's
-date_string), and writes tests/fixtures/templates/renders.json. The Rust tests render the same
-cases with minijinja and must produce the very same strings.
+For every template the plugin has built in, under plugins/data_chat/templates/ (the real template
+strings, sources in that folder's README; ChatML is the plugin's own), this renders a fixed set of
+conversations, with and without the generation prompt and with the template kwargs the models
+document (Qwen3's enable_thinking, Llama's date_string), and writes
+tests/fixtures/templates/renders.json. The Rust tests render the same cases with minijinja and
+must produce the very same strings.
 
 SmolLM2's template is read out of the GGUF that `make setup` caches (tokenizer.chat_template) and
 written to smollm2.jinja first, so the committed copy is the checkpoint's own.
 
 Usage (needs transformers >= 5 and tokenizers):
-    python3 scripts/make_template_fixtures.py            # writes tests/fixtures/templates/
+    python3 scripts/make_template_fixtures.py            # writes tests/fixtures/templates/renders.json
     python3 scripts/make_template_fixtures.py --check    # re-renders, fails on any difference
 """
 
@@ -26,6 +27,7 @@ from transformers import PreTrainedTokenizerFast
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "..", "tests", "fixtures", "templates")
+TEMPLATE_DIR = os.path.join(HERE, "..", "plugins", "data_chat", "templates")
 GGUF = os.path.join(
     os.environ.get("DFLASH_CACHE", os.path.expanduser("~/.cache/dflash")),
     "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -34,6 +36,7 @@ GGUF = os.path.join(
 # The special tokens each model's tokenizer_config.json declares (what apply_chat_template passes
 # to the template as bos_token / eos_token).
 TEMPLATES = {
+    "chatml": {"eos_token": "<|im_end|>"},
     "smollm2": {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"},
     "llama-3.2": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
     "llama-3.3": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
@@ -140,17 +143,18 @@ def tokenizer(special):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=OUT)
+    ap.add_argument("--templates", default=TEMPLATE_DIR, help="the folder of the .jinja files")
     ap.add_argument("--check", action="store_true", help="compare with the committed renders.json")
     args = ap.parse_args()
 
-    smol = os.path.join(args.out, "smollm2.jinja")
+    smol = os.path.join(args.templates, "smollm2.jinja")
     if not args.check:
         with open(smol, "w", encoding="utf-8", newline="") as f:
             f.write(gguf_chat_template(GGUF))
 
     cases = []
     for name, special in TEMPLATES.items():
-        with open(os.path.join(args.out, f"{name}.jinja"), encoding="utf-8", newline="") as f:
+        with open(os.path.join(args.templates, f"{name}.jinja"), encoding="utf-8", newline="") as f:
             template = f.read()
         tok = tokenizer(special)
         for conv_name, gen, kwargs in cases_for(name):
