@@ -1,5 +1,5 @@
 //! Parity of the `muon` optimizer plugin with torch.optim.Muon 2.11 (fixture from
-//! `scripts/make_fixtures.py`, see tests/fixtures/README.md): Newton-Schulz on its own, and 10
+//! `scripts/fixtures/make_fixtures.py`, see tests/fixtures/README.md): Newton-Schulz on its own, and 10
 //! steps with a changing learning rate on tall [12, 5], wide [5, 12] and square [8, 8] matrices,
 //! for both shape scalings ("original", "match_rms_adamw").
 //!

@@ -1,4 +1,4 @@
-//! Reference parity against PyTorch (fixtures from `scripts/make_fixtures.py`, see
+//! Reference parity against PyTorch (fixtures from `scripts/fixtures/make_fixtures.py`, see
 //! tests/fixtures/README.md): the drafter forward, the DFlash loss and its gradients for a tiny
 //! random drafter (with full attention, and with a sliding-window layer), one optimizer step's
 //! gradients normalised over 3 micro-batches on each of 2 ranks, RoPE scaling, and 10 AdamW

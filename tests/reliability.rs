@@ -2,7 +2,7 @@
 //! (including inside checkpoint writes), corrupt checkpoints, changed plugins, changed configs
 //! and inputs, two processes on one experiment, a full disk (docs/RELIABILITY.md).
 //!
-//! The kill test runs `DFLASH_KILL_POINTS` kills (default 5 here; `scripts/crash_test.sh` runs 20).
+//! The kill test runs `DFLASH_KILL_POINTS` kills (default 5 here; `scripts/test/crash_test.sh` runs 20).
 
 mod common;
 

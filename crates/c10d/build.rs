@@ -3,7 +3,7 @@
 //! bytes the crate embeds and loads only when CUDA is (it needs libtorch_cuda.so).
 //!
 //! The NCCL library needs NCCL's, the CUDA runtime's and CCCL's headers, which the torch wheel
-//! does not ship: scripts/setup.sh puts them in $DFLASH_CACHE/cuda-headers (`DFLASH_CUDA_HEADERS`
+//! does not ship: scripts/setup/setup.sh puts them in $DFLASH_CACHE/cuda-headers (`DFLASH_CUDA_HEADERS`
 //! overrides). Without them the build still succeeds, and an NCCL group
 //! fails at run time saying so.
 
@@ -51,7 +51,7 @@ fn main() {
             .collect();
     if !missing.is_empty() {
         println!(
-            "cargo:warning=NCCL process groups disabled: missing {} (scripts/setup.sh installs them)",
+            "cargo:warning=NCCL process groups disabled: missing {} (`make setup` installs them)",
             missing[0].display()
         );
         std::fs::write(&lib, b"").unwrap();

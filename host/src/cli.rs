@@ -209,7 +209,7 @@ pub enum BenchCommand {
         json: Option<PathBuf>,
         /// After the timed phases, profile one drafter step and one target forward with libtorch's
         /// profiler and write DIR/drafter_step.trace.json and DIR/target_forward.trace.json
-        /// (Chrome traces; scripts/trace_summary.py makes tables of them).
+        /// (Chrome traces; scripts/bench/trace_summary.py makes tables of them).
         #[arg(long, value_name = "DIR")]
         trace: Option<PathBuf>,
         #[command(flatten)]

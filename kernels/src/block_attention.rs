@@ -103,7 +103,8 @@ pub fn context_empty(anchors: &Tensor, block: i64, window: Option<i64>) -> Tenso
 }
 
 /// How many runs of blocks split attention cuts the queries into when the anchors are known on
-/// the host (8 at 512 anchors: 64 blocks, 1024 queries a run; measured in docs/BENCHMARKS.md).
+/// the host (8 at 512 anchors: 64 blocks, 1024 queries a run; of 1 to 16 runs, 8 is the fastest
+/// at the Qwen3-8B bench shapes).
 pub const CONTEXT_RANGES: usize = 8;
 
 /// The context part's mask: the anchors, the sliding window, the ranges of queries the fused
@@ -490,8 +491,8 @@ pub fn backward(saved: &Saved, d_out: &Tensor) -> (Tensor, Tensor, Tensor) {
         }
         let rows = |t: &Tensor| t.narrow(2, r.start, r.len);
         // dO and O contiguous [B, nh, n, D], as the kernels return O: with other strides cuDNN's
-        // D = rowsum(dO * O) comes out wrong (scripts/probe_cudnn_split.py, on the H200). Made
-        // for the first run that needs them (a range with only a tail on the tail kernels: none).
+        // D = rowsum(dO * O) comes out wrong. Made for the first run that needs them (a range
+        // with only a tail on the tail kernels: none).
         let dense_rows = std::cell::OnceCell::new();
         for run in range_runs {
             let len = run.to - run.from;
@@ -659,7 +660,7 @@ fn context_backward(
             let lse_padded = Tensor::zeros([b, nh, (n + 31) / 32 * 32], (Kind::Float, q.device()));
             lse_padded.narrow(2, 0, n).copy_(lse);
             // dO and O dense in that layout too: with other strides the kernel's D = rowsum(dO * O)
-            // comes out wrong (measured on the H200, scripts/probe_efficient_attention.py).
+            // comes out wrong.
             let (d_out_t, out_t) = (t(d_out).contiguous(), t(out).contiguous());
             let (dq, dk, dv, _) = Tensor::internal_efficient_attention_backward(
                 &d_out_t,

@@ -1,6 +1,6 @@
 //! libtorch's Kineto profiler through csrc/profiler.cpp (tch does not bind it): the same trace
 //! `torch.profiler` writes, with every aten op, the GPU kernels each launched, and named ranges.
-//! `scripts/trace_summary.py` reads the trace back as tables.
+//! `scripts/bench/trace_summary.py` reads the trace back as tables.
 
 use crate::ffi::{
     dflash_profiler_start, dflash_profiler_stop, dflash_range_begin, dflash_range_end, with_error_buffer as call,

@@ -95,8 +95,16 @@ impl OptimizerPlugin for Sgd {
     }
 }
 
+/// The name a config gives in `plugin = "..."` (`plugins new` replaces it).
+const PLUGIN_NAME: &str = "sgd";
+
 fn info() -> PluginInfo {
-    PluginInfo::new("sgd", PluginKind::Optimizer, env!("CARGO_PKG_VERSION"), "SGD with momentum (template plugin)")
+    PluginInfo::new(
+        PLUGIN_NAME,
+        PluginKind::Optimizer,
+        env!("CARGO_PKG_VERSION"),
+        "SGD with momentum (template plugin)",
+    )
 }
 
 fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginError> {

@@ -77,7 +77,7 @@ distill_max_new_tokens = 12
     )
 }
 
-/// A PyTorch fixture from tests/fixtures/ (scripts/make_fixtures.py): tensors and metadata.
+/// A PyTorch fixture from tests/fixtures/ (scripts/fixtures/make_fixtures.py): tensors and metadata.
 pub struct Fixture {
     tensors: HashMap<String, Tensor>,
     pub meta: HashMap<String, String>,

@@ -337,7 +337,7 @@ fn nccl_library() -> Result<&'static Nccl> {
     static LIB: OnceLock<std::result::Result<Nccl, String>> = OnceLock::new();
     LIB.get_or_init(|| {
         if NCCL_LIBRARY.is_empty() {
-            return Err("this build has no NCCL process group: it was compiled without NCCL's headers (scripts/setup.sh installs them into $DFLASH_CACHE/cuda-headers; rebuild)".into());
+            return Err("this build has no NCCL process group: it was compiled without NCCL's headers (`make setup` installs them into $DFLASH_CACHE/cuda-headers; rebuild)".into());
         }
         use sha2::Digest;
         let hash: String = sha2::Sha256::digest(NCCL_LIBRARY).iter().take(8).map(|b| format!("{b:02x}")).collect();

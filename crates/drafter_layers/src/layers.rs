@@ -22,8 +22,8 @@ pub struct DenseShape {
 
 /// RMSNorm over the last dim, computed in fp32 (Qwen3RMSNorm). libtorch's `rms_norm` runs its
 /// fused kernel on CUDA (one pass forward, one backward, only the inverse RMS saved) and HF's
-/// upcast-normalise-downcast-scale sequence elsewhere; the composite it replaced cost six
-/// passes and an fp32 copy of the input per norm (BENCHMARKS.md).
+/// upcast-normalise-downcast-scale sequence elsewhere, which on CUDA would cost six passes and an
+/// fp32 copy of the input per norm.
 #[derive(Debug)]
 pub struct RmsNorm {
     weight: Tensor,

@@ -614,13 +614,14 @@ mod tests {
         assert!(e_o > 1e-5, "bf16 operands are rounded ({e_o:.2e})");
     }
 
-    /// On a GPU (skipped without one): the fused scan kernel against the libtorch loop it
+    /// On a GPU (`make gpu-test`): the fused scan kernel against the libtorch loop it
     /// replaces, both with bf16 operands, and both against the fp32 step-by-step reference, at a
     /// target's head dims (128), a length that is not a multiple of the chunk, from a state; and
     /// value dims 64 and 32 (the kernel's other tilings).
     #[test]
+    #[ignore = "needs a CUDA device: make gpu-test"]
     fn fused_scan_matches_the_loop_on_cuda() {
-        let Some(dev) = kernels::cuda_test_device() else { return };
+        let dev = kernels::cuda_test_device();
         let _guard = tch::no_grad_guard();
         tch::manual_seed(11);
         for (b, h, l, dk, dv) in [(2, 3, 300, 128, 128), (1, 2, 64, 128, 64), (1, 2, 130, 64, 32)] {
@@ -654,11 +655,12 @@ mod tests {
         }
     }
 
-    /// On a GPU (skipped without one): the inverse kernel against libtorch's triangular solve and
+    /// On a GPU (`make gpu-test`): the inverse kernel against libtorch's triangular solve and
     /// against the blocked substitution it replaces, in the hard case of the CPU test above.
     #[test]
+    #[ignore = "needs a CUDA device: make gpu-test"]
     fn the_inverse_kernel_equals_the_triangular_solve_on_cuda() {
-        let Some(dev) = kernels::cuda_test_device() else { return };
+        let dev = kernels::cuda_test_device();
         tch::manual_seed(13);
         for c in [1i64, 16, 37, 64] {
             for scale in [0.3, 1.0] {

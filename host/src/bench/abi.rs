@@ -1,5 +1,5 @@
 //! `dflash-host bench abi`: what crossing the plugin boundary costs, per call and as a share of
-//! a training step (issue: plugins as shared libraries).
+//! a training step, for built-in plugins and for plugins loaded from shared libraries.
 
 use crate::plugins::Registry;
 use anyhow::{anyhow, Result};

@@ -156,8 +156,8 @@ fn fused_loss_error(
     let anchors = draft.sampler.sample(&loss_mask, u64::MAX);
     let a = anchors.positions.size()[1];
     // A seed of its own: the random target's weights came from the run's seed, and drawn from
-    // the same stream, each hidden row repeated an LM-head row's draw (its logit then 0.02 * H =
-    // 82, and the loss 81.9 instead of 12.75: session 6 of docs/BENCHMARKS.md).
+    // the same stream, each hidden row would repeat an LM-head row's draw (its logit then
+    // 0.02 * H = 82, and the loss 81.9 instead of 12.75).
     tch::manual_seed((draft.sampler.seed ^ 0x1055) as i64);
     let hidden = Tensor::randn([sh.batch_size as i64, a * draft.block_size, spec.hidden_size as i64], (kind, device));
     let (ids, loss_mask) = (ids.to_device(device), loss_mask.to_device(device));
@@ -184,7 +184,7 @@ fn fused_loss_error(
     let (fused, plain) = (run(true), run(false));
     let grad_err = (&fused.1 - &plain.1).abs().max().double_value(&[]) / plain.1.abs().max().double_value(&[]);
     // Random inputs give Gaussian logits of std sigma = std(h) std(W) sqrt(H), and a loss of about
-    // ln V + sigma^2 / 2: a check on the logits' GEMM (docs/BENCHMARKS.md, session 5).
+    // ln V + sigma^2 / 2: a check on the logits' GEMM.
     let (std_h, std_w) = (hidden.std(true).double_value(&[]), draft.lm_head.std(true).double_value(&[]));
     let sigma = std_h * std_w * (spec.hidden_size as f64).sqrt();
     eprintln!(

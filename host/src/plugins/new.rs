@@ -62,6 +62,11 @@ fn template(kind: &str) -> Result<Template> {
     })
 }
 
+/// The line of a template that names its plugin (`PluginInfo::new(PLUGIN_NAME, ..)` reads it).
+fn plugin_name_line(name: &str) -> String {
+    format!("const PLUGIN_NAME: &str = \"{name}\";")
+}
+
 pub fn run(args: NewArgs) -> Result<ExitCode> {
     let name = &args.name;
     let valid = name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
@@ -82,9 +87,12 @@ pub fn run(args: NewArgs) -> Result<ExitCode> {
         api.canonicalize().with_context(|| format!("plugin-api at {} (give --plugin-api PATH)", api.display()))?;
     let rename = |text: &str| {
         text.replace(t.crate_name, name)
-            .replace(&format!("PluginInfo::new(\"{}\"", t.plugin_name), &format!("PluginInfo::new(\"{name}\""))
+            .replace(&plugin_name_line(t.plugin_name), &plugin_name_line(name))
             .replace(&format!("plugin = \"{}\"", t.plugin_name), &format!("plugin = \"{name}\""))
     };
+    if !t.lib_rs.contains(&plugin_name_line(t.plugin_name)) {
+        bail!("the {} template does not declare `{}`", args.kind, plugin_name_line(t.plugin_name));
+    }
     let cargo_toml = rename(t.cargo_toml);
     let Some(dep) = cargo_toml.lines().find(|l| l.starts_with("plugin-api = ")) else {
         bail!("template without a plugin-api dependency")

@@ -121,7 +121,7 @@ pub struct ChatSection {
     pub distill: Distill,
     /// Batches are padded to a multiple of this many tokens (capped at `max_len`): GPU kernels
     /// such as cuDNN attention build a plan per shape, and a new length every batch slowed a bf16
-    /// run 2-7x on the H200 (docs/BENCHMARKS.md, session 6). 1 pads to the longest sequence only.
+    /// run 2-7x on an H200. 1 pads to the longest sequence only.
     #[serde(default = "default_pad_multiple")]
     pub pad_to_multiple_of: usize,
     /// Reply length cap for self-distillation.

@@ -728,7 +728,7 @@ mod tests {
         assert!(err.contains("fake.jsonl.gz"), "{err}");
     }
 
-    /// The conversations of tests/fixtures/datasets (scripts/make_data_fixtures.py).
+    /// The conversations of tests/fixtures/datasets (scripts/fixtures/make_data_fixtures.py).
     fn fixture_records() -> Vec<ChatRecord> {
         vec![
             ChatRecord {

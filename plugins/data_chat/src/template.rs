@@ -773,7 +773,7 @@ mod tests {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("templates")
     }
 
-    /// renders.json (made by scripts/make_template_fixtures.py with transformers).
+    /// renders.json (made by scripts/fixtures/make_template_fixtures.py with transformers).
     fn renders() -> serde_json::Value {
         let path = fixtures().join("renders.json");
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))

@@ -1,6 +1,6 @@
 //! The Qwen3.5 hybrid (Gated DeltaNet + gated attention), Qwen3.5-MoE and Qwen3-MoE targets
 //! against transformers 5.8.1: tiny random models saved by transformers itself as HF folders
-//! (`tests/fixtures/target_*`, made by `scripts/make_target_fixtures.py`), loaded here like any
+//! (`tests/fixtures/target_*`, made by `scripts/fixtures/make_target_fixtures.py`), loaded here like any
 //! checkpoint (sharded, the multimodal layout for qwen3_5). Checked, in f32 on the CPU:
 //! - every layer's output and the logits on fixed ids, within 1e-4 of transformers (relative to
 //!   the largest entry);

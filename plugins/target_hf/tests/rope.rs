@@ -1,5 +1,5 @@
 //! RoPE scaling in the target against transformers 5.8.1: one tiny random Llama
-//! (`tests/fixtures/target_llama_rope`, made by `scripts/make_target_fixtures.py`) loaded as an
+//! (`tests/fixtures/target_llama_rope`, made by `scripts/fixtures/make_target_fixtures.py`) loaded as an
 //! HF folder under each kind's `config.json` (default, linear, dynamic NTK, yarn with and without
 //! mscale, llama3), 96 positions past every context the scalings name. Layer 0's output and the
 //! logits must match within 1e-4 (relative to the largest entry), and each scaled run must be

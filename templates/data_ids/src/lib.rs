@@ -142,9 +142,12 @@ impl DataLoaderPlugin for IdsData {
     }
 }
 
+/// The name a config gives in `plugin = "..."` (`plugins new` replaces it).
+const PLUGIN_NAME: &str = "ids";
+
 fn info() -> PluginInfo {
     PluginInfo::new(
-        "ids",
+        PLUGIN_NAME,
         PluginKind::DataLoader,
         env!("CARGO_PKG_VERSION"),
         "pre-tokenized `PROMPT | RESPONSE` lines (template plugin)",

@@ -180,9 +180,12 @@ impl DrafterPlugin for TinyDrafter {
     }
 }
 
+/// The name a config gives in `plugin = "..."` (`plugins new` replaces it).
+const PLUGIN_NAME: &str = "tiny_drafter";
+
 fn info() -> PluginInfo {
     PluginInfo::new(
-        "tiny_drafter",
+        PLUGIN_NAME,
         PluginKind::Drafter,
         env!("CARGO_PKG_VERSION"),
         "one-layer block drafter (template plugin)",

@@ -276,9 +276,12 @@ impl TargetPlugin for TinyLm {
     }
 }
 
+/// The name a config gives in `plugin = "..."` (`plugins new` replaces it).
+const PLUGIN_NAME: &str = "tiny_lm";
+
 fn info() -> PluginInfo {
     PluginInfo::new(
-        "tiny_lm",
+        PLUGIN_NAME,
         PluginKind::Target,
         env!("CARGO_PKG_VERSION"),
         "tiny byte-level causal LM with seeded weights (template plugin)",

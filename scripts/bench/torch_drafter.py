@@ -12,7 +12,7 @@ backward -> grad-norm clip -> AdamW on fp32 master weights. Attention variants:
 Also times the attention alone (forward + backward) for each, and, with --target, the HF
 Qwen3-8B-shaped target forward (transformers, sdpa).
 
-  python3 scripts/bench_torch_drafter.py --attn sdpa flex --target --json out.json
+  python3 scripts/bench/torch_drafter.py --attn sdpa flex --target --json out.json
 """
 
 import argparse
@@ -272,7 +272,7 @@ feats = torch.randn(B, S, NF * H, device=dev, dtype=dt)
 def loss_check():
     """The loss over random inputs, as `dflash-host bench train` prints it: drafter outputs of std 1
     against the std-0.02 head give Gaussian logits and a loss of about ln V + sigma^2 / 2; and the
-    fp32-output GEMM the loss uses against the product in fp32 (docs/BENCHMARKS.md, session 5)."""
+    fp32-output GEMM the loss used against the product in fp32."""
     anchors = torch.stack([torch.randperm(S - 1)[:A].sort().values for _ in range(B)]).to(dev)
     h = torch.randn(B, N, H, device=dev, dtype=dt)
     with torch.no_grad():

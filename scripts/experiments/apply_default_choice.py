@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write the best point of `dflash-host ab --config configs/ab-default.toml` into a run config.
 
-    python3 scripts/apply_default_choice.py experiments/default/selection.json configs/smollm2-chitchat.toml
+    python3 scripts/experiments/apply_default_choice.py experiments/default/selection.json configs/smollm2-chitchat.toml
 
 The best point is the highest validation score over every arm's sweep (selection.json); its
 values and its arm's own changes (ab-default.toml's `[arms.<arm>]`, e.g. `drafter = { ... }`) are

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The NVIDIA wheels libtorch needs, read from the torch wheel's own metadata (scripts/setup.sh).
+"""The NVIDIA wheels libtorch needs, read from the torch wheel's own metadata (scripts/setup/setup.sh).
 
 torch's METADATA requires, on Linux, a few `nvidia-*` packages directly (cuDNN, cuSPARSELt, NCCL,
 NVSHMEM) and the CUDA toolkit through the `cuda-toolkit[cublas,cudart,...]` meta-package, whose

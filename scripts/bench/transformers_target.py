@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """transformers' own forward of a random target, beside `dflash-host bench train` on the same
-config (scripts/bench_hybrid_h200.sh): the full forward (every layer and the LM head, what the
+config (scripts/bench/hybrid_h200.sh): the full forward (every layer and the LM head, what the
 bench's "target forward (full)" row times), bf16 on CUDA, sdpa attention, random weights and ids,
 no cache; untimed warm-up runs, then the median of the timed ones, the device synchronised around
 each.
@@ -8,9 +8,9 @@ each.
 The Qwen3.5 hybrid's Gated DeltaNet layers take transformers' torch fallbacks unless
 flash-linear-attention's kernels import (`fla` from the fla-core wheel): then its chunked Triton
 kernel and fused gated norm run (the conv stays F.conv1d without causal-conv1d). The report says
-which ran.
+which ran; `--no-fla` keeps the fallbacks where the kernels are installed.
 
-    python3 scripts/bench_transformers_target.py --config configs/bench/qwen3.6-27b-config.json \\
+    python3 scripts/bench/transformers_target.py --config configs/bench/qwen3.6-27b-config.json \\
         --batch 4 1 --seq 3072 --json out.json
 """
 
@@ -28,8 +28,14 @@ p.add_argument("--seq", type=int, default=3072)
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--iters", type=int, default=5)
 p.add_argument("--device", default="cuda", help="cuda (bf16) or cpu (f32, for trying the script)")
+p.add_argument("--no-fla", action="store_true", help="transformers' torch fallbacks even where fla imports")
 p.add_argument("--json")
 args = p.parse_args()
+
+if args.no_fla:
+    import sys
+
+    sys.modules["fla"] = None  # find_spec("fla") is None: transformers takes its fallbacks
 
 import transformers  # noqa: E402
 
