@@ -1,7 +1,7 @@
 //! The DFlash fields every drafter has, whatever its layers: block size, target layers and mask
 //! token (resolved against the target), and reading a saved drafter folder back.
 
-use plugin_api::{tch::Tensor, NamedTensor, PluginError, TargetSpec};
+use plugin_api::{NamedTensor, PluginError, TargetSpec};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use std::path::Path;
 
@@ -153,17 +153,21 @@ pub fn layer_windows(
         .collect()
 }
 
-/// A saved drafter folder's `config.json`; errors name the file.
+/// A saved drafter folder's `config.json` (a regular file of at most
+/// `input_files::limits::CONFIG_JSON` bytes: a FIFO is refused, not waited on); errors name the
+/// file.
 pub fn read_config<C: DeserializeOwned>(dir: &Path) -> Result<C, PluginError> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| PluginError::new(format!("{}: {e}", path.display())))?;
+    let text = input_files::read_to_string_capped(&path, input_files::limits::CONFIG_JSON)
+        .map_err(|e| PluginError::new(e.to_string()))?;
     serde_json::from_str(&text).map_err(|e| PluginError::new(format!("{}: {e}", path.display())))
 }
 
-/// A saved drafter folder's `model.safetensors`; errors name the file.
+/// A saved drafter folder's `model.safetensors`, memory-mapped from the handle that was checked
+/// to be a regular file; errors name the file.
 pub fn read_weights(dir: &Path) -> Result<Vec<NamedTensor>, PluginError> {
     let path = dir.join("model.safetensors");
-    let weights = Tensor::read_safetensors(&path).map_err(|e| PluginError::new(format!("{}: {e}", path.display())))?;
+    let weights = input_files::tensors::read_safetensors(&path).map_err(|e| PluginError::new(e.to_string()))?;
     Ok(weights.into_iter().map(|(n, t)| NamedTensor::new(n, t)).collect())
 }
 

@@ -26,7 +26,8 @@ pub fn read(target: &TargetSpec) -> Result<TargetFacts, PluginError> {
     let hf_config = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
     if hf_config.is_file() && hf_config.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
         let err = |e: String| PluginError::new(format!("{}: {e}", hf_config.display()));
-        let text = std::fs::read_to_string(&hf_config).map_err(|e| err(e.to_string()))?;
+        let text = input_files::read_to_string_capped(&hf_config, input_files::limits::CONFIG_JSON)
+            .map_err(|e| PluginError::new(e.to_string()))?;
         let json: Value = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
         return Ok(from_hf_config(&json));
     }
@@ -61,7 +62,7 @@ pub fn from_hf_config(json: &Value) -> TargetFacts {
 
 /// From GGUF metadata: `{arch}.context_length` and `{arch}.rope.scaling.*` (llama.cpp's names).
 fn from_gguf(path: &Path) -> Result<TargetFacts, String> {
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let file = input_files::open_regular(path).map_err(|e| e.to_string())?;
     let meta = gguf_metadata(&mut BufReader::new(file), |key| {
         key == "general.architecture" || key.contains(".context_length") || key.contains(".rope.scaling.")
     })?;

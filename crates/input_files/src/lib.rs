@@ -4,7 +4,14 @@
 //! the process dies, and one 100 MB line read with `BufRead::lines` is 100 MB (plus what parsing
 //! it takes). Here every open refuses anything but a regular file, without blocking (a FIFO is
 //! opened non-blocking, then refused), whole-file reads are capped, and lines are read with a cap
-//! on each; every error names the file (and line).
+//! on each; every error names the file (and line). A file is opened once: its type and size are
+//! checked on the open handle, and what is read (or memory-mapped, [`map_regular`]) comes from
+//! that handle, so nothing can be swapped in between. A symlink (an HF hub snapshot links its
+//! blobs) is followed, and its target is what is checked; the error says where it led.
+//!
+//! [`limits`] holds the caps for the files of a model folder, sized for real files; with the
+//! `tensors` feature, [`tensors::read_safetensors`] reads a safetensors file through the same
+//! checked, memory-mapped handle.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), input_files::InputError> {
@@ -24,12 +31,33 @@ use std::{
     path::{Path, PathBuf},
 };
 
+#[cfg(feature = "tensors")]
+pub mod tensors;
+
+/// Caps for the files of a model folder (HF or drafter), each well above the largest real file
+/// of its kind and far below what would hurt: what a reader passes to [`read_capped`] and its
+/// siblings.
+pub mod limits {
+    /// `config.json`, `generation_config.json`, a drafter's `config.json` (real ones: a few KB).
+    pub const CONFIG_JSON: u64 = 16 << 20;
+    /// `tokenizer.json` (real ones: 2-35 MB; Gemma 3's, 33 MB, is among the largest).
+    pub const TOKENIZER_JSON: u64 = 512 << 20;
+    /// `tokenizer_config.json` (real ones: up to a few MB with many added tokens).
+    pub const TOKENIZER_CONFIG_JSON: u64 = 64 << 20;
+    /// A chat template file, `chat_template.jinja` (real ones: under 20 KB).
+    pub const CHAT_TEMPLATE: u64 = 8 << 20;
+    /// `model.safetensors.index.json` (real ones: up to ~10 MB for the largest MoE models).
+    pub const SAFETENSORS_INDEX: u64 = 256 << 20;
+    /// A hub cache `refs/<branch>` file: one commit hash.
+    pub const HUB_REF: u64 = 4 << 10;
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum InputError {
     #[error("{}: no such file", path.display())]
     NotFound { path: PathBuf },
-    #[error("{}: not a regular file ({kind})", path.display())]
-    NotRegular { path: PathBuf, kind: &'static str },
+    #[error("{}: not a regular file ({kind}{})", path.display(), linked(resolved))]
+    NotRegular { path: PathBuf, kind: &'static str, resolved: Option<PathBuf> },
     #[error("{}: {size} bytes, more than the {max} bytes allowed", path.display())]
     TooLarge { path: PathBuf, size: u64, max: u64 },
     #[error("{}:{line}: line longer than {max} bytes", path.display())]
@@ -38,6 +66,14 @@ pub enum InputError {
     NotUtf8 { path: PathBuf, line: usize },
     #[error("{}: {cause}", path.display())]
     Io { path: PathBuf, cause: io::Error },
+    /// The file is there but not what its reader expects (a corrupt safetensors header, ...).
+    #[error("{}: {what}", path.display())]
+    Format { path: PathBuf, what: String },
+}
+
+/// ", reached through a link to X" for a path that is (or passes through) a symlink.
+fn linked(resolved: &Option<PathBuf>) -> String {
+    resolved.as_ref().map(|r| format!(", reached through a link to {}", r.display())).unwrap_or_default()
 }
 
 impl InputError {
@@ -48,7 +84,8 @@ impl InputError {
             | Self::TooLarge { path, .. }
             | Self::LineTooLong { path, .. }
             | Self::NotUtf8 { path, .. }
-            | Self::Io { path, .. } => path,
+            | Self::Io { path, .. }
+            | Self::Format { path, .. } => path,
         }
     }
 }
@@ -85,9 +122,26 @@ pub fn open_regular(path: &Path) -> Result<File, InputError> {
         OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(|e| io_error(path, e))?;
     let meta = file.metadata().map_err(|e| io_error(path, e))?;
     if !meta.is_file() {
-        return Err(InputError::NotRegular { path: path.to_path_buf(), kind: kind_name(meta.file_type()) });
+        return Err(not_regular(path, meta.file_type()));
     }
     Ok(file)
+}
+
+/// The error for `path` of type `t`, naming where a link led.
+fn not_regular(path: &Path, t: FileType) -> InputError {
+    let is_link = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+    let resolved = is_link.then(|| std::fs::canonicalize(path).ok()).flatten();
+    InputError::NotRegular { path: path.to_path_buf(), kind: kind_name(t), resolved }
+}
+
+/// `path` memory-mapped read-only, from the handle [`open_regular`] checked: a FIFO or device
+/// is refused before anything is mapped. For large files read in place (weights); the caller
+/// must not let the file be truncated while mapped (as with any mmap).
+pub fn map_regular(path: &Path) -> Result<memmap2::Mmap, InputError> {
+    let file = open_regular(path)?;
+    // SAFETY: read-only map of a regular file; a file truncated by another process while mapped
+    // is outside what any reader can guard against.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io_error(path, e))
 }
 
 /// A path a config names: a regular file or a directory.
@@ -104,7 +158,7 @@ pub fn check_path(path: &Path) -> Result<PathKind, InputError> {
     match meta.file_type() {
         t if t.is_file() => Ok(PathKind::File),
         t if t.is_dir() => Ok(PathKind::Dir),
-        t => Err(InputError::NotRegular { path: path.to_path_buf(), kind: kind_name(t) }),
+        t => Err(not_regular(path, t)),
     }
 }
 
@@ -130,6 +184,16 @@ pub fn read_to_string_capped(path: &Path, max: u64) -> Result<String, InputError
         let line = e.as_bytes()[..e.utf8_error().valid_up_to()].iter().filter(|&&b| b == b'\n').count() + 1;
         InputError::NotUtf8 { path: path.to_path_buf(), line }
     })
+}
+
+/// [`read_to_string_capped`] for a file that may be absent (a model folder's optional files):
+/// None when there is nothing at `path`; anything else there (a FIFO, a device, a file too large)
+/// is the error it would be.
+pub fn read_optional(path: &Path, max: u64) -> Result<Option<String>, InputError> {
+    match read_to_string_capped(path, max) {
+        Err(InputError::NotFound { .. }) => Ok(None),
+        other => other.map(Some),
+    }
 }
 
 /// The lines of a regular file, each at most `max_line` bytes (without its `\n` or `\r\n`).
@@ -235,6 +299,34 @@ mod tests {
         assert_eq!(check_path(dir.path()).unwrap(), PathKind::Dir);
         let missing = dir.path().join("nope");
         assert_eq!(read_capped(&missing, 1).unwrap_err().to_string(), format!("{}: no such file", missing.display()));
+    }
+
+    #[test]
+    fn a_link_is_followed_and_the_error_says_where_it_led() {
+        // As an HF hub snapshot links `tokenizer.json` to a blob: the blob is what is checked.
+        let dir = tempfile::tempdir().unwrap();
+        let (blob, link) = (dir.path().join("blob"), dir.path().join("tokenizer.json"));
+        mkfifo(&blob);
+        std::os::unix::fs::symlink(&blob, &link).unwrap();
+        let t0 = Instant::now();
+        let err = read_optional(&link, 1 << 20).unwrap_err().to_string();
+        assert!(t0.elapsed() < Duration::from_secs(5), "blocked on the FIFO");
+        let want = format!("{}: not a regular file (a FIFO, reached through a link to ", link.display());
+        assert!(err.starts_with(&want) && err.ends_with("blob)"), "{err}");
+        assert!(map_regular(&link).is_err());
+        std::os::unix::fs::symlink("/dev/zero", dir.path().join("zero")).unwrap();
+        let err = read_capped(&dir.path().join("zero"), 1 << 20).unwrap_err().to_string();
+        assert!(
+            err.ends_with("zero: not a regular file (a character device, reached through a link to /dev/zero)"),
+            "{err}"
+        );
+        // A regular file behind a link reads; nothing at all is None, not an error.
+        std::fs::remove_file(&blob).unwrap();
+        std::fs::write(&blob, "{}").unwrap();
+        assert_eq!(read_optional(&link, 2).unwrap().as_deref(), Some("{}"));
+        assert_eq!(&map_regular(&link).unwrap()[..], b"{}");
+        assert_eq!(read_optional(&dir.path().join("absent.json"), 2).unwrap(), None);
+        assert!(matches!(read_optional(&link, 1), Err(InputError::TooLarge { size: 2, max: 1, .. })));
     }
 
     #[test]

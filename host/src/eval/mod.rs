@@ -269,6 +269,9 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     // run pruning it meanwhile cannot take it away.
     let (evaluated, from) = match &args.drafter {
         Some(d) => {
+            // Its config is checked here too, so a FIFO or device there is named before the
+            // target loads (the drafter plugin reads both through `input_files` again).
+            input_files::open_regular(&d.join("config.json")).map_err(|e| anyhow!("--drafter {}: {e}", d.display()))?;
             let weights = d.join("model.safetensors");
             let sha = crate::plugins::sha256_file(&weights).map_err(|e| anyhow!("--drafter {}: {e:#}", d.display()))?;
             let shown = d.canonicalize().unwrap_or_else(|_| d.clone());

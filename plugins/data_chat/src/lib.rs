@@ -82,8 +82,12 @@ pub struct ChatSection {
     /// Where a record's parts are, for other shapes (see `records::Fields`).
     #[serde(default)]
     pub fields: Fields,
-    /// A template file (`.jinja`, or a `tokenizer_config.json` holding one) or `chatml`;
-    /// default: the checkpoint's own template, ChatML if it has none.
+    /// The chat template: a built-in one by name, `chatml`, `llama3` (Llama 3.1 / 3.3 Instruct),
+    /// `llama3.2`, `qwen2.5`, `qwen3`, `qwen3.5` or `smollm2` (the models' own templates, rendering
+    /// as transformers does), or a file (`.jinja`, or a `tokenizer_config.json` holding one; write
+    /// `./NAME` for a file called like a built-in). A built-in's markers (`<|im_start|>`,
+    /// `<|eot_id|>`, ...) must be special tokens of the target's tokenizer. Default: the
+    /// checkpoint's own template, ChatML if it has none.
     #[serde(default)]
     pub chat_template: Option<String>,
     /// Extra template variables, e.g. `{ enable_thinking = false }` for Qwen3.
@@ -182,12 +186,19 @@ impl ChatSection {
     }
 }
 
-/// Where the chat template came from (for the run's description).
+/// Where the chat template came from (for the run's description and every error it causes).
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum TemplateSource {
-    Checkpoint,
+    /// The target's own; `origin` names the file it came from.
+    Checkpoint {
+        origin: String,
+    },
     File(PathBuf),
-    ChatMl { fallback: bool },
+    /// A built-in template; `fallback`: ChatML because the checkpoint has none.
+    Builtin {
+        name: &'static str,
+        fallback: bool,
+    },
 }
 
 /// One training sequence, and while self-distillation runs, its conversation.
@@ -341,7 +352,7 @@ impl ChatData {
             prompt_only,
             past_max_records,
             template_text: template::CHATML.to_string(),
-            template_source: TemplateSource::ChatMl { fallback: true },
+            template_source: TemplateSource::Builtin { name: "chatml", fallback: true },
             eos_id: None,
             pad_hint: None,
             bos_id: None,
@@ -356,16 +367,23 @@ impl ChatData {
         })
     }
 
-    /// Choose the chat template: the config's file or `chatml`, else the checkpoint's, else
-    /// ChatML. Compiled once here so a broken template fails at start-up, naming its source.
-    pub fn with_template(mut self, configured: Option<PathBuf>, checkpoint: &str) -> Result<Self, PluginError> {
-        let (text, source) = match (&self.cfg.chat_template, configured) {
-            (Some(name), _) if name == "chatml" => {
-                (template::CHATML.to_string(), TemplateSource::ChatMl { fallback: false })
+    /// Choose the chat template: the config's (a built-in name, else the file `configured`),
+    /// else the checkpoint's (`origin` names the file it came from), else ChatML. Compiled once
+    /// here so a broken template fails at start-up, naming its source.
+    pub fn with_template(
+        mut self,
+        configured: Option<PathBuf>,
+        checkpoint: &str,
+        origin: &str,
+    ) -> Result<Self, PluginError> {
+        let builtin = self.cfg.chat_template.as_deref().and_then(template::builtin);
+        let (text, source) = match (builtin, &self.cfg.chat_template, configured) {
+            (Some(b), _, _) => (b.source.to_string(), TemplateSource::Builtin { name: b.name, fallback: false }),
+            (None, Some(value), Some(file)) => (read_template_file(value, &file)?, TemplateSource::File(file)),
+            _ if !checkpoint.trim().is_empty() => {
+                (checkpoint.to_string(), TemplateSource::Checkpoint { origin: origin.to_string() })
             }
-            (Some(_), Some(file)) => (read_template_file(&file)?, TemplateSource::File(file)),
-            _ if !checkpoint.trim().is_empty() => (checkpoint.to_string(), TemplateSource::Checkpoint),
-            _ => (template::CHATML.to_string(), TemplateSource::ChatMl { fallback: true }),
+            _ => (template::CHATML.to_string(), TemplateSource::Builtin { name: "chatml", fallback: true }),
         };
         let kwargs: Vec<(String, serde_json::Value)> = self.cfg.template_kwargs.clone().into_iter().collect();
         ChatTemplate::new(&text, &[], &kwargs)
@@ -383,10 +401,11 @@ impl ChatData {
 
     fn describe_source(&self, source: &TemplateSource) -> String {
         match source {
-            TemplateSource::Checkpoint => "the checkpoint's chat template".into(),
+            TemplateSource::Checkpoint { origin } if origin.is_empty() => "the checkpoint's chat template".into(),
+            TemplateSource::Checkpoint { origin } => format!("the checkpoint's chat template ({origin})"),
             TemplateSource::File(p) => format!("field `chat_template` ({})", p.display()),
-            TemplateSource::ChatMl { fallback: true } => "ChatML (the checkpoint has no chat template)".into(),
-            TemplateSource::ChatMl { fallback: false } => "ChatML".into(),
+            TemplateSource::Builtin { fallback: true, .. } => "ChatML (the checkpoint has no chat template)".into(),
+            TemplateSource::Builtin { name, .. } => format!("field `chat_template` (the built-in `{name}` template)"),
         }
     }
 
@@ -593,14 +612,20 @@ impl ChatData {
         let kwargs: Vec<(String, serde_json::Value)> = self.cfg.template_kwargs.clone().into_iter().collect();
         let tpl = ChatTemplate::new(&self.template_text, &special, &kwargs)
             .map_err(|e| PluginError::new(format!("{}: {e}", self.describe_source(&self.template_source))))?;
-        if let TemplateSource::ChatMl { fallback } = self.template_source {
+        if let TemplateSource::Builtin { name, fallback } = self.template_source {
+            // A built-in template writes its markers as text: unless the tokenizer has them as
+            // special tokens, the drafter would learn a format the target does not speak.
             let special_token =
                 |t: &str| tok.token_to_id(t).is_some() && tok.get_added_vocabulary().is_special_token(t);
-            if !special_token("<|im_start|>") || !special_token("<|im_end|>") {
+            let b = template::builtin(name).expect("a built-in name");
+            if !b.markers.iter().all(|m| special_token(m)) {
                 let why =
                     if fallback { "the checkpoint has no chat template, and its tokenizer" } else { "the tokenizer" };
                 return Err(PluginError::new(format!(
-                    "{why} has no <|im_start|> / <|im_end|> special tokens for ChatML: give the model's template with [data] chat_template = \"FILE.jinja\""
+                    "{why} has no {} special tokens for {}: give the model's template with [data] chat_template = \"FILE.jinja\" (or a built-in one: {})",
+                    b.markers.join(" / "),
+                    if b.name == "chatml" { "ChatML".to_string() } else { format!("the built-in `{}` template ({})", b.name, b.what) },
+                    template::builtin_names()
                 )));
             }
         }
@@ -734,13 +759,16 @@ impl ChatData {
         self.examples.iter().filter(|e| e.pending)
     }
 
-    /// A reply's text for the template: the target's tokens without the stop token.
+    /// A reply's text for the template: the target's tokens without the stop token. Special
+    /// tokens the target wrote inside its reply (Qwen3's `<think>` / `</think>`, tool-call
+    /// markers) are kept: they are part of what the drafter must learn to predict, and they
+    /// tokenize back to the same special tokens.
     fn reply_text(&self, reply: &[u32]) -> Result<String, PluginError> {
         let body = match reply.last() {
             Some(t) if self.stop_tokens.contains(t) => &reply[..reply.len() - 1],
             _ => reply,
         };
-        self.tok().decode(body, true).map_err(|e| PluginError::new(format!("decoding a reply: {e}")))
+        self.tok().decode(body, false).map_err(|e| PluginError::new(format!("decoding a reply: {e}")))
     }
 
     pub fn set_distilled_impl(&mut self, replies: Vec<Vec<u32>>) -> Result<DataSummary, PluginError> {
@@ -892,33 +920,42 @@ fn count(n: u64, what: &str) -> String {
     format!("{n} {what}{}", if n == 1 { "" } else { "s" })
 }
 
-/// A template file: Jinja text, or JSON (a `tokenizer_config.json`) with a `chat_template`.
-fn read_template_file(path: &Path) -> Result<String, PluginError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| PluginError::new(format!("field `chat_template`: {}: {e}", path.display())))?;
-    if path.extension().is_some_and(|e| e == "json") {
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| PluginError::new(format!("field `chat_template`: {}: {e}", path.display())))?;
-        return match &v["chat_template"] {
-            serde_json::Value::String(s) => Ok(s.clone()),
-            // Several named templates: the default one.
-            serde_json::Value::Array(list) => list
-                .iter()
-                .find(|t| t["name"] == "default")
-                .and_then(|t| t["template"].as_str())
-                .map(str::to_string)
-                .ok_or_else(|| {
-                    PluginError::new(format!(
-                        "field `chat_template`: {}: no template named \"default\"",
-                        path.display()
-                    ))
-                }),
-            _ => {
-                Err(PluginError::new(format!("field `chat_template`: {}: no \"chat_template\" string", path.display())))
-            }
-        };
+/// A template file named by `chat_template = value`: Jinja text, or JSON (a
+/// `tokenizer_config.json`) with a `chat_template`; read through `input_files` (a regular file,
+/// capped). Nothing there: the value is neither a built-in name nor a file, and the error lists
+/// the names.
+fn read_template_file(value: &str, path: &Path) -> Result<String, PluginError> {
+    use input_files::limits;
+    let bad = |e: String| PluginError::new(format!("field `chat_template`: {e}"));
+    let json = path.extension().is_some_and(|e| e == "json");
+    let cap = if json { limits::TOKENIZER_CONFIG_JSON } else { limits::CHAT_TEMPLATE };
+    let text = match input_files::read_to_string_capped(path, cap) {
+        Err(input_files::InputError::NotFound { .. }) => return Err(bad(template::unknown_template(value, path))),
+        other => other.map_err(|e| bad(e.to_string()))?,
+    };
+    if json {
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        return template::in_tokenizer_config(&v).ok_or_else(|| {
+            bad(format!("{}: no \"chat_template\" string (nor one named \"default\")", path.display()))
+        });
     }
     Ok(text)
+}
+
+/// The file the target's chat template comes from, for messages: a GGUF's metadata key, or in an
+/// HF folder `tokenizer_config.json` when it holds one, else `chat_template.jinja` (the order the
+/// target plugin reads them in).
+fn checkpoint_origin(source: &Path) -> String {
+    if source.is_file() {
+        return format!("{}, key tokenizer.chat_template", source.display());
+    }
+    let tc = source.join("tokenizer_config.json");
+    let in_tc = input_files::read_optional(&tc, input_files::limits::TOKENIZER_CONFIG_JSON)
+        .ok()
+        .flatten()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|v| template::in_tokenizer_config(&v).is_some());
+    if in_tc { tc } else { source.join("chat_template.jinja") }.display().to_string()
 }
 
 impl DataLoaderPlugin for ChatData {
@@ -1030,28 +1067,34 @@ fn info() -> PluginInfo {
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let section: ChatSection = plugin_api::parse_section(config)?;
     let path = ctx.resolve_path(&section.path);
-    let template_file = section.chat_template.as_deref().filter(|t| *t != "chatml").map(|t| ctx.resolve_path(t));
+    let template_file =
+        section.chat_template.as_deref().filter(|t| template::builtin(t).is_none()).map(|t| ctx.resolve_path(t));
     let spec = ctx.target.as_ref().into_option();
+    let source = spec.map(|s| PathBuf::from(s.source.as_str()));
     let mut checkpoint = spec.map(|s| s.chat_template.to_string()).unwrap_or_default();
-    // transformers 5 saves the template beside tokenizer_config.json, as chat_template.jinja.
+    // transformers 5 saves the template beside tokenizer_config.json, as chat_template.jinja
+    // (a random-weights target's folder has not been read for it).
     if checkpoint.trim().is_empty() {
-        if let Some(file) =
-            spec.map(|s| Path::new(s.source.as_str()).join("chat_template.jinja")).filter(|f| f.is_file())
-        {
-            checkpoint =
-                std::fs::read_to_string(&file).map_err(|e| PluginError::new(format!("{}: {e}", file.display())))?;
+        if let Some(dir) = source.as_deref().filter(|s| s.is_dir()) {
+            let file = dir.join("chat_template.jinja");
+            checkpoint = input_files::read_optional(&file, input_files::limits::CHAT_TEMPLATE)
+                .map_err(|e| PluginError::new(e.to_string()))?
+                .unwrap_or_default();
         }
     }
+    let origin = source.as_deref().filter(|_| !checkpoint.trim().is_empty()).map(checkpoint_origin).unwrap_or_default();
     let (bos, eos, pad) = spec.map_or((None, None, None), |s| {
         (s.bos_token_id.into_option(), Some(s.eos_token_id), s.pad_token_id.into_option())
     });
     let data = ChatData::new(section, path, ctx.cache_dir.as_str().into(), ctx.seed)?
-        .with_template(template_file, &checkpoint)?
+        .with_template(template_file, &checkpoint, &origin)?
         .with_special_ids(bos, eos, pad);
     Ok(PluginInstance::data_loader(data))
 }
 
 plugin_api::declare_plugin!(data_chat, info, create);
 
+#[cfg(test)]
+mod alloc_meter;
 #[cfg(test)]
 mod tests;

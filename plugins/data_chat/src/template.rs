@@ -8,6 +8,15 @@
 //! (none), `add_generation_prompt`, `bos_token` / `eos_token`, plus the config's template kwargs
 //! (`enable_thinking = false` for Qwen3).
 //!
+//! A template is untrusted code (a config's file, or whatever a checkpoint carries), so it runs
+//! sandboxed (no file access, no includes) and within limits, each rendering on its own: a fuel
+//! budget ([`FUEL`]: one per instruction and per 64 bytes of data made, so it bounds time and
+//! memory together; minijinja refuses an allocation such as `"x" * n` before making it when the
+//! budget cannot pay for it), an output cap ([`MAX_OUTPUT`]), and functions of our own that charge
+//! for what they make (`tojson`) or refuse what no real template asks (`strftime_now` formats past
+//! [`MAX_STRFTIME_FORMAT`]). A template past a limit fails with [`TemplateError::Limit`], which
+//! says which limit; the caller names the template's source.
+//!
 //! The mask: each assistant message's content is rendered once more between two private-use
 //! sentinel characters; where they land in the output, with the sentinels removed, is where the
 //! content sits in the real rendering, whatever the template adds around it (headers, a default
@@ -20,15 +29,109 @@ use std::ops::Range;
 
 use minijinja::{
     value::{Kwargs, Serde},
-    Environment, Error as JinjaError, ErrorKind, Value,
+    Environment, Error as JinjaError, ErrorKind, State, Value,
 };
 use serde::Serialize;
 use tokenizers::Tokenizer;
 
 use crate::records::{Message, Role};
 
+/// Fuel a rendering may spend (minijinja's fuel: one per instruction, one per 64 bytes of data it
+/// creates): about 256 MB of data or a few hundred ms at most. Real templates spend a few
+/// thousand on a short chat and ~100 per KB of conversation (the test
+/// `real_templates_stay_far_below_their_limits` measures them).
+pub const FUEL: u64 = 4_000_000;
+
+/// Bytes a rendering may write: a conversation of any trainable length is far shorter.
+pub const MAX_OUTPUT: usize = 64 << 20;
+
+/// Bytes of a `strftime_now` format (real templates pass `"%d %b %Y"` and the like).
+pub const MAX_STRFTIME_FORMAT: usize = 256;
+
 /// ChatML, for checkpoints that carry no template of their own.
-pub const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+pub const CHATML: &str = include_str!("../templates/chatml.jinja");
+
+/// A template built into the plugin: `[data] chat_template = "NAME"`.
+pub struct Builtin {
+    pub name: &'static str,
+    /// Whose template it is.
+    pub what: &'static str,
+    pub source: &'static str,
+    /// The markers it writes, which the target's tokenizer must have as special tokens (else
+    /// they would be tokenized as text and the drafter would learn the wrong format).
+    pub markers: &'static [&'static str],
+}
+
+const CHATML_MARKERS: &[&str] = &["<|im_start|>", "<|im_end|>"];
+const LLAMA3_MARKERS: &[&str] = &["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"];
+
+/// The built-in templates (`templates/`, with where each comes from in its README): ChatML and
+/// real models' templates, each rendering as transformers renders it (the renders.json tests).
+pub const BUILTINS: &[Builtin] = &[
+    Builtin { name: "chatml", what: "ChatML", source: CHATML, markers: CHATML_MARKERS },
+    Builtin {
+        name: "llama3",
+        what: "Llama 3.1 / 3.3 Instruct",
+        source: include_str!("../templates/llama-3.3.jinja"),
+        markers: LLAMA3_MARKERS,
+    },
+    Builtin {
+        name: "llama3.2",
+        what: "Llama 3.2 Instruct",
+        source: include_str!("../templates/llama-3.2.jinja"),
+        markers: LLAMA3_MARKERS,
+    },
+    Builtin {
+        name: "qwen2.5",
+        what: "Qwen2.5 Instruct",
+        source: include_str!("../templates/qwen2.5.jinja"),
+        markers: CHATML_MARKERS,
+    },
+    Builtin { name: "qwen3", what: "Qwen3", source: include_str!("../templates/qwen3.jinja"), markers: CHATML_MARKERS },
+    Builtin {
+        name: "qwen3.5",
+        what: "Qwen3.5 / Qwen3.6",
+        source: include_str!("../templates/qwen3.5.jinja"),
+        markers: CHATML_MARKERS,
+    },
+    Builtin {
+        name: "smollm2",
+        what: "SmolLM2 Instruct",
+        source: include_str!("../templates/smollm2.jinja"),
+        markers: CHATML_MARKERS,
+    },
+];
+
+/// The built-in template called `name`.
+pub fn builtin(name: &str) -> Option<&'static Builtin> {
+    BUILTINS.iter().find(|b| b.name == name)
+}
+
+/// The built-in names, for messages: `chatml, llama3, ...`.
+pub fn builtin_names() -> String {
+    BUILTINS.iter().map(|b| b.name).collect::<Vec<_>>().join(", ")
+}
+
+/// `chat_template` of a parsed `tokenizer_config.json`: the string, or from a list of named
+/// templates the one named `default` (as transformers picks).
+pub fn in_tokenizer_config(v: &serde_json::Value) -> Option<String> {
+    match &v["chat_template"] {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(list) => {
+            list.iter().find(|t| t["name"] == "default").and_then(|t| t["template"].as_str()).map(str::to_string)
+        }
+        _ => None,
+    }
+}
+
+/// What `chat_template = value` gets when it is no built-in name and nothing is at `resolved`.
+pub fn unknown_template(value: &str, resolved: &std::path::Path) -> String {
+    format!(
+        "`{value}` is not a built-in template ({}) and not a file ({}: no such file)",
+        builtin_names(),
+        resolved.display()
+    )
+}
 
 /// Marks the start and end of an assistant message's content in the probe renderings
 /// (Unicode private use: no tokenizer or dataset gives them a meaning).
@@ -47,6 +150,43 @@ pub enum TemplateError {
     Unlocatable { index: usize },
     #[error("tokenizing the rendered chat: {0}")]
     Tokenize(String),
+    /// The rendering went past one of its limits (which one is said).
+    #[error("chat template stopped: {0}")]
+    Limit(String),
+}
+
+/// The error of a rendering that failed: a limit it passed, else minijinja's.
+fn render_error(e: JinjaError, output_full: bool) -> TemplateError {
+    if output_full {
+        return TemplateError::Limit(format!("its output passed {MAX_OUTPUT} bytes"));
+    }
+    match e.kind() {
+        ErrorKind::OutOfFuel => TemplateError::Limit(format!(
+            "it used up its fuel ({FUEL}: one per step and per 64 bytes of data; a loop too long, or data too large)"
+        )),
+        _ => TemplateError::Render(e),
+    }
+}
+
+/// Where a rendering writes: fails past [`MAX_OUTPUT`] bytes, and remembers that it did.
+struct CappedOutput {
+    bytes: Vec<u8>,
+    full: bool,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + buf.len() > MAX_OUTPUT {
+            self.full = true;
+            return Err(std::io::Error::other("chat template output cap"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A compiled chat template with its context.
@@ -89,6 +229,7 @@ impl ChatTemplate {
         kwargs: &[(String, serde_json::Value)],
     ) -> Result<Self, TemplateError> {
         let mut env = Environment::new();
+        env.set_fuel(Some(FUEL));
         let mut syntax = minijinja::syntax::SyntaxConfig::builder();
         syntax.trim_blocks(true).lstrip_blocks(true);
         env.set_syntax(syntax.build().map_err(TemplateError::Compile)?);
@@ -96,7 +237,13 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<Value, JinjaError> {
             Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
         });
-        env.add_function("strftime_now", |fmt: String| strftime(&fmt, unix_now()));
+        env.add_function("strftime_now", |fmt: String| -> Result<String, JinjaError> {
+            if fmt.len() > MAX_STRFTIME_FORMAT {
+                let why = format!("strftime_now: a format of {} bytes (at most {MAX_STRFTIME_FORMAT})", fmt.len());
+                return Err(JinjaError::new(ErrorKind::InvalidOperation, why));
+            }
+            Ok(strftime(&fmt, unix_now()))
+        });
         env.add_filter("tojson", tojson);
         env.add_template_owned("chat", strip_generation_tags(source)).map_err(TemplateError::Compile)?;
         let mut extra: Vec<(String, Value)> =
@@ -118,6 +265,15 @@ impl ChatTemplate {
 
     /// The template's output for `messages`, exactly as transformers renders it.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, TemplateError> {
+        self.render_metered(messages, add_generation_prompt).map(|(text, _)| text)
+    }
+
+    /// [`render`](Self::render), and the fuel the rendering spent.
+    fn render_metered(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<(String, u64), TemplateError> {
         let tmpl = self.env.get_template("chat").map_err(TemplateError::Render)?;
         let msgs: Vec<TemplateMessage> =
             messages.iter().map(|m| TemplateMessage { role: m.role.as_str(), content: &m.content }).collect();
@@ -129,7 +285,12 @@ impl ChatTemplate {
         ];
         ctx.extend(self.extra.iter().cloned());
         let ctx = Value::from(ctx.into_iter().collect::<std::collections::BTreeMap<String, Value>>());
-        tmpl.render(ctx).map_err(TemplateError::Render)
+        let mut out = CappedOutput { bytes: Vec::new(), full: false };
+        let fuel = match tmpl.render_captured_to(ctx, &mut out) {
+            Ok(done) => done.state().fuel_levels().map_or(0, |(used, _)| used),
+            Err(e) => return Err(render_error(e, out.full)),
+        };
+        Ok((String::from_utf8(out.bytes).expect("minijinja writes text"), fuel))
     }
 
     /// Render and find, for each assistant message, the bytes it is trained on.
@@ -319,7 +480,7 @@ fn strip_generation_tags(source: &str) -> String {
 
 /// HF's `tojson`: Python's `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
 /// sort_keys=False)`, no HTML escaping.
-fn tojson(value: &Value, kwargs: Kwargs) -> Result<String, JinjaError> {
+fn tojson(state: &State, value: &Value, kwargs: Kwargs) -> Result<String, JinjaError> {
     let indent: Option<usize> = kwargs.get("indent")?;
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
@@ -339,8 +500,14 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<String, JinjaError> {
         key,
     };
     let mut out = String::new();
-    write_json(value, &opts, 0, &mut out)?;
+    write_json(value, &opts, 0, &mut out, state)?;
     Ok(out)
+}
+
+/// Pays fuel for `bytes` about to be written (minijinja's rate: one per 64 bytes), so a large
+/// `indent` or a long escaped string is refused before it is made.
+fn charge(state: &State, bytes: usize) -> Result<(), JinjaError> {
+    state.consume_fuel(bytes as u64 / 64)
 }
 
 struct JsonOpts {
@@ -351,13 +518,16 @@ struct JsonOpts {
     key: String,
 }
 
-fn write_json(v: &Value, o: &JsonOpts, depth: usize, out: &mut String) -> Result<(), JinjaError> {
+fn write_json(v: &Value, o: &JsonOpts, depth: usize, out: &mut String, state: &State) -> Result<(), JinjaError> {
     use minijinja::value::ValueKind as K;
-    let newline = |out: &mut String, depth: usize| {
+    let newline = |out: &mut String, depth: usize| -> Result<(), JinjaError> {
         if let Some(n) = o.indent {
+            let width = n.saturating_mul(depth);
+            charge(state, width)?;
             out.push('\n');
-            out.push_str(&" ".repeat(n * depth));
+            out.push_str(&" ".repeat(width));
         }
+        Ok(())
     };
     match v.kind() {
         K::Undefined | K::None => out.push_str("null"),
@@ -375,10 +545,10 @@ fn write_json(v: &Value, o: &JsonOpts, depth: usize, out: &mut String) -> Result
                 if i > 0 {
                     out.push_str(&o.item);
                 }
-                newline(out, depth + 1);
-                write_json(item, o, depth + 1, out)?;
+                newline(out, depth + 1)?;
+                write_json(item, o, depth + 1, out, state)?;
             }
-            newline(out, depth);
+            newline(out, depth)?;
             out.push(']');
         }
         K::Map => {
@@ -395,21 +565,23 @@ fn write_json(v: &Value, o: &JsonOpts, depth: usize, out: &mut String) -> Result
                 if i > 0 {
                     out.push_str(&o.item);
                 }
-                newline(out, depth + 1);
-                write_json_str(&k.to_string(), o.ensure_ascii, out);
+                newline(out, depth + 1)?;
+                write_json_str(&k.to_string(), o.ensure_ascii, out, state)?;
                 out.push_str(&o.key);
-                write_json(&v.get_item(k)?, o, depth + 1, out)?;
+                write_json(&v.get_item(k)?, o, depth + 1, out, state)?;
             }
-            newline(out, depth);
+            newline(out, depth)?;
             out.push('}');
         }
         // Strings, and whatever else prints as text.
-        _ => write_json_str(&v.to_string(), o.ensure_ascii, out),
+        _ => write_json_str(&v.to_string(), o.ensure_ascii, out, state)?,
     }
     Ok(())
 }
 
-fn write_json_str(s: &str, ensure_ascii: bool, out: &mut String) {
+fn write_json_str(s: &str, ensure_ascii: bool, out: &mut String, state: &State) -> Result<(), JinjaError> {
+    // Escaping writes at most 6 bytes a byte (`\u001f` for one control byte).
+    charge(state, s.len().saturating_mul(6))?;
     out.push('"');
     for c in s.chars() {
         match c {
@@ -430,6 +602,7 @@ fn write_json_str(s: &str, ensure_ascii: bool, out: &mut String) {
         }
     }
     out.push('"');
+    Ok(())
 }
 
 /// Python's `repr(float)`: shortest round-trip digits, exponent form below 1e-4 and from 1e16.
@@ -595,6 +768,11 @@ mod tests {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/templates")
     }
 
+    /// The template files (the built-ins).
+    fn templates() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("templates")
+    }
+
     /// renders.json (made by scripts/fixtures/make_template_fixtures.py with transformers).
     fn renders() -> serde_json::Value {
         let path = fixtures().join("renders.json");
@@ -615,7 +793,7 @@ mod tests {
 
     /// The fixture's template `name` with its special tokens and `kwargs`.
     fn fixture_template(doc: &serde_json::Value, name: &str, kwargs: &serde_json::Value) -> ChatTemplate {
-        let source = std::fs::read_to_string(fixtures().join(format!("{name}.jinja"))).unwrap();
+        let source = std::fs::read_to_string(templates().join(format!("{name}.jinja"))).unwrap();
         let special: Vec<(&str, String)> = doc["special_tokens"][name]
             .as_object()
             .unwrap()
@@ -631,7 +809,7 @@ mod tests {
     fn every_template_renders_exactly_as_transformers() {
         let doc = renders();
         let cases = doc["cases"].as_array().unwrap();
-        assert_eq!(cases.len(), 34);
+        assert_eq!(cases.len(), 39);
         let mut wrong = Vec::new();
         for case in cases {
             let name = case["template"].as_str().unwrap();
@@ -740,6 +918,82 @@ mod tests {
         let t = ChatTemplate::new("{{ raise_exception('no system role') }}", &[], &[]).unwrap();
         let err = t.render(&[], false).unwrap_err().to_string();
         assert!(err.contains("no system role"), "{err}");
+    }
+
+    /// Renders `source` (no messages) on this thread with at most 1 GiB allocated: the error,
+    /// the seconds it took and the most memory it held at once.
+    fn render_hostile(source: &str) -> (String, f64, usize) {
+        let t0 = std::time::Instant::now();
+        let (err, peak) = crate::alloc_meter::measure(1 << 30, || {
+            let t = ChatTemplate::new(source, &[], &[]).unwrap_or_else(|e| panic!("{source}: {e}"));
+            match t.render(&[], false) {
+                Ok(text) => panic!("{source}: rendered {} bytes", text.len()),
+                Err(e) => e.to_string(),
+            }
+        });
+        (err, t0.elapsed().as_secs_f64(), peak)
+    }
+
+    #[test]
+    fn templates_stop_at_their_limits_fast_and_small() {
+        // Each ran for minutes or took gigabytes before templates had limits.
+        let fuel = "it used up its fuel";
+        let output = "its output passed 67108864 bytes";
+        let cases = [
+            // Nested loops (minutes).
+            ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", fuel),
+            // A large string written in a loop (10.7 GB).
+            ("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}", output),
+            // Growing a variable, never written.
+            ("{% set ns = namespace(s='') %}{% for i in range(100000) %}{% set ns.s = ns.s ~ ('x' * 100000) %}{% endfor %}", fuel),
+            // One huge repetition, refused before it is made.
+            ("{{ ('x' * 100000000000) | length }}", fuel),
+            // strftime_now with a huge format (2.2 GB), and with a modest one past its cap.
+            ("{{ strftime_now('%A' * 1000000000) }}", fuel),
+            ("{{ strftime_now('%A' * 1000) }}", "strftime_now: a format of 2000 bytes (at most 256)"),
+            // tojson with a huge indent, and over a huge list.
+            ("{{ [[1]] | tojson(indent=10000000000) }}", fuel),
+            ("{{ range(100000) | list | tojson(indent=1000) }}", fuel),
+            // Python string methods that multiply their input, and joins.
+            ("{{ ('y' * 100000).replace('', 'z' * 100000) | length }}", fuel),
+            ("{{ ('z' * 1000000).join(range(100000) | map('string')) | length }}", fuel),
+            ("{{ range(100000) | join('w' * 1000000) | length }}", fuel),
+            ("{{ ('a\n' * 100000) | indent(100000) | length }}", fuel),
+            // Recursion.
+            ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursion"),
+        ];
+        for (source, want) in cases {
+            let (err, secs, peak) = render_hostile(source);
+            assert!(err.contains(want), "{source}: {err}");
+            assert!(secs < 5.0, "{source}: {secs:.1} s");
+            assert!(peak < 512 << 20, "{source}: {} MiB", peak >> 20);
+        }
+    }
+
+    #[test]
+    fn real_templates_stay_far_below_their_limits() {
+        let doc = renders();
+        let mut most = 0;
+        for case in doc["cases"].as_array().unwrap() {
+            let name = case["template"].as_str().unwrap();
+            let t = fixture_template(&doc, name, &case["kwargs"]);
+            let msgs = messages(&doc["conversations"][case["conversation"].as_str().unwrap()]);
+            let (_, fuel) = t.render_metered(&msgs, case["add_generation_prompt"].as_bool().unwrap()).unwrap();
+            most = most.max(fuel);
+        }
+        assert!(most < FUEL / 200, "a short chat spent {most} fuel");
+        // A long conversation (60 turns, 180 KB) in each template: well within the budget.
+        let long: Vec<Message> = (0..60)
+            .map(|i| Message {
+                role: if i % 2 == 0 { Role::User } else { Role::Assistant },
+                content: format!("turn {i}: {}", "words and more words, ".repeat(140)),
+            })
+            .collect();
+        for name in ["qwen3", "qwen3.5", "llama-3.3", "qwen2.5", "smollm2"] {
+            let t = fixture_template(&doc, name, &json!({}));
+            let (text, fuel) = t.render_metered(&long, false).unwrap();
+            assert!(text.len() > 180_000 && fuel < FUEL / 20, "{name}: {fuel} fuel for {} bytes", text.len());
+        }
     }
 
     #[test]

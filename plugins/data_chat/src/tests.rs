@@ -73,7 +73,7 @@ fn opened(path: &Path, extra: &str, template: &str) -> Result<(ChatData, DataSum
     let text = format!("path = \"x\"\nmax_len = 256\npad_to_multiple_of = 1\n{extra}");
     let cfg: ChatSection = plugin_api::parse_section(&text)?;
     let mut data = ChatData::new(cfg, path.to_path_buf(), PathBuf::new(), 0)?
-        .with_template(None, template)?
+        .with_template(None, template, "")?
         .with_special_ids(None, Some(EOS), None);
     let summary = data.open_impl(&byte_tokenizer().to_string(false).unwrap())?;
     Ok((data, summary))
@@ -142,6 +142,29 @@ fn distill_last_regenerates_one_reply_per_record_and_says_so() {
 }
 
 #[test]
+fn special_tokens_inside_a_distilled_reply_are_kept() {
+    // A target writes special-flagged tokens mid-reply (Qwen3's `<think>` / `</think>`): they are
+    // trained on as the same tokens, not dropped from the text.
+    let dir = tempfile::tempdir().unwrap();
+    let (mut data, _) = opened(&dataset(dir.path()), "distill = \"last\"", "").unwrap();
+    let think = byte_tokenizer().token_to_id("<|begin_of_text|>").unwrap();
+    let mut with_special = byte_tokenizer().encode("XQ", false).unwrap().get_ids().to_vec();
+    with_special.extend([think, EOS]);
+    data.set_distilled_impl(vec![with_special, reply("Y")]).unwrap();
+    assert_eq!(trained(&data.examples[0].encoded), "XQ<|begin_of_text|><|im_end|>");
+    let trained_ids: Vec<u32> = data.examples[0]
+        .encoded
+        .ids
+        .iter()
+        .zip(&data.examples[0].encoded.loss_mask)
+        .filter(|(_, &m)| m == 1)
+        .map(|(&i, _)| i)
+        .collect();
+    assert!(trained_ids.contains(&think), "the special token is one token again: {trained_ids:?}");
+    assert_eq!(data.distilled_records().unwrap()[0].messages.last().unwrap().content, "XQ<|begin_of_text|>");
+}
+
+#[test]
 fn distill_all_regenerates_every_reply_turn_by_turn() {
     let dir = tempfile::tempdir().unwrap();
     let (mut data, summary) = opened(&dataset(dir.path()), "distill = \"all\"", "").unwrap();
@@ -189,10 +212,8 @@ fn distill_all_regenerates_every_reply_turn_by_turn() {
 #[test]
 fn the_checkpoint_template_and_its_kwargs_are_used() {
     let dir = tempfile::tempdir().unwrap();
-    let qwen3 = std::fs::read_to_string(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/templates/qwen3.jinja"),
-    )
-    .unwrap();
+    let qwen3 =
+        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("templates/qwen3.jinja")).unwrap();
     let (data, summary) =
         opened(&dataset(dir.path()), "template_kwargs = { enable_thinking = false }", &qwen3).unwrap();
     assert!(summary.description.contains("template: the checkpoint's chat template"), "{}", summary.description);
@@ -206,12 +227,51 @@ fn the_checkpoint_template_and_its_kwargs_are_used() {
     std::fs::write(&file, "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}").unwrap();
     let text_cfg = "path = \"x\"\nmax_len = 256\ndistill = false\nchat_template = \"llama.jinja\"";
     let cfg: ChatSection = plugin_api::parse_section(text_cfg).unwrap();
-    let mut data =
-        ChatData::new(cfg, dataset(dir.path()), PathBuf::new(), 0).unwrap().with_template(Some(file), &qwen3).unwrap();
+    let mut data = ChatData::new(cfg, dataset(dir.path()), PathBuf::new(), 0)
+        .unwrap()
+        .with_template(Some(file), &qwen3, "")
+        .unwrap();
     let s = data.open_impl(&byte_tokenizer().to_string(false).unwrap()).unwrap();
     assert!(s.description.contains("llama.jinja"), "{}", s.description);
     assert_eq!(trained(&data.examples[0].encoded), "b<|eot_id|>d<|eot_id|>");
     assert_eq!(data.stop_tokens, vec![261]); // <|eot_id|>: the closing marker, one token
+}
+
+#[test]
+fn built_in_templates_are_chosen_by_name_and_unknown_names_listed() {
+    let dir = tempfile::tempdir().unwrap();
+    // `llama3`: the Llama 3.1 / 3.3 template, built in, overriding the checkpoint's.
+    let (data, summary) = opened(&dataset(dir.path()), "chat_template = \"llama3\"", "{{ 'x' }}").unwrap();
+    assert!(summary.description.contains("the built-in `llama3` template"), "{}", summary.description);
+    let prompt = text(&data.distill_request().prompts[1]);
+    assert!(prompt.contains("<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date"), "{prompt}");
+    assert!(
+        prompt.ends_with(
+            "<|start_header_id|>user<|end_header_id|>\n\np<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        ),
+        "{prompt}"
+    );
+    // A name that is neither built in nor a file: the error lists the names.
+    let cfg: ChatSection = plugin_api::parse_section("path = \"x\"\nchat_template = \"llama4\"").unwrap();
+    let file = dir.path().join("llama4");
+    let err = ChatData::new(cfg, dataset(dir.path()), PathBuf::new(), 0)
+        .unwrap()
+        .with_template(Some(file.clone()), "", "")
+        .err()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        err,
+        format!("field `chat_template`: `llama4` is not a built-in template (chatml, llama3, llama3.2, qwen2.5, qwen3, qwen3.5, smollm2) and not a file ({}: no such file)", file.display())
+    );
+    // A built-in whose markers the tokenizer lacks is refused, naming them.
+    let cfg: ChatSection =
+        plugin_api::parse_section("path = \"x\"\ndistill = false\nchat_template = \"llama3\"").unwrap();
+    let mut data =
+        ChatData::new(cfg, dataset(dir.path()), PathBuf::new(), 0).unwrap().with_template(None, "", "").unwrap();
+    let plain = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,"model":{"type":"WordLevel","vocab":{"<unk>":0},"unk_token":"<unk>"}}"#;
+    let err = data.open_impl(plain).unwrap_err().to_string();
+    assert!(err.starts_with("the tokenizer has no <|start_header_id|> / <|end_header_id|> / <|eot_id|> special tokens for the built-in `llama3` template"), "{err}");
 }
 
 #[test]
@@ -222,9 +282,13 @@ fn chatml_needs_its_markers_and_broken_templates_name_their_source() {
     let mut data = ChatData::new(cfg.clone(), path.clone(), PathBuf::new(), 0).unwrap();
     let plain = r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,"model":{"type":"WordLevel","vocab":{"<unk>":0},"unk_token":"<unk>"}}"#;
     let err = data.open_impl(plain).unwrap_err().to_string();
-    assert_eq!(err, "the checkpoint has no chat template, and its tokenizer has no <|im_start|> / <|im_end|> special tokens for ChatML: give the model's template with [data] chat_template = \"FILE.jinja\"");
-    let err =
-        ChatData::new(cfg, path, PathBuf::new(), 0).unwrap().with_template(None, "{% if %}").err().unwrap().to_string();
+    assert_eq!(err, "the checkpoint has no chat template, and its tokenizer has no <|im_start|> / <|im_end|> special tokens for ChatML: give the model's template with [data] chat_template = \"FILE.jinja\" (or a built-in one: chatml, llama3, llama3.2, qwen2.5, qwen3, qwen3.5, smollm2)");
+    let err = ChatData::new(cfg, path, PathBuf::new(), 0)
+        .unwrap()
+        .with_template(None, "{% if %}", "")
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.starts_with("the checkpoint's chat template: chat template does not compile: "), "{err}");
 }
 

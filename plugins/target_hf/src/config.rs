@@ -412,8 +412,12 @@ impl DecoderConfig {
 
     /// `path`: a config.json or a folder holding one.
     pub fn read(path: &Path) -> Result<Self, String> {
-        let file = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
-        let text = std::fs::read_to_string(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+        let file = match input_files::check_path(path).map_err(|e| e.to_string())? {
+            input_files::PathKind::Dir => path.join("config.json"),
+            input_files::PathKind::File => path.to_path_buf(),
+        };
+        let text =
+            input_files::read_to_string_capped(&file, input_files::limits::CONFIG_JSON).map_err(|e| e.to_string())?;
         let (cfg, _) = Self::from_hf_json(&text).map_err(|e| format!("{}: {e}", file.display()))?;
         cfg.validate().map_err(|e| format!("{}: {e}", file.display()))?;
         Ok(cfg)

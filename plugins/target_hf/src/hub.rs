@@ -92,19 +92,24 @@ pub fn lookup(cache: &Path, repo: &str, revision: Option<&str>) -> Result<(Strin
     }
     let revision = revision.unwrap_or("main");
     let is_commit = revision.len() == 40 && revision.chars().all(|c| c.is_ascii_hexdigit());
-    let commit = match std::fs::read_to_string(folder.join("refs").join(revision)) {
-        Ok(hash) => hash.trim().to_string(),
-        Err(_) if is_commit => revision.to_string(),
-        Err(_) => return Err(format!("it has no refs/{revision}, and `{revision}` is not a commit hash")),
+    // Read without blocking and size-capped: a FIFO or device in the cache is named, not waited on.
+    let commit = match input_files::read_optional(&folder.join("refs").join(revision), input_files::limits::HUB_REF) {
+        Ok(Some(hash)) => hash.trim().to_string(),
+        Ok(None) if is_commit => revision.to_string(),
+        Ok(None) => return Err(format!("it has no refs/{revision}, and `{revision}` is not a commit hash")),
+        Err(e) => return Err(e.to_string()),
     };
     if commit.is_empty() || commit.contains(['/', '\\']) || commit.starts_with('.') {
         return Err(format!("its refs/{revision} names no commit"));
     }
     let snapshot = folder.join("snapshots").join(&commit);
-    if !snapshot.join("config.json").is_file() {
-        return Err(format!("its snapshot {commit} has no config.json"));
+    let config = snapshot.join("config.json");
+    match input_files::check_path(&config) {
+        Ok(input_files::PathKind::File) => Ok((commit, snapshot)),
+        Err(input_files::InputError::NotFound { .. }) => Err(format!("its snapshot {commit} has no config.json")),
+        Ok(input_files::PathKind::Dir) => Err(format!("{}: a directory", config.display())),
+        Err(e) => Err(e.to_string()),
     }
-    Ok((commit, snapshot))
 }
 
 /// The snapshot folder of `repo` at `revision` in `cache`, if it is there (see [`lookup`]).
@@ -269,6 +274,17 @@ mod tests {
         assert_eq!(cached(cache.path(), "Org/Other", None), None);
         std::fs::write(folder.join("refs/evil"), "../../x").unwrap();
         assert_eq!(cached(cache.path(), "Org/Tiny", Some("evil")), None);
+        // A FIFO as `refs/main` (was a hang) or a snapshot's `config.json` linked to /dev/zero:
+        // an error naming the file, not a download and not a wait.
+        std::fs::remove_file(folder.join("refs/main")).unwrap();
+        assert!(std::process::Command::new("mkfifo").arg(folder.join("refs/main")).status().unwrap().success());
+        let err = lookup(cache.path(), "Org/Tiny", None).unwrap_err();
+        assert_eq!(err, format!("{}: not a regular file (a FIFO)", folder.join("refs/main").display()));
+        let config = folder.join("snapshots").join(&old).join("config.json");
+        std::fs::remove_file(&config).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &config).unwrap();
+        let err = lookup(cache.path(), "Org/Tiny", Some(&old)).unwrap_err();
+        assert!(err.starts_with(&format!("{}: not a regular file (a character device", config.display())), "{err}");
     }
 
     #[test]

@@ -93,7 +93,7 @@ impl HfTarget {
         let spec = TargetSpec {
             chat_template: chat_template.into(),
             source: path.display().to_string().into(),
-            source_sha256: sha256_path(path).map_err(|e| format!("{}: {e}", path.display()))?.into(),
+            source_sha256: sha256_path(path)?.into(),
             ..model.cfg.target_spec().ok_or_else(|| format!("{}: no EOS token id", path.display()))?
         };
         let session = model.new_cache(true);
@@ -148,19 +148,22 @@ impl HfTarget {
     }
 }
 
-fn sha256_path(path: &Path) -> std::io::Result<String> {
+/// SHA-256 over the regular files of the folder `path` (in name order; a hub snapshot's links
+/// followed), or of the file `path`; each opened through `input_files`, so none is a FIFO.
+fn sha256_path(path: &Path) -> Result<String, String> {
     let mut h = Sha256::new();
-    let files: Vec<PathBuf> = if path.is_dir() {
-        let mut f: Vec<_> =
-            std::fs::read_dir(path)?.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect();
-        f.sort();
-        f
-    } else {
-        vec![path.to_path_buf()]
+    let files: Vec<PathBuf> = match input_files::check_path(path).map_err(|e| e.to_string())? {
+        input_files::PathKind::Dir => {
+            let entries = std::fs::read_dir(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let mut f: Vec<_> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect();
+            f.sort();
+            f
+        }
+        input_files::PathKind::File => vec![path.to_path_buf()],
     };
     for f in files {
-        let mut file = std::fs::File::open(&f)?;
-        std::io::copy(&mut file, &mut h)?;
+        let mut file = input_files::open_regular(&f).map_err(|e| e.to_string())?;
+        std::io::copy(&mut file, &mut h).map_err(|e| format!("{}: {e}", f.display()))?;
     }
     Ok(format!("{:x}", h.finalize()))
 }

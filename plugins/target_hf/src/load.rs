@@ -1,5 +1,9 @@
 //! Loading a decoder: from an HF folder (config.json, *.safetensors, tokenizer.json) or from one
 //! GGUF file (dequantised, renamed to HF names, llama's Q/K permutation undone).
+//!
+//! Every file is read through `input_files`: opened once, refused unless it is a regular file (a
+//! FIFO or device as `tokenizer.json` is an error naming it, never a hang), capped in size
+//! (`input_files::limits`), and read or memory-mapped (the weights) from that handle.
 
 use crate::{
     config::{DecoderConfig, EosId},
@@ -7,6 +11,7 @@ use crate::{
     gguf_tokenizer::{chat_template, tokenizer_from_gguf},
     model::Weights,
 };
+use input_files::{limits, read_optional, read_to_string_capped, PathKind};
 use plugin_api::tch::Tensor;
 use std::{collections::HashMap, path::Path};
 use tokenizers::Tokenizer;
@@ -20,12 +25,9 @@ pub struct Loaded {
 }
 
 pub fn load(path: &Path) -> Result<Loaded, String> {
-    if path.is_dir() {
-        load_hf_dir(path)
-    } else if path.is_file() {
-        load_gguf(path)
-    } else {
-        Err(format!("{}: no such file or directory", path.display()))
+    match input_files::check_path(path).map_err(|e| e.to_string())? {
+        PathKind::Dir => load_hf_dir(path),
+        PathKind::File => load_gguf(path),
     }
 }
 
@@ -124,18 +126,24 @@ pub fn load_gguf(path: &Path) -> Result<Loaded, String> {
 /// `model.language_model.*` tensors; the vision tower and the MTP head are skipped.
 pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
     let cfg_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    let text = read_to_string_capped(&cfg_path, limits::CONFIG_JSON).map_err(|e| e.to_string())?;
     let (mut cfg, arch_name) =
         DecoderConfig::from_hf_json(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
     cfg.validate().map_err(|e| format!("{}: {e}", cfg_path.display()))?;
     if cfg.eos_token_id.is_none() {
-        cfg.eos_token_id = generation_eos(dir);
+        cfg.eos_token_id = generation_eos(dir)?;
     }
+    // The small files first, so a bad one is named before gigabytes of weights are read.
+    let tok_path = dir.join("tokenizer.json");
+    let tok_bytes = input_files::read_capped(&tok_path, limits::TOKENIZER_JSON).map_err(|e| e.to_string())?;
+    let tokenizer = Tokenizer::from_bytes(&tok_bytes).map_err(|e| format!("{}: {e}", tok_path.display()))?;
+    drop(tok_bytes);
+    let chat_template = chat_template_of(dir)?;
     let files = weight_files(dir)?;
     let mut tensors = HashMap::new();
     let (mut renamed, mut skipped) = (0usize, 0usize);
     for f in &files {
-        let read = Tensor::read_safetensors(f).map_err(|e| format!("{}: {e}", f.display()))?;
+        let read = input_files::tensors::read_safetensors(f).map_err(|e| e.to_string())?;
         for (name, t) in read {
             if name.starts_with("model.visual.") || name.starts_with("mtp.") {
                 skipped += 1;
@@ -154,22 +162,41 @@ pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
             arch_name.as_deref().unwrap_or(&cfg.model_type)
         );
     }
-    let tok_path = dir.join("tokenizer.json");
-    let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| format!("{}: {e}", tok_path.display()))?;
-    let chat_template = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-        .and_then(|v| v.get("chat_template").and_then(|c| c.as_str()).map(str::to_string))
-        .or_else(|| std::fs::read_to_string(dir.join("chat_template.jinja")).ok())
-        .unwrap_or_default();
     Ok(Loaded { cfg, weights: Weights { tensors, source: dir.display().to_string() }, tokenizer, chat_template })
+}
+
+/// The folder's chat template: `tokenizer_config.json`'s `chat_template` (a string, or a list of
+/// named templates, of which the `default` one), else `chat_template.jinja` (transformers 5 saves
+/// it there), else none. A file that is there must be readable: a FIFO, a device or a file past
+/// its cap is an error naming it.
+pub fn chat_template_of(dir: &Path) -> Result<String, String> {
+    let tc_path = dir.join("tokenizer_config.json");
+    if let Some(text) = read_optional(&tc_path, limits::TOKENIZER_CONFIG_JSON).map_err(|e| e.to_string())? {
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", tc_path.display()))?;
+        if let Some(t) = template_in_tokenizer_config(&v) {
+            return Ok(t);
+        }
+    }
+    let jinja = dir.join("chat_template.jinja");
+    Ok(read_optional(&jinja, limits::CHAT_TEMPLATE).map_err(|e| e.to_string())?.unwrap_or_default())
+}
+
+/// `chat_template` of a parsed `tokenizer_config.json`: the string, or from a list of named
+/// templates the one named `default`.
+pub fn template_in_tokenizer_config(v: &serde_json::Value) -> Option<String> {
+    match &v["chat_template"] {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(list) => {
+            list.iter().find(|t| t["name"] == "default").and_then(|t| t["template"].as_str()).map(str::to_string)
+        }
+        _ => None,
+    }
 }
 
 /// The shards the index names (each once, in order), or every `*.safetensors` of the folder.
 fn weight_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, String> {
     let index = dir.join("model.safetensors.index.json");
-    if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|e| format!("{}: {e}", index.display()))?;
+    if let Some(text) = read_optional(&index, limits::SAFETENSORS_INDEX).map_err(|e| e.to_string())? {
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", index.display()))?;
         let map = v["weight_map"].as_object().ok_or_else(|| format!("{}: no `weight_map` object", index.display()))?;
         let mut names: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
@@ -192,11 +219,15 @@ fn weight_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, String> {
     Ok(files)
 }
 
-/// `generation_config.json`'s EOS id(s), where config.json has none.
-fn generation_eos(dir: &Path) -> Option<EosId> {
-    let text = std::fs::read_to_string(dir.join("generation_config.json")).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    serde_json::from_value(v.get("eos_token_id")?.clone()).ok()
+/// `generation_config.json`'s EOS id(s), where config.json has none (None without the file or
+/// the key; a file that cannot be read or parsed is an error naming it).
+fn generation_eos(dir: &Path) -> Result<Option<EosId>, String> {
+    let path = dir.join("generation_config.json");
+    let Some(text) = read_optional(&path, limits::CONFIG_JSON).map_err(|e| e.to_string())? else {
+        return Ok(None);
+    };
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(v.get("eos_token_id").and_then(|e| serde_json::from_value(e.clone()).ok()))
 }
 
 /// Write an HF folder (config.json, model.safetensors, tokenizer.json): for tests and for users

@@ -10,7 +10,6 @@
 //! huge allocation.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
@@ -35,8 +34,9 @@ const MAX_ARRAY_DEPTH: usize = 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
-    #[error("{}: {source}", .path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    /// Not a regular file, or not readable (the error names the file).
+    #[error("{0}")]
+    Input(Box<input_files::InputError>),
     #[error("{}: {what}", .path.display())]
     Format { path: PathBuf, what: String },
     #[error("{}: metadata key {key}: missing", .path.display())]
@@ -189,11 +189,10 @@ impl GgufFile {
     /// Maps and parses `path`, validating every tensor's data range against the file length.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
         let path = path.as_ref().to_path_buf();
-        let io = |source| GgufError::Io { path: path.clone(), source };
-        let file = File::open(&path).map_err(io)?;
-        // SAFETY: the map is read-only; as with any mmap, another process truncating or
-        // rewriting the file while it is open is outside what this reader can guard against.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(io)?;
+        // Opened once, refused unless a regular file (a FIFO never blocks), mapped from that
+        // handle; as with any mmap, another process truncating or rewriting the file while it is
+        // open is outside what this reader can guard against.
+        let mmap = input_files::map_regular(&path).map_err(|e| GgufError::Input(Box::new(e)))?;
         let p = parse(&mmap).map_err(|what| GgufError::Format { path: path.clone(), what })?;
 
         let meta_index = p.metadata.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect();
