@@ -162,9 +162,12 @@ pub fn export_with_card(checkpoint: &Path, out: &Path, force: bool, card: Option
     let _ = std::fs::remove_dir_all(&tmp);
     let written = (|| -> Result<()> {
         std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        experiment::write_synced(&tmp.join("config.json"), (serde_json::to_string_pretty(&cfg)? + "\n").as_bytes())?;
+        crate::atomic_write::write_synced(
+            &tmp.join("config.json"),
+            (serde_json::to_string_pretty(&cfg)? + "\n").as_bytes(),
+        )?;
         if let Some(card) = card {
-            experiment::write_synced(&tmp.join("README.md"), card.as_bytes())?;
+            crate::atomic_write::write_synced(&tmp.join("README.md"), card.as_bytes())?;
         }
         let model = tmp.join("model.safetensors");
         Tensor::write_safetensors(&bf16, &model).with_context(|| format!("writing {}", model.display()))?;

@@ -59,7 +59,7 @@ pub fn ensure(dir: &Path, registry: &Registry, spec: &EvalSpec, sets: &[PromptSe
         return Ok(());
     }
     let evaluated = Evaluated::checkpoint(dir, None)?;
-    let (cfg, mut c) = crate::run::load_experiment(dir, registry, evaluated.checkpoint_step, None)?;
+    let (cfg, mut c) = crate::pipeline::assemble::load_experiment(dir, registry, evaluated.checkpoint_step, None)?;
     eval::open_data(&mut c)?;
     for set in missing {
         let opts = EvalOptions {

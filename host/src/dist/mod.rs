@@ -19,6 +19,7 @@ use plugin_api::{
 use std::time::Duration;
 
 mod group;
+pub mod launch;
 pub use group::{C10dCommunicator, DEFAULT_BUCKET_BYTES};
 
 /// How long a collective or the rendezvous may wait for a peer (torch.distributed's default);

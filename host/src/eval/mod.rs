@@ -227,7 +227,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     }
     // 1. What is evaluated, and so where its results go; refused now if they cannot be written.
     if args.drafter.is_none() && args.checkpoint.is_none() && prompts_name(&opts.source).is_none() {
-        experiment::check_writable(&exp_dir.join("eval.json"))?;
+        crate::atomic_write::check_writable(&exp_dir.join("eval.json"))?;
     }
     let evaluated = match &args.drafter {
         Some(d) => {
@@ -240,7 +240,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     };
     let newest = checkpoint::newest_good(exp_dir).0.map(|c| c.step);
     let written = exp_dir.join(evaluated.file_name(prompts_name(&opts.source).as_deref(), newest));
-    experiment::check_writable(&written)?;
+    crate::atomic_write::check_writable(&written)?;
     // 2. Benchmark files become chat prompts for the data plugin.
     let converted = tempfile_dir()?;
     if args.prompt_format != PromptFormat::Chat {
@@ -254,8 +254,12 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     }
     // 3. Evaluate, with the machine's load before and after the timing.
     let registry = Registry::new(plugin_paths)?;
-    let (cfg, mut c) =
-        crate::run::load_experiment(exp_dir, &registry, evaluated.checkpoint_step, args.drafter.as_deref())?;
+    let (cfg, mut c) = crate::pipeline::assemble::load_experiment(
+        exp_dir,
+        &registry,
+        evaluated.checkpoint_step,
+        args.drafter.as_deref(),
+    )?;
     let load_before = loadavg();
     let mut report = evaluate(&mut c, &opts)?;
     let load_after = loadavg();

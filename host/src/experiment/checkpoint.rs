@@ -4,7 +4,8 @@
 //! touching the one just written; corrupt ones or ones past a resume point are moved aside to
 //! `checkpoints/corrupt/`, never used and never silently deleted.
 
-use super::{read_json, sync_dir, write_json, write_synced};
+use super::{read_json, write_json};
+use crate::atomic_write::{sync_dir, write_synced};
 use anyhow::{bail, Context, Result};
 use plugin_api::{tch::Tensor, NamedTensor};
 use serde::Serialize;

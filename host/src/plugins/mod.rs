@@ -12,6 +12,7 @@
 //! plugin a run actually creates is loaded here (`dlopen`), after its file is hashed once more.
 //! So `plugins list` and `plugins inspect` never load a library into the host.
 
+pub mod builtins;
 pub mod check;
 pub mod new;
 mod poison;
@@ -122,7 +123,7 @@ impl Registry {
     /// not start with here).
     pub fn with_gate(paths: &[PathBuf], gate: impl Fn(&Path, &str) -> Result<()>) -> Result<Self> {
         // Keeps the built-in crates linked (and so their inventory entries alive).
-        std::hint::black_box(&crate::builtins::BUILTIN_MODULES);
+        std::hint::black_box(&crate::plugins::builtins::BUILTIN_MODULES);
         let mut plugins: Vec<Plugin> = builtin_plugins()
             .map(|module| {
                 let info = checked_info(module, "a built-in plugin")?;

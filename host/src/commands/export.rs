@@ -1,0 +1,12 @@
+//! `dflash-host export`: a checkpoint as a drafter folder that vLLM and SGLang serve.
+
+use crate::{cli::ExportArgs, say};
+use anyhow::Result;
+use std::{path::PathBuf, process::ExitCode};
+
+pub fn run(args: ExportArgs, _plugin_paths: &[PathBuf]) -> Result<ExitCode> {
+    let ExportArgs { exp_dir, checkpoint, out, force } = args;
+    let ckpt = crate::export::export_experiment(&exp_dir, checkpoint, &out, force)?;
+    say!("exported {} -> {}", ckpt.display(), out.display());
+    Ok(ExitCode::SUCCESS)
+}
