@@ -29,7 +29,11 @@ fn model_folder(dir: &Path) -> (PathBuf, PathBuf) {
     std::fs::create_dir(&model).unwrap();
     std::fs::write(model.join("config.json"), CONFIG).unwrap();
     std::fs::write(model.join("tokenizer.json"), TOKENIZER).unwrap();
-    std::fs::write(dir.join("chat.jsonl"), "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"assistant\",\"content\":\"a\"}]}\n").unwrap();
+    std::fs::write(
+        dir.join("chat.jsonl"),
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"assistant\",\"content\":\"a\"}]}\n",
+    )
+    .unwrap();
     let run = dir.join("run.toml");
     std::fs::write(
         &run,
@@ -100,7 +104,9 @@ fn a_fifo_or_dev_zero_in_a_model_folder_is_named_not_waited_on() {
     refused("tokenizer_config.json", true, |_| {});
     refused("chat_template.jinja", false, |_| {});
     refused("chat_template.jinja", true, |_| {});
-    refused("generation_config.json", false, |m| std::fs::write(m.join("config.json"), CONFIG.replace(", \"eos_token_id\": 1", "")).unwrap());
+    refused("generation_config.json", false, |m| {
+        std::fs::write(m.join("config.json"), CONFIG.replace(", \"eos_token_id\": 1", "")).unwrap()
+    });
     refused("model.safetensors.index.json", false, |_| {});
     refused("model.safetensors", false, |_| {});
     refused("model-00001-of-00002.safetensors", true, |m| {
@@ -115,7 +121,9 @@ fn a_fifo_as_the_configured_chat_template_is_named() {
     let (_, run) = model_folder(dir.path());
     let fifo = dir.path().join("chat.jinja");
     mkfifo(&fifo);
-    let text = std::fs::read_to_string(&run).unwrap().replace("distill = false", "distill = false\nchat_template = \"chat.jinja\"");
+    let text = std::fs::read_to_string(&run)
+        .unwrap()
+        .replace("distill = false", "distill = false\nchat_template = \"chat.jinja\"");
     std::fs::write(&run, text).unwrap();
     let err = train(dir.path(), &run);
     let want = format!("{}: not a regular file (a FIFO)", fifo.display());
@@ -137,7 +145,9 @@ fn eval_drafter_and_init_from_with_a_fifo_are_named() {
     let exp = dir.path().as_os_str();
     let err = fails_fast(&["eval".as_ref(), "--exp-dir".as_ref(), exp, "--drafter".as_ref(), drafter.as_os_str()]);
     assert!(err.contains(&want), "{err}\nshould contain\n{want}");
-    let text = std::fs::read_to_string(&run).unwrap().replace("mask_token_id = 0\n", "mask_token_id = 0\ninit_from = \"drafter\"\n");
+    let text = std::fs::read_to_string(&run)
+        .unwrap()
+        .replace("mask_token_id = 0\n", "mask_token_id = 0\ninit_from = \"drafter\"\n");
     std::fs::write(&run, text).unwrap();
     let err = train(dir.path(), &run);
     assert!(err.contains(&want), "{err}\nshould contain\n{want}");

@@ -20,161 +20,33 @@ pub struct Cli {
 #[derive(Subcommand)]
 pub enum Command {
     /// Train a drafter as the config says, into a fresh experiment directory, or resume one.
-    Train {
-        /// The run config (TOML).
-        #[arg(long, required_unless_present = "resume")]
-        config: Option<PathBuf>,
-        /// Experiment directory (default: experiments/<name>, or <name>-N if that exists).
-        #[arg(long, conflicts_with = "resume")]
-        exp_dir: Option<PathBuf>,
-        /// Set `train.steps` (= `--set train.steps=N`). With --resume: extend a finished or
-        /// interrupted run to N steps (its learning-rate schedule then spans N), recorded in the
-        /// manifest's `changes`.
-        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=crate::config::MAX_STEPS))]
-        steps: Option<u64>,
-        /// `--set train.steps=400 --set optimizer.lr=1e-3 --set 'data.template_kwargs={
-        /// enable_thinking = false }'`: the experiment's config.toml records the result. With
-        /// --resume, a field other than `train.steps` that changes is refused unless
-        /// `--allow-change FIELD` is given too.
-        #[command(flatten)]
-        overrides: ConfigOverrides,
-        /// Continue this experiment from its newest good checkpoint, with its own config (and
-        /// the --steps / --set / --device changes, checked as `--allow-change` says).
-        #[arg(long, value_name = "EXP_DIR", conflicts_with = "config")]
-        resume: Option<PathBuf>,
-        /// Resume even if a plugin library differs from the one the run started with.
-        #[arg(long, requires = "resume")]
-        allow_plugin_change: bool,
-        /// Resume although this config field (dotted, e.g. `train.steps`; a section name allows
-        /// all its fields) or the file it names changed since the run started (repeatable).
-        #[arg(long, value_name = "FIELD", requires = "resume")]
-        allow_change: Vec<String>,
-        /// Stop after this step with a checkpoint, as if interrupted (resume later); must lie
-        /// ahead of the step the run is at.
-        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-        stop_at: Option<u64>,
-        /// Data-parallel: start N local ranks of this command (as `torchrun --nproc-per-node N
-        /// --no-python dflash-host train ...` would); each rank's GPUs are the config's offset by
-        /// its local rank. N = 1 runs one rank through the same collectives.
-        #[arg(long, value_name = "N")]
-        nproc: Option<usize>,
-    },
+    Train(TrainArgs),
     /// Run only the targets over the config's data and write their features (sharded
     /// safetensors + index.json) for `pipeline.capture` to train from.
-    Capture {
-        #[arg(long)]
-        config: PathBuf,
-        #[command(flatten)]
-        overrides: ConfigOverrides,
-        #[arg(long)]
-        out: PathBuf,
-        /// Stored precision of the features (default: the run's dtype).
-        #[arg(long, value_enum)]
-        dtype: Option<crate::pipeline::capture::StoredDtype>,
-        /// Micro-batches to capture (default: steps x grad_accum).
-        #[arg(long)]
-        batches: Option<u64>,
-        /// Shard size in MiB.
-        #[arg(long, default_value_t = 1024)]
-        shard_mb: usize,
-    },
+    Capture(CaptureArgs),
     /// Self-distil the config's data (the target answers its prompts, as `train` does first) and
     /// write the records with the target's replies as chat JSONL (OpenAI `messages`).
-    Distill {
-        #[arg(long)]
-        config: PathBuf,
-        #[command(flatten)]
-        overrides: ConfigOverrides,
-        /// The JSONL file to write.
-        #[arg(long)]
-        out: PathBuf,
-    },
+    Distill(DistillArgs),
     /// What this machine gives libtorch: its version, the CUDA driver and runtime, cuDNN, NCCL,
     /// the GPUs, and whatever libtorch's CUDA library is missing. Exit 1 when a GPU is here but
     /// libtorch cannot use it.
     Doctor,
     /// Compare experiment directories: each run's final values, its evals, and all of them at
     /// equal target tokens; report.md, PNG/SVG plots, tables.
-    Compare {
-        /// Experiment directories, or A/B folders (their runs).
-        #[arg(required = true)]
-        dirs: Vec<PathBuf>,
-        /// Output folder, reused (default: an A/B folder's report/, else compare/ beside the
-        /// first run).
-        #[arg(long)]
-        out: Option<PathBuf>,
-        /// Group runs by this config key (dotted, e.g. `optimizer.lr`; falls back to manifest.json)
-        /// instead of the manifest's `arm`, else the config's `name`.
-        #[arg(long)]
-        group_by: Option<String>,
-    },
+    Compare(CompareArgs),
     /// Run an A/B: arms that differ only in what the A/B config names, each over several seeds,
     /// side by side in experiments/<name>/, then a comparison report. An arm that sweeps fields
     /// runs each value with the first seed, keeps the best on the validation split
     /// (selection.json), then runs the other seeds at it.
-    Ab {
-        /// The A/B config (TOML: name, base, seeds, select, [common], [eval], [arms.<name>] with
-        /// an optional `sweep`).
-        #[arg(long)]
-        config: PathBuf,
-        /// Seeds 0..N (overrides the file's `seeds`).
-        #[arg(long)]
-        seeds: Option<u64>,
-        /// Every run's device (`cpu`, `cuda`, `cuda:N`), as `train --device` sets it.
-        #[arg(long)]
-        device: Option<String>,
-        /// The report's folder (default: experiments/<name>/report).
-        #[arg(long)]
-        out: Option<PathBuf>,
-    },
+    Ab(AbArgs),
     /// Speculative-decoding eval of an experiment's drafter: real acceptance length tau,
     /// per-position acceptance, speed-up over the target alone; lossless check. Writes eval.json
     /// (the newest checkpoint on the held-out test records), eval-validation.json (the newest
     /// checkpoint on the validation records), else eval-[SET-]step-N.json or
     /// eval-[SET-]drafter-SHA.json.
-    Eval {
-        #[arg(long)]
-        exp_dir: PathBuf,
-        /// Checkpoint step (default: the newest).
-        #[arg(long)]
-        checkpoint: Option<u64>,
-        /// Evaluate this z-lab format drafter folder instead of a checkpoint.
-        #[arg(long)]
-        drafter: Option<PathBuf>,
-        /// `holdout` (the test records the config holds out; never trained on), `validation`
-        /// (its validation records, `validation` in [data]), `humaneval`, or a file (chat
-        /// records, or a benchmark's: see --prompt-format).
-        #[arg(long, default_value = "holdout")]
-        prompts: String,
-        /// How the --prompts file is laid out: chat records as [data] reads them, MT-Bench
-        /// (`turns`), GSM8K (`question`) or Alpaca (`instruction` / `input`).
-        #[arg(long, value_enum, default_value = "chat")]
-        prompt_format: crate::eval::PromptFormat,
-        /// Prompts to evaluate.
-        #[arg(long, default_value_t = 32)]
-        limit: u32,
-        /// Tokens to decode a prompt, at most 131072.
-        #[arg(long, default_value_t = 64)]
-        max_new_tokens: u32,
-        /// Also time each cycle's phases (draft, verify, bookkeeping), waiting for the device
-        /// after each: slows decoding slightly.
-        #[arg(long)]
-        time_split: bool,
-    },
+    Eval(EvalArgs),
     /// Export a checkpoint in the z-lab format (config.json + bf16 model.safetensors).
-    Export {
-        #[arg(long)]
-        exp_dir: PathBuf,
-        /// Checkpoint step (default: the newest that verifies).
-        #[arg(long)]
-        checkpoint: Option<u64>,
-        /// A new or empty folder outside the experiment.
-        #[arg(long)]
-        out: PathBuf,
-        /// Replace `--out` if it is a non-empty folder.
-        #[arg(long)]
-        force: bool,
-    },
+    Export(ExportArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -190,6 +62,155 @@ pub enum Command {
         #[command(subcommand)]
         command: PluginsCommand,
     },
+}
+
+#[derive(Args)]
+pub struct TrainArgs {
+    /// The run config (TOML).
+    #[arg(long, required_unless_present = "resume")]
+    pub config: Option<PathBuf>,
+    /// Experiment directory (default: experiments/<name>, or <name>-N if that exists).
+    #[arg(long, conflicts_with = "resume")]
+    pub exp_dir: Option<PathBuf>,
+    /// Set `train.steps` (= `--set train.steps=N`). With --resume: extend a finished or
+    /// interrupted run to N steps (its learning-rate schedule then spans N), recorded in the
+    /// manifest's `changes`.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=crate::config::MAX_STEPS))]
+    pub steps: Option<u64>,
+    /// `--set train.steps=400 --set optimizer.lr=1e-3 --set 'data.template_kwargs={
+    /// enable_thinking = false }'`: the experiment's config.toml records the result. With
+    /// --resume, a field other than `train.steps` that changes is refused unless
+    /// `--allow-change FIELD` is given too.
+    #[command(flatten)]
+    pub overrides: ConfigOverrides,
+    /// Continue this experiment from its newest good checkpoint, with its own config (and
+    /// the --steps / --set / --device changes, checked as `--allow-change` says).
+    #[arg(long, value_name = "EXP_DIR", conflicts_with = "config")]
+    pub resume: Option<PathBuf>,
+    /// Resume even if a plugin library differs from the one the run started with.
+    #[arg(long, requires = "resume")]
+    pub allow_plugin_change: bool,
+    /// Resume although this config field (dotted, e.g. `train.steps`; a section name allows
+    /// all its fields) or the file it names changed since the run started (repeatable).
+    #[arg(long, value_name = "FIELD", requires = "resume")]
+    pub allow_change: Vec<String>,
+    /// Stop after this step with a checkpoint, as if interrupted (resume later); must lie
+    /// ahead of the step the run is at.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub stop_at: Option<u64>,
+    /// Data-parallel: start N local ranks of this command (as `torchrun --nproc-per-node N
+    /// --no-python dflash-host train ...` would); each rank's GPUs are the config's offset by
+    /// its local rank. N = 1 runs one rank through the same collectives.
+    #[arg(long, value_name = "N")]
+    pub nproc: Option<usize>,
+}
+
+#[derive(Args)]
+pub struct CaptureArgs {
+    #[arg(long)]
+    pub config: PathBuf,
+    #[command(flatten)]
+    pub overrides: ConfigOverrides,
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Stored precision of the features (default: the run's dtype).
+    #[arg(long, value_enum)]
+    pub dtype: Option<crate::pipeline::capture::StoredDtype>,
+    /// Micro-batches to capture (default: steps x grad_accum).
+    #[arg(long)]
+    pub batches: Option<u64>,
+    /// Shard size in MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub shard_mb: usize,
+}
+
+#[derive(Args)]
+pub struct DistillArgs {
+    #[arg(long)]
+    pub config: PathBuf,
+    #[command(flatten)]
+    pub overrides: ConfigOverrides,
+    /// The JSONL file to write.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+#[derive(Args)]
+pub struct CompareArgs {
+    /// Experiment directories, or A/B folders (their runs).
+    #[arg(required = true)]
+    pub dirs: Vec<PathBuf>,
+    /// Output folder, reused (default: an A/B folder's report/, else compare/ beside the
+    /// first run).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Group runs by this config key (dotted, e.g. `optimizer.lr`; falls back to manifest.json)
+    /// instead of the manifest's `arm`, else the config's `name`.
+    #[arg(long)]
+    pub group_by: Option<String>,
+}
+
+#[derive(Args)]
+pub struct AbArgs {
+    /// The A/B config (TOML: name, base, seeds, select, [common], [eval], [arms.<name>] with
+    /// an optional `sweep`).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Seeds 0..N (overrides the file's `seeds`).
+    #[arg(long)]
+    pub seeds: Option<u64>,
+    /// Every run's device (`cpu`, `cuda`, `cuda:N`), as `train --device` sets it.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// The report's folder (default: experiments/<name>/report).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct EvalArgs {
+    #[arg(long)]
+    pub exp_dir: PathBuf,
+    /// Checkpoint step (default: the newest).
+    #[arg(long)]
+    pub checkpoint: Option<u64>,
+    /// Evaluate this z-lab format drafter folder instead of a checkpoint.
+    #[arg(long)]
+    pub drafter: Option<PathBuf>,
+    /// `holdout` (the test records the config holds out; never trained on), `validation`
+    /// (its validation records, `validation` in [data]), `humaneval`, or a file (chat
+    /// records, or a benchmark's: see --prompt-format).
+    #[arg(long, default_value = "holdout")]
+    pub prompts: String,
+    /// How the --prompts file is laid out: chat records as [data] reads them, MT-Bench
+    /// (`turns`), GSM8K (`question`) or Alpaca (`instruction` / `input`).
+    #[arg(long, value_enum, default_value = "chat")]
+    pub prompt_format: crate::eval::PromptFormat,
+    /// Prompts to evaluate.
+    #[arg(long, default_value_t = 32)]
+    pub limit: u32,
+    /// Tokens to decode a prompt, at most 131072.
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: u32,
+    /// Also time each cycle's phases (draft, verify, bookkeeping), waiting for the device
+    /// after each: slows decoding slightly.
+    #[arg(long)]
+    pub time_split: bool,
+}
+
+#[derive(Args)]
+pub struct ExportArgs {
+    #[arg(long)]
+    pub exp_dir: PathBuf,
+    /// Checkpoint step (default: the newest that verifies).
+    #[arg(long)]
+    pub checkpoint: Option<u64>,
+    /// A new or empty folder outside the experiment.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Replace `--out` if it is a non-empty folder.
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Subcommand)]

@@ -17,7 +17,7 @@
 
 pub mod card;
 
-use crate::experiment::{self, checkpoint, guard};
+use crate::experiment::{checkpoint, guard};
 use anyhow::{bail, Context, Result};
 use plugin_api::tch::{Kind, Tensor};
 use std::{
@@ -134,12 +134,15 @@ fn write(ckpt: &checkpoint::Opened, out: &Path, force: bool, card: Option<&str>)
     let _ = std::fs::remove_dir_all(&tmp);
     let written = (|| -> Result<()> {
         std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        experiment::write_synced(&tmp.join("config.json"), (serde_json::to_string_pretty(&cfg)? + "\n").as_bytes())?;
+        crate::atomic_write::write_synced(
+            &tmp.join("config.json"),
+            (serde_json::to_string_pretty(&cfg)? + "\n").as_bytes(),
+        )?;
         if let Some(card) = card {
-            experiment::write_synced(&tmp.join("README.md"), card.as_bytes())?;
+            crate::atomic_write::write_synced(&tmp.join("README.md"), card.as_bytes())?;
         }
         if zlab {
-            experiment::write_synced(&tmp.join(MODELING_FILE), MODELING.as_bytes())?;
+            crate::atomic_write::write_synced(&tmp.join(MODELING_FILE), MODELING.as_bytes())?;
         }
         let model = tmp.join("model.safetensors");
         Tensor::write_safetensors(&bf16, &model).with_context(|| format!("writing {}", model.display()))?;

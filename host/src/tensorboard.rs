@@ -213,7 +213,7 @@ pub fn truncate_after(dir: &Path, step: u64) -> anyhow::Result<()> {
         if kept.len() < bytes.len() {
             // The temporary name has no "tfevents" in it: TensorBoard must never read it.
             let tmp = dir.join(format!("{TRUNCATING}{}", std::process::id()));
-            crate::experiment::write_synced(&tmp, &kept)?;
+            crate::atomic_write::write_synced(&tmp, &kept)?;
             std::fs::rename(&tmp, &path)
                 .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
         }

@@ -60,7 +60,11 @@ pub fn ensure(dir: &Path, registry: &Registry, spec: &EvalSpec, sets: &[PromptSe
     }
     let ckpt = crate::experiment::checkpoint::find(dir, None)?;
     let evaluated = Evaluated::checkpoint(&ckpt);
-    let (cfg, mut c) = crate::run::load_experiment(dir, registry, crate::run::DrafterFrom::Checkpoint(ckpt))?;
+    let (cfg, mut c) = crate::pipeline::assemble::load_experiment(
+        dir,
+        registry,
+        crate::pipeline::assemble::DrafterFrom::Checkpoint(ckpt),
+    )?;
     eval::open_data(&mut c)?;
     for set in missing {
         let opts = EvalOptions {

@@ -448,11 +448,16 @@ fn train_one(
         }
         ArmState::Unfinished => {
             tracing::info!("{} is unfinished: resuming it", r.dir.display());
-            Some(crate::run::resume_with(&r.dir, None, registry, &crate::run::ResumeOptions::default())?)
+            Some(crate::train::start::resume_with(
+                &r.dir,
+                None,
+                registry,
+                &crate::train::start::ResumeOptions::default(),
+            )?)
         }
         ArmState::New => {
             let ab_name = r.dir.parent().and_then(Path::file_name).unwrap_or_default().to_string_lossy().to_string();
-            Some(crate::run::run(crate::run::RunSpec {
+            Some(crate::train::start::run(crate::train::start::RunSpec {
                 cfg: &r.config,
                 config_path: &r.base_path,
                 exp_dir: &r.dir,

@@ -49,7 +49,7 @@ pub fn allreduce(registry: &Registry, config_path: &Path, bucket_mb: &[usize], i
     let text = std::fs::read_to_string(config_path).with_context(|| format!("reading {}", config_path.display()))?;
     let cfg: BenchConfig = toml::from_str(&text).with_context(|| format!("{}", config_path.display()))?;
     let dtype = cfg.dtype.clone().unwrap_or_else(|| if cfg.device == "cpu" { "f32" } else { "bf16" }.into());
-    if cfg.device.starts_with("cuda") && !crate::run::enable_cuda() {
+    if cfg.device.starts_with("cuda") && !crate::environment::enable_cuda() {
         bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
     }
     let mut ctx = HostContext {
@@ -57,7 +57,7 @@ pub fn allreduce(registry: &Registry, config_path: &Path, bucket_mb: &[usize], i
         dtype: dtype.clone().into(),
         seed: cfg.seed,
         config_dir: config_path.parent().unwrap_or(Path::new(".")).display().to_string().into(),
-        cache_dir: crate::run::cache_dir().display().to_string().into(),
+        cache_dir: crate::environment::cache_dir().display().to_string().into(),
         target: RNone,
     };
     let device = ctx.tch_device().map_err(|e| anyhow!("{e}"))?;

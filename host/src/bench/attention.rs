@@ -193,7 +193,7 @@ fn time(device: Device, iters: usize, mut f: impl FnMut()) -> f64 {
 
 pub fn attention(sh: &Shape) -> Result<Report> {
     let device = crate::config::parse_device(&sh.device)?;
-    if device != Device::Cpu && !crate::run::enable_cuda() {
+    if device != Device::Cpu && !crate::environment::enable_cuda() {
         anyhow::bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", sh.device);
     }
     // Checked on one sequence: the fp32 reference's mask alone is 12 GB a sequence.

@@ -244,7 +244,7 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
         toml::Value::Table(table).try_into().with_context(|| format!("{}{shown}", config_path.display()))?;
     let sh = &cfg.bench;
     let dtype = cfg.dtype.clone().unwrap_or_else(|| if cfg.device == "cpu" { "f32" } else { "bf16" }.into());
-    if cfg.device.starts_with("cuda") && !crate::run::enable_cuda() {
+    if cfg.device.starts_with("cuda") && !crate::environment::enable_cuda() {
         bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
     }
     let config_dir = config_path.parent().unwrap_or(Path::new("."));
@@ -253,7 +253,7 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
         dtype: dtype.clone().into(),
         seed: cfg.seed,
         config_dir: config_dir.display().to_string().into(),
-        cache_dir: crate::run::cache_dir().display().to_string().into(),
+        cache_dir: crate::environment::cache_dir().display().to_string().into(),
         target: RNone,
     };
     let (device, kind) = (ctx.tch_device().map_err(|e| anyhow!("{e}"))?, ctx.tch_kind().map_err(|e| anyhow!("{e}"))?);

@@ -6,8 +6,10 @@
 //! `[pipeline]`) in `sections.rs`; `--set` / `--device` overrides in `overrides.rs`; where in the
 //! file an error points in `locate.rs`.
 
+pub mod explain;
 mod locate;
 mod overrides;
+pub mod preflight;
 mod sections;
 
 pub use locate::{locate_key, locate_plugin_error, toml_error};

@@ -20,6 +20,7 @@ use plugin_api::{
 use std::time::Duration;
 
 mod group;
+pub mod launch;
 mod rendezvous;
 pub use group::{C10dCommunicator, DEFAULT_BUCKET_BYTES};
 

@@ -263,7 +263,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     }
     // 1. What is evaluated, and so where its results go; refused now if they cannot be written.
     if args.drafter.is_none() && args.checkpoint.is_none() && prompts_name(&opts.source).is_none() {
-        experiment::check_writable(&exp_dir.join("eval.json"))?;
+        crate::atomic_write::check_writable(&exp_dir.join("eval.json"))?;
     }
     // The checkpoint is opened once, here: its files are read from those handles, so a training
     // run pruning it meanwhile cannot take it away.
@@ -277,16 +277,16 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
             let shown = d.canonicalize().unwrap_or_else(|_| d.clone());
             let evaluated =
                 Evaluated { checkpoint_step: None, drafter: Some(shown.display().to_string()), drafter_sha256: sha };
-            (evaluated, crate::run::DrafterFrom::Folder(d))
+            (evaluated, crate::pipeline::assemble::DrafterFrom::Folder(d))
         }
         None => {
             let ckpt = checkpoint::find(exp_dir, args.checkpoint)?;
-            (Evaluated::checkpoint(&ckpt), crate::run::DrafterFrom::Checkpoint(ckpt))
+            (Evaluated::checkpoint(&ckpt), crate::pipeline::assemble::DrafterFrom::Checkpoint(ckpt))
         }
     };
     let newest = checkpoint::newest_good(exp_dir).0.map(|c| c.step);
     let written = exp_dir.join(evaluated.file_name(prompts_name(&opts.source).as_deref(), newest));
-    experiment::check_writable(&written)?;
+    crate::atomic_write::check_writable(&written)?;
     // 2. Benchmark files become chat prompts for the data plugin.
     let converted = tempfile_dir()?;
     if args.prompt_format != PromptFormat::Chat {
@@ -300,7 +300,7 @@ pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
     }
     // 3. Evaluate, with the machine's load before and after the timing.
     let registry = Registry::new(plugin_paths)?;
-    let (cfg, mut c) = crate::run::load_experiment(exp_dir, &registry, from)?;
+    let (cfg, mut c) = crate::pipeline::assemble::load_experiment(exp_dir, &registry, from)?;
     let load_before = loadavg();
     let mut report = evaluate(&mut c, &opts)?;
     let load_after = loadavg();

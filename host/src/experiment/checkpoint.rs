@@ -8,7 +8,8 @@
 //! touching the one just written; corrupt ones or ones past a resume point are moved aside to
 //! `checkpoints/corrupt/`, never used and never silently deleted.
 
-use super::{read_json, sync_dir, tensors, write_json, write_synced, MAX_JSON_BYTES};
+use super::{read_json, tensors, write_json, MAX_JSON_BYTES};
+use crate::atomic_write::{sync_dir, write_synced};
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
     tch::{Kind, Tensor},

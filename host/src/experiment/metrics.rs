@@ -2,7 +2,7 @@
 //! through a line cap (a corrupt file cannot take the reader's memory), cut back atomically on
 //! resume.
 
-use super::write_synced;
+use crate::atomic_write::write_synced;
 use anyhow::{Context, Result};
 use serde_json::Value;
 use std::path::Path;

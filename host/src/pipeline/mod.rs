@@ -3,6 +3,7 @@
 //! self-distillation. The trainer consumes what this module produces and is never imported
 //! back.
 
+pub mod assemble;
 pub mod capture;
 pub mod components;
 pub mod distill;

@@ -64,7 +64,7 @@ pub fn run(plugin_args: &[PathBuf], args: CheckArgs) -> Result<ExitCode> {
         dtype: "f32".into(),
         seed: cfg.seed,
         config_dir: config_dir.display().to_string().into(),
-        cache_dir: crate::run::cache_dir().display().to_string().into(),
+        cache_dir: crate::environment::cache_dir().display().to_string().into(),
         target: RNone,
     };
     crate::say!("checking {} plugin `{}` ({})", record.kind, record.name, record.origin);

@@ -6,6 +6,7 @@
 pub mod anchors;
 pub mod loss;
 pub mod schedule;
+pub mod start;
 pub mod state;
 pub mod step;
 pub mod trainer;

@@ -5,47 +5,19 @@
 use crate::{
     config::{self, RunConfig},
     dist,
+    environment::{cache_dir, enable_cuda, git_revision},
     experiment::{
         self, checkpoint,
         manifest::{self, ChangeRecord, Drift, DriftKind},
         Experiment, ExperimentLock, Manifest,
     },
-    pipeline::components::{build_components, Components},
+    pipeline::{assemble::build, components::Components},
     plugins::{PluginRecord, Registry},
     train::{self, TrainSummary, TrainerState},
 };
 use anyhow::{bail, Context, Result};
 use plugin_api::PluginKind;
 use std::path::{Path, PathBuf};
-
-pub fn cache_dir() -> PathBuf {
-    std::env::var_os("DFLASH_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/dflash"))
-}
-
-/// The git revision the binary was built from (host/build.rs), not the one of the folder it
-/// runs in.
-pub fn git_revision() -> &'static str {
-    option_env!("DFLASH_GIT_REVISION").unwrap_or("unknown")
-}
-
-/// libtorch_cuda.so is dropped by `--as-needed`; load it before the first CUDA op.
-pub fn enable_cuda() -> bool {
-    kernels::load_libtorch_cuda().map_err(|e| tracing::warn!("CUDA unavailable: {e}")).is_ok()
-}
-
-/// Load CUDA when the config asks for it, or say why it cannot run.
-fn ensure_device(cfg: &RunConfig) -> Result<()> {
-    let devices = cfg.target_devices();
-    let cuda = devices.iter().map(String::as_str).chain([cfg.drafter_device()]).find(|d| d.starts_with("cuda"));
-    if let Some(d) = cuda {
-        if !enable_cuda() {
-            anyhow::bail!("device `{d}` asked for, but libtorch's CUDA libraries could not be loaded");
-        }
-    }
-    Ok(())
-}
 
 /// `--stop-at N` must lie ahead of the step the run is at.
 pub fn check_stop_at(stop_at: Option<u64>, at: u64) -> Result<()> {
@@ -79,7 +51,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     let cache = cache_dir();
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     if !follower_rank()? {
-        crate::preflight::check_exp_dir(exp_dir)?; // before the target loads
+        crate::config::preflight::check_exp_dir(exp_dir)?; // before the target loads
     }
     let components = build(cfg, config_path, &config_dir, registry)?;
     let spec = components.target.spec();
@@ -174,17 +146,6 @@ fn place_rank(cfg: &RunConfig) -> Result<RunConfig> {
     cfg.pipeline.drafter = moved.get(1 + n).cloned();
     tracing::info!("local rank {}: devices {:?}", env.local_rank, &moved);
     Ok(cfg)
-}
-
-/// The run's components; plugin config errors point at the config line (or `--set` argument)
-/// that set the field. Everything that can be checked without the target is, first.
-fn build(cfg: &RunConfig, config_path: &Path, config_dir: &Path, registry: &Registry) -> Result<Components> {
-    let ctx = manifest::plugin_context(cfg, config_dir, &cache_dir());
-    crate::preflight::check(cfg, config_path, &ctx, registry)?;
-    ensure_device(cfg)?;
-    tch::manual_seed(cfg.seed as i64);
-    build_components(cfg, registry, config_dir, &cache_dir())
-        .map_err(|e| crate::preflight::locate(cfg, config_path, format!("{e:#}")))
 }
 
 /// How to resume: the libraries given with `--plugin`, and what may have changed.
@@ -362,7 +323,7 @@ pub fn resume_with(
             checkpoint::set_aside_after(exp_dir, at)?;
             if !opts.overrides.is_empty() {
                 // The command line changed the config: the experiment's config.toml says what runs.
-                experiment::write_atomic(&cfg_path, resolved.as_bytes())?;
+                crate::atomic_write::write_atomic(&cfg_path, resolved.as_bytes())?;
             }
             if !allowed.is_empty() || !plugin_changes.is_empty() || manifest.config_toml.is_none() {
                 for d in &allowed {
@@ -452,157 +413,4 @@ pub fn check_plugins(
         }
     }
     Ok(changes)
-}
-
-/// `dflash-host capture`: the config's targets over its data, features written to `out`.
-pub fn capture(
-    cfg: &RunConfig,
-    config_path: &Path,
-    out: &Path,
-    registry: &Registry,
-    opts: &crate::pipeline::capture::CaptureOptions,
-) -> Result<crate::pipeline::capture::CaptureIndex> {
-    experiment::guard::check_out_folder("--out", out)?;
-    let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
-    let components = build(cfg, config_path, &config_dir, registry)?;
-    crate::pipeline::capture::capture(cfg, components, out, &cache_dir(), opts)
-}
-
-/// Self-distil the config's data and write it as chat JSONL (`dflash-host distill --out`): what
-/// was generated, and what was written and left out.
-pub fn distill(
-    cfg: &RunConfig,
-    config_path: &Path,
-    out: &Path,
-    registry: &Registry,
-) -> Result<(plugin_api::DistilledExport, crate::pipeline::distill::DistillStats)> {
-    experiment::guard::check_out_file("--out", out)?;
-    let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
-    let mut c = build(cfg, config_path, &config_dir, registry)?;
-    let Some(stats) = crate::pipeline::distill::prepare_data(&mut c, &cache_dir())? else {
-        anyhow::bail!(
-            "{}: the data loader regenerates no replies (in [data], distill = false?)",
-            config_path.display()
-        );
-    };
-    // Written beside `out`, then renamed into place; a `.gz` name stays last (the loader gzips it).
-    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = out.with_file_name(match name.strip_suffix(".gz") {
-        Some(stem) => format!("{stem}.partial.gz"),
-        None => format!("{name}.partial"),
-    });
-    let written = c.data.export_distilled_summary(tmp.display().to_string().as_str().into()).into_result();
-    let written = written.map_err(c.err(plugin_api::PluginKind::DataLoader, "export_distilled"))?;
-    std::fs::rename(&tmp, out).with_context(|| format!("writing {}", out.display()))?;
-    Ok((written, stats))
-}
-
-/// Where an evaluated drafter's weights come from: a checkpoint already opened (found once, so
-/// a training run pruning it meanwhile cannot take it away), or a z-lab folder.
-pub enum DrafterFrom<'a> {
-    Checkpoint(checkpoint::Opened),
-    Folder(&'a Path),
-}
-
-/// Rebuild a finished experiment's plugins (eval): its resolved config, with the drafter from a
-/// checkpoint (its weights checked against what the drafter declares) or from a z-lab folder.
-pub fn load_experiment(exp_dir: &Path, registry: &Registry, drafter: DrafterFrom) -> Result<(RunConfig, Components)> {
-    let cfg_path = exp_dir.join(experiment::CONFIG);
-    let mut cfg = RunConfig::load(&cfg_path)?;
-    let manifest = Manifest::read(exp_dir)?;
-    let config_dir = PathBuf::from(&manifest.config_dir);
-    if let DrafterFrom::Folder(d) = drafter {
-        let abs = d.canonicalize().with_context(|| format!("{}", d.display()))?;
-        let mut t = toml::Table::new();
-        t.insert("plugin".into(), "dflash".into());
-        t.insert("init_from".into(), abs.display().to_string().into());
-        cfg.drafter = t;
-    }
-    ensure_device(&cfg)?;
-    let mut c = build_components(&cfg, registry, &config_dir, &cache_dir())?;
-    if let DrafterFrom::Checkpoint(ckpt) = drafter {
-        let declared = checkpoint::declared_by(&c.drafter.parameters());
-        checkpoint::check_declared(&ckpt.weights_file(), &ckpt.weights, &declared)?;
-        c.drafter
-            .load_weights(ckpt.weights.into())
-            .into_result()
-            .map_err(c.err(PluginKind::Drafter, "load_weights"))?;
-        tracing::info!("drafter weights from {}", ckpt.dir.display());
-    }
-    Ok((cfg, c))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// `run.toml` in `dir` with a random tiny target (`tiny.json`, no weights to download) unless
-    /// `target` says otherwise, and `data` as the dataset.
-    fn write_config(dir: &Path, target: &str, data: &str) -> PathBuf {
-        let tiny = r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "vocab_size": 32, "eos_token_id": 1}"#;
-        std::fs::write(dir.join("tiny.json"), tiny).unwrap();
-        let text = format!(
-            "name = \"t\"\n[train]\nsteps = 1\n\n[target]\nplugin = \"hf\"\n{target}\n\n[drafter]\nplugin = \"dflash\"\n\
-             num_hidden_layers = 1\nblock_size = 4\nnum_target_features = 1\nmask_token_id = 0\n\n\
-             [optimizer]\nplugin = \"adamw\"\nlr = 1e-3\n\n[data]\nplugin = \"chat\"\nformat = \"jsonl\"\n{data}\n"
-        );
-        let path = dir.join("run.toml");
-        std::fs::write(&path, text).unwrap();
-        path
-    }
-
-    fn build_error(path: &Path) -> String {
-        let cfg = RunConfig::load(path).unwrap();
-        let registry = Registry::new(&[]).unwrap();
-        let dir = config::config_dir(path);
-        match build(&cfg, path, &dir, &registry) {
-            Ok(_) => panic!("{} built", path.display()),
-            Err(e) => format!("{e:#}"),
-        }
-    }
-
-    #[test]
-    fn a_missing_model_or_data_file_names_the_config_line_and_field() {
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = write_config(dir.path(), "path = \"nope.gguf\"", "path = \"chat.jsonl\"");
-        let err = build_error(&cfg);
-        let want = format!(
-            "run.toml:7: [target] plugin `hf`: field `path`: {}: no such file",
-            dir.path().join("nope.gguf").display()
-        );
-        assert!(err.contains(&want), "{err}\nshould contain\n{want}");
-
-        let cfg = write_config(dir.path(), "path = \"tiny.json\"\nrandom_init = true", "path = \"nope.jsonl\"");
-        let err = build_error(&cfg);
-        // Found before the target loads (preflight), not by the data plugin after it.
-        let want = format!(
-            "run.toml:24: [data] plugin `chat`: field `path`: {}: no such file or folder",
-            dir.path().join("nope.jsonl").display()
-        );
-        assert!(err.contains(&want), "{err}\nshould contain\n{want}");
-    }
-
-    #[test]
-    fn a_device_or_fifo_where_a_file_belongs_is_refused_before_a_plugin_opens_it() {
-        let dir = tempfile::tempdir().unwrap();
-        // Was "no such file" from the target plugin.
-        let cfg = write_config(dir.path(), "path = \"/dev/zero\"", "path = \"chat.jsonl\"");
-        let err = build_error(&cfg);
-        assert!(
-            err.ends_with(
-                "run.toml:7: [target] plugin `hf`: field `path`: /dev/zero: not a regular file (a character device)"
-            ),
-            "{err}"
-        );
-        // Blocked forever in the data plugin's read.
-        let fifo = dir.path().join("chat.fifo");
-        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-        let cfg = write_config(dir.path(), "path = \"tiny.json\"\nrandom_init = true", "path = \"chat.fifo\"");
-        let err = build_error(&cfg);
-        let want =
-            format!("run.toml:24: [data] plugin `chat`: field `path`: {}: not a regular file (a FIFO)", fifo.display());
-        assert!(err.ends_with(&want), "{err}\nshould end with\n{want}");
-    }
 }

@@ -22,24 +22,24 @@ struct Section {
 }
 
 /// The host's sections are typed in config/sections.rs and checked in config/mod.rs.
-const HOST: &str = concat!(include_str!("config/mod.rs"), include_str!("config/sections.rs"));
-const TARGET_HF: &str = include_str!("../../plugins/target_hf/src/lib.rs");
+const HOST: &str = concat!(include_str!("mod.rs"), include_str!("sections.rs"));
+const TARGET_HF: &str = include_str!("../../../plugins/target_hf/src/lib.rs");
 /// The drafters' sources, each with the DFlash fields' checks (their ranges) after it.
 const DFLASH: &str = concat!(
-    include_str!("../../plugins/drafter_dflash/src/lib.rs"),
-    include_str!("../../crates/drafter_layers/src/dflash.rs")
+    include_str!("../../../plugins/drafter_dflash/src/lib.rs"),
+    include_str!("../../../crates/drafter_layers/src/dflash.rs")
 );
 const GDN: &str = concat!(
-    include_str!("../../plugins/drafter_gdn/src/config.rs"),
-    include_str!("../../crates/drafter_layers/src/dflash.rs")
+    include_str!("../../../plugins/drafter_gdn/src/config.rs"),
+    include_str!("../../../crates/drafter_layers/src/dflash.rs")
 );
 /// The `[drafter]` fields `drafter_section!` adds to each drafter's own.
-const DRAFTER_SECTION: &str = include_str!("../../crates/drafter_layers/src/section.rs");
-const ADAMW: &str = include_str!("../../crates/optim_math/src/adamw.rs");
-const MUON: &str = include_str!("../../plugins/optim_muon/src/config.rs");
-const MUON_MATH: &str = include_str!("../../crates/optim_math/src/muon.rs");
-const CHAT: &str = include_str!("../../plugins/data_chat/src/lib.rs");
-const RECORDS: &str = include_str!("../../plugins/data_chat/src/records.rs");
+const DRAFTER_SECTION: &str = include_str!("../../../crates/drafter_layers/src/section.rs");
+const ADAMW: &str = include_str!("../../../crates/optim_math/src/adamw.rs");
+const MUON: &str = include_str!("../../../plugins/optim_muon/src/config.rs");
+const MUON_MATH: &str = include_str!("../../../crates/optim_math/src/muon.rs");
+const CHAT: &str = include_str!("../../../plugins/data_chat/src/lib.rs");
+const RECORDS: &str = include_str!("../../../plugins/data_chat/src/records.rs");
 
 /// Every source enums are looked up in.
 const ALL: &[&str] = &[HOST, TARGET_HF, DFLASH, GDN, ADAMW, MUON, MUON_MATH, CHAT, RECORDS];
@@ -587,7 +587,7 @@ mod tests {
         let committed = std::fs::read_to_string(&path).unwrap_or_default();
         assert!(
             committed == now,
-            "docs/CONFIG.md is stale: regenerate it with `DFLASH_BLESS=1 cargo test --release -p dflash-host --lib config_doc`"
+            "docs/CONFIG.md is stale: regenerate it with `DFLASH_BLESS=1 cargo test --release -p dflash-host --lib config::explain`"
         );
     }
 }

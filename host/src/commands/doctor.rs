@@ -3,6 +3,7 @@
 //! versions (read from the libraries themselves), the GPUs (NVML), whether `libtorch_cuda.so`
 //! loads and, if not, which of the libraries it links against are missing and how to get them.
 
+use crate::environment::cache_dir;
 use anyhow::Result;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -59,7 +60,12 @@ fn find<'a>(needed: &'a [Needed], prefix: &str) -> Option<&'a Needed> {
     needed.iter().find(|n| n.name.starts_with(prefix))
 }
 
-pub fn run(libtorch: &Path) -> Result<ExitCode> {
+pub fn run(_plugin_paths: &[PathBuf]) -> Result<ExitCode> {
+    let libtorch = std::env::var_os("LIBTORCH").map(PathBuf::from).unwrap_or_else(|| cache_dir().join("libtorch"));
+    diagnose(&libtorch)
+}
+
+fn diagnose(libtorch: &Path) -> Result<ExitCode> {
     let mut missing: Vec<String> = Vec::new();
     crate::say!("dflash-host doctor");
     let (version, cuda) =

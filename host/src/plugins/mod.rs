@@ -15,6 +15,7 @@
 //! after its check never runs. So `plugins list` and `plugins inspect` never load a library into
 //! the host.
 
+pub mod builtins;
 pub mod check;
 pub mod new;
 mod poison;
@@ -126,7 +127,7 @@ impl Registry {
     /// not start with here).
     pub fn with_gate(paths: &[PathBuf], gate: impl Fn(&Path, &str) -> Result<()>) -> Result<Self> {
         // Keeps the built-in crates linked (and so their inventory entries alive).
-        std::hint::black_box(&crate::builtins::BUILTIN_MODULES);
+        std::hint::black_box(&crate::plugins::builtins::BUILTIN_MODULES);
         let mut plugins: Vec<Plugin> = builtin_plugins()
             .map(|module| {
                 let info = checked_info(module, "a built-in plugin")?;

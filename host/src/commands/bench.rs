@@ -1,0 +1,63 @@
+//! `dflash-host bench`: the plugin boundary, a training step, the all-reduce and attention, each
+//! printed as a table and one JSON line (also written to `--json`).
+
+use crate::{cli::BenchCommand, config::Override, plugins::Registry, say};
+use anyhow::{Context, Result};
+use serde::Serialize;
+use std::{
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
+
+pub fn run(what: BenchCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
+    match what {
+        BenchCommand::Abi { exp_dir, iters } => {
+            let registry = Registry::new(plugin_paths)?;
+            crate::bench::abi(&registry, exp_dir.as_deref(), iters)?;
+        }
+        BenchCommand::Train { config, json, trace, overrides } => {
+            guard_outputs(json.as_deref(), trace.as_deref())?;
+            let registry = Registry::new(plugin_paths)?;
+            let overrides = Override::from_args(&overrides.set, overrides.device.as_deref())?;
+            let report = crate::bench::train::train(&registry, &config, &overrides, trace.as_deref())?;
+            crate::bench::train::print(&report);
+            json_line(&report, json.as_deref())?;
+        }
+        BenchCommand::Allreduce { config, bucket_mb, iters, json } => {
+            guard_outputs(json.as_deref(), None)?;
+            let registry = Registry::new(plugin_paths)?;
+            let report = crate::bench::allreduce::allreduce(&registry, &config, &bucket_mb, iters)?;
+            crate::bench::allreduce::print(&report);
+            json_line(&report, json.as_deref())?;
+        }
+        BenchCommand::Attention { shape, json } => {
+            guard_outputs(json.as_deref(), None)?;
+            let report = crate::bench::attention::attention(&shape)?;
+            crate::bench::attention::print(&report);
+            json_line(&report, json.as_deref())?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A bench command's `--json` file and `--trace` folder, through the output guard (never into an
+/// experiment) before the benchmark runs.
+fn guard_outputs(json: Option<&Path>, trace: Option<&Path>) -> Result<()> {
+    if let Some(file) = json {
+        crate::experiment::guard::check_out_file("--json", file)?;
+    }
+    if let Some(dir) = trace {
+        crate::experiment::guard::check_out_folder("--trace", dir)?;
+    }
+    Ok(())
+}
+
+/// The report as one JSON line on stdout, and in `path` when given.
+fn json_line(report: &impl Serialize, path: Option<&Path>) -> Result<()> {
+    let line = serde_json::to_string(report)?;
+    say!("{line}");
+    if let Some(path) = path {
+        std::fs::write(path, line + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,21 @@
+//! `dflash-host config explain`: the config reference, whole or one section, for every built-in,
+//! one plugin (`--plugin`) or the plugins a config picks (`--config`).
+
+use crate::{
+    cli::ConfigCommand,
+    config::explain::{markdown_for, Picks},
+    say,
+};
+use anyhow::Result;
+use std::{path::PathBuf, process::ExitCode};
+
+pub fn run(command: ConfigCommand, _plugin_paths: &[PathBuf]) -> Result<ExitCode> {
+    let ConfigCommand::Explain { section, plugin, config } = command;
+    let picks = match (plugin, config) {
+        (Some(name), _) => Picks::plugin(&name)?,
+        (None, Some(file)) => Picks::config(&file)?,
+        (None, None) => Picks::default(),
+    };
+    say!("{}", markdown_for(section.as_deref(), &picks)?.trim_end());
+    Ok(ExitCode::SUCCESS)
+}

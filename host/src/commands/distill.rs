@@ -1,0 +1,57 @@
+//! `dflash-host distill`: the target's own replies to the config's prompts, written as chat JSONL
+//! to train on.
+
+use crate::{
+    cli::DistillArgs,
+    config::{self, Override, RunConfig},
+    environment::cache_dir,
+    experiment,
+    pipeline::{assemble::build, distill::DistillStats},
+    plugins::Registry,
+    say,
+};
+use anyhow::{Context, Result};
+use std::{
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
+
+pub fn run(args: DistillArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
+    let DistillArgs { config, out, overrides } = args;
+    let cfg = RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
+    let registry = Registry::new(plugin_paths)?;
+    let (written, stats) = distill(&cfg, &config, &out, &registry)?;
+    for line in crate::pipeline::distill::export_summary(&stats, &written, &out) {
+        say!("{line}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Self-distil the config's data and write it as chat JSONL (`dflash-host distill --out`): what
+/// was generated, and what was written and left out.
+fn distill(
+    cfg: &RunConfig,
+    config_path: &Path,
+    out: &Path,
+    registry: &Registry,
+) -> Result<(plugin_api::DistilledExport, DistillStats)> {
+    experiment::guard::check_out_file("--out", out)?;
+    let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
+    let mut c = build(cfg, config_path, &config_dir, registry)?;
+    let Some(stats) = crate::pipeline::distill::prepare_data(&mut c, &cache_dir())? else {
+        anyhow::bail!(
+            "{}: the data loader regenerates no replies (in [data], distill = false?)",
+            config_path.display()
+        );
+    };
+    // Written beside `out`, then renamed into place; a `.gz` name stays last (the loader gzips it).
+    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = out.with_file_name(match name.strip_suffix(".gz") {
+        Some(stem) => format!("{stem}.partial.gz"),
+        None => format!("{name}.partial"),
+    });
+    let written = c.data.export_distilled_summary(tmp.display().to_string().as_str().into()).into_result();
+    let written = written.map_err(c.err(plugin_api::PluginKind::DataLoader, "export_distilled"))?;
+    std::fs::rename(&tmp, out).with_context(|| format!("writing {}", out.display()))?;
+    Ok((written, stats))
+}
