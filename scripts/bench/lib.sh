@@ -22,10 +22,11 @@ part() {
     echo "== $name: exit $? in $((SECONDS - start)) s" | tee -a "$LOG"
 }
 
-# sample_clocks: the SM clock and power draw every 500 ms into RESULTS/clocks.csv until the script
-# exits (the step is bound by the GPU's power cap, so machines of one kind differ by their clock).
+# sample_clocks: the SM clock, power draw and memory in use every 500 ms into RESULTS/clocks.csv
+# until the script exits (the step is bound by the GPU's power cap, so machines of one kind differ
+# by their clock).
 sample_clocks() {
-    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 500 \
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,memory.used --format=csv,noheader -lms 500 \
         > "$RESULTS/clocks.csv" 2>&1 &
     local pid=$!
     trap "kill $pid 2> /dev/null" EXIT

@@ -8,6 +8,8 @@ the target features, Qwen3 layers whose attention takes Q from the blocks and K/
 backward -> grad-norm clip -> AdamW on fp32 master weights. Attention variants:
   sdpa  scaled_dot_product_attention with a boolean [B, 1, N, S+N] mask (what the Rust drafter runs)
   flex  torch.compile'd flex_attention with the same mask as a block mask
+  flex_specforge  (attention alone only) flex_attention with SpecForge's DFlash block mask
+        (create_dflash_block_mask: the context up to and including the anchor)
   sdpa_gqa  (attention alone only) enable_gqa with the mask, as the Rust drafter calls it
 Also times the attention alone (forward + backward) for each, and, with --target, the HF
 Qwen3-8B-shaped target forward (transformers, sdpa).
@@ -33,7 +35,7 @@ p.add_argument("--layers", type=int, default=5)
 p.add_argument("--target-layers", type=int, nargs="+", default=[1, 9, 17, 25, 33])
 p.add_argument("--config", default="configs/bench/qwen3-8b-config.json")
 p.add_argument("--attn", nargs="*", default=["sdpa", "flex"], help="variants whose whole step is timed (none: --attn alone)")
-p.add_argument("--attn-alone", nargs="+", default=["sdpa", "sdpa_gqa", "flex"], help="variants timed alone")
+p.add_argument("--attn-alone", nargs="*", default=["sdpa", "sdpa_gqa", "flex"], help="variants timed alone")
 p.add_argument("--warmup", type=int, default=2)
 p.add_argument("--iters", type=int, default=5)
 p.add_argument("--chunk-bytes", type=int, default=1 << 30, help="fp32 logits formed at once")
@@ -47,7 +49,14 @@ FFN, V, EPS, THETA = cfg["intermediate_size"], cfg["vocab_size"], cfg["rms_norm_
 B, S, A, BK, L = args.batch, args.seq, args.anchors, args.block, args.layers
 NF = len(args.target_layers)
 N = A * BK
-dev, dt = torch.device("cuda"), torch.bfloat16
+# The CPU only to try the script at small shapes (--config configs/bench/tiny-config.json).
+dev, dt = torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16
+
+
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
 torch.manual_seed(0)
 
 
@@ -56,10 +65,10 @@ def timed(fn, warmup, iters):
         fn()
     ts = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 
@@ -135,9 +144,13 @@ def sdpa_attn(q, k, v, anchors, gqa=False):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def flex_mask(anchors):
+def flex_mask(anchors, specforge=False):
+    """specforge=False: the context strictly before the anchor, as the Rust drafter sees it (the
+    anchor's own token is the block's first); True: SpecForge's mask, the anchor's position too."""
+
     def mask_mod(b, h, qi, ki):
-        in_ctx = (ki < S) & (ki < anchors[b, qi // BK])
+        a = anchors[b, qi // BK]
+        in_ctx = (ki < S) & ((ki <= a) if specforge else (ki < a))
         in_blk = (ki >= S) & ((ki - S) // BK == qi // BK)
         return in_ctx | in_blk
 
@@ -243,10 +256,11 @@ def attention_alone(attn):
     v = torch.randn(B, NKV, S + N, D, device=dev, dtype=dt, requires_grad=True)
     anchors = torch.stack([torch.randperm(S - 1)[:A].sort().values for _ in range(B)]).to(dev)
     do = torch.randn(B, NH, N, D, device=dev, dtype=dt)
-    bm = flex_mask(anchors) if attn == "flex" else None
+    flexed = attn.startswith("flex")
+    bm = flex_mask(anchors, specforge=attn == "flex_specforge") if flexed else None
 
     def fwd():
-        if attn == "flex":
+        if flexed:
             return flex(q, k, v, block_mask=bm, enable_gqa=True)
         return sdpa_attn(q, k, v, anchors, gqa=attn == "sdpa_gqa")
 
@@ -262,7 +276,7 @@ def attention_alone(attn):
 
 
 report = {"batch": B, "seq": S, "anchors": A, "block": BK, "layers": L}
-report["ceiling_tflop_per_s"] = ceiling()
+report["ceiling_tflop_per_s"] = ceiling(8192 if dev.type == "cuda" else 256)
 input_ids = torch.randint(0, V, (B, S))
 loss_mask = torch.ones(B, S, dtype=torch.int64)
 loss_mask[:, 0] = 0
@@ -293,7 +307,7 @@ torch.cuda.empty_cache()
 print(json.dumps(report), flush=True)
 for attn in args.attn_alone:
     try:
-        if attn == "flex" and flex is None:
+        if attn.startswith("flex") and flex is None:
             raise RuntimeError(flex_err)
         report[f"attention_{attn}"] = attention_alone(attn)
     except Exception as e:  # noqa: BLE001
@@ -305,17 +319,19 @@ for attn in args.attn:
         report["flex_error"] = flex_err
         continue
     try:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        cuda = dev.type == "cuda"
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         t = timed(lambda: train_step(attn, input_ids, loss_mask, feats), args.warmup, args.iters)
-        free, total = torch.cuda.mem_get_info()
-        report[f"step_{attn}"] = {
-            "step_s": t,
-            "draft_tok_per_s": B * A * BK / t,
-            "max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-            "device_used_gib": (total - free) / 2**30,
-        }
+        report[f"step_{attn}"] = {"step_s": t, "draft_tok_per_s": B * A * BK / t}
+        if cuda:
+            free, total = torch.cuda.mem_get_info()
+            report[f"step_{attn}"].update({
+                "max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+                "device_used_gib": (total - free) / 2**30,
+            })
     except Exception as e:  # noqa: BLE001
         report[f"step_{attn}_error"] = repr(e)[:500]
     print(json.dumps(report), flush=True)

@@ -42,8 +42,9 @@ pub struct TargetSection {
     /// The Hub model's branch, tag or commit (default `main`).
     #[serde(default)]
     pub revision: Option<String>,
-    /// Random weights at the shape of `path`, an HF config.json (or a folder holding one); no
-    /// tokenizer. For benchmarks at real shapes (`dflash-host bench train`).
+    /// Random weights at the shape of `path`, an HF config.json (or a folder holding one; a
+    /// tokenizer.json beside it there is the tokenizer, else a placeholder that reads a text as one
+    /// token). For benchmarks at real shapes (`dflash-host bench train`, or `train` on a dataset).
     #[serde(default)]
     pub random_init: bool,
     /// Prompts generated together during self-distillation.

@@ -16,13 +16,22 @@ const PLACEHOLDER_TOKENIZER: &str = r#"{"version":"1.0","truncation":null,"paddi
 "normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,
 "model":{"type":"WordLevel","vocab":{"<unk>":0},"unk_token":"<unk>"}}"#;
 
-/// `path`: a config.json, or a folder holding one. The weights are drawn as the decoder looks
+/// `path`: a config.json, or a folder holding one. A tokenizer.json in that folder is the
+/// target's tokenizer (training through the whole pipeline on a dataset needs one that makes
+/// sequences of real length); otherwise a placeholder. The weights are drawn as the decoder looks
 /// them up ([`Decoder::random`]), on the target's device in its dtype.
 pub fn load_random(path: &Path, device: Device, kind: Kind) -> Result<(Decoder, Tokenizer), String> {
     let cfg = DecoderConfig::read(path)?;
     let model = Decoder::random(&cfg, device, kind)?;
-    let tokenizer = PLACEHOLDER_TOKENIZER.parse().map_err(|e| format!("placeholder tokenizer: {e}"))?;
-    Ok((model, tokenizer))
+    Ok((model, tokenizer(path)?))
+}
+
+fn tokenizer(path: &Path) -> Result<Tokenizer, String> {
+    let file = path.join("tokenizer.json");
+    if path.is_dir() && file.is_file() {
+        return Tokenizer::from_file(&file).map_err(|e| format!("{}: {e}", file.display()));
+    }
+    PLACEHOLDER_TOKENIZER.parse().map_err(|e| format!("placeholder tokenizer: {e}"))
 }
 
 /// One random tensor for the weight `name` of `shape`, by what the name says it is: matrices ~
@@ -78,5 +87,34 @@ mod tests {
         assert_eq!(hidden.size(), vec![1, 4, 64]);
         assert_eq!(logits.unwrap().size(), vec![1, 4, 50]);
         assert!(hidden.isfinite().all().int64_value(&[]) == 1 && hidden.abs().sum(Kind::Float).double_value(&[]) > 0.0);
+    }
+
+    #[test]
+    fn a_tokenizer_json_beside_the_config_is_the_random_targets_tokenizer() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = r#"{"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 50, "eos_token_id": 1}"#;
+        std::fs::write(dir.path().join("config.json"), cfg).unwrap();
+        let text = "<|im_start|>user b a c<|im_end|>";
+        // Without one, the placeholder reads the whole text as one unknown token.
+        let t = HfTarget::random(dir.path(), Device::Cpu, Kind::Float, 1).unwrap();
+        assert_eq!(t.tokenizer.encode(text, false).unwrap().get_ids(), &[0]);
+        let tok = r#"{"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 1, "content": "<|im_start|>", "single_word": false, "lstrip": false, "rstrip": false,
+                "normalized": false, "special": true}, {"id": 2, "content": "<|im_end|>", "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "a": 3, "b": 4},
+                "unk_token": "<unk>"}}"#;
+        std::fs::write(dir.path().join("tokenizer.json"), tok).unwrap();
+        let t = HfTarget::random(dir.path(), Device::Cpu, Kind::Float, 1).unwrap();
+        assert_eq!(t.tokenizer.encode(text, false).unwrap().get_ids(), &[1, 0, 4, 3, 0, 2]);
+        // A config.json named directly keeps the placeholder: the folder may hold other models' files.
+        let t = HfTarget::random(&dir.path().join("config.json"), Device::Cpu, Kind::Float, 1).unwrap();
+        assert_eq!(t.tokenizer.encode(text, false).unwrap().get_ids(), &[0]);
+        // A broken one is an error naming the file, not a silent placeholder.
+        std::fs::write(dir.path().join("tokenizer.json"), "{").unwrap();
+        let err = HfTarget::random(dir.path(), Device::Cpu, Kind::Float, 1).err().expect("a broken tokenizer.json");
+        assert!(err.contains("tokenizer.json"), "{err}");
     }
 }
