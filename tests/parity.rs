@@ -226,8 +226,9 @@ fn global_normalisation_over_micro_batches_and_ranks_matches_pytorch() {
                             master_addr: "127.0.0.1".into(),
                             master_port: port,
                             timeout: std::time::Duration::from_secs(120),
+                            run_token: None,
                         };
-                        let identity = Identity { config: "parity".into(), build: "parity".into() };
+                        let identity = Identity::new("parity".into(), "parity".into(), "parity".into());
                         let mut comm: Box<dyn Communicator> =
                             Box::new(C10dCommunicator::connect(&env, plugin_api::tch::Device::Cpu, &identity).unwrap());
                         let (_, drafter) = fixture_drafter(c);

@@ -73,6 +73,7 @@ pub fn load_experiment(exp_dir: &Path, registry: &Registry, drafter: DrafterFrom
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config;
 
     /// `run.toml` in `dir` with a random tiny target (`tiny.json`, no weights to download) unless
     /// `target` says otherwise, and `data` as the dataset.
