@@ -156,7 +156,6 @@ fn every_script_path_named_in_docs_and_sources_exists() {
 }
 
 #[test]
-#[ignore = "README.md is being rewritten: its notebook markers go with it"]
 fn the_readme_carries_no_notebook_markers() {
     let text = std::fs::read_to_string(common::root().join("README.md")).unwrap();
     let found = markers_in("README.md", &text);

@@ -178,7 +178,9 @@ fn an_unknown_architecture_fails_with_one_line_naming_it() {
     assert_eq!(lines.len(), 1, "{err}");
     assert!(
         lines[0].contains(
-            "model_type `mamba2` is not supported (supported: llama, qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_5_moe)"
+            "model_type `mamba2` is not supported (supported: llama, mistral, ministral, qwen2, qwen3, qwen3_moe, qwen3_5, \
+             qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, gemma2, gemma3_text, gpt_oss, lfm2, deepseek_v3, kimi_k2, \
+             glm4_moe, longcat_flash)"
         ),
         "{err}"
     );

@@ -147,7 +147,9 @@ fn eval_drafter_and_init_from_with_a_fifo_are_named() {
     assert!(err.contains(&want), "{err}\nshould contain\n{want}");
     let text = std::fs::read_to_string(&run)
         .unwrap()
-        .replace("mask_token_id = 0\n", "mask_token_id = 0\ninit_from = \"drafter\"\n");
+        .replace("mask_token_id = 0\n", "mask_token_id = 0\ninit_from = \"drafter\"\n")
+        // Random weights for the target (the folder holds none), so the drafter is reached.
+        .replace("path = \"model\"\n", "path = \"model\"\nrandom_init = true\n");
     std::fs::write(&run, text).unwrap();
     let err = train(dir.path(), &run);
     assert!(err.contains(&want), "{err}\nshould contain\n{want}");

@@ -53,6 +53,8 @@ impl TargetKind {
 pub struct Target {
     /// `owner/name` on the Hugging Face Hub, where the run says it.
     pub hub: Option<String>,
+    /// The hub revision the run read, where it is not `main` (the servers take `--revision`).
+    pub revision: Option<String>,
     /// The hub name, else the file or folder name the weights came from.
     pub name: String,
     pub kind: Option<TargetKind>,
@@ -117,14 +119,17 @@ impl Target {
             (kind, None)
         };
         let license = path.is_dir().then(|| readme_license(path)).flatten();
-        Target { hub, name, kind, gguf_quantised, license }
+        Target { hub, revision: None, name, kind, gguf_quantised, license }
     }
 
     /// What the servers load: the hub name, else the folder name (served from where it is), else
     /// for a GGUF file a placeholder for the HF checkpoint of the same model.
     fn served(&self) -> String {
         match (&self.hub, &self.gguf_quantised) {
-            (Some(hub), _) => hub.clone(),
+            (Some(hub), _) => match &self.revision {
+                Some(r) => format!("{hub} --revision {r}"),
+                None => hub.clone(),
+            },
             (None, Some(_)) => "HF_CHECKPOINT_OF_THE_TARGET".into(),
             (None, None) => self.name.clone(),
         }
@@ -190,7 +195,12 @@ pub fn model_card(exp_dir: &Path, ckpt: &Opened, out: &Path) -> Result<Card> {
     };
     let text = |section: &str, key: &str, or: &str| field(section, key).unwrap_or_else(|| or.to_string());
     let file_name = |p: String| Path::new(&p).file_name().map_or(p.clone(), |n| n.to_string_lossy().to_string());
-    let target = Target::of_run(&manifest.target_source, field("target", "path").as_deref());
+    let mut target = Target::of_run(&manifest.target_source, field("target", "path").as_deref());
+    if let Some(h) = &manifest.target_hub {
+        // The manifest knows the hub name and revision the run resolved.
+        target.hub = Some(h.repo.clone());
+        target.revision = (h.revision != "main").then(|| h.revision.clone());
+    }
     let block = cfg["block_size"].as_u64().unwrap_or(16);
     let id = |k: &str| if cfg[k].is_null() { "none".to_string() } else { cfg[k].to_string() };
     let drafter = out.file_name().map_or("DRAFTER".into(), |n| n.to_string_lossy().to_string());

@@ -670,7 +670,7 @@ mod tests {
         let parquet = dir.path().join("x.parquet");
         std::os::unix::fs::symlink("/dev/zero", &parquet).unwrap();
         let err = read_records(&parquet, &schema, OnError::Fail).unwrap_err().to_string();
-        assert_eq!(err, format!("{}: not a regular file (a character device)", parquet.display()));
+        assert!(err.starts_with(&format!("{}: not a regular file (a character device", parquet.display())), "{err}");
         let good = r#"{"messages": [{"role": "user", "content": "hi"}]}"#;
         let (_d, path) = jsonl(format!("{good}\n{}\n{good}\r\n", "x".repeat(100)).as_bytes());
         let err = read_jsonl_capped(&path, &schema, OnError::Skip, 64).unwrap_err().to_string();

@@ -1,1 +1,0 @@
-fixtures/make_fixtures.py

@@ -1,1 +1,0 @@
-bench/trace_summary.py
