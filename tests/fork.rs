@@ -175,3 +175,47 @@ fn report_names_the_bound_stage_of_a_real_run() {
     }
     assert!(out.contains(&format!("steps          {STEPS} of {STEPS}")), "{out}");
 }
+
+#[test]
+fn a_fork_killed_at_any_moment_resumes_to_the_parents_result() {
+    use std::{process::Stdio, time::Duration};
+    let parent = parent();
+    let dir = tempfile::tempdir().unwrap();
+    let exp = dir.path().join("fork");
+    let newest = |exp: &Path| -> u64 {
+        std::fs::read_dir(exp.join("checkpoints")).map_or(0, |d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("step-")?.parse().ok()).max().unwrap_or(0)
+        })
+    };
+    let start = |exp: &Path| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash-host"));
+        if exp.exists() {
+            cmd.args(["train", "--resume"]).arg(exp);
+        } else {
+            cmd.arg("fork").arg(parent).args(["--at", &AT.to_string(), "--exp-dir"]).arg(exp);
+        }
+        cmd.env("DFLASH_CACHE", cache()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap()
+    };
+    // Killed the instant the fork's folder appears (its first checkpoint is there already), then
+    // once it has trained a step.
+    let mut child = start(&exp);
+    while !exp.exists() && child.try_wait().unwrap().is_none() {
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(exp.exists(), "the fork ended before its folder was seen");
+    assert_eq!(newest(&exp), AT, "the fork's folder appeared without its first checkpoint");
+    let mut child = start(&exp);
+    while newest(&exp) <= AT && child.try_wait().unwrap().is_none() {
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert!(child.try_wait().unwrap().is_none(), "the resumed fork ended before it could be killed");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    while !exp.join("summary.json").exists() {
+        assert!(start(&exp).wait().unwrap().success(), "resuming the fork failed");
+    }
+    assert_eq!(losses_after(&exp, 0), losses_after(parent, AT));
+    assert_eq!(weights(&exp, STEPS), weights(parent, STEPS));
+}

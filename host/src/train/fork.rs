@@ -197,10 +197,17 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
         }),
     };
 
-    // The fork's folder, with the checkpoint it starts from as its own first one: killed before
-    // its first checkpoint, it resumes from there.
-    let mut exp = Experiment::create(&exp_dir, &resolved, &manifest)?;
-    exp.save_checkpoint(at, &ckpt.weights, &ckpt.config_json, &optimizer_state, &state, t.keep_checkpoints)?;
+    // The fork's folder, with the checkpoint it starts from as its own first one (written before
+    // the folder appears): killed at any moment, the fork resumes from there at the latest.
+    let first = checkpoint::CheckpointData {
+        weights: &ckpt.weights,
+        drafter_config_json: &ckpt.config_json,
+        optimizer_state: &optimizer_state,
+        trainer_state: &state,
+    };
+    let mut exp = Experiment::create_with(&exp_dir, &resolved, &manifest, |tmp| {
+        checkpoint::write(tmp, at, &first, t.keep_checkpoints).map(|_| ())
+    })?;
     tracing::info!(
         "forked {} at step {at} into {} (optimizer {} -> {}, state {}, schedule {}, re-warm {rewarm} steps)",
         parent.display(),

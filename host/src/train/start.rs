@@ -270,6 +270,11 @@ pub fn resume_with(
             serde_json::from_value(c.trainer_state.clone())
                 .with_context(|| format!("{}: not valid", c.dir.join("trainer_state.json").display()))?,
         ),
+        None if manifest.parent.is_some() => bail!(
+            "cannot resume {}: a fork starts from its first checkpoint, and none of its checkpoints is usable; fork \
+             its parent again",
+            exp_dir.display()
+        ),
         None => {
             tracing::warn!("{}: no usable checkpoint; starting from step 0", exp_dir.display());
             None
