@@ -219,3 +219,39 @@ fn a_fork_killed_at_any_moment_resumes_to_the_parents_result() {
     assert_eq!(losses_after(&exp, 0), losses_after(parent, AT));
     assert_eq!(weights(&exp, STEPS), weights(parent, STEPS));
 }
+
+#[test]
+fn a_parent_still_training_is_forked_without_being_disturbed() {
+    use std::{process::Stdio, time::Duration};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(&cfg, config()).unwrap();
+    // A long parent, so it still trains (holding its lock) while the fork opens its checkpoint.
+    let live = dir.path().join("live");
+    let mut train = Command::new(env!("CARGO_BIN_EXE_dflash-host"));
+    train.args(["train", "--set", "train.steps=200", "--set", "train.keep_checkpoints=200", "--config"]);
+    train.arg(&cfg).arg("--exp-dir").arg(&live);
+    let mut train = train.env("DFLASH_CACHE", cache()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let ready = live.join(format!("checkpoints/step-{AT}/checksums.json"));
+    while !ready.exists() && train.try_wait().unwrap().is_none() {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let fork_dir = dir.path().join("fork");
+    let out = fork(&live, &fork_dir, &["--stop-at", &(AT + 2).to_string()]);
+    let still_training = train.try_wait().unwrap().is_none();
+    ok(out);
+    assert!(still_training, "the parent finished before the fork did: nothing was forked from a live run");
+    // The parent trained on past the fork's steps; its lines there are the fork's.
+    let upto = |exp: &Path| -> Vec<serde_json::Value> {
+        let m = common::metrics(exp, &["step", "loss", "grad_norm", "lr"]);
+        m.into_iter().filter(|l| (AT + 1..=AT + 2).contains(&l["step"].as_u64().unwrap())).collect()
+    };
+    while upto(&live).len() < 2 {
+        assert!(train.try_wait().unwrap().is_none(), "the parent stopped");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    train.kill().unwrap();
+    train.wait().unwrap();
+    assert_eq!(upto(&fork_dir), upto(&live));
+    assert_eq!(weights(&fork_dir, AT + 2), weights(&live, AT + 2));
+}
