@@ -21,6 +21,12 @@ pub struct Cli {
 pub enum Command {
     /// Train a drafter as the config says, into a fresh experiment directory, or resume one.
     Train(TrainArgs),
+    /// Start a new experiment from another one's checkpoint at a step, under a changed config
+    /// (`--set`); the parent is only read. Its steps continue the parent's count.
+    Fork(ForkArgs),
+    /// What bounds a run, from its metrics.jsonl: each stage's rate, the bound stage and by how
+    /// much, the hidden-state queue, what a faster drafter step or optimizer would save, the ETA.
+    Report(ReportArgs),
     /// Run only the targets over the config's data and write their features (sharded
     /// safetensors + index.json) for `pipeline.capture` to train from.
     Capture(CaptureArgs),
@@ -103,6 +109,46 @@ pub struct TrainArgs {
     /// its local rank. N = 1 runs one rank through the same collectives.
     #[arg(long, value_name = "N")]
     pub nproc: Option<usize>,
+}
+
+#[derive(Args)]
+pub struct ForkArgs {
+    /// The experiment to fork (it may still be training: it is only read).
+    #[arg(value_name = "EXP")]
+    pub parent: PathBuf,
+    /// The step of the parent's checkpoint to start from (`checkpoints/step-STEP`).
+    #[arg(long, value_name = "STEP")]
+    pub at: u64,
+    /// `--set optimizer.plugin=muon --set train.steps=2000`: changes to the parent's config,
+    /// recorded in the fork's config.toml.
+    #[command(flatten)]
+    pub overrides: ConfigOverrides,
+    /// The fork's folder (default: `<EXP>-fork-<STEP>` beside the parent).
+    #[arg(long)]
+    pub exp_dir: Option<PathBuf>,
+    /// `keep` the parent's optimizer state (the default for the same optimizer plugin) or start a
+    /// `fresh` one (the default, and the only choice, when `optimizer.plugin` changes).
+    #[arg(long, value_enum)]
+    pub optimizer_state: Option<crate::train::fork::OptimizerStateChoice>,
+    /// `continue` the learning-rate schedule at the parent's position, or `restart` a warm-up and
+    /// cosine decay over the steps after the fork.
+    #[arg(long, value_enum, default_value = "continue")]
+    pub schedule: crate::train::fork::ScheduleChoice,
+    /// Steps of linear re-warm-up from the fork (default: the run's own warm-up length,
+    /// train.warmup_frac x train.steps, after a fresh optimizer state with the schedule
+    /// continued; 0 otherwise).
+    #[arg(long, value_name = "N")]
+    pub rewarm: Option<u64>,
+    /// Stop after this step with a checkpoint, as if interrupted (resume with `train --resume`).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub stop_at: Option<u64>,
+}
+
+#[derive(Args)]
+pub struct ReportArgs {
+    /// The experiment directory.
+    #[arg(value_name = "EXP")]
+    pub exp: PathBuf,
 }
 
 #[derive(Args)]

@@ -17,6 +17,7 @@ pub mod out;
 pub mod pipeline;
 pub mod plugins;
 pub mod progress;
+pub mod report;
 pub mod sysinfo;
 pub mod tensorboard;
 pub mod train;

@@ -13,6 +13,8 @@ fn run() -> Result<ExitCode> {
     let Cli { plugins, command } = Cli::parse();
     match command {
         Command::Train(args) => commands::train::run(args, &plugins),
+        Command::Fork(args) => commands::fork::run(args, &plugins),
+        Command::Report(args) => commands::report::run(args),
         Command::Capture(args) => commands::capture::run(args, &plugins),
         Command::Distill(args) => commands::distill::run(args, &plugins),
         Command::Eval(args) => commands::eval::run(args, &plugins),

@@ -10,5 +10,7 @@ pub mod distill;
 pub mod doctor;
 pub mod eval;
 pub mod export;
+pub mod fork;
 pub mod plugins;
+pub mod report;
 pub mod train;

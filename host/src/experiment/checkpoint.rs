@@ -367,6 +367,20 @@ pub fn find(exp_dir: &Path, step: Option<u64>) -> Result<Opened> {
     if !exp_dir.join("config.toml").is_file() {
         bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
     }
+    match step {
+        Some(n) => open_step(exp_dir, n, false),
+        None => match newest_usable(exp_dir, false) {
+            (Some(o), _) => Ok(o),
+            (None, corrupt) if corrupt.is_empty() && list(exp_dir).is_empty() => {
+                bail!("{}: no checkpoints yet", exp_dir.display())
+            }
+            (None, corrupt) => bail!("{}: no checkpoint verifies ({} corrupt)", exp_dir.display(), corrupt.len()),
+        },
+    }
+}
+
+/// Checkpoint `step-N` of an experiment opened for use (with the optimizer state when asked).
+pub fn open_step(exp_dir: &Path, n: u64, with_optimizer: bool) -> Result<Opened> {
     let have = || {
         let have: Vec<String> = list(exp_dir).iter().map(|c| c.step.to_string()).collect();
         if have.is_empty() {
@@ -375,30 +389,19 @@ pub fn find(exp_dir: &Path, step: Option<u64>) -> Result<Opened> {
             have.join(", ")
         }
     };
-    match step {
-        Some(n) => {
-            let c = Checkpoint { step: n, dir: root(exp_dir).join(format!("step-{n}")) };
-            if !c.dir.is_dir() {
-                bail!("{}: no checkpoint step-{n} (have: {})", exp_dir.display(), have());
-            }
-            match open(&c, false) {
-                Ok(o) => Ok(o),
-                Err(OpenError::Gone) => bail!(
-                    "{}: checkpoint step-{n} was removed while it was opened (a training run prunes its old \
-                     checkpoints; have: {})",
-                    exp_dir.display(),
-                    have()
-                ),
-                Err(OpenError::Bad(e)) => Err(e.context(format!("checkpoint step-{n} is not usable"))),
-            }
-        }
-        None => match newest_usable(exp_dir, false) {
-            (Some(o), _) => Ok(o),
-            (None, corrupt) if corrupt.is_empty() && list(exp_dir).is_empty() => {
-                bail!("{}: no checkpoints yet", exp_dir.display())
-            }
-            (None, corrupt) => bail!("{}: no checkpoint verifies ({} corrupt)", exp_dir.display(), corrupt.len()),
-        },
+    let c = Checkpoint { step: n, dir: root(exp_dir).join(format!("step-{n}")) };
+    if !c.dir.is_dir() {
+        bail!("{}: no checkpoint step-{n} (have: {})", exp_dir.display(), have());
+    }
+    match open(&c, with_optimizer) {
+        Ok(o) => Ok(o),
+        Err(OpenError::Gone) => bail!(
+            "{}: checkpoint step-{n} was removed while it was opened (a training run prunes its old \
+             checkpoints; have: {})",
+            exp_dir.display(),
+            have()
+        ),
+        Err(OpenError::Bad(e)) => Err(e.context(format!("checkpoint step-{n} is not usable"))),
     }
 }
 

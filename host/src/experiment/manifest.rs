@@ -55,6 +55,28 @@ pub struct Manifest {
     pub ab: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub arm: Option<String>,
+    /// The run this one was forked from (`fork`): absent for a run started from a config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentRecord>,
+}
+
+/// Where a fork started: the parent experiment, the checkpoint's step and its weights' SHA-256,
+/// and what the fork did with the optimizer state and the schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParentRecord {
+    pub path: String,
+    pub step: u64,
+    /// SHA-256 of the checkpoint's `model.safetensors`.
+    pub checkpoint_sha256: String,
+    /// The parent's optimizer plugin and the fork's.
+    pub optimizer_then: String,
+    pub optimizer_now: String,
+    /// `keep` (the parent's state loaded) or `fresh` (a new state).
+    pub optimizer_state: String,
+    /// `continue` or `restart`.
+    pub schedule: String,
+    /// Steps of re-warm-up after the fork.
+    pub rewarm: u64,
 }
 
 /// An input: the config field naming it, where it resolved to, its SHA-256 (a folder: of its

@@ -59,6 +59,17 @@ impl Experiment {
     /// its config and manifest (a run killed while starting leaves only a `.NAME.tmp-PID`
     /// folder, removed by the next start).
     pub fn create(dir: &Path, config_toml: &str, manifest: &impl Serialize) -> Result<Self> {
+        Self::create_with(dir, config_toml, manifest, |_| Ok(()))
+    }
+
+    /// [`create`](Self::create), with `fill` writing more into the folder (under its temporary
+    /// name) before it appears: a fork's first checkpoint is there from the start.
+    pub fn create_with(
+        dir: &Path,
+        config_toml: &str,
+        manifest: &impl Serialize,
+        fill: impl FnOnce(&Path) -> Result<()>,
+    ) -> Result<Self> {
         if dir.exists() && fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?.next().is_some() {
             anyhow::bail!(
                 "experiment directory {} already exists and is not empty (resume it with `train --resume {}`)",
@@ -81,6 +92,7 @@ impl Experiment {
         write_synced(&tmp.join(CONFIG), config_toml.as_bytes())?;
         write_json(&tmp.join(manifest::MANIFEST), manifest)?;
         write_synced(&tmp.join(metrics::METRICS), b"")?;
+        fill(&tmp)?;
         if dir.exists() {
             fs::remove_dir(dir).with_context(|| format!("{}: not empty any more", dir.display()))?;
             // empty, checked above

@@ -4,6 +4,7 @@
 //! the loss, the learning-rate schedule.
 
 pub mod anchors;
+pub mod fork;
 pub mod loss;
 pub mod schedule;
 pub mod start;

@@ -28,7 +28,7 @@ pub fn check_stop_at(stop_at: Option<u64>, at: u64) -> Result<()> {
 }
 
 /// This process is a data-parallel rank other than 0 (which owns the experiment folder).
-fn follower_rank() -> Result<bool> {
+pub(super) fn follower_rank() -> Result<bool> {
     Ok(crate::dist::DistEnv::from_env()?.is_some_and(|e| e.rank > 0))
 }
 
@@ -82,6 +82,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         changes: Vec::new(),
         ab: ab.map(|(name, _)| name.to_string()),
         arm: ab.map(|(_, arm)| arm.to_string()),
+        parent: None,
     };
     let mut exp = if follower_rank()? {
         Experiment::detached(exp_dir)
@@ -93,14 +94,18 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     train::train(cfg, components, &mut exp, &cache, train::TrainOptions { resume: None, stop_at, comm })
 }
 
-fn same_file(a: &Path, b: &Path) -> bool {
+pub(super) fn same_file(a: &Path, b: &Path) -> bool {
     a == b || a.canonicalize().ok().is_some_and(|a| b.canonicalize().is_ok_and(|b| a == b))
 }
 
 /// The data-parallel communicator when a launcher started several ranks (RANK, WORLD_SIZE, ...):
 /// c10d on the drafter's device (Gloo on the CPU, NCCL on a GPU), after the ranks checked that
 /// they run the same build with the same config.
-fn connect(cfg: &RunConfig, records: &[PluginRecord], exp_dir: &Path) -> Result<Option<Box<dyn dist::Communicator>>> {
+pub(super) fn connect(
+    cfg: &RunConfig,
+    records: &[PluginRecord],
+    exp_dir: &Path,
+) -> Result<Option<Box<dyn dist::Communicator>>> {
     let Some(env) = dist::DistEnv::from_env()? else { return Ok(None) };
     let device = config::parse_device(cfg.drafter_device())?;
     let identity = identity(cfg, records, exp_dir)?;
@@ -264,6 +269,11 @@ pub fn resume_with(
         Some(c) => Some(
             serde_json::from_value(c.trainer_state.clone())
                 .with_context(|| format!("{}: not valid", c.dir.join("trainer_state.json").display()))?,
+        ),
+        None if manifest.parent.is_some() => bail!(
+            "cannot resume {}: a fork starts from its first checkpoint, and none of its checkpoints is usable; fork \
+             its parent again",
+            exp_dir.display()
         ),
         None => {
             tracing::warn!("{}: no usable checkpoint; starting from step 0", exp_dir.display());

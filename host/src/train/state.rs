@@ -97,6 +97,10 @@ pub struct TrainerState {
     pub window: WindowSums,
     #[serde(default)]
     pub elapsed_s: f64,
+    /// A fork's schedule from the step it was forked at (absent for a run that is no fork, or a
+    /// fork that continues its parent's schedule unchanged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork: Option<crate::train::schedule::ForkSchedule>,
 }
 
 /// Skips steps whose loss or gradient is not finite, and stops the run after `max` in a row

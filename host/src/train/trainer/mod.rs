@@ -5,7 +5,7 @@
 use super::{
     anchors::AnchorSampler,
     loss::{resolve_gamma, tau_hat},
-    schedule::lr_scale,
+    schedule::lr_factor,
     state::{
         all_finite, DistillSummary, NonFiniteGuard, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState,
         WindowSums, WindowTimes,
@@ -130,6 +130,7 @@ pub fn train(
         seed: cfg.seed,
         window: WindowSums::new(block_size),
         elapsed_s: 0.0,
+        fork: None,
     };
     let mut last_ckpt = None;
     if let Some(r) = opts.resume {
@@ -137,10 +138,13 @@ pub fn train(
             .load_weights(r.weights.into())
             .into_result()
             .map_err(names.err(PluginKind::Drafter, "load_weights"))?;
-        c.optimizer
-            .load_state(r.optimizer_state.into())
-            .into_result()
-            .map_err(names.err(PluginKind::Optimizer, "load_state"))?;
+        // No saved state: a fork that starts its optimizer afresh.
+        if !r.optimizer_state.is_empty() {
+            c.optimizer
+                .load_state(r.optimizer_state.into())
+                .into_result()
+                .map_err(names.err(PluginKind::Optimizer, "load_state"))?;
+        }
         if capture.is_none() {
             let pos = DataPosition { epoch: r.state.data_epoch, index: r.state.data_index };
             c.data.seek(pos).into_result().map_err(names.err(PluginKind::DataLoader, "seek"))?;
@@ -513,7 +517,7 @@ impl<'a> Trainer<'a> {
         if apply {
             // The window's loss is the mean of its steps' losses (each step weighs its micro-batches).
             state.window.loss_sum += step_loss * micro as f64;
-            let scale = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac);
+            let scale = lr_factor(step, t.steps, t.warmup_frac, t.min_lr_frac, state.fork.as_ref());
             self.optimizer.step(scale).into_result().map_err(self.names.err(PluginKind::Optimizer, "step"))?;
         } else {
             state.skipped_steps += 1;
@@ -522,7 +526,8 @@ impl<'a> Trainer<'a> {
         state.nonfinite_in_a_row = self.guard.consecutive;
         if let Some(tb) = self.tb.as_mut().filter(|_| t.tensorboard_every > 0 && step % t.tensorboard_every == 0) {
             // The step's own values (a metrics line averages its window); already on the host.
-            let lr = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac) * self.optimizer.base_lr();
+            let lr =
+                lr_factor(step, t.steps, t.warmup_frac, t.min_lr_frac, state.fork.as_ref()) * self.optimizer.base_lr();
             let values = [("train_step/loss", step_loss), ("train_step/lr", lr), ("train_step/grad_norm", grad_norm)];
             tb.add_scalars(step as i64, &values.map(|(k, v)| (k.to_string(), v)))?;
             tb.flush()?;

@@ -24,7 +24,7 @@ impl Trainer<'_> {
         let steps_w = w.steps.max(1) as f64;
         let (hs_bytes, hs_peak_bytes) = feed.bytes();
         let gpu = self.gpus.sample();
-        let scale = lr_scale(step, t.steps, t.warmup_frac, t.min_lr_frac);
+        let scale = lr_factor(step, t.steps, t.warmup_frac, t.min_lr_frac, self.state.fork.as_ref());
         let m = StepMetrics {
             step,
             epoch: self.state.data_epoch,

@@ -1,0 +1,311 @@
+//! `report`: what bounds a run, from its metrics.jsonl. Each line gives a logging window's
+//! seconds per step in each stage: the targets' work summed over their workers (`target_s`),
+//! the drafter's forward + loss + backward (`drafter_s`), the optimizer (`optim_s`) and the
+//! drafter waiting for features (`wait_s`). The targets run in parallel workers beside the
+//! drafter's thread, so a step takes at least the slower of target_s / workers and
+//! drafter_s + optim_s; the report models a faster drafter step or optimizer on that.
+
+use crate::experiment::{self, metrics::METRICS};
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use std::path::Path;
+
+/// The stage timings of a run, averaged over its logging windows (each weighed by its steps;
+/// the first window, which holds the start-up, is left out when there are others).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Report {
+    pub steps_done: u64,
+    pub steps_total: u64,
+    pub grad_accum: u64,
+    pub target_workers: usize,
+    /// Seconds per step: target work (all workers), drafter, optimizer, drafter waiting.
+    pub target_s: f64,
+    pub drafter_s: f64,
+    pub optim_s: f64,
+    pub wait_s: f64,
+    /// Micro-batches per second one target worker computes, and the drafter stage consumes.
+    pub target_batches_per_s_per_worker: f64,
+    pub drafter_batches_per_s: f64,
+    /// The optimizer's share of the drafter stage's step.
+    pub optimizer_share: f64,
+    /// `target` or `drafter` (its forward, backward and optimizer), and the slower stage's time
+    /// over the faster's.
+    pub bound_by: String,
+    pub bound_ratio: f64,
+    /// The hidden-state queue: mean batches waiting, the most seen at a window's end, and the
+    /// share of windows where it was mostly empty (mean < 0.5: the drafter waited on targets).
+    pub q_hs_mean: f64,
+    pub q_hs_max: usize,
+    pub q_hs_empty_share: f64,
+    /// Measured seconds per step (the drafter's thread: work + waiting).
+    pub step_s: f64,
+    /// The ETA to `steps_total` at the measured step time.
+    pub eta_s: f64,
+    pub what_if: Vec<WhatIf>,
+}
+
+/// A k-times faster drafter step or optimizer: the modelled step time and the wall time left.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct WhatIf {
+    pub what: String,
+    pub k: f64,
+    pub step_s: f64,
+    pub eta_s: f64,
+    /// The share of wall time it saves (0: none, the other stage bounds the run).
+    pub saves: f64,
+}
+
+/// The what-ifs a report lists.
+const SPEEDUPS: [f64; 2] = [2.0, 4.0];
+
+/// Read `exp`'s config.toml (steps, grad_accum) and metrics.jsonl, and report.
+pub fn report(exp: &Path) -> Result<Report> {
+    let cfg_path = exp.join(experiment::CONFIG);
+    let text = input_files::read_to_string_capped(&cfg_path, 16 << 20)?;
+    let cfg: toml::Table = toml::from_str(&text).with_context(|| format!("{}: not valid TOML", cfg_path.display()))?;
+    let train = cfg.get("train").and_then(|t| t.as_table());
+    let int = |key: &str| train.and_then(|t| t.get(key)).and_then(|v| v.as_integer()).map(|v| v as u64);
+    let steps = int("steps").with_context(|| format!("{}: no train.steps", cfg_path.display()))?;
+    let grad_accum = int("grad_accum").unwrap_or(1);
+    let path = exp.join(METRICS);
+    let text = input_files::read_to_string_capped(&path, 1 << 30)?;
+    from_metrics(&text, &path.display().to_string(), steps, grad_accum)
+}
+
+/// One window of metrics.jsonl, as far as the report needs it.
+struct Window {
+    step: u64,
+    target_s: f64,
+    drafter_s: f64,
+    optim_s: f64,
+    wait_s: f64,
+    workers: usize,
+    q_hs: f64,
+    q_hs_now: usize,
+}
+
+fn parse(text: &str, file: &str) -> Result<Vec<Window>> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{file}:{}: not a JSON line", i + 1))?;
+        let Some(target_s) = v.get("target_s").and_then(|x| x.as_f64()) else { continue }; // not a step line
+        let num =
+            |k: &str| v.get(k).and_then(|x| x.as_f64()).with_context(|| format!("{file}:{}: no number `{k}`", i + 1));
+        out.push(Window {
+            step: v.get("step").and_then(|x| x.as_u64()).with_context(|| format!("{file}:{}: no `step`", i + 1))?,
+            target_s,
+            drafter_s: num("drafter_s")?,
+            optim_s: num("optim_s")?,
+            wait_s: num("wait_s")?,
+            workers: v.get("target_busy").and_then(|x| x.as_array()).map_or(1, |a| a.len().max(1)),
+            q_hs: num("q_hs")?,
+            q_hs_now: v.get("q_hs_now").and_then(|x| x.as_u64()).unwrap_or(0) as usize,
+        });
+    }
+    Ok(out)
+}
+
+/// The report from metrics.jsonl's text (`file` names it in errors).
+pub fn from_metrics(text: &str, file: &str, steps_total: u64, grad_accum: u64) -> Result<Report> {
+    let windows = parse(text, file)?;
+    if windows.is_empty() {
+        bail!("{file}: no step lines yet (the first comes after train.log_every steps)");
+    }
+    // Each window's length in steps; the first (start-up) only when it is the only one.
+    let mut weighted: Vec<(f64, &Window)> = Vec::new();
+    let mut prev = 0;
+    for (i, w) in windows.iter().enumerate() {
+        let len = w.step.saturating_sub(prev).max(1) as f64;
+        prev = w.step;
+        if i > 0 || windows.len() == 1 {
+            weighted.push((len, w));
+        }
+    }
+    let total: f64 = weighted.iter().map(|(n, _)| n).sum();
+    let mean = |f: &dyn Fn(&Window) -> f64| weighted.iter().map(|(n, w)| n * f(w)).sum::<f64>() / total;
+    let (target_s, drafter_s, optim_s, wait_s) =
+        (mean(&|w| w.target_s), mean(&|w| w.drafter_s), mean(&|w| w.optim_s), mean(&|w| w.wait_s));
+    let workers = windows.last().map_or(1, |w| w.workers);
+    let target_stage = target_s / workers as f64;
+    let drafter_stage = drafter_s + optim_s;
+    let (bound_by, bound_ratio) = if target_stage >= drafter_stage {
+        ("target", target_stage / drafter_stage.max(1e-12))
+    } else {
+        ("drafter", drafter_stage / target_stage.max(1e-12))
+    };
+    let step_s = drafter_s + optim_s + wait_s;
+    let steps_done = windows.last().map_or(0, |w| w.step);
+    let left = steps_total.saturating_sub(steps_done) as f64;
+    let modelled_now = target_stage.max(drafter_stage);
+    // A modelled step time scales the measured one: what the model says changes, nothing else.
+    let what_if = |what: &str, k: f64, drafter: f64| {
+        let modelled = target_stage.max(drafter);
+        let saves = if modelled_now > 0.0 { 1.0 - modelled / modelled_now } else { 0.0 };
+        let step = step_s * (1.0 - saves);
+        WhatIf { what: what.into(), k, step_s: step, eta_s: left * step, saves }
+    };
+    let mut what_ifs = Vec::new();
+    for k in SPEEDUPS {
+        what_ifs.push(what_if("drafter step", k, drafter_s / k + optim_s));
+    }
+    for k in SPEEDUPS {
+        what_ifs.push(what_if("optimizer", k, drafter_s + optim_s / k));
+    }
+    let per_s = |secs: f64, batches: f64| if secs > 0.0 { batches / secs } else { f64::INFINITY };
+    Ok(Report {
+        steps_done,
+        steps_total,
+        grad_accum,
+        target_workers: workers,
+        target_s,
+        drafter_s,
+        optim_s,
+        wait_s,
+        // Each worker computes grad_accum / workers micro-batches a step in target_s / workers.
+        target_batches_per_s_per_worker: per_s(target_s, grad_accum as f64),
+        drafter_batches_per_s: per_s(drafter_stage, grad_accum as f64),
+        optimizer_share: if drafter_stage > 0.0 { optim_s / drafter_stage } else { 0.0 },
+        bound_by: bound_by.into(),
+        bound_ratio,
+        q_hs_mean: mean(&|w| w.q_hs),
+        q_hs_max: windows.iter().map(|w| w.q_hs_now).max().unwrap_or(0),
+        q_hs_empty_share: weighted.iter().filter(|(_, w)| w.q_hs < 0.5).fold(0.0, |a, (n, _)| a + n) / total,
+        step_s,
+        eta_s: left * step_s,
+        what_if: what_ifs,
+    })
+}
+
+/// The report as the lines `dflash-host report` prints.
+pub fn lines(r: &Report) -> Vec<String> {
+    let mut out = vec![
+        format!("steps          {} of {} (grad_accum {})", r.steps_done, r.steps_total, r.grad_accum),
+        format!(
+            "target         {:.3} batches/s per worker ({} worker{}; {:.3} s of target work a step)",
+            r.target_batches_per_s_per_worker,
+            r.target_workers,
+            if r.target_workers == 1 { "" } else { "s" },
+            r.target_s
+        ),
+        format!(
+            "drafter        {:.3} batches/s ({:.3} s forward + backward, {:.3} s optimizer a step: optimizer {:.0}%)",
+            r.drafter_batches_per_s,
+            r.drafter_s,
+            r.optim_s,
+            100.0 * r.optimizer_share
+        ),
+        format!(
+            "bound by       the {} stage, {:.2}x the other{}",
+            r.bound_by,
+            r.bound_ratio,
+            if r.bound_by == "target" { " (more target workers would help)" } else { "" }
+        ),
+        format!(
+            "queue q_hs     {:.2} batches waiting on average, {} at most; nearly empty in {:.0}% of the steps; drafter waited {:.3} s a step",
+            r.q_hs_mean,
+            r.q_hs_max,
+            100.0 * r.q_hs_empty_share,
+            r.wait_s
+        ),
+        format!("step           {:.3} s measured; ETA {} to step {}", r.step_s, duration(r.eta_s), r.steps_total),
+    ];
+    for w in &r.what_if {
+        out.push(format!(
+            "what if        {}x faster {}: {:.3} s a step, ETA {} ({:.0}% less)",
+            w.k,
+            w.what,
+            w.step_s,
+            duration(w.eta_s),
+            100.0 * w.saves
+        ));
+    }
+    out
+}
+
+fn duration(s: f64) -> String {
+    let s = s.max(0.0).round() as u64;
+    match s {
+        0..=59 => format!("{s} s"),
+        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(step: u64, target_s: f64, workers: usize, drafter_s: f64, optim_s: f64, wait_s: f64, q: f64) -> String {
+        let busy = vec![0.5; workers];
+        serde_json::json!({
+            "step": step, "loss": 1.0, "target_s": target_s, "drafter_s": drafter_s, "optim_s": optim_s,
+            "wait_s": wait_s, "target_busy": busy, "q_hs": q, "q_hs_now": (q as usize) + 1,
+        })
+        .to_string()
+    }
+
+    #[test]
+    fn a_target_bound_run_gains_nothing_from_a_faster_drafter() {
+        // Two workers, 4 s of target work a step: 2 s a step of target stage; the drafter 1.5 s.
+        let mut text = line(10, 9.0, 2, 5.0, 5.0, 5.0, 3.0) + "\n"; // start-up window, left out
+        for s in [20, 30, 40] {
+            text += &(line(s, 4.0, 2, 1.0, 0.5, 0.5, 0.2) + "\n");
+        }
+        text += r#"{"step": 40, "val_loss": 1.2}"#;
+        let r = from_metrics(&text, "m.jsonl", 100, 4).unwrap();
+        assert_eq!(r.bound_by, "target");
+        assert!((r.bound_ratio - 2.0 / 1.5).abs() < 1e-9, "{}", r.bound_ratio);
+        assert_eq!(r.target_workers, 2);
+        assert!((r.target_batches_per_s_per_worker - 1.0).abs() < 1e-9); // 4 batches / 4 s
+        assert!((r.drafter_batches_per_s - 4.0 / 1.5).abs() < 1e-9);
+        assert!((r.optimizer_share - 1.0 / 3.0).abs() < 1e-9);
+        assert!((r.step_s - 2.0).abs() < 1e-9);
+        assert!((r.eta_s - 60.0 * 2.0).abs() < 1e-6);
+        assert_eq!(r.q_hs_empty_share, 1.0);
+        for w in &r.what_if {
+            assert_eq!(w.saves, 0.0, "{w:?}");
+            assert!((w.eta_s - 120.0).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn a_drafter_bound_run_gains_what_the_slower_stage_loses() {
+        // One worker, 1 s of target work; the drafter 2 s + 1 s optimizer.
+        let text: String = [10, 20].map(|s| line(s, 1.0, 1, 2.0, 1.0, 0.0, 6.0) + "\n").concat();
+        let r = from_metrics(&text, "m.jsonl", 20, 1).unwrap();
+        assert_eq!(r.bound_by, "drafter");
+        assert!((r.bound_ratio - 3.0).abs() < 1e-9);
+        assert!(r.q_hs_empty_share == 0.0 && r.q_hs_empty_share.is_sign_positive()); // printed "0%", not "-0%"
+        assert_eq!(r.eta_s, 0.0);
+        let find = |what: &str, k: f64| r.what_if.iter().find(|w| w.what == what && w.k == k).unwrap().clone();
+        // 2x drafter step: 1 + 1 = 2 s (a third less); 4x: 0.5 + 1 = 1.5 s.
+        assert!((find("drafter step", 2.0).step_s - 2.0).abs() < 1e-9);
+        assert!((find("drafter step", 4.0).step_s - 1.5).abs() < 1e-9);
+        // 2x optimizer: 2 + 0.5 = 2.5 s; 4x: 2.25 s.
+        assert!((find("optimizer", 2.0).step_s - 2.5).abs() < 1e-9);
+        assert!((find("optimizer", 4.0).saves - 0.25).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_drafter_step_faster_than_the_target_is_bound_by_the_target() {
+        // 4x faster drafter: 0.5 + 1 = 1.5 s, but the target stage takes 1.8 s.
+        let text: String = [10, 20].map(|s| line(s, 1.8, 1, 2.0, 1.0, 0.0, 6.0) + "\n").concat();
+        let r = from_metrics(&text, "m.jsonl", 120, 1).unwrap();
+        let w = r.what_if.iter().find(|w| w.what == "drafter step" && w.k == 4.0).unwrap();
+        assert!((w.step_s - 1.8).abs() < 1e-9, "{w:?}");
+        assert!((w.eta_s - 100.0 * 1.8).abs() < 1e-6);
+    }
+
+    #[test]
+    fn errors_name_the_file_and_line() {
+        let e = from_metrics("{\"step\": 1, \"target_s\": 1.0}\n", "m.jsonl", 10, 1).unwrap_err();
+        assert!(format!("{e:#}").contains("m.jsonl:1: no number `drafter_s`"), "{e:#}");
+        let e = from_metrics("not json\n", "m.jsonl", 10, 1).unwrap_err();
+        assert!(format!("{e:#}").contains("m.jsonl:1"), "{e:#}");
+        assert!(from_metrics("", "m.jsonl", 10, 1).is_err());
+    }
+}

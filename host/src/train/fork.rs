@@ -1,0 +1,229 @@
+//! `fork`: a new experiment that starts from another one's checkpoint under a changed config.
+//! The parent is only read (it may still be training; its lock is not taken): its checkpoint is
+//! opened once, checked against its checksums, and copied into the fork as the fork's own first
+//! checkpoint, so the fork is a normal experiment from then on (resume, locks, refused changes).
+//! Its manifest records the parent, the step and the weights' SHA-256; its steps continue the
+//! parent's count.
+
+use super::start::{check_stop_at, connect, follower_rank, same_file};
+use crate::{
+    config::{self, RunConfig},
+    environment::{cache_dir, git_revision},
+    experiment::{
+        self, checkpoint,
+        manifest::{self, ParentRecord},
+        Experiment, Manifest,
+    },
+    pipeline::assemble::build,
+    plugins::Registry,
+    train::{self, schedule::ForkSchedule, ResumeFrom, TrainSummary, TrainerState},
+};
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+
+/// What the fork does with the parent's optimizer state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OptimizerStateChoice {
+    /// Load the parent's state (the default when the optimizer plugin stays the same).
+    Keep,
+    /// A new state (the default, and the only choice, when the optimizer plugin changes).
+    Fresh,
+}
+
+/// Where the fork's learning-rate schedule goes on from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ScheduleChoice {
+    /// At the parent's position: the schedule of `train.steps` steps, as the parent has it.
+    #[default]
+    Continue,
+    /// A new warm-up and cosine decay over the steps after the fork.
+    Restart,
+}
+
+impl OptimizerStateChoice {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Keep => "keep",
+            Self::Fresh => "fresh",
+        }
+    }
+}
+
+impl ScheduleChoice {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Continue => "continue",
+            Self::Restart => "restart",
+        }
+    }
+}
+
+pub struct ForkSpec<'a> {
+    pub parent: &'a Path,
+    pub at: u64,
+    /// `--set` / `--device`, applied to the parent's config.
+    pub overrides: Vec<config::Override>,
+    /// Default: `<parent>-fork-<STEP>` beside the parent (`-2`, ... if taken).
+    pub exp_dir: Option<PathBuf>,
+    pub optimizer_state: Option<OptimizerStateChoice>,
+    pub schedule: ScheduleChoice,
+    /// Steps of linear re-warm-up from the fork (default: the run's warm-up length after a fresh
+    /// optimizer state with the schedule continued, else none).
+    pub rewarm: Option<u64>,
+    pub registry: &'a Registry,
+    pub stop_at: Option<u64>,
+}
+
+/// The fork's folder when none is given.
+pub fn default_dir(parent: &Path, at: u64) -> PathBuf {
+    let name = parent.file_name().map_or("experiment".into(), |n| n.to_string_lossy().to_string());
+    let root = parent.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    experiment::fresh_dir(root, &format!("{name}-fork-{at}"))
+}
+
+/// Fork `spec.parent` at `spec.at` and train the fork to its configured steps.
+pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
+    let parent = spec.parent;
+    let at = spec.at;
+    let parent_cfg = parent.join(experiment::CONFIG);
+    if !parent_cfg.is_file() {
+        bail!("{}: not an experiment directory (no config.toml)", parent.display());
+    }
+    if follower_rank()? {
+        bail!("fork runs as one process; resume the fork with `train --resume DIR --nproc N` for more");
+    }
+    let then = Manifest::read(parent)?;
+    let cfg = RunConfig::load_with(&parent_cfg, &spec.overrides)?;
+    if at >= cfg.train.steps {
+        bail!(
+            "cannot fork {} at step {at}: train.steps is {}; give `--set train.steps=N` with N > {at}",
+            parent.display(),
+            cfg.train.steps
+        );
+    }
+    check_stop_at(spec.stop_at, at)?;
+    let exp_dir = spec.exp_dir.clone().unwrap_or_else(|| default_dir(parent, at));
+    config::preflight::check_exp_dir(&exp_dir)?;
+
+    // The checkpoint: every file opened once and checked against its checksum, read from those
+    // handles (a parent still training may prune the folder meanwhile).
+    let ckpt = checkpoint::open_step(parent, at, true)?;
+    let state_path = ckpt.dir.join("trainer_state.json");
+    let mut state: TrainerState = serde_json::from_value(ckpt.trainer_state.clone())
+        .with_context(|| format!("{}: not valid", state_path.display()))?;
+    if state.step != at {
+        bail!("{}: records step {}, the folder is step-{at}", state_path.display(), state.step);
+    }
+
+    // The optimizer state and the schedule.
+    let plugin_of = |kind: &str| then.plugins.iter().find(|p| p.kind == kind).map(|p| p.name.clone());
+    let optimizer_then = plugin_of("optimizer").unwrap_or_default();
+    let optimizer_now = cfg.section("optimizer").plugin;
+    let switched = optimizer_then != optimizer_now;
+    let choice =
+        spec.optimizer_state.unwrap_or(if switched { OptimizerStateChoice::Fresh } else { OptimizerStateChoice::Keep });
+    if switched && choice == OptimizerStateChoice::Keep {
+        bail!(
+            "--optimizer-state keep: the checkpoint holds `{optimizer_then}`'s state and the fork's optimizer is \
+             `{optimizer_now}`; give --optimizer-state fresh"
+        );
+    }
+    let t = &cfg.train;
+    let warmup = (t.warmup_frac * t.steps as f64).round() as u64;
+    let rewarm = spec.rewarm.unwrap_or(match (choice, spec.schedule) {
+        (OptimizerStateChoice::Fresh, ScheduleChoice::Continue) => warmup,
+        _ => 0,
+    });
+    if spec.schedule == ScheduleChoice::Restart || rewarm > 0 {
+        state.fork = Some(ForkSchedule { at, restart: spec.schedule == ScheduleChoice::Restart, rewarm });
+    }
+    let optimizer_state = match choice {
+        OptimizerStateChoice::Keep => ckpt.optimizer_state.clone().expect("opened with the optimizer state"),
+        OptimizerStateChoice::Fresh => Vec::new(),
+    };
+
+    // The plugins under the fork's config, and what only they know.
+    let config_dir = PathBuf::from(&then.config_dir);
+    let cache = cache_dir();
+    let components = build(&cfg, &parent_cfg, &config_dir, spec.registry)?;
+    components.check_poisoned()?;
+    let positions = components.drafter.block_size().saturating_sub(1) as usize;
+    if state.window.positions() != positions {
+        bail!(
+            "cannot fork {} at step {at}: its checkpoint has statistics for {} block positions, the fork's drafter has \
+             {positions} (block_size changed)",
+            parent.display(),
+            state.window.positions()
+        );
+    }
+    let declared = checkpoint::declared_by(&components.drafter.parameters());
+    checkpoint::check_declared(&ckpt.weights_file(), &ckpt.weights, &declared)?;
+
+    let target = components.target.spec();
+    let gamma = train::loss::resolve_gamma(cfg.train.loss_gamma, components.drafter.block_size() as usize);
+    let resolved = toml::to_string(&cfg)?;
+    let target_source = PathBuf::from(target.source.as_str());
+    let known = |p: &Path| same_file(p, &target_source).then(|| target.source_sha256.to_string());
+    let manifest = Manifest {
+        host_version: env!("CARGO_PKG_VERSION").into(),
+        git_revision: git_revision().into(),
+        command_line: std::env::args().collect(),
+        started_at_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs(),
+        seed: cfg.seed,
+        device: cfg.device.clone(),
+        dtype: cfg.dtype().into(),
+        build_id: plugin_api::build_id(),
+        plugins: components.records.clone(),
+        target_source: target.source.to_string(),
+        target_sha256: target.source_sha256.to_string(),
+        target_hub: manifest::target_hub(&cfg, &config_dir, &cache),
+        config_dir: config_dir.display().to_string(),
+        loss_gamma: gamma.map_or_else(|| "none".into(), Into::into),
+        config_sha256: Some(manifest::sha256_hex(resolved.as_bytes())),
+        config_toml: Some(resolved.clone()),
+        inputs: manifest::hash_inputs(&cfg, &config_dir, &cache, &known, &|_| false)?,
+        changes: Vec::new(),
+        ab: None,
+        arm: None,
+        parent: Some(ParentRecord {
+            path: parent.canonicalize().unwrap_or_else(|_| parent.to_path_buf()).display().to_string(),
+            step: at,
+            checkpoint_sha256: ckpt.weights_sha256.clone(),
+            optimizer_then,
+            optimizer_now,
+            optimizer_state: choice.name().into(),
+            schedule: spec.schedule.name().into(),
+            rewarm,
+        }),
+    };
+
+    // The fork's folder, with the checkpoint it starts from as its own first one (written before
+    // the folder appears): killed at any moment, the fork resumes from there at the latest.
+    let first = checkpoint::CheckpointData {
+        weights: &ckpt.weights,
+        drafter_config_json: &ckpt.config_json,
+        optimizer_state: &optimizer_state,
+        trainer_state: &state,
+    };
+    let mut exp = Experiment::create_with(&exp_dir, &resolved, &manifest, |tmp| {
+        checkpoint::write(tmp, at, &first, t.keep_checkpoints).map(|_| ())
+    })?;
+    tracing::info!(
+        "forked {} at step {at} into {} (optimizer {} -> {}, state {}, schedule {}, re-warm {rewarm} steps)",
+        parent.display(),
+        exp_dir.display(),
+        manifest.parent.as_ref().map_or("", |p| p.optimizer_then.as_str()),
+        manifest.parent.as_ref().map_or("", |p| p.optimizer_now.as_str()),
+        choice.name(),
+        spec.schedule.name()
+    );
+    let comm = connect(&cfg, &components.records, &exp_dir)?;
+    let from = ResumeFrom { state, weights: ckpt.weights, optimizer_state, checkpoint: ckpt.dir.display().to_string() };
+    train::train(
+        &cfg,
+        components,
+        &mut exp,
+        &cache,
+        train::TrainOptions { resume: Some(from), stop_at: spec.stop_at, comm },
+    )
+}
