@@ -314,7 +314,7 @@ mod tests {
             ),
             (
                 r#""layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": true, "sliding_window": 0"#,
-                "`sliding_window` 0",
+                "field `sliding_window`: 0",
             ),
             (
                 r#""layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8"#,
