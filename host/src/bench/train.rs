@@ -7,6 +7,7 @@
 //! 4. the pipeline: target forward then drafter step on the same device, each step;
 //! 5. device memory in use after each phase;
 //! 6. with `--trace DIR`, a profiler trace of one drafter step and one target forward.
+//!
 //! Each figure comes with its FLOP count (flops.rs) and MFU; a table, then one JSON line.
 
 use super::{

@@ -309,7 +309,7 @@ mod tests {
         // Cut in the data, in the JSON header, and inside the 8-byte header length.
         for cut in [bytes.len() / 2, 20, 5] {
             fs::write(&model, &bytes[..cut]).unwrap();
-            let err = format!("{:#}", read_safetensors(&model).err().expect("a truncated file read"));
+            let err = format!("{:#}", read_safetensors(&model).expect_err("a truncated file read"));
             assert!(err.contains(&model.display().to_string()), "cut at {cut}: {err}");
             let err = format!("{:#}", crate::export::export(&ckpt, &root.path().join("out"), false).unwrap_err());
             assert!(err.contains(&model.display().to_string()), "export, cut at {cut}: {err}");

@@ -213,7 +213,7 @@ impl Kit<'_> {
                 if !p.grad().defined() {
                     (p * 0.0).sum(Kind::Float).backward(); // creates a (zero) .grad
                 }
-                let _ = p.grad().copy_(&(Tensor::randn(p.size(), CPU) * scale));
+                p.grad().copy_(&(Tensor::randn(p.size(), CPU) * scale));
             }
         };
         let named = |ps: &[(String, Tensor)]| -> plugin_api::abi_stable::std_types::RVec<NamedTensor> {
@@ -369,7 +369,7 @@ impl Kit<'_> {
                     if mask.iter().any(|&m| m != 0 && m != 1) {
                         bail!("sequence {row}: the loss mask holds values other than 0 and 1");
                     }
-                    if mask[len..].iter().any(|&m| m == 1) {
+                    if mask[len..].contains(&1) {
                         bail!("sequence {row}: padding (positions {len}..) is in the loss mask");
                     }
                     if mask[0] == 1 {
@@ -413,7 +413,7 @@ impl Kit<'_> {
         };
         let forward = |d: &mut DrafterBox| -> Result<Tensor> {
             let x = input(d);
-            let _ = ok(d.anchors_on_host(&x.anchors), "anchors_on_host")?;
+            ok(d.anchors_on_host(&x.anchors), "anchors_on_host")?;
             Ok(ok(d.forward(&x), "forward")?.into_tensor())
         };
         let mut out = Vec::new();
