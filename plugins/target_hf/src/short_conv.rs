@@ -74,7 +74,7 @@ impl ShortConv {
         };
         let mut conv = depthwise_conv(&Tensor::cat(&[&history, &input], 1), &self.conv);
         if let Some(bias) = &self.conv_bias {
-            conv += bias;
+            conv = conv + bias;
         }
         let out = (gate_out * conv).linear(&self.out_proj, self.out_bias.as_ref());
         // 3. The cache: the last K-1 inputs (and the undo record).
