@@ -27,7 +27,7 @@ use crate::{
 use anyhow::{anyhow, bail, Context, Result};
 use kernels::profiler;
 use plugin_api::{
-    abi_stable::std_types::{RNone, RSome},
+    abi_stable::std_types::RSome,
     tch::{self, Device, Kind, Tensor},
     DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind, TargetSpec, TensorHandle,
 };
@@ -249,14 +249,8 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
         bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
     }
     let config_dir = config_path.parent().unwrap_or(Path::new("."));
-    let mut ctx = HostContext {
-        device: cfg.device.clone().into(),
-        dtype: dtype.clone().into(),
-        seed: cfg.seed,
-        config_dir: config_dir.display().to_string().into(),
-        cache_dir: crate::environment::cache_dir().display().to_string().into(),
-        target: RNone,
-    };
+    let mut ctx =
+        crate::plugins::host_context(&cfg.device, &dtype, cfg.seed, config_dir, &crate::environment::cache_dir());
     let (device, kind) = (ctx.tch_device().map_err(|e| anyhow!("{e}"))?, ctx.tch_kind().map_err(|e| anyhow!("{e}"))?);
     tch::manual_seed(cfg.seed as i64);
 
@@ -469,14 +463,7 @@ mod tests {
         {
             let path = dir.join(name);
             let cfg: BenchConfig = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-            let ctx = HostContext {
-                device: "cpu".into(),
-                dtype: "f32".into(),
-                seed: 0,
-                config_dir: dir.display().to_string().into(),
-                cache_dir: "/nonexistent".into(),
-                target: RNone,
-            };
+            let ctx = crate::plugins::host_context("cpu", "f32", 0, &dir, Path::new("/nonexistent"));
             let t = hf_config(&cfg.target, &ctx).unwrap_or_else(|| panic!("{name}: target config"));
             assert_eq!(t.num_hidden_layers, layers, "{name}");
             let spec = t.target_spec().unwrap();

@@ -10,7 +10,7 @@ use super::{Instance, PluginRecord, Poison, Registry};
 use crate::config::{PluginSection, RunConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
-    abi_stable::std_types::{RNone, RSome},
+    abi_stable::std_types::RSome,
     tch::{self, Device, Kind, Tensor},
     DataLoaderBox, DataPosition, DraftInput, DrafterBox, HostContext, NamedTensor, OptimizerBox, PluginInstance,
     PluginKind, TargetBox, TensorHandle,
@@ -59,14 +59,7 @@ pub fn run(plugin_args: &[PathBuf], args: CheckArgs) -> Result<ExitCode> {
     } else if let Some(s) = &args.section {
         section.config_toml = s.clone();
     }
-    let ctx = HostContext {
-        device: "cpu".into(),
-        dtype: "f32".into(),
-        seed: cfg.seed,
-        config_dir: config_dir.display().to_string().into(),
-        cache_dir: crate::environment::cache_dir().display().to_string().into(),
-        target: RNone,
-    };
+    let ctx = super::host_context("cpu", "f32", cfg.seed, &config_dir, &crate::environment::cache_dir());
     crate::say!("checking {} plugin `{}` ({})", record.kind, record.name, record.origin);
     let kit = Kit { registry: &registry, section, ctx, cfg, made: RefCell::new(Vec::new()) };
     let clauses = match kind {
