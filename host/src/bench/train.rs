@@ -269,32 +269,23 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     let PluginInstance::Optimizer(mut optimizer) = create(PluginKind::Optimizer, &cfg.optimizer, &ctx)? else {
         bail!("[optimizer] made no optimizer")
     };
-    let named = drafter.parameters();
-    let params: Vec<Tensor> = named.iter().map(|nt| nt.tensor.tensor()).collect();
+    let (named, params) = step::trainable_parameters(&drafter);
     let n_params: f64 = params.iter().map(|p| p.numel() as f64).sum();
     optimizer.init(named).into_result().map_err(|e| anyhow!("optimizer init: {e}"))?;
     let layer_ids: Vec<u32> = drafter.target_layer_ids().into_vec();
     let block_size = drafter.block_size() as i64;
     let layout = drafter_layout(&drafter, &spec);
     let drafter_name = cfg.drafter.get("plugin").and_then(|v| v.as_str()).unwrap_or("?").to_string();
-    let drafter_mask_token_id = drafter.mask_token_id() as i64;
-    let mut step = DrafterStep {
-        drafter,
-        optimizer,
-        params,
-        draft: DraftLoss {
-            embedding: target.embedding().into_tensor(),
-            lm_head: target.lm_head().into_tensor(),
-            sampler: AnchorSampler { per_seq: sh.anchors_per_seq, seed: cfg.seed, rule: AnchorRule::Response },
-            block_size,
-            mask_token_id: drafter_mask_token_id,
-            gamma: Some(default_gamma(block_size as usize)),
-            // One micro-batch a step: its mean is the step's loss (the loss checks read it).
-            normalization: LossNormalization::PerMicroBatch,
-        },
-        grad_clip: sh.grad_clip,
-        draws: 0,
-    };
+    let draft = DraftLoss::for_drafter(
+        &drafter,
+        &target,
+        device,
+        AnchorSampler { per_seq: sh.anchors_per_seq, seed: cfg.seed, rule: AnchorRule::Response },
+        Some(default_gamma(block_size as usize)),
+        // One micro-batch a step: its mean is the step's loss (the loss checks read it).
+        LossNormalization::PerMicroBatch,
+    );
+    let mut step = DrafterStep { drafter, optimizer, params, draft, grad_clip: sh.grad_clip, draws: 0 };
     sync(device);
     let built_mem_gib = mem(device);
     let fused_loss_error = fused_loss_error(&step.draft, &spec, sh, device, kind)?;

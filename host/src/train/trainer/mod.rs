@@ -10,7 +10,7 @@ use super::{
         all_finite, DistillSummary, NonFiniteGuard, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState,
         WindowSums, WindowTimes,
     },
-    step::{clip_grad_norm, normalize_gradients, DraftLoss, StepSums},
+    step::{clip_grad_norm, normalize_gradients, trainable_parameters, DraftLoss, StepSums},
     validation::{ValidationScores, ValidationSet},
 };
 use crate::{
@@ -76,11 +76,16 @@ pub fn train(
     if let Some(cap) = &capture {
         cap.check_layers(&layer_ids)?;
     }
-    let block_size = c.drafter.block_size() as i64;
-    let mask_token_id = c.drafter.mask_token_id() as i64;
-    let gamma = resolve_gamma(t.loss_gamma, block_size as usize);
-    let named = c.drafter.parameters();
-    let params: Vec<Tensor> = named.iter().map(|nt| nt.tensor.tensor()).collect();
+    let draft = DraftLoss::for_drafter(
+        &c.drafter,
+        &c.target,
+        drafter_device,
+        AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed, rule: t.anchors },
+        resolve_gamma(t.loss_gamma, c.drafter.block_size() as usize),
+        t.loss_normalization,
+    );
+    let (block_size, mask_token_id, gamma) = (draft.block_size, draft.mask_token_id, draft.gamma);
+    let (named, params) = trainable_parameters(&c.drafter);
     let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
     tracing::info!(
         "drafter: {:.1}M trainable parameters, block {block_size}, target layers {layer_ids:?}, mask token {mask_token_id}, gamma {}, \
@@ -99,15 +104,6 @@ pub fn train(
             .map_err(names.err(PluginKind::Optimizer, "set_collectives"))?;
     }
     c.optimizer.init(named).into_result().map_err(names.err(PluginKind::Optimizer, "init"))?;
-    let draft = DraftLoss {
-        lm_head: c.target.lm_head().into_tensor().to_device(drafter_device),
-        embedding: c.target.embedding().into_tensor().to_device(drafter_device),
-        sampler: AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed, rule: t.anchors },
-        block_size,
-        mask_token_id,
-        gamma,
-        normalization: t.loss_normalization,
-    };
     // The validation split's target features, once, before the target moves to its worker.
     // Every rank scores it alike (same weights, same batches); rank 0 writes the scores.
     let validation = match t.eval_every {
