@@ -37,6 +37,8 @@ use plugin_api::{
 };
 use std::{path::Path, sync::Arc, time::Instant};
 
+// When a checkpoint is written.
+mod checkpoints;
 // The phases that write to the experiment: log, maybe_checkpoint, finish.
 mod outputs;
 

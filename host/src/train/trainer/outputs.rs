@@ -1,7 +1,10 @@
 //! The trainer's phases that leave the process: a metrics line (metrics.jsonl, TensorBoard, the
 //! log), a checkpoint when one is due, and the run's summary.
 
-use super::*;
+use super::{
+    checkpoints::{Checkpoint, CheckpointPolicy},
+    *,
+};
 
 impl Trainer<'_> {
     /// A metrics line over the window since the last one (metrics.jsonl, TensorBoard, the log),
@@ -89,21 +92,14 @@ impl Trainer<'_> {
         Ok(())
     }
 
-    /// A checkpoint when one is due (every `checkpoint_every` steps, the last step, a stop), on
-    /// the lead rank, and never of non-finite weights.
+    /// A checkpoint when [`CheckpointPolicy`] says so, written by the lead rank.
     pub(super) fn maybe_checkpoint(&mut self, step: u64) -> Result<()> {
         let t = &self.cfg.train;
-        let due = (t.checkpoint_every > 0 && step % t.checkpoint_every == 0)
-            || step == t.steps
-            || self.interrupted.is_some()
-            || self.stopped_at.is_some();
-        if !due {
-            return Ok(());
-        }
-        if !all_finite(&self.params) {
-            // Never let a diverged state replace a good checkpoint.
+        let stopping = self.interrupted.is_some() || self.stopped_at.is_some();
+        let decision = CheckpointPolicy::new(t).after_step(step, stopping, || all_finite(&self.params));
+        if decision == Checkpoint::NonFinite {
             self.bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
-        } else if self.lead {
+        } else if decision == Checkpoint::Write && self.lead {
             self.state.elapsed_s = self.train_elapsed_s();
             let (weights, config_json, optimizer_state) =
                 (self.drafter.parameters(), self.drafter.config_json(), self.optimizer.state());
