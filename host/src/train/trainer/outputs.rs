@@ -7,8 +7,7 @@ use super::{
 };
 
 impl Trainer<'_> {
-    /// A metrics line over the window since the last one (metrics.jsonl, TensorBoard, the log),
-    /// then a new window.
+    /// A metrics line over the window since the last one, to the observers, then a new window.
     pub(super) fn log(
         &mut self,
         step: u64,
@@ -63,26 +62,10 @@ impl Trainer<'_> {
             val_s: val.as_ref().map(|v| v.seconds),
             val_acc: val.map(|v| v.acc),
         };
-        self.exp.log(&m)?; // a no-op on ranks other than 0
-        if let Some(tb) = self.tb.as_mut() {
-            tensorboard::log_metrics(tb, &serde_json::to_value(&m)?)?;
-        }
-        self.bar_stats =
-            format!("loss {:.3}  τ̂ {:.3}  {:.0} tok/s  q_hs {:.1}", m.loss, m.tau_hat, m.tok_per_s, m.q_hs);
         let timing = self.timing(step);
-        self.bar.suspend(|| {
-            tracing::info!(
-                "step {step}/{}  loss {:.4}  τ̂ {:.3}  acc@1 {:.3}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  q_hs {:.1}  {timing}",
-                t.steps,
-                m.loss,
-                m.tau_hat,
-                m.acc.first().copied().unwrap_or(0.0),
-                m.lr,
-                m.grad_norm,
-                m.tok_per_s,
-                m.q_hs
-            )
-        });
+        for o in &mut self.observers {
+            o.metrics(&m, &timing)?;
+        }
         self.first.get_or_insert_with(|| m.clone());
         self.last = Some(m);
         self.state.window = WindowSums::new(self.draft.block_size);
