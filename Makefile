@@ -9,7 +9,7 @@ export DFLASH_CACHE
 export LIBTORCH := $(DFLASH_CACHE)/libtorch
 export LD_LIBRARY_PATH := $(DFLASH_CACHE)/libtorch/lib:$(DFLASH_CACHE)/libtorch-2.11.0/nvidia/cu13/lib$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: setup build run test gpu-test crash-test clean-cache
+.PHONY: setup build run lint test gpu-test crash-test clean-cache
 
 setup:
 	@scripts/setup/setup.sh
@@ -19,6 +19,12 @@ build: setup
 
 run: build
 	./target/release/dflash-host train --config $(CONFIG)
+
+# Format and lint, as CI checks them before the tests. Clippy compiles against libtorch (setup);
+# `--release` reuses the release profile's build-script outputs (torch-sys's C++ is not rebuilt).
+lint: setup
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --release --all-targets -- -D warnings
 
 test: build
 	$(CARGO) test --release --workspace --no-fail-fast

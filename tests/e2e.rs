@@ -265,7 +265,7 @@ fn ctrl_c_and_sighup_finish_the_step_write_a_checkpoint_and_exit_130_129() {
         assert!(err.contains(&said), "{err}");
         assert!(!exp.join("summary.json").exists(), "an interrupted run is not complete");
         let step: u64 = err.split(&said).nth(1).unwrap().split(';').next().unwrap().trim().parse().unwrap();
-        assert!(step >= 2 && step < 500, "stopped at step {step}");
+        assert!((2..500).contains(&step), "stopped at step {step}");
         let ckpt = exp.join(format!("checkpoints/step-{step}"));
         assert!(
             plugin_api::tch::Tensor::read_safetensors(ckpt.join("model.safetensors")).is_ok(),

@@ -46,8 +46,8 @@ fn bf16_exact_drafter(extra: &str) -> (DFlashPlugin, drafter_dflash::config::DFl
     plugin_api::tch::no_grad(|| {
         for p in a.parameters().iter() {
             let mut t = p.tensor.tensor();
-            let _ = t.copy_(&(t.to_kind(Kind::BFloat16).to_kind(Kind::Float) + 0.01 * t.sign()));
-            let _ = t.copy_(&t.to_kind(Kind::BFloat16).to_kind(Kind::Float));
+            t.copy_(&(t.to_kind(Kind::BFloat16).to_kind(Kind::Float) + 0.01 * t.sign()));
+            t.copy_(&t.to_kind(Kind::BFloat16).to_kind(Kind::Float));
         }
     });
     (a, cfg)

@@ -160,7 +160,7 @@ fn flatten(tag: &str, v: &Value, out: &mut Vec<(String, f64)>) {
 
 pub fn masked_crc32c(data: &[u8]) -> u32 {
     let crc = crc32c::crc32c(data);
-    ((crc >> 15) | (crc << 17)).wrapping_add(CRC_MASK_DELTA)
+    crc.rotate_right(15).wrapping_add(CRC_MASK_DELTA)
 }
 
 fn unix_now() -> f64 {
@@ -415,7 +415,7 @@ mod tests {
         let path = w.path.clone();
         drop(w);
         let mut bytes = std::fs::read(&path).unwrap();
-        bytes.extend_from_slice(&bytes[40..60].to_vec()); // half a record, as a crash leaves it
+        bytes.extend_from_within(40..60); // half a record, as a crash leaves it
         std::fs::write(&path, &bytes).unwrap();
         truncate_after(dir.path(), 4).unwrap();
         let steps: Vec<i64> = read_events(&path).iter().map(|e| e.step).collect();

@@ -374,7 +374,7 @@ fn composite_forward(
     let merged = dims.grouped_view(&o_ctx) * w_ctx + o_blk.view(dims.grouped_shape(dims.d));
     // Written out in [B, N, nh, D] memory: the output projection reads it as [B, N, nh*D] without
     // a copy of its own to keep for its backward.
-    (dims.to_bnhd(&merged, q.kind()), dims.ungroup_rows(&lse))
+    (dims.ungroup_bnhd(&merged, q.kind()), dims.ungroup_rows(&lse))
 }
 
 /// Two context spans' (output, log-sum-exp) as one: each output weighed by its share of the merged
@@ -738,10 +738,10 @@ impl Dims {
 
     /// A grouped [B, nkv, A, g, Bk, D] result as [B, nh, N, D] in `kind`, [B, N, nh, D] in memory
     /// (one pass: the cast and the permutation together).
-    fn to_bnhd(&self, t: &Tensor, kind: Kind) -> Tensor {
+    fn ungroup_bnhd(&self, t: &Tensor, kind: Kind) -> Tensor {
         let (b, nkv, g, a, bk, d) = (self.b, self.nkv, self.g, self.a, self.block, self.d);
         let out = Tensor::empty([b, a, bk, nkv, g, d], (kind, t.device()));
-        let _ = out.permute([0, 3, 1, 4, 2, 5]).copy_(&t.view(self.grouped_shape(d)));
+        out.permute([0, 3, 1, 4, 2, 5]).copy_(&t.view(self.grouped_shape(d)));
         out.view([b, a * bk, nkv * g, d]).transpose(1, 2)
     }
 }
@@ -1065,7 +1065,7 @@ mod tests {
         assert_eq!(bias.size(), [1, 1, 6, 181]);
         assert_eq!(bias.stride()[2], 192);
         let visible = bias.eq(0.0).sum(Kind::Int64).int64_value(&[]);
-        assert_eq!(visible, 2 * (0 + 5 + 181));
+        assert_eq!(visible, 2 * (5 + 181));
         // Window 4: offset 0 sees the 3 keys before its anchor, offset 1 sees 2.
         let bias = context_bias(&anchors, 181, 2, Kind::Float, Some(4));
         assert_eq!(bias.stride()[2], 192);

@@ -171,11 +171,14 @@ pub fn host(args: &[&str], env: &[(&str, &Path)]) -> Output {
     cmd.output().unwrap()
 }
 
+/// A snapshot's files: (name in the snapshot, its bytes).
+pub type SnapshotFiles = Vec<(String, Vec<u8>)>;
+
 /// An HF hub cache holding `repo` as the `hf` CLI writes it: `models--Owner--Name/blobs/<sha256>`,
 /// `snapshots/<commit>/<file>` symlinks to `../../blobs/<sha256>`, `refs/<branch>` holding the
 /// commit. Each `(branch, commit, files)` is one snapshot; `files` are (name in the snapshot,
 /// its bytes). Files with the same bytes share a blob, as in the hub cache.
-pub fn hf_cache(cache: &Path, repo: &str, snapshots: &[(&str, &str, Vec<(String, Vec<u8>)>)]) {
+pub fn hf_cache(cache: &Path, repo: &str, snapshots: &[(&str, &str, SnapshotFiles)]) {
     use sha2::{Digest, Sha256};
     let folder = cache.join(format!("models--{}", repo.replace('/', "--")));
     std::fs::create_dir_all(folder.join("blobs")).unwrap();

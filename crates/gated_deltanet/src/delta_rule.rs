@@ -335,18 +335,18 @@ pub fn unit_lower_inverse(a: &Tensor) -> Tensor {
     let d_inv = eye.expand([batch * nb, BS, BS], false).contiguous();
     for i in 1..BS {
         let row = -diag.narrow(1, i, 1).narrow(2, 0, i).bmm(&d_inv.narrow(1, 0, i).narrow(2, 0, i)); // [.., 1, i]
-        let _ = d_inv.narrow(1, i, 1).narrow(2, 0, i).copy_(&row);
+        d_inv.narrow(1, i, 1).narrow(2, 0, i).copy_(&row);
     }
     let d_inv = d_inv.view([batch, nb, BS, BS]);
     // 2. Block rows, top to bottom: X_{r,<r} = -D_r^{-1} (A_{r,<r} X_{<r,<r}).
     let x = Tensor::zeros([batch, cp, cp], (Kind::Float, a.device()));
-    let _ = x.view([batch, nb, BS, nb, BS]).diagonal(0, 1, 3).copy_(&d_inv.permute([0, 2, 3, 1]));
+    x.view([batch, nb, BS, nb, BS]).diagonal(0, 1, 3).copy_(&d_inv.permute([0, 2, 3, 1]));
     for r in 1..nb {
         let (lo, hi) = (r * BS, (r + 1) * BS);
         let a_row = a.narrow(1, lo, BS).narrow(2, 0, lo); // [batch, 16, lo]
         let x_top = x.narrow(1, 0, lo).narrow(2, 0, lo); // [batch, lo, lo]
         let block = -d_inv.select(1, r).bmm(&a_row.bmm(&x_top));
-        let _ = x.narrow(1, lo, hi - lo).narrow(2, 0, lo).copy_(&block);
+        x.narrow(1, lo, hi - lo).narrow(2, 0, lo).copy_(&block);
     }
     let x = x.view([batch, cp, cp]).narrow(1, 0, c).narrow(2, 0, c);
     let mut out = size.clone();

@@ -205,7 +205,7 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path) -> Result<Plan> {
         bail!("{}: an A/B needs at least two arms, found {}", path.display(), ab.arms.len());
     }
     let seeds: Vec<u64> = match seeds {
-        Some(n) if n == 0 => bail!("--seeds must be >= 1"),
+        Some(0) => bail!("--seeds must be >= 1"),
         Some(n) => (0..n).collect(),
         None => ab.seeds.clone(),
     };

@@ -13,7 +13,7 @@ use crate::{
 };
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
-    abi_stable::std_types::{RNone, RSome},
+    abi_stable::std_types::RSome,
     tch::{self, Device, Tensor},
     HostContext, PluginInstance, PluginKind,
 };
@@ -52,14 +52,9 @@ pub fn allreduce(registry: &Registry, config_path: &Path, bucket_mb: &[usize], i
     if cfg.device.starts_with("cuda") && !crate::environment::enable_cuda() {
         bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
     }
-    let mut ctx = HostContext {
-        device: cfg.device.clone().into(),
-        dtype: dtype.clone().into(),
-        seed: cfg.seed,
-        config_dir: config_path.parent().unwrap_or(Path::new(".")).display().to_string().into(),
-        cache_dir: crate::environment::cache_dir().display().to_string().into(),
-        target: RNone,
-    };
+    let config_dir = config_path.parent().unwrap_or(Path::new("."));
+    let mut ctx =
+        crate::plugins::host_context(&cfg.device, &dtype, cfg.seed, config_dir, &crate::environment::cache_dir());
     let device = ctx.tch_device().map_err(|e| anyhow!("{e}"))?;
     tch::manual_seed(cfg.seed as i64);
 

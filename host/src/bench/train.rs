@@ -7,6 +7,7 @@
 //! 4. the pipeline: target forward then drafter step on the same device, each step;
 //! 5. device memory in use after each phase;
 //! 6. with `--trace DIR`, a profiler trace of one drafter step and one target forward.
+//!
 //! Each figure comes with its FLOP count (flops.rs) and MFU; a table, then one JSON line.
 
 use super::{
@@ -26,7 +27,7 @@ use crate::{
 use anyhow::{anyhow, bail, Context, Result};
 use kernels::profiler;
 use plugin_api::{
-    abi_stable::std_types::{RNone, RSome},
+    abi_stable::std_types::RSome,
     tch::{self, Device, Kind, Tensor},
     DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind, TargetSpec, TensorHandle,
 };
@@ -248,14 +249,8 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
         bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
     }
     let config_dir = config_path.parent().unwrap_or(Path::new("."));
-    let mut ctx = HostContext {
-        device: cfg.device.clone().into(),
-        dtype: dtype.clone().into(),
-        seed: cfg.seed,
-        config_dir: config_dir.display().to_string().into(),
-        cache_dir: crate::environment::cache_dir().display().to_string().into(),
-        target: RNone,
-    };
+    let mut ctx =
+        crate::plugins::host_context(&cfg.device, &dtype, cfg.seed, config_dir, &crate::environment::cache_dir());
     let (device, kind) = (ctx.tch_device().map_err(|e| anyhow!("{e}"))?, ctx.tch_kind().map_err(|e| anyhow!("{e}"))?);
     tch::manual_seed(cfg.seed as i64);
 
@@ -274,32 +269,23 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     let PluginInstance::Optimizer(mut optimizer) = create(PluginKind::Optimizer, &cfg.optimizer, &ctx)? else {
         bail!("[optimizer] made no optimizer")
     };
-    let named = drafter.parameters();
-    let params: Vec<Tensor> = named.iter().map(|nt| nt.tensor.tensor()).collect();
+    let (named, params) = step::trainable_parameters(&drafter);
     let n_params: f64 = params.iter().map(|p| p.numel() as f64).sum();
     optimizer.init(named).into_result().map_err(|e| anyhow!("optimizer init: {e}"))?;
     let layer_ids: Vec<u32> = drafter.target_layer_ids().into_vec();
     let block_size = drafter.block_size() as i64;
     let layout = drafter_layout(&drafter, &spec);
     let drafter_name = cfg.drafter.get("plugin").and_then(|v| v.as_str()).unwrap_or("?").to_string();
-    let drafter_mask_token_id = drafter.mask_token_id() as i64;
-    let mut step = DrafterStep {
-        drafter,
-        optimizer,
-        params,
-        draft: DraftLoss {
-            embedding: target.embedding().into_tensor(),
-            lm_head: target.lm_head().into_tensor(),
-            sampler: AnchorSampler { per_seq: sh.anchors_per_seq, seed: cfg.seed, rule: AnchorRule::Response },
-            block_size,
-            mask_token_id: drafter_mask_token_id,
-            gamma: Some(default_gamma(block_size as usize)),
-            // One micro-batch a step: its mean is the step's loss (the loss checks read it).
-            normalization: LossNormalization::PerMicroBatch,
-        },
-        grad_clip: sh.grad_clip,
-        draws: 0,
-    };
+    let draft = DraftLoss::for_drafter(
+        &drafter,
+        &target,
+        device,
+        AnchorSampler { per_seq: sh.anchors_per_seq, seed: cfg.seed, rule: AnchorRule::Response },
+        Some(default_gamma(block_size as usize)),
+        // One micro-batch a step: its mean is the step's loss (the loss checks read it).
+        LossNormalization::PerMicroBatch,
+    );
+    let mut step = DrafterStep { drafter, optimizer, params, draft, grad_clip: sh.grad_clip, draws: 0 };
     sync(device);
     let built_mem_gib = mem(device);
     let fused_loss_error = fused_loss_error(&step.draft, &spec, sh, device, kind)?;
@@ -468,14 +454,7 @@ mod tests {
         {
             let path = dir.join(name);
             let cfg: BenchConfig = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-            let ctx = HostContext {
-                device: "cpu".into(),
-                dtype: "f32".into(),
-                seed: 0,
-                config_dir: dir.display().to_string().into(),
-                cache_dir: "/nonexistent".into(),
-                target: RNone,
-            };
+            let ctx = crate::plugins::host_context("cpu", "f32", 0, &dir, Path::new("/nonexistent"));
             let t = hf_config(&cfg.target, &ctx).unwrap_or_else(|| panic!("{name}: target config"));
             assert_eq!(t.num_hidden_layers, layers, "{name}");
             let spec = t.target_spec().unwrap();

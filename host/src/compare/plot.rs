@@ -137,6 +137,11 @@ pub(super) struct Line {
     finished: bool,
 }
 
+/// (x, y) points of one line.
+type Points = Vec<(f64, f64)>;
+/// (block position, mean, std) of one group.
+type Whiskers = Vec<(f64, f64, f64)>;
+
 /// Metric vs tokens: a thin line per run, a thick mean line per group, T marked.
 pub(super) struct CurveFigure {
     title: String,
@@ -144,7 +149,7 @@ pub(super) struct CurveFigure {
     log_y: bool,
     runs: Vec<Line>,
     /// (group index, label, mean points).
-    means: Vec<(usize, String, Vec<(f64, f64)>)>,
+    means: Vec<(usize, String, Points)>,
     tokens: Option<f64>,
     legend: SeriesLabelPosition,
     group_names: Vec<String>,
@@ -274,7 +279,7 @@ impl Figure for CurveFigure {
 pub(super) struct AccFigure {
     title: String,
     /// (label, [(position, mean, std)]).
-    groups: Vec<(String, Vec<(f64, f64, f64)>)>,
+    groups: Vec<(String, Whiskers)>,
 }
 
 impl Figure for AccFigure {

@@ -16,11 +16,11 @@ fn ab_folders_expand_evals_are_all_read_and_final_values_are_per_run() {
         r#"{"tau": 2.5, "source": "humaneval", "evaluated": {"drafter": "/z"}}"#,
     )
     .unwrap();
-    assert_eq!(expand_dirs(&[ab.clone()]), vec![short.clone(), long.clone()]);
-    let report = run(&[ab.clone()], None, None).unwrap();
+    assert_eq!(expand_dirs(std::slice::from_ref(&ab)), vec![short.clone(), long.clone()]);
+    let report = run(std::slice::from_ref(&ab), None, None).unwrap();
     assert_eq!(report, ab.join("report/report.md"));
     let md = fs::read_to_string(&report).unwrap();
-    let runs = load_runs(&expand_dirs(&[ab.clone()]), None);
+    let runs = load_runs(&expand_dirs(std::slice::from_ref(&ab)), None);
     assert_eq!(
         runs[1].evals.iter().map(|e| e.file.as_str()).collect::<Vec<_>>(),
         ["eval.json", "eval-humaneval-drafter-0123456789ab.json", "eval-step-100.json"]
@@ -33,7 +33,7 @@ fn ab_folders_expand_evals_are_all_read_and_final_values_are_per_run() {
         assert!(ab.join(format!("report/{stem}.png")).exists(), "{stem}");
     }
     // Run again: the same folder, no second one.
-    run(&[ab.clone()], None, None).unwrap();
+    run(std::slice::from_ref(&ab), None, None).unwrap();
     let folders = fs::read_dir(&ab).unwrap().count();
     assert_eq!(folders, 3, "a-s0, b-s0, report");
 }
@@ -312,7 +312,7 @@ fn a_fifo_or_device_as_a_run_file_is_a_note_not_a_hang() {
 fn default_out_is_one_folder_beside_the_runs_or_in_the_ab() {
     let root = tempfile::tempdir().unwrap();
     let a = fake_run(root.path(), "exp1", "x", None, &rows(1.0, 3000), true);
-    assert_eq!(default_out(&[a.clone()]), root.path().join("compare"), "reused, not a fresh name");
+    assert_eq!(default_out(std::slice::from_ref(&a)), root.path().join("compare"), "reused, not a fresh name");
     assert_eq!(default_out(&[root.path().to_path_buf()]), root.path().join("report"), "an A/B folder's report");
     assert_eq!(utc_timestamp(0.0, true), "1970-01-01 00:00:00");
     assert_eq!(utc_timestamp(951_782_400.0, false), "20000229-000000");
@@ -366,7 +366,7 @@ fn a_swept_arm_is_compared_at_its_chosen_value_and_its_sweep_shown_apart() {
         }],
     };
     fs::write(ab.join(SELECTION_FILE), serde_json::to_string(&selection).unwrap()).unwrap();
-    let md = fs::read_to_string(run(&[ab.clone()], None, None).unwrap()).unwrap();
+    let md = fs::read_to_string(run(std::slice::from_ref(&ab), None, None).unwrap()).unwrap();
     // The sweep: both values, the score that chose, the chosen one marked, its plot.
     assert!(md.contains("## Sweeps") && md.contains("chosen: **lr=0.003**"), "{md}");
     assert!(md.contains("| lr=0.001 | adamw-lr=0.001-s0 | complete | 1.2000 | 3.0000 | 1.200 |"), "{md}");

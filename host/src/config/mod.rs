@@ -241,7 +241,7 @@ pub fn parse_device(d: &str) -> Result<plugin_api::tch::Device> {
 }
 
 fn validate_device(field: &str, d: &str) -> Result<()> {
-    if d != "cpu" && !d.strip_prefix("cuda:").is_some_and(|n| n.parse::<u32>().is_ok()) {
+    if d != "cpu" && d.strip_prefix("cuda:").is_none_or(|n| n.parse::<u32>().is_err()) {
         bail!("field `{field}`: expected `cpu`, `cuda` or `cuda:N`, got `{d}`");
     }
     Ok(())

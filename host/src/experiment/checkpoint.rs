@@ -304,7 +304,7 @@ pub fn list(exp_dir: &Path) -> Vec<Checkpoint> {
             Some(Checkpoint { step: e.file_name().to_str()?.strip_prefix("step-")?.parse().ok()?, dir: e.path() })
         })
         .collect();
-    all.sort_by(|a, b| b.step.cmp(&a.step));
+    all.sort_by_key(|c| std::cmp::Reverse(c.step));
     all
 }
 

@@ -287,14 +287,7 @@ pub fn input_paths(cfg: &RunConfig, config_dir: &Path, cache_dir: &Path) -> Resu
 
 /// The context plugins resolve their paths with.
 pub fn plugin_context(cfg: &RunConfig, config_dir: &Path, cache_dir: &Path) -> plugin_api::HostContext {
-    plugin_api::HostContext {
-        device: cfg.device.as_str().into(),
-        dtype: cfg.dtype().into(),
-        seed: cfg.seed,
-        config_dir: config_dir.display().to_string().into(),
-        cache_dir: cache_dir.display().to_string().into(),
-        target: plugin_api::abi_stable::std_types::ROption::RNone,
-    }
+    crate::plugins::host_context(&cfg.device, cfg.dtype(), cfg.seed, config_dir, cache_dir)
 }
 
 /// The existing paths the string values of one plugin section name, as `(path, "kind.key")`; a

@@ -32,8 +32,7 @@ pub(crate) const MAX_JSON_BYTES: u64 = 64 << 20;
 
 pub struct Experiment {
     pub dir: PathBuf,
-    /// None for a data-parallel rank other than 0: it trains but writes nothing.
-    metrics: Option<File>,
+    metrics: MetricsLog,
     /// Held for the life of the run (None on ranks other than 0).
     _lock: Option<ExperimentLock>,
 }
@@ -51,6 +50,36 @@ pub fn fresh_dir(root: &Path, name: &str) -> PathBuf {
 /// Whether the run in `dir` ran to its end.
 pub fn is_finished(dir: &Path) -> bool {
     dir.join(SUMMARY).is_file()
+}
+
+/// `metrics.jsonl`, one record a line. Logs nothing for a data-parallel rank other than 0: it
+/// trains but writes nothing.
+pub struct MetricsLog {
+    path: PathBuf,
+    file: Option<File>,
+}
+
+impl MetricsLog {
+    fn detached(dir: &Path) -> Self {
+        MetricsLog { path: dir.join(metrics::METRICS), file: None }
+    }
+
+    /// Append one metrics record and flush it (a crash loses at most the line being written).
+    pub fn log(&mut self, record: &impl Serialize) -> Result<()> {
+        let Some(file) = self.file.as_mut() else { return Ok(()) };
+        let path = || format!("writing {}", self.path.display());
+        let mut line = serde_json::to_vec(record).with_context(path)?;
+        line.push(b'\n');
+        let before = file.metadata().map(|m| m.len());
+        if let Err(e) = file.write_all(&line) {
+            // A write cut short (a full disk, the file-size limit) leaves no part of its record.
+            if let Ok(len) = before {
+                let _ = file.set_len(len);
+            }
+            return Err(anyhow::Error::new(e).context(path()));
+        }
+        Ok(())
+    }
 }
 
 impl Experiment {
@@ -120,29 +149,23 @@ impl Experiment {
         let path = dir.join(metrics::METRICS);
         let metrics =
             fs::OpenOptions::new().append(true).open(&path).with_context(|| format!("opening {}", path.display()))?;
-        Ok(Self { dir: dir.to_path_buf(), metrics: Some(metrics), _lock: Some(lock) })
+        Ok(Self { dir: dir.to_path_buf(), metrics: MetricsLog { path, file: Some(metrics) }, _lock: Some(lock) })
     }
 
     /// Rank 1.. of a data-parallel run: rank 0 owns the folder.
     pub fn detached(dir: &Path) -> Self {
-        Self { dir: dir.to_path_buf(), metrics: None, _lock: None }
+        Self { dir: dir.to_path_buf(), metrics: MetricsLog::detached(dir), _lock: None }
     }
 
-    /// Append one metrics record and flush it (a crash loses at most the line being written).
+    /// Append one metrics record ([`MetricsLog::log`]).
     pub fn log(&mut self, record: &impl Serialize) -> Result<()> {
-        let Some(metrics) = self.metrics.as_mut() else { return Ok(()) };
-        let path = || format!("writing {}", self.dir.join(metrics::METRICS).display());
-        let mut line = serde_json::to_vec(record).with_context(path)?;
-        line.push(b'\n');
-        let before = metrics.metadata().map(|m| m.len());
-        if let Err(e) = metrics.write_all(&line) {
-            // A write cut short (a full disk, the file-size limit) leaves no part of its record.
-            if let Ok(len) = before {
-                let _ = metrics.set_len(len);
-            }
-            return Err(anyhow::Error::new(e).context(path()));
-        }
-        Ok(())
+        self.metrics.log(record)
+    }
+
+    /// `metrics.jsonl` for the trainer to append to; this value logs nothing after.
+    pub fn take_metrics_log(&mut self) -> MetricsLog {
+        let detached = MetricsLog::detached(&self.dir);
+        std::mem::replace(&mut self.metrics, detached)
     }
 
     /// `checkpoints/step-N/` (see [`checkpoint::write`]): whole or absent even across a power
@@ -321,7 +344,7 @@ mod tests {
         // Cut in the data, in the JSON header, and inside the 8-byte header length.
         for cut in [bytes.len() / 2, 20, 5] {
             fs::write(&model, &bytes[..cut]).unwrap();
-            let err = format!("{:#}", read_safetensors(&model).err().expect("a truncated file read"));
+            let err = format!("{:#}", read_safetensors(&model).expect_err("a truncated file read"));
             assert!(err.contains(&model.display().to_string()), "cut at {cut}: {err}");
             let err = format!("{:#}", crate::export::export(&ckpt, &root.path().join("out"), false).unwrap_err());
             assert!(err.contains(&model.display().to_string()), "export, cut at {cut}: {err}");

@@ -7,8 +7,8 @@ use crate::{
 };
 use anyhow::{anyhow, Result};
 use plugin_api::{
-    abi_stable::std_types::{RNone, RSome},
-    DataLoaderBox, DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind, TargetBox,
+    abi_stable::std_types::RSome, DataLoaderBox, DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind,
+    TargetBox,
 };
 use std::path::Path;
 
@@ -33,14 +33,7 @@ pub fn build_components(
     config_dir: &Path,
     cache_dir: &Path,
 ) -> Result<Components> {
-    let ctx_on = |device: &str| HostContext {
-        device: device.into(),
-        dtype: cfg.dtype().into(),
-        seed: cfg.seed,
-        config_dir: config_dir.display().to_string().into(),
-        cache_dir: cache_dir.display().to_string().into(),
-        target: RNone,
-    };
+    let ctx_on = |device: &str| crate::plugins::host_context(device, cfg.dtype(), cfg.seed, config_dir, cache_dir);
     let mut records = Vec::new();
     let mut create = |kind: PluginKind, ctx: &HostContext| -> Result<PluginInstance> {
         let section = cfg.section(kind.as_str());

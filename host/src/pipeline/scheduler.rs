@@ -124,6 +124,8 @@ pub struct Feed<T> {
 
 impl<T> Feed<T> {
     /// The next item; None when the producer is done and every item was taken.
+    // Not an Iterator: taking an item can fail (a stage's error), which `Iterator::next` cannot say.
+    #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> Result<Option<Ready<T>>> {
         loop {
             if self.deterministic {

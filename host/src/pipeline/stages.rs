@@ -121,7 +121,7 @@ fn target_worker<'a>(
     names: PluginNames,
 ) -> Worker<'a, HostBatch, Micro> {
     Worker {
-        name: format!("{device}"),
+        name: device.to_string(),
         work: Box::new(move |mut b: HostBatch| {
             let seq_len = b.input_ids.size()[1];
             // Dropped at the end of this job, done or failed: releases what it did not store.

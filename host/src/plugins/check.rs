@@ -10,7 +10,7 @@ use super::{Instance, PluginRecord, Poison, Registry};
 use crate::config::{PluginSection, RunConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
-    abi_stable::std_types::{RNone, RSome},
+    abi_stable::std_types::RSome,
     tch::{self, Device, Kind, Tensor},
     DataLoaderBox, DataPosition, DraftInput, DrafterBox, HostContext, NamedTensor, OptimizerBox, PluginInstance,
     PluginKind, TargetBox, TensorHandle,
@@ -59,14 +59,7 @@ pub fn run(plugin_args: &[PathBuf], args: CheckArgs) -> Result<ExitCode> {
     } else if let Some(s) = &args.section {
         section.config_toml = s.clone();
     }
-    let ctx = HostContext {
-        device: "cpu".into(),
-        dtype: "f32".into(),
-        seed: cfg.seed,
-        config_dir: config_dir.display().to_string().into(),
-        cache_dir: crate::environment::cache_dir().display().to_string().into(),
-        target: RNone,
-    };
+    let ctx = super::host_context("cpu", "f32", cfg.seed, &config_dir, &crate::environment::cache_dir());
     crate::say!("checking {} plugin `{}` ({})", record.kind, record.name, record.origin);
     let kit = Kit { registry: &registry, section, ctx, cfg, made: RefCell::new(Vec::new()) };
     let clauses = match kind {
@@ -213,7 +206,7 @@ impl Kit<'_> {
                 if !p.grad().defined() {
                     (p * 0.0).sum(Kind::Float).backward(); // creates a (zero) .grad
                 }
-                let _ = p.grad().copy_(&(Tensor::randn(p.size(), CPU) * scale));
+                p.grad().copy_(&(Tensor::randn(p.size(), CPU) * scale));
             }
         };
         let named = |ps: &[(String, Tensor)]| -> plugin_api::abi_stable::std_types::RVec<NamedTensor> {
@@ -369,7 +362,7 @@ impl Kit<'_> {
                     if mask.iter().any(|&m| m != 0 && m != 1) {
                         bail!("sequence {row}: the loss mask holds values other than 0 and 1");
                     }
-                    if mask[len..].iter().any(|&m| m == 1) {
+                    if mask[len..].contains(&1) {
                         bail!("sequence {row}: padding (positions {len}..) is in the loss mask");
                     }
                     if mask[0] == 1 {
@@ -413,7 +406,7 @@ impl Kit<'_> {
         };
         let forward = |d: &mut DrafterBox| -> Result<Tensor> {
             let x = input(d);
-            let _ = ok(d.anchors_on_host(&x.anchors), "anchors_on_host")?;
+            ok(d.anchors_on_host(&x.anchors), "anchors_on_host")?;
             Ok(ok(d.forward(&x), "forward")?.into_tensor())
         };
         let mut out = Vec::new();

@@ -473,6 +473,20 @@ fn first_line(s: &str) -> String {
     s.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
 }
 
+/// The context a plugin is created with: where it runs, in which dtype, the run's seed, and the
+/// folders its config's paths resolve against. The target's facts are added once the target is
+/// built, for the plugins created after it.
+pub fn host_context(device: &str, dtype: &str, seed: u64, config_dir: &Path, cache_dir: &Path) -> HostContext {
+    HostContext {
+        device: device.into(),
+        dtype: dtype.into(),
+        seed,
+        config_dir: config_dir.display().to_string().into(),
+        cache_dir: cache_dir.display().to_string().into(),
+        target: plugin_api::abi_stable::std_types::RNone,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,9 +18,18 @@ use crate::dist::Communicator;
 use anyhow::Result;
 use kernels::autograd::to_device_async;
 use plugin_api::{
+    abi_stable::std_types::RVec,
     tch::{self, Kind, Tensor},
-    DraftInput, DrafterBox, TensorHandle,
+    DraftInput, DrafterBox, NamedTensor, TargetBox, TensorHandle,
 };
+
+/// The drafter's trainable parameters: the named list the optimizer is initialised with, and
+/// handles sharing their storage for the step's gradient work.
+pub fn trainable_parameters(drafter: &DrafterBox) -> (RVec<NamedTensor>, Vec<Tensor>) {
+    let named = drafter.parameters();
+    let params = named.iter().map(|nt| nt.tensor.tensor()).collect();
+    (named, params)
+}
 
 /// The drafter's side of one micro-batch (shared by training and `bench train`): anchors drawn,
 /// blocks `[anchor, MASK x (Bk-1)]` embedded with the target's embedding, the drafter forward and
@@ -38,6 +47,27 @@ pub struct DraftLoss {
 }
 
 impl DraftLoss {
+    /// The loss for `drafter`'s blocks (its block size and mask token) through `target`'s frozen
+    /// LM head and embedding, moved to the drafter's `device`.
+    pub fn for_drafter(
+        drafter: &DrafterBox,
+        target: &TargetBox,
+        device: tch::Device,
+        sampler: AnchorSampler,
+        gamma: Option<f64>,
+        normalization: LossNormalization,
+    ) -> Self {
+        DraftLoss {
+            lm_head: target.lm_head().into_tensor().to_device(device),
+            embedding: target.embedding().into_tensor().to_device(device),
+            sampler,
+            block_size: drafter.block_size() as i64,
+            mask_token_id: drafter.mask_token_id() as i64,
+            gamma,
+            normalization,
+        }
+    }
+
     /// `hidden` [B, S, n*H] target features of `input_ids`; `draw` numbers the anchor draw.
     pub fn compute(
         &self,

@@ -144,8 +144,8 @@ impl DFlashDrafter {
         self.norm.forward(&x)
     }
 
-    /// 1. The target features fused: [B, S, n*H] -> [B, S, H]. 2. RoPE positions (block token k
-    /// of anchor a at a + k, the context at 0..S-1) and, for masked attention, the mask: context
+    /// The target features fused, [B, S, n*H] -> [B, S, H]; RoPE positions (block token k of
+    /// anchor a at a + k, the context at 0..S-1); and, for masked attention, the mask: context
     /// keys strictly before the query's anchor, the query's own block.
     fn context(
         &self,

@@ -67,11 +67,11 @@ fn a_truncated_zlab_drafter_names_the_file() {
     let bytes = std::fs::read(&st).unwrap();
     for cut in [bytes.len() / 2, 20, 5] {
         std::fs::write(&st, &bytes[..cut]).unwrap();
-        let err = read_zlab(dir.path(), &common::tiny_target()).err().expect("a truncated file read").to_string();
+        let err = read_zlab(dir.path(), &common::tiny_target()).expect_err("a truncated file read").to_string();
         assert!(err.starts_with(&format!("{}: ", st.display())), "cut at {cut}: {err}");
     }
 
     std::fs::write(dir.path().join("config.json"), "{\"hidden_size\": 16,").unwrap();
-    let err = read_zlab(dir.path(), &common::tiny_target()).err().expect("a truncated config read").to_string();
+    let err = read_zlab(dir.path(), &common::tiny_target()).expect_err("a truncated config read").to_string();
     assert!(err.starts_with(&format!("{}: ", dir.path().join("config.json").display())), "{err}");
 }

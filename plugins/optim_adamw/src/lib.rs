@@ -63,7 +63,7 @@ impl AdamW {
             adamw_update_fused(&params, &grads, &exp_avgs, &exp_avg_sqs, step, lr, &self.params)?;
         }
         for (mut param, master) in copy_back {
-            let _ = param.copy_(&master);
+            param.copy_(&master);
         }
         Ok(())
     }
@@ -98,7 +98,7 @@ impl OptimizerPlugin for AdamW {
             match &mut s.master {
                 Some(master) => {
                     adamw_update(master, &grad, &mut s.exp_avg, &mut s.exp_avg_sq, self.step, lr, &self.params);
-                    let _ = s.param.copy_(master);
+                    s.param.copy_(master);
                 }
                 None => {
                     adamw_update(&mut s.param, &grad, &mut s.exp_avg, &mut s.exp_avg_sq, self.step, lr, &self.params)

@@ -385,12 +385,14 @@ fn distributed_muon_equals_one_process() {
     run(&one, &mut single, &grads);
     let want: HashMap<String, Tensor> = single.state_impl().into_iter().collect();
 
+    // Each rank's parameters and optimizer state after the steps, and the first size it sent.
+    type RankResult = (Vec<(String, Tensor)>, Vec<(String, Tensor)>, i64);
     for world in [2u32, 3] {
         let slots = std::sync::Arc::new((
             std::sync::Mutex::new((0..world).map(|_| None).collect()),
             std::sync::Barrier::new(world as usize),
         ));
-        let results: Vec<(Vec<(String, Tensor)>, Vec<(String, Tensor)>, i64)> = std::thread::scope(|s| {
+        let results: Vec<RankResult> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..world)
                 .map(|rank| {
                     let (slots, mine, grads) = (slots.clone(), deep_copy(&ps), copy_grads());

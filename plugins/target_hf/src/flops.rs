@@ -18,6 +18,7 @@
 //!   Qwen3.5's gate, 2 H); LongCat-Flash: two attention sublayers, two dense MLPs and the MoE a
 //!   layer;
 //! - the LM head 2 H V a token, when logits are asked for.
+//!
 //! Elementwise work (norms, activations, gates, biases) is not counted.
 
 use crate::{

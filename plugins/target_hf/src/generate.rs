@@ -53,6 +53,8 @@ fn greedy_batch(model: &Decoder, prompts: &[&[u32]], max_new: usize, stop: &[u32
     // 3. Decode one token a step for every row until each has stopped.
     let mut replies = vec![Vec::new(); prompts.len()];
     let mut done = vec![false; prompts.len()];
+    // `pos` is the rows' positions as a tensor, not a counter to zip with.
+    #[allow(clippy::explicit_counter_loop)]
     for step in 0..max_new {
         let tokens: Vec<i64> = Vec::try_from(&next.to_device(plugin_api::tch::Device::Cpu)).expect("int64 tokens");
         for (r, &t) in tokens.iter().enumerate() {

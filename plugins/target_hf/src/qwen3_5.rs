@@ -168,7 +168,7 @@ impl GatedDeltaNet {
         // v head-first in fp32 in one pass (the chunked rule wants it contiguous).
         let v = qkv.narrow(2, 2 * ck, nv * dv).reshape([b, l, nv, dv]).transpose(1, 2);
         let mut v32 = Tensor::empty([b, nv, l, dv], (Kind::Float, qkv.device()));
-        let _ = v32.copy_(&v);
+        v32.copy_(&v);
         (q, k, v32)
     }
 

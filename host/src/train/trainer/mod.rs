@@ -10,7 +10,7 @@ use super::{
         all_finite, DistillSummary, NonFiniteGuard, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState,
         WindowSums, WindowTimes,
     },
-    step::{clip_grad_norm, normalize_gradients, DraftLoss, StepSums},
+    step::{clip_grad_norm, normalize_gradients, trainable_parameters, DraftLoss, StepSums},
     validation::{ValidationScores, ValidationSet},
 };
 use crate::{
@@ -31,12 +31,17 @@ use crate::{
 };
 use anyhow::{anyhow, bail, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use observers::{MetricsFile, Observer, Progress, StepValues, TensorBoard};
 use plugin_api::{
     tch::{Device, Kind, Tensor},
     DataPosition, DrafterBox, OptimizerBox, PluginKind,
 };
 use std::{path::Path, sync::Arc, time::Instant};
 
+// When a checkpoint is written.
+mod checkpoints;
+// Where the figures go: metrics.jsonl, TensorBoard, the progress bar.
+mod observers;
 // The phases that write to the experiment: log, maybe_checkpoint, finish.
 mod outputs;
 
@@ -76,11 +81,16 @@ pub fn train(
     if let Some(cap) = &capture {
         cap.check_layers(&layer_ids)?;
     }
-    let block_size = c.drafter.block_size() as i64;
-    let mask_token_id = c.drafter.mask_token_id() as i64;
-    let gamma = resolve_gamma(t.loss_gamma, block_size as usize);
-    let named = c.drafter.parameters();
-    let params: Vec<Tensor> = named.iter().map(|nt| nt.tensor.tensor()).collect();
+    let draft = DraftLoss::for_drafter(
+        &c.drafter,
+        &c.target,
+        drafter_device,
+        AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed, rule: t.anchors },
+        resolve_gamma(t.loss_gamma, c.drafter.block_size() as usize),
+        t.loss_normalization,
+    );
+    let (block_size, mask_token_id, gamma) = (draft.block_size, draft.mask_token_id, draft.gamma);
+    let (named, params) = trainable_parameters(&c.drafter);
     let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
     tracing::info!(
         "drafter: {:.1}M trainable parameters, block {block_size}, target layers {layer_ids:?}, mask token {mask_token_id}, gamma {}, \
@@ -99,15 +109,6 @@ pub fn train(
             .map_err(names.err(PluginKind::Optimizer, "set_collectives"))?;
     }
     c.optimizer.init(named).into_result().map_err(names.err(PluginKind::Optimizer, "init"))?;
-    let draft = DraftLoss {
-        lm_head: c.target.lm_head().into_tensor().to_device(drafter_device),
-        embedding: c.target.embedding().into_tensor().to_device(drafter_device),
-        sampler: AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed, rule: t.anchors },
-        block_size,
-        mask_token_id,
-        gamma,
-        normalization: t.loss_normalization,
-    };
     // The validation split's target features, once, before the target moves to its worker.
     // Every rank scores it alike (same weights, same batches); rank 0 writes the scores.
     let validation = match t.eval_every {
@@ -216,6 +217,7 @@ pub fn train(
 
     // 5. The drafter's stage: one step after another, as the features arrive.
     let lead = rank == 0;
+    let bar = progress_bar(t.steps, state.step, lead);
     let mut trainer = Trainer {
         cfg,
         drafter: &mut c.drafter,
@@ -227,13 +229,11 @@ pub fn train(
         val_total_s: 0.0,
         val_count: 0,
         pace: Pace::new(WARMUP_STEPS, PACE_WINDOW),
-        bar_stats: String::new(),
         guard: NonFiniteGuard { max: t.max_nonfinite_steps, consecutive: state.nonfinite_in_a_row },
         elapsed_before: state.elapsed_s,
-        bar: progress_bar(t.steps, state.step, lead),
+        observers: observers(exp, &bar, t.steps, t.tensorboard_every, lead)?,
+        bar,
         state,
-        // TensorBoard event files beside metrics.jsonl (`tensorboard --logdir experiments/`).
-        tb: if lead { Some(tensorboard::EventWriter::create(&exp.dir)?) } else { None },
         exp,
         comm,
         world,
@@ -265,6 +265,24 @@ const WARMUP_STEPS: u64 = 3;
 /// Steps the pace is the mean of.
 const PACE_WINDOW: usize = 20;
 
+/// metrics.jsonl, TensorBoard (the lead rank only) and the progress bar, in the order they are
+/// told.
+fn observers(
+    exp: &mut Experiment,
+    bar: &ProgressBar,
+    steps: u64,
+    tensorboard_every: u64,
+    lead: bool,
+) -> Result<Vec<Box<dyn Observer>>> {
+    let mut out: Vec<Box<dyn Observer>> = vec![Box::new(MetricsFile(exp.take_metrics_log()))];
+    if lead {
+        let writer = tensorboard::EventWriter::create(&exp.dir)?;
+        out.push(Box::new(TensorBoard { writer, every: tensorboard_every }));
+    }
+    out.push(Box::new(Progress { bar: bar.clone(), steps, stats: String::new() }));
+    Ok(out)
+}
+
 fn progress_bar(steps: u64, at: u64, lead: bool) -> ProgressBar {
     let bar = ProgressBar::new(steps)
         .with_style(ProgressStyle::with_template("train {bar:30} {pos}/{len} steps  {msg}").expect("template"));
@@ -291,8 +309,6 @@ struct Trainer<'a> {
     val_count: u64,
     /// Seconds per step (validation left out), for the ETA.
     pace: Pace,
-    /// The last metrics line's values, shown on the bar beside the time.
-    bar_stats: String,
     state: TrainerState,
     exp: &'a mut Experiment,
     comm: Option<Box<dyn Communicator>>,
@@ -305,8 +321,9 @@ struct Trainer<'a> {
     from_capture: bool,
     guard: NonFiniteGuard,
     stop: StopSignal,
+    /// Shared with the progress observer; other log lines print around it.
     bar: ProgressBar,
-    tb: Option<tensorboard::EventWriter>,
+    observers: Vec<Box<dyn Observer>>,
     gpus: GpuMonitor,
     /// The logging window's timings and the stage counters they are measured against.
     times: WindowTimes,
@@ -368,8 +385,10 @@ impl<'a> Trainer<'a> {
             self.names.check(PluginKind::Optimizer, &*self.optimizer)?;
             self.maybe_checkpoint(step)?;
             self.pace.record(step_started.elapsed().as_secs_f64() - (self.val_total_s - val_before));
-            self.bar.inc(1);
-            self.bar.set_message(format!("{}  {}", self.bar_stats, self.timing(step)));
+            let timing = self.timing(step);
+            for o in &mut self.observers {
+                o.step_done(&timing);
+            }
             if let Some(code) = self.interrupted {
                 let sig = StopSignal::name(code);
                 let ckpt = self.last_ckpt.as_deref().unwrap_or("-");
@@ -524,13 +543,10 @@ impl<'a> Trainer<'a> {
             state.window.skipped_micro += micro;
         }
         state.nonfinite_in_a_row = self.guard.consecutive;
-        if let Some(tb) = self.tb.as_mut().filter(|_| t.tensorboard_every > 0 && step % t.tensorboard_every == 0) {
-            // The step's own values (a metrics line averages its window); already on the host.
-            let lr =
-                lr_factor(step, t.steps, t.warmup_frac, t.min_lr_frac, state.fork.as_ref()) * self.optimizer.base_lr();
-            let values = [("train_step/loss", step_loss), ("train_step/lr", lr), ("train_step/grad_norm", grad_norm)];
-            tb.add_scalars(step as i64, &values.map(|(k, v)| (k.to_string(), v)))?;
-            tb.flush()?;
+        let lr = lr_factor(step, t.steps, t.warmup_frac, t.min_lr_frac, state.fork.as_ref()) * self.optimizer.base_lr();
+        let values = StepValues { loss: step_loss, lr, grad_norm };
+        for o in &mut self.observers {
+            o.step(step, &values)?;
         }
         // Gradients dropped, not zeroed (PyTorch's default): until the next backward they take
         // no memory, so the forward's activations never sit beside last step's gradients.

@@ -1,11 +1,13 @@
 //! The trainer's phases that leave the process: a metrics line (metrics.jsonl, TensorBoard, the
 //! log), a checkpoint when one is due, and the run's summary.
 
-use super::*;
+use super::{
+    checkpoints::{Checkpoint, CheckpointPolicy},
+    *,
+};
 
 impl Trainer<'_> {
-    /// A metrics line over the window since the last one (metrics.jsonl, TensorBoard, the log),
-    /// then a new window.
+    /// A metrics line over the window since the last one, to the observers, then a new window.
     pub(super) fn log(
         &mut self,
         step: u64,
@@ -60,26 +62,10 @@ impl Trainer<'_> {
             val_s: val.as_ref().map(|v| v.seconds),
             val_acc: val.map(|v| v.acc),
         };
-        self.exp.log(&m)?; // a no-op on ranks other than 0
-        if let Some(tb) = self.tb.as_mut() {
-            tensorboard::log_metrics(tb, &serde_json::to_value(&m)?)?;
-        }
-        self.bar_stats =
-            format!("loss {:.3}  τ̂ {:.3}  {:.0} tok/s  q_hs {:.1}", m.loss, m.tau_hat, m.tok_per_s, m.q_hs);
         let timing = self.timing(step);
-        self.bar.suspend(|| {
-            tracing::info!(
-                "step {step}/{}  loss {:.4}  τ̂ {:.3}  acc@1 {:.3}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  q_hs {:.1}  {timing}",
-                t.steps,
-                m.loss,
-                m.tau_hat,
-                m.acc.first().copied().unwrap_or(0.0),
-                m.lr,
-                m.grad_norm,
-                m.tok_per_s,
-                m.q_hs
-            )
-        });
+        for o in &mut self.observers {
+            o.metrics(&m, &timing)?;
+        }
         self.first.get_or_insert_with(|| m.clone());
         self.last = Some(m);
         self.state.window = WindowSums::new(self.draft.block_size);
@@ -89,21 +75,14 @@ impl Trainer<'_> {
         Ok(())
     }
 
-    /// A checkpoint when one is due (every `checkpoint_every` steps, the last step, a stop), on
-    /// the lead rank, and never of non-finite weights.
+    /// A checkpoint when [`CheckpointPolicy`] says so, written by the lead rank.
     pub(super) fn maybe_checkpoint(&mut self, step: u64) -> Result<()> {
         let t = &self.cfg.train;
-        let due = (t.checkpoint_every > 0 && step % t.checkpoint_every == 0)
-            || step == t.steps
-            || self.interrupted.is_some()
-            || self.stopped_at.is_some();
-        if !due {
-            return Ok(());
-        }
-        if !all_finite(&self.params) {
-            // Never let a diverged state replace a good checkpoint.
+        let stopping = self.interrupted.is_some() || self.stopped_at.is_some();
+        let decision = CheckpointPolicy::new(t).after_step(step, stopping, || all_finite(&self.params));
+        if decision == Checkpoint::NonFinite {
             self.bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
-        } else if self.lead {
+        } else if decision == Checkpoint::Write && self.lead {
             self.state.elapsed_s = self.train_elapsed_s();
             let (weights, config_json, optimizer_state) =
                 (self.drafter.parameters(), self.drafter.config_json(), self.optimizer.state());
