@@ -5,15 +5,11 @@
 //! Its manifest records the parent, the step and the weights' SHA-256; its steps continue the
 //! parent's count.
 
-use super::start::{check_stop_at, connect, follower_rank, same_file};
+use super::start::{check_stop_at, connect, follower_rank, fresh_manifest};
 use crate::{
     config::{self, RunConfig},
-    environment::{cache_dir, git_revision},
-    experiment::{
-        self, checkpoint,
-        manifest::{self, ParentRecord},
-        Experiment, Manifest,
-    },
+    environment::cache_dir,
+    experiment::{self, checkpoint, manifest::ParentRecord, Experiment, Manifest},
     pipeline::assemble::build,
     plugins::Registry,
     train::{self, schedule::ForkSchedule, ResumeFrom, TrainSummary, TrainerState},
@@ -159,32 +155,7 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
     let declared = checkpoint::declared_by(&components.drafter.parameters());
     checkpoint::check_declared(&ckpt.weights_file(), &ckpt.weights, &declared)?;
 
-    let target = components.target.spec();
-    let gamma = train::loss::resolve_gamma(cfg.train.loss_gamma, components.drafter.block_size() as usize);
-    let resolved = toml::to_string(&cfg)?;
-    let target_source = PathBuf::from(target.source.as_str());
-    let known = |p: &Path| same_file(p, &target_source).then(|| target.source_sha256.to_string());
     let manifest = Manifest {
-        host_version: env!("CARGO_PKG_VERSION").into(),
-        git_revision: git_revision().into(),
-        command_line: std::env::args().collect(),
-        started_at_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs(),
-        seed: cfg.seed,
-        device: cfg.device.clone(),
-        dtype: cfg.dtype().into(),
-        build_id: plugin_api::build_id(),
-        plugins: components.records.clone(),
-        target_source: target.source.to_string(),
-        target_sha256: target.source_sha256.to_string(),
-        target_hub: manifest::target_hub(&cfg, &config_dir, &cache),
-        config_dir: config_dir.display().to_string(),
-        loss_gamma: gamma.map_or_else(|| "none".into(), Into::into),
-        config_sha256: Some(manifest::sha256_hex(resolved.as_bytes())),
-        config_toml: Some(resolved.clone()),
-        inputs: manifest::hash_inputs(&cfg, &config_dir, &cache, &known, &|_| false)?,
-        changes: Vec::new(),
-        ab: None,
-        arm: None,
         parent: Some(ParentRecord {
             path: parent.canonicalize().unwrap_or_else(|_| parent.to_path_buf()).display().to_string(),
             step: at,
@@ -195,7 +166,9 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
             schedule: spec.schedule.name().into(),
             rewarm,
         }),
+        ..fresh_manifest(&cfg, &config_dir, &cache, &components)?
     };
+    let resolved = manifest.config_toml.clone().expect("a fresh manifest holds its config");
 
     // The fork's folder, with the checkpoint it starts from as its own first one (written before
     // the folder appears): killed at any moment, the fork resumes from there at the latest.

@@ -54,14 +54,35 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         crate::config::preflight::check_exp_dir(exp_dir)?; // before the target loads
     }
     let components = build(cfg, config_path, &config_dir, registry)?;
+    components.check_poisoned()?;
+    let manifest = fresh_manifest(cfg, &config_dir, &cache, &components)?;
+    let manifest =
+        Manifest { ab: ab.map(|(name, _)| name.to_string()), arm: ab.map(|(_, arm)| arm.to_string()), ..manifest };
+    let resolved = manifest.config_toml.clone().expect("a fresh manifest holds its config");
+    let mut exp = if follower_rank()? {
+        Experiment::detached(exp_dir)
+    } else {
+        Experiment::create(exp_dir, &resolved, &manifest)?
+    };
+    let comm = connect(cfg, &components.records, exp_dir)?;
+    tracing::info!("experiment: {}", exp_dir.display());
+    train::train(cfg, components, &mut exp, &cache, train::TrainOptions { resume: None, stop_at, comm })
+}
+
+/// The manifest of a run starting now under `cfg` with `components`: versions, plugins, the
+/// target's source and hash, the resolved config and every input file's hash.
+pub(super) fn fresh_manifest(
+    cfg: &RunConfig,
+    config_dir: &Path,
+    cache: &Path,
+    components: &Components,
+) -> Result<Manifest> {
     let spec = components.target.spec();
     let gamma = crate::train::loss::resolve_gamma(cfg.train.loss_gamma, components.drafter.block_size() as usize);
-    components.check_poisoned()?;
     let resolved = toml::to_string(cfg)?;
     let target_source = PathBuf::from(spec.source.as_str());
     let known = |p: &Path| same_file(p, &target_source).then(|| spec.source_sha256.to_string());
-    let inputs = manifest::hash_inputs(cfg, &config_dir, &cache, &known, &|_| false)?;
-    let manifest = Manifest {
+    Ok(Manifest {
         host_version: env!("CARGO_PKG_VERSION").into(),
         git_revision: git_revision().into(),
         command_line: std::env::args().collect(),
@@ -73,25 +94,17 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         plugins: components.records.clone(),
         target_source: spec.source.to_string(),
         target_sha256: spec.source_sha256.to_string(),
-        target_hub: manifest::target_hub(cfg, &config_dir, &cache),
+        target_hub: manifest::target_hub(cfg, config_dir, cache),
         config_dir: config_dir.display().to_string(),
         loss_gamma: gamma.map_or_else(|| "none".into(), Into::into),
         config_sha256: Some(manifest::sha256_hex(resolved.as_bytes())),
-        config_toml: Some(resolved.clone()),
-        inputs,
+        config_toml: Some(resolved),
+        inputs: manifest::hash_inputs(cfg, config_dir, cache, &known, &|_| false)?,
         changes: Vec::new(),
-        ab: ab.map(|(name, _)| name.to_string()),
-        arm: ab.map(|(_, arm)| arm.to_string()),
+        ab: None,
+        arm: None,
         parent: None,
-    };
-    let mut exp = if follower_rank()? {
-        Experiment::detached(exp_dir)
-    } else {
-        Experiment::create(exp_dir, &resolved, &manifest)?
-    };
-    let comm = connect(cfg, &components.records, exp_dir)?;
-    tracing::info!("experiment: {}", exp_dir.display());
-    train::train(cfg, components, &mut exp, &cache, train::TrainOptions { resume: None, stop_at, comm })
+    })
 }
 
 pub(super) fn same_file(a: &Path, b: &Path) -> bool {
