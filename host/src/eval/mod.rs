@@ -235,21 +235,9 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
     })
 }
 
-/// `dflash-host eval`'s arguments.
-pub struct EvalCommand {
-    pub exp_dir: PathBuf,
-    pub checkpoint: Option<u64>,
-    pub drafter: Option<PathBuf>,
-    pub prompts: String,
-    pub prompt_format: PromptFormat,
-    pub limit: u32,
-    pub max_new_tokens: u32,
-    pub time_split: bool,
-}
-
 /// `dflash-host eval`: check the arguments, load the experiment with the checkpoint or drafter,
 /// evaluate, print, and write the results file named after what was evaluated.
-pub fn command(args: &EvalCommand, plugin_paths: &[PathBuf]) -> Result<()> {
+pub fn command(args: &crate::cli::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
     let exp_dir = &args.exp_dir;
     let mut opts = EvalOptions {
         source: args.prompts.clone(),
