@@ -1,12 +1,15 @@
 //! Root modules: how the host finds, checks and instantiates a plugin.
 
-use crate::{DataLoaderBox, DrafterBox, OptimizerBox, PluginError, TargetBox, TargetSpec};
+use crate::{
+    describe::{FlopsPart, FlopsQuery, SectionCheck, SectionDoc},
+    DataLoaderBox, DrafterBox, OptimizerBox, PluginError, TargetBox, TargetSpec,
+};
 use abi_stable::{
     declare_root_module_statics,
     library::RootModule,
     package_version_strings,
     sabi_types::VersionStrings,
-    std_types::{ROption, RResult, RStr, RString},
+    std_types::{ROption, RResult, RStr, RString, RVec},
     StableAbi,
 };
 
@@ -170,6 +173,23 @@ pub struct PluginModule {
     /// Create an instance from the plugin's config section (TOML text, may be empty).
     #[sabi(last_prefix_field)]
     pub create: extern "C" fn(config_toml: RStr<'_>, ctx: &HostContext) -> RResult<PluginInstance, PluginError>,
+    /// The config section's reference (ABI 1.8), generated from the type it is parsed into.
+    /// Absent from a plugin built before it: the host then has no reference to show.
+    #[sabi(missing_field(option))]
+    pub describe: extern "C" fn() -> SectionDoc,
+    /// Check the section before anything heavy loads (ABI 1.8): parse it, check what can be
+    /// checked without weights or data, and say which files the run reads. Errors name the
+    /// field (`field `lr`: ...`).
+    #[sabi(missing_field(option))]
+    pub check: extern "C" fn(config_toml: RStr<'_>, ctx: &HostContext) -> RResult<SectionCheck, PluginError>,
+    /// A target's forward FLOPs by part, from its config without its weights (ABI 1.8); None
+    /// when the plugin cannot tell.
+    #[sabi(missing_field(option))]
+    pub target_flops: extern "C" fn(
+        config_toml: RStr<'_>,
+        ctx: &HostContext,
+        query: FlopsQuery,
+    ) -> RResult<ROption<RVec<FlopsPart>>, PluginError>,
 }
 
 impl RootModule for PluginModule_Ref {
@@ -200,28 +220,69 @@ pub fn builtin_plugins() -> impl Iterator<Item = PluginModule_Ref> {
 /// symbol `dflash_plugin_<name>` (unique per plugin, so several can link into one binary).
 ///
 /// ```ignore
-/// plugin_api::declare_plugin!(optim_adamw, info, create);
+/// plugin_api::declare_plugin!(optim_adamw, info, create, section = ParamsAdamW);
 /// ```
+///
+/// `section = TYPE` names the type the config section is parsed into, a [`Section`]
+/// (`#[derive(Describe)]`): the host then shows its reference and runs its checks before anything
+/// heavy loads. Without it the plugin has neither.
+///
+/// [`Section`]: crate::describe::Section
 #[macro_export]
 macro_rules! declare_plugin {
     ($name:ident, $info:path, $create:path) => {
+        $crate::declare_plugin!(@module $name, $info, $create, $crate::describe::Undescribed);
+    };
+    ($name:ident, $info:path, $create:path, section = $section:ty) => {
+        $crate::declare_plugin!(@module $name, $info, $create, $section);
+    };
+    (@module $name:ident, $info:path, $create:path, $section:ty) => {
         pub fn plugin_module() -> $crate::PluginModule_Ref {
             use $crate::abi_stable::prefix_type::PrefixTypeTrait;
+            use $crate::abi_stable::std_types::{ROption, RResult, RStr, RString, RVec};
             // Prefixed names: the macro's arguments may be called `info` / `create` themselves.
-            extern "C" fn __dflash_build_id() -> $crate::abi_stable::std_types::RString {
+            extern "C" fn __dflash_build_id() -> RString {
                 $crate::build_id().into()
             }
             extern "C" fn __dflash_info() -> $crate::PluginInfo {
                 $crate::info_or_panic(|| $info())
             }
             extern "C" fn __dflash_create(
-                config: $crate::abi_stable::std_types::RStr<'_>,
+                config: RStr<'_>,
                 ctx: &$crate::HostContext,
-            ) -> $crate::abi_stable::std_types::RResult<$crate::PluginInstance, $crate::PluginError> {
+            ) -> RResult<$crate::PluginInstance, $crate::PluginError> {
                 $crate::catch_plugin_panic(|| $create(config.as_str(), ctx)).into()
             }
-            $crate::PluginModule { build_id: __dflash_build_id, info: __dflash_info, create: __dflash_create }
-                .leak_into_prefix()
+            extern "C" fn __dflash_describe() -> $crate::describe::SectionDoc {
+                $crate::catch_plugin_panic(|| Ok($crate::describe::section_doc::<$section>()))
+                    .unwrap_or_default()
+            }
+            extern "C" fn __dflash_check(
+                config: RStr<'_>,
+                ctx: &$crate::HostContext,
+            ) -> RResult<$crate::describe::SectionCheck, $crate::PluginError> {
+                $crate::catch_plugin_panic(|| $crate::describe::check_section::<$section>(config.as_str(), ctx))
+                    .into()
+            }
+            extern "C" fn __dflash_target_flops(
+                config: RStr<'_>,
+                ctx: &$crate::HostContext,
+                query: $crate::describe::FlopsQuery,
+            ) -> RResult<ROption<RVec<$crate::describe::FlopsPart>>, $crate::PluginError> {
+                $crate::catch_plugin_panic(|| {
+                    $crate::describe::section_flops::<$section>(config.as_str(), ctx, query)
+                })
+                .into()
+            }
+            $crate::PluginModule {
+                build_id: __dflash_build_id,
+                info: __dflash_info,
+                create: __dflash_create,
+                describe: __dflash_describe,
+                check: __dflash_check,
+                target_flops: __dflash_target_flops,
+            }
+            .leak_into_prefix()
         }
 
         $crate::inventory::submit! { $crate::BuiltinPlugin { module: plugin_module } }
