@@ -351,6 +351,12 @@ pub enum PluginsCommand {
         #[arg(long)]
         sha256: Option<String>,
     },
+    /// A plugin's config reference: every field of its section with type, default, range and
+    /// meaning, as the plugin describes it (a library is checked first, then loaded to ask it).
+    Doc {
+        /// A plugin library (`.so`), or the name of a built-in plugin.
+        plugin: String,
+    },
     /// Run the contract of a plugin's kind against it: pass / FAIL per clause.
     Check(crate::plugins::check::CheckArgs),
     /// Write a plugin crate from a template (build it with `cargo build --release`).

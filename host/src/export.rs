@@ -17,9 +17,15 @@
 
 pub mod card;
 
-use crate::experiment::{checkpoint, guard};
+use crate::{
+    experiment::{checkpoint, guard},
+    plugins::Registry,
+};
 use anyhow::{bail, Context, Result};
-use plugin_api::tch::{Kind, Tensor};
+use plugin_api::{
+    tch::{Kind, Tensor},
+    PluginKind,
+};
 use std::{
     ffi::CString,
     os::unix::ffi::OsStrExt,
@@ -44,11 +50,17 @@ pub struct Exported {
 
 /// Export checkpoint `step` of `exp_dir` (default: the newest that verifies) to `out`, with a
 /// model card.
-pub fn export_experiment(exp_dir: &Path, step: Option<u64>, out: &Path, force: bool) -> Result<Exported> {
+pub fn export_experiment(
+    exp_dir: &Path,
+    step: Option<u64>,
+    out: &Path,
+    force: bool,
+    registry: &Registry,
+) -> Result<Exported> {
     let abs = guard::check_out_folder("--out", out)?;
     let ckpt = checkpoint::find(exp_dir, step)?;
-    let card = card::model_card(exp_dir, &ckpt, out)?;
-    write(&ckpt, out, force, Some(&card.text))?;
+    let card = card::model_card(exp_dir, &ckpt, out, registry)?;
+    write(&ckpt, out, force, Some(&card.text), registry)?;
     // The card's lines with the drafter at `--out` itself, as a shell takes them (no code fences).
     let lines = card.serving.lines(&abs.display().to_string());
     let serving = lines.lines().filter(|l| !l.starts_with("```")).collect::<Vec<_>>().join("\n");
@@ -57,47 +69,38 @@ pub fn export_experiment(exp_dir: &Path, step: Option<u64>, out: &Path, force: b
 
 /// Write the checkpoint folder `checkpoint`'s drafter to `out` in the z-lab format, without a
 /// model card.
-pub fn export(checkpoint: &Path, out: &Path, force: bool) -> Result<()> {
+pub fn export(checkpoint: &Path, out: &Path, force: bool, registry: &Registry) -> Result<()> {
     guard::check_out_folder("--out", out)?;
-    write(&checkpoint::open_dir(checkpoint)?, out, force, None)
+    write(&checkpoint::open_dir(checkpoint)?, out, force, None, registry)
 }
 
-/// The checkpoint's weights against the shapes its config.json implies, for the drafters this
-/// binary knows; the config's sizes are bounded and consistent with them. A drafter of another
-/// plugin is exported as it is, with a warning.
-fn check_config(ckpt: &checkpoint::Opened, arch: &str) -> Result<()> {
+/// The checkpoint's weights against the shapes its config.json implies, as the drafter plugin
+/// whose config it is says (ABI `saved_shapes`: the config's sizes bounded and consistent). A
+/// drafter no plugin here claims is exported as it is, with a warning.
+fn check_config(ckpt: &checkpoint::Opened, arch: &str, registry: &Registry) -> Result<()> {
     let file = ckpt.dir.join("config.json");
-    let shapes = match arch {
-        "DFlashDraftModel" => {
-            let mut cfg: drafter_dflash::config::DFlashConfig =
-                serde_json::from_str(&ckpt.config_json).with_context(|| format!("{}", file.display()))?;
-            cfg.check().map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
-            cfg.parameter_shapes()
-        }
-        "DFlashGdnDraftModel" => {
-            let cfg: drafter_gdn::GdnConfig =
-                serde_json::from_str(&ckpt.config_json).with_context(|| format!("{}", file.display()))?;
-            cfg.check_saved().map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
-            cfg.parameter_shapes()
-        }
-        other => {
-            tracing::warn!(
-                "{}: drafter `{other}` is none this binary builds: its tensors are exported unchecked against its config",
-                file.display()
-            );
-            return Ok(());
-        }
-    };
-    let declared: Vec<_> = shapes.into_iter().map(|(name, shape)| (name, shape, Kind::Float)).collect();
-    checkpoint::check_declared(&ckpt.weights_file(), &ckpt.weights, &declared)
+    let drafters = registry.plugins.iter().filter(|p| p.record.kind == PluginKind::Drafter.as_str());
+    for plugin in drafters {
+        let Some(shapes) = plugin.saved_shapes(&ckpt.config_json).with_context(|| format!("{}", file.display()))?
+        else {
+            continue;
+        };
+        let declared: Vec<_> = shapes.into_iter().map(|(name, shape)| (name, shape, Kind::Float)).collect();
+        return checkpoint::check_declared(&ckpt.weights_file(), &ckpt.weights, &declared);
+    }
+    tracing::warn!(
+        "{}: drafter `{arch}` is none of this binary's plugins': its tensors are exported unchecked against its config",
+        file.display()
+    );
+    Ok(())
 }
 
 /// The export itself (see the module doc).
-fn write(ckpt: &checkpoint::Opened, out: &Path, force: bool, card: Option<&str>) -> Result<()> {
+fn write(ckpt: &checkpoint::Opened, out: &Path, force: bool, card: Option<&str>, registry: &Registry) -> Result<()> {
     let out = check_out(out, force)?;
     let mut cfg: serde_json::Value = serde_json::from_str(&ckpt.config_json)?;
     let arch = cfg["architectures"][0].as_str().unwrap_or("?").to_string();
-    check_config(ckpt, &arch)?;
+    check_config(ckpt, &arch, registry)?;
     // transformers 5's name for the weights' dtype (4.x wrote `torch_dtype`; both read back).
     if let Some(obj) = cfg.as_object_mut() {
         obj.remove("torch_dtype");
@@ -278,6 +281,10 @@ fn check_out(out: &Path, force: bool) -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn builtins() -> Registry {
+        Registry::new(&[]).unwrap()
+    }
     use crate::experiment::Experiment;
     use plugin_api::{tch::Device, NamedTensor};
 
@@ -302,7 +309,7 @@ mod tests {
         let ckpt = checkpoint(root.path());
         let before = std::fs::read(ckpt.join("model.safetensors")).unwrap();
         for inside in [ckpt.clone(), root.path().join("exp"), root.path().join("exp/zlab"), root.path().to_path_buf()] {
-            let err = export(&ckpt, &inside, true).unwrap_err().to_string();
+            let err = export(&ckpt, &inside, true, &builtins()).unwrap_err().to_string();
             assert!(err.contains("experiment"), "{}: {err}", inside.display());
         }
         assert_eq!(std::fs::read(ckpt.join("model.safetensors")).unwrap(), before, "the checkpoint was touched");
@@ -311,10 +318,10 @@ mod tests {
         let out = root.path().join("zlab");
         std::fs::create_dir(&out).unwrap();
         std::fs::write(out.join("notes.txt"), "mine").unwrap();
-        let err = export(&ckpt, &out, false).unwrap_err().to_string();
+        let err = export(&ckpt, &out, false, &builtins()).unwrap_err().to_string();
         assert!(err.contains("exists and is not empty; pass --force"), "{err}");
         assert_eq!(listing(&out), ["notes.txt"]);
-        export(&ckpt, &out, true).unwrap();
+        export(&ckpt, &out, true, &builtins()).unwrap();
         assert_eq!(listing(&out), ["config.json", "model.safetensors"]);
         assert_eq!(listing(root.path()), ["exp", "zlab"], "no temporary folder left behind");
         let back = Tensor::read_safetensors(out.join("model.safetensors")).unwrap();
@@ -329,7 +336,7 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let ckpt = checkpoint(root.path());
         let out = root.path().join("zlab");
-        export(&ckpt, &out, false).unwrap();
+        export(&ckpt, &out, false, &builtins()).unwrap();
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let readers: Vec<_> = (0..2)
             .map(|_| {
@@ -345,7 +352,7 @@ mod tests {
             })
             .collect();
         for _ in 0..60 {
-            export(&ckpt, &out, true).unwrap();
+            export(&ckpt, &out, true, &builtins()).unwrap();
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         for r in readers {
@@ -365,13 +372,13 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let ckpt = checkpoint(root.path());
         let out = root.path().join("zlab");
-        export(&ckpt, &out, false).unwrap();
+        export(&ckpt, &out, false, &builtins()).unwrap();
         let old = root.path().join(".zlab.replaced-2147483646");
         std::fs::rename(&out, &old).unwrap();
         std::fs::create_dir(root.path().join(".zlab.export-2147483646")).unwrap();
         let live = root.path().join(format!(".zlab.export-{}", std::os::unix::process::parent_id()));
         std::fs::create_dir(&live).unwrap();
-        let err = export(&ckpt, &out, false).unwrap_err().to_string();
+        let err = export(&ckpt, &out, false, &builtins()).unwrap_err().to_string();
         assert!(err.contains("exists and is not empty"), "{err}");
         assert_eq!(listing(&out), ["config.json", "model.safetensors"]);
         assert_eq!(
@@ -395,10 +402,13 @@ mod tests {
         bytes[n - 1] ^= 0x40; // one flipped bit in the weights: still a valid safetensors file
         std::fs::write(&model, bytes).unwrap();
         let out = root.path().join("zlab");
-        let err = format!("{:#}", export(&ckpt, &out, false).unwrap_err());
+        let err = format!("{:#}", export(&ckpt, &out, false, &builtins()).unwrap_err());
         assert!(err.contains("model.safetensors: checksum mismatch"), "{err}");
         assert!(!out.exists());
-        let err = format!("{:#}", export_experiment(&root.path().join("exp"), Some(3), &out, false).unwrap_err());
+        let err = format!(
+            "{:#}",
+            export_experiment(&root.path().join("exp"), Some(3), &out, false, &builtins()).unwrap_err()
+        );
         assert!(err.contains("checkpoint step-3 is not usable"), "{err}");
     }
 }

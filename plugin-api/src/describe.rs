@@ -74,6 +74,18 @@ pub struct InputFile {
     pub path: RString,
 }
 
+impl InputFile {
+    /// The file or folder a field names, resolved as the plugin will read it
+    /// ([`HostContext::resolve_path`]); an error naming the field when nothing is there.
+    pub fn existing(field: &str, value: &str, ctx: &HostContext) -> Result<Self, PluginError> {
+        let path = ctx.resolve_path(value);
+        if !path.exists() {
+            return Err(PluginError::new(format!("field `{field}`: {}: no such file or folder", path.display())));
+        }
+        Ok(Self { field: field.into(), path: path.display().to_string().into() })
+    }
+}
+
 /// A model a target's path named on a model hub, as found in the local cache now.
 #[repr(C)]
 #[derive(StableAbi, Clone, Debug, PartialEq)]
@@ -109,9 +121,26 @@ pub struct SectionCheck {
     pub hub: ROption<HubModel>,
     /// A data loader: the records it holds out, by split.
     pub splits: RVec<DataSplit>,
-    /// A target: the model family or kind its config names (`llama`, `qwen3_moe`), for model
-    /// cards; empty when unknown without loading it.
+    /// A target: what its config says of the model, read without its weights (None: unknown
+    /// until it loads, e.g. a model still to download).
+    pub target: ROption<TargetFacts>,
+}
+
+/// What a target's config says of the model (for model cards and benchmarks).
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq, Default)]
+pub struct TargetFacts {
+    /// HF `model_type` (`llama`, `qwen3_moe`), or a GGUF file's `general.architecture`.
     pub model_type: RString,
+    pub num_hidden_layers: u32,
+    /// Routed experts in its MLPs.
+    pub mixture_of_experts: bool,
+    /// Linear-attention (Gated DeltaNet) layers besides attention.
+    pub hybrid: bool,
+    /// Weights in a GGUF file.
+    pub gguf: bool,
+    /// A GGUF file's quantised tensor types (`Q4_K`, ...), sorted; empty when none.
+    pub quantised: RVec<RString>,
 }
 
 /// The shape a target's FLOPs are asked for.
@@ -133,6 +162,14 @@ pub struct FlopsPart {
     /// `attention`, `mlp`, `head`, ...
     pub name: RString,
     pub flop: f64,
+}
+
+/// A parameter's name and shape, as a saved drafter's config implies them.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq)]
+pub struct ParamShape {
+    pub name: RString,
+    pub shape: RVec<i64>,
 }
 
 /// A type a config field can have: how the reference names it and writes its values.
@@ -193,6 +230,14 @@ pub trait Section: DeserializeOwned + Describe {
         String::new()
     }
 
+    /// A drafter's parameters as a saved `config.json` of this plugin implies them (what `export`
+    /// checks the weights against before writing them); None when the config is not this
+    /// plugin's (its `architectures` name another model). Errors name the config's field.
+    fn saved_shapes(config_json: &str) -> Result<Option<Vec<(String, Vec<i64>)>>, PluginError> {
+        let _ = config_json;
+        Ok(None)
+    }
+
     /// A target's forward FLOPs by part, from its config without its weights; None: unknown
     /// (the host then counts a dense decoder of the loaded target's shape).
     fn target_flops(&self, ctx: &HostContext, query: FlopsQuery) -> Result<Option<Vec<FlopsPart>>, PluginError> {
@@ -221,6 +266,14 @@ pub fn section_flops<T: Section>(
     query: FlopsQuery,
 ) -> Result<ROption<RVec<FlopsPart>>, PluginError> {
     Ok(crate::parse_section::<T>(text)?.target_flops(ctx, query)?.map(RVec::from).into())
+}
+
+/// [`Section::saved_shapes`] across the ABI.
+pub fn section_saved_shapes<T: Section>(config_json: &str) -> Result<ROption<RVec<ParamShape>>, PluginError> {
+    let shapes = T::saved_shapes(config_json)?;
+    Ok(shapes
+        .map(|v| v.into_iter().map(|(name, shape)| ParamShape { name: name.into(), shape: shape.into() }).collect())
+        .into())
 }
 
 /// The section of a plugin declared without `section = TYPE`: any TOML parses, nothing is

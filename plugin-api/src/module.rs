@@ -1,7 +1,7 @@
 //! Root modules: how the host finds, checks and instantiates a plugin.
 
 use crate::{
-    describe::{FlopsPart, FlopsQuery, SectionCheck, SectionDoc},
+    describe::{FlopsPart, FlopsQuery, ParamShape, SectionCheck, SectionDoc},
     DataLoaderBox, DrafterBox, OptimizerBox, PluginError, TargetBox, TargetSpec,
 };
 use abi_stable::{
@@ -190,6 +190,10 @@ pub struct PluginModule {
         ctx: &HostContext,
         query: FlopsQuery,
     ) -> RResult<ROption<RVec<FlopsPart>>, PluginError>,
+    /// A drafter's parameter shapes as a saved config.json of this plugin implies them (ABI
+    /// 1.8), for `export`'s check of the weights; None when the config is not this plugin's.
+    #[sabi(missing_field(option))]
+    pub saved_shapes: extern "C" fn(config_json: RStr<'_>) -> RResult<ROption<RVec<ParamShape>>, PluginError>,
 }
 
 impl RootModule for PluginModule_Ref {
@@ -274,6 +278,11 @@ macro_rules! declare_plugin {
                 })
                 .into()
             }
+            extern "C" fn __dflash_saved_shapes(
+                config_json: RStr<'_>,
+            ) -> RResult<ROption<RVec<$crate::describe::ParamShape>>, $crate::PluginError> {
+                $crate::catch_plugin_panic(|| $crate::describe::section_saved_shapes::<$section>(config_json.as_str())).into()
+            }
             $crate::PluginModule {
                 build_id: __dflash_build_id,
                 info: __dflash_info,
@@ -281,6 +290,7 @@ macro_rules! declare_plugin {
                 describe: __dflash_describe,
                 check: __dflash_check,
                 target_flops: __dflash_target_flops,
+                saved_shapes: __dflash_saved_shapes,
             }
             .leak_into_prefix()
         }

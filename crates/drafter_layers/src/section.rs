@@ -13,9 +13,11 @@ macro_rules! drafter_section {
         pub struct $name {
             $($own)*
             /// Tokens per block, the anchor included (16 in the paper).
+            #[describe(range = "in 2..=64")]
             #[serde(default = "drafter_layers::section::default_block_size")]
             pub block_size: usize,
             /// How many target layers feed the drafter; their ids follow the DFlash paper's formula.
+            #[describe(range = ">= 1")]
             #[serde(default = "drafter_layers::section::default_num_target_features")]
             pub num_target_features: usize,
             /// Explicit target layer ids (overrides `num_target_features`).
@@ -26,6 +28,7 @@ macro_rules! drafter_section {
             #[serde(default)]
             pub mask_token_id: Option<u32>,
             /// MLP width (default: the target's).
+            #[describe(range = ">= 1")]
             #[serde(default)]
             pub intermediate_size: Option<usize>,
             /// Start from a saved drafter folder of this plugin (config.json + model.safetensors:

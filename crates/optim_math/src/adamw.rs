@@ -6,16 +6,20 @@ use serde::Deserialize;
 use std::sync::atomic::AtomicBool;
 
 /// Hyper-parameters; `Default` is PyTorch's, with `fused` on.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, plugin_api::Describe)]
 #[serde(deny_unknown_fields, default)]
 pub struct ParamsAdamW {
     /// Peak learning rate (the host's schedule multiplies it).
+    #[describe(range = "> 0")]
     pub lr: f64,
     /// Decay rates of the first and second moment averages.
+    #[describe(range = "in [0, 1)")]
     pub betas: [f64; 2],
     /// Added to the denominator's square root.
+    #[describe(range = "> 0")]
     pub eps: f64,
     /// Decoupled weight decay: p *= 1 - lr * weight_decay each step.
+    #[describe(range = ">= 0")]
     pub weight_decay: f64,
     /// On CUDA, update every tensor in one fused kernel (torch's `AdamW(fused=True)`), equal to
     /// the single-tensor path to rounding; the CPU always takes the single-tensor path.
@@ -25,6 +29,15 @@ pub struct ParamsAdamW {
 impl Default for ParamsAdamW {
     fn default() -> Self {
         Self { lr: 1e-3, betas: [0.9, 0.999], eps: 1e-8, weight_decay: 1e-2, fused: true }
+    }
+}
+
+/// The `[optimizer]` section of the AdamW plugin: its checks are its ranges (creating the
+/// optimizer allocates nothing either way).
+impl plugin_api::Section for ParamsAdamW {
+    fn check(&self, _ctx: &plugin_api::HostContext) -> Result<plugin_api::describe::SectionCheck, PluginError> {
+        self.validate()?;
+        Ok(Default::default())
     }
 }
 

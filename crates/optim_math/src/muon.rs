@@ -100,7 +100,7 @@ pub fn shard_by_cost(costs: &[f64], world: usize) -> Vec<usize> {
 }
 
 /// How the learning rate is scaled by a matrix's shape (torch's `adjust_lr_fn`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, plugin_api::Describe)]
 #[serde(rename_all = "snake_case")]
 pub enum AdjustLr {
     /// KellerJordan: `lr * sqrt(max(1, rows/cols))`, so tall matrices' updates keep their RMS.

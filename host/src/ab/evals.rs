@@ -36,15 +36,13 @@ impl PromptSet {
     }
 }
 
-/// `[eval]` needs both prompt sets; with the built-in data plugin that is checked before any run
-/// (another plugin says so when asked).
-pub fn check(cfg: &crate::config::RunConfig) -> Result<()> {
-    if let Some(s) = super::chat_data(cfg)? {
-        if s.validation == 0 || s.eval_holdout == 0 {
+/// `[eval]` needs both prompt sets: checked before any run where the data plugin says how many
+/// records it holds out (`splits`: validation, holdout).
+pub fn check(splits: Option<(u64, u64)>) -> Result<()> {
+    if let Some((validation, holdout)) = splits {
+        if validation == 0 || holdout == 0 {
             anyhow::bail!(
-                "[eval] decodes the validation and the test prompts, but [data] has `validation = {}`, `eval_holdout = {}`: hold records out for both",
-                s.validation,
-                s.eval_holdout
+                "[eval] decodes the validation and the test prompts, but [data] has `validation = {validation}`, `eval_holdout = {holdout}`: hold records out for both"
             );
         }
     }

@@ -33,7 +33,10 @@ mod sweep;
 pub use select::{choose, Select};
 pub use sweep::SweepPoint;
 
-use crate::config::{validate_name, RunConfig};
+use crate::{
+    config::{validate_name, RunConfig},
+    plugins::Registry,
+};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::{
@@ -165,14 +168,16 @@ impl Plan {
     }
 }
 
-/// The run's `[data]` when it is the built-in chat loader's (None for another plugin, whose
-/// splits only it knows): what the checks before any run read.
-fn chat_data(cfg: &RunConfig) -> Result<Option<data_chat::ChatSection>> {
-    let data = cfg.section("data");
-    if data.plugin != "chat" {
-        return Ok(None);
-    }
-    plugin_api::parse_section(&data.config_toml).map(Some).map_err(|e| anyhow::anyhow!("[data] {e}"))
+/// Records the run's data loader holds out, by split, as its plugin's check says (ABI `check`):
+/// `(validation, holdout)`. None when the plugin does not say, or refuses the section (the run
+/// reports why when it starts).
+fn data_splits(cfg: &RunConfig, config_dir: &Path, registry: &Registry) -> Option<(u64, u64)> {
+    let section = cfg.section("data");
+    let plugin = registry.find(plugin_api::PluginKind::DataLoader, &section.plugin).ok()?;
+    let ctx = crate::experiment::manifest::plugin_context(cfg, config_dir, &crate::environment::cache_dir());
+    let check = plugin.check(&section, &ctx).ok()?;
+    let records = |name: &str| check.splits.iter().find(|s| s.name.as_str() == name).map(|s| s.records);
+    Some((records("validation")?, records("holdout")?))
 }
 
 const PLUGIN_SECTIONS: [&str; 4] = ["target", "drafter", "optimizer", "data"];
@@ -195,7 +200,7 @@ pub fn merge(base: &mut toml::Table, arm: &toml::Table) {
 
 /// Read an A/B file and expand it into runs under `root/<name>/`: every arm, every value it
 /// sweeps, every seed, each config typed and checked now (a bad value is refused before any run).
-pub fn plan(path: &Path, seeds: Option<u64>, root: &Path) -> Result<Plan> {
+pub fn plan(path: &Path, seeds: Option<u64>, root: &Path, registry: &Registry) -> Result<Plan> {
     let text = input_files::read_to_string_capped(path, crate::config::MAX_CONFIG_BYTES)
         .with_context(|| format!("reading {}", path.display()))?;
     let ab: AbConfig =
@@ -218,6 +223,7 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path) -> Result<Plan> {
         }
     }
     let base_path = crate::config::config_dir(path).join(&ab.base);
+    let base_dir = crate::config::config_dir(&base_path);
     let base_text = input_files::read_to_string_capped(&base_path, crate::config::MAX_CONFIG_BYTES)
         .with_context(|| format!("reading base config {}", base_path.display()))?;
     let base: toml::Table = toml::from_str(&base_text)
@@ -263,10 +269,12 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path) -> Result<Plan> {
                 let config: RunConfig = t.try_into().map_err(|e: toml::de::Error| bad(&e.message()))?;
                 config.validate().map_err(|e| bad(&e))?;
                 if ab.eval.is_some() {
-                    evals::check(&config).map_err(|e| bad(&e))?;
+                    evals::check(data_splits(&config, &base_dir, registry)).map_err(|e| bad(&e))?;
                 }
                 if let (Some(select), Some(p)) = (select, &point) {
-                    select.check(&config, ab.eval.is_some()).map_err(|e| bad(&format!("{}: {e}", p.label)))?;
+                    select
+                        .check(&config, data_splits(&config, &base_dir, registry), ab.eval.is_some())
+                        .map_err(|e| bad(&format!("{}: {e}", p.label)))?;
                 }
                 runs.push(ArmRun {
                     arm: arm.clone(),
@@ -349,13 +357,13 @@ pub fn run(
     seeds: Option<u64>,
     device: Option<&str>,
     out: Option<&Path>,
-    registry: &crate::plugins::Registry,
+    registry: &Registry,
     print_summary: fn(&crate::train::TrainSummary),
 ) -> Result<(PathBuf, Option<u8>)> {
     if let Some(out) = out {
         crate::experiment::guard::check_out_folder("--out", out)?; // before hours of training
     }
-    let plan = plan(config, seeds, Path::new("experiments"))?;
+    let plan = plan(config, seeds, Path::new("experiments"), registry)?;
     let plan = match device {
         Some(d) => plan.on_device(d),
         None => plan,
@@ -436,11 +444,7 @@ fn point_text(r: &ArmRun) -> String {
 
 /// Train one run of the plan (new, resumed, or left as it is when finished). Returns the exit
 /// code of an interrupted run.
-fn train_one(
-    r: &ArmRun,
-    registry: &crate::plugins::Registry,
-    print_summary: fn(&crate::train::TrainSummary),
-) -> Result<Option<u8>> {
+fn train_one(r: &ArmRun, registry: &Registry, print_summary: fn(&crate::train::TrainSummary)) -> Result<Option<u8>> {
     let summary = match arm_state(r)? {
         ArmState::Finished => {
             tracing::info!("{} is complete already; skipping it", r.dir.display());

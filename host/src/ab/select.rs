@@ -37,7 +37,7 @@ impl Select {
 
     /// A swept run's config must produce the measure: `[eval]` for real tau, `train.eval_every`
     /// for the others, and (with the built-in data plugin) a validation split.
-    pub fn check(self, cfg: &RunConfig, has_eval: bool) -> Result<()> {
+    pub fn check(self, cfg: &RunConfig, splits: Option<(u64, u64)>, has_eval: bool) -> Result<()> {
         match self {
             Select::ValTau if !has_eval => {
                 bail!("chosen by val_tau (real tau on the validation prompts), but the A/B has no [eval] table")
@@ -47,7 +47,7 @@ impl Select {
             }
             _ => {}
         }
-        if super::chat_data(cfg)?.is_some_and(|s| s.validation == 0) {
+        if splits.is_some_and(|(validation, _)| validation == 0) {
             bail!(
                 "chosen by {} on the validation split, but [data] has `validation = 0`: hold some records out",
                 self.as_str()

@@ -1,5 +1,9 @@
 use super::*;
 
+fn builtins() -> Registry {
+    Registry::new(&[]).unwrap()
+}
+
 const BASE: &str = r#"
 name = "base"
 [train]
@@ -37,7 +41,7 @@ fn arms_differ_only_in_what_they_name() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("base.toml"), BASE).unwrap();
     std::fs::write(dir.path().join("ab.toml"), AB).unwrap();
-    let p = plan(&dir.path().join("ab.toml"), None, Path::new("experiments")).unwrap();
+    let p = plan(&dir.path().join("ab.toml"), None, Path::new("experiments"), &builtins()).unwrap();
     let runs: Vec<&ArmRun> = p.all_runs().collect();
     let names: Vec<_> = runs.iter().map(|r| (r.arm.as_str(), r.seed, r.config.name.as_str())).collect();
     assert_eq!(
@@ -63,7 +67,7 @@ fn arms_differ_only_in_what_they_name() {
     assert_eq!((runs[0].config.train.steps, runs[2].config.train.steps), (7, 7));
     assert_eq!(runs[0].config.section("data").config_toml, runs[2].config.section("data").config_toml);
     assert_eq!(runs[1].config.seed, runs[3].config.seed);
-    let more = plan(&dir.path().join("ab.toml"), Some(3), Path::new("x")).unwrap();
+    let more = plan(&dir.path().join("ab.toml"), Some(3), Path::new("x"), &builtins()).unwrap();
     assert_eq!(more.all_runs().count(), 6);
     // `ab --device`: every run moves, nothing else does.
     let before: Vec<String> = more.all_runs().map(|r| r.config.device.clone()).collect();
@@ -77,7 +81,7 @@ fn a_rerun_resumes_unfinished_arms_keeps_finished_ones_and_refuses_edited_ones()
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("base.toml"), BASE).unwrap();
     std::fs::write(dir.path().join("ab.toml"), AB).unwrap();
-    let p = plan(&dir.path().join("ab.toml"), None, &dir.path().join("experiments")).unwrap();
+    let p = plan(&dir.path().join("ab.toml"), None, &dir.path().join("experiments"), &builtins()).unwrap();
     let runs: Vec<&ArmRun> = p.all_runs().collect();
     let r = runs[0];
     assert_eq!(arm_state(r).unwrap(), ArmState::New);
@@ -91,7 +95,7 @@ fn a_rerun_resumes_unfinished_arms_keeps_finished_ones_and_refuses_edited_ones()
     std::fs::remove_file(r.dir.join("summary.json")).unwrap();
     // The A/B file was edited since the arm started: refused, naming the field; nothing deleted.
     std::fs::write(dir.path().join("ab.toml"), AB.replace("lr = 2e-3", "lr = 5e-3")).unwrap();
-    let edited = plan(&dir.path().join("ab.toml"), None, &dir.path().join("experiments")).unwrap();
+    let edited = plan(&dir.path().join("ab.toml"), None, &dir.path().join("experiments"), &builtins()).unwrap();
     let err = arm_state(edited.all_runs().next().unwrap()).unwrap_err().to_string();
     assert!(
         err.contains("arm `adamw` seed 0") && err.contains("`optimizer.lr` changed: 0.002 then, 0.005 now"),
@@ -109,10 +113,10 @@ fn bad_ab_files_are_named() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("base.toml"), BASE).unwrap();
     std::fs::write(dir.path().join("ab.toml"), AB.replace("[arms.muon]", "[arms.muon]\nstepz = 3")).unwrap();
-    let err = plan(&dir.path().join("ab.toml"), None, Path::new("e")).unwrap_err().to_string();
+    let err = plan(&dir.path().join("ab.toml"), None, Path::new("e"), &builtins()).unwrap_err().to_string();
     assert!(err.contains("arm `muon`") && err.contains("stepz"), "{err}");
     std::fs::write(dir.path().join("one.toml"), "name = \"x\"\nbase = \"base.toml\"\n[arms.a]\n").unwrap();
-    let err = plan(&dir.path().join("one.toml"), None, Path::new("e")).unwrap_err().to_string();
+    let err = plan(&dir.path().join("one.toml"), None, Path::new("e"), &builtins()).unwrap_err().to_string();
     assert!(err.contains("at least two arms"), "{err}");
 }
 
@@ -123,10 +127,10 @@ fn ab_and_arm_names_that_could_leave_experiments_are_refused() {
     let ab = dir.path().join("ab.toml");
     for bad in ["../up", "a/b", ".hidden", ".."] {
         std::fs::write(&ab, AB.replace("name = \"opt\"", &format!("name = {:?}", bad))).unwrap();
-        let err = plan(&ab, None, Path::new("e")).unwrap_err().to_string();
+        let err = plan(&ab, None, Path::new("e"), &builtins()).unwrap_err().to_string();
         assert!(err.contains("ab.toml") && err.contains("not a valid experiment name"), "{bad}: {err}");
         std::fs::write(&ab, AB.replace("[arms.muon]", &format!("[arms.{:?}]", bad))).unwrap();
-        let err = plan(&ab, None, Path::new("e")).unwrap_err().to_string();
+        let err = plan(&ab, None, Path::new("e"), &builtins()).unwrap_err().to_string();
         assert!(err.contains(&format!("arm `{bad}`")) && err.contains("not a valid experiment name"), "{bad}: {err}");
     }
 }
@@ -148,7 +152,9 @@ optimizer = { plugin = "muon", lr = 0.02 }
 fn sweep_plan(ab: &str, root: &Path) -> Result<Plan> {
     std::fs::write(root.join("base.toml"), BASE)?;
     std::fs::write(root.join("ab.toml"), ab)?;
-    plan(&root.join("ab.toml"), None, &root.join("experiments"))
+    // The data plugin's check (which says how many records it holds out) finds its dataset.
+    std::fs::write(root.join("d.json"), "[]")?;
+    plan(&root.join("ab.toml"), None, &root.join("experiments"), &builtins())
 }
 
 fn folder(r: &ArmRun) -> String {
@@ -296,9 +302,9 @@ fn the_ab_files_in_configs_plan() {
     files.retain(|f| f.file_name().unwrap().to_string_lossy().starts_with("ab-"));
     assert!(files.len() >= 3, "{files:?}");
     for f in files {
-        plan(&f, None, Path::new("experiments")).unwrap_or_else(|e| panic!("{}: {e:#}", f.display()));
+        plan(&f, None, Path::new("experiments"), &builtins()).unwrap_or_else(|e| panic!("{}: {e:#}", f.display()));
     }
-    let p = plan(&configs.join("ab-adamw-vs-muon-lr.toml"), None, Path::new("experiments")).unwrap();
+    let p = plan(&configs.join("ab-adamw-vs-muon-lr.toml"), None, Path::new("experiments"), &builtins()).unwrap();
     let first: Vec<String> = p.first_seed_runs().map(folder).collect();
     assert_eq!(
         first,

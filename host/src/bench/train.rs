@@ -28,10 +28,11 @@ use anyhow::{anyhow, bail, Context, Result};
 use kernels::profiler;
 use plugin_api::{
     abi_stable::std_types::RSome,
+    describe::FlopsQuery,
     tch::{self, Device, Kind, Tensor},
     DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind, TargetSpec, TensorHandle,
 };
-use std::{path::Path, time::Instant};
+use std::{collections::BTreeMap, path::Path, time::Instant};
 
 use super::train_report::phase;
 pub use super::train_report::{print, BenchConfig, BenchShape, Phase, Report};
@@ -207,14 +208,22 @@ fn synthetic_batch(spec: &TargetSpec, b: usize, s: usize) -> (Tensor, Tensor) {
     (ids, mask)
 }
 
-/// The config of an `hf` target (an HF config.json or a folder holding one; None for a GGUF or
-/// another plugin).
-fn hf_config(target: &toml::Table, ctx: &HostContext) -> Option<target_hf::config::DecoderConfig> {
-    if target.get("plugin").and_then(|p| p.as_str()) != Some("hf") {
-        return None;
-    }
-    let path = ctx.resolve_path(target.get("path")?.as_str()?);
-    target_hf::config::DecoderConfig::read(&path).ok()
+/// The target's forward FLOPs by part for `layers` over a [b, s] batch, as its plugin counts them
+/// from its config (ABI `target_flops`: the hf plugin counts by architecture, hybrid and MoE
+/// layers, active experts only); None where the plugin cannot tell.
+fn plugin_flops(
+    registry: &Registry,
+    target: &toml::Table,
+    ctx: &HostContext,
+    layers: usize,
+    (b, s): (usize, usize),
+    logits: bool,
+) -> Result<Option<BTreeMap<String, f64>>> {
+    let section = section("target", target)?;
+    let plugin = registry.find(PluginKind::Target, &section.plugin)?;
+    let query = FlopsQuery { layers: layers as u32, batch: b as u32, seq_len: s as u32, logits };
+    let parts = plugin.target_flops(&section, ctx, query)?;
+    Ok(parts.map(|p| p.into_iter().map(|part| (part.name.into_string(), part.flop)).collect()))
 }
 
 /// Trained parameters and, where the drafter's config is DFlash's (z-lab format), its layer shape.
@@ -306,12 +315,13 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     drop(features);
     let c = counts.expect("at least one step ran");
     let target_shape = Shape::of_target(&spec);
-    // The target's FLOPs: the hf plugin's count by architecture (hybrid and MoE layers, active
-    // experts only) where its config can be read, else the dense decoder formula.
-    let hf_cfg = hf_config(&cfg.target, &ctx);
-    let target_flops = |layers: usize, logits: bool| match &hf_cfg {
-        Some(c) => target_hf::flops::forward(c, layers, b, s, logits).total(),
-        None => flops::target_forward(&target_shape, layers, b, s, logits),
+    // The target's FLOPs: its plugin's count from its config where it gives one, else the dense
+    // decoder formula at the loaded target's shape.
+    let target_flops = |layers: usize, logits: bool| -> Result<f64> {
+        Ok(match plugin_flops(registry, &cfg.target, &ctx, layers, (b, s), logits)? {
+            Some(parts) => parts.values().sum(),
+            None => flops::target_forward(&target_shape, layers, b, s, logits),
+        })
     };
     let (drafter_flop, exact) = match layout {
         Some((shape, layers)) => {
@@ -353,11 +363,11 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     let features_s = time(device, sh.warmup, sh.iters, || forward(false).map(drop))?;
     let upto = layer_ids.iter().max().map_or(0, |&m| m as usize + 1);
     let target_tokens = (b * s) as f64;
-    let target_features = phase(features_s, target_tokens, target_flops(upto, false), ceiling, mem(device));
+    let target_features = phase(features_s, target_tokens, target_flops(upto, false)?, ceiling, mem(device));
     let full_s = time(device, sh.warmup, sh.iters, || forward(true).map(drop))?;
     let layers = spec.num_hidden_layers as usize;
-    let target_full = phase(full_s, target_tokens, target_flops(layers, true), ceiling, mem(device));
-    let target_full_flop_split = hf_cfg.as_ref().map(|c| target_hf::flops::forward(c, layers, b, s, true));
+    let target_full = phase(full_s, target_tokens, target_flops(layers, true)?, ceiling, mem(device));
+    let target_full_flop_split = plugin_flops(registry, &cfg.target, &ctx, layers, (b, s), true)?;
 
     // 5. The pipeline: each step, fresh ids through the target, its features into the drafter.
     let pipeline_s = time(device, 1, sh.iters, || {
@@ -443,32 +453,31 @@ mod tests {
         assert!(trace.path().join("target_forward.trace.json").exists());
     }
 
-    /// The hybrid and MoE bench configs read: the target's config by the hf plugin (the
-    /// Qwen3.6-27B one in its multimodal layout), the drafter section against a spec of that
-    /// target, and the FLOPs counted by architecture.
+    /// The hybrid and MoE bench configs read through the plugins' ABI: the target's config
+    /// without its weights (the Qwen3.6-27B one in its multimodal layout), the drafter section
+    /// checked, and the FLOPs counted by architecture. (The drafter resolved against that
+    /// target is drafter_dflash's own test.)
     #[test]
     fn the_hybrid_and_moe_bench_configs_read() {
+        let registry = Registry::new(&[]).unwrap();
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bench");
-        for (name, layers, drafter_heads) in
-            [("qwen3.6-27b.toml", 64, (32, 8, 128)), ("qwen3-30b-a3b.toml", 48, (32, 4, 128))]
-        {
+        for (name, layers) in [("qwen3.6-27b.toml", 64), ("qwen3-30b-a3b.toml", 48)] {
             let path = dir.join(name);
             let cfg: BenchConfig = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
             let ctx = crate::plugins::host_context("cpu", "f32", 0, &dir, Path::new("/nonexistent"));
-            let t = hf_config(&cfg.target, &ctx).unwrap_or_else(|| panic!("{name}: target config"));
-            assert_eq!(t.num_hidden_layers, layers, "{name}");
-            let spec = t.target_spec().unwrap();
-            let mut drafter = cfg.drafter.clone();
-            drafter.remove("plugin");
-            let section: drafter_dflash::DrafterSection = toml::from_str(&toml::to_string(&drafter).unwrap()).unwrap();
-            let d = section.resolve(&spec).unwrap();
-            assert_eq!((d.num_attention_heads, d.num_key_value_heads, d.head_dim), drafter_heads, "{name}");
-            let f = target_hf::flops::forward(&t, layers, 4, 3072, true);
-            assert!(f.mlp > 0.0 && f.attention > 0.0 && f.head > 0.0, "{name}: {f:?}");
-            if name.starts_with("qwen3.6") {
-                assert_eq!(d.dflash_config.target_layer_ids, vec![1, 16, 31, 46, 61]);
-                assert!(f.gdn > 0.0 && (t.rotary_dim(), t.rope_theta) == (64, 1e7));
-            }
+            let target = section("target", &cfg.target).unwrap();
+            let check = registry.find(PluginKind::Target, "hf").unwrap().check(&target, &ctx).unwrap();
+            let facts = check.target.into_option().unwrap_or_else(|| panic!("{name}: target config"));
+            assert_eq!(facts.num_hidden_layers, layers, "{name}");
+            assert_eq!(
+                (facts.hybrid, facts.mixture_of_experts),
+                (name.starts_with("qwen3.6"), name.starts_with("qwen3-30b"))
+            );
+            let drafter = section("drafter", &cfg.drafter).unwrap();
+            registry.find(PluginKind::Drafter, &drafter.plugin).unwrap().check(&drafter, &ctx).unwrap();
+            let f = plugin_flops(&registry, &cfg.target, &ctx, layers as usize, (4, 3072), true).unwrap().unwrap();
+            assert!(f["mlp"] > 0.0 && f["attention"] > 0.0 && f["head"] > 0.0, "{name}: {f:?}");
+            assert_eq!(f["gdn"] > 0.0, name.starts_with("qwen3.6"), "{name}: {f:?}");
         }
     }
 }

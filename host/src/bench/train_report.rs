@@ -88,9 +88,9 @@ pub struct Report {
     pub target_features: Phase,
     /// Target forward through every layer and the LM head (what HF `model(ids)` computes).
     pub target_full: Phase,
-    /// The full forward's FLOPs by layer part, where the target is the hf plugin (its count by
-    /// architecture: Gated DeltaNet layers, attention, active experts).
-    pub target_full_flop_split: Option<target_hf::flops::ForwardFlops>,
+    /// The full forward's FLOPs by layer part (`attention`, `gdn`, `mlp`, `head`, ...), where the
+    /// target's plugin counts them (the hf plugin: by architecture, active experts only).
+    pub target_full_flop_split: Option<std::collections::BTreeMap<String, f64>>,
     pub drafter_step: Phase,
     /// Target features + drafter step, sequentially on one device; tok_per_s in draft tokens.
     pub pipeline: Phase,
@@ -150,13 +150,14 @@ pub fn print(r: &Report) {
     row("target forward (features)", &r.target_features);
     row("target forward (full)", &r.target_full);
     if let Some(f) = &r.target_full_flop_split {
-        let pct = |x: f64| 100.0 * x / f.total();
+        let total: f64 = f.values().sum();
+        let pct = |part: &str| 100.0 * f.get(part).copied().unwrap_or(0.0) / total;
         crate::say!(
             "  its FLOPs: Gated DeltaNet layers {:.1}%, attention layers {:.1}%, MLPs {:.1}%, LM head {:.1}%",
-            pct(f.gdn),
-            pct(f.attention),
-            pct(f.mlp),
-            pct(f.head)
+            pct("gdn"),
+            pct("attention"),
+            pct("mlp"),
+            pct("head")
         );
     }
     let drafter_name = if r.drafter_flop_exact { "drafter step" } else { "drafter step (est. FLOP)" };

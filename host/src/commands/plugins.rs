@@ -1,7 +1,8 @@
-//! `dflash-host plugins list | inspect | check | new | probe`.
+//! `dflash-host plugins list | inspect | doc | check | new | probe`.
 
 use crate::{
     cli::PluginsCommand,
+    config::explain,
     plugins::{self, PluginRecord, Registry},
     say,
 };
@@ -22,6 +23,10 @@ pub fn run(command: PluginsCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode
             print_plugins(std::iter::once(&record));
             Ok(ExitCode::SUCCESS)
         }
+        PluginsCommand::Doc { plugin } => {
+            say!("{}", doc(&plugin, plugin_paths)?.trim_end());
+            Ok(ExitCode::SUCCESS)
+        }
         PluginsCommand::Check(args) => plugins::check::run(plugin_paths, args),
         PluginsCommand::New(args) => plugins::new::run(args),
         // The child process `probe` runs: load the library here, print what it declares.
@@ -31,6 +36,27 @@ pub fn run(command: PluginsCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// The reference of a plugin library (checked, probed, then loaded to ask it), or of a plugin
+/// known by name (a built-in, or one given with `--plugin`).
+fn doc(plugin: &str, plugin_paths: &[PathBuf]) -> Result<String> {
+    let as_path = std::path::Path::new(plugin);
+    if as_path.exists() || plugin.ends_with(".so") {
+        let path = plugins::find_library(as_path)?;
+        let mut paths = plugin_paths.to_vec();
+        paths.push(path.clone());
+        let registry = Registry::new(&paths)?;
+        let origin = path.display().to_string();
+        let p = registry.plugins.iter().find(|p| p.record.origin == origin).expect("the library just registered");
+        return explain::plugin_markdown(p, &registry);
+    }
+    let registry = Registry::new(plugin_paths)?;
+    let Some(p) = registry.plugins.iter().find(|p| p.record.name == plugin) else {
+        let known: Vec<&str> = registry.plugins.iter().map(|p| p.record.name.as_str()).collect();
+        anyhow::bail!("plugins doc {plugin}: no such file, and no plugin of that name (known: {})", known.join(", "));
+    };
+    explain::plugin_markdown(p, &registry)
 }
 
 fn print_plugins<'a>(records: impl Iterator<Item = &'a PluginRecord>) {

@@ -13,14 +13,14 @@ pub mod preflight;
 mod sections;
 
 pub use locate::{locate_key, locate_plugin_error, toml_error};
-pub use overrides::{set_dotted, Override};
+pub use overrides::{is_hub_name, set_dotted, Override};
 pub use sections::{AnchorRule, LossGamma, LossNormalization, PipelineConfig, TrainConfig};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, plugin_api::Describe)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
     /// Experiment name: the folder under `experiments/`.
@@ -34,13 +34,18 @@ pub struct RunConfig {
     /// `f32` or `bf16`; default f32 on CPU, bf16 on CUDA.
     #[serde(default)]
     pub dtype: Option<String>,
+    /// Steps, batch shape, loss, schedule and checkpoints.
     pub train: TrainConfig,
     /// Where the stages run and how they connect (default: everything on `device`).
     #[serde(default)]
     pub pipeline: PipelineConfig,
+    /// The target model: its plugin (`plugin = "hf"`) and that plugin's fields.
     pub target: toml::Table,
+    /// The drafter architecture: its plugin and that plugin's fields.
     pub drafter: toml::Table,
+    /// The optimizer: its plugin and that plugin's fields.
     pub optimizer: toml::Table,
+    /// The data loader: its plugin and that plugin's fields.
     pub data: toml::Table,
     /// The `--set` / `--device` arguments applied, by dotted key (errors about a field one of
     /// them set name the argument instead of the file's line).
@@ -50,6 +55,44 @@ pub struct RunConfig {
 
 fn default_device() -> String {
     "cpu".into()
+}
+
+/// A key of the host's own sections (the top level, `[train]`, `[pipeline]`) that their types do
+/// not describe, in the file or set by an override: `file:line: field `train.stesp`: unknown
+/// field `stesp`, did you mean `steps`?` (the override's argument instead of the file's line).
+fn unknown_host_field(path: &Path, text: &str, overrides: &[Override]) -> Result<()> {
+    let Ok(mut table) = toml::from_str::<toml::Table>(text) else { return Ok(()) }; // typing reports it
+    let doc = plugin_api::describe::SectionDoc {
+        described: true,
+        tables: plugin_api::describe::tables_of::<RunConfig>("").into(),
+        notes: Default::default(),
+    };
+    let first_unknown = |table: &toml::Table| -> Option<(String, String, String)> {
+        for (key, value) in table {
+            if let Some(e) = doc.unknown_field(key) {
+                return Some((String::new(), key.clone(), e));
+            }
+            if let (Some(inner), true) = (value.as_table(), ["train", "pipeline"].contains(&key.as_str())) {
+                if let Some(e) = inner.keys().find_map(|k| doc.unknown_field(&format!("{key}.{k}")).map(|e| (k, e))) {
+                    return Some((key.clone(), e.0.clone(), e.1));
+                }
+            }
+        }
+        None
+    };
+    if let Some((section, key, e)) = first_unknown(&table) {
+        let dotted = if section.is_empty() { key.clone() } else { format!("{section}.{key}") };
+        let at = locate_key(text, &section, &key).map_or(String::new(), |l| format!(":{l}"));
+        bail!("{}{at}: field `{dotted}`: {e}", path.display());
+    }
+    for o in overrides {
+        o.apply(&mut table)?;
+        if let Some((section, key, e)) = first_unknown(&table) {
+            let dotted = if section.is_empty() { key } else { format!("{section}.{key}") };
+            bail!("{}: field `{dotted}`: {e}", o.arg);
+        }
+    }
+    Ok(())
 }
 
 /// A plugin section: which plugin, and its own config as TOML text.
@@ -80,6 +123,7 @@ impl RunConfig {
     /// exactly as the file's own values, and an error caused by one names that argument.
     pub fn from_toml_with(path: &Path, text: &str, overrides: &[Override]) -> Result<Self> {
         let file_error = |e: toml::de::Error| anyhow::anyhow!("{}", toml_error(path, text, &e));
+        unknown_host_field(path, text, overrides)?;
         let mut cfg: RunConfig = if overrides.is_empty() {
             toml::from_str(text).map_err(file_error)?
         } else {

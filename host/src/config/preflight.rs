@@ -7,9 +7,8 @@ use crate::{
     plugins::Registry,
 };
 use anyhow::{anyhow, bail, Result};
-use plugin_api::{HostContext, PluginKind};
+use plugin_api::{describe::SectionDoc, HostContext, PluginKind};
 use std::path::Path;
-use target_hf::hub;
 
 /// A plugin's error pointed at its source: the `--set` argument that set the field, else the
 /// config line that did (or the section's header for a missing field).
@@ -37,66 +36,38 @@ pub fn check_exp_dir(dir: &Path) -> Result<()> {
 }
 
 /// Everything that can be checked without the target: every plugin named exists, every section
-/// parses (the built-in plugins' with their own types, and their ranges checked as far as they
-/// go without the target; an optimizer of any plugin by creating it, which allocates nothing),
-/// and every file a section names is there and readable (a target's hub name is looked up as the
-/// target plugin looks it up: `target_hf::hub::locate`).
+/// has only the fields its plugin describes (an unknown one named with the closest known one),
+/// every plugin checks its section (ABI `check`: ranges as far as they go without the target, the
+/// files it reads are there; an optimizer that does not describe its section is created
+/// instead, which allocates nothing), and no value names a FIFO or device where a file belongs.
 pub fn check(cfg: &RunConfig, config_path: &Path, ctx: &HostContext, registry: &Registry) -> Result<()> {
     for (kind, table) in cfg.plugin_sections() {
         let section = cfg.section(kind);
-        let plugin_kind = plugin_kind(kind);
+        let plugin_kind = crate::plugins::kind_of_section(kind);
         let plugin = registry
             .find(plugin_kind, &section.plugin)
             .map_err(|e| locate(cfg, config_path, format!("[{kind}] {e}")))?;
         let fail = |e: String| locate(cfg, config_path, format!("[{kind}] plugin `{}`: {e}", section.plugin));
-        // 1. Paths: no FIFO or device where a file belongs (any plugin).
-        manifest::section_paths(kind, table, ctx).map_err(|(key, e)| fail(format!("field `{key}`: {e}")))?;
-        // 2. The section's own fields.
-        let builtin = plugin.record.origin == "builtin";
-        let paths: Vec<(&str, Option<String>)> = match (kind, section.plugin.as_str(), builtin) {
-            ("optimizer", _, _) => {
+        // 1. Every field is one the plugin describes.
+        let doc = plugin.describe()?;
+        if let Some(doc) = &doc {
+            if let Some(e) = unknown_field(doc, table) {
+                return Err(fail(e));
+            }
+        }
+        // 2. The plugin's own check, or an optimizer created.
+        let checked = match (&doc, plugin_kind) {
+            (None, PluginKind::Optimizer) => {
                 registry
                     .create(plugin_kind, &section, ctx)
                     .map_err(|e| anyhow!("{}", located_text(cfg, config_path, e)))?;
-                vec![]
+                Default::default()
             }
-            ("target", "hf", true) => {
-                let s: target_hf::TargetSection = parse(&section.config_toml).map_err(fail)?;
-                // As the plugin finds it (one lookup): a local path, or a hub name in the HF cache.
-                match hub::locate(&s.path, ctx.resolve_path(&s.path), s.revision.as_deref()).map_err(fail)? {
-                    hub::Location::Local(_) => vec![("path", Some(s.path))],
-                    hub::Location::Snapshot { .. } => vec![],
-                    hub::Location::NotCached(missing) if hub::offline() => {
-                        return Err(fail(format!("field `path`: {missing}; not downloaded, as HF_HUB_OFFLINE is set")))
-                    }
-                    hub::Location::NotCached(_) => vec![], // the plugin downloads it
-                }
-            }
-            ("drafter", "dflash", true) => {
-                let s: drafter_dflash::DrafterSection = parse(&section.config_toml).map_err(fail)?;
-                s.check().map_err(|e| fail(e.to_string()))?;
-                vec![("init_from", s.init_from)]
-            }
-            ("drafter", "gdn", true) => {
-                let s: drafter_gdn::DrafterSection = parse(&section.config_toml).map_err(fail)?;
-                s.check().map_err(|e| fail(e.to_string()))?;
-                vec![("init_from", s.init_from)]
-            }
-            ("data", "chat", true) => {
-                let s: data_chat::ChatSection = parse(&section.config_toml).map_err(fail)?;
-                s.validate().map_err(|e| fail(e.to_string()))?;
-                vec![("path", Some(s.path)), ("chat_template", s.chat_template.filter(|t| t != "chatml"))]
-            }
-            _ => vec![], // a library's section is its own to check when it is created
+            _ => plugin.check(&section, ctx).map_err(|e| anyhow!("{}", located_text(cfg, config_path, e)))?,
         };
-        // 3. The files the section needs are there.
-        for (key, value) in paths {
-            let Some(value) = value else { continue };
-            let path = ctx.resolve_path(&value);
-            if !path.exists() {
-                return Err(fail(format!("field `{key}`: {}: no such file or folder", path.display())));
-            }
-        }
+        // 3. Paths: no FIFO or device where a file belongs (any plugin).
+        manifest::section_paths(kind, table, ctx, &checked.inputs)
+            .map_err(|(key, e)| fail(format!("field `{key}`: {e}")))?;
     }
     if let Some(capture) = &cfg.pipeline.capture {
         let path = Path::new(capture); // read as given, from the working folder
@@ -111,20 +82,36 @@ pub fn check(cfg: &RunConfig, config_path: &Path, ctx: &HostContext, registry: &
     Ok(())
 }
 
-fn parse<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, String> {
-    plugin_api::parse_section(text).map_err(|e| e.to_string())
+/// The first key of a section (or of a table within it) that its plugin's description does not
+/// have: `unknown field `lrr`, did you mean `lr`?`.
+pub fn unknown_field(doc: &SectionDoc, table: &toml::Table) -> Option<String> {
+    fn walk(doc: &SectionDoc, prefix: &str, table: &toml::Table) -> Option<String> {
+        for (key, value) in table {
+            if prefix.is_empty() && key == "plugin" {
+                continue;
+            }
+            let dotted = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
+            if let Some(e) = doc.unknown_field(&dotted) {
+                return Some(e);
+            }
+            // Tables within: a described table's fields, or each table of an array of them.
+            let inner: Vec<&toml::Table> = match value {
+                toml::Value::Table(t) => vec![t],
+                toml::Value::Array(items) => items.iter().filter_map(toml::Value::as_table).collect(),
+                _ => Vec::new(),
+            };
+            if doc.table(&dotted).is_some() {
+                if let Some(e) = inner.into_iter().find_map(|t| walk(doc, &dotted, t)) {
+                    return Some(e);
+                }
+            }
+        }
+        None
+    }
+    walk(doc, "", table)
 }
 
 /// A registry error (`[kind] plugin `name`: ...`) pointed at its source.
 fn located_text(cfg: &RunConfig, config_path: &Path, e: anyhow::Error) -> String {
     locate(cfg, config_path, format!("{e:#}")).to_string()
-}
-
-fn plugin_kind(kind: &str) -> PluginKind {
-    match kind {
-        "target" => PluginKind::Target,
-        "drafter" => PluginKind::Drafter,
-        "optimizer" => PluginKind::Optimizer,
-        _ => PluginKind::DataLoader,
-    }
 }

@@ -3,20 +3,24 @@
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize, plugin_api::Describe)]
 #[serde(deny_unknown_fields)]
 pub struct TrainConfig {
     /// Optimizer steps.
+    #[describe(range = ">= 1")]
     pub steps: u64,
     /// Micro-batches per optimizer step (gradient accumulation K).
     #[serde(default = "one")]
+    #[describe(range = ">= 1")]
     pub grad_accum: u64,
     /// Anchors (blocks) sampled per sequence.
     #[serde(default = "default_anchors")]
+    #[describe(range = ">= 1")]
     pub anchors_per_seq: usize,
     /// Loss decay gamma, or "none" for no decay (SpecForge's default); default by block size
     /// (7 for 16, 5 for 10, 4 for 8: the DFlash paper's).
     #[serde(default)]
+    #[describe(ty = "float or \"none\"", range = "> 0, or 'none'")]
     pub loss_gamma: Option<LossGamma>,
     /// "global" (default, SpecForge's): one token-weighted mean per optimizer step, the weighted
     /// cross-entropy of every micro-batch on every rank over the weight sum of them all;
@@ -31,15 +35,19 @@ pub struct TrainConfig {
     pub anchors: AnchorRule,
     /// Share of steps spent warming the learning rate up linearly.
     #[serde(default = "default_warmup")]
+    #[describe(range = "in [0, 1]")]
     pub warmup_frac: f64,
     /// Cosine decay floor as a share of the peak learning rate.
     #[serde(default)]
+    #[describe(range = "in [0, 1]")]
     pub min_lr_frac: f64,
     /// Global gradient-norm clip (0 = off).
     #[serde(default = "one_f")]
+    #[describe(range = ">= 0")]
     pub grad_clip: f64,
     /// Log a metrics line every N steps.
     #[serde(default = "default_log_every")]
+    #[describe(range = ">= 1")]
     pub log_every: u64,
     /// Also write each N-th step's own loss, learning rate and gradient norm to TensorBoard
     /// (`train_step/*` tags; 0 = off). The metrics lines (every `log_every`) go there either way.
@@ -56,12 +64,15 @@ pub struct TrainConfig {
     pub checkpoint_every: u64,
     /// Checkpoints kept (the newest).
     #[serde(default = "default_keep")]
+    #[describe(range = ">= 1")]
     pub keep_checkpoints: usize,
     /// Steps with a non-finite loss or gradient are skipped; this many in a row stop the run.
     #[serde(default = "default_max_nonfinite")]
+    #[describe(range = ">= 1")]
     pub max_nonfinite_steps: u64,
     /// CPU memory (MiB) for target features kept across epochs (0 = recompute every epoch).
     #[serde(default = "default_cache_mb")]
+    #[describe(range = "<= 1 << 24")]
     pub hidden_cache_mb: usize,
 }
 
@@ -119,7 +130,7 @@ impl<'de> Deserialize<'de> for LossGamma {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize, plugin_api::Describe)]
 #[serde(rename_all = "snake_case")]
 pub enum LossNormalization {
     #[default]
@@ -127,7 +138,7 @@ pub enum LossNormalization {
     PerMicroBatch,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize, plugin_api::Describe)]
 #[serde(rename_all = "snake_case")]
 pub enum AnchorRule {
     #[default]
@@ -181,7 +192,7 @@ fn default_cache_mb() -> usize {
 
 /// The pipeline: target workers (one thread per entry), the drafter's device, the hidden-state
 /// buffer between them, or a capture to read features from instead of running the target.
-#[derive(Debug, Clone, Deserialize, Serialize, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, Default, plugin_api::Describe)]
 #[serde(deny_unknown_fields)]
 pub struct PipelineConfig {
     /// Devices of the target workers, e.g. `["cuda:0", "cuda:1", "cuda:2"]` (default: [device]).

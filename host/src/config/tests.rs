@@ -547,6 +547,8 @@ on_error = "skip"
         let n = cases(10_000);
         let mut runner = TestRunner::new(Config { cases: n, failure_persistence: None, ..Config::default() });
         let counts = std::cell::Cell::new((0u32, 0u32));
+        let registry = crate::plugins::Registry::new(&[]).unwrap();
+        let ctx = plugin_api::HostContext::cpu();
         let strategy = prop::collection::vec(mutation(), 1..5);
         runner
             .run(&strategy, |mutations| {
@@ -558,23 +560,16 @@ on_error = "skip"
                         counts.set((ok + 1, err));
                         let _ = (cfg.dtype(), cfg.target_devices(), cfg.drafter_device(), cfg.pipeline.buffer_bytes());
                         toml::to_string(&cfg).unwrap();
-                        // Each plugin parses its own section; its errors are located in the text.
+                        // Each plugin checks its own section through the ABI; its errors are
+                        // located in the text.
                         for kind in ["target", "drafter", "optimizer", "data"] {
                             let sec = cfg.section(kind);
-                            let res = match kind {
-                                "target" => {
-                                    plugin_api::parse_section::<target_hf::TargetSection>(&sec.config_toml).map(drop)
-                                }
-                                "drafter" => {
-                                    plugin_api::parse_section::<drafter_dflash::DrafterSection>(&sec.config_toml)
-                                        .map(drop)
-                                }
-                                "optimizer" => optim_adamw::ParamsAdamW::from_toml(&sec.config_toml).map(drop),
-                                _ => plugin_api::parse_section::<data_chat::ChatSection>(&sec.config_toml).map(drop),
+                            let Ok(plugin) = registry.find(crate::plugins::kind_of_section(kind), &sec.plugin) else {
+                                continue;
                             };
+                            let res = plugin.check(&sec, &ctx);
                             if let Err(e) = res {
-                                let msg = format!("[{kind}] plugin `{}`: {e}", sec.plugin);
-                                let _ = locate_plugin_error(&text, &msg);
+                                let _ = locate_plugin_error(&text, &format!("{e:#}"));
                             }
                         }
                     }

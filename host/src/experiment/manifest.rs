@@ -3,7 +3,10 @@
 //! target's weights, the plugin libraries. [`drift`] lists what differs, each by its field.
 
 use super::{read_json, write_json_atomic};
-use crate::{config::RunConfig, plugins::PluginRecord};
+use crate::{
+    config::RunConfig,
+    plugins::{PluginRecord, Registry},
+};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -11,7 +14,6 @@ use std::{
     fmt,
     path::{Path, PathBuf},
 };
-use target_hf::hub;
 
 pub const MANIFEST: &str = "manifest.json";
 
@@ -246,13 +248,14 @@ const MAX_DIR_FILES: usize = 4096;
 /// plugin) or None; `skip(path)` leaves a path out.
 pub fn hash_inputs(
     cfg: &RunConfig,
+    registry: &Registry,
     config_dir: &Path,
     cache_dir: &Path,
     known: &dyn Fn(&Path) -> Option<String>,
     skip: &dyn Fn(&Path) -> bool,
 ) -> Result<Vec<InputRecord>> {
     let mut out = Vec::new();
-    for (path, field) in input_paths(cfg, config_dir, cache_dir)? {
+    for (path, field) in input_paths(cfg, registry, config_dir, cache_dir)? {
         if skip(&path) {
             continue;
         }
@@ -266,12 +269,18 @@ pub fn hash_inputs(
 }
 
 /// The paths config values name, each with its field; nothing is read but file types.
-pub fn input_paths(cfg: &RunConfig, config_dir: &Path, cache_dir: &Path) -> Result<Vec<(PathBuf, String)>> {
+pub fn input_paths(
+    cfg: &RunConfig,
+    registry: &Registry,
+    config_dir: &Path,
+    cache_dir: &Path,
+) -> Result<Vec<(PathBuf, String)>> {
     let ctx = plugin_context(cfg, config_dir, cache_dir);
     let mut out = Vec::new();
     for (kind, table) in cfg.plugin_sections() {
-        let paths =
-            section_paths(kind, table, &ctx).map_err(|(key, e)| anyhow::anyhow!("field `{kind}.{key}`: {e}"))?;
+        let inputs = plugin_check(cfg, registry, kind, &ctx).map(|c| c.inputs.into_vec()).unwrap_or_default();
+        let paths = section_paths(kind, table, &ctx, &inputs)
+            .map_err(|(key, e)| anyhow::anyhow!("field `{kind}.{key}`: {e}"))?;
         out.extend(paths);
     }
     if let Some(dir) = &cfg.pipeline.capture {
@@ -290,26 +299,44 @@ pub fn plugin_context(cfg: &RunConfig, config_dir: &Path, cache_dir: &Path) -> p
     crate::plugins::host_context(&cfg.device, cfg.dtype(), cfg.seed, config_dir, cache_dir)
 }
 
-/// The existing paths the string values of one plugin section name, as `(path, "kind.key")`; a
-/// FIFO, device or socket is an error `(key, why)`.
+/// What the plugin of `kind` says of its section ([`Plugin::check`]); None when it refuses it
+/// (preflight reports why) or is not there.
+///
+/// [`Plugin::check`]: crate::plugins::Plugin::check
+pub fn plugin_check(
+    cfg: &RunConfig,
+    registry: &Registry,
+    kind: &str,
+    ctx: &plugin_api::HostContext,
+) -> Option<plugin_api::describe::SectionCheck> {
+    let section = cfg.section(kind);
+    let plugin = registry.find(crate::plugins::kind_of_section(kind), &section.plugin).ok()?;
+    plugin.check(&section, ctx).ok()
+}
+
+/// The existing paths one plugin section names, as `(path, "kind.key")`: its plugin's `inputs`
+/// (a hub model's snapshot among them), and any other string value that names an existing path
+/// (what a plugin that names no inputs reads); a FIFO, device or socket is an error `(key, why)`.
 pub fn section_paths(
     kind: &str,
     table: &toml::Table,
     ctx: &plugin_api::HostContext,
+    inputs: &[plugin_api::describe::InputFile],
 ) -> Result<Vec<(PathBuf, String)>, (String, input_files::InputError)> {
     let mut values = Vec::new();
     strings("", &toml::Value::Table(table.clone()), &mut values);
-    let mut out = Vec::new();
+    let named = |key: &str| inputs.iter().find(|i| i.field.as_str() == key);
+    let mut out: Vec<(PathBuf, String)> = Vec::new();
     for (key, s) in values {
         if key == "plugin" || s.is_empty() || s == "." || s == ".." || s.len() > 4096 || s.contains('\n') {
             continue;
         }
-        let mut path = ctx.resolve_path(&s);
+        let path = match named(&key) {
+            Some(input) => PathBuf::from(input.path.as_str()),
+            None => ctx.resolve_path(&s),
+        };
         if std::fs::symlink_metadata(&path).is_err() {
-            match hub_snapshot(kind, &key, &s, path.clone(), table) {
-                Some(snapshot) => path = snapshot,
-                None => continue, // not a path (or a missing one, which its plugin reports)
-            }
+            continue; // not a path (or a missing one, which its plugin reports)
         }
         input_files::check_path(&path).map_err(|e| (key.clone(), e))?;
         out.push((path, format!("{kind}.{key}")));
@@ -317,35 +344,12 @@ pub fn section_paths(
     Ok(out)
 }
 
-/// The hub model the config's `[target] path` names, as found in the HF cache now (after the
-/// target plugin downloaded it, if it had to); None for a local target.
-pub fn target_hub(cfg: &RunConfig, config_dir: &Path, cache_dir: &Path) -> Option<HubRecord> {
+/// The hub model the config's `[target] path` names, as the target plugin finds it in the local
+/// cache now (after it downloaded it, if it had to); None for a local target.
+pub fn target_hub(cfg: &RunConfig, registry: &Registry, config_dir: &Path, cache_dir: &Path) -> Option<HubRecord> {
     let ctx = plugin_context(cfg, config_dir, cache_dir);
-    let value = cfg.target.get("path")?.as_str()?;
-    match hub_location("target", "path", value, ctx.resolve_path(value), &cfg.target)? {
-        hub::Location::Snapshot { repo, revision, commit, .. } => Some(HubRecord { repo, revision, commit }),
-        _ => None,
-    }
-}
-
-/// The HF hub cache snapshot that a target's `path` names as a Hub model (`owner/name`, no
-/// local path; `revision` when given), if it is cached: what the target plugin opens. A model
-/// not cached yet is the plugin's to download; the run records its snapshot once built.
-fn hub_snapshot(kind: &str, key: &str, value: &str, resolved: PathBuf, table: &toml::Table) -> Option<PathBuf> {
-    match hub_location(kind, key, value, resolved, table)? {
-        hub::Location::Snapshot { path, .. } => Some(path),
-        _ => None,
-    }
-}
-
-/// Where a target's `path` value (`resolved` against the config's folder) leads, as the target
-/// plugin finds it (`hub::locate`); None for any other field, a plugin other than `hf`, or a
-/// `revision` given with a local path.
-fn hub_location(kind: &str, key: &str, value: &str, resolved: PathBuf, table: &toml::Table) -> Option<hub::Location> {
-    if kind != "target" || key != "path" || table.get("plugin").and_then(|p| p.as_str()) != Some("hf") {
-        return None;
-    }
-    hub::locate(value, resolved, table.get("revision").and_then(|r| r.as_str())).ok()
+    let hub = plugin_check(cfg, registry, "target", &ctx)?.hub.into_option()?;
+    Some(HubRecord { repo: hub.repo.into(), revision: hub.revision.into(), commit: hub.commit.into() })
 }
 
 fn strings(field: &str, v: &toml::Value, out: &mut Vec<(String, String)>) {
@@ -455,6 +459,10 @@ format = "jsonl"
         assert_eq!(refuse_drift(Path::new("e"), vec![d("optimizer.lr")], &allow).unwrap().len(), 1);
     }
 
+    fn builtins() -> Registry {
+        Registry::new(&[]).unwrap()
+    }
+
     #[test]
     fn inputs_are_hashed_by_field_and_special_files_refused() {
         let dir = tempfile::tempdir().unwrap();
@@ -463,22 +471,25 @@ format = "jsonl"
         let cfg = RunConfig::from_toml(Path::new("c.toml"), CFG).unwrap();
         let none = |_: &Path| None;
         let no_skip = |_: &Path| false;
-        let got = hash_inputs(&cfg, dir.path(), dir.path(), &none, &no_skip).unwrap();
+        let got = hash_inputs(&cfg, &builtins(), dir.path(), dir.path(), &none, &no_skip).unwrap();
         let fields: Vec<&str> = got.iter().map(|r| r.field.as_str()).collect();
         assert_eq!(fields, ["target.path", "data.path"], "`jsonl` and `hf` name no file here");
         assert_eq!(got[1].sha256, sha256_hex(b"{}\n"));
         // The target's hash comes from the target plugin, not hashed again.
         let model = dir.path().join("model.gguf");
         let known = |p: &Path| (p == model).then(|| "from-the-target".to_string());
-        assert_eq!(hash_inputs(&cfg, dir.path(), dir.path(), &known, &no_skip).unwrap()[0].sha256, "from-the-target");
+        assert_eq!(
+            hash_inputs(&cfg, &builtins(), dir.path(), dir.path(), &known, &no_skip).unwrap()[0].sha256,
+            "from-the-target"
+        );
         std::fs::write(dir.path().join("data.jsonl"), "{}\n{}\n").unwrap();
-        let now = hash_inputs(&cfg, dir.path(), dir.path(), &none, &no_skip).unwrap();
+        let now = hash_inputs(&cfg, &builtins(), dir.path(), dir.path(), &none, &no_skip).unwrap();
         let drift = input_drift(&got, &now);
         assert_eq!(drift.len(), 1);
         assert!(drift[0].to_string().starts_with("the file `data.path` names changed: "), "{}", drift[0]);
         // A device or FIFO where a file belongs: refused naming the field, never read.
         let dev = RunConfig::from_toml(Path::new("c.toml"), &CFG.replace("model.gguf", "/dev/zero")).unwrap();
-        let err = format!("{:#}", hash_inputs(&dev, dir.path(), dir.path(), &none, &no_skip).unwrap_err());
+        let err = format!("{:#}", hash_inputs(&dev, &builtins(), dir.path(), dir.path(), &none, &no_skip).unwrap_err());
         assert_eq!(err, "field `target.path`: /dev/zero: not a regular file (a character device)");
     }
 
@@ -500,12 +511,12 @@ format = "jsonl"
         // The only test that reads the variable; set before any lookup.
         std::env::set_var("HF_HUB_CACHE", dir.path().join("hub"));
         let cfg = RunConfig::from_toml(Path::new("c.toml"), &CFG.replace("model.gguf", "Org/Tiny")).unwrap();
-        let got = hash_inputs(&cfg, dir.path(), dir.path(), &|_| None, &|_| false).unwrap();
+        let got = hash_inputs(&cfg, &builtins(), dir.path(), dir.path(), &|_| None, &|_| false).unwrap();
         assert_eq!((got[0].field.as_str(), got[0].path.as_str()), ("target.path", snapshot.to_str().unwrap()));
         assert_eq!(got[0].sha256, hash_path(&snapshot, "x").unwrap());
         std::fs::write(repo.join("blobs/model.safetensors"), "other weights").unwrap();
         assert_ne!(
-            hash_inputs(&cfg, dir.path(), dir.path(), &|_| None, &|_| false).unwrap()[0].sha256,
+            hash_inputs(&cfg, &builtins(), dir.path(), dir.path(), &|_| None, &|_| false).unwrap()[0].sha256,
             got[0].sha256,
             "the blobs are hashed"
         );
@@ -515,7 +526,7 @@ format = "jsonl"
             &CFG.replace("\"model.gguf\"", "\"Org/Tiny\"\nrevision = \"v2\""),
         )
         .unwrap();
-        let got = hash_inputs(&v2, dir.path(), dir.path(), &|_| None, &|_| false).unwrap();
+        let got = hash_inputs(&v2, &builtins(), dir.path(), dir.path(), &|_| None, &|_| false).unwrap();
         assert!(got.iter().all(|r| r.field != "target.path"), "{got:?}");
     }
 }

@@ -346,7 +346,16 @@ mod tests {
             fs::write(&model, &bytes[..cut]).unwrap();
             let err = format!("{:#}", read_safetensors(&model).expect_err("a truncated file read"));
             assert!(err.contains(&model.display().to_string()), "cut at {cut}: {err}");
-            let err = format!("{:#}", crate::export::export(&ckpt, &root.path().join("out"), false).unwrap_err());
+            let err = format!(
+                "{:#}",
+                crate::export::export(
+                    &ckpt,
+                    &root.path().join("out"),
+                    false,
+                    &crate::plugins::Registry::new(&[]).unwrap()
+                )
+                .unwrap_err()
+            );
             assert!(err.contains(&model.display().to_string()), "export, cut at {cut}: {err}");
             let err = format!("{:#}", verify_checkpoint(&ckpt).unwrap_err());
             assert!(err.contains("model.safetensors") && err.contains("checksum mismatch"), "{err}");

@@ -5,8 +5,12 @@
 //! hub name where that is known, else by its file or folder name (never by a path of the
 //! training machine); a drafter that learned from a quantised GGUF target says so.
 
-use crate::experiment::{self, checkpoint::Opened};
+use crate::{
+    experiment::{self, checkpoint::Opened},
+    plugins::Registry,
+};
 use anyhow::Result;
+use plugin_api::describe::TargetFacts;
 use std::path::{Component, Path};
 
 /// How the target's layers are built: what the serving flags depend on.
@@ -81,43 +85,25 @@ fn readme_license(dir: &Path) -> Option<String> {
 
 impl Target {
     /// The run's target: `source` where its weights were read (the manifest's), `configured` the
-    /// `[target] path` of its config. Files that are still there say more (layout, quantisation).
-    pub fn of_run(source: &str, configured: Option<&str>) -> Self {
+    /// `[target] path` of its config, `facts` what its plugin reads of it now without its weights
+    /// (ABI `check`; None when the files are gone or the plugin cannot tell).
+    pub fn of_run(source: &str, configured: Option<&str>, facts: Option<&TargetFacts>) -> Self {
         let path = Path::new(source);
         let hub = configured
-            .filter(|c| target_hf::hub::is_repo_id(c) && !Path::new(c).exists())
+            .filter(|c| crate::config::is_hub_name(c) && !Path::new(c).exists())
             .map(str::to_string)
             .or_else(|| hub_cache_name(path));
         let file_name = path.file_name().map_or(source.to_string(), |n| n.to_string_lossy().to_string());
         let name = hub.clone().unwrap_or(file_name);
-        let gguf = source.ends_with(".gguf");
-        let (kind, gguf_quantised) = if gguf {
-            match target_hf::gguf::GgufFile::open(path) {
-                Ok(g) => {
-                    let kind = g.meta_str("general.architecture").ok().and_then(TargetKind::of_architecture);
-                    let mut quantised: Vec<String> = g
-                        .tensors()
-                        .iter()
-                        .map(|t| t.ggml_type.name().to_string())
-                        .filter(|t| !matches!(t.as_str(), "F32" | "F16" | "BF16" | "F64"))
-                        .collect();
-                    quantised.sort();
-                    quantised.dedup();
-                    (kind, Some(Some(quantised)))
-                }
-                Err(_) => (None, Some(None)),
-            }
-        } else {
-            let kind = target_hf::config::DecoderConfig::read(path).ok().and_then(|c| {
-                Some(match (c.is_hybrid(), c.moe().is_some()) {
-                    (true, true) => TargetKind::HybridMoe,
-                    (true, false) => TargetKind::Hybrid,
-                    (false, true) => TargetKind::Moe,
-                    (false, false) => TargetKind::of_architecture(&c.model_type)?,
-                })
-            });
-            (kind, None)
-        };
+        let kind = facts.and_then(|f| match (f.hybrid, f.mixture_of_experts, f.gguf) {
+            (true, true, false) => Some(TargetKind::HybridMoe),
+            (true, false, false) => Some(TargetKind::Hybrid),
+            (false, true, false) => Some(TargetKind::Moe),
+            _ => TargetKind::of_architecture(f.model_type.as_str()),
+        });
+        let gguf_quantised = source
+            .ends_with(".gguf")
+            .then(|| facts.filter(|f| f.gguf).map(|f| f.quantised.iter().map(|q| q.to_string()).collect()));
         let license = path.is_dir().then(|| readme_license(path)).flatten();
         Target { hub, revision: None, name, kind, gguf_quantised, license }
     }
@@ -185,8 +171,24 @@ pub struct Card {
     pub serving: Serving,
 }
 
+/// What the run's target plugin reads of its target now, from the run's `[target]` section
+/// resolved as the run resolved it (None: the plugin is not here, or the files are gone).
+fn target_facts(run: &toml::Table, manifest: &experiment::Manifest, registry: &Registry) -> Option<TargetFacts> {
+    let table = run.get("target")?.as_table()?;
+    let section = crate::bench::train::section("target", table).ok()?;
+    let plugin = registry.find(plugin_api::PluginKind::Target, &section.plugin).ok()?;
+    let ctx = crate::plugins::host_context(
+        "cpu",
+        "f32",
+        0,
+        Path::new(&manifest.config_dir),
+        &crate::environment::cache_dir(),
+    );
+    plugin.check(&section, &ctx).ok()?.target.into_option()
+}
+
 /// The model card of checkpoint `ckpt` of `exp_dir`, exported to `out`.
-pub fn model_card(exp_dir: &Path, ckpt: &Opened, out: &Path) -> Result<Card> {
+pub fn model_card(exp_dir: &Path, ckpt: &Opened, out: &Path, registry: &Registry) -> Result<Card> {
     let manifest = experiment::Manifest::read(exp_dir)?;
     let cfg: serde_json::Value = serde_json::from_str(&ckpt.config_json)?;
     let run: toml::Table = toml::from_str(&std::fs::read_to_string(exp_dir.join(experiment::CONFIG))?)?;
@@ -195,7 +197,8 @@ pub fn model_card(exp_dir: &Path, ckpt: &Opened, out: &Path) -> Result<Card> {
     };
     let text = |section: &str, key: &str, or: &str| field(section, key).unwrap_or_else(|| or.to_string());
     let file_name = |p: String| Path::new(&p).file_name().map_or(p.clone(), |n| n.to_string_lossy().to_string());
-    let mut target = Target::of_run(&manifest.target_source, field("target", "path").as_deref());
+    let facts = target_facts(&run, &manifest, registry);
+    let mut target = Target::of_run(&manifest.target_source, field("target", "path").as_deref(), facts.as_ref());
     if let Some(h) = &manifest.target_hub {
         // The manifest knows the hub name and revision the run resolved.
         target.hub = Some(h.repo.clone());
@@ -317,13 +320,13 @@ mod tests {
 
     #[test]
     fn the_target_is_named_by_its_hub_name_or_file_never_a_path() {
-        let t = Target::of_run("/home/me/.cache/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/abc123", None);
+        let t = Target::of_run("/home/me/.cache/huggingface/hub/models--Qwen--Qwen3-8B/snapshots/abc123", None, None);
         assert_eq!((t.hub.as_deref(), t.name.as_str()), (Some("Qwen/Qwen3-8B"), "Qwen/Qwen3-8B"));
-        let t = Target::of_run("/data/models/Qwen3.5-35B-A3B", Some("Qwen/Qwen3.5-35B-A3B"));
+        let t = Target::of_run("/data/models/Qwen3.5-35B-A3B", Some("Qwen/Qwen3.5-35B-A3B"), None);
         assert_eq!(t.name, "Qwen/Qwen3.5-35B-A3B");
-        let t = Target::of_run("/data/models/Qwen3.5-35B-A3B", Some("/data/models/Qwen3.5-35B-A3B"));
+        let t = Target::of_run("/data/models/Qwen3.5-35B-A3B", Some("/data/models/Qwen3.5-35B-A3B"), None);
         assert_eq!((t.hub, t.name.as_str()), (None, "Qwen3.5-35B-A3B"));
-        let t = Target::of_run("/gone/SmolLM2-135M-Instruct.Q4_1.gguf", None);
+        let t = Target::of_run("/gone/SmolLM2-135M-Instruct.Q4_1.gguf", None, None);
         assert_eq!((t.name.as_str(), t.gguf_quantised.clone()), ("SmolLM2-135M-Instruct.Q4_1.gguf", Some(None)));
         assert_eq!(t.served(), "HF_CHECKPOINT_OF_THE_TARGET");
     }

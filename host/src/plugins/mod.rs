@@ -34,7 +34,9 @@ use plugin_api::{
         type_layout::{TLFieldOrFunction, TypeLayout},
         StableAbi,
     },
-    builtin_plugins, HostContext, PluginInfo, PluginInstance, PluginKind, PluginModule_Ref, ABI_VERSION,
+    builtin_plugins,
+    describe::{FlopsPart, FlopsQuery, SectionCheck, SectionDoc},
+    HostContext, PluginInfo, PluginInstance, PluginKind, PluginModule_Ref, ABI_VERSION,
 };
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -42,6 +44,16 @@ use std::{
     path::{Path, PathBuf},
     sync::OnceLock,
 };
+
+/// The plugin kind of a config section (`target`, `drafter`, `optimizer`, `data`).
+pub fn kind_of_section(section: &str) -> PluginKind {
+    match section {
+        "target" => PluginKind::Target,
+        "drafter" => PluginKind::Drafter,
+        "optimizer" => PluginKind::Optimizer,
+        _ => PluginKind::DataLoader,
+    }
+}
 
 /// What a plugin is and where it came from, for `plugins list` and manifests.
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
@@ -87,6 +99,46 @@ impl Plugin {
                 Ok(module.get_or_init(|| (loaded.module, Poison::Library(loaded.poison))).0)
             }
         }
+    }
+
+    /// The plugin's config section reference (ABI 1.8); None for a plugin built before it, or
+    /// one that does not describe its section. A library is loaded into this process for it.
+    pub fn describe(&self) -> Result<Option<SectionDoc>> {
+        let Some(describe) = self.module()?.describe() else { return Ok(None) };
+        let doc = describe();
+        Ok(doc.described.then_some(doc))
+    }
+
+    /// The plugin's check of its config section, before anything heavy loads (ABI 1.8): the
+    /// files the run reads and what the host needs to know; nothing for a plugin built before it.
+    pub fn check(&self, section: &PluginSection, ctx: &HostContext) -> Result<SectionCheck> {
+        let Some(check) = self.module()?.check() else { return Ok(SectionCheck::default()) };
+        check(section.config_toml.as_str().into(), ctx)
+            .into_result()
+            .map_err(|e| anyhow!("[{}] plugin `{}`: {e}", section.kind, section.plugin))
+    }
+
+    /// A target's forward FLOPs by part for `query`, from its config without its weights
+    /// (ABI 1.8); None when the plugin cannot tell.
+    pub fn target_flops(
+        &self,
+        section: &PluginSection,
+        ctx: &HostContext,
+        query: FlopsQuery,
+    ) -> Result<Option<Vec<FlopsPart>>> {
+        let Some(flops) = self.module()?.target_flops() else { return Ok(None) };
+        let parts = flops(section.config_toml.as_str().into(), ctx, query)
+            .into_result()
+            .map_err(|e| anyhow!("[{}] plugin `{}`: {e}", section.kind, section.plugin))?;
+        Ok(parts.into_option().map(|p| p.into_vec()))
+    }
+
+    /// A drafter's parameter shapes as a saved config.json of this plugin implies them (ABI
+    /// 1.8); None when the config is not this plugin's, or the plugin cannot tell.
+    pub fn saved_shapes(&self, config_json: &str) -> Result<Option<Vec<(String, Vec<i64>)>>> {
+        let Some(shapes) = self.module()?.saved_shapes() else { return Ok(None) };
+        let shapes = shapes(config_json.into()).into_result().map_err(|e| anyhow!("{e}"))?;
+        Ok(shapes.into_option().map(|v| v.into_iter().map(|p| (p.name.into_string(), p.shape.into_vec())).collect()))
     }
 
     /// How to ask this plugin about its instances' panics (a library not loaded yet has none).

@@ -166,7 +166,7 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
             schedule: spec.schedule.name().into(),
             rewarm,
         }),
-        ..fresh_manifest(&cfg, &config_dir, &cache, &components)?
+        ..fresh_manifest(&cfg, spec.registry, &config_dir, &cache, &components)?
     };
     let resolved = manifest.config_toml.clone().expect("a fresh manifest holds its config");
 

@@ -55,7 +55,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     }
     let components = build(cfg, config_path, &config_dir, registry)?;
     components.check_poisoned()?;
-    let manifest = fresh_manifest(cfg, &config_dir, &cache, &components)?;
+    let manifest = fresh_manifest(cfg, registry, &config_dir, &cache, &components)?;
     let manifest =
         Manifest { ab: ab.map(|(name, _)| name.to_string()), arm: ab.map(|(_, arm)| arm.to_string()), ..manifest };
     let resolved = manifest.config_toml.clone().expect("a fresh manifest holds its config");
@@ -73,6 +73,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
 /// target's source and hash, the resolved config and every input file's hash.
 pub(super) fn fresh_manifest(
     cfg: &RunConfig,
+    registry: &Registry,
     config_dir: &Path,
     cache: &Path,
     components: &Components,
@@ -94,12 +95,12 @@ pub(super) fn fresh_manifest(
         plugins: components.records.clone(),
         target_source: spec.source.to_string(),
         target_sha256: spec.source_sha256.to_string(),
-        target_hub: manifest::target_hub(cfg, config_dir, cache),
+        target_hub: manifest::target_hub(cfg, registry, config_dir, cache),
         config_dir: config_dir.display().to_string(),
         loss_gamma: gamma.map_or_else(|| "none".into(), Into::into),
         config_sha256: Some(manifest::sha256_hex(resolved.as_bytes())),
         config_toml: Some(resolved),
-        inputs: manifest::hash_inputs(cfg, config_dir, cache, &known, &|_| false)?,
+        inputs: manifest::hash_inputs(cfg, registry, config_dir, cache, &known, &|_| false)?,
         changes: Vec::new(),
         ab: None,
         arm: None,
@@ -244,7 +245,7 @@ pub fn resume_with(
     };
     let target_source = PathBuf::from(&manifest.target_source);
     let is_target = |p: &Path| same_file(p, &target_source);
-    let inputs_now = manifest::hash_inputs(&cfg, &config_dir, &cache, &|_| None, &is_target)?;
+    let inputs_now = manifest::hash_inputs(&cfg, registry, &config_dir, &cache, &|_| None, &is_target)?;
     drifts.extend(manifest::input_drift(&manifest.inputs, &inputs_now));
     // `--steps N` (or `--set train.steps=N`) extends the run: that change needs no --allow-change.
     let extend = opts.overrides.iter().rev().find(|o| o.fields().iter().any(|f| f == "train.steps"));
@@ -369,10 +370,10 @@ pub fn resume_with(
                 manifest.config_sha256 = Some(manifest::sha256_hex(resolved.as_bytes()));
                 manifest.config_toml = Some(resolved.clone());
                 let known = |p: &Path| is_target(p).then(|| spec.source_sha256.to_string());
-                manifest.inputs = manifest::hash_inputs(&cfg, &config_dir, &cache, &known, &|_| false)?;
+                manifest.inputs = manifest::hash_inputs(&cfg, registry, &config_dir, &cache, &known, &|_| false)?;
                 manifest.target_sha256 = spec.source_sha256.to_string();
                 manifest.target_source = spec.source.to_string();
-                manifest.target_hub = manifest::target_hub(&cfg, &config_dir, &cache);
+                manifest.target_hub = manifest::target_hub(&cfg, registry, &config_dir, &cache);
                 manifest.write(exp_dir)?;
             }
             Experiment::reopen(exp_dir, lock, at)?

@@ -243,6 +243,14 @@ fn describe_enum(input: &DeriveInput, e: &syn::DataEnum) -> syn::Result<Tokens> 
         let quoted = format!("\"{spelled}\"");
         arms.push(quote!(#name::#ident => ::std::string::String::from(#quoted)));
         choices.push(quoted);
+        // Other spellings serde accepts are choices too.
+        for (key, alias, _) in &serde.values {
+            if key == "alias" {
+                if let Ok(Lit::Str(a)) = syn::parse2::<Lit>(alias.clone()) {
+                    choices.push(format!("\"{}\"", a.value()));
+                }
+            }
+        }
     }
     let all = choices.join(" | ");
     let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();

@@ -70,7 +70,7 @@ impl Distill {
 }
 
 /// The `[data]` config section.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, plugin_api::Describe)]
 #[serde(deny_unknown_fields)]
 pub struct ChatSection {
     /// Dataset: a .jsonl / .json / .parquet / .arrow file or a `save_to_disk` folder; relative to
@@ -92,12 +92,15 @@ pub struct ChatSection {
     pub chat_template: Option<String>,
     /// Extra template variables, e.g. `{ enable_thinking = false }` for Qwen3.
     #[serde(default)]
+    #[describe(ty = "table")]
     pub template_kwargs: BTreeMap<String, serde_json::Value>,
     /// Sequences per micro-batch.
     #[serde(default = "default_batch")]
+    #[describe(range = ">= 1")]
     pub batch_size: usize,
     /// Tokens per sequence (prompt + reply).
     #[serde(default = "default_max_len")]
+    #[describe(range = ">= 16")]
     pub max_len: usize,
     /// Use at most this many records (0 = all), after the held-out ones.
     #[serde(default)]
@@ -118,17 +121,21 @@ pub struct ChatSection {
     /// `false`, `"last"` (default; `true` is the same) or `"all"`: which replies the target
     /// regenerates (DFlash's self-distillation).
     #[serde(default = "default_distill")]
+    #[describe(ty = "false, \"last\" or \"all\"")]
     pub distill: Distill,
     /// Batches are padded to a multiple of this many tokens (capped at `max_len`): GPU kernels
     /// such as cuDNN attention build a plan per shape, and a new length every batch slowed a bf16
     /// run 2-7x on an H200. 1 pads to the longest sequence only.
     #[serde(default = "default_pad_multiple")]
+    #[describe(range = ">= 1")]
     pub pad_to_multiple_of: usize,
     /// Reply length cap for self-distillation.
     #[serde(default = "default_max_new")]
+    #[describe(range = "in 1..=(max_len - 8)")]
     pub distill_max_new_tokens: usize,
     /// Sampling temperature of the target's replies (0 = greedy).
     #[serde(default)]
+    #[describe(range = ">= 0")]
     pub distill_temperature: f64,
     /// Seed of that sampling (not the run's seed: every seed of an A/B shares the replies).
     #[serde(default)]
@@ -1092,7 +1099,23 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     Ok(PluginInstance::data_loader(data))
 }
 
-plugin_api::declare_plugin!(data_chat, info, create);
+impl plugin_api::Section for ChatSection {
+    /// The fields, the dataset and a template file there (nothing is read yet), and the records
+    /// held out of training.
+    fn check(&self, ctx: &HostContext) -> Result<plugin_api::describe::SectionCheck, PluginError> {
+        use plugin_api::describe::{DataSplit, InputFile, SectionCheck};
+        self.validate()?;
+        let mut inputs = vec![InputFile::existing("path", &self.path, ctx)?];
+        if let Some(t) = self.chat_template.as_deref().filter(|t| template::builtin(t).is_none()) {
+            inputs.push(InputFile::existing("chat_template", t, ctx)?);
+        }
+        let split = |name: &str, records: usize| DataSplit { name: name.into(), records: records as u64 };
+        let splits = vec![split("validation", self.validation), split("holdout", self.eval_holdout)];
+        Ok(SectionCheck { inputs: inputs.into(), splits: splits.into(), ..Default::default() })
+    }
+}
+
+plugin_api::declare_plugin!(data_chat, info, create, section = ChatSection);
 
 #[cfg(test)]
 mod alloc_meter;

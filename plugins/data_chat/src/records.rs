@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, plugin_api::Describe)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     System,
@@ -63,7 +63,7 @@ impl ChatRecord {
 }
 
 /// What the readers do with a bad record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, plugin_api::Describe)]
 #[serde(rename_all = "lowercase")]
 pub enum OnError {
     /// Stop at the first bad record with an error naming it.
@@ -110,7 +110,7 @@ pub enum DataError {
 }
 
 /// The `[data] format` record shapes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, plugin_api::Describe)]
 #[serde(rename_all = "snake_case")]
 pub enum Format {
     /// `messages` or `conversations`, turns keyed `role`/`content` or `from`/`value`.
@@ -127,7 +127,7 @@ pub enum Format {
 }
 
 /// `[data.fields]`: where a record's parts are, for formats the presets do not cover.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, plugin_api::Describe)]
 #[serde(deny_unknown_fields)]
 pub struct Fields {
     /// Key of the list of turns.

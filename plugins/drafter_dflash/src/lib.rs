@@ -24,10 +24,11 @@ use serde::Deserialize;
 
 drafter_layers::drafter_section! {
     /// The `[drafter]` config section (and the fields every drafter has, from `drafter_section!`).
-    #[derive(Debug, Clone, Deserialize)]
+    #[derive(Debug, Clone, Deserialize, plugin_api::Describe)]
     #[serde(deny_unknown_fields)]
     pub struct DrafterSection {
         /// Draft decoder layers (z-lab's Qwen3-8B drafter: 5).
+        #[describe(range = "in 1..=64")]
         #[serde(default = "drafter_layers::section::default_num_hidden_layers")]
         pub num_hidden_layers: usize,
         /// Attention shape of the draft layers (default: the target's). The published drafters of
@@ -35,8 +36,10 @@ drafter_layers::drafter_section! {
         /// attention has 24 / 4 of 256.
         #[serde(default)]
         pub num_attention_heads: Option<usize>,
+        /// Key/value heads of the draft layers (default: the target's).
         #[serde(default)]
         pub num_key_value_heads: Option<usize>,
+        /// Head dimension of the draft layers (default: the target's).
         #[serde(default)]
         pub head_dim: Option<usize>,
         /// Keep only each layer's input in training and recompute the layer in backward: activation
@@ -65,6 +68,7 @@ drafter_layers::drafter_section! {
         #[serde(default)]
         pub max_position_embeddings: Option<usize>,
         /// HF's `rope_scaling` table (default, linear, llama3, yarn). Default: the target's.
+        #[describe(ty = "table")]
         #[serde(default)]
         pub rope_scaling: Option<serde_json::Value>,
         /// Std of the random initialisation (HF's `initializer_range`, default 0.02).
@@ -76,7 +80,7 @@ drafter_layers::drafter_section! {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, plugin_api::Describe)]
 #[serde(rename_all = "lowercase")]
 pub enum AttentionKind {
     #[default]
@@ -331,7 +335,29 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     Ok(PluginInstance::drafter(drafter))
 }
 
-plugin_api::declare_plugin!(drafter_dflash, info, create);
+impl plugin_api::Section for DrafterSection {
+    /// The fields as far as they go without the target, and the saved drafter `init_from` names.
+    fn check(&self, ctx: &HostContext) -> Result<plugin_api::describe::SectionCheck, PluginError> {
+        DrafterSection::check(self)?;
+        let inputs = self.init_from.iter().map(|p| plugin_api::describe::InputFile::existing("init_from", p, ctx));
+        Ok(plugin_api::describe::SectionCheck { inputs: inputs.collect::<Result<_, _>>()?, ..Default::default() })
+    }
+
+    /// A saved config of this drafter (`architectures` = `DFlashDraftModel`), checked, and the shapes it
+    /// implies.
+    fn saved_shapes(config_json: &str) -> Result<Option<Vec<(String, Vec<i64>)>>, PluginError> {
+        let value: serde_json::Value =
+            serde_json::from_str(config_json).map_err(|e| PluginError::new(e.to_string()))?;
+        if value["architectures"][0].as_str() != Some("DFlashDraftModel") {
+            return Ok(None);
+        }
+        let mut cfg: DFlashConfig = serde_json::from_str(config_json).map_err(|e| PluginError::new(e.to_string()))?;
+        cfg.check().map_err(PluginError::new)?;
+        Ok(Some(cfg.parameter_shapes()))
+    }
+}
+
+plugin_api::declare_plugin!(drafter_dflash, info, create, section = DrafterSection);
 
 #[cfg(test)]
 mod tests {

@@ -8,7 +8,7 @@ use serde_json::Value;
 
 /// What mixes the tokens in one draft layer; HF's `layer_types` names, with short aliases for
 /// config files.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, plugin_api::Describe)]
 pub enum LayerType {
     /// Gated DeltaNet (`layers.{i}.linear_attn`).
     #[serde(rename = "linear_attention", alias = "gdn")]
@@ -220,14 +220,16 @@ drafter_layers::drafter_section! {
     /// The `[drafter]` section. The dense drafter's fields mean the same here, so switching
     /// `plugin = "dflash"` to `plugin = "gdn"` is the only change a config needs; the GDN fields
     /// default from the target.
-    #[derive(Debug, Clone, Deserialize)]
+    #[derive(Debug, Clone, Deserialize, plugin_api::Describe)]
     #[serde(deny_unknown_fields)]
     pub struct DrafterSection {
         /// Draft layers (default 5, or the length of `layer_types`).
+        #[describe(range = "in 1..=64")]
         #[serde(default)]
         pub num_hidden_layers: Option<usize>,
         /// Every n-th layer is dense attention, the others GDN: 5 gives 4 GDN : 1 attention
         /// (`g g g g a`); a drafter with fewer than n layers is all GDN (1 layer: one GDN layer).
+        #[describe(range = ">= 1")]
         #[serde(default = "default_interval")]
         pub full_attention_interval: usize,
         /// Explicit pattern, e.g. `["gdn", "gdn", "attention"]` (overrides the interval).
@@ -237,18 +239,22 @@ drafter_layers::drafter_section! {
         #[serde(default)]
         pub linear_num_key_heads: Option<usize>,
         /// GDN value heads, a multiple of the key heads (default: the key heads).
+        #[describe(range = "a multiple of linear_num_key_heads")]
         #[serde(default)]
         pub linear_num_value_heads: Option<usize>,
         /// GDN key head dim (default: the target's head_dim).
+        #[describe(range = "> 0")]
         #[serde(default)]
         pub linear_key_head_dim: Option<usize>,
         /// GDN value head dim (default: the target's head_dim).
         #[serde(default)]
         pub linear_value_head_dim: Option<usize>,
         /// Short causal conv width.
+        #[describe(range = "in 1..=16")]
         #[serde(default = "default_conv")]
         pub linear_conv_kernel_dim: usize,
         /// Chunk length of the chunked delta rule (16, 32 or 64 are usual).
+        #[describe(range = "in 1..=256")]
         #[serde(default = "default_chunk")]
         pub chunk_size: usize,
     }

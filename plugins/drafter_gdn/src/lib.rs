@@ -114,4 +114,26 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     Ok(PluginInstance::drafter(drafter))
 }
 
-plugin_api::declare_plugin!(drafter_gdn, info, create);
+impl plugin_api::Section for DrafterSection {
+    /// The fields as far as they go without the target, and the saved drafter `init_from` names.
+    fn check(&self, ctx: &HostContext) -> Result<plugin_api::describe::SectionCheck, PluginError> {
+        DrafterSection::check(self)?;
+        let inputs = self.init_from.iter().map(|p| plugin_api::describe::InputFile::existing("init_from", p, ctx));
+        Ok(plugin_api::describe::SectionCheck { inputs: inputs.collect::<Result<_, _>>()?, ..Default::default() })
+    }
+
+    /// A saved config of this drafter (`architectures` = `DFlashGdnDraftModel`), checked, and the shapes it
+    /// implies.
+    fn saved_shapes(config_json: &str) -> Result<Option<Vec<(String, Vec<i64>)>>, PluginError> {
+        let value: serde_json::Value =
+            serde_json::from_str(config_json).map_err(|e| PluginError::new(e.to_string()))?;
+        if value["architectures"][0].as_str() != Some("DFlashGdnDraftModel") {
+            return Ok(None);
+        }
+        let cfg: GdnConfig = serde_json::from_str(config_json).map_err(|e| PluginError::new(e.to_string()))?;
+        cfg.check_saved().map_err(PluginError::new)?;
+        Ok(Some(cfg.parameter_shapes()))
+    }
+}
+
+plugin_api::declare_plugin!(drafter_gdn, info, create, section = DrafterSection);

@@ -169,4 +169,6 @@ fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginErro
     Ok(PluginInstance::optimizer(AdamW::new(params)))
 }
 
-plugin_api::declare_plugin!(optim_adamw, info, create);
+// `ParamsAdamW`'s `Section` (its checks are its ranges) is optim_math's: Muon's AdamW group
+// shares the type.
+plugin_api::declare_plugin!(optim_adamw, info, create, section = ParamsAdamW);

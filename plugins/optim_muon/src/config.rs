@@ -13,20 +13,25 @@ use serde::Deserialize;
 ///
 /// With `adjust_lr = "original"` KellerJordan's runs use lr ~0.02; with `"match_rms_adamw"` the
 /// update RMS is AdamW's, so AdamW's lr (1e-3-ish) and weight decay carry over.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, plugin_api::Describe)]
 #[serde(deny_unknown_fields, default)]
 pub struct MuonConfig {
     /// Muon group learning rate (the peak; the host's schedule multiplies it).
+    #[describe(range = "> 0")]
     pub lr: f64,
     /// Momentum coefficient mu in [0, 1).
+    #[describe(range = "in [0, 1)")]
     pub momentum: f64,
     /// Nesterov look-ahead: orthogonalise lerp(g, buf, mu) instead of buf.
     pub nesterov: bool,
     /// Newton-Schulz iterations, 1..=99 (torch refuses 100 and more).
+    #[describe(range = "in 1..=99")]
     pub ns_steps: i64,
     /// Lower clamp of the Frobenius norm before Newton-Schulz.
+    #[describe(range = "> 0")]
     pub eps: f64,
     /// Decoupled weight decay of the Muon group, applied with the unadjusted lr: p *= 1 - lr*wd.
+    #[describe(range = ">= 0")]
     pub weight_decay: f64,
     /// Shape scaling of the Muon update's lr.
     pub adjust_lr: AdjustLr,
@@ -63,7 +68,7 @@ impl Default for MuonConfig {
 }
 
 /// Newton-Schulz compute dtype.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, plugin_api::Describe)]
 #[serde(rename_all = "snake_case")]
 pub enum NsDtype {
     /// bf16 on CUDA (as KellerJordan and torch), f32 on the CPU (bf16 matmuls are slow there).
@@ -86,7 +91,7 @@ impl NsDtype {
 }
 
 /// `{ pattern = "*qkv_proj.weight", parts = [64, 16, 16] }`: rows of each part, summing to dim 0.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, plugin_api::Describe)]
 #[serde(deny_unknown_fields)]
 pub struct SplitRule {
     /// The parameters the rule applies to, by name (`*` matches any run of characters).

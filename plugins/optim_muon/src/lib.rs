@@ -416,7 +416,15 @@ fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginErro
     Ok(PluginInstance::optimizer(Muon::new(cfg)))
 }
 
-plugin_api::declare_plugin!(optim_muon, info, create);
+/// The section's checks are its ranges: creating the optimizer allocates nothing either way.
+impl plugin_api::Section for MuonConfig {
+    fn check(&self, _ctx: &HostContext) -> Result<plugin_api::describe::SectionCheck, PluginError> {
+        self.validate()?;
+        Ok(Default::default())
+    }
+}
+
+plugin_api::declare_plugin!(optim_muon, info, create, section = MuonConfig);
 
 #[cfg(test)]
 mod tests;

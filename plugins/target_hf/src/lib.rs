@@ -32,7 +32,7 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 /// The `[target]` config section.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, plugin_api::Describe)]
 #[serde(deny_unknown_fields)]
 pub struct TargetSection {
     /// A GGUF file or an HF folder. Relative paths are against the config file's folder;
@@ -48,6 +48,7 @@ pub struct TargetSection {
     #[serde(default)]
     pub random_init: bool,
     /// Prompts generated together during self-distillation.
+    #[describe(range = ">= 1")]
     #[serde(default = "default_gen_batch")]
     pub generate_batch_size: usize,
 }
@@ -240,4 +241,122 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     Ok(PluginInstance::target(target))
 }
 
-plugin_api::declare_plugin!(target_hf, info, create);
+impl TargetSection {
+    /// Where `path` is, as `create` finds it (one lookup): a local file or folder, a hub model in
+    /// the local cache, or one to download.
+    fn locate(&self, ctx: &HostContext) -> Result<hub::Location, PluginError> {
+        hub::locate(&self.path, ctx.resolve_path(&self.path), self.revision.as_deref())
+            .map_err(|e| PluginError::new(format!("field `path`: {e}")))
+    }
+
+    /// The checkpoint's config.json, where `path` is an HF folder or file that is here (None for
+    /// a GGUF file or a model still to download).
+    fn decoder_config(&self, ctx: &HostContext) -> Result<Option<config::DecoderConfig>, PluginError> {
+        Ok(match self.locate(ctx)? {
+            hub::Location::Local(p) | hub::Location::Snapshot { path: p, .. } => config::DecoderConfig::read(&p).ok(),
+            hub::Location::NotCached(_) => None,
+        })
+    }
+}
+
+impl TargetSection {
+    /// What the checkpoint's config (or a GGUF file's metadata) says, without the weights.
+    fn facts(&self, ctx: &HostContext) -> Result<Option<plugin_api::describe::TargetFacts>, PluginError> {
+        use plugin_api::describe::TargetFacts;
+        let path = match self.locate(ctx)? {
+            hub::Location::Local(p) | hub::Location::Snapshot { path: p, .. } => p,
+            hub::Location::NotCached(_) => return Ok(None),
+        };
+        if path.extension().is_some_and(|e| e == "gguf") {
+            let Ok(g) = gguf::GgufFile::open(&path) else { return Ok(None) };
+            let arch = g.meta_str("general.architecture").unwrap_or_default().to_string();
+            let mut quantised: Vec<String> = g
+                .tensors()
+                .iter()
+                .map(|t| t.ggml_type.name().to_string())
+                .filter(|t| !matches!(t.as_str(), "F32" | "F16" | "BF16" | "F64"))
+                .collect();
+            quantised.sort();
+            quantised.dedup();
+            let layers = g.meta_u64(&format!("{arch}.block_count")).unwrap_or(0) as u32;
+            let moe = g.meta_u64(&format!("{arch}.expert_count")).is_ok_and(|n| n > 0);
+            return Ok(Some(TargetFacts {
+                model_type: arch.into(),
+                num_hidden_layers: layers,
+                mixture_of_experts: moe,
+                hybrid: false,
+                gguf: true,
+                quantised: quantised.into_iter().map(Into::into).collect(),
+            }));
+        }
+        Ok(self.decoder_config(ctx)?.map(|c| TargetFacts {
+            model_type: c.model_type.clone().into(),
+            num_hidden_layers: c.num_hidden_layers as u32,
+            mixture_of_experts: c.moe().is_some(),
+            hybrid: c.is_hybrid(),
+            ..TargetFacts::default()
+        }))
+    }
+}
+
+impl plugin_api::Section for TargetSection {
+    /// The fields, and `path` found as `create` will find it, without reading the weights.
+    fn check(&self, ctx: &HostContext) -> Result<plugin_api::describe::SectionCheck, PluginError> {
+        use plugin_api::describe::{HubModel, InputFile, SectionCheck};
+        if self.generate_batch_size == 0 {
+            return Err(PluginError::new("field `generate_batch_size`: must be >= 1"));
+        }
+        let mut check = SectionCheck::default();
+        match self.locate(ctx)? {
+            hub::Location::Local(_) => check.inputs.push(InputFile::existing("path", &self.path, ctx)?),
+            hub::Location::Snapshot { repo, revision, commit, path } => {
+                let path: String = path.display().to_string();
+                // The snapshot is what the run reads: the manifest hashes it as `path`.
+                check.inputs.push(InputFile { field: "path".into(), path: path.clone().into() });
+                check.hub = Some(HubModel {
+                    repo: repo.into(),
+                    revision: revision.into(),
+                    commit: commit.into(),
+                    path: path.into(),
+                })
+                .into();
+            }
+            hub::Location::NotCached(missing) if hub::offline() => {
+                return Err(PluginError::new(format!(
+                    "field `path`: {missing}; not downloaded, as HF_HUB_OFFLINE is set"
+                )))
+            }
+            hub::Location::NotCached(_) => {} // `create` downloads it
+        }
+        check.target = self.facts(ctx)?.into();
+        Ok(check)
+    }
+
+    fn notes() -> String {
+        format!(
+            "The families it loads, by the `model_type` of the checkpoint's config.json:\n\n{}",
+            families::markdown()
+        )
+    }
+
+    /// Counted by architecture from the checkpoint's config.json (hybrid and MoE layers, active
+    /// experts only); unknown for a GGUF file.
+    fn target_flops(
+        &self,
+        ctx: &HostContext,
+        q: plugin_api::describe::FlopsQuery,
+    ) -> Result<Option<Vec<plugin_api::describe::FlopsPart>>, PluginError> {
+        let Some(cfg) = self.decoder_config(ctx)? else { return Ok(None) };
+        let f = flops::forward(&cfg, q.layers as usize, q.batch as usize, q.seq_len as usize, q.logits);
+        let part = |name: &str, flop: f64| plugin_api::describe::FlopsPart { name: name.into(), flop };
+        Ok(Some(vec![
+            part("attention", f.attention),
+            part("gdn", f.gdn),
+            part("conv", f.conv),
+            part("mlp", f.mlp),
+            part("head", f.head),
+        ]))
+    }
+}
+
+plugin_api::declare_plugin!(target_hf, info, create, section = TargetSection);
