@@ -456,12 +456,38 @@ fn the_conformance_kit_passes_the_built_ins_and_names_a_failed_clause() {
     let so = build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
     let (code, text) = check(&[], &[so.to_str().unwrap(), "--section", "touch_all = true"]);
     assert_eq!(code, Some(1), "{text}");
+    // Declared without `section = TYPE`: no description, and nothing refuses an unknown field.
+    assert!(text.contains("FAIL  describes its section: every field with a type, a default and a meaning: it does not describe its section"), "{text}");
+    assert!(
+        text.contains("FAIL  its check refuses an unknown field, naming it: `no_such_field_zz = 1` was accepted"),
+        "{text}"
+    );
     assert!(text.contains("FAIL  parameters without gradients are skipped: `layers.0.self_attn.o_proj.weight` has no gradient but changed"), "{text}");
     assert!(text.contains("FAIL  zero gradients leave weights unchanged"), "{text}");
     let target = build_plugin("tests/plugins/synthetic_target", "synthetic_target", &[], "synthetic_target");
     let (code, text) = check(&[], &[target.to_str().unwrap()]);
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("pass  features of the requested layers"), "{text}");
+    for clause in [
+        "describes its section",
+        "its check refuses an unknown field",
+        "what its check says of the target is what it loads",
+        "its FLOPs, where it counts them, grow with the layers and the head",
+    ] {
+        assert!(text.contains(&format!("pass  {clause}")), "{clause}: {text}");
+    }
+    let (code, text) = check(&[], &[target.to_str().unwrap(), "--section", "wrong_facts = true\nflat_flops = true"]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains(
+            "FAIL  what its check says of the target is what it loads: check says 5 layers, the loaded target has 4"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("FAIL  its FLOPs, where it counts them, grow with the layers and the head: 1 layer"),
+        "{text}"
+    );
     assert!(
         text.contains(
             "FAIL  KV-cache extend / truncate equals recomputation: cache_extend: the synthetic target has no KV cache"
@@ -472,6 +498,11 @@ fn the_conformance_kit_passes_the_built_ins_and_names_a_failed_clause() {
     let drafter = drafter.to_str().unwrap();
     let (code, text) = check(&[], &[drafter, "--section", "dead_parameter = true"]);
     assert_eq!(code, Some(1), "{text}");
+    // Its description, written by hand, leaves out a field it parses.
+    assert!(
+        text.contains("FAIL  its check accepts the section given, every field of it described: its description has no such field: unknown field `dead_parameter`"),
+        "{text}"
+    );
     assert!(
         text.contains("pass  output shape")
             && text.contains("FAIL  gradients reach every trainable parameter: no gradient for unused.weight"),
@@ -488,8 +519,17 @@ fn the_conformance_kit_passes_the_built_ins_and_names_a_failed_clause() {
         "{text}"
     );
     let data = build_plugin("tests/plugins/faulty_data", "faulty_data", &[], "faulty_data");
-    let (code, text) = check(&[], &[data.to_str().unwrap(), "--section", "mask_prompt = true"]);
+    let (code, text) = check(&[], &[data.to_str().unwrap(), "--section", "mask_prompt = true\nphantom_input = true"]);
     assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("pass  describes its section"), "{text}");
+    assert!(
+        text.contains("FAIL  its check refuses an unknown field, naming it: `no_such_field_zz = 1` was accepted"),
+        "{text}"
+    );
+    assert!(
+        text.contains("FAIL  the files its check names are there: field `phantom_input`: /nonexistent/phantom.ids: no such file or folder"),
+        "{text}"
+    );
     assert!(text.contains("pass  seeking to a saved position gives the same batches"), "{text}");
     assert!(
         text.contains(
@@ -508,8 +548,9 @@ fn ids_file(dir: &Path) -> PathBuf {
     ids
 }
 
-/// `plugins new` -> `cargo build --release` -> `plugins check` -> `train --plugin`, for the
-/// templates of all four kinds (built into the workspace's target folder, so only the new crate
+/// `plugins new` -> `cargo build --release` -> `plugins check` -> `plugins doc`, `config explain`
+/// and preflight's errors at the config's line -> `train --plugin`, for the templates of all four
+/// kinds (built into the workspace's target folder, so only the new crate
 /// compiles; a few seconds each), trained 2 steps.
 #[test]
 fn a_scaffolded_plugin_builds_passes_its_check_and_trains() {
@@ -523,8 +564,34 @@ fn a_scaffolded_plugin_builds_passes_its_check_and_trains() {
         ("drafter", "scaffold_drafter", "mask_token_id = 16\nintermediate_size = 64".to_string()),
         ("target", "scaffold_target", "seed = 1".to_string()),
     ];
+    // Per kind: a field the reference shows, a bad value of a field and what its error says, a
+    // misspelt field and the one meant.
+    let probes = [
+        ("| `lr` | float | required | > 0 |", "lr = -1.0", "field `lr`: must be > 0", "lrr", "lr"),
+        (
+            "| `batch_size` | integer | 2 | >= 1 |",
+            "batch_size = 0",
+            "field `batch_size`: must be >= 1",
+            "batch_sizee",
+            "batch_size",
+        ),
+        (
+            "| `block_size` | integer | 4 | >= 2 |",
+            "block_size = 1",
+            "field `block_size`: must be >= 2",
+            "block_sizee",
+            "block_size",
+        ),
+        (
+            "| `num_hidden_layers` | integer | 4 | >= 1 |",
+            "num_hidden_layers = 0",
+            "field `num_hidden_layers`: must be >= 1",
+            "seedd",
+            "seed",
+        ),
+    ];
     let head = HEAD.replace("steps = 20", "steps = 2");
-    for (kind, name, section) in kinds {
+    for ((kind, name, section), (row, bad, why, typo, meant)) in kinds.into_iter().zip(probes) {
         let crate_dir = dir.path().join(name);
         let out = Command::new(host())
             .args(["plugins", "new", name, "--kind", kind, "--out"])
@@ -535,11 +602,39 @@ fn a_scaffolded_plugin_builds_passes_its_check_and_trains() {
         let so = build_plugin(crate_dir.to_str().unwrap(), name, &[], name);
         let (code, text) = check(&[], &[so.to_str().unwrap(), "--section", &section]);
         assert_eq!(code, Some(0), "{kind}:\n{text}");
-        let section = format!("plugin = \"{name}\"\n{section}");
-        let config = match kind {
-            "optimizer" => common::tiny_config(&head, &section),
-            _ => with_section(&common::tiny_config(&head, "plugin = \"adamw\"\nlr = 3e-3"), kind, &section),
+        // Its reference, from the library: `plugins doc` and `config explain`.
+        let doc = common::host(&["plugins", "doc", so.to_str().unwrap()], &[]);
+        let doc = String::from_utf8_lossy(&doc.stdout).to_string();
+        assert!(doc.starts_with(&format!("# {kind} plugin `{name}`")) && doc.contains(row), "{kind}: {doc}");
+        let explain = common::host(&["--plugin", so.to_str().unwrap(), "config", "explain", kind], &[]);
+        let explain = String::from_utf8_lossy(&explain.stdout).to_string();
+        assert!(explain.contains(&format!("plugin = \"{name}\"")) && explain.contains(row), "{kind}: {explain}");
+        let with = |section: &str| {
+            let section = format!("plugin = \"{name}\"\n{section}");
+            match kind {
+                "optimizer" => common::tiny_config(&head, &section),
+                _ => with_section(&common::tiny_config(&head, "plugin = \"adamw\"\nlr = 3e-3"), kind, &section),
+            }
         };
+        // Preflight: its check's error and an unknown field, each at its line of the file.
+        for (extra, want) in [
+            (bad.to_string(), why.to_string()),
+            (format!("{typo} = 1"), format!("unknown field `{typo}`, did you mean `{meant}`?")),
+        ] {
+            // The value replaces the section's own where it has one.
+            let key = extra.split(" = ").next().unwrap();
+            let kept: Vec<&str> = section.lines().filter(|l| !l.starts_with(&format!("{key} ="))).collect();
+            let config = with(&format!("{}\n{extra}", kept.join("\n")));
+            let line = config.lines().position(|l| l == extra).unwrap() + 1;
+            let (out, _exp) = common::train(&[&so], &config);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{kind}: {extra} was accepted");
+            assert!(
+                err.contains(&format!("run.toml:{line}: [{kind}] plugin `{name}`: {want}")),
+                "{kind}: {extra}: {err}"
+            );
+        }
+        let config = with(&section);
         let (out, exp) = common::train(&[&so], &config);
         assert!(out.status.success(), "{kind}: {}", String::from_utf8_lossy(&out.stderr));
         let manifest = std::fs::read_to_string(exp.path().join("exp/manifest.json")).unwrap();

@@ -1,23 +1,42 @@
 //! SGD with momentum as a dflash optimizer plugin: the template for third-party plugins.
 //!
-//! What a plugin does: parse its config section (`plugin_api::parse_section`), implement one
-//! plain-Rust plugin trait (here `OptimizerPlugin`), and declare itself once with
-//! `declare_plugin!`. A panic anywhere becomes an error the host reports; `plugin_api` does the
-//! ABI side.
+//! What a plugin does: describe its config section (`#[derive(Describe)]`: every field's doc
+//! comment, type, default and range is its reference in `dflash-host plugins doc`), check it
+//! before anything heavy loads (`Section::check`), implement one plain-Rust plugin trait (here
+//! `OptimizerPlugin`), and declare itself once with `declare_plugin!(.., section = TYPE)`. A
+//! panic anywhere becomes an error the host reports; `plugin_api` does the ABI side.
 
 use plugin_api::{
+    describe::SectionCheck,
     serde::Deserialize,
     tch::{self, Kind, Tensor},
-    HostContext, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind,
+    Describe, HostContext, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind, Section,
 };
 
 /// The `[optimizer]` section (besides `plugin = "sgd"`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Describe)]
 #[serde(crate = "plugin_api::serde", deny_unknown_fields)]
 pub struct SgdConfig {
+    /// Peak learning rate (the host's schedule multiplies it).
+    #[describe(range = "> 0")]
     pub lr: f64,
+    /// Momentum coefficient.
     #[serde(default = "default_momentum")]
+    #[describe(range = "in [0, 1)")]
     pub momentum: f64,
+}
+
+/// Checked before anything heavy loads (and again at `create`): errors name the field.
+impl Section for SgdConfig {
+    fn check(&self, _ctx: &HostContext) -> Result<SectionCheck, PluginError> {
+        if !(self.lr > 0.0) {
+            return Err(PluginError::new(format!("field `lr`: must be > 0, got {}", self.lr)));
+        }
+        if !(0.0..1.0).contains(&self.momentum) {
+            return Err(PluginError::new(format!("field `momentum`: must be in [0, 1), got {}", self.momentum)));
+        }
+        Ok(SectionCheck::default())
+    }
 }
 
 fn default_momentum() -> f64 {
@@ -107,15 +126,13 @@ fn info() -> PluginInfo {
     )
 }
 
-fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginError> {
+fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let cfg: SgdConfig = plugin_api::parse_section(config)?;
-    if !(cfg.lr > 0.0) || !(0.0..1.0).contains(&cfg.momentum) {
-        return Err(PluginError::new("field `lr` must be > 0 and `momentum` in [0, 1)"));
-    }
+    cfg.check(ctx)?;
     Ok(PluginInstance::optimizer(Sgd { cfg, params: Vec::new(), steps: 0 }))
 }
 
-plugin_api::declare_plugin!(optim_sgd, info, create);
+plugin_api::declare_plugin!(optim_sgd, info, create, section = SgdConfig);
 
 #[cfg(test)]
 mod tests {

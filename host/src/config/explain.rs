@@ -164,7 +164,7 @@ impl Picks {
     /// One plugin's sections and nothing else.
     fn only(p: &Plugin) -> Self {
         let why = format!(
-            "# {} plugin `{}` {}\n\n{}\n\nFrom {}. Its fields go in the config's `[{}]` section, with `plugin = \"{}\"`.\n",
+            "# {} plugin `{}` {}\n\n{}\n\nSource: {}. Its fields go in the config's `[{}]` section, with `plugin = \"{}\"`.\n",
             p.record.kind,
             p.record.name,
             p.record.version,
@@ -180,7 +180,10 @@ impl Picks {
     fn shows(&self, s: &Shown) -> bool {
         let Some((plugin, _)) = &s.plugin else { return !self.plugins_only };
         let kind = s.kind();
-        self.chosen.iter().find(|(k, _)| *k == kind).is_none_or(|(_, p)| p == plugin)
+        match self.chosen.iter().find(|(k, _)| *k == kind) {
+            Some((_, p)) => p == plugin,
+            None => !self.plugins_only,
+        }
     }
 }
 
@@ -312,6 +315,7 @@ mod tests {
         let doc = plugin_markdown(adamw, &registry).unwrap();
         assert!(doc.starts_with("# optimizer plugin `adamw`"), "{doc}");
         assert!(doc.contains("`[optimizer]` plugin = \"adamw\"") && !doc.contains("[train]"), "{doc}");
+        assert!(!doc.contains("[target]") && !doc.contains("plugin = \"muon\""), "one plugin's sections only: {doc}");
     }
 
     /// docs/CONFIG.md is what the types say now.

@@ -6,18 +6,35 @@
 //! shuffled per epoch from the seed and the epoch number, and resumable by position.
 
 use plugin_api::{
-    serde::Deserialize, tch::Tensor, DataLoaderPlugin, DataPosition, DataSummary, HostContext, PluginError, PluginInfo,
-    PluginInstance, PluginKind, TrainBatch,
+    describe::{InputFile, SectionCheck},
+    serde::Deserialize,
+    tch::Tensor,
+    DataLoaderPlugin, DataPosition, DataSummary, Describe, HostContext, PluginError, PluginInfo, PluginInstance,
+    PluginKind, Section, TrainBatch,
 };
 
 /// The `[data]` section (besides `plugin = "ids"`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Describe)]
 #[serde(crate = "plugin_api::serde", deny_unknown_fields)]
 pub struct IdsConfig {
     /// The token-id file, relative to the config's folder.
     pub path: String,
+    /// Sequences per batch.
     #[serde(default = "default_batch_size")]
+    #[describe(range = ">= 1")]
     pub batch_size: usize,
+}
+
+/// Checked before anything heavy loads: the fields, and the file is there (the host hashes it
+/// into the run's manifest).
+impl Section for IdsConfig {
+    fn check(&self, ctx: &HostContext) -> Result<SectionCheck, PluginError> {
+        if self.batch_size == 0 {
+            return Err(PluginError::new("field `batch_size`: must be >= 1"));
+        }
+        let file = InputFile::existing("path", &self.path, ctx)?;
+        Ok(SectionCheck { inputs: vec![file].into(), ..SectionCheck::default() })
+    }
 }
 
 fn default_batch_size() -> usize {
@@ -156,9 +173,7 @@ fn info() -> PluginInfo {
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let cfg: IdsConfig = plugin_api::parse_section(config)?;
-    if cfg.batch_size == 0 {
-        return Err(PluginError::new("field `batch_size`: must be >= 1"));
-    }
+    cfg.check(ctx)?;
     let spec = ctx.target.as_ref().into_option();
     let pad_id = spec.map_or(0, |s| s.pad_token_id.into_option().unwrap_or(s.eos_token_id)) as i64;
     let file = ctx.resolve_path(&cfg.path);
@@ -173,7 +188,7 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     }))
 }
 
-plugin_api::declare_plugin!(data_ids, info, create);
+plugin_api::declare_plugin!(data_ids, info, create, section = IdsConfig);
 
 #[cfg(test)]
 mod tests {

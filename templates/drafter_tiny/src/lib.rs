@@ -8,17 +8,19 @@
 //! seeded from the run's seed, named like z-lab's DFlash checkpoints.
 
 use plugin_api::{
+    describe::SectionCheck,
     serde::Deserialize,
     tch::{self, Device, Kind, Tensor},
-    DrafterInput, DrafterPlugin, HostContext, PluginError, PluginInfo, PluginInstance, PluginKind,
+    Describe, DrafterInput, DrafterPlugin, HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, Section,
 };
 
 /// The `[drafter]` section (besides `plugin = "tiny_drafter"`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Describe)]
 #[serde(crate = "plugin_api::serde", deny_unknown_fields)]
 pub struct TinyConfig {
     /// Tokens per block (the anchor and Bk-1 masks).
     #[serde(default = "default_block_size")]
+    #[describe(range = ">= 2")]
     pub block_size: u32,
     /// The token whose embedding fills a block's masked positions (default: the last id).
     pub mask_token_id: Option<u32>,
@@ -30,6 +32,19 @@ pub struct TinyConfig {
 
 fn default_block_size() -> u32 {
     4
+}
+
+/// What can be checked without the target (its layers and vocabulary are checked at `create`).
+impl Section for TinyConfig {
+    fn check(&self, _ctx: &HostContext) -> Result<SectionCheck, PluginError> {
+        if self.block_size < 2 {
+            return Err(PluginError::new(format!("field `block_size`: must be >= 2, got {}", self.block_size)));
+        }
+        if self.target_layers.as_ref().is_some_and(Vec::is_empty) {
+            return Err(PluginError::new("field `target_layers`: must name at least one layer"));
+        }
+        Ok(SectionCheck::default())
+    }
 }
 
 /// The model's sizes, all from the config and the target's spec (what `config_json` records).
@@ -194,6 +209,7 @@ fn info() -> PluginInfo {
 
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let cfg: TinyConfig = plugin_api::parse_section(config)?;
+    cfg.check(ctx)?;
     let spec =
         ctx.target.as_ref().into_option().ok_or_else(|| PluginError::new("a drafter needs the target's spec"))?;
     let n = spec.num_hidden_layers;
@@ -226,7 +242,7 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     Ok(PluginInstance::drafter(TinyDrafter::new(dims, ctx.tch_device()?, ctx.tch_kind()?)))
 }
 
-plugin_api::declare_plugin!(drafter_tiny, info, create);
+plugin_api::declare_plugin!(drafter_tiny, info, create, section = TinyConfig);
 
 #[cfg(test)]
 mod tests {

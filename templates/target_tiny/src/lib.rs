@@ -10,20 +10,27 @@
 
 use plugin_api::{
     abi_stable::std_types::{RNone, RSome},
+    describe::{SectionCheck, TargetFacts},
     serde::Deserialize,
     tch::{self, Device, Kind, Tensor},
-    HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, TargetPlugin, TargetSpec,
+    Describe, HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, Section, TargetPlugin, TargetSpec,
 };
 
 /// The `[target]` section (besides `plugin = "tiny_lm"`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Describe)]
 #[serde(crate = "plugin_api::serde", deny_unknown_fields)]
 pub struct TinyLmConfig {
+    /// Width of the residual stream.
     #[serde(default = "default_hidden")]
+    #[describe(range = "a multiple of num_attention_heads")]
     pub hidden_size: u32,
+    /// Decoder layers.
     #[serde(default = "default_layers")]
+    #[describe(range = ">= 1")]
     pub num_hidden_layers: u32,
+    /// Attention heads per layer.
     #[serde(default = "default_heads")]
+    #[describe(range = ">= 1")]
     pub num_attention_heads: u32,
     /// Seeds the weights: the same seed is the same model.
     #[serde(default)]
@@ -288,17 +295,34 @@ fn info() -> PluginInfo {
     )
 }
 
+/// Checked before any weight is made; what the host needs of the model is in its config.
+impl Section for TinyLmConfig {
+    fn check(&self, _ctx: &HostContext) -> Result<SectionCheck, PluginError> {
+        if self.num_hidden_layers == 0 {
+            return Err(PluginError::new("field `num_hidden_layers`: must be >= 1"));
+        }
+        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 {
+            return Err(PluginError::new(format!(
+                "field `hidden_size`: {} is not a multiple of `num_attention_heads` ({})",
+                self.hidden_size, self.num_attention_heads
+            )));
+        }
+        let facts = TargetFacts {
+            model_type: "tiny_lm".into(),
+            num_hidden_layers: self.num_hidden_layers,
+            ..TargetFacts::default()
+        };
+        Ok(SectionCheck { target: RSome(facts), ..SectionCheck::default() })
+    }
+}
+
 fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError> {
     let cfg: TinyLmConfig = plugin_api::parse_section(config)?;
-    if cfg.num_hidden_layers == 0 || cfg.num_attention_heads == 0 || cfg.hidden_size % cfg.num_attention_heads != 0 {
-        return Err(PluginError::new(
-            "fields `num_hidden_layers`, `num_attention_heads`: >= 1, and `hidden_size` a multiple of the heads",
-        ));
-    }
+    cfg.check(ctx)?;
     Ok(PluginInstance::target(TinyLm::random(cfg, ctx.tch_device()?, ctx.tch_kind()?)))
 }
 
-plugin_api::declare_plugin!(target_tiny, info, create);
+plugin_api::declare_plugin!(target_tiny, info, create, section = TinyLmConfig);
 
 #[cfg(test)]
 mod tests {

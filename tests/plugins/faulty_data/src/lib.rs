@@ -1,20 +1,40 @@
 //! A data loader plugin ("faulty_data") of eight fixed sequences (a 3-token prompt, a 3-token
 //! response), two a batch, that breaks on request: `mask_prompt = true` puts the prompt in the
 //! loss mask (`plugins check`: not on responses only); `panic_in = "METHOD"` panics in that
-//! method (`position`, `next_batch`, `distill_request`, ...).
+//! method (`position`, `next_batch`, `distill_request`, ...); `phantom_input = true` makes its
+//! section check name a file that is not there. Its section takes unknown fields (no
+//! `deny_unknown_fields`), which `plugins check` names.
 
 use plugin_api::{
-    serde::Deserialize, tch::Tensor, DataLoaderPlugin, DataPosition, DataSummary, DistillRequest, HostContext,
-    PluginError, PluginInfo, PluginInstance, PluginKind, TrainBatch,
+    describe::{InputFile, SectionCheck},
+    serde::Deserialize,
+    tch::Tensor,
+    DataLoaderPlugin, DataPosition, DataSummary, Describe, DistillRequest, HostContext, PluginError, PluginInfo,
+    PluginInstance, PluginKind, Section, TrainBatch,
 };
 
-#[derive(Deserialize)]
-#[serde(crate = "plugin_api::serde", deny_unknown_fields)]
+#[derive(Debug, Deserialize, Describe)]
+#[serde(crate = "plugin_api::serde")]
 struct Config {
+    /// Put the prompt in the loss mask.
     #[serde(default)]
     mask_prompt: bool,
+    /// A method that panics.
     #[serde(default)]
     panic_in: String,
+    /// The section check names a file that is not there.
+    #[serde(default)]
+    phantom_input: bool,
+}
+
+impl Section for Config {
+    fn check(&self, _ctx: &HostContext) -> Result<SectionCheck, PluginError> {
+        let mut check = SectionCheck::default();
+        if self.phantom_input {
+            check.inputs.push(InputFile { field: "phantom_input".into(), path: "/nonexistent/phantom.ids".into() });
+        }
+        Ok(check)
+    }
 }
 
 const SEQUENCES: i64 = 8;
@@ -90,4 +110,4 @@ fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginErro
     Ok(PluginInstance::data_loader(Faulty { cfg, pos: DataPosition::default() }))
 }
 
-plugin_api::declare_plugin!(faulty_data, info, create);
+plugin_api::declare_plugin!(faulty_data, info, create, section = Config);

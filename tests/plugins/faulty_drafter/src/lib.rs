@@ -1,9 +1,12 @@
 //! A drafter plugin ("faulty_drafter") that scales the block embeddings by one trainable gain,
 //! and breaks on request: `dead_parameter = true` adds a parameter its forward never uses
 //! (`plugins check`: no gradient reaches it); `panic_in = "METHOD"` panics in that method, on its
-//! `panic_at_call`-th call (default 1): `parameters` at 2 is the first checkpoint of a run.
+//! `panic_at_call`-th call (default 1): `parameters` at 2 is the first checkpoint of a run. Its
+//! section's description, written by hand, leaves `dead_parameter` out (`plugins check` names
+//! it).
 
 use plugin_api::{
+    describe::{Describe, FieldDoc, TableDoc},
     serde::Deserialize,
     tch::{Device, Kind, Tensor},
     DrafterInput, DrafterPlugin, HostContext, PluginError, PluginInfo, PluginInstance, PluginKind,
@@ -20,6 +23,25 @@ struct Config {
     #[serde(default = "first")]
     panic_at_call: u64,
 }
+
+/// Described by hand, `dead_parameter` missing: what a description out of step with its struct
+/// looks like.
+impl Describe for Config {
+    fn type_name() -> &'static str {
+        "Config"
+    }
+    fn fields() -> Vec<FieldDoc> {
+        vec![
+            FieldDoc::new("panic_in", "string".into(), "\"\"".into(), "", "A method that panics."),
+            FieldDoc::new("panic_at_call", "integer".into(), "1".into(), ">= 1", "Which call of it panics."),
+        ]
+    }
+    fn nested_tables() -> Vec<TableDoc> {
+        Vec::new()
+    }
+}
+
+impl plugin_api::Section for Config {}
 
 fn first() -> u64 {
     1
@@ -99,4 +121,4 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     Ok(PluginInstance::drafter(Faulty { cfg, params, vocab: spec.vocab_size, calls: AtomicU64::new(0) }))
 }
 
-plugin_api::declare_plugin!(faulty_drafter, info, create);
+plugin_api::declare_plugin!(faulty_drafter, info, create, section = Config);

@@ -2,22 +2,28 @@
 //! tied embeddings, features that are the embeddings scaled per layer, `forward_ms` of sleep per
 //! forward (a stage with a set time), and a deliberate error or panic at forward
 //! `fail_at_forward` (counted per worker instance), or a panic in the value-returning method
-//! `panic_in` names (`spec`, `tokenizer_json`).
+//! `panic_in` names (`spec`, `tokenizer_json`). Its section check says how many layers it has
+//! and it counts its FLOPs, wrongly on request (`wrong_facts`, `flat_flops`: what `plugins
+//! check` names).
 
 use plugin_api::{
-    abi_stable::std_types::{RNone, RString},
+    abi_stable::std_types::{RNone, RSome, RString},
+    describe::{FlopsPart, FlopsQuery, SectionCheck, TargetFacts},
     serde::Deserialize,
     tch::{Device, Kind, Tensor},
-    HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, TargetPlugin, TargetSpec,
+    Describe, HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, Section, TargetPlugin, TargetSpec,
 };
 
-#[derive(Deserialize)]
+#[derive(Debug, Deserialize, Describe)]
 #[serde(crate = "plugin_api::serde", deny_unknown_fields)]
 struct Config {
+    /// Feature width.
     #[serde(default = "default_hidden")]
     hidden_size: u32,
+    /// Layers.
     #[serde(default = "default_layers")]
     num_hidden_layers: u32,
+    /// Sleep per forward, in milliseconds.
     #[serde(default)]
     forward_ms: u64,
     /// 0 = never.
@@ -29,6 +35,30 @@ struct Config {
     /// A value-returning method that panics.
     #[serde(default)]
     panic_in: String,
+    /// The section check says one layer more than the target has.
+    #[serde(default)]
+    wrong_facts: bool,
+    /// The FLOPs counted the same whatever the layers.
+    #[serde(default)]
+    flat_flops: bool,
+}
+
+impl Section for Config {
+    fn check(&self, _ctx: &HostContext) -> Result<SectionCheck, PluginError> {
+        let layers = self.num_hidden_layers + u32::from(self.wrong_facts);
+        let facts = TargetFacts { model_type: "synthetic".into(), num_hidden_layers: layers, ..TargetFacts::default() };
+        Ok(SectionCheck { target: RSome(facts), ..SectionCheck::default() })
+    }
+
+    /// A multiply-add per feature a layer (the features are scaled embeddings), and the head.
+    fn target_flops(&self, _ctx: &HostContext, q: FlopsQuery) -> Result<Option<Vec<FlopsPart>>, PluginError> {
+        let tokens = f64::from(q.batch) * f64::from(q.seq_len);
+        let layers = if self.flat_flops { 1.0 } else { f64::from(q.layers) };
+        let h = f64::from(self.hidden_size);
+        let head = if q.logits { 2.0 * tokens * h * vocab().len() as f64 } else { 0.0 };
+        let part = |name: &str, flop: f64| FlopsPart { name: name.into(), flop };
+        Ok(Some(vec![part("layers", 2.0 * tokens * h * layers), part("head", head)]))
+    }
 }
 
 fn default_hidden() -> u32 {
@@ -161,4 +191,4 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     Ok(PluginInstance::target(Synthetic { cfg, embedding, forwards: 0 }))
 }
 
-plugin_api::declare_plugin!(synthetic_target, info, create);
+plugin_api::declare_plugin!(synthetic_target, info, create, section = Config);
