@@ -621,7 +621,7 @@ fn compare_reads_an_ab_folder_into_one_report_folder_and_config_explain_prints_t
         "{picked}"
     );
     let line = error_line(&host().args(["config", "explain", "--plugin", "lora"]).output().unwrap());
-    assert!(line.contains("--plugin lora: no built-in plugin of that name (built-in: hf, dflash, gdn"), "{line}");
+    assert!(line.contains("--plugin lora: no plugin of that name (known: hf, dflash, gdn"), "{line}");
 }
 
 /// `[target] path = "Org/Tiny"` with `revision`: a tiny HF model from tests/fixtures laid out in

@@ -100,13 +100,18 @@ fn plugin_tables(p: &Plugin) -> Result<Vec<Shown>> {
 /// (target, drafter, optimizer, data), by name within one.
 fn all_tables(registry: &Registry) -> Result<Vec<Shown>> {
     let mut out = host_tables();
-    let rank = |kind: &str| HOST_SECTIONS[2..].iter().position(|k| *k == kind).unwrap_or(HOST_SECTIONS.len());
-    let mut plugins: Vec<&Plugin> = registry.plugins.iter().collect();
-    plugins.sort_by(|a, b| (rank(&a.record.kind), &a.record.name).cmp(&(rank(&b.record.kind), &b.record.name)));
-    for p in plugins {
+    for p in in_run_order(registry) {
         out.extend(plugin_tables(p)?);
     }
     Ok(out)
+}
+
+/// The registry's plugins by kind in the order data flows through a run, by name within one.
+fn in_run_order(registry: &Registry) -> Vec<&Plugin> {
+    let rank = |kind: &str| HOST_SECTIONS[2..].iter().position(|k| *k == kind).unwrap_or(HOST_SECTIONS.len());
+    let mut plugins: Vec<&Plugin> = registry.plugins.iter().collect();
+    plugins.sort_by(|a, b| (rank(&a.record.kind), &a.record.name).cmp(&(rank(&b.record.kind), &b.record.name)));
+    plugins
 }
 
 /// Which plugin each plugin section is shown for (`drafter` -> `gdn`), and why.
@@ -126,7 +131,7 @@ impl Picks {
         let kinds: Vec<String> =
             registry.plugins.iter().filter(|p| p.record.name == name).map(|p| p.record.kind.clone()).collect();
         if kinds.is_empty() {
-            let mut known: Vec<&str> = registry.plugins.iter().map(|p| p.record.name.as_str()).collect();
+            let mut known: Vec<&str> = in_run_order(registry).iter().map(|p| p.record.name.as_str()).collect();
             known.dedup();
             bail!(
                 "--plugin {name}: no plugin of that name (known: {}; load others with --plugin PATH)",

@@ -210,6 +210,49 @@ fn unknown_field_is_named_with_its_line() {
     assert!(err.contains("cfg.toml:5:") && err.contains("unknown field `stepz`"), "{err}");
 }
 
+/// A misspelt field of the host's own sections, in the file or set by `--set`, is named with
+/// the one meant (from the sections' description) and where it was written.
+#[test]
+fn unknown_host_fields_are_named_with_the_closest_known_one() {
+    let text = GOOD.replace("steps = 3", "steps = 3\nstepz = 4");
+    let err = RunConfig::from_toml(Path::new("cfg.toml"), &text).unwrap_err().to_string();
+    assert_eq!(err, "cfg.toml:5: field `train.stepz`: unknown field `stepz`, did you mean `steps`?");
+    let err = RunConfig::from_toml(Path::new("cfg.toml"), &GOOD.replace("name = \"t\"", "name = \"t\"\nsed = 1"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err, "cfg.toml:3: field `sed`: unknown field `sed`, did you mean `seed`?");
+    let set = [Override::parse_set("pipeline.captur=x").unwrap()];
+    let err = RunConfig::from_toml_with(Path::new("cfg.toml"), GOOD, &set).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "--set pipeline.captur=x: field `pipeline.captur`: unknown field `captur`, did you mean `capture`?"
+    );
+}
+
+/// A plugin section's fields against its plugin's description (ABI `describe`): a table within
+/// it and each table of an array of them are walked; a table the plugin types as free-form is not.
+#[test]
+fn unknown_plugin_fields_are_named_with_the_closest_known_one() {
+    let registry = crate::plugins::Registry::new(&[]).unwrap();
+    let doc = |kind, name| registry.find(kind, name).unwrap().describe().unwrap().unwrap();
+    let muon = doc(plugin_api::PluginKind::Optimizer, "muon");
+    let table = |text: &str| -> toml::Table { toml::from_str(text).unwrap() };
+    let unknown = |doc, text: &str| preflight::unknown_field(doc, &table(text));
+    assert_eq!(unknown(&muon, "plugin = \"muon\"\nlr = 0.02\n[adamw]\nlr = 1e-3"), None);
+    assert_eq!(unknown(&muon, "lrr = 0.02").as_deref(), Some("unknown field `lrr`, did you mean `lr`?"));
+    assert_eq!(
+        unknown(&muon, "[adamw]\nbetaz = [0.9, 0.9]").as_deref(),
+        Some("unknown field `betaz`, did you mean `betas`?")
+    );
+    assert_eq!(
+        unknown(&muon, "[[split]]\npattern = \"*\"\nparts = [1]\n[[split]]\npatern = \"*\"").as_deref(),
+        Some("unknown field `patern`, did you mean `pattern`?")
+    );
+    let chat = doc(plugin_api::PluginKind::DataLoader, "chat");
+    assert_eq!(unknown(&chat, "path = \"d\"\n[template_kwargs]\nanything = true"), None);
+    assert!(unknown(&chat, "zzzzzzzz = 1").unwrap().starts_with("unknown field `zzzzzzzz` (fields: path, format, "));
+}
+
 #[test]
 fn wrong_type_and_out_of_range_are_named() {
     let err = parse(&GOOD.replace("steps = 3", "steps = \"many\"")).unwrap_err().to_string();
