@@ -80,7 +80,7 @@ fn export_then_import(extra: &str) -> serde_json::Value {
     let live = dir.path().join(format!(".zlab.export-{}", std::os::unix::process::parent_id()));
     std::fs::create_dir_all(&dead).unwrap();
     std::fs::create_dir_all(&live).unwrap();
-    export::export(&ckpt, &out, false).unwrap();
+    export::export(&ckpt, &out, false, &dflash_host::plugins::Registry::new(&[]).unwrap()).unwrap();
     assert!(!dead.exists() && live.exists(), "stale export folders: dead {}, live {}", dead.exists(), live.exists());
 
     // The folder is the z-lab format: config fields and bf16 tensors with z-lab names.
@@ -155,7 +155,7 @@ fn automodel_loads_the_export_and_matches_our_forward() {
     let ckpt =
         exp.save_checkpoint(7, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
     let out = dir.path().join("zlab");
-    export::export(&ckpt, &out, false).unwrap();
+    export::export(&ckpt, &out, false, &dflash_host::plugins::Registry::new(&[]).unwrap()).unwrap();
     assert!(out.join("dflash.py").is_file());
     plugin_api::tch::manual_seed(3);
     let x = tiny_input();
@@ -198,7 +198,7 @@ fn init_from_refuses_fields_it_cannot_honour() {
     let ckpt =
         exp.save_checkpoint(1, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
     let out = dir.path().join("zlab");
-    export::export(&ckpt, &out, false).unwrap();
+    export::export(&ckpt, &out, false, &dflash_host::plugins::Registry::new(&[]).unwrap()).unwrap();
     let good: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     read_zlab(&out, &spec).unwrap();
@@ -332,7 +332,7 @@ fn presets_export_the_published_configs() {
         let ckpt =
             exp.save_checkpoint(1, &d.parameters(), d.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
         let out = dir.path().join("export");
-        export::export(&ckpt, &out, false).unwrap();
+        export::export(&ckpt, &out, false, &dflash_host::plugins::Registry::new(&[]).unwrap()).unwrap();
         let ours: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
         for (key, want) in published.as_object().unwrap() {

@@ -172,6 +172,9 @@ pub struct ParamShape {
     pub shape: RVec<i64>,
 }
 
+/// Parameter names and shapes ([`Section::saved_shapes`]).
+pub type Shapes = Vec<(String, Vec<i64>)>;
+
 /// A type a config field can have: how the reference names it and writes its values.
 pub trait ConfigType {
     fn toml_type() -> String;
@@ -233,7 +236,7 @@ pub trait Section: DeserializeOwned + Describe {
     /// A drafter's parameters as a saved `config.json` of this plugin implies them (what `export`
     /// checks the weights against before writing them); None when the config is not this
     /// plugin's (its `architectures` name another model). Errors name the config's field.
-    fn saved_shapes(config_json: &str) -> Result<Option<Vec<(String, Vec<i64>)>>, PluginError> {
+    fn saved_shapes(config_json: &str) -> Result<Option<Shapes>, PluginError> {
         let _ = config_json;
         Ok(None)
     }

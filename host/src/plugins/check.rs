@@ -211,7 +211,7 @@ impl Kit<'_> {
         out.push(self.clause("its check accepts the section given, every field of it described", || {
             plugin.check(&self.section, &self.ctx)?;
             let table: toml::Table = toml::from_str(&self.section.config_toml).context("the section given")?;
-            if let Some(Some(doc)) = doc.as_ref().ok() {
+            if let Ok(Some(doc)) = doc.as_ref() {
                 if let Some(e) = crate::config::preflight::unknown_field(doc, &table) {
                     bail!("its description has no such field: {e}");
                 }

@@ -135,7 +135,7 @@ impl Plugin {
 
     /// A drafter's parameter shapes as a saved config.json of this plugin implies them (ABI
     /// 1.8); None when the config is not this plugin's, or the plugin cannot tell.
-    pub fn saved_shapes(&self, config_json: &str) -> Result<Option<Vec<(String, Vec<i64>)>>> {
+    pub fn saved_shapes(&self, config_json: &str) -> Result<Option<plugin_api::describe::Shapes>> {
         let Some(shapes) = self.module()?.saved_shapes() else { return Ok(None) };
         let shapes = shapes(config_json.into()).into_result().map_err(|e| anyhow!("{e}"))?;
         Ok(shapes.into_option().map(|v| v.into_iter().map(|p| (p.name.into_string(), p.shape.into_vec())).collect()))

@@ -345,7 +345,7 @@ impl plugin_api::Section for DrafterSection {
 
     /// A saved config of this drafter (`architectures` = `DFlashDraftModel`), checked, and the shapes it
     /// implies.
-    fn saved_shapes(config_json: &str) -> Result<Option<Vec<(String, Vec<i64>)>>, PluginError> {
+    fn saved_shapes(config_json: &str) -> Result<Option<plugin_api::describe::Shapes>, PluginError> {
         let value: serde_json::Value =
             serde_json::from_str(config_json).map_err(|e| PluginError::new(e.to_string()))?;
         if value["architectures"][0].as_str() != Some("DFlashDraftModel") {
