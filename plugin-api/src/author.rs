@@ -298,6 +298,15 @@ impl<P> Contained<P> {
     }
 }
 
+/// The author's value, read (a plugin's own tests look at its state through it).
+impl<P> std::ops::Deref for Contained<P> {
+    type Target = P;
+
+    fn deref(&self) -> &P {
+        &self.plugin
+    }
+}
+
 fn guarded<R>(
     panicked: &OnceLock<String>,
     method: &str,
