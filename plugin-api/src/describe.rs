@@ -1,4 +1,4 @@
-//! What a plugin says about its config section before anything heavy loads (ABI 1.8): the
+//! What a plugin says about its config section before anything heavy loads (ABI 2.0): the
 //! section's field reference, generated from the struct it parses (`#[derive(Describe)]`), and
 //! its checks ([`Section::check`]), which return the files the run reads and what the host needs
 //! to know of the plugin without creating it.

@@ -17,11 +17,11 @@
 
 pub mod builtins;
 pub mod check;
+pub mod handles;
 pub mod new;
-mod poison;
 mod probe;
 
-pub use poison::{Instance, Poison, PoisonFn};
+pub use handles::{DataHandle, DrafterHandle, OptimizerHandle, TargetHandle};
 pub use probe::probe;
 
 use crate::config::PluginSection;
@@ -79,7 +79,7 @@ enum Source {
     /// A probed library, loaded into this process the first time a plugin of it is created.
     Library {
         path: PathBuf,
-        module: OnceLock<(PluginModule_Ref, Poison)>,
+        module: OnceLock<PluginModule_Ref>,
     },
 }
 
@@ -89,19 +89,19 @@ impl Plugin {
         match &self.source {
             Source::Builtin(m) => Ok(*m),
             Source::Library { path, module } => {
-                if let Some((m, _)) = module.get() {
+                if let Some(m) = module.get() {
                     return Ok(*m);
                 }
                 let loaded = load_library(path, self.record.sha256.as_deref())?;
                 if loaded.record != self.record {
                     bail!("plugin {}: changed since it was checked (its metadata differs); run again", path.display());
                 }
-                Ok(module.get_or_init(|| (loaded.module, Poison::Library(loaded.poison))).0)
+                Ok(*module.get_or_init(|| loaded.module))
             }
         }
     }
 
-    /// The plugin's config section reference (ABI 1.8); None for a plugin built before it, or
+    /// The plugin's config section reference (ABI 2.0); None for a plugin built before it, or
     /// one that does not describe its section. A library is loaded into this process for it.
     pub fn describe(&self) -> Result<Option<SectionDoc>> {
         let Some(describe) = self.module()?.describe() else { return Ok(None) };
@@ -109,7 +109,7 @@ impl Plugin {
         Ok(doc.described.then_some(doc))
     }
 
-    /// The plugin's check of its config section, before anything heavy loads (ABI 1.8): the
+    /// The plugin's check of its config section, before anything heavy loads (ABI 2.0): the
     /// files the run reads and what the host needs to know; nothing for a plugin built before it.
     pub fn check(&self, section: &PluginSection, ctx: &HostContext) -> Result<SectionCheck> {
         let Some(check) = self.module()?.check() else { return Ok(SectionCheck::default()) };
@@ -119,7 +119,7 @@ impl Plugin {
     }
 
     /// A target's forward FLOPs by part for `query`, from its config without its weights
-    /// (ABI 1.8); None when the plugin cannot tell.
+    /// (ABI 2.0); None when the plugin cannot tell.
     pub fn target_flops(
         &self,
         section: &PluginSection,
@@ -134,19 +134,11 @@ impl Plugin {
     }
 
     /// A drafter's parameter shapes as a saved config.json of this plugin implies them (ABI
-    /// 1.8); None when the config is not this plugin's, or the plugin cannot tell.
+    /// 2.0); None when the config is not this plugin's, or the plugin cannot tell.
     pub fn saved_shapes(&self, config_json: &str) -> Result<Option<plugin_api::describe::Shapes>> {
         let Some(shapes) = self.module()?.saved_shapes() else { return Ok(None) };
         let shapes = shapes(config_json.into()).into_result().map_err(|e| anyhow!("{e}"))?;
         Ok(shapes.into_option().map(|v| v.into_iter().map(|p| (p.name.into_string(), p.shape.into_vec())).collect()))
-    }
-
-    /// How to ask this plugin about its instances' panics (a library not loaded yet has none).
-    pub fn poison(&self) -> Poison {
-        match &self.source {
-            Source::Builtin(_) => Poison::Builtin,
-            Source::Library { module, .. } => module.get().map_or(Poison::Library(None), |(_, p)| *p),
-        }
     }
 }
 
@@ -224,11 +216,6 @@ impl Registry {
         let known: Vec<_> =
             self.plugins.iter().filter(|p| p.record.kind == kind_s).map(|p| p.record.name.clone()).collect();
         bail!("no {kind} plugin named `{name}` (available: {}; load others with --plugin PATH)", known.join(", "))
-    }
-
-    /// How to ask the plugin of `kind` named `name` about its instances' panics.
-    pub fn poison(&self, kind: PluginKind, name: &str) -> Poison {
-        self.find(kind, name).map_or(Poison::Library(None), Plugin::poison)
     }
 
     /// Create the plugin a config section names; the instance must be of the section's kind.
@@ -390,7 +377,6 @@ pub fn find_library(arg: &Path) -> Result<PathBuf> {
 pub struct Loaded {
     pub module: PluginModule_Ref,
     pub record: PluginRecord,
-    pub poison: Option<PoisonFn>,
 }
 
 /// Load and check a plugin shared library in this process (see the module doc for the checks):
@@ -420,7 +406,7 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
         bail!("plugin {shown}: its plugin header gives no plugin ABI version (`{theirs}`); not a dflash plugin built with plugin_api::declare_plugin!");
     }
     if abi_major(&theirs) != abi_major(ABI_VERSION) {
-        bail!("plugin {shown}: built for plugin ABI {theirs}, this host speaks ABI {ABI_VERSION} (major versions differ; rebuild the plugin against this plugin-api)");
+        bail!("plugin {shown}: built for plugin ABI {theirs}, this host speaks plugin ABI {ABI_VERSION}: rebuild the plugin against plugin-api {ABI_VERSION}");
     }
     let refused = |e: LibraryError| {
         match e {
@@ -445,10 +431,7 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
         bail!("plugin {shown}: built for `{build}`, this host is `{}`: tensors cannot cross between different libtorch builds", plugin_api::build_id());
     }
     let info = checked_info(module, &format!("plugin {shown}"))?;
-    let query = symbol.replacen("dflash_plugin_", "dflash_poison_", 1);
-    // SAFETY: declare_plugin! defines this symbol as a PoisonFn; older plugins lack it.
-    let poison = unsafe { raw.get::<PoisonFn>(format!("{query}\0").as_bytes()).ok().map(|f| *f) };
-    Ok(Loaded { record: record(&info, &theirs, path.display().to_string(), Some(sha)), module, poison })
+    Ok(Loaded { record: record(&info, &theirs, path.display().to_string(), Some(sha)), module })
 }
 
 /// `dlopen` exactly `bytes` (the ones hashed and checked), not the file again: a sealed in-memory
