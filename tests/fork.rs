@@ -170,7 +170,14 @@ fn a_fork_switches_adamw_to_muon_with_a_fresh_state() {
 #[test]
 fn report_names_the_bound_stage_of_a_real_run() {
     let out = ok(host(&["report"], &[parent()]));
-    for want in ["batches/s per worker", "bound by", "queue q_hs", "what if        2x faster drafter step", "ETA"] {
+    for want in [
+        "batches/s per worker",
+        "bound by",
+        "queue q_hs",
+        "what if        2x faster drafter step",
+        "ETA",
+        "epochs         in epoch",
+    ] {
         assert!(out.contains(want), "no `{want}` in:\n{out}");
     }
     assert!(out.contains(&format!("steps          {STEPS} of {STEPS}")), "{out}");
