@@ -9,18 +9,19 @@ use super::{
 };
 use crate::{
     dist::Communicator,
-    pipeline::{components::PluginNames, stages::Micro},
+    pipeline::stages::Micro,
+    plugins::{DrafterHandle, OptimizerHandle},
 };
 use anyhow::{anyhow, Result};
 use kernels::profiler;
 use plugin_api::{
     tch::{Device, Kind, Tensor},
-    DataPosition, DrafterBox, OptimizerBox, PluginKind,
+    DataPosition,
 };
 
 pub struct StepRunner<'a> {
-    pub drafter: &'a mut DrafterBox,
-    pub optimizer: &'a mut OptimizerBox,
+    pub drafter: &'a mut DrafterHandle,
+    pub optimizer: &'a mut OptimizerHandle,
     /// The drafter's trainable parameters (handles sharing its storage).
     pub params: Vec<Tensor>,
     pub draft: DraftLoss,
@@ -30,7 +31,6 @@ pub struct StepRunner<'a> {
     /// Data-parallel replicas (None: this process alone).
     pub comm: Option<Box<dyn Communicator>>,
     pub guard: NonFiniteGuard,
-    pub names: PluginNames,
 }
 
 /// One step's micro-batches as they accumulate: loss, weight sum and accuracy counts stay on the
@@ -81,14 +81,11 @@ impl StepRunner<'_> {
     /// nothing waits for the GPU. Returns what was drafted (its anchors, its loss's counts).
     pub fn micro_step(&mut self, m: &Micro, acc: &mut StepAccum) -> Result<Drafted> {
         let forward = profiler::range("forward + loss");
-        let d = self
-            .draft
-            .compute(self.drafter, &m.input_ids, &m.loss_mask, &m.hidden, m.index)
-            .map_err(self.names.err(PluginKind::Drafter, "forward"))?;
+        let d = self.draft.compute(self.drafter, &m.input_ids, &m.loss_mask, &m.hidden, m.index)?;
         drop(forward);
         let _backward = profiler::range("backward");
         let scale = self.draft.backward_scale(self.grad_accum);
-        d.backward(self.drafter, scale).map_err(self.names.err(PluginKind::Drafter, "backward"))?;
+        d.backward(self.drafter, scale)?;
         acc.loss_sum += d.loss.loss.detach();
         acc.weight_sum += &d.loss.weight_sum;
         acc.counts += &d.loss.counts;
@@ -145,7 +142,7 @@ impl StepRunner<'_> {
         })?;
         if applied {
             let _range = profiler::range("optimizer");
-            self.optimizer.step(lr_scale).into_result().map_err(self.names.err(PluginKind::Optimizer, "step"))?;
+            self.optimizer.step(lr_scale)?;
         }
         // Gradients dropped, not zeroed (PyTorch's default): until the next backward they take
         // no memory, so the forward's activations never sit beside last step's gradients.

@@ -20,7 +20,7 @@ use crate::{
     experiment::Experiment,
     pipeline::{
         capture::CaptureReader,
-        components::{Components, PluginNames},
+        components::Components,
         distill,
         hidden_cache::HiddenStateCache,
         stages::{feature_bytes_per_token, next_batch, target_workers, HostBatch, Micro},
@@ -30,10 +30,10 @@ use crate::{
     sysinfo::{peak_rss_mb, GpuMonitor},
     tensorboard,
 };
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use observers::{GpuSampler, MetricsFile, Observer, Progress, StepValues, TensorBoard};
-use plugin_api::{tch::Tensor, DataPosition, PluginKind};
+use plugin_api::{tch::Tensor, DataPosition};
 use setup::{DrafterSide, Draws, FeatureSource};
 use std::{path::Path, sync::Arc, time::Instant};
 
@@ -65,7 +65,6 @@ pub fn train(
     let t = &cfg.train;
     let mut comm = opts.comm;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank() as u64, c.world() as u64));
-    let names = c.names.clone();
     let source = FeatureSource::open(cfg, &mut c, cache_dir)?;
     let capture = source.capture.as_ref();
     let side = DrafterSide::assemble(cfg, &mut c, &mut comm, capture)?;
@@ -73,22 +72,14 @@ pub fn train(
 
     // The stages: producer (data or capture index), target workers, the drafter here.
     let drafter_device = side.draft.embedding.device();
-    let fbpt = feature_bytes_per_token(cfg, side.layer_ids.len(), c.target.spec().hidden_size);
+    let fbpt = feature_bytes_per_token(cfg, side.layer_ids.len(), c.target.spec()?.hidden_size);
     let cache = HiddenStateCache::new(t.hidden_cache_mb << 20, fbpt);
     let draws = Draws { first: state.micro_batches, total: (t.steps - state.step) * t.grad_accum, rank, world };
-    let producer = setup::producer(&mut c.data, capture, Arc::clone(&cache), fbpt, names.clone(), draws);
+    let producer = setup::producer(&mut c.data, capture, Arc::clone(&cache), fbpt, draws);
     let devices = cfg.target_devices();
     let workers: Vec<Worker<HostBatch, Micro>> = match capture {
         Some(cap) => vec![cap.worker(drafter_device)],
-        None => target_workers(
-            &mut c.target,
-            &mut c.extra_targets,
-            &devices,
-            &side.layer_ids,
-            &cache,
-            drafter_device,
-            &names,
-        ),
+        None => target_workers(&mut c.target, &mut c.extra_targets, &devices, &side.layer_ids, &cache, drafter_device),
     };
     let pipe =
         PipelineOptions { buffer_bytes: cfg.pipeline.buffer_bytes(), deterministic: cfg.pipeline.deterministic() };
@@ -111,7 +102,6 @@ pub fn train(
         grad_clip: t.grad_clip,
         comm,
         guard: NonFiniteGuard { max: t.max_nonfinite_steps, consecutive: state.nonfinite_in_a_row },
-        names,
     };
     let lead = rank == 0;
     let bar = progress_bar(t.steps, state.step, lead);
@@ -282,8 +272,6 @@ impl Trainer<'_> {
                 self.log(step, grad_norm, feed, val)?;
             }
             self.control.after_step(step, t.steps, any_rank_stopped);
-            self.runner.names.check(PluginKind::Drafter, &*self.runner.drafter)?;
-            self.runner.names.check(PluginKind::Optimizer, &*self.runner.optimizer)?;
             self.maybe_checkpoint(step)?;
             self.clock.pace.record(step_started.elapsed().as_secs_f64() - (self.validation.total_s - val_before));
             let timing = self.timing(step);
@@ -322,7 +310,7 @@ impl Trainer<'_> {
         self.state.count_step(&r, applied);
         self.state.nonfinite_in_a_row = self.runner.guard.consecutive;
         let values =
-            StepValues { loss: r.loss, lr: lr_scale * self.runner.optimizer.base_lr(), grad_norm: r.grad_norm };
+            StepValues { loss: r.loss, lr: lr_scale * self.runner.optimizer.base_lr()?, grad_norm: r.grad_norm };
         for o in &mut self.outputs.observers {
             o.step(step, &values)?;
         }
@@ -355,10 +343,7 @@ impl Trainer<'_> {
         let Some(set) = self.validation.set.as_ref().filter(|_| step % t.eval_every == 0 || step == t.steps) else {
             return Ok(None);
         };
-        let r = &mut self.runner;
-        let scores =
-            set.score(&r.draft, r.drafter).map_err(r.names.err(PluginKind::Drafter, "forward (validation)"))?;
-        r.names.check(PluginKind::Drafter, &*r.drafter)?;
+        let scores = set.score(&self.runner.draft, self.runner.drafter).context("validation")?;
         self.clock.times.val_s += scores.seconds;
         self.validation.total_s += scores.seconds;
         self.validation.count += 1;

@@ -36,7 +36,7 @@ impl Trainer<'_> {
             loss: w.loss_sum / (w.micro - w.skipped_micro).max(1) as f64,
             tau_hat: tau_hat(&acc),
             acc,
-            lr: scale * self.runner.optimizer.base_lr(),
+            lr: scale * self.runner.optimizer.base_lr()?,
             grad_norm,
             skipped_steps: self.state.skipped_steps,
             tok_per_s: w.tokens as f64 / secs,
@@ -92,10 +92,7 @@ impl Trainer<'_> {
             self.state.elapsed_s = self.train_elapsed_s();
             let r = &self.runner;
             let (weights, config_json, optimizer_state) =
-                (r.drafter.parameters(), r.drafter.config_json(), r.optimizer.state());
-            // A panic there gave a placeholder (no weights, no state): never write it.
-            r.names.check(PluginKind::Drafter, &*r.drafter)?;
-            r.names.check(PluginKind::Optimizer, &*r.optimizer)?;
+                (r.drafter.parameters()?, r.drafter.config_json()?, r.optimizer.state()?);
             let last_good = self.last_ckpt.as_deref().unwrap_or("none yet");
             let dir = self
                 .exp

@@ -3,8 +3,7 @@
 //! optimizer and validation split), the state a resume starts from, and the pipeline's producer.
 
 use super::*;
-use crate::pipeline::Job;
-use plugin_api::DataLoaderBox;
+use crate::{pipeline::Job, plugins::DataHandle};
 
 /// Where the target features come from: the data loader through the target workers (after
 /// self-distillation where the data asks for it), or a capture's files.
@@ -16,7 +15,10 @@ pub(super) struct FeatureSource {
 impl FeatureSource {
     pub fn open(cfg: &RunConfig, c: &mut Components, cache_dir: &Path) -> Result<Self> {
         if let Some(dir) = &cfg.pipeline.capture {
-            return Ok(Self { capture: Some(CaptureReader::open(Path::new(dir), &c.target.spec())?), distilled: None });
+            return Ok(Self {
+                capture: Some(CaptureReader::open(Path::new(dir), &c.target.spec()?)?),
+                distilled: None,
+            });
         }
         let distilled = distill::prepare_data(c, cache_dir)?.map(|d| DistillSummary {
             replies: d.replies,
@@ -45,9 +47,8 @@ impl DrafterSide {
         capture: Option<&CaptureReader>,
     ) -> Result<Self> {
         let t = &cfg.train;
-        let names = c.names.clone();
         let drafter_device = crate::config::parse_device(cfg.drafter_device())?;
-        let layer_ids: Vec<u32> = c.drafter.target_layer_ids().into_vec();
+        let layer_ids: Vec<u32> = c.drafter.target_layer_ids()?;
         if let Some(cap) = capture {
             cap.check_layers(&layer_ids)?;
         }
@@ -56,10 +57,10 @@ impl DrafterSide {
             &c.target,
             drafter_device,
             AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed, rule: t.anchors },
-            resolve_gamma(t.loss_gamma, c.drafter.block_size() as usize),
+            resolve_gamma(t.loss_gamma, c.drafter.block_size()? as usize),
             t.loss_normalization,
-        );
-        let (named, params) = trainable_parameters(&c.drafter);
+        )?;
+        let (named, params) = trainable_parameters(&c.drafter)?;
         let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
         tracing::info!(
             "drafter: {:.1}M trainable parameters, block {}, target layers {layer_ids:?}, mask token {}, gamma {}, \
@@ -74,20 +75,15 @@ impl DrafterSide {
         // Replicas: every rank starts from rank 0's weights; the optimizer may split its work.
         if let Some(comm) = comm.as_deref_mut() {
             comm.broadcast(&params, 0)?;
-            c.optimizer
-                .set_collectives(comm.collectives())
-                .into_result()
-                .map_err(names.err(PluginKind::Optimizer, "set_collectives"))?;
+            c.optimizer.set_collectives(comm.collectives())?;
         }
-        c.optimizer.init(named).into_result().map_err(names.err(PluginKind::Optimizer, "init"))?;
+        c.optimizer.init(named)?;
         // The validation split's target features, once, before the target moves to its worker.
         // Every rank scores it alike (same weights, same batches); rank 0 writes the scores.
         let validation = match t.eval_every {
             0 => None,
             n => Some(ValidationSet::prepare(c, &layer_ids, &draft.sampler, n)?),
         };
-        // Before anything above is trained with: a panicked value method gave a placeholder.
-        c.check_poisoned()?;
         Ok(Self { draft, params, layer_ids, validation })
     }
 }
@@ -102,23 +98,16 @@ pub(super) fn resume(
     from_capture: bool,
     block_size: i64,
 ) -> Result<(TrainerState, Option<String>)> {
-    let names = c.names.clone();
     let (state, checkpoint) = match from {
         None => (TrainerState::new(cfg.seed, block_size), None),
         Some(r) => {
-            c.drafter
-                .load_weights(r.weights.into())
-                .into_result()
-                .map_err(names.err(PluginKind::Drafter, "load_weights"))?;
+            c.drafter.load_weights(r.weights.into())?;
             if !r.optimizer_state.is_empty() {
-                c.optimizer
-                    .load_state(r.optimizer_state.into())
-                    .into_result()
-                    .map_err(names.err(PluginKind::Optimizer, "load_state"))?;
+                c.optimizer.load_state(r.optimizer_state.into())?;
             }
             if !from_capture {
                 let pos = DataPosition { epoch: r.state.data_epoch, index: r.state.data_index };
-                c.data.seek(pos).into_result().map_err(names.err(PluginKind::DataLoader, "seek"))?;
+                c.data.seek(pos)?;
             }
             tracing::info!("resuming from {} (step {}, {} target tokens)", r.checkpoint, r.state.step, r.state.tokens);
             (r.state, Some(r.checkpoint))
@@ -144,11 +133,10 @@ pub(super) struct Draws {
 /// its share: batch `rank` of each group of R, tagged with the position after the whole group
 /// (where every rank resumes).
 pub(super) fn producer<'a>(
-    data: &'a mut DataLoaderBox,
+    data: &'a mut DataHandle,
     capture: Option<&'a CaptureReader>,
     cache: Arc<HiddenStateCache>,
     feature_bytes_per_token: usize,
-    names: PluginNames,
     d: Draws,
 ) -> impl FnMut() -> Result<Option<Job<HostBatch>>> + Send + 'a {
     let mut produced = 0u64;
@@ -162,7 +150,7 @@ pub(super) fn producer<'a>(
             None => {
                 let mut mine = None;
                 for r in 0..d.world {
-                    let b = next_batch(data, &names)?;
+                    let b = next_batch(data)?;
                     if r == d.rank {
                         mine = Some(b);
                     } else if let Some(m) = mine.as_mut() {
