@@ -173,7 +173,14 @@ fn a_fork_switches_adamw_to_muon_with_a_fresh_state() {
 #[test]
 fn report_names_the_bound_stage_of_a_real_run() {
     let out = ok(host(&["report"], &[parent()]));
-    for want in ["batches/s per worker", "bound by", "queue q_hs", "what if        2x faster drafter step", "ETA"] {
+    for want in [
+        "batches/s per worker",
+        "bound by",
+        "queue q_hs",
+        "what if        2x faster drafter step",
+        "ETA",
+        "epochs         in epoch",
+    ] {
         assert!(out.contains(want), "no `{want}` in:\n{out}");
     }
     assert!(out.contains(&format!("steps          {STEPS} of {STEPS}")), "{out}");
@@ -257,4 +264,43 @@ fn a_parent_still_training_is_forked_without_being_disturbed() {
     train.wait().unwrap();
     assert_eq!(upto(&fork_dir), upto(&live));
     assert_eq!(weights(&fork_dir, AT + 2), weights(&live, AT + 2));
+}
+
+/// `ab` with `[fork]`: every arm forks the parent's checkpoint (the parent untouched), records
+/// its parent and arm, switches what its arm says, and the comparison reads the arms after the
+/// fork with the parent's curve before it.
+#[test]
+fn an_ab_of_forks_runs_each_arm_from_the_checkpoint_and_compares_them() {
+    let parent = parent();
+    let before = hashes(parent);
+    let dir = tempfile::tempdir().unwrap();
+    let ab = format!(
+        "name = \"switch\"\nseeds = [1]\n[fork]\nexp = \"{}\"\nat = {AT}\n[arms.adamw]\n[arms.muon]\n\
+         optimizer = {{ plugin = \"muon\", lr = 3e-3 }}\nfork = {{ optimizer_state = \"fresh\", rewarm = 2 }}\n",
+        parent.display()
+    );
+    std::fs::write(dir.path().join("ab.toml"), ab).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(["ab", "--config", "ab.toml"])
+        .current_dir(dir.path())
+        .env("DFLASH_CACHE", cache())
+        .output()
+        .unwrap();
+    ok(out);
+    let root = dir.path().join("experiments/switch");
+    for (arm, optimizer) in [("adamw", "adamw"), ("muon", "muon")] {
+        let run = root.join(format!("{arm}-s1"));
+        let manifest: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run.join("manifest.json")).unwrap()).unwrap();
+        assert_eq!((manifest["arm"].as_str(), manifest["parent"]["step"].as_u64()), (Some(arm), Some(AT)));
+        assert_eq!(manifest["parent"]["optimizer_now"].as_str(), Some(optimizer));
+        let steps: Vec<u64> = common::metrics(&run, &["step"]).iter().map(|l| l["step"].as_u64().unwrap()).collect();
+        assert_eq!(steps.first(), Some(&(AT + 1)), "the fork's own lines continue the parent's count");
+    }
+    let md = std::fs::read_to_string(root.join("report/report.md")).unwrap();
+    assert!(
+        md.contains("adamw") && md.contains("muon") && md.contains(&format!("steps up to {AT} are its parent's")),
+        "{md}"
+    );
+    assert_eq!(hashes(parent), before, "the parent is only read");
 }

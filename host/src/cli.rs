@@ -25,7 +25,9 @@ pub enum Command {
     /// (`--set`); the parent is only read. Its steps continue the parent's count.
     Fork(ForkArgs),
     /// What bounds a run, from its metrics.jsonl: each stage's rate, the bound stage and by how
-    /// much, the hidden-state queue, what a faster drafter step or optimizer would save, the ETA.
+    /// much, the hidden-state queue, what a faster drafter step or optimizer would save, the ETA
+    /// to the configured steps and where the run is in its epochs. With `--plan`: how to split
+    /// GPUs between the target and the drafter, from `bench train`'s figures.
     Report(ReportArgs),
     /// Run only the targets over the config's data and write their features (sharded
     /// safetensors + index.json) for `pipeline.capture` to train from.
@@ -147,8 +149,15 @@ pub struct ForkArgs {
 #[derive(Args)]
 pub struct ReportArgs {
     /// The experiment directory.
-    #[arg(value_name = "EXP")]
-    pub exp: PathBuf,
+    #[arg(value_name = "EXP", required_unless_present = "plan")]
+    pub exp: Option<PathBuf>,
+    /// Instead of a run: split `--gpus` GPUs between the target and the drafter from `bench
+    /// train --json`'s file for them, the best split first with the throughput it predicts.
+    #[arg(long, value_name = "BENCH_JSON", conflicts_with = "exp", requires = "gpus")]
+    pub plan: Option<PathBuf>,
+    /// The GPUs the plan splits.
+    #[arg(long, value_name = "G", requires = "plan")]
+    pub gpus: Option<u64>,
 }
 
 #[derive(Args)]

@@ -15,6 +15,7 @@ pub mod experiment;
 pub mod export;
 pub mod out;
 pub mod pipeline;
+pub mod plan;
 pub mod plugins;
 pub mod progress;
 pub mod report;

@@ -41,7 +41,24 @@ pub struct Report {
     pub step_s: f64,
     /// The ETA to `steps_total` at the measured step time.
     pub eta_s: f64,
+    /// The data's epochs: where the run is, and what the configured steps amount to.
+    pub epochs: Epochs,
     pub what_if: Vec<WhatIf>,
+}
+
+/// The data's passes, from the `epoch` of each metrics line (the data loader's epoch after the
+/// window's last batch).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Epochs {
+    /// The epoch the run is in (0: the first pass).
+    pub current: u64,
+    /// Steps an epoch takes: the last step logged before the current epoch over the epochs
+    /// completed (to within `train.log_every` steps); None before the first epoch completes.
+    pub steps_per_epoch: Option<f64>,
+    /// The epochs the configured steps make.
+    pub configured: Option<f64>,
+    /// The ETA to the end of the current epoch.
+    pub eta_epoch_end_s: Option<f64>,
 }
 
 /// A k-times faster drafter step or optimizer: the modelled step time and the wall time left.
@@ -75,6 +92,7 @@ pub fn report(exp: &Path) -> Result<Report> {
 /// One window of metrics.jsonl, as far as the report needs it.
 struct Window {
     step: u64,
+    epoch: u64,
     target_s: f64,
     drafter_s: f64,
     optim_s: f64,
@@ -97,6 +115,7 @@ fn parse(text: &str, file: &str) -> Result<Vec<Window>> {
             |k: &str| v.get(k).and_then(|x| x.as_f64()).with_context(|| format!("{file}:{}: no number `{k}`", i + 1));
         out.push(Window {
             step: v.get("step").and_then(|x| x.as_u64()).with_context(|| format!("{file}:{}: no `step`", i + 1))?,
+            epoch: v.get("epoch").and_then(|x| x.as_u64()).unwrap_or(0),
             target_s,
             drafter_s: num("drafter_s")?,
             optim_s: num("optim_s")?,
@@ -176,8 +195,24 @@ pub fn from_metrics(text: &str, file: &str, steps_total: u64, grad_accum: u64) -
         q_hs_empty_share: weighted.iter().filter(|(_, w)| w.q_hs < 0.5).fold(0.0, |a, (n, _)| a + n) / total,
         step_s,
         eta_s: left * step_s,
+        epochs: epochs(&windows, steps_total, step_s),
         what_if: what_ifs,
     })
+}
+
+/// Where the run is in its data, from the lines' epochs.
+fn epochs(windows: &[Window], steps_total: u64, step_s: f64) -> Epochs {
+    let last = windows.last().expect("at least one window");
+    let current = last.epoch;
+    // The last step seen before the current epoch began: exact with `log_every = 1`.
+    let before_current = windows.iter().take_while(|w| w.epoch < current).last().map_or(0, |w| w.step);
+    let steps_per_epoch = (current > 0 && before_current > 0).then(|| before_current as f64 / current as f64);
+    Epochs {
+        current,
+        steps_per_epoch,
+        configured: steps_per_epoch.map(|n| steps_total as f64 / n),
+        eta_epoch_end_s: steps_per_epoch.map(|n| ((current + 1) as f64 * n - last.step as f64).max(0.0) * step_s),
+    }
 }
 
 /// The report as the lines `dflash-host report` prints.
@@ -212,6 +247,7 @@ pub fn lines(r: &Report) -> Vec<String> {
             r.wait_s
         ),
         format!("step           {:.3} s measured; ETA {} to step {}", r.step_s, duration(r.eta_s), r.steps_total),
+        epoch_line(&r.epochs),
     ];
     for w in &r.what_if {
         out.push(format!(
@@ -224,6 +260,19 @@ pub fn lines(r: &Report) -> Vec<String> {
         ));
     }
     out
+}
+
+fn epoch_line(e: &Epochs) -> String {
+    match (e.steps_per_epoch, e.configured, e.eta_epoch_end_s) {
+        (Some(n), Some(total), Some(eta)) => format!(
+            "epochs         in epoch {} ({} completed, ~{n:.0} steps each): the configured steps make {total:.2} epochs; ETA {} to the end of epoch {}",
+            e.current,
+            e.current,
+            duration(eta),
+            e.current
+        ),
+        _ => format!("epochs         in epoch {}; none completed yet, so an epoch's length is not measured", e.current),
+    }
 }
 
 fn duration(s: f64) -> String {
@@ -298,6 +347,27 @@ mod tests {
         let w = r.what_if.iter().find(|w| w.what == "drafter step" && w.k == 4.0).unwrap();
         assert!((w.step_s - 1.8).abs() < 1e-9, "{w:?}");
         assert!((w.eta_s - 100.0 * 1.8).abs() < 1e-6);
+    }
+
+    #[test]
+    fn the_epochs_come_from_the_step_where_each_began() {
+        // 2 s a step; epoch 2 began after step 60: 30 steps an epoch.
+        let at = |step: u64, epoch: u64| {
+            let mut v: serde_json::Value = serde_json::from_str(&line(step, 1.0, 1, 1.5, 0.5, 0.0, 1.0)).unwrap();
+            v["epoch"] = epoch.into();
+            v.to_string() + "\n"
+        };
+        let text: String =
+            [(10, 0), (20, 0), (30, 0), (40, 1), (50, 1), (60, 1), (70, 2)].map(|(s, e)| at(s, e)).concat();
+        let r = from_metrics(&text, "m.jsonl", 120, 1).unwrap();
+        assert_eq!(r.epochs.current, 2);
+        assert_eq!(r.epochs.steps_per_epoch, Some(30.0));
+        assert_eq!(r.epochs.configured, Some(4.0));
+        // The end of epoch 2 at step 90: 20 steps of 2 s.
+        assert!((r.epochs.eta_epoch_end_s.unwrap() - 40.0).abs() < 1e-9);
+        assert!(lines(&r).iter().any(|l| l.contains("4.00 epochs") && l.contains("ETA 40 s to the end of epoch 2")));
+        let first_pass = from_metrics(&at(10, 0), "m.jsonl", 120, 1).unwrap();
+        assert_eq!((first_pass.epochs.current, first_pass.epochs.steps_per_epoch), (0, None));
     }
 
     #[test]

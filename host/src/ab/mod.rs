@@ -25,6 +25,26 @@
 //! and the other seeds run at that value. Folders: `experiments/<name>/<arm>-s<seed>`, or
 //! `<arm>-<field>=<value>-s<seed>` for a swept arm; `selection.json` records the choice; `[eval]`
 //! runs `eval` in-process after each run ([`evals`]).
+//!
+//! Arms may instead continue one run from its checkpoint: with `[fork]`, every arm forks
+//! `exp`'s checkpoint at step `at` (the run may still be training; it is only read), its config
+//! the parent's with `[common]` and the arm's changes, and each seed varies what comes after the
+//! fork (data order and anchors). An arm's `fork = { optimizer_state = "fresh", schedule =
+//! "restart", rewarm = 8 }` chooses as `dflash-host fork` does:
+//!
+//! ```toml
+//! name = "adamw-fork-muon"
+//! seeds = [0, 1, 2]
+//! [fork]
+//! exp = "experiments/adamw-parent"
+//! at = 80
+//! [arms.adamw]
+//! [arms.muon-fresh]
+//! optimizer = { plugin = "muon", lr = 3e-3 }
+//! fork = { optimizer_state = "fresh" }
+//! ```
+//!
+//! `compare` draws each fork's curve from its parent's up to the fork.
 
 mod evals;
 mod select;
@@ -48,8 +68,12 @@ use std::{
 #[serde(deny_unknown_fields)]
 pub struct AbConfig {
     pub name: String,
-    /// The run config every arm starts from (relative to the A/B file).
-    pub base: PathBuf,
+    /// The run config every arm starts from (relative to the A/B file); not with `[fork]`.
+    #[serde(default)]
+    pub base: Option<PathBuf>,
+    /// Every arm forks this run's checkpoint instead of training from the start.
+    #[serde(default)]
+    pub fork: Option<ForkFrom>,
     #[serde(default = "default_seeds")]
     pub seeds: Vec<u64>,
     /// What chooses a swept arm's value: `val_tau` (real tau on the validation prompts, needs
@@ -65,6 +89,36 @@ pub struct AbConfig {
     pub common: toml::Table,
     /// Arm name -> what it changes in the base config, and optionally `sweep`.
     pub arms: BTreeMap<String, toml::Table>,
+}
+
+/// `[fork]`: the run every arm forks, and the step of its checkpoint.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ForkFrom {
+    /// The experiment directory (relative to the working folder).
+    pub exp: PathBuf,
+    pub at: u64,
+}
+
+/// An arm's `fork = { ... }`: what it does with the parent's optimizer state and schedule, as
+/// `dflash-host fork`'s options.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ArmFork {
+    #[serde(default)]
+    pub optimizer_state: Option<crate::train::fork::OptimizerStateChoice>,
+    #[serde(default)]
+    pub schedule: crate::train::fork::ScheduleChoice,
+    #[serde(default)]
+    pub rewarm: Option<u64>,
+}
+
+/// A run that forks a checkpoint: the parent, the step, and the arm's choices.
+#[derive(Debug, Clone)]
+pub struct ForkRun {
+    pub parent: PathBuf,
+    pub at: u64,
+    pub choices: ArmFork,
 }
 
 fn default_seeds() -> Vec<u64> {
@@ -102,6 +156,8 @@ pub struct ArmRun {
     /// The base config file (relative paths in it resolve from its folder).
     pub base_path: PathBuf,
     pub dir: PathBuf,
+    /// The checkpoint it forks (None: it trains from the start).
+    pub fork: Option<ForkRun>,
 }
 
 /// One value of an arm (its only one when it sweeps nothing) and its runs, one per seed.
@@ -222,7 +278,14 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path, registry: &Registry) -
             bail!("{}: [eval]: `limit` and `max_new_tokens` must be >= 1", path.display());
         }
     }
-    let base_path = crate::config::config_dir(path).join(&ab.base);
+    let base_path = match (&ab.base, &ab.fork) {
+        (Some(base), None) => crate::config::config_dir(path).join(base),
+        (None, Some(f)) => f.exp.join(crate::experiment::CONFIG),
+        (Some(_), Some(_)) => {
+            bail!("{}: `base` and [fork] exclude each other (a fork's base is its parent's config)", path.display())
+        }
+        (None, None) => bail!("{}: give `base` (a run config) or [fork] (a run's checkpoint)", path.display()),
+    };
     let base_dir = crate::config::config_dir(&base_path);
     let base_text = input_files::read_to_string_capped(&base_path, crate::config::MAX_CONFIG_BYTES)
         .with_context(|| format!("reading base config {}", base_path.display()))?;
@@ -241,6 +304,17 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path, registry: &Registry) -
         let bad = |e: &dyn std::fmt::Display| anyhow::anyhow!("{}: arm `{arm}`: {e}", path.display());
         validate_name(arm).map_err(|e| bad(&e))?;
         let mut changes = changes.clone();
+        let fork = match (changes.remove("fork"), &ab.fork) {
+            (None, None) => None,
+            (Some(_), None) => return Err(bad(&"`fork` needs the A/B's [fork] (the run to fork)")),
+            (choices, Some(f)) => {
+                let choices: ArmFork = match choices {
+                    Some(c) => c.try_into().map_err(|e: toml::de::Error| bad(&format!("fork: {}", e.message())))?,
+                    None => ArmFork::default(),
+                };
+                Some(ForkRun { parent: f.exp.clone(), at: f.at, choices })
+            }
+        };
         let (fields, points) = match changes.remove("sweep") {
             Some(s) => {
                 let (fields, points) = sweep::expand(&s).map_err(|e| bad(&e))?;
@@ -268,6 +342,11 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path, registry: &Registry) -
                 t.insert("seed".into(), toml::Value::Integer(seed as i64));
                 let config: RunConfig = t.try_into().map_err(|e: toml::de::Error| bad(&e.message()))?;
                 config.validate().map_err(|e| bad(&e))?;
+                if let Some(f) = &fork {
+                    if f.at >= config.train.steps {
+                        return Err(bad(&format!("[fork] at = {}: train.steps is {}", f.at, config.train.steps)));
+                    }
+                }
                 if ab.eval.is_some() {
                     evals::check(data_splits(&config, &base_dir, registry)).map_err(|e| bad(&e))?;
                 }
@@ -283,6 +362,7 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path, registry: &Registry) -
                     config,
                     base_path: base_path.clone(),
                     dir: dir.join(folder),
+                    fork: fork.clone(),
                 });
             }
             point_runs.push(PointRuns { point, runs });
@@ -458,6 +538,23 @@ fn train_one(r: &ArmRun, registry: &Registry, print_summary: fn(&crate::train::T
                 registry,
                 &crate::train::start::ResumeOptions::default(),
             )?)
+        }
+        ArmState::New if r.fork.is_some() => {
+            let f = r.fork.as_ref().expect("a fork");
+            let ab_name = r.dir.parent().and_then(Path::file_name).unwrap_or_default().to_string_lossy().to_string();
+            Some(crate::train::fork::fork(crate::train::fork::ForkSpec {
+                parent: &f.parent,
+                at: f.at,
+                overrides: Vec::new(),
+                config: Some(r.config.clone()),
+                exp_dir: Some(r.dir.clone()),
+                optimizer_state: f.choices.optimizer_state,
+                schedule: f.choices.schedule,
+                rewarm: f.choices.rewarm,
+                registry,
+                stop_at: None,
+                ab: Some((&ab_name, &r.arm)),
+            })?)
         }
         ArmState::New => {
             let ab_name = r.dir.parent().and_then(Path::file_name).unwrap_or_default().to_string_lossy().to_string();

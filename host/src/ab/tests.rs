@@ -301,7 +301,17 @@ fn the_ab_files_in_configs_plan() {
     let mut files: Vec<PathBuf> = std::fs::read_dir(&configs).unwrap().map(|e| e.unwrap().path()).collect();
     files.retain(|f| f.file_name().unwrap().to_string_lossy().starts_with("ab-"));
     assert!(files.len() >= 3, "{files:?}");
-    for f in files {
+    // A fork A/B plans against its parent: the committed config it is trained from.
+    let parent = tempfile::tempdir().unwrap();
+    std::fs::copy(configs.join("smollm2-chitchat-adamw.toml"), parent.path().join("config.toml")).unwrap();
+    for mut f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let copy = parent.path().join(f.file_name().unwrap());
+        if text.contains("[fork]") {
+            std::fs::write(&copy, text.replace("experiments/adamw-parent", &parent.path().display().to_string()))
+                .unwrap();
+            f = copy;
+        }
         plan(&f, None, Path::new("experiments"), &builtins()).unwrap_or_else(|e| panic!("{}: {e:#}", f.display()));
     }
     let p = plan(&configs.join("ab-adamw-vs-muon-lr.toml"), None, Path::new("experiments"), &builtins()).unwrap();
@@ -320,4 +330,66 @@ fn the_ab_files_in_configs_plan() {
     assert_eq!((p.select, p.eval.as_ref().map(|e| e.limit)), (Some(Select::ValTauHat), Some(16)));
     let muon = p.first_seed_runs().nth(4).unwrap().config.section("optimizer");
     assert!(muon.config_toml.contains("lr = 0.003") && muon.config_toml.contains("adjust_lr"), "{}", muon.config_toml);
+}
+
+#[test]
+fn fork_arms_start_from_the_parents_config_and_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let parent = dir.path().join("parent");
+    std::fs::create_dir(&parent).unwrap();
+    std::fs::write(parent.join("config.toml"), BASE).unwrap();
+    let ab = format!(
+        r#"
+name = "switch"
+seeds = [3, 4]
+[fork]
+exp = "{}"
+at = 5
+[arms.adamw]
+[arms.muon]
+optimizer = {{ plugin = "muon", lr = 0.02 }}
+fork = {{ optimizer_state = "fresh", schedule = "restart", rewarm = 2 }}
+"#,
+        parent.display()
+    );
+    std::fs::write(dir.path().join("ab.toml"), &ab).unwrap();
+    let p = plan(&dir.path().join("ab.toml"), None, Path::new("experiments"), &builtins()).unwrap();
+    let runs: Vec<&ArmRun> = p.all_runs().collect();
+    assert_eq!(runs.len(), 4);
+    for r in &runs {
+        let f = r.fork.as_ref().expect("every arm forks");
+        assert_eq!((f.parent.as_path(), f.at), (parent.as_path(), 5));
+        assert_eq!(r.config.train.steps, 10, "the parent's schedule");
+        assert_eq!(r.config.seed, r.seed, "the seed varies what follows the fork");
+    }
+    use crate::train::fork::{OptimizerStateChoice, ScheduleChoice};
+    let adamw = runs[0].fork.as_ref().unwrap();
+    assert_eq!(adamw.choices, ArmFork::default());
+    assert!(runs[0].config.section("optimizer").config_toml.contains("betas"));
+    let muon = runs[2].fork.as_ref().unwrap();
+    assert_eq!(
+        muon.choices,
+        ArmFork {
+            optimizer_state: Some(OptimizerStateChoice::Fresh),
+            schedule: ScheduleChoice::Restart,
+            rewarm: Some(2)
+        }
+    );
+    let section = runs[2].config.section("optimizer");
+    assert!(section.plugin == "muon" && !section.config_toml.contains("betas"), "{}", section.config_toml);
+
+    // Refused: a fork step past the schedule, `base` beside [fork], an arm's `fork` without it.
+    let past = ab.replace("at = 5", "at = 10");
+    std::fs::write(dir.path().join("ab.toml"), &past).unwrap();
+    let e = plan(&dir.path().join("ab.toml"), None, Path::new("experiments"), &builtins()).unwrap_err();
+    assert!(format!("{e:#}").contains("[fork] at = 10: train.steps is 10"), "{e:#}");
+    std::fs::write(dir.path().join("base.toml"), BASE).unwrap();
+    let both = ab.replace("seeds = [3, 4]", "seeds = [3, 4]\nbase = \"base.toml\"");
+    std::fs::write(dir.path().join("ab.toml"), &both).unwrap();
+    let e = plan(&dir.path().join("ab.toml"), None, Path::new("experiments"), &builtins()).unwrap_err();
+    assert!(format!("{e:#}").contains("`base` and [fork] exclude each other"), "{e:#}");
+    let stray = AB.replace("[arms.muon]", "[arms.muon]\nfork = { rewarm = 2 }");
+    std::fs::write(dir.path().join("ab.toml"), &stray).unwrap();
+    let e = plan(&dir.path().join("ab.toml"), None, Path::new("experiments"), &builtins()).unwrap_err();
+    assert!(format!("{e:#}").contains("arm `muon`: `fork` needs the A/B's [fork]"), "{e:#}");
 }

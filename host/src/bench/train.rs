@@ -16,12 +16,14 @@ use super::{
 };
 use crate::{
     config::{Override, PluginSection},
+    pipeline::stages::Micro,
     plugins::{DrafterHandle, OptimizerHandle, Registry, TargetHandle},
     train::{
         anchors::{AnchorRule, AnchorSampler},
         loss::{default_gamma, dflash_loss, LossInput, Reduction},
+        state::NonFiniteGuard,
         step::{self, LossNormalization},
-        DraftLoss,
+        DraftLoss, StepRunner,
     },
 };
 use anyhow::{anyhow, bail, Context, Result};
@@ -30,7 +32,7 @@ use plugin_api::{
     abi_stable::std_types::RSome,
     describe::FlopsQuery,
     tch::{self, Device, Kind, Tensor},
-    HostContext, PluginInstance, PluginKind, TargetSpec, TensorHandle,
+    DataPosition, HostContext, PluginInstance, PluginKind, TargetSpec, TensorHandle,
 };
 use std::{collections::BTreeMap, path::Path, time::Instant};
 
@@ -93,13 +95,11 @@ fn matmul_ceiling(n: i64, device: Device, kind: Kind) -> Result<f64> {
     Ok(2.0 * (n as f64).powi(3) * reps as f64 / s / 1e12)
 }
 
-/// The host's side of one training micro-batch plus the optimizer step, as train.rs runs it.
-struct DrafterStep {
-    drafter: DrafterHandle,
-    optimizer: OptimizerHandle,
-    params: Vec<Tensor>,
-    draft: DraftLoss,
-    grad_clip: f64,
+/// One training step on one micro-batch as training runs it: the trainer's [`StepRunner`] (forward,
+/// DFlash loss, backward, the step's reductions and synchronisation, clip, the non-finite guard,
+/// the optimizer at its base rate).
+struct DrafterStep<'a> {
+    runner: StepRunner<'a>,
     draws: u64,
 }
 
@@ -110,31 +110,31 @@ struct StepCounts {
     counted: usize,
 }
 
-impl DrafterStep {
+impl DrafterStep<'_> {
     fn run(&mut self, input_ids: &Tensor, loss_mask: &Tensor, target_hidden: Tensor) -> Result<StepCounts> {
-        let forward = profiler::range("forward + loss");
-        let d = self.draft.compute(&mut self.drafter, input_ids, loss_mask, &target_hidden, self.draws)?;
-        let (l, anchors) = (&d.loss, &d.anchors);
+        let (b, s) = (input_ids.size()[0], input_ids.size()[1]);
+        let micro = Micro {
+            input_ids: input_ids.shallow_clone(),
+            loss_mask: loss_mask.shallow_clone(),
+            lengths: vec![s as u32; b as usize],
+            sequence_ids: Vec::new(),
+            hidden: target_hidden,
+            position: DataPosition::default(),
+            index: self.draws,
+        };
         self.draws += 1;
+        let mut acc = self.runner.begin();
+        let d = self.runner.micro_step(&micro, &mut acc)?;
+        let anchors = &d.anchors;
         let anchor_pos_sum =
             f64::try_from(anchors.positions.to_kind(Kind::Double).masked_select(&anchors.valid).sum(Kind::Double))?;
-        drop(forward);
-        let backward = profiler::range("backward");
-        d.backward(&mut self.drafter, 1.0)?;
-        drop(backward);
-        let clip = profiler::range("clip");
-        // The trainer's clip, as training runs it (its norm stays on the device, unread).
-        let _ = step::clip_grad_norm(&self.params, self.grad_clip);
-        drop(clip);
-        let _optimizer = profiler::range("optimizer");
-        self.optimizer.step(1.0)?;
-        for p in &self.params {
-            kernels::autograd::clear_grad(p);
-        }
-        // Counted positions: what the loss saw, fetched after the step is queued (the timing
-        // syncs the device around the step anyway).
-        let counted = l.host_counts().1.iter().sum::<i64>() as usize;
-        Ok(StepCounts { anchors: anchors.count, anchor_pos_sum, counted })
+        let anchors = anchors.count;
+        drop(d);
+        let r = self.runner.reduce(&acc, false)?;
+        self.runner.apply(self.draws, &r, 1.0, None)?;
+        // Counted positions: what the loss saw, from the step's reductions.
+        let counted = r.sums.count.iter().sum::<i64>() as usize;
+        Ok(StepCounts { anchors, anchor_pos_sum, counted })
     }
 }
 
@@ -281,7 +281,7 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     let PluginInstance::Optimizer(optimizer) = create(PluginKind::Optimizer, &cfg.optimizer, &ctx)? else {
         bail!("[optimizer] made no optimizer")
     };
-    let drafter = DrafterHandle::new(drafter, &plugin_name(&cfg.drafter));
+    let mut drafter = DrafterHandle::new(drafter, &plugin_name(&cfg.drafter));
     let mut optimizer = OptimizerHandle::new(optimizer, &plugin_name(&cfg.optimizer));
     let (named, params) = step::trainable_parameters(&drafter)?;
     let n_params: f64 = params.iter().map(|p| p.numel() as f64).sum();
@@ -299,10 +299,21 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
         // One micro-batch a step: its mean is the step's loss (the loss checks read it).
         LossNormalization::PerMicroBatch,
     )?;
-    let mut step = DrafterStep { drafter, optimizer, params, draft, grad_clip: sh.grad_clip, draws: 0 };
+    let runner = StepRunner {
+        drafter: &mut drafter,
+        optimizer: &mut optimizer,
+        params,
+        draft,
+        grad_accum: 1,
+        grad_clip: sh.grad_clip,
+        comm: None,
+        // A non-finite step stops the benchmark: its figures would mean nothing.
+        guard: NonFiniteGuard { max: 1, consecutive: 0 },
+    };
+    let mut step = DrafterStep { runner, draws: 0 };
     sync(device);
     let built_mem_gib = mem(device);
-    let fused_loss_error = fused_loss_error(&step.draft, &spec, sh, device, kind)?;
+    let fused_loss_error = fused_loss_error(&step.runner.draft, &spec, sh, device, kind)?;
 
     // 2. The ceiling.
     let ceiling = matmul_ceiling(sh.matmul_size, device, kind)?;

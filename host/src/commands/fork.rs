@@ -22,6 +22,8 @@ pub fn run(args: ForkArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
         rewarm: args.rewarm,
         registry: &registry,
         stop_at: args.stop_at,
+        config: None,
+        ab: None,
     })?;
     print_summary(&summary);
     Ok(summary.interrupted.map_or(ExitCode::SUCCESS, ExitCode::from))

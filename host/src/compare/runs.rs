@@ -297,6 +297,9 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
             Err(e) => run.notes.push(format!("metrics.jsonl line {} skipped: {e}", i + 1)),
         }
     }
+    if let Some((parent, at)) = manifest.as_ref().and_then(parent_of) {
+        prepend_parent(&mut run, &parent, at);
+    }
     if absurd > 0 {
         run.notes
             .push(format!("{absurd} values in metrics.jsonl beyond ±{MAX_ABS:e} or not finite, treated as missing"));
@@ -356,6 +359,32 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
 
 /// The run folders among `dirs`: an experiment is itself; an A/B folder (no config.toml of its
 /// own, runs in its subfolders) stands for its runs, in name order.
+/// A fork's parent and the step it was forked at (the manifest's `parent`).
+fn parent_of(manifest: &Value) -> Option<(PathBuf, u64)> {
+    let p = manifest.get("parent")?;
+    Some((PathBuf::from(p.get("path")?.as_str()?), p.get("step")?.as_u64()?))
+}
+
+/// A fork's curve begins with its parent's up to the fork: the parent's records at steps up to
+/// `at` go before the fork's own (noted; a parent that cannot be read is noted too).
+fn prepend_parent(run: &mut Run, parent: &Path, at: u64) {
+    let path = parent.join("metrics.jsonl");
+    let lines = match crate::experiment::metrics::lines(&path) {
+        Ok(lines) => lines,
+        Err(e) => {
+            run.notes.push(format!("forked at step {at} from {}, whose metrics are unreadable: {e}", parent.display()));
+            return;
+        }
+    };
+    let before: Vec<Record> = lines
+        .map_while(|l| l.ok())
+        .filter_map(|l| Record::parse(&l).and_then(Record::sanitized).ok().map(|(r, _)| r))
+        .filter(|r| r.step <= at)
+        .collect();
+    run.notes.push(format!("steps up to {at} are its parent's ({})", parent.display()));
+    run.records.splice(0..0, before);
+}
+
 pub fn expand_dirs(dirs: &[PathBuf]) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for d in dirs {

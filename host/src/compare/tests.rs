@@ -384,3 +384,23 @@ fn a_swept_arm_is_compared_at_its_chosen_value_and_its_sweep_shown_apart() {
     assert!(md.contains("W = 50.0 training seconds"), "{md}");
     assert!(ab.join("report/val_tau_hat_vs_tokens.png").exists());
 }
+
+/// A fork's curve is its parent's up to the fork step, then its own.
+#[test]
+fn a_forks_curve_begins_with_its_parents_up_to_the_fork() {
+    let root = tempfile::tempdir().unwrap();
+    // The parent: steps 10..=50 (tokens 1000..5000); the fork at step 30 logs steps 40 and 50.
+    let parent = fake_run(root.path(), "parent", "p", None, &rows(1.0, 5000), false);
+    let all = fake_run(root.path(), "fork", "f", Some("muon"), &rows(0.5, 5000), true);
+    let own: String =
+        fs::read_to_string(all.join("metrics.jsonl")).unwrap().lines().skip(3).map(|l| l.to_string() + "\n").collect();
+    fs::write(all.join("metrics.jsonl"), own).unwrap();
+    let manifest = serde_json::json!({"seed": 0, "arm": "muon", "parent": {"path": parent, "step": 30}});
+    fs::write(all.join("manifest.json"), manifest.to_string()).unwrap();
+    let run = load_run(&all, None);
+    let steps: Vec<u64> = run.records.iter().map(|r| r.step).collect();
+    assert_eq!(steps, [10, 20, 30, 40, 50]);
+    // The parent's loss (scale 1) up to the fork, the fork's own (scale 0.5) after it.
+    assert!(close(run.records[2].loss, 10.0 / 3.0) && close(run.records[3].loss, 0.5 * 10.0 / 4.0));
+    assert!(run.notes.iter().any(|n| n.contains("steps up to 30 are its parent's")), "{:?}", run.notes);
+}

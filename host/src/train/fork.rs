@@ -18,7 +18,8 @@ use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
 /// What the fork does with the parent's optimizer state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum OptimizerStateChoice {
     /// Load the parent's state (the default when the optimizer plugin stays the same).
     Keep,
@@ -27,7 +28,8 @@ pub enum OptimizerStateChoice {
 }
 
 /// Where the fork's learning-rate schedule goes on from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ScheduleChoice {
     /// At the parent's position: the schedule of `train.steps` steps, as the parent has it.
     #[default]
@@ -59,6 +61,9 @@ pub struct ForkSpec<'a> {
     pub at: u64,
     /// `--set` / `--device`, applied to the parent's config.
     pub overrides: Vec<config::Override>,
+    /// The fork's whole config instead (an A/B arm's: the parent's merged with the arm's changes,
+    /// a plugin section naming another plugin replaced whole); `overrides` are then not read.
+    pub config: Option<RunConfig>,
     /// Default: `<parent>-fork-<STEP>` beside the parent (`-2`, ... if taken).
     pub exp_dir: Option<PathBuf>,
     pub optimizer_state: Option<OptimizerStateChoice>,
@@ -68,6 +73,8 @@ pub struct ForkSpec<'a> {
     pub rewarm: Option<u64>,
     pub registry: &'a Registry,
     pub stop_at: Option<u64>,
+    /// The A/B and arm the fork is a run of (recorded in its manifest).
+    pub ab: Option<(&'a str, &'a str)>,
 }
 
 /// The fork's folder when none is given.
@@ -89,7 +96,10 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
         bail!("fork runs as one process; resume the fork with `train --resume DIR --nproc N` for more");
     }
     let then = Manifest::read(parent)?;
-    let cfg = RunConfig::load_with(&parent_cfg, &spec.overrides)?;
+    let cfg = match spec.config.clone() {
+        Some(cfg) => cfg,
+        None => RunConfig::load_with(&parent_cfg, &spec.overrides)?,
+    };
     if at >= cfg.train.steps {
         bail!(
             "cannot fork {} at step {at}: train.steps is {}; give `--set train.steps=N` with N > {at}",
@@ -165,6 +175,8 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
             schedule: spec.schedule.name().into(),
             rewarm,
         }),
+        ab: spec.ab.map(|(name, _)| name.to_string()),
+        arm: spec.ab.map(|(_, arm)| arm.to_string()),
         ..fresh_manifest(&cfg, spec.registry, &config_dir, &cache, &components)?
     };
     let resolved = manifest.config_toml.clone().expect("a fresh manifest holds its config");

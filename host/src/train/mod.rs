@@ -1,7 +1,8 @@
-//! Training the drafter: the loop ([`trainer`]), one micro-batch through the drafter and the
-//! step's reductions ([`step`]), what is kept between steps ([`state`]), the validation split scored
-//! every `eval_every` steps ([`validation`]), and the DFlash pieces the step is made of: anchors,
-//! the loss, the learning-rate schedule.
+//! Training the drafter: the loop ([`trainer`]), one optimizer step ([`step_runner`], shared with
+//! `bench train`) made of the drafter's loss and the step's reductions ([`step`]), what is kept
+//! between steps ([`state`]), the validation split scored every `eval_every` steps
+//! ([`validation`]), and the DFlash pieces the step is made of: anchors, the loss, the
+//! learning-rate schedule.
 
 pub mod anchors;
 pub mod fork;
@@ -10,9 +11,11 @@ pub mod schedule;
 pub mod start;
 pub mod state;
 pub mod step;
+pub mod step_runner;
 pub mod trainer;
 pub mod validation;
 
 pub use state::{DistillSummary, ResumeFrom, StepMetrics, TrainSummary, TrainerState};
 pub use step::DraftLoss;
+pub use step_runner::StepRunner;
 pub use trainer::{train, TrainOptions};

@@ -103,6 +103,50 @@ pub struct TrainerState {
     pub fork: Option<crate::train::schedule::ForkSchedule>,
 }
 
+impl TrainerState {
+    /// A run's start: step 0, nothing counted, an empty window for `block_size`.
+    pub fn new(seed: u64, block_size: i64) -> Self {
+        TrainerState {
+            step: 0,
+            tokens: 0,
+            draft_tokens: 0,
+            data_epoch: 0,
+            data_index: 0,
+            micro_batches: 0,
+            skipped_steps: 0,
+            nonfinite_in_a_row: 0,
+            seed,
+            window: WindowSums::new(block_size),
+            elapsed_s: 0.0,
+            fork: None,
+        }
+    }
+
+    /// What a step added: its micro-batches, tokens and accuracy counts, to the run and to the
+    /// logging window; its loss to the window where it was applied (the window's loss is the mean
+    /// of its steps' losses, each step weighing its micro-batches), else a skipped step.
+    pub(super) fn count_step(&mut self, r: &super::step_runner::Reduced, applied: bool) {
+        let (sums, micro) = (&r.sums, r.micro);
+        self.micro_batches += micro;
+        self.window.micro += micro;
+        self.window.tokens += sums.tokens;
+        self.tokens += sums.tokens;
+        for k in 0..sums.count.len() {
+            self.window.correct[k] += sums.correct[k];
+            self.window.count[k] += sums.count[k];
+            self.window.draft_tokens += sums.count[k] as u64;
+            self.draft_tokens += sums.count[k] as u64;
+        }
+        if applied {
+            self.window.loss_sum += r.loss * micro as f64;
+        } else {
+            self.skipped_steps += 1;
+            self.window.skipped_micro += micro;
+        }
+        self.window.steps += 1;
+    }
+}
+
 /// Skips steps whose loss or gradient is not finite, and stops the run after `max` in a row
 /// (a diverged run does not recover by itself; its last good checkpoint is kept).
 pub struct NonFiniteGuard {

@@ -1,8 +1,10 @@
-//! Where the run's figures go, each an [`Observer`]: metrics.jsonl, TensorBoard, and the progress
-//! bar with its log line, called in that order.
+//! Where the run's figures go, each an [`Observer`]: the GPU monitor (which adds its readings to
+//! each metrics line), metrics.jsonl, TensorBoard, and the progress bar with its log line, called
+//! in that order.
 
 use crate::{
     experiment::MetricsLog,
+    sysinfo::GpuMonitor,
     tensorboard::{self, EventWriter},
     train::StepMetrics,
 };
@@ -17,6 +19,9 @@ pub(super) struct StepValues {
 }
 
 pub(super) trait Observer {
+    /// Adds what it measures to a metrics line before any observer is told of the line.
+    fn measure(&mut self, _m: &mut StepMetrics) {}
+
     /// After each optimizer step (applied or skipped by the non-finite guard).
     fn step(&mut self, _step: u64, _values: &StepValues) -> Result<()> {
         Ok(())
@@ -29,6 +34,18 @@ pub(super) trait Observer {
 
     /// The step's end, after its checkpoint.
     fn step_done(&mut self, _timing: &str) {}
+}
+
+/// GPU utilisation, power and memory per GPU in use, from NVML, sampled for each metrics line
+/// (nothing without NVML).
+pub(super) struct GpuSampler(pub GpuMonitor);
+
+impl Observer for GpuSampler {
+    fn measure(&mut self, m: &mut StepMetrics) {
+        if let Some(g) = self.0.sample() {
+            (m.gpu_util, m.gpu_power_w, m.gpu_mem_mb) = (Some(g.util), Some(g.power_w), Some(g.mem_mb));
+        }
+    }
 }
 
 /// `metrics.jsonl` (nothing on ranks other than 0).

@@ -18,16 +18,17 @@ impl Trainer<'_> {
         let t = &self.cfg.train;
         let w = &self.state.window;
         let acc = w.acc();
-        let secs = (self.times.started.map_or(0.0, |s| s.elapsed().as_secs_f64()) - self.times.val_s).max(1e-9);
+        let secs =
+            (self.clock.times.started.map_or(0.0, |s| s.elapsed().as_secs_f64()) - self.clock.times.val_s).max(1e-9);
         let busy_now = feed.worker_busy_s();
-        let target_busy: Vec<f64> = busy_now.iter().zip(&self.busy_before).map(|(a, b)| (a - b) / secs).collect();
-        let target_s: f64 = busy_now.iter().zip(&self.busy_before).map(|(a, b)| a - b).sum();
-        self.times.wait_s = feed.wait_s - self.wait_before;
+        let target_busy: Vec<f64> = busy_now.iter().zip(&self.clock.busy_before).map(|(a, b)| (a - b) / secs).collect();
+        let target_s: f64 = busy_now.iter().zip(&self.clock.busy_before).map(|(a, b)| a - b).sum();
+        self.clock.times.wait_s = feed.wait_s - self.clock.wait_before;
         let steps_w = w.steps.max(1) as f64;
         let (hs_bytes, hs_peak_bytes) = feed.bytes();
-        let gpu = self.gpus.sample();
         let scale = lr_factor(step, t.steps, t.warmup_frac, t.min_lr_frac, self.state.fork.as_ref());
-        let m = StepMetrics {
+        let times = &self.clock.times;
+        let mut m = StepMetrics {
             step,
             epoch: self.state.data_epoch,
             tokens: self.state.tokens,
@@ -35,26 +36,26 @@ impl Trainer<'_> {
             loss: w.loss_sum / (w.micro - w.skipped_micro).max(1) as f64,
             tau_hat: tau_hat(&acc),
             acc,
-            lr: scale * self.optimizer.base_lr()?,
+            lr: scale * self.runner.optimizer.base_lr()?,
             grad_norm,
             skipped_steps: self.state.skipped_steps,
             tok_per_s: w.tokens as f64 / secs,
             draft_tok_per_s: w.draft_tokens as f64 / secs,
             target_s: target_s / steps_w,
-            drafter_s: self.times.drafter_s / steps_w,
-            optim_s: self.times.optim_s / steps_w,
-            wait_s: self.times.wait_s / steps_w,
+            drafter_s: times.drafter_s / steps_w,
+            optim_s: times.optim_s / steps_w,
+            wait_s: times.wait_s / steps_w,
             target_busy,
-            drafter_busy: (self.times.drafter_s + self.times.optim_s) / secs,
-            q_hs: self.times.depth_sum / w.micro.max(1) as f64,
+            drafter_busy: (times.drafter_s + times.optim_s) / secs,
+            q_hs: times.depth_sum / w.micro.max(1) as f64,
             q_hs_now: feed.depth(),
             hs_bytes,
             hs_peak_bytes,
-            hs_total_bytes: self.hs_total_bytes,
+            hs_total_bytes: self.clock.hs_total_bytes,
             peak_rss_mb: peak_rss_mb(),
-            gpu_util: gpu.as_ref().map(|g| g.util.clone()),
-            gpu_power_w: gpu.as_ref().map(|g| g.power_w.clone()),
-            gpu_mem_mb: gpu.as_ref().map(|g| g.mem_mb.clone()),
+            gpu_util: None,
+            gpu_power_w: None,
+            gpu_mem_mb: None,
             eta_s: self.eta_s(step).unwrap_or((t.steps - step) as f64 * secs / steps_w),
             elapsed_s: self.train_elapsed_s(),
             val_loss: val.as_ref().map(|v| v.loss),
@@ -62,30 +63,36 @@ impl Trainer<'_> {
             val_s: val.as_ref().map(|v| v.seconds),
             val_acc: val.map(|v| v.acc),
         };
+        for o in &mut self.outputs.observers {
+            o.measure(&mut m);
+        }
         let timing = self.timing(step);
-        for o in &mut self.observers {
+        for o in &mut self.outputs.observers {
             o.metrics(&m, &timing)?;
         }
-        self.first.get_or_insert_with(|| m.clone());
-        self.last = Some(m);
-        self.state.window = WindowSums::new(self.draft.block_size);
-        self.times = WindowTimes::default();
-        self.busy_before = busy_now;
-        self.wait_before = feed.wait_s;
+        self.outputs.first.get_or_insert_with(|| m.clone());
+        self.outputs.last = Some(m);
+        self.state.window = WindowSums::new(self.runner.draft.block_size);
+        self.clock.times = WindowTimes::default();
+        self.clock.busy_before = busy_now;
+        self.clock.wait_before = feed.wait_s;
         Ok(())
     }
 
     /// A checkpoint when [`CheckpointPolicy`] says so, written by the lead rank.
     pub(super) fn maybe_checkpoint(&mut self, step: u64) -> Result<()> {
         let t = &self.cfg.train;
-        let stopping = self.interrupted.is_some() || self.stopped_at.is_some();
-        let decision = CheckpointPolicy::new(t).after_step(step, stopping, || all_finite(&self.params));
+        let finite = || all_finite(&self.runner.params);
+        let decision = CheckpointPolicy::new(t).after_step(step, self.control.stopping(), finite);
         if decision == Checkpoint::NonFinite {
-            self.bar.suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
-        } else if decision == Checkpoint::Write && self.lead {
+            self.outputs
+                .bar
+                .suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
+        } else if decision == Checkpoint::Write && self.run.lead {
             self.state.elapsed_s = self.train_elapsed_s();
+            let r = &self.runner;
             let (weights, config_json, optimizer_state) =
-                (self.drafter.parameters()?, self.drafter.config_json()?, self.optimizer.state()?);
+                (r.drafter.parameters()?, r.drafter.config_json()?, r.optimizer.state()?);
             let last_good = self.last_ckpt.as_deref().unwrap_or("none yet");
             let dir = self
                 .exp
@@ -105,20 +112,20 @@ impl Trainer<'_> {
 
     /// The run's summary (also written to the experiment when the schedule ran to its end).
     pub(super) fn finish(self) -> Result<TrainSummary> {
-        self.bar.finish_and_clear();
+        self.outputs.bar.finish_and_clear();
         let summary = TrainSummary {
             experiment: self.exp.dir.display().to_string(),
             steps: self.state.step,
             tokens: self.state.tokens,
-            wall_s: self.started.elapsed().as_secs_f64(),
-            first: self.first,
-            last: self.last,
+            wall_s: self.clock.started.elapsed().as_secs_f64(),
+            first: self.outputs.first,
+            last: self.outputs.last,
             last_checkpoint: self.last_ckpt,
-            interrupted: self.interrupted,
-            stopped_at: self.stopped_at,
-            distill: self.distilled,
+            interrupted: self.control.interrupted,
+            stopped_at: self.control.stopped_at,
+            distill: self.run.distilled,
         };
-        if summary.interrupted.is_none() && summary.stopped_at.is_none() && self.lead {
+        if summary.interrupted.is_none() && summary.stopped_at.is_none() && self.run.lead {
             self.exp.write_summary(&summary)?;
         }
         Ok(summary)
