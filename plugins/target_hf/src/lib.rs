@@ -21,6 +21,7 @@ pub mod moe;
 pub mod qwen3_5;
 pub mod random;
 pub mod short_conv;
+pub mod tp;
 
 use model::Decoder;
 use plugin_api::{
@@ -84,6 +85,40 @@ impl HfTarget {
         Self::new(model, tokenizer, String::new(), path, generate_batch_size)
     }
 
+    /// This rank's part of the model at `path` (`tp.rs`): only its rows and columns of each
+    /// weight are read; `tp` is the replica's group, every rank of which loads at the same time.
+    pub fn load_shard(
+        path: &Path,
+        device: Device,
+        kind: Kind,
+        generate_batch_size: usize,
+        shard: tp::Shard,
+        tp: Option<tp::TpGroup>,
+    ) -> Result<Self, String> {
+        let load::Loaded { cfg, weights, tokenizer, chat_template } = load::load(path)?;
+        let model = Decoder::new_shard(&cfg, weights, device, kind, shard, tp)?;
+        Self::new(model, tokenizer, chat_template, path, generate_batch_size)
+    }
+
+    /// Random weights at the shape of `path` (see [`random`](Self::random)), this rank's part.
+    pub fn random_shard(
+        path: &Path,
+        device: Device,
+        kind: Kind,
+        generate_batch_size: usize,
+        shard: tp::Shard,
+        tp: Option<tp::TpGroup>,
+    ) -> Result<Self, String> {
+        let (cfg, tokenizer) = random::random_config(path)?;
+        let model = Decoder::random_shard(&cfg, device, kind, shard, tp)?;
+        Self::new(model, tokenizer, String::new(), path, generate_batch_size)
+    }
+
+    /// A failed collective of the last forward (tensor parallelism), naming the rank gone.
+    fn check_group(&self) -> Result<(), String> {
+        self.model.tp.as_ref().map_or(Ok(()), tp::TpGroup::check)
+    }
+
     fn new(
         model: Decoder,
         tokenizer: tokenizers::Tokenizer,
@@ -123,6 +158,7 @@ impl HfTarget {
         let feats: Vec<&Tensor> = layer_ids.iter().map(|&i| &outs[i as usize]).collect();
         let hidden = Tensor::cat(&feats, -1);
         let logits = normed.map(|h| self.model.logits(&h));
+        self.check_group()?;
         Ok((hidden, logits))
     }
 }
@@ -144,6 +180,7 @@ impl HfTarget {
         let k = Tensor::arange(past + l, (Kind::Int64, device)).unsqueeze(0);
         let mask = k.le_tensor(&q).unsqueeze(0).unsqueeze(0);
         let (outs, normed) = self.model.run(&ids, &positions, Some(&mask), None, Some(&mut self.session), n);
+        self.check_group()?;
         let feats: Vec<&Tensor> = layer_ids.iter().map(|&i| &outs[i as usize]).collect();
         Ok((Tensor::cat(&feats, -1), self.model.logits(&normed.expect("all layers ran"))))
     }
@@ -201,7 +238,10 @@ impl TargetPlugin for HfTarget {
         max_new_tokens: u32,
         stop_tokens: &[u32],
     ) -> Result<Vec<Vec<u32>>, PluginError> {
-        Ok(generate::greedy(&self.model, &prompts, max_new_tokens as usize, stop_tokens, self.generate_batch_size))
+        let replies =
+            generate::greedy(&self.model, &prompts, max_new_tokens as usize, stop_tokens, self.generate_batch_size);
+        self.check_group().map_err(PluginError::new)?;
+        Ok(replies)
     }
 
     fn cache_reset(&mut self) {
