@@ -185,3 +185,39 @@ fn an_unknown_architecture_fails_with_one_line_naming_it() {
         "{err}"
     );
 }
+
+/// A target replica spread over two ranks (`train --nproc 2`, Gloo): the Qwen3.5-MoE target's
+/// attention, Gated DeltaNet heads and MLP widths split in two, its experts over two groups. The
+/// replica's lead trains, the other rank serves the target's calls (self-distillation, then every
+/// forward); the run takes the steps one rank holding the whole target takes.
+#[test]
+fn a_target_replica_over_two_ranks_trains_as_one_rank_does() {
+    common::require_model();
+    let root = tempfile::tempdir().unwrap();
+    let target = root.path().join("qwen3_5_moe");
+    write_target("qwen3_5_moe", &target);
+    let whole = config_for(&target);
+    let path = format!("path = \"{}\"", target.display());
+    let split = whole.replace(&path, &format!("{path}\ntensor_parallel = 2\nexpert_parallel = 2"));
+    let (out, one) = common::train(&[], &whole);
+    assert!(out.status.success(), "one rank: {}", String::from_utf8_lossy(&out.stderr));
+    std::fs::write(root.path().join("tp.toml"), &split).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(["train", "--nproc", "2", "--config", "tp.toml", "--exp-dir", "tp"])
+        .current_dir(root.path())
+        .env("DFLASH_CACHE", cache())
+        .env("DFLASH_DIST_TIMEOUT", "120")
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "two ranks: {}", String::from_utf8_lossy(&out.stderr));
+    let keys = ["step", "tokens", "loss"];
+    let (a, b) = (common::metrics(&one.path().join("exp"), &keys), common::metrics(&root.path().join("tp"), &keys));
+    assert_eq!(a.len(), 4);
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((&x["step"], &x["tokens"]), (&y["step"], &y["tokens"]), "{x} vs {y}");
+        let (l1, l2) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+        assert!((l1 - l2).abs() <= 1e-4 * l1.abs().max(1e-3), "loss {l1} (one rank) vs {l2} (two-rank replica)");
+    }
+}

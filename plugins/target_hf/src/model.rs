@@ -675,7 +675,8 @@ impl Decoder {
                 crate::families::supporting(Parallelism::TensorExpert).join(", ")
             ));
         }
-        if tp.as_ref().map_or(1, |g| g.size) != shard.size {
+        // (The group may come later, at the first forward: `HfTarget::pending_group`.)
+        if tp.as_ref().is_some_and(|g| g.size != shard.size) {
             return Err(format!("a model split over {} ranks needs a group of that size", shard.size));
         }
         let mut model = Self::build(cfg, ld)?;
