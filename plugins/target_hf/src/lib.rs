@@ -51,10 +51,12 @@ pub struct TargetSection {
     /// Prompts generated together during self-distillation.
     #[serde(default = "default_gen_batch")]
     pub generate_batch_size: usize,
-    /// Ranks one replica of the target is spread over (heads and MLP widths split, `tp.rs`).
+    /// Ranks one replica of the target is spread over, its heads and MLP widths split between
+    /// them (the run needs a multiple of it; `config explain target` lists the families that split).
     #[serde(default = "one")]
     pub tensor_parallel: usize,
-    /// Groups of a replica's ranks the routed experts are split over (divides `tensor_parallel`).
+    /// Groups of a replica's ranks its routed experts are split over (MoE families; divides
+    /// `tensor_parallel`).
     #[serde(default = "one")]
     pub expert_parallel: usize,
 }

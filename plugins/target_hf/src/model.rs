@@ -29,7 +29,6 @@ use crate::{
     attention::{causal_mask, Attention},
     cache::{self, Cache, Slot},
     config::{Activation, Arch, DecoderConfig, LayerKind, Mixer},
-    families::Parallelism,
     longcat,
     mla::Mla,
     moe::SparseMoe,
@@ -657,24 +656,7 @@ impl Decoder {
 
     fn build_shard(cfg: &DecoderConfig, ld: &mut Loader, tp: Option<TpGroup>) -> Result<Self, String> {
         let shard = ld.shard;
-        let family = crate::families::family(&cfg.model_type);
-        let parallelism = family.map_or(Parallelism::SingleDevice, |f| f.parallelism());
-        if !shard.is_whole() && parallelism == Parallelism::SingleDevice {
-            return Err(format!(
-                "field `tensor_parallel` = {}: `{}` models run on a single device; tensor parallelism supports {}",
-                shard.size,
-                cfg.model_type,
-                crate::families::supporting(Parallelism::Tensor).join(", ")
-            ));
-        }
-        if shard.expert_parallel > 1 && (cfg.moe().is_none() || parallelism != Parallelism::TensorExpert) {
-            return Err(format!(
-                "field `expert_parallel` = {}: `{}` has no routed experts that split; expert parallelism supports {}",
-                shard.expert_parallel,
-                cfg.model_type,
-                crate::families::supporting(Parallelism::TensorExpert).join(", ")
-            ));
-        }
+        crate::tp::check(cfg, shard)?;
         // (The group may come later, at the first forward: `HfTarget::pending_group`.)
         if tp.as_ref().is_some_and(|g| g.size != shard.size) {
             return Err(format!("a model split over {} ranks needs a group of that size", shard.size));

@@ -101,6 +101,55 @@ impl Shard {
     }
 }
 
+/// Whether `cfg`'s model splits as `shard` says: its family runs with that parallelism, and its
+/// heads, widths and experts divide evenly (checked from the config alone, before any weight is
+/// read; the loader checks the same as it reads).
+pub fn check(cfg: &crate::config::DecoderConfig, shard: Shard) -> Result<(), String> {
+    use crate::{config::Mixer, families::Parallelism};
+    let parallelism = crate::families::family(&cfg.model_type).map_or(Parallelism::SingleDevice, |f| f.parallelism());
+    if !shard.is_whole() && parallelism == Parallelism::SingleDevice {
+        return Err(format!(
+            "field `tensor_parallel` = {}: `{}` models run on a single device; tensor parallelism supports {}",
+            shard.size,
+            cfg.model_type,
+            crate::families::supporting(Parallelism::Tensor).join(", ")
+        ));
+    }
+    let moe = cfg.moe();
+    if shard.expert_parallel > 1 && (moe.is_none() || parallelism != Parallelism::TensorExpert) {
+        return Err(format!(
+            "field `expert_parallel` = {}: `{}` has no routed experts that split; expert parallelism supports {}",
+            shard.expert_parallel,
+            cfg.model_type,
+            crate::families::supporting(Parallelism::TensorExpert).join(", ")
+        ));
+    }
+    if shard.is_whole() {
+        return Ok(());
+    }
+    let layers = 0..cfg.num_hidden_layers;
+    if layers.clone().any(|i| cfg.mixer(i) == Mixer::Attention) {
+        shard.split(cfg.num_attention_heads as i64, "the attention heads")?;
+        shard.kv_heads(cfg.num_kv_heads() as i64, "the key/value heads")?;
+    }
+    if layers.clone().any(|i| cfg.mixer(i) == Mixer::Linear) {
+        let s = cfg.linear();
+        shard.split(s.value_heads as i64, "the Gated DeltaNet value heads")?;
+        shard.kv_heads(s.key_heads as i64, "the Gated DeltaNet key heads")?;
+    }
+    if layers.clone().any(|i| !cfg.is_sparse_layer(i)) {
+        shard.split(cfg.dense_width().unwrap_or(cfg.intermediate_size) as i64, "the MLP's intermediate size")?;
+    }
+    if let Some(m) = moe.filter(|_| layers.clone().any(|i| cfg.is_sparse_layer(i))) {
+        shard.experts(m.experts as i64)?;
+        shard.expert_width(m.intermediate as i64)?;
+        if let Some(crate::config::SharedExpert::Gated(w) | crate::config::SharedExpert::Plain(w)) = m.shared {
+            shard.split(w as i64, "the shared expert's intermediate size")?;
+        }
+    }
+    Ok(())
+}
+
 /// Rows `heads` of heads `width` rows each.
 pub fn rows(heads: &Range<i64>, width: i64) -> Range<i64> {
     heads.start * width..heads.end * width
