@@ -46,19 +46,22 @@ fn fork(parent: &Path, dir: &Path, extra: &[&str]) -> Output {
     cmd.env("DFLASH_CACHE", cache()).env_remove("RUST_BACKTRACE").output().unwrap()
 }
 
-/// The parent run, trained to its end once per test process.
+/// The parent run, trained to its end once per test process. A static is never dropped, so it
+/// lives in cargo's folder for test files, replaced by the next run, rather than in a temporary
+/// folder that would outlive every run.
 fn parent() -> &'static PathBuf {
-    static DIR: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
-    &DIR.get_or_init(|| {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
         require_model();
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = dir.path().join("run.toml");
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fork-parent");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = dir.join("run.toml");
         std::fs::write(&cfg, config()).unwrap();
-        let exp = dir.path().join("parent");
+        let exp = dir.join("parent");
         ok(host(&["train", "--config"], &[&cfg, Path::new("--exp-dir"), &exp]));
-        (dir, exp)
+        exp
     })
-    .1
 }
 
 /// SHA-256 of every file under `dir`, by relative path.

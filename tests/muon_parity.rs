@@ -46,7 +46,7 @@ fn run_plugin(f: &Fixture, scaling: &str, ns_dtype: &str) -> (Vec<Vec<Tensor>>, 
     // Copies: the steps update parameters in place, and the fixture's `init` serves every run.
     let params: Vec<Tensor> =
         SHAPES.iter().map(|n| f.get(&format!("init.{n}")).copy().set_requires_grad(true)).collect();
-    let mut opt = Muon::new(MuonConfig::from_toml(&config).unwrap());
+    let mut opt = plugin_api::author::Contained::new(Muon::new(MuonConfig::from_toml(&config).unwrap()));
     opt.init(SHAPES.iter().zip(&params).map(|(n, p)| NamedTensor::new(*n, p.shallow_clone())).collect()).unwrap();
     assert!(opt.groups().iter().all(|(_, g)| *g == Group::Muon));
     let mut history = Vec::new();
@@ -61,7 +61,7 @@ fn run_plugin(f: &Fixture, scaling: &str, ns_dtype: &str) -> (Vec<Vec<Tensor>>, 
         opt.step(lr / lr_max).unwrap();
         history.push(params.iter().map(|p| p.detach().copy()).collect());
     }
-    let state = opt.state().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor())).collect();
+    let state = opt.state().unwrap().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor())).collect();
     (history, state)
 }
 

@@ -6,6 +6,7 @@
 
 use dflash_host::{
     dist::{C10dCommunicator, Communicator, DistEnv, Identity},
+    plugins::DrafterHandle,
     train::{
         anchors::{block_token_ids, AnchorRule, AnchorSampler},
         loss::{dflash_loss, tau_hat, LossInput, Reduction},
@@ -18,8 +19,9 @@ use drafter_layers::rope::RopeScaling;
 use optim_adamw::{AdamW, ParamsAdamW};
 use plugin_api::{
     abi_stable::sabi_trait::TD_Opaque,
+    author::Contained,
     tch::{Device, Kind, Tensor},
-    DraftInput, Drafter, DrafterBox, Drafter_TO, NamedTensor, Optimizer, TensorHandle,
+    DraftInput, DrafterBox, DrafterInput, DrafterPlugin, Drafter_TO, NamedTensor, Optimizer, TensorHandle,
 };
 use std::collections::HashMap;
 
@@ -75,10 +77,8 @@ fn fixture_drafter(c: &serde_json::Value) -> (DFlashConfig, DFlashPlugin) {
     let f = Fixture::load("dflash_loss.safetensors");
     let cfg = drafter_config(c);
     let mut drafter = DFlashPlugin::new(&cfg, Device::Cpu, Kind::Float);
-    let params = drafter.parameters();
-    let weights: Vec<NamedTensor> =
-        params.iter().map(|p| NamedTensor::new(p.name.as_str(), f.get(p.name.as_str()))).collect();
-    drafter.load_weights(weights.into()).unwrap();
+    let weights = drafter.parameters().into_iter().map(|(n, _)| (n.clone(), f.get(&n))).collect();
+    drafter.load_weights(weights).unwrap();
     (cfg, drafter)
 }
 
@@ -88,10 +88,8 @@ fn dflash_forward_loss_and_gradients_match_pytorch() {
     let c = f.json("config");
     let cfg = drafter_config(&c);
     let mut drafter = DFlashPlugin::new(&cfg, Device::Cpu, Kind::Float);
-    let params = drafter.parameters();
-    let weights: Vec<NamedTensor> =
-        params.iter().map(|p| NamedTensor::new(p.name.as_str(), f.get(p.name.as_str()))).collect();
-    drafter.load_weights(weights.into()).unwrap();
+    let weights = drafter.parameters().into_iter().map(|(n, _)| (n.clone(), f.get(&n))).collect();
+    drafter.load_weights(weights).unwrap();
 
     // The host's side of a training step: block tokens, embedding, drafter, loss.
     let input_ids = f.get("in.input_ids");
@@ -107,7 +105,7 @@ fn dflash_forward_loss_and_gradients_match_pytorch() {
         anchors: TensorHandle::new(anchors.shallow_clone()),
         anchor_valid: TensorHandle::new(valid.shallow_clone()),
     };
-    let block_hidden = drafter.forward(&input).unwrap().into_tensor();
+    let block_hidden = drafter.forward(&DrafterInput::from_abi(&input)).unwrap();
     let e = rel_err(&block_hidden, &f.get("out.block_hidden"));
     assert!(e < 1e-5, "block hidden states: relative error {e:e}");
 
@@ -135,9 +133,8 @@ fn dflash_forward_loss_and_gradients_match_pytorch() {
     assert!((tau_hat(&acc) - f.get("out.tau_hat").double_value(&[])).abs() < 1e-6);
 
     out.loss.backward();
-    for p in drafter.parameters().iter() {
-        let name = p.name.as_str();
-        let e = rel_err(&p.tensor.tensor().grad(), &f.get(&format!("grad.{name}")));
+    for (name, p) in drafter.parameters() {
+        let e = rel_err(&p.grad(), &f.get(&format!("grad.{name}")));
         assert!(e < 1e-5, "gradient of {name}: relative error {e:e}");
     }
 }
@@ -154,7 +151,10 @@ fn sliding_window_drafter_matches_pytorch() {
         let (cfg, drafter) = fixture_drafter(&c);
         assert_eq!(cfg.windows(), [Some(6), None]);
         let mut drafter: DrafterBox = Drafter_TO::from_value(
-            drafter.with_mode(drafter_dflash::model::TrainMode { split_attention: split, checkpoint_layers: false }),
+            Contained::new(
+                drafter
+                    .with_mode(drafter_dflash::model::TrainMode { split_attention: split, checkpoint_layers: false }),
+            ),
             TD_Opaque,
         );
         let (input_ids, anchors) = (f.get("in.input_ids"), f.get("in.anchors"));
@@ -194,7 +194,7 @@ fn sliding_window_drafter_matches_pytorch() {
         if out.is_leaf() {
             drafter.backward(&TensorHandle::new(out.grad())).unwrap();
         }
-        for p in drafter.parameters().iter() {
+        for p in drafter.parameters().unwrap().iter() {
             let name = p.name.as_str();
             let e = rel_err(&p.tensor.tensor().grad(), &fs.get(&format!("grad.{name}")));
             assert!(e < 1e-5, "split {split}: gradient of {name}: relative error {e:e}");
@@ -232,7 +232,8 @@ fn global_normalisation_over_micro_batches_and_ranks_matches_pytorch() {
                         let mut comm: Box<dyn Communicator> =
                             Box::new(C10dCommunicator::connect(&env, plugin_api::tch::Device::Cpu, &identity).unwrap());
                         let (_, drafter) = fixture_drafter(c);
-                        let mut drafter: DrafterBox = Drafter_TO::from_value(drafter, TD_Opaque);
+                        let mut drafter =
+                            DrafterHandle::new(Drafter_TO::from_value(Contained::new(drafter), TD_Opaque), "dflash");
                         let draft = DraftLoss {
                             embedding: f.get("frozen.embed_tokens"),
                             lm_head: f.get("frozen.lm_head"),
@@ -270,12 +271,14 @@ fn global_normalisation_over_micro_batches_and_ranks_matches_pytorch() {
                             sums.loss += d.loss.loss.double_value(&[]);
                             weight_sum += &d.loss.weight_sum;
                         }
-                        let params: Vec<Tensor> = drafter.parameters().iter().map(|p| p.tensor.tensor()).collect();
+                        let params: Vec<Tensor> =
+                            drafter.parameters().unwrap().iter().map(|p| p.tensor.tensor()).collect();
                         normalize_gradients(Some(&mut comm), &params, normalization, &weight_sum).unwrap();
                         sums.weight = weight_sum.double_value(&[]);
                         sums.all_reduce(comm.as_mut()).unwrap();
                         let grads = drafter
                             .parameters()
+                            .unwrap()
                             .iter()
                             .map(|p| (p.name.to_string(), p.tensor.tensor().grad()))
                             .collect();
@@ -343,7 +346,7 @@ fn adamw_ten_steps_match_torch_optim_adamw() {
     };
     let names = ["p.w", "p.b", "p.m"];
     let params: Vec<Tensor> = names.iter().map(|n| f.get(&format!("init.{n}")).set_requires_grad(true)).collect();
-    let mut opt = AdamW::new(h);
+    let mut opt = Contained::new(AdamW::new(h));
     opt.init(names.iter().zip(&params).map(|(n, p)| NamedTensor::new(*n, p.shallow_clone())).collect()).unwrap();
     for (t, lr) in lrs.iter().enumerate() {
         let t = t + 1;
@@ -365,7 +368,7 @@ fn adamw_ten_steps_match_torch_optim_adamw() {
         }
     }
     let state: HashMap<String, Tensor> =
-        opt.state().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor())).collect();
+        opt.state().unwrap().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor())).collect();
     assert_eq!(state["step"].int64_value(&[]), 10);
     for n in names {
         for slot in ["exp_avg", "exp_avg_sq"] {

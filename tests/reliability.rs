@@ -668,16 +668,13 @@ fn a_silent_master_port_and_a_differing_config_are_one_line_each_within_the_time
 /// checkpoints step-1 and step-2 of a tiny DFlash drafter (z-lab config.json and weights) for the
 /// tiny test target. Seconds faster than a run, for the commands that only read checkpoints.
 fn made_experiment(dir: &Path) {
-    use plugin_api::{
-        tch::{Device, Kind},
-        Drafter,
-    };
+    use plugin_api::tch::{Device, Kind};
     use test_support::TinySpec;
     let section: drafter_dflash::DrafterSection =
         plugin_api::parse_section("num_hidden_layers = 1\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63")
             .unwrap();
     let cfg = section.resolve(&plugin_api::TargetSpec::tiny()).unwrap();
-    let d = drafter_dflash::DFlashPlugin::new(&cfg, Device::Cpu, Kind::Float);
+    let d = plugin_api::author::Contained::new(drafter_dflash::DFlashPlugin::new(&cfg, Device::Cpu, Kind::Float));
     let manifest = serde_json::json!({
         "host_version": "test", "git_revision": "test", "command_line": [], "started_at_unix": 0, "seed": 1,
         "device": "cpu", "dtype": "f32", "build_id": "test", "plugins": [],
@@ -687,8 +684,8 @@ fn made_experiment(dir: &Path) {
     for step in [1, 2] {
         exp.save_checkpoint(
             step,
-            &d.parameters(),
-            d.config_json().as_str(),
+            &plugin_api::Drafter::parameters(&d).unwrap(),
+            plugin_api::Drafter::config_json(&d).unwrap().as_str(),
             &[],
             &serde_json::json!({"step": step}),
             2,

@@ -12,6 +12,7 @@ use dflash_host::{
 use drafter_dflash::{read_zlab, DFlashPlugin, DrafterSection, DrafterShell};
 use plugin_api::{
     abi_stable::std_types::RSome,
+    author::Contained,
     tch::{Device, Kind, Tensor},
     DraftInput, Drafter, HostContext, PluginInstance, PluginKind, TargetSpec, TensorHandle,
 };
@@ -19,6 +20,11 @@ use std::path::Path;
 use test_support::TinySpec;
 
 mod common;
+
+/// The drafter as the host holds it (the ABI's methods).
+fn dflash(cfg: &drafter_dflash::config::DFlashConfig, device: Device, kind: Kind) -> Contained<DFlashPlugin> {
+    Contained::new(DFlashPlugin::new(cfg, device, kind))
+}
 
 #[test]
 fn export_then_import_gives_identical_outputs() {
@@ -35,16 +41,16 @@ fn export_then_import_keeps_sliding_window_layers() {
 
 /// A 2-layer drafter for the tiny target (`extra` added to its section) whose f32 weights are
 /// bf16-exact, so the bf16 export holds them exactly; its config.
-fn bf16_exact_drafter(extra: &str) -> (DFlashPlugin, drafter_dflash::config::DFlashConfig) {
+fn bf16_exact_drafter(extra: &str) -> (Contained<DFlashPlugin>, drafter_dflash::config::DFlashConfig) {
     let section: DrafterSection = plugin_api::parse_section(&format!(
         "num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63\n{extra}"
     ))
     .unwrap();
     let cfg = section.resolve(&TargetSpec::tiny()).unwrap();
     plugin_api::tch::manual_seed(1);
-    let a = DFlashPlugin::new(&cfg, Device::Cpu, Kind::Float);
+    let a = dflash(&cfg, Device::Cpu, Kind::Float);
     plugin_api::tch::no_grad(|| {
-        for p in a.parameters().iter() {
+        for p in a.parameters().unwrap().iter() {
             let mut t = p.tensor.tensor();
             t.copy_(&(t.to_kind(Kind::BFloat16).to_kind(Kind::Float) + 0.01 * t.sign()));
             t.copy_(&t.to_kind(Kind::BFloat16).to_kind(Kind::Float));
@@ -70,8 +76,9 @@ fn export_then_import(extra: &str) -> serde_json::Value {
     let (a, cfg) = bf16_exact_drafter(extra);
     let dir = tempfile::tempdir().unwrap();
     let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
-    let ckpt =
-        exp.save_checkpoint(7, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
+    let ckpt = exp
+        .save_checkpoint(7, &a.parameters().unwrap(), a.config_json().unwrap().as_str(), &[], &serde_json::json!({}), 1)
+        .unwrap();
     assert_eq!(dflash_host::experiment::checkpoint::find(&dir.path().join("exp"), None).unwrap().dir, ckpt);
     let out = dir.path().join("zlab");
     // What an export killed mid-write leaves (a dead process's temporary folder) goes; a live
@@ -115,6 +122,7 @@ fn export_then_import(extra: &str) -> serde_json::Value {
     assert_eq!(cfg_b.windows(), cfg.windows());
     let mut b = DFlashPlugin::new(&cfg_b, Device::Cpu, Kind::Float);
     b.load(weights.into()).unwrap();
+    let mut b = Contained::new(b);
 
     plugin_api::tch::manual_seed(3);
     let x = tiny_input();
@@ -152,8 +160,9 @@ fn automodel_loads_the_export_and_matches_our_forward() {
     );
     let dir = tempfile::tempdir().unwrap();
     let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
-    let ckpt =
-        exp.save_checkpoint(7, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
+    let ckpt = exp
+        .save_checkpoint(7, &a.parameters().unwrap(), a.config_json().unwrap().as_str(), &[], &serde_json::json!({}), 1)
+        .unwrap();
     let out = dir.path().join("zlab");
     export::export(&ckpt, &out, false).unwrap();
     assert!(out.join("dflash.py").is_file());
@@ -192,11 +201,12 @@ fn init_from_refuses_fields_it_cannot_honour() {
     let section: DrafterSection =
         plugin_api::parse_section("num_hidden_layers = 2\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63")
             .unwrap();
-    let a = DFlashPlugin::new(&section.resolve(&spec).unwrap(), Device::Cpu, Kind::Float);
+    let a = dflash(&section.resolve(&spec).unwrap(), Device::Cpu, Kind::Float);
     let dir = tempfile::tempdir().unwrap();
     let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
-    let ckpt =
-        exp.save_checkpoint(1, &a.parameters(), a.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
+    let ckpt = exp
+        .save_checkpoint(1, &a.parameters().unwrap(), a.config_json().unwrap().as_str(), &[], &serde_json::json!({}), 1)
+        .unwrap();
     let out = dir.path().join("zlab");
     export::export(&ckpt, &out, false).unwrap();
     let good: serde_json::Value =
@@ -322,15 +332,23 @@ fn presets_export_the_published_configs() {
             table.insert("intermediate_size".into(), (TINY_MLP as i64).into());
         }
         drafter_section.config_toml = toml::to_string(&table).unwrap();
-        let ctx = HostContext { target: RSome(t.spec()), ..ctx };
+        let ctx = HostContext { target: RSome(t.spec().unwrap()), ..ctx };
         let PluginInstance::Drafter(d) = registry.create(PluginKind::Drafter, &drafter_section, &ctx).unwrap().0 else {
             panic!("not a drafter")
         };
 
         // 3. Checkpoint and export as a run does, then every published field.
         let exp = Experiment::create(&dir.path().join("exp"), "", &serde_json::json!({})).unwrap();
-        let ckpt =
-            exp.save_checkpoint(1, &d.parameters(), d.config_json().as_str(), &[], &serde_json::json!({}), 1).unwrap();
+        let ckpt = exp
+            .save_checkpoint(
+                1,
+                &d.parameters().unwrap(),
+                d.config_json().unwrap().as_str(),
+                &[],
+                &serde_json::json!({}),
+                1,
+            )
+            .unwrap();
         let out = dir.path().join("export");
         export::export(&ckpt, &out, false).unwrap();
         let ours: serde_json::Value =
@@ -349,7 +367,7 @@ fn presets_export_the_published_configs() {
             assert!(same_json(got, &want), "{name}: `{key}` is {got}, the published config says {want}");
         }
         // And it reads back as `init_from` for the same target.
-        let (back, _) = read_zlab(&out, &t.spec()).unwrap();
+        let (back, _) = read_zlab(&out, &t.spec().unwrap()).unwrap();
         assert_eq!(
             back.layer_types,
             published["layer_types"]

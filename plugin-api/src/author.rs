@@ -7,28 +7,22 @@
 //! here: each author trait has a blanket implementation of its ABI trait ([`crate::Optimizer`]
 //! and the others) that converts the values and contains panics.
 //!
-//! Panics. No panic unwinds into the host. In a method that returns `Result`, a panic becomes
-//! `Err("panicked: <message>")`, which the host reports with the plugin and the method named. A
-//! method that returns a plain value (`spec`, `parameters`, `base_lr`, `position`, ...) cannot
-//! carry an error across the ABI, so a panic there returns a placeholder (empty, zero, the
-//! default; a [`TargetSpec`] with an empty `architecture` and the panic in `source`) and poisons
-//! the instance: its next `Result` call fails with `` `<method>` panicked: <message> `` without
-//! running, and the host, which asks after its calls ([`take_poison`]), stops with that error
-//! before it uses the placeholder.
+//! Errors and panics. Every ABI method returns a result, so whatever goes wrong reaches the
+//! host as the error of the call that failed, which the host reports with the plugin and the
+//! method named. No panic unwinds into the host: the instance the host holds is the author's
+//! value inside a [`Contained`], which turns a panic into `Err("panicked: <message>")` and refuses
+//! every later call on that instance (the panic may have left it half-updated).
 
 use crate::{
     abi_stable::{
         sabi_trait::TD_Opaque,
         std_types::{ROption, RResult, RSlice, RStr, RString, RVec},
     },
-    catch_plugin_panic, CollectivesBox, DataLoader, DataLoader_TO, DataPosition, DataSummary, DecodeInput,
-    DistillOptions, DistillRequest, DistilledExport, DraftInput, Drafter, Drafter_TO, NamedTensor, Optimizer,
-    Optimizer_TO, PluginError, PluginInstance, TargetModel, TargetModel_TO, TargetOutput, TargetSpec, TensorHandle,
+    CollectivesBox, DataLoader, DataLoader_TO, DataPosition, DataSummary, DecodeInput, DistillOptions, DistillRequest,
+    DistilledExport, DraftInput, Drafter, Drafter_TO, NamedTensor, Optimizer, Optimizer_TO, PluginError,
+    PluginInstance, TargetModel, TargetModel_TO, TargetOutput, TargetSpec, TensorHandle,
 };
-use std::sync::{
-    atomic::{AtomicBool, Ordering},
-    Mutex,
-};
+use std::sync::OnceLock;
 use tch::Tensor;
 
 /// The target LLM: frozen, forward only (the ABI's [`TargetModel`], in plain Rust).
@@ -243,19 +237,19 @@ pub trait DataLoaderPlugin: Send + 'static {
 
 impl PluginInstance {
     pub fn target(t: impl TargetPlugin) -> Self {
-        PluginInstance::Target(TargetModel_TO::from_value(t, TD_Opaque))
+        PluginInstance::Target(TargetModel_TO::from_value(Contained::new(t), TD_Opaque))
     }
 
     pub fn drafter(d: impl DrafterPlugin) -> Self {
-        PluginInstance::Drafter(Drafter_TO::from_value(d, TD_Opaque))
+        PluginInstance::Drafter(Drafter_TO::from_value(Contained::new(d), TD_Opaque))
     }
 
     pub fn optimizer(o: impl OptimizerPlugin) -> Self {
-        PluginInstance::Optimizer(Optimizer_TO::from_value(o, TD_Opaque))
+        PluginInstance::Optimizer(Optimizer_TO::from_value(Contained::new(o), TD_Opaque))
     }
 
     pub fn data_loader(d: impl DataLoaderPlugin) -> Self {
-        PluginInstance::DataLoader(DataLoader_TO::from_value(d, TD_Opaque))
+        PluginInstance::DataLoader(DataLoader_TO::from_value(Contained::new(d), TD_Opaque))
     }
 }
 
@@ -271,70 +265,61 @@ impl DataSummary {
     }
 }
 
-// ---- Poisoning: a panic in a value-returning method, reported by the next fallible call. ----
-
-/// Instances (address, type) whose value-returning method panicked, with that method and panic.
-static POISONED: Mutex<Vec<(usize, &'static str, String)>> = Mutex::new(Vec::new());
-/// Fast path: nothing is poisoned (almost always).
-static ANY_POISONED: AtomicBool = AtomicBool::new(false);
-
-fn key<T>(obj: &T) -> (usize, &'static str) {
-    (obj as *const T as usize, std::any::type_name::<T>())
+/// An author's plugin as the ABI sees it: what [`PluginInstance::target`] (and the others)
+/// hand the host. Every call runs under [`catch_plugin_panic`], so a panic is the error of the
+/// call that panicked (`panicked: <message>`). A panic may have left the plugin half-updated (an
+/// optimizer step that moved some parameters, a cache half-extended), so every later call on the
+/// instance is refused without running: `` refused: `<method>` panicked before: <message> ``.
+pub struct Contained<P> {
+    plugin: P,
+    /// The first call that panicked: `` `<method>` panicked before: <message> ``.
+    panicked: OnceLock<String>,
 }
 
-/// The first poison that `matches` an instance's key, taken.
-fn take(matches: impl Fn(usize, &'static str) -> bool) -> Option<String> {
-    if !ANY_POISONED.load(Ordering::Acquire) {
-        return None;
+impl<P> Contained<P> {
+    pub fn new(plugin: P) -> Self {
+        Self { plugin, panicked: OnceLock::new() }
     }
-    let mut list = POISONED.lock().unwrap_or_else(|e| e.into_inner());
-    let i = list.iter().position(|(a, t, _)| matches(*a, t))?;
-    let (_, _, why) = list.swap_remove(i);
-    ANY_POISONED.store(!list.is_empty(), Ordering::Release);
-    Some(why)
+
+    /// `f` on the plugin, unless an earlier call panicked; a panic in it is its error.
+    fn call<R>(&self, method: &str, f: impl FnOnce(&P) -> Result<R, PluginError>) -> RResult<R, PluginError> {
+        let plugin = &self.plugin;
+        guarded(&self.panicked, method, || f(plugin))
+    }
+
+    /// [`Contained::call`] for a method that takes `&mut self`.
+    fn call_mut<R>(
+        &mut self,
+        method: &str,
+        f: impl FnOnce(&mut P) -> Result<R, PluginError>,
+    ) -> RResult<R, PluginError> {
+        let plugin = &mut self.plugin;
+        guarded(&self.panicked, method, || f(plugin))
+    }
 }
 
-/// The poison of an instance, taken: `Err` once after a value-returning method panicked.
-fn poison<T>(obj: &T) -> Result<(), PluginError> {
-    let (addr, ty) = key(obj);
-    take(|a, t| a == addr && t == ty).map_or(Ok(()), |why| Err(PluginError::new(why)))
+/// The author's value, read (a plugin's own tests look at its state through it).
+impl<P> std::ops::Deref for Contained<P> {
+    type Target = P;
+
+    fn deref(&self) -> &P {
+        &self.plugin
+    }
 }
 
-/// What a value-returning method's panic left on the instance at `address` (the plugin value's
-/// address inside its trait object, `obj.sabi_erased_ref()`), taken: `` `<method>` panicked:
-/// <message> ``. The host asks after such calls (through the library's `dflash_poison_<name>`
-/// symbol, see [`declare_plugin!`](crate::declare_plugin)) so that it stops before it uses the
-/// placeholder, e.g. writes a checkpoint without the weights `parameters` should have given.
-pub fn take_poison(address: usize) -> Option<String> {
-    take(|a, _| a == address)
-}
-
-/// A fallible method: refused while the instance is poisoned (`poisoned`, read first), its
-/// panic an error.
-fn fallible<R>(
-    poisoned: Result<(), PluginError>,
+fn guarded<R>(
+    panicked: &OnceLock<String>,
+    method: &str,
     f: impl FnOnce() -> Result<R, PluginError>,
 ) -> RResult<R, PluginError> {
-    poisoned.and_then(|()| catch_plugin_panic(f)).into()
-}
-
-/// A value-returning method of the instance `at` ([`key`]): a panic poisons it and gives
-/// `placeholder(why)`.
-fn value<R>(
-    at: (usize, &'static str),
-    method: &'static str,
-    placeholder: impl FnOnce(&str) -> R,
-    f: impl FnOnce() -> R,
-) -> R {
-    match catch_plugin_panic(|| Ok(f())) {
-        Ok(r) => r,
-        Err(e) => {
-            let msg = e.message.as_str();
-            let why = format!("`{method}` panicked: {}", msg.strip_prefix("panicked: ").unwrap_or(msg));
-            let r = placeholder(&why);
-            POISONED.lock().unwrap_or_else(|e| e.into_inner()).push((at.0, at.1, why));
-            ANY_POISONED.store(true, Ordering::Release);
-            r
+    if let Some(why) = panicked.get() {
+        return RResult::RErr(PluginError::new(format!("refused: {why}")));
+    }
+    match crate::module::catch_panic(f) {
+        Ok(r) => r.into(),
+        Err(message) => {
+            let _ = panicked.set(format!("`{method}` panicked before: {message}"));
+            RResult::RErr(PluginError::new(format!("panicked: {message}")))
         }
     }
 }
@@ -347,47 +332,21 @@ fn unnamed(v: Vec<(String, Tensor)>) -> RVec<NamedTensor> {
     v.into_iter().map(|(n, t)| NamedTensor::new(n, t)).collect()
 }
 
-fn empty_tensor() -> TensorHandle {
-    TensorHandle::new(Tensor::zeros([0], (tch::Kind::Float, tch::Device::Cpu)))
-}
-
-/// What a panicking `spec()` returns: no architecture, the panic in `source`.
-pub fn placeholder_spec(why: &str) -> TargetSpec {
-    TargetSpec {
-        architecture: RString::new(),
-        num_hidden_layers: 0,
-        hidden_size: 0,
-        vocab_size: 0,
-        num_attention_heads: 0,
-        num_key_value_heads: 0,
-        head_dim: 0,
-        intermediate_size: 0,
-        rope_theta: 0.0,
-        rms_norm_eps: 0.0,
-        bos_token_id: ROption::RNone,
-        eos_token_id: 0,
-        pad_token_id: ROption::RNone,
-        chat_template: RString::new(),
-        source: why.into(),
-        source_sha256: RString::new(),
-    }
-}
-
-impl<T: TargetPlugin> TargetModel for T {
-    fn spec(&self) -> TargetSpec {
-        value(key(self), "spec", placeholder_spec, || TargetPlugin::spec(self))
+impl<T: TargetPlugin> TargetModel for Contained<T> {
+    fn spec(&self) -> RResult<TargetSpec, PluginError> {
+        self.call("spec", |t| Ok(t.spec()))
     }
 
-    fn tokenizer_json(&self) -> RString {
-        value(key(self), "tokenizer_json", |_| RString::new(), || TargetPlugin::tokenizer_json(self).into())
+    fn tokenizer_json(&self) -> RResult<RString, PluginError> {
+        self.call("tokenizer_json", |t| Ok(t.tokenizer_json().into()))
     }
 
-    fn embedding(&self) -> TensorHandle {
-        value(key(self), "embedding", |_| empty_tensor(), || TargetPlugin::embedding(self).into())
+    fn embedding(&self) -> RResult<TensorHandle, PluginError> {
+        self.call("embedding", |t| Ok(t.embedding().into()))
     }
 
-    fn lm_head(&self) -> TensorHandle {
-        value(key(self), "lm_head", |_| empty_tensor(), || TargetPlugin::lm_head(self).into())
+    fn lm_head(&self) -> RResult<TensorHandle, PluginError> {
+        self.call("lm_head", |t| Ok(t.lm_head().into()))
     }
 
     fn forward(
@@ -396,8 +355,8 @@ impl<T: TargetPlugin> TargetModel for T {
         layer_ids: RSlice<'_, u32>,
         want_logits: bool,
     ) -> RResult<TargetOutput, PluginError> {
-        fallible(poison(self), || {
-            let (hidden, logits) = TargetPlugin::forward(self, &input_ids.tensor(), layer_ids.as_slice(), want_logits)?;
+        self.call_mut("forward", |t| {
+            let (hidden, logits) = t.forward(&input_ids.tensor(), layer_ids.as_slice(), want_logits)?;
             Ok(TargetOutput { hidden: hidden.into(), logits: logits.map(TensorHandle::new).into() })
         })
     }
@@ -408,15 +367,18 @@ impl<T: TargetPlugin> TargetModel for T {
         max_new_tokens: u32,
         stop_tokens: RSlice<'_, u32>,
     ) -> RResult<RVec<RVec<u32>>, PluginError> {
-        fallible(poison(self), || {
+        self.call_mut("generate", |t| {
             let prompts = prompts.into_iter().map(RVec::into_vec).collect();
-            let out = TargetPlugin::generate(self, prompts, max_new_tokens, stop_tokens.as_slice())?;
+            let out = t.generate(prompts, max_new_tokens, stop_tokens.as_slice())?;
             Ok(out.into_iter().map(RVec::from).collect())
         })
     }
 
-    fn cache_reset(&mut self) {
-        value(key(self), "cache_reset", |_| (), || TargetPlugin::cache_reset(self))
+    fn cache_reset(&mut self) -> RResult<(), PluginError> {
+        self.call_mut("cache_reset", |t| {
+            t.cache_reset();
+            Ok(())
+        })
     }
 
     fn cache_extend(
@@ -424,142 +386,135 @@ impl<T: TargetPlugin> TargetModel for T {
         input_ids: &TensorHandle,
         layer_ids: RSlice<'_, u32>,
     ) -> RResult<TargetOutput, PluginError> {
-        fallible(poison(self), || {
-            let (hidden, logits) = TargetPlugin::cache_extend(self, &input_ids.tensor(), layer_ids.as_slice())?;
+        self.call_mut("cache_extend", |t| {
+            let (hidden, logits) = t.cache_extend(&input_ids.tensor(), layer_ids.as_slice())?;
             Ok(TargetOutput { hidden: hidden.into(), logits: ROption::RSome(logits.into()) })
         })
     }
 
     fn cache_truncate(&mut self, len: u32) -> RResult<(), PluginError> {
-        fallible(poison(self), || TargetPlugin::cache_truncate(self, len))
+        self.call_mut("cache_truncate", |t| t.cache_truncate(len))
     }
 }
 
-impl<T: DrafterPlugin> Drafter for T {
-    fn config_json(&self) -> RString {
-        value(key(self), "config_json", |_| RString::new(), || DrafterPlugin::config_json(self).into())
+impl<T: DrafterPlugin> Drafter for Contained<T> {
+    fn config_json(&self) -> RResult<RString, PluginError> {
+        self.call("config_json", |d| Ok(d.config_json().into()))
     }
 
-    fn target_layer_ids(&self) -> RVec<u32> {
-        value(key(self), "target_layer_ids", |_| RVec::new(), || DrafterPlugin::target_layer_ids(self).into())
+    fn target_layer_ids(&self) -> RResult<RVec<u32>, PluginError> {
+        self.call("target_layer_ids", |d| Ok(d.target_layer_ids().into()))
     }
 
-    fn block_size(&self) -> u32 {
-        value(key(self), "block_size", |_| 0, || DrafterPlugin::block_size(self))
+    fn block_size(&self) -> RResult<u32, PluginError> {
+        self.call("block_size", |d| Ok(d.block_size()))
     }
 
-    fn mask_token_id(&self) -> u32 {
-        value(key(self), "mask_token_id", |_| 0, || DrafterPlugin::mask_token_id(self))
+    fn mask_token_id(&self) -> RResult<u32, PluginError> {
+        self.call("mask_token_id", |d| Ok(d.mask_token_id()))
     }
 
-    fn parameters(&self) -> RVec<NamedTensor> {
-        value(key(self), "parameters", |_| RVec::new(), || unnamed(DrafterPlugin::parameters(self)))
+    fn parameters(&self) -> RResult<RVec<NamedTensor>, PluginError> {
+        self.call("parameters", |d| Ok(unnamed(d.parameters())))
     }
 
     fn load_weights(&mut self, weights: RVec<NamedTensor>) -> RResult<(), PluginError> {
-        fallible(poison(self), || DrafterPlugin::load_weights(self, named(weights)))
+        self.call_mut("load_weights", |d| d.load_weights(named(weights)))
     }
 
     fn forward(&mut self, input: &DraftInput) -> RResult<TensorHandle, PluginError> {
-        fallible(poison(self), || DrafterPlugin::forward(self, &DrafterInput::from_abi(input)).map(TensorHandle::new))
+        self.call_mut("forward", |d| d.forward(&DrafterInput::from_abi(input)).map(TensorHandle::new))
     }
 
     fn backward(&mut self, grad: &TensorHandle) -> RResult<(), PluginError> {
-        fallible(poison(self), || DrafterPlugin::backward(self, &grad.tensor()))
+        self.call_mut("backward", |d| d.backward(&grad.tensor()))
     }
 
     fn anchors_on_host(&mut self, anchors: &TensorHandle) -> RResult<(), PluginError> {
-        fallible(poison(self), || DrafterPlugin::anchors_on_host(self, &anchors.tensor()))
+        self.call_mut("anchors_on_host", |d| d.anchors_on_host(&anchors.tensor()))
     }
 
     fn decode_block(&mut self, input: &DecodeInput) -> RResult<ROption<TensorHandle>, PluginError> {
-        fallible(poison(self), || {
-            let out = DrafterPlugin::decode_block(
-                self,
-                &input.new_context.tensor(),
-                input.context_start,
-                &input.block_embeds.tensor(),
-            )?;
+        self.call_mut("decode_block", |d| {
+            let out = d.decode_block(&input.new_context.tensor(), input.context_start, &input.block_embeds.tensor())?;
             Ok(out.map(TensorHandle::new).into())
         })
     }
 }
 
-impl<T: OptimizerPlugin> Optimizer for T {
+impl<T: OptimizerPlugin> Optimizer for Contained<T> {
     fn init(&mut self, params: RVec<NamedTensor>) -> RResult<(), PluginError> {
-        fallible(poison(self), || OptimizerPlugin::init(self, named(params)))
+        self.call_mut("init", |o| o.init(named(params)))
     }
 
     fn step(&mut self, lr_scale: f64) -> RResult<(), PluginError> {
-        fallible(poison(self), || OptimizerPlugin::step(self, lr_scale))
+        self.call_mut("step", |o| o.step(lr_scale))
     }
 
-    fn base_lr(&self) -> f64 {
-        value(key(self), "base_lr", |_| 0.0, || OptimizerPlugin::base_lr(self))
+    fn base_lr(&self) -> RResult<f64, PluginError> {
+        self.call("base_lr", |o| Ok(o.base_lr()))
     }
 
-    fn state(&self) -> RVec<NamedTensor> {
-        value(key(self), "state", |_| RVec::new(), || unnamed(OptimizerPlugin::state(self)))
+    fn state(&self) -> RResult<RVec<NamedTensor>, PluginError> {
+        self.call("state", |o| Ok(unnamed(o.state())))
     }
 
     fn load_state(&mut self, state: RVec<NamedTensor>) -> RResult<(), PluginError> {
-        fallible(poison(self), || OptimizerPlugin::load_state(self, named(state)))
+        self.call_mut("load_state", |o| o.load_state(named(state)))
     }
 
     fn set_collectives(&mut self, collectives: CollectivesBox) -> RResult<(), PluginError> {
-        fallible(poison(self), || OptimizerPlugin::set_collectives(self, collectives))
+        self.call_mut("set_collectives", |o| o.set_collectives(collectives))
     }
 }
 
-impl<T: DataLoaderPlugin> DataLoader for T {
+impl<T: DataLoaderPlugin> DataLoader for Contained<T> {
     fn open(&mut self, tokenizer_json: RStr<'_>) -> RResult<DataSummary, PluginError> {
-        fallible(poison(self), || DataLoaderPlugin::open(self, tokenizer_json.as_str()))
+        self.call_mut("open", |d| d.open(tokenizer_json.as_str()))
     }
 
-    fn distill_request(&self) -> DistillRequest {
-        value(key(self), "distill_request", |_| DistillRequest::default(), || DataLoaderPlugin::distill_request(self))
+    fn distill_request(&self) -> RResult<DistillRequest, PluginError> {
+        self.call("distill_request", |d| Ok(d.distill_request()))
     }
 
     fn set_distilled(&mut self, replies: RVec<RVec<u32>>) -> RResult<DataSummary, PluginError> {
-        fallible(poison(self), || {
-            DataLoaderPlugin::set_distilled(self, replies.into_iter().map(RVec::into_vec).collect())
-        })
+        self.call_mut("set_distilled", |d| d.set_distilled(replies.into_iter().map(RVec::into_vec).collect()))
     }
 
     fn next_batch(&mut self) -> RResult<ROption<crate::Batch>, PluginError> {
-        fallible(poison(self), || Ok(DataLoaderPlugin::next_batch(self)?.map(TrainBatch::into_abi).into()))
+        self.call_mut("next_batch", |d| Ok(d.next_batch()?.map(TrainBatch::into_abi).into()))
     }
 
-    fn position(&self) -> DataPosition {
-        value(key(self), "position", |_| DataPosition::default(), || DataLoaderPlugin::position(self))
+    fn position(&self) -> RResult<DataPosition, PluginError> {
+        self.call("position", |d| Ok(d.position()))
     }
 
     fn seek(&mut self, position: DataPosition) -> RResult<(), PluginError> {
-        fallible(poison(self), || DataLoaderPlugin::seek(self, position))
+        self.call_mut("seek", |d| d.seek(position))
     }
 
     fn eval_prompts(&mut self, source: RStr<'_>, limit: u32) -> RResult<RVec<RVec<u32>>, PluginError> {
-        fallible(poison(self), || {
-            Ok(DataLoaderPlugin::eval_prompts(self, source.as_str(), limit)?.into_iter().map(RVec::from).collect())
+        self.call_mut("eval_prompts", |d| {
+            Ok(d.eval_prompts(source.as_str(), limit)?.into_iter().map(RVec::from).collect())
         })
     }
 
-    fn distill_options(&self) -> DistillOptions {
-        value(key(self), "distill_options", |_| DistillOptions::default(), || DataLoaderPlugin::distill_options(self))
+    fn distill_options(&self) -> RResult<DistillOptions, PluginError> {
+        self.call("distill_options", |d| Ok(d.distill_options()))
     }
 
     fn export_distilled(&self, path: RStr<'_>) -> RResult<u64, PluginError> {
-        fallible(poison(self), || DataLoaderPlugin::export_distilled(self, path.as_str()))
+        self.call("export_distilled", |d| d.export_distilled(path.as_str()))
     }
 
     fn validation_batches(&mut self) -> RResult<RVec<crate::Batch>, PluginError> {
-        fallible(poison(self), || {
-            Ok(DataLoaderPlugin::validation_batches(self)?.into_iter().map(TrainBatch::into_abi).collect())
+        self.call_mut("validation_batches", |d| {
+            Ok(d.validation_batches()?.into_iter().map(TrainBatch::into_abi).collect())
         })
     }
 
     fn export_distilled_summary(&self, path: RStr<'_>) -> RResult<DistilledExport, PluginError> {
-        fallible(poison(self), || DataLoaderPlugin::export_distilled_summary(self, path.as_str()))
+        self.call("export_distilled_summary", |d| d.export_distilled_summary(path.as_str()))
     }
 }
 
@@ -592,8 +547,11 @@ mod tests {
         fn state(&self) -> Vec<(String, Tensor)> {
             vec![("w.buf".into(), Tensor::from(1.0f32))]
         }
-        fn load_state(&mut self, _state: Vec<(String, Tensor)>) -> Result<(), PluginError> {
-            Ok(())
+        fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<(), PluginError> {
+            match state.is_empty() {
+                true => Err(PluginError::new("no state to load")),
+                false => Ok(()),
+            }
         }
     }
 
@@ -608,8 +566,8 @@ mod tests {
     fn values_convert_across_the_trait_object() {
         let mut o = boxed("");
         o.init(vec![NamedTensor::new("w", Tensor::from(2.0f32))].into()).unwrap();
-        assert_eq!(o.base_lr(), 0.5);
-        let s = o.state();
+        assert_eq!(o.base_lr().unwrap(), 0.5);
+        let s = o.state().unwrap();
         assert_eq!((s[0].name.as_str(), s[0].tensor.tensor().double_value(&[])), ("w.buf", 1.0));
         assert!(o.step(1.0).is_ok());
     }
@@ -619,28 +577,24 @@ mod tests {
         let mut o = boxed("step");
         let e = o.step(1.0).unwrap_err().to_string();
         assert_eq!(e, "panicked: boom in step");
+        assert_eq!(o.step(1.0).unwrap_err().to_string(), "refused: `step` panicked before: boom in step");
     }
 
     #[test]
-    fn a_panic_in_a_value_method_poisons_the_next_fallible_call_once() {
+    fn a_panic_in_a_value_method_is_its_error_and_the_instance_is_refused_after() {
         let mut o = boxed("base_lr");
-        assert_eq!(o.base_lr(), 0.0, "the placeholder");
-        let e = o.step(1.0).unwrap_err().to_string();
-        assert_eq!(e, "`base_lr` panicked: boom in base_lr");
-        // Reported once; another instance was never poisoned.
-        assert!(o.step(1.0).is_ok());
-        assert!(boxed("").step(1.0).is_ok());
+        assert_eq!(o.base_lr().unwrap_err().to_string(), "panicked: boom in base_lr");
+        // Every later call is refused without running; another instance is untouched.
+        let refused = "refused: `base_lr` panicked before: boom in base_lr";
+        assert_eq!(o.step(1.0).unwrap_err().to_string(), refused);
+        assert_eq!(o.state().unwrap_err().to_string(), refused);
+        assert_eq!(boxed("").base_lr().unwrap(), 0.5);
     }
 
     #[test]
-    fn the_host_finds_the_poison_by_the_address_inside_the_trait_object() {
-        let (o, healthy) = (boxed("base_lr"), boxed(""));
-        let at = |b: &crate::OptimizerBox| b.obj.sabi_erased_ref().as_ptr() as usize;
-        assert_eq!(take_poison(at(&o)), None);
-        let _ = (o.base_lr(), healthy.base_lr());
-        assert_eq!(take_poison(at(&healthy)), None);
-        assert_eq!(take_poison(at(&o)).as_deref(), Some("`base_lr` panicked: boom in base_lr"));
-        // Taken: neither the host nor the next fallible call sees it again.
-        assert_eq!(take_poison(at(&o)), None);
+    fn an_error_the_plugin_returns_leaves_the_instance_usable() {
+        let mut o = boxed("");
+        assert_eq!(o.load_state(RVec::new()).unwrap_err().to_string(), "no state to load");
+        assert!(o.step(1.0).is_ok());
     }
 }

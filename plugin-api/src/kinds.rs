@@ -4,8 +4,12 @@
 //! states) -> host loss (shared LM head) -> optimizer. The host owns the schedule, anchors, loss,
 //! accumulation and checkpoints; plugins own their math and their config section.
 //!
-//! Methods are only ever appended (below the `last_prefix_field` marker of each trait) so a plugin
-//! built against an older minor version keeps loading.
+//! Every method returns `RResult<_, PluginError>`: whatever goes wrong in a plugin, a panic
+//! included, comes back as the error of the call that failed.
+//!
+//! Within a major version, methods are only ever appended (below the `last_prefix_field` marker of
+//! each trait) so a plugin built against an older minor version keeps loading; changing a method
+//! that exists is a new major version.
 
 use crate::{NamedTensor, PluginError, TensorHandle};
 use abi_stable::{
@@ -52,16 +56,16 @@ pub struct TargetOutput {
 /// The target LLM: frozen, forward only.
 #[sabi_trait]
 pub trait TargetModel: Send {
-    fn spec(&self) -> TargetSpec;
+    fn spec(&self) -> RResult<TargetSpec, PluginError>;
 
     /// HF `tokenizer.json` text for the model's tokenizer.
-    fn tokenizer_json(&self) -> RString;
+    fn tokenizer_json(&self) -> RResult<RString, PluginError>;
 
     /// Input embedding matrix [V, H] (frozen; the drafter embeds its blocks with it).
-    fn embedding(&self) -> TensorHandle;
+    fn embedding(&self) -> RResult<TensorHandle, PluginError>;
 
     /// Output head [V, H] (frozen; the drafter's logits go through it).
-    fn lm_head(&self) -> TensorHandle;
+    fn lm_head(&self) -> RResult<TensorHandle, PluginError>;
 
     /// Forward over right-padded token ids [B, S] (int64). `layer_ids` pick the features: the
     /// output of layer `id` (HF `hidden_states[id + 1]`).
@@ -85,7 +89,7 @@ pub trait TargetModel: Send {
     // target. Added in ABI 1.1.
 
     /// Empty the cache.
-    fn cache_reset(&mut self);
+    fn cache_reset(&mut self) -> RResult<(), PluginError>;
 
     /// Run `input_ids` [1, L] after the cached tokens (causally, at positions len..len+L): their
     /// features [1, L, n*H] and logits [1, L, V]; the cache grows by L.
@@ -118,18 +122,18 @@ pub struct DraftInput {
 #[sabi_trait]
 pub trait Drafter: Send {
     /// The checkpoint's `config.json` (z-lab format for DFlash drafters).
-    fn config_json(&self) -> RString;
+    fn config_json(&self) -> RResult<RString, PluginError>;
 
     /// Target layers whose outputs the drafter reads, in order.
-    fn target_layer_ids(&self) -> RVec<u32>;
+    fn target_layer_ids(&self) -> RResult<RVec<u32>, PluginError>;
 
-    fn block_size(&self) -> u32;
+    fn block_size(&self) -> RResult<u32, PluginError>;
 
-    fn mask_token_id(&self) -> u32;
+    fn mask_token_id(&self) -> RResult<u32, PluginError>;
 
     /// Trainable parameters, named as in the checkpoint. Handles share storage with the model, so
     /// gradients accumulate in them and optimizer updates are seen by the model.
-    fn parameters(&self) -> RVec<NamedTensor>;
+    fn parameters(&self) -> RResult<RVec<NamedTensor>, PluginError>;
 
     /// Copy weights in by name; every parameter must be present with its shape.
     fn load_weights(&mut self, weights: RVec<NamedTensor>) -> RResult<(), PluginError>;
@@ -196,10 +200,10 @@ pub trait Optimizer: Send {
     fn step(&mut self, lr_scale: f64) -> RResult<(), PluginError>;
 
     /// The peak learning rate, for logging.
-    fn base_lr(&self) -> f64;
+    fn base_lr(&self) -> RResult<f64, PluginError>;
 
     /// State to checkpoint, named `<param name>.<slot>` plus scalars like `step`.
-    fn state(&self) -> RVec<NamedTensor>;
+    fn state(&self) -> RResult<RVec<NamedTensor>, PluginError>;
 
     #[sabi(last_prefix_field)]
     fn load_state(&mut self, state: RVec<NamedTensor>) -> RResult<(), PluginError>;
@@ -321,7 +325,7 @@ pub trait DataLoader: Send {
     /// Self-distillation: prompts whose replies the target regenerates (none when it is off, or
     /// when every reply has arrived). The host asks again after each `set_distilled`: a loader
     /// that regenerates several turns of a conversation asks for them one round at a time.
-    fn distill_request(&self) -> DistillRequest;
+    fn distill_request(&self) -> RResult<DistillRequest, PluginError>;
 
     /// The regenerated replies, in `distill_request` order.
     fn set_distilled(&mut self, replies: RVec<RVec<u32>>) -> RResult<DataSummary, PluginError>;
@@ -330,7 +334,7 @@ pub trait DataLoader: Send {
     /// shuffled anew from the seed and the epoch number.
     fn next_batch(&mut self) -> RResult<ROption<Batch>, PluginError>;
 
-    fn position(&self) -> DataPosition;
+    fn position(&self) -> RResult<DataPosition, PluginError>;
 
     fn seek(&mut self, position: DataPosition) -> RResult<(), PluginError>;
 
@@ -345,8 +349,8 @@ pub trait DataLoader: Send {
 
     /// How to answer `distill_request`'s prompts (ABI 1.4): sampling temperature and seed, and
     /// the number of replies to expect.
-    fn distill_options(&self) -> DistillOptions {
-        DistillOptions::default()
+    fn distill_options(&self) -> RResult<DistillOptions, PluginError> {
+        RResult::ROk(DistillOptions::default())
     }
 
     /// After self-distillation, write the records as chat JSONL (OpenAI `messages`) with the

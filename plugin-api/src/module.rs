@@ -11,7 +11,9 @@ use abi_stable::{
 };
 
 /// The ABI version, plugin-api's package version: a plugin built against another major version
-/// is refused; minor versions only append fields and methods.
+/// is refused (with one line naming both); minor versions only append fields and methods (below
+/// each trait's `last_prefix_field`), so a plugin built against an older minor of this major
+/// loads.
 pub const ABI_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The ABI's major version.
@@ -196,12 +198,14 @@ impl RootModule for PluginModule_Ref {
     declare_root_module_statics! {PluginModule_Ref}
     const BASE_NAME: &'static str = "dflash_plugin";
     const NAME: &'static str = "dflash_plugin";
-    #[cfg(not(any(feature = "test-fake-abi-2", feature = "test-older-minor")))]
+    #[cfg(not(any(feature = "test-other-major", feature = "test-older-minor")))]
     const VERSION_STRINGS: VersionStrings = package_version_strings!();
-    #[cfg(feature = "test-fake-abi-2")]
-    const VERSION_STRINGS: VersionStrings = VersionStrings::new("2.0.0");
-    #[cfg(all(feature = "test-older-minor", not(feature = "test-fake-abi-2")))]
-    const VERSION_STRINGS: VersionStrings = VersionStrings::new("1.0.0");
+    /// A major version this host does not speak.
+    #[cfg(feature = "test-other-major")]
+    const VERSION_STRINGS: VersionStrings = VersionStrings::new("99.0.0");
+    /// This major version's first minor (at `N.0.0` that is this version itself).
+    #[cfg(all(feature = "test-older-minor", not(feature = "test-other-major")))]
+    const VERSION_STRINGS: VersionStrings = VersionStrings::new(concat!(env!("CARGO_PKG_VERSION_MAJOR"), ".0.0"));
 }
 
 /// A plugin linked into the host, registered with `inventory` by [`declare_plugin!`].
@@ -245,15 +249,6 @@ macro_rules! declare_plugin {
         }
 
         $crate::inventory::submit! { $crate::BuiltinPlugin { module: plugin_module } }
-
-        /// Whether a value-returning method of the instance at `address` panicked (the message,
-        /// or empty): [`take_poison`]($crate::author::take_poison) in this library's copy of
-        /// plugin-api. Outside the checked ABI: a host looks it up by name, and a plugin built
-        /// before it existed simply has none.
-        #[export_name = concat!("dflash_poison_", stringify!($name))]
-        pub extern "C" fn __dflash_poison(address: usize) -> $crate::abi_stable::std_types::RString {
-            $crate::author::take_poison(address).unwrap_or_default().into()
-        }
 
         /// The shared-library entry point (what `#[export_root_module]` makes, under a name of
         /// this plugin's own).
@@ -301,23 +296,26 @@ pub fn info_or_panic(info: impl FnOnce() -> PluginInfo) -> PluginInfo {
         .unwrap_or_else(|e| PluginInfo::new("", PluginKind::Optimizer, "", &format!("`info` {}", e.message)))
 }
 
-/// Run `f`, turning a panic into a [`PluginError`] so it never unwinds across the ABI.
+/// Run `f`, turning a panic into a [`PluginError`] (`panicked: <message>`) so it never unwinds
+/// across the ABI.
 pub fn catch_plugin_panic<T>(f: impl FnOnce() -> Result<T, PluginError>) -> Result<T, PluginError> {
+    catch_panic(f).unwrap_or_else(|message| Err(PluginError::new(format!("panicked: {message}"))))
+}
+
+/// Run `f`; a panic is its message, quiet (see [`quiet_caught_panics`]).
+pub(crate) fn catch_panic<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     quiet_caught_panics();
     let outer = IN_PLUGIN_CALL.with(|c| c.replace(true));
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     IN_PLUGIN_CALL.with(|c| c.set(outer));
-    match result {
-        Ok(r) => r,
-        Err(payload) => {
-            let msg = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic payload".into());
-            Err(PluginError::new(format!("panicked: {}", without_libtorch_frames(&msg))))
-        }
-    }
+    result.map_err(|payload| {
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic payload".into());
+        without_libtorch_frames(&msg)
+    })
 }
 
 /// A libtorch error unwrapped in a panic (`... Torch("[enforce fail ...] what\nframe #0: ...")`)

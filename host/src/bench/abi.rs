@@ -37,7 +37,7 @@ pub fn abi(registry: &Registry, exp_dir: Option<&Path>, iters: u64) -> Result<()
     };
     // 1. A method call through the abi_stable vtable (for a --plugin library: into the .so).
     let call = ns_per(iters, || {
-        black_box(opt.base_lr());
+        let _ = black_box(opt.base_lr());
     });
     // 2. A tensor across: wrap, borrow a new reference, drop (refcount traffic only).
     let t = Tensor::zeros([4, 4], (Kind::Float, plugin_api::tch::Device::Cpu));

@@ -6,10 +6,10 @@
 //! alone: alone it makes a world of 1, where the time is c10d's and NCCL's fixed cost per call
 //! plus a device-local copy, not a network's.
 
-use super::train::{section, BenchConfig};
+use super::train::{plugin_name, section, BenchConfig};
 use crate::{
     dist::{C10dCommunicator, Communicator, DistEnv, Identity},
-    plugins::Registry,
+    plugins::{DrafterHandle, Registry, TargetHandle},
 };
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
@@ -63,14 +63,15 @@ pub fn allreduce(registry: &Registry, config_path: &Path, bucket_mb: &[usize], i
         Ok(registry.create(kind, &section(kind.as_str(), table)?, ctx)?.0)
     };
     let spec = match create(PluginKind::Target, &cfg.target, &ctx)? {
-        PluginInstance::Target(t) => t.spec(),
+        PluginInstance::Target(t) => TargetHandle::new(t, &plugin_name(&cfg.target)).spec()?,
         _ => bail!("[target] made no target"),
     };
     ctx.target = RSome(spec);
     let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &cfg.drafter, &ctx)? else {
         bail!("[drafter] made no drafter")
     };
-    let grads: Vec<Tensor> = drafter.parameters().iter().map(|nt| nt.tensor.tensor().randn_like()).collect();
+    let drafter = DrafterHandle::new(drafter, &plugin_name(&cfg.drafter));
+    let grads: Vec<Tensor> = drafter.parameters()?.iter().map(|nt| nt.tensor.tensor().randn_like()).collect();
     let bytes: usize = grads.iter().map(|g| g.numel() * g.kind().elt_size_in_bytes()).sum();
 
     // 2. The communicator: the launcher's world, or a world of 1.

@@ -16,7 +16,7 @@ use super::{
 };
 use crate::{
     config::{Override, PluginSection},
-    plugins::Registry,
+    plugins::{DrafterHandle, OptimizerHandle, Registry, TargetHandle},
     train::{
         anchors::{AnchorRule, AnchorSampler},
         loss::{default_gamma, dflash_loss, LossInput, Reduction},
@@ -29,7 +29,7 @@ use kernels::profiler;
 use plugin_api::{
     abi_stable::std_types::RSome,
     tch::{self, Device, Kind, Tensor},
-    DrafterBox, HostContext, OptimizerBox, PluginInstance, PluginKind, TargetSpec, TensorHandle,
+    HostContext, PluginInstance, PluginKind, TargetSpec, TensorHandle,
 };
 use std::{path::Path, time::Instant};
 
@@ -43,6 +43,11 @@ pub(crate) fn section(kind: &'static str, table: &toml::Table) -> Result<PluginS
         _ => bail!("[{kind}]: field `plugin` (a plugin name) is missing"),
     };
     Ok(PluginSection { kind, plugin, config_toml: toml::to_string(&rest)? })
+}
+
+/// The plugin a bench section names, for errors (`?` when it names none: `section` says so).
+pub(crate) fn plugin_name(table: &toml::Table) -> String {
+    table.get("plugin").and_then(|v| v.as_str()).unwrap_or("?").to_string()
 }
 
 pub(crate) fn sync(device: Device) {
@@ -89,8 +94,8 @@ fn matmul_ceiling(n: i64, device: Device, kind: Kind) -> Result<f64> {
 
 /// The host's side of one training micro-batch plus the optimizer step, as train.rs runs it.
 struct DrafterStep {
-    drafter: DrafterBox,
-    optimizer: OptimizerBox,
+    drafter: DrafterHandle,
+    optimizer: OptimizerHandle,
     params: Vec<Tensor>,
     draft: DraftLoss,
     grad_clip: f64,
@@ -107,24 +112,21 @@ struct StepCounts {
 impl DrafterStep {
     fn run(&mut self, input_ids: &Tensor, loss_mask: &Tensor, target_hidden: Tensor) -> Result<StepCounts> {
         let forward = profiler::range("forward + loss");
-        let d = self
-            .draft
-            .compute(&mut self.drafter, input_ids, loss_mask, &target_hidden, self.draws)
-            .map_err(|e| anyhow!("drafter forward: {e}"))?;
+        let d = self.draft.compute(&mut self.drafter, input_ids, loss_mask, &target_hidden, self.draws)?;
         let (l, anchors) = (&d.loss, &d.anchors);
         self.draws += 1;
         let anchor_pos_sum =
             f64::try_from(anchors.positions.to_kind(Kind::Double).masked_select(&anchors.valid).sum(Kind::Double))?;
         drop(forward);
         let backward = profiler::range("backward");
-        d.backward(&mut self.drafter, 1.0).map_err(|e| anyhow!("drafter backward: {e}"))?;
+        d.backward(&mut self.drafter, 1.0)?;
         drop(backward);
         let clip = profiler::range("clip");
         // The trainer's clip, as training runs it (its norm stays on the device, unread).
         let _ = step::clip_grad_norm(&self.params, self.grad_clip);
         drop(clip);
         let _optimizer = profiler::range("optimizer");
-        self.optimizer.step(1.0).into_result().map_err(|e| anyhow!("optimizer step: {e}"))?;
+        self.optimizer.step(1.0)?;
         for p in &self.params {
             kernels::autograd::clear_grad(p);
         }
@@ -218,8 +220,8 @@ fn hf_config(target: &toml::Table, ctx: &HostContext) -> Option<target_hf::confi
 }
 
 /// Trained parameters and, where the drafter's config is DFlash's (z-lab format), its layer shape.
-fn drafter_layout(drafter: &DrafterBox, spec: &TargetSpec) -> Option<(Shape, usize)> {
-    let cfg: serde_json::Value = serde_json::from_str(drafter.config_json().as_str()).ok()?;
+fn drafter_layout(drafter: &DrafterHandle, spec: &TargetSpec) -> Option<(Shape, usize)> {
+    let cfg: serde_json::Value = serde_json::from_str(&drafter.config_json().ok()?).ok()?;
     let dflash = cfg["architectures"].as_array()?.iter().any(|a| a == "DFlashDraftModel");
     let f = |k: &str| cfg[k].as_f64();
     let shape = Shape {
@@ -258,24 +260,27 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     let create = |kind: PluginKind, table: &toml::Table, ctx: &HostContext| -> Result<PluginInstance> {
         Ok(registry.create(kind, &section(kind.as_str(), table)?, ctx)?.0)
     };
-    let PluginInstance::Target(mut target) = create(PluginKind::Target, &cfg.target, &ctx)? else {
+    let PluginInstance::Target(target) = create(PluginKind::Target, &cfg.target, &ctx)? else {
         bail!("[target] made no target")
     };
-    let spec = target.spec();
+    let mut target = TargetHandle::new(target, &plugin_name(&cfg.target));
+    let spec = target.spec()?;
     ctx.target = RSome(spec.clone());
     let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &cfg.drafter, &ctx)? else {
         bail!("[drafter] made no drafter")
     };
-    let PluginInstance::Optimizer(mut optimizer) = create(PluginKind::Optimizer, &cfg.optimizer, &ctx)? else {
+    let PluginInstance::Optimizer(optimizer) = create(PluginKind::Optimizer, &cfg.optimizer, &ctx)? else {
         bail!("[optimizer] made no optimizer")
     };
-    let (named, params) = step::trainable_parameters(&drafter);
+    let drafter = DrafterHandle::new(drafter, &plugin_name(&cfg.drafter));
+    let mut optimizer = OptimizerHandle::new(optimizer, &plugin_name(&cfg.optimizer));
+    let (named, params) = step::trainable_parameters(&drafter)?;
     let n_params: f64 = params.iter().map(|p| p.numel() as f64).sum();
-    optimizer.init(named).into_result().map_err(|e| anyhow!("optimizer init: {e}"))?;
-    let layer_ids: Vec<u32> = drafter.target_layer_ids().into_vec();
-    let block_size = drafter.block_size() as i64;
+    optimizer.init(named)?;
+    let layer_ids: Vec<u32> = drafter.target_layer_ids()?;
+    let block_size = drafter.block_size()? as i64;
     let layout = drafter_layout(&drafter, &spec);
-    let drafter_name = cfg.drafter.get("plugin").and_then(|v| v.as_str()).unwrap_or("?").to_string();
+    let drafter_name = plugin_name(&cfg.drafter);
     let draft = DraftLoss::for_drafter(
         &drafter,
         &target,
@@ -284,7 +289,7 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
         Some(default_gamma(block_size as usize)),
         // One micro-batch a step: its mean is the step's loss (the loss checks read it).
         LossNormalization::PerMicroBatch,
-    );
+    )?;
     let mut step = DrafterStep { drafter, optimizer, params, draft, grad_clip: sh.grad_clip, draws: 0 };
     sync(device);
     let built_mem_gib = mem(device);
@@ -344,11 +349,7 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     // 4. Target forward: to the deepest feature layer (training), and whole with logits.
     let ids_dev = TensorHandle::new(ids.to_device(device));
     let mut forward = |want_logits: bool| -> Result<Tensor> {
-        let out = target
-            .forward(&ids_dev, layer_ids.as_slice().into(), want_logits)
-            .into_result()
-            .map_err(|e| anyhow!("target forward: {e}"))?;
-        Ok(out.hidden.into_tensor())
+        Ok(target.forward(&ids_dev, &layer_ids, want_logits)?.hidden.into_tensor())
     };
     let features_s = time(device, sh.warmup, sh.iters, || forward(false).map(drop))?;
     let upto = layer_ids.iter().max().map_or(0, |&m| m as usize + 1);
@@ -362,8 +363,7 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     // 5. The pipeline: each step, fresh ids through the target, its features into the drafter.
     let pipeline_s = time(device, 1, sh.iters, || {
         let (ids, loss_mask) = synthetic_batch(&spec, b, s);
-        let out = target.forward(&TensorHandle::new(ids.to_device(device)), layer_ids.as_slice().into(), false);
-        let hidden = out.into_result().map_err(|e| anyhow!("target forward: {e}"))?.hidden.into_tensor();
+        let hidden = target.forward(&TensorHandle::new(ids.to_device(device)), &layer_ids, false)?.hidden.into_tensor();
         step.run(&ids, &loss_mask, hidden).map(drop)
     })?;
     let pipeline = phase(pipeline_s, draft_tokens, target_features.flop + drafter_flop, ceiling, mem(device));
@@ -385,13 +385,7 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
             Tensor::randn([b as i64, s as i64, layer_ids.len() as i64 * spec.hidden_size as i64], (kind, device));
         profile("drafter_step", &mut || step.run(&ids, &loss_mask, features.shallow_clone()).map(drop))?;
         drop(features);
-        profile("target_forward", &mut || {
-            target
-                .forward(&ids_dev, layer_ids.as_slice().into(), false)
-                .into_result()
-                .map(drop)
-                .map_err(|e| anyhow!("target forward: {e}"))
-        })?;
+        profile("target_forward", &mut || target.forward(&ids_dev, &layer_ids, false).map(drop))?;
     }
 
     Ok(Report {

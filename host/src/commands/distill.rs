@@ -50,8 +50,7 @@ fn distill(
         Some(stem) => format!("{stem}.partial.gz"),
         None => format!("{name}.partial"),
     });
-    let written = c.data.export_distilled_summary(tmp.display().to_string().as_str().into()).into_result();
-    let written = written.map_err(c.err(plugin_api::PluginKind::DataLoader, "export_distilled"))?;
+    let written = c.data.export_distilled_summary(&tmp.display().to_string())?;
     std::fs::rename(&tmp, out).with_context(|| format!("writing {}", out.display()))?;
     Ok((written, stats))
 }

@@ -61,8 +61,27 @@ fn find<'a>(needed: &'a [Needed], prefix: &str) -> Option<&'a Needed> {
 }
 
 pub fn run(_plugin_paths: &[PathBuf]) -> Result<ExitCode> {
-    let libtorch = std::env::var_os("LIBTORCH").map(PathBuf::from).unwrap_or_else(|| cache_dir().join("libtorch"));
+    let named = std::env::var_os("LIBTORCH").map(PathBuf::from).unwrap_or_else(|| cache_dir().join("libtorch"));
+    // The libtorch this process runs on is the one to diagnose: LD_LIBRARY_PATH may name another
+    // (a pip torch's `torch/lib`, with the same layout) than LIBTORCH or the cache.
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let libtorch = match loaded_libtorch(&maps) {
+        Some(loaded) if std::fs::canonicalize(&loaded).ok() != std::fs::canonicalize(&named).ok() => {
+            crate::say!("dflash-host runs on the libtorch at {} (not {})", loaded.display(), named.display());
+            loaded
+        }
+        _ => named,
+    };
     diagnose(&libtorch)
+}
+
+/// The folder of the libtorch mapped into this process (`/proc/self/maps`): the parent of the
+/// `lib/` that holds `libtorch_cpu.so`.
+pub fn loaded_libtorch(maps: &str) -> Option<PathBuf> {
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|path| path.ends_with("/libtorch_cpu.so"))
+        .and_then(|path| Path::new(path).parent()?.parent().map(Path::to_path_buf))
 }
 
 fn diagnose(libtorch: &Path) -> Result<ExitCode> {
@@ -215,6 +234,15 @@ fn gpus() -> std::result::Result<Vec<String>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_libtorch_mapped_into_the_process_is_found() {
+        let maps = "7f00-7f10 r--p 00000000 fd:01 11 /usr/lib/x86_64-linux-gnu/libc.so.6
+7f20-7f30 r-xp 00010000 fd:01 12 /opt/venv/lib/python3.12/site-packages/torch/lib/libtorch_cpu.so
+7f40-7f50 rw-p 00000000 00:00 0 ";
+        assert_eq!(loaded_libtorch(maps), Some(PathBuf::from("/opt/venv/lib/python3.12/site-packages/torch")));
+        assert_eq!(loaded_libtorch("7f00-7f10 r--p 00000000 fd:01 11 /usr/lib/libc.so.6"), None);
+    }
 
     #[test]
     fn ldd_output_and_version_py_are_read() {

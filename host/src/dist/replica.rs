@@ -8,12 +8,16 @@
 //! it with the same arguments.
 
 use super::DistEnv;
+use crate::plugins::TargetHandle;
 use anyhow::{anyhow, bail, Result};
 use c10d::Store;
 use plugin_api::{
-    abi_stable::std_types::{RResult, RSlice, RVec},
+    abi_stable::{
+        sabi_trait::TD_Opaque,
+        std_types::{RErr, RResult, RSlice, RString, RVec},
+    },
     tch::{Kind, Tensor},
-    PluginError, ReplicaGroup, TargetBox, TargetPlugin, TargetSpec, TensorHandle,
+    PluginError, ReplicaGroup, TargetBox, TargetModel, TargetModel_TO, TargetOutput, TargetSpec, TensorHandle,
 };
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
@@ -180,82 +184,89 @@ impl Drop for Lead {
     }
 }
 
-fn result<T>(r: RResult<T, PluginError>) -> Result<T, PluginError> {
-    r.into_result()
+fn handle(t: &Tensor) -> TensorHandle {
+    TensorHandle::new(t.shallow_clone())
 }
 
-impl TargetPlugin for Lead {
-    fn spec(&self) -> TargetSpec {
+impl TargetModel for Lead {
+    fn spec(&self) -> RResult<TargetSpec, PluginError> {
         self.inner.spec()
     }
 
-    fn tokenizer_json(&self) -> String {
-        self.inner.tokenizer_json().into()
+    fn tokenizer_json(&self) -> RResult<RString, PluginError> {
+        self.inner.tokenizer_json()
     }
 
-    fn embedding(&self) -> Tensor {
-        self.inner.embedding().tensor()
+    fn embedding(&self) -> RResult<TensorHandle, PluginError> {
+        self.inner.embedding()
     }
 
-    fn lm_head(&self) -> Tensor {
-        self.inner.lm_head().tensor()
+    fn lm_head(&self) -> RResult<TensorHandle, PluginError> {
+        self.inner.lm_head()
     }
 
     fn forward(
         &mut self,
-        input_ids: &Tensor,
-        layer_ids: &[u32],
+        input_ids: &TensorHandle,
+        layer_ids: RSlice<'_, u32>,
         want_logits: bool,
-    ) -> Result<(Tensor, Option<Tensor>), PluginError> {
-        let (shape, ids) = ids_of(input_ids);
-        self.post(&Call::Forward { shape, ids, layers: layer_ids.to_vec(), logits: want_logits })?;
-        let out =
-            result(self.inner.forward(&TensorHandle::new(input_ids.shallow_clone()), layer_ids.into(), want_logits))?;
-        Ok((out.hidden.tensor(), out.logits.into_option().map(|l| l.tensor())))
+    ) -> RResult<TargetOutput, PluginError> {
+        let (shape, ids) = ids_of(&input_ids.tensor());
+        if let Err(e) = self.post(&Call::Forward { shape, ids, layers: layer_ids.to_vec(), logits: want_logits }) {
+            return RErr(e);
+        }
+        self.inner.forward(input_ids, layer_ids, want_logits)
     }
 
     fn generate(
         &mut self,
-        prompts: Vec<Vec<u32>>,
+        prompts: RVec<RVec<u32>>,
         max_new_tokens: u32,
-        stop_tokens: &[u32],
-    ) -> Result<Vec<Vec<u32>>, PluginError> {
-        self.post(&Call::Generate { prompts: prompts.clone(), max_new_tokens, stop: stop_tokens.to_vec() })?;
-        let prompts: RVec<RVec<u32>> = prompts.into_iter().map(RVec::from).collect();
-        let out = result(self.inner.generate(prompts, max_new_tokens, stop_tokens.into()))?;
-        Ok(out.into_iter().map(RVec::into_vec).collect())
-    }
-
-    fn cache_reset(&mut self) {
-        if self.post(&Call::CacheReset).is_ok() {
-            self.inner.cache_reset();
+        stop_tokens: RSlice<'_, u32>,
+    ) -> RResult<RVec<RVec<u32>>, PluginError> {
+        let call = Call::Generate {
+            prompts: prompts.iter().map(|p| p.to_vec()).collect(),
+            max_new_tokens,
+            stop: stop_tokens.to_vec(),
+        };
+        if let Err(e) = self.post(&call) {
+            return RErr(e);
         }
+        self.inner.generate(prompts, max_new_tokens, stop_tokens)
     }
 
-    fn cache_extend(&mut self, input_ids: &Tensor, layer_ids: &[u32]) -> Result<(Tensor, Tensor), PluginError> {
-        let (shape, ids) = ids_of(input_ids);
-        self.post(&Call::CacheExtend { shape, ids, layers: layer_ids.to_vec() })?;
-        let out = result(self.inner.cache_extend(&TensorHandle::new(input_ids.shallow_clone()), layer_ids.into()))?;
-        let logits = out
-            .logits
-            .into_option()
-            .map(|l| l.tensor())
-            .unwrap_or_else(|| Tensor::zeros([0], (Kind::Float, input_ids.device())));
-        Ok((out.hidden.tensor(), logits))
+    fn cache_reset(&mut self) -> RResult<(), PluginError> {
+        if let Err(e) = self.post(&Call::CacheReset) {
+            return RErr(e);
+        }
+        self.inner.cache_reset()
     }
 
-    fn cache_truncate(&mut self, len: u32) -> Result<(), PluginError> {
-        self.post(&Call::CacheTruncate { len })?;
-        result(self.inner.cache_truncate(len))
+    fn cache_extend(
+        &mut self,
+        input_ids: &TensorHandle,
+        layer_ids: RSlice<'_, u32>,
+    ) -> RResult<TargetOutput, PluginError> {
+        let (shape, ids) = ids_of(&input_ids.tensor());
+        if let Err(e) = self.post(&Call::CacheExtend { shape, ids, layers: layer_ids.to_vec() }) {
+            return RErr(e);
+        }
+        self.inner.cache_extend(input_ids, layer_ids)
+    }
+
+    fn cache_truncate(&mut self, len: u32) -> RResult<(), PluginError> {
+        if let Err(e) = self.post(&Call::CacheTruncate { len }) {
+            return RErr(e);
+        }
+        self.inner.cache_truncate(len)
     }
 }
 
 /// The lead's target as the pipeline holds it.
-pub fn lead(inner: TargetBox, layout: &Layout, store: Store) -> TargetBox {
-    match plugin_api::PluginInstance::target(Lead::new(inner, layout, store)) {
-        plugin_api::PluginInstance::Target(t) => t,
-        _ => unreachable!("a target instance"),
-    }
+pub fn lead(inner: TargetHandle, layout: &Layout, store: Store) -> TargetHandle {
+    let name = inner.name().to_string();
+    let lead = Lead::new(inner.into_raw(), layout, store);
+    TargetHandle::new(TargetModel_TO::from_value(lead, TD_Opaque), &name)
 }
 
 /// How often a waiting rank looks for the next call, and how long the lead's heartbeat may stand
@@ -266,7 +277,7 @@ const LEAD_SILENT: Duration = Duration::from_secs(5);
 /// A rank other than its replica's lead: run the lead's target calls until it says the run is
 /// over. A lead that is gone (its heartbeat stopped, or its store) stops this rank with an error
 /// naming it.
-pub fn serve(target: &mut TargetBox, layout: &Layout, store: Store, lead_beat: &str) -> Result<u64> {
+pub fn serve(target: &mut TargetHandle, layout: &Layout, store: Store, lead_beat: &str) -> Result<u64> {
     let mut calls = Calls { store, prefix: layout.prefix(), next: 0 };
     let lead = layout.lead_of(layout.index);
     let gone = |why: String| anyhow!("rank {lead} gone (the lead of target replica {}): {why}", layout.index);
@@ -286,25 +297,19 @@ pub fn serve(target: &mut TargetBox, layout: &Layout, store: Store, lead_beat: &
         }
         let bytes = calls.store.get(&key).map_err(|e| gone(e.to_string()))?;
         let call: Call = serde_json::from_slice(&bytes).map_err(|e| anyhow!("target call {key}: {e}"))?;
-        let failed = |what: &str| {
-            let what = what.to_string();
-            move |e: PluginError| anyhow!("target replica {}, rank {}: {what}: {e}", layout.index, layout.rank)
-        };
+        let failed = |e: anyhow::Error| anyhow!("target replica {}, rank {}: {e:#}", layout.index, layout.rank);
         match call {
             Call::Forward { shape, ids, layers, logits } => {
-                let ids = TensorHandle::new(tensor_of(&shape, &ids));
-                result(target.forward(&ids, RSlice::from(layers.as_slice()), logits)).map_err(failed("forward"))?;
+                target.forward(&handle(&tensor_of(&shape, &ids)), &layers, logits).map_err(failed)?;
             }
             Call::Generate { prompts, max_new_tokens, stop } => {
-                let prompts: RVec<RVec<u32>> = prompts.into_iter().map(RVec::from).collect();
-                result(target.generate(prompts, max_new_tokens, stop.as_slice().into())).map_err(failed("generate"))?;
+                target.generate(prompts, max_new_tokens, &stop).map_err(failed)?;
             }
-            Call::CacheReset => target.cache_reset(),
+            Call::CacheReset => target.cache_reset().map_err(failed)?,
             Call::CacheExtend { shape, ids, layers } => {
-                let ids = TensorHandle::new(tensor_of(&shape, &ids));
-                result(target.cache_extend(&ids, layers.as_slice().into())).map_err(failed("cache_extend"))?;
+                target.cache_extend(&handle(&tensor_of(&shape, &ids)), &layers).map_err(failed)?;
             }
-            Call::CacheTruncate { len } => result(target.cache_truncate(len)).map_err(failed("cache_truncate"))?,
+            Call::CacheTruncate { len } => target.cache_truncate(len).map_err(failed)?,
             Call::Stop => {
                 let _ = calls.store.add(DONE_KEY, 1);
                 return Ok(served);

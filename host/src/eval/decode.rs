@@ -19,9 +19,8 @@
 use crate::pipeline::components::Components;
 use anyhow::{anyhow, Result};
 use plugin_api::{
-    abi_stable::std_types::ROption,
     tch::{self, Device, Kind, Tensor},
-    DecodeInput, DraftInput, PluginKind, TensorHandle,
+    DecodeInput, DraftInput, TensorHandle,
 };
 use std::time::Instant;
 
@@ -83,7 +82,7 @@ pub fn speculative_decode(
     let layers = shared.layer_ids.as_slice();
     let device = shared.embedding.device();
     let mut clock = PhaseClock::new(device, shared.time_split);
-    c.target.cache_reset();
+    c.target.cache_reset()?;
     // 1. Prefill: the prompt's features, and the target's first token (kept on the device).
     let (mut context, logits) = extend(c, ids_tensor(prompt), layers)?;
     let mut anchor = logits.narrow(1, prompt.len() as i64 - 1, 1).argmax(-1, false).to_device(device); // [1, 1]
@@ -107,12 +106,12 @@ pub fn speculative_decode(
                 context_start: held as u32,
                 block_embeds: TensorHandle::new(embeds.shallow_clone()),
             };
-            match c.drafter.decode_block(&input).into_result().map_err(c.err(PluginKind::Drafter, "decode_block"))? {
-                ROption::RSome(h) => {
+            match c.drafter.decode_block(&input)? {
+                Some(h) => {
                     held += context.size()[1] as usize;
-                    hidden = Some(h.into_tensor());
+                    hidden = Some(h);
                 }
-                ROption::RNone => keeps_context = false,
+                None => keeps_context = false,
             }
         }
         let hidden = match hidden {
@@ -124,7 +123,7 @@ pub fn speculative_decode(
                     anchors: TensorHandle::new(Tensor::from_slice(&[anchor_pos as i64]).view([1, 1]).to_device(device)),
                     anchor_valid: TensorHandle::new(Tensor::ones([1, 1], (Kind::Bool, device))),
                 };
-                c.drafter.forward(&input).into_result().map_err(c.err(PluginKind::Drafter, "forward"))?.into_tensor()
+                c.drafter.forward(&input)?
             }
         };
         let drafts = hidden.narrow(1, 1, b - 1).matmul(&shared.lm_head.tr()).argmax(-1, false); // [1, B-1]
@@ -139,7 +138,7 @@ pub fn speculative_decode(
         let (drafts, verdict) = both.split_at(b as usize - 1);
         let accepted = drafts.iter().zip(verdict).take_while(|(d, p)| d == p).count();
         let kept = (anchor_pos + accepted + 1) as u32;
-        c.target.cache_truncate(kept).into_result().map_err(c.err(PluginKind::Target, "cache_truncate"))?;
+        c.target.cache_truncate(kept)?;
         let verified = block_hidden.narrow(1, 0, accepted as i64 + 1);
         context = if keeps_context { verified } else { Tensor::cat(&[context, verified], 1) };
         let before = kept_len(&all, max_new, stop);
@@ -156,8 +155,7 @@ pub fn speculative_decode(
 
 /// The target's cache extended by `ids` [1, L]: their features of `layers` and logits.
 fn extend(c: &mut Components, ids: Tensor, layers: &[u32]) -> Result<(Tensor, Tensor)> {
-    let out = c.target.cache_extend(&TensorHandle::new(ids), layers.into()).into_result();
-    let out = out.map_err(c.err(PluginKind::Target, "cache_extend"))?;
+    let out = c.target.cache_extend(&TensorHandle::new(ids), layers)?;
     let logits = out.logits.into_option().ok_or_else(|| anyhow!("target gave no logits"))?;
     Ok((out.hidden.into_tensor(), logits.into_tensor()))
 }
@@ -231,9 +229,9 @@ mod tests {
 
     fn shared(c: &Components) -> Shared {
         Shared {
-            embedding: c.target.embedding().into_tensor(),
-            lm_head: c.target.lm_head().into_tensor(),
-            layer_ids: c.drafter.target_layer_ids().into_vec(),
+            embedding: c.target.embedding().unwrap(),
+            lm_head: c.target.lm_head().unwrap(),
+            layer_ids: c.drafter.target_layer_ids().unwrap(),
             block_size: 4,
             mask_ids: Tensor::zeros([1, 3], (Kind::Int64, Device::Cpu)),
             time_split: false,

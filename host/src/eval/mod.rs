@@ -18,10 +18,7 @@ use crate::{
     say,
 };
 use anyhow::{anyhow, bail, Result};
-use plugin_api::{
-    tch::{Device, Kind, Tensor},
-    PluginKind,
-};
+use plugin_api::tch::{Device, Kind, Tensor};
 use prompts::{prompts_name, tempfile_dir};
 use serde::Serialize;
 use std::{
@@ -117,31 +114,28 @@ pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
 
 /// Open the data plugin with the target's tokenizer (once for any number of prompt sets).
 pub fn open_data(c: &mut Components) -> Result<()> {
-    let tokenizer = c.target.tokenizer_json();
-    c.names.check(PluginKind::Target, &c.target)?;
-    c.data.open(tokenizer.as_rstr()).into_result().map_err(c.err(PluginKind::DataLoader, "open"))?;
+    let tokenizer = c.target.tokenizer_json()?;
+    c.data.open(&tokenizer)?;
     Ok(())
 }
 
 /// [`evaluate`] with the data plugin opened already.
 pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
-    let prompts = c.data.eval_prompts(opts.source.as_str().into(), opts.limit).into_result();
-    let prompts = prompts.map_err(c.err(PluginKind::DataLoader, "eval_prompts"))?;
+    let prompts = c.data.eval_prompts(&opts.source, opts.limit)?;
     if prompts.is_empty() {
         bail!("no evaluation prompts from `{}`", opts.source);
     }
-    let (embedding, block_size) = (c.target.embedding().into_tensor(), c.drafter.block_size() as usize);
+    let (embedding, block_size) = (c.target.embedding()?, c.drafter.block_size()? as usize);
     let device = embedding.device();
     let shared = Shared {
-        mask_ids: Tensor::full([1, block_size as i64 - 1], c.drafter.mask_token_id() as i64, (Kind::Int64, device)),
+        mask_ids: Tensor::full([1, block_size as i64 - 1], c.drafter.mask_token_id()? as i64, (Kind::Int64, device)),
         embedding,
-        lm_head: c.target.lm_head().into_tensor(),
-        layer_ids: c.drafter.target_layer_ids().into_vec(),
+        lm_head: c.target.lm_head()?,
+        layer_ids: c.drafter.target_layer_ids()?,
         block_size,
         time_split: opts.time_split,
     };
-    let stop = [c.target.spec().eos_token_id];
-    c.check_poisoned()?;
+    let stop = [c.target.spec()?.eos_token_id];
     let (mut t_target, mut t_spec, mut n_target, mut n_spec) = (0.0, 0.0, 0usize, 0usize);
     let mut taus = Vec::new();
     let mut mismatches = Vec::new();
@@ -158,8 +152,7 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
     // Warm-up, untimed: the first calls on a GPU pay for kernel loading and allocator growth.
     if device.is_cuda() {
         let warm = opts.max_new_tokens.min(16);
-        let base = c.target.generate(vec![prompts[0].clone()].into(), warm, stop.as_slice().into()).into_result();
-        base.map_err(c.err(PluginKind::Target, "generate"))?;
+        c.target.generate(vec![prompts[0].clone()], warm, &stop)?;
         speculative_decode(c, &prompts[0], warm as usize, &stop, &shared, &mut PhaseTimes::default())?;
     }
     let mut progress = Progress::new("eval", "prompts", prompts.len() as u64);
@@ -167,9 +160,7 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
     let mut pace = Pace::new(0, prompts.len());
     for (i, prompt) in prompts.iter().enumerate() {
         let t0 = Instant::now();
-        let base =
-            c.target.generate(vec![prompt.clone()].into(), opts.max_new_tokens, stop.as_slice().into()).into_result();
-        let base = base.map_err(c.err(PluginKind::Target, "generate"))?.remove(0).into_vec();
+        let base = c.target.generate(vec![prompt.clone()], opts.max_new_tokens, &stop)?.remove(0);
         t_target += t0.elapsed().as_secs_f64();
         n_target += base.len();
         let t1 = Instant::now();

@@ -9,7 +9,6 @@ use crate::{
     plugins::Registry,
 };
 use anyhow::{Context, Result};
-use plugin_api::PluginKind;
 use std::path::{Path, PathBuf};
 
 /// Load CUDA when the config asks for it, or say why it cannot run.
@@ -59,12 +58,9 @@ pub fn load_experiment(exp_dir: &Path, registry: &Registry, drafter: DrafterFrom
     ensure_device(&cfg)?;
     let mut c = build_components(&cfg, registry, &config_dir, &cache_dir())?;
     if let DrafterFrom::Checkpoint(ckpt) = drafter {
-        let declared = checkpoint::declared_by(&c.drafter.parameters());
+        let declared = checkpoint::declared_by(&c.drafter.parameters()?);
         checkpoint::check_declared(&ckpt.weights_file(), &ckpt.weights, &declared)?;
-        c.drafter
-            .load_weights(ckpt.weights.into())
-            .into_result()
-            .map_err(c.err(PluginKind::Drafter, "load_weights"))?;
+        c.drafter.load_weights(ckpt.weights.into())?;
         tracing::info!("drafter weights from {}", ckpt.dir.display());
     }
     Ok((cfg, c))

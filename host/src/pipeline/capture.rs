@@ -84,27 +84,25 @@ pub fn capture(
     }
     fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let _ = distill::prepare_data(&mut c, cache_dir)?;
-    let names = c.names.clone();
-    let spec = c.target.spec();
-    let layer_ids: Vec<u32> = c.drafter.target_layer_ids().into_vec();
+    let spec = c.target.spec()?;
+    let layer_ids: Vec<u32> = c.drafter.target_layer_ids()?;
     let devices = cfg.target_devices();
     let per_token = feature_bytes_per_token(cfg, layer_ids.len(), spec.hidden_size);
     let (data, target, extra) = (&mut c.data, &mut c.target, &mut c.extra_targets);
     let mut produced = 0;
-    let names_p = names.clone();
     let cache = HiddenStateCache::new(cfg.train.hidden_cache_mb << 20, per_token);
     let cache_p = Arc::clone(&cache);
     let producer = move || -> Result<Option<Job<HostBatch>>> {
         if produced == opts.micro_batches {
             return Ok(None);
         }
-        let mut b = next_batch(data, &names_p)?;
+        let mut b = next_batch(data)?;
         b.index = produced;
         b.cache_ticket = Some(cache_p.plan(&b.sequence_ids, &b.lengths));
         produced += 1;
         Ok(Some(Job { bytes: b.input_ids.numel() * per_token, payload: b }))
     };
-    let workers = target_workers(target, extra, &devices, &layer_ids, &cache, Device::Cpu, &names);
+    let workers = target_workers(target, extra, &devices, &layer_ids, &cache, Device::Cpu);
     let pipe = PipelineOptions { buffer_bytes: cfg.pipeline.buffer_bytes(), deterministic: true };
     let bar = ProgressBar::new(opts.micro_batches).with_style(
         ProgressStyle::with_template("capture {bar:30} {pos}/{len} batches  {msg}  ETA {eta}").expect("template"),

@@ -15,9 +15,9 @@ use crate::progress::clock;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use plugin_api::{
-    abi_stable::std_types::{RSlice, RVec},
+    abi_stable::std_types::RVec,
     tch::{Kind, Tensor},
-    DataSummary, DistillOptions, DistillRequest, DistilledExport, PluginKind, TensorHandle,
+    DataSummary, DistillOptions, DistillRequest, DistilledExport, TensorHandle,
 };
 use rand::{Rng, SeedableRng};
 use sha2::{Digest, Sha256};
@@ -42,9 +42,8 @@ pub struct DistillStats {
 
 /// Tokenize the data with the target's tokenizer, then self-distil if the loader asks.
 pub fn prepare_data(c: &mut Components, cache_dir: &Path) -> Result<Option<DistillStats>> {
-    let tokenizer = c.target.tokenizer_json();
-    c.names.check(PluginKind::Target, &c.target)?;
-    let summary = c.data.open(tokenizer.as_rstr()).into_result().map_err(c.err(PluginKind::DataLoader, "open"))?;
+    let tokenizer = c.target.tokenizer_json()?;
+    let summary = c.data.open(&tokenizer)?;
     tracing::info!("data: {}", summary.description);
     let Some((s, stats)) = run(c, cache_dir)? else { return Ok(None) };
     tracing::info!("data after self-distillation: {}", s.description);
@@ -53,14 +52,13 @@ pub fn prepare_data(c: &mut Components, cache_dir: &Path) -> Result<Option<Disti
 
 /// Every round of the loader's requests; None when it asks for nothing.
 pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<(DataSummary, DistillStats)>> {
-    let first = c.data.distill_request();
+    let first = c.data.distill_request()?;
     if first.prompts.is_empty() {
         return Ok(None);
     }
-    let opts = c.data.distill_options();
-    c.check_poisoned()?;
+    let opts = c.data.distill_options()?;
     let started = Instant::now();
-    let mut cache = ReplyCache::open(cache_dir, &c.target.spec().source_sha256, &c.dtype, &first, &opts)?;
+    let mut cache = ReplyCache::open(cache_dir, &c.target.spec()?.source_sha256, &c.dtype, &first, &opts)?;
     let total = opts.replies_total.max(first.prompts.len() as u64);
     let known = first.prompts.iter().filter(|p| cache.get(p).is_some()).count();
     tracing::info!(
@@ -89,9 +87,8 @@ pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<(DataSummary, 
             let out = if opts.temperature > 0.0 {
                 prompts.iter().map(|p| sample(c, p, &req, &opts)).collect::<Result<Vec<_>>>()?
             } else {
-                let batch: RVec<RVec<u32>> = prompts.iter().map(|p| (*p).clone()).collect();
-                let out = c.target.generate(batch, req.max_new_tokens, req.stop_tokens.as_rslice()).into_result();
-                out.map_err(c.err(PluginKind::Target, "generate"))?.into_iter().map(|r| r.into_vec()).collect()
+                let batch = prompts.iter().map(|p| p.to_vec()).collect();
+                c.target.generate(batch, req.max_new_tokens, &req.stop_tokens)?
             };
             cache.append(prompts.iter().map(|p| p.as_slice()).zip(&out))?;
             for (&i, r) in ids.iter().zip(out) {
@@ -100,11 +97,9 @@ pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<(DataSummary, 
             progress.advance(ids.len() as u64);
         }
         stats.replies += replies.len() as u64;
-        let replies: RVec<RVec<u32>> =
-            replies.into_iter().map(|r| RVec::from(r.expect("every prompt answered"))).collect();
-        let summary =
-            c.data.set_distilled(replies).into_result().map_err(c.err(PluginKind::DataLoader, "set_distilled"))?;
-        req = c.data.distill_request();
+        let replies = replies.into_iter().map(|r| r.expect("every prompt answered")).collect();
+        let summary = c.data.set_distilled(replies)?;
+        req = c.data.distill_request()?;
         if req.prompts.is_empty() {
             break summary;
         }
@@ -152,14 +147,13 @@ fn sample(c: &mut Components, prompt: &RVec<u32>, req: &DistillRequest, opts: &D
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
         opts.seed ^ u64::from_le_bytes(prompt_hash(prompt)[..8].try_into().expect("8 bytes")),
     );
-    c.target.cache_reset();
+    c.target.cache_reset()?;
     let mut input: Vec<i64> = prompt.iter().map(|&t| t as i64).collect();
     let mut out = Vec::new();
     let layer = [0u32];
     while out.len() < req.max_new_tokens as usize {
         let ids = TensorHandle::new(Tensor::from_slice(&input).view([1, input.len() as i64]));
-        let step = c.target.cache_extend(&ids, RSlice::from_slice(&layer)).into_result();
-        let step = step.map_err(c.err(PluginKind::Target, "cache_extend"))?;
+        let step = c.target.cache_extend(&ids, &layer)?;
         let logits = step.logits.into_option().context("the target returned no logits")?.tensor();
         let last = logits.select(1, -1).squeeze().to_kind(Kind::Double) / opts.temperature;
         let probs: Vec<f64> = Vec::try_from(&last.softmax(-1, Kind::Double).to_device(plugin_api::tch::Device::Cpu))?;
@@ -176,7 +170,7 @@ fn sample(c: &mut Components, prompt: &RVec<u32>, req: &DistillRequest, opts: &D
         }
         input = vec![token as i64];
     }
-    c.target.cache_reset();
+    c.target.cache_reset()?;
     Ok(out)
 }
 

@@ -2,15 +2,17 @@
 //! device, or features from the hidden-state cache), and the hand-off into the buffer.
 
 use super::{
-    components::PluginNames,
     hidden_cache::{CacheTicket, HiddenStateCache},
     scheduler::Worker,
 };
-use crate::config::RunConfig;
-use anyhow::{bail, Result};
+use crate::{
+    config::RunConfig,
+    plugins::{DataHandle, TargetHandle},
+};
+use anyhow::{bail, Context, Result};
 use plugin_api::{
     tch::{Device, Tensor},
-    DataLoaderBox, DataPosition, PluginKind, TargetBox, TensorHandle,
+    DataPosition, TensorHandle,
 };
 use std::sync::Arc;
 
@@ -50,12 +52,10 @@ impl HostBatch {
 }
 
 /// The next batch, across an epoch boundary if need be.
-pub fn next_batch(data: &mut DataLoaderBox, names: &PluginNames) -> Result<HostBatch> {
+pub fn next_batch(data: &mut DataHandle) -> Result<HostBatch> {
     for _ in 0..2 {
-        let next = data.next_batch().into_result().map_err(names.err(PluginKind::DataLoader, "next_batch"))?;
-        if let Some(b) = next.into_option() {
-            let position = data.position();
-            names.check(PluginKind::DataLoader, data)?;
+        if let Some(b) = data.next_batch()? {
+            let position = data.position()?;
             return Ok(HostBatch {
                 input_ids: b.input_ids.into_tensor(),
                 loss_mask: b.loss_mask.into_tensor(),
@@ -86,21 +86,18 @@ fn to_buffer(hidden: Tensor, drafter: Device) -> Tensor {
 
 /// One worker per target device: the first target and the extra ones, in `devices` order.
 pub fn target_workers<'a>(
-    target: &'a mut TargetBox,
-    extra: &'a mut [TargetBox],
+    target: &'a mut TargetHandle,
+    extra: &'a mut [TargetHandle],
     devices: &[String],
     layer_ids: &[u32],
     cache: &Arc<HiddenStateCache>,
     drafter_device: Device,
-    names: &PluginNames,
 ) -> Vec<Worker<'a, HostBatch, Micro>> {
     std::iter::once(target)
         .chain(extra.iter_mut())
         .zip(devices)
         .enumerate()
-        .map(|(i, (t, d))| {
-            target_worker(i, d.clone(), t, layer_ids.to_vec(), Arc::clone(cache), drafter_device, names.clone())
-        })
+        .map(|(i, (t, d))| target_worker(i, d.clone(), t, layer_ids.to_vec(), Arc::clone(cache), drafter_device))
         .collect()
 }
 
@@ -114,11 +111,10 @@ pub fn feature_bytes_per_token(cfg: &RunConfig, layers: usize, hidden_size: u32)
 fn target_worker<'a>(
     index: usize,
     device: String,
-    target: &'a mut TargetBox,
+    target: &'a mut TargetHandle,
     layer_ids: Vec<u32>,
     cache: Arc<HiddenStateCache>,
     drafter_device: Device,
-    names: PluginNames,
 ) -> Worker<'a, HostBatch, Micro> {
     Worker {
         name: device.to_string(),
@@ -131,11 +127,9 @@ fn target_worker<'a>(
                 Some(h) => h,
                 None => {
                     let ids = TensorHandle::new(b.input_ids.shallow_clone());
-                    let out = target.forward(&ids, layer_ids.as_slice().into(), false).into_result();
-                    let h = out
-                        .map_err(names.err(PluginKind::Target, &format!("forward (worker {index})")))?
-                        .hidden
-                        .into_tensor();
+                    let out =
+                        target.forward(&ids, &layer_ids, false).with_context(|| format!("target worker {index}"))?;
+                    let h = out.hidden.into_tensor();
                     if let Some(t) = &ticket {
                         cache.store(t, &b.sequence_ids, &b.lengths, &h);
                     }

@@ -6,16 +6,15 @@
 //! another plugin), the config's target supplies the spec and tokenizer a drafter and a data
 //! loader need. Inputs are small (a few tokens, 8x4 matrices): the kit takes seconds.
 
-use super::{Instance, PluginRecord, Poison, Registry};
+use super::{DataHandle, DrafterHandle, OptimizerHandle, PluginRecord, Registry, TargetHandle};
 use crate::config::{PluginSection, RunConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
     abi_stable::std_types::RSome,
     tch::{self, Device, Kind, Tensor},
-    DataLoaderBox, DataPosition, DraftInput, DrafterBox, HostContext, NamedTensor, OptimizerBox, PluginInstance,
-    PluginKind, TargetBox, TensorHandle,
+    DataPosition, DraftInput, HostContext, NamedTensor, PluginInstance, PluginKind, TensorHandle,
 };
-use std::{cell::RefCell, path::PathBuf, process::ExitCode};
+use std::{path::PathBuf, process::ExitCode};
 
 /// The default run config: a seconds-long run on the real target and data.
 const TINY: &str = include_str!("../../../configs/tiny.toml");
@@ -61,7 +60,7 @@ pub fn run(plugin_args: &[PathBuf], args: CheckArgs) -> Result<ExitCode> {
     }
     let ctx = super::host_context("cpu", "f32", cfg.seed, &config_dir, &crate::environment::cache_dir());
     crate::say!("checking {} plugin `{}` ({})", record.kind, record.name, record.origin);
-    let kit = Kit { registry: &registry, section, ctx, cfg, made: RefCell::new(Vec::new()) };
+    let kit = Kit { registry: &registry, section, ctx, cfg };
     let clauses = match kind {
         PluginKind::Optimizer => kit.optimizer()?,
         PluginKind::DataLoader => kit.data_loader()?,
@@ -128,8 +127,6 @@ struct Kit<'a> {
     section: PluginSection,
     ctx: HostContext,
     cfg: RunConfig,
-    /// The instances a clause created, to ask about their panics after it.
-    made: RefCell<Vec<(Poison, usize)>>,
 }
 
 impl Kit<'_> {
@@ -145,15 +142,8 @@ impl Kit<'_> {
                     .unwrap_or_default()
             ))
         });
-        // A value-returning method that panicked gave a placeholder the clause may have passed on
-        // (an empty parameter list has no parameter without a gradient).
-        let panicked = self.made.borrow_mut().drain(..).find_map(|(poison, at)| poison.take_at(at));
-        Clause { name, result: result.and(panicked.map_or(Ok(()), |why| Err(anyhow!(why)))) }
+        Clause { name, result }
     }
-}
-
-fn ok<T>(r: plugin_api::abi_stable::std_types::RResult<T, plugin_api::PluginError>, call: &str) -> Result<T> {
-    r.into_result().map_err(|e| anyhow!("{call}: {e}"))
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -167,23 +157,21 @@ const CPU: (Kind, Device) = (Kind::Float, Device::Cpu);
 
 impl Kit<'_> {
     fn create(&self, kind: PluginKind, section: &PluginSection, ctx: &HostContext) -> Result<PluginInstance> {
-        let instance = self.registry.create(kind, section, ctx)?.0;
-        self.made.borrow_mut().push((self.registry.poison(kind, &section.plugin), instance.address()));
-        Ok(instance)
+        Ok(self.registry.create(kind, section, ctx)?.0)
     }
 
-    fn optimizer_box(&self) -> Result<OptimizerBox> {
+    fn optimizer_box(&self) -> Result<OptimizerHandle> {
         match self.create(PluginKind::Optimizer, &self.section, &self.ctx)? {
-            PluginInstance::Optimizer(o) => Ok(o),
+            PluginInstance::Optimizer(o) => Ok(OptimizerHandle::new(o, &self.section.plugin)),
             _ => unreachable!("Registry::create checks the kind"),
         }
     }
 
     /// A config's target (the data loader's tokenizer, the drafter's spec).
-    fn target_box(&self) -> Result<TargetBox> {
+    fn target_box(&self) -> Result<TargetHandle> {
         let section = self.cfg.section("target");
         match self.create(PluginKind::Target, &section, &self.ctx).context("creating the config's target")? {
-            PluginInstance::Target(t) => Ok(t),
+            PluginInstance::Target(t) => Ok(TargetHandle::new(t, &section.plugin)),
             _ => unreachable!(),
         }
     }
@@ -219,25 +207,22 @@ impl Kit<'_> {
         out.push(self.clause("state save/load round trip gives identical next steps", || {
             let a_params = params();
             let mut a = self.optimizer_box()?;
-            ok(a.init(named(&a_params)), "init")?;
+            a.init(named(&a_params))?;
             for step in 0..2 {
                 set_grads(&a_params, 10 + step, 1.0);
-                ok(a.step(1.0), "step")?;
+                a.step(1.0)?;
             }
             let state: Vec<(String, Tensor)> =
-                a.state().iter().map(|nt| (nt.name.to_string(), nt.tensor.tensor().copy())).collect();
+                a.state()?.iter().map(|nt| (nt.name.to_string(), nt.tensor.tensor().copy())).collect();
             let b_params = copy(&a_params);
             let mut b = self.optimizer_box()?;
-            ok(b.init(named(&b_params)), "init")?;
-            ok(
-                b.load_state(state.iter().map(|(n, t)| NamedTensor::new(n.clone(), t.shallow_clone())).collect()),
-                "load_state",
-            )?;
+            b.init(named(&b_params))?;
+            b.load_state(state.iter().map(|(n, t)| NamedTensor::new(n.clone(), t.shallow_clone())).collect())?;
             for step in 0..2 {
                 set_grads(&a_params, 20 + step, 1.0);
                 set_grads(&b_params, 20 + step, 1.0);
-                ok(a.step(0.5), "step")?;
-                ok(b.step(0.5), "step")?;
+                a.step(0.5)?;
+                b.step(0.5)?;
             }
             for ((n, pa), (_, pb)) in a_params.iter().zip(&b_params) {
                 let d = max_diff(pa, pb);
@@ -251,9 +236,9 @@ impl Kit<'_> {
             let ps = params();
             let before = copy(&ps);
             let mut o = self.optimizer_box()?;
-            ok(o.init(named(&ps)), "init")?;
+            o.init(named(&ps))?;
             set_grads(&ps, 30, 0.0);
-            ok(o.step(1.0), "step")?;
+            o.step(1.0)?;
             for ((n, p), (_, b)) in ps.iter().zip(&before) {
                 // Decoupled weight decay scales a tensor by one factor in (0, 1]; anything else moved it.
                 let c =
@@ -272,9 +257,9 @@ impl Kit<'_> {
             let ps = params();
             let before = copy(&ps);
             let mut o = self.optimizer_box()?;
-            ok(o.init(named(&ps)), "init")?;
+            o.init(named(&ps))?;
             set_grads(&ps[..1], 40, 1.0);
-            ok(o.step(1.0), "step")?;
+            o.step(1.0)?;
             for ((n, p), (_, b)) in ps.iter().zip(&before).skip(1) {
                 if max_diff(&p.detach(), b) != 0.0 {
                     bail!("`{n}` has no gradient but changed");
@@ -290,14 +275,15 @@ impl Kit<'_> {
 
     // ---- data loader ----
 
-    fn data_box(&self, tokenizer: &str) -> Result<DataLoaderBox> {
-        let PluginInstance::DataLoader(mut d) =
+    fn data_box(&self, tokenizer: &str) -> Result<DataHandle> {
+        let PluginInstance::DataLoader(d) =
             self.create(PluginKind::DataLoader, &self.section, &self.ctx_with_target()?)?
         else {
             unreachable!()
         };
-        ok(d.open(tokenizer.into()), "open")?;
-        if !d.distill_request().prompts.is_empty() {
+        let mut d = DataHandle::new(d, &self.section.plugin);
+        d.open(tokenizer)?;
+        if !d.distill_request()?.prompts.is_empty() {
             bail!("the data loader asks for self-distillation; check it with a section that turns it off (e.g. --section '... distill = false')");
         }
         Ok(d)
@@ -305,19 +291,19 @@ impl Kit<'_> {
 
     fn ctx_with_target(&self) -> Result<HostContext> {
         let mut ctx = self.ctx.clone();
-        ctx.target = RSome(self.target_box()?.spec());
+        ctx.target = RSome(self.target_box()?.spec()?);
         Ok(ctx)
     }
 
     fn data_loader(&self) -> Result<Vec<Clause>> {
-        let tokenizer = self.target_box()?.tokenizer_json().to_string();
-        let batches = |d: &mut DataLoaderBox, n: usize| -> Result<Vec<(Tensor, Tensor)>> {
+        let tokenizer = self.target_box()?.tokenizer_json()?;
+        let batches = |d: &mut DataHandle, n: usize| -> Result<Vec<(Tensor, Tensor)>> {
             let mut out = Vec::new();
             for _ in 0..4 * n {
                 if out.len() == n {
                     break;
                 }
-                if let Some(b) = ok(d.next_batch(), "next_batch")?.into_option() {
+                if let Some(b) = d.next_batch()? {
                     out.push((b.input_ids.tensor(), b.loss_mask.tensor()));
                 }
             }
@@ -330,10 +316,10 @@ impl Kit<'_> {
         out.push(self.clause("seeking to a saved position gives the same batches", || {
             let mut a = self.data_box(&tokenizer)?;
             batches(&mut a, 1)?;
-            let saved: DataPosition = a.position();
+            let saved: DataPosition = a.position()?;
             let want = batches(&mut a, 3)?;
             let mut b = self.data_box(&tokenizer)?;
-            ok(b.seek(saved), "seek")?;
+            b.seek(saved)?;
             let got = batches(&mut b, 3)?;
             for (i, ((wi, wm), (gi, gm))) in want.iter().zip(&got).enumerate() {
                 if wi.size() != gi.size() || !wi.equal(gi) || !wm.equal(gm) {
@@ -350,7 +336,7 @@ impl Kit<'_> {
                 if calls > 8 {
                     bail!("no batch in {calls} calls of next_batch");
                 }
-                let Some(b) = ok(d.next_batch(), "next_batch")?.into_option() else { continue };
+                let Some(b) = d.next_batch()? else { continue };
                 seen += 1;
                 let ids: Vec<Vec<i64>> = Vec::try_from(b.input_ids.tensor())?;
                 let mask: Vec<Vec<i64>> = Vec::try_from(b.loss_mask.tensor())?;
@@ -383,37 +369,37 @@ impl Kit<'_> {
 
     // ---- drafter ----
 
-    fn drafter_box(&self, ctx: &HostContext) -> Result<DrafterBox> {
+    fn drafter_box(&self, ctx: &HostContext) -> Result<DrafterHandle> {
         tch::manual_seed(ctx.seed as i64);
         let PluginInstance::Drafter(d) = self.create(PluginKind::Drafter, &self.section, ctx)? else { unreachable!() };
-        Ok(d)
+        Ok(DrafterHandle::new(d, &self.section.plugin))
     }
 
     fn drafter(&self) -> Result<Vec<Clause>> {
         let ctx = self.ctx_with_target()?;
         let spec = ctx.target.clone().unwrap();
         let h = spec.hidden_size as i64;
-        let input = |d: &DrafterBox| -> DraftInput {
-            let (b, s, a, bk) = (2i64, 24i64, 2i64, d.block_size() as i64);
-            let n = d.target_layer_ids().len() as i64;
+        let input = |d: &DrafterHandle| -> Result<DraftInput> {
+            let (b, s, a, bk) = (2i64, 24i64, 2i64, d.block_size()? as i64);
+            let n = d.target_layer_ids()?.len() as i64;
             tch::manual_seed(7);
-            DraftInput {
+            Ok(DraftInput {
                 target_hidden: TensorHandle::new(Tensor::randn([b, s, n * h], CPU)),
                 block_embeds: TensorHandle::new(Tensor::randn([b, a * bk, h], CPU)),
                 anchors: TensorHandle::new(Tensor::from_slice(&[3i64, 11, 5, 13]).view([b, a])),
                 anchor_valid: TensorHandle::new(Tensor::ones([b, a], (Kind::Bool, Device::Cpu))),
-            }
+            })
         };
-        let forward = |d: &mut DrafterBox| -> Result<Tensor> {
-            let x = input(d);
-            ok(d.anchors_on_host(&x.anchors), "anchors_on_host")?;
-            Ok(ok(d.forward(&x), "forward")?.into_tensor())
+        let forward = |d: &mut DrafterHandle| -> Result<Tensor> {
+            let x = input(d)?;
+            d.anchors_on_host(&x.anchors)?;
+            d.forward(&x)
         };
         let mut out = Vec::new();
         out.push(self.clause("output shape [B, A*Bk, H]", || {
             let mut d = self.drafter_box(&ctx)?;
             let y = tch::no_grad(|| forward(&mut d))?;
-            let want = vec![2, 2 * d.block_size() as i64, h];
+            let want = vec![2, 2 * d.block_size()? as i64, h];
             if y.size() != want {
                 bail!("output {:?}, expected {want:?}", y.size());
             }
@@ -434,12 +420,12 @@ impl Kit<'_> {
             let y = forward(&mut d)?;
             if y.requires_grad() && y.is_leaf() {
                 let g = Tensor::ones_like(&y);
-                ok(d.backward(&TensorHandle::new(g)), "backward")?;
+                d.backward(&TensorHandle::new(g))?;
             } else {
                 (&y * y.ones_like().cumsum(-1, Kind::Float)).sum(Kind::Float).backward();
             }
             let missing: Vec<String> = d
-                .parameters()
+                .parameters()?
                 .iter()
                 .filter(|p| {
                     let g = p.tensor.tensor().grad();
@@ -454,20 +440,20 @@ impl Kit<'_> {
         }));
         out.push(self.clause("config_json parses and its weights re-create the same model", || {
             let mut a = self.drafter_box(&ctx)?;
-            let json = a.config_json().to_string();
+            let json = a.config_json()?;
             serde_json::from_str::<serde_json::Value>(&json).map_err(|e| anyhow!("config_json is not JSON: {e}"))?;
             let mut other = ctx.clone();
             other.seed = ctx.seed + 1;
             let mut b = self.drafter_box(&other)?;
-            if b.config_json().as_str() != json {
+            if b.config_json()? != json {
                 bail!("the same section gives another config_json");
             }
             let weights: Vec<NamedTensor> = a
-                .parameters()
+                .parameters()?
                 .iter()
                 .map(|p| NamedTensor::new(p.name.to_string(), p.tensor.tensor().detach().copy()))
                 .collect();
-            ok(b.load_weights(weights.into()), "load_weights")?;
+            b.load_weights(weights.into())?;
             let (ya, yb) = tch::no_grad(|| Ok::<_, anyhow::Error>((forward(&mut a)?, forward(&mut b)?)))?;
             let d = max_diff(&ya, &yb);
             if d > 0.0 {
@@ -481,17 +467,18 @@ impl Kit<'_> {
     // ---- target ----
 
     fn target(&self) -> Result<Vec<Clause>> {
-        let PluginInstance::Target(mut t) = self.create(PluginKind::Target, &self.section, &self.ctx)? else {
+        let PluginInstance::Target(t) = self.create(PluginKind::Target, &self.section, &self.ctx)? else {
             unreachable!()
         };
-        let spec = t.spec();
+        let mut t = TargetHandle::new(t, &self.section.plugin);
+        let spec = t.spec()?;
         let (n, h) = (spec.num_hidden_layers, spec.hidden_size as i64);
         let v = spec.vocab_size as i64;
         let ids = Tensor::from_slice(&[1i64, 5, 9, 2, 7, 3, 8, 4]).remainder(v).view([1, 8]);
         let layers = [0u32, n.saturating_sub(1)];
         let mut out = Vec::new();
         out.push(self.clause("features of the requested layers", || {
-            let both = ok(t.forward(&TensorHandle::new(ids.shallow_clone()), layers[..].into(), true), "forward")?;
+            let both = t.forward(&TensorHandle::new(ids.shallow_clone()), &layers, true)?;
             let hidden = both.hidden.tensor();
             if hidden.size() != [1, 8, 2 * h] {
                 bail!("features of 2 layers: {:?}, expected [1, 8, {}]", hidden.size(), 2 * h);
@@ -501,9 +488,7 @@ impl Kit<'_> {
                 bail!("logits {:?}, expected [1, 8, {v}]", logits.size());
             }
             for (i, &l) in layers.iter().enumerate() {
-                let one = ok(t.forward(&TensorHandle::new(ids.shallow_clone()), [l][..].into(), false), "forward")?
-                    .hidden
-                    .tensor();
+                let one = t.forward(&TensorHandle::new(ids.shallow_clone()), &[l], false)?.hidden.tensor();
                 let d = max_diff(&one, &hidden.narrow(-1, i as i64 * h, h));
                 if d > 1e-5 {
                     bail!("layer {l} asked alone differs from its slice of [{}, {}] by {d:e}", layers[0], layers[1]);
@@ -518,15 +503,15 @@ impl Kit<'_> {
             Ok(())
         }));
         out.push(self.clause("KV-cache extend / truncate equals recomputation", || {
-            let full = ok(t.forward(&TensorHandle::new(ids.shallow_clone()), layers[..].into(), true), "forward")?;
+            let full = t.forward(&TensorHandle::new(ids.shallow_clone()), &layers, true)?;
             let logits_of = |o: plugin_api::TargetOutput| o.logits.into_option().map(|l| l.tensor()).ok_or_else(|| anyhow!("no logits"));
             let (fh, fl) = (full.hidden.tensor(), logits_of(full)?);
-            t.cache_reset();
-            let a = ok(t.cache_extend(&TensorHandle::new(ids.narrow(1, 0, 5)), layers[..].into()), "cache_extend")?;
+            t.cache_reset()?;
+            let a = t.cache_extend(&TensorHandle::new(ids.narrow(1, 0, 5)), &layers)?;
             // Two positions that a truncate drops again, then the true continuation.
-            let _ = ok(t.cache_extend(&TensorHandle::new(ids.narrow(1, 6, 2)), layers[..].into()), "cache_extend")?;
-            ok(t.cache_truncate(5), "cache_truncate")?;
-            let b = ok(t.cache_extend(&TensorHandle::new(ids.narrow(1, 5, 3)), layers[..].into()), "cache_extend")?;
+            let _ = t.cache_extend(&TensorHandle::new(ids.narrow(1, 6, 2)), &layers)?;
+            t.cache_truncate(5)?;
+            let b = t.cache_extend(&TensorHandle::new(ids.narrow(1, 5, 3)), &layers)?;
             let hidden = Tensor::cat(&[a.hidden.tensor(), b.hidden.tensor()], 1);
             let logits = Tensor::cat(&[logits_of(a)?, logits_of(b)?], 1);
             let (dh, dl) = (max_diff(&hidden, &fh), max_diff(&logits, &fl));

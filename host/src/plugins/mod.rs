@@ -17,11 +17,11 @@
 
 pub mod builtins;
 pub mod check;
+pub mod handles;
 pub mod new;
-mod poison;
 mod probe;
 
-pub use poison::{Instance, Poison, PoisonFn};
+pub use handles::{DataHandle, DrafterHandle, OptimizerHandle, TargetHandle};
 pub use probe::probe;
 
 use crate::config::PluginSection;
@@ -67,7 +67,7 @@ enum Source {
     /// A probed library, loaded into this process the first time a plugin of it is created.
     Library {
         path: PathBuf,
-        module: OnceLock<(PluginModule_Ref, Poison)>,
+        module: OnceLock<PluginModule_Ref>,
     },
 }
 
@@ -77,23 +77,15 @@ impl Plugin {
         match &self.source {
             Source::Builtin(m) => Ok(*m),
             Source::Library { path, module } => {
-                if let Some((m, _)) = module.get() {
+                if let Some(m) = module.get() {
                     return Ok(*m);
                 }
                 let loaded = load_library(path, self.record.sha256.as_deref())?;
                 if loaded.record != self.record {
                     bail!("plugin {}: changed since it was checked (its metadata differs); run again", path.display());
                 }
-                Ok(module.get_or_init(|| (loaded.module, Poison::Library(loaded.poison))).0)
+                Ok(*module.get_or_init(|| loaded.module))
             }
-        }
-    }
-
-    /// How to ask this plugin about its instances' panics (a library not loaded yet has none).
-    pub fn poison(&self) -> Poison {
-        match &self.source {
-            Source::Builtin(_) => Poison::Builtin,
-            Source::Library { module, .. } => module.get().map_or(Poison::Library(None), |(_, p)| *p),
         }
     }
 }
@@ -172,11 +164,6 @@ impl Registry {
         let known: Vec<_> =
             self.plugins.iter().filter(|p| p.record.kind == kind_s).map(|p| p.record.name.clone()).collect();
         bail!("no {kind} plugin named `{name}` (available: {}; load others with --plugin PATH)", known.join(", "))
-    }
-
-    /// How to ask the plugin of `kind` named `name` about its instances' panics.
-    pub fn poison(&self, kind: PluginKind, name: &str) -> Poison {
-        self.find(kind, name).map_or(Poison::Library(None), Plugin::poison)
     }
 
     /// Create the plugin a config section names; the instance must be of the section's kind.
@@ -338,7 +325,6 @@ pub fn find_library(arg: &Path) -> Result<PathBuf> {
 pub struct Loaded {
     pub module: PluginModule_Ref,
     pub record: PluginRecord,
-    pub poison: Option<PoisonFn>,
 }
 
 /// Load and check a plugin shared library in this process (see the module doc for the checks):
@@ -368,7 +354,7 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
         bail!("plugin {shown}: its plugin header gives no plugin ABI version (`{theirs}`); not a dflash plugin built with plugin_api::declare_plugin!");
     }
     if abi_major(&theirs) != abi_major(ABI_VERSION) {
-        bail!("plugin {shown}: built for plugin ABI {theirs}, this host speaks ABI {ABI_VERSION} (major versions differ; rebuild the plugin against this plugin-api)");
+        bail!("plugin {shown}: built for plugin ABI {theirs}, this host speaks plugin ABI {ABI_VERSION}: rebuild the plugin against plugin-api {ABI_VERSION}");
     }
     let refused = |e: LibraryError| {
         match e {
@@ -393,10 +379,7 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
         bail!("plugin {shown}: built for `{build}`, this host is `{}`: tensors cannot cross between different libtorch builds", plugin_api::build_id());
     }
     let info = checked_info(module, &format!("plugin {shown}"))?;
-    let query = symbol.replacen("dflash_plugin_", "dflash_poison_", 1);
-    // SAFETY: declare_plugin! defines this symbol as a PoisonFn; older plugins lack it.
-    let poison = unsafe { raw.get::<PoisonFn>(format!("{query}\0").as_bytes()).ok().map(|f| *f) };
-    Ok(Loaded { record: record(&info, &theirs, path.display().to_string(), Some(sha)), module, poison })
+    Ok(Loaded { record: record(&info, &theirs, path.display().to_string(), Some(sha)), module })
 }
 
 /// `dlopen` exactly `bytes` (the ones hashed and checked), not the file again: a sealed in-memory

@@ -142,8 +142,7 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
     let config_dir = PathBuf::from(&then.config_dir);
     let cache = cache_dir();
     let components = build(&cfg, &parent_cfg, &config_dir, spec.registry)?;
-    components.check_poisoned()?;
-    let positions = components.drafter.block_size().saturating_sub(1) as usize;
+    let positions = components.drafter.block_size()?.saturating_sub(1) as usize;
     if state.window.positions() != positions {
         bail!(
             "cannot fork {} at step {at}: its checkpoint has statistics for {} block positions, the fork's drafter has \
@@ -152,7 +151,7 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
             state.window.positions()
         );
     }
-    let declared = checkpoint::declared_by(&components.drafter.parameters());
+    let declared = checkpoint::declared_by(&components.drafter.parameters()?);
     checkpoint::check_declared(&ckpt.weights_file(), &ckpt.weights, &declared)?;
 
     let manifest = Manifest {

@@ -54,7 +54,6 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
         crate::config::preflight::check_exp_dir(exp_dir)?; // before the target loads
     }
     let components = build(cfg, config_path, &config_dir, registry)?;
-    components.check_poisoned()?;
     let manifest = fresh_manifest(cfg, &config_dir, &cache, &components)?;
     let manifest =
         Manifest { ab: ab.map(|(name, _)| name.to_string()), arm: ab.map(|(_, arm)| arm.to_string()), ..manifest };
@@ -77,8 +76,8 @@ pub(super) fn fresh_manifest(
     cache: &Path,
     components: &Components,
 ) -> Result<Manifest> {
-    let spec = components.target.spec();
-    let gamma = crate::train::loss::resolve_gamma(cfg.train.loss_gamma, components.drafter.block_size() as usize);
+    let spec = components.target.spec()?;
+    let gamma = crate::train::loss::resolve_gamma(cfg.train.loss_gamma, components.drafter.block_size()? as usize);
     let resolved = toml::to_string(cfg)?;
     let target_source = PathBuf::from(spec.source.as_str());
     let known = |p: &Path| same_file(p, &target_source).then(|| spec.source_sha256.to_string());
@@ -136,9 +135,9 @@ pub(super) fn connect(
         tracing::info!("rank {}: served {calls} target calls of replica {}", env.rank, layout.index);
         return Ok(None);
     };
-    let Components { target, extra_targets, drafter, optimizer, data, records, names, dtype } = components;
+    let Components { target, extra_targets, drafter, optimizer, data, records, dtype } = components;
     let target = dist::replica::lead(target, &layout, store);
-    let components = Components { target, extra_targets, drafter, optimizer, data, records, names, dtype };
+    let components = Components { target, extra_targets, drafter, optimizer, data, records, dtype };
     Ok(Some((Some(Box::new(comm)), components)))
 }
 
@@ -340,7 +339,7 @@ pub fn resume_with(
     // the drafter's shape.
     let cfg = place_rank(&cfg)?;
     let components = build(&cfg, &cfg_path, &config_dir, registry)?;
-    let spec = components.target.spec();
+    let spec = components.target.spec()?;
     if spec.source_sha256.as_str() != manifest.target_sha256 {
         let field = manifest
             .inputs
@@ -357,7 +356,7 @@ pub fn resume_with(
         allowed.extend(manifest::refuse_drift(exp_dir, vec![drift], &opts.allow_change)?);
     }
     if let Some(s) = &state {
-        let positions = components.drafter.block_size().saturating_sub(1) as usize;
+        let positions = components.drafter.block_size()?.saturating_sub(1) as usize;
         if s.window.positions() != positions {
             bail!(
                 "cannot resume {}: its checkpoint has statistics for {} block positions, the drafter now has {positions} \
@@ -418,7 +417,7 @@ pub fn resume_with(
 /// What a resume starts from: the opened checkpoint, its weights checked against what the
 /// drafter declares.
 fn resume_from(c: checkpoint::Opened, state: TrainerState, components: &Components) -> Result<train::ResumeFrom> {
-    let declared = checkpoint::declared_by(&components.drafter.parameters());
+    let declared = checkpoint::declared_by(&components.drafter.parameters()?);
     checkpoint::check_declared(&c.weights_file(), &c.weights, &declared)?;
     Ok(train::ResumeFrom {
         state,

@@ -14,21 +14,24 @@ use super::{
     loss::{dflash_loss, LossInput, LossOut},
 };
 pub use crate::config::LossNormalization;
-use crate::dist::Communicator;
+use crate::{
+    dist::Communicator,
+    plugins::{DrafterHandle, TargetHandle},
+};
 use anyhow::Result;
 use kernels::autograd::to_device_async;
 use plugin_api::{
     abi_stable::std_types::RVec,
     tch::{self, Kind, Tensor},
-    DraftInput, DrafterBox, NamedTensor, TargetBox, TensorHandle,
+    DraftInput, NamedTensor, TensorHandle,
 };
 
 /// The drafter's trainable parameters: the named list the optimizer is initialised with, and
 /// handles sharing their storage for the step's gradient work.
-pub fn trainable_parameters(drafter: &DrafterBox) -> (RVec<NamedTensor>, Vec<Tensor>) {
-    let named = drafter.parameters();
+pub fn trainable_parameters(drafter: &DrafterHandle) -> Result<(RVec<NamedTensor>, Vec<Tensor>)> {
+    let named = drafter.parameters()?;
     let params = named.iter().map(|nt| nt.tensor.tensor()).collect();
-    (named, params)
+    Ok((named, params))
 }
 
 /// The drafter's side of one micro-batch (shared by training and `bench train`): anchors drawn,
@@ -50,33 +53,33 @@ impl DraftLoss {
     /// The loss for `drafter`'s blocks (its block size and mask token) through `target`'s frozen
     /// LM head and embedding, moved to the drafter's `device`.
     pub fn for_drafter(
-        drafter: &DrafterBox,
-        target: &TargetBox,
+        drafter: &DrafterHandle,
+        target: &TargetHandle,
         device: tch::Device,
         sampler: AnchorSampler,
         gamma: Option<f64>,
         normalization: LossNormalization,
-    ) -> Self {
-        DraftLoss {
-            lm_head: target.lm_head().into_tensor().to_device(device),
-            embedding: target.embedding().into_tensor().to_device(device),
+    ) -> Result<Self> {
+        Ok(DraftLoss {
+            lm_head: target.lm_head()?.to_device(device),
+            embedding: target.embedding()?.to_device(device),
             sampler,
-            block_size: drafter.block_size() as i64,
-            mask_token_id: drafter.mask_token_id() as i64,
+            block_size: drafter.block_size()? as i64,
+            mask_token_id: drafter.mask_token_id()? as i64,
             gamma,
             normalization,
-        }
+        })
     }
 
     /// `hidden` [B, S, n*H] target features of `input_ids`; `draw` numbers the anchor draw.
     pub fn compute(
         &self,
-        drafter: &mut DrafterBox,
+        drafter: &mut DrafterHandle,
         input_ids: &Tensor,
         loss_mask: &Tensor,
         hidden: &Tensor,
         draw: u64,
-    ) -> Result<Drafted, plugin_api::PluginError> {
+    ) -> Result<Drafted> {
         let anchors = self.sampler.sample(loss_mask, draw);
         self.compute_with(drafter, input_ids, loss_mask, hidden, anchors, self.reduction())
     }
@@ -85,13 +88,13 @@ impl DraftLoss {
     /// validation split: fixed anchors, sums over the whole split).
     pub fn compute_with(
         &self,
-        drafter: &mut DrafterBox,
+        drafter: &mut DrafterHandle,
         input_ids: &Tensor,
         loss_mask: &Tensor,
         hidden: &Tensor,
         anchors: Anchors,
         reduction: Reduction,
-    ) -> Result<Drafted, plugin_api::PluginError> {
+    ) -> Result<Drafted> {
         let device = self.embedding.device();
         let anchor_pos = to_device_async(&anchors.positions, device);
         let block_ids =
@@ -103,8 +106,8 @@ impl DraftLoss {
             anchors: TensorHandle::new(anchor_pos.shallow_clone()),
             anchor_valid: TensorHandle::new(to_device_async(&anchors.valid, device)),
         };
-        drafter.anchors_on_host(&TensorHandle::new(anchors.positions.shallow_clone())).into_result()?;
-        let block_hidden = drafter.forward(&input).into_result()?.into_tensor();
+        drafter.anchors_on_host(&TensorHandle::new(anchors.positions.shallow_clone()))?;
+        let block_hidden = drafter.forward(&input)?;
         // The loss's labels and masks from the host's copies: no wait for the GPU (loss.rs).
         let loss = dflash_loss(&LossInput {
             block_hidden: &block_hidden,
@@ -197,10 +200,10 @@ pub struct Drafted {
 impl Drafted {
     /// Gradients of `scale * loss` into the drafter's parameters: through the output's graph, or,
     /// when the drafter returned a leaf, by handing it the output's gradient (`Drafter::backward`).
-    pub fn backward(&self, drafter: &mut DrafterBox, scale: f64) -> Result<(), plugin_api::PluginError> {
+    pub fn backward(&self, drafter: &mut DrafterHandle, scale: f64) -> Result<()> {
         (&self.loss.loss * scale).backward();
         if self.output.is_leaf() && self.output.requires_grad() {
-            drafter.backward(&TensorHandle::new(self.output.grad())).into_result()?;
+            drafter.backward(&TensorHandle::new(self.output.grad()))?;
         }
         Ok(())
     }

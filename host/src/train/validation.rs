@@ -9,11 +9,11 @@ use super::{
     loss::{accuracy, tau_hat, Reduction},
     step::DraftLoss,
 };
-use crate::pipeline::components::Components;
-use anyhow::{bail, Result};
+use crate::{pipeline::components::Components, plugins::DrafterHandle};
+use anyhow::{bail, Context, Result};
 use plugin_api::{
     tch::{self, Device, Kind, Tensor},
-    DrafterBox, PluginKind, TensorHandle,
+    PluginKind, TensorHandle,
 };
 use std::time::Instant;
 
@@ -57,12 +57,11 @@ impl ValidationSet {
         eval_every: u64,
     ) -> Result<Self> {
         let started = Instant::now();
-        let got =
-            c.data.validation_batches().into_result().map_err(c.err(PluginKind::DataLoader, "validation_batches"))?;
+        let got = c.data.validation_batches()?;
         if got.is_empty() {
             bail!(
                 "field `train.eval_every` = {eval_every}: the data plugin `{}` gives no validation batches \
-                 (data_chat: set `validation` in [data]; a plugin built before ABI 1.6 has none)",
+                 (data_chat: set `validation` in [data])",
                 c.records.iter().find(|r| r.kind == PluginKind::DataLoader.as_str()).map_or("?", |r| r.name.as_str())
             );
         }
@@ -71,13 +70,8 @@ impl ValidationSet {
         let mut sequences = 0;
         for (j, b) in got.into_iter().enumerate() {
             let (input_ids, loss_mask) = (b.input_ids.into_tensor(), b.loss_mask.into_tensor());
-            let out =
-                c.target.forward(&TensorHandle::new(input_ids.shallow_clone()), layer_ids.into(), false).into_result();
-            let hidden = out
-                .map_err(c.err(PluginKind::Target, "forward (validation)"))?
-                .hidden
-                .into_tensor()
-                .to_device(Device::Cpu);
+            let out = c.target.forward(&TensorHandle::new(input_ids.shallow_clone()), layer_ids, false);
+            let hidden = out.context("the validation split")?.hidden.into_tensor().to_device(Device::Cpu);
             let anchors = sampler.sample(&loss_mask, j as u64);
             sequences += b.lengths.len();
             batches.push(ValidationBatch { input_ids, loss_mask, hidden, anchors });
@@ -97,11 +91,7 @@ impl ValidationSet {
 
     /// The drafter's loss, per-position accuracy and tau-hat over every validation label, without
     /// gradients (one wait for the device, at the end).
-    pub fn score(
-        &self,
-        draft: &DraftLoss,
-        drafter: &mut DrafterBox,
-    ) -> Result<ValidationScores, plugin_api::PluginError> {
+    pub fn score(&self, draft: &DraftLoss, drafter: &mut DrafterHandle) -> Result<ValidationScores> {
         let started = Instant::now();
         let _no_grad = tch::no_grad_guard();
         let device = draft.embedding.device();

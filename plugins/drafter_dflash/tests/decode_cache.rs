@@ -7,21 +7,29 @@ mod common;
 use drafter_dflash::{model::TrainMode, DFlashPlugin, DrafterSection};
 use plugin_api::{
     abi_stable::std_types::ROption,
+    author::Contained,
     tch::{self, Device, Kind, Tensor},
     DecodeInput, DraftInput, Drafter, TensorHandle,
 };
 
-fn drafter(extra: &str) -> DFlashPlugin {
+fn drafter(extra: &str) -> Contained<DFlashPlugin> {
     let section: DrafterSection = plugin_api::parse_section(&format!(
         "num_hidden_layers = 3\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 0\n{extra}"
     ))
     .unwrap();
     tch::manual_seed(7);
-    DFlashPlugin::new(&section.resolve(&common::tiny_target()).unwrap(), Device::Cpu, Kind::Float)
-        .with_mode(TrainMode::default())
+    Contained::new(
+        DFlashPlugin::new(&section.resolve(&common::tiny_target()).unwrap(), Device::Cpu, Kind::Float)
+            .with_mode(TrainMode::default()),
+    )
 }
 
-fn decode(d: &mut DFlashPlugin, new_context: &Tensor, context_start: u32, block: &Tensor) -> Result<Tensor, String> {
+fn decode(
+    d: &mut Contained<DFlashPlugin>,
+    new_context: &Tensor,
+    context_start: u32,
+    block: &Tensor,
+) -> Result<Tensor, String> {
     let input = DecodeInput {
         new_context: TensorHandle::new(new_context.shallow_clone()),
         context_start,

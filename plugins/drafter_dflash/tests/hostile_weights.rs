@@ -7,7 +7,7 @@ use drafter_dflash::{config::DFlashConfig, read_zlab, DFlashPlugin, DrafterSecti
 use plugin_api::{
     abi_stable::std_types::RVec,
     tch::{Device, Kind, Tensor},
-    Drafter, NamedTensor,
+    DrafterPlugin, NamedTensor,
 };
 
 fn tiny_config() -> DFlashConfig {
@@ -19,7 +19,7 @@ fn tiny_config() -> DFlashConfig {
 
 /// The drafter's own weights, as a checkpoint holds them.
 fn weights(d: &DFlashPlugin) -> Vec<(String, Tensor)> {
-    d.parameters().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.tensor().detach().copy())).collect()
+    d.parameters().into_iter().map(|(n, t)| (n, t.detach().copy())).collect()
 }
 
 fn load(d: &mut DFlashPlugin, w: Vec<(String, Tensor)>) -> Result<(), String> {

@@ -7,6 +7,7 @@ mod common;
 use drafter_dflash::{model::TrainMode, DFlashPlugin, DrafterSection};
 use kernels::block_attention::{query_ranges, KERNEL_TILE};
 use plugin_api::{
+    author::Contained,
     tch::{self, Device, Kind, Tensor},
     DraftInput, Drafter, TensorHandle,
 };
@@ -21,17 +22,19 @@ const SLIDING: &str =
 const SHORT_WINDOW: &str =
     "layer_types = [\"sliding_attention\", \"full_attention\", \"sliding_attention\"]\nsliding_window = 2";
 
-fn drafter(mode: TrainMode) -> DFlashPlugin {
+fn drafter(mode: TrainMode) -> Contained<DFlashPlugin> {
     drafter_with(mode, "")
 }
 
-fn drafter_with(mode: TrainMode, extra: &str) -> DFlashPlugin {
+fn drafter_with(mode: TrainMode, extra: &str) -> Contained<DFlashPlugin> {
     let section: DrafterSection = plugin_api::parse_section(&format!(
         "num_hidden_layers = 3\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 0\n{extra}"
     ))
     .unwrap();
     tch::manual_seed(7);
-    DFlashPlugin::new(&section.resolve(&common::tiny_target()).unwrap(), Device::Cpu, Kind::Float).with_mode(mode)
+    Contained::new(
+        DFlashPlugin::new(&section.resolve(&common::tiny_target()).unwrap(), Device::Cpu, Kind::Float).with_mode(mode),
+    )
 }
 
 fn input() -> DraftInput {
@@ -46,14 +49,14 @@ fn input() -> DraftInput {
 }
 
 /// Parameter gradients of `sum(out * w)` (w fixed), as the host runs a step.
-fn grads(d: &mut DFlashPlugin) -> Vec<(String, Tensor)> {
+fn grads(d: &mut Contained<DFlashPlugin>) -> Vec<(String, Tensor)> {
     let out = d.forward(&input()).unwrap().tensor();
     let w = Tensor::randn(out.size(), (Kind::Float, Device::Cpu));
     (&out * &w).sum(Kind::Float).backward();
     if out.is_leaf() && out.requires_grad() {
         d.backward(&TensorHandle::new(out.grad())).unwrap();
     }
-    d.parameters().into_iter().map(|p| (p.name.to_string(), p.tensor.tensor().grad().copy())).collect()
+    d.parameters().unwrap().into_iter().map(|p| (p.name.to_string(), p.tensor.tensor().grad().copy())).collect()
 }
 
 #[test]
@@ -131,7 +134,7 @@ fn split_attention_in_runs_of_blocks_gives_autograds_gradients() {
             anchor_valid: TensorHandle::new(Tensor::ones([2, a], (Kind::Bool, Device::Cpu))),
         }
     };
-    let grads = |d: &mut DFlashPlugin, host: bool| {
+    let grads = |d: &mut Contained<DFlashPlugin>, host: bool| {
         if host {
             d.anchors_on_host(&TensorHandle::new(anchors.copy())).unwrap();
         }
@@ -141,7 +144,11 @@ fn split_attention_in_runs_of_blocks_gives_autograds_gradients() {
         if out.is_leaf() {
             d.backward(&TensorHandle::new(out.grad())).unwrap();
         }
-        d.parameters().into_iter().map(|p| (p.name.to_string(), p.tensor.tensor().grad().copy())).collect::<Vec<_>>()
+        d.parameters()
+            .unwrap()
+            .into_iter()
+            .map(|p| (p.name.to_string(), p.tensor.tensor().grad().copy()))
+            .collect::<Vec<_>>()
     };
     for extra in ["", window] {
         let plain = grads(&mut drafter_with(TrainMode::default(), extra), false);

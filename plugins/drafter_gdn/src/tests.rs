@@ -1,14 +1,20 @@
 //! The drafter as a whole: DFlash's visibility rule, weights in and out, the plugin trait
 //! object, Muon's routing of the GDN parameters, and the default config with one line changed.
 
-use crate::{config::LayerType, DrafterSection, DrafterShell, GdnConfig, GdnPlugin};
+use crate::{config::LayerType, DrafterSection, GdnConfig, GdnPlugin};
 use optim_muon::config::{Group, MuonConfig};
 use plugin_api::{
     abi_stable::std_types::RSome,
+    author::Contained,
     tch::{Device, Kind, Tensor},
     DraftInput, Drafter, HostContext, PluginInstance, TargetSpec, TensorHandle,
 };
 use test_support::TinySpec;
+
+/// The plugin as the host holds it (the ABI's methods, panics contained).
+fn contained(cfg: &GdnConfig, device: Device, kind: Kind) -> Contained<GdnPlugin> {
+    Contained::new(GdnPlugin::new(cfg, device, kind))
+}
 
 fn tiny_config(section: &str) -> GdnConfig {
     let s: DrafterSection = plugin_api::parse_section(section).unwrap();
@@ -20,7 +26,7 @@ fn hybrid() -> GdnConfig {
     tiny_config("layer_types = [\"gdn\", \"attention\", \"gdn\"]\nblock_size = 4\nnum_target_features = 2\nmask_token_id = 63\nchunk_size = 4")
 }
 
-fn forward(d: &mut GdnPlugin, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor) -> Tensor {
+fn forward(d: &mut Contained<GdnPlugin>, target_hidden: &Tensor, block_embeds: &Tensor, anchors: &Tensor) -> Tensor {
     let input = DraftInput {
         target_hidden: TensorHandle::new(target_hidden.shallow_clone()),
         block_embeds: TensorHandle::new(block_embeds.shallow_clone()),
@@ -36,7 +42,7 @@ fn forward(d: &mut GdnPlugin, target_hidden: &Tensor, block_embeds: &Tensor, anc
 fn blocks_see_only_context_before_their_anchor_and_themselves() {
     tch::manual_seed(0);
     let cfg = hybrid();
-    let mut d = GdnPlugin::new(&cfg, Device::Cpu, Kind::Float);
+    let mut d = contained(&cfg, Device::Cpu, Kind::Float);
     let (b, s, bk) = (2, 19, 4);
     let anchors = Tensor::from_slice(&[0i64, 4, 9, 13, 3, 8, 12, 19]).view([b, 4]);
     let a = anchors.size()[1];
@@ -97,16 +103,16 @@ fn blocks_see_only_context_before_their_anchor_and_themselves() {
 fn weights_round_trip() {
     let cfg = tiny_config("block_size = 4\nnum_target_features = 2\nmask_token_id = 63");
     tch::manual_seed(1);
-    let mut a = GdnPlugin::new(&cfg, Device::Cpu, Kind::Float);
+    let mut a = contained(&cfg, Device::Cpu, Kind::Float);
     tch::manual_seed(2);
-    let mut b = GdnPlugin::new(&cfg, Device::Cpu, Kind::Float);
+    let mut b = contained(&cfg, Device::Cpu, Kind::Float);
     let th = Tensor::randn([1, 9, 64], (Kind::Float, Device::Cpu));
     let be = Tensor::randn([1, 8, 32], (Kind::Float, Device::Cpu));
     let anchors = Tensor::from_slice(&[2i64, 6]).view([1, 2]);
     let want = forward(&mut a, &th, &be, &anchors);
     assert!((forward(&mut b, &th, &be, &anchors) - &want).abs().max().double_value(&[]) > 1e-3);
 
-    let params = a.parameters();
+    let params = a.parameters().unwrap();
     let names: Vec<String> = params.iter().map(|p| p.name.to_string()).collect();
     for expected in [
         "fc.weight",
@@ -145,14 +151,14 @@ fn weights_round_trip() {
             .map(|p| plugin_api::NamedTensor::new(p.name.to_string(), p.tensor.tensor().copy()))
             .collect::<Vec<_>>()
     };
-    b.load(copies().into()).unwrap();
+    b.load_weights(copies().into()).unwrap();
     let err = (forward(&mut b, &th, &be, &anchors) - &want).abs().max().double_value(&[]);
     assert_eq!(err, 0.0);
 
     // Missing, misshapen and unknown tensors are named.
     let mut missing = copies();
     missing.retain(|p| p.name.as_str() != "layers.0.linear_attn.A_log");
-    let e = b.load(missing.into()).unwrap_err().to_string();
+    let e = b.load_weights(missing.into()).unwrap_err().to_string();
     assert!(e.contains("missing tensor `layers.0.linear_attn.A_log`"), "{e}");
     let mut misshapen = copies();
     let i = misshapen.iter().position(|p| p.name.as_str() == "layers.0.linear_attn.conv1d.weight").unwrap();
@@ -160,14 +166,14 @@ fn weights_round_trip() {
         "layers.0.linear_attn.conv1d.weight",
         Tensor::zeros([96, 4], (Kind::Float, Device::Cpu)),
     );
-    let e = b.load(misshapen.into()).unwrap_err().to_string();
+    let e = b.load_weights(misshapen.into()).unwrap_err().to_string();
     assert!(e.contains("`layers.0.linear_attn.conv1d.weight` has shape [96, 4]"), "{e}");
     let mut extra = copies();
     extra.push(plugin_api::NamedTensor::new(
         "layers.9.linear_attn.A_log",
         Tensor::zeros([4], (Kind::Float, Device::Cpu)),
     ));
-    let e = b.load(extra.into()).unwrap_err().to_string();
+    let e = b.load_weights(extra.into()).unwrap_err().to_string();
     assert!(e.contains("unexpected tensor `layers.9.linear_attn.A_log`"), "{e}");
 }
 
@@ -182,9 +188,9 @@ fn forward_and_backward_through_the_plugin_trait_object() {
     let section = "num_hidden_layers = 5\nblock_size = 4\nnum_target_features = 3\nmask_token_id = 63";
     let created = module.create()(section.into(), &ctx).into_result().unwrap();
     let PluginInstance::Drafter(mut d) = created else { panic!("not a drafter") };
-    assert_eq!(d.target_layer_ids().into_vec(), vec![1, 3, 5]);
-    assert_eq!((d.block_size(), d.mask_token_id()), (4, 63));
-    let json: serde_json::Value = serde_json::from_str(d.config_json().as_str()).unwrap();
+    assert_eq!(d.target_layer_ids().unwrap().into_vec(), vec![1, 3, 5]);
+    assert_eq!((d.block_size().unwrap(), d.mask_token_id().unwrap()), (4, 63));
+    let json: serde_json::Value = serde_json::from_str(d.config_json().unwrap().as_str()).unwrap();
     assert_eq!(json["architectures"][0], "DFlashGdnDraftModel");
     assert_eq!(
         json["layer_types"],
@@ -208,7 +214,7 @@ fn forward_and_backward_through_the_plugin_trait_object() {
     assert_eq!(out.size(), vec![b, a * bk, 32]);
     assert_eq!(out.isfinite().all().int64_value(&[]), 1);
     out.square().sum(Kind::Float).backward();
-    for p in d.parameters().iter() {
+    for p in d.parameters().unwrap().iter() {
         let g = p.tensor.tensor().grad();
         assert!(g.defined(), "`{}` got no gradient", p.name);
         assert!(g.abs().sum(Kind::Float).double_value(&[]) > 0.0, "`{}` got a zero gradient", p.name);
@@ -229,12 +235,12 @@ fn forward_and_backward_through_the_plugin_trait_object() {
 fn init_from_reads_an_exported_folder() {
     let cfg = hybrid();
     tch::manual_seed(3);
-    let mut original = GdnPlugin::new(&cfg, Device::Cpu, Kind::Float);
+    let mut original = contained(&cfg, Device::Cpu, Kind::Float);
     let dir = std::env::temp_dir().join(format!("drafter_gdn_init_from_{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("config.json"), original.config_json().as_str()).unwrap();
+    std::fs::write(dir.join("config.json"), original.config_json().unwrap().as_str()).unwrap();
     let weights: Vec<(String, Tensor)> =
-        original.parameters().iter().map(|p| (p.name.to_string(), p.tensor.tensor().detach())).collect();
+        original.parameters().unwrap().iter().map(|p| (p.name.to_string(), p.tensor.tensor().detach())).collect();
     Tensor::write_safetensors(&weights, dir.join("model.safetensors")).unwrap();
 
     let mut ctx = HostContext::cpu();
@@ -243,7 +249,7 @@ fn init_from_reads_an_exported_folder() {
     let section = format!("num_hidden_layers = 1\ninit_from = \"{}\"", dir.display());
     let created = crate::plugin_module().create()(section.as_str().into(), &ctx).into_result();
     let PluginInstance::Drafter(mut d) = created.unwrap() else { panic!("not a drafter") };
-    let json: serde_json::Value = serde_json::from_str(d.config_json().as_str()).unwrap();
+    let json: serde_json::Value = serde_json::from_str(d.config_json().unwrap().as_str()).unwrap();
     assert_eq!(json["num_hidden_layers"], 3, "the folder's config, not the section's");
     let th = Tensor::randn([1, 10, 64], (Kind::Float, Device::Cpu));
     let be = Tensor::randn([1, 8, 32], (Kind::Float, Device::Cpu));
@@ -266,10 +272,11 @@ fn init_from_reads_an_exported_folder() {
 fn bf16_forward_is_close_to_fp32() {
     let cfg = hybrid();
     tch::manual_seed(4);
-    let mut f = GdnPlugin::new(&cfg, Device::Cpu, Kind::Float);
-    let mut h = GdnPlugin::new(&cfg, Device::Cpu, Kind::BFloat16);
-    h.load(
+    let mut f = contained(&cfg, Device::Cpu, Kind::Float);
+    let mut h = contained(&cfg, Device::Cpu, Kind::BFloat16);
+    h.load_weights(
         f.parameters()
+            .unwrap()
             .iter()
             .map(|p| plugin_api::NamedTensor::new(p.name.to_string(), p.tensor.tensor().copy()))
             .collect::<Vec<_>>()
@@ -293,14 +300,14 @@ fn bf16_forward_is_close_to_fp32() {
 #[test]
 fn muon_routes_gdn_parameters() {
     let cfg = tiny_config("mask_token_id = 63"); // 5 layers: 4 GDN, 1 attention
-    let d = GdnPlugin::new(&cfg, Device::Cpu, Kind::Float);
+    let d = contained(&cfg, Device::Cpu, Kind::Float);
     let named = MuonConfig::from_toml(
         "adamw_patterns = [\"*embed*\", \"*lm_head*\", \"*conv1d.weight\"]\nno_decay_patterns = [\"*A_log\", \"*dt_bias\"]",
     )
     .unwrap();
     let (mut muon, mut seen_conv, mut seen_gates) = (0, 0, 0);
     for rules in [MuonConfig::default(), named] {
-        for p in d.parameters().iter() {
+        for p in d.parameters().unwrap().iter() {
             let (name, shape) = (p.name.as_str(), p.tensor.tensor().size());
             let want = if name.ends_with(".A_log") || name.ends_with(".dt_bias") {
                 seen_gates += 1;
@@ -359,9 +366,9 @@ fn a_zero_mlp_width_is_refused() {
 fn parameter_shapes_are_the_built_drafters() {
     let cfg = hybrid();
     cfg.check_saved().unwrap();
-    let d = GdnPlugin::new(&cfg, Device::Cpu, Kind::Float);
+    let d = contained(&cfg, Device::Cpu, Kind::Float);
     let mut built: Vec<(String, Vec<i64>)> =
-        d.parameters().iter().map(|p| (p.name.to_string(), p.tensor.tensor().size())).collect();
+        d.parameters().unwrap().iter().map(|p| (p.name.to_string(), p.tensor.tensor().size())).collect();
     let mut said = cfg.parameter_shapes();
     built.sort();
     said.sort();

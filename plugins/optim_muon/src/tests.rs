@@ -7,6 +7,7 @@ use plugin_api::{
         sabi_trait::TD_Opaque,
         std_types::{RResult, RVec},
     },
+    author::Contained,
     tch::{self, Device},
     NamedTensor, Optimizer,
 };
@@ -48,8 +49,8 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
 
-fn new_opt(text: &str, ps: &[(String, Tensor)]) -> Muon {
-    let mut opt = Muon::new(cfg(text));
+fn new_opt(text: &str, ps: &[(String, Tensor)]) -> Contained<Muon> {
+    let mut opt = Contained::new(Muon::new(cfg(text)));
     opt.init(named(ps)).unwrap();
     opt
 }
@@ -156,7 +157,7 @@ fn split_parts_are_orthogonalised_separately() {
 fn split_errors_name_rule_and_parameter() {
     let ps = params(&[("a.qkv.weight", &[12, 5]), ("a.norm.weight", &[5])], 3);
     let err = |text: &str| {
-        let mut opt = Muon::new(cfg(text));
+        let mut opt = Contained::new(Muon::new(cfg(text)));
         opt.init(named(&ps)).into_result().unwrap_err().to_string()
     };
     let e = err("split = [{ pattern = \"*qkv.weight\", parts = [6, 3, 2] }]");
@@ -174,7 +175,7 @@ fn lr_scale_applies_to_both_groups() {
     let ps2 = deep_copy(&ps1);
     let mut o1 = new_opt("lr = 0.02\nns_dtype = \"f32\"\nadamw = { lr = 4e-3 }", &ps1);
     let mut o2 = new_opt("lr = 0.005\nns_dtype = \"f32\"\nadamw = { lr = 1e-3 }", &ps2);
-    assert_eq!(o1.base_lr(), 0.02);
+    assert_eq!(o1.base_lr().unwrap(), 0.02);
     for _ in 0..3 {
         let grads = random_grads(&ps1);
         set_grads(&ps1, &grads);
@@ -198,7 +199,7 @@ fn state_round_trip_continues_identically() {
         set_grads(&ps, &random_grads(&ps));
         a.step(1.0).unwrap();
     }
-    let state = a.state();
+    let state = a.state().unwrap();
     let names: Vec<String> = state.iter().map(|nt| nt.name.to_string()).collect();
     assert!(names.contains(&"step".to_string()));
     assert!(names.contains(&"layers.0.self_attn.q_proj.weight.momentum_buffer".to_string()));
@@ -220,8 +221,8 @@ fn state_round_trip_continues_identically() {
         assert!(x.equal(y), "{n}: max diff {:e}", max_diff(x, y));
     }
     let sa: HashMap<String, Tensor> =
-        a.state().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor())).collect();
-    for nt in b.state() {
+        a.state().unwrap().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor())).collect();
+    for nt in b.state().unwrap() {
         assert!(nt.tensor.tensor().equal(&sa[nt.name.as_str()]), "state {}", nt.name);
     }
     assert_eq!(sa["step"].int64_value(&[]), 6);
@@ -231,7 +232,7 @@ fn state_round_trip_continues_identically() {
 fn load_state_names_every_mismatch_and_changes_nothing() {
     let ps = params(SHAPES, 6);
     let mut opt = new_opt("", &ps);
-    let good: Vec<NamedTensor> = opt.state().into_iter().collect();
+    let good: Vec<NamedTensor> = opt.state().unwrap().into_iter().collect();
     let mut bad: Vec<NamedTensor> = good
         .iter()
         .filter(|nt| nt.name.as_str() != "layers.0.mlp.down_proj.weight.momentum_buffer")
@@ -252,7 +253,7 @@ fn load_state_names_every_mismatch_and_changes_nothing() {
     let e =
         opt.load_state(good.into_iter().filter(|nt| nt.name.as_str() != "step").collect()).into_result().unwrap_err();
     assert!(e.to_string().contains("missing `step`"), "{e}");
-    for nt in opt.state() {
+    for nt in opt.state().unwrap() {
         assert_eq!(nt.tensor.tensor().abs().sum(Kind::Double).double_value(&[]), 0.0, "{}", nt.name);
     }
 }
@@ -272,7 +273,7 @@ fn bf16_parameters_keep_fp32_masters() {
     );
     opt.step(1.0).unwrap();
     let state: HashMap<String, Tensor> =
-        opt.state().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor())).collect();
+        opt.state().unwrap().into_iter().map(|nt| (nt.name.to_string(), nt.tensor.into_tensor())).collect();
     for (name, p) in &ps {
         let master = &state[&format!("{name}.master")];
         assert_eq!(master.kind(), Kind::Float);
@@ -300,7 +301,7 @@ fn plugin_info_and_create() {
     assert_eq!(info().kind, PluginKind::Optimizer);
     let ctx = HostContext::cpu();
     let Ok(PluginInstance::Optimizer(opt)) = create("lr = 0.05", &ctx) else { panic!("not an optimizer") };
-    assert_eq!(opt.base_lr(), 0.05);
+    assert_eq!(opt.base_lr().unwrap(), 0.05);
     let Err(e) = create("momentum = 2.0", &ctx) else { panic!("bad config accepted") };
     assert!(e.to_string().contains("field `momentum`"), "{e}");
 }
@@ -321,7 +322,7 @@ fn higher_rank_matrices_are_flattened() {
     assert!(got.allclose(&want, 1e-4, 1e-5, false), "max diff {:e}", max_diff(&got, &want));
 
     let permuted = Tensor::randn([5, 3, 4], F32).permute([2, 1, 0]).set_requires_grad(true);
-    let mut opt = Muon::new(cfg(""));
+    let mut opt = Contained::new(Muon::new(cfg("")));
     let e = opt.init(vec![NamedTensor::new("v", permuted)].into()).into_result().unwrap_err().to_string();
     assert!(e.contains("parameter `v`") && e.contains("[4, 15]"), "{e}");
 }
@@ -373,7 +374,7 @@ fn distributed_muon_equals_one_process() {
     shapes.push(("layers.0.mlp.up_proj.weight", &[16, 6]));
     let ps = params(&shapes, 4);
     let grads: Vec<Vec<Tensor>> = (0..3).map(|_| random_grads(&ps)).collect();
-    fn run(ps: &[(String, Tensor)], opt: &mut Muon, grads: &[Vec<Tensor>]) {
+    fn run(ps: &[(String, Tensor)], opt: &mut Contained<Muon>, grads: &[Vec<Tensor>]) {
         for g in grads {
             set_grads(ps, g);
             opt.step(1.0).unwrap();
@@ -399,8 +400,9 @@ fn distributed_muon_equals_one_process() {
                     s.spawn(move || {
                         let sent = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
                         let k = ThreadCollectives { rank, world, slots, sent: sent.clone() };
-                        let mut opt =
-                            Muon::new(cfg(text)).with_collectives(plugin_api::Collectives_TO::from_value(k, TD_Opaque));
+                        let mut opt = Contained::new(
+                            Muon::new(cfg(text)).with_collectives(plugin_api::Collectives_TO::from_value(k, TD_Opaque)),
+                        );
                         opt.init(named(&mine)).unwrap();
                         run(&mine, &mut opt, &grads);
                         let first = sent.lock().unwrap()[0];

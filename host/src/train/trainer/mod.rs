@@ -19,22 +19,23 @@ use crate::{
     experiment::Experiment,
     pipeline::{
         capture::CaptureReader,
-        components::{Components, PluginNames},
+        components::Components,
         distill,
         hidden_cache::HiddenStateCache,
         stages::{feature_bytes_per_token, next_batch, target_workers, HostBatch, Micro},
         Feed, Job, PipelineOptions, Worker,
     },
+    plugins::{DrafterHandle, OptimizerHandle},
     progress::{elapsed_eta, Pace},
     sysinfo::{peak_rss_mb, GpuMonitor},
     tensorboard,
 };
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use observers::{MetricsFile, Observer, Progress, StepValues, TensorBoard};
 use plugin_api::{
     tch::{Device, Kind, Tensor},
-    DataPosition, DrafterBox, OptimizerBox, PluginKind,
+    DataPosition,
 };
 use std::{path::Path, sync::Arc, time::Instant};
 
@@ -64,11 +65,10 @@ pub fn train(
     let t = &cfg.train;
     let mut comm = opts.comm;
     let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank() as u64, c.world() as u64));
-    let names = c.names.clone();
     // 1. Data, unless features come from a capture.
     let mut distilled = None;
     let capture = match &cfg.pipeline.capture {
-        Some(dir) => Some(CaptureReader::open(Path::new(dir), &c.target.spec())?),
+        Some(dir) => Some(CaptureReader::open(Path::new(dir), &c.target.spec()?)?),
         None => {
             distilled = distill::prepare_data(&mut c, cache_dir)?;
             None
@@ -77,7 +77,7 @@ pub fn train(
 
     // 2. Shared frozen parts and the drafter's needs.
     let drafter_device = crate::config::parse_device(cfg.drafter_device())?;
-    let layer_ids: Vec<u32> = c.drafter.target_layer_ids().into_vec();
+    let layer_ids: Vec<u32> = c.drafter.target_layer_ids()?;
     if let Some(cap) = &capture {
         cap.check_layers(&layer_ids)?;
     }
@@ -86,11 +86,11 @@ pub fn train(
         &c.target,
         drafter_device,
         AnchorSampler { per_seq: t.anchors_per_seq, seed: cfg.seed, rule: t.anchors },
-        resolve_gamma(t.loss_gamma, c.drafter.block_size() as usize),
+        resolve_gamma(t.loss_gamma, c.drafter.block_size()? as usize),
         t.loss_normalization,
-    );
+    )?;
     let (block_size, mask_token_id, gamma) = (draft.block_size, draft.mask_token_id, draft.gamma);
-    let (named, params) = trainable_parameters(&c.drafter);
+    let (named, params) = trainable_parameters(&c.drafter)?;
     let n_params: i64 = params.iter().map(|p| p.numel() as i64).sum();
     tracing::info!(
         "drafter: {:.1}M trainable parameters, block {block_size}, target layers {layer_ids:?}, mask token {mask_token_id}, gamma {}, \
@@ -103,20 +103,15 @@ pub fn train(
     // Replicas: every rank starts from rank 0's weights; the optimizer may split its work.
     if let Some(comm) = comm.as_deref_mut() {
         comm.broadcast(&params, 0)?;
-        c.optimizer
-            .set_collectives(comm.collectives())
-            .into_result()
-            .map_err(names.err(PluginKind::Optimizer, "set_collectives"))?;
+        c.optimizer.set_collectives(comm.collectives())?;
     }
-    c.optimizer.init(named).into_result().map_err(names.err(PluginKind::Optimizer, "init"))?;
+    c.optimizer.init(named)?;
     // The validation split's target features, once, before the target moves to its worker.
     // Every rank scores it alike (same weights, same batches); rank 0 writes the scores.
     let validation = match t.eval_every {
         0 => None,
         n => Some(ValidationSet::prepare(&mut c, &layer_ids, &draft.sampler, n)?),
     };
-    // Before anything above is trained with: a panicked value method gave a placeholder.
-    c.check_poisoned()?;
 
     // 3. Resume: weights, optimizer state, counters, data position.
     let mut state = TrainerState {
@@ -135,20 +130,14 @@ pub fn train(
     };
     let mut last_ckpt = None;
     if let Some(r) = opts.resume {
-        c.drafter
-            .load_weights(r.weights.into())
-            .into_result()
-            .map_err(names.err(PluginKind::Drafter, "load_weights"))?;
+        c.drafter.load_weights(r.weights.into())?;
         // No saved state: a fork that starts its optimizer afresh.
         if !r.optimizer_state.is_empty() {
-            c.optimizer
-                .load_state(r.optimizer_state.into())
-                .into_result()
-                .map_err(names.err(PluginKind::Optimizer, "load_state"))?;
+            c.optimizer.load_state(r.optimizer_state.into())?;
         }
         if capture.is_none() {
             let pos = DataPosition { epoch: r.state.data_epoch, index: r.state.data_index };
-            c.data.seek(pos).into_result().map_err(names.err(PluginKind::DataLoader, "seek"))?;
+            c.data.seek(pos)?;
         }
         tracing::info!("resuming from {} (step {}, {} target tokens)", r.checkpoint, r.state.step, r.state.tokens);
         state = r.state;
@@ -160,7 +149,7 @@ pub fn train(
 
     // 4. The stages: producer (data or capture index), target workers, the drafter here.
     let total_micro = (t.steps - state.step) * t.grad_accum;
-    let spec = c.target.spec();
+    let spec = c.target.spec()?;
     let feature_bytes_per_token = feature_bytes_per_token(cfg, layer_ids.len(), spec.hidden_size);
     let cache = HiddenStateCache::new(t.hidden_cache_mb << 20, feature_bytes_per_token);
     let cache_p = Arc::clone(&cache);
@@ -171,7 +160,6 @@ pub fn train(
     let (data, target, extra) = (&mut c.data, &mut c.target, &mut c.extra_targets);
     let first_draw = state.micro_batches;
     let mut produced = 0u64;
-    let names_p = names.clone();
     let capture_ref = capture.as_ref();
     // With R replicas, each reads every batch and keeps its share: batch `rank` of each group of R,
     // tagged with the position after the whole group (where every rank resumes).
@@ -185,7 +173,7 @@ pub fn train(
             None => {
                 let mut mine = None;
                 for r in 0..world {
-                    let b = next_batch(data, &names_p)?;
+                    let b = next_batch(data)?;
                     if r == rank {
                         mine = Some(b);
                     } else if let Some(m) = mine.as_mut() {
@@ -205,7 +193,7 @@ pub fn train(
     };
     let workers: Vec<Worker<HostBatch, Micro>> = match capture_ref {
         Some(cap) => vec![cap.worker(drafter_device)],
-        None => target_workers(target, extra, &devices, &layer_ids, &cache, drafter_device, &names),
+        None => target_workers(target, extra, &devices, &layer_ids, &cache, drafter_device),
     };
     tracing::info!(
         "pipeline: {n_workers} target worker(s) on {:?}, drafter on {}, buffer {} MiB, {}",
@@ -238,7 +226,6 @@ pub fn train(
         comm,
         world,
         lead,
-        names,
         feature_bytes_per_token,
         from_capture: capture.is_some(),
         stop: StopSignal::install()?,
@@ -297,8 +284,8 @@ fn progress_bar(steps: u64, at: u64, lead: bool) -> ProgressBar {
 /// checkpointing, until the schedule ends or a signal or `--stop-at` stops it.
 struct Trainer<'a> {
     cfg: &'a RunConfig,
-    drafter: &'a mut DrafterBox,
-    optimizer: &'a mut OptimizerBox,
+    drafter: &'a mut DrafterHandle,
+    optimizer: &'a mut OptimizerHandle,
     /// The drafter's trainable parameters (handles sharing its storage).
     params: Vec<Tensor>,
     draft: DraftLoss,
@@ -315,7 +302,6 @@ struct Trainer<'a> {
     /// Replicas in the run; rank 0 (the lead) writes metrics and checkpoints.
     world: u64,
     lead: bool,
-    names: PluginNames,
     device: Device,
     feature_bytes_per_token: usize,
     from_capture: bool,
@@ -381,8 +367,6 @@ impl<'a> Trainer<'a> {
             if stop_at == Some(step) && step < t.steps {
                 self.stopped_at = Some(step);
             }
-            self.names.check(PluginKind::Drafter, &*self.drafter)?;
-            self.names.check(PluginKind::Optimizer, &*self.optimizer)?;
             self.maybe_checkpoint(step)?;
             self.pace.record(step_started.elapsed().as_secs_f64() - (self.val_total_s - val_before));
             let timing = self.timing(step);
@@ -411,10 +395,7 @@ impl<'a> Trainer<'a> {
         let Some(set) = self.validation.as_ref().filter(|_| step % t.eval_every == 0 || step == t.steps) else {
             return Ok(None);
         };
-        let scores = set
-            .score(&self.draft, self.drafter)
-            .map_err(self.names.err(PluginKind::Drafter, "forward (validation)"))?;
-        self.names.check(PluginKind::Drafter, &*self.drafter)?;
+        let scores = set.score(&self.draft, self.drafter).context("validation")?;
         self.times.val_s += scores.seconds;
         self.val_total_s += scores.seconds;
         self.val_count += 1;
@@ -461,12 +442,9 @@ impl<'a> Trainer<'a> {
     fn micro_step(&mut self, m: &Micro, acc: &mut StepAccum) -> Result<()> {
         let t1 = Instant::now();
         self.hs_total_bytes += (m.input_ids.numel() * self.feature_bytes_per_token) as u64;
-        let d = self
-            .draft
-            .compute(self.drafter, &m.input_ids, &m.loss_mask, &m.hidden, m.index)
-            .map_err(self.names.err(PluginKind::Drafter, "forward"))?;
+        let d = self.draft.compute(self.drafter, &m.input_ids, &m.loss_mask, &m.hidden, m.index)?;
         let scale = self.draft.backward_scale(self.cfg.train.grad_accum);
-        d.backward(self.drafter, scale).map_err(self.names.err(PluginKind::Drafter, "backward"))?;
+        d.backward(self.drafter, scale)?;
         acc.loss_sum += d.loss.loss.detach();
         acc.weight_sum += &d.loss.weight_sum;
         acc.counts += &d.loss.counts;
@@ -537,13 +515,14 @@ impl<'a> Trainer<'a> {
             // The window's loss is the mean of its steps' losses (each step weighs its micro-batches).
             state.window.loss_sum += step_loss * micro as f64;
             let scale = lr_factor(step, t.steps, t.warmup_frac, t.min_lr_frac, state.fork.as_ref());
-            self.optimizer.step(scale).into_result().map_err(self.names.err(PluginKind::Optimizer, "step"))?;
+            self.optimizer.step(scale)?;
         } else {
             state.skipped_steps += 1;
             state.window.skipped_micro += micro;
         }
         state.nonfinite_in_a_row = self.guard.consecutive;
-        let lr = lr_factor(step, t.steps, t.warmup_frac, t.min_lr_frac, state.fork.as_ref()) * self.optimizer.base_lr();
+        let lr =
+            lr_factor(step, t.steps, t.warmup_frac, t.min_lr_frac, state.fork.as_ref()) * self.optimizer.base_lr()?;
         let values = StepValues { loss: step_loss, lr, grad_norm };
         for o in &mut self.observers {
             o.step(step, &values)?;
