@@ -221,3 +221,59 @@ fn a_target_replica_over_two_ranks_trains_as_one_rank_does() {
         assert!((l1 - l2).abs() <= 1e-4 * l1.abs().max(1e-3), "loss {l1} (one rank) vs {l2} (two-rank replica)");
     }
 }
+
+/// The replica's second rank is killed mid-run (SIGKILL; no feature cache, so every step runs the
+/// target): its lead stops within seconds with an error naming the rank that is gone.
+#[test]
+fn a_replica_rank_killed_mid_run_stops_its_lead_naming_it() {
+    common::require_model();
+    let root = tempfile::tempdir().unwrap();
+    let target = root.path().join("qwen3_5");
+    write_target("qwen3_5", &target);
+    let path = format!("path = \"{}\"", target.display());
+    let config = config_for(&target)
+        .replace(&path, &format!("{path}\ntensor_parallel = 2"))
+        .replace("steps = 4", "steps = 200\nhidden_cache_mb = 0")
+        .replace("checkpoint_every = 4", "checkpoint_every = 200");
+    std::fs::write(root.path().join("kill.toml"), config).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+                .args(["train", "--config", "kill.toml", "--exp-dir", "kill"])
+                .current_dir(root.path())
+                .env("DFLASH_CACHE", cache())
+                .env_remove("RUST_BACKTRACE")
+                .envs([
+                    ("RANK", rank.to_string()),
+                    ("WORLD_SIZE", "2".into()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.clone()),
+                    ("DFLASH_RUN_TOKEN", "kill".into()),
+                    ("DFLASH_DIST_TIMEOUT", "120".into()),
+                ])
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let metrics = root.path().join("kill/metrics.jsonl");
+    let waited = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |m| m.lines().count()) < 2 {
+        assert!(waited.elapsed().as_secs() < 120, "no step 2 after {:?}", waited.elapsed());
+        for r in ranks.iter_mut() {
+            assert!(r.try_wait().unwrap().is_none(), "a rank ended before the kill");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let mut dead = ranks.pop().unwrap();
+    dead.kill().unwrap();
+    let _ = dead.wait();
+    let killed = std::time::Instant::now();
+    let out = ranks.pop().unwrap().wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let line = err.lines().find(|l| l.starts_with("[rank0]: error:")).unwrap_or_default();
+    assert!(line.contains("tensor-parallel rank 1 gone"), "{err}");
+    assert!(killed.elapsed().as_secs() < 60, "the lead took {:?} to stop", killed.elapsed());
+}

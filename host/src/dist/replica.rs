@@ -144,7 +144,7 @@ impl Calls {
 const DONE_KEY: &str = "dflash/replica/done";
 
 /// How long rank 0 (whose store serves the others) waits for every other rank to read the end.
-const END_GRACE: Duration = Duration::from_secs(60);
+const END_GRACE: Duration = Duration::from_secs(30);
 
 /// The lead's target: each call is posted for the replica's other ranks, then run here. Dropped,
 /// it posts the end of the run; on rank 0 it then waits until every rank that serves a target
@@ -153,11 +153,13 @@ pub struct Lead {
     inner: TargetBox,
     calls: Calls,
     layout: Layout,
+    /// A call failed (a rank of the replica may be gone): the end is posted, not waited for.
+    failed: bool,
 }
 
 impl Lead {
     pub fn new(inner: TargetBox, layout: &Layout, store: Store) -> Self {
-        Self { inner, calls: Calls { store, prefix: layout.prefix(), next: 0 }, layout: *layout }
+        Self { inner, calls: Calls { store, prefix: layout.prefix(), next: 0 }, layout: *layout, failed: false }
     }
 
     fn post(&mut self, call: &Call) -> Result<(), PluginError> {
@@ -169,7 +171,7 @@ impl Lead {
 
 impl Drop for Lead {
     fn drop(&mut self) {
-        if self.post(&Call::Stop).is_err() || self.layout.index != 0 {
+        if self.post(&Call::Stop).is_err() || self.layout.index != 0 || self.failed {
             return;
         }
         let others = ((self.layout.size - 1) * self.layout.count) as i64;
@@ -182,6 +184,12 @@ impl Drop for Lead {
         }
         tracing::warn!("not every rank serving a target read the end of the run within {} s", END_GRACE.as_secs());
     }
+}
+
+/// `r`, a failure remembered in `failed`.
+fn watch<T>(failed: &mut bool, r: RResult<T, PluginError>) -> RResult<T, PluginError> {
+    *failed |= r.is_err();
+    r
 }
 
 fn handle(t: &Tensor) -> TensorHandle {
@@ -215,7 +223,7 @@ impl TargetModel for Lead {
         if let Err(e) = self.post(&Call::Forward { shape, ids, layers: layer_ids.to_vec(), logits: want_logits }) {
             return RErr(e);
         }
-        self.inner.forward(input_ids, layer_ids, want_logits)
+        watch(&mut self.failed, self.inner.forward(input_ids, layer_ids, want_logits))
     }
 
     fn generate(
@@ -232,14 +240,14 @@ impl TargetModel for Lead {
         if let Err(e) = self.post(&call) {
             return RErr(e);
         }
-        self.inner.generate(prompts, max_new_tokens, stop_tokens)
+        watch(&mut self.failed, self.inner.generate(prompts, max_new_tokens, stop_tokens))
     }
 
     fn cache_reset(&mut self) -> RResult<(), PluginError> {
         if let Err(e) = self.post(&Call::CacheReset) {
             return RErr(e);
         }
-        self.inner.cache_reset()
+        watch(&mut self.failed, self.inner.cache_reset())
     }
 
     fn cache_extend(
@@ -251,14 +259,14 @@ impl TargetModel for Lead {
         if let Err(e) = self.post(&Call::CacheExtend { shape, ids, layers: layer_ids.to_vec() }) {
             return RErr(e);
         }
-        self.inner.cache_extend(input_ids, layer_ids)
+        watch(&mut self.failed, self.inner.cache_extend(input_ids, layer_ids))
     }
 
     fn cache_truncate(&mut self, len: u32) -> RResult<(), PluginError> {
         if let Err(e) = self.post(&Call::CacheTruncate { len }) {
             return RErr(e);
         }
-        self.inner.cache_truncate(len)
+        watch(&mut self.failed, self.inner.cache_truncate(len))
     }
 }
 
