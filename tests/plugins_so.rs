@@ -558,3 +558,72 @@ fn a_scaffolded_plugin_builds_passes_its_check_and_trains() {
         );
     }
 }
+
+/// The four built-ins as shared libraries (`cargo build --workspace` leaves them in
+/// target/release), each loaded by `--plugin` path in place of the linked one: a run gives the
+/// same losses, metrics and checkpoints, byte for byte, as the same run with the built-ins linked
+/// into the host. (Both runs share the cache of self-distilled replies, so the target generates
+/// them in the first run only.)
+#[test]
+fn the_built_ins_as_shared_libraries_train_bit_for_bit_like_the_linked_ones() {
+    let libs: Vec<PathBuf> = ["libtarget_hf.so", "libdrafter_dflash.so", "liboptim_adamw.so", "libdata_chat.so"]
+        .iter()
+        .map(|l| root().join("target/release").join(l))
+        .collect();
+    for l in &libs {
+        assert!(l.exists(), "{} missing: `cargo build --release --workspace` builds it", l.display());
+    }
+    let config = common::tiny_config(&HEAD.replace("steps = 20", "steps = 8"), "plugin = \"adamw\"\nlr = 3e-3");
+    let (loaded, so_dir) = common::train(&libs.iter().map(PathBuf::as_path).collect::<Vec<_>>(), &config);
+    let err = String::from_utf8_lossy(&loaded.stderr);
+    assert!(loaded.status.success(), "{err}");
+    for (kind, name) in [("target", "hf"), ("drafter", "dflash"), ("optimizer", "adamw"), ("data", "chat")] {
+        assert!(
+            err.contains(&format!("{kind} plugin `{name}` from")) && err.contains("replaces the built-in"),
+            "{err}"
+        );
+    }
+    let (linked, linked_dir) = common::train(&[], &config);
+    assert!(linked.status.success(), "{}", String::from_utf8_lossy(&linked.stderr));
+    let (so_exp, linked_exp) = (so_dir.path().join("exp"), linked_dir.path().join("exp"));
+
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(so_exp.join("manifest.json")).unwrap()).unwrap();
+    let origins: Vec<&str> =
+        manifest["plugins"].as_array().unwrap().iter().map(|p| p["origin"].as_str().unwrap()).collect();
+    for l in &libs {
+        assert!(origins.contains(&l.display().to_string().as_str()), "{origins:?}");
+    }
+
+    let keys =
+        ["step", "epoch", "tokens", "draft_tokens", "loss", "acc", "tau_hat", "lr", "grad_norm", "skipped_steps"];
+    let (so_metrics, linked_metrics) = (common::metrics(&so_exp, &keys), common::metrics(&linked_exp, &keys));
+    assert_eq!(so_metrics.len(), 3, "metrics at steps 1, 5 and 8");
+    assert_eq!(so_metrics, linked_metrics);
+
+    let checkpoints = |exp: &Path| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(exp.join("checkpoints"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with("step-"))
+            .collect();
+        names.sort();
+        names
+    };
+    let names = checkpoints(&so_exp);
+    assert!(!names.is_empty());
+    assert_eq!(names, checkpoints(&linked_exp));
+    for step in &names {
+        let file = |exp: &Path, f: &str| std::fs::read(exp.join("checkpoints").join(step).join(f)).unwrap();
+        for f in ["model.safetensors", "optimizer.safetensors", "config.json"] {
+            assert!(file(&so_exp, f) == file(&linked_exp, f), "{step}/{f} differs");
+        }
+        // The trainer's state, but for the wall time it records.
+        let state = |exp: &Path| {
+            let mut v: serde_json::Value = serde_json::from_slice(&file(exp, "trainer_state.json")).unwrap();
+            v.as_object_mut().unwrap().remove("elapsed_s").expect("elapsed_s in trainer_state.json");
+            v
+        };
+        assert_eq!(state(&so_exp), state(&linked_exp), "{step}/trainer_state.json");
+    }
+}

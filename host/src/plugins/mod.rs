@@ -345,7 +345,7 @@ pub fn load_library(path: &Path, expect_sha256: Option<&str>) -> Result<Loaded> 
     let raw: &'static RawLibrary = Box::leak(Box::new(raw));
     let header: &'static LibHeader = unsafe {
         *raw.get::<&'static LibHeader>(format!("{symbol}\0").as_bytes())
-            .map_err(|e| anyhow!("plugin {shown}: entry symbol `{symbol}`: {}", first_line(&e.to_string())))?
+            .map_err(|e| anyhow!("plugin {shown}: entry symbol `{symbol}`: {}", one_line(&e.to_string())))?
     };
     let theirs = header.version_strings().version.to_string();
     if theirs.split('.').count() != 3
@@ -408,8 +408,7 @@ fn load_bytes(path: &Path, bytes: &[u8]) -> Result<RawLibrary> {
     if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) } < 0 {
         bail!("plugin {shown}: sealing its in-memory copy: {}", std::io::Error::last_os_error());
     }
-    // The mapping keeps the copy alive after `file` closes it.
-    RawLibrary::load_at(Path::new(&format!("/proc/self/fd/{fd}"))).map_err(|e| {
+    let library = RawLibrary::load_at(Path::new(&format!("/proc/self/fd/{fd}"))).map_err(|e| {
         let why = first_line(&e.to_string()).replace(&format!("/proc/self/fd/{fd}"), &shown.to_string());
         let origin = if bytes.windows(7).any(|w| w == b"$ORIGIN") {
             " (it is loaded from an in-memory copy of the bytes checked, where `$ORIGIN` does not name its folder: give its dependencies by an absolute RUNPATH or LD_LIBRARY_PATH)"
@@ -417,7 +416,12 @@ fn load_bytes(path: &Path, bytes: &[u8]) -> Result<RawLibrary> {
             ""
         };
         anyhow!("plugin {shown}: cannot be loaded: {why}{origin}")
-    })
+    })?;
+    // The descriptor stays open as long as the library stays loaded (for good): the dynamic loader
+    // knows a library by its path, and would take a later library loaded from the same reused
+    // `/proc/self/fd/N` for this one.
+    std::mem::forget(file);
+    Ok(library)
 }
 
 fn abi_minor(version: &str) -> u64 {
@@ -450,6 +454,11 @@ fn checked_info(module: PluginModule_Ref, who: &str) -> Result<PluginInfo> {
         bail!("{who}: {}", if info.description.is_empty() { "has no name" } else { info.description.as_str() });
     }
     Ok(info)
+}
+
+/// Every non-empty line of `s`, trimmed, on one line.
+fn one_line(s: &str) -> String {
+    s.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
 }
 
 fn first_line(s: &str) -> String {
@@ -501,5 +510,19 @@ mod tests {
         // SAFETY: `which` is `int which(void)` in both libraries.
         let which = unsafe { *lib.get::<extern "C" fn() -> i32>(b"which\0").unwrap() };
         assert_eq!(which(), 1);
+    }
+
+    /// Libraries loaded one after the other are each their own (a run loads up to four): the
+    /// dynamic loader knows a library by the path of its in-memory copy, which no later copy
+    /// shares.
+    #[test]
+    fn libraries_loaded_in_turn_are_each_their_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let (three, four) = (library(dir.path(), 3), library(dir.path(), 4));
+        let a = load_bytes(&dir.path().join("three.so"), &three).unwrap();
+        let b = load_bytes(&dir.path().join("four.so"), &four).unwrap();
+        // SAFETY: `which` is `int which(void)` in both libraries.
+        let which = |l: &RawLibrary| unsafe { *l.get::<extern "C" fn() -> i32>(b"which\0").unwrap() }();
+        assert_eq!((which(&a), which(&b)), (3, 4));
     }
 }
