@@ -185,3 +185,95 @@ fn an_unknown_architecture_fails_with_one_line_naming_it() {
         "{err}"
     );
 }
+
+/// A target replica spread over two ranks (`train --nproc 2`, Gloo): the Qwen3.5-MoE target's
+/// attention, Gated DeltaNet heads and MLP widths split in two, its experts over two groups. The
+/// replica's lead trains, the other rank serves the target's calls (self-distillation, then every
+/// forward); the run takes the steps one rank holding the whole target takes.
+#[test]
+fn a_target_replica_over_two_ranks_trains_as_one_rank_does() {
+    common::require_model();
+    let root = tempfile::tempdir().unwrap();
+    let target = root.path().join("qwen3_5_moe");
+    write_target("qwen3_5_moe", &target);
+    let whole = config_for(&target);
+    let path = format!("path = \"{}\"", target.display());
+    let split = whole.replace(&path, &format!("{path}\ntensor_parallel = 2\nexpert_parallel = 2"));
+    let (out, one) = common::train(&[], &whole);
+    assert!(out.status.success(), "one rank: {}", String::from_utf8_lossy(&out.stderr));
+    std::fs::write(root.path().join("tp.toml"), &split).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(["train", "--nproc", "2", "--config", "tp.toml", "--exp-dir", "tp"])
+        .current_dir(root.path())
+        .env("DFLASH_CACHE", cache())
+        .env("DFLASH_DIST_TIMEOUT", "120")
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "two ranks: {}", String::from_utf8_lossy(&out.stderr));
+    let keys = ["step", "tokens", "loss"];
+    let (a, b) = (common::metrics(&one.path().join("exp"), &keys), common::metrics(&root.path().join("tp"), &keys));
+    assert_eq!(a.len(), 4);
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((&x["step"], &x["tokens"]), (&y["step"], &y["tokens"]), "{x} vs {y}");
+        let (l1, l2) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+        assert!((l1 - l2).abs() <= 1e-4 * l1.abs().max(1e-3), "loss {l1} (one rank) vs {l2} (two-rank replica)");
+    }
+}
+
+/// The replica's second rank is killed mid-run (SIGKILL; no feature cache, so every step runs the
+/// target): its lead stops within seconds with an error naming the rank that is gone.
+#[test]
+fn a_replica_rank_killed_mid_run_stops_its_lead_naming_it() {
+    common::require_model();
+    let root = tempfile::tempdir().unwrap();
+    let target = root.path().join("qwen3_5");
+    write_target("qwen3_5", &target);
+    let path = format!("path = \"{}\"", target.display());
+    let config = config_for(&target)
+        .replace(&path, &format!("{path}\ntensor_parallel = 2"))
+        .replace("steps = 4", "steps = 200\nhidden_cache_mb = 0")
+        .replace("checkpoint_every = 4", "checkpoint_every = 200");
+    std::fs::write(root.path().join("kill.toml"), config).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+                .args(["train", "--config", "kill.toml", "--exp-dir", "kill"])
+                .current_dir(root.path())
+                .env("DFLASH_CACHE", cache())
+                .env_remove("RUST_BACKTRACE")
+                .envs([
+                    ("RANK", rank.to_string()),
+                    ("WORLD_SIZE", "2".into()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.clone()),
+                    ("DFLASH_RUN_TOKEN", "kill".into()),
+                    ("DFLASH_DIST_TIMEOUT", "120".into()),
+                ])
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let metrics = root.path().join("kill/metrics.jsonl");
+    let waited = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |m| m.lines().count()) < 2 {
+        assert!(waited.elapsed().as_secs() < 120, "no step 2 after {:?}", waited.elapsed());
+        for r in ranks.iter_mut() {
+            assert!(r.try_wait().unwrap().is_none(), "a rank ended before the kill");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let mut dead = ranks.pop().unwrap();
+    dead.kill().unwrap();
+    let _ = dead.wait();
+    let killed = std::time::Instant::now();
+    let out = ranks.pop().unwrap().wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let line = err.lines().find(|l| l.starts_with("[rank0]: error:")).unwrap_or_default();
+    assert!(line.contains("tensor-parallel rank 1 gone"), "{err}");
+    assert!(killed.elapsed().as_secs() < 60, "the lead took {:?} to stop", killed.elapsed());
+}

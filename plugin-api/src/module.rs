@@ -101,6 +101,25 @@ pub struct HostContext {
     /// The loaded target's facts, for the drafter and the data loader (the host creates the
     /// target first).
     pub target: ROption<TargetSpec>,
+    /// For a target spread over several ranks (tensor parallelism): where this rank's replica
+    /// meets. None: the target runs whole on this rank.
+    pub replica: ROption<ReplicaGroup>,
+}
+
+/// Where the ranks of one target replica meet to make their c10d process group: the run's store
+/// (a c10d `TCPStore`), this replica's key prefix in it, and this rank's place in the replica.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq)]
+pub struct ReplicaGroup {
+    /// `host:port` of the store.
+    pub store: RString,
+    /// The replica's keys in the store start with it (each replica its own).
+    pub prefix: RString,
+    /// This rank's place in the replica, 0 (the lead, which hands on the features) to size - 1.
+    pub rank: u32,
+    pub size: u32,
+    /// How long a collective may wait for a peer, in seconds.
+    pub timeout_s: u64,
 }
 
 impl HostContext {
@@ -149,6 +168,7 @@ impl HostContext {
             config_dir: ".".into(),
             cache_dir: ".".into(),
             target: ROption::RNone,
+            replica: ROption::RNone,
         }
     }
 }

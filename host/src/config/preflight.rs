@@ -115,3 +115,53 @@ pub fn unknown_field(doc: &SectionDoc, table: &toml::Table) -> Option<String> {
 fn located_text(cfg: &RunConfig, config_path: &Path, e: anyhow::Error) -> String {
     locate(cfg, config_path, format!("{e:#}")).to_string()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The example for a target larger than one GPU passes preflight (its model splits as its
+    /// `tensor_parallel` / `expert_parallel` say); a split its shapes do not allow, or a family
+    /// without that parallelism, is refused before anything loads, naming the field.
+    #[test]
+    fn the_tensor_parallel_example_passes_preflight_and_a_bad_split_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/examples");
+        let text = std::fs::read_to_string(examples.join("qwen3.5-397b-a17b.toml")).unwrap();
+        std::fs::copy(examples.join("qwen3.5-397b-a17b-config.json"), dir.path().join("qwen3.5-397b-a17b-config.json"))
+            .unwrap();
+        std::fs::write(dir.path().join("train.jsonl"), "{\"messages\": []}\n").unwrap();
+        let text = text.replace("$DFLASH_CACHE/data/train.jsonl", "train.jsonl");
+        let registry = Registry::new(&[]).unwrap();
+        let check = |text: &str| {
+            let path = dir.path().join("run.toml");
+            std::fs::write(&path, text).unwrap();
+            let cfg = RunConfig::load(&path).unwrap();
+            let ctx = manifest::plugin_context(&cfg, dir.path(), dir.path());
+            check(&cfg, &path, &ctx, &registry).map_err(|e| format!("{e:#}"))
+        };
+        check(&text).unwrap();
+        let split = |t: usize, e: usize| {
+            text.replace("tensor_parallel = 8", &format!("tensor_parallel = {t}"))
+                .replace("expert_parallel = 8", &format!("expert_parallel = {e}"))
+        };
+        let e = check(&split(3, 8)).unwrap_err();
+        assert!(e.contains("field `expert_parallel` = 8: must divide `tensor_parallel` = 3"), "{e}");
+        let e = check(&split(3, 1)).unwrap_err();
+        assert!(e.contains("field `tensor_parallel` = 3: the attention heads (32) is not a multiple of 3"), "{e}");
+        let e = check(&split(64, 64)).unwrap_err();
+        assert!(
+            e.contains("field `tensor_parallel` = 64: the Gated DeltaNet value heads (64)") || e.contains("(32)"),
+            "{e}"
+        );
+        let gemma = text.replace("qwen3.5-397b-a17b-config.json", "gemma.json");
+        std::fs::write(
+            dir.path().join("gemma.json"),
+            r#"{"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100}"#,
+        )
+        .unwrap();
+        let e = check(&gemma.replace("expert_parallel = 8", "expert_parallel = 1")).unwrap_err();
+        assert!(e.contains("field `tensor_parallel` = 8: `gemma2` models run on a single device"), "{e}");
+    }
+}

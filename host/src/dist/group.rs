@@ -33,6 +33,8 @@ struct Shared {
     store: Mutex<Store>,
     rank: usize,
     world: usize,
+    /// Each group rank's rank in the world (the leads' when target replicas span several ranks).
+    global: Vec<usize>,
     /// Where the group's tensors live: the CPU for Gloo, the drafter's GPU for NCCL.
     device: Device,
     timeout: Duration,
@@ -59,12 +61,24 @@ impl Shared {
         }
         match gone {
             Ok(gone) if !gone.is_empty() => {
-                let who: Vec<String> = gone.iter().map(|r| r.to_string()).collect();
+                let who: Vec<String> = gone.iter().map(|&r| self.global[r].to_string()).collect();
                 let s = if gone.len() > 1 { "s" } else { "" };
-                anyhow!("rank{s} {} gone (no heartbeat for {} s): {what} failed on rank {me}: {e}", who.join(", "), MISSED_BEATS)
+                anyhow!(
+                    "rank{s} {} gone (no heartbeat for {} s): {what} failed on rank {}: {e}",
+                    who.join(", "),
+                    MISSED_BEATS,
+                    self.global[me]
+                )
             }
-            Ok(_) => anyhow!("{what} failed on rank {me} with no rank gone (one may be stuck; timeout {} s): {e}", self.timeout.as_secs()),
-            Err(store) => anyhow!("rank 0 gone (the rendezvous store it serves does not answer: {store}): {what} failed on rank {me}: {e}"),
+            Ok(_) => anyhow!(
+                "{what} failed on rank {} with no rank gone (one may be stuck; timeout {} s): {e}",
+                self.global[me],
+                self.timeout.as_secs()
+            ),
+            Err(store) => anyhow!(
+                "rank 0 gone (the rendezvous store it serves does not answer: {store}): {what} failed on rank {}: {e}",
+                self.global[me]
+            ),
         }
     }
 
@@ -92,7 +106,7 @@ impl Drop for Shared {
     }
 }
 
-fn beat_key(rank: usize) -> String {
+pub(super) fn beat_key(rank: usize) -> String {
     format!("dflash/beat/{rank}")
 }
 
@@ -110,9 +124,41 @@ impl C10dCommunicator {
     /// Meet the other ranks through rank 0's store (see `rendezvous`: this run's ranks, each
     /// claimed once, with the same world, config and build), and make the process group: Gloo when `device` is the CPU, NCCL on a CUDA device.
     pub fn connect(env: &DistEnv, device: Device, identity: &Identity) -> Result<Self> {
-        let (rank, world, timeout) = (env.rank, env.world, env.timeout);
         let (store, addr) = super::rendezvous::meet(env, identity)?;
-        // 3. The group, and the heartbeat that names a rank that dies.
+        Self::with_group(env, device, store, &addr, env.rank, (0..env.world).collect())
+    }
+
+    /// With target replicas of several ranks (`replica.rs`): every rank meets the others, then
+    /// the replicas' leads make the data-parallel group (a replica's index its rank in it); each
+    /// rank also gets a store client of its own (for its replica's target calls).
+    pub fn connect_replicas(
+        env: &DistEnv,
+        device: Device,
+        identity: &Identity,
+        layout: &super::replica::Layout,
+    ) -> Result<(Option<Self>, Store)> {
+        let (store, addr) = super::rendezvous::meet(env, identity)?;
+        let client = store.another().map_err(|e| anyhow!("rank {}: a second store client: {e}", env.rank))?;
+        if !layout.is_lead() {
+            return Ok((None, store));
+        }
+        // Rank 0's store (which serves the others) goes with the target calls, which end last:
+        // their end waits until every other rank has read it (`replica::Lead`).
+        let leads = (0..layout.count).map(|i| layout.lead_of(i)).collect();
+        Ok((Some(Self::with_group(env, device, client, &addr, layout.index, leads)?), store))
+    }
+
+    /// The group of the ranks `global` (this one `rank` of them), and the heartbeat that names a
+    /// rank that dies.
+    fn with_group(
+        env: &DistEnv,
+        device: Device,
+        store: Store,
+        addr: &str,
+        rank: usize,
+        global: Vec<usize>,
+    ) -> Result<Self> {
+        let (world, timeout) = (global.len(), env.timeout);
         let backend = if device == Device::Cpu { Backend::Gloo } else { Backend::Nccl };
         let group = ProcessGroup::new(backend, &store, "dflash/pg/", rank, world, timeout)
             .map_err(|e| anyhow!("rank {rank}: making the {} process group: {e}", backend.name()))?;
@@ -136,6 +182,7 @@ impl C10dCommunicator {
             store: Mutex::new(store),
             rank,
             world,
+            global,
             device,
             timeout,
             beating,

@@ -22,7 +22,13 @@ use std::time::Duration;
 mod group;
 pub mod launch;
 mod rendezvous;
+pub mod replica;
 pub use group::{C10dCommunicator, DEFAULT_BUCKET_BYTES};
+
+/// The store key the lead of replica `index` beats (its rank in the leads' group).
+pub fn lead_beat_key(index: usize) -> String {
+    group::beat_key(index)
+}
 
 /// How long a collective or the rendezvous may wait for a peer (torch.distributed's default);
 /// `DFLASH_DIST_TIMEOUT` (seconds) overrides it.

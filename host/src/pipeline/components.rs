@@ -6,7 +6,10 @@ use crate::{
     plugins::{DataHandle, DrafterHandle, OptimizerHandle, PluginRecord, Registry, TargetHandle},
 };
 use anyhow::{anyhow, Result};
-use plugin_api::{abi_stable::std_types::RSome, HostContext, PluginInstance, PluginKind};
+use plugin_api::{
+    abi_stable::std_types::{RNone, RSome},
+    HostContext, PluginInstance, PluginKind,
+};
 use std::path::Path;
 
 /// The four components of a run, created from the config's sections.
@@ -41,9 +44,20 @@ pub fn build_components(
     };
     let wrong = |kind: PluginKind| anyhow!("plugin for [{kind}] did not create a {kind}");
     let devices = cfg.target_devices();
+    // A replica spread over several ranks: this rank's place in it, for the target.
+    let env = crate::dist::DistEnv::from_env()?;
+    let replica = match crate::dist::replica::Layout::of(&cfg.target, env.as_ref())? {
+        Some(layout) if devices.len() > 1 => anyhow::bail!(
+            "[pipeline] targets: one target device a rank when the target is spread over {} ranks (`tensor_parallel`)",
+            layout.size
+        ),
+        Some(layout) => RSome(layout.group(env.as_ref().expect("a layout comes with a launcher"))),
+        None => RNone,
+    };
     let mut targets = Vec::new();
     for d in &devices {
-        let PluginInstance::Target(t) = create(PluginKind::Target, &ctx_on(d))? else {
+        let ctx = HostContext { replica: replica.clone(), ..ctx_on(d) };
+        let PluginInstance::Target(t) = create(PluginKind::Target, &ctx)? else {
             return Err(wrong(PluginKind::Target));
         };
         targets.push(TargetHandle::new(t, &cfg.section("target").plugin));

@@ -48,6 +48,11 @@ macro_rules! handle {
             pub fn raw(&self) -> &$raw {
                 &self.raw
             }
+
+            /// The ABI trait object, for a host wrapper around it (a target replica's lead).
+            pub fn into_raw(self) -> $raw {
+                self.raw
+            }
         }
     };
 }

@@ -528,6 +528,7 @@ pub fn host_context(device: &str, dtype: &str, seed: u64, config_dir: &Path, cac
         config_dir: config_dir.display().to_string().into(),
         cache_dir: cache_dir.display().to_string().into(),
         target: plugin_api::abi_stable::std_types::RNone,
+        replica: plugin_api::abi_stable::std_types::RNone,
     }
 }
 

@@ -5,7 +5,7 @@
 //! Its manifest records the parent, the step and the weights' SHA-256; its steps continue the
 //! parent's count.
 
-use super::start::{check_stop_at, connect, follower_rank, fresh_manifest};
+use super::start::{check_stop_at, connect, follower_rank, fresh_manifest, served};
 use crate::{
     config::{self, RunConfig},
     environment::cache_dir,
@@ -201,7 +201,7 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
         choice.name(),
         spec.schedule.name()
     );
-    let comm = connect(&cfg, &components.records, &exp_dir)?;
+    let Some((comm, components)) = connect(&cfg, components, &exp_dir)? else { return Ok(served(&exp_dir)) };
     let from = ResumeFrom { state, weights: ckpt.weights, optimizer_state, checkpoint: ckpt.dir.display().to_string() };
     train::train(
         &cfg,

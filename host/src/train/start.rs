@@ -63,7 +63,7 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     } else {
         Experiment::create(exp_dir, &resolved, &manifest)?
     };
-    let comm = connect(cfg, &components.records, exp_dir)?;
+    let Some((comm, components)) = connect(cfg, components, exp_dir)? else { return Ok(served(exp_dir)) };
     tracing::info!("experiment: {}", exp_dir.display());
     train::train(cfg, components, &mut exp, &cache, train::TrainOptions { resume: None, stop_at, comm })
 }
@@ -113,16 +113,49 @@ pub(super) fn same_file(a: &Path, b: &Path) -> bool {
 
 /// The data-parallel communicator when a launcher started several ranks (RANK, WORLD_SIZE, ...):
 /// c10d on the drafter's device (Gloo on the CPU, NCCL on a GPU), after the ranks checked that
-/// they run the same build with the same config.
+/// they run the same build with the same config; and the components as this rank trains with
+/// them. With target replicas of several ranks (`[target] tensor_parallel`), the replicas' leads
+/// train (the communicator is theirs, the target posts its calls for the replica's other
+/// ranks), and every other rank serves its replica's target until the lead stops: None then.
+#[allow(clippy::type_complexity)]
 pub(super) fn connect(
     cfg: &RunConfig,
-    records: &[PluginRecord],
+    components: Components,
     exp_dir: &Path,
-) -> Result<Option<Box<dyn dist::Communicator>>> {
-    let Some(env) = dist::DistEnv::from_env()? else { return Ok(None) };
+) -> Result<Option<(Option<Box<dyn dist::Communicator>>, Components)>> {
+    let Some(env) = dist::DistEnv::from_env()? else { return Ok(Some((None, components))) };
     let device = config::parse_device(cfg.drafter_device())?;
-    let identity = identity(cfg, records, exp_dir)?;
-    Ok(Some(Box::new(dist::C10dCommunicator::connect(&env, device, &identity)?)))
+    let identity = identity(cfg, &components.records, exp_dir)?;
+    let Some(layout) = dist::replica::Layout::of(&cfg.target, Some(&env))? else {
+        return Ok(Some((Some(Box::new(dist::C10dCommunicator::connect(&env, device, &identity)?)), components)));
+    };
+    let (comm, store) = dist::C10dCommunicator::connect_replicas(&env, device, &identity, &layout)?;
+    let Some(comm) = comm else {
+        let mut target = components.target;
+        let calls = dist::replica::serve(&mut target, &layout, store, &dist::lead_beat_key(layout.index))?;
+        tracing::info!("rank {}: served {calls} target calls of replica {}", env.rank, layout.index);
+        return Ok(None);
+    };
+    let Components { target, extra_targets, drafter, optimizer, data, records, dtype } = components;
+    let target = dist::replica::lead(target, &layout, store);
+    let components = Components { target, extra_targets, drafter, optimizer, data, records, dtype };
+    Ok(Some((Some(Box::new(comm)), components)))
+}
+
+/// What a rank that only served its replica's target reports.
+pub(super) fn served(exp_dir: &Path) -> TrainSummary {
+    TrainSummary {
+        experiment: exp_dir.display().to_string(),
+        steps: 0,
+        tokens: 0,
+        wall_s: 0.0,
+        first: None,
+        last: None,
+        last_checkpoint: None,
+        interrupted: None,
+        stopped_at: None,
+        distill: None,
+    }
 }
 
 /// What ranks compare at the rendezvous: the resolved config without its device placement (each
@@ -378,7 +411,7 @@ pub fn resume_with(
             Experiment::reopen(exp_dir, lock, at)?
         }
     };
-    let comm = connect(&cfg, &components.records, exp_dir)?;
+    let Some((comm, components)) = connect(&cfg, components, exp_dir)? else { return Ok(served(exp_dir)) };
     train::train(&cfg, components, &mut exp, &cache, train::TrainOptions { resume: from, stop_at: opts.stop_at, comm })
 }
 

@@ -11,6 +11,7 @@
 use crate::{
     config::DecoderConfig,
     model::{apply_rope, rms_norm, Loader},
+    tp::rows,
 };
 use plugin_api::tch::{Kind, Tensor};
 
@@ -116,16 +117,26 @@ pub struct Attention {
 }
 
 impl Attention {
+    /// This rank's heads (`ld.shard`, see `tp.rs`): q/k/v rows and o_proj columns by head.
     pub(crate) fn load(cfg: &DecoderConfig, ld: &mut Loader, p: &str) -> Result<Self, String> {
         let h = cfg.hidden_size as i64;
         let (nh, nkv, d) = (cfg.num_attention_heads as i64, cfg.num_kv_heads() as i64, cfg.head_dim() as i64);
+        let heads = ld.shard.split(nh, "the attention heads")?;
+        let kv = ld.shard.kv_heads(nkv, "the key/value heads")?;
         let gated = cfg.is_hybrid();
-        let q_rows = if gated { 2 * nh * d } else { nh * d };
-        let names = [("q_proj", q_rows), ("k_proj", nkv * d), ("v_proj", nkv * d)];
-        let qkv = ld.fused(&names.map(|(n, r)| (format!("{p}.{n}.weight"), r)), h)?;
+        // Qwen3.5's q_proj holds [q_h | gate_h] per head.
+        let q_width = if gated { 2 * d } else { d };
+        let names = [
+            ("q_proj", nh * q_width, rows(&heads, q_width)),
+            ("k_proj", nkv * d, rows(&kv, d)),
+            ("v_proj", nkv * d, rows(&kv, d)),
+        ];
+        let qkv = ld.fused(&names.clone().map(|(n, r, keep)| (format!("{p}.{n}.weight"), r, vec![keep])), h)?;
         let qkv_bias = if cfg.qkv_bias() {
-            let b =
-                names.iter().map(|(n, r)| ld.get(&format!("{p}.{n}.bias"), &[*r])).collect::<Result<Vec<_>, _>>()?;
+            let b = names
+                .iter()
+                .map(|(n, r, keep)| ld.get_selected(&format!("{p}.{n}.bias"), &[*r], &[vec![keep.clone()]]))
+                .collect::<Result<Vec<_>, _>>()?;
             Some(Tensor::cat(&b, 0))
         } else {
             None
@@ -145,10 +156,16 @@ impl Attention {
             (None, None)
         };
         let o = if cfg.arch() == crate::config::Arch::Lfm2 { "out_proj" } else { "o_proj" };
-        let o_proj = ld.get(&format!("{p}.{o}.weight"), &[h, nh * d])?;
-        let o_bias = if cfg.o_bias() { Some(ld.get(&format!("{p}.{o}.bias"), &[h])?) } else { None };
-        let sinks =
-            if cfg.arch() == crate::config::Arch::GptOss { Some(ld.get(&format!("{p}.sinks"), &[nh])?) } else { None };
+        let o_proj = ld.get_selected(&format!("{p}.{o}.weight"), &[h, nh * d], &[vec![], vec![rows(&heads, d)]])?;
+        // Row-parallel: the bias is added once, by the first rank's partial sum.
+        let o_bias =
+            if cfg.o_bias() && ld.shard.rank == 0 { Some(ld.get(&format!("{p}.{o}.bias"), &[h])?) } else { None };
+        let sinks = if cfg.arch() == crate::config::Arch::GptOss {
+            Some(ld.get_selected(&format!("{p}.sinks"), &[nh], &[vec![heads.clone()]])?)
+        } else {
+            None
+        };
+        let (nh, nkv) = (heads.end - heads.start, kv.end - kv.start);
         let scores = Scores { scale: cfg.attention_scale(), softcap: cfg.attn_logit_softcapping, sinks };
         Ok(Self {
             qkv,

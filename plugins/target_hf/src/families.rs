@@ -9,12 +9,18 @@ use crate::config::Arch;
 pub enum Parallelism {
     /// The whole model on the one device the run names.
     SingleDevice,
+    /// Also over the ranks of a replica (`tensor_parallel`): heads and MLP widths split.
+    Tensor,
+    /// Tensor parallelism, and the routed experts split over groups of ranks (`expert_parallel`).
+    TensorExpert,
 }
 
 impl Parallelism {
     pub fn describe(self) -> &'static str {
         match self {
             Self::SingleDevice => "single device",
+            Self::Tensor => "tensor parallel",
+            Self::TensorExpert => "tensor and expert parallel",
         }
     }
 }
@@ -32,9 +38,13 @@ pub struct Family {
 }
 
 impl Family {
-    /// The parallelism this family runs with (every family, for now, on one device).
+    /// The parallelism this family runs with.
     pub fn parallelism(&self) -> Parallelism {
-        Parallelism::SingleDevice
+        match self.arch {
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen35 => Parallelism::Tensor,
+            Arch::Qwen3Moe | Arch::Qwen35Moe => Parallelism::TensorExpert,
+            _ => Parallelism::SingleDevice,
+        }
     }
 }
 
@@ -124,6 +134,16 @@ pub fn family(model_type: &str) -> Option<&'static Family> {
     FAMILIES.iter().find(|f| f.model_types.contains(&model_type))
 }
 
+/// The `model_type`s whose family runs with `p` (tensor parallelism: the expert-parallel ones too).
+pub fn supporting(p: Parallelism) -> Vec<&'static str> {
+    let runs = |f: &Family| match p {
+        Parallelism::SingleDevice => true,
+        Parallelism::Tensor => f.parallelism() != Parallelism::SingleDevice,
+        Parallelism::TensorExpert => f.parallelism() == Parallelism::TensorExpert,
+    };
+    FAMILIES.iter().filter(|f| runs(f)).flat_map(|f| f.model_types.iter().copied()).collect()
+}
+
 /// Every `model_type` the target loads, in the table's order.
 pub fn supported() -> Vec<&'static str> {
     FAMILIES.iter().flat_map(|f| f.model_types.iter().copied()).collect()
@@ -164,5 +184,14 @@ mod tests {
         let md = markdown();
         assert_eq!(md.lines().count(), FAMILIES.len() + 2);
         assert!(md.contains("| LongcatFlash | `longcat_flash` |") && md.contains("single device"), "{md}");
+        assert!(
+            md.contains("| Qwen35Moe | `qwen3_5_moe`, `qwen3_5_moe_text` |")
+                && md.contains("tensor and expert parallel")
+        );
+        assert_eq!(supporting(Parallelism::TensorExpert), ["qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text"]);
+        assert!(
+            supporting(Parallelism::Tensor).contains(&"mistral")
+                && !supporting(Parallelism::Tensor).contains(&"gemma2")
+        );
     }
 }

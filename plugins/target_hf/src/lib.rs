@@ -21,6 +21,7 @@ pub mod moe;
 pub mod qwen3_5;
 pub mod random;
 pub mod short_conv;
+pub mod tp;
 
 use model::Decoder;
 use plugin_api::{
@@ -51,6 +52,20 @@ pub struct TargetSection {
     #[describe(range = ">= 1")]
     #[serde(default = "default_gen_batch")]
     pub generate_batch_size: usize,
+    /// Ranks one replica of the target is spread over, its heads and MLP widths split between
+    /// them (the run needs a multiple of it; `config explain target` lists the families that split).
+    #[describe(range = ">= 1")]
+    #[serde(default = "one")]
+    pub tensor_parallel: usize,
+    /// Groups of a replica's ranks its routed experts are split over (MoE families; divides
+    /// `tensor_parallel`).
+    #[describe(range = ">= 1")]
+    #[serde(default = "one")]
+    pub expert_parallel: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 fn default_gen_batch() -> usize {
@@ -64,6 +79,8 @@ pub struct HfTarget {
     pub generate_batch_size: usize,
     /// The incremental-decoding session (`cache_*`), able to roll back into its last extension.
     pub session: cache::Cache,
+    /// Where the replica's group is made, at the first forward (every rank has loaded by then).
+    pub pending_group: Option<tp::Rendezvous>,
 }
 
 /// A named range in a profiler trace (`dflash-host bench train --trace`): where the target's
@@ -85,6 +102,48 @@ impl HfTarget {
         Self::new(model, tokenizer, String::new(), path, generate_batch_size)
     }
 
+    /// This rank's part of the model at `path` (`tp.rs`): only its rows and columns of each
+    /// weight are read; `tp` is the replica's group, every rank of which loads at the same time.
+    pub fn load_shard(
+        path: &Path,
+        device: Device,
+        kind: Kind,
+        generate_batch_size: usize,
+        shard: tp::Shard,
+        tp: Option<tp::TpGroup>,
+    ) -> Result<Self, String> {
+        let load::Loaded { cfg, weights, tokenizer, chat_template } = load::load(path)?;
+        let model = Decoder::new_shard(&cfg, weights, device, kind, shard, tp)?;
+        Self::new(model, tokenizer, chat_template, path, generate_batch_size)
+    }
+
+    /// Random weights at the shape of `path` (see [`random`](Self::random)), this rank's part.
+    pub fn random_shard(
+        path: &Path,
+        device: Device,
+        kind: Kind,
+        generate_batch_size: usize,
+        shard: tp::Shard,
+        tp: Option<tp::TpGroup>,
+    ) -> Result<Self, String> {
+        let (cfg, tokenizer) = random::random_config(path)?;
+        let model = Decoder::random_shard(&cfg, device, kind, shard, tp)?;
+        Self::new(model, tokenizer, String::new(), path, generate_batch_size)
+    }
+
+    /// Join the replica's group if it is not yet made.
+    fn join_group(&mut self) -> Result<(), PluginError> {
+        if let Some(r) = self.pending_group.take() {
+            self.model.tp = Some(tp::TpGroup::join(&r, self.model.device()).map_err(PluginError::new)?);
+        }
+        Ok(())
+    }
+
+    /// A failed collective of the last forward (tensor parallelism), naming the rank gone.
+    fn check_group(&self) -> Result<(), String> {
+        self.model.tp.as_ref().map_or(Ok(()), tp::TpGroup::check)
+    }
+
     fn new(
         model: Decoder,
         tokenizer: tokenizers::Tokenizer,
@@ -99,7 +158,7 @@ impl HfTarget {
             ..model.cfg.target_spec().ok_or_else(|| format!("{}: no EOS token id", path.display()))?
         };
         let session = model.new_cache(true);
-        Ok(Self { model, tokenizer, spec, generate_batch_size, session })
+        Ok(Self { model, tokenizer, spec, generate_batch_size, session, pending_group: None })
     }
 
     /// Features of `layer_ids` concatenated [B, S, n*H] and optionally logits, for right-padded
@@ -124,6 +183,7 @@ impl HfTarget {
         let feats: Vec<&Tensor> = layer_ids.iter().map(|&i| &outs[i as usize]).collect();
         let hidden = Tensor::cat(&feats, -1);
         let logits = normed.map(|h| self.model.logits(&h));
+        self.check_group()?;
         Ok((hidden, logits))
     }
 }
@@ -145,6 +205,7 @@ impl HfTarget {
         let k = Tensor::arange(past + l, (Kind::Int64, device)).unsqueeze(0);
         let mask = k.le_tensor(&q).unsqueeze(0).unsqueeze(0);
         let (outs, normed) = self.model.run(&ids, &positions, Some(&mask), None, Some(&mut self.session), n);
+        self.check_group()?;
         let feats: Vec<&Tensor> = layer_ids.iter().map(|&i| &outs[i as usize]).collect();
         Ok((Tensor::cat(&feats, -1), self.model.logits(&normed.expect("all layers ran"))))
     }
@@ -193,6 +254,7 @@ impl TargetPlugin for HfTarget {
         layer_ids: &[u32],
         want_logits: bool,
     ) -> Result<(Tensor, Option<Tensor>), PluginError> {
+        self.join_group()?;
         self.features(input_ids, layer_ids, want_logits).map_err(PluginError::new)
     }
 
@@ -202,7 +264,11 @@ impl TargetPlugin for HfTarget {
         max_new_tokens: u32,
         stop_tokens: &[u32],
     ) -> Result<Vec<Vec<u32>>, PluginError> {
-        Ok(generate::greedy(&self.model, &prompts, max_new_tokens as usize, stop_tokens, self.generate_batch_size))
+        self.join_group()?;
+        let replies =
+            generate::greedy(&self.model, &prompts, max_new_tokens as usize, stop_tokens, self.generate_batch_size);
+        self.check_group().map_err(PluginError::new)?;
+        Ok(replies)
     }
 
     fn cache_reset(&mut self) {
@@ -210,6 +276,7 @@ impl TargetPlugin for HfTarget {
     }
 
     fn cache_extend(&mut self, input_ids: &Tensor, layer_ids: &[u32]) -> Result<(Tensor, Tensor), PluginError> {
+        self.join_group()?;
         self.extend(input_ids, layer_ids).map_err(PluginError::new)
     }
 
@@ -235,10 +302,41 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     let path = hub::target_path(&section.path, ctx.resolve_path(&section.path), section.revision.as_deref())
         .map_err(PluginError::new)?;
     let (device, kind) = (ctx.tch_device()?, ctx.tch_kind()?);
-    let build = if section.random_init { HfTarget::random } else { HfTarget::load };
-    let target = build(&path, device, kind, section.generate_batch_size)
-        .map_err(|e| PluginError::new(format!("field `path`: {e}")))?;
+    let (shard, rendezvous) = replica(&section, ctx)?;
+    let build = if section.random_init { HfTarget::random_shard } else { HfTarget::load_shard };
+    let mut target = build(&path, device, kind, section.generate_batch_size, shard, None)
+        .map_err(|e| PluginError::new(if e.starts_with("field `") { e } else { format!("field `path`: {e}") }))?;
+    target.pending_group = rendezvous;
     Ok(PluginInstance::target(target))
+}
+
+/// This rank's part of the target and where its replica meets, from `tensor_parallel` /
+/// `expert_parallel` and the replica the host formed.
+fn replica(section: &TargetSection, ctx: &HostContext) -> Result<(tp::Shard, Option<tp::Rendezvous>), PluginError> {
+    let (t, e) = (section.tensor_parallel, section.expert_parallel);
+    let shard = |rank: usize| tp::Shard::new(rank, t.max(1), e).map_err(PluginError::new);
+    match (ctx.replica.as_ref().into_option(), t) {
+        (_, 0) => Err(PluginError::new("field `tensor_parallel`: must be >= 1")),
+        (None, 1) => Ok((shard(0)?, None)),
+        (None, t) => Err(PluginError::new(format!(
+            "field `tensor_parallel` = {t}: a replica of {t} ranks needs the run launched over a multiple of {t} ranks \
+             (`train --nproc N` or torchrun)"
+        ))),
+        (Some(g), t) if g.size as usize != t => Err(PluginError::new(format!(
+            "field `tensor_parallel` = {t}: the host formed replicas of {} ranks",
+            g.size
+        ))),
+        (Some(g), _) => Ok((
+            shard(g.rank as usize)?,
+            (t > 1).then(|| tp::Rendezvous {
+                store: g.store.to_string(),
+                prefix: g.prefix.to_string(),
+                rank: g.rank as usize,
+                size: t,
+                timeout: std::time::Duration::from_secs(g.timeout_s),
+            }),
+        )),
+    }
 }
 
 impl TargetSection {
@@ -307,6 +405,7 @@ impl plugin_api::Section for TargetSection {
             return Err(PluginError::new("field `generate_batch_size`: must be >= 1"));
         }
         let mut check = SectionCheck::default();
+        let shard = tp::Shard::new(0, self.tensor_parallel, self.expert_parallel).map_err(PluginError::new)?;
         match self.locate(ctx)? {
             hub::Location::Local(_) => check.inputs.push(InputFile::existing("path", &self.path, ctx)?),
             hub::Location::Snapshot { repo, revision, commit, path } => {
@@ -327,6 +426,12 @@ impl plugin_api::Section for TargetSection {
                 )))
             }
             hub::Location::NotCached(_) => {} // `create` downloads it
+        }
+        // The model splits as `tensor_parallel` / `expert_parallel` say.
+        if !shard.is_whole() || self.expert_parallel > 1 {
+            if let Some(cfg) = self.decoder_config(ctx)? {
+                tp::check(&cfg, shard).map_err(PluginError::new)?;
+            }
         }
         check.target = self.facts(ctx)?.into();
         Ok(check)

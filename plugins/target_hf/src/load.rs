@@ -114,7 +114,7 @@ pub fn load_gguf(path: &Path) -> Result<Loaded, String> {
     let tokenizer = tokenizer_from_gguf(&g).map_err(|e| e.to_string())?;
     Ok(Loaded {
         cfg,
-        weights: Weights { tensors, source: path.display().to_string() },
+        weights: Weights::in_memory(tensors, &path.display().to_string()),
         tokenizer,
         chat_template: chat_template(&g).unwrap_or_default(),
     })
@@ -140,10 +140,11 @@ pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
     drop(tok_bytes);
     let chat_template = chat_template_of(dir)?;
     let files = weight_files(dir)?;
+    // Mapped, read as the decoder takes them: a tensor-parallel rank reads only its part.
     let mut tensors = HashMap::new();
     let (mut renamed, mut skipped) = (0usize, 0usize);
     for f in &files {
-        let read = input_files::tensors::read_safetensors(f).map_err(|e| e.to_string())?;
+        let read = input_files::tensors::lazy_safetensors(f).map_err(|e| e.to_string())?;
         for (name, t) in read {
             if name.starts_with("model.visual.") || name.starts_with("mtp.") {
                 skipped += 1;
@@ -162,7 +163,8 @@ pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
             arch_name.as_deref().unwrap_or(&cfg.model_type)
         );
     }
-    Ok(Loaded { cfg, weights: Weights { tensors, source: dir.display().to_string() }, tokenizer, chat_template })
+    let weights = Weights { tensors: HashMap::new(), mapped: tensors, source: dir.display().to_string() };
+    Ok(Loaded { cfg, weights, tokenizer, chat_template })
 }
 
 /// The folder's chat template: `tokenizer_config.json`'s `chat_template` (a string, or a list of
@@ -236,7 +238,11 @@ pub fn save_hf_dir(loaded: &Loaded, dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let cfg = serde_json::to_string_pretty(&loaded.cfg).expect("config serializes");
     std::fs::write(dir.join("config.json"), cfg).map_err(|e| e.to_string())?;
-    let mut named: Vec<(&String, &Tensor)> = loaded.weights.tensors.iter().collect();
+    let mut mapped = HashMap::new();
+    for (name, lazy) in &loaded.weights.mapped {
+        mapped.insert(name.clone(), lazy.read().map_err(|e| e.to_string())?);
+    }
+    let mut named: Vec<(&String, &Tensor)> = loaded.weights.tensors.iter().chain(&mapped).collect();
     named.sort_by(|a, b| a.0.cmp(b.0));
     Tensor::write_safetensors(&named, dir.join("model.safetensors")).map_err(|e| e.to_string())?;
     loaded.tokenizer.save(dir.join("tokenizer.json"), false).map_err(|e| e.to_string())?;

@@ -34,29 +34,47 @@ use crate::{
     moe::SparseMoe,
     qwen3_5::GatedDeltaNet,
     short_conv::{self, ShortConv},
+    tp::{Shard, TpGroup},
 };
+use input_files::tensors::{selected_shape, LazyTensor, Selection};
 use plugin_api::tch::{Device, Kind, Tensor};
 use rope_scaling::RopeScaling;
-use std::collections::HashMap;
+use std::{collections::HashMap, ops::Range};
 
 /// Named weights with checked look-ups: a missing tensor or a wrong shape names the tensor.
+/// `tensors` are in memory (a GGUF's, dequantised; tests'); `mapped` are read from their file
+/// only when taken, whole or only the part a tensor-parallel rank holds.
 pub struct Weights {
     pub tensors: HashMap<String, Tensor>,
+    pub mapped: HashMap<String, LazyTensor>,
     pub source: String,
 }
 
 impl Weights {
+    pub fn in_memory(tensors: HashMap<String, Tensor>, source: &str) -> Self {
+        Self { tensors, mapped: HashMap::new(), source: source.into() }
+    }
+
     /// Take `name` out, checking its shape.
     pub fn take(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, String> {
-        let t = self.tensors.remove(name).ok_or_else(|| format!("{}: missing tensor `{name}`", self.source))?;
-        if t.size() != shape {
-            return Err(format!("{}: tensor `{name}` has shape {:?}, expected {:?}", self.source, t.size(), shape));
+        self.take_selected(name, shape, &[])
+    }
+
+    /// Take the part `sel` keeps of `name` (whose whole shape must be `shape`) out.
+    pub fn take_selected(&mut self, name: &str, shape: &[i64], sel: &Selection) -> Result<Tensor, String> {
+        let stored = self.shape(name).ok_or_else(|| format!("{}: missing tensor `{name}`", self.source))?;
+        if stored != shape {
+            return Err(format!("{}: tensor `{name}` has shape {stored:?}, expected {shape:?}", self.source));
         }
-        Ok(t)
+        if let Some(lazy) = self.mapped.remove(name) {
+            return lazy.read_selected(sel).map_err(|e| e.to_string());
+        }
+        let t = self.tensors.remove(name).expect("present: its shape was read");
+        Ok(if sel.iter().all(|r| r.is_empty()) { t } else { crate::tp::select(&t, sel) })
     }
 
     pub fn take_opt(&mut self, name: &str, shape: &[i64]) -> Result<Option<Tensor>, String> {
-        if self.tensors.contains_key(name) {
+        if self.contains(name) {
             self.take(name, shape).map(Some)
         } else {
             Ok(None)
@@ -64,54 +82,110 @@ impl Weights {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.tensors.contains_key(name) || self.mapped.contains_key(name)
+    }
+
+    /// The stored shape of `name`.
+    pub fn shape(&self, name: &str) -> Option<Vec<i64>> {
+        self.tensors.get(name).map(Tensor::size).or_else(|| self.mapped.get(name).map(|l| l.shape.clone()))
+    }
+
+    pub fn len(&self) -> usize {
+        self.tensors.len() + self.mapped.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
 /// Weights converted to the model's device and dtype as they are taken. With `random`, a tensor
 /// the weights lack is drawn instead (`random::draw`), and also kept in `drawn` when that is Some.
+/// `shard`: the part of the model this rank holds (tensor and expert parallelism).
 pub(crate) struct Loader<'a> {
     pub w: &'a mut Weights,
     pub device: Device,
     pub kind: Kind,
     pub random: bool,
     pub drawn: Option<HashMap<String, Tensor>>,
+    pub shard: Shard,
+    pub held: WeightBytes,
+}
+
+/// Bytes of the weights a model holds (as stored): those read whole (embeddings, norms,
+/// routers: replicated on every rank of a replica) and those read in part (a rank's shard).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WeightBytes {
+    pub whole: usize,
+    pub part: usize,
+}
+
+impl WeightBytes {
+    pub fn total(&self) -> usize {
+        self.whole + self.part
+    }
 }
 
 impl<'a> Loader<'a> {
     pub fn new(w: &'a mut Weights, device: Device, kind: Kind) -> Self {
-        Self { w, device, kind, random: false, drawn: None }
+        Self { w, device, kind, random: false, drawn: None, shard: Shard::WHOLE, held: WeightBytes::default() }
     }
 
-    fn take_or(&mut self, name: &str, shape: &[i64], draw: impl FnOnce() -> Tensor) -> Result<Tensor, String> {
-        if !self.random || self.w.contains(name) {
-            return self.w.take(name, shape);
+    fn take_or(
+        &mut self,
+        name: &str,
+        shape: &[i64],
+        sel: &Selection,
+        draw: impl FnOnce(&[i64]) -> Tensor,
+    ) -> Result<Tensor, String> {
+        let stored = !self.random || self.w.contains(name);
+        let t = if stored { self.w.take_selected(name, shape, sel)? } else { draw(&selected_shape(shape, sel)) };
+        let bytes = t.numel() * t.kind().elt_size_in_bytes();
+        if sel.iter().all(|r| r.is_empty()) {
+            self.held.whole += bytes;
+        } else {
+            self.held.part += bytes;
         }
-        let t = draw();
+        if stored {
+            return Ok(t);
+        }
         if let Some(d) = self.drawn.as_mut() {
             d.insert(name.to_string(), t.shallow_clone());
         }
         Ok(t)
     }
 
-    fn take(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, String> {
+    fn take(&mut self, name: &str, shape: &[i64], sel: &Selection) -> Result<Tensor, String> {
         let (device, kind) = (self.device, self.kind);
-        self.take_or(name, shape, || crate::random::draw(name, shape, device, kind))
+        self.take_or(name, shape, sel, |s| crate::random::draw(name, s, device, kind))
     }
 
     pub fn get(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, String> {
-        Ok(self.take(name, shape)?.to_device(self.device).to_kind(self.kind))
+        self.get_selected(name, shape, &[])
+    }
+
+    /// The part `sel` keeps of `name` [`shape`] (this rank's shard).
+    pub fn get_selected(&mut self, name: &str, shape: &[i64], sel: &Selection) -> Result<Tensor, String> {
+        Ok(self.take(name, shape, sel)?.to_device(self.device).to_kind(self.kind))
     }
 
     /// In fp32 whatever the model's dtype (gates, decay rates, norm gains, routers).
     pub fn get_f32(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, String> {
-        Ok(self.take(name, shape)?.to_device(self.device).to_kind(Kind::Float))
+        self.get_f32_selected(name, shape, &[])
+    }
+
+    pub fn get_f32_selected(&mut self, name: &str, shape: &[i64], sel: &Selection) -> Result<Tensor, String> {
+        Ok(self.take(name, shape, sel)?.to_device(self.device).to_kind(Kind::Float))
     }
 
     /// Several [out_i, in] matrices stacked into one [sum out_i, in]: one GEMM where the
-    /// checkpoint has several (q|k|v, a GDN layer's four input projections).
-    pub fn fused(&mut self, parts: &[(String, i64)], inp: i64) -> Result<Tensor, String> {
-        let ts = parts.iter().map(|(n, out)| self.get(n, &[*out, inp])).collect::<Result<Vec<_>, _>>()?;
+    /// checkpoint has several (q|k|v, a GDN layer's four input projections); of each, the rows
+    /// its selection keeps.
+    pub fn fused(&mut self, parts: &[(String, i64, Vec<Range<i64>>)], inp: i64) -> Result<Tensor, String> {
+        let ts = parts
+            .iter()
+            .map(|(n, out, rows)| self.get_selected(n, &[*out, inp], std::slice::from_ref(rows)))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(if ts.len() == 1 { ts.into_iter().next().expect("one part") } else { Tensor::cat(&ts, 0) })
     }
 
@@ -119,14 +193,14 @@ impl<'a> Loader<'a> {
     /// fp32, then the model's dtype, as transformers computes `(1.0 + weight.float())`).
     pub fn norm(&mut self, name: &str, dim: i64, centred: bool) -> Result<Tensor, String> {
         let device = self.device;
-        let gain = move || {
+        let gain = move |_: &[i64]| {
             if centred {
                 Tensor::zeros([dim], (Kind::Float, device))
             } else {
                 Tensor::ones([dim], (Kind::Float, device))
             }
         };
-        let w = self.take_or(name, &[dim], gain)?.to_device(self.device).to_kind(Kind::Float);
+        let w = self.take_or(name, &[dim], &[], gain)?.to_device(self.device).to_kind(Kind::Float);
         Ok(if centred { w + 1.0 } else { w }.to_kind(self.kind))
     }
 }
@@ -248,10 +322,12 @@ impl Mlp {
         width: i64,
         act: Activation,
     ) -> Result<Self, String> {
+        // gate/up column-parallel, down row-parallel (`tp.rs`).
+        let part = ld.shard.split(width, "the MLP's intermediate size")?;
         Ok(Self {
-            gate_proj: ld.get(&format!("{p}.{}.weight", names[0]), &[width, hidden])?,
-            up_proj: ld.get(&format!("{p}.{}.weight", names[1]), &[width, hidden])?,
-            down_proj: ld.get(&format!("{p}.{}.weight", names[2]), &[hidden, width])?,
+            gate_proj: ld.get_selected(&format!("{p}.{}.weight", names[0]), &[width, hidden], &[vec![part.clone()]])?,
+            up_proj: ld.get_selected(&format!("{p}.{}.weight", names[1]), &[width, hidden], &[vec![part.clone()]])?,
+            down_proj: ld.get_selected(&format!("{p}.{}.weight", names[2]), &[hidden, width], &[vec![], vec![part]])?,
             act,
         })
     }
@@ -314,9 +390,19 @@ pub(crate) struct Context<'a> {
     windowed: Vec<(i64, Option<Tensor>)>,
     valid: Option<&'a Tensor>,
     rollback: bool,
+    /// The replica's group (tensor parallelism): row-parallel outputs are summed over it.
+    tp: Option<&'a TpGroup>,
 }
 
 impl Context<'_> {
+    /// A row-parallel output summed over the replica's ranks (as is without one).
+    fn reduce(&self, t: Tensor, what: &str) -> Tensor {
+        let Some(g) = self.tp else { return t };
+        let t = t.contiguous();
+        g.all_reduce(&t, what);
+        t
+    }
+
     fn mask(&self, window: Option<i64>) -> Option<&Tensor> {
         match window {
             None => self.full.as_ref(),
@@ -461,6 +547,7 @@ impl Layer {
                 c.forward(&h, ctx.valid, state, ctx.rollback)
             }
         };
+        let out = ctx.reduce(out, "a token mixer's output");
         match &self.mixer_out_norm {
             Some(n) => x + rms_norm(&out, n, ctx.eps),
             None => x + out,
@@ -474,7 +561,7 @@ impl Layer {
 
     /// The MLP's branch for its input `h`.
     pub(crate) fn ffn_output(&self, h: &Tensor, ctx: &Context) -> Tensor {
-        let y = self.ffn.forward(h);
+        let y = ctx.reduce(self.ffn.forward(h), "an MLP's output");
         match &self.ffn_out_norm {
             Some(n) => rms_norm(&y, n, ctx.eps),
             None => y,
@@ -523,6 +610,10 @@ pub struct Decoder {
     blocks: Vec<Block>,
     /// Where each block's cache slots start.
     slot_start: Vec<usize>,
+    /// The replica's group when the model is spread over several ranks (`tp.rs`).
+    pub tp: Option<TpGroup>,
+    /// The weights this rank holds.
+    pub held: WeightBytes,
 }
 
 impl Decoder {
@@ -533,8 +624,46 @@ impl Decoder {
 
     /// Random weights at `cfg`'s shapes, drawn as each is looked up (`random::draw`).
     pub fn random(cfg: &DecoderConfig, device: Device, kind: Kind) -> Result<Self, String> {
-        let mut w = Weights { tensors: HashMap::new(), source: "random_init".into() };
+        let mut w = Weights::in_memory(HashMap::new(), "random_init");
         Self::build(cfg, &mut Loader { random: true, ..Loader::new(&mut w, device, kind) })
+    }
+
+    /// This rank's part of the model (`shard`, see `tp.rs`), its rows and columns read from the
+    /// weights (and nothing else of them), the group joined; the replica's other ranks build
+    /// theirs at the same time.
+    pub fn new_shard(
+        cfg: &DecoderConfig,
+        mut w: Weights,
+        device: Device,
+        kind: Kind,
+        shard: Shard,
+        tp: Option<TpGroup>,
+    ) -> Result<Self, String> {
+        Self::build_shard(cfg, &mut Loader { shard, ..Loader::new(&mut w, device, kind) }, tp)
+    }
+
+    /// Random weights at `cfg`'s shapes, this rank's part of them (see `new_shard`).
+    pub fn random_shard(
+        cfg: &DecoderConfig,
+        device: Device,
+        kind: Kind,
+        shard: Shard,
+        tp: Option<TpGroup>,
+    ) -> Result<Self, String> {
+        let mut w = Weights::in_memory(HashMap::new(), "random_init");
+        Self::build_shard(cfg, &mut Loader { random: true, shard, ..Loader::new(&mut w, device, kind) }, tp)
+    }
+
+    fn build_shard(cfg: &DecoderConfig, ld: &mut Loader, tp: Option<TpGroup>) -> Result<Self, String> {
+        let shard = ld.shard;
+        crate::tp::check(cfg, shard)?;
+        // (The group may come later, at the first forward: `HfTarget::pending_group`.)
+        if tp.as_ref().is_some_and(|g| g.size != shard.size) {
+            return Err(format!("a model split over {} ranks needs a group of that size", shard.size));
+        }
+        let mut model = Self::build(cfg, ld)?;
+        model.tp = tp;
+        Ok(model)
     }
 
     pub(crate) fn build(cfg: &DecoderConfig, ld: &mut Loader) -> Result<Self, String> {
@@ -549,7 +678,7 @@ impl Decoder {
             ropes.push(Rope::for_kind(cfg, LayerKind::Sliding)?);
         }
         // The count may come from a hostile file: reserve no more than the weights could fill.
-        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers.min(ld.w.tensors.len()));
+        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers.min(ld.w.len()));
         let (mut slot_start, mut slots) = (Vec::with_capacity(blocks.capacity()), 0);
         for i in 0..cfg.num_hidden_layers {
             let block = if cfg.arch() == Arch::LongcatFlash {
@@ -573,6 +702,8 @@ impl Decoder {
             norm,
             blocks,
             slot_start,
+            tp: None,
+            held: ld.held,
         })
     }
 
@@ -635,6 +766,7 @@ impl Decoder {
             full,
             valid,
             rollback: cache.as_ref().is_some_and(|c| c.rollback),
+            tp: self.tp.as_ref(),
         };
         let mut x = Tensor::embedding(&self.embed_tokens, ids, -1, false, false);
         if let Some(scale) = self.embed_scale {
@@ -760,7 +892,7 @@ mod tests {
                 add(format!("{p}.self_attn.k_norm.weight"), &[8], 1.0);
             }
         }
-        (cfg, Weights { tensors: t, source: "tiny".into() })
+        (cfg, Weights::in_memory(t, "tiny"))
     }
 
     #[test]

@@ -28,6 +28,7 @@ use crate::{
     model::{Loader, Mlp},
 };
 use plugin_api::tch::{Kind, Tensor};
+use std::ops::Range;
 
 /// gpt-oss's SwiGLU: (clamp(up, -7, 7) + 1) * g sigmoid(1.702 g), g = min(gate, 7).
 const GPT_OSS_ALPHA: f64 = 1.702;
@@ -53,6 +54,8 @@ pub struct SparseMoe {
     down_bias: Option<Tensor>,
     /// Experts with weights (the ids past them are zero-computation experts).
     experts: i64,
+    /// With expert parallelism, the experts this rank holds (`tp.rs`); None: all of them.
+    local: Option<Range<i64>>,
     top_k: i64,
     clamped: bool,
     /// I' and H'.
@@ -102,7 +105,12 @@ impl SparseMoe {
             ),
         };
         // 2. The experts as [E, 2I, H] (gate rows first) and [E, H, I], with their biases.
-        let (mut gate_up, mut down, mut gate_up_bias, mut down_bias) = Self::load_experts(&m, ld, p, h)?;
+        // This rank's experts and part of their width (`tp.rs`).
+        let mine = ld.shard.experts(e)?;
+        let width = ld.shard.expert_width(i)?;
+        let (mut gate_up, mut down, mut gate_up_bias, mut down_bias) = Self::load_experts(&m, ld, p, h, &mine, &width)?;
+        let local = (mine.end - mine.start < e).then_some(mine);
+        let i = width.end - width.start;
         if m.zero_experts > 0 {
             let zero = |t: &Tensor| Tensor::cat(&[t, &t.narrow(0, 0, 1).zeros_like()], 0);
             (gate_up, down) = (zero(&gate_up), zero(&down));
@@ -144,6 +152,7 @@ impl SparseMoe {
             down,
             down_bias,
             experts: e,
+            local,
             top_k: m.top_k as i64,
             clamped: m.gpt_oss,
             intermediate: ip,
@@ -152,15 +161,21 @@ impl SparseMoe {
         })
     }
 
-    /// The experts' weights, unpadded: gate_up [E, 2I, H], down [E, H, I], their biases.
+    /// The experts' weights, unpadded: gate_up [E, 2I, H], down [E, H, I], their biases; of the
+    /// experts `mine`, the width `width` of each (the whole model: all of them, all of it).
     #[allow(clippy::type_complexity)]
     fn load_experts(
         m: &MoeShape,
         ld: &mut Loader,
         p: &str,
         h: i64,
+        mine: &Range<i64>,
+        width: &Range<i64>,
     ) -> Result<(Tensor, Tensor, Option<Tensor>, Option<Tensor>), String> {
         let (e, i) = (m.experts as i64, m.intermediate as i64);
+        let shift = |r: &Range<i64>, by: i64| r.start + by..r.end + by;
+        // gate rows then up rows of each expert, and down's columns.
+        let gate_up_rows = vec![width.clone(), shift(width, i)];
         let fused = format!("{p}.experts.gate_up_proj");
         if m.gpt_oss {
             // [E, H, 2I] interleaved and [E, I, H] -> [E, 2I, H] gate rows first and [E, H, I].
@@ -172,18 +187,24 @@ impl SparseMoe {
         }
         if ld.w.contains(&fused) || ld.random {
             // LongCat-Flash's fused gate_up has a row block for each zero-computation expert too.
-            let stored = if ld.w.contains(&fused) { ld.w.tensors[&fused].size()[0] } else { e };
+            let stored = ld.w.shape(&fused).map_or(e, |s| s[0]);
             let stored = if stored == e + m.zero_experts as i64 { stored } else { e };
-            let gate_up = ld.get(&fused, &[stored, 2 * i, h])?.narrow(0, 0, e);
-            return Ok((gate_up, ld.get(&format!("{p}.experts.down_proj"), &[e, h, i])?, None, None));
+            let gate_up = ld.get_selected(&fused, &[stored, 2 * i, h], &[vec![mine.clone()], gate_up_rows])?;
+            let down = ld.get_selected(
+                &format!("{p}.experts.down_proj"),
+                &[e, h, i],
+                &[vec![mine.clone()], vec![], vec![width.clone()]],
+            )?;
+            return Ok((gate_up, down, None, None));
         }
-        let (mut gate_up, mut down) = (Vec::with_capacity(e as usize), Vec::with_capacity(e as usize));
-        for x in 0..e {
+        let n = (mine.end - mine.start) as usize;
+        let (mut gate_up, mut down) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for x in mine.clone() {
             let q = format!("{p}.experts.{x}");
-            let gate = ld.get(&format!("{q}.gate_proj.weight"), &[i, h])?;
-            let up = ld.get(&format!("{q}.up_proj.weight"), &[i, h])?;
+            let gate = ld.get_selected(&format!("{q}.gate_proj.weight"), &[i, h], &[vec![width.clone()]])?;
+            let up = ld.get_selected(&format!("{q}.up_proj.weight"), &[i, h], &[vec![width.clone()]])?;
             gate_up.push(Tensor::cat(&[gate, up], 0));
-            down.push(ld.get(&format!("{q}.down_proj.weight"), &[h, i])?);
+            down.push(ld.get_selected(&format!("{q}.down_proj.weight"), &[h, i], &[vec![], vec![width.clone()]])?);
         }
         Ok((Tensor::stack(&gate_up, 0), Tensor::stack(&down, 0), None, None))
     }
@@ -250,6 +271,9 @@ impl SparseMoe {
             experts = experts.clamp_max(self.experts);
             (&weights * zero.to_kind(x.kind())).sum_dim_intlist(-1, true, x.kind()) * &x
         });
+        if let Some(mine) = &self.local {
+            return self.forward_local(&x, &experts, &weights, mine).view(size.as_slice());
+        }
         // 2. Sort the T*k pairs by expert; expert e's rows end at offs[e].
         let (sorted, order) = experts.view([-1]).sort_stable(true, 0, false);
         let bounds = Tensor::arange(n_experts, (Kind::Int64, x.device()));
@@ -292,6 +316,44 @@ impl SparseMoe {
             None => {}
         }
         out.view(size.as_slice())
+    }
+}
+
+impl SparseMoe {
+    /// With expert parallelism: the pairs routed to this rank's experts `mine` only (the rest
+    /// contribute nothing here; the ranks holding their experts add them in the all-reduce), and
+    /// this rank's part of the shared expert. x [T, H] -> [T, H], a partial sum.
+    fn forward_local(&self, x: &Tensor, experts: &Tensor, weights: &Tensor, mine: &Range<i64>) -> Tensor {
+        let (t, h) = (x.size()[0], x.size()[1]);
+        let (k, i, n) = (self.top_k, self.intermediate, mine.end - mine.start);
+        // 1. Local ids; other ranks' pairs sort last (id n) and are cut off.
+        let ids = experts.view([-1]) - mine.start;
+        let here = ids.ge(0).logical_and(&ids.lt(n));
+        let ids = ids.where_self(&here, &ids.full_like(n));
+        let (sorted, order) = ids.sort_stable(true, 0, false);
+        let bounds = Tensor::arange(n, (Kind::Int64, x.device()));
+        let offs = bounds.searchsorted::<&Tensor>(&sorted, true, true, "right", None); // int32 [n]
+                                                                                       // The one wait for the host: how many pairs this rank computes.
+        let count = offs.int64_value(&[n - 1]);
+        let mut pairs = Tensor::zeros([t * k, h], (x.kind(), x.device()));
+        if count > 0 {
+            let order = order.narrow(0, 0, count);
+            let mut rows = x.index_select(0, &order.divide_scalar_mode(k, "floor"));
+            if self.hidden != h {
+                rows = rows.constant_pad_nd([0, self.hidden - h]);
+            }
+            let gate_up = rows.internal_grouped_mm(&self.gate_up.transpose(1, 2), Some(&offs), None, None::<Kind>);
+            let act = gate_up.narrow(1, 0, i).silu() * gate_up.narrow(1, i, i);
+            let y = act.internal_grouped_mm(&self.down.transpose(1, 2), Some(&offs), None, None::<Kind>);
+            let _ = pairs.index_copy_(0, &order, &y.narrow(1, 0, h));
+        }
+        let mut out = (pairs.view([t, k, h]) * weights.unsqueeze(-1)).sum_dim_intlist(1, false, x.kind());
+        match &self.shared {
+            Some(Shared::Gated(mlp, gate)) => out = out + x.linear::<&Tensor>(gate, None).sigmoid() * mlp.forward(x),
+            Some(Shared::Plain(mlp)) => out = out + mlp.forward(x),
+            None => {}
+        }
+        out
     }
 }
 
@@ -392,7 +454,7 @@ mod tests {
             "moe_intermediate_size": i, "norm_topk_prob": false, "zero_expert_num": z,
         }))
         .unwrap();
-        let mut w = Weights { tensors: t, source: "tiny".into() };
+        let mut w = Weights::in_memory(t, "tiny");
         let mut ld = Loader::new(&mut w, Device::Cpu, Kind::Float);
         (SparseMoe::load(&cfg, &mut ld, "mlp").unwrap(), (gate_up, down, biases.0, biases.1))
     }

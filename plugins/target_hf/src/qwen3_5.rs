@@ -15,9 +15,11 @@ use crate::{
     cache::{conv_tail, LinearState, Undo},
     config::DecoderConfig,
     model::Loader,
+    tp::rows,
 };
 use gated_deltanet::{chunked_with, conv_silu, l2norm, Precision};
 use plugin_api::tch::{Kind, Tensor};
+use std::ops::Range;
 
 /// Steps per chunk of the chunked delta rule (transformers' and FLA's 64).
 pub const CHUNK: i64 = 64;
@@ -52,18 +54,33 @@ impl GatedDeltaNet {
         let (nk, nv, dk, dv) = (s.key_heads as i64, s.value_heads as i64, s.key_dim as i64, s.value_dim as i64);
         let c = s.conv_channels() as i64;
         let k = s.conv_kernel as i64;
-        let parts = [("in_proj_qkv", c), ("in_proj_z", nv * dv), ("in_proj_b", nv), ("in_proj_a", nv)];
-        let in_proj = ld.fused(&parts.map(|(n, r)| (format!("{p}.{n}.weight"), r)), h)?;
-        let conv = ld.get(&format!("{p}.conv1d.weight"), &[c, 1, k])?.squeeze_dim(1);
+        // This rank's value heads and the key heads they read (`tp.rs`): rows of q | k | v, of
+        // the conv's channels, of z, b and a; columns of out_proj.
+        let vh = ld.shard.split(nv, "the Gated DeltaNet value heads")?;
+        let kh = ld.shard.kv_heads(nk, "the Gated DeltaNet key heads")?;
+        let shift = |r: Range<i64>, by: i64| r.start + by..r.end + by;
+        let channels = vec![rows(&kh, dk), shift(rows(&kh, dk), nk * dk), shift(rows(&vh, dv), 2 * nk * dk)];
+        let parts = [
+            ("in_proj_qkv", c, channels.clone()),
+            ("in_proj_z", nv * dv, vec![rows(&vh, dv)]),
+            ("in_proj_b", nv, vec![vh.clone()]),
+            ("in_proj_a", nv, vec![vh.clone()]),
+        ];
+        let fused: Vec<_> = parts.into_iter().map(|(n, r, keep)| (format!("{p}.{n}.weight"), r, keep)).collect();
+        let in_proj = ld.fused(&fused, h)?;
+        let conv = ld.get_selected(&format!("{p}.conv1d.weight"), &[c, 1, k], &[channels])?.squeeze_dim(1);
         // transformers: `-self.A_log.float().exp()`.
-        let neg_a = -ld.get_f32(&format!("{p}.A_log"), &[nv])?.exp();
+        let neg_a = -ld.get_f32_selected(&format!("{p}.A_log"), &[nv], &[vec![vh.clone()]])?.exp();
+        let out_proj =
+            ld.get_selected(&format!("{p}.out_proj.weight"), &[h, nv * dv], &[vec![], vec![rows(&vh, dv)]])?;
+        let (nk, nv) = (kh.end - kh.start, vh.end - vh.start);
         Ok(Self {
             in_proj,
             conv,
             neg_a,
-            dt_bias: ld.get_f32(&format!("{p}.dt_bias"), &[nv])?,
+            dt_bias: ld.get_f32_selected(&format!("{p}.dt_bias"), &[s.value_heads as i64], &[vec![vh]])?,
             norm: ld.get_f32(&format!("{p}.norm.weight"), &[dv])?,
-            out_proj: ld.get(&format!("{p}.out_proj.weight"), &[h, nv * dv])?,
+            out_proj,
             key_heads: nk,
             value_heads: nv,
             key_dim: dk,

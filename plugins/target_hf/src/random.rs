@@ -26,6 +26,11 @@ pub fn load_random(path: &Path, device: Device, kind: Kind) -> Result<(Decoder, 
     Ok((model, tokenizer(path)?))
 }
 
+/// The config and tokenizer of `path` (as [`load_random`]), for a decoder built elsewhere.
+pub fn random_config(path: &Path) -> Result<(DecoderConfig, Tokenizer), String> {
+    Ok((DecoderConfig::read(path)?, tokenizer(path)?))
+}
+
 fn tokenizer(path: &Path) -> Result<Tokenizer, String> {
     let file = path.join("tokenizer.json");
     if path.is_dir() && file.is_file() {
@@ -61,10 +66,10 @@ pub fn draw(name: &str, shape: &[i64], device: Device, kind: Kind) -> Tensor {
 /// experts drawn already stacked, `experts.gate_up_proj`, as transformers holds them). For
 /// tests that write a random checkpoint; builds the decoder once on the way.
 pub fn random_weights(cfg: &DecoderConfig, device: Device, kind: Kind) -> Weights {
-    let mut empty = Weights { tensors: HashMap::new(), source: "random_init".into() };
+    let mut empty = Weights::in_memory(HashMap::new(), "random_init");
     let mut ld = Loader { random: true, drawn: Some(HashMap::new()), ..Loader::new(&mut empty, device, kind) };
     Decoder::build(cfg, &mut ld).expect("a valid config builds");
-    Weights { tensors: ld.drawn.take().unwrap_or_default(), source: "random_init".into() }
+    Weights::in_memory(ld.drawn.take().unwrap_or_default(), "random_init")
 }
 
 #[cfg(test)]
