@@ -7,6 +7,7 @@
 use crate::dflash::DFlashSection;
 use plugin_api::{
     abi_stable::std_types::RVec,
+    describe::{InputFile, SectionCheck},
     tch::{nn, Device, Kind, Tensor},
     HostContext, NamedTensor, PluginError, TargetSpec,
 };
@@ -43,6 +44,23 @@ pub trait DrafterShell: Sized {
     fn load(&mut self, weights: RVec<NamedTensor>) -> Result<(), PluginError> {
         crate::weights::load_named(self.vs(), weights)
     }
+}
+
+/// What a drafter section's check reports beyond its fields: the saved drafter `init_from` names,
+/// which must be there.
+pub fn section_inputs(init_from: Option<&str>, ctx: &HostContext) -> Result<SectionCheck, PluginError> {
+    let inputs = init_from.map(|p| InputFile::existing("init_from", p, ctx)).transpose()?;
+    Ok(SectionCheck { inputs: inputs.into_iter().collect(), ..Default::default() })
+}
+
+/// A saved drafter's config.json read as `C` when its `architectures` names `architecture`
+/// (None for another drafter's).
+pub fn saved_config<C: DeserializeOwned>(config_json: &str, architecture: &str) -> Result<Option<C>, PluginError> {
+    let value: serde_json::Value = serde_json::from_str(config_json).map_err(|e| PluginError::new(e.to_string()))?;
+    if value["architectures"][0].as_str() != Some(architecture) {
+        return Ok(None);
+    }
+    serde_json::from_value(value).map(Some).map_err(|e| PluginError::new(e.to_string()))
 }
 
 /// The drafter a `[drafter]` section asks for, on the context's device and dtype, seeded: from

@@ -270,6 +270,20 @@ impl<R: BufRead> Iterator for Lines<R> {
     }
 }
 
+/// Whether `s` reads as a hub repository id: `owner/name`, each part letters, digits, `-`, `_`,
+/// `.`, not starting with `.` or `-` (HF's rule), nothing else. Such an input names a model to
+/// look up in the hub cache, not a file.
+pub fn is_hub_repo_id(s: &str) -> bool {
+    let part = |p: &str| {
+        !p.is_empty()
+            && p.len() <= 96
+            && !p.starts_with(['.', '-'])
+            && !p.contains("..")
+            && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    };
+    matches!(s.split_once('/'), Some((owner, name)) if part(owner) && part(name))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

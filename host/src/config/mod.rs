@@ -13,7 +13,7 @@ pub mod preflight;
 mod sections;
 
 pub use locate::{locate_key, locate_plugin_error, toml_error};
-pub use overrides::{is_hub_name, set_dotted, Override};
+pub use overrides::{set_dotted, Override};
 pub use sections::{AnchorRule, LossGamma, LossNormalization, PipelineConfig, TrainConfig};
 
 use anyhow::{bail, Context, Result};

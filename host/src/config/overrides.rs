@@ -163,27 +163,13 @@ impl Override {
             }
             let here = cwd.join(s.as_str());
             let named = PATH_FIELDS.contains(&field)
-                && !(field == "target.path" && is_hub_name(s))
+                && !(field == "target.path" && input_files::is_hub_repo_id(s))
                 && !(field == "data.chat_template" && s == "chatml");
             if named || std::fs::symlink_metadata(&here).is_ok() {
                 *s = std::path::absolute(&here).unwrap_or(here).display().to_string();
             }
         });
     }
-}
-
-/// Whether a target `path` reads as a hub model id, `owner/name` (each part letters, digits, `-`,
-/// `_`, `.`, not starting with `.` or `-`): such a value that names nothing here is left as it
-/// is for the target plugin to look up.
-pub fn is_hub_name(s: &str) -> bool {
-    let part = |p: &str| {
-        !p.is_empty()
-            && p.len() <= 96
-            && !p.starts_with(['.', '-'])
-            && !p.contains("..")
-            && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-    };
-    matches!(s.split_once('/'), Some((owner, name)) if part(owner) && part(name))
 }
 
 /// `f(dotted key, value)` for each non-table value under `key`.

@@ -90,7 +90,7 @@ impl Target {
     pub fn of_run(source: &str, configured: Option<&str>, facts: Option<&TargetFacts>) -> Self {
         let path = Path::new(source);
         let hub = configured
-            .filter(|c| crate::config::is_hub_name(c) && !Path::new(c).exists())
+            .filter(|c| input_files::is_hub_repo_id(c) && !Path::new(c).exists())
             .map(str::to_string)
             .or_else(|| hub_cache_name(path));
         let file_name = path.file_name().map_or(source.to_string(), |n| n.to_string_lossy().to_string());

@@ -339,19 +339,15 @@ impl plugin_api::Section for DrafterSection {
     /// The fields as far as they go without the target, and the saved drafter `init_from` names.
     fn check(&self, ctx: &HostContext) -> Result<plugin_api::describe::SectionCheck, PluginError> {
         DrafterSection::check(self)?;
-        let inputs = self.init_from.iter().map(|p| plugin_api::describe::InputFile::existing("init_from", p, ctx));
-        Ok(plugin_api::describe::SectionCheck { inputs: inputs.collect::<Result<_, _>>()?, ..Default::default() })
+        shell::section_inputs(self.init_from.as_deref(), ctx)
     }
 
     /// A saved config of this drafter (`architectures` = `DFlashDraftModel`), checked, and the shapes it
     /// implies.
     fn saved_shapes(config_json: &str) -> Result<Option<plugin_api::describe::Shapes>, PluginError> {
-        let value: serde_json::Value =
-            serde_json::from_str(config_json).map_err(|e| PluginError::new(e.to_string()))?;
-        if value["architectures"][0].as_str() != Some("DFlashDraftModel") {
+        let Some(mut cfg) = shell::saved_config::<DFlashConfig>(config_json, "DFlashDraftModel")? else {
             return Ok(None);
-        }
-        let mut cfg: DFlashConfig = serde_json::from_str(config_json).map_err(|e| PluginError::new(e.to_string()))?;
+        };
         cfg.check().map_err(PluginError::new)?;
         Ok(Some(cfg.parameter_shapes()))
     }

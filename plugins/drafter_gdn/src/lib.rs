@@ -118,19 +118,15 @@ impl plugin_api::Section for DrafterSection {
     /// The fields as far as they go without the target, and the saved drafter `init_from` names.
     fn check(&self, ctx: &HostContext) -> Result<plugin_api::describe::SectionCheck, PluginError> {
         DrafterSection::check(self)?;
-        let inputs = self.init_from.iter().map(|p| plugin_api::describe::InputFile::existing("init_from", p, ctx));
-        Ok(plugin_api::describe::SectionCheck { inputs: inputs.collect::<Result<_, _>>()?, ..Default::default() })
+        drafter_layers::shell::section_inputs(self.init_from.as_deref(), ctx)
     }
 
     /// A saved config of this drafter (`architectures` = `DFlashGdnDraftModel`), checked, and the shapes it
     /// implies.
     fn saved_shapes(config_json: &str) -> Result<Option<plugin_api::describe::Shapes>, PluginError> {
-        let value: serde_json::Value =
-            serde_json::from_str(config_json).map_err(|e| PluginError::new(e.to_string()))?;
-        if value["architectures"][0].as_str() != Some("DFlashGdnDraftModel") {
+        let Some(cfg) = drafter_layers::shell::saved_config::<GdnConfig>(config_json, "DFlashGdnDraftModel")? else {
             return Ok(None);
-        }
-        let cfg: GdnConfig = serde_json::from_str(config_json).map_err(|e| PluginError::new(e.to_string()))?;
+        };
         cfg.check_saved().map_err(PluginError::new)?;
         Ok(Some(cfg.parameter_shapes()))
     }

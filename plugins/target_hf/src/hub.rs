@@ -28,18 +28,7 @@ fn wanted(file: &str) -> bool {
             || file == "model.safetensors.index.json")
 }
 
-/// Whether `s` reads as a hub repository id: `owner/name`, each part letters, digits, `-`, `_`,
-/// `.`, not starting with `.` or `-` (HF's rule), nothing else.
-pub fn is_repo_id(s: &str) -> bool {
-    let part = |p: &str| {
-        !p.is_empty()
-            && p.len() <= 96
-            && !p.starts_with(['.', '-'])
-            && !p.contains("..")
-            && p.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-    };
-    matches!(s.split_once('/'), Some((owner, name)) if part(owner) && part(name))
-}
+pub use input_files::is_hub_repo_id as is_repo_id;
 
 /// The hub cache folder, and what chose it (for messages).
 #[derive(Debug, Clone, PartialEq)]

@@ -90,16 +90,14 @@ pub(crate) fn range(name: &str) -> kernels::profiler::Range {
 }
 
 impl HfTarget {
+    /// The whole model at `path`, on one device.
     pub fn load(path: &Path, device: Device, kind: Kind, generate_batch_size: usize) -> Result<Self, String> {
-        let load::Loaded { cfg, weights, tokenizer, chat_template } = load::load(path)?;
-        let model = Decoder::new(&cfg, weights, device, kind)?;
-        Self::new(model, tokenizer, chat_template, path, generate_batch_size)
+        Self::load_shard(path, device, kind, generate_batch_size, tp::Shard::WHOLE, None)
     }
 
     /// Random weights at the shape of the config.json `path` (see `TargetSection::random_init`).
     pub fn random(path: &Path, device: Device, kind: Kind, generate_batch_size: usize) -> Result<Self, String> {
-        let (model, tokenizer) = random::load_random(path, device, kind)?;
-        Self::new(model, tokenizer, String::new(), path, generate_batch_size)
+        Self::random_shard(path, device, kind, generate_batch_size, tp::Shard::WHOLE, None)
     }
 
     /// This rank's part of the model at `path` (`tp.rs`): only its rows and columns of each
@@ -126,7 +124,7 @@ impl HfTarget {
         shard: tp::Shard,
         tp: Option<tp::TpGroup>,
     ) -> Result<Self, String> {
-        let (cfg, tokenizer) = random::random_config(path)?;
+        let (cfg, tokenizer) = random::config_and_tokenizer(path)?;
         let model = Decoder::random_shard(&cfg, device, kind, shard, tp)?;
         Self::new(model, tokenizer, String::new(), path, generate_batch_size)
     }

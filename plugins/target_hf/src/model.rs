@@ -618,14 +618,8 @@ pub struct Decoder {
 
 impl Decoder {
     /// Build from HF-named weights, converted to `kind` on `device`; the weights are consumed.
-    pub fn new(cfg: &DecoderConfig, mut w: Weights, device: Device, kind: Kind) -> Result<Self, String> {
-        Self::build(cfg, &mut Loader::new(&mut w, device, kind))
-    }
-
-    /// Random weights at `cfg`'s shapes, drawn as each is looked up (`random::draw`).
-    pub fn random(cfg: &DecoderConfig, device: Device, kind: Kind) -> Result<Self, String> {
-        let mut w = Weights::in_memory(HashMap::new(), "random_init");
-        Self::build(cfg, &mut Loader { random: true, ..Loader::new(&mut w, device, kind) })
+    pub fn new(cfg: &DecoderConfig, w: Weights, device: Device, kind: Kind) -> Result<Self, String> {
+        Self::new_shard(cfg, w, device, kind, Shard::WHOLE, None)
     }
 
     /// This rank's part of the model (`shard`, see `tp.rs`), its rows and columns read from the
@@ -642,7 +636,8 @@ impl Decoder {
         Self::build_shard(cfg, &mut Loader { shard, ..Loader::new(&mut w, device, kind) }, tp)
     }
 
-    /// Random weights at `cfg`'s shapes, this rank's part of them (see `new_shard`).
+    /// Random weights at `cfg`'s shapes, drawn as each is looked up (`random::draw`), this rank's
+    /// part of them (see `new_shard`).
     pub fn random_shard(
         cfg: &DecoderConfig,
         device: Device,

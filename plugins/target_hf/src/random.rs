@@ -19,15 +19,8 @@ const PLACEHOLDER_TOKENIZER: &str = r#"{"version":"1.0","truncation":null,"paddi
 /// `path`: a config.json, or a folder holding one. A tokenizer.json in that folder is the
 /// target's tokenizer (training through the whole pipeline on a dataset needs one that makes
 /// sequences of real length); otherwise a placeholder. The weights are drawn as the decoder looks
-/// them up ([`Decoder::random`]), on the target's device in its dtype.
-pub fn load_random(path: &Path, device: Device, kind: Kind) -> Result<(Decoder, Tokenizer), String> {
-    let cfg = DecoderConfig::read(path)?;
-    let model = Decoder::random(&cfg, device, kind)?;
-    Ok((model, tokenizer(path)?))
-}
-
-/// The config and tokenizer of `path` (as [`load_random`]), for a decoder built elsewhere.
-pub fn random_config(path: &Path) -> Result<(DecoderConfig, Tokenizer), String> {
+/// them up ([`Decoder::random_shard`]), on the target's device in its dtype.
+pub fn config_and_tokenizer(path: &Path) -> Result<(DecoderConfig, Tokenizer), String> {
     Ok((DecoderConfig::read(path)?, tokenizer(path)?))
 }
 
