@@ -304,3 +304,116 @@ fn an_ab_of_forks_runs_each_arm_from_the_checkpoint_and_compares_them() {
     );
     assert_eq!(hashes(parent), before, "the parent is only read");
 }
+
+/// A checkpoint's optimizer state by name.
+fn optimizer_state(exp: &Path, step: u64) -> BTreeMap<String, tch::Tensor> {
+    let path = exp.join(format!("checkpoints/step-{step}/optimizer.safetensors"));
+    tch::Tensor::read_safetensors(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())).into_iter().collect()
+}
+
+fn equal(a: &tch::Tensor, b: &tch::Tensor) -> bool {
+    a.size() == b.size() && a.equal(b)
+}
+
+/// `carry` AdamW -> Muon -> AdamW: at each fork the new optimizer's state, as its first
+/// checkpoint holds it, is the old one's by role, read from the old checkpoint: Muon's momentum of
+/// a matrix is AdamW's `exp_avg`; Muon's AdamW group keeps both moments; back in AdamW, a matrix's
+/// `exp_avg` is Muon's momentum and its `exp_avg_sq` is seeded as the square, bias-corrected.
+#[test]
+fn carry_hands_adamws_first_moment_to_muons_momentum_and_back() {
+    let parent = parent();
+    let dir = tempfile::tempdir().unwrap();
+    let muon = dir.path().join("muon");
+    let out = ok(fork(
+        parent,
+        &muon,
+        &["--set", "optimizer.plugin=muon", "--optimizer-state", "carry", "--stop-at", &(AT + 2).to_string()],
+    ));
+    let (adamw_state, muon_state) = (optimizer_state(parent, AT), optimizer_state(&muon, AT));
+    let matrices: Vec<&str> = muon_state.keys().filter_map(|k| k.strip_suffix(".momentum_buffer")).collect::<Vec<_>>();
+    let others: Vec<&str> = muon_state.keys().filter_map(|k| k.strip_suffix(".exp_avg_sq")).collect();
+    assert!(!matrices.is_empty() && !others.is_empty(), "{:?}", muon_state.keys());
+    for p in &matrices {
+        assert!(equal(&muon_state[&format!("{p}.momentum_buffer")], &adamw_state[&format!("{p}.exp_avg")]), "{p}");
+    }
+    for p in &others {
+        for slot in ["exp_avg", "exp_avg_sq"] {
+            let k = format!("{p}.{slot}");
+            assert!(equal(&muon_state[&k], &adamw_state[&k]), "{k}");
+        }
+    }
+    assert_eq!(muon_state["step"].int64_value(&[]), AT as i64);
+    let p = &manifest(&muon)["parent"];
+    assert_eq!(p["optimizer_state"], "carry");
+    let c = &p["carried"];
+    let n = (matrices.len() + others.len()) as u64;
+    assert_eq!(c["exported_params"], n);
+    assert_eq!(c["used"]["first_moment"], n);
+    assert_eq!(c["used"]["second_moment"], others.len() as u64);
+    assert_eq!(c["ignored"]["second_moment"], matrices.len() as u64, "{c}");
+    assert_eq!(c["step"], true);
+    assert!(out.contains("carried the optimizer state adamw -> muon: took first_moment of"), "{out}");
+    let losses = losses_after(&muon, 0);
+    assert_eq!(losses.len(), 2);
+    assert!(losses.iter().all(|l| l["loss"].as_f64().unwrap().is_finite()));
+
+    // Back to AdamW from the Muon fork's own checkpoint.
+    let at = AT + 2;
+    let back = dir.path().join("back");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash-host"));
+    cmd.arg("fork").arg(&muon).args(["--at", &at.to_string(), "--exp-dir"]).arg(&back);
+    cmd.args(["--set", "optimizer.plugin=adamw", "--optimizer-state", "carry", "--stop-at", &(at + 1).to_string()]);
+    ok(cmd.env("DFLASH_CACHE", cache()).env_remove("RUST_BACKTRACE").output().unwrap());
+    let (muon_state, adamw_state) = (optimizer_state(&muon, at), optimizer_state(&back, at));
+    let t = at as i32;
+    let seed_scale = (1.0 - 0.999f64.powi(t)) / (1.0 - 0.9f64.powi(t)).powi(2);
+    for p in &matrices {
+        let m = &muon_state[&format!("{p}.momentum_buffer")];
+        assert!(equal(&adamw_state[&format!("{p}.exp_avg")], m), "{p}");
+        let v = &adamw_state[&format!("{p}.exp_avg_sq")];
+        assert!(v.allclose(&(m.square() * seed_scale), 1e-6, 0.0, false), "{p}: exp_avg_sq not seeded as m^2");
+    }
+    for p in &others {
+        for slot in ["exp_avg", "exp_avg_sq"] {
+            let k = format!("{p}.{slot}");
+            assert!(equal(&adamw_state[&k], &muon_state[&k]), "{k}");
+        }
+    }
+    let c = &manifest(&back)["parent"]["carried"];
+    assert_eq!(c["used"]["first_moment"], n);
+    assert_eq!(c["notes"][0], format!("second_moment seeded from first_moment for {} parameters", matrices.len()));
+}
+
+/// Carrying AdamW's state into AdamW continues exactly as keeping it does.
+#[test]
+fn carry_into_the_same_optimizer_continues_exactly_as_keep() {
+    let parent = parent();
+    let dir = tempfile::tempdir().unwrap();
+    let exp = dir.path().join("carry");
+    ok(fork(parent, &exp, &["--optimizer-state", "carry"]));
+    assert_eq!(losses_after(&exp, 0), losses_after(parent, AT));
+    assert_eq!(weights(&exp, STEPS), weights(parent, STEPS));
+    let c = &manifest(&exp)["parent"]["carried"];
+    assert!(c["ignored"].as_object().unwrap().is_empty() && c["notes"].as_array().unwrap().is_empty(), "{c}");
+}
+
+/// An optimizer that cannot take state by role (one built against plugin ABI 2.0, or one that does
+/// not import) refuses `carry`, naming the field, before the fork's folder exists.
+#[test]
+fn an_optimizer_that_cannot_carry_is_refused_naming_the_field() {
+    let parent = parent();
+    let dir = tempfile::tempdir().unwrap();
+    let exp = dir.path().join("fork");
+    let older = common::build_plugin("tests/plugins/faulty", "faulty", &["test-older-minor"], "faulty-older-minor");
+    let current = common::build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
+    for (so, want) in [(&older, "built against plugin ABI 2.0.0"), (&current, "does not import its state by role")] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash-host"));
+        cmd.arg("--plugin").arg(so).arg("fork").arg(parent).args(["--at", &AT.to_string(), "--exp-dir"]).arg(&exp);
+        cmd.args(["--set", "optimizer.plugin=faulty", "--optimizer-state", "carry"]);
+        let out = cmd.env("DFLASH_CACHE", cache()).env_remove("RUST_BACKTRACE").output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(err.contains("field `fork.optimizer_state`") && err.contains(want), "{want}: {err}");
+        assert!(!exp.exists());
+    }
+}

@@ -464,8 +464,12 @@ fn the_conformance_kit_passes_the_built_ins_and_names_a_failed_clause() {
         assert!(text.contains("clauses pass") && !text.contains("FAIL"), "{args:?}:\n{text}");
     }
     let so = build_plugin("tests/plugins/faulty", "faulty", &[], "faulty");
-    let (code, text) = check(&[], &[so.to_str().unwrap(), "--section", "touch_all = true"]);
+    let (code, text) = check(&[], &[so.to_str().unwrap(), "--section", "touch_all = true\nlossy_carry = true"]);
     assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("FAIL  state exported by role round-trips (export, import anew, export again): `layers.0.mlp.up_proj.weight` first_moment differs by 5e-1 after the round trip"),
+        "{text}"
+    );
     // Declared without `section = TYPE`: no description, and nothing refuses an unknown field.
     assert!(text.contains("FAIL  describes its section: every field with a type, a default and a meaning: it does not describe its section"), "{text}");
     assert!(

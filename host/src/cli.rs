@@ -128,8 +128,10 @@ pub struct ForkArgs {
     /// The fork's folder (default: `<EXP>-fork-<STEP>` beside the parent).
     #[arg(long)]
     pub exp_dir: Option<PathBuf>,
-    /// `keep` the parent's optimizer state (the default for the same optimizer plugin) or start a
-    /// `fresh` one (the default, and the only choice, when `optimizer.plugin` changes).
+    /// `keep` the parent's optimizer state (the default for the same optimizer plugin), start a
+    /// `fresh` one (the default when `optimizer.plugin` changes), or `carry` over what maps
+    /// between the two optimizers (first moment, second moment where the new one has one, master
+    /// weights, step count).
     #[arg(long, value_enum)]
     pub optimizer_state: Option<crate::train::fork::OptimizerStateChoice>,
     /// `continue` the learning-rate schedule at the parent's position, or `restart` a warm-up and

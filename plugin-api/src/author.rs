@@ -19,10 +19,11 @@ use crate::{
         std_types::{ROption, RResult, RSlice, RStr, RString, RVec},
     },
     CollectivesBox, DataLoader, DataLoader_TO, DataPosition, DataSummary, DecodeInput, DistillOptions, DistillRequest,
-    DistilledExport, DraftInput, Drafter, Drafter_TO, NamedTensor, Optimizer, Optimizer_TO, PluginError,
-    PluginInstance, TargetModel, TargetModel_TO, TargetOutput, TargetSpec, TensorHandle,
+    DistilledExport, DraftInput, Drafter, Drafter_TO, ExportedState, ImportReport, NamedTensor, Optimizer,
+    Optimizer_TO, ParamState, PluginError, PluginInstance, RoleCount, TargetModel, TargetModel_TO, TargetOutput,
+    TargetSpec, TensorHandle,
 };
-use std::sync::OnceLock;
+use std::{collections::BTreeMap, sync::OnceLock};
 use tch::Tensor;
 
 /// The target LLM: frozen, forward only (the ABI's [`TargetModel`], in plain Rust).
@@ -158,6 +159,90 @@ pub trait OptimizerPlugin: Send + 'static {
     fn set_collectives(&mut self, collectives: CollectivesBox) -> Result<(), PluginError> {
         let _ = collectives;
         Ok(())
+    }
+
+    /// The state by parameter and [role](crate::roles), for a fork that carries it to another
+    /// optimizer; None: not exported. `plugins check` holds an optimizer that exports to a round
+    /// trip: export, import into a fresh instance, export again gives the same tensors.
+    fn export_state(&self) -> Option<StateByRole> {
+        None
+    }
+
+    /// Take over `state` after `init`: each role that maps onto this optimizer's state, by
+    /// parameter name (copy the tensors: they may be another optimizer's live state); parameters
+    /// not in it keep their fresh state. None: this optimizer cannot import.
+    fn import_state(&mut self, state: StateByRole) -> Result<Option<Imported>, PluginError> {
+        let _ = state;
+        Ok(None)
+    }
+}
+
+/// An optimizer's state by parameter and role (the ABI's [`ExportedState`] in plain Rust).
+#[derive(Debug, Default)]
+pub struct StateByRole {
+    /// Updates taken (what bias corrections count from); None when it means nothing to it.
+    pub step: Option<u64>,
+    /// Per parameter (its name): role -> tensor of the parameter's shape, fp32.
+    pub params: Vec<(String, BTreeMap<String, Tensor>)>,
+}
+
+impl StateByRole {
+    fn into_abi(self) -> ExportedState {
+        ExportedState {
+            step: self.step.into(),
+            params: self
+                .params
+                .into_iter()
+                .map(|(name, roles)| ParamState {
+                    param: name.into(),
+                    roles: roles.into_iter().map(|(r, t)| NamedTensor::new(r, t)).collect(),
+                })
+                .collect(),
+        }
+    }
+
+    fn from_abi(s: ExportedState) -> Self {
+        let params =
+            s.params.into_iter().map(|p| (p.param.into_string(), named(p.roles).into_iter().collect())).collect();
+        Self { step: s.step.into_option(), params }
+    }
+}
+
+/// What an import took over (the ABI's [`ImportReport`] in plain Rust): count each role as it is
+/// taken or passed over.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Imported {
+    /// Role -> parameters it was taken for.
+    pub used: BTreeMap<String, u64>,
+    /// Role -> parameters it was given for but not taken.
+    pub ignored: BTreeMap<String, u64>,
+    /// Whether the step count was taken.
+    pub step: bool,
+    /// What was made up where nothing mapped, one line each.
+    pub notes: Vec<String>,
+}
+
+impl Imported {
+    /// `role` taken for one more parameter.
+    pub fn took(&mut self, role: &str) {
+        *self.used.entry(role.to_string()).or_default() += 1;
+    }
+
+    /// `role` given for one more parameter but not taken.
+    pub fn passed(&mut self, role: &str) {
+        *self.ignored.entry(role.to_string()).or_default() += 1;
+    }
+
+    fn into_abi(self) -> ImportReport {
+        let counts = |m: BTreeMap<String, u64>| -> RVec<RoleCount> {
+            m.into_iter().map(|(role, params)| RoleCount { role: role.into(), params }).collect()
+        };
+        ImportReport {
+            used: counts(self.used),
+            ignored: counts(self.ignored),
+            step: self.step,
+            notes: self.notes.into_iter().map(RString::from).collect(),
+        }
     }
 }
 
@@ -465,6 +550,16 @@ impl<T: OptimizerPlugin> Optimizer for Contained<T> {
 
     fn set_collectives(&mut self, collectives: CollectivesBox) -> RResult<(), PluginError> {
         self.call_mut("set_collectives", |o| o.set_collectives(collectives))
+    }
+
+    fn export_state(&self) -> RResult<ROption<ExportedState>, PluginError> {
+        self.call("export_state", |o| Ok(o.export_state().map(StateByRole::into_abi).into()))
+    }
+
+    fn import_state(&mut self, state: ExportedState) -> RResult<ROption<ImportReport>, PluginError> {
+        self.call_mut("import_state", |o| {
+            Ok(o.import_state(StateByRole::from_abi(state))?.map(Imported::into_abi).into())
+        })
     }
 }
 

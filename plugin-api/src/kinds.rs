@@ -217,6 +217,65 @@ pub trait Optimizer: Send {
         let _ = collectives;
         RResult::ROk(())
     }
+
+    /// The state by parameter and [`role`](crate::roles) (ABI 2.1), for a fork that carries it to
+    /// another optimizer. None: this optimizer does not export its state so (one built before 2.1
+    /// never does).
+    fn export_state(&self) -> RResult<ROption<ExportedState>, PluginError> {
+        RResult::ROk(ROption::RNone)
+    }
+
+    /// Take over another optimizer's exported state (ABI 2.1), after `init`: each role that maps
+    /// onto this optimizer's state, by parameter name; a parameter not in `state` keeps its fresh
+    /// state. Returns what was taken and what was not; None: this optimizer cannot import.
+    fn import_state(&mut self, state: ExportedState) -> RResult<ROption<ImportReport>, PluginError> {
+        let _ = state;
+        RResult::ROk(ROption::RNone)
+    }
+}
+
+/// An optimizer's state by parameter and role (ABI 2.1): what `export_state` gives and
+/// `import_state` takes. The checkpoint format (`state`) is each optimizer's own; this is what
+/// two optimizers have in common.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug)]
+pub struct ExportedState {
+    /// Updates taken so far (what bias corrections count from); None when it means nothing to
+    /// this optimizer.
+    pub step: ROption<u64>,
+    pub params: RVec<ParamState>,
+}
+
+/// One parameter's state tensors, each named by its [`role`](crate::roles).
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug)]
+pub struct ParamState {
+    /// The parameter's name, as `init` gave it.
+    pub param: RString,
+    /// Tensors of the parameter's shape, `name` = the role.
+    pub roles: RVec<NamedTensor>,
+}
+
+/// What `import_state` took over (ABI 2.1).
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, Default, PartialEq)]
+pub struct ImportReport {
+    /// Roles taken, each with the number of parameters it was taken for.
+    pub used: RVec<RoleCount>,
+    /// Roles given but not taken (nothing of this optimizer's maps onto them), likewise.
+    pub ignored: RVec<RoleCount>,
+    /// Whether the step count was taken.
+    pub step: bool,
+    /// What the optimizer made up where nothing mapped, one line each (`second_moment seeded from
+    /// first_moment for 6 parameters`).
+    pub notes: RVec<RString>,
+}
+
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq)]
+pub struct RoleCount {
+    pub role: RString,
+    pub params: u64,
 }
 
 /// Collectives across the data-parallel replicas (ABI 1.3), lent by the host (libtorch's c10d:

@@ -24,9 +24,12 @@ pub mod describe;
 pub mod error;
 pub mod kinds;
 pub mod module;
+pub mod roles;
 pub mod tensor;
 
-pub use author::{DataLoaderPlugin, DrafterInput, DrafterPlugin, OptimizerPlugin, TargetPlugin, TrainBatch};
+pub use author::{
+    DataLoaderPlugin, DrafterInput, DrafterPlugin, Imported, OptimizerPlugin, StateByRole, TargetPlugin, TrainBatch,
+};
 pub use config::parse_section;
 pub use describe::{Describe, Section};
 pub use error::PluginError;

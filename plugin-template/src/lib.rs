@@ -8,9 +8,11 @@
 
 use plugin_api::{
     describe::SectionCheck,
+    roles,
     serde::Deserialize,
     tch::{self, Kind, Tensor},
-    Describe, HostContext, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind, Section,
+    Describe, HostContext, Imported, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind, Section,
+    StateByRole,
 };
 
 /// The `[optimizer]` section (besides `plugin = "sgd"`).
@@ -111,6 +113,54 @@ impl OptimizerPlugin for Sgd {
             }
         }
         Ok(())
+    }
+
+    /// For a fork that carries the state to another optimizer (`optimizer_state = "carry"`): the
+    /// momentum as a first moment. torch's buffer sums the gradients (buf = mu*buf + g), a first
+    /// moment averages them (lerp(m, g, 1-mu)): m = (1 - mu) * buf.
+    fn export_state(&self) -> Option<StateByRole> {
+        let scale = 1.0 - self.cfg.momentum;
+        let params = self
+            .params
+            .iter()
+            .map(|(name, _, buf)| (name.clone(), [(roles::FIRST_MOMENT.to_string(), buf * scale)].into()))
+            .collect();
+        Some(StateByRole { step: Some(self.steps as u64), params })
+    }
+
+    /// Another optimizer's first moments become the momentum buffers (buf = m / (1 - mu)); roles
+    /// SGD has no use for (AdamW's second moment) are reported as left.
+    fn import_state(&mut self, state: StateByRole) -> Result<Option<Imported>, PluginError> {
+        let mut report = Imported { step: state.step.is_some(), ..Imported::default() };
+        let mut bufs = Vec::new();
+        for (name, roles) in state.params {
+            let Some(i) = self.params.iter().position(|(n, _, _)| *n == name) else {
+                return Err(PluginError::new(format!(
+                    "carried state names `{name}`, not a parameter of this optimizer"
+                )));
+            };
+            for (role, t) in roles {
+                let p = &self.params[i].1;
+                if role != roles::FIRST_MOMENT {
+                    report.passed(&role);
+                } else if t.size() != p.size() {
+                    return Err(PluginError::new(format!(
+                        "carried `{name}` {role}: shape {:?}, expected {:?}",
+                        t.size(),
+                        p.size()
+                    )));
+                } else {
+                    // A copy: the tensors given may be another optimizer's live state.
+                    bufs.push((i, t.to_device(p.device()).to_kind(Kind::Float) / (1.0 - self.cfg.momentum)));
+                    report.took(&role);
+                }
+            }
+        }
+        for (i, buf) in bufs {
+            self.params[i].2 = buf;
+        }
+        self.steps = state.step.map_or(self.steps, |s| s as i64);
+        Ok(Some(report))
     }
 }
 

@@ -42,6 +42,9 @@
 //! [arms.muon-fresh]
 //! optimizer = { plugin = "muon", lr = 3e-3 }
 //! fork = { optimizer_state = "fresh" }
+//! [arms.muon-carry]
+//! optimizer = { plugin = "muon", lr = 3e-3 }
+//! fork = { optimizer_state = "carry" }
 //! ```
 //!
 //! `compare` draws each fork's curve from its parent's up to the fork.

@@ -73,12 +73,32 @@ pub struct ParentRecord {
     /// The parent's optimizer plugin and the fork's.
     pub optimizer_then: String,
     pub optimizer_now: String,
-    /// `keep` (the parent's state loaded) or `fresh` (a new state).
+    /// `keep` (the parent's state loaded), `fresh` (a new state) or `carry` (what maps taken over).
     pub optimizer_state: String,
     /// `continue` or `restart`.
     pub schedule: String,
     /// Steps of re-warm-up after the fork.
     pub rewarm: u64,
+    /// With `optimizer_state = "carry"`: what the fork's optimizer took over from the parent's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub carried: Option<CarryRecord>,
+}
+
+/// What a fork's optimizer took over from its parent's (`carry`), by role (`first_moment`,
+/// `second_moment`, `master_weights`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CarryRecord {
+    /// Parameters whose state the parent's optimizer exported.
+    pub exported_params: u64,
+    /// Role -> parameters it was taken over for.
+    pub used: std::collections::BTreeMap<String, u64>,
+    /// Role -> parameters it was exported for but not taken (nothing of the fork's optimizer
+    /// maps onto it).
+    pub ignored: std::collections::BTreeMap<String, u64>,
+    /// Whether the step count was taken over.
+    pub step: bool,
+    /// What the fork's optimizer made up where nothing mapped.
+    pub notes: Vec<String>,
 }
 
 /// An input: the config field naming it, where it resolved to, its SHA-256 (a folder: of its

@@ -12,7 +12,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
     abi_stable::std_types::RSome,
     tch::{self, Device, Kind, Tensor},
-    DataPosition, DraftInput, HostContext, NamedTensor, PluginInstance, PluginKind, TensorHandle,
+    DataPosition, DraftInput, ExportedState, HostContext, NamedTensor, ParamState, PluginInstance, PluginKind,
+    TensorHandle,
 };
 use std::{path::PathBuf, process::ExitCode};
 
@@ -155,6 +156,47 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 }
 
 const CPU: (Kind, Device) = (Kind::Float, Device::Cpu);
+
+/// A copy of exported state that owns its tensors (the exporter's live state stays its own).
+fn deep_copy(s: &ExportedState) -> ExportedState {
+    let params = s
+        .params
+        .iter()
+        .map(|p| ParamState {
+            param: p.param.clone(),
+            roles: p.roles.iter().map(|r| NamedTensor::new(r.name.as_str(), r.tensor.tensor().copy())).collect(),
+        })
+        .collect();
+    ExportedState { step: s.step, params }
+}
+
+/// The same step count, parameters and roles, each tensor equal to float rounding (an exporter
+/// may scale its own state to a role's convention and back).
+fn same_state(first: &ExportedState, second: &ExportedState) -> Result<()> {
+    if first.step != second.step {
+        bail!("step {:?} exported, {:?} after the round trip", first.step.into_option(), second.step.into_option());
+    }
+    for p in &first.params {
+        let Some(q) = second.params.iter().find(|q| q.param == p.param) else {
+            bail!("`{}` exported, missing after the round trip", p.param);
+        };
+        for r in &p.roles {
+            let Some(t) = q.roles.iter().find(|t| t.name == r.name) else {
+                bail!("`{}` {} exported, missing after the round trip", p.param, r.name);
+            };
+            let (a, b) = (r.tensor.tensor(), t.tensor.tensor());
+            let scale = a.abs().max().double_value(&[]).max(1.0);
+            let d = max_diff(&a, &b);
+            if d > 1e-6 * scale {
+                bail!("`{}` {} differs by {d:e} after the round trip", p.param, r.name);
+            }
+        }
+    }
+    if let Some(q) = second.params.iter().find(|q| !first.params.iter().any(|p| p.param == q.param)) {
+        bail!("`{}` not exported, there after the round trip", q.param);
+    }
+    Ok(())
+}
 
 impl Kit<'_> {
     fn create(&self, kind: PluginKind, section: &PluginSection, ctx: &HostContext) -> Result<PluginInstance> {
@@ -321,6 +363,23 @@ impl Kit<'_> {
                 }
             }
             Ok(())
+        }));
+        out.push(self.clause("state exported by role round-trips (export, import anew, export again)", || {
+            let a_params = params();
+            let mut a = self.optimizer_box()?;
+            a.init(named(&a_params))?;
+            for step in 0..2 {
+                set_grads(&a_params, 50 + step, 1.0);
+                a.step(1.0)?;
+            }
+            // An optimizer that exports nothing has nothing to hold here (it cannot be carried).
+            let Some(first) = a.export_state()? else { return Ok(()) };
+            let b_params = copy(&a_params);
+            let mut b = self.optimizer_box()?;
+            b.init(named(&b_params))?;
+            b.import_state(deep_copy(&first))?.ok_or_else(|| anyhow!("it exports its state but cannot import it"))?;
+            let second = b.export_state()?.ok_or_else(|| anyhow!("after an import it exports nothing"))?;
+            same_state(&first, &second)
         }));
         out.push(self.clause("zero gradients leave weights unchanged (but for weight decay)", || {
             let ps = params();

@@ -6,8 +6,8 @@ use anyhow::{anyhow, Result};
 use plugin_api::{
     abi_stable::std_types::{RSlice, RVec},
     Batch, CollectivesBox, DataLoaderBox, DataPosition, DataSummary, DecodeInput, DistillOptions, DistillRequest,
-    DistilledExport, DraftInput, DrafterBox, NamedTensor, OptimizerBox, PluginError, PluginKind, TargetBox,
-    TargetOutput, TargetSpec, TensorHandle,
+    DistilledExport, DraftInput, DrafterBox, ExportedState, ImportReport, NamedTensor, OptimizerBox, PluginError,
+    PluginKind, TargetBox, TargetOutput, TargetSpec, TensorHandle,
 };
 use tch::Tensor;
 
@@ -199,6 +199,16 @@ impl OptimizerHandle {
 
     pub fn set_collectives(&mut self, collectives: CollectivesBox) -> Result<()> {
         self.raw.set_collectives(collectives).into_result().map_err(self.who.err("set_collectives"))
+    }
+
+    /// The state by parameter and role; None when the optimizer does not export it.
+    pub fn export_state(&self) -> Result<Option<ExportedState>> {
+        Ok(self.raw.export_state().into_result().map_err(self.who.err("export_state"))?.into_option())
+    }
+
+    /// Take over exported state; None when the optimizer cannot import.
+    pub fn import_state(&mut self, state: ExportedState) -> Result<Option<ImportReport>> {
+        Ok(self.raw.import_state(state).into_result().map_err(self.who.err("import_state"))?.into_option())
     }
 }
 

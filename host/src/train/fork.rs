@@ -12,7 +12,7 @@ use crate::{
     experiment::{self, checkpoint, manifest::ParentRecord, Experiment, Manifest},
     pipeline::assemble::build,
     plugins::Registry,
-    train::{self, schedule::ForkSchedule, ResumeFrom, TrainSummary, TrainerState},
+    train::{self, carry, schedule::ForkSchedule, ResumeFrom, TrainSummary, TrainerState},
 };
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
@@ -23,8 +23,12 @@ use std::path::{Path, PathBuf};
 pub enum OptimizerStateChoice {
     /// Load the parent's state (the default when the optimizer plugin stays the same).
     Keep,
-    /// A new state (the default, and the only choice, when the optimizer plugin changes).
+    /// A new state (the default when the optimizer plugin changes).
     Fresh,
+    /// What maps taken over from the parent's optimizer by role (plugin ABI 2.1): first moment
+    /// (AdamW's `exp_avg`, Muon's momentum buffer), second moment where the fork's optimizer has
+    /// one, master weights, the step count.
+    Carry,
 }
 
 /// Where the fork's learning-rate schedule goes on from.
@@ -43,6 +47,7 @@ impl OptimizerStateChoice {
         match self {
             Self::Keep => "keep",
             Self::Fresh => "fresh",
+            Self::Carry => "carry",
         }
     }
 }
@@ -130,8 +135,9 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
         spec.optimizer_state.unwrap_or(if switched { OptimizerStateChoice::Fresh } else { OptimizerStateChoice::Keep });
     if switched && choice == OptimizerStateChoice::Keep {
         bail!(
-            "--optimizer-state keep: the checkpoint holds `{optimizer_then}`'s state and the fork's optimizer is \
-             `{optimizer_now}`; give --optimizer-state fresh"
+            "field `fork.optimizer_state` (--optimizer-state) is keep, but the checkpoint holds `{optimizer_then}`'s \
+             state and the fork's optimizer is `{optimizer_now}`; give --optimizer-state fresh (a new state) or carry \
+             (what maps taken over)"
         );
     }
     let t = &cfg.train;
@@ -143,15 +149,26 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
     if spec.schedule == ScheduleChoice::Restart || rewarm > 0 {
         state.fork = Some(ForkSchedule { at, restart: spec.schedule == ScheduleChoice::Restart, rewarm });
     }
-    let optimizer_state = match choice {
-        OptimizerStateChoice::Keep => ckpt.optimizer_state.clone().expect("opened with the optimizer state"),
-        OptimizerStateChoice::Fresh => Vec::new(),
-    };
 
     // The plugins under the fork's config, and what only they know.
     let config_dir = PathBuf::from(&then.config_dir);
     let cache = cache_dir();
     let components = build(&cfg, &parent_cfg, &config_dir, spec.registry)?;
+    let parent_state = || ckpt.optimizer_state.clone().expect("opened with the optimizer state");
+    let (optimizer_state, carried) = match choice {
+        OptimizerStateChoice::Keep => (parent_state(), None),
+        OptimizerStateChoice::Fresh => (Vec::new(), None),
+        OptimizerStateChoice::Carry => {
+            let from = carry::CarryFrom {
+                section: RunConfig::load(&parent_cfg)?.section("optimizer"),
+                state: parent_state(),
+                weights: &ckpt.weights,
+            };
+            let trainable: Vec<String> = components.drafter.parameters()?.iter().map(|p| p.name.to_string()).collect();
+            let c = carry::carry(from, &cfg, &trainable, spec.registry, &config_dir, &cache)?;
+            (c.state, Some(c.record))
+        }
+    };
     let positions = components.drafter.block_size()?.saturating_sub(1) as usize;
     if state.window.positions() != positions {
         bail!(
@@ -174,6 +191,7 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
             optimizer_state: choice.name().into(),
             schedule: spec.schedule.name().into(),
             rewarm,
+            carried: carried.clone(),
         }),
         ab: spec.ab.map(|(name, _)| name.to_string()),
         arm: spec.ab.map(|(_, arm)| arm.to_string()),
@@ -201,6 +219,14 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
         choice.name(),
         spec.schedule.name()
     );
+    if let Some(c) = &carried {
+        tracing::info!(
+            "carried the optimizer state {} -> {}: {}",
+            manifest.parent.as_ref().map_or("", |p| p.optimizer_then.as_str()),
+            manifest.parent.as_ref().map_or("", |p| p.optimizer_now.as_str()),
+            c.summary()
+        );
+    }
     let Some((comm, components)) = connect(&cfg, components, &exp_dir)? else { return Ok(served(&exp_dir)) };
     let from = ResumeFrom { state, weights: ckpt.weights, optimizer_state, checkpoint: ckpt.dir.display().to_string() };
     train::train(

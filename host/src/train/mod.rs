@@ -5,6 +5,7 @@
 //! learning-rate schedule.
 
 pub mod anchors;
+pub mod carry;
 pub mod fork;
 pub mod loss;
 pub mod schedule;

@@ -2,9 +2,11 @@
 //!. State and update math in fp32; parameters of another dtype keep an fp32
 //! master copy.
 
+use optim_math::carry::{self, Roles};
 use plugin_api::{
+    roles,
     tch::{Kind, Tensor},
-    HostContext, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind,
+    HostContext, Imported, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind, StateByRole,
 };
 
 // The update math lives in optim_math (shared with the Muon plugin's AdamW group); re-exported so
@@ -127,6 +129,67 @@ impl OptimizerPlugin for AdamW {
     fn load_state(&mut self, state: Vec<(String, Tensor)>) -> Result<(), PluginError> {
         load_state(self, state)
     }
+
+    fn export_state(&self) -> Option<StateByRole> {
+        let params = self
+            .slots
+            .iter()
+            .map(|s| {
+                let mut roles = Roles::new();
+                roles.insert(roles::FIRST_MOMENT.into(), s.exp_avg.shallow_clone());
+                roles.insert(roles::SECOND_MOMENT.into(), s.exp_avg_sq.shallow_clone());
+                if let Some(m) = &s.master {
+                    roles.insert(roles::MASTER_WEIGHTS.into(), m.shallow_clone());
+                }
+                (s.name.clone(), roles)
+            })
+            .collect();
+        Some(StateByRole { step: Some(self.step as u64), params })
+    }
+
+    fn import_state(&mut self, state: StateByRole) -> Result<Option<Imported>, PluginError> {
+        import_state(self, state).map(Some)
+    }
+}
+
+/// Every parameter's moments (and master) from `state`, checked whole before anything changes.
+fn import_state(opt: &mut AdamW, state: StateByRole) -> Result<Imported, PluginError> {
+    let mut report = Imported { step: state.step.is_some(), ..Imported::default() };
+    let step = state.step.map_or(opt.step, |s| s as i64);
+    let mut given: std::collections::HashMap<String, Roles> = state.params.into_iter().collect();
+    let mut taken = Vec::new();
+    let mut seeded = 0;
+    for (i, s) in opt.slots.iter().enumerate() {
+        let Some(mut roles) = given.remove(&s.name) else { continue };
+        let moments = carry::adam_moments(&mut roles, &s.name, &s.param, step, opt.params.betas, &mut report)?;
+        seeded += moments.as_ref().is_some_and(|m| m.2) as usize;
+        let master = match s.master {
+            Some(_) => carry::take_role(&mut roles, roles::MASTER_WEIGHTS, &s.name, &s.param)?,
+            None => None,
+        };
+        if master.is_some() {
+            report.took(roles::MASTER_WEIGHTS);
+        }
+        carry::pass_rest(roles, &mut report);
+        taken.push((i, moments, master));
+    }
+    if let Some(name) = given.keys().min() {
+        return Err(PluginError::new(format!(
+            "carried state names `{name}`, which is not a parameter of this optimizer"
+        )));
+    }
+    opt.step = step;
+    for (i, moments, master) in taken {
+        let s = &mut opt.slots[i];
+        if let Some((m, v, _)) = moments {
+            (s.exp_avg, s.exp_avg_sq) = (m, v);
+        }
+        if master.is_some() {
+            s.master = master;
+        }
+    }
+    report.notes.extend(carry::seeded_note(seeded));
+    Ok(report)
 }
 
 fn load_state(opt: &mut AdamW, state: Vec<(String, Tensor)>) -> Result<(), PluginError> {

@@ -15,17 +15,24 @@
 //!
 //! State and math in fp32; parameters of another dtype keep an fp32 master copy (`.master`).
 //! Checkpoint names: `step`, `<param>.momentum_buffer` (Muon group), `<param>.exp_avg` and
-//! `<param>.exp_avg_sq` (AdamW group), `<param>.master` (non-fp32 parameters).
+//! `<param>.exp_avg_sq` (AdamW group), `<param>.master` (non-fp32 parameters). By role (a fork's
+//! carry): the momentum buffer and `exp_avg` are `first_moment`, `exp_avg_sq` `second_moment`.
 
 pub mod config;
 
 pub use config::{glob_match, Group, MuonConfig, NsDtype, SplitRule};
 pub use optim_math::{adjusted_lr, muon_update, zeropower_via_newtonschulz5, AdjustLr, NS_COEFFICIENTS};
 
-use optim_math::{adamw_update, muon_momentum, newton_schulz_cost, shard_by_cost, ParamsAdamW};
+use optim_math::{
+    adamw_update,
+    carry::{self, Roles},
+    muon_momentum, newton_schulz_cost, shard_by_cost, ParamsAdamW,
+};
 use plugin_api::{
+    roles,
     tch::{Kind, Tensor},
-    CollectivesBox, HostContext, PluginError, PluginInfo, PluginInstance, PluginKind, TensorHandle,
+    CollectivesBox, HostContext, Imported, PluginError, PluginInfo, PluginInstance, PluginKind, StateByRole,
+    TensorHandle,
 };
 use std::collections::HashMap;
 
@@ -338,6 +345,97 @@ impl Muon {
     }
 }
 
+impl Muon {
+    /// The state by role: each matrix's momentum as its first moment; the AdamW group's two
+    /// moments; masters; the step count (the AdamW group's bias corrections count from it).
+    fn export_impl(&self) -> StateByRole {
+        let with_master = |mut roles: Roles, master: &Option<Tensor>| {
+            if let Some(m) = master {
+                roles.insert(roles::MASTER_WEIGHTS.into(), m.shallow_clone());
+            }
+            roles
+        };
+        let muon = self.muon.iter().map(|s| {
+            let roles = Roles::from([(roles::FIRST_MOMENT.to_string(), s.momentum_buffer.shallow_clone())]);
+            (s.name.clone(), with_master(roles, &s.master))
+        });
+        let adamw = self.adamw.iter().map(|s| {
+            let roles = Roles::from([
+                (roles::FIRST_MOMENT.to_string(), s.exp_avg.shallow_clone()),
+                (roles::SECOND_MOMENT.to_string(), s.exp_avg_sq.shallow_clone()),
+            ]);
+            (s.name.clone(), with_master(roles, &s.master))
+        });
+        StateByRole { step: Some(self.step as u64), params: muon.chain(adamw).collect() }
+    }
+
+    /// Another optimizer's state: a matrix's first moment becomes its momentum buffer (its
+    /// second moment has nowhere to go); the AdamW group takes both moments (a first alone seeds
+    /// the second, see `optim_math::carry::adam_moments`); masters where this optimizer keeps
+    /// one; the step count. Checked whole before anything changes.
+    fn import_impl(&mut self, state: StateByRole) -> Result<Imported, PluginError> {
+        let mut report = Imported { step: state.step.is_some(), ..Imported::default() };
+        let step = state.step.map_or(self.step, |s| s as i64);
+        let mut given: HashMap<String, Roles> = state.params.into_iter().collect();
+        let master_of = |roles: &mut Roles, name: &str, s_master: &Option<Tensor>, like: &Tensor, r: &mut Imported| {
+            let m = match s_master {
+                Some(_) => carry::take_role(roles, roles::MASTER_WEIGHTS, name, like)?,
+                None => None,
+            };
+            if m.is_some() {
+                r.took(roles::MASTER_WEIGHTS);
+            }
+            Ok::<_, PluginError>(m)
+        };
+        let mut muon = Vec::new();
+        for (i, s) in self.muon.iter().enumerate() {
+            let Some(mut roles) = given.remove(&s.name) else { continue };
+            let buf = carry::take_role(&mut roles, roles::FIRST_MOMENT, &s.name, &s.param)?;
+            if buf.is_some() {
+                report.took(roles::FIRST_MOMENT);
+            }
+            let master = master_of(&mut roles, &s.name, &s.master, &s.param, &mut report)?;
+            carry::pass_rest(roles, &mut report);
+            muon.push((i, buf, master));
+        }
+        let (mut adamw, mut seeded) = (Vec::new(), 0);
+        for (i, s) in self.adamw.iter().enumerate() {
+            let Some(mut roles) = given.remove(&s.name) else { continue };
+            let moments = carry::adam_moments(&mut roles, &s.name, &s.param, step, self.cfg.adamw.betas, &mut report)?;
+            seeded += moments.as_ref().is_some_and(|m| m.2) as usize;
+            let master = master_of(&mut roles, &s.name, &s.master, &s.param, &mut report)?;
+            carry::pass_rest(roles, &mut report);
+            adamw.push((i, moments, master));
+        }
+        if let Some(name) = given.keys().min() {
+            return Err(PluginError::new(format!(
+                "carried state names `{name}`, which is not a parameter of this optimizer"
+            )));
+        }
+        self.step = step;
+        for (i, buf, master) in muon {
+            let s = &mut self.muon[i];
+            if let Some(b) = buf {
+                s.momentum_buffer = b;
+            }
+            if master.is_some() {
+                s.master = master;
+            }
+        }
+        for (i, moments, master) in adamw {
+            let s = &mut self.adamw[i];
+            if let Some((m, v, _)) = moments {
+                (s.exp_avg, s.exp_avg_sq) = (m, v);
+            }
+            if master.is_some() {
+                s.master = master;
+            }
+        }
+        report.notes.extend(carry::seeded_note(seeded));
+        Ok(report)
+    }
+}
+
 // Named in full: the tests (`use super::*`) drive the ABI trait, `plugin_api::Optimizer`.
 impl plugin_api::OptimizerPlugin for Muon {
     fn init(&mut self, params: Vec<(String, Tensor)>) -> Result<(), PluginError> {
@@ -363,6 +461,14 @@ impl plugin_api::OptimizerPlugin for Muon {
     fn set_collectives(&mut self, collectives: CollectivesBox) -> Result<(), PluginError> {
         self.collectives = Some(collectives);
         Ok(())
+    }
+
+    fn export_state(&self) -> Option<StateByRole> {
+        Some(self.export_impl())
+    }
+
+    fn import_state(&mut self, state: StateByRole) -> Result<Option<Imported>, PluginError> {
+        self.import_impl(state).map(Some)
     }
 }
 

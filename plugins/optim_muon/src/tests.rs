@@ -432,3 +432,55 @@ fn distributed_muon_equals_one_process() {
         }
     }
 }
+
+/// State by role in: a matrix takes the first moment as its momentum and leaves the second; the
+/// AdamW group takes both; a first moment alone seeds the AdamW group's second. A misshapen role
+/// or an unknown parameter is an error that changes nothing.
+#[test]
+fn import_maps_roles_onto_the_groups_and_changes_nothing_on_an_error() {
+    use plugin_api::{roles, OptimizerPlugin as _};
+    let ps = params(&[("w.weight", &[4, 3]), ("norm.weight", &[3]), ("up.weight", &[2, 3])], 0);
+    let mut opt = Muon::new(cfg(""));
+    opt.init_impl(deep_copy(&ps)).unwrap();
+    let role = |r: &str, shape: &[i64]| (r.to_string(), Tensor::randn(shape, F32));
+    let given = vec![
+        (
+            "w.weight".to_string(),
+            Roles::from([role(roles::FIRST_MOMENT, &[4, 3]), role(roles::SECOND_MOMENT, &[4, 3])]),
+        ),
+        ("norm.weight".to_string(), Roles::from([role(roles::FIRST_MOMENT, &[3]), role(roles::SECOND_MOMENT, &[3])])),
+    ];
+    let copy = |g: &[(String, Roles)]| -> Vec<(String, Roles)> {
+        g.iter().map(|(n, r)| (n.clone(), r.iter().map(|(k, t)| (k.clone(), t.copy())).collect())).collect()
+    };
+    // Errors first: nothing changes.
+    let mut bad = copy(&given);
+    bad[1].1.insert(roles::SECOND_MOMENT.into(), Tensor::zeros([4], F32));
+    let e = opt.import_state(StateByRole { step: Some(9), params: bad }).unwrap_err();
+    assert_eq!(e.to_string(), "carried state of `norm.weight`: `second_moment` has shape [4], the parameter [3]");
+    let mut unknown = copy(&given);
+    unknown.push(("nothing.weight".into(), Roles::new()));
+    let e = opt.import_state(StateByRole { step: Some(9), params: unknown }).unwrap_err();
+    assert!(e.to_string().contains("`nothing.weight`, which is not a parameter"), "{e}");
+    assert_eq!(opt.step, 0);
+    assert_eq!(opt.muon[0].momentum_buffer.abs().sum(Kind::Float).double_value(&[]), 0.0);
+
+    let report = opt.import_state(StateByRole { step: Some(9), params: copy(&given) }).unwrap().unwrap();
+    assert_eq!(opt.step, 9);
+    assert!(opt.muon[0].momentum_buffer.equal(&given[0].1[roles::FIRST_MOMENT]));
+    assert!(opt.adamw[0].exp_avg.equal(&given[1].1[roles::FIRST_MOMENT]));
+    assert!(opt.adamw[0].exp_avg_sq.equal(&given[1].1[roles::SECOND_MOMENT]));
+    // `up.weight` was not given: still fresh.
+    assert_eq!(opt.muon[1].momentum_buffer.abs().sum(Kind::Float).double_value(&[]), 0.0);
+    let count = |m: &[(&str, u64)]| m.iter().map(|(r, n)| (r.to_string(), *n)).collect();
+    assert_eq!(report.used, count(&[(roles::FIRST_MOMENT, 2), (roles::SECOND_MOMENT, 1)]));
+    assert_eq!(report.ignored, count(&[(roles::SECOND_MOMENT, 1)]));
+    assert!(report.step && report.notes.is_empty());
+
+    // The AdamW group given a first moment alone seeds the second, and says so.
+    let alone = vec![("norm.weight".to_string(), Roles::from([role(roles::FIRST_MOMENT, &[3])]))];
+    let report = opt.import_state(StateByRole { step: None, params: alone }).unwrap().unwrap();
+    assert!(opt.adamw[0].exp_avg_sq.abs().sum(Kind::Float).double_value(&[]) > 0.0);
+    assert_eq!(report.notes, vec!["second_moment seeded from first_moment for 1 parameters".to_string()]);
+    assert!(!report.step && opt.step == 9);
+}

@@ -1,10 +1,12 @@
 //! An optimizer plugin ("faulty") that does nothing, or panics inside `step` when its config
 //! says `panic_at_step = N`, or writes NaN into every parameter at `nan_at_step = N` (a diverged
-//! run), or panics in the value-returning method `panic_in` names (`base_lr`, `state`). Built
-//! with plugin-api's test features it is refused at load.
+//! run), or panics in the value-returning method `panic_in` names (`base_lr`, `state`), or with
+//! `lossy_carry = true` exports a first moment per parameter that its import halves. Built with
+//! plugin-api's test features it is refused at load.
 
 use plugin_api::{
-    serde::Deserialize, tch::Tensor, HostContext, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind,
+    roles, serde::Deserialize, tch::Tensor, HostContext, Imported, OptimizerPlugin, PluginError, PluginInfo,
+    PluginInstance, PluginKind, StateByRole,
 };
 
 #[derive(Deserialize)]
@@ -19,6 +21,13 @@ struct Config {
     /// A broken optimizer for `plugins check`: every step moves every parameter, gradient or not.
     #[serde(default)]
     touch_all: bool,
+    /// A broken carry for `plugins check`: the state it exports does not survive its own import.
+    #[serde(default)]
+    lossy_carry: bool,
+    /// Accepted and unused: a run's AdamW section switched to this plugin with `--set` keeps it.
+    #[serde(default)]
+    #[allow(dead_code)]
+    lr: f64,
 }
 
 struct Faulty {
@@ -26,13 +35,17 @@ struct Faulty {
     nan_at_step: u64,
     panic_in: String,
     touch_all: bool,
+    lossy_carry: bool,
     steps: u64,
-    params: Vec<Tensor>,
+    params: Vec<(String, Tensor)>,
+    /// Each parameter's first moment, for `lossy_carry`: ones at init.
+    moments: Vec<Tensor>,
 }
 
 impl OptimizerPlugin for Faulty {
     fn init(&mut self, params: Vec<(String, Tensor)>) -> Result<(), PluginError> {
-        self.params = params.into_iter().map(|(_, t)| t).collect();
+        self.moments = params.iter().map(|(_, t)| t.ones_like()).collect();
+        self.params = params;
         Ok(())
     }
 
@@ -43,13 +56,13 @@ impl OptimizerPlugin for Faulty {
         }
         if self.touch_all {
             let _guard = plugin_api::tch::no_grad_guard();
-            for p in &mut self.params {
+            for (_, p) in &mut self.params {
                 let _ = p.g_add_scalar_(1e-3);
             }
         }
         if self.steps == self.nan_at_step {
             let _guard = plugin_api::tch::no_grad_guard();
-            for p in &mut self.params {
+            for (_, p) in &mut self.params {
                 let _ = p.fill_(f64::NAN);
             }
         }
@@ -73,6 +86,28 @@ impl OptimizerPlugin for Faulty {
     fn load_state(&mut self, _state: Vec<(String, Tensor)>) -> Result<(), PluginError> {
         Ok(())
     }
+
+    fn export_state(&self) -> Option<StateByRole> {
+        let params = self.params.iter().zip(&self.moments);
+        let params = params.map(|((n, _), m)| (n.clone(), [(roles::FIRST_MOMENT.to_string(), m.copy())].into()));
+        self.lossy_carry.then(|| StateByRole { step: Some(self.steps), params: params.collect() })
+    }
+
+    fn import_state(&mut self, state: StateByRole) -> Result<Option<Imported>, PluginError> {
+        if !self.lossy_carry {
+            return Ok(None);
+        }
+        let mut report = Imported { step: state.step.is_some(), ..Imported::default() };
+        self.steps = state.step.unwrap_or(0);
+        for (name, mut roles) in state.params {
+            let (i, m) = (self.params.iter().position(|(n, _)| *n == name), roles.remove(roles::FIRST_MOMENT));
+            if let (Some(i), Some(m)) = (i, m) {
+                self.moments[i] = m * 0.5; // the fault
+                report.took(roles::FIRST_MOMENT);
+            }
+        }
+        Ok(Some(report))
+    }
 }
 
 fn info() -> PluginInfo {
@@ -86,8 +121,10 @@ fn create(config: &str, _ctx: &HostContext) -> Result<PluginInstance, PluginErro
         nan_at_step: cfg.nan_at_step,
         panic_in: cfg.panic_in,
         touch_all: cfg.touch_all,
+        lossy_carry: cfg.lossy_carry,
         steps: 0,
         params: Vec::new(),
+        moments: Vec::new(),
     }))
 }
 
