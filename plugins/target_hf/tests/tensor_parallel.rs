@@ -142,6 +142,31 @@ fn glm4_moe_and_gpt_oss_replicas_equal_one_rank() {
     replica_equals_one_rank("gpt_oss", 4, 2);
 }
 
+/// `random_init` replicas (weights drawn at the config's shapes, each rank its part): every new
+/// family builds over 2 ranks (the experts over 2 groups), runs through the group to finite
+/// features, and each rank draws about half of what the whole model draws beyond the replicated
+/// weights.
+#[test]
+fn random_replicas_of_every_new_family_draw_their_part() {
+    for (arch, ep) in
+        [("gemma3_text", 1), ("lfm2", 1), ("deepseek_v3", 2), ("glm4_moe", 2), ("gpt_oss", 2), ("longcat_flash", 2)]
+    {
+        let path = fixture(arch).join("config.json");
+        let all = HfTarget::random(&path, Device::Cpu, Kind::Float, 4).unwrap().model.held.total();
+        let out = ranks(2, |rank, group| {
+            let shard = Shard::new(rank, 2, ep).unwrap();
+            let t = HfTarget::random_shard(&path, Device::Cpu, Kind::Float, 4, shard, Some(group)).unwrap();
+            let (f, logits) = forward(&t);
+            (f.isfinite().all().int64_value(&[]) == 1 && logits.isfinite().all().int64_value(&[]) == 1, t.model.held)
+        });
+        for (rank, (finite, held)) in out.iter().enumerate() {
+            let split = all - held.whole;
+            assert!(*finite, "{arch}, rank {rank}: features not finite");
+            assert!(held.part * 2 <= split * 3 / 2 && held.part * 3 >= split, "{arch}, rank {rank}: {held:?} of {all}");
+        }
+    }
+}
+
 /// Rank 1 of 2 stops after the first layer (its group dropped, its heartbeat stopped, as when its
 /// process dies): rank 0's forward fails at the next all-reduce with an error naming rank 1.
 #[test]
