@@ -174,7 +174,10 @@ impl<'a> Loader<'a> {
     pub fn row_bias(&mut self, name: &str, n: i64) -> Result<Option<Tensor>, String> {
         match self.shard.rank {
             _ if self.shard.is_whole() => self.get(name, &[n]).map(Some),
-            0 => self.get_selected(name, &[n], &[vec![0..n]]).map(Some),
+            0 => {
+                let all = 0..n;
+                self.get_selected(name, &[n], &[vec![all]]).map(Some)
+            }
             _ => Ok(None),
         }
     }

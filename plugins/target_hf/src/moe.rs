@@ -188,7 +188,8 @@ impl SparseMoe {
         if m.gpt_oss {
             // [E, H, 2I] interleaved and [E, I, H] -> [E, 2I, H] gate rows first and [E, H, I].
             // Interleaved, a width's gate and up columns are one run: 2 start .. 2 end.
-            let pairs = vec![2 * width.start..2 * width.end];
+            let pairs = 2 * width.start..2 * width.end;
+            let pairs = vec![pairs];
             let experts = vec![mine.clone()];
             let gate_up = ld.get_selected(&fused, &[e, h, 2 * i], &[experts.clone(), vec![], pairs.clone()])?;
             let gate_up = deinterleave(&gate_up.transpose(1, 2), 1);
