@@ -52,7 +52,7 @@ impl Layout {
         let Some(env) = env else {
             bail!(
                 "[target] field `tensor_parallel` = {size}: a replica of {size} ranks needs the run launched over a \
-                 multiple of {size} ranks (`train --nproc N` or torchrun)"
+                 multiple of {size} ranks (`--nproc N` or torchrun)"
             );
         };
         if env.world % size != 0 {
