@@ -222,6 +222,7 @@ fn init_from_refuses_fields_it_cannot_honour() {
         ("attention_bias", serde_json::json!(true), "field `attention_bias`"),
         ("layer_types", serde_json::json!(["sliding_attention", "full_attention"]), "`sliding_window` is not set"),
         ("hidden_act", serde_json::json!("gelu"), "field `hidden_act`"),
+        ("rms_norm_eps", serde_json::json!(0.0), "field `rms_norm_eps`: 0: must be > 0"),
     ] {
         let mut cfg = good.clone();
         cfg[key] = value;
@@ -252,6 +253,7 @@ fn presets_export_the_published_configs() {
         "qwen3.5-35b-a3b",
         "qwen3.6-27b",
         "lfm2.5-1.2b-instruct",
+        "longcat-flash",
     ];
     let on_disk = std::fs::read_dir(root.join("configs/presets")).unwrap().count();
     assert_eq!(on_disk, presets.len(), "a preset without a published config to check it against");
@@ -273,6 +275,7 @@ fn presets_export_the_published_configs() {
             "qwen3.5-35b-a3b" => "qwen3_5_moe_text",
             _ if hybrid => "qwen3_5_text",
             _ if name.starts_with("lfm2") => "lfm2",
+            "longcat-flash" => "longcat_flash",
             _ => "qwen3",
         };
         let own_heads = table.contains_key("num_attention_heads");
@@ -311,6 +314,23 @@ fn presets_export_the_published_configs() {
             target["layer_types"] = serde_json::json!(types);
             target["conv_L_cache"] = 3.into();
             target["block_auto_adjust_ff_dim"] = false.into();
+        }
+        if model_type == "longcat_flash" {
+            // LongCat-Flash's own facts, not its drafter's: RoPE base 1e7, RMS epsilon 1e-5 and a
+            // context of 131072 (the preset states the drafter's); latent attention and experts.
+            let layers = p("num_target_layers").as_u64().unwrap();
+            let longcat = serde_json::json!({
+                "num_layers": layers, "num_hidden_layers": 2 * layers, "ffn_hidden_size": TINY_MLP,
+                "expert_ffn_hidden_size": 8, "n_routed_experts": 8, "zero_expert_num": 4, "moe_topk": 3,
+                "routed_scaling_factor": 6.0, "kv_lora_rank": 12, "q_lora_rank": 16, "qk_nope_head_dim": 8,
+                "qk_rope_head_dim": 4, "qk_head_dim": 12, "v_head_dim": 6, "head_dim": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-5, "rope_theta": 1e7,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e7}, "max_position_embeddings": 131072,
+            });
+            for (k, v) in longcat.as_object().unwrap() {
+                target[k] = v.clone();
+            }
+            target.as_object_mut().unwrap().remove("intermediate_size");
         }
         if let Some(pad) = published.get("pad_token_id") {
             target["pad_token_id"] = pad.clone();

@@ -257,14 +257,14 @@ impl DFlashConfig {
         if !(2..=64).contains(&self.block_size) {
             return bad("block_size", format!("must be in 2..=64, got {}", self.block_size));
         }
-        if !(self.rope_theta > 0.0 && self.rms_norm_eps > 0.0 && self.initializer_range > 0.0) {
-            return bad(
-                "rope_theta",
-                format!(
-                    "rope_theta {}, rms_norm_eps {}, initializer_range {}: must be > 0",
-                    self.rope_theta, self.rms_norm_eps, self.initializer_range
-                ),
-            );
+        for (field, value) in [
+            ("rope_theta", self.rope_theta),
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("initializer_range", self.initializer_range),
+        ] {
+            if value.is_nan() || value <= 0.0 {
+                return bad(field, format!("{value}: must be > 0"));
+            }
         }
         let windows = layer_windows(&self.layer_types, self.sliding_window, self.num_hidden_layers)?;
         let sliding = windows.iter().any(Option::is_some);

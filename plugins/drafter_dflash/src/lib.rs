@@ -67,6 +67,13 @@ drafter_layers::drafter_section! {
         /// Default: the target's (its config.json or GGUF metadata), else 32768.
         #[serde(default)]
         pub max_position_embeddings: Option<usize>,
+        /// RoPE base of the draft layers (default: the target's). LongCat-Flash's published drafter
+        /// uses 1e6 under a target of 1e7.
+        #[serde(default)]
+        pub rope_theta: Option<f64>,
+        /// Epsilon of the drafter's RMS norms (default: the target's).
+        #[serde(default)]
+        pub rms_norm_eps: Option<f64>,
         /// HF's `rope_scaling` table (default, linear, llama3, yarn). Default: the target's.
         #[describe(ty = "table")]
         #[serde(default)]
@@ -153,8 +160,8 @@ impl DrafterSection {
             num_key_value_heads: kv_heads,
             head_dim,
             vocab_size: target.vocab_size as usize,
-            rms_norm_eps: target.rms_norm_eps,
-            rope_theta: target.rope_theta,
+            rms_norm_eps: self.rms_norm_eps.unwrap_or(target.rms_norm_eps),
+            rope_theta: self.rope_theta.unwrap_or(target.rope_theta),
             rope_scaling,
             max_position_embeddings: self
                 .max_position_embeddings

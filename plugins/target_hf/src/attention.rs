@@ -157,9 +157,7 @@ impl Attention {
         };
         let o = if cfg.arch() == crate::config::Arch::Lfm2 { "out_proj" } else { "o_proj" };
         let o_proj = ld.get_selected(&format!("{p}.{o}.weight"), &[h, nh * d], &[vec![], vec![rows(&heads, d)]])?;
-        // Row-parallel: the bias is added once, by the first rank's partial sum.
-        let o_bias =
-            if cfg.o_bias() && ld.shard.rank == 0 { Some(ld.get(&format!("{p}.{o}.bias"), &[h])?) } else { None };
+        let o_bias = if cfg.o_bias() { ld.row_bias(&format!("{p}.{o}.bias"), h)? } else { None };
         let sinks = if cfg.arch() == crate::config::Arch::GptOss {
             Some(ld.get_selected(&format!("{p}.sinks"), &[nh], &[vec![heads.clone()]])?)
         } else {

@@ -41,9 +41,11 @@ impl Family {
     /// The parallelism this family runs with.
     pub fn parallelism(&self) -> Parallelism {
         match self.arch {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen35 => Parallelism::Tensor,
-            Arch::Qwen3Moe | Arch::Qwen35Moe => Parallelism::TensorExpert,
-            _ => Parallelism::SingleDevice,
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen35 | Arch::Gemma3 | Arch::Lfm2 => Parallelism::Tensor,
+            Arch::Qwen3Moe | Arch::Qwen35Moe | Arch::GptOss | Arch::DeepseekV3 | Arch::Glm4Moe | Arch::LongcatFlash => {
+                Parallelism::TensorExpert
+            }
+            Arch::Gemma2 => Parallelism::SingleDevice,
         }
     }
 }
@@ -183,15 +185,26 @@ mod tests {
         assert!(family("mamba2").is_none());
         let md = markdown();
         assert_eq!(md.lines().count(), FAMILIES.len() + 2);
-        assert!(md.contains("| LongcatFlash | `longcat_flash` |") && md.contains("single device"), "{md}");
+        assert!(md.contains("| Gemma2 | `gemma2` |") && md.contains("single device"), "{md}");
         assert!(
             md.contains("| Qwen35Moe | `qwen3_5_moe`, `qwen3_5_moe_text` |")
                 && md.contains("tensor and expert parallel")
         );
-        assert_eq!(supporting(Parallelism::TensorExpert), ["qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text"]);
-        assert!(
-            supporting(Parallelism::Tensor).contains(&"mistral")
-                && !supporting(Parallelism::Tensor).contains(&"gemma2")
+        assert_eq!(
+            supporting(Parallelism::TensorExpert),
+            [
+                "qwen3_moe",
+                "qwen3_5_moe",
+                "qwen3_5_moe_text",
+                "gpt_oss",
+                "deepseek_v3",
+                "kimi_k2",
+                "glm4_moe",
+                "longcat_flash"
+            ]
         );
+        let tensor = supporting(Parallelism::Tensor);
+        assert!(tensor.contains(&"mistral") && tensor.contains(&"gemma3_text") && tensor.contains(&"lfm2"));
+        assert!(!tensor.contains(&"gemma2"));
     }
 }

@@ -49,7 +49,7 @@ impl LongcatLayer {
         let h = first.ffn_input(&x, ctx);
         let shortcut = {
             let _r = crate::range("moe");
-            self.moe.forward(&h)
+            ctx.reduce(self.moe.forward(&h), "an MLP's output")
         };
         let x = x + first.ffn_output(&h, ctx);
         let x = second.mix(&x, ctx, slot1);

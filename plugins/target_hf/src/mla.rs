@@ -12,11 +12,15 @@
 //! checkpoint's layout) is de-interleaved first. LongCat-Flash scales q by sqrt(H / r_q) and the
 //! latent by sqrt(H / r_kv). The two low-rank norms use eps 1e-6 whatever the config says (as
 //! transformers builds them). The cache holds each head's keys and values.
+//!
+//! Tensor parallelism splits by heads: the low-rank projections (q_a, kv_a) and their norms are
+//! replicated, q_b (or q_proj) and kv_b column-parallel by heads, o_proj row-parallel.
 
 use crate::{
     attention::{append, attend, Scores},
     config::DecoderConfig,
     model::{apply_rope, rms_norm, Loader},
+    tp::rows,
 };
 use plugin_api::tch::Tensor;
 
@@ -54,6 +58,9 @@ impl Mla {
         let nh = cfg.num_attention_heads as i64;
         let (rank, nope, rope, v_dim) = (m.kv_lora_rank as i64, m.nope_dim as i64, m.rope_dim as i64, m.v_dim as i64);
         let q_rows = nh * (nope + rope);
+        // This rank's heads (`tp.rs`): their rows of q_b and kv_b, their columns of o_proj.
+        let heads = ld.shard.split(nh, "the attention heads")?;
+        let q_keep = vec![rows(&heads, nope + rope)];
         let bias = cfg.attention_bias.unwrap_or(false);
         let q = match m.q_lora_rank {
             Some(r) => {
@@ -62,10 +69,10 @@ impl Mla {
                     a: ld.get(&format!("{p}.q_a_proj.weight"), &[r, h])?,
                     a_bias: if bias { Some(ld.get(&format!("{p}.q_a_proj.bias"), &[r])?) } else { None },
                     norm: ld.norm(&format!("{p}.q_a_layernorm.weight"), r, false)?,
-                    b: ld.get(&format!("{p}.q_b_proj.weight"), &[q_rows, r])?,
+                    b: ld.get_selected(&format!("{p}.q_b_proj.weight"), &[q_rows, r], &[q_keep])?,
                 }
             }
-            None => QProj::Full(ld.get(&format!("{p}.q_proj.weight"), &[q_rows, h])?),
+            None => QProj::Full(ld.get_selected(&format!("{p}.q_proj.weight"), &[q_rows, h], &[q_keep])?),
         };
         let kv_a = ld.get(&format!("{p}.kv_a_proj_with_mqa.weight"), &[rank + rope, h])?;
         let kv_a_bias =
@@ -79,10 +86,18 @@ impl Mla {
             kv_a,
             kv_a_bias,
             kv_a_norm: ld.norm(&format!("{p}.kv_a_layernorm.weight"), rank, false)?,
-            kv_b: ld.get(&format!("{p}.kv_b_proj.weight"), &[nh * (nope + v_dim), rank])?,
-            o_proj: ld.get(&format!("{p}.o_proj.weight"), &[h, nh * v_dim])?,
-            o_bias: if bias { Some(ld.get(&format!("{p}.o_proj.bias"), &[h])?) } else { None },
-            heads: nh,
+            kv_b: ld.get_selected(
+                &format!("{p}.kv_b_proj.weight"),
+                &[nh * (nope + v_dim), rank],
+                &[vec![rows(&heads, nope + v_dim)]],
+            )?,
+            o_proj: ld.get_selected(
+                &format!("{p}.o_proj.weight"),
+                &[h, nh * v_dim],
+                &[vec![], vec![rows(&heads, v_dim)]],
+            )?,
+            o_bias: if bias { ld.row_bias(&format!("{p}.o_proj.bias"), h)? } else { None },
+            heads: heads.end - heads.start,
             kv_rank: rank,
             nope,
             rope,

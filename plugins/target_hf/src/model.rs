@@ -169,6 +169,19 @@ impl<'a> Loader<'a> {
         Ok(self.take(name, shape, sel)?.to_device(self.device).to_kind(self.kind))
     }
 
+    /// A row-parallel projection's bias `name` [n], added once over the replica: the first
+    /// rank's (held as its part), None on the others.
+    pub fn row_bias(&mut self, name: &str, n: i64) -> Result<Option<Tensor>, String> {
+        match self.shard.rank {
+            _ if self.shard.is_whole() => self.get(name, &[n]).map(Some),
+            0 => {
+                let all = 0..n;
+                self.get_selected(name, &[n], &[vec![all]]).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// In fp32 whatever the model's dtype (gates, decay rates, norm gains, routers).
     pub fn get_f32(&mut self, name: &str, shape: &[i64]) -> Result<Tensor, String> {
         self.get_f32_selected(name, shape, &[])
@@ -396,7 +409,7 @@ pub(crate) struct Context<'a> {
 
 impl Context<'_> {
     /// A row-parallel output summed over the replica's ranks (as is without one).
-    fn reduce(&self, t: Tensor, what: &str) -> Tensor {
+    pub(crate) fn reduce(&self, t: Tensor, what: &str) -> Tensor {
         let Some(g) = self.tp else { return t };
         let t = t.contiguous();
         g.all_reduce(&t, what);

@@ -56,6 +56,11 @@ pub struct SparseMoe {
     experts: i64,
     /// With expert parallelism, the experts this rank holds (`tp.rs`); None: all of them.
     local: Option<Range<i64>>,
+    /// Zero-computation experts follow the experts with weights.
+    zero_experts: bool,
+    /// Whether this rank adds what the replica adds once (the zero-computation experts' input):
+    /// the first rank, or the whole model.
+    adds_once: bool,
     top_k: i64,
     clamped: bool,
     /// I' and H'.
@@ -111,7 +116,8 @@ impl SparseMoe {
         let (mut gate_up, mut down, mut gate_up_bias, mut down_bias) = Self::load_experts(&m, ld, p, h, &mine, &width)?;
         let local = (mine.end - mine.start < e).then_some(mine);
         let i = width.end - width.start;
-        if m.zero_experts > 0 {
+        // (With expert parallelism the zero-computation experts' pairs are not this rank's.)
+        if m.zero_experts > 0 && local.is_none() {
             let zero = |t: &Tensor| Tensor::cat(&[t, &t.narrow(0, 0, 1).zeros_like()], 0);
             (gate_up, down) = (zero(&gate_up), zero(&down));
             gate_up_bias = gate_up_bias.as_ref().map(zero);
@@ -153,6 +159,8 @@ impl SparseMoe {
             down_bias,
             experts: e,
             local,
+            zero_experts: m.zero_experts > 0,
+            adds_once: ld.shard.rank == 0,
             top_k: m.top_k as i64,
             clamped: m.gpt_oss,
             intermediate: ip,
@@ -179,11 +187,24 @@ impl SparseMoe {
         let fused = format!("{p}.experts.gate_up_proj");
         if m.gpt_oss {
             // [E, H, 2I] interleaved and [E, I, H] -> [E, 2I, H] gate rows first and [E, H, I].
-            let gate_up = deinterleave(&ld.get(&fused, &[e, h, 2 * i])?.transpose(1, 2), 1);
-            let bias = deinterleave(&ld.get(&format!("{fused}_bias"), &[e, 2 * i])?, 1);
-            let down = ld.get(&format!("{p}.experts.down_proj"), &[e, i, h])?.transpose(1, 2);
-            let down_bias = ld.get(&format!("{p}.experts.down_proj_bias"), &[e, h])?;
-            return Ok((gate_up.contiguous(), down.contiguous(), Some(bias), Some(down_bias)));
+            // Interleaved, a width's gate and up columns are one run: 2 start .. 2 end.
+            let pairs = 2 * width.start..2 * width.end;
+            let pairs = vec![pairs];
+            let experts = vec![mine.clone()];
+            let gate_up = ld.get_selected(&fused, &[e, h, 2 * i], &[experts.clone(), vec![], pairs.clone()])?;
+            let gate_up = deinterleave(&gate_up.transpose(1, 2), 1);
+            let bias =
+                deinterleave(&ld.get_selected(&format!("{fused}_bias"), &[e, 2 * i], &[experts.clone(), pairs])?, 1);
+            let down = ld
+                .get_selected(&format!("{p}.experts.down_proj"), &[e, i, h], &[experts.clone(), vec![width.clone()]])?
+                .transpose(1, 2);
+            // Row-parallel within an expert: its down bias is added by the first part's rank.
+            let down_bias = if width.start == 0 {
+                Some(ld.get_selected(&format!("{p}.experts.down_proj_bias"), &[e, h], &[experts])?)
+            } else {
+                None
+            };
+            return Ok((gate_up.contiguous(), down.contiguous(), Some(bias), down_bias));
         }
         if ld.w.contains(&fused) || ld.random {
             // LongCat-Flash's fused gate_up has a row block for each zero-computation expert too.
@@ -261,46 +282,32 @@ impl SparseMoe {
         let size = x.size();
         let h = size[2];
         let x = x.reshape([-1, h]);
-        let (t, k, i) = (x.size()[0], self.top_k, self.intermediate);
+        let (t, k) = (x.size()[0], self.top_k);
         // 1. Route; zero-computation experts' pairs go to the zero expert E, their input aside.
         let (mut experts, weights) = self.route(&x);
         let weights = weights.to_kind(x.kind());
         let n_experts = self.gate_up.size()[0];
-        let identity = (n_experts > self.experts).then(|| {
+        let identity = self.zero_experts.then(|| {
             let zero = experts.ge(self.experts);
             experts = experts.clamp_max(self.experts);
             (&weights * zero.to_kind(x.kind())).sum_dim_intlist(-1, true, x.kind()) * &x
         });
+        // Over a replica the identity's share is added once.
+        let identity = identity.filter(|_| self.adds_once);
         if let Some(mine) = &self.local {
-            return self.forward_local(&x, &experts, &weights, mine).view(size.as_slice());
+            let mut out = self.forward_local(&x, &experts, &weights, mine);
+            if let Some(identity) = identity {
+                out = out + identity;
+            }
+            return out.view(size.as_slice());
         }
         // 2. Sort the T*k pairs by expert; expert e's rows end at offs[e].
         let (sorted, order) = experts.view([-1]).sort_stable(true, 0, false);
         let bounds = Tensor::arange(n_experts, (Kind::Int64, x.device()));
         let offs = bounds.searchsorted::<&Tensor>(&sorted, true, true, "right", None); // int32 [E]
-        let mut rows = x.index_select(0, &order.divide_scalar_mode(k, "floor"));
-        if self.hidden != h {
-            rows = rows.constant_pad_nd([0, self.hidden - h]);
-        }
-        // 3. The experts' gated MLP as two grouped GEMMs (biases by each row's expert).
-        let mut gate_up = rows.internal_grouped_mm(&self.gate_up.transpose(1, 2), Some(&offs), None, None::<Kind>);
-        if let Some(b) = &self.gate_up_bias {
-            gate_up = gate_up + b.index_select(0, &sorted);
-        }
-        let (gate, up) = (gate_up.narrow(1, 0, i), gate_up.narrow(1, i, i));
-        let act = if self.clamped {
-            let gate = gate.clamp_max(GPT_OSS_LIMIT);
-            (up.clamp(-GPT_OSS_LIMIT, GPT_OSS_LIMIT) + 1.0) * (&gate * (&gate * GPT_OSS_ALPHA).sigmoid())
-        } else {
-            gate.silu() * up
-        };
-        let mut y = act.internal_grouped_mm(&self.down.transpose(1, 2), Some(&offs), None, None::<Kind>); // [T*k, H']
-        if let Some(b) = &self.down_bias {
-            y = y + b.index_select(0, &sorted);
-        }
-        if self.hidden != h {
-            y = y.narrow(1, 0, h);
-        }
+        let rows = x.index_select(0, &order.divide_scalar_mode(k, "floor"));
+        // 3. The experts' gated MLP.
+        let y = self.experts_mlp(&rows, &sorted, &offs);
         // 4. Back to (token, slot) order, weighted, summed over the slots.
         let slots = Tensor::arange(t * k, (Kind::Int64, x.device()));
         let inverse = order.zeros_like().index_copy(0, &order, &slots);
@@ -320,12 +327,39 @@ impl SparseMoe {
 }
 
 impl SparseMoe {
+    /// The experts' gated MLP on `rows` [N, H] sorted by expert (`sorted` [N], this module's
+    /// expert ids; expert e's rows end at `offs[e]`) as two grouped GEMMs, biases by each row's
+    /// expert -> [N, H].
+    fn experts_mlp(&self, rows: &Tensor, sorted: &Tensor, offs: &Tensor) -> Tensor {
+        let (h, i) = (rows.size()[1], self.intermediate);
+        let rows = if self.hidden != h { rows.constant_pad_nd([0, self.hidden - h]) } else { rows.shallow_clone() };
+        let mut gate_up = rows.internal_grouped_mm(&self.gate_up.transpose(1, 2), Some(offs), None, None::<Kind>);
+        if let Some(b) = &self.gate_up_bias {
+            gate_up = gate_up + b.index_select(0, sorted);
+        }
+        let (gate, up) = (gate_up.narrow(1, 0, i), gate_up.narrow(1, i, i));
+        let act = if self.clamped {
+            let gate = gate.clamp_max(GPT_OSS_LIMIT);
+            (up.clamp(-GPT_OSS_LIMIT, GPT_OSS_LIMIT) + 1.0) * (&gate * (&gate * GPT_OSS_ALPHA).sigmoid())
+        } else {
+            gate.silu() * up
+        };
+        let mut y = act.internal_grouped_mm(&self.down.transpose(1, 2), Some(offs), None, None::<Kind>); // [N, H']
+        if let Some(b) = &self.down_bias {
+            y = y + b.index_select(0, sorted);
+        }
+        if self.hidden != h {
+            y = y.narrow(1, 0, h);
+        }
+        y
+    }
+
     /// With expert parallelism: the pairs routed to this rank's experts `mine` only (the rest
     /// contribute nothing here; the ranks holding their experts add them in the all-reduce), and
     /// this rank's part of the shared expert. x [T, H] -> [T, H], a partial sum.
     fn forward_local(&self, x: &Tensor, experts: &Tensor, weights: &Tensor, mine: &Range<i64>) -> Tensor {
         let (t, h) = (x.size()[0], x.size()[1]);
-        let (k, i, n) = (self.top_k, self.intermediate, mine.end - mine.start);
+        let (k, n) = (self.top_k, mine.end - mine.start);
         // 1. Local ids; other ranks' pairs sort last (id n) and are cut off.
         let ids = experts.view([-1]) - mine.start;
         let here = ids.ge(0).logical_and(&ids.lt(n));
@@ -338,14 +372,9 @@ impl SparseMoe {
         let mut pairs = Tensor::zeros([t * k, h], (x.kind(), x.device()));
         if count > 0 {
             let order = order.narrow(0, 0, count);
-            let mut rows = x.index_select(0, &order.divide_scalar_mode(k, "floor"));
-            if self.hidden != h {
-                rows = rows.constant_pad_nd([0, self.hidden - h]);
-            }
-            let gate_up = rows.internal_grouped_mm(&self.gate_up.transpose(1, 2), Some(&offs), None, None::<Kind>);
-            let act = gate_up.narrow(1, 0, i).silu() * gate_up.narrow(1, i, i);
-            let y = act.internal_grouped_mm(&self.down.transpose(1, 2), Some(&offs), None, None::<Kind>);
-            let _ = pairs.index_copy_(0, &order, &y.narrow(1, 0, h));
+            let rows = x.index_select(0, &order.divide_scalar_mode(k, "floor"));
+            let y = self.experts_mlp(&rows, &sorted.narrow(0, 0, count), &offs);
+            let _ = pairs.index_copy_(0, &order, &y);
         }
         let mut out = (pairs.view([t, k, h]) * weights.unsqueeze(-1)).sum_dim_intlist(1, false, x.kind());
         match &self.shared {

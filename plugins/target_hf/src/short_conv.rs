@@ -7,6 +7,9 @@
 //! Per token: B, C, x = in_proj(h); y = C * causal_conv(B * x); out = out_proj(y). The conv's
 //! state is its last K-1 inputs (B * x). Left padding is zeroed before in_proj, as transformers
 //! zeroes it, so a padded row's conv starts at its first token.
+//!
+//! Tensor parallelism splits the channels: each rank holds its B, C and x rows of in_proj, its
+//! channels of the conv, and its columns of out_proj (row-parallel).
 
 use crate::{
     cache::{conv_tail, ConvState},
@@ -15,6 +18,7 @@ use crate::{
 };
 use gated_deltanet::depthwise_conv;
 use plugin_api::tch::Tensor;
+use std::ops::Range;
 
 pub struct ShortConv {
     in_proj: Tensor,
@@ -32,18 +36,26 @@ impl ShortConv {
         let h = cfg.hidden_size as i64;
         let k = cfg.short_conv_kernel() as i64;
         let bias = cfg.conv_bias.unwrap_or(false);
-        let mut opt = |name: String, n: i64| if bias { ld.get(&name, &[n]).map(Some) } else { Ok(None) };
-        let (in_bias, conv_bias, out_bias) = (
-            opt(format!("{p}.in_proj.bias"), 3 * h)?,
-            opt(format!("{p}.conv.bias"), h)?,
-            opt(format!("{p}.out_proj.bias"), h)?,
-        );
+        // This rank's channels (`tp.rs`), of each of B, C and x.
+        let mine = ld.shard.split(h, "the short convolution's channels (the hidden size)")?;
+        let shift = |by: i64| -> Range<i64> { mine.start + by..mine.end + by };
+        let bcx = vec![shift(0), shift(h), shift(2 * h)];
+        let mut opt = |name: String, n: i64, keep: Vec<Range<i64>>| {
+            if bias {
+                ld.get_selected(&name, &[n], &[keep]).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let (in_bias, conv_bias) =
+            (opt(format!("{p}.in_proj.bias"), 3 * h, bcx.clone())?, opt(format!("{p}.conv.bias"), h, vec![shift(0)])?);
+        let out_bias = if bias { ld.row_bias(&format!("{p}.out_proj.bias"), h)? } else { None };
         Ok(Self {
-            in_proj: ld.get(&format!("{p}.in_proj.weight"), &[3 * h, h])?,
+            in_proj: ld.get_selected(&format!("{p}.in_proj.weight"), &[3 * h, h], &[bcx])?,
             in_bias,
-            conv: ld.get(&format!("{p}.conv.weight"), &[h, 1, k])?.squeeze_dim(1),
+            conv: ld.get_selected(&format!("{p}.conv.weight"), &[h, 1, k], &[vec![shift(0)]])?.squeeze_dim(1),
             conv_bias,
-            out_proj: ld.get(&format!("{p}.out_proj.weight"), &[h, h])?,
+            out_proj: ld.get_selected(&format!("{p}.out_proj.weight"), &[h, h], &[vec![], vec![shift(0)]])?,
             out_bias,
             kernel: k,
         })
@@ -58,7 +70,8 @@ impl ShortConv {
         state: Option<&mut Option<ConvState>>,
         keep_undo: bool,
     ) -> Tensor {
-        let (b, h) = (x.size()[0], x.size()[2]);
+        // The channels this rank holds.
+        let (b, h) = (x.size()[0], self.conv.size()[0]);
         let x = match valid {
             Some(v) => x * v.unsqueeze(-1).to_kind(x.kind()),
             None => x.shallow_clone(),

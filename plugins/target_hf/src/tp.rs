@@ -1,16 +1,23 @@
 //! Tensor and expert parallelism: one replica of the target spread over the T ranks of a c10d
 //! group (Gloo on the CPU, NCCL on GPUs), Megatron's split:
 //! - attention: q/k/v column-parallel by heads (with fewer key/value heads than ranks, each rank
-//!   holds the one its query heads read, replicated), o_proj row-parallel;
-//! - the gated MLP (and a shared expert): gate/up column-parallel, down row-parallel;
+//!   holds the one its query heads read, replicated), o_proj row-parallel; per-head sinks
+//!   (gpt-oss) go with their heads;
+//! - latent attention (DeepSeek-V3, LongCat-Flash): the low-rank q_a / kv_a projections and their
+//!   norms replicated, q_b (or q_proj) and kv_b column-parallel by heads, o_proj row-parallel;
+//! - the gated MLP (and the shared experts): gate/up column-parallel, down row-parallel;
 //! - Gated DeltaNet: the value heads (and the key heads they read, as attention's key/value
 //!   heads) column-parallel through the input projections and the conv, out_proj row-parallel;
+//! - LFM2's short convolution: its channels column-parallel through in_proj (B, C and x) and the
+//!   conv, out_proj row-parallel;
 //! - routed experts: over E expert-parallel groups of T / E ranks, each group holding E-th of the
 //!   experts and each rank of a group its 1 / (T / E) of their width;
 //! - embeddings, norms, routers and the LM head replicated.
 //!
 //! Each row-parallel output is a partial sum: one all-reduce over the group after each token
-//! mixer and each MLP makes every rank's hidden state the whole model's. Each rank reads only its
+//! mixer and each MLP (LongCat-Flash's shortcut MoE too) makes every rank's hidden state the
+//! whole model's. What a row-parallel layer adds once (its bias, gpt-oss's experts' down bias,
+//! the zero-computation experts' input) the first of the ranks sharing it adds. Each rank reads only its
 //! part of every weight from the checkpoint (`Weights::take_selected`).
 //!
 //! A failed collective is kept (the forward goes on without collectives, its result refused)
@@ -128,19 +135,27 @@ pub fn check(cfg: &crate::config::DecoderConfig, shard: Shard) -> Result<(), Str
         return Ok(());
     }
     let layers = 0..cfg.num_hidden_layers;
-    if layers.clone().any(|i| cfg.mixer(i) == Mixer::Attention) {
+    let has = |mixer: Mixer| layers.clone().any(|i| cfg.mixer(i) == mixer);
+    if has(Mixer::Attention) || has(Mixer::Mla) {
         shard.split(cfg.num_attention_heads as i64, "the attention heads")?;
+    }
+    if has(Mixer::Attention) {
         shard.kv_heads(cfg.num_kv_heads() as i64, "the key/value heads")?;
     }
-    if layers.clone().any(|i| cfg.mixer(i) == Mixer::Linear) {
+    if has(Mixer::Linear) {
         let s = cfg.linear();
         shard.split(s.value_heads as i64, "the Gated DeltaNet value heads")?;
         shard.kv_heads(s.key_heads as i64, "the Gated DeltaNet key heads")?;
     }
-    if layers.clone().any(|i| !cfg.is_sparse_layer(i)) {
-        shard.split(cfg.dense_width().unwrap_or(cfg.intermediate_size) as i64, "the MLP's intermediate size")?;
+    if has(Mixer::ShortConv) {
+        shard.split(cfg.hidden_size as i64, "the short convolution's channels (the hidden size)")?;
     }
-    if let Some(m) = moe.filter(|_| layers.clone().any(|i| cfg.is_sparse_layer(i))) {
+    // LongCat-Flash's layers hold dense MLPs and the MoE beside them.
+    let longcat = cfg.arch() == crate::config::Arch::LongcatFlash;
+    if let Some(width) = cfg.dense_width().filter(|_| longcat || layers.clone().any(|i| !cfg.is_sparse_layer(i))) {
+        shard.split(width as i64, "the MLP's intermediate size")?;
+    }
+    if let Some(m) = moe.filter(|_| longcat || layers.clone().any(|i| cfg.is_sparse_layer(i))) {
         shard.experts(m.experts as i64)?;
         shard.expert_width(m.intermediate as i64)?;
         if let Some(crate::config::SharedExpert::Gated(w) | crate::config::SharedExpert::Plain(w)) = m.shared {
