@@ -240,13 +240,16 @@ pub fn command(args: &crate::cli::EvalArgs, plugin_paths: &[PathBuf]) -> Result<
     if !exp_dir.join(experiment::CONFIG).is_file() {
         bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
     }
-    // A target replica over several ranks: rank 0 evaluates, the others serve its target.
-    let (cfg, config_dir) = crate::pipeline::assemble::experiment_config(exp_dir, args.drafter.as_deref())?;
-    if let Some(follower) = replicas::one_replica(&cfg, "eval")?.filter(|(_, l)| !l.is_lead()) {
-        let registry = Registry::new(plugin_paths)?;
-        let config_path = exp_dir.join(experiment::CONFIG);
-        replicas::serve(&cfg, &config_path, &config_dir, &registry, exp_dir, follower)?;
-        return Ok(());
+    // Under a launcher, a target replica over several ranks: rank 0 evaluates, the others serve
+    // its target.
+    if crate::dist::DistEnv::from_env()?.is_some() {
+        let (cfg, config_dir) = crate::pipeline::assemble::experiment_config(exp_dir, args.drafter.as_deref())?;
+        if let Some(follower) = replicas::one_replica(&cfg, "eval")?.filter(|(_, l)| !l.is_lead()) {
+            let registry = Registry::new(plugin_paths)?;
+            let config_path = exp_dir.join(experiment::CONFIG);
+            replicas::serve(&cfg, &config_path, &config_dir, &registry, exp_dir, follower)?;
+            return Ok(());
+        }
     }
     // 1. What is evaluated, and so where its results go; refused now if they cannot be written.
     if args.drafter.is_none() && args.checkpoint.is_none() && prompts_name(&opts.source).is_none() {
