@@ -164,4 +164,43 @@ mod tests {
         let e = check(&gemma.replace("expert_parallel = 8", "expert_parallel = 1")).unwrap_err();
         assert!(e.contains("field `tensor_parallel` = 8: `gemma2` models run on a single device"), "{e}");
     }
+
+    /// The LongCat-Flash preset's split (one replica of 16 ranks, 16 expert groups) passes
+    /// preflight against the real model's shapes (transformers' `LongcatFlashConfig`), weights
+    /// aside; 12 ranks do not divide its 64 heads.
+    #[test]
+    fn the_longcat_preset_splits_the_real_shapes() {
+        let dir = tempfile::tempdir().unwrap();
+        let presets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/presets");
+        std::fs::write(
+            dir.path().join("longcat.json"),
+            r#"{"model_type": "longcat_flash", "vocab_size": 131072, "hidden_size": 6144, "num_hidden_layers": 56,
+            "num_layers": 28, "num_attention_heads": 64, "num_key_value_heads": 64, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-05, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": false,
+            "rope_parameters": {"rope_theta": 10000000.0, "rope_type": "default"}, "ffn_hidden_size": 12288,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "head_dim": 64, "v_head_dim": 128, "qk_head_dim": 192, "moe_topk": 12, "n_routed_experts": 512,
+            "zero_expert_num": 256, "expert_ffn_hidden_size": 2048, "routed_scaling_factor": 6.0}"#,
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("train.jsonl"), "{\"messages\": []}\n").unwrap();
+        let text = std::fs::read_to_string(presets.join("longcat-flash.toml"))
+            .unwrap()
+            .replace("\"meituan-longcat/LongCat-Flash-Chat\"", "\"longcat.json\"\nrandom_init = true")
+            .replace("$DFLASH_CACHE/data/train.jsonl", "train.jsonl");
+        let registry = Registry::new(&[]).unwrap();
+        let check = |text: &str| {
+            let path = dir.path().join("run.toml");
+            std::fs::write(&path, text).unwrap();
+            let cfg = RunConfig::load(&path).unwrap();
+            let ctx = manifest::plugin_context(&cfg, dir.path(), dir.path());
+            check(&cfg, &path, &ctx, &registry).map_err(|e| format!("{e:#}"))
+        };
+        check(&text).unwrap();
+        let twelve = text
+            .replace("tensor_parallel = 16", "tensor_parallel = 12")
+            .replace("expert_parallel = 16", "expert_parallel = 4");
+        let e = check(&twelve).unwrap_err();
+        assert!(e.contains("field `tensor_parallel` = 12") && e.contains("(64) is not a multiple of 12"), "{e}");
+    }
 }
