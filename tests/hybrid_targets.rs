@@ -186,10 +186,31 @@ fn an_unknown_architecture_fails_with_one_line_naming_it() {
     );
 }
 
+/// `dflash-host ARGS` in `dir`, every rank logging its info lines.
+fn host_in(dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(args)
+        .current_dir(dir)
+        .env("DFLASH_CACHE", cache())
+        .env("DFLASH_DIST_TIMEOUT", "120")
+        .env("RUST_LOG", "info")
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap()
+}
+
+/// How many target calls rank 1 served, as it logs it (0 when it did not).
+fn served(log: &str) -> u64 {
+    let line = log.lines().find_map(|l| l.strip_prefix("[rank1]: ").and_then(|l| l.split_once("rank 1: served ")));
+    line.map_or(0, |(_, n)| n.split(' ').next().unwrap().parse().unwrap())
+}
+
 /// A target replica spread over two ranks (`train --nproc 2`, Gloo): the Qwen3.5-MoE target's
 /// attention, Gated DeltaNet heads and MLP widths split in two, its experts over two groups. The
-/// replica's lead trains, the other rank serves the target's calls (self-distillation, then every
-/// forward); the run takes the steps one rank holding the whole target takes.
+/// replica's lead trains, the other rank builds the target alone (no drafter, optimizer or data)
+/// and serves the target's calls (self-distillation, then every forward); the run takes the
+/// steps one rank holding the whole target takes. `distill --nproc 2` writes the replies one
+/// rank writes, and `eval --nproc 2` of the one-rank run's drafter gives its acceptance.
 #[test]
 fn a_target_replica_over_two_ranks_trains_as_one_rank_does() {
     common::require_model();
@@ -202,15 +223,19 @@ fn a_target_replica_over_two_ranks_trains_as_one_rank_does() {
     let (out, one) = common::train(&[], &whole);
     assert!(out.status.success(), "one rank: {}", String::from_utf8_lossy(&out.stderr));
     std::fs::write(root.path().join("tp.toml"), &split).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
-        .args(["train", "--nproc", "2", "--config", "tp.toml", "--exp-dir", "tp"])
-        .current_dir(root.path())
-        .env("DFLASH_CACHE", cache())
-        .env("DFLASH_DIST_TIMEOUT", "120")
-        .env_remove("RUST_BACKTRACE")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "two ranks: {}", String::from_utf8_lossy(&out.stderr));
+    let out = host_in(root.path(), &["train", "--nproc", "2", "--config", "tp.toml", "--exp-dir", "tp"]);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "two ranks: {log}");
+    // Rank 1 builds the target only.
+    let made = |rank: &str, kind: &str| {
+        log.lines()
+            .filter(|l| l.starts_with(&format!("[{rank}]")) && l.contains(&format!("creating {kind} plugin")))
+            .count()
+    };
+    assert_eq!((made("rank0", "target"), made("rank0", "drafter"), made("rank0", "data")), (1, 1, 1), "{log}");
+    assert_eq!((made("rank1", "target"), made("rank1", "drafter"), made("rank1", "optimizer")), (1, 0, 0), "{log}");
+    assert_eq!(made("rank1", "data"), 0, "{log}");
+    assert!(log.contains("[rank1]: ") && log.contains("serving the target of replica 0 (no drafter"), "{log}");
     let keys = ["step", "tokens", "loss"];
     let (a, b) = (common::metrics(&one.path().join("exp"), &keys), common::metrics(&root.path().join("tp"), &keys));
     assert_eq!(a.len(), 4);
@@ -219,6 +244,48 @@ fn a_target_replica_over_two_ranks_trains_as_one_rank_does() {
         assert_eq!((&x["step"], &x["tokens"]), (&y["step"], &y["tokens"]), "{x} vs {y}");
         let (l1, l2) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
         assert!((l1 - l2).abs() <= 1e-4 * l1.abs().max(1e-3), "loss {l1} (one rank) vs {l2} (two-rank replica)");
+    }
+
+    // Self-distillation: rank 0 drives, rank 1 serves; the replies are those of the whole target.
+    std::fs::write(root.path().join("whole.toml"), &whole).unwrap();
+    let out = host_in(root.path(), &["distill", "--config", "whole.toml", "--out", "one.jsonl"]);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "distill, one rank: {log}");
+    // The replica generates every reply (none from the cache the runs above filled).
+    let cached = log.lines().find_map(|l| l.split_once("replies cached in ")).expect("the reply cache").1;
+    std::fs::remove_file(cached.split(" (").next().unwrap()).unwrap();
+    let out = host_in(root.path(), &["distill", "--nproc", "2", "--config", "tp.toml", "--out", "tp.jsonl"]);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "distill, two ranks: {log}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("(0 from the cache"), "{log}");
+    assert!(served(&log) > 0, "{log}");
+    let (a, b) = (root.path().join("one.jsonl"), root.path().join("tp.jsonl"));
+    let (a, b) = (std::fs::read_to_string(a).unwrap(), std::fs::read_to_string(b).unwrap());
+    assert!(a.lines().count() >= 3, "{a}");
+    assert_eq!(a, b, "distilled replies: one rank vs a two-rank replica");
+
+    // Eval of the one-rank run's drafter, its target whole and split over two ranks.
+    let exp = one.path().join("exp");
+    let copy = root.path().join("one-tp");
+    assert!(Command::new("cp").arg("-r").arg(&exp).arg(&copy).status().unwrap().success());
+    let config = std::fs::read_to_string(copy.join("config.toml")).unwrap();
+    let replicated = config.replace(&path, &format!("{path}\ntensor_parallel = 2\nexpert_parallel = 2"));
+    assert_ne!(config, replicated);
+    std::fs::write(copy.join("config.toml"), replicated).unwrap();
+    let eval = |dir: &Path, nproc: &[&str]| {
+        let mut args = vec!["eval", "--limit", "2", "--max-new-tokens", "16"];
+        args.extend(nproc);
+        args.extend(["--exp-dir", dir.to_str().unwrap()]);
+        let out = host_in(root.path(), &args);
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "eval {nproc:?}: {log}");
+        assert_eq!(served(&log) > 0, !nproc.is_empty(), "{log}");
+        serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(dir.join("eval.json")).unwrap()).unwrap()
+    };
+    let (a, b) = (eval(&exp, &[]), eval(&copy, &["--nproc", "2"]));
+    assert!(a["cycles"].as_u64().unwrap() > 0, "{a}");
+    for key in ["lossless", "cycles", "new_tokens", "tau", "tau_pooled", "acceptance_per_position"] {
+        assert_eq!(a[key], b[key], "{key}: one rank {a} vs a two-rank replica {b}");
     }
 }
 

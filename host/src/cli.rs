@@ -190,6 +190,10 @@ pub struct DistillArgs {
     /// The JSONL file to write.
     #[arg(long)]
     pub out: PathBuf,
+    /// Start N local ranks (a target replica over N ranks, `[target] tensor_parallel = N`):
+    /// rank 0 distils, the others serve its target.
+    #[arg(long, value_name = "N")]
+    pub nproc: Option<usize>,
 }
 
 #[derive(Args)]
@@ -253,6 +257,10 @@ pub struct EvalArgs {
     /// after each: slows decoding slightly.
     #[arg(long)]
     pub time_split: bool,
+    /// Start N local ranks (a target replica over N ranks, `[target] tensor_parallel = N`):
+    /// rank 0 evaluates, the others serve its target.
+    #[arg(long, value_name = "N")]
+    pub nproc: Option<usize>,
 }
 
 #[derive(Args)]

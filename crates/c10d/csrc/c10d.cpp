@@ -101,6 +101,20 @@ int dflash_c10d_store_add(DflashStore* s, const char* key, int64_t value, int64_
   GUARD_END
 }
 
+// Remove `key`; `removed` says whether it was set.
+int dflash_c10d_store_delete(DflashStore* s, const char* key, bool* removed, char* err, size_t err_len) {
+  GUARD_BEGIN
+  *removed = s->store->deleteKey(key);
+  GUARD_END
+}
+
+// How many keys the store holds (the server's count, every client's keys together).
+int dflash_c10d_store_num_keys(DflashStore* s, int64_t* n, char* err, size_t err_len) {
+  GUARD_BEGIN
+  *n = s->store->getNumKeys();
+  GUARD_END
+}
+
 // The store as c10d sees it (a new reference), for the NCCL library's constructor.
 void* dflash_c10d_store_raw(DflashStore* s) {
   return c10::intrusive_ptr<c10d::Store>(s->store).release();

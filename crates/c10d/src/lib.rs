@@ -89,6 +89,14 @@ extern "C" {
         err: *mut c_char,
         len: usize,
     ) -> c_int;
+    fn dflash_c10d_store_delete(
+        s: *mut c_void,
+        key: *const c_char,
+        removed: *mut bool,
+        err: *mut c_char,
+        len: usize,
+    ) -> c_int;
+    fn dflash_c10d_store_num_keys(s: *mut c_void, n: *mut i64, err: *mut c_char, len: usize) -> c_int;
     fn dflash_c10d_store_raw(s: *mut c_void) -> *mut c_void;
     fn dflash_c10d_gloo_new(
         s: *mut c_void,
@@ -297,6 +305,27 @@ impl Store {
             // SAFETY: plain arguments and one out-value.
             let rc = unsafe { dflash_c10d_store_add(s, k.as_ptr(), value, &mut now, e, l) };
             (rc, now)
+        })
+    }
+
+    /// Remove `key`; whether it was set.
+    pub fn delete(&self, key: &str) -> Result<bool> {
+        let k = cstr(key);
+        self.run("a delete", move |s, e, l| {
+            let mut removed = false;
+            // SAFETY: plain arguments and one out-value.
+            let rc = unsafe { dflash_c10d_store_delete(s, k.as_ptr(), &mut removed, e, l) };
+            (rc, removed)
+        })
+    }
+
+    /// How many keys the store holds, every client's together.
+    pub fn num_keys(&self) -> Result<u64> {
+        self.run("a key count", move |s, e, l| {
+            let mut n = 0i64;
+            // SAFETY: one out-value.
+            let rc = unsafe { dflash_c10d_store_num_keys(s, &mut n, e, l) };
+            (rc, n.max(0) as u64)
         })
     }
 
@@ -609,6 +638,12 @@ mod tests {
         assert_eq!(server.get("a").unwrap(), b"hello");
         assert!(server.check("a").unwrap());
         assert!(!server.check("b").unwrap());
+        // Deleting: the key is gone for every client, and the store counts one key fewer.
+        client.set("gone", b"x").unwrap();
+        let n = server.num_keys().unwrap();
+        assert!(client.delete("gone").unwrap());
+        assert!(!server.check("gone").unwrap() && !client.delete("gone").unwrap());
+        assert_eq!(server.num_keys().unwrap(), n - 1);
         let t = std::time::Instant::now();
         let err = client.get("b").unwrap_err();
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());

@@ -49,6 +49,7 @@ fn capture(
     registry: &Registry,
     opts: &CaptureOptions,
 ) -> Result<CaptureIndex> {
+    crate::pipeline::replicas::refuse(&cfg.target, "capture")?;
     experiment::guard::check_out_folder("--out", out)?;
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     let components = build(cfg, config_path, &config_dir, registry)?;

@@ -4,9 +4,10 @@
 use crate::{
     cli::DistillArgs,
     config::{self, Override, RunConfig},
+    dist::launch,
     environment::cache_dir,
     experiment,
-    pipeline::{assemble::build, distill::DistillStats},
+    pipeline::{assemble::build, distill::DistillStats, replicas},
     plugins::Registry,
     say,
 };
@@ -17,10 +18,15 @@ use std::{
 };
 
 pub fn run(args: DistillArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
-    let DistillArgs { config, out, overrides } = args;
+    let DistillArgs { config, out, overrides, nproc } = args;
+    if let Some(n) = nproc.filter(|_| std::env::var_os("RANK").is_none()) {
+        let argv = launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
+        return Ok(ExitCode::from(launch::launch(n, &argv)?));
+    }
     let cfg = RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
+    let cfg = crate::train::start::place_rank(&cfg)?;
     let registry = Registry::new(plugin_paths)?;
-    let (written, stats) = distill(&cfg, &config, &out, &registry)?;
+    let Some((written, stats)) = distill(&cfg, &config, &out, &registry)? else { return Ok(ExitCode::SUCCESS) };
     for line in crate::pipeline::distill::export_summary(&stats, &written, &out) {
         say!("{line}");
     }
@@ -28,16 +34,23 @@ pub fn run(args: DistillArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
 }
 
 /// Self-distil the config's data and write it as chat JSONL (`dflash-host distill --out`): what
-/// was generated, and what was written and left out.
+/// was generated, and what was written and left out. With a target replica over several ranks,
+/// rank 0 runs it and the others serve its target (None there).
 fn distill(
     cfg: &RunConfig,
     config_path: &Path,
     out: &Path,
     registry: &Registry,
-) -> Result<(plugin_api::DistilledExport, DistillStats)> {
-    experiment::guard::check_out_file("--out", out)?;
+) -> Result<Option<(plugin_api::DistilledExport, DistillStats)>> {
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
-    let mut c = build(cfg, config_path, &config_dir, registry)?;
+    if let Some((env, layout)) = replicas::one_replica(cfg, "distill")?.filter(|(_, l)| !l.is_lead()) {
+        replicas::serve(cfg, config_path, &config_dir, registry, out, (env, layout))?;
+        return Ok(None);
+    }
+    experiment::guard::check_out_file("--out", out)?;
+    let c = build(cfg, config_path, &config_dir, registry)?;
+    // Dropped in this order: the target's last call, then the heartbeat its other ranks watch.
+    let (mut c, _held) = replicas::drive(cfg, c, out, "distill")?;
     let Some(stats) = crate::pipeline::distill::prepare_data(&mut c, &cache_dir())? else {
         anyhow::bail!(
             "{}: the data loader regenerates no replies (in [data], distill = false?)",
@@ -52,5 +65,6 @@ fn distill(
     });
     let written = c.data.export_distilled_summary(&tmp.display().to_string())?;
     std::fs::rename(&tmp, out).with_context(|| format!("writing {}", out.display()))?;
-    Ok((written, stats))
+    drop(c);
+    Ok(Some((written, stats)))
 }

@@ -52,7 +52,7 @@ impl Layout {
         let Some(env) = env else {
             bail!(
                 "[target] field `tensor_parallel` = {size}: a replica of {size} ranks needs the run launched over a \
-                 multiple of {size} ranks (`train --nproc N` or torchrun)"
+                 multiple of {size} ranks (`--nproc N` or torchrun)"
             );
         };
         if env.world % size != 0 {
@@ -137,6 +137,18 @@ impl Calls {
     fn key(&mut self) -> String {
         self.next += 1;
         format!("{}call/{}", self.prefix, self.next)
+    }
+
+    /// One of the replica's `followers` has read the call `key`: the last to read it removes it
+    /// (and its count), so the store holds only the calls some rank has yet to read, however long
+    /// the run. Counted in the store, not in a collective: a cache call runs none.
+    fn read(&self, key: &str, followers: usize) -> Result<(), c10d::Error> {
+        let readers = format!("{key}/read");
+        if self.store.add(&readers, 1)? >= followers as i64 {
+            self.store.delete(key)?;
+            self.store.delete(&readers)?;
+        }
+        Ok(())
     }
 }
 
@@ -304,6 +316,7 @@ pub fn serve(target: &mut TargetHandle, layout: &Layout, store: Store, lead_beat
             }
         }
         let bytes = calls.store.get(&key).map_err(|e| gone(e.to_string()))?;
+        calls.read(&key, layout.size - 1).map_err(|e| gone(format!("its store does not answer: {e}")))?;
         let call: Call = serde_json::from_slice(&bytes).map_err(|e| anyhow!("target call {key}: {e}"))?;
         let failed = |e: anyhow::Error| anyhow!("target replica {}, rank {}: {e:#}", layout.index, layout.rank);
         match call {
@@ -361,5 +374,92 @@ mod tests {
         assert!(e.starts_with("[target] field `tensor_parallel` = 2: a replica of 2 ranks needs"), "{e}");
         let call = Call::Forward { shape: vec![1, 2], ids: vec![5, 6], layers: vec![0, 3], logits: true };
         assert_eq!(serde_json::from_slice::<Call>(&serde_json::to_vec(&call).unwrap()).unwrap(), call);
+    }
+
+    /// A target whose forward meets the replica's other ranks (as a split target's collectives
+    /// do) and whose cache calls meet nobody.
+    struct Meeting(std::sync::Arc<std::sync::Barrier>);
+
+    impl TargetModel for Meeting {
+        fn spec(&self) -> RResult<TargetSpec, PluginError> {
+            RErr(PluginError::new("not used"))
+        }
+        fn tokenizer_json(&self) -> RResult<RString, PluginError> {
+            RErr(PluginError::new("not used"))
+        }
+        fn embedding(&self) -> RResult<TensorHandle, PluginError> {
+            RErr(PluginError::new("not used"))
+        }
+        fn lm_head(&self) -> RResult<TensorHandle, PluginError> {
+            RErr(PluginError::new("not used"))
+        }
+        fn forward(&mut self, ids: &TensorHandle, _: RSlice<'_, u32>, _: bool) -> RResult<TargetOutput, PluginError> {
+            self.0.wait();
+            plugin_api::abi_stable::std_types::ROk(TargetOutput {
+                hidden: handle(&ids.tensor().to_kind(Kind::Float)),
+                logits: plugin_api::abi_stable::std_types::RNone,
+            })
+        }
+        fn generate(
+            &mut self,
+            p: RVec<RVec<u32>>,
+            _: u32,
+            _: RSlice<'_, u32>,
+        ) -> RResult<RVec<RVec<u32>>, PluginError> {
+            plugin_api::abi_stable::std_types::ROk(p)
+        }
+        fn cache_reset(&mut self) -> RResult<(), PluginError> {
+            plugin_api::abi_stable::std_types::ROk(())
+        }
+        fn cache_extend(&mut self, ids: &TensorHandle, l: RSlice<'_, u32>) -> RResult<TargetOutput, PluginError> {
+            self.forward(ids, l, false)
+        }
+        fn cache_truncate(&mut self, _: u32) -> RResult<(), PluginError> {
+            plugin_api::abi_stable::std_types::ROk(())
+        }
+    }
+
+    fn meeting(barrier: &std::sync::Arc<std::sync::Barrier>) -> TargetHandle {
+        TargetHandle::new(TargetModel_TO::from_value(Meeting(barrier.clone()), TD_Opaque), "meeting")
+    }
+
+    /// Many calls through a replica of three ranks: each call leaves the store once both other
+    /// ranks have read it, cache calls (which meet nobody) included, so rank 0's store does not
+    /// grow with the run; at the end only the count of ranks that read the end is left.
+    #[test]
+    fn the_store_holds_no_call_every_rank_has_read() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let store = Store::serve(listener, Duration::from_secs(30)).unwrap();
+        let layout = Layout { size: 3, index: 0, rank: 0, count: 1 };
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(3));
+        let beat = "beat";
+        store.add(beat, 1).unwrap();
+        let before = store.num_keys().unwrap();
+        let followers: Vec<_> = (1..3)
+            .map(|rank| {
+                let (store, barrier) = (store.another().unwrap(), barrier.clone());
+                std::thread::spawn(move || {
+                    let layout = Layout { rank, ..layout };
+                    serve(&mut meeting(&barrier), &layout, store, beat).unwrap()
+                })
+            })
+            .collect();
+        let mut lead = Lead::new(meeting(&barrier).into_raw(), &layout, store.another().unwrap());
+        let ids = TensorHandle::new(Tensor::from_slice(&[1i64, 2, 3]).view([1, 3]));
+        let calls = 300;
+        for i in 0..calls {
+            store.add(beat, 1).unwrap();
+            lead.cache_truncate(i).unwrap();
+            lead.cache_reset().unwrap();
+            lead.forward(&ids, RSlice::from_slice(&[0]), false).unwrap();
+            // Both other ranks met this forward, so they read every call up to it.
+            assert_eq!(store.num_keys().unwrap(), before, "after {} calls", 3 * (i + 1));
+        }
+        drop(lead);
+        for f in followers {
+            assert_eq!(f.join().unwrap(), 3 * calls as u64);
+        }
+        assert_eq!(store.num_keys().unwrap(), before + 1);
+        assert_eq!(store.add(DONE_KEY, 0).unwrap(), 2);
     }
 }

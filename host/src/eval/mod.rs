@@ -12,7 +12,7 @@ pub use prompts::{convert_prompts, PromptFormat};
 
 use crate::{
     experiment::{self, checkpoint},
-    pipeline::components::Components,
+    pipeline::{components::Components, replicas},
     plugins::Registry,
     progress::{Pace, Progress},
     say,
@@ -240,6 +240,17 @@ pub fn command(args: &crate::cli::EvalArgs, plugin_paths: &[PathBuf]) -> Result<
     if !exp_dir.join(experiment::CONFIG).is_file() {
         bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
     }
+    // Under a launcher, a target replica over several ranks: rank 0 evaluates, the others serve
+    // its target.
+    if crate::dist::DistEnv::from_env()?.is_some() {
+        let (cfg, config_dir) = crate::pipeline::assemble::experiment_config(exp_dir, args.drafter.as_deref())?;
+        if let Some(follower) = replicas::one_replica(&cfg, "eval")?.filter(|(_, l)| !l.is_lead()) {
+            let registry = Registry::new(plugin_paths)?;
+            let config_path = exp_dir.join(experiment::CONFIG);
+            replicas::serve(&cfg, &config_path, &config_dir, &registry, exp_dir, follower)?;
+            return Ok(());
+        }
+    }
     // 1. What is evaluated, and so where its results go; refused now if they cannot be written.
     if args.drafter.is_none() && args.checkpoint.is_none() && prompts_name(&opts.source).is_none() {
         crate::atomic_write::check_writable(&exp_dir.join("eval.json"))?;
@@ -279,10 +290,14 @@ pub fn command(args: &crate::cli::EvalArgs, plugin_paths: &[PathBuf]) -> Result<
     }
     // 3. Evaluate, with the machine's load before and after the timing.
     let registry = Registry::new(plugin_paths)?;
-    let (cfg, mut c) = crate::pipeline::assemble::load_experiment(exp_dir, &registry, from)?;
+    let (cfg, c) = crate::pipeline::assemble::load_experiment(exp_dir, &registry, from)?;
+    let (mut c, held) = replicas::drive(&cfg, c, exp_dir, "eval")?;
     let load_before = loadavg();
     let mut report = evaluate(&mut c, &opts)?;
     let load_after = loadavg();
+    // The target's last call, then the heartbeat the replica's other ranks watch.
+    drop(c);
+    drop(held);
     let _ = std::fs::remove_dir_all(&converted);
     report.source = args.prompts.clone();
     let mut json = results_json(&report, &evaluated, exp_dir, args.prompt_format, (load_before, load_after))?;

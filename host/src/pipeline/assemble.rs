@@ -6,7 +6,7 @@ use crate::{
     environment::{cache_dir, enable_cuda},
     experiment::{self, checkpoint, manifest, Manifest},
     pipeline::components::{build_components, Components},
-    plugins::Registry,
+    plugins::{PluginRecord, Registry, TargetHandle},
 };
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
@@ -34,6 +34,22 @@ pub fn build(cfg: &RunConfig, config_path: &Path, config_dir: &Path, registry: &
         .map_err(|e| crate::config::preflight::locate(cfg, config_path, format!("{e:#}")))
 }
 
+/// The target alone, checked as [`build`] checks the whole run, for a rank that only serves its
+/// replica's lead; with the records of every plugin the config names.
+pub fn build_target(
+    cfg: &RunConfig,
+    config_path: &Path,
+    config_dir: &Path,
+    registry: &Registry,
+) -> Result<(TargetHandle, Vec<PluginRecord>)> {
+    let ctx = manifest::plugin_context(cfg, config_dir, &cache_dir());
+    crate::config::preflight::check(cfg, config_path, &ctx, registry)?;
+    ensure_device(cfg)?;
+    tch::manual_seed(cfg.seed as i64);
+    crate::pipeline::components::build_target(cfg, registry, config_dir, &cache_dir())
+        .map_err(|e| crate::config::preflight::locate(cfg, config_path, format!("{e:#}")))
+}
+
 /// Where an evaluated drafter's weights come from: a checkpoint already opened (found once, so
 /// a training run pruning it meanwhile cannot take it away), or a z-lab folder.
 pub enum DrafterFrom<'a> {
@@ -44,17 +60,11 @@ pub enum DrafterFrom<'a> {
 /// Rebuild a finished experiment's plugins (eval): its resolved config, with the drafter from a
 /// checkpoint (its weights checked against what the drafter declares) or from a z-lab folder.
 pub fn load_experiment(exp_dir: &Path, registry: &Registry, drafter: DrafterFrom) -> Result<(RunConfig, Components)> {
-    let cfg_path = exp_dir.join(experiment::CONFIG);
-    let mut cfg = RunConfig::load(&cfg_path)?;
-    let manifest = Manifest::read(exp_dir)?;
-    let config_dir = PathBuf::from(&manifest.config_dir);
-    if let DrafterFrom::Folder(d) = drafter {
-        let abs = d.canonicalize().with_context(|| format!("{}", d.display()))?;
-        let mut t = toml::Table::new();
-        t.insert("plugin".into(), "dflash".into());
-        t.insert("init_from".into(), abs.display().to_string().into());
-        cfg.drafter = t;
-    }
+    let folder = match &drafter {
+        DrafterFrom::Folder(d) => Some(*d),
+        DrafterFrom::Checkpoint(_) => None,
+    };
+    let (cfg, config_dir) = experiment_config(exp_dir, folder)?;
     ensure_device(&cfg)?;
     let mut c = build_components(&cfg, registry, &config_dir, &cache_dir())?;
     if let DrafterFrom::Checkpoint(ckpt) = drafter {
@@ -64,6 +74,21 @@ pub fn load_experiment(exp_dir: &Path, registry: &Registry, drafter: DrafterFrom
         tracing::info!("drafter weights from {}", ckpt.dir.display());
     }
     Ok((cfg, c))
+}
+
+/// A finished experiment's resolved config as eval runs it (the drafter from a z-lab `folder`
+/// when given; this rank's devices under a launcher), and the folder its paths resolve from.
+pub fn experiment_config(exp_dir: &Path, folder: Option<&Path>) -> Result<(RunConfig, PathBuf)> {
+    let mut cfg = RunConfig::load(&exp_dir.join(experiment::CONFIG))?;
+    let manifest = Manifest::read(exp_dir)?;
+    if let Some(d) = folder {
+        let abs = d.canonicalize().with_context(|| format!("{}", d.display()))?;
+        let mut t = toml::Table::new();
+        t.insert("plugin".into(), "dflash".into());
+        t.insert("init_from".into(), abs.display().to_string().into());
+        cfg.drafter = t;
+    }
+    Ok((crate::train::start::place_rank(&cfg)?, PathBuf::from(&manifest.config_dir)))
 }
 
 #[cfg(test)]

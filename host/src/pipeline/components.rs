@@ -25,24 +25,14 @@ pub struct Components {
     pub dtype: String,
 }
 
-pub fn build_components(
+/// The config's target plugin, one instance a target device (`pipeline.targets`), each told its
+/// place in a replica spread over several ranks; the plugin's record.
+fn create_targets(
     cfg: &RunConfig,
     registry: &Registry,
     config_dir: &Path,
     cache_dir: &Path,
-) -> Result<Components> {
-    let ctx_on = |device: &str| crate::plugins::host_context(device, cfg.dtype(), cfg.seed, config_dir, cache_dir);
-    let mut records = Vec::new();
-    let mut create = |kind: PluginKind, ctx: &HostContext| -> Result<PluginInstance> {
-        let section = cfg.section(kind.as_str());
-        tracing::info!("creating {kind} plugin `{}` on {}", section.plugin, ctx.device);
-        let (instance, record) = registry.create(kind, &section, ctx)?;
-        if !records.iter().any(|r: &PluginRecord| r.kind == record.kind) {
-            records.push(record);
-        }
-        Ok(instance)
-    };
-    let wrong = |kind: PluginKind| anyhow!("plugin for [{kind}] did not create a {kind}");
+) -> Result<(Vec<TargetHandle>, PluginRecord)> {
     let devices = cfg.target_devices();
     // A replica spread over several ranks: this rank's place in it, for the target.
     let env = crate::dist::DistEnv::from_env()?;
@@ -54,14 +44,64 @@ pub fn build_components(
         Some(layout) => RSome(layout.group(env.as_ref().expect("a layout comes with a launcher"))),
         None => RNone,
     };
+    let section = cfg.section(PluginKind::Target.as_str());
     let mut targets = Vec::new();
+    let mut record = None;
     for d in &devices {
-        let ctx = HostContext { replica: replica.clone(), ..ctx_on(d) };
-        let PluginInstance::Target(t) = create(PluginKind::Target, &ctx)? else {
-            return Err(wrong(PluginKind::Target));
+        let ctx = HostContext {
+            replica: replica.clone(),
+            ..crate::plugins::host_context(d, cfg.dtype(), cfg.seed, config_dir, cache_dir)
         };
-        targets.push(TargetHandle::new(t, &cfg.section("target").plugin));
+        tracing::info!("creating {} plugin `{}` on {}", PluginKind::Target, section.plugin, ctx.device);
+        let (instance, r) = registry.create(PluginKind::Target, &section, &ctx)?;
+        let PluginInstance::Target(t) = instance else {
+            return Err(anyhow!("plugin for [target] did not create a target"));
+        };
+        targets.push(TargetHandle::new(t, &section.plugin));
+        record = Some(r);
     }
+    Ok((targets, record.ok_or_else(|| anyhow!("[pipeline] targets: no target device"))?))
+}
+
+/// The target alone, for a rank that only serves its replica's lead (`tensor_parallel`), with
+/// the records of every plugin the config names (the same the lead's components hold, so the
+/// ranks agree on the build they run).
+pub fn build_target(
+    cfg: &RunConfig,
+    registry: &Registry,
+    config_dir: &Path,
+    cache_dir: &Path,
+) -> Result<(TargetHandle, Vec<PluginRecord>)> {
+    let (mut targets, target_record) = create_targets(cfg, registry, config_dir, cache_dir)?;
+    let mut records = vec![target_record];
+    for kind in [PluginKind::Drafter, PluginKind::Optimizer, PluginKind::DataLoader] {
+        let plugin = registry.find(kind, &cfg.section(kind.as_str()).plugin).map_err(|e| anyhow!("[{kind}] {e}"))?;
+        if !records.iter().any(|r: &PluginRecord| r.kind == plugin.record.kind) {
+            records.push(plugin.record.clone());
+        }
+    }
+    Ok((targets.remove(0), records))
+}
+
+pub fn build_components(
+    cfg: &RunConfig,
+    registry: &Registry,
+    config_dir: &Path,
+    cache_dir: &Path,
+) -> Result<Components> {
+    let ctx_on = |device: &str| crate::plugins::host_context(device, cfg.dtype(), cfg.seed, config_dir, cache_dir);
+    let (mut targets, target_record) = create_targets(cfg, registry, config_dir, cache_dir)?;
+    let mut records = vec![target_record];
+    let mut create = |kind: PluginKind, ctx: &HostContext| -> Result<PluginInstance> {
+        let section = cfg.section(kind.as_str());
+        tracing::info!("creating {kind} plugin `{}` on {}", section.plugin, ctx.device);
+        let (instance, record) = registry.create(kind, &section, ctx)?;
+        if !records.iter().any(|r: &PluginRecord| r.kind == record.kind) {
+            records.push(record);
+        }
+        Ok(instance)
+    };
+    let wrong = |kind: PluginKind| anyhow!("plugin for [{kind}] did not create a {kind}");
     let target = targets.remove(0);
     let mut ctx = ctx_on(cfg.drafter_device());
     ctx.target = RSome(target.spec()?);

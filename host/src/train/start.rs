@@ -11,7 +11,7 @@ use crate::{
         manifest::{self, ChangeRecord, Drift, DriftKind},
         Experiment, ExperimentLock, Manifest,
     },
-    pipeline::{assemble::build, components::Components},
+    pipeline::{assemble::build, components::Components, replicas},
     plugins::{PluginRecord, Registry},
     train::{self, TrainSummary, TrainerState},
 };
@@ -52,6 +52,10 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
     if !follower_rank()? {
         crate::config::preflight::check_exp_dir(exp_dir)?; // before the target loads
+    }
+    if let Some(follower) = replicas::follower(cfg)? {
+        replicas::serve(cfg, config_path, &config_dir, registry, exp_dir, follower)?;
+        return Ok(served(exp_dir));
     }
     let components = build(cfg, config_path, &config_dir, registry)?;
     let manifest = fresh_manifest(cfg, registry, &config_dir, &cache, &components)?;
@@ -161,7 +165,7 @@ pub(super) fn served(exp_dir: &Path) -> TrainSummary {
 /// What ranks compare at the rendezvous: the resolved config without its device placement (each
 /// rank's own, see `place_rank`), and this binary plus the plugin libraries; the experiment folder
 /// names the run when the launcher gives no run token.
-fn identity(cfg: &RunConfig, records: &[PluginRecord], exp_dir: &Path) -> Result<dist::Identity> {
+pub(crate) fn identity(cfg: &RunConfig, records: &[PluginRecord], exp_dir: &Path) -> Result<dist::Identity> {
     use sha2::{Digest, Sha256};
     let mut table = toml::Table::try_from(cfg)?;
     table.remove("device");
@@ -180,7 +184,7 @@ fn identity(cfg: &RunConfig, records: &[PluginRecord], exp_dir: &Path) -> Result
 
 /// This rank's devices when a launcher put several ranks on one machine: the config's CUDA
 /// devices offset by `LOCAL_RANK` x the GPUs one replica uses (`dist::rank_devices`).
-fn place_rank(cfg: &RunConfig) -> Result<RunConfig> {
+pub(crate) fn place_rank(cfg: &RunConfig) -> Result<RunConfig> {
     let mut cfg = cfg.clone();
     let Some(env) = dist::DistEnv::from_env()? else { return Ok(cfg) };
     let mut all = vec![cfg.device.clone()];
@@ -339,6 +343,10 @@ pub fn resume_with(
     // 4. The plugins (on this rank's devices), then what only they know: the target's weights,
     // the drafter's shape.
     let cfg = place_rank(&cfg)?;
+    if let Some(follower) = replicas::follower(&cfg)? {
+        replicas::serve(&cfg, &cfg_path, &config_dir, registry, exp_dir, follower)?;
+        return Ok(served(exp_dir));
+    }
     let components = build(&cfg, &cfg_path, &config_dir, registry)?;
     let spec = components.target.spec()?;
     if spec.source_sha256.as_str() != manifest.target_sha256 {

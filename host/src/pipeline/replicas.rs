@@ -1,0 +1,120 @@
+//! The ranks of a target replica spread over several ranks (`[target] tensor_parallel = T`, under
+//! a launcher): its lead builds every component and runs the command; each other rank builds the
+//! target alone and serves the lead's target calls until it ends (`dist::replica`).
+
+use crate::{
+    config::{self, RunConfig},
+    dist::{
+        self,
+        replica::{self, Layout},
+        C10dCommunicator, DistEnv,
+    },
+    pipeline::{assemble::build_target, components::Components},
+    plugins::Registry,
+};
+use anyhow::{bail, Result};
+use std::path::Path;
+
+/// This rank's place in its replica, under a launcher with `tensor_parallel` > 1.
+pub fn layout(cfg: &RunConfig) -> Result<Option<(DistEnv, Layout)>> {
+    let env = DistEnv::from_env()?;
+    Ok(Layout::of(&cfg.target, env.as_ref())?.map(|l| (env.expect("a layout comes with a launcher"), l)))
+}
+
+/// This rank's place when it only serves its replica's target (not the lead).
+pub fn follower(cfg: &RunConfig) -> Result<Option<(DistEnv, Layout)>> {
+    Ok(layout(cfg)?.filter(|(_, l)| !l.is_lead()))
+}
+
+/// `what` (eval, distill) drives one replica: its world must be one replica's ranks.
+pub fn one_replica(cfg: &RunConfig, what: &str) -> Result<Option<(DistEnv, Layout)>> {
+    let found = layout(cfg)?;
+    if let Some((env, l)) = &found {
+        if l.count != 1 {
+            bail!(
+                "{what} runs one target replica: launch it over [target] `tensor_parallel` = {} ranks (`--nproc {}`), \
+                 not WORLD_SIZE {}",
+                l.size,
+                l.size,
+                env.world
+            );
+        }
+    }
+    Ok(found)
+}
+
+/// Build the target alone, meet the other ranks (`name`: the run they compare at the
+/// rendezvous), and serve the lead's target calls until it ends; how many were served.
+pub fn serve(
+    cfg: &RunConfig,
+    config_path: &Path,
+    config_dir: &Path,
+    registry: &Registry,
+    name: &Path,
+    (env, layout): (DistEnv, Layout),
+) -> Result<u64> {
+    let (mut target, records) = build_target(cfg, config_path, config_dir, registry)?;
+    tracing::info!(
+        "rank {}: serving the target of replica {} (no drafter, optimizer or data on this rank)",
+        env.rank,
+        layout.index
+    );
+    let identity = crate::train::start::identity(cfg, &records, name)?;
+    let device = config::parse_device(cfg.drafter_device())?;
+    let (_, store) = C10dCommunicator::connect_replicas(&env, device, &identity, &layout)?;
+    let calls = replica::serve(&mut target, &layout, store, &dist::lead_beat_key(layout.index))?;
+    tracing::info!("rank {}: served {calls} target calls of replica {}", env.rank, layout.index);
+    Ok(calls)
+}
+
+/// The lead of the one replica `what` (eval, distill) runs: its target posts every call for the
+/// replica's other ranks. The communicator beats the heartbeat they watch: hold it until the
+/// components are gone. Without a replica, the components as they were.
+pub fn drive(
+    cfg: &RunConfig,
+    components: Components,
+    name: &Path,
+    what: &str,
+) -> Result<(Components, Option<C10dCommunicator>)> {
+    let Some((env, layout)) = one_replica(cfg, what)? else { return Ok((components, None)) };
+    let identity = crate::train::start::identity(cfg, &components.records, name)?;
+    let device = config::parse_device(cfg.drafter_device())?;
+    let (comm, store) = C10dCommunicator::connect_replicas(&env, device, &identity, &layout)?;
+    let Some(comm) = comm else { bail!("rank {}: {what} runs on the replica's lead only", env.rank) };
+    let Components { target, extra_targets, drafter, optimizer, data, records, dtype } = components;
+    let target = replica::lead(target, &layout, store);
+    Ok((Components { target, extra_targets, drafter, optimizer, data, records, dtype }, Some(comm)))
+}
+
+/// `what` (capture) runs the target whole on each rank: a replica spread over several ranks is
+/// refused before anything loads.
+pub fn refuse(target: &toml::Table, what: &str) -> Result<()> {
+    match target.get("tensor_parallel").and_then(toml::Value::as_integer) {
+        Some(t) if t > 1 => bail!(
+            "[target] field `tensor_parallel` = {t}: {what} runs the whole target on one rank; a target spread over \
+             several ranks trains from its features directly (train, eval and distill take `--nproc {t}`)"
+        ),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(text: &str) -> toml::Table {
+        toml::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn capture_refuses_a_target_spread_over_several_ranks() {
+        let e = refuse(&target("plugin = \"hf\"\ntensor_parallel = 4"), "capture").unwrap_err().to_string();
+        assert!(
+            e.starts_with("[target] field `tensor_parallel` = 4: capture runs the whole target on one rank"),
+            "{e}"
+        );
+        assert!(e.contains("`--nproc 4`"), "{e}");
+        refuse(&target("plugin = \"hf\"\ntensor_parallel = 1"), "capture").unwrap();
+        refuse(&target("plugin = \"hf\""), "capture").unwrap();
+    }
+}
