@@ -2,7 +2,7 @@
 //! the roles of [`plugin_api::roles`] back into an optimizer's own state.
 
 use plugin_api::{
-    roles::{FIRST_MOMENT, SECOND_MOMENT},
+    roles::{FIRST_MOMENT, MASTER_WEIGHTS, SECOND_MOMENT},
     tch::{Kind, Tensor},
     Imported, PluginError,
 };
@@ -59,6 +59,74 @@ pub fn adam_moments(
             Some((m, v, true))
         }
     })
+}
+
+/// The master weights carried for a parameter, when this optimizer keeps one for it (`keeps`).
+pub fn take_master(
+    roles: &mut Roles,
+    param: &str,
+    keeps: bool,
+    like: &Tensor,
+    report: &mut Imported,
+) -> Result<Option<Tensor>, PluginError> {
+    if !keeps {
+        return Ok(None);
+    }
+    let master = take_role(roles, MASTER_WEIGHTS, param, like)?;
+    if master.is_some() {
+        report.took(MASTER_WEIGHTS);
+    }
+    Ok(master)
+}
+
+/// What an AdamW-style slot (AdamW's own, Muon's AdamW group) takes from its carried roles.
+pub struct AdamCarry {
+    /// `exp_avg`, `exp_avg_sq`, and whether the second was seeded from the first.
+    pub moments: Option<(Tensor, Tensor, bool)>,
+    pub master: Option<Tensor>,
+}
+
+impl AdamCarry {
+    /// The moments ([`adam_moments`]) and master ([`take_master`]) of one parameter; the roles
+    /// left over are reported passed.
+    pub fn take(
+        mut roles: Roles,
+        param: &str,
+        like: &Tensor,
+        keeps_master: bool,
+        step: i64,
+        betas: [f64; 2],
+        report: &mut Imported,
+    ) -> Result<Self, PluginError> {
+        let moments = adam_moments(&mut roles, param, like, step, betas, report)?;
+        let master = take_master(&mut roles, param, keeps_master, like, report)?;
+        pass_rest(roles, report);
+        Ok(Self { moments, master })
+    }
+
+    pub fn seeded(&self) -> bool {
+        self.moments.as_ref().is_some_and(|m| m.2)
+    }
+
+    /// Into the slot's own state.
+    pub fn apply(self, exp_avg: &mut Tensor, exp_avg_sq: &mut Tensor, master: &mut Option<Tensor>) {
+        if let Some((m, v, _)) = self.moments {
+            (*exp_avg, *exp_avg_sq) = (m, v);
+        }
+        if self.master.is_some() {
+            *master = self.master;
+        }
+    }
+}
+
+/// An error for the first carried parameter (by name) this optimizer has none of.
+pub fn refuse_unknown<'a>(left: impl Iterator<Item = &'a String>) -> Result<(), PluginError> {
+    match left.min() {
+        Some(name) => {
+            Err(PluginError::new(format!("carried state names `{name}`, which is not a parameter of this optimizer")))
+        }
+        None => Ok(()),
+    }
 }
 
 /// The note an import adds for the parameters whose second moment it seeded.

@@ -120,6 +120,15 @@ fn located_text(cfg: &RunConfig, config_path: &Path, e: anyhow::Error) -> String
 mod tests {
     use super::*;
 
+    /// Preflight of the config `text`, written as run.toml in `dir`; the error in full.
+    fn preflight(dir: &Path, text: &str) -> Result<(), String> {
+        let path = dir.join("run.toml");
+        std::fs::write(&path, text).unwrap();
+        let cfg = RunConfig::load(&path).unwrap();
+        let ctx = manifest::plugin_context(&cfg, dir, dir);
+        check(&cfg, &path, &ctx, &Registry::new(&[]).unwrap()).map_err(|e| format!("{e:#}"))
+    }
+
     /// The example for a target larger than one GPU passes preflight (its model splits as its
     /// `tensor_parallel` / `expert_parallel` say); a split its shapes do not allow, or a family
     /// without that parallelism, is refused before anything loads, naming the field.
@@ -132,14 +141,7 @@ mod tests {
             .unwrap();
         std::fs::write(dir.path().join("train.jsonl"), "{\"messages\": []}\n").unwrap();
         let text = text.replace("$DFLASH_CACHE/data/train.jsonl", "train.jsonl");
-        let registry = Registry::new(&[]).unwrap();
-        let check = |text: &str| {
-            let path = dir.path().join("run.toml");
-            std::fs::write(&path, text).unwrap();
-            let cfg = RunConfig::load(&path).unwrap();
-            let ctx = manifest::plugin_context(&cfg, dir.path(), dir.path());
-            check(&cfg, &path, &ctx, &registry).map_err(|e| format!("{e:#}"))
-        };
+        let check = |text: &str| preflight(dir.path(), text);
         check(&text).unwrap();
         let split = |t: usize, e: usize| {
             text.replace("tensor_parallel = 8", &format!("tensor_parallel = {t}"))
@@ -188,14 +190,7 @@ mod tests {
             .unwrap()
             .replace("\"meituan-longcat/LongCat-Flash-Chat\"", "\"longcat.json\"\nrandom_init = true")
             .replace("$DFLASH_CACHE/data/train.jsonl", "train.jsonl");
-        let registry = Registry::new(&[]).unwrap();
-        let check = |text: &str| {
-            let path = dir.path().join("run.toml");
-            std::fs::write(&path, text).unwrap();
-            let cfg = RunConfig::load(&path).unwrap();
-            let ctx = manifest::plugin_context(&cfg, dir.path(), dir.path());
-            check(&cfg, &path, &ctx, &registry).map_err(|e| format!("{e:#}"))
-        };
+        let check = |text: &str| preflight(dir.path(), text);
         check(&text).unwrap();
         let twelve = text
             .replace("tensor_parallel = 16", "tensor_parallel = 12")

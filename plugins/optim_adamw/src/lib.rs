@@ -2,7 +2,7 @@
 //!. State and update math in fp32; parameters of another dtype keep an fp32
 //! master copy.
 
-use optim_math::carry::{self, Roles};
+use optim_math::carry::{self, AdamCarry, Roles};
 use plugin_api::{
     roles,
     tch::{Kind, Tensor},
@@ -158,35 +158,17 @@ fn import_state(opt: &mut AdamW, state: StateByRole) -> Result<Imported, PluginE
     let step = state.step.map_or(opt.step, |s| s as i64);
     let mut given: std::collections::HashMap<String, Roles> = state.params.into_iter().collect();
     let mut taken = Vec::new();
-    let mut seeded = 0;
     for (i, s) in opt.slots.iter().enumerate() {
-        let Some(mut roles) = given.remove(&s.name) else { continue };
-        let moments = carry::adam_moments(&mut roles, &s.name, &s.param, step, opt.params.betas, &mut report)?;
-        seeded += moments.as_ref().is_some_and(|m| m.2) as usize;
-        let master = match s.master {
-            Some(_) => carry::take_role(&mut roles, roles::MASTER_WEIGHTS, &s.name, &s.param)?,
-            None => None,
-        };
-        if master.is_some() {
-            report.took(roles::MASTER_WEIGHTS);
-        }
-        carry::pass_rest(roles, &mut report);
-        taken.push((i, moments, master));
+        let Some(roles) = given.remove(&s.name) else { continue };
+        let keeps_master = s.master.is_some();
+        taken.push((i, AdamCarry::take(roles, &s.name, &s.param, keeps_master, step, opt.params.betas, &mut report)?));
     }
-    if let Some(name) = given.keys().min() {
-        return Err(PluginError::new(format!(
-            "carried state names `{name}`, which is not a parameter of this optimizer"
-        )));
-    }
+    carry::refuse_unknown(given.keys())?;
+    let seeded = taken.iter().filter(|(_, t)| t.seeded()).count();
     opt.step = step;
-    for (i, moments, master) in taken {
+    for (i, t) in taken {
         let s = &mut opt.slots[i];
-        if let Some((m, v, _)) = moments {
-            (s.exp_avg, s.exp_avg_sq) = (m, v);
-        }
-        if master.is_some() {
-            s.master = master;
-        }
+        t.apply(&mut s.exp_avg, &mut s.exp_avg_sq, &mut s.master);
     }
     report.notes.extend(carry::seeded_note(seeded));
     Ok(report)

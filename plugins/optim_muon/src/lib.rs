@@ -25,7 +25,7 @@ pub use optim_math::{adjusted_lr, muon_update, zeropower_via_newtonschulz5, Adju
 
 use optim_math::{
     adamw_update,
-    carry::{self, Roles},
+    carry::{self, AdamCarry, Roles},
     muon_momentum, newton_schulz_cost, shard_by_cost, ParamsAdamW,
 };
 use plugin_api::{
@@ -377,16 +377,6 @@ impl Muon {
         let mut report = Imported { step: state.step.is_some(), ..Imported::default() };
         let step = state.step.map_or(self.step, |s| s as i64);
         let mut given: HashMap<String, Roles> = state.params.into_iter().collect();
-        let master_of = |roles: &mut Roles, name: &str, s_master: &Option<Tensor>, like: &Tensor, r: &mut Imported| {
-            let m = match s_master {
-                Some(_) => carry::take_role(roles, roles::MASTER_WEIGHTS, name, like)?,
-                None => None,
-            };
-            if m.is_some() {
-                r.took(roles::MASTER_WEIGHTS);
-            }
-            Ok::<_, PluginError>(m)
-        };
         let mut muon = Vec::new();
         for (i, s) in self.muon.iter().enumerate() {
             let Some(mut roles) = given.remove(&s.name) else { continue };
@@ -394,24 +384,18 @@ impl Muon {
             if buf.is_some() {
                 report.took(roles::FIRST_MOMENT);
             }
-            let master = master_of(&mut roles, &s.name, &s.master, &s.param, &mut report)?;
+            let master = carry::take_master(&mut roles, &s.name, s.master.is_some(), &s.param, &mut report)?;
             carry::pass_rest(roles, &mut report);
             muon.push((i, buf, master));
         }
-        let (mut adamw, mut seeded) = (Vec::new(), 0);
+        let mut adamw = Vec::new();
         for (i, s) in self.adamw.iter().enumerate() {
-            let Some(mut roles) = given.remove(&s.name) else { continue };
-            let moments = carry::adam_moments(&mut roles, &s.name, &s.param, step, self.cfg.adamw.betas, &mut report)?;
-            seeded += moments.as_ref().is_some_and(|m| m.2) as usize;
-            let master = master_of(&mut roles, &s.name, &s.master, &s.param, &mut report)?;
-            carry::pass_rest(roles, &mut report);
-            adamw.push((i, moments, master));
+            let Some(roles) = given.remove(&s.name) else { continue };
+            let (keeps_master, betas) = (s.master.is_some(), self.cfg.adamw.betas);
+            adamw.push((i, AdamCarry::take(roles, &s.name, &s.param, keeps_master, step, betas, &mut report)?));
         }
-        if let Some(name) = given.keys().min() {
-            return Err(PluginError::new(format!(
-                "carried state names `{name}`, which is not a parameter of this optimizer"
-            )));
-        }
+        carry::refuse_unknown(given.keys())?;
+        let seeded = adamw.iter().filter(|(_, t)| t.seeded()).count();
         self.step = step;
         for (i, buf, master) in muon {
             let s = &mut self.muon[i];
@@ -422,14 +406,9 @@ impl Muon {
                 s.master = master;
             }
         }
-        for (i, moments, master) in adamw {
+        for (i, t) in adamw {
             let s = &mut self.adamw[i];
-            if let Some((m, v, _)) = moments {
-                (s.exp_avg, s.exp_avg_sq) = (m, v);
-            }
-            if master.is_some() {
-                s.master = master;
-            }
+            t.apply(&mut s.exp_avg, &mut s.exp_avg_sq, &mut s.master);
         }
         report.notes.extend(carry::seeded_note(seeded));
         Ok(report)
