@@ -26,12 +26,7 @@ pub fn ensure_device(cfg: &RunConfig) -> Result<()> {
 /// The run's components; plugin config errors point at the config line (or `--set` argument)
 /// that set the field. Everything that can be checked without the target is, first.
 pub fn build(cfg: &RunConfig, config_path: &Path, config_dir: &Path, registry: &Registry) -> Result<Components> {
-    let ctx = manifest::plugin_context(cfg, config_dir, &cache_dir());
-    crate::config::preflight::check(cfg, config_path, &ctx, registry)?;
-    ensure_device(cfg)?;
-    tch::manual_seed(cfg.seed as i64);
-    build_components(cfg, registry, config_dir, &cache_dir())
-        .map_err(|e| crate::config::preflight::locate(cfg, config_path, format!("{e:#}")))
+    checked(cfg, config_path, config_dir, registry, build_components)
 }
 
 /// The target alone, checked as [`build`] checks the whole run, for a rank that only serves its
@@ -42,11 +37,22 @@ pub fn build_target(
     config_dir: &Path,
     registry: &Registry,
 ) -> Result<(TargetHandle, Vec<PluginRecord>)> {
+    checked(cfg, config_path, config_dir, registry, crate::pipeline::components::build_target)
+}
+
+/// Preflight, the device, the seed, then `make`'s plugins, its errors located in the config.
+fn checked<T>(
+    cfg: &RunConfig,
+    config_path: &Path,
+    config_dir: &Path,
+    registry: &Registry,
+    make: impl FnOnce(&RunConfig, &Registry, &Path, &Path) -> Result<T>,
+) -> Result<T> {
     let ctx = manifest::plugin_context(cfg, config_dir, &cache_dir());
     crate::config::preflight::check(cfg, config_path, &ctx, registry)?;
     ensure_device(cfg)?;
     tch::manual_seed(cfg.seed as i64);
-    crate::pipeline::components::build_target(cfg, registry, config_dir, &cache_dir())
+    make(cfg, registry, config_dir, &cache_dir())
         .map_err(|e| crate::config::preflight::locate(cfg, config_path, format!("{e:#}")))
 }
 
