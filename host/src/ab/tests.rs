@@ -302,14 +302,23 @@ fn the_ab_files_in_configs_plan() {
     files.retain(|f| f.file_name().unwrap().to_string_lossy().starts_with("ab-"));
     assert!(files.len() >= 3, "{files:?}");
     // A fork A/B plans against its parent: the committed config it is trained from.
-    let parent = tempfile::tempdir().unwrap();
-    std::fs::copy(configs.join("smollm2-chitchat-adamw.toml"), parent.path().join("config.toml")).unwrap();
+    let parents = [
+        ("experiments/adamw-parent", "smollm2-chitchat-adamw.toml"),
+        ("experiments/gdn-deep-adamw-4x", "gdn-deep-adamw-4x.toml"),
+    ];
+    let scratch = tempfile::tempdir().unwrap();
     for mut f in files {
         let text = std::fs::read_to_string(&f).unwrap();
-        let copy = parent.path().join(f.file_name().unwrap());
         if text.contains("[fork]") {
-            std::fs::write(&copy, text.replace("experiments/adamw-parent", &parent.path().display().to_string()))
-                .unwrap();
+            let (exp, config) = parents
+                .iter()
+                .find(|(exp, _)| text.contains(&format!("exp = \"{exp}\"")))
+                .unwrap_or_else(|| panic!("{}: its parent is not in this test's list", f.display()));
+            let parent = scratch.path().join(Path::new(exp).file_name().unwrap());
+            std::fs::create_dir_all(&parent).unwrap();
+            std::fs::copy(configs.join(config), parent.join("config.toml")).unwrap();
+            let copy = scratch.path().join(f.file_name().unwrap());
+            std::fs::write(&copy, text.replace(exp, &parent.display().to_string())).unwrap();
             f = copy;
         }
         plan(&f, None, Path::new("experiments"), &builtins()).unwrap_or_else(|e| panic!("{}: {e:#}", f.display()));
