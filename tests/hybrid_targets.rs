@@ -344,3 +344,161 @@ fn a_replica_rank_killed_mid_run_stops_its_lead_naming_it() {
     assert!(line.contains("tensor-parallel rank 1 gone"), "{err}");
     assert!(killed.elapsed().as_secs() < 60, "the lead took {:?} to stop", killed.elapsed());
 }
+
+/// The Qwen3.5-MoE target written in `root`, and the config with its target whole and spread
+/// over a replica of two ranks (`tensor_parallel = 2`, `expert_parallel = 2`), `head` replacing
+/// the config's `[train]` lines where given.
+fn whole_and_split(root: &Path, train: Option<(&str, &str)>) -> (String, String) {
+    let target = root.join("qwen3_5_moe");
+    write_target("qwen3_5_moe", &target);
+    let mut whole = config_for(&target);
+    if let Some((from, to)) = train {
+        assert!(whole.contains(from), "{whole}");
+        whole = whole.replace(from, to);
+    }
+    let path = format!("path = \"{}\"", target.display());
+    let split = whole.replace(&path, &format!("{path}\ntensor_parallel = 2\nexpert_parallel = 2"));
+    assert_ne!(whole, split);
+    std::fs::write(root.join("whole.toml"), &whole).unwrap();
+    std::fs::write(root.join("tp.toml"), &split).unwrap();
+    (whole, split)
+}
+
+/// `capture --nproc 2` of a target replica over two ranks: rank 0 captures, rank 1 serves its
+/// target; the captured micro-batches are those of a one-rank capture (ids, masks, lengths,
+/// positions identical), their features equal to rounding, not bitwise (the split target sums
+/// its row-parallel parts over the ranks: about 1e-6 here on values of about 5).
+#[test]
+fn a_capture_over_a_two_rank_replica_writes_what_one_rank_captures() {
+    common::require_model();
+    let root = tempfile::tempdir().unwrap();
+    whole_and_split(root.path(), None);
+    let capture = |config: &str, out: &str, nproc: &[&str]| {
+        let mut args = vec!["capture", "--config", config, "--out", out, "--batches", "3", "--dtype", "f32"];
+        args.extend(nproc);
+        let out = host_in(root.path(), &args);
+        let log = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "capture {nproc:?}: {log}");
+        assert_eq!(served(&log) > 0, !nproc.is_empty(), "{log}");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    capture("whole.toml", "one", &[]);
+    let said = capture("tp.toml", "tp", &["--nproc", "2"]);
+    assert_eq!(said.lines().filter(|l| l.starts_with("captured     3 micro-batches")).count(), 1, "{said}");
+    let index = |dir: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(root.path().join(dir).join("index.json")).unwrap()).unwrap()
+    };
+    let (a, b) = (index("one"), index("tp"));
+    for key in ["target_source", "target_sha256", "layer_ids", "hidden_size", "dtype", "batches", "shards"] {
+        assert_eq!(a[key], b[key], "index.json `{key}`: one rank {a} vs a two-rank replica {b}");
+    }
+    assert_eq!(a["batches"].as_array().unwrap().len(), 3);
+    let mut compared = 0;
+    for shard in a["shards"].as_array().unwrap() {
+        let read = |dir: &str| -> HashMap<String, Tensor> {
+            Tensor::read_safetensors(root.path().join(dir).join(shard.as_str().unwrap())).unwrap().into_iter().collect()
+        };
+        let (one, tp) = (read("one"), read("tp"));
+        let sorted = |m: &HashMap<String, Tensor>| {
+            let mut names: Vec<String> = m.keys().cloned().collect();
+            names.sort();
+            names
+        };
+        assert_eq!(sorted(&one), sorted(&tp));
+        for name in &sorted(&one) {
+            let (x, y) = (&one[name], &tp[name]);
+            assert_eq!((x.size(), x.kind()), (y.size(), y.kind()), "{name}");
+            if name.ends_with(".hidden") {
+                let scale = x.abs().max().double_value(&[]);
+                let diff = (x - y).abs().max().double_value(&[]);
+                assert!(scale > 0.0 && diff <= 1e-5 * scale, "{name}: max |diff| {diff} against max |x| {scale}");
+                compared += 1;
+            } else {
+                assert!(x.equal(y), "{name}: one rank vs a two-rank replica");
+            }
+        }
+    }
+    assert_eq!(compared, 3);
+}
+
+/// `fork --nproc 2` of a parent trained over a two-rank target replica: the fork trains as its
+/// parent did (rank 0 forks and trains, rank 1 serves its target), and with the parent's
+/// optimizer state kept, or carried into the same optimizer, it continues exactly as the parent
+/// did after the fork point; with a fresh state it trains on from there too.
+#[test]
+fn a_fork_of_a_two_rank_replica_continues_its_parent_exactly() {
+    common::require_model();
+    let root = tempfile::tempdir().unwrap();
+    let train = (
+        "checkpoint_every = 4\nkeep_checkpoints = 1",
+        "checkpoint_every = 2\nkeep_checkpoints = 2\nhidden_cache_mb = 0",
+    );
+    whole_and_split(root.path(), Some(train));
+    let out = host_in(root.path(), &["train", "--nproc", "2", "--config", "tp.toml", "--exp-dir", "parent"]);
+    assert!(out.status.success(), "parent: {}", String::from_utf8_lossy(&out.stderr));
+    let keys = ["step", "loss", "lr"];
+    let parent = common::metrics(&root.path().join("parent"), &keys);
+    assert_eq!(parent.len(), 4);
+    let weights =
+        |exp: &str| std::fs::read(root.path().join(exp).join("checkpoints/step-4/model.safetensors")).unwrap();
+    for (fork, choice) in [("keep", "keep"), ("carry", "carry"), ("fresh", "fresh")] {
+        let args = ["fork", "--nproc", "2", "parent", "--at", "2", "--optimizer-state", choice, "--exp-dir", fork];
+        let out = host_in(root.path(), &args);
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "fork ({choice}): {log}");
+        assert!(served(&log) > 0, "fork ({choice}): {log}");
+        let manifest: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(root.path().join(fork).join("manifest.json")).unwrap())
+                .unwrap();
+        assert_eq!(
+            (manifest["parent"]["step"].as_u64(), manifest["parent"]["optimizer_state"].as_str()),
+            (Some(2), Some(choice))
+        );
+        let mine = common::metrics(&root.path().join(fork), &keys);
+        assert_eq!(mine.iter().map(|m| m["step"].as_u64().unwrap()).collect::<Vec<_>>(), [3, 4], "{choice}");
+        if choice == "fresh" {
+            assert_ne!(mine[..], parent[2..], "a fresh optimizer state trains differently");
+        } else {
+            assert_eq!(mine[..], parent[2..], "{choice}: the fork's steps vs the parent's after step 2");
+            assert!(weights(fork) == weights("parent"), "{choice}: the step-4 weights differ from the parent's");
+        }
+    }
+}
+
+/// `bench train --nproc 2` of a target replica over two ranks: rank 0 runs the phases, rank 1
+/// serves every target forward they make, and the report lists both ranks. Without
+/// `tensor_parallel` two ranks are refused, naming the field.
+#[test]
+fn bench_train_measures_a_two_rank_replica_and_lists_its_ranks() {
+    let root = tempfile::tempdir().unwrap();
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bench/tiny.toml");
+    let config = config.to_str().unwrap();
+    let args = ["bench", "train", "--nproc", "2", "--config", config, "--json", "bench.json"];
+    let out = host_in(root.path(), &[&args[..], &["--set", "target.tensor_parallel=2"]].concat());
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.path().join("bench.json")).unwrap()).unwrap();
+    // Each timed phase runs the target `warmup` + `iters` times (the pipeline warms up once).
+    let bench: toml::Table = toml::from_str(&std::fs::read_to_string(config).unwrap()).unwrap();
+    let (warmup, iters) =
+        (bench["bench"]["warmup"].as_integer().unwrap(), bench["bench"]["iters"].as_integer().unwrap());
+    let forwards = (2 * (warmup + iters) + 1 + iters) as u64;
+    assert_eq!(report["tensor_parallel"], 2, "{report}");
+    let ranks = report["ranks"].as_array().unwrap();
+    let rows: Vec<_> =
+        ranks.iter().map(|r| (r["rank"].as_u64(), r["device"].as_str(), r["served_calls"].as_u64())).collect();
+    assert_eq!(rows, [(Some(0), Some("cpu"), Some(0)), (Some(1), Some("cpu"), Some(forwards))], "{report}");
+    assert_eq!(served(&log), forwards, "{log}");
+    assert!(report["target_features"]["step_s"].as_f64().unwrap() > 0.0, "{report}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("target replica over 2 ranks:"), "{stdout}");
+
+    let out = host_in(root.path(), &args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("bench train runs in one process with [target] `tensor_parallel` = 1, not over WORLD_SIZE 2"),
+        "{err}"
+    );
+}

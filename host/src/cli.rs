@@ -146,6 +146,10 @@ pub struct ForkArgs {
     /// Stop after this step with a checkpoint, as if interrupted (resume with `train --resume`).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub stop_at: Option<u64>,
+    /// Start N local ranks of the fork's training, as `train --nproc N` does (a parent trained
+    /// over N ranks, data-parallel or a target replica, `[target] tensor_parallel`).
+    #[arg(long, value_name = "N")]
+    pub nproc: Option<usize>,
 }
 
 #[derive(Args)]
@@ -179,6 +183,10 @@ pub struct CaptureArgs {
     /// Shard size in MiB.
     #[arg(long, default_value_t = 1024)]
     pub shard_mb: usize,
+    /// Start N local ranks (a target replica over N ranks, `[target] tensor_parallel = N`):
+    /// rank 0 captures, the others serve its target.
+    #[arg(long, value_name = "N")]
+    pub nproc: Option<usize>,
 }
 
 #[derive(Args)]
@@ -306,6 +314,11 @@ pub enum BenchCommand {
         trace: Option<PathBuf>,
         #[command(flatten)]
         overrides: ConfigOverrides,
+        /// Start N local ranks: one target replica over N ranks (`[target] tensor_parallel = N`),
+        /// rank 0 running the phases and reporting each rank's memory, the others serving its
+        /// target.
+        #[arg(long, value_name = "N")]
+        nproc: Option<usize>,
     },
     /// The data-parallel gradient all-reduce (c10d: Gloo on the CPU, NCCL on a GPU) on the
     /// gradients of the config's drafter, per bucket size. Alone it is a world of 1 (the fixed

@@ -6,6 +6,7 @@ pub mod allreduce;
 pub mod attention;
 pub mod flops;
 pub mod memory;
+pub mod replica;
 pub mod train;
 mod train_report;
 

@@ -8,11 +8,16 @@
 //! 5. device memory in use after each phase;
 //! 6. with `--trace DIR`, a profiler trace of one drafter step and one target forward.
 //!
+//! A target spread over the ranks of one replica (`[target] tensor_parallel = T`, `--nproc T`)
+//! runs as training runs it: rank 0 runs the phases, the other ranks serve its target's calls
+//! (replica.rs); the target phases' MFU is then over the replica's T devices.
+//!
 //! Each figure comes with its FLOP count (flops.rs) and MFU; a table, then one JSON line.
 
 use super::{
     flops::{self, DrafterWork, Shape},
     memory,
+    replica::{self, RankFigures},
 };
 use crate::{
     config::{Override, PluginSection},
@@ -77,8 +82,11 @@ fn time(device: Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Resu
     Ok(times[times.len() / 2])
 }
 
-fn mem(device: Device) -> Option<f64> {
-    matches!(device, Device::Cuda(_)).then(memory::device_used_bytes).flatten().map(memory::gib)
+pub(crate) fn mem(device: Device) -> Option<f64> {
+    match device {
+        Device::Cuda(i) => memory::device_used_bytes(i).map(memory::gib),
+        _ => None,
+    }
 }
 
 /// TFLOP/s of an n^3 matmul in `kind`, random operands (zeros run faster: METHOD.md).
@@ -244,14 +252,21 @@ fn drafter_layout(drafter: &DrafterHandle, spec: &TargetSpec) -> Option<(Shape, 
     dflash.then_some((shape, cfg["num_hidden_layers"].as_u64()? as usize))
 }
 
-/// `overrides`: `--set bench.batch_size=8` and `--device`, applied to the file's table.
-pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], trace: Option<&Path>) -> Result<Report> {
+/// `overrides`: `--set bench.batch_size=8` and `--device`, applied to the file's table. None on a
+/// rank that served its replica's target (the lead reports).
+pub fn train(
+    registry: &Registry,
+    config_path: &Path,
+    overrides: &[Override],
+    trace: Option<&Path>,
+) -> Result<Option<Report>> {
     let text = std::fs::read_to_string(config_path).with_context(|| format!("reading {}", config_path.display()))?;
     let mut table: toml::Table = toml::from_str(&text).with_context(|| format!("{}", config_path.display()))?;
     for o in overrides {
         o.apply(&mut table)?;
     }
     let shown = overrides.iter().map(|o| format!(" ({})", o.arg)).collect::<String>();
+    let identity = replica::identity(&table, config_path)?;
     let cfg: BenchConfig =
         toml::Value::Table(table).try_into().with_context(|| format!("{}{shown}", config_path.display()))?;
     let sh = &cfg.bench;
@@ -259,11 +274,15 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     if cfg.device.starts_with("cuda") && !crate::environment::enable_cuda() {
         bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
     }
+    let place = replica::place(&cfg.target)?;
+    let device_name = replica::device(&cfg.device, place.as_ref().map(|(env, _)| env))?;
     let config_dir = config_path.parent().unwrap_or(Path::new("."));
     let mut ctx =
-        crate::plugins::host_context(&cfg.device, &dtype, cfg.seed, config_dir, &crate::environment::cache_dir());
+        crate::plugins::host_context(&device_name, &dtype, cfg.seed, config_dir, &crate::environment::cache_dir());
+    ctx.replica = place.as_ref().map(|(env, l)| l.group(env)).into();
     let (device, kind) = (ctx.tch_device().map_err(|e| anyhow!("{e}"))?, ctx.tch_kind().map_err(|e| anyhow!("{e}"))?);
     tch::manual_seed(cfg.seed as i64);
+    let tensor_parallel = place.as_ref().map_or(1, |(_, l)| l.size);
 
     // 1. Plugins from the config's sections (any registered target, drafter, optimizer).
     let create = |kind: PluginKind, table: &toml::Table, ctx: &HostContext| -> Result<PluginInstance> {
@@ -272,7 +291,20 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     let PluginInstance::Target(target) = create(PluginKind::Target, &cfg.target, &ctx)? else {
         bail!("[target] made no target")
     };
-    let mut target = TargetHandle::new(target, &plugin_name(&cfg.target));
+    let target = TargetHandle::new(target, &plugin_name(&cfg.target));
+    // A replica's other ranks serve the target alone; its lead's target posts every call.
+    let (mut target, held) = match &place {
+        Some((env, layout)) if !layout.is_lead() => {
+            sync(device);
+            replica::serve(target, (env, layout), (device, &device_name), &identity, mem(device))?;
+            return Ok(None);
+        }
+        Some((env, layout)) => {
+            let (target, held) = replica::lead(target, (env, layout), device, &identity)?;
+            (target, Some(held))
+        }
+        None => (target, None),
+    };
     let spec = target.spec()?;
     ctx.target = RSome(spec.clone());
     let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &cfg.drafter, &ctx)? else {
@@ -375,10 +407,12 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
     let features_s = time(device, sh.warmup, sh.iters, || forward(false).map(drop))?;
     let upto = layer_ids.iter().max().map_or(0, |&m| m as usize + 1);
     let target_tokens = (b * s) as f64;
-    let target_features = phase(features_s, target_tokens, target_flops(upto, false)?, ceiling, mem(device));
+    // The target (and so the pipeline) runs on the replica's devices, the drafter on one.
+    let replica_ceiling = ceiling * tensor_parallel as f64;
+    let target_features = phase(features_s, target_tokens, target_flops(upto, false)?, replica_ceiling, mem(device));
     let full_s = time(device, sh.warmup, sh.iters, || forward(true).map(drop))?;
     let layers = spec.num_hidden_layers as usize;
-    let target_full = phase(full_s, target_tokens, target_flops(layers, true)?, ceiling, mem(device));
+    let target_full = phase(full_s, target_tokens, target_flops(layers, true)?, replica_ceiling, mem(device));
     let target_full_flop_split = plugin_flops(registry, &cfg.target, &ctx, layers, (b, s), true)?;
 
     // 5. The pipeline: each step, fresh ids through the target, its features into the drafter.
@@ -387,7 +421,7 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
         let hidden = target.forward(&TensorHandle::new(ids.to_device(device)), &layer_ids, false)?.hidden.into_tensor();
         step.run(&ids, &loss_mask, hidden).map(drop)
     })?;
-    let pipeline = phase(pipeline_s, draft_tokens, target_features.flop + drafter_flop, ceiling, mem(device));
+    let pipeline = phase(pipeline_s, draft_tokens, target_features.flop + drafter_flop, replica_ceiling, mem(device));
 
     // 6. Traces of one drafter step and one target forward, after the timing.
     if let Some(dir) = trace {
@@ -409,8 +443,22 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
         profile("target_forward", &mut || target.forward(&ids_dev, &layer_ids, false).map(drop))?;
     }
 
-    Ok(Report {
-        device: cfg.device.clone(),
+    drop(step);
+    let mut ranks = vec![RankFigures {
+        rank: 0,
+        device: device_name.clone(),
+        built_mem_gib,
+        mem_gib: mem(device),
+        served_calls: 0,
+    }];
+    match held {
+        Some(held) => ranks.extend(held.figures(target)?),
+        None => drop(target),
+    }
+    Ok(Some(Report {
+        device: device_name,
+        tensor_parallel,
+        ranks,
         dtype,
         batch_size: b,
         seq_len: s,
@@ -427,7 +475,7 @@ pub fn train(registry: &Registry, config_path: &Path, overrides: &[Override], tr
         target_full_flop_split,
         drafter_step,
         pipeline,
-    })
+    }))
 }
 
 #[cfg(test)]
@@ -440,8 +488,9 @@ mod tests {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bench/tiny.toml");
         let trace = tempfile::tempdir().unwrap();
         let batch_3 = [Override::parse_set("bench.batch_size=3").unwrap()];
-        let r = train(&registry, &path, &batch_3, Some(trace.path())).unwrap();
+        let r = train(&registry, &path, &batch_3, Some(trace.path())).unwrap().unwrap();
         assert_eq!(r.batch_size, 3, "--set reaches the bench section");
+        assert_eq!((r.tensor_parallel, r.ranks.len(), r.ranks[0].served_calls), (1, 1, 0));
         assert!(r.drafter_flop_exact);
         for p in [&r.target_features, &r.target_full, &r.drafter_step, &r.pipeline] {
             assert!(p.step_s > 0.0 && p.tok_per_s > 0.0 && p.flop > 0.0 && p.mfu > 0.0, "{p:?}");

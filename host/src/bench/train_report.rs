@@ -73,7 +73,14 @@ pub struct Phase {
 
 #[derive(Debug, Serialize)]
 pub struct Report {
+    /// The lead's device (rank 0's, where the drafter trains).
     pub device: String,
+    /// Ranks the target replica is spread over (`[target] tensor_parallel`; 1: the target whole
+    /// on `device`). The target phases' FLOPs are the whole forward's, their MFU over as many
+    /// devices' ceilings.
+    pub tensor_parallel: usize,
+    /// Each rank of the replica, the lead first: its device, memory, and the calls it served.
+    pub ranks: Vec<super::replica::RankFigures>,
     pub dtype: String,
     pub batch_size: usize,
     pub seq_len: usize,
@@ -170,6 +177,20 @@ pub fn print(r: &Report) {
         r.target_features.step_s,
         r.drafter_step.step_s
     );
+    if r.tensor_parallel > 1 {
+        crate::say!("target replica over {} ranks:", r.tensor_parallel);
+        crate::say!("{:<6} {:<10} {:>14} {:>14} {:>14}", "rank", "device", "built GiB", "mem GiB", "calls served");
+        for f in &r.ranks {
+            crate::say!(
+                "{:<6} {:<10} {:>14} {:>14} {:>14}",
+                f.rank,
+                f.device,
+                gib(f.built_mem_gib),
+                gib(f.mem_gib),
+                f.served_calls
+            );
+        }
+    }
     match r.fused_loss_error {
         Some([loss, grad]) => crate::say!(
             "loss with the NVRTC kernels vs libtorch's ops: loss {loss:.1e}, gradient {grad:.1e} (relative)"

@@ -15,11 +15,17 @@ pub fn run(what: BenchCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
             let registry = Registry::new(plugin_paths)?;
             crate::bench::abi(&registry, exp_dir.as_deref(), iters)?;
         }
-        BenchCommand::Train { config, json, trace, overrides } => {
+        BenchCommand::Train { nproc: Some(n), .. } if std::env::var_os("RANK").is_none() => {
+            let argv = crate::dist::launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
+            return Ok(ExitCode::from(crate::dist::launch::launch(n, &argv)?));
+        }
+        BenchCommand::Train { config, json, trace, overrides, .. } => {
             guard_outputs(json.as_deref(), trace.as_deref())?;
             let registry = Registry::new(plugin_paths)?;
             let overrides = Override::from_args(&overrides.set, overrides.device.as_deref())?;
-            let report = crate::bench::train::train(&registry, &config, &overrides, trace.as_deref())?;
+            let Some(report) = crate::bench::train::train(&registry, &config, &overrides, trace.as_deref())? else {
+                return Ok(ExitCode::SUCCESS); // a rank that served the replica's target
+            };
             crate::bench::train::print(&report);
             json_line(&report, json.as_deref())?;
         }

@@ -4,11 +4,13 @@
 use crate::{
     cli::CaptureArgs,
     config::{self, Override, RunConfig},
+    dist::launch,
     environment::cache_dir,
     experiment,
     pipeline::{
         assemble::build,
         capture::{CaptureIndex, CaptureOptions, StoredDtype},
+        replicas,
     },
     plugins::Registry,
     say,
@@ -20,8 +22,13 @@ use std::{
 };
 
 pub fn run(args: CaptureArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
-    let CaptureArgs { config, out, dtype, batches, shard_mb, overrides } = args;
+    let CaptureArgs { config, out, dtype, batches, shard_mb, overrides, nproc } = args;
+    if let Some(n) = nproc.filter(|_| std::env::var_os("RANK").is_none()) {
+        let argv = launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
+        return Ok(ExitCode::from(launch::launch(n, &argv)?));
+    }
     let cfg = RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
+    let cfg = crate::train::start::place_rank(&cfg)?;
     let registry = Registry::new(plugin_paths)?;
     let run_dtype = if cfg.dtype() == "bf16" { StoredDtype::Bf16 } else { StoredDtype::F32 };
     let opts = CaptureOptions {
@@ -29,7 +36,7 @@ pub fn run(args: CaptureArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
         micro_batches: batches.unwrap_or(cfg.train.steps * cfg.train.grad_accum),
         shard_bytes: shard_mb << 20,
     };
-    let index = capture(&cfg, &config, &out, &registry, &opts)?;
+    let Some(index) = capture(&cfg, &config, &out, &registry, &opts)? else { return Ok(ExitCode::SUCCESS) };
     say!(
         "captured     {} micro-batches in {} shards ({:?}) -> {}",
         index.batches.len(),
@@ -41,17 +48,25 @@ pub fn run(args: CaptureArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `dflash-host capture`: the config's targets over its data, features written to `out`.
+/// `dflash-host capture`: the config's targets over its data, features written to `out`. With a
+/// target replica over several ranks, rank 0 captures and the others serve its target (None
+/// there).
 fn capture(
     cfg: &RunConfig,
     config_path: &Path,
     out: &Path,
     registry: &Registry,
     opts: &CaptureOptions,
-) -> Result<CaptureIndex> {
-    crate::pipeline::replicas::refuse(&cfg.target, "capture")?;
-    experiment::guard::check_out_folder("--out", out)?;
+) -> Result<Option<CaptureIndex>> {
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
+    if let Some(follower) = replicas::one_replica(cfg, "capture")?.filter(|(_, l)| !l.is_lead()) {
+        replicas::serve(cfg, config_path, &config_dir, registry, out, follower)?;
+        return Ok(None);
+    }
+    experiment::guard::check_out_folder("--out", out)?;
     let components = build(cfg, config_path, &config_dir, registry)?;
-    crate::pipeline::capture::capture(cfg, components, out, &cache_dir(), opts)
+    // The components (the target's last call) go inside `capture`, before the heartbeat the
+    // replica's other ranks watch.
+    let (components, _held) = replicas::drive(cfg, components, out, "capture")?;
+    crate::pipeline::capture::capture(cfg, components, out, &cache_dir(), opts).map(Some)
 }

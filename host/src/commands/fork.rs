@@ -4,6 +4,7 @@ use crate::{
     cli::ForkArgs,
     commands::train::print_summary,
     config::Override,
+    dist::launch,
     plugins::Registry,
     train::fork::{self, ForkSpec},
 };
@@ -11,6 +12,14 @@ use anyhow::Result;
 use std::{path::PathBuf, process::ExitCode};
 
 pub fn run(args: ForkArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
+    if let Some(n) = args.nproc.filter(|_| std::env::var_os("RANK").is_none()) {
+        let mut argv = launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
+        // One fork folder for every rank (each would otherwise pick a fresh name).
+        if args.exp_dir.is_none() {
+            argv.extend(["--exp-dir".into(), fork::default_dir(&args.parent, args.at).into()]);
+        }
+        return Ok(ExitCode::from(launch::launch(n, &argv)?));
+    }
     let registry = Registry::new(plugin_paths)?;
     let summary = fork::fork(ForkSpec {
         parent: &args.parent,

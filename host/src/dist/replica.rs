@@ -298,6 +298,19 @@ const LEAD_SILENT: Duration = Duration::from_secs(5);
 /// over. A lead that is gone (its heartbeat stopped, or its store) stops this rank with an error
 /// naming it.
 pub fn serve(target: &mut TargetHandle, layout: &Layout, store: Store, lead_beat: &str) -> Result<u64> {
+    serve_then(target, layout, store, lead_beat, |_, _| Ok(()))
+}
+
+/// [`serve`], with `at_end` run on the store once the lead posted the end of the run (with the
+/// number of calls served), before this rank says it has read it: what it writes there is in
+/// the store before the lead's target is dropped.
+pub fn serve_then(
+    target: &mut TargetHandle,
+    layout: &Layout,
+    store: Store,
+    lead_beat: &str,
+    at_end: impl FnOnce(&Store, u64) -> Result<()>,
+) -> Result<u64> {
     let mut calls = Calls { store, prefix: layout.prefix(), next: 0 };
     let lead = layout.lead_of(layout.index);
     let gone = |why: String| anyhow!("rank {lead} gone (the lead of target replica {}): {why}", layout.index);
@@ -332,6 +345,7 @@ pub fn serve(target: &mut TargetHandle, layout: &Layout, store: Store, lead_beat
             }
             Call::CacheTruncate { len } => target.cache_truncate(len).map_err(failed)?,
             Call::Stop => {
+                at_end(&calls.store, served)?;
                 let _ = calls.store.add(DONE_KEY, 1);
                 return Ok(served);
             }

@@ -26,9 +26,19 @@ pub fn follower(cfg: &RunConfig) -> Result<Option<(DistEnv, Layout)>> {
     Ok(layout(cfg)?.filter(|(_, l)| !l.is_lead()))
 }
 
-/// `what` (eval, distill) drives one replica: its world must be one replica's ranks.
+/// `what` (eval, distill, capture) drives one replica: its world must be one replica's ranks
+/// (one rank when the target runs whole).
 pub fn one_replica(cfg: &RunConfig, what: &str) -> Result<Option<(DistEnv, Layout)>> {
     let found = layout(cfg)?;
+    if found.is_none() {
+        if let Some(env) = DistEnv::from_env()?.filter(|e| e.world > 1) {
+            bail!(
+                "{what} runs one target replica: with [target] `tensor_parallel` = 1 it runs as one process, not \
+                 WORLD_SIZE {} (drop `--nproc`)",
+                env.world
+            );
+        }
+    }
     if let Some((env, l)) = &found {
         if l.count != 1 {
             bail!(
@@ -67,7 +77,7 @@ pub fn serve(
     Ok(calls)
 }
 
-/// The lead of the one replica `what` (eval, distill) runs: its target posts every call for the
+/// The lead of the one replica `what` (eval, distill, capture) runs: its target posts every call for the
 /// replica's other ranks. The communicator beats the heartbeat they watch: hold it until the
 /// components are gone. Without a replica, the components as they were.
 pub fn drive(
@@ -84,37 +94,4 @@ pub fn drive(
     let Components { target, extra_targets, drafter, optimizer, data, records, dtype } = components;
     let target = replica::lead(target, &layout, store);
     Ok((Components { target, extra_targets, drafter, optimizer, data, records, dtype }, Some(comm)))
-}
-
-/// `what` (capture) runs the target whole on each rank: a replica spread over several ranks is
-/// refused before anything loads.
-pub fn refuse(target: &toml::Table, what: &str) -> Result<()> {
-    match target.get("tensor_parallel").and_then(toml::Value::as_integer) {
-        Some(t) if t > 1 => bail!(
-            "[target] field `tensor_parallel` = {t}: {what} runs the whole target on one rank; a target spread over \
-             several ranks trains from its features directly (train, eval and distill take `--nproc {t}`)"
-        ),
-        _ => Ok(()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn target(text: &str) -> toml::Table {
-        toml::from_str(text).unwrap()
-    }
-
-    #[test]
-    fn capture_refuses_a_target_spread_over_several_ranks() {
-        let e = refuse(&target("plugin = \"hf\"\ntensor_parallel = 4"), "capture").unwrap_err().to_string();
-        assert!(
-            e.starts_with("[target] field `tensor_parallel` = 4: capture runs the whole target on one rank"),
-            "{e}"
-        );
-        assert!(e.contains("`--nproc 4`"), "{e}");
-        refuse(&target("plugin = \"hf\"\ntensor_parallel = 1"), "capture").unwrap();
-        refuse(&target("plugin = \"hf\""), "capture").unwrap();
-    }
 }

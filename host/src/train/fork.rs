@@ -5,12 +5,12 @@
 //! Its manifest records the parent, the step and the weights' SHA-256; its steps continue the
 //! parent's count.
 
-use super::start::{check_stop_at, connect, follower_rank, fresh_manifest, served};
+use super::start::{check_stop_at, connect, follower_rank, fresh_manifest, place_rank, served};
 use crate::{
     config::{self, RunConfig},
     environment::cache_dir,
     experiment::{self, checkpoint, manifest::ParentRecord, Experiment, Manifest},
-    pipeline::assemble::build,
+    pipeline::{assemble::build, replicas},
     plugins::Registry,
     train::{self, carry, schedule::ForkSchedule, ResumeFrom, TrainSummary, TrainerState},
 };
@@ -97,14 +97,12 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
     if !parent_cfg.is_file() {
         bail!("{}: not an experiment directory (no config.toml)", parent.display());
     }
-    if follower_rank()? {
-        bail!("fork runs as one process; resume the fork with `train --resume DIR --nproc N` for more");
-    }
     let then = Manifest::read(parent)?;
     let cfg = match spec.config.clone() {
         Some(cfg) => cfg,
         None => RunConfig::load_with(&parent_cfg, &spec.overrides)?,
     };
+    let cfg = place_rank(&cfg)?;
     if at >= cfg.train.steps {
         bail!(
             "cannot fork {} at step {at}: train.steps is {}; give `--set train.steps=N` with N > {at}",
@@ -113,8 +111,27 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
         );
     }
     check_stop_at(spec.stop_at, at)?;
-    let exp_dir = spec.exp_dir.clone().unwrap_or_else(|| default_dir(parent, at));
-    config::preflight::check_exp_dir(&exp_dir)?;
+    // Under a launcher every rank must name the same folder (`--nproc` gives them one).
+    let launched = crate::dist::DistEnv::from_env()?.is_some_and(|e| e.world > 1);
+    let exp_dir = match spec.exp_dir.clone() {
+        Some(dir) => dir,
+        None if launched => {
+            bail!("fork over several ranks: give the fork's folder with --exp-dir (one for every rank)")
+        }
+        None => default_dir(parent, at),
+    };
+    let config_dir = PathBuf::from(&then.config_dir);
+    // A rank of a target replica other than its lead builds the target alone and serves it.
+    if let Some(follower) = replicas::follower(&cfg)? {
+        replicas::serve(&cfg, &parent_cfg, &config_dir, spec.registry, &exp_dir, follower)?;
+        return Ok(served(&exp_dir));
+    }
+    // Rank 0 writes the fork's folder; every other rank that trains (a data-parallel rank, the
+    // lead of another replica) reads the parent's checkpoint as rank 0 does.
+    let writes = !follower_rank()?;
+    if writes {
+        config::preflight::check_exp_dir(&exp_dir)?;
+    }
 
     // The checkpoint: every file opened once and checked against its checksum, read from those
     // handles (a parent still training may prune the folder meanwhile).
@@ -151,7 +168,6 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
     }
 
     // The plugins under the fork's config, and what only they know.
-    let config_dir = PathBuf::from(&then.config_dir);
     let cache = cache_dir();
     let components = build(&cfg, &parent_cfg, &config_dir, spec.registry)?;
     let parent_state = || ckpt.optimizer_state.clone().expect("opened with the optimizer state");
@@ -207,9 +223,13 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
         optimizer_state: &optimizer_state,
         trainer_state: &state,
     };
-    let mut exp = Experiment::create_with(&exp_dir, &resolved, &manifest, |tmp| {
-        checkpoint::write(tmp, at, &first, t.keep_checkpoints).map(|_| ())
-    })?;
+    let mut exp = if writes {
+        Experiment::create_with(&exp_dir, &resolved, &manifest, |tmp| {
+            checkpoint::write(tmp, at, &first, t.keep_checkpoints).map(|_| ())
+        })?
+    } else {
+        Experiment::detached(&exp_dir)
+    };
     tracing::info!(
         "forked {} at step {at} into {} (optimizer {} -> {}, state {}, schedule {}, re-warm {rewarm} steps)",
         parent.display(),
