@@ -396,10 +396,10 @@ impl GgufFile {
         let shape = if whole.is_empty() { vec![1] } else { whole.clone() };
         let last = shape.len() - 1;
         // Per torch dimension, the index ranges kept.
-        let mut kept = Vec::with_capacity(shape.len());
+        let mut kept: Vec<Vec<std::ops::Range<usize>>> = Vec::with_capacity(shape.len());
         for (d, &n) in shape.iter().enumerate() {
             match sel.get(d).filter(|r| !r.is_empty()) {
-                None => kept.push(vec![0..n]),
+                None => kept.push(std::iter::once(0..n).collect()),
                 Some(ranges) => {
                     if let Some(r) = ranges.iter().find(|r| r.start < 0 || r.start >= r.end || r.end as usize > n) {
                         return Err(format(format!("rows {r:?} of dimension {d} (size {n})")));

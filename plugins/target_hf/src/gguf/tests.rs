@@ -395,6 +395,7 @@ fn finite_bytes(n: usize, seed: u32) -> Vec<u8> {
 /// tensor dequantised and then sliced: columns that cut inside Q4_0's 32-wide and Q4_K's 256-wide
 /// blocks, several ranges a dimension, a 3-dim tensor, rows read through a permutation.
 #[test]
+#[allow(clippy::single_range_in_vec_init)] // selections: one range a dimension
 fn a_selection_equals_the_whole_tensor_sliced() {
     let dir = tempfile::tempdir().unwrap();
     let bytes = gguf_bytes(
