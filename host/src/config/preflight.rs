@@ -130,8 +130,9 @@ mod tests {
     }
 
     /// The example for a target larger than one GPU passes preflight (its model splits as its
-    /// `tensor_parallel` / `expert_parallel` say); a split its shapes do not allow, or a family
-    /// without that parallelism, is refused before anything loads, naming the field.
+    /// `tensor_parallel` / `expert_parallel` say); a split its shapes do not allow, or expert
+    /// parallelism for a model without routed experts, is refused before anything loads, naming
+    /// the field.
     #[test]
     fn the_tensor_parallel_example_passes_preflight_and_a_bad_split_is_refused() {
         let dir = tempfile::tempdir().unwrap();
@@ -163,8 +164,10 @@ mod tests {
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100}"#,
         )
         .unwrap();
+        let e = check(&gemma).unwrap_err();
+        assert!(e.contains("field `expert_parallel` = 8: `gemma2` has no routed experts that split"), "{e}");
         let e = check(&gemma.replace("expert_parallel = 8", "expert_parallel = 1")).unwrap_err();
-        assert!(e.contains("field `tensor_parallel` = 8: `gemma2` models run on a single device"), "{e}");
+        assert!(e.contains("field `tensor_parallel` = 8: the attention heads (4) is not a multiple of 8"), "{e}");
     }
 
     /// The LongCat-Flash preset's split (one replica of 16 ranks, 16 expert groups) passes

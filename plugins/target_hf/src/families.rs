@@ -7,9 +7,7 @@ use crate::config::Arch;
 /// How a family's forward is spread over devices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Parallelism {
-    /// The whole model on the one device the run names.
-    SingleDevice,
-    /// Also over the ranks of a replica (`tensor_parallel`): heads and MLP widths split.
+    /// On one device, or over the ranks of a replica (`tensor_parallel`): heads and MLP widths split.
     Tensor,
     /// Tensor parallelism, and the routed experts split over groups of ranks (`expert_parallel`).
     TensorExpert,
@@ -18,7 +16,6 @@ pub enum Parallelism {
 impl Parallelism {
     pub fn describe(self) -> &'static str {
         match self {
-            Self::SingleDevice => "single device",
             Self::Tensor => "tensor parallel",
             Self::TensorExpert => "tensor and expert parallel",
         }
@@ -41,11 +38,12 @@ impl Family {
     /// The parallelism this family runs with.
     pub fn parallelism(&self) -> Parallelism {
         match self.arch {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen35 | Arch::Gemma3 | Arch::Lfm2 => Parallelism::Tensor,
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen35 | Arch::Gemma2 | Arch::Gemma3 | Arch::Lfm2 => {
+                Parallelism::Tensor
+            }
             Arch::Qwen3Moe | Arch::Qwen35Moe | Arch::GptOss | Arch::DeepseekV3 | Arch::Glm4Moe | Arch::LongcatFlash => {
                 Parallelism::TensorExpert
             }
-            Arch::Gemma2 => Parallelism::SingleDevice,
         }
     }
 }
@@ -138,11 +136,7 @@ pub fn family(model_type: &str) -> Option<&'static Family> {
 
 /// The `model_type`s whose family runs with `p` (tensor parallelism: the expert-parallel ones too).
 pub fn supporting(p: Parallelism) -> Vec<&'static str> {
-    let runs = |f: &Family| match p {
-        Parallelism::SingleDevice => true,
-        Parallelism::Tensor => f.parallelism() != Parallelism::SingleDevice,
-        Parallelism::TensorExpert => f.parallelism() == Parallelism::TensorExpert,
-    };
+    let runs = |f: &Family| p == Parallelism::Tensor || f.parallelism() == Parallelism::TensorExpert;
     FAMILIES.iter().filter(|f| runs(f)).flat_map(|f| f.model_types.iter().copied()).collect()
 }
 
@@ -185,7 +179,7 @@ mod tests {
         assert!(family("mamba2").is_none());
         let md = markdown();
         assert_eq!(md.lines().count(), FAMILIES.len() + 2);
-        assert!(md.contains("| Gemma2 | `gemma2` |") && md.contains("single device"), "{md}");
+        assert!(md.contains("| Gemma2 | `gemma2` |") && md.contains("tensor parallel |"), "{md}");
         assert!(
             md.contains("| Qwen35Moe | `qwen3_5_moe`, `qwen3_5_moe_text` |")
                 && md.contains("tensor and expert parallel")
@@ -205,6 +199,7 @@ mod tests {
         );
         let tensor = supporting(Parallelism::Tensor);
         assert!(tensor.contains(&"mistral") && tensor.contains(&"gemma3_text") && tensor.contains(&"lfm2"));
-        assert!(!tensor.contains(&"gemma2"));
+        // Every family splits its heads and widths.
+        assert_eq!(tensor, supported());
     }
 }

@@ -1,5 +1,7 @@
 //! Loading a decoder: from an HF folder (config.json, *.safetensors, tokenizer.json) or from one
-//! GGUF file (dequantised, renamed to HF names, llama's Q/K permutation undone).
+//! GGUF file (renamed to HF names, dequantised as taken, llama's Q/K permutation undone). Either
+//! way the weights stay in their file until the decoder takes them, so a tensor-parallel rank
+//! materialises only its part.
 //!
 //! Every file is read through `input_files`: opened once, refused unless it is a regular file (a
 //! FIFO or device as `tokenizer.json` is an error naming it, never a hang), capped in size
@@ -7,13 +9,15 @@
 
 use crate::{
     config::{DecoderConfig, EosId},
+    gguf::GgufError,
     gguf::GgufFile,
     gguf_tokenizer::{chat_template, tokenizer_from_gguf},
-    model::Weights,
+    model::{Mapped, Weights},
 };
+use input_files::tensors::Selection;
 use input_files::{limits, read_optional, read_to_string_capped, PathKind};
 use plugin_api::tch::Tensor;
-use std::{collections::HashMap, path::Path};
+use std::{collections::HashMap, path::Path, sync::Arc};
 use tokenizers::Tokenizer;
 
 /// Everything a target needs from its files.
@@ -62,22 +66,38 @@ fn hf_name(gguf: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
 }
 
-/// llama.cpp's converter permutes llama's Q/K rows per head (for its interleaved RoPE); undo it:
-/// (heads, rows/heads/2, 2, cols) -> swap axes 1, 2 -> back (ASSETS.md). None when the rows do
-/// not split into `heads` heads of row pairs.
-fn unpermute(w: &Tensor, heads: i64) -> Option<Tensor> {
-    let size = w.size();
-    let (&rows, rest) = size.split_first()?;
-    if heads < 1 || rows % (2 * heads) != 0 {
-        return None;
+/// llama.cpp's converter permutes llama's Q/K rows per head (for its interleaved RoPE): HF's
+/// (heads, 2, rows/heads/2) order became (heads, rows/heads/2, 2) (ASSETS.md). The file's row
+/// that HF's row `r` is in, heads of `head_rows` rows (even).
+fn permuted_row(r: usize, head_rows: usize) -> usize {
+    let (head, within, half) = (r / head_rows, r % head_rows, head_rows / 2);
+    head * head_rows + 2 * (within % half) + within / half
+}
+
+/// A GGUF tensor under its HF name, dequantised only when taken and only the rows and columns a
+/// tensor-parallel rank keeps: a rank never holds more than its part (and one row of the file).
+pub struct GgufWeight {
+    file: Arc<GgufFile>,
+    /// Its name in the file.
+    name: String,
+    /// Torch order.
+    pub shape: Vec<i64>,
+    /// llama's Q/K: the heads whose rows llama.cpp permuted, read back in HF's order.
+    permuted_heads: Option<usize>,
+}
+
+impl GgufWeight {
+    pub fn read_selected(&self, sel: &Selection) -> Result<Tensor, String> {
+        let head_rows = self.permuted_heads.map(|h| self.shape[0] as usize / h);
+        let source = |r: usize| head_rows.map_or(r, |n| permuted_row(r, n));
+        let (shape, values) = self.file.dequantize_selected(&self.name, sel, &source).map_err(|e| e.to_string())?;
+        let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        Ok(Tensor::from_slice(&values).reshape(&shape))
     }
-    let mut shape = vec![heads, rows / heads / 2, 2];
-    shape.extend_from_slice(rest);
-    Some(w.reshape(&shape).transpose(1, 2).reshape(&size))
 }
 
 pub fn load_gguf(path: &Path) -> Result<Loaded, String> {
-    let g = GgufFile::open(path).map_err(|e| e.to_string())?;
+    let g = Arc::new(GgufFile::open(path).map_err(|e| e.to_string())?);
     let mut cfg = DecoderConfig::from_gguf(&g).map_err(|e| e.to_string())?;
     if g.tensor_info("rope_freqs.weight").is_some() {
         let (_, factors) = g.dequantize("rope_freqs.weight").map_err(|e| e.to_string())?;
@@ -85,39 +105,41 @@ pub fn load_gguf(path: &Path) -> Result<Loaded, String> {
     }
     cfg.validate().map_err(|e| format!("{}: {e}", path.display()))?;
     let permuted = cfg.model_type == "llama";
+    // Mapped, dequantised as the decoder takes them; what would fail then is checked here.
     let mut tensors = HashMap::new();
-    let names: Vec<String> = g.tensor_names().map(str::to_string).collect();
-    for name in names {
-        let Some(hf) = hf_name(&name) else {
+    for info in g.tensors() {
+        let Some(hf) = hf_name(&info.name) else {
             continue; // rope_freqs (read into the config above) and tensors the decoder does not use
         };
-        let (shape, values) = g.dequantize(&name).map_err(|e| e.to_string())?;
-        let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-        let mut t = Tensor::from_slice(&values).reshape(&shape);
-        let heads = if name.ends_with("attn_q.weight") {
+        if !info.ggml_type.can_dequantize() {
+            let (path, name, ty) = (path.to_path_buf(), info.name.clone(), info.ggml_type.name());
+            return Err(GgufError::UnsupportedType { path, name, ty }.to_string());
+        }
+        let shape: Vec<i64> = info.torch_shape().iter().map(|&d| d as i64).collect();
+        let heads = if info.name.ends_with("attn_q.weight") {
             Some(cfg.num_attention_heads)
-        } else if name.ends_with("attn_k.weight") {
+        } else if info.name.ends_with("attn_k.weight") {
             Some(cfg.num_kv_heads())
         } else {
             None
         };
-        if let (true, Some(heads)) = (permuted, heads) {
-            t = unpermute(&t, heads as i64).ok_or_else(|| {
-                format!(
-                    "{}: tensor {name}: shape {shape:?} does not split into {heads} heads of row pairs",
-                    path.display()
-                )
-            })?;
+        let permuted_heads = heads.filter(|_| permuted);
+        if let Some(heads) = permuted_heads {
+            if shape.len() != 2 || heads == 0 || shape[0] % (2 * heads as i64) != 0 {
+                return Err(format!(
+                    "{}: tensor {}: shape {shape:?} does not split into {heads} heads of row pairs",
+                    path.display(),
+                    info.name
+                ));
+            }
         }
-        tensors.insert(hf, t);
+        let name = info.name.clone();
+        tensors.insert(hf, Mapped::Gguf(GgufWeight { file: Arc::clone(&g), name, shape, permuted_heads }));
     }
     let tokenizer = tokenizer_from_gguf(&g).map_err(|e| e.to_string())?;
-    Ok(Loaded {
-        cfg,
-        weights: Weights::in_memory(tensors, &path.display().to_string()),
-        tokenizer,
-        chat_template: chat_template(&g).unwrap_or_default(),
-    })
+    let chat_template = chat_template(&g).unwrap_or_default();
+    let weights = Weights { tensors: HashMap::new(), mapped: tensors, source: path.display().to_string() };
+    Ok(Loaded { cfg, weights, tokenizer, chat_template })
 }
 
 /// An HF folder: `config.json`, the weights (the shards `model.safetensors.index.json` names,
@@ -146,6 +168,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
     for f in &files {
         let read = input_files::tensors::lazy_safetensors(f).map_err(|e| e.to_string())?;
         for (name, t) in read {
+            let t = Mapped::Safetensors(t);
             if name.starts_with("model.visual.") || name.starts_with("mtp.") {
                 skipped += 1;
             } else if let Some(rest) = name.strip_prefix("model.language_model.") {
@@ -240,7 +263,7 @@ pub fn save_hf_dir(loaded: &Loaded, dir: &Path) -> Result<(), String> {
     std::fs::write(dir.join("config.json"), cfg).map_err(|e| e.to_string())?;
     let mut mapped = HashMap::new();
     for (name, lazy) in &loaded.weights.mapped {
-        mapped.insert(name.clone(), lazy.read().map_err(|e| e.to_string())?);
+        mapped.insert(name.clone(), lazy.read()?);
     }
     let mut named: Vec<(&String, &Tensor)> = loaded.weights.tensors.iter().chain(&mapped).collect();
     named.sort_by(|a, b| a.0.cmp(b.0));
@@ -263,15 +286,13 @@ mod tests {
     }
 
     #[test]
-    fn unpermute_inverts_llama_cpp_permute() {
+    fn permuted_rows_undo_llama_cpp_permute() {
         // llama.cpp: w.reshape(heads, 2, rows/heads/2, cols).swapaxes(1, 2).reshape(rows, cols)
         let (heads, rows, cols) = (3i64, 12i64, 5i64);
         let w = Tensor::arange(rows * cols, (plugin_api::tch::Kind::Float, plugin_api::tch::Device::Cpu))
             .reshape([rows, cols]);
         let permuted = w.reshape([heads, 2, rows / heads / 2, cols]).transpose(1, 2).reshape([rows, cols]);
-        assert!(unpermute(&permuted, heads).unwrap().equal(&w));
-        // Rows that do not split into heads of pairs, and a scalar, are refused (not a panic).
-        assert!(unpermute(&w, 4).is_none());
-        assert!(unpermute(&Tensor::from(1.0f32), 3).is_none());
+        let source: Vec<i64> = (0..rows as usize).map(|r| permuted_row(r, (rows / heads) as usize) as i64).collect();
+        assert!(permuted.index_select(0, &Tensor::from_slice(&source)).equal(&w));
     }
 }

@@ -42,12 +42,41 @@ use rope_scaling::RopeScaling;
 use std::{collections::HashMap, ops::Range};
 
 /// Named weights with checked look-ups: a missing tensor or a wrong shape names the tensor.
-/// `tensors` are in memory (a GGUF's, dequantised; tests'); `mapped` are read from their file
-/// only when taken, whole or only the part a tensor-parallel rank holds.
+/// `tensors` are in memory (tests', random draws); `mapped` are read from their file only when
+/// taken, whole or only the part a tensor-parallel rank holds.
 pub struct Weights {
     pub tensors: HashMap<String, Tensor>,
-    pub mapped: HashMap<String, LazyTensor>,
+    pub mapped: HashMap<String, Mapped>,
     pub source: String,
+}
+
+/// A weight still in its file, read when taken: whole, or only the part a rank keeps.
+pub enum Mapped {
+    /// A safetensors tensor: its bytes copied out of the map.
+    Safetensors(LazyTensor),
+    /// A GGUF tensor: dequantised to f32, row by row.
+    Gguf(crate::load::GgufWeight),
+}
+
+impl Mapped {
+    pub fn shape(&self) -> &[i64] {
+        match self {
+            Self::Safetensors(t) => &t.shape,
+            Self::Gguf(t) => &t.shape,
+        }
+    }
+
+    pub fn read(&self) -> Result<Tensor, String> {
+        self.read_selected(&[])
+    }
+
+    /// The part `sel` keeps (its ranges within the shape); only that part is materialised.
+    pub fn read_selected(&self, sel: &Selection) -> Result<Tensor, String> {
+        match self {
+            Self::Safetensors(t) => t.read_selected(sel).map_err(|e| e.to_string()),
+            Self::Gguf(t) => t.read_selected(sel),
+        }
+    }
 }
 
 impl Weights {
@@ -67,7 +96,7 @@ impl Weights {
             return Err(format!("{}: tensor `{name}` has shape {stored:?}, expected {shape:?}", self.source));
         }
         if let Some(lazy) = self.mapped.remove(name) {
-            return lazy.read_selected(sel).map_err(|e| e.to_string());
+            return lazy.read_selected(sel);
         }
         let t = self.tensors.remove(name).expect("present: its shape was read");
         Ok(if sel.iter().all(|r| r.is_empty()) { t } else { crate::tp::select(&t, sel) })
@@ -87,7 +116,7 @@ impl Weights {
 
     /// The stored shape of `name`.
     pub fn shape(&self, name: &str) -> Option<Vec<i64>> {
-        self.tensors.get(name).map(Tensor::size).or_else(|| self.mapped.get(name).map(|l| l.shape.clone()))
+        self.tensors.get(name).map(Tensor::size).or_else(|| self.mapped.get(name).map(|l| l.shape().to_vec()))
     }
 
     pub fn len(&self) -> usize {

@@ -108,22 +108,15 @@ impl Shard {
     }
 }
 
-/// Whether `cfg`'s model splits as `shard` says: its family runs with that parallelism, and its
-/// heads, widths and experts divide evenly (checked from the config alone, before any weight is
-/// read; the loader checks the same as it reads).
+/// Whether `cfg`'s model splits as `shard` says: its routed experts split where `expert_parallel`
+/// asks for it, and its heads, widths and experts divide evenly (checked from the config alone,
+/// before any weight is read; the loader checks the same as it reads). Every family splits its
+/// heads and widths.
 pub fn check(cfg: &crate::config::DecoderConfig, shard: Shard) -> Result<(), String> {
     use crate::{config::Mixer, families::Parallelism};
-    let parallelism = crate::families::family(&cfg.model_type).map_or(Parallelism::SingleDevice, |f| f.parallelism());
-    if !shard.is_whole() && parallelism == Parallelism::SingleDevice {
-        return Err(format!(
-            "field `tensor_parallel` = {}: `{}` models run on a single device; tensor parallelism supports {}",
-            shard.size,
-            cfg.model_type,
-            crate::families::supporting(Parallelism::Tensor).join(", ")
-        ));
-    }
+    let parallelism = crate::families::family(&cfg.model_type).map(|f| f.parallelism());
     let moe = cfg.moe();
-    if shard.expert_parallel > 1 && (moe.is_none() || parallelism != Parallelism::TensorExpert) {
+    if shard.expert_parallel > 1 && (moe.is_none() || parallelism != Some(Parallelism::TensorExpert)) {
         return Err(format!(
             "field `expert_parallel` = {}: `{}` has no routed experts that split; expert parallelism supports {}",
             shard.expert_parallel,

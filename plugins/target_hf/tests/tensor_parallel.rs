@@ -1,13 +1,18 @@
 //! Tensor- and expert-parallel replicas on the CPU (c10d's Gloo, ranks on threads): the features
 //! and logits of a replica of T ranks equal the whole model's on one rank within float rounding,
-//! for every family that splits: dense (Mistral, the Llama layout; Gemma 3), the hybrids (Qwen3.5:
+//! for every family: dense (Mistral, the Llama layout, from safetensors and from a GGUF; Gemma 2
+//! and 3), the hybrids (Qwen3.5:
 //! Gated DeltaNet and gated attention; LFM2: short convolutions and attention), latent attention
 //! (DeepSeek-V3, LongCat-Flash) and the MoE families with the experts over E = 2 groups; each
 //! rank holds about 1 / T of the split weights; a rank that is gone mid-forward is named.
 
 use c10d::Store;
 use plugin_api::tch::{Device, Kind, Tensor};
-use std::{net::TcpListener, path::PathBuf, time::Duration};
+use std::{
+    net::TcpListener,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 use target_hf::{
     load,
     model::{Decoder, WeightBytes},
@@ -59,12 +64,16 @@ fn forward(t: &HfTarget) -> (Tensor, Tensor) {
 /// features and logits within rounding on every rank, and each rank's split weights about 1 / T
 /// of the whole model's.
 fn replica_equals_one_rank(arch: &str, size: usize, ep: usize) {
-    let path = fixture(arch);
-    let whole = HfTarget::load(&path, Device::Cpu, Kind::Float, 4).unwrap();
+    replica_at_equals_one_rank(&fixture(arch), arch, size, ep);
+}
+
+/// [`replica_equals_one_rank`] of the model at `path` (an HF folder or a GGUF file).
+fn replica_at_equals_one_rank(path: &Path, arch: &str, size: usize, ep: usize) {
+    let whole = HfTarget::load(path, Device::Cpu, Kind::Float, 4).unwrap();
     let (want_f, want_logits) = forward(&whole);
     let out = ranks(size, |rank, group| {
         let shard = Shard::new(rank, size, ep).unwrap();
-        let t = HfTarget::load_shard(&path, Device::Cpu, Kind::Float, 4, shard, Some(group)).unwrap();
+        let t = HfTarget::load_shard(path, Device::Cpu, Kind::Float, 4, shard, Some(group)).unwrap();
         let (f, logits) = forward(&t);
         (f, logits, t.model.held)
     });
@@ -109,6 +118,95 @@ fn moe_replicas_with_the_experts_over_two_groups_equal_one_rank() {
     replica_equals_one_rank("qwen3_5_moe", 4, 2);
     // Experts not split, their width over the ranks.
     replica_equals_one_rank("qwen3_5_moe", 2, 1);
+}
+
+/// A llama GGUF written here: 2 layers, hidden 64, 4 heads of 16 (2 key/value heads), MLP 256,
+/// 64 tokens; its matrices in the quantised types of llama.cpp's files, so that a rank's columns
+/// of a row-parallel matrix cut inside blocks (o_proj's Q5_1 blocks of 32 over 4 ranks,
+/// down_proj's Q4_K blocks of 256 over 2 and 4), and q/k in llama.cpp's permuted row order.
+fn tiny_llama_gguf(dir: &tempfile::TempDir) -> PathBuf {
+    use test_support::gguf::{gguf_bytes, write_temp, WTensor as T, V};
+    // Deterministic bytes (LCG), masked so that every f16 scale and f32 they make is finite and small.
+    let data = |n: usize, seed: u32| -> Vec<u8> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (s >> 24) as u8 & 0x3b
+            })
+            .collect()
+    };
+    let ones = |n: usize| -> Vec<u8> { (0..n).flat_map(|i| (1.0f32 + i as f32 / 256.0).to_le_bytes()).collect() };
+    let s = V::str;
+    let mut toks = vec![s("<|end|>"), s("a"), s("b"), s("ab")];
+    toks.extend((4..64).map(|i| V::Str(format!("t{i}"))));
+    let mut types = vec![V::I32(3)];
+    types.extend((1..64).map(|_| V::I32(1)));
+    let kvs = [
+        ("general.architecture", s("llama")),
+        ("llama.block_count", V::U32(2)),
+        ("llama.context_length", V::U32(128)),
+        ("llama.embedding_length", V::U32(64)),
+        ("llama.feed_forward_length", V::U32(256)),
+        ("llama.attention.head_count", V::U32(4)),
+        ("llama.attention.head_count_kv", V::U32(2)),
+        ("llama.rope.freq_base", V::F32(10000.0)),
+        ("llama.attention.layer_norm_rms_epsilon", V::F32(1e-5)),
+        ("tokenizer.ggml.model", s("gpt2")),
+        ("tokenizer.ggml.pre", s("smollm")),
+        ("tokenizer.ggml.tokens", V::Arr(8, toks)),
+        ("tokenizer.ggml.token_type", V::Arr(5, types)),
+        ("tokenizer.ggml.merges", V::Arr(8, vec![s("a b")])),
+        ("tokenizer.ggml.bos_token_id", V::U32(0)),
+        ("tokenizer.ggml.eos_token_id", V::U32(0)),
+    ];
+    // Blocks x bytes a block.
+    let q = |blocks: usize, bytes: usize| blocks * bytes;
+    // The writer takes static names.
+    let name =
+        |layer: usize, n: &str| -> &'static str { Box::leak(format!("blk.{layer}.{n}.weight").into_boxed_str()) };
+    let mut tensors = vec![
+        T { name: "token_embd.weight", dims: vec![64, 64], ty: 8, data: data(q(128, 34), 1) },
+        T { name: "output_norm.weight", dims: vec![64], ty: 0, data: ones(64) },
+    ];
+    for layer in 0..2 {
+        let seed = 10 * layer as u32 + 2;
+        tensors.extend([
+            T { name: name(layer, "attn_norm"), dims: vec![64], ty: 0, data: ones(64) },
+            T { name: name(layer, "ffn_norm"), dims: vec![64], ty: 0, data: ones(64) },
+            T { name: name(layer, "attn_q"), dims: vec![64, 64], ty: 2, data: data(q(128, 18), seed) },
+            T { name: name(layer, "attn_k"), dims: vec![64, 32], ty: 3, data: data(q(64, 20), seed + 1) },
+            T { name: name(layer, "attn_v"), dims: vec![64, 32], ty: 6, data: data(q(64, 22), seed + 2) },
+            T { name: name(layer, "attn_output"), dims: vec![64, 64], ty: 7, data: data(q(128, 24), seed + 3) },
+            T { name: name(layer, "ffn_gate"), dims: vec![64, 256], ty: 8, data: data(q(512, 34), seed + 4) },
+            T { name: name(layer, "ffn_up"), dims: vec![64, 256], ty: 1, data: data(64 * 256 * 2, seed + 5) },
+            T { name: name(layer, "ffn_down"), dims: vec![256, 64], ty: 12, data: data(q(64, 144), seed + 6) },
+        ]);
+    }
+    write_temp(dir, "tiny-llama.gguf", &gguf_bytes(&kvs, &tensors, 32))
+}
+
+/// A GGUF target over 2 and 4 ranks equals one rank, each rank dequantising only its part: the
+/// loaded GGUF holds no tensor in memory until the decoder takes it, and each rank's weights (as
+/// taken, dequantised) are about 1 / T of what is split.
+#[test]
+fn a_gguf_replica_dequantises_its_part_and_equals_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_llama_gguf(&dir);
+    let loaded = load::load(&path).unwrap();
+    assert!(loaded.weights.tensors.is_empty(), "a GGUF was dequantised before the decoder took its tensors");
+    assert_eq!(loaded.weights.mapped.len(), 2 + 2 * 9);
+    replica_at_equals_one_rank(&path, "llama GGUF", 2, 1);
+    replica_at_equals_one_rank(&path, "llama GGUF", 4, 1);
+}
+
+#[test]
+fn gemma2_replicas_over_two_and_four_ranks_equal_one_rank() {
+    // Gemma 2: sliding and global layers, soft-capped scores (per head, so on each rank its own)
+    // and logits (of the replicated LM head), norms after each sublayer, GeGLU; over 4 ranks each
+    // of its 2 key/value heads is replicated on 2 ranks.
+    replica_equals_one_rank("gemma2", 2, 1);
+    replica_equals_one_rank("gemma2", 4, 1);
 }
 
 #[test]
@@ -189,23 +287,17 @@ fn a_rank_gone_mid_forward_is_named() {
     assert!(e.contains("failed on tensor-parallel rank 0"), "{e}");
 }
 
-/// A family without tensor parallelism is refused naming the field and the families that have it;
-/// so is expert parallelism for a dense model.
+/// Expert parallelism for a model without routed experts is refused naming the field and the
+/// families that have it.
 #[test]
-fn families_without_the_parallelism_asked_for_are_refused() {
-    let loaded = load::load(&fixture("gemma2")).unwrap();
-    let e =
-        Decoder::new_shard(&loaded.cfg, loaded.weights, Device::Cpu, Kind::Float, Shard::new(0, 2, 1).unwrap(), None)
-            .err()
-            .unwrap();
-    assert!(e.starts_with("field `tensor_parallel` = 2: `gemma2` models run on a single device"), "{e}");
-    assert!(e.contains("llama, mistral") && e.contains("qwen3_5_moe"), "{e}");
-    let loaded = load::load(&fixture("mistral")).unwrap();
-    let e =
-        Decoder::new_shard(&loaded.cfg, loaded.weights, Device::Cpu, Kind::Float, Shard::new(0, 2, 2).unwrap(), None)
-            .err()
-            .unwrap();
-    assert!(e.starts_with("field `expert_parallel` = 2: `mistral` has no routed experts"), "{e}");
+fn expert_parallelism_without_routed_experts_is_refused() {
+    for arch in ["mistral", "gemma2"] {
+        let loaded = load::load(&fixture(arch)).unwrap();
+        let shard = Shard::new(0, 2, 2).unwrap();
+        let e = Decoder::new_shard(&loaded.cfg, loaded.weights, Device::Cpu, Kind::Float, shard, None).err().unwrap();
+        assert!(e.starts_with(&format!("field `expert_parallel` = 2: `{arch}` has no routed experts")), "{e}");
+        assert!(e.contains("qwen3_moe, qwen3_5_moe") && !e.contains("llama"), "{e}");
+    }
 }
 
 /// The new families' splits are checked from the config alone, naming the field: heads of latent

@@ -365,6 +365,23 @@ impl GgufFile {
 
     /// Torch-order shape and values as f32.
     pub fn dequantize(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>), GgufError> {
+        self.dequantize_selected(name, &[], &|row| row)
+    }
+
+    /// The part `sel` keeps of tensor `name` (torch order; per dimension its index ranges in
+    /// order, an empty list keeping the whole dimension): its shape and values as f32. Blocks run
+    /// along the innermost dimension, so the tensor is read one row (all dims but the last) at a
+    /// time: only the kept rows are read, and of each only the blocks the kept columns touch; a
+    /// column range that cuts a block dequantises that block and keeps its part. `source_row`
+    /// maps a row of the tensor as returned (an index over all dims but the last, in the whole
+    /// tensor) to the row of the file it is read from (a permutation of the rows, e.g. llama's
+    /// Q/K; the identity otherwise).
+    pub fn dequantize_selected(
+        &self,
+        name: &str,
+        sel: &[Vec<std::ops::Range<i64>>],
+        source_row: &dyn Fn(usize) -> usize,
+    ) -> Result<(Vec<usize>, Vec<f32>), GgufError> {
         let t = self.require_tensor(name)?;
         let ty = t.ggml_type;
         let block_fn = ty.0.dequant.ok_or_else(|| GgufError::UnsupportedType {
@@ -372,11 +389,61 @@ impl GgufFile {
             name: name.into(),
             ty: ty.name(),
         })?;
-        let data = self.tensor_data(name)?;
-        let mut out = vec![0f32; t.n_elements];
-        for (block, y) in data.chunks_exact(ty.block_bytes()).zip(out.chunks_exact_mut(ty.block_elems())) {
-            block_fn(block, y);
+        let format =
+            |what: String| GgufError::Format { path: self.path.clone(), what: format!("tensor {name}: {what}") };
+        // A 0-dim tensor is read as one element of one row.
+        let whole = t.torch_shape();
+        let shape = if whole.is_empty() { vec![1] } else { whole.clone() };
+        let last = shape.len() - 1;
+        // Per torch dimension, the index ranges kept.
+        let mut kept: Vec<Vec<std::ops::Range<usize>>> = Vec::with_capacity(shape.len());
+        for (d, &n) in shape.iter().enumerate() {
+            match sel.get(d).filter(|r| !r.is_empty()) {
+                None => kept.push(std::iter::once(0..n).collect()),
+                Some(ranges) => {
+                    if let Some(r) = ranges.iter().find(|r| r.start < 0 || r.start >= r.end || r.end as usize > n) {
+                        return Err(format(format!("rows {r:?} of dimension {d} (size {n})")));
+                    }
+                    kept.push(ranges.iter().map(|r| r.start as usize..r.end as usize).collect());
+                }
+            }
         }
-        Ok((t.torch_shape(), out))
+        if sel.len() > shape.len() && sel[shape.len()..].iter().any(|r| !r.is_empty()) {
+            return Err(format(format!("a selection of {} dimensions of a tensor of {}", sel.len(), shape.len())));
+        }
+        let out_shape: Vec<usize> = kept.iter().map(|r| r.iter().map(|r| r.len()).sum()).collect();
+        let n_out = out_shape.iter().product();
+        let out_shape = if whole.is_empty() { whole } else { out_shape };
+        if n_out == 0 {
+            return Ok((out_shape, Vec::new()));
+        }
+        let (row_len, block_elems, block_bytes) = (shape[last], ty.block_elems(), ty.block_bytes());
+        let row_bytes = row_len / block_elems * block_bytes;
+        let n_rows = t.n_elements / row_len;
+        // The kept rows, as indices over all dims but the last.
+        let mut rows = vec![0usize];
+        for (ranges, &n) in kept.iter().zip(&shape).take(last) {
+            rows =
+                rows.iter().flat_map(|&p| ranges.iter().flat_map(move |r| r.clone().map(move |i| p * n + i))).collect();
+        }
+        let cols = &kept[last];
+        let data = self.tensor_data(name)?;
+        let mut out = Vec::with_capacity(n_out);
+        let mut row = vec![0f32; row_len];
+        for r in rows {
+            let src = source_row(r);
+            if src >= n_rows {
+                return Err(format(format!("row {r} is read from row {src} of {n_rows}")));
+            }
+            let bytes = &data[src * row_bytes..(src + 1) * row_bytes];
+            for c in cols {
+                for b in c.start / block_elems..c.end.div_ceil(block_elems) {
+                    let y = &mut row[b * block_elems..(b + 1) * block_elems];
+                    block_fn(&bytes[b * block_bytes..(b + 1) * block_bytes], y);
+                }
+                out.extend_from_slice(&row[c.clone()]);
+            }
+        }
+        Ok((out_shape, out))
     }
 }

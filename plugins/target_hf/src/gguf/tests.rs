@@ -385,6 +385,59 @@ fn unsupported_type_names_tensor_and_type() {
     assert!(e.contains("q2k.gguf") && e.contains("tensor w") && e.contains("Q2_K"), "{e}");
 }
 
+/// Bytes from the LCG, masked so that every f16 scale they make is finite.
+fn finite_bytes(n: usize, seed: u32) -> Vec<u8> {
+    let mut next = lcg(seed);
+    (0..n).map(|_| next() as u8 & 0x3b).collect()
+}
+
+/// A selection dequantises only its rows and the blocks its columns touch, and equals the whole
+/// tensor dequantised and then sliced: columns that cut inside Q4_0's 32-wide and Q4_K's 256-wide
+/// blocks, several ranges a dimension, a 3-dim tensor, rows read through a permutation.
+#[test]
+#[allow(clippy::single_range_in_vec_init)] // selections: one range a dimension
+fn a_selection_equals_the_whole_tensor_sliced() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = gguf_bytes(
+        &[],
+        &[
+            // 6 rows of 64 (2 blocks a row), 2 rows of 512 (2 blocks), 2 x 3 rows of 4.
+            WTensor { name: "q4_0", dims: vec![64, 6], ty: 2, data: finite_bytes(12 * 18, 1) },
+            WTensor { name: "q4_k", dims: vec![512, 2], ty: 12, data: finite_bytes(4 * 144, 2) },
+            WTensor { name: "f16", dims: vec![4, 3, 2], ty: 1, data: finite_bytes(24 * 2, 3) },
+        ],
+        32,
+    );
+    let g = GgufFile::open(write_temp(&dir, "sel.gguf", &bytes)).unwrap();
+    let tensor = |(shape, v): (Vec<usize>, Vec<f32>)| {
+        let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        plugin_api::tch::Tensor::from_slice(&v).reshape(&shape)
+    };
+    let cases: [(&str, Vec<Vec<std::ops::Range<i64>>>); 6] = [
+        ("q4_0", vec![vec![2..5]]),
+        ("q4_0", vec![vec![], vec![16..48]]),
+        ("q4_0", vec![vec![0..1, 4..6], vec![0..8, 40..64]]),
+        ("q4_k", vec![vec![1..2], vec![100..300]]),
+        ("f16", vec![vec![1..2], vec![], vec![1..3]]),
+        ("f16", vec![vec![], vec![0..1, 2..3]]),
+    ];
+    for (name, sel) in cases {
+        let whole = tensor(g.dequantize(name).unwrap());
+        assert_eq!(whole.isfinite().all().int64_value(&[]), 1, "{name}");
+        let got = tensor(g.dequantize_selected(name, &sel, &|r| r).unwrap());
+        assert!(got.equal(&crate::tp::select(&whole, &sel)), "{name} {sel:?}");
+    }
+    // Rows read through a map: the file's rows in reverse.
+    let whole = tensor(g.dequantize("q4_0").unwrap());
+    let got = tensor(g.dequantize_selected("q4_0", &[vec![1..4]], &|r| 5 - r).unwrap());
+    assert!(got.equal(&whole.flip([0]).narrow(0, 1, 3)));
+    // Out of range, and a map that leaves the tensor: errors naming the file and the tensor.
+    let e = g.dequantize_selected("q4_0", &[vec![], vec![60..70]], &|r| r).unwrap_err().to_string();
+    assert!(e.contains("sel.gguf") && e.contains("tensor q4_0: rows 60..70 of dimension 1 (size 64)"), "{e}");
+    let e = g.dequantize_selected("q4_0", &[], &|r| r + 1).unwrap_err().to_string();
+    assert!(e.contains("tensor q4_0: row 5 is read from row 6 of 6"), "{e}");
+}
+
 #[test]
 fn commas_format() {
     assert_eq!(commas(0), "0");
