@@ -80,16 +80,27 @@ pub fn with_error_buffer(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<
     Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().lines().next().unwrap_or("").to_string())
 }
 
-/// Bytes in use on the current CUDA device (`cudaMemGetInfo` from the CUDA runtime libtorch
-/// loaded), or None without one.
-pub fn cuda_mem_used() -> Option<u64> {
-    // SAFETY: cudaMemGetInfo(size_t*, size_t*) -> int writes two sizes.
+/// Bytes in use on CUDA device `index` (every process's), from `cudaMemGetInfo` in the CUDA
+/// runtime libtorch loaded, or None without one. The thread's current device is set for the
+/// query and put back, so a rank on `cuda:r` reads its own device.
+pub fn cuda_mem_used(index: usize) -> Option<u64> {
+    type GetDevice = unsafe extern "C" fn(*mut i32) -> i32;
+    type SetDevice = unsafe extern "C" fn(i32) -> i32;
+    type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> i32;
+    // SAFETY: the CUDA runtime's own signatures; each call writes only the values it is given.
     unsafe {
         let lib = libloading::Library::new("libcudart.so.13").ok()?;
-        let get: libloading::Symbol<unsafe extern "C" fn(*mut usize, *mut usize) -> i32> =
-            lib.get(b"cudaMemGetInfo\0").ok()?;
+        let get_device: libloading::Symbol<GetDevice> = lib.get(b"cudaGetDevice\0").ok()?;
+        let set_device: libloading::Symbol<SetDevice> = lib.get(b"cudaSetDevice\0").ok()?;
+        let mem_get_info: libloading::Symbol<MemGetInfo> = lib.get(b"cudaMemGetInfo\0").ok()?;
+        let mut current = 0i32;
+        if get_device(&mut current) != 0 || set_device(index as i32) != 0 {
+            return None;
+        }
         let (mut free, mut total) = (0usize, 0usize);
-        (get(&mut free, &mut total) == 0).then(|| (total - free) as u64)
+        let ok = mem_get_info(&mut free, &mut total) == 0;
+        set_device(current);
+        ok.then(|| (total - free) as u64)
     }
 }
 
