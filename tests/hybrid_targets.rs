@@ -465,6 +465,35 @@ fn a_fork_of_a_two_rank_replica_continues_its_parent_exactly() {
     }
 }
 
+/// `fork --nproc 2` of a parent trained data-parallel over two ranks (each rank a whole target
+/// and its own batches): both ranks read the parent's checkpoint, rank 0 writes the fork, and with
+/// the optimizer state kept the fork continues exactly as the parent did after the fork point.
+#[test]
+fn a_fork_of_a_data_parallel_parent_continues_it_exactly() {
+    common::require_model();
+    let root = tempfile::tempdir().unwrap();
+    let train = (
+        "checkpoint_every = 4\nkeep_checkpoints = 1",
+        "checkpoint_every = 2\nkeep_checkpoints = 2\nhidden_cache_mb = 0",
+    );
+    whole_and_split(root.path(), Some(train));
+    let out = host_in(root.path(), &["train", "--nproc", "2", "--config", "whole.toml", "--exp-dir", "parent"]);
+    assert!(out.status.success(), "parent: {}", String::from_utf8_lossy(&out.stderr));
+    let keys = ["step", "loss", "lr"];
+    let parent = common::metrics(&root.path().join("parent"), &keys);
+    assert_eq!(parent.len(), 4);
+    let args = ["fork", "--nproc", "2", "parent", "--at", "2", "--exp-dir", "fork"];
+    let out = host_in(root.path(), &args);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "fork: {log}");
+    assert_eq!(served(&log), 0, "no rank serves a target in data parallel: {log}");
+    let mine = common::metrics(&root.path().join("fork"), &keys);
+    assert_eq!(mine[..], parent[2..], "the fork's steps vs the parent's after step 2");
+    let weights =
+        |exp: &str| std::fs::read(root.path().join(exp).join("checkpoints/step-4/model.safetensors")).unwrap();
+    assert!(weights("fork") == weights("parent"), "the step-4 weights differ from the parent's");
+}
+
 /// `bench train --nproc 2` of a target replica over two ranks: rank 0 runs the phases, rank 1
 /// serves every target forward they make, and the report lists both ranks. Without
 /// `tensor_parallel` two ranks are refused, naming the field.
