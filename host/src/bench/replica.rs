@@ -67,12 +67,12 @@ pub fn device(configured: &str, env: Option<&DistEnv>) -> Result<String> {
 }
 
 /// What the replica's ranks compare when they meet: the bench config (without the device each
-/// rank offsets) and this binary.
+/// rank offsets) and this binary's hash, as training ranks do.
 pub fn identity(table: &toml::Table, config: &std::path::Path) -> Result<Identity> {
     let mut table = table.clone();
     table.remove("device");
-    let exe = std::env::current_exe().map_err(|e| anyhow!("this binary's path: {e}"))?;
-    Ok(Identity::new(toml::to_string(&table)?, exe.display().to_string(), config.display().to_string()))
+    let build = crate::train::start::build_id(&[])?;
+    Ok(Identity::new(toml::to_string(&table)?, build, config.display().to_string()))
 }
 
 fn key(rank: usize) -> String {

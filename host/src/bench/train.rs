@@ -266,9 +266,10 @@ pub fn train(
         o.apply(&mut table)?;
     }
     let shown = overrides.iter().map(|o| format!(" ({})", o.arg)).collect::<String>();
-    let identity = replica::identity(&table, config_path)?;
+    // What a replica's ranks compare when they meet (the binary's hash: read only under a launcher).
+    let identity = || replica::identity(&table, config_path);
     let cfg: BenchConfig =
-        toml::Value::Table(table).try_into().with_context(|| format!("{}{shown}", config_path.display()))?;
+        toml::Value::Table(table.clone()).try_into().with_context(|| format!("{}{shown}", config_path.display()))?;
     let sh = &cfg.bench;
     let dtype = cfg.dtype.clone().unwrap_or_else(|| if cfg.device == "cpu" { "f32" } else { "bf16" }.into());
     if cfg.device.starts_with("cuda") && !crate::environment::enable_cuda() {
@@ -296,11 +297,11 @@ pub fn train(
     let (mut target, held) = match &place {
         Some((env, layout)) if !layout.is_lead() => {
             sync(device);
-            replica::serve(target, (env, layout), (device, &device_name), &identity, mem(device))?;
+            replica::serve(target, (env, layout), (device, &device_name), &identity()?, mem(device))?;
             return Ok(None);
         }
         Some((env, layout)) => {
-            let (target, held) = replica::lead(target, (env, layout), device, &identity)?;
+            let (target, held) = replica::lead(target, (env, layout), device, &identity()?)?;
             (target, Some(held))
         }
         None => (target, None),

@@ -166,20 +166,25 @@ pub(super) fn served(exp_dir: &Path) -> TrainSummary {
 /// rank's own, see `place_rank`), and this binary plus the plugin libraries; the experiment folder
 /// names the run when the launcher gives no run token.
 pub(crate) fn identity(cfg: &RunConfig, records: &[PluginRecord], exp_dir: &Path) -> Result<dist::Identity> {
-    use sha2::{Digest, Sha256};
     let mut table = toml::Table::try_from(cfg)?;
     table.remove("device");
     if let Some(toml::Value::Table(p)) = table.get_mut("pipeline") {
         p.remove("targets");
         p.remove("drafter");
     }
-    let short = |h: Sha256| h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect::<String>();
+    Ok(dist::Identity::new(toml::to_string(&table)?, build_id(records)?, exp_dir.display().to_string()))
+}
+
+/// This binary's SHA-256 and the plugin libraries' (as `records` name them), shortened: what
+/// ranks must share to run one build.
+pub(crate) fn build_id(records: &[PluginRecord]) -> Result<String> {
+    use sha2::{Digest, Sha256};
     let exe = std::env::current_exe().context("this binary's path")?;
     let mut build = Sha256::new_with_prefix(std::fs::read(&exe).with_context(|| format!("reading {}", exe.display()))?);
     for r in records {
         build.update(format!("{} {} {} {:?}\n", r.kind, r.name, r.origin, r.sha256));
     }
-    Ok(dist::Identity::new(toml::to_string(&table)?, short(build), exp_dir.display().to_string()))
+    Ok(build.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect())
 }
 
 /// This rank's devices when a launcher put several ranks on one machine: the config's CUDA
