@@ -403,6 +403,112 @@ fn an_ab_rerun_resumes_the_unfinished_arm_and_leaves_the_finished_one() {
     assert_eq!(steps, [1, 2, 3], "arm a continued, not retrained");
 }
 
+/// `ab --jobs 3` trains a phase's runs three at a time, each its own process with its log lines
+/// tagged by its folder: the same runs, the same metrics and the same choice as one at a time.
+#[test]
+fn ab_jobs_trains_runs_at_once_and_matches_one_at_a_time() {
+    common::require_model();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("base.toml"), tiny()).unwrap();
+    let ab_file = |name: &str| {
+        format!(
+            "name = \"{name}\"\nbase = \"base.toml\"\nseeds = [0, 1]\n[common]\ntrain = {{ steps = 3, eval_every = 3, \
+             checkpoint_every = 0 }}\ndata = {{ validation = 2 }}\n[arms.a]\noptimizer = {{ lr = 3e-3 }}\n[arms.b]\n\
+             sweep = {{ \"optimizer.lr\" = [1e-3, 2e-3] }}\n"
+        )
+    };
+    let ab = |name: &str, jobs: &str| {
+        std::fs::write(dir.path().join(format!("{name}.toml")), ab_file(name)).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+            .args(["ab", "--config", &format!("{name}.toml"), "--jobs", jobs])
+            .current_dir(dir.path())
+            .env("DFLASH_CACHE", cache())
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "ab --jobs {jobs}: {err}");
+        err
+    };
+    let err = ab("par", "3");
+    for run in ["a-s0", "b-lr=0.001-s0", "b-lr=0.002-s0"] {
+        assert!(err.lines().any(|l| l.starts_with(&format!("[{run}]: "))), "no line tagged {run}: {err}");
+    }
+    assert!(err.contains("(3 at once)"), "{err}");
+    ab("seq", "1");
+    let root = dir.path().join("experiments");
+    let chosen = |name: &str| -> serde_json::Value {
+        let text = std::fs::read_to_string(root.join(name).join("selection.json")).unwrap();
+        serde_json::from_str::<serde_json::Value>(&text).unwrap()["arms"][0]["chosen"].clone()
+    };
+    assert_eq!(chosen("par"), chosen("seq"));
+    let runs = |name: &str| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(root.join(name))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .filter(|n| n.ends_with("-s0") || n.ends_with("-s1"))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(runs("par"), runs("seq"));
+    assert_eq!(runs("par").len(), 5, "{:?}", runs("par"));
+    let keys = ["step", "loss", "lr", "tau_hat", "val_loss"];
+    for run in runs("seq") {
+        let (p, s) = (
+            common::metrics(&root.join("par").join(&run), &keys),
+            common::metrics(&root.join("seq").join(&run), &keys),
+        );
+        assert_eq!(p, s, "{run}: --jobs 3 against one at a time");
+    }
+    assert!(root.join("par/report/report.md").is_file());
+}
+
+/// SIGTERM to `ab --jobs 2` reaches both running runs: each writes a checkpoint and stops, the A/B
+/// exits 143 and starts nothing more, and rerunning it resumes both from their checkpoints.
+#[test]
+fn sigterm_to_ab_jobs_stops_its_runs_with_checkpoints_and_a_rerun_resumes_them() {
+    common::require_model();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("base.toml"), tiny()).unwrap();
+    std::fs::write(
+        dir.path().join("stop.toml"),
+        "name = \"stop\"\nbase = \"base.toml\"\nseeds = [0]\n[common]\ntrain = { steps = 60, checkpoint_every = 0 }\n\
+         [arms.a]\noptimizer = { lr = 3e-3 }\n[arms.b]\noptimizer = { lr = 1e-3 }\n",
+    )
+    .unwrap();
+    let ab = || {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_dflash-host"));
+        c.args(["ab", "--config", "stop.toml", "--jobs", "2"])
+            .current_dir(dir.path())
+            .env("DFLASH_CACHE", cache())
+            .env_remove("RUST_BACKTRACE");
+        c
+    };
+    let child = ab().stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let runs = ["a-s0", "b-s0"].map(|r| dir.path().join("experiments/stop").join(r));
+    let logged = |exp: &Path| std::fs::read_to_string(exp.join("metrics.jsonl")).map_or(0, |m| m.lines().count());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    while runs.iter().any(|r| logged(r) < 2) {
+        assert!(std::time::Instant::now() < deadline, "the runs never started");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{err}");
+    for (run, exp) in ["a-s0", "b-s0"].iter().zip(&runs) {
+        assert!(err.contains(&format!("[{run}]: ")) && !exp.join("summary.json").exists(), "{run}: {err}");
+        let steps = std::fs::read_dir(exp.join("checkpoints")).map_or(0, |d| d.count());
+        assert_eq!(steps, 1, "{run}: one checkpoint, written when it stopped");
+    }
+    let out = ab().output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(err.matches("is unfinished: resuming it").count(), 2, "{err}");
+    assert!(runs.iter().all(|r| r.join("summary.json").exists()));
+}
+
 /// `dflash-host train --config <tiny> --exp-dir <exp> ARGS...` in a fresh folder.
 fn train_with(config: &str, args: &[&str], exp_exists: bool) -> (std::process::Output, tempfile::TempDir) {
     common::require_model();

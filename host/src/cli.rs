@@ -234,6 +234,16 @@ pub struct AbArgs {
     /// The report's folder (default: experiments/<name>/report).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Train N runs of a phase at once, each its own process on the runs' device (small
+    /// drafters leave most of a GPU idle; several at once fill it).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub jobs: u64,
+    /// One run of the plan (its folder's name) and its phase's evaluations: what each process
+    /// of `--jobs` runs.
+    #[arg(long, hide = true, requires = "stage")]
+    pub only: Option<String>,
+    #[arg(long, hide = true, value_enum)]
+    pub stage: Option<crate::ab::Stage>,
 }
 
 #[derive(Args)]

@@ -108,9 +108,19 @@ pub fn is_lead() -> bool {
     rank().is_none_or(|r| r == 0)
 }
 
-/// `[rankN]: ` with several ranks, else nothing.
+/// The variable that names a process's runs in its log lines (`ab --jobs` sets it to each run's
+/// folder name).
+pub const LOG_TAG: &str = "DFLASH_LOG_TAG";
+
+/// `[rankN]: ` with several ranks, `[<DFLASH_LOG_TAG>]: ` where it is set, else nothing.
 fn tag() -> String {
-    rank().map_or_else(String::new, |r| format!("[rank{r}]: "))
+    static TAG: OnceLock<Option<String>> = OnceLock::new();
+    let named = TAG.get_or_init(|| std::env::var(LOG_TAG).ok().filter(|t| !t.is_empty()));
+    match (rank(), named) {
+        (Some(r), _) => format!("[rank{r}]: "),
+        (None, Some(t)) => format!("[{t}]: "),
+        (None, None) => String::new(),
+    }
 }
 
 /// The logs' writer: stderr, each line tagged with the rank, a failed write the end of the logs

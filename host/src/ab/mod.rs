@@ -50,6 +50,7 @@
 //! `compare` draws each fork's curve from its parent's up to the fork.
 
 mod evals;
+mod jobs;
 mod select;
 mod sweep;
 
@@ -437,8 +438,7 @@ pub fn arm_state(run: &ArmRun) -> Result<ArmState> {
 /// run was interrupted, its exit code (rerunning the A/B resumes it).
 pub fn run(
     config: &Path,
-    seeds: Option<u64>,
-    device: Option<&str>,
+    how: &How,
     out: Option<&Path>,
     registry: &Registry,
     print_summary: fn(&crate::train::TrainSummary),
@@ -446,11 +446,8 @@ pub fn run(
     if let Some(out) = out {
         crate::experiment::guard::check_out_folder("--out", out)?; // before hours of training
     }
-    let plan = plan(config, seeds, Path::new("experiments"), registry)?;
-    let plan = match device {
-        Some(d) => plan.on_device(d),
-        None => plan,
-    };
+    let plan = how.plan(config, registry)?;
+    let jobs = jobs::Jobs { config, how };
     let report = plan.dir.join("report");
     let first: Vec<&ArmRun> = plan.first_seed_runs().collect();
     let swept = plan.arms.iter().filter(|a| !a.fields.is_empty()).count();
@@ -467,16 +464,19 @@ pub fn run(
         first.len() + plan.arms.len() * (n_seeds - 1),
     );
     // 1. Every arm's first seed, at every value it sweeps.
-    for (i, r) in first.iter().enumerate() {
+    if how.jobs > 1 {
+        if let Some(code) = jobs.run(&first, Stage::First)? {
+            return Ok((report, Some(code)));
+        }
+    }
+    for (i, r) in first.iter().enumerate().filter(|_| how.jobs <= 1) {
         tracing::info!("A/B phase 1, run {}/{}: arm `{}`{}, seed {}", i + 1, first.len(), r.arm, point_text(r), r.seed);
         if let Some(code) = train_one(r, registry, print_summary)? {
             return Ok((report, Some(code)));
         }
         // Real tau on the validation prompts only where it chooses: decoding costs more than
         // the training of a small run.
-        if let (Some(spec), Some(Select::ValTau)) = (&plan.eval, plan.select) {
-            evals::ensure(&r.dir, registry, spec, &[evals::PromptSet::Validation])?;
-        }
+        first_evals(&plan, r, registry)?;
     }
     // 2. Each swept arm's value, on the validation split only.
     let selection = choose(&plan)?;
@@ -495,9 +495,17 @@ pub fn run(
     }
     // 3. Every seed at those values; the compared runs are evaluated on the test prompts too.
     let compared = plan.compared_runs(&chosen);
+    if how.jobs > 1 {
+        // The first seed's runs are trained already: they come back for their evaluations only.
+        let due: Vec<&ArmRun> =
+            compared.iter().copied().filter(|r| r.seed != first[0].seed || plan.eval.is_some()).collect();
+        if let Some(code) = jobs.run(&due, Stage::Compared)? {
+            return Ok((report, Some(code)));
+        }
+    }
     let later = compared.iter().filter(|r| r.seed != first[0].seed).count();
     let mut k = 0;
-    for r in &compared {
+    for r in compared.iter().filter(|_| how.jobs <= 1) {
         if r.seed != first[0].seed {
             k += 1;
             tracing::info!("A/B phase 2, run {k}/{later}: arm `{}`{}, seed {}", r.arm, point_text(r), r.seed);
@@ -505,13 +513,7 @@ pub fn run(
                 return Ok((report, Some(code)));
             }
         }
-        if let Some(spec) = &plan.eval {
-            let sets: &[evals::PromptSet] = match plan.select {
-                Some(Select::ValTau) => &[evals::PromptSet::Validation, evals::PromptSet::Test],
-                _ => &[evals::PromptSet::Test],
-            };
-            evals::ensure(&r.dir, registry, spec, sets)?;
-        }
+        compared_evals(&plan, r, registry)?;
     }
     // 4. The comparison: every run made (the sweep's other values shown as such).
     let mut dirs: Vec<PathBuf> = first.iter().chain(&compared).map(|r| r.dir.clone()).collect();
@@ -519,6 +521,78 @@ pub fn run(
     dirs.dedup();
     let out = out.map_or(report, Path::to_path_buf);
     Ok((crate::compare::run(&dirs, Some(&out), None)?, None))
+}
+
+/// After a phase-1 run: real tau on the validation prompts, only where it chooses (decoding
+/// costs more than the training of a small run).
+fn first_evals(plan: &Plan, r: &ArmRun, registry: &Registry) -> Result<()> {
+    if let (Some(spec), Some(Select::ValTau)) = (&plan.eval, plan.select) {
+        evals::ensure(&r.dir, registry, spec, &[evals::PromptSet::Validation])?;
+    }
+    Ok(())
+}
+
+/// After a compared run: the test prompts too.
+fn compared_evals(plan: &Plan, r: &ArmRun, registry: &Registry) -> Result<()> {
+    if let Some(spec) = &plan.eval {
+        let sets: &[evals::PromptSet] = match plan.select {
+            Some(Select::ValTau) => &[evals::PromptSet::Validation, evals::PromptSet::Test],
+            _ => &[evals::PromptSet::Test],
+        };
+        evals::ensure(&r.dir, registry, spec, sets)?;
+    }
+    Ok(())
+}
+
+/// How an A/B runs: the seeds and device given on the command line, and how many runs of a
+/// phase train at once (`--jobs`: more than 1 runs each in its own process, `ab --only`).
+pub struct How {
+    pub seeds: Option<u64>,
+    pub device: Option<String>,
+    pub jobs: usize,
+}
+
+impl How {
+    fn plan(&self, config: &Path, registry: &Registry) -> Result<Plan> {
+        let plan = plan(config, self.seeds, Path::new("experiments"), registry)?;
+        Ok(match &self.device {
+            Some(d) => plan.on_device(d),
+            None => plan,
+        })
+    }
+}
+
+/// Which phase a run belongs to, for what is evaluated after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Stage {
+    /// Phase 1: every arm's first seed at every value it sweeps.
+    First,
+    /// Phase 2: the compared runs.
+    Compared,
+}
+
+/// `ab --only RUN --stage S`: one run of the plan (its folder's name) and the evaluations its
+/// phase asks for, as one of the processes of `ab --jobs`. Returns the code of an interrupted run.
+pub fn run_only(
+    config: &Path,
+    how: &How,
+    name: &str,
+    stage: Stage,
+    registry: &Registry,
+    print_summary: fn(&crate::train::TrainSummary),
+) -> Result<Option<u8>> {
+    let plan = how.plan(config, registry)?;
+    let Some(r) = plan.all_runs().find(|r| r.dir.file_name().is_some_and(|n| n == name)) else {
+        bail!("{}: the A/B plans no run `{name}`", config.display());
+    };
+    if let Some(code) = train_one(r, registry, print_summary)? {
+        return Ok(Some(code));
+    }
+    match stage {
+        Stage::First => first_evals(&plan, r, registry)?,
+        Stage::Compared => compared_evals(&plan, r, registry)?,
+    }
+    Ok(None)
 }
 
 fn point_text(r: &ArmRun) -> String {

@@ -5,10 +5,15 @@ use anyhow::Result;
 use std::{path::PathBuf, process::ExitCode};
 
 pub fn run(args: AbArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
-    let AbArgs { config, seeds, device, out } = args;
+    let AbArgs { config, seeds, device, out, jobs, only, stage } = args;
     let registry = Registry::new(plugin_paths)?;
-    let (report, interrupted) =
-        crate::ab::run(&config, seeds, device.as_deref(), out.as_deref(), &registry, super::train::print_summary)?;
+    let how = crate::ab::How { seeds, device, jobs: jobs as usize };
+    let print = super::train::print_summary;
+    if let (Some(name), Some(stage)) = (only, stage) {
+        let interrupted = crate::ab::run_only(&config, &how, &name, stage, &registry, print)?;
+        return Ok(ExitCode::from(interrupted.unwrap_or(0)));
+    }
+    let (report, interrupted) = crate::ab::run(&config, &how, out.as_deref(), &registry, print)?;
     if let Some(code) = interrupted {
         return Ok(ExitCode::from(code)); // rerunning the A/B resumes this arm
     }

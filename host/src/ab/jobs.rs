@@ -1,0 +1,118 @@
+//! `ab --jobs N`: the runs of a phase trained N at a time, each its own `dflash-host ab --only
+//! RUN` process (its own seed, allocator and device context, as a separate `train` would have),
+//! its log lines tagged with the run's folder name. Small runs leave most of a GPU idle; several
+//! at once fill it. SIGTERM is passed on to the running ones (each checkpoints and stops); Ctrl-C
+//! reaches them from the terminal directly. A run that fails or is interrupted starts no new one.
+
+use super::{ArmRun, How, Stage};
+use anyhow::{bail, Context, Result};
+use std::{
+    ffi::OsString,
+    os::unix::process::ExitStatusExt,
+    path::Path,
+    process::{Child, Command},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+/// The A/B a parent `ab` runs, to start its runs with.
+pub struct Jobs<'a> {
+    pub config: &'a Path,
+    pub how: &'a How,
+}
+
+/// An `ab --only` process and the run it trains.
+struct Running {
+    name: String,
+    child: Child,
+}
+
+impl Jobs<'_> {
+    /// Train `runs` (and their evaluations for `stage`), `how.jobs` at a time. Returns the exit
+    /// code when runs were interrupted (rerunning the A/B resumes them); an error names every run
+    /// that failed.
+    pub fn run(&self, runs: &[&ArmRun], stage: Stage) -> Result<Option<u8>> {
+        let (term, int) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&term))?;
+        // Ctrl-C reaches the runs from the terminal; this process waits for their checkpoints.
+        signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&int))?;
+        let mut queue = runs.iter().rev().map(|r| folder(r)).collect::<Vec<_>>();
+        let (total, mut running, mut ended) = (runs.len(), Vec::<Running>::new(), Vec::<(String, i32)>::new());
+        let mut forwarded = false;
+        while !queue.is_empty() || !running.is_empty() {
+            let stopping = forwarded || int.load(Ordering::Relaxed) || ended.iter().any(|(_, code)| *code != 0);
+            while running.len() < self.how.jobs && !stopping {
+                let Some(name) = queue.pop() else { break };
+                let phase = if stage == Stage::First { 1 } else { 2 };
+                let k = total - queue.len();
+                tracing::info!("A/B phase {phase}, run {k}/{total}: `{name}` started ({} at once)", self.how.jobs);
+                running.push(Running { child: self.start(&name, stage)?, name });
+            }
+            if term.load(Ordering::Relaxed) && !forwarded {
+                forwarded = true;
+                for r in &running {
+                    // SAFETY: a plain kill(2) on our own child's pid.
+                    unsafe { libc::kill(r.child.id() as i32, signal_hook::consts::SIGTERM) };
+                }
+            }
+            let mut i = 0;
+            while i < running.len() {
+                match running[i].child.try_wait()? {
+                    Some(status) => {
+                        let r = running.swap_remove(i);
+                        let code = status.code().unwrap_or(128 + status.signal().unwrap_or(0));
+                        if code != 0 {
+                            tracing::warn!("A/B: run `{}` exited with status {code}", r.name);
+                        }
+                        ended.push((r.name, code));
+                    }
+                    None => i += 1,
+                }
+            }
+            if stopping && running.is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let failed: Vec<&(String, i32)> = ended.iter().filter(|(_, code)| *code != 0).collect();
+        if failed.is_empty() {
+            return Ok(None);
+        }
+        // SIGINT, SIGTERM and SIGHUP stop a run with a checkpoint and status 130 / 143 / 129.
+        if failed.iter().all(|(_, code)| matches!(code, 129 | 130 | 143)) {
+            return Ok(Some(failed[0].1 as u8));
+        }
+        let names: Vec<String> = failed.iter().map(|(n, c)| format!("`{n}` (status {c})")).collect();
+        bail!("A/B: {} of {total} runs failed: {} (their logs above name why)", failed.len(), names.join(", "))
+    }
+
+    /// `dflash-host ab --config C [--seeds N] [--device D] --only NAME --stage S`, its log lines
+    /// tagged with NAME.
+    fn start(&self, name: &str, stage: Stage) -> Result<Child> {
+        let exe = std::env::current_exe().context("this binary's path")?;
+        let mut args: Vec<OsString> = vec!["ab".into(), "--config".into(), self.config.into()];
+        if let Some(n) = self.how.seeds {
+            args.extend(["--seeds".into(), n.to_string().into()]);
+        }
+        if let Some(d) = &self.how.device {
+            args.extend(["--device".into(), d.into()]);
+        }
+        let stage = match stage {
+            Stage::First => "first",
+            Stage::Compared => "compared",
+        };
+        args.extend(["--only".into(), name.into(), "--stage".into(), stage.into()]);
+        Command::new(exe)
+            .args(args)
+            .env(crate::out::LOG_TAG, name)
+            .spawn()
+            .with_context(|| format!("starting run `{name}`"))
+    }
+}
+
+fn folder(r: &ArmRun) -> String {
+    r.dir.file_name().map_or_else(String::new, |n| n.to_string_lossy().to_string())
+}
