@@ -508,7 +508,7 @@ mod tests {
         assert!(trace.path().join("target_forward.trace.json").exists());
     }
 
-    /// The hybrid and MoE bench configs read through the plugins' ABI: the target's config
+    /// The hybrid, MoE and sanitizer bench configs read through the plugins' ABI: the target's config
     /// without its weights (the Qwen3.6-27B one in its multimodal layout), the drafter section
     /// checked, and the FLOPs counted by architecture. (The drafter resolved against that
     /// target is drafter_dflash's own test.)
@@ -516,7 +516,7 @@ mod tests {
     fn the_hybrid_and_moe_bench_configs_read() {
         let registry = Registry::new(&[]).unwrap();
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/bench");
-        for (name, layers) in [("qwen3.6-27b.toml", 64), ("qwen3-30b-a3b.toml", 48)] {
+        for (name, layers) in [("qwen3.6-27b.toml", 64), ("qwen3-30b-a3b.toml", 48), ("smollm2-gdn-muon.toml", 30)] {
             let path = dir.join(name);
             let cfg: BenchConfig = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
             let ctx = crate::plugins::host_context("cpu", "f32", 0, &dir, Path::new("/nonexistent"));
