@@ -11,6 +11,25 @@ use std::collections::BTreeMap;
 /// One parameter's state by role, as [`plugin_api::StateByRole`] holds it.
 pub type Roles = BTreeMap<String, Tensor>;
 
+/// One parameter's exported state: `roles`, and its master weights when it keeps one (views of
+/// the live state: an importer copies what it takes).
+pub fn with_master(mut roles: Roles, master: Option<&Tensor>) -> Roles {
+    if let Some(m) = master {
+        roles.insert(MASTER_WEIGHTS.into(), m.shallow_clone());
+    }
+    roles
+}
+
+/// An AdamW-style slot's exported state (AdamW's own, Muon's AdamW group): both moments, and
+/// its master weights when it keeps one.
+pub fn adam_roles(exp_avg: &Tensor, exp_avg_sq: &Tensor, master: Option<&Tensor>) -> Roles {
+    let moments = Roles::from([
+        (FIRST_MOMENT.to_string(), exp_avg.shallow_clone()),
+        (SECOND_MOMENT.to_string(), exp_avg_sq.shallow_clone()),
+    ]);
+    with_master(moments, master)
+}
+
 /// Take `role` out of `roles`, checked against the parameter `like` (its shape), as an fp32 copy
 /// on its device: the tensors given may be another optimizer's live state.
 pub fn take_role(roles: &mut Roles, role: &str, param: &str, like: &Tensor) -> Result<Option<Tensor>, PluginError> {

@@ -468,15 +468,21 @@ pub fn run(
         if let Some(code) = jobs.run(&first, Stage::First)? {
             return Ok((report, Some(code)));
         }
-    }
-    for (i, r) in first.iter().enumerate().filter(|_| how.jobs <= 1) {
-        tracing::info!("A/B phase 1, run {}/{}: arm `{}`{}, seed {}", i + 1, first.len(), r.arm, point_text(r), r.seed);
-        if let Some(code) = train_one(r, registry, print_summary)? {
-            return Ok((report, Some(code)));
+    } else {
+        for (i, r) in first.iter().enumerate() {
+            tracing::info!(
+                "A/B phase 1, run {}/{}: arm `{}`{}, seed {}",
+                i + 1,
+                first.len(),
+                r.arm,
+                point_text(r),
+                r.seed
+            );
+            if let Some(code) = train_one(r, registry, print_summary)? {
+                return Ok((report, Some(code)));
+            }
+            first_evals(&plan, r, registry)?;
         }
-        // Real tau on the validation prompts only where it chooses: decoding costs more than
-        // the training of a small run.
-        first_evals(&plan, r, registry)?;
     }
     // 2. Each swept arm's value, on the validation split only.
     let selection = choose(&plan)?;
@@ -502,18 +508,19 @@ pub fn run(
         if let Some(code) = jobs.run(&due, Stage::Compared)? {
             return Ok((report, Some(code)));
         }
-    }
-    let later = compared.iter().filter(|r| r.seed != first[0].seed).count();
-    let mut k = 0;
-    for r in compared.iter().filter(|_| how.jobs <= 1) {
-        if r.seed != first[0].seed {
-            k += 1;
-            tracing::info!("A/B phase 2, run {k}/{later}: arm `{}`{}, seed {}", r.arm, point_text(r), r.seed);
-            if let Some(code) = train_one(r, registry, print_summary)? {
-                return Ok((report, Some(code)));
+    } else {
+        let later = compared.iter().filter(|r| r.seed != first[0].seed).count();
+        let mut k = 0;
+        for r in &compared {
+            if r.seed != first[0].seed {
+                k += 1;
+                tracing::info!("A/B phase 2, run {k}/{later}: arm `{}`{}, seed {}", r.arm, point_text(r), r.seed);
+                if let Some(code) = train_one(r, registry, print_summary)? {
+                    return Ok((report, Some(code)));
+                }
             }
+            compared_evals(&plan, r, registry)?;
         }
-        compared_evals(&plan, r, registry)?;
     }
     // 4. The comparison: every run made (the sweep's other values shown as such).
     let mut dirs: Vec<PathBuf> = first.iter().chain(&compared).map(|r| r.dir.clone()).collect();

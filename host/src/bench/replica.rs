@@ -11,7 +11,7 @@ use crate::{
     },
     plugins::TargetHandle,
 };
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, Result};
 use c10d::Store;
 use plugin_api::tch::Device;
 use serde::{Deserialize, Serialize};
@@ -30,40 +30,11 @@ pub struct RankFigures {
     pub served_calls: u64,
 }
 
-/// This rank's place in the replica, None for a bench in one process: under a launcher the world
-/// is one replica's ranks.
-pub fn place(target: &toml::Table) -> Result<Option<(DistEnv, Layout)>> {
-    let env = DistEnv::from_env()?;
-    let layout = Layout::of(target, env.as_ref())?;
-    match (env, layout) {
-        (Some(env), None) if env.world > 1 => bail!(
-            "bench train runs in one process with [target] `tensor_parallel` = 1, not over WORLD_SIZE {} (drop \
-             `--nproc`)",
-            env.world
-        ),
-        (Some(env), Some(l)) if l.count != 1 => bail!(
-            "[target] field `tensor_parallel` = {}: bench train measures one replica; launch it over {} ranks \
-             (`--nproc {}`), not WORLD_SIZE {}",
-            l.size,
-            l.size,
-            l.size,
-            env.world
-        ),
-        (Some(env), Some(l)) => Ok(Some((env, l))),
-        _ => Ok(None),
-    }
-}
-
 /// This rank's device: the config's, a CUDA index offset by the local rank (`cuda:0` on local
 /// rank r is `cuda:r`).
-pub fn device(configured: &str, env: Option<&DistEnv>) -> Result<String> {
-    match env {
-        Some(e) if e.local_rank > 0 && configured.starts_with("cuda") => {
-            let visible = if crate::environment::enable_cuda() { tch::Cuda::device_count() as usize } else { 0 };
-            Ok(dist::rank_devices(&[configured.to_string()], e.local_rank, visible)?.remove(0))
-        }
-        _ => Ok(configured.to_string()),
-    }
+pub fn device(configured: &str) -> Result<String> {
+    let given = [configured.to_string()];
+    Ok(crate::train::start::rank_devices(&given)?.map_or_else(|| configured.to_string(), |(_, mut d)| d.remove(0)))
 }
 
 /// What the replica's ranks compare when they meet: the bench config (without the device each

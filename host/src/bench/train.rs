@@ -275,8 +275,8 @@ pub fn train(
     if cfg.device.starts_with("cuda") && !crate::environment::enable_cuda() {
         bail!("device `{}` asked for, but libtorch's CUDA libraries could not be loaded", cfg.device);
     }
-    let place = replica::place(&cfg.target)?;
-    let device_name = replica::device(&cfg.device, place.as_ref().map(|(env, _)| env))?;
+    let place = crate::pipeline::replicas::one_replica(&cfg.target, "bench train")?;
+    let device_name = replica::device(&cfg.device)?;
     let config_dir = config_path.parent().unwrap_or(Path::new("."));
     let mut ctx =
         crate::plugins::host_context(&device_name, &dtype, cfg.seed, config_dir, &crate::environment::cache_dir());

@@ -15,11 +15,10 @@ pub fn run(what: BenchCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
             let registry = Registry::new(plugin_paths)?;
             crate::bench::abi(&registry, exp_dir.as_deref(), iters)?;
         }
-        BenchCommand::Train { nproc: Some(n), .. } if std::env::var_os("RANK").is_none() => {
-            let argv = crate::dist::launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
-            return Ok(ExitCode::from(crate::dist::launch::launch(n, &argv)?));
-        }
-        BenchCommand::Train { config, json, trace, overrides, .. } => {
+        BenchCommand::Train { config, json, trace, overrides, nproc } => {
+            if let Some(code) = crate::dist::launch::relaunch(nproc, Vec::new)? {
+                return Ok(code);
+            }
             guard_outputs(json.as_deref(), trace.as_deref())?;
             let registry = Registry::new(plugin_paths)?;
             let overrides = Override::from_args(&overrides.set, overrides.device.as_deref())?;

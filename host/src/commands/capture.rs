@@ -23,9 +23,8 @@ use std::{
 
 pub fn run(args: CaptureArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
     let CaptureArgs { config, out, dtype, batches, shard_mb, overrides, nproc } = args;
-    if let Some(n) = nproc.filter(|_| std::env::var_os("RANK").is_none()) {
-        let argv = launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
-        return Ok(ExitCode::from(launch::launch(n, &argv)?));
+    if let Some(code) = launch::relaunch(nproc, Vec::new)? {
+        return Ok(code);
     }
     let cfg = RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
     let cfg = crate::train::start::place_rank(&cfg)?;
@@ -59,7 +58,7 @@ fn capture(
     opts: &CaptureOptions,
 ) -> Result<Option<CaptureIndex>> {
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
-    if let Some(follower) = replicas::one_replica(cfg, "capture")?.filter(|(_, l)| !l.is_lead()) {
+    if let Some(follower) = replicas::one_replica(&cfg.target, "capture")?.filter(|(_, l)| !l.is_lead()) {
         replicas::serve(cfg, config_path, &config_dir, registry, out, follower)?;
         return Ok(None);
     }

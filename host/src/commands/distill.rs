@@ -19,9 +19,8 @@ use std::{
 
 pub fn run(args: DistillArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
     let DistillArgs { config, out, overrides, nproc } = args;
-    if let Some(n) = nproc.filter(|_| std::env::var_os("RANK").is_none()) {
-        let argv = launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
-        return Ok(ExitCode::from(launch::launch(n, &argv)?));
+    if let Some(code) = launch::relaunch(nproc, Vec::new)? {
+        return Ok(code);
     }
     let cfg = RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
     let cfg = crate::train::start::place_rank(&cfg)?;
@@ -43,7 +42,7 @@ fn distill(
     registry: &Registry,
 ) -> Result<Option<(plugin_api::DistilledExport, DistillStats)>> {
     let config_dir = config::config_dir(config_path).canonicalize().context("config folder")?;
-    if let Some((env, layout)) = replicas::one_replica(cfg, "distill")?.filter(|(_, l)| !l.is_lead()) {
+    if let Some((env, layout)) = replicas::one_replica(&cfg.target, "distill")?.filter(|(_, l)| !l.is_lead()) {
         replicas::serve(cfg, config_path, &config_dir, registry, out, (env, layout))?;
         return Ok(None);
     }

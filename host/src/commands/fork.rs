@@ -12,13 +12,13 @@ use anyhow::Result;
 use std::{path::PathBuf, process::ExitCode};
 
 pub fn run(args: ForkArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
-    if let Some(n) = args.nproc.filter(|_| std::env::var_os("RANK").is_none()) {
-        let mut argv = launch::without_nproc(&std::env::args_os().collect::<Vec<_>>());
-        // One fork folder for every rank (each would otherwise pick a fresh name).
-        if args.exp_dir.is_none() {
-            argv.extend(["--exp-dir".into(), fork::default_dir(&args.parent, args.at).into()]);
-        }
-        return Ok(ExitCode::from(launch::launch(n, &argv)?));
+    // One fork folder for every rank (each would otherwise pick a fresh name).
+    let one_folder = || match &args.exp_dir {
+        None => vec!["--exp-dir".into(), fork::default_dir(&args.parent, args.at).into()],
+        Some(_) => Vec::new(),
+    };
+    if let Some(code) = launch::relaunch(args.nproc, one_folder)? {
+        return Ok(code);
     }
     let registry = Registry::new(plugin_paths)?;
     let summary = fork::fork(ForkSpec {

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use std::{
     ffi::OsString,
     os::unix::process::ExitStatusExt,
-    process::{Child, Command, ExitStatus},
+    process::{Child, Command, ExitCode, ExitStatus},
     sync::{atomic::AtomicBool, Arc},
     time::{Duration, Instant},
 };
@@ -34,6 +34,16 @@ pub fn without_nproc(args: &[OsString]) -> Vec<OsString> {
         }
     }
     out
+}
+
+/// `--nproc N` given to a command outside a launcher: N ranks of this same command (its arguments
+/// without `--nproc`, then what `extra` adds), and the exit code `launch` gives. None: this
+/// process runs the command itself (no `--nproc`, or it is one of the ranks).
+pub fn relaunch(nproc: Option<usize>, extra: impl FnOnce() -> Vec<OsString>) -> Result<Option<ExitCode>> {
+    let Some(n) = nproc.filter(|_| std::env::var_os("RANK").is_none()) else { return Ok(None) };
+    let mut argv = without_nproc(&std::env::args_os().collect::<Vec<_>>());
+    argv.extend(extra());
+    Ok(Some(ExitCode::from(launch(n, &argv)?)))
 }
 
 fn describe(status: ExitStatus) -> String {

@@ -244,7 +244,7 @@ pub fn command(args: &crate::cli::EvalArgs, plugin_paths: &[PathBuf]) -> Result<
     // its target.
     if crate::dist::DistEnv::from_env()?.is_some() {
         let (cfg, config_dir) = crate::pipeline::assemble::experiment_config(exp_dir, args.drafter.as_deref())?;
-        if let Some(follower) = replicas::one_replica(&cfg, "eval")?.filter(|(_, l)| !l.is_lead()) {
+        if let Some(follower) = replicas::one_replica(&cfg.target, "eval")?.filter(|(_, l)| !l.is_lead()) {
             let registry = Registry::new(plugin_paths)?;
             let config_path = exp_dir.join(experiment::CONFIG);
             replicas::serve(&cfg, &config_path, &config_dir, &registry, exp_dir, follower)?;

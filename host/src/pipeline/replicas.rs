@@ -15,26 +15,27 @@ use crate::{
 use anyhow::{bail, Result};
 use std::path::Path;
 
-/// This rank's place in its replica, under a launcher with `tensor_parallel` > 1.
-pub fn layout(cfg: &RunConfig) -> Result<Option<(DistEnv, Layout)>> {
+/// This rank's place in its replica (`target`: the config's [target]), under a launcher with
+/// `tensor_parallel` > 1.
+pub fn layout(target: &toml::Table) -> Result<Option<(DistEnv, Layout)>> {
     let env = DistEnv::from_env()?;
-    Ok(Layout::of(&cfg.target, env.as_ref())?.map(|l| (env.expect("a layout comes with a launcher"), l)))
+    Ok(Layout::of(target, env.as_ref())?.map(|l| (env.expect("a layout comes with a launcher"), l)))
 }
 
 /// This rank's place when it only serves its replica's target (not the lead).
 pub fn follower(cfg: &RunConfig) -> Result<Option<(DistEnv, Layout)>> {
-    Ok(layout(cfg)?.filter(|(_, l)| !l.is_lead()))
+    Ok(layout(&cfg.target)?.filter(|(_, l)| !l.is_lead()))
 }
 
-/// `what` (eval, distill, capture) drives one replica: its world must be one replica's ranks
-/// (one rank when the target runs whole).
-pub fn one_replica(cfg: &RunConfig, what: &str) -> Result<Option<(DistEnv, Layout)>> {
-    let found = layout(cfg)?;
+/// `what` (eval, distill, capture, bench train) drives one replica: its world must be one
+/// replica's ranks (one rank when the target runs whole).
+pub fn one_replica(target: &toml::Table, what: &str) -> Result<Option<(DistEnv, Layout)>> {
+    let found = layout(target)?;
     if found.is_none() {
         if let Some(env) = DistEnv::from_env()?.filter(|e| e.world > 1) {
             bail!(
-                "{what} runs one target replica: with [target] `tensor_parallel` = 1 it runs as one process, not \
-                 WORLD_SIZE {} (drop `--nproc`)",
+                "{what} runs in one process with [target] `tensor_parallel` = 1, not over WORLD_SIZE {} (drop \
+                 `--nproc`)",
                 env.world
             );
         }
@@ -86,7 +87,7 @@ pub fn drive(
     name: &Path,
     what: &str,
 ) -> Result<(Components, Option<C10dCommunicator>)> {
-    let Some((env, layout)) = one_replica(cfg, what)? else { return Ok((components, None)) };
+    let Some((env, layout)) = one_replica(&cfg.target, what)? else { return Ok((components, None)) };
     let identity = crate::train::start::identity(cfg, &components.records, name)?;
     let device = config::parse_device(cfg.drafter_device())?;
     let (comm, store) = C10dCommunicator::connect_replicas(&env, device, &identity, &layout)?;

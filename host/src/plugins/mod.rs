@@ -476,7 +476,8 @@ fn load_bytes(path: &Path, bytes: &[u8]) -> Result<RawLibrary> {
     Ok(library)
 }
 
-fn abi_minor(version: &str) -> u64 {
+/// The minor part of a plugin ABI version (`2.1.0` -> 1; 0 where it cannot be read).
+pub(crate) fn abi_minor(version: &str) -> u64 {
     version.split('.').nth(1).and_then(|m| m.parse().ok()).unwrap_or(0)
 }
 

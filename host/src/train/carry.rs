@@ -40,7 +40,7 @@ pub fn carry(
     let to = cfg.section("optimizer");
     for section in [&from.section, &to] {
         let record = &registry.find(PluginKind::Optimizer, &section.plugin)?.record;
-        if abi_minor(&record.abi) < 1 {
+        if crate::plugins::abi_minor(&record.abi) < 1 {
             bail!(
                 "field `fork.optimizer_state` (--optimizer-state) is carry, but optimizer plugin `{}` was built against \
                  plugin ABI {}, which has no state by role to carry (2.1 has): rebuild it against plugin-api {}, or \
@@ -95,10 +95,6 @@ fn cannot(plugin: &str, what: &str) -> anyhow::Error {
         "field `fork.optimizer_state` (--optimizer-state) is carry, but optimizer plugin `{plugin}` does not {what} its \
          state by role: give `fresh`"
     )
-}
-
-fn abi_minor(version: &str) -> u64 {
-    version.split('.').nth(1).and_then(|m| m.parse().ok()).unwrap_or(0)
 }
 
 impl CarryRecord {

@@ -191,21 +191,27 @@ pub(crate) fn build_id(records: &[PluginRecord]) -> Result<String> {
 /// devices offset by `LOCAL_RANK` x the GPUs one replica uses (`dist::rank_devices`).
 pub(crate) fn place_rank(cfg: &RunConfig) -> Result<RunConfig> {
     let mut cfg = cfg.clone();
-    let Some(env) = dist::DistEnv::from_env()? else { return Ok(cfg) };
     let mut all = vec![cfg.device.clone()];
     all.extend(cfg.pipeline.targets.iter().cloned());
     all.extend(cfg.pipeline.drafter.iter().cloned());
-    if env.local_rank == 0 || !all.iter().any(|d| d.starts_with("cuda")) {
-        return Ok(cfg);
-    }
-    let visible = if enable_cuda() { tch::Cuda::device_count() as usize } else { 0 };
-    let moved = dist::rank_devices(&all, env.local_rank, visible)?;
+    let Some((local_rank, moved)) = rank_devices(&all)? else { return Ok(cfg) };
     let n = cfg.pipeline.targets.len();
     cfg.device = moved[0].clone();
     cfg.pipeline.targets = moved[1..1 + n].to_vec();
     cfg.pipeline.drafter = moved.get(1 + n).cloned();
-    tracing::info!("local rank {}: devices {:?}", env.local_rank, &moved);
+    tracing::info!("local rank {local_rank}: devices {:?}", &moved);
     Ok(cfg)
+}
+
+/// `devices` offset for this rank when a launcher put several ranks on one machine and some of
+/// them are CUDA devices (`dist::rank_devices`), with the local rank; None: they stay as given.
+pub(crate) fn rank_devices(devices: &[String]) -> Result<Option<(usize, Vec<String>)>> {
+    let Some(env) = dist::DistEnv::from_env()? else { return Ok(None) };
+    if env.local_rank == 0 || !devices.iter().any(|d| d.starts_with("cuda")) {
+        return Ok(None);
+    }
+    let visible = if enable_cuda() { tch::Cuda::device_count() as usize } else { 0 };
+    Ok(Some((env.local_rank, dist::rank_devices(devices, env.local_rank, visible)?)))
 }
 
 /// How to resume: the libraries given with `--plugin`, and what may have changed.

@@ -4,7 +4,6 @@
 
 use optim_math::carry::{self, AdamCarry, Roles};
 use plugin_api::{
-    roles,
     tch::{Kind, Tensor},
     HostContext, Imported, OptimizerPlugin, PluginError, PluginInfo, PluginInstance, PluginKind, StateByRole,
 };
@@ -131,20 +130,8 @@ impl OptimizerPlugin for AdamW {
     }
 
     fn export_state(&self) -> Option<StateByRole> {
-        let params = self
-            .slots
-            .iter()
-            .map(|s| {
-                let mut roles = Roles::new();
-                roles.insert(roles::FIRST_MOMENT.into(), s.exp_avg.shallow_clone());
-                roles.insert(roles::SECOND_MOMENT.into(), s.exp_avg_sq.shallow_clone());
-                if let Some(m) = &s.master {
-                    roles.insert(roles::MASTER_WEIGHTS.into(), m.shallow_clone());
-                }
-                (s.name.clone(), roles)
-            })
-            .collect();
-        Some(StateByRole { step: Some(self.step as u64), params })
+        let roles = |s: &Slot| (s.name.clone(), carry::adam_roles(&s.exp_avg, &s.exp_avg_sq, s.master.as_ref()));
+        Some(StateByRole { step: Some(self.step as u64), params: self.slots.iter().map(roles).collect() })
     }
 
     fn import_state(&mut self, state: StateByRole) -> Result<Option<Imported>, PluginError> {

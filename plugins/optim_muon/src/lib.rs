@@ -349,23 +349,14 @@ impl Muon {
     /// The state by role: each matrix's momentum as its first moment; the AdamW group's two
     /// moments; masters; the step count (the AdamW group's bias corrections count from it).
     fn export_impl(&self) -> StateByRole {
-        let with_master = |mut roles: Roles, master: &Option<Tensor>| {
-            if let Some(m) = master {
-                roles.insert(roles::MASTER_WEIGHTS.into(), m.shallow_clone());
-            }
-            roles
-        };
         let muon = self.muon.iter().map(|s| {
             let roles = Roles::from([(roles::FIRST_MOMENT.to_string(), s.momentum_buffer.shallow_clone())]);
-            (s.name.clone(), with_master(roles, &s.master))
+            (s.name.clone(), carry::with_master(roles, s.master.as_ref()))
         });
-        let adamw = self.adamw.iter().map(|s| {
-            let roles = Roles::from([
-                (roles::FIRST_MOMENT.to_string(), s.exp_avg.shallow_clone()),
-                (roles::SECOND_MOMENT.to_string(), s.exp_avg_sq.shallow_clone()),
-            ]);
-            (s.name.clone(), with_master(roles, &s.master))
-        });
+        let adamw = self
+            .adamw
+            .iter()
+            .map(|s| (s.name.clone(), carry::adam_roles(&s.exp_avg, &s.exp_avg_sq, s.master.as_ref())));
         StateByRole { step: Some(self.step as u64), params: muon.chain(adamw).collect() }
     }
 
