@@ -135,3 +135,13 @@ pub fn nvrtc_version(lib: &Path) -> Option<(i32, i32)> {
         (f(&mut major, &mut minor) == 0).then_some((major, minor))
     }
 }
+
+/// The name of CUDA device `ordinal` ("NVIDIA H100 80GB HBM3"), from the driver, or None
+/// without one.
+pub fn cuda_device_name(ordinal: usize) -> Option<String> {
+    // SAFETY: only probes whether the driver library can be loaded.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return None;
+    }
+    cudarc::driver::CudaContext::new(ordinal).and_then(|c| c.name()).ok()
+}

@@ -13,6 +13,8 @@
 //! - `context_tail`: the context part's staircase tails, the keys a block sees past its range's
 //!   unbiased prefix, on tensor cores, one launch each way for every range (CUDA).
 //! - `cross_entropy`: the loss's row statistics and softmax gradient in two passes (CUDA).
+//! - `fp8`: FP8 block-scaled linear layers as served on Hopper: weight and activation quantisers
+//!   (the activations' in one pass, CUDA) and the layer through libtorch's block-scaled GEMM.
 //! - `gdn_scan`: the chunked gated delta rule's scan over chunks in one kernel, forward (CUDA).
 //! - `norm_rope`: an attention's q/k RMSNorm and rotary embedding in one pass each way (CUDA).
 //! - `nvrtc`: compile CUDA C++ at run time and launch it on libtorch's stream (cudarc).
@@ -32,6 +34,7 @@ pub mod cross_entropy;
 #[cfg(test)]
 mod cuda_tests;
 pub mod ffi;
+pub mod fp8;
 pub mod gdn_scan;
 pub mod norm_rope;
 pub mod nvrtc;

@@ -93,18 +93,36 @@ impl Module {
 /// `src` with `defines`, compiled once per process and loaded once per device: the functions
 /// named in `functions`. Errors (no driver, no NVRTC, a compile error) come back as text.
 pub fn module(device: usize, src: &str, defines: &[(&str, i64)], functions: &[&str]) -> Result<Module, String> {
-    static CACHE: OnceLock<Mutex<HashMap<String, Result<Module, String>>>> = OnceLock::new();
-    let key = format!("{device} {defines:?} {functions:?} {src}");
-    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    cache.entry(key).or_insert_with(|| load(device, src, defines, functions)).clone()
+    module_for(BASE_ARCH, device, src, defines, functions)
 }
 
-fn load(device: usize, src: &str, defines: &[(&str, i64)], functions: &[&str]) -> Result<Module, String> {
+/// [`module`] compiled for the virtual architecture `arch` (`compute_90` for instructions older
+/// GPUs lack, such as the FP8 conversions): it loads only on GPUs of that capability or later.
+pub fn module_for(
+    arch: &'static str,
+    device: usize,
+    src: &str,
+    defines: &[(&str, i64)],
+    functions: &[&str],
+) -> Result<Module, String> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Result<Module, String>>>> = OnceLock::new();
+    let key = format!("{arch} {device} {defines:?} {functions:?} {src}");
+    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    cache.entry(key).or_insert_with(|| load(arch, device, src, defines, functions)).clone()
+}
+
+fn load(
+    arch: &'static str,
+    device: usize,
+    src: &str,
+    defines: &[(&str, i64)],
+    functions: &[&str],
+) -> Result<Module, String> {
     // SAFETY: only probes whether the driver library can be loaded.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err("the CUDA driver library (libcuda) is not available".into());
     }
-    let ptx = compile(src, defines)?;
+    let ptx = compile_for(arch, src, defines)?;
     let ctx = CudaContext::new(device).map_err(|e| format!("CUDA context on device {device}: {e}"))?;
     let module = ctx.load_module(ptx).map_err(|e| format!("loading the compiled module: {e}"))?;
     let functions = functions
@@ -116,12 +134,20 @@ fn load(device: usize, src: &str, defines: &[(&str, i64)], functions: &[&str]) -
     Ok(Module { stream: ctx.default_stream(), functions })
 }
 
+/// The virtual architecture the kernels are compiled for unless they ask for another.
+const BASE_ARCH: &str = "compute_80";
+
 /// PTX for compute capability 8.0 (the driver JIT-compiles it for the GPU at hand, Hopper
 /// included). Needs no GPU, so the CPU test suite checks that the sources compile.
 pub fn compile(src: &str, defines: &[(&str, i64)]) -> Result<Ptx, String> {
+    compile_for(BASE_ARCH, src, defines)
+}
+
+/// PTX for the virtual architecture `arch` (e.g. `compute_90`); needs no GPU either.
+pub fn compile_for(arch: &'static str, src: &str, defines: &[(&str, i64)]) -> Result<Ptx, String> {
     load_nvrtc()?;
     let opts = CompileOptions {
-        arch: Some("compute_80"),
+        arch: Some(arch),
         options: defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect(),
         ..Default::default()
     };
