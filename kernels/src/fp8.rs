@@ -12,13 +12,14 @@
 //!   `_scaled_mm` (cuBLASLt on sm_90), and the layer's forward. On the CPU (and wherever the GEMM
 //!   is not run) the same numbers come from the dequantised operands in fp32.
 //!
-//! What libtorch 2.11's `_scaled_mm` takes for this recipe (found on an H100, cuBLASLt 13.1;
+//! What libtorch 2.11's `_scaled_mm` takes for this recipe (found on an H100 and an H200, cuBLASLt 13.1;
 //! `scripts/bench/fp8_scaled_mm.py` asks it again): the left operand's scales `[M, K/128]` with
 //! the rows contiguous (stride `(1, M)`), the weight's `[N/128, K/128]` row-major, passed
 //! transposed; no fast accumulation; a bf16 bias. When K/128 is not a multiple of 4 it accepts
 //! the call and returns garbage (the scales' rows are not 16-byte aligned), so K is padded with
 //! zeros to a multiple of 512 here; N to a multiple of 16 (libtorch's own rule) and the
-//! activations' rows to a multiple of 4 (each group's scales 16-byte aligned).
+//! activations' rows to a multiple of 4 (cuBLASLt refuses other row counts with
+//! CUBLAS_STATUS_NOT_SUPPORTED: each group's scales 16-byte aligned).
 
 use crate::nvrtc;
 use cudarc::driver::PushKernelArg;
