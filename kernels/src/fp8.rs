@@ -473,7 +473,7 @@ mod cuda_tests {
     /// values.
     #[test]
     #[ignore = "needs a CUDA device: make gpu-test"]
-    fn fp8_activation_quantiser_matches_libtorch() {
+    fn fp8_activation_quantiser_cuda_matches_libtorch() {
         let dev = crate::cuda_test_device();
         for (m, k, wide) in [(4096, 4096, 4096), (77, 5120, 5200), (33, 200, 200), (1, 17408, 17408)] {
             tch::manual_seed(m);
