@@ -355,6 +355,17 @@ pub enum BenchCommand {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// The targets' linear layers as FP8 block-scaled GEMMs (weights e4m3 in 128x128 blocks,
+    /// activations quantised per token per 128 channels) beside bf16, at the linear shapes of
+    /// Qwen3-8B and Qwen3.6-27B: TFLOP/s, the ratio, the quantiser's cost, the error. Needs a
+    /// Hopper GPU.
+    Fp8 {
+        #[command(flatten)]
+        args: crate::bench::fp8::Args,
+        /// Also write the JSON report to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]

@@ -1,10 +1,12 @@
 //! Benchmarks: `bench abi` (the plugin boundary's cost), `bench train` (training throughput at
-//! real shapes) and `bench attention` (one layer's block attention, checked and timed).
+//! real shapes), `bench attention` (one layer's block attention, checked and timed) and `bench fp8`
+//! (the targets' linear layers as FP8 block-scaled GEMMs beside bf16).
 
 pub mod abi;
 pub mod allreduce;
 pub mod attention;
 pub mod flops;
+pub mod fp8;
 pub mod memory;
 pub mod replica;
 pub mod train;

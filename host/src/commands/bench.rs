@@ -1,4 +1,4 @@
-//! `dflash-host bench`: the plugin boundary, a training step, the all-reduce and attention, each
+//! `dflash-host bench`: the plugin boundary, a training step, the all-reduce, attention and FP8 GEMMs, each
 //! printed as a table and one JSON line (also written to `--json`).
 
 use crate::{cli::BenchCommand, config::Override, plugins::Registry, say};
@@ -39,6 +39,12 @@ pub fn run(what: BenchCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
             guard_outputs(json.as_deref(), None)?;
             let report = crate::bench::attention::attention(&shape)?;
             crate::bench::attention::print(&report);
+            json_line(&report, json.as_deref())?;
+        }
+        BenchCommand::Fp8 { args, json } => {
+            guard_outputs(json.as_deref(), None)?;
+            let report = crate::bench::fp8::fp8(&args)?;
+            crate::bench::fp8::print(&report);
             json_line(&report, json.as_deref())?;
         }
     }
