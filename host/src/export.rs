@@ -17,6 +17,7 @@
 
 pub mod card;
 
+use crate::outputs::rename_at;
 use crate::{
     experiment::{checkpoint, guard},
     plugins::Registry,
@@ -26,7 +27,6 @@ use plugin_api::{
     tch::{Kind, Tensor},
     PluginKind,
 };
-use crate::outputs::rename_at;
 use std::{
     ffi::CString,
     os::{fd::AsRawFd, unix::ffi::OsStrExt},
@@ -192,12 +192,15 @@ fn publish(tmp: &Path, out: &Path, inputs: &[guard::Input]) -> Result<()> {
     // What the old `out`, now at `held`, holds that must not go: None, or the refusal.
     let refusal = |held: &Path| -> Option<String> {
         let found = guard::find_under(held, inputs, guard::MAX_SCANNED);
-        let why = match found {
+        let what = match found {
             Ok(None) => return None,
-            Ok(Some(f)) => f.refusal().replace(&held.display().to_string(), &out.display().to_string()),
+            Ok(Some(f)) => f.what().replace(&held.display().to_string(), &out.display().to_string()),
             Err(e) => format!("{e:#}"),
         };
-        Some(format!("--out {}: changed while the export ran, it now {why}; left as it is, nothing exported", out.display()))
+        Some(format!(
+            "--out {o}: {what} appeared in it while the export ran; {o} is left as it was and nothing was exported",
+            o = out.display()
+        ))
     };
     let exists = out.symlink_metadata().is_ok();
     if exists {
@@ -218,7 +221,8 @@ fn publish(tmp: &Path, out: &Path, inputs: &[guard::Input]) -> Result<()> {
                     .or_else(|e| if unsupported(&e) { rename_at(fd, &out_name, fd, &old_name, 0) } else { Err(e) })
                     .with_context(|| format!("moving {} aside", out.display()))?;
                 if let Some(why) = refusal(&old) {
-                    rename_at(fd, &old_name, fd, &out_name, 0).with_context(|| format!("putting {} back", out.display()))?;
+                    rename_at(fd, &old_name, fd, &out_name, 0)
+                        .with_context(|| format!("putting {} back", out.display()))?;
                     let _ = std::fs::remove_dir_all(tmp);
                     bail!("{why}");
                 }

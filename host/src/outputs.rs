@@ -70,7 +70,13 @@ fn id_at(dir: &File, name: &CString) -> Option<(FileId, bool)> {
 
 /// `renameat2(from_dir/from, to_dir/to, flags)` (Linux 3.15; on a file system that lacks a flag:
 /// EINVAL).
-pub fn rename_at(from_dir: RawFd, from: &CString, to_dir: RawFd, to: &CString, flags: libc::c_uint) -> std::io::Result<()> {
+pub fn rename_at(
+    from_dir: RawFd,
+    from: &CString,
+    to_dir: RawFd,
+    to: &CString,
+    flags: libc::c_uint,
+) -> std::io::Result<()> {
     // SAFETY: open folders and NUL-terminated names that live through the call.
     let r = unsafe { libc::renameat2(from_dir, from.as_ptr(), to_dir, to.as_ptr(), flags) };
     if r == 0 {
@@ -92,7 +98,12 @@ fn write_in(dir: &File, name: &str, bytes: &[u8], shown: &Path, recheck: impl Fn
     let fd = dir.as_raw_fd();
     // SAFETY: an open folder and a NUL-terminated name; the descriptor returned is owned below.
     let f = unsafe {
-        libc::openat(fd, tmp.as_ptr(), libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0o644)
+        libc::openat(
+            fd,
+            tmp.as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o644,
+        )
     };
     if f < 0 {
         return Err(std::io::Error::last_os_error()).with_context(|| format!("writing {}", shown.display()));
@@ -203,7 +214,8 @@ impl OutFile {
         let name = path.file_name().with_context(|| format!("{flag} {}: not a file name", given.display()))?;
         let name = name.to_str().with_context(|| format!("{flag} {}: not a UTF-8 name", given.display()))?.to_string();
         let parent = path.parent().with_context(|| format!("{flag} {}: no folder", given.display()))?;
-        std::fs::create_dir_all(parent).with_context(|| format!("{flag} {}: creating {}", given.display(), parent.display()))?;
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("{flag} {}: creating {}", given.display(), parent.display()))?;
         let parent = open_dir(parent).with_context(|| format!("{flag} {}", given.display()))?;
         let out = Self { flag: flag.to_string(), given: given.to_path_buf(), path, name, parent, inputs };
         out.recheck()?;
@@ -240,7 +252,9 @@ impl OutFile {
         }
         let folder = self.path.with_file_name(&dir_name);
         // SAFETY: as above; owned below.
-        let dfd = unsafe { libc::openat(fd, c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+        let dfd = unsafe {
+            libc::openat(fd, c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        };
         if dfd < 0 {
             return Err(std::io::Error::last_os_error()).with_context(|| format!("opening {}", folder.display()));
         }
@@ -273,7 +287,6 @@ impl Drop for Staged {
         let _ = std::fs::remove_dir_all(&self.folder);
     }
 }
-
 
 #[cfg(test)]
 mod tests {

@@ -1,14 +1,7 @@
 //! `dflash-host bench`: the plugin boundary, a training step, the all-reduce and attention, each
 //! printed as a table and one JSON line (also written to `--json`).
 
-use crate::{
-    cli::BenchCommand,
-    config::Override,
-    experiment::guard::Input,
-    outputs::OutFile,
-    plugins::Registry,
-    say,
-};
+use crate::{cli::BenchCommand, config::Override, experiment::guard::Input, outputs::OutFile, plugins::Registry, say};
 use anyhow::Result;
 use serde::Serialize;
 use std::{

@@ -109,7 +109,6 @@ pub fn input_with_id(inputs: &[Input], id: FileId) -> Option<&Input> {
 pub fn check_out_folder(flag: &str, out: &Path, inputs: &[Input]) -> Result<PathBuf> {
     let abs = resolve(out).with_context(|| format!("{flag} {}", out.display()))?;
     check_ancestors(flag, out, &abs)?;
-    check_inputs(flag, out, &abs, inputs, true)?;
     if abs.is_dir() {
         if let Some(found) =
             find_under(&abs, inputs, MAX_SCANNED).with_context(|| format!("{flag} {}", out.display()))?
@@ -117,6 +116,7 @@ pub fn check_out_folder(flag: &str, out: &Path, inputs: &[Input]) -> Result<Path
             bail!("{flag} {}: {}", out.display(), found.refusal());
         }
     }
+    check_inputs(flag, out, &abs, inputs, true)?;
     Ok(abs)
 }
 
@@ -221,6 +221,14 @@ pub enum Found {
 }
 
 impl Found {
+    /// What was found, with its path.
+    pub fn what(&self) -> String {
+        match self {
+            Found::Experiment(p, part) => format!("{part} {}", p.display()),
+            Found::Input(p, what) => format!("{} ({what}, one of the command's inputs)", p.display()),
+        }
+    }
+
     /// Why the output is refused, after `FLAG PATH: `.
     pub fn refusal(&self) -> String {
         match self {
@@ -305,7 +313,10 @@ mod tests {
         for ok in [r.join("free"), r.join("free/sub"), r.join("zlab"), r.join("experiments/zlab"), r.join("a/b/c")] {
             check_out_folder("--out", &ok, &[]).unwrap();
         }
-        assert_eq!(check_out_folder("--out", &r.join("free/../zlab"), &[]).unwrap(), r.canonicalize().unwrap().join("zlab"));
+        assert_eq!(
+            check_out_folder("--out", &r.join("free/../zlab"), &[]).unwrap(),
+            r.canonicalize().unwrap().join("zlab")
+        );
         // Files: not inside an experiment.
         check_out_file("--json", &r.join("experiments/bench.json"), &[]).unwrap();
         let err = format!("{:#}", check_out_file("--out", &r.join("experiments/run1/metrics.jsonl"), &[]).unwrap_err());
