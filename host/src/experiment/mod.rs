@@ -307,9 +307,22 @@ fn publish_new(tmp: &Path, dir: &Path) -> Result<bool> {
 /// its own.
 fn remove_abandoned_starts(parent: &Path, name: &str) {
     let prefix = format!(".{name}.tmp-");
+    // A start killed before it locked its folder leaves `.NAME.new-PID` (PID no longer alive).
+    let unnamed = format!(".{name}.new-");
+    let dead = |pid: &str| {
+        // SAFETY: kill(pid, 0) only asks whether the process exists.
+        pid.parse::<i32>().is_ok_and(|p| p > 0 && unsafe { libc::kill(p, 0) } != 0)
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    };
     for e in fs::read_dir(parent).into_iter().flatten().filter_map(|e| e.ok()) {
-        let is_ours = e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix));
-        if is_ours && ExperimentLock::acquire(&e.path()).is_ok() {
+        let file = e.file_name();
+        let Some(n) = file.to_str() else { continue };
+        let abandoned = match (n.strip_prefix(&prefix), n.strip_prefix(&unnamed)) {
+            (Some(_), _) => ExperimentLock::acquire(&e.path()).is_ok(),
+            (None, Some(pid)) => dead(pid),
+            _ => false,
+        };
+        if abandoned {
             let _ = fs::remove_dir_all(e.path());
         }
     }
