@@ -717,11 +717,11 @@ fn no_command_writes_into_or_deletes_a_folder_that_holds_an_experiment() {
     let cases: Vec<(Vec<String>, &str)> = vec![
         (
             vec!["--out".into(), root.join("experiments").display().to_string(), "--force".into()],
-            "holds the experiment",
+            "holds an experiment folder",
         ),
-        (vec!["--out".into(), root.display().to_string(), "--force".into()], "holds the experiment"),
+        (vec!["--out".into(), root.display().to_string(), "--force".into()], "holds an experiment folder"),
         (vec!["--out".into(), run2.display().to_string(), "--force".into()], "is an experiment folder"),
-        (vec!["--out".into(), run1.join("zlab").display().to_string()], "lies inside the experiment"),
+        (vec!["--out".into(), run1.join("zlab").display().to_string()], "lies inside an experiment folder"),
         (
             vec!["--out".into(), root.join("experiments/run1/../run2").display().to_string(), "--force".into()],
             "is an experiment folder",

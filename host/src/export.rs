@@ -17,6 +17,7 @@
 
 pub mod card;
 
+use crate::outputs::rename_at;
 use crate::{
     experiment::{checkpoint, guard},
     plugins::Registry,
@@ -28,7 +29,7 @@ use plugin_api::{
 };
 use std::{
     ffi::CString,
-    os::unix::ffi::OsStrExt,
+    os::{fd::AsRawFd, unix::ffi::OsStrExt},
     path::{Path, PathBuf},
 };
 
@@ -57,10 +58,10 @@ pub fn export_experiment(
     force: bool,
     registry: &Registry,
 ) -> Result<Exported> {
-    let abs = guard::check_out_folder("--out", out)?;
+    let abs = guard::check_out_folder("--out", out, &[])?;
     let ckpt = checkpoint::find(exp_dir, step)?;
     let card = card::model_card(exp_dir, &ckpt, out, registry)?;
-    write(&ckpt, out, force, Some(&card.text), registry)?;
+    write(&ckpt, out, force, Some(&card.text), &[], registry)?;
     // The card's lines with the drafter at `--out` itself, as a shell takes them (no code fences).
     let lines = card.serving.lines(&abs.display().to_string());
     let serving = lines.lines().filter(|l| !l.starts_with("```")).collect::<Vec<_>>().join("\n");
@@ -70,8 +71,9 @@ pub fn export_experiment(
 /// Write the checkpoint folder `checkpoint`'s drafter to `out` in the z-lab format, without a
 /// model card.
 pub fn export(checkpoint: &Path, out: &Path, force: bool, registry: &Registry) -> Result<()> {
-    guard::check_out_folder("--out", out)?;
-    write(&checkpoint::open_dir(checkpoint)?, out, force, None, registry)
+    let inputs = [guard::Input::new("the checkpoint", checkpoint)];
+    guard::check_out_folder("--out", out, &inputs)?;
+    write(&checkpoint::open_dir(checkpoint)?, out, force, None, &inputs, registry)
 }
 
 /// The checkpoint's weights against the shapes its config.json implies, as the drafter plugin
@@ -96,7 +98,14 @@ fn check_config(ckpt: &checkpoint::Opened, arch: &str, registry: &Registry) -> R
 }
 
 /// The export itself (see the module doc).
-fn write(ckpt: &checkpoint::Opened, out: &Path, force: bool, card: Option<&str>, registry: &Registry) -> Result<()> {
+fn write(
+    ckpt: &checkpoint::Opened,
+    out: &Path,
+    force: bool,
+    card: Option<&str>,
+    inputs: &[guard::Input],
+    registry: &Registry,
+) -> Result<()> {
     let out = check_out(out, force)?;
     let mut cfg: serde_json::Value = serde_json::from_str(&ckpt.config_json)?;
     let arch = cfg["architectures"][0].as_str().unwrap_or("?").to_string();
@@ -158,58 +167,81 @@ fn write(ckpt: &checkpoint::Opened, out: &Path, force: bool, card: Option<&str>,
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
-    publish(&tmp, &out, parent, &name)
-}
-
-/// `renameat2(from, to, flags)` (Linux 3.15; on a file system that lacks a flag: EINVAL).
-fn rename2(from: &Path, to: &Path, flags: libc::c_uint) -> std::io::Result<()> {
-    let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
-    let (from, to) = (c(from)?, c(to)?);
-    // SAFETY: two NUL-terminated paths that live through the call.
-    let r = unsafe { libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), flags) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+    publish(&tmp, &out, inputs)
 }
 
 fn unsupported(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::ENOSYS))
 }
 
-/// Put the finished `tmp` at `out` (`name` in `parent`). An existing `out` is swapped with `tmp`
-/// in one step and the old export, now under the temporary name, removed. Where the file system
-/// cannot swap, `out` steps aside to `.NAME.replaced-PID` first and `tmp` takes its place; a kill
-/// between the two leaves the old export there, which the next export puts back
-/// ([`recover`]).
-fn publish(tmp: &Path, out: &Path, parent: &Path, name: &str) -> Result<()> {
+/// Put the finished `tmp` at `out`, both names in one folder held open. An existing `out` is
+/// swapped with `tmp` in one step; what it held is then, under the temporary name where nobody
+/// writes, checked by the output guard again before it is removed: an experiment (or an input)
+/// that was moved into `out` while the export ran is swapped back, the new export removed, and
+/// the export fails naming it. Where the file system cannot swap, `out` steps aside to
+/// `.NAME.replaced-PID` first (checked the same way) and `tmp` takes its place; a kill between the
+/// two leaves the old export there, which the next export puts back ([`recover`]).
+fn publish(tmp: &Path, out: &Path, inputs: &[guard::Input]) -> Result<()> {
+    let parent_path = out.parent().expect("check_out gives a path with a parent");
+    let parent = crate::outputs::open_dir(parent_path)?;
+    let fd = parent.as_raw_fd();
+    let c = |p: &Path| CString::new(p.file_name().expect("a name").as_bytes()).map_err(anyhow::Error::new);
+    let (tmp_name, out_name) = (c(tmp)?, c(out)?);
     let renamed =
         |e: std::io::Error| anyhow::Error::new(e).context(format!("renaming {} to {}", tmp.display(), out.display()));
-    if out.symlink_metadata().is_ok() {
-        match rename2(tmp, out, libc::RENAME_EXCHANGE) {
+    // What the old `out`, now at `held`, holds that must not go: None, or the refusal.
+    let refusal = |held: &Path| -> Option<String> {
+        let found = guard::find_under(held, inputs, guard::MAX_SCANNED);
+        let what = match found {
+            Ok(None) => return None,
+            Ok(Some(f)) => f.what().replace(&held.display().to_string(), &out.display().to_string()),
+            Err(e) => format!("{e:#}"),
+        };
+        Some(format!(
+            "--out {o}: {what} appeared in it while the export ran; {o} is left as it was and nothing was exported",
+            o = out.display()
+        ))
+    };
+    let exists = out.symlink_metadata().is_ok();
+    if exists {
+        match rename_at(fd, &tmp_name, fd, &out_name, libc::RENAME_EXCHANGE) {
             Ok(()) => {
+                if let Some(why) = refusal(tmp) {
+                    rename_at(fd, &tmp_name, fd, &out_name, libc::RENAME_EXCHANGE).map_err(renamed)?;
+                    let _ = std::fs::remove_dir_all(tmp); // the new export
+                    bail!("{why}");
+                }
                 let _ = std::fs::remove_dir_all(tmp); // the old export
             }
             Err(e) if unsupported(&e) => {
-                let old = parent.join(format!(".{name}.replaced-{}", std::process::id()));
-                std::fs::rename(out, &old).with_context(|| format!("moving {} aside", out.display()))?;
-                std::fs::rename(tmp, out).map_err(renamed)?;
+                let name = out.file_name().expect("a name").to_string_lossy();
+                let old = parent_path.join(format!(".{name}.replaced-{}", std::process::id()));
+                let old_name = c(&old)?;
+                rename_at(fd, &out_name, fd, &old_name, libc::RENAME_NOREPLACE)
+                    .or_else(|e| if unsupported(&e) { rename_at(fd, &out_name, fd, &old_name, 0) } else { Err(e) })
+                    .with_context(|| format!("moving {} aside", out.display()))?;
+                if let Some(why) = refusal(&old) {
+                    rename_at(fd, &old_name, fd, &out_name, 0)
+                        .with_context(|| format!("putting {} back", out.display()))?;
+                    let _ = std::fs::remove_dir_all(tmp);
+                    bail!("{why}");
+                }
+                rename_at(fd, &tmp_name, fd, &out_name, 0).map_err(renamed)?;
                 let _ = std::fs::remove_dir_all(&old);
             }
             Err(e) => return Err(renamed(e)),
         }
     } else {
-        match rename2(tmp, out, libc::RENAME_NOREPLACE) {
+        match rename_at(fd, &tmp_name, fd, &out_name, libc::RENAME_NOREPLACE) {
             Ok(()) => {}
-            Err(e) if unsupported(&e) => std::fs::rename(tmp, out).map_err(renamed)?,
+            Err(e) if unsupported(&e) => rename_at(fd, &tmp_name, fd, &out_name, 0).map_err(renamed)?,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(tmp);
                 return Err(renamed(e));
             }
         }
     }
-    std::fs::File::open(parent).and_then(|d| d.sync_all()).with_context(|| format!("syncing {}", parent.display()))
+    parent.sync_all().with_context(|| format!("syncing {}", parent_path.display()))
 }
 
 /// Whether process `pid` is alive (it may be another user's).
@@ -249,6 +281,9 @@ pub fn recover(parent: &Path, name: &str) -> Result<()> {
                 out.display(),
                 path.display()
             );
+        } else if let Some(found) = guard::find_under(&path, &[], guard::MAX_SCANNED).unwrap_or(None) {
+            // An export killed before it could swap back what it found in `--out`: kept.
+            tracing::warn!("{}, left by an export that did not finish, {}: kept", path.display(), found.refusal());
         } else {
             tracing::info!("removing {}, left by an export that did not finish", path.display());
             let _ = std::fs::remove_dir_all(&path);

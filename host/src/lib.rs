@@ -14,6 +14,7 @@ pub mod eval;
 pub mod experiment;
 pub mod export;
 pub mod out;
+pub mod outputs;
 pub mod pipeline;
 pub mod plan;
 pub mod plugins;

@@ -444,7 +444,9 @@ pub fn run(
     print_summary: fn(&crate::train::TrainSummary),
 ) -> Result<(PathBuf, Option<u8>)> {
     if let Some(out) = out {
-        crate::experiment::guard::check_out_folder("--out", out)?; // before hours of training
+        // Before hours of training (and again when the report is written).
+        let ab_file = crate::experiment::guard::Input::new("the A/B file", config);
+        crate::experiment::guard::check_out_folder("--out", out, &[ab_file])?;
     }
     let plan = how.plan(config, registry)?;
     let jobs = jobs::Jobs { config, how };

@@ -1,8 +1,8 @@
 //! `dflash-host bench`: the plugin boundary, a training step, the all-reduce, attention and FP8 GEMMs, each
 //! printed as a table and one JSON line (also written to `--json`).
 
-use crate::{cli::BenchCommand, config::Override, plugins::Registry, say};
-use anyhow::{Context, Result};
+use crate::{cli::BenchCommand, config::Override, experiment::guard::Input, outputs::OutFile, plugins::Registry, say};
+use anyhow::Result;
 use serde::Serialize;
 use std::{
     path::{Path, PathBuf},
@@ -19,27 +19,27 @@ pub fn run(what: BenchCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
             if let Some(code) = crate::dist::launch::relaunch(nproc, Vec::new)? {
                 return Ok(code);
             }
-            guard_outputs(json.as_deref(), trace.as_deref())?;
+            let json = guard_outputs(json.as_deref(), trace.as_deref(), Some(&config))?;
             let registry = Registry::new(plugin_paths)?;
             let overrides = Override::from_args(&overrides.set, overrides.device.as_deref())?;
             let Some(report) = crate::bench::train::train(&registry, &config, &overrides, trace.as_deref())? else {
                 return Ok(ExitCode::SUCCESS); // a rank that served the replica's target
             };
             crate::bench::train::print(&report);
-            json_line(&report, json.as_deref())?;
+            json_line(&report, json.as_ref())?;
         }
         BenchCommand::Allreduce { config, bucket_mb, iters, json } => {
-            guard_outputs(json.as_deref(), None)?;
+            let json = guard_outputs(json.as_deref(), None, Some(&config))?;
             let registry = Registry::new(plugin_paths)?;
             let report = crate::bench::allreduce::allreduce(&registry, &config, &bucket_mb, iters)?;
             crate::bench::allreduce::print(&report);
-            json_line(&report, json.as_deref())?;
+            json_line(&report, json.as_ref())?;
         }
         BenchCommand::Attention { shape, json } => {
-            guard_outputs(json.as_deref(), None)?;
+            let json = guard_outputs(json.as_deref(), None, None)?;
             let report = crate::bench::attention::attention(&shape)?;
             crate::bench::attention::print(&report);
-            json_line(&report, json.as_deref())?;
+            json_line(&report, json.as_ref())?;
         }
         BenchCommand::Fp8 { args, json } => {
             guard_outputs(json.as_deref(), None)?;
@@ -52,23 +52,21 @@ pub fn run(what: BenchCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
 }
 
 /// A bench command's `--json` file and `--trace` folder, through the output guard (never into an
-/// experiment) before the benchmark runs.
-fn guard_outputs(json: Option<&Path>, trace: Option<&Path>) -> Result<()> {
-    if let Some(file) = json {
-        crate::experiment::guard::check_out_file("--json", file)?;
-    }
+/// experiment, never the config) before the benchmark runs; the file opened for writing.
+fn guard_outputs(json: Option<&Path>, trace: Option<&Path>, config: Option<&Path>) -> Result<Option<OutFile>> {
+    let inputs: Vec<Input> = config.map(|c| Input::new("the config file", c)).into_iter().collect();
     if let Some(dir) = trace {
-        crate::experiment::guard::check_out_folder("--trace", dir)?;
+        crate::experiment::guard::check_out_folder("--trace", dir, &inputs)?;
     }
-    Ok(())
+    json.map(|file| OutFile::create("--json", file, inputs)).transpose()
 }
 
-/// The report as one JSON line on stdout, and in `path` when given.
-fn json_line(report: &impl Serialize, path: Option<&Path>) -> Result<()> {
+/// The report as one JSON line on stdout, and in `--json` when given.
+fn json_line(report: &impl Serialize, file: Option<&OutFile>) -> Result<()> {
     let line = serde_json::to_string(report)?;
     say!("{line}");
-    if let Some(path) = path {
-        std::fs::write(path, line + "\n").with_context(|| format!("writing {}", path.display()))?;
+    if let Some(file) = file {
+        file.write((line + "\n").as_bytes())?;
     }
     Ok(())
 }

@@ -62,7 +62,8 @@ fn capture(
         replicas::serve(cfg, config_path, &config_dir, registry, out, follower)?;
         return Ok(None);
     }
-    experiment::guard::check_out_folder("--out", out)?;
+    let inputs = crate::outputs::run_inputs(cfg, config_path, &config_dir, registry)?;
+    experiment::guard::check_out_folder("--out", out, &inputs)?;
     let components = build(cfg, config_path, &config_dir, registry)?;
     // The components (the target's last call) go inside `capture`, before the heartbeat the
     // replica's other ranks watch.

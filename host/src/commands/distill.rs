@@ -6,7 +6,7 @@ use crate::{
     config::{self, Override, RunConfig},
     dist::launch,
     environment::cache_dir,
-    experiment,
+    outputs::{self, OutFile},
     pipeline::{assemble::build, distill::DistillStats, replicas},
     plugins::Registry,
     say,
@@ -46,7 +46,9 @@ fn distill(
         replicas::serve(cfg, config_path, &config_dir, registry, out, (env, layout))?;
         return Ok(None);
     }
-    experiment::guard::check_out_file("--out", out)?;
+    // Never one of the run's inputs (its data, its config) nor inside an experiment; checked
+    // before the target loads, and again when the file replaces what `out` names.
+    let out_file = OutFile::create("--out", out, outputs::run_inputs(cfg, config_path, &config_dir, registry)?)?;
     let c = build(cfg, config_path, &config_dir, registry)?;
     // Dropped in this order: the target's last call, then the heartbeat its other ranks watch.
     let (mut c, _held) = replicas::drive(cfg, c, out, "distill")?;
@@ -56,14 +58,11 @@ fn distill(
             config_path.display()
         );
     };
-    // Written beside `out`, then renamed into place; a `.gz` name stays last (the loader gzips it).
-    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = out.with_file_name(match name.strip_suffix(".gz") {
-        Some(stem) => format!("{stem}.partial.gz"),
-        None => format!("{name}.partial"),
-    });
-    let written = c.data.export_distilled_summary(&tmp.display().to_string())?;
-    std::fs::rename(&tmp, out).with_context(|| format!("writing {}", out.display()))?;
+    // Written in a private folder beside `out` under its name (the loader gzips a `.gz` name),
+    // then moved into place.
+    let staged = out_file.stage()?;
+    let written = c.data.export_distilled_summary(&staged.path.display().to_string())?;
+    out_file.commit(staged)?;
     drop(c);
     Ok(Some((written, stats)))
 }

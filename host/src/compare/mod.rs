@@ -81,19 +81,17 @@ pub fn default_out(dirs: &[PathBuf]) -> PathBuf {
 /// Returns the report's path.
 pub fn run(dirs: &[PathBuf], out: Option<&Path>, group_by: Option<&str>) -> Result<PathBuf> {
     let out = out.map_or_else(|| default_out(dirs), Path::to_path_buf);
-    crate::experiment::guard::check_out_folder("--out", &out)?;
+    // Outputs are checked, and the folder opened, before any work.
+    let out_dir = crate::outputs::OutDir::create("--out", &out, Vec::new())?;
     let dirs = &expand_dirs(dirs);
-    fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let all = load_runs(dirs, group_by);
     // A swept arm's values other than the chosen one are its sweep, not its comparison.
     let (selections, notes) = read_selections(&all);
     let runs: Vec<Run> = all.iter().filter(|r| !is_unchosen(r, &selections)).cloned().collect();
     let sweeps = Sweeps { selections, runs: all, notes };
     let cmp = compare(&runs);
-    let (plots, plot_errors) = write_plots(&runs, &cmp, &sweeps, &out);
-    let report = out.join("report.md");
-    fs::write(&report, render_markdown(&runs, &cmp, &sweeps, &plots, &plot_errors))
-        .with_context(|| format!("writing {}", report.display()))?;
+    let (plots, plot_errors) = write_plots(&runs, &cmp, &sweeps, &out_dir);
+    let report = out_dir.write("report.md", render_markdown(&runs, &cmp, &sweeps, &plots, &plot_errors).as_bytes())?;
     crate::say!("{}", render_terminal(&runs, &cmp, &sweeps).trim_end_matches('\n'));
     for e in &plot_errors {
         crate::say!("plot failed: {e}");

@@ -1,6 +1,7 @@
 //! The comparison as plots (plotters; PNG and SVG; a bundled font, so no system fonts needed).
 
 use super::*;
+use crate::outputs::OutDir;
 use plotters::{
     coord::{
         ranged1d::{AsRangedCoord, DefaultFormatting, KeyPointHint, Ranged, ValueFormatter},
@@ -112,21 +113,34 @@ pub(super) trait Figure {
     fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> Result<()>;
 }
 
-/// Write `<stem>.png` and `<stem>.svg`.
-pub(super) fn save(fig: &impl Figure, out: &Path, stem: &str) -> Result<()> {
+/// Write `<stem>.png` and `<stem>.svg` into the output folder: drawn in memory, then written
+/// through it (no link in the folder followed).
+pub(super) fn save(fig: &impl Figure, out: &OutDir, stem: &str) -> Result<()> {
     register_fonts();
-    let png = out.join(format!("{stem}.png"));
+    let png_name = format!("{stem}.png");
+    let mut rgb = vec![0u8; SIZE.0 as usize * SIZE.1 as usize * 3];
     {
-        let root = BitMapBackend::new(&png, SIZE).into_drawing_area();
+        let root = BitMapBackend::with_buffer(&mut rgb, SIZE).into_drawing_area();
         fig.draw(&root)?;
-        root.present().map_err(plot_err).with_context(|| format!("writing {}", png.display()))?;
+        root.present().map_err(plot_err).with_context(|| format!("drawing {png_name}"))?;
     }
-    let svg = out.join(format!("{stem}.svg"));
+    let mut png = Vec::new();
+    image::ImageEncoder::write_image(
+        image::codecs::png::PngEncoder::new(&mut png),
+        &rgb,
+        SIZE.0,
+        SIZE.1,
+        image::ColorType::Rgb8,
+    )
+    .with_context(|| format!("encoding {png_name}"))?;
+    out.write(&png_name, &png)?;
+    let mut svg = String::new();
     {
-        let root = SVGBackend::new(&svg, SIZE).into_drawing_area();
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
         fig.draw(&root)?;
-        root.present().map_err(plot_err).with_context(|| format!("writing {}", svg.display()))?;
+        root.present().map_err(plot_err).with_context(|| format!("drawing {stem}.svg"))?;
     }
+    out.write(&format!("{stem}.svg"), svg.as_bytes())?;
     Ok(())
 }
 
@@ -404,7 +418,7 @@ pub fn write_plots(
     runs: &[Run],
     cmp: &Comparison,
     sweeps: &Sweeps,
-    out: &Path,
+    out: &OutDir,
 ) -> (Vec<(String, String)>, Vec<String>) {
     let (mut done, mut errors) = (Vec::new(), Vec::new());
     let mut attempt = |stem: &str, title: &str, result: Result<()>| match result {

@@ -99,36 +99,99 @@ impl Experiment {
         manifest: &impl Serialize,
         fill: impl FnOnce(&Path) -> Result<()>,
     ) -> Result<Self> {
-        if dir.exists() && fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?.next().is_some() {
-            anyhow::bail!(
+        let taken = || {
+            anyhow::anyhow!(
                 "experiment directory {} already exists and is not empty (resume it with `train --resume {}`)",
                 dir.display(),
                 dir.display()
-            );
+            )
+        };
+        if dir.exists() && fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?.next().is_some() {
+            return Err(taken());
         }
-        let name = dir
-            .file_name()
-            .with_context(|| format!("{}: not a folder name", dir.display()))?
-            .to_string_lossy()
-            .to_string();
-        let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
-        fs::create_dir_all(&parent).with_context(|| format!("creating {}", parent.display()))?;
-        remove_abandoned_starts(&parent, &name);
-        let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&tmp);
-        fs::create_dir_all(tmp.join("checkpoints")).with_context(|| format!("creating {}", tmp.display()))?;
-        let lock = ExperimentLock::acquire(&tmp)?; // the lock file moves with the folder
-        write_synced(&tmp.join(CONFIG), config_toml.as_bytes())?;
-        write_json(&tmp.join(manifest::MANIFEST), manifest)?;
-        write_synced(&tmp.join(metrics::METRICS), b"")?;
-        fill(&tmp)?;
+        let name = folder_name(dir)?;
+        let parent = parent_of(dir);
+        let (tmp, lock) = Self::build(&parent, &name, config_toml, manifest, fill)?;
         if dir.exists() {
+            // Empty, checked above; a folder something else filled meanwhile stays.
             fs::remove_dir(dir).with_context(|| format!("{}: not empty any more", dir.display()))?;
-            // empty, checked above
         }
-        fs::rename(&tmp, dir).with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+        match publish_new(&tmp, dir) {
+            Ok(true) => {}
+            Ok(false) => {
+                let _ = fs::remove_dir_all(&tmp);
+                return Err(taken());
+            }
+            Err(e) => {
+                let _ = fs::remove_dir_all(&tmp);
+                return Err(e);
+            }
+        }
         sync_dir(&parent)?;
         Self::open(dir, lock)
+    }
+
+    /// A new experiment `root/NAME`, or `NAME-2`, `NAME-3`, ... where taken, claimed atomically:
+    /// the folder is built under a temporary name and renamed to the first free name without
+    /// replacing anything, so runs started at once with one default name each get their own.
+    pub fn create_numbered(
+        root: &Path,
+        name: &str,
+        config_toml: &str,
+        manifest: &impl Serialize,
+        fill: impl FnOnce(&Path) -> Result<()>,
+    ) -> Result<Self> {
+        let (tmp, lock) = Self::build(root, name, config_toml, manifest, fill)?;
+        for i in 1u64.. {
+            let dir = if i == 1 { root.join(name) } else { root.join(format!("{name}-{i}")) };
+            match publish_new(&tmp, &dir) {
+                Ok(true) => {
+                    sync_dir(root)?;
+                    return Self::open(&dir, lock);
+                }
+                Ok(false) => continue,
+                Err(e) => {
+                    let _ = fs::remove_dir_all(&tmp);
+                    return Err(e);
+                }
+            }
+        }
+        unreachable!("a free name")
+    }
+
+    /// The folder's contents under `.NAME.tmp-PID` in `parent`, locked.
+    fn build(
+        parent: &Path,
+        name: &str,
+        config_toml: &str,
+        manifest: &impl Serialize,
+        fill: impl FnOnce(&Path) -> Result<()>,
+    ) -> Result<(PathBuf, ExperimentLock)> {
+        fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+        remove_abandoned_starts(parent, name);
+        let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&tmp);
+        // Locked before it takes the name other starts clean up (only unlocked ones).
+        let unnamed = parent.join(format!(".{name}.new-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&unnamed);
+        let built = (|| {
+            fs::create_dir_all(unnamed.join("checkpoints")).with_context(|| format!("creating {}", tmp.display()))?;
+            let lock = ExperimentLock::acquire(&unnamed)?; // the lock file moves with the folder
+            fs::rename(&unnamed, &tmp).with_context(|| format!("creating {}", tmp.display()))?;
+            write_synced(&tmp.join(CONFIG), config_toml.as_bytes())?;
+            write_json(&tmp.join(manifest::MANIFEST), manifest)?;
+            write_synced(&tmp.join(metrics::METRICS), b"")?;
+            fill(&tmp)?;
+            Ok(lock)
+        })();
+        match built {
+            Ok(lock) => Ok((tmp, lock)),
+            Err(e) => {
+                let _ = fs::remove_dir_all(&unnamed);
+                let _ = fs::remove_dir_all(&tmp);
+                Err(e)
+            }
+        }
     }
 
     /// An existing experiment, to resume from the checkpoint at `keep_through_step` (0: none):
@@ -212,13 +275,54 @@ pub fn with_weights_dtype(config_json: &str, weights: &[NamedTensor]) -> String 
     serde_json::to_string_pretty(&serde_json::Value::Object(cfg)).expect("a JSON value serialises")
 }
 
+fn folder_name(dir: &Path) -> Result<String> {
+    Ok(dir.file_name().with_context(|| format!("{}: not a folder name", dir.display()))?.to_string_lossy().to_string())
+}
+
+fn parent_of(dir: &Path) -> PathBuf {
+    dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf()
+}
+
+/// Rename `tmp` to `dir` unless `dir` exists (`renameat2(RENAME_NOREPLACE)`; where the file
+/// system lacks it, a check then a rename). False when `dir` is taken.
+fn publish_new(tmp: &Path, dir: &Path) -> Result<bool> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).context("a NUL byte in the path");
+    let renamed = crate::outputs::rename_at(libc::AT_FDCWD, &c(tmp)?, libc::AT_FDCWD, &c(dir)?, libc::RENAME_NOREPLACE);
+    match renamed {
+        Ok(()) => Ok(true),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EEXIST) | Some(libc::ENOTEMPTY)) => Ok(false),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(libc::ENOSYS)) => {
+            if dir.symlink_metadata().is_ok() {
+                return Ok(false);
+            }
+            fs::rename(tmp, dir).with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+            Ok(true)
+        }
+        Err(e) => Err(anyhow::Error::new(e).context(format!("renaming {} to {}", tmp.display(), dir.display()))),
+    }
+}
+
 /// Temporary folders of starts that were killed (their lock is free); a start under way keeps
 /// its own.
 fn remove_abandoned_starts(parent: &Path, name: &str) {
     let prefix = format!(".{name}.tmp-");
+    // A start killed before it locked its folder leaves `.NAME.new-PID` (PID no longer alive).
+    let unnamed = format!(".{name}.new-");
+    let dead = |pid: &str| {
+        // SAFETY: kill(pid, 0) only asks whether the process exists.
+        pid.parse::<i32>().is_ok_and(|p| p > 0 && unsafe { libc::kill(p, 0) } != 0)
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    };
     for e in fs::read_dir(parent).into_iter().flatten().filter_map(|e| e.ok()) {
-        let is_ours = e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix));
-        if is_ours && ExperimentLock::acquire(&e.path()).is_ok() {
+        let file = e.file_name();
+        let Some(n) = file.to_str() else { continue };
+        let abandoned = match (n.strip_prefix(&prefix), n.strip_prefix(&unnamed)) {
+            (Some(_), _) => ExperimentLock::acquire(&e.path()).is_ok(),
+            (None, Some(pid)) => dead(pid),
+            _ => false,
+        };
+        if abandoned {
             let _ = fs::remove_dir_all(e.path());
         }
     }

@@ -115,7 +115,7 @@ pub fn run(args: NewArgs) -> Result<ExitCode> {
         bail!("plugin name `{name}`: {why}; choose another");
     }
     let out = args.out.clone().unwrap_or_else(|| PathBuf::from(name));
-    crate::experiment::guard::check_out_folder("--out", &out)?;
+    crate::experiment::guard::check_out_folder("--out", &out, &[])?;
     if out.exists() && std::fs::read_dir(&out).map(|mut d| d.next().is_some()).unwrap_or(true) {
         bail!("--out {}: exists and is not an empty folder", out.display());
     }

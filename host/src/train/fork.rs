@@ -82,11 +82,18 @@ pub struct ForkSpec<'a> {
     pub ab: Option<(&'a str, &'a str)>,
 }
 
-/// The fork's folder when none is given.
+/// The fork's folder when none is given: `<parent>-fork-<STEP>` beside the parent (`-2`, ... if
+/// taken, as it is now; the fork itself claims its name when its folder appears).
 pub fn default_dir(parent: &Path, at: u64) -> PathBuf {
+    let (root, name) = default_name(parent, at);
+    experiment::fresh_dir(&root, &name)
+}
+
+/// The folder and name a fork without `--exp-dir` goes under.
+fn default_name(parent: &Path, at: u64) -> (PathBuf, String) {
     let name = parent.file_name().map_or("experiment".into(), |n| n.to_string_lossy().to_string());
     let root = parent.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    experiment::fresh_dir(root, &format!("{name}-fork-{at}"))
+    (root.to_path_buf(), format!("{name}-fork-{at}"))
 }
 
 /// Fork `spec.parent` at `spec.at` and train the fork to its configured steps.
@@ -113,12 +120,18 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
     check_stop_at(spec.stop_at, at)?;
     // Under a launcher every rank must name the same folder (`--nproc` gives them one).
     let launched = crate::dist::DistEnv::from_env()?.is_some_and(|e| e.world > 1);
-    let exp_dir = match spec.exp_dir.clone() {
-        Some(dir) => dir,
+    // Without --exp-dir the fork takes the first free one of `<parent>-fork-<STEP>`, `-2`, ...
+    // when its folder appears (forks started at once each get their own).
+    let numbered = match spec.exp_dir.clone() {
+        Some(_) => None,
         None if launched => {
             bail!("fork over several ranks: give the fork's folder with --exp-dir (one for every rank)")
         }
-        None => default_dir(parent, at),
+        None => Some(default_name(parent, at)),
+    };
+    let exp_dir = match &numbered {
+        Some((root, name)) => root.join(name),
+        None => spec.exp_dir.clone().expect("given"),
     };
     let config_dir = PathBuf::from(&then.config_dir);
     // A rank of a target replica other than its lead builds the target alone and serves it.
@@ -129,7 +142,7 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
     // Rank 0 writes the fork's folder; every other rank that trains (a data-parallel rank, the
     // lead of another replica) reads the parent's checkpoint as rank 0 does.
     let writes = !follower_rank()?;
-    if writes {
+    if writes && numbered.is_none() {
         config::preflight::check_exp_dir(&exp_dir)?;
     }
 
@@ -214,45 +227,60 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
         ..fresh_manifest(&cfg, spec.registry, &config_dir, &cache, &components)?
     };
     let resolved = manifest.config_toml.clone().expect("a fresh manifest holds its config");
+    let ckpt_config_json = ckpt.config_json.clone();
 
     // The fork's folder, with the checkpoint it starts from as its own first one (written before
-    // the folder appears): killed at any moment, the fork resumes from there at the latest.
-    let first = checkpoint::CheckpointData {
-        weights: &ckpt.weights,
-        drafter_config_json: &ckpt.config_json,
-        optimizer_state: &optimizer_state,
-        trainer_state: &state,
-    };
-    let mut exp = if writes {
-        Experiment::create_with(&exp_dir, &resolved, &manifest, |tmp| {
-            checkpoint::write(tmp, at, &first, t.keep_checkpoints).map(|_| ())
-        })?
-    } else {
-        Experiment::detached(&exp_dir)
-    };
-    tracing::info!(
-        "forked {} at step {at} into {} (optimizer {} -> {}, state {}, schedule {}, re-warm {rewarm} steps)",
-        parent.display(),
-        exp_dir.display(),
+    // the folder appears): killed at any moment, the fork resumes from there at the latest. It is
+    // made once everything was checked: the data read (and its position in it taken), the
+    // optimizer state loaded; a refused fork leaves no folder.
+    let first_weights = ckpt.weights.clone();
+    let first_optimizer = optimizer_state.clone();
+    let first_state = state.clone();
+    let keep = t.keep_checkpoints;
+    let said = format!(
+        "(optimizer {} -> {}, state {}, schedule {}, re-warm {rewarm} steps)",
         manifest.parent.as_ref().map_or("", |p| p.optimizer_then.as_str()),
         manifest.parent.as_ref().map_or("", |p| p.optimizer_now.as_str()),
         choice.name(),
         spec.schedule.name()
     );
-    if let Some(c) = &carried {
-        tracing::info!(
+    let carried_said = carried.as_ref().map(|c| {
+        format!(
             "carried the optimizer state {} -> {}: {}",
             manifest.parent.as_ref().map_or("", |p| p.optimizer_then.as_str()),
             manifest.parent.as_ref().map_or("", |p| p.optimizer_now.as_str()),
             c.summary()
-        );
-    }
+        )
+    });
+    let folder = if writes {
+        let exp_dir = exp_dir.clone();
+        train::RunFolder::New(Box::new(move || {
+            let first = checkpoint::CheckpointData {
+                weights: &first_weights,
+                drafter_config_json: &ckpt_config_json,
+                optimizer_state: &first_optimizer,
+                trainer_state: &first_state,
+            };
+            let fill = |tmp: &Path| checkpoint::write(tmp, at, &first, keep).map(|_| ());
+            let exp = match numbered {
+                Some((root, name)) => Experiment::create_numbered(&root, &name, &resolved, &manifest, fill)?,
+                None => Experiment::create_with(&exp_dir, &resolved, &manifest, fill)?,
+            };
+            tracing::info!("forked {} at step {at} into {} {said}", parent.display(), exp.dir.display());
+            if let Some(c) = carried_said {
+                tracing::info!("{c}");
+            }
+            Ok(exp)
+        }))
+    } else {
+        train::RunFolder::Open(Experiment::detached(&exp_dir))
+    };
     let Some((comm, components)) = connect(&cfg, components, &exp_dir)? else { return Ok(served(&exp_dir)) };
     let from = ResumeFrom { state, weights: ckpt.weights, optimizer_state, checkpoint: ckpt.dir.display().to_string() };
     train::train(
         &cfg,
         components,
-        &mut exp,
+        folder,
         &cache,
         train::TrainOptions { resume: Some(from), stop_at: spec.stop_at, comm },
     )

@@ -19,4 +19,4 @@ pub mod validation;
 pub use state::{DistillSummary, ResumeFrom, StepMetrics, TrainSummary, TrainerState};
 pub use step::DraftLoss;
 pub use step_runner::StepRunner;
-pub use trainer::{train, TrainOptions};
+pub use trainer::{train, RunFolder, TrainOptions};

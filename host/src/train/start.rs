@@ -13,7 +13,7 @@ use crate::{
     },
     pipeline::{assemble::build, components::Components, replicas},
     plugins::{PluginRecord, Registry},
-    train::{self, TrainSummary, TrainerState},
+    train::{self, RunFolder, TrainSummary, TrainerState},
 };
 use anyhow::{bail, Context, Result};
 use plugin_api::PluginKind;
@@ -62,14 +62,19 @@ pub fn run(spec: RunSpec) -> Result<TrainSummary> {
     let manifest =
         Manifest { ab: ab.map(|(name, _)| name.to_string()), arm: ab.map(|(_, arm)| arm.to_string()), ..manifest };
     let resolved = manifest.config_toml.clone().expect("a fresh manifest holds its config");
-    let mut exp = if follower_rank()? {
-        Experiment::detached(exp_dir)
+    // The folder appears once the data is read and every split rendered (a refused run leaves
+    // none behind, so its rerun starts anew).
+    let folder = if follower_rank()? {
+        RunFolder::Open(Experiment::detached(exp_dir))
     } else {
-        Experiment::create(exp_dir, &resolved, &manifest)?
+        RunFolder::New(Box::new(move || {
+            let exp = Experiment::create(exp_dir, &resolved, &manifest)?;
+            tracing::info!("experiment: {}", exp_dir.display());
+            Ok(exp)
+        }))
     };
     let Some((comm, components)) = connect(cfg, components, exp_dir)? else { return Ok(served(exp_dir)) };
-    tracing::info!("experiment: {}", exp_dir.display());
-    train::train(cfg, components, &mut exp, &cache, train::TrainOptions { resume: None, stop_at, comm })
+    train::train(cfg, components, folder, &cache, train::TrainOptions { resume: None, stop_at, comm })
 }
 
 /// The manifest of a run starting now under `cfg` with `components`: versions, plugins, the
@@ -392,7 +397,7 @@ pub fn resume_with(
     };
 
     // 5. Every check passed: now change the folder.
-    let mut exp = match lock {
+    let exp = match lock {
         None => Experiment::detached(exp_dir),
         Some(lock) => {
             checkpoint::set_aside_after(exp_dir, at)?;
@@ -431,7 +436,8 @@ pub fn resume_with(
         }
     };
     let Some((comm, components)) = connect(&cfg, components, exp_dir)? else { return Ok(served(exp_dir)) };
-    train::train(&cfg, components, &mut exp, &cache, train::TrainOptions { resume: from, stop_at: opts.stop_at, comm })
+    let folder = RunFolder::Open(exp);
+    train::train(&cfg, components, folder, &cache, train::TrainOptions { resume: from, stop_at: opts.stop_at, comm })
 }
 
 /// What a resume starts from: the opened checkpoint, its weights checked against what the

@@ -238,6 +238,10 @@ pub struct ChatData {
     holdout: Vec<ChatRecord>,
     /// Never trained on: validation batches and prompts (`eval_prompts("validation")`).
     validation: Vec<ChatRecord>,
+    /// Each training and validation record's number in the file, and the first test record's.
+    numbers: Vec<usize>,
+    validation_numbers: Vec<usize>,
+    holdout_first: usize,
     skipped: u64,
     /// Records without a reply, left out when nothing regenerates one.
     prompt_only: u64,
@@ -272,6 +276,15 @@ fn mix(a: u64, b: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// `records.retain(keep)`, their numbers kept alongside.
+fn retain_numbered(records: &mut Vec<ChatRecord>, numbers: &mut Vec<usize>, keep: impl Fn(&ChatRecord) -> bool) {
+    let kept: Vec<bool> = records.iter().map(&keep).collect();
+    let mut it = kept.iter();
+    records.retain(|_| *it.next().expect("one flag a record"));
+    let mut it = kept.iter();
+    numbers.retain(|_| *it.next().expect("one flag a record"));
 }
 
 /// The reply slots of a record: its assistant messages, and `len` for the reply an open record
@@ -313,8 +326,12 @@ impl ChatData {
         // Held-out records come off the end, before `max_records` caps the training set: the
         // test records last, the validation records just before them (so adding a validation
         // split leaves the test records as they were).
+        // Each record's number in the file (1-based, among those read), to name one later.
+        let mut numbers: Vec<usize> = (1..=records.len()).collect();
         let keep = records.len().saturating_sub(cfg.eval_holdout);
         let holdout = records.split_off(keep);
+        let holdout_first = keep + 1;
+        numbers.truncate(keep);
         if cfg.validation > 0 && records.len() <= cfg.validation {
             return Err(PluginError::new(format!(
                 "field `validation`: {} records asked for, but {} has {} besides the {} eval_holdout ones (and training needs some)",
@@ -326,17 +343,19 @@ impl ChatData {
         }
         let keep = records.len() - cfg.validation;
         let mut validation = records.split_off(keep);
+        let mut validation_numbers = numbers.split_off(keep);
         // Without distillation a prompt-only record has no reply to train on (nor to score).
         let before = records.len();
         if cfg.distill == Distill::Off {
             let has_reply = |r: &ChatRecord| r.messages.iter().any(|m| m.role == Role::Assistant);
-            records.retain(has_reply);
-            validation.retain(has_reply);
+            retain_numbered(&mut records, &mut numbers, has_reply);
+            retain_numbered(&mut validation, &mut validation_numbers, has_reply);
         }
         let prompt_only = (before - records.len()) as u64;
         let before = records.len();
         if cfg.max_records > 0 {
             records.truncate(cfg.max_records);
+            numbers.truncate(cfg.max_records);
         }
         let past_max_records = (before - records.len()) as u64;
         if records.is_empty() {
@@ -355,6 +374,9 @@ impl ChatData {
             records,
             holdout,
             validation,
+            numbers,
+            validation_numbers,
+            holdout_first,
             skipped,
             prompt_only,
             past_max_records,
@@ -655,10 +677,22 @@ impl ChatData {
         self.tokenizer = Some(tok);
         self.template = Some(tpl);
 
+        // Every split through the template once, now: a record the template rejects is named
+        // before any work (the test split's prompts too, which only `eval` uses later).
         let mode = self.cfg.distill;
+        let named = |n: usize, split: &str, e: PluginError| {
+            let msg = e.message.to_string();
+            let prefix = format!("{}: ", self.path.display());
+            let rest = msg.strip_prefix(&prefix).unwrap_or(&msg);
+            PluginError::new(format!("{}: record {n} ({split} split): {rest}", self.path.display()))
+        };
+        for (k, record) in self.holdout.iter().enumerate() {
+            self.example(record, HOLDOUT_WINDOWS + k, Distill::Last)
+                .map_err(|e| named(self.holdout_first + k, "test", e))?;
+        }
         let mut examples = Vec::with_capacity(self.records.len() + self.validation.len());
         for (i, record) in self.records.iter().enumerate() {
-            if let Some(ex) = self.example(record, i, mode)? {
+            if let Some(ex) = self.example(record, i, mode).map_err(|e| named(self.numbers[i], "training", e))? {
                 examples.push(ex);
             }
         }
@@ -671,7 +705,8 @@ impl ChatData {
         }
         let n_train = examples.len();
         for (j, record) in self.validation.iter().enumerate() {
-            if let Some(ex) = self.example(record, VALIDATION_WINDOWS + j, mode)? {
+            let example = self.example(record, VALIDATION_WINDOWS + j, mode);
+            if let Some(ex) = example.map_err(|e| named(self.validation_numbers[j], "validation", e))? {
                 examples.push(ex);
             }
         }

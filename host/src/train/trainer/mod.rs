@@ -55,10 +55,19 @@ pub struct TrainOptions {
     pub comm: Option<Box<dyn Communicator>>,
 }
 
+/// The run's folder: open already (a resume, a rank that writes nothing), or made once everything
+/// that can be checked before the first step has been (the data read and rendered, the
+/// validation split, the checkpoint's optimizer state and data position taken): a run refused
+/// then leaves no folder behind.
+pub enum RunFolder<'a> {
+    Open(Experiment),
+    New(Box<dyn FnOnce() -> Result<Experiment> + 'a>),
+}
+
 pub fn train(
     cfg: &RunConfig,
     mut c: Components,
-    exp: &mut Experiment,
+    folder: RunFolder,
     cache_dir: &Path,
     opts: TrainOptions,
 ) -> Result<TrainSummary> {
@@ -69,6 +78,11 @@ pub fn train(
     let capture = source.capture.as_ref();
     let side = DrafterSide::assemble(cfg, &mut c, &mut comm, capture)?;
     let (state, last_ckpt) = setup::resume(cfg, &mut c, opts.resume, capture.is_some(), side.draft.block_size)?;
+    let mut exp = match folder {
+        RunFolder::Open(exp) => exp,
+        RunFolder::New(create) => create()?,
+    };
+    let exp = &mut exp;
 
     // The stages: producer (data or capture index), target workers, the drafter here.
     let drafter_device = side.draft.embedding.device();
