@@ -15,8 +15,9 @@ use std::{
 };
 use target_hf::{
     load,
-    model::{Decoder, WeightBytes},
+    model::Decoder,
     tp::{Shard, TpGroup},
+    weights::WeightBytes,
     HfTarget,
 };
 
