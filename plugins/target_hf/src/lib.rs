@@ -20,6 +20,7 @@ mod longcat;
 pub mod mla;
 pub mod model;
 pub mod moe;
+pub mod quant;
 pub mod qwen3_5;
 pub mod random;
 pub mod rope;

@@ -12,6 +12,7 @@ use crate::{
     gguf::GgufError,
     gguf::GgufFile,
     gguf_tokenizer::{chat_template, tokenizer_from_gguf},
+    quant::{QuantConfig, Stored},
     weights::{GgufWeight, Mapped, Weights},
 };
 use input_files::{limits, read_optional, read_to_string_capped, PathKind};
@@ -121,6 +122,10 @@ pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
     let (mut cfg, arch_name) =
         DecoderConfig::from_hf_json(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
     cfg.validate().map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    // What the checkpoint is quantised with, refused before a weight is read if not loadable.
+    let outer: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    let quant =
+        QuantConfig::read(&outer).map_err(|e| format!("{}: field `quantization_config`: {e}", cfg_path.display()))?;
     if cfg.eos_token_id.is_none() {
         cfg.eos_token_id = generation_eos(dir)?;
     }
@@ -137,7 +142,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
     for f in &files {
         let read = input_files::tensors::lazy_safetensors(f).map_err(|e| e.to_string())?;
         for (name, t) in read {
-            let t = Mapped::Safetensors(t);
+            let t = Stored::Plain(t);
             if name.starts_with("model.visual.") || name.starts_with("mtp.") {
                 skipped += 1;
             } else if let Some(rest) = name.strip_prefix("model.language_model.") {
@@ -155,7 +160,12 @@ pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
             arch_name.as_deref().unwrap_or(&cfg.model_type)
         );
     }
-    let weights = Weights { tensors: HashMap::new(), mapped: tensors, source: dir.display().to_string() };
+    if let Some(q) = &quant {
+        let n = q.pair(&mut tensors).map_err(|e| format!("{}: {e}", dir.display()))?;
+        eprintln!("note: {}: {n} quantised weights ({}), dequantised as they load", dir.display(), q.name());
+    }
+    let mapped = tensors.into_iter().map(|(n, t)| (n, Mapped::Safetensors(t))).collect();
+    let weights = Weights { tensors: HashMap::new(), mapped, source: dir.display().to_string() };
     Ok(Loaded { cfg, weights, tokenizer, chat_template })
 }
 

@@ -2,8 +2,12 @@
 //! [`Loader`] the layers take them through: converted to the model's device and dtype, only the
 //! part a tensor-parallel rank keeps, or drawn at random (`random_init`).
 
-use crate::{gguf::GgufFile, tp::Shard};
-use input_files::tensors::{selected_shape, LazyTensor, Selection};
+use crate::{
+    gguf::GgufFile,
+    quant::{Read, Stored},
+    tp::Shard,
+};
+use input_files::tensors::{selected_shape, Selection};
 use plugin_api::tch::{Device, Kind, Tensor};
 use std::{collections::HashMap, ops::Range, sync::Arc};
 
@@ -18,17 +22,19 @@ pub struct Weights {
 
 /// A weight still in its file, read when taken: whole, or only the part a rank keeps.
 pub enum Mapped {
-    /// A safetensors tensor: its bytes copied out of the map.
-    Safetensors(LazyTensor),
+    /// A safetensors tensor, or a quantised weight's tensors (`quant.rs`): their bytes copied
+    /// out of the map.
+    Safetensors(Stored),
     /// A GGUF tensor: dequantised to f32, row by row.
     Gguf(GgufWeight),
 }
 
 impl Mapped {
-    pub fn shape(&self) -> &[i64] {
+    /// The weight's shape (a quantised one's, dequantised).
+    pub fn shape(&self) -> Vec<i64> {
         match self {
-            Self::Safetensors(t) => &t.shape,
-            Self::Gguf(t) => &t.shape,
+            Self::Safetensors(t) => t.shape(),
+            Self::Gguf(t) => t.shape.clone(),
         }
     }
 
@@ -36,11 +42,17 @@ impl Mapped {
         self.read_selected(&[])
     }
 
-    /// The part `sel` keeps (its ranges within the shape); only that part is materialised.
+    /// The part `sel` keeps (its ranges within the shape); only that part is materialised (a
+    /// quantised weight dequantised, in f32).
     pub fn read_selected(&self, sel: &Selection) -> Result<Tensor, String> {
+        Ok(self.read_stored(sel)?.dequantise(Device::Cpu))
+    }
+
+    /// The part `sel` keeps as stored: a quantised weight still quantised.
+    pub fn read_stored(&self, sel: &Selection) -> Result<Read, String> {
         match self {
-            Self::Safetensors(t) => t.read_selected(sel).map_err(|e| e.to_string()),
-            Self::Gguf(t) => t.read_selected(sel),
+            Self::Safetensors(t) => t.read_selected(sel),
+            Self::Gguf(t) => t.read_selected(sel).map(Read::Plain),
         }
     }
 }
@@ -57,15 +69,21 @@ impl Weights {
 
     /// Take the part `sel` keeps of `name` (whose whole shape must be `shape`) out.
     pub fn take_selected(&mut self, name: &str, shape: &[i64], sel: &Selection) -> Result<Tensor, String> {
+        Ok(self.take_stored(name, shape, sel)?.dequantise(Device::Cpu))
+    }
+
+    /// [`take_selected`](Self::take_selected) as stored: a quantised weight's values and the
+    /// scales of their blocks, for the layer being built to dequantise (or compute with).
+    pub fn take_stored(&mut self, name: &str, shape: &[i64], sel: &Selection) -> Result<Read, String> {
         let stored = self.shape(name).ok_or_else(|| format!("{}: missing tensor `{name}`", self.source))?;
         if stored != shape {
             return Err(format!("{}: tensor `{name}` has shape {stored:?}, expected {shape:?}", self.source));
         }
         if let Some(lazy) = self.mapped.remove(name) {
-            return lazy.read_selected(sel);
+            return lazy.read_stored(sel).map_err(|e| format!("{}: {e}", self.source));
         }
         let t = self.tensors.remove(name).expect("present: its shape was read");
-        Ok(if sel.iter().all(|r| r.is_empty()) { t } else { crate::tp::select(&t, sel) })
+        Ok(Read::Plain(if sel.iter().all(|r| r.is_empty()) { t } else { crate::tp::select(&t, sel) }))
     }
 
     pub fn take_opt(&mut self, name: &str, shape: &[i64]) -> Result<Option<Tensor>, String> {
@@ -82,7 +100,7 @@ impl Weights {
 
     /// The stored shape of `name`.
     pub fn shape(&self, name: &str) -> Option<Vec<i64>> {
-        self.tensors.get(name).map(Tensor::size).or_else(|| self.mapped.get(name).map(|l| l.shape().to_vec()))
+        self.tensors.get(name).map(Tensor::size).or_else(|| self.mapped.get(name).map(Mapped::shape))
     }
 
     pub fn len(&self) -> usize {
@@ -134,8 +152,16 @@ impl<'a> Loader<'a> {
         draw: impl FnOnce(&[i64]) -> Tensor,
     ) -> Result<Tensor, String> {
         let stored = !self.random || self.w.contains(name);
-        let t = if stored { self.w.take_selected(name, shape, sel)? } else { draw(&selected_shape(shape, sel)) };
-        let bytes = t.numel() * t.kind().elt_size_in_bytes();
+        // A quantised weight is dequantised here, on the model's device, and counted as stored.
+        let (t, bytes) = if stored {
+            let read = self.w.take_stored(name, shape, sel)?;
+            let bytes = read.bytes();
+            (read.dequantise(self.device), bytes)
+        } else {
+            let t = draw(&selected_shape(shape, sel));
+            let bytes = t.numel() * t.kind().elt_size_in_bytes();
+            (t, bytes)
+        };
         if sel.iter().all(|r| r.is_empty()) {
             self.held.whole += bytes;
         } else {
