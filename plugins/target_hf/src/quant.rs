@@ -308,8 +308,8 @@ impl Mxfp4 {
 /// A block-scaled dimension: the kept indices' scale rows (`index`, into the scales read) and
 /// the scale rows to read (`read`, merged ranges).
 fn blocked(kept: &[Range<i64>], n: i64, block: i64) -> (Vec<Range<i64>>, Vec<i64>) {
-    let all = [0..n];
-    let kept = if kept.is_empty() { &all[..] } else { kept };
+    let whole = 0..n;
+    let kept = if kept.is_empty() { std::slice::from_ref(&whole) } else { kept };
     let (mut read, mut index): (Vec<Range<i64>>, Vec<i64>) = (Vec::new(), Vec::new());
     let mut count = 0; // scale rows read so far
     for r in kept {

@@ -6,7 +6,9 @@
 //!   head left in full precision (`modules_to_not_convert`);
 //! - `deepseek_v3_fp8`: DeepSeek-V3's layout in FP8 (latent attention, dense layer, routed and
 //!   shared experts per expert), blocks of 8 x 4;
-//! - `gpt_oss_mxfp4`: gpt-oss's MXFP4 experts (`*_blocks` / `*_scales`).
+//! - `gpt_oss_mxfp4`: gpt-oss's MXFP4 experts (`*_blocks` / `*_scales`);
+//! - `qwen3_ct_fp8`: compressed-tensors FP8 as LLM Compressor writes it (a scale per output
+//!   channel, static input scales, `lm_head` ignored).
 //!
 //! Checked in f32 on the CPU: every layer's output and the logits within 1e-4 of transformers'
 //! (relative to the largest entry), and greedy generation equal to its `generate`. Anything else
@@ -16,8 +18,12 @@ use plugin_api::tch::{Device, Kind, Tensor};
 use std::{collections::HashMap, path::PathBuf};
 use target_hf::{generate, HfTarget};
 
-const FIXTURES: [(&str, &str); 3] =
-    [("qwen3_fp8", "qwen3"), ("deepseek_v3_fp8", "deepseek_v3"), ("gpt_oss_mxfp4", "gpt_oss")];
+const FIXTURES: [(&str, &str); 4] = [
+    ("qwen3_fp8", "qwen3"),
+    ("deepseek_v3_fp8", "deepseek_v3"),
+    ("gpt_oss_mxfp4", "gpt_oss"),
+    ("qwen3_ct_fp8", "qwen3"),
+];
 const EOS: u32 = 63;
 
 fn dir(name: &str) -> PathBuf {
