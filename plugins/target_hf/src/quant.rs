@@ -532,4 +532,60 @@ mod tests {
         let (read, index) = blocked(&[], 5, 2);
         assert_eq!((read, index), (vec![0..3], vec![0, 0, 1, 1, 2]));
     }
+    /// A safetensors file of `tensors` (name, dtype, shape, bytes), its tensors mapped.
+    fn stored(tensors: &[(&str, &str, &[i64], Vec<u8>)]) -> std::collections::HashMap<String, Stored> {
+        let (mut header, mut data) = (serde_json::Map::new(), Vec::new());
+        for (name, dtype, shape, bytes) in tensors {
+            let at = data.len();
+            data.extend_from_slice(bytes);
+            header.insert(name.to_string(), json!({"dtype": dtype, "shape": shape, "data_offsets": [at, data.len()]}));
+        }
+        let header = Value::Object(header).to_string();
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header.as_bytes());
+        file.extend_from_slice(&data);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        std::fs::write(&path, file).unwrap();
+        let read = input_files::tensors::lazy_safetensors(&path).unwrap();
+        read.into_iter().map(|(n, t)| (n, Stored::Plain(t))).collect()
+    }
+
+    /// FP8 values [5, 6] in blocks of 2 x 4 (the last row and columns a partial block): each
+    /// value times the scale of its block, whole or for a rank's rows and columns.
+    #[test]
+    fn fp8_values_take_the_scale_of_their_block() {
+        let bytes: Vec<u8> = (0..30u8).map(|i| (i * 37) % 0x70).collect(); // finite e4m3 codes
+        let scales: Vec<f32> = vec![0.5, 2.0, -1.0, 3.0, 0.25, 8.0];
+        let f32_bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+        let mut w = stored(&[
+            ("w.weight", "F8_E4M3", &[5, 6], bytes.clone()),
+            ("w.weight_scale_inv", "F32", &[3, 2], f32_bytes),
+        ]);
+        assert_eq!(QuantConfig::Fp8 { block: [2, 4] }.pair(&mut w).unwrap(), 1);
+        let values = Tensor::from_data_size(&bytes, &[5, 6], Kind::Float8e4m3fn).to_kind(Kind::Float);
+        let per_block = Tensor::from_slice(&scales).view([3, 2]);
+        let expanded = per_block.repeat_interleave_self_int(2, 0, None).narrow(0, 0, 5);
+        let expanded = expanded.repeat_interleave_self_int(4, 1, None).narrow(1, 0, 6);
+        let want = &values * expanded;
+        let whole = w["w.weight"].read_selected(&[]).ok().unwrap().dequantise(Device::Cpu);
+        assert!(whole.equal(&want));
+        let sel = [vec![1..2, 3..5], vec![3..6]];
+        let part = w["w.weight"].read_selected(&sel).ok().unwrap().dequantise(Device::Cpu);
+        let rows = Tensor::cat(&[want.narrow(0, 1, 1), want.narrow(0, 3, 2)], 0);
+        assert!(part.equal(&rows.narrow(1, 3, 3)));
+        // A scale grid of another shape is named; so is an FP8 weight without its scale.
+        let mut bad = stored(&[
+            ("w.weight", "F8_E4M3", &[5, 6], bytes.clone()),
+            ("w.weight_scale_inv", "F32", &[2, 2], vec![0; 16]),
+        ]);
+        let err = QuantConfig::Fp8 { block: [2, 4] }.pair(&mut bad).err().unwrap();
+        assert_eq!(
+            err,
+            "`w.weight_scale_inv` has shape [2, 2], expected [3, 2] (a scale per 2x4 block of `w.weight` [5, 6])"
+        );
+        let mut lone = stored(&[("w.weight", "F8_E4M3", &[5, 6], bytes)]);
+        let err = QuantConfig::Fp8 { block: [2, 4] }.pair(&mut lone).err().unwrap();
+        assert_eq!(err, "`w.weight` is F8_E4M3 without a `w.weight_scale_inv` beside it");
+    }
 }
