@@ -80,7 +80,7 @@ impl Weights {
             return Err(format!("{}: tensor `{name}` has shape {stored:?}, expected {shape:?}", self.source));
         }
         if let Some(lazy) = self.mapped.remove(name) {
-            return lazy.read_stored(sel).map_err(|e| format!("{}: {e}", self.source));
+            return lazy.read_stored(sel);
         }
         let t = self.tensors.remove(name).expect("present: its shape was read");
         Ok(Read::Plain(if sel.iter().all(|r| r.is_empty()) { t } else { crate::tp::select(&t, sel) }))
