@@ -21,6 +21,8 @@ fn kind(dtype: Dtype) -> Option<Kind> {
         Dtype::F16 => Kind::Half,
         Dtype::F32 => Kind::Float,
         Dtype::F64 => Kind::Double,
+        Dtype::F8_E4M3 => Kind::Float8e4m3fn,
+        Dtype::F8_E5M2 => Kind::Float8e5m2,
         _ => return None,
     })
 }

@@ -9,9 +9,11 @@
 //!   is dropped), an output bias (gpt-oss).
 
 use crate::{
+    common::{causal_mask, rms_norm},
     config::DecoderConfig,
-    model::{apply_rope, rms_norm, Loader},
+    rope::apply_rope,
     tp::rows,
+    weights::Loader,
 };
 use plugin_api::tch::{Kind, Tensor};
 
@@ -61,13 +63,6 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, s: &Sco
     let sees_sink = Tensor::ones([visible.size()[0], 1, l, 1], (Kind::Bool, q.device()));
     let visible = Tensor::cat(&[visible.expand([-1, 1, l, t], false), sees_sink], 3);
     Tensor::scaled_dot_product_attention(&q, &k, &v, Some(&visible), 0.0, false, Some(s.scale), true)
-}
-
-/// [1, 1, L, T] bool: query i (the last L of T positions) sees keys up to itself.
-pub fn causal_mask(l: i64, t: i64, device: plugin_api::tch::Device) -> Tensor {
-    let q = Tensor::arange_start(t - l, t, (Kind::Int64, device)).unsqueeze(1);
-    let k = Tensor::arange(t, (Kind::Int64, device)).unsqueeze(0);
-    k.le_tensor(&q).view([1, 1, l, t])
 }
 
 /// transformers' eager attention with a soft cap: scores in the model's dtype, capped, masked,

@@ -2,7 +2,34 @@
 //! are built, and the parallelism it runs with. One table: the unknown-`model_type` error,
 //! `dflash-host config explain target` and docs/CONFIG.md are all read from it.
 
-use crate::config::Arch;
+/// The families, by how their layers are built ([`FAMILIES`] maps `model_type`s).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama's layout: Llama, Mistral and Ministral (their sliding windows from the config).
+    Llama,
+    Qwen2,
+    Qwen3,
+    /// Qwen3 attention, routed experts (no shared expert).
+    Qwen3Moe,
+    /// Gated DeltaNet + gated attention hybrid, dense MLP (Qwen3.5, Qwen3.6).
+    Qwen35,
+    /// The same hybrid with routed experts and a gated shared expert.
+    Qwen35Moe,
+    /// Sliding and global attention, soft-capping, GeGLU, norms around both sublayers.
+    Gemma2,
+    /// Gemma 2's layout with q/k norms and a RoPE base per layer kind.
+    Gemma3,
+    /// Attention with sinks (sliding and global), routed experts with biases and a clamped SwiGLU.
+    GptOss,
+    /// Gated short convolutions and attention (LFM2, LFM2.5).
+    Lfm2,
+    /// Multi-head latent attention, grouped sigmoid routing, a shared expert (DeepSeek-V3, Kimi-K2).
+    DeepseekV3,
+    /// Attention with partial RoPE, DeepSeek-V3's routing (GLM-4.5).
+    Glm4Moe,
+    /// Two MLA + MLP sublayers a layer and a shortcut MoE with zero-computation experts.
+    LongcatFlash,
+}
 
 /// How a family's forward is spread over devices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

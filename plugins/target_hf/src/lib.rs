@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod cache;
+pub mod common;
 pub mod config;
 pub mod families;
 pub mod flops;
@@ -13,15 +14,19 @@ pub mod generate;
 pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod hub;
+pub mod layer;
 pub mod load;
 mod longcat;
 pub mod mla;
 pub mod model;
 pub mod moe;
+pub mod quant;
 pub mod qwen3_5;
 pub mod random;
+pub mod rope;
 pub mod short_conv;
 pub mod tp;
+pub mod weights;
 
 use model::Decoder;
 use plugin_api::{
@@ -81,12 +86,6 @@ pub struct HfTarget {
     pub session: cache::Cache,
     /// Where the replica's group is made, at the first forward (every rank has loaded by then).
     pub pending_group: Option<tp::Rendezvous>,
-}
-
-/// A named range in a profiler trace (`dflash-host bench train --trace`): where the target's
-/// time goes by layer part.
-pub(crate) fn range(name: &str) -> kernels::profiler::Range {
-    kernels::profiler::range(name)
 }
 
 impl HfTarget {

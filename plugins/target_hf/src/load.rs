@@ -12,9 +12,9 @@ use crate::{
     gguf::GgufError,
     gguf::GgufFile,
     gguf_tokenizer::{chat_template, tokenizer_from_gguf},
-    model::{Mapped, Weights},
+    quant::{QuantConfig, Stored},
+    weights::{GgufWeight, Mapped, Weights},
 };
-use input_files::tensors::Selection;
 use input_files::{limits, read_optional, read_to_string_capped, PathKind};
 use plugin_api::tch::Tensor;
 use std::{collections::HashMap, path::Path, sync::Arc};
@@ -64,36 +64,6 @@ fn hf_name(gguf: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
-}
-
-/// llama.cpp's converter permutes llama's Q/K rows per head (for its interleaved RoPE): HF's
-/// (heads, 2, rows/heads/2) order became (heads, rows/heads/2, 2) (ASSETS.md). The file's row
-/// that HF's row `r` is in, heads of `head_rows` rows (even).
-fn permuted_row(r: usize, head_rows: usize) -> usize {
-    let (head, within, half) = (r / head_rows, r % head_rows, head_rows / 2);
-    head * head_rows + 2 * (within % half) + within / half
-}
-
-/// A GGUF tensor under its HF name, dequantised only when taken and only the rows and columns a
-/// tensor-parallel rank keeps: a rank never holds more than its part (and one row of the file).
-pub struct GgufWeight {
-    file: Arc<GgufFile>,
-    /// Its name in the file.
-    name: String,
-    /// Torch order.
-    pub shape: Vec<i64>,
-    /// llama's Q/K: the heads whose rows llama.cpp permuted, read back in HF's order.
-    permuted_heads: Option<usize>,
-}
-
-impl GgufWeight {
-    pub fn read_selected(&self, sel: &Selection) -> Result<Tensor, String> {
-        let head_rows = self.permuted_heads.map(|h| self.shape[0] as usize / h);
-        let source = |r: usize| head_rows.map_or(r, |n| permuted_row(r, n));
-        let (shape, values) = self.file.dequantize_selected(&self.name, sel, &source).map_err(|e| e.to_string())?;
-        let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-        Ok(Tensor::from_slice(&values).reshape(&shape))
-    }
 }
 
 pub fn load_gguf(path: &Path) -> Result<Loaded, String> {
@@ -152,6 +122,10 @@ pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
     let (mut cfg, arch_name) =
         DecoderConfig::from_hf_json(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
     cfg.validate().map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    // What the checkpoint is quantised with, refused before a weight is read if not loadable.
+    let outer: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    let quant =
+        QuantConfig::read(&outer).map_err(|e| format!("{}: field `quantization_config`: {e}", cfg_path.display()))?;
     if cfg.eos_token_id.is_none() {
         cfg.eos_token_id = generation_eos(dir)?;
     }
@@ -168,7 +142,7 @@ pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
     for f in &files {
         let read = input_files::tensors::lazy_safetensors(f).map_err(|e| e.to_string())?;
         for (name, t) in read {
-            let t = Mapped::Safetensors(t);
+            let t = Stored::Plain(t);
             if name.starts_with("model.visual.") || name.starts_with("mtp.") {
                 skipped += 1;
             } else if let Some(rest) = name.strip_prefix("model.language_model.") {
@@ -186,7 +160,12 @@ pub fn load_hf_dir(dir: &Path) -> Result<Loaded, String> {
             arch_name.as_deref().unwrap_or(&cfg.model_type)
         );
     }
-    let weights = Weights { tensors: HashMap::new(), mapped: tensors, source: dir.display().to_string() };
+    if let Some(q) = &quant {
+        let n = q.pair(&mut tensors).map_err(|e| format!("{}: {e}", dir.display()))?;
+        eprintln!("note: {}: {n} quantised weights ({}), dequantised as they load", dir.display(), q.name());
+    }
+    let mapped = tensors.into_iter().map(|(n, t)| (n, Mapped::Safetensors(t))).collect();
+    let weights = Weights { tensors: HashMap::new(), mapped, source: dir.display().to_string() };
     Ok(Loaded { cfg, weights, tokenizer, chat_template })
 }
 
@@ -283,16 +262,5 @@ mod tests {
         assert_eq!(hf_name("blk.12.ffn_down.weight").unwrap(), "model.layers.12.mlp.down_proj.weight");
         assert_eq!(hf_name("token_embd.weight").unwrap(), "model.embed_tokens.weight");
         assert_eq!(hf_name("rope_freqs.weight"), None);
-    }
-
-    #[test]
-    fn permuted_rows_undo_llama_cpp_permute() {
-        // llama.cpp: w.reshape(heads, 2, rows/heads/2, cols).swapaxes(1, 2).reshape(rows, cols)
-        let (heads, rows, cols) = (3i64, 12i64, 5i64);
-        let w = Tensor::arange(rows * cols, (plugin_api::tch::Kind::Float, plugin_api::tch::Device::Cpu))
-            .reshape([rows, cols]);
-        let permuted = w.reshape([heads, 2, rows / heads / 2, cols]).transpose(1, 2).reshape([rows, cols]);
-        let source: Vec<i64> = (0..rows as usize).map(|r| permuted_row(r, (rows / heads) as usize) as i64).collect();
-        assert!(permuted.index_select(0, &Tensor::from_slice(&source)).equal(&w));
     }
 }

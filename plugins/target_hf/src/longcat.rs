@@ -14,9 +14,11 @@
 
 use crate::{
     cache::Slot,
+    common::Context,
     config::DecoderConfig,
-    model::{Context, Layer, LayerPaths, Loader},
+    layer::{Layer, LayerPaths},
     moe::SparseMoe,
+    weights::Loader,
 };
 use plugin_api::tch::Tensor;
 
@@ -48,7 +50,7 @@ impl LongcatLayer {
         let x = first.mix(x, ctx, slot0);
         let h = first.ffn_input(&x, ctx);
         let shortcut = {
-            let _r = crate::range("moe");
+            let _r = crate::common::range("moe");
             ctx.reduce(self.moe.forward(&h), "an MLP's output")
         };
         let x = x + first.ffn_output(&h, ctx);

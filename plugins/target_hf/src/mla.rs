@@ -18,9 +18,11 @@
 
 use crate::{
     attention::{append, attend, Scores},
+    common::rms_norm,
     config::DecoderConfig,
-    model::{apply_rope, rms_norm, Loader},
+    rope::apply_rope,
     tp::rows,
+    weights::Loader,
 };
 use plugin_api::tch::Tensor;
 

@@ -24,8 +24,9 @@
 //! (`experts.{e}.{gate,up,down}_proj.weight`); the shared experts' `shared_expert(s).*`.
 
 use crate::{
+    common::Mlp,
     config::{DecoderConfig, MoeShape, Routing, SharedExpert},
-    model::{Loader, Mlp},
+    weights::Loader,
 };
 use plugin_api::tch::{Kind, Tensor};
 use std::ops::Range;
@@ -389,7 +390,7 @@ impl SparseMoe {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Weights;
+    use crate::weights::Weights;
     use plugin_api::tch::Device;
     use std::collections::HashMap;
 

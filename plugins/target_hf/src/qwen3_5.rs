@@ -14,8 +14,8 @@
 use crate::{
     cache::{conv_tail, LinearState, Undo},
     config::DecoderConfig,
-    model::Loader,
     tp::rows,
+    weights::Loader,
 };
 use gated_deltanet::{chunked_with, conv_silu, l2norm, Precision};
 use plugin_api::tch::{Kind, Tensor};

@@ -5,9 +5,10 @@
 
 use crate::{
     config::DecoderConfig,
-    model::{Decoder, Loader, Weights},
+    model::Decoder,
+    weights::{Loader, Weights},
 };
-use plugin_api::tch::{Device, Kind, Tensor};
+use plugin_api::tch::{Device, Kind};
 use std::{collections::HashMap, path::Path};
 use tokenizers::Tokenizer;
 
@@ -30,29 +31,6 @@ fn tokenizer(path: &Path) -> Result<Tokenizer, String> {
         return Tokenizer::from_file(&file).map_err(|e| format!("{}: {e}", file.display()));
     }
     PLACEHOLDER_TOKENIZER.parse().map_err(|e| format!("placeholder tokenizer: {e}"))
-}
-
-/// One random tensor for the weight `name` of `shape`, by what the name says it is: matrices ~
-/// N(0, 0.02) (HF's initializer_range); biases, attention sinks and routers' correction biases
-/// 0; plain norm gains 1 (a centred norm's, which the loader asks for itself, 0); a conv
-/// (Gated DeltaNet's, LFM2's) ~ U(-1/sqrt(K), 1/sqrt(K)) (torch's Conv1d); A = exp(A_log) ~
-/// U(0, 16) and dt_bias 1 (transformers' init for Gated DeltaNet).
-pub fn draw(name: &str, shape: &[i64], device: Device, kind: Kind) -> Tensor {
-    let last = shape.last().copied().unwrap_or(1);
-    if name.ends_with("A_log") {
-        return (Tensor::rand(shape, (Kind::Float, device)) * 16.0).clamp_min(1e-4).log();
-    }
-    if name.ends_with("dt_bias") || name.ends_with("norm.weight") {
-        return Tensor::ones(shape, (kind, device));
-    }
-    if name.ends_with("bias") || name.ends_with("sinks") {
-        return Tensor::zeros(shape, (kind, device));
-    }
-    if name.ends_with("conv1d.weight") || name.ends_with("conv.conv.weight") {
-        let bound = (last as f64).powf(-0.5);
-        return Tensor::rand(shape, (kind, device)) * (2.0 * bound) - bound;
-    }
-    Tensor::randn(shape, (kind, device)) * 0.02
 }
 
 /// Every tensor `Decoder::new` looks up for `cfg`, by its HF name, drawn by [`draw`] (routed

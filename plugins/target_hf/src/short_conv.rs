@@ -14,7 +14,7 @@
 use crate::{
     cache::{conv_tail, ConvState},
     config::DecoderConfig,
-    model::Loader,
+    weights::Loader,
 };
 use gated_deltanet::depthwise_conv;
 use plugin_api::tch::Tensor;

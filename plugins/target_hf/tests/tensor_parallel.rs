@@ -15,8 +15,9 @@ use std::{
 };
 use target_hf::{
     load,
-    model::{Decoder, WeightBytes},
+    model::Decoder,
     tp::{Shard, TpGroup},
+    weights::WeightBytes,
     HfTarget,
 };
 
@@ -118,6 +119,16 @@ fn moe_replicas_with_the_experts_over_two_groups_equal_one_rank() {
     replica_equals_one_rank("qwen3_5_moe", 4, 2);
     // Experts not split, their width over the ranks.
     replica_equals_one_rank("qwen3_5_moe", 2, 1);
+}
+
+/// Quantised checkpoints (`make_quant_fixtures.py`): each rank dequantises only its rows and
+/// columns, with the scales of the blocks they are in (a head's rows start inside a block of
+/// DeepSeek-V3's fixture), and MXFP4 experts split over two groups.
+#[test]
+fn quantised_replicas_equal_one_rank() {
+    replica_equals_one_rank("qwen3_fp8", 2, 1);
+    replica_equals_one_rank("deepseek_v3_fp8", 2, 1);
+    replica_equals_one_rank("gpt_oss_mxfp4", 2, 2);
 }
 
 /// A llama GGUF written here: 2 layers, hidden 64, 4 heads of 16 (2 key/value heads), MLP 256,

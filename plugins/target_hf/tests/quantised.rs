@@ -1,0 +1,110 @@
+//! Quantised checkpoints as they are published, against transformers 5.8.1's forward of the same
+//! checkpoint (`tests/fixtures/target_*_{fp8,mxfp4}`, made by
+//! `scripts/fixtures/make_quant_fixtures.py`; transformers dequantises them on load, as the CPU
+//! has no FP8 / MXFP4 kernels, and so does dflash):
+//! - `qwen3_fp8`: FP8 block-scaled (`quant_method: fp8`, blocks of 16 x 16), one MLP and the
+//!   head left in full precision (`modules_to_not_convert`);
+//! - `deepseek_v3_fp8`: DeepSeek-V3's layout in FP8 (latent attention, dense layer, routed and
+//!   shared experts per expert), blocks of 8 x 4;
+//! - `gpt_oss_mxfp4`: gpt-oss's MXFP4 experts (`*_blocks` / `*_scales`);
+//! - `qwen3_ct_fp8`: compressed-tensors FP8 as LLM Compressor writes it (a scale per output
+//!   channel, static input scales, `lm_head` ignored).
+//!
+//! Checked in f32 on the CPU: every layer's output and the logits within 1e-4 of transformers'
+//! (relative to the largest entry), and greedy generation equal to its `generate`. Anything else
+//! in `quantization_config` is refused by name before a weight is read.
+
+use plugin_api::tch::{Device, Kind, Tensor};
+use std::{collections::HashMap, path::PathBuf};
+use target_hf::{generate, HfTarget};
+
+const FIXTURES: [(&str, &str); 4] = [
+    ("qwen3_fp8", "qwen3"),
+    ("deepseek_v3_fp8", "deepseek_v3"),
+    ("gpt_oss_mxfp4", "gpt_oss"),
+    ("qwen3_ct_fp8", "qwen3"),
+];
+const EOS: u32 = 63;
+
+fn dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(format!("target_{name}"))
+}
+
+fn fixture(name: &str) -> (HfTarget, HashMap<String, Tensor>) {
+    let d = dir(name);
+    let t = HfTarget::load(&d, Device::Cpu, Kind::Float, 2).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let refs = Tensor::read_safetensors(d.join("reference.safetensors")).unwrap().into_iter().collect();
+    (t, refs)
+}
+
+/// max |got - want| / max |want|.
+fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
+    assert_eq!(got.size(), want.size());
+    (got - want).abs().max().double_value(&[]) / want.abs().max().double_value(&[])
+}
+
+fn to_vec(t: &Tensor) -> Vec<u32> {
+    Vec::<i64>::try_from(t.flatten(0, -1)).unwrap().into_iter().map(|i| i as u32).collect()
+}
+
+#[test]
+fn every_layer_and_the_logits_match_transformers() {
+    for (name, arch) in FIXTURES {
+        let (t, r) = fixture(name);
+        assert_eq!(t.spec.architecture.as_str(), arch);
+        let n = t.spec.num_hidden_layers;
+        let h = t.spec.hidden_size as i64;
+        let all: Vec<u32> = (0..n).collect();
+        let (hidden, logits) = t.features(&r["in.input_ids"], &all, true).unwrap();
+        for i in 0..n as i64 {
+            let err = rel_err(&hidden.narrow(2, i * h, h), &r[&format!("out.layer.{i}")]);
+            assert!(err < 1e-4, "{name} layer {i}: relative error {err:.2e}");
+        }
+        let err = rel_err(&logits.unwrap(), &r["out.logits"]);
+        assert!(err < 1e-4, "{name} logits: relative error {err:.2e}");
+        eprintln!("{name}: logits within {err:.1e} of transformers'");
+    }
+}
+
+#[test]
+fn greedy_generation_matches_transformers() {
+    for (name, _) in FIXTURES {
+        let (t, r) = fixture(name);
+        let got = generate::greedy(&t.model, &[to_vec(&r["gen.prompt"])], 10, &[EOS], 1).remove(0);
+        assert_eq!(got, to_vec(&r["gen.ids"]), "{name}: greedy generation differs from transformers'");
+    }
+}
+
+/// A quantised weight is held dequantised, but counted as stored: the model holds every byte of
+/// the checkpoint's tensors (fp8 values, their scales, the f32 rest), no more.
+#[test]
+fn quantised_weights_are_counted_as_stored() {
+    let (t, _) = fixture("qwen3_fp8");
+    let bytes = std::fs::read(dir("qwen3_fp8").join("model.safetensors")).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    assert_eq!(t.model.held.total(), bytes.len() - 8 - header);
+}
+
+/// What dflash does not load is refused by name before a weight is read (the folder's weights
+/// here are not even a safetensors file).
+#[test]
+fn an_unsupported_quantisation_is_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(dir("qwen3_fp8").join(f), tmp.path().join(f)).unwrap();
+    }
+    std::fs::write(tmp.path().join("model.safetensors"), b"not read").unwrap();
+    let cfg_path = tmp.path().join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["quantization_config"] = serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 128});
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let err = HfTarget::load(tmp.path(), Device::Cpu, Kind::Float, 2).err().unwrap();
+    assert_eq!(
+        err,
+        format!(
+            "{}: field `quantization_config`: quant_method \"gptq\" is not supported; dflash loads fp8 \
+             (block-scaled), compressed-tensors (float-quantized FP8) and mxfp4 checkpoints",
+            cfg_path.display()
+        )
+    );
+}
