@@ -1,7 +1,8 @@
 //! A drafter plugin ("faulty_drafter") that scales the block embeddings by one trainable gain,
 //! and breaks on request: `dead_parameter = true` adds a parameter its forward never uses
 //! (`plugins check`: no gradient reaches it); `panic_in = "METHOD"` panics in that method, on its
-//! `panic_at_call`-th call (default 1): `parameters` at 2 is the first checkpoint of a run. Its
+//! `panic_at_call`-th call (default 1): `parameters` at 2 is the first checkpoint of a run;
+//! `panic_with` is the panic's message (a libtorch error's text, say). Its
 //! section's description, written by hand, leaves `dead_parameter` out (`plugins check` names
 //! it).
 
@@ -22,6 +23,8 @@ struct Config {
     panic_in: String,
     #[serde(default = "first")]
     panic_at_call: u64,
+    #[serde(default)]
+    panic_with: String,
 }
 
 /// Described by hand, `dead_parameter` missing: what a description out of step with its struct
@@ -34,6 +37,7 @@ impl Describe for Config {
         vec![
             FieldDoc::new("panic_in", "string".into(), "\"\"".into(), "", "A method that panics."),
             FieldDoc::new("panic_at_call", "integer".into(), "1".into(), ">= 1", "Which call of it panics."),
+            FieldDoc::new("panic_with", "string".into(), "\"\"".into(), "", "The panic's message (default: which method)."),
         ]
     }
     fn nested_tables() -> Vec<TableDoc> {
@@ -57,7 +61,10 @@ struct Faulty {
 impl Faulty {
     fn maybe_panic(&self, method: &str) {
         if self.cfg.panic_in == method && self.calls.fetch_add(1, Ordering::Relaxed) + 1 == self.cfg.panic_at_call {
-            panic!("deliberate panic in {method}");
+            match self.cfg.panic_with.as_str() {
+                "" => panic!("deliberate panic in {method}"),
+                message => panic!("{message}"),
+            }
         }
     }
 }
