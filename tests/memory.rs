@@ -44,11 +44,12 @@ fn bench_train_refuses_what_cannot_fit_and_names_what_would() {
     assert!(
         line.starts_with(
             "error: not enough device memory: this config needs about 1.3 GiB on cpu, which has 1.0 GiB (batch 1024 \
-             x 64 tokens, 8 anchors a sequence): drafter activations (blocks) 0.2 GiB, "
+             x 64 tokens, 8 anchors a sequence): CUDA context and workspaces 0.8 GiB, drafter activations (blocks) \
+             0.2 GiB, target forward (working set) 0.2 GiB, "
         ),
         "{line}"
     );
-    assert!(line.contains("What would fit: a micro-batch of 499 sequences (now 1024); or "), "{line}");
+    assert!(line.contains("What would fit: a micro-batch of 499 sequences (now 1024)."), "{line}");
     assert!(line.ends_with("To run it anyway: --no-memory-check."), "{line}");
     assert!(!String::from_utf8_lossy(&out.stdout).contains("matmul ceiling"), "the bench ran");
 
@@ -123,8 +124,9 @@ anchors_per_seq = 8
 checkpoint_every = 2
 "#;
 
-/// libtorch's out-of-memory error, raised in the drafter's 4th forward: one paragraph (its first
-/// sentences and what would fit), step 3's weights checkpointed beside step 2's, exit code 2.
+/// libtorch's out-of-memory error in the drafter's 4th forward, as its error: one paragraph (its
+/// first sentences and what would fit), step 3's weights checkpointed beside step 2's, exit code
+/// 2. As a panic, the plugin answers no more calls: the paragraph names the last checkpoint.
 #[test]
 fn an_oom_at_run_time_is_one_paragraph_and_the_last_step_is_checkpointed() {
     let drafter = build_plugin("tests/plugins/faulty_drafter", "faulty_drafter", &[], "faulty_drafter");
@@ -132,35 +134,46 @@ fn an_oom_at_run_time_is_one_paragraph_and_the_last_step_is_checkpointed() {
                GPU 0 has a total capacity of 79.19 GiB of which 1.05 GiB is free. Of the allocated memory 75.20 GiB \
                is allocated by PyTorch.\\nframe #0: c10::Error::Error(c10::SourceLocation, std::string)\\nframe #1: \
                at::native::empty_cuda\")";
-    let section =
-        format!("plugin = \"faulty_drafter\"\npanic_in = \"forward\"\npanic_at_call = 4\npanic_with = '''{oom}'''");
-    let config = common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3");
-    let start = config.find("[drafter]\n").unwrap();
-    let end = start + config[start..].find("\n[optimizer]").unwrap();
-    let config = format!("{}[drafter]\n{section}\n{}", &config[..start], &config[end..]);
-    let (out, dir) = common::train(&[&drafter], &config);
+    let run = |how: &str| {
+        let section = format!("plugin = \"faulty_drafter\"\n{how}\npanic_with = '''{oom}'''");
+        let config = common::tiny_config(HEAD, "plugin = \"adamw\"\nlr = 3e-3");
+        let start = config.find("[drafter]\n").unwrap();
+        let end = start + config[start..].find("\n[optimizer]").unwrap();
+        common::train(&[&drafter], &format!("{}[drafter]\n{section}\n{}", &config[..start], &config[end..]))
+    };
+    let paragraph = "error: out of device memory in drafter plugin `faulty_drafter`: forward: CUDA out of memory. Tried \
+                     to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.05 GiB is free. Lower the \
+                     micro-batch or `anchors_per_seq`, set `checkpoint_layers = true` in [drafter]";
+    let checkpoints = |exp: &std::path::Path| {
+        let mut names: Vec<String> = std::fs::read_dir(exp.join("checkpoints"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    };
+
+    let (out, dir) = run("error_at_forward = 4");
     let line = error_line(&out);
-    assert!(
-        line.starts_with(
-            "error: out of device memory in drafter plugin `faulty_drafter`: forward: CUDA out of memory. Tried to \
-             allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.05 GiB is free. Lower the \
-             micro-batch or `anchors_per_seq`, set `checkpoint_layers = true` in [drafter]"
-        ),
-        "{line}"
-    );
+    assert!(line.starts_with(paragraph), "{line}");
     let exp = dir.path().join("exp");
-    assert!(
-        line.ends_with(&format!(
-            "The weights of step 3 are checkpointed in {}: resume with `train --resume {}` at a size that fits.",
-            exp.join("checkpoints/step-3").display(),
-            exp.display()
-        )),
-        "{line}"
+    let want = format!(
+        "The weights of step 3 are checkpointed in {}: resume with `train --resume {}` at a size that fits.",
+        exp.join("checkpoints/step-3").display(),
+        exp.display()
     );
-    let mut names: Vec<String> = std::fs::read_dir(exp.join("checkpoints"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
-    names.sort();
-    assert_eq!(names, ["step-2", "step-3"]);
+    assert!(line.ends_with(&want), "{line}");
+    assert_eq!(checkpoints(&exp), ["step-2", "step-3"]);
+
+    let (out, dir) = run("panic_in = \"forward\"\npanic_at_call = 4");
+    let line = error_line(&out);
+    assert!(line.starts_with(paragraph), "{line}");
+    let exp = dir.path().join("exp");
+    let want = format!(
+        "The weights of step 3 could not be checkpointed (a plugin that panicked answers no more calls); the last \
+         checkpoint is {}.",
+        exp.join("checkpoints/step-2").display()
+    );
+    assert!(line.ends_with(&want), "{line}");
+    assert_eq!(checkpoints(&exp), ["step-2"]);
 }

@@ -504,7 +504,7 @@ pub fn train(
         (Some(s0), Some(t), Some(a), Some(bs), Some(st), Some(bf), Some(f)) => Some(memory::Measured {
             target_built: t.allocated - s0.allocated,
             all_built: a.allocated - s0.allocated,
-            drafter_step_peak: st.peak.saturating_sub(bs.allocated.max(a.allocated)),
+            drafter_step_peak: st.peak.saturating_sub(bs.allocated),
             target_forward_peak: f.peak.saturating_sub(bf.allocated),
             outside_allocator: match device {
                 Device::Cuda(i) => memory::device_used_bytes(i).unwrap_or(0).saturating_sub(f.reserved),

@@ -24,7 +24,8 @@ impl Who {
     fn err<'a>(&'a self, call: &'a str) -> impl FnOnce(PluginError) -> anyhow::Error + 'a {
         move |e| {
             let place = format!("{} plugin `{}`: {call}", self.kind, self.name);
-            match crate::memory_estimate::is_oom(&e.message) {
+            // A call refused after an earlier panic says so as it is.
+            match crate::memory_estimate::is_oom(&e.message) && !e.message.starts_with("refused:") {
                 true => anyhow!("{}", crate::memory_estimate::oom_paragraph(&place, &e.message)),
                 false => anyhow!("{place}: {e}"),
             }

@@ -352,7 +352,16 @@ impl Trainer<'_> {
                 }
                 _ => e,
             },
-            Err(ckpt_err) => anyhow!("{e:#} Checkpointing step {done} failed too: {ckpt_err:#}"),
+            Err(ckpt_err) => {
+                let why = format!("{ckpt_err:#}");
+                // A plugin that panicked answers no more calls (its state may be half-changed).
+                let why = match why.contains("panicked before") {
+                    true => "a plugin that panicked answers no more calls",
+                    false => &why,
+                };
+                let last = self.last_ckpt.as_deref().unwrap_or("none yet");
+                anyhow!("{e:#} The weights of step {done} could not be checkpointed ({why}); the last checkpoint is {last}.")
+            }
         }
     }
 
