@@ -378,7 +378,7 @@ fn parse_bytes(v: &str) -> Option<u64> {
         _ => return None,
     };
     let n: f64 = num.trim().parse().ok()?;
-    (n > 0.0).then(|| (n * scale as f64) as u64)
+    (n > 0.0).then_some((n * scale as f64) as u64)
 }
 
 /// Log the estimate and refuse it where it cannot fit on `device` (unless `--no-memory-check`);
