@@ -40,7 +40,13 @@ impl Describe for Config {
         vec![
             FieldDoc::new("panic_in", "string".into(), "\"\"".into(), "", "A method that panics."),
             FieldDoc::new("panic_at_call", "integer".into(), "1".into(), ">= 1", "Which call of it panics."),
-            FieldDoc::new("panic_with", "string".into(), "\"\"".into(), "", "The panic's message (default: which method)."),
+            FieldDoc::new(
+                "panic_with",
+                "string".into(),
+                "\"\"".into(),
+                "",
+                "The panic's message (default: which method).",
+            ),
             FieldDoc::new(
                 "error_at_forward",
                 "integer".into(),
@@ -139,7 +145,13 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
         params
             .push(("unused.weight".to_string(), Tensor::ones([h], (Kind::Float, Device::Cpu)).set_requires_grad(true)));
     }
-    Ok(PluginInstance::drafter(Faulty { cfg, params, vocab: spec.vocab_size, calls: AtomicU64::new(0), forwards: AtomicU64::new(0) }))
+    Ok(PluginInstance::drafter(Faulty {
+        cfg,
+        params,
+        vocab: spec.vocab_size,
+        calls: AtomicU64::new(0),
+        forwards: AtomicU64::new(0),
+    }))
 }
 
 plugin_api::declare_plugin!(faulty_drafter, info, create, section = Config);
