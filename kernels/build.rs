@@ -7,6 +7,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc/profiler.cpp");
     println!("cargo:rerun-if-changed=csrc/fused_adamw.cpp");
     println!("cargo:rerun-if-changed=csrc/autograd.cpp");
+    println!("cargo:rerun-if-changed=csrc/memory_stats.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     let libtorch =
         std::path::PathBuf::from(std::env::var("LIBTORCH").expect("LIBTORCH (the libtorch folder, as for torch-sys)"));
@@ -16,6 +17,7 @@ fn main() {
         .file("csrc/profiler.cpp")
         .file("csrc/fused_adamw.cpp")
         .file("csrc/autograd.cpp")
+        .file("csrc/memory_stats.cpp")
         .include(libtorch.join("include"))
         .include(libtorch.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")

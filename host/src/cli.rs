@@ -13,6 +13,10 @@ pub struct Cli {
     /// Load a plugin shared library (repeatable); it replaces a built-in of the same name.
     #[arg(long = "plugin", global = true, value_name = "PATH")]
     pub plugins: Vec<PathBuf>,
+    /// Run a config that the device-memory estimate says cannot fit (`train`, `capture`, `eval`
+    /// and `bench train` refuse one otherwise, naming what would fit).
+    #[arg(long, global = true)]
+    pub no_memory_check: bool,
     #[command(subcommand)]
     pub command: Command,
 }

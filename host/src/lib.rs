@@ -13,6 +13,7 @@ pub mod environment;
 pub mod eval;
 pub mod experiment;
 pub mod export;
+pub mod memory_estimate;
 pub mod out;
 pub mod outputs;
 pub mod pipeline;

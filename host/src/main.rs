@@ -10,7 +10,8 @@ use dflash_host::{
 use std::process::ExitCode;
 
 fn run() -> Result<ExitCode> {
-    let Cli { plugins, command } = Cli::parse();
+    let Cli { plugins, command, no_memory_check } = Cli::parse();
+    dflash_host::memory_estimate::skip_refusal(no_memory_check);
     match command {
         Command::Train(args) => commands::train::run(args, &plugins),
         Command::Fork(args) => commands::fork::run(args, &plugins),
@@ -32,6 +33,7 @@ fn main() -> ExitCode {
     dflash_host::dist::set_nccl_defaults(); // before any thread starts
     dflash_host::experiment::checkpoint::ignore_sigxfsz(); // `ulimit -f`: a write fails with EFBIG
     dflash_host::out::init_logging();
+    dflash_host::memory_estimate::install_oom_hook();
     match run() {
         Ok(code) => code,
         Err(e) => {

@@ -63,6 +63,17 @@ extern "C" {
     ) -> c_int;
     pub fn dflash_allow_cudnn_sdp(enabled: c_int) -> c_int;
 
+    // csrc/memory_stats.cpp
+    pub fn dflash_cuda_memory_stats(
+        device: c_int,
+        reset_peak: c_int,
+        allocated: *mut i64,
+        peak: *mut i64,
+        reserved: *mut i64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+
     // csrc/profiler.cpp
     pub fn dflash_profiler_start(cuda: c_int, err: *mut c_char, err_len: usize) -> c_int;
     pub fn dflash_profiler_stop(path: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
@@ -80,10 +91,43 @@ pub fn with_error_buffer(f: impl FnOnce(*mut c_char, usize) -> c_int) -> Result<
     Err(unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().lines().next().unwrap_or("").to_string())
 }
 
+/// The CUDA caching allocator's bytes on a device: allocated now, the most allocated at once since
+/// the last reset, and reserved from the device (allocated and cached).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AllocatorStats {
+    pub allocated: u64,
+    pub peak: u64,
+    pub reserved: u64,
+}
+
+/// [`AllocatorStats`] of CUDA device `index`, the peak then reset when `reset_peak` (so the next
+/// read's peak is the work's in between); an error without CUDA.
+pub fn cuda_allocator_stats(index: usize, reset_peak: bool) -> Result<AllocatorStats, String> {
+    let (mut allocated, mut peak, mut reserved) = (0i64, 0i64, 0i64);
+    // SAFETY: the shim writes the three values and, on failure, the error buffer.
+    with_error_buffer(|err, len| unsafe {
+        dflash_cuda_memory_stats(
+            index as c_int,
+            reset_peak as c_int,
+            &mut allocated,
+            &mut peak,
+            &mut reserved,
+            err,
+            len,
+        )
+    })?;
+    Ok(AllocatorStats { allocated: allocated as u64, peak: peak as u64, reserved: reserved as u64 })
+}
+
 /// Bytes in use on CUDA device `index` (every process's), from `cudaMemGetInfo` in the CUDA
 /// runtime libtorch loaded, or None without one. The thread's current device is set for the
 /// query and put back, so a rank on `cuda:r` reads its own device.
 pub fn cuda_mem_used(index: usize) -> Option<u64> {
+    cuda_mem_info(index).map(|(free, total)| total - free)
+}
+
+/// Bytes free and in all on CUDA device `index`, as [`cuda_mem_used`] reads them.
+pub fn cuda_mem_info(index: usize) -> Option<(u64, u64)> {
     type GetDevice = unsafe extern "C" fn(*mut i32) -> i32;
     type SetDevice = unsafe extern "C" fn(i32) -> i32;
     type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> i32;
@@ -100,7 +144,7 @@ pub fn cuda_mem_used(index: usize) -> Option<u64> {
         let (mut free, mut total) = (0usize, 0usize);
         let ok = mem_get_info(&mut free, &mut total) == 0;
         set_device(current);
-        ok.then(|| (total - free) as u64)
+        ok.then_some((free as u64, total as u64))
     }
 }
 

@@ -172,6 +172,70 @@ pub struct ParamShape {
     pub shape: RVec<i64>,
 }
 
+/// The shapes a run's device memory is estimated at (ABI 2.2, [`Section::memory`]).
+#[repr(C)]
+#[derive(StableAbi, Clone, Copy, Debug, PartialEq)]
+pub struct MemoryQuery {
+    /// Sequences a micro-batch.
+    pub batch: u32,
+    pub seq_len: u32,
+    /// A drafter: anchors (blocks) drawn a sequence.
+    pub anchors_per_seq: u32,
+    /// A target: layers run (the deepest feature layer + 1), and whether the logits are asked for.
+    pub layers: u32,
+    pub logits: bool,
+    /// An optimizer: the parameters it trains (what the drafter's answer gave).
+    pub trained_parameters: u64,
+}
+
+/// How a part of a run's device memory grows with the run's shapes: what the host's advice
+/// (the largest batch, the anchors, tensor parallelism, an FP8 target) scales.
+#[repr(u8)]
+#[derive(StableAbi, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryScale {
+    /// A target's weights on this rank: split by tensor parallelism, halved by FP8.
+    TargetWeights,
+    /// Independent of the batch (a drafter's weights, gradients, optimizer state).
+    Fixed,
+    /// In proportion to the batch (the target's working set, the drafter's context).
+    Batch,
+    /// In proportion to batch x anchors (the drafter's blocks).
+    BatchAnchors,
+}
+
+/// One part of a section's device memory, in bytes on one rank.
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq)]
+pub struct MemoryPart {
+    /// `target weights`, `drafter activations (blocks)`, `AdamW moments`, ...
+    pub name: RString,
+    pub bytes: u64,
+    pub scale: MemoryScale,
+}
+
+impl MemoryPart {
+    pub fn new(name: &str, bytes: f64, scale: MemoryScale) -> Self {
+        Self { name: name.into(), bytes: bytes.max(0.0).round() as u64, scale }
+    }
+}
+
+/// What a section takes of device memory at a [`MemoryQuery`] (ABI 2.2, [`Section::memory`]).
+#[repr(C)]
+#[derive(StableAbi, Clone, Debug, PartialEq, Default)]
+pub struct SectionMemory {
+    pub parts: RVec<MemoryPart>,
+    /// A drafter: the parameters it trains (the optimizer's [`MemoryQuery::trained_parameters`]).
+    pub trained_parameters: u64,
+    /// A target: its spec from its config (what the drafter is then asked with, as `ctx.target`).
+    pub target: ROption<crate::TargetSpec>,
+    /// A drafter with a `checkpoint_layers` switch that is off: its parts that scale with the batch
+    /// (`Batch`, `BatchAnchors`), in bytes, were it on.
+    pub checkpointed_bytes: ROption<u64>,
+    /// A data loader: the largest micro-batch it gives, [sequences, tokens a sequence] (what the
+    /// host then asks the target and the drafter at).
+    pub batch_shape: ROption<[u32; 2]>,
+}
+
 /// Parameter names and shapes ([`Section::saved_shapes`]).
 pub type Shapes = Vec<(String, Vec<i64>)>;
 
@@ -241,6 +305,13 @@ pub trait Section: DeserializeOwned + Describe {
         Ok(None)
     }
 
+    /// The device memory this section takes at `query`, by part, from its config without its
+    /// weights (ABI 2.2); None: unknown (the host then leaves it out of its estimate and says so).
+    fn memory(&self, ctx: &HostContext, query: MemoryQuery) -> Result<Option<SectionMemory>, PluginError> {
+        let _ = (ctx, query);
+        Ok(None)
+    }
+
     /// A target's forward FLOPs by part, from its config without its weights; None: unknown
     /// (the host then counts a dense decoder of the loaded target's shape).
     fn target_flops(&self, ctx: &HostContext, query: FlopsQuery) -> Result<Option<Vec<FlopsPart>>, PluginError> {
@@ -269,6 +340,15 @@ pub fn section_flops<T: Section>(
     query: FlopsQuery,
 ) -> Result<ROption<RVec<FlopsPart>>, PluginError> {
     Ok(crate::parse_section::<T>(text)?.target_flops(ctx, query)?.map(RVec::from).into())
+}
+
+/// Parse a section and estimate its device memory ([`Section::memory`]).
+pub fn section_memory<T: Section>(
+    text: &str,
+    ctx: &HostContext,
+    query: MemoryQuery,
+) -> Result<ROption<SectionMemory>, PluginError> {
+    Ok(crate::parse_section::<T>(text)?.memory(ctx, query)?.into())
 }
 
 /// [`Section::saved_shapes`] across the ABI.

@@ -1,7 +1,7 @@
 //! Root modules: how the host finds, checks and instantiates a plugin.
 
 use crate::{
-    describe::{FlopsPart, FlopsQuery, ParamShape, SectionCheck, SectionDoc},
+    describe::{FlopsPart, FlopsQuery, MemoryQuery, ParamShape, SectionCheck, SectionDoc, SectionMemory},
     DataLoaderBox, DrafterBox, OptimizerBox, PluginError, TargetBox, TargetSpec,
 };
 use abi_stable::{
@@ -216,6 +216,15 @@ pub struct PluginModule {
     /// 2.0), for `export`'s check of the weights; None when the config is not this plugin's.
     #[sabi(missing_field(option))]
     pub saved_shapes: extern "C" fn(config_json: RStr<'_>) -> RResult<ROption<RVec<ParamShape>>, PluginError>,
+    /// The device memory a section takes at a run's shapes, by part, from its config without its
+    /// weights (ABI 2.2): the host's estimate before anything loads. Absent from a plugin built
+    /// before it, or None: the host leaves the section out of its estimate and says so.
+    #[sabi(missing_field(option))]
+    pub memory: extern "C" fn(
+        config_toml: RStr<'_>,
+        ctx: &HostContext,
+        query: MemoryQuery,
+    ) -> RResult<ROption<SectionMemory>, PluginError>,
 }
 
 impl RootModule for PluginModule_Ref {
@@ -307,6 +316,16 @@ macro_rules! declare_plugin {
             ) -> RResult<ROption<RVec<$crate::describe::ParamShape>>, $crate::PluginError> {
                 $crate::catch_plugin_panic(|| $crate::describe::section_saved_shapes::<$section>(config_json.as_str())).into()
             }
+            extern "C" fn __dflash_memory(
+                config: RStr<'_>,
+                ctx: &$crate::HostContext,
+                query: $crate::describe::MemoryQuery,
+            ) -> RResult<ROption<$crate::describe::SectionMemory>, $crate::PluginError> {
+                $crate::catch_plugin_panic(|| {
+                    $crate::describe::section_memory::<$section>(config.as_str(), ctx, query)
+                })
+                .into()
+            }
             $crate::PluginModule {
                 build_id: __dflash_build_id,
                 info: __dflash_info,
@@ -315,6 +334,7 @@ macro_rules! declare_plugin {
                 check: __dflash_check,
                 target_flops: __dflash_target_flops,
                 saved_shapes: __dflash_saved_shapes,
+                memory: __dflash_memory,
             }
             .leak_into_prefix()
         }

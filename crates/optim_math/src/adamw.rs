@@ -39,6 +39,16 @@ impl plugin_api::Section for ParamsAdamW {
         self.validate()?;
         Ok(Default::default())
     }
+
+    /// Two fp32 moments a parameter, an fp32 master copy of a parameter of another dtype, and
+    /// the step's fp32 copies of the gradients.
+    fn memory(
+        &self,
+        ctx: &plugin_api::HostContext,
+        q: plugin_api::describe::MemoryQuery,
+    ) -> Result<Option<plugin_api::describe::SectionMemory>, PluginError> {
+        Ok(Some(crate::memory::optimizer_state(ctx, q, &[("AdamW moments (fp32)", 8.0)])?))
+    }
 }
 
 impl ParamsAdamW {

@@ -10,6 +10,7 @@
 
 pub mod adamw;
 pub mod carry;
+pub mod memory;
 pub mod muon;
 
 pub use adamw::{adamw_update, adamw_update_fused, adamw_update_master, ParamsAdamW};

@@ -252,6 +252,23 @@ fn drafter_layout(drafter: &DrafterHandle, spec: &TargetSpec) -> Option<(Shape, 
     dflash.then_some((shape, cfg["num_hidden_layers"].as_u64()? as usize))
 }
 
+/// The estimate of the device memory the bench's config needs in training (`memory_estimate.rs`),
+/// at the bench's shapes with the full forward's logits; None where the target's plugin cannot tell.
+pub(crate) fn bench_estimate(
+    registry: &Registry,
+    cfg: &BenchConfig,
+    ctx: &HostContext,
+) -> Result<Option<crate::memory_estimate::Estimate>> {
+    use crate::memory_estimate::{estimate, Sections, Shape, Work};
+    let (target, drafter, optimizer) =
+        (section("target", &cfg.target)?, section("drafter", &cfg.drafter)?, section("optimizer", &cfg.optimizer)?);
+    let sections = Sections { target: &target, drafter: Some(&drafter), optimizer: Some(&optimizer), data: None };
+    let sh = &cfg.bench;
+    let shape =
+        Shape { batch: sh.batch_size as u32, seq_len: sh.seq_len as u32, anchors_per_seq: sh.anchors_per_seq as u32 };
+    estimate(registry, &sections, ctx, Work::Train, shape, true)
+}
+
 /// `overrides`: `--set bench.batch_size=8` and `--device`, applied to the file's table. None on a
 /// rank that served its replica's target (the lead reports).
 pub fn train(
@@ -285,6 +302,22 @@ pub fn train(
     tch::manual_seed(cfg.seed as i64);
     let tensor_parallel = place.as_ref().map_or(1, |(_, l)| l.size);
 
+    // 0. The device memory the config needs, estimated before anything loads (the lead's: it
+    // holds the drafter), and refused where it cannot fit.
+    let lead = place.as_ref().is_none_or(|(_, l)| l.is_lead());
+    let estimate = match lead {
+        true => bench_estimate(registry, &cfg, &ctx)?,
+        false => None,
+    };
+    if let Some(e) = &estimate {
+        crate::memory_estimate::check(e, &device_name)?;
+    }
+    let stats = |reset: bool| match device {
+        Device::Cuda(i) => kernels::ffi::cuda_allocator_stats(i, reset).ok(),
+        _ => None,
+    };
+    let start = stats(true);
+
     // 1. Plugins from the config's sections (any registered target, drafter, optimizer).
     let create = |kind: PluginKind, table: &toml::Table, ctx: &HostContext| -> Result<PluginInstance> {
         Ok(registry.create(kind, &section(kind.as_str(), table)?, ctx)?.0)
@@ -306,6 +339,8 @@ pub fn train(
         }
         None => (target, None),
     };
+    sync(device);
+    let target_built = stats(false);
     let spec = target.spec()?;
     ctx.target = RSome(spec.clone());
     let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &cfg.drafter, &ctx)? else {
@@ -346,6 +381,7 @@ pub fn train(
     let mut step = DrafterStep { runner, draws: 0 };
     sync(device);
     let built_mem_gib = mem(device);
+    let all_built = stats(false);
     let fused_loss_error = fused_loss_error(&step.runner.draft, &spec, sh, device, kind)?;
 
     // 2. The ceiling.
@@ -354,6 +390,8 @@ pub fn train(
     // 3. Drafter step on synthetic target features (fixed; the drafter only reads them).
     let (b, s) = (sh.batch_size, sh.seq_len);
     let (ids, loss_mask) = synthetic_batch(&spec, b, s);
+    sync(device);
+    let before_step = stats(true);
     let features =
         Tensor::randn([b as i64, s as i64, layer_ids.len() as i64 * spec.hidden_size as i64], (kind, device));
     let mut counts = None;
@@ -362,6 +400,8 @@ pub fn train(
         Ok(())
     })?;
     drop(features);
+    sync(device);
+    let after_step = stats(true);
     let c = counts.expect("at least one step ran");
     let target_shape = Shape::of_target(&spec);
     // The target's FLOPs: its plugin's count from its config where it gives one, else the dense
@@ -411,7 +451,11 @@ pub fn train(
     // The target (and so the pipeline) runs on the replica's devices, the drafter on one.
     let replica_ceiling = ceiling * tensor_parallel as f64;
     let target_features = phase(features_s, target_tokens, target_flops(upto, false)?, replica_ceiling, mem(device));
+    sync(device);
+    let before_full = stats(true);
     let full_s = time(device, sh.warmup, sh.iters, || forward(true).map(drop))?;
+    sync(device);
+    let after_full = stats(false);
     let layers = spec.num_hidden_layers as usize;
     let target_full = phase(full_s, target_tokens, target_flops(layers, true)?, replica_ceiling, mem(device));
     let target_full_flop_split = plugin_flops(registry, &cfg.target, &ctx, layers, (b, s), true)?;
@@ -456,8 +500,24 @@ pub fn train(
         Some(held) => ranks.extend(held.figures(target)?),
         None => drop(target),
     }
+    let measured = match (start, target_built, all_built, before_step, after_step, before_full, after_full) {
+        (Some(s0), Some(t), Some(a), Some(bs), Some(st), Some(bf), Some(f)) => Some(memory::Measured {
+            target_built: t.allocated - s0.allocated,
+            all_built: a.allocated - s0.allocated,
+            drafter_step_peak: st.peak.saturating_sub(bs.allocated),
+            target_forward_peak: f.peak.saturating_sub(bf.allocated),
+            outside_allocator: match device {
+                Device::Cuda(i) => memory::device_used_bytes(i).unwrap_or(0).saturating_sub(f.reserved),
+                _ => 0,
+            },
+        }),
+        _ => None,
+    };
+    let memory_rows = estimate.as_ref().map(|e| memory::rows(e, measured)).unwrap_or_default();
     Ok(Some(Report {
         device: device_name,
+        memory: memory_rows,
+        memory_estimate_gib: estimate.as_ref().map(|e| crate::memory_estimate::gib(e.total())),
         tensor_parallel,
         ranks,
         dtype,

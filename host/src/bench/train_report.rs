@@ -109,6 +109,11 @@ pub struct Report {
     /// random drafter outputs: relative differences of the loss and of its gradient (max |diff| /
     /// max |grad|). None where the kernels do not apply.
     pub fused_loss_error: Option<[f64; 2]>,
+    /// The device memory the config needs in training, as estimated before anything loaded
+    /// (GiB; None where the target's plugin cannot tell).
+    pub memory_estimate_gib: Option<f64>,
+    /// The estimate by part beside what the bench measured of each (empty without an estimate).
+    pub memory: Vec<super::memory::MemoryRow>,
 }
 
 pub(super) fn phase(step_s: f64, tokens: f64, flop: f64, ceiling: f64, mem_gib: Option<f64>) -> Phase {
@@ -188,6 +193,21 @@ pub fn print(r: &Report) {
                 gib(f.built_mem_gib),
                 gib(f.mem_gib),
                 f.served_calls
+            );
+        }
+    }
+    if let Some(total) = r.memory_estimate_gib {
+        crate::say!(
+            "device memory: estimated {total:.1} GiB in training (the target's forward beside the drafter's step); by part:"
+        );
+        crate::say!("{:<34} {:>12} {:>12} {:>9}", "part", "estimate GiB", "measured GiB", "ratio");
+        for row in &r.memory {
+            crate::say!(
+                "{:<34} {:>12.2} {:>12} {:>9}",
+                row.part,
+                row.estimate_gib,
+                row.measured_gib.map_or("-".into(), |m| format!("{m:.2}")),
+                row.ratio().map_or("-".into(), |x| format!("{x:.3}"))
             );
         }
     }

@@ -7,8 +7,9 @@ use crate::{
     dist::launch,
     environment::cache_dir,
     experiment,
+    memory_estimate::Work,
     pipeline::{
-        assemble::build,
+        assemble::build_for,
         capture::{CaptureIndex, CaptureOptions, StoredDtype},
         replicas,
     },
@@ -64,7 +65,7 @@ fn capture(
     }
     let inputs = crate::outputs::run_inputs(cfg, config_path, &config_dir, registry)?;
     experiment::guard::check_out_folder("--out", out, &inputs)?;
-    let components = build(cfg, config_path, &config_dir, registry)?;
+    let components = build_for(Work::Target, cfg, config_path, &config_dir, registry)?;
     // The components (the target's last call) go inside `capture`, before the heartbeat the
     // replica's other ranks watch.
     let (components, _held) = replicas::drive(cfg, components, out, "capture")?;

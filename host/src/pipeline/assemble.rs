@@ -5,6 +5,7 @@ use crate::{
     config::RunConfig,
     environment::{cache_dir, enable_cuda},
     experiment::{self, checkpoint, manifest, Manifest},
+    memory_estimate::{self, Work},
     pipeline::components::{build_components, Components},
     plugins::{PluginRecord, Registry, TargetHandle},
 };
@@ -26,7 +27,18 @@ pub fn ensure_device(cfg: &RunConfig) -> Result<()> {
 /// The run's components; plugin config errors point at the config line (or `--set` argument)
 /// that set the field. Everything that can be checked without the target is, first.
 pub fn build(cfg: &RunConfig, config_path: &Path, config_dir: &Path, registry: &Registry) -> Result<Components> {
-    checked(cfg, config_path, config_dir, registry, build_components)
+    build_for(Work::Train, cfg, config_path, config_dir, registry)
+}
+
+/// As [`build`], the device memory estimated for `work` (`capture` runs only the target).
+pub fn build_for(
+    work: Work,
+    cfg: &RunConfig,
+    config_path: &Path,
+    config_dir: &Path,
+    registry: &Registry,
+) -> Result<Components> {
+    checked(work, cfg, config_path, config_dir, registry, build_components)
 }
 
 /// The target alone, checked as [`build`] checks the whole run, for a rank that only serves its
@@ -37,11 +49,13 @@ pub fn build_target(
     config_dir: &Path,
     registry: &Registry,
 ) -> Result<(TargetHandle, Vec<PluginRecord>)> {
-    checked(cfg, config_path, config_dir, registry, crate::pipeline::components::build_target)
+    checked(Work::Target, cfg, config_path, config_dir, registry, crate::pipeline::components::build_target)
 }
 
-/// Preflight, the device, the seed, then `make`'s plugins, its errors located in the config.
+/// Preflight, the device, its memory, the seed, then `make`'s plugins, its errors located in the
+/// config.
 fn checked<T>(
+    work: Work,
     cfg: &RunConfig,
     config_path: &Path,
     config_dir: &Path,
@@ -51,6 +65,7 @@ fn checked<T>(
     let ctx = manifest::plugin_context(cfg, config_dir, &cache_dir());
     crate::config::preflight::check(cfg, config_path, &ctx, registry)?;
     ensure_device(cfg)?;
+    memory_estimate::check_run(cfg, registry, &ctx, work)?;
     tch::manual_seed(cfg.seed as i64);
     make(cfg, registry, config_dir, &cache_dir())
         .map_err(|e| crate::config::preflight::locate(cfg, config_path, format!("{e:#}")))
@@ -72,6 +87,8 @@ pub fn load_experiment(exp_dir: &Path, registry: &Registry, drafter: DrafterFrom
     };
     let (cfg, config_dir) = experiment_config(exp_dir, folder)?;
     ensure_device(&cfg)?;
+    let ctx = manifest::plugin_context(&cfg, &config_dir, &cache_dir());
+    memory_estimate::check_run(&cfg, registry, &ctx, Work::Eval)?;
     let mut c = build_components(&cfg, registry, &config_dir, &cache_dir())?;
     if let DrafterFrom::Checkpoint(ckpt) = drafter {
         let declared = checkpoint::declared_by(&c.drafter.parameters()?);

@@ -19,9 +19,17 @@ struct Who {
 }
 
 impl Who {
-    /// An error of the call `call`: `` <kind> plugin `<name>`: <call>: <message> ``.
+    /// An error of the call `call`: `` <kind> plugin `<name>`: <call>: <message> ``; a CUDA
+    /// out-of-memory one as a paragraph that says what would fit (`memory_estimate.rs`).
     fn err<'a>(&'a self, call: &'a str) -> impl FnOnce(PluginError) -> anyhow::Error + 'a {
-        move |e| anyhow!("{} plugin `{}`: {call}: {e}", self.kind, self.name)
+        move |e| {
+            let place = format!("{} plugin `{}`: {call}", self.kind, self.name);
+            // A call refused after an earlier panic says so as it is.
+            match crate::memory_estimate::is_oom(&e.message) && !e.message.starts_with("refused:") {
+                true => anyhow!("{}", crate::memory_estimate::oom_paragraph(&place, &e.message)),
+                false => anyhow!("{place}: {e}"),
+            }
+        }
     }
 }
 

@@ -133,6 +133,21 @@ impl Plugin {
         Ok(parts.into_option().map(|p| p.into_vec()))
     }
 
+    /// The device memory the section takes at `query`, by part (ABI 2.2); None when the plugin
+    /// cannot tell (or was built before 2.2).
+    pub fn memory(
+        &self,
+        section: &PluginSection,
+        ctx: &HostContext,
+        query: plugin_api::describe::MemoryQuery,
+    ) -> Result<Option<plugin_api::describe::SectionMemory>> {
+        let Some(memory) = self.module()?.memory() else { return Ok(None) };
+        let answer = memory(section.config_toml.as_str().into(), ctx, query)
+            .into_result()
+            .map_err(|e| anyhow!("[{}] plugin `{}`: {e}", section.kind, section.plugin))?;
+        Ok(answer.into_option())
+    }
+
     /// A drafter's parameter shapes as a saved config.json of this plugin implies them (ABI
     /// 2.0); None when the config is not this plugin's, or the plugin cannot tell.
     pub fn saved_shapes(&self, config_json: &str) -> Result<Option<plugin_api::describe::Shapes>> {

@@ -1148,6 +1148,17 @@ impl plugin_api::Section for ChatSection {
         let splits = vec![split("validation", self.validation), split("holdout", self.eval_holdout)];
         Ok(SectionCheck { inputs: inputs.into(), splits: splits.into(), ..Default::default() })
     }
+
+    /// Its largest micro-batch, `batch_size` sequences of `max_len` tokens (the host's memory
+    /// estimate is at it); it holds nothing on the device itself.
+    fn memory(
+        &self,
+        _ctx: &HostContext,
+        _q: plugin_api::describe::MemoryQuery,
+    ) -> Result<Option<plugin_api::describe::SectionMemory>, PluginError> {
+        let shape = [self.batch_size as u32, self.max_len as u32];
+        Ok(Some(plugin_api::describe::SectionMemory { batch_shape: Some(shape).into(), ..Default::default() }))
+    }
 }
 
 plugin_api::declare_plugin!(data_chat, info, create, section = ChatSection);

@@ -6,6 +6,7 @@
 //! target and its exported `config.json` says what SpecForge's would.
 
 pub mod config;
+pub mod memory;
 pub mod model;
 
 use config::DFlashConfig;
@@ -357,6 +358,19 @@ impl plugin_api::Section for DrafterSection {
         };
         cfg.check().map_err(PluginError::new)?;
         Ok(Some(cfg.parameter_shapes()))
+    }
+
+    /// Its weights, gradients and training activations at the query (`memory.rs`), for the
+    /// target the host passes (`ctx.target`, from the target's own answer); unknown without one.
+    fn memory(
+        &self,
+        ctx: &HostContext,
+        q: plugin_api::describe::MemoryQuery,
+    ) -> Result<Option<plugin_api::describe::SectionMemory>, PluginError> {
+        let Some(target) = ctx.target.as_ref().into_option() else { return Ok(None) };
+        let cfg = self.resolve(target)?;
+        let elem = if ctx.tch_kind()? == Kind::Float { 4.0 } else { 2.0 };
+        Ok(Some(memory::estimate(&cfg, q, elem, self.checkpoint_layers)))
     }
 }
 

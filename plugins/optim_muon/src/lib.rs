@@ -498,6 +498,16 @@ impl plugin_api::Section for MuonConfig {
         self.validate()?;
         Ok(Default::default())
     }
+
+    /// An fp32 momentum buffer a parameter (the AdamW group's second moment, on its few
+    /// parameters, is left out), the fp32 masters and the step's fp32 gradients.
+    fn memory(
+        &self,
+        ctx: &HostContext,
+        q: plugin_api::describe::MemoryQuery,
+    ) -> Result<Option<plugin_api::describe::SectionMemory>, PluginError> {
+        Ok(Some(optim_math::memory::optimizer_state(ctx, q, &[("Muon momentum (fp32)", 4.0)])?))
+    }
 }
 
 plugin_api::declare_plugin!(optim_muon, info, create, section = MuonConfig);

@@ -17,6 +17,7 @@ pub mod hub;
 pub mod layer;
 pub mod load;
 mod longcat;
+pub mod memory;
 pub mod mla;
 pub mod model;
 pub mod moe;
@@ -458,6 +459,34 @@ impl plugin_api::Section for TargetSection {
             part("mlp", f.mlp),
             part("head", f.head),
         ]))
+    }
+
+    /// Its weights on one rank and the forward's working set at the query, from the checkpoint's
+    /// config.json (`memory.rs`); unknown for a GGUF file.
+    fn memory(
+        &self,
+        ctx: &HostContext,
+        q: plugin_api::describe::MemoryQuery,
+    ) -> Result<Option<plugin_api::describe::SectionMemory>, PluginError> {
+        use plugin_api::describe::{MemoryPart, MemoryScale, SectionMemory};
+        let Some(cfg) = self.decoder_config(ctx)? else { return Ok(None) };
+        let elem = match ctx.tch_kind()? {
+            Kind::Float => 4.0,
+            _ => 2.0,
+        };
+        let tp = self.tensor_parallel;
+        let weights = memory::parameters(&cfg).per_rank(tp) * elem;
+        let (shape, layers) = ((q.batch as usize, q.seq_len as usize), q.layers as usize);
+        let working = memory::forward_working_set(&cfg, shape, layers, q.logits, tp, elem);
+        Ok(Some(SectionMemory {
+            parts: vec![
+                MemoryPart::new("target weights", weights, MemoryScale::TargetWeights),
+                MemoryPart::new("target forward (working set)", working, MemoryScale::Batch),
+            ]
+            .into(),
+            target: cfg.target_spec().into(),
+            ..SectionMemory::default()
+        }))
     }
 }
 

@@ -11,7 +11,7 @@ use super::{
         WindowSums, WindowTimes,
     },
     step::{trainable_parameters, DraftLoss},
-    step_runner::StepRunner,
+    step_runner::{Reduced, StepAccum, StepRunner},
     validation::{ValidationScores, ValidationSet},
 };
 use crate::{
@@ -307,17 +307,10 @@ impl Trainer<'_> {
         let t = &self.cfg.train;
         self.clock.times.started.get_or_insert_with(Instant::now);
         let mut acc = self.runner.begin();
-        for _ in 0..t.grad_accum {
-            let ready = feed.next()?.ok_or_else(|| anyhow!("pipeline ended before step {step}"))?;
-            self.clock.times.depth_sum += feed.depth() as f64;
-            let started = Instant::now();
-            self.clock.hs_total_bytes += (ready.item.input_ids.numel() * self.run.feature_bytes_per_token) as u64;
-            // Held until the micro-step ends: its room in the buffer is freed with it.
-            self.runner.micro_step(&ready.item, &mut acc)?;
-            self.clock.times.drafter_s += started.elapsed().as_secs_f64();
-        }
-        let started = Instant::now();
-        let r = self.runner.reduce(&acc, self.control.stop.requested().is_some())?;
+        let (r, started) = match self.gather(step, feed, &mut acc) {
+            Ok(r) => r,
+            Err(e) => return Err(self.after_failed_step(e)),
+        };
         let lr_scale = lr_factor(step, t.steps, t.warmup_frac, t.min_lr_frac, self.state.fork.as_ref());
         let last_good = self.last_ckpt.as_deref().unwrap_or("(none yet)");
         let applied = self.runner.apply(step, &r, lr_scale, Some(last_good))?;
@@ -334,6 +327,56 @@ impl Trainer<'_> {
             (self.state.data_epoch, self.state.data_index) = (pos.epoch, pos.index);
         }
         Ok((r.grad_norm, r.sums.stop))
+    }
+
+    /// The step's micro-batches through the drafter, and their reductions: everything before the
+    /// optimizer changes a weight. A CUDA out-of-memory panic of the host's own work in a
+    /// micro-step is an error here, as a plugin's is at its handle.
+    fn gather(&mut self, step: u64, feed: &mut Feed<Micro>, acc: &mut StepAccum) -> Result<(Reduced, Instant)> {
+        for _ in 0..self.cfg.train.grad_accum {
+            let ready = feed.next()?.ok_or_else(|| anyhow!("pipeline ended before step {step}"))?;
+            self.clock.times.depth_sum += feed.depth() as f64;
+            let started = Instant::now();
+            self.clock.hs_total_bytes += (ready.item.input_ids.numel() * self.run.feature_bytes_per_token) as u64;
+            // Held until the micro-step ends: its room in the buffer is freed with it.
+            let runner = &mut self.runner;
+            crate::memory_estimate::catch_host_panic("the drafter's step", || runner.micro_step(&ready.item, acc))?;
+            self.clock.times.drafter_s += started.elapsed().as_secs_f64();
+        }
+        let started = Instant::now();
+        Ok((self.runner.reduce(acc, self.control.stop.requested().is_some())?, started))
+    }
+
+    /// A step that failed before the optimizer ran out of device memory: the weights are still
+    /// the last step's, so they are checkpointed (where the last checkpoint is older) for a resume
+    /// at a size that fits, and the error says where. Any other error is returned as it is.
+    fn after_failed_step(&mut self, e: anyhow::Error) -> anyhow::Error {
+        let done = self.state.step;
+        let written = self.last_ckpt.as_deref().is_some_and(|c| c.ends_with(&format!("step-{done}")));
+        if !crate::memory_estimate::is_oom_error(&e) || done == 0 || written || !self.run.lead {
+            return e;
+        }
+        // As a stop does: the policy writes the checkpoint of the last step done.
+        self.control.stopped_at = Some(done);
+        let resume = format!("resume with `train --resume {}` at a size that fits", self.exp.dir.display());
+        match self.maybe_checkpoint(done) {
+            Ok(()) => match &self.last_ckpt {
+                Some(ckpt) if ckpt.ends_with(&format!("step-{done}")) => {
+                    anyhow!("{e:#} The weights of step {done} are checkpointed in {ckpt}: {resume}.")
+                }
+                _ => e,
+            },
+            Err(ckpt_err) => {
+                let why = format!("{ckpt_err:#}");
+                // A plugin that panicked answers no more calls (its state may be half-changed).
+                let why = match why.contains("panicked before") {
+                    true => "a plugin that panicked answers no more calls",
+                    false => &why,
+                };
+                let last = self.last_ckpt.as_deref().unwrap_or("none yet");
+                anyhow!("{e:#} The weights of step {done} could not be checkpointed ({why}); the last checkpoint is {last}.")
+            }
+        }
     }
 
     /// The log line of a stop before the schedule's end.

@@ -1,7 +1,9 @@
 //! A drafter plugin ("faulty_drafter") that scales the block embeddings by one trainable gain,
 //! and breaks on request: `dead_parameter = true` adds a parameter its forward never uses
 //! (`plugins check`: no gradient reaches it); `panic_in = "METHOD"` panics in that method, on its
-//! `panic_at_call`-th call (default 1): `parameters` at 2 is the first checkpoint of a run. Its
+//! `panic_at_call`-th call (default 1): `parameters` at 2 is the first checkpoint of a run;
+//! `panic_with` is the panic's message (a libtorch error's text, say), which `forward` returns as
+//! its error instead at its `error_at_forward`-th call. Its
 //! section's description, written by hand, leaves `dead_parameter` out (`plugins check` names
 //! it).
 
@@ -22,6 +24,10 @@ struct Config {
     panic_in: String,
     #[serde(default = "first")]
     panic_at_call: u64,
+    #[serde(default)]
+    panic_with: String,
+    #[serde(default)]
+    error_at_forward: u64,
 }
 
 /// Described by hand, `dead_parameter` missing: what a description out of step with its struct
@@ -34,6 +40,20 @@ impl Describe for Config {
         vec![
             FieldDoc::new("panic_in", "string".into(), "\"\"".into(), "", "A method that panics."),
             FieldDoc::new("panic_at_call", "integer".into(), "1".into(), ">= 1", "Which call of it panics."),
+            FieldDoc::new(
+                "panic_with",
+                "string".into(),
+                "\"\"".into(),
+                "",
+                "The panic's message (default: which method).",
+            ),
+            FieldDoc::new(
+                "error_at_forward",
+                "integer".into(),
+                "0".into(),
+                "",
+                "The call of `forward` that returns `panic_with` as its error (0: none).",
+            ),
         ]
     }
     fn nested_tables() -> Vec<TableDoc> {
@@ -52,12 +72,16 @@ struct Faulty {
     params: Vec<(String, Tensor)>,
     vocab: u32,
     calls: AtomicU64,
+    forwards: AtomicU64,
 }
 
 impl Faulty {
     fn maybe_panic(&self, method: &str) {
         if self.cfg.panic_in == method && self.calls.fetch_add(1, Ordering::Relaxed) + 1 == self.cfg.panic_at_call {
-            panic!("deliberate panic in {method}");
+            match self.cfg.panic_with.as_str() {
+                "" => panic!("deliberate panic in {method}"),
+                message => panic!("{message}"),
+            }
         }
     }
 }
@@ -100,6 +124,9 @@ impl DrafterPlugin for Faulty {
 
     fn forward(&mut self, input: &DrafterInput) -> Result<Tensor, PluginError> {
         self.maybe_panic("forward");
+        if self.forwards.fetch_add(1, Ordering::Relaxed) + 1 == self.cfg.error_at_forward {
+            return Err(PluginError::new(self.cfg.panic_with.clone()));
+        }
         Ok(&input.block_embeds * &self.params[0].1)
     }
 }
@@ -118,7 +145,13 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
         params
             .push(("unused.weight".to_string(), Tensor::ones([h], (Kind::Float, Device::Cpu)).set_requires_grad(true)));
     }
-    Ok(PluginInstance::drafter(Faulty { cfg, params, vocab: spec.vocab_size, calls: AtomicU64::new(0) }))
+    Ok(PluginInstance::drafter(Faulty {
+        cfg,
+        params,
+        vocab: spec.vocab_size,
+        calls: AtomicU64::new(0),
+        forwards: AtomicU64::new(0),
+    }))
 }
 
 plugin_api::declare_plugin!(faulty_drafter, info, create, section = Config);
