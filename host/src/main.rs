@@ -33,7 +33,9 @@ fn main() -> ExitCode {
     dflash_host::experiment::checkpoint::ignore_sigxfsz(); // `ulimit -f`: a write fails with EFBIG
     dflash_host::out::init_logging();
     match run() {
-        Ok(code) => code,
+        // A rank that served its replica's target until its lead stopped for a signal exits
+        // with the signal's code, as the lead does.
+        Ok(code) => dflash_host::signals::exit_code(code),
         Err(e) => {
             // One line: causes joined by ": " (multi-line causes flattened), tagged with the rank;
             // a closed stderr is no panic either.
