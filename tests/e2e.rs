@@ -840,7 +840,7 @@ fn sigint_to_ab_jobs_stops_the_phase_and_kill_9_takes_its_runs_with_it() {
     std::fs::write(dir.path().join("base.toml"), tiny()).unwrap();
     std::fs::write(
         dir.path().join("int.toml"),
-        "name = \"int\"\nbase = \"base.toml\"\nseeds = [0]\n[common]\ntrain = { steps = 200, checkpoint_every = 0, keep_checkpoints = 5 }\n\
+        "name = \"int\"\nbase = \"base.toml\"\nseeds = [0]\n[common]\ntrain = { steps = 200, checkpoint_every = 0 }\n\
          [arms.a]\noptimizer = { lr = 3e-3 }\n[arms.b]\noptimizer = { lr = 1e-3 }\n[arms.c]\noptimizer = { lr = 2e-3 }\n",
     )
     .unwrap();
@@ -877,6 +877,7 @@ fn sigint_to_ab_jobs_stops_the_phase_and_kill_9_takes_its_runs_with_it() {
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(130), "{err}");
+    let stopped_at: Vec<u64> = runs[..2].iter().map(|exp| *checkpoint_steps(exp).last().unwrap()).collect();
     for exp in &runs[..2] {
         assert_eq!(checkpoint_steps(exp).len(), 1, "{}: one checkpoint, written when it stopped: {err}", exp.display());
     }
@@ -899,7 +900,9 @@ fn sigint_to_ab_jobs_stops_the_phase_and_kill_9_takes_its_runs_with_it() {
     }
     let rerun = std::fs::read_to_string(dir.path().join("rerun.log")).unwrap();
     assert_eq!(rerun.matches("is unfinished: resuming it").count(), 2, "{rerun}");
-    for exp in &runs[..2] {
-        assert_eq!(checkpoint_steps(exp).len(), 2, "{}: {rerun}", exp.display());
+    assert_eq!(rerun.matches("SIGTERM: stopped after step").count(), 2, "{rerun}");
+    for (exp, before) in runs[..2].iter().zip(stopped_at) {
+        let now = *checkpoint_steps(exp).last().unwrap();
+        assert!(now > before, "{}: a checkpoint at step {now}, after {before}: {rerun}", exp.display());
     }
 }

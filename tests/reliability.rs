@@ -1009,7 +1009,7 @@ fn refused_in(dir: &Path, args: &[&str]) -> (String, u64) {
             line.split_whitespace().nth(1)?.parse::<u64>().ok()
         });
         peak = peak.max(rss.unwrap_or(0) >> 10);
-        if peak > 3 << 10 || started.elapsed() > Duration::from_secs(120) {
+        if peak > 3 << 10 || started.elapsed() > Duration::from_secs(600) {
             child.kill().unwrap();
             panic!("{args:?}: {peak} MiB after {:?}", started.elapsed());
         }
@@ -1076,9 +1076,9 @@ fn absurd_counts_long_lines_and_a_growing_template_are_refused_in_one_line() {
     .unwrap();
     let (err, peak) = refused_in(d, &["train", "--config", "run.toml", "--exp-dir", "t"]);
     assert!(
-        err.contains("doubling.jinja") && err.contains("its rendering passed its memory limit of 1024 MiB"),
+        err.contains("doubling.jinja") && err.contains("its rendering passed its memory limit of 512 MiB"),
         "{err}"
     );
-    assert!(peak < 2 << 10, "{peak} MiB");
+    assert!(peak < 5 << 9, "{peak} MiB"); // the target (~0.6 GiB) and the limit
     assert!(!d.join("t").exists());
 }

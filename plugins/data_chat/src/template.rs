@@ -49,9 +49,9 @@ pub const FUEL: u64 = 4_000_000;
 pub const MAX_OUTPUT: usize = 64 << 20;
 
 /// Memory a rendering may hold (live bytes on its thread beyond what it started with): above
-/// what the fuel lets it make and the output it may write, and what it needs; a value minijinja
+/// the data the fuel lets it make (~256 MB) and the output it may write; a value minijinja
 /// builds without charging fuel (a list added to itself in a loop) stops here.
-pub const MAX_MEMORY: usize = 1 << 30;
+pub const MAX_MEMORY: usize = 512 << 20;
 
 /// Bytes of a `strftime_now` format (real templates pass `"%d %b %Y"` and the like).
 pub const MAX_STRFTIME_FORMAT: usize = 256;
