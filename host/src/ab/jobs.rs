@@ -20,6 +20,9 @@ use std::{
 pub struct Jobs<'a> {
     pub config: &'a Path,
     pub how: &'a How,
+    /// Installed by the first phase and kept to the end of the A/B: a signal between phases
+    /// stops the next one before it starts a run.
+    pub forward: Option<crate::signals::Forward>,
 }
 
 /// An `ab --only` process and the run it trains.
@@ -32,10 +35,20 @@ impl Jobs<'_> {
     /// Train `runs` (and their evaluations for `stage`), `how.jobs` at a time. Returns the exit
     /// code when a signal stopped the phase (rerunning the A/B resumes it); an error names every
     /// run that failed.
-    pub fn run(&self, runs: &[&ArmRun], stage: Stage) -> Result<Option<u8>> {
-        let mut forward = crate::signals::Forward::install()?;
+    pub fn run(&mut self, runs: &[&ArmRun], stage: Stage) -> Result<Option<u8>> {
+        let mut forward = match self.forward.take() {
+            Some(f) => f,
+            None => crate::signals::Forward::install()?,
+        };
+        let stopped = self.run_with(&mut forward, runs, stage);
+        self.forward = Some(forward);
+        stopped
+    }
+
+    fn run_with(&self, forward: &mut crate::signals::Forward, runs: &[&ArmRun], stage: Stage) -> Result<Option<u8>> {
         let mut queue = runs.iter().rev().map(|r| folder(r)).collect::<Vec<_>>();
         let (total, mut running, mut ended) = (runs.len(), Vec::<Running>::new(), Vec::<(String, i32)>::new());
+        forward.pass_on(&[]); // a signal since the last phase
         while !queue.is_empty() || !running.is_empty() {
             forward.pass_on(&running.iter().map(|r| r.child.id()).collect::<Vec<_>>());
             let stopping = forward.code().is_some() || ended.iter().any(|(_, code)| *code != 0);
