@@ -48,10 +48,11 @@ pub const FUEL: u64 = 4_000_000;
 /// Bytes a rendering may write: a conversation of any trainable length is far shorter.
 pub const MAX_OUTPUT: usize = 64 << 20;
 
-/// Memory a rendering may hold (live bytes on its thread beyond what it started with): above
-/// the data the fuel lets it make (~256 MB) and the output it may write; a value minijinja
-/// builds without charging fuel (a list added to itself in a loop) stops here.
-pub const MAX_MEMORY: usize = 512 << 20;
+/// Memory a rendering may hold (live bytes on its thread beyond what it started with): well above
+/// the data the fuel lets it make (~256 MB, held in buffers that grow by doubling) and the output
+/// it may write; a value minijinja builds without charging fuel (a list added to itself in a
+/// loop) stops here.
+pub const MAX_MEMORY: usize = 1 << 30;
 
 /// Bytes of a `strftime_now` format (real templates pass `"%d %b %Y"` and the like).
 pub const MAX_STRFTIME_FORMAT: usize = 256;
