@@ -808,3 +808,101 @@ fn a_hub_name_trains_distils_evaluates_and_exports_from_the_hf_cache() {
     assert!(line.starts_with(&format!("error: {}:9: ", cfg.display())), "the line of `path`: {line}");
     assert!(!String::from_utf8_lossy(&out.stderr).contains("creating target plugin") && !exp2.exists());
 }
+
+/// The pids whose parent is `parent` (from /proc).
+fn children_of(parent: u32) -> Vec<u32> {
+    let parent_of = |pid: &str| -> Option<u32> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        stat.rsplit_once(") ")?.1.split(' ').nth(1)?.parse().ok()
+    };
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str().map(String::from))
+        .filter(|pid| pid.bytes().all(|b| b.is_ascii_digit()) && parent_of(pid) == Some(parent))
+        .filter_map(|pid| pid.parse().ok())
+        .collect()
+}
+
+/// Whether `pid` still runs (a zombie does not).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+}
+
+/// SIGINT sent to `ab --jobs 2`'s pid (not to its terminal's group) reaches its running runs as
+/// SIGTERM does: both checkpoint and stop, the third arm never starts, and the A/B exits 130 with
+/// the phase not done (no report). Killed with SIGKILL, the A/B takes its runs with it: each is
+/// told to stop and leaves a checkpoint; none trains on as an orphan.
+#[test]
+fn sigint_to_ab_jobs_stops_the_phase_and_kill_9_takes_its_runs_with_it() {
+    common::require_model();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("base.toml"), tiny()).unwrap();
+    std::fs::write(
+        dir.path().join("int.toml"),
+        "name = \"int\"\nbase = \"base.toml\"\nseeds = [0]\n[common]\ntrain = { steps = 200, checkpoint_every = 0 }\n\
+         [arms.a]\noptimizer = { lr = 3e-3 }\n[arms.b]\noptimizer = { lr = 1e-3 }\n[arms.c]\noptimizer = { lr = 2e-3 }\n",
+    )
+    .unwrap();
+    let ab = |stderr: std::process::Stdio| {
+        Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+            .args(["ab", "--config", "int.toml", "--jobs", "2"])
+            .current_dir(dir.path())
+            .env("DFLASH_CACHE", cache())
+            .env_remove("RUST_BACKTRACE")
+            .stderr(stderr)
+            .spawn()
+            .unwrap()
+    };
+    let runs = ["a-s0", "b-s0", "c-s0"].map(|r| dir.path().join("experiments/int").join(r));
+    let logged = |exp: &Path| std::fs::read_to_string(exp.join("metrics.jsonl")).map_or(0, |m| m.lines().count());
+    let wait_for = |lines: [usize; 2]| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+        while runs[..2].iter().zip(lines).any(|(r, n)| logged(r) < n) {
+            assert!(std::time::Instant::now() < deadline, "the runs never got to {lines:?} lines");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+    let checkpoint_steps = |exp: &Path| -> Vec<u64> {
+        let mut steps: Vec<u64> = std::fs::read_dir(exp.join("checkpoints"))
+            .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("step-")?.parse().ok()).collect())
+            .unwrap_or_default();
+        steps.sort();
+        steps
+    };
+
+    let child = ab(std::process::Stdio::piped());
+    wait_for([2, 2]);
+    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    let stopped_at: Vec<u64> = runs[..2].iter().map(|exp| *checkpoint_steps(exp).last().unwrap()).collect();
+    for exp in &runs[..2] {
+        assert_eq!(checkpoint_steps(exp).len(), 1, "{}: one checkpoint, written when it stopped: {err}", exp.display());
+    }
+    assert_eq!(logged(&runs[2]), 0, "the third run never started: {err}");
+    assert!(!dir.path().join("experiments/int/report").exists(), "{err}");
+
+    // kill -9 of the rerun: its runs (resumed) stop with a checkpoint of their own.
+    let log = std::fs::File::create(dir.path().join("rerun.log")).unwrap();
+    let mut parent = ab(log.into());
+    let at = [logged(&runs[0]), logged(&runs[1])];
+    wait_for([at[0] + 2, at[1] + 2]);
+    let kids = children_of(parent.id());
+    assert_eq!(kids.len(), 2, "{kids:?}");
+    parent.kill().unwrap();
+    parent.wait().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while kids.iter().any(|&k| running(k)) {
+        assert!(std::time::Instant::now() < deadline, "runs of a killed A/B still train: {kids:?}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let rerun = std::fs::read_to_string(dir.path().join("rerun.log")).unwrap();
+    assert_eq!(rerun.matches("is unfinished: resuming it").count(), 2, "{rerun}");
+    assert_eq!(rerun.matches("SIGTERM: stopped after step").count(), 2, "{rerun}");
+    for (exp, before) in runs[..2].iter().zip(stopped_at) {
+        let now = *checkpoint_steps(exp).last().unwrap();
+        assert!(now > before, "{}: a checkpoint at step {now}, after {before}: {rerun}", exp.display());
+    }
+}

@@ -531,3 +531,79 @@ fn bench_train_measures_a_two_rank_replica_and_lists_its_ranks() {
         "{err}"
     );
 }
+
+/// The signal policy over a target replica of two ranks (`train --nproc 2`): SIGTERM to the
+/// launcher reaches both ranks once; the lead finishes its step and writes a checkpoint while
+/// rank 1 keeps serving it, and the run exits 143 with no rank named gone. A Ctrl-C to the
+/// launcher's whole process group (as a terminal sends it) stops the resumed run the same way
+/// with 130: the ranks, in a group of their own, hear it once, from the launcher.
+#[test]
+fn a_signal_to_a_two_rank_replica_stops_it_with_a_checkpoint() {
+    use std::os::unix::process::CommandExt;
+    common::require_model();
+    let root = tempfile::tempdir().unwrap();
+    let target = root.path().join("qwen3_5");
+    write_target("qwen3_5", &target);
+    let path = format!("path = \"{}\"", target.display());
+    let config = config_for(&target)
+        .replace(&path, &format!("{path}\ntensor_parallel = 2"))
+        .replace("steps = 4", "steps = 400\nhidden_cache_mb = 0")
+        .replace("checkpoint_every = 4", "checkpoint_every = 0");
+    std::fs::write(root.path().join("sig.toml"), config).unwrap();
+    let launch = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+            .args(args)
+            .current_dir(root.path())
+            .env("DFLASH_CACHE", cache())
+            .env("DFLASH_DIST_TIMEOUT", "120")
+            .env("RUST_LOG", "info")
+            .env_remove("RUST_BACKTRACE")
+            .process_group(0)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let metrics = root.path().join("sig/metrics.jsonl");
+    let logged = || std::fs::read_to_string(&metrics).map_or(0, |m| m.lines().count());
+    let wait_for = |run: &mut std::process::Child, lines: usize| {
+        let waited = std::time::Instant::now();
+        while logged() < lines {
+            assert!(waited.elapsed().as_secs() < 120, "no step {lines} after {:?}", waited.elapsed());
+            assert!(run.try_wait().unwrap().is_none(), "the run ended before the signal");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    let checkpoints = || {
+        let mut steps: Vec<String> = std::fs::read_dir(root.path().join("sig/checkpoints"))
+            .map(|d| d.map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect())
+            .unwrap_or_default();
+        steps.sort();
+        steps
+    };
+    let signal = |sig: &str, target: String| {
+        assert!(Command::new("kill").args(["-s", sig, "--", &target]).status().unwrap().success());
+    };
+
+    let mut run = launch(&["train", "--nproc", "2", "--config", "sig.toml", "--exp-dir", "sig"]);
+    wait_for(&mut run, 2);
+    signal("TERM", run.id().to_string());
+    let out = run.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{err}");
+    assert!(!err.contains("gone") && !err.contains("error:"), "{err}");
+    assert!(err.contains("[rank0]: ") && err.contains("SIGTERM: stopped after step"), "{err}");
+    assert_eq!(checkpoints().len(), 1, "one checkpoint, written when it stopped");
+
+    let before = logged();
+    let mut run = launch(&["train", "--nproc", "2", "--resume", "sig"]);
+    wait_for(&mut run, before + 2);
+    signal("INT", format!("-{}", run.id())); // the whole group, as Ctrl-C at a terminal
+    let out = run.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(!err.contains("gone") && !err.contains("error:"), "{err}");
+    assert!(err.contains("SIGINT: stopped after step"), "{err}");
+    let last = checkpoints().pop().unwrap();
+    let step: u64 = last.trim_start_matches("step-").parse().unwrap();
+    assert!(step as usize >= before + 2, "{last}: the resumed run's checkpoint");
+}

@@ -987,3 +987,98 @@ fn eval_and_export_while_training_prunes_every_step_never_fail() {
     }
     assert_eq!(names(&zlab), ["README.md", "config.json", "dflash.py", "model.safetensors"]);
 }
+
+/// `dflash-host ARGS` in `dir`: its exit code and stderr, refused with one error line (exit 2,
+/// no panic) and the peak memory it was seen holding (MiB, sampled).
+fn refused_in(dir: &Path, args: &[&str]) -> (String, u64) {
+    let mut child = host()
+        .args(args)
+        .current_dir(dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = format!("/proc/{}/status", child.id());
+    let (mut peak, started) = (0u64, Instant::now());
+    let status_code = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        let rss = std::fs::read_to_string(&status).ok().and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmRSS:"))?.to_string();
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        });
+        peak = peak.max(rss.unwrap_or(0) >> 10);
+        if peak > 3 << 10 || started.elapsed() > Duration::from_secs(600) {
+            child.kill().unwrap();
+            panic!("{args:?}: {peak} MiB after {:?}", started.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert_eq!(status_code.code(), Some(2), "{args:?}: {err}");
+    assert!(!err.contains("panicked") && err.contains("error: "), "{args:?}: {err}");
+    (err, peak)
+}
+
+/// What a hostile tester feeds the binary is refused with one line, in seconds and small memory:
+/// `--nproc 0` (or an absurd count) for every command that starts ranks, `report --plan --gpus
+/// 1000000000`, a metrics line past the 1 MiB cap every reader uses, and a chat template that
+/// doubles a list in a loop (its lazy concatenation is made whole uncharged by minijinja's fuel:
+/// the memory limit stops it, naming the template and the limit).
+#[test]
+fn absurd_counts_long_lines_and_a_growing_template_are_refused_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for command in [&["train", "--config", "c.toml"][..], &["fork", "exp"], &["eval", "--exp-dir", "exp"]]
+        .into_iter()
+        .chain([
+            &["distill", "--config", "c.toml", "--out", "o.jsonl"][..],
+            &["capture", "--config", "c.toml", "--out", "o"],
+        ])
+        .chain([&["bench", "train", "--config", "c.toml"][..]])
+    {
+        for (n, want) in [("0", "0 ranks: from 1 to 1024"), ("1000000", "1000000 ranks: from 1 to 1024")] {
+            let args = [command, &["--nproc", n]].concat();
+            let (err, _) = refused_in(d, &args);
+            assert!(err.starts_with("error: invalid value") && err.contains(want), "{args:?}: {err}");
+        }
+    }
+
+    let bench = d.join("bench.json");
+    std::fs::write(
+        &bench,
+        r#"{"target_features": {"step_s": 0.3}, "drafter_step": {"step_s": 0.1}, "pipeline": {"step_s": 0.4}, "batch_size": 2, "seq_len": 96}"#,
+    )
+    .unwrap();
+    let (err, peak) = refused_in(d, &["report", "--plan", "bench.json", "--gpus", "1000000000"]);
+    assert!(err.contains("--gpus 1000000000: at most 4096"), "{err}");
+    assert!(peak < 200, "{peak} MiB");
+    let out = host().args(["report", "--plan", "bench.json", "--gpus", "4096"]).current_dir(d).output().unwrap();
+    assert!(out.status.success() && out.stdout.split(|b| *b == b'\n').count() > 4096);
+
+    let exp = d.join("exp");
+    std::fs::create_dir_all(&exp).unwrap();
+    std::fs::write(exp.join("config.toml"), "[train]\nsteps = 10\n").unwrap();
+    let step = r#"{"step": 1, "target_s": 0.1, "drafter_s": 0.1, "optim_s": 0.0, "wait_s": 0.0, "q_hs": 1.0}"#;
+    std::fs::write(exp.join("metrics.jsonl"), format!("{step}\n{{\"pad\": \"{}\"}}\n", "x".repeat(2 << 20))).unwrap();
+    let (err, _) = refused_in(d, &["report", "exp"]);
+    assert!(err.contains("metrics.jsonl:2: line longer than 1048576 bytes"), "{err}");
+
+    common::require_model();
+    let doubling = "{% set ns = namespace(l=[1]) %}{% for i in range(64) %}{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l | length }}";
+    std::fs::write(d.join("doubling.jinja"), doubling).unwrap();
+    std::fs::write(
+        d.join("run.toml"),
+        config().replace("format = \"chitchat\"", "format = \"chitchat\"\nchat_template = \"doubling.jinja\""),
+    )
+    .unwrap();
+    let (err, peak) = refused_in(d, &["train", "--config", "run.toml", "--exp-dir", "t"]);
+    assert!(
+        err.contains("doubling.jinja") && err.contains("its rendering passed its memory limit of 1024 MiB"),
+        "{err}"
+    );
+    assert!(peak < 5 << 9, "{peak} MiB"); // the target (~0.6 GiB) and the limit (1 GiB)
+    assert!(!d.join("t").exists());
+}

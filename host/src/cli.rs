@@ -113,7 +113,7 @@ pub struct TrainArgs {
     /// Data-parallel: start N local ranks of this command (as `torchrun --nproc-per-node N
     /// --no-python dflash-host train ...` would); each rank's GPUs are the config's offset by
     /// its local rank. N = 1 runs one rank through the same collectives.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = nproc)]
     pub nproc: Option<usize>,
 }
 
@@ -152,7 +152,7 @@ pub struct ForkArgs {
     pub stop_at: Option<u64>,
     /// Start N local ranks of the fork's training, as `train --nproc N` does (a parent trained
     /// over N ranks, data-parallel or a target replica, `[target] tensor_parallel`).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = nproc)]
     pub nproc: Option<usize>,
 }
 
@@ -189,7 +189,7 @@ pub struct CaptureArgs {
     pub shard_mb: usize,
     /// Start N local ranks (a target replica over N ranks, `[target] tensor_parallel = N`):
     /// rank 0 captures, the others serve its target.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = nproc)]
     pub nproc: Option<usize>,
 }
 
@@ -204,7 +204,7 @@ pub struct DistillArgs {
     pub out: PathBuf,
     /// Start N local ranks (a target replica over N ranks, `[target] tensor_parallel = N`):
     /// rank 0 distils, the others serve its target.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = nproc)]
     pub nproc: Option<usize>,
 }
 
@@ -281,7 +281,7 @@ pub struct EvalArgs {
     pub time_split: bool,
     /// Start N local ranks (a target replica over N ranks, `[target] tensor_parallel = N`):
     /// rank 0 evaluates, the others serve its target.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = nproc)]
     pub nproc: Option<usize>,
 }
 
@@ -331,7 +331,7 @@ pub enum BenchCommand {
         /// Start N local ranks: one target replica over N ranks (`[target] tensor_parallel = N`),
         /// rank 0 running the phases and reporting each rank's memory, the others serving its
         /// target.
-        #[arg(long, value_name = "N")]
+        #[arg(long, value_name = "N", value_parser = nproc)]
         nproc: Option<usize>,
     },
     /// The data-parallel gradient all-reduce (c10d: Gloo on the CPU, NCCL on a GPU) on the
@@ -431,4 +431,17 @@ pub struct ConfigOverrides {
     /// The run's device (`cpu`, `cuda`, `cuda:N`).
     #[arg(long)]
     pub device: Option<String>,
+}
+
+/// The most local ranks `--nproc` starts: each is a process with the whole pipeline (or a part
+/// of the target) and its own device context; a machine has far fewer GPUs.
+pub const MAX_NPROC: usize = 1024;
+
+/// `--nproc N`: a number of ranks from 1 to [`MAX_NPROC`].
+fn nproc(s: &str) -> Result<usize, String> {
+    let n: usize = s.trim().parse().map_err(|e| format!("`{s}`: {e}"))?;
+    if !(1..=MAX_NPROC).contains(&n) {
+        return Err(format!("{n} ranks: from 1 to {MAX_NPROC}"));
+    }
+    Ok(n)
 }

@@ -21,6 +21,7 @@ pub mod plan;
 pub mod plugins;
 pub mod progress;
 pub mod report;
+pub mod signals;
 pub mod sysinfo;
 pub mod tensorboard;
 pub mod train;

@@ -35,7 +35,9 @@ fn main() -> ExitCode {
     dflash_host::out::init_logging();
     dflash_host::memory_estimate::install_oom_hook();
     match run() {
-        Ok(code) => code,
+        // A rank that served its replica's target until its lead stopped for a signal exits
+        // with the signal's code, as the lead does.
+        Ok(code) => dflash_host::signals::exit_code(code),
         Err(e) => {
             // One line: causes joined by ": " (multi-line causes flattened), tagged with the rank;
             // a closed stderr is no panic either.

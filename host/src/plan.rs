@@ -66,10 +66,17 @@ pub fn read_bench(path: &Path) -> Result<StageTimes> {
     })
 }
 
+/// The most GPUs a plan splits: it lists a split for every number of target GPUs a drafter GPU
+/// serves, and no pipeline spreads one target over more GPUs than a large cluster job holds.
+pub const MAX_GPUS: u64 = 4096;
+
 /// Every split of `gpus`, the best (most tokens a second, then fewest GPUs busy) first.
 pub fn plan(t: &StageTimes, gpus: u64) -> Result<Vec<Split>> {
     if gpus == 0 {
         bail!("--gpus: at least one GPU");
+    }
+    if gpus > MAX_GPUS {
+        bail!("--gpus {gpus}: at most {MAX_GPUS} (the plan lists a split for each number of target GPUs)");
     }
     let tokens = (t.batch_size * t.seq_len) as f64;
     let mut out = vec![Split {

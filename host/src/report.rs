@@ -84,9 +84,12 @@ pub fn report(exp: &Path) -> Result<Report> {
     let int = |key: &str| train.and_then(|t| t.get(key)).and_then(|v| v.as_integer()).map(|v| v as u64);
     let steps = int("steps").with_context(|| format!("{}: no train.steps", cfg_path.display()))?;
     let grad_accum = int("grad_accum").unwrap_or(1);
+    // Line by line through the cap every reader of metrics.jsonl uses: a corrupt line is refused
+    // before it is held whole.
     let path = exp.join(METRICS);
-    let text = input_files::read_to_string_capped(&path, 1 << 30)?;
-    from_metrics(&text, &path.display().to_string(), steps, grad_accum)
+    let file = path.display().to_string();
+    let windows = parse(crate::experiment::metrics::lines(&path)?.map(|l| l.map_err(Into::into)), &file)?;
+    from_windows(windows, &file, steps, grad_accum)
 }
 
 /// One window of metrics.jsonl, as far as the report needs it.
@@ -102,14 +105,15 @@ struct Window {
     q_hs_now: usize,
 }
 
-fn parse(text: &str, file: &str) -> Result<Vec<Window>> {
+fn parse(lines: impl Iterator<Item = Result<String>>, file: &str) -> Result<Vec<Window>> {
     let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
+    for (i, line) in lines.enumerate() {
+        let line = line?;
         if line.trim().is_empty() {
             continue;
         }
         let v: serde_json::Value =
-            serde_json::from_str(line).with_context(|| format!("{file}:{}: not a JSON line", i + 1))?;
+            serde_json::from_str(&line).with_context(|| format!("{file}:{}: not a JSON line", i + 1))?;
         let Some(target_s) = v.get("target_s").and_then(|x| x.as_f64()) else { continue }; // not a step line
         let num =
             |k: &str| v.get(k).and_then(|x| x.as_f64()).with_context(|| format!("{file}:{}: no number `{k}`", i + 1));
@@ -130,7 +134,10 @@ fn parse(text: &str, file: &str) -> Result<Vec<Window>> {
 
 /// The report from metrics.jsonl's text (`file` names it in errors).
 pub fn from_metrics(text: &str, file: &str, steps_total: u64, grad_accum: u64) -> Result<Report> {
-    let windows = parse(text, file)?;
+    from_windows(parse(text.lines().map(|l| Ok(l.to_string())), file)?, file, steps_total, grad_accum)
+}
+
+fn from_windows(windows: Vec<Window>, file: &str, steps_total: u64, grad_accum: u64) -> Result<Report> {
     if windows.is_empty() {
         bail!("{file}: no step lines yet (the first comes after train.log_every steps)");
     }

@@ -1,8 +1,10 @@
 //! `ab --jobs N`: the runs of a phase trained N at a time, each its own `dflash-host ab --only
 //! RUN` process (its own seed, allocator and device context, as a separate `train` would have),
 //! its log lines tagged with the run's folder name. Small runs leave most of a GPU idle; several
-//! at once fill it. SIGTERM is passed on to the running ones (each checkpoints and stops); Ctrl-C
-//! reaches them from the terminal directly. A run that fails or is interrupted starts no new one.
+//! at once fill it. The runs are this process's children under the signal policy of every command
+//! (crate::signals): SIGINT, SIGTERM and SIGHUP reach each running run once (it checkpoints and
+//! stops), no new run starts, and the phase is not done (the A/B exits with the signal's code and
+//! a rerun resumes); the runs die with this process. A run that fails starts no new one either.
 
 use super::{ArmRun, How, Stage};
 use anyhow::{bail, Context, Result};
@@ -11,10 +13,6 @@ use std::{
     os::unix::process::ExitStatusExt,
     path::Path,
     process::{Child, Command},
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
     time::Duration,
 };
 
@@ -22,6 +20,9 @@ use std::{
 pub struct Jobs<'a> {
     pub config: &'a Path,
     pub how: &'a How,
+    /// Installed by the first phase and kept to the end of the A/B: a signal between phases
+    /// stops the next one before it starts a run.
+    pub forward: Option<crate::signals::Forward>,
 }
 
 /// An `ab --only` process and the run it trains.
@@ -32,31 +33,31 @@ struct Running {
 
 impl Jobs<'_> {
     /// Train `runs` (and their evaluations for `stage`), `how.jobs` at a time. Returns the exit
-    /// code when runs were interrupted (rerunning the A/B resumes them); an error names every run
-    /// that failed.
-    pub fn run(&self, runs: &[&ArmRun], stage: Stage) -> Result<Option<u8>> {
-        let (term, int) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-        signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&term))?;
-        // Ctrl-C reaches the runs from the terminal; this process waits for their checkpoints.
-        signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&int))?;
+    /// code when a signal stopped the phase (rerunning the A/B resumes it); an error names every
+    /// run that failed.
+    pub fn run(&mut self, runs: &[&ArmRun], stage: Stage) -> Result<Option<u8>> {
+        let mut forward = match self.forward.take() {
+            Some(f) => f,
+            None => crate::signals::Forward::install()?,
+        };
+        let stopped = self.run_with(&mut forward, runs, stage);
+        self.forward = Some(forward);
+        stopped
+    }
+
+    fn run_with(&self, forward: &mut crate::signals::Forward, runs: &[&ArmRun], stage: Stage) -> Result<Option<u8>> {
         let mut queue = runs.iter().rev().map(|r| folder(r)).collect::<Vec<_>>();
         let (total, mut running, mut ended) = (runs.len(), Vec::<Running>::new(), Vec::<(String, i32)>::new());
-        let mut forwarded = false;
+        forward.pass_on(&[]); // a signal since the last phase
         while !queue.is_empty() || !running.is_empty() {
-            let stopping = forwarded || int.load(Ordering::Relaxed) || ended.iter().any(|(_, code)| *code != 0);
+            forward.pass_on(&running.iter().map(|r| r.child.id()).collect::<Vec<_>>());
+            let stopping = forward.code().is_some() || ended.iter().any(|(_, code)| *code != 0);
             while running.len() < self.how.jobs && !stopping {
                 let Some(name) = queue.pop() else { break };
                 let phase = if stage == Stage::First { 1 } else { 2 };
                 let k = total - queue.len();
                 tracing::info!("A/B phase {phase}, run {k}/{total}: `{name}` started ({} at once)", self.how.jobs);
                 running.push(Running { child: self.start(&name, stage)?, name });
-            }
-            if term.load(Ordering::Relaxed) && !forwarded {
-                forwarded = true;
-                for r in &running {
-                    // SAFETY: a plain kill(2) on our own child's pid.
-                    unsafe { libc::kill(r.child.id() as i32, signal_hook::consts::SIGTERM) };
-                }
             }
             let mut i = 0;
             while i < running.len() {
@@ -77,16 +78,16 @@ impl Jobs<'_> {
             }
             std::thread::sleep(Duration::from_millis(200));
         }
-        let failed: Vec<&(String, i32)> = ended.iter().filter(|(_, code)| *code != 0).collect();
-        if failed.is_empty() {
-            return Ok(None);
-        }
         // SIGINT, SIGTERM and SIGHUP stop a run with a checkpoint and status 130 / 143 / 129.
-        if failed.iter().all(|(_, code)| matches!(code, 129 | 130 | 143)) {
-            return Ok(Some(failed[0].1 as u8));
+        let failed: Vec<&(String, i32)> =
+            ended.iter().filter(|(_, code)| *code != 0 && !matches!(code, 129 | 130 | 143)).collect();
+        if !failed.is_empty() {
+            let names: Vec<String> = failed.iter().map(|(n, c)| format!("`{n}` (status {c})")).collect();
+            bail!("A/B: {} of {total} runs failed: {} (their logs above name why)", failed.len(), names.join(", "));
         }
-        let names: Vec<String> = failed.iter().map(|(n, c)| format!("`{n}` (status {c})")).collect();
-        bail!("A/B: {} of {total} runs failed: {} (their logs above name why)", failed.len(), names.join(", "))
+        // A signal stops the phase: whatever its runs did, it is not done, and a rerun goes on.
+        let stopped = ended.iter().find(|(_, code)| *code != 0).map(|(_, code)| *code as u8);
+        Ok(forward.code().or(stopped))
     }
 
     /// `dflash-host ab --config C [--seeds N] [--device D] --only NAME --stage S`, its log lines
@@ -105,11 +106,9 @@ impl Jobs<'_> {
             Stage::Compared => "compared",
         };
         args.extend(["--only".into(), name.into(), "--stage".into(), stage.into()]);
-        Command::new(exe)
-            .args(args)
-            .env(crate::out::LOG_TAG, name)
-            .spawn()
-            .with_context(|| format!("starting run `{name}`"))
+        let mut cmd = Command::new(exe);
+        cmd.args(args).env(crate::out::LOG_TAG, name);
+        crate::signals::spawn_child(&mut cmd).with_context(|| format!("starting run `{name}`"))
     }
 }
 

@@ -449,7 +449,7 @@ pub fn run(
         crate::experiment::guard::check_out_folder("--out", out, &[ab_file])?;
     }
     let plan = how.plan(config, registry)?;
-    let jobs = jobs::Jobs { config, how };
+    let mut jobs = jobs::Jobs { config, how, forward: None };
     let report = plan.dir.join("report");
     let first: Vec<&ArmRun> = plan.first_seed_runs().collect();
     let swept = plan.arms.iter().filter(|a| !a.fields.is_empty()).count();

@@ -4,15 +4,17 @@
 //! environment sets one), which tells this run's ranks from another's at the rendezvous. The
 //! launcher waits for them; when one fails, the
 //! others stop on their own with an error naming it (dist.rs), and any still running after
-//! [`GRACE`] are ended. SIGTERM is passed on to the ranks (each finishes its step and writes a
-//! checkpoint); Ctrl-C reaches them from the terminal directly.
+//! [`GRACE`] are ended. The ranks are this launcher's children under the signal policy of every
+//! command (crate::signals): SIGINT, SIGTERM and SIGHUP, whether sent to the launcher or typed at
+//! its terminal, reach each rank once, from the launcher (each finishes its step and writes a
+//! checkpoint; a rank serving a target replica waits for its lead), and the ranks die with the
+//! launcher.
 
 use anyhow::{Context, Result};
 use std::{
     ffi::OsString,
     os::unix::process::ExitStatusExt,
     process::{Child, Command, ExitCode, ExitStatus},
-    sync::{atomic::AtomicBool, Arc},
     time::{Duration, Instant},
 };
 
@@ -67,9 +69,12 @@ fn random_token() -> String {
 }
 
 /// Start `nproc` ranks of `args` (this binary's arguments, without `--nproc`) and wait for them.
-/// Returns the exit code: the first failing rank's, else 0 (or the code they all share, such as
-/// 130 after Ctrl-C).
+/// Returns the exit code: the first failing rank's, else rank 0's (0, or 130 / 143 / 129 when a
+/// signal stopped them).
 pub fn launch(nproc: usize, args: &[OsString]) -> Result<u8> {
+    if nproc == 0 {
+        anyhow::bail!("--nproc 0: at least one rank");
+    }
     let exe = std::env::current_exe().context("this binary's path")?;
     let addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
     let port = match std::env::var("MASTER_PORT") {
@@ -77,29 +82,24 @@ pub fn launch(nproc: usize, args: &[OsString]) -> Result<u8> {
         Err(_) => std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string(),
     };
     let token = std::env::var("DFLASH_RUN_TOKEN").ok().filter(|t| !t.is_empty()).unwrap_or_else(random_token);
-    let term = Arc::new(AtomicBool::new(false));
-    let int = Arc::new(AtomicBool::new(false));
-    signal_hook::flag::register(signal_hook::consts::SIGTERM, Arc::clone(&term))?;
-    signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&int))?;
+    let mut forward = crate::signals::Forward::install()?;
     tracing::info!("launching {nproc} ranks through {addr}:{port}");
     let mut ranks: Vec<(usize, Child)> = Vec::new();
     for rank in 0..nproc {
-        let child = Command::new(&exe)
-            .args(&args[1..])
+        let mut cmd = Command::new(&exe);
+        cmd.args(&args[1..])
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())
             .env("WORLD_SIZE", nproc.to_string())
             .env("LOCAL_WORLD_SIZE", nproc.to_string())
             .env("MASTER_ADDR", &addr)
             .env("MASTER_PORT", &port)
-            .env("DFLASH_RUN_TOKEN", &token)
-            .spawn()
-            .with_context(|| format!("starting rank {rank}"))?;
+            .env("DFLASH_RUN_TOKEN", &token);
+        let child = crate::signals::spawn_child(&mut cmd).with_context(|| format!("starting rank {rank}"))?;
         ranks.push((rank, child));
     }
     let mut codes: Vec<Option<u8>> = vec![None; nproc];
     let mut failed: Option<(usize, Instant)> = None;
-    let mut forwarded = false;
     while codes.iter().any(Option::is_none) {
         for (rank, child) in &mut ranks {
             if codes[*rank].is_some() {
@@ -108,7 +108,10 @@ pub fn launch(nproc: usize, args: &[OsString]) -> Result<u8> {
             if let Some(status) = child.try_wait()? {
                 let code = status.code().map_or(128 + status.signal().unwrap_or(0) as u8, |c| c as u8);
                 codes[*rank] = Some(code);
-                if !status.success() {
+                // A rank that stopped for the signal passed on to it has not failed: the others
+                // finish their step and checkpoint in their own time.
+                let stopped = forward.code().is_some() && matches!(code, 129 | 130 | 143);
+                if !status.success() && !stopped {
                     tracing::warn!("rank {rank} {}", describe(status));
                     if failed.is_none() {
                         failed = Some((*rank, Instant::now()));
@@ -116,15 +119,9 @@ pub fn launch(nproc: usize, args: &[OsString]) -> Result<u8> {
                 }
             }
         }
-        if term.load(std::sync::atomic::Ordering::Relaxed) && !forwarded {
-            forwarded = true;
-            for (rank, child) in &ranks {
-                if codes[*rank].is_none() {
-                    // SAFETY: a plain kill(2) on our own child's pid.
-                    unsafe { libc::kill(child.id() as i32, signal_hook::consts::SIGTERM) };
-                }
-            }
-        }
+        let running: Vec<u32> =
+            ranks.iter().filter(|(rank, _)| codes[*rank].is_none()).map(|(_, child)| child.id()).collect();
+        forward.pass_on(&running);
         if let Some((r, at)) = failed {
             if at.elapsed() > GRACE {
                 for (rank, child) in &mut ranks {

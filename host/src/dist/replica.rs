@@ -304,6 +304,11 @@ pub fn serve(target: &mut TargetHandle, layout: &Layout, store: Store, lead_beat
 /// [`serve`], with `at_end` run on the store once the lead posted the end of the run (with the
 /// number of calls served), before this rank says it has read it: what it writes there is in
 /// the store before the lead's target is dropped.
+///
+/// A stop signal (crate::signals) does not stop this rank by itself: its lead stops the run (a
+/// trainer after its step and checkpoint, which need this rank's part of the target) and posts
+/// the end. Should the lead be gone after a signal instead (a command that a signal ends at
+/// once), this rank ends with it, quietly; either way it exits with the signal's code.
 pub fn serve_then(
     target: &mut TargetHandle,
     layout: &Layout,
@@ -311,10 +316,29 @@ pub fn serve_then(
     lead_beat: &str,
     at_end: impl FnOnce(&Store, u64) -> Result<()>,
 ) -> Result<u64> {
+    let stop = crate::signals::StopSignal::install()?;
+    let mut served = 0u64;
+    match (serve_calls(target, layout, store, lead_beat, at_end, &mut served), stop.requested()) {
+        (Err(e), Some(code)) => {
+            let sig = crate::signals::StopSignal::name(code);
+            tracing::info!("{sig}, and target replica {} ended without its lead's word: {e:#}", layout.index);
+            Ok(served)
+        }
+        (done, _) => done,
+    }
+}
+
+fn serve_calls(
+    target: &mut TargetHandle,
+    layout: &Layout,
+    store: Store,
+    lead_beat: &str,
+    at_end: impl FnOnce(&Store, u64) -> Result<()>,
+    served: &mut u64,
+) -> Result<u64> {
     let mut calls = Calls { store, prefix: layout.prefix(), next: 0 };
     let lead = layout.lead_of(layout.index);
     let gone = |why: String| anyhow!("rank {lead} gone (the lead of target replica {}): {why}", layout.index);
-    let mut served = 0u64;
     loop {
         let key = calls.key();
         let (mut beat, mut since) = (calls.store.add(lead_beat, 0).map_err(|e| gone(e.to_string()))?, Instant::now());
@@ -345,12 +369,12 @@ pub fn serve_then(
             }
             Call::CacheTruncate { len } => target.cache_truncate(len).map_err(failed)?,
             Call::Stop => {
-                at_end(&calls.store, served)?;
+                at_end(&calls.store, *served)?;
                 let _ = calls.store.add(DONE_KEY, 1);
-                return Ok(served);
+                return Ok(*served);
             }
         }
-        served += 1;
+        *served += 1;
     }
 }
 

@@ -4,13 +4,7 @@
 use anyhow::{bail, Result};
 use plugin_api::{tch::Tensor, NamedTensor};
 use serde::{Deserialize, Serialize};
-use std::{
-    sync::{
-        atomic::{AtomicBool, AtomicUsize, Ordering},
-        Arc,
-    },
-    time::Instant,
-};
+use std::time::Instant;
 
 /// One metrics.jsonl record.
 #[derive(Debug, Clone, Serialize)]
@@ -203,43 +197,7 @@ pub struct DistillSummary {
     pub seconds: f64,
 }
 
-/// SIGINT / SIGTERM / SIGHUP (a closed terminal): the first lets the current step finish, then a
-/// checkpoint is written and the run stops (exit 130 / 143 / 129); a second one exits at once
-/// (checkpoints are written whole or not at all, so nothing on disk is left half-written).
-pub struct StopSignal {
-    code: Arc<AtomicUsize>,
-}
-
-impl StopSignal {
-    pub fn install() -> Result<Self> {
-        use signal_hook::{consts::*, flag};
-        let code = Arc::new(AtomicUsize::new(0));
-        let seen = Arc::new(AtomicBool::new(false));
-        for (sig, exit) in [(SIGINT, 130), (SIGTERM, 143), (SIGHUP, 129)] {
-            flag::register_conditional_shutdown(sig, exit, Arc::clone(&seen))?;
-            flag::register(sig, Arc::clone(&seen))?;
-            flag::register_usize(sig, Arc::clone(&code), exit as usize)?;
-        }
-        Ok(Self { code })
-    }
-
-    /// The signal an exit code stands for.
-    pub fn name(code: u8) -> &'static str {
-        match code {
-            130 => "SIGINT",
-            129 => "SIGHUP",
-            _ => "SIGTERM",
-        }
-    }
-
-    /// The exit code if a signal asked to stop.
-    pub fn requested(&self) -> Option<u8> {
-        match self.code.load(Ordering::Relaxed) {
-            0 => None,
-            c => Some(c as u8),
-        }
-    }
-}
+pub use crate::signals::StopSignal;
 
 /// Sums over the logging window that the loss and accuracy lines come from (checkpointed).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -415,8 +415,8 @@ impl ChatData {
             _ => (template::CHATML.to_string(), TemplateSource::Builtin { name: "chatml", fallback: true }),
         };
         let kwargs: Vec<(String, serde_json::Value)> = self.cfg.template_kwargs.clone().into_iter().collect();
-        ChatTemplate::new(&text, &[], &kwargs)
-            .map_err(|e| PluginError::new(format!("{}: {e}", self.describe_source(&source))))?;
+        let name = self.describe_source(&source);
+        ChatTemplate::named(&name, &text, &[], &kwargs).map_err(|e| PluginError::new(format!("{name}: {e}")))?;
         self.template_text = text;
         self.template_source = source;
         Ok(self)
@@ -639,8 +639,9 @@ impl ChatData {
             special.push(("pad_token", p));
         }
         let kwargs: Vec<(String, serde_json::Value)> = self.cfg.template_kwargs.clone().into_iter().collect();
-        let tpl = ChatTemplate::new(&self.template_text, &special, &kwargs)
-            .map_err(|e| PluginError::new(format!("{}: {e}", self.describe_source(&self.template_source))))?;
+        let name = self.describe_source(&self.template_source);
+        let tpl = ChatTemplate::named(&name, &self.template_text, &special, &kwargs)
+            .map_err(|e| PluginError::new(format!("{name}: {e}")))?;
         if let TemplateSource::Builtin { name, fallback } = self.template_source {
             // A built-in template writes its markers as text: unless the tokenizer has them as
             // special tokens, the drafter would learn a format the target does not speak.
@@ -1163,7 +1164,6 @@ impl plugin_api::Section for ChatSection {
 
 plugin_api::declare_plugin!(data_chat, info, create, section = ChatSection);
 
-#[cfg(test)]
-mod alloc_meter;
+mod memory;
 #[cfg(test)]
 mod tests;

@@ -15,7 +15,10 @@
 //! budget cannot pay for it), an output cap ([`MAX_OUTPUT`]), and functions of our own that charge
 //! for what they make (`tojson`) or refuse what no real template asks (`strftime_now` formats past
 //! [`MAX_STRFTIME_FORMAT`]). A template past a limit fails with [`TemplateError::Limit`], which
-//! says which limit; the caller names the template's source.
+//! says which limit; the caller names the template's source. Under them all, a memory limit
+//! ([`MAX_MEMORY`], crate::memory) sees every byte a rendering holds, including the values
+//! minijinja builds without charging fuel; past it the process ends with a line naming the
+//! template and the limit.
 //!
 //! The mask: each assistant message's content is rendered once more between two private-use
 //! sentinel characters; where they land in the output, with the sentinels removed, is where the
@@ -44,6 +47,12 @@ pub const FUEL: u64 = 4_000_000;
 
 /// Bytes a rendering may write: a conversation of any trainable length is far shorter.
 pub const MAX_OUTPUT: usize = 64 << 20;
+
+/// Memory a rendering may hold (live bytes on its thread beyond what it started with): well above
+/// the data the fuel lets it make (~256 MB, held in buffers that grow by doubling) and the output
+/// it may write; a value minijinja builds without charging fuel (a list added to itself in a
+/// loop) stops here.
+pub const MAX_MEMORY: usize = 1 << 30;
 
 /// Bytes of a `strftime_now` format (real templates pass `"%d %b %Y"` and the like).
 pub const MAX_STRFTIME_FORMAT: usize = 256;
@@ -196,6 +205,8 @@ pub struct ChatTemplate {
     extra: Vec<(String, Value)>,
     /// Text that closes an assistant turn (`<|im_end|>`), if the template writes one.
     closing: Option<String>,
+    /// What the template is (its source), for the memory limit's line.
+    name: String,
 }
 
 /// One message as templates see it (`message.role`, `message.content`).
@@ -228,6 +239,17 @@ impl ChatTemplate {
         special: &[(&str, String)],
         kwargs: &[(String, serde_json::Value)],
     ) -> Result<Self, TemplateError> {
+        Self::named("the chat template", source, special, kwargs)
+    }
+
+    /// [`new`](Self::new), `name` saying what the template is (its source) where the memory
+    /// limit stops it.
+    pub fn named(
+        name: &str,
+        source: &str,
+        special: &[(&str, String)],
+        kwargs: &[(String, serde_json::Value)],
+    ) -> Result<Self, TemplateError> {
         let mut env = Environment::new();
         env.set_fuel(Some(FUEL));
         let mut syntax = minijinja::syntax::SyntaxConfig::builder();
@@ -252,7 +274,7 @@ impl ChatTemplate {
             extra.retain(|(name, _)| name != k);
             extra.push((k.clone(), Value::from(Serde(v))));
         }
-        let mut t = ChatTemplate { env, extra, closing: None };
+        let mut t = ChatTemplate { env, extra, closing: None, name: name.to_string() };
         t.closing = t.probe_closing();
         Ok(t)
     }
@@ -286,7 +308,8 @@ impl ChatTemplate {
         ctx.extend(self.extra.iter().cloned());
         let ctx = Value::from(ctx.into_iter().collect::<std::collections::BTreeMap<String, Value>>());
         let mut out = CappedOutput { bytes: Vec::new(), full: false };
-        let fuel = match tmpl.render_captured_to(ctx, &mut out) {
+        let rendered = crate::memory::limited(&self.name, MAX_MEMORY, || tmpl.render_captured_to(ctx, &mut out));
+        let fuel = match rendered {
             Ok(done) => done.state().fuel_levels().map_or(0, |(used, _)| used),
             Err(e) => return Err(render_error(e, out.full)),
         };
@@ -924,7 +947,7 @@ mod tests {
     /// the seconds it took and the most memory it held at once.
     fn render_hostile(source: &str) -> (String, f64, usize) {
         let t0 = std::time::Instant::now();
-        let (err, peak) = crate::alloc_meter::measure(1 << 30, || {
+        let (err, peak) = crate::memory::measure(1 << 30, || {
             let t = ChatTemplate::new(source, &[], &[]).unwrap_or_else(|e| panic!("{source}: {e}"));
             match t.render(&[], false) {
                 Ok(text) => panic!("{source}: rendered {} bytes", text.len()),
