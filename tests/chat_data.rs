@@ -218,17 +218,21 @@ fn a_target_without_a_pad_token_trains_without_mask_token_id() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(
-        err.contains("[drafter] mask_token_id = 62 (`t62`): the target has no pad token; a special token its chat \
-                      template never renders"),
+        err.contains(
+            "[drafter] mask_token_id = 62 (`t62`): the target has no pad token; a special token its chat \
+                      template never renders"
+        ),
         "{err}"
     );
     let manifest: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("exp/manifest.json")).unwrap()).unwrap();
-    assert_eq!((manifest["mask_token"]["id"].as_u64(), manifest["mask_token"]["token"].as_str()), (Some(62), Some("t62")));
-    let saved: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.path().join("exp/checkpoints/step-4/config.json")).unwrap(),
-    )
-    .unwrap();
+    assert_eq!(
+        (manifest["mask_token"]["id"].as_u64(), manifest["mask_token"]["token"].as_str()),
+        (Some(62), Some("t62"))
+    );
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("exp/checkpoints/step-4/config.json")).unwrap())
+            .unwrap();
     assert_eq!(saved["dflash_config"]["mask_token_id"], 62);
 
     // The fixture's own tokenizer declares no special token: one line says so and what to set.

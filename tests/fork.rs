@@ -195,7 +195,10 @@ fn a_fork_switches_the_optimizer_both_ways_printing_the_effective_section() {
     };
     let rows = section(&out);
     let row = |rows: &[String], field: &str| -> String {
-        rows.iter().find(|r| r.starts_with(&format!("{field} ="))).cloned().unwrap_or_else(|| panic!("{field}: {rows:#?}"))
+        rows.iter()
+            .find(|r| r.starts_with(&format!("{field} =")))
+            .cloned()
+            .unwrap_or_else(|| panic!("{field}: {rows:#?}"))
     };
     assert!(out.contains("[optimizer] switched from `adamw` to `muon`; the effective section:"), "{out}");
     assert!(row(&rows, "lr").contains("0.003") && row(&rows, "lr").ends_with("# kept from `adamw`"), "{rows:#?}");

@@ -567,7 +567,8 @@ fn ids_file(dir: &Path) -> PathBuf {
 /// it, every clause passing. The library it built, copied where no running host maps it.
 fn run_printed_line(out: &Output, name: &str) -> PathBuf {
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    let line = text.lines().find_map(|l| l.strip_prefix("next: ")).unwrap_or_else(|| panic!("no next: line in\n{text}"));
+    let line =
+        text.lines().find_map(|l| l.strip_prefix("next: ")).unwrap_or_else(|| panic!("no next: line in\n{text}"));
     let so = root().join(format!("target/release/lib{name}.so"));
     assert!(line.contains(&format!("plugins check {}", so.display())), "{line}");
     let _one_at_a_time = common::BUILDS.lock().unwrap_or_else(|e| e.into_inner());

@@ -253,7 +253,12 @@ pub fn lines(r: &Report) -> Vec<String> {
     if finished {
         out.push(format!("step           {:.3} s measured; finished: all {} steps done", r.step_s, r.steps_total));
     } else {
-        out.push(format!("step           {:.3} s measured; ETA {} to step {}", r.step_s, duration(r.eta_s), r.steps_total));
+        out.push(format!(
+            "step           {:.3} s measured; ETA {} to step {}",
+            r.step_s,
+            duration(r.eta_s),
+            r.steps_total
+        ));
     }
     out.push(epoch_line(&r.epochs, finished));
     for w in &r.what_if {

@@ -467,7 +467,8 @@ fn split_by_settings(runs: &mut [Run]) {
     groups.sort();
     groups.dedup();
     for group in groups {
-        let members: Vec<usize> = (0..runs.len()).filter(|&i| runs[i].grouped_by_name && runs[i].group == group).collect();
+        let members: Vec<usize> =
+            (0..runs.len()).filter(|&i| runs[i].grouped_by_name && runs[i].group == group).collect();
         let Some(first) = members.iter().find_map(|&i| runs[i].settings.clone()) else { continue };
         for &i in &members {
             let Some(settings) = &runs[i].settings else { continue };
@@ -479,7 +480,8 @@ fn split_by_settings(runs: &mut [Run]) {
             differs.sort_by_key(|k| !k.ends_with(".plugin")); // a plugin switched says most
             let differs: Vec<String> =
                 differs.iter().map(|k| format!("{k}={}", settings.get(*k).map_or("-", String::as_str))).collect();
-            let shown = if differs.len() > 3 { format!("{}, ...", differs[..3].join(", ")) } else { differs.join(", ") };
+            let shown =
+                if differs.len() > 3 { format!("{}, ...", differs[..3].join(", ")) } else { differs.join(", ") };
             runs[i].group = format!("{group} ({shown})");
         }
     }

@@ -16,8 +16,8 @@ mod switch;
 
 pub use locate::{locate_key, locate_plugin_error, toml_error};
 pub use overrides::{set_dotted, Override};
-pub use switch::{effective_section, PluginSwitch};
 pub use sections::{AnchorRule, LossGamma, LossNormalization, PipelineConfig, TrainConfig};
+pub use switch::{effective_section, PluginSwitch};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};

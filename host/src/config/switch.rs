@@ -59,7 +59,12 @@ pub fn switches(base: &toml::Table, now: &[(&str, &toml::Table)]) -> Vec<PluginS
 /// The effective section after a switch, one field a line with where its value came from:
 /// `set by --set ...`, `kept from <old plugin>` or `default`. Tables within the section
 /// (`adamw.lr`) are listed by their dotted names; arrays of tables by their field's default.
-pub fn effective_section(switch: &PluginSwitch, doc: &SectionDoc, table: &toml::Table, overrides: &[Override]) -> String {
+pub fn effective_section(
+    switch: &PluginSwitch,
+    doc: &SectionDoc,
+    table: &toml::Table,
+    overrides: &[Override],
+) -> String {
     let section = &switch.section;
     let mut rows = vec![(format!("plugin = {:?}", switch.to), set_by(overrides, &format!("{section}.plugin")))];
     for t in doc.tables.iter().filter(|t| !t.array) {

@@ -139,24 +139,17 @@ fn switching_a_sections_plugin_drops_the_old_plugins_fields_and_keeps_lr() {
     );
     let o = |a: &str| Override::parse_set(a).unwrap();
     let load = |args: &[&str]| {
-        RunConfig::from_toml_with(Path::new("cfg.toml"), &text, &args.iter().map(|a| o(a)).collect::<Vec<_>>())
-            .unwrap()
+        RunConfig::from_toml_with(Path::new("cfg.toml"), &text, &args.iter().map(|a| o(a)).collect::<Vec<_>>()).unwrap()
     };
     let cfg = load(&["optimizer.plugin=adamw"]);
     assert_eq!(cfg.optimizer, toml::from_str("plugin = \"adamw\"\nlr = 3e-3\nweight_decay = 0.0").unwrap());
-    assert_eq!(
-        cfg.switches,
-        [PluginSwitch { section: "optimizer".into(), from: "muon".into(), to: "adamw".into() }]
-    );
+    assert_eq!(cfg.switches, [PluginSwitch { section: "optimizer".into(), from: "muon".into(), to: "adamw".into() }]);
     // A field set after the switch (or before it: the switch keeps it only if it is kept) wins.
     let cfg = load(&["optimizer.plugin=adamw", "optimizer.lr=1e-2", "optimizer.betas=[0.9, 0.95]"]);
     assert_eq!(cfg.optimizer["lr"].as_float(), Some(1e-2));
     assert_eq!(cfg.optimizer["betas"].as_array().map(Vec::len), Some(2));
     let cfg = load(&["optimizer={plugin=\"adamw\", eps=1e-6}"]);
-    assert_eq!(
-        cfg.optimizer,
-        toml::from_str("plugin = \"adamw\"\nlr = 3e-3\nweight_decay = 0.0\neps = 1e-6").unwrap()
-    );
+    assert_eq!(cfg.optimizer, toml::from_str("plugin = \"adamw\"\nlr = 3e-3\nweight_decay = 0.0\neps = 1e-6").unwrap());
     // The same plugin: a table merges into the section.
     let cfg = load(&["optimizer={plugin=\"muon\", adamw={betas=[0.9, 0.95]}}"]);
     assert_eq!(cfg.optimizer["momentum"].as_float(), Some(0.9));

@@ -229,7 +229,9 @@ pub fn model_card(exp_dir: &Path, ckpt: &Opened, out: &Path, registry: &Registry
             let at =
                 e["evaluated"]["checkpoint_step"].as_u64().map_or(String::new(), |s| format!(", checkpoint step-{s}"));
             let decoding = match e["max_new_tokens"].as_u64() {
-                Some(n) => format!(", {} decoding of at most {n} new tokens each", e["decoding"].as_str().unwrap_or("greedy")),
+                Some(n) => {
+                    format!(", {} decoding of at most {n} new tokens each", e["decoding"].as_str().unwrap_or("greedy"))
+                }
                 None => String::new(),
             };
             format!(

@@ -111,10 +111,9 @@ pub fn build_components(
     ctx.target = RSome(spec.clone());
     // A target without a pad token: the drafter's mask token picked from its vocabulary.
     let mut drafter_section = cfg.section("drafter");
-    let describes = registry
-        .find(PluginKind::Drafter, &drafter_section.plugin)?
-        .describe()?
-        .is_some_and(|d| d.tables.iter().any(|t| t.path.is_empty() && t.fields.iter().any(|f| f.name == "mask_token_id")));
+    let describes = registry.find(PluginKind::Drafter, &drafter_section.plugin)?.describe()?.is_some_and(|d| {
+        d.tables.iter().any(|t| t.path.is_empty() && t.fields.iter().any(|f| f.name == "mask_token_id"))
+    });
     let mask_token = if describes && spec.pad_token_id.into_option().is_none_or(|p| p == spec.eos_token_id) {
         let templates = mask_token::templates(&spec, &cfg.data, config_dir);
         mask_token::fill(&mut drafter_section, describes, &spec, &target.tokenizer_json()?, &templates)?

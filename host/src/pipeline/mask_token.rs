@@ -153,8 +153,9 @@ mod tests {
         let used = [format!("{} [control_8]", templates[0])];
         let e = fill(&mut section(""), true, &spec(None), TOKENIZER, &used).unwrap_err().to_string();
         assert!(
-            e.contains("`<unk>` 0 (the unknown-word token), `<s>` 1 (BOS), `</s>` 2 (EOS), `[INST]` 3 (in the chat template)")
-                && e.contains("`[control_8]` 10 (in the chat template), `[big]` 99 (outside the vocabulary)"),
+            e.contains(
+                "`<unk>` 0 (the unknown-word token), `<s>` 1 (BOS), `</s>` 2 (EOS), `[INST]` 3 (in the chat template)"
+            ) && e.contains("`[control_8]` 10 (in the chat template), `[big]` 99 (outside the vocabulary)"),
             "{e}"
         );
         let e = fill(&mut section(""), true, &spec(None), r#"{"added_tokens": []}"#, &used).unwrap_err().to_string();

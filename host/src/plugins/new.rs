@@ -120,17 +120,24 @@ fn lock_packages() -> impl Iterator<Item = &'static str> {
     CARGO_LOCK.lines().filter_map(|l| l.strip_prefix("name = \"")?.strip_suffix('"'))
 }
 
-/// The libtorch this process runs on: the folder above the `lib/` that `libtorch_cpu.so` was
-/// mapped from, else `$LIBTORCH`, else the set-up cache's.
+/// The libtorch this process runs on, as torch-sys's build should be told it: the `LIBTORCH`
+/// the host was built with, written as it was (torch-sys builds again when the text differs),
+/// where it is the library loaded; else the folder above the `lib/` that `libtorch_cpu.so` was
+/// mapped from; else `$LIBTORCH`, else the set-up cache's.
 fn libtorch_in_use() -> Option<PathBuf> {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
     let mapped = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.ends_with("/libtorch_cpu.so"));
-    let from_maps = mapped.and_then(|p| Some(std::path::Path::new(p).parent()?.parent()?.to_path_buf()));
-    from_maps
-        .or_else(|| std::env::var_os("LIBTORCH").map(PathBuf::from))
-        .or_else(|| Some(crate::environment::cache_dir().join("libtorch")))
-        .filter(|p| p.join("include").is_dir() || p.join("lib").is_dir())
-        .and_then(|p| p.canonicalize().ok())
+    let loaded = mapped.and_then(|p| Some(std::path::Path::new(p).parent()?.parent()?.to_path_buf()));
+    let built = option_env!("DFLASH_BUILD_LIBTORCH")
+        .map(PathBuf::from)
+        .filter(|b| loaded.as_ref().is_none_or(|l| b.canonicalize().ok() == l.canonicalize().ok()));
+    built
+        .into_iter()
+        .chain(loaded)
+        .chain(std::env::var_os("LIBTORCH").map(PathBuf::from))
+        .chain([crate::environment::cache_dir().join("libtorch")])
+        .find(|p| p.join("lib").is_dir())
+        .map(|p| std::path::absolute(&p).unwrap_or(p))
 }
 
 /// The cargo target folder this binary was built in (`<it>/release/dflash-host`), if it runs
