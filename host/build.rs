@@ -9,6 +9,8 @@ fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     let mut dirs = vec!["$ORIGIN".to_string()];
     if let Ok(lt) = std::env::var("LIBTORCH") {
+        // As written: a plugin scaffold built with the same text reuses torch-sys's build.
+        println!("cargo:rustc-env=DFLASH_BUILD_LIBTORCH={lt}");
         dirs.push(format!("{lt}/lib"));
         dirs.push(format!("{lt}/../nvidia/cu13/lib"));
     }

@@ -161,3 +161,89 @@ fn doctor_prints_the_setup_in_one_screen() {
         assert!(stdout.contains("ready for device = \"cpu\""), "{stdout}");
     }
 }
+
+/// A Mistral-style target (no pad token, a `[INST]`-style template) and a config without
+/// `mask_token_id`, as a user writes it: the run trains, the log and the manifest name the token
+/// picked (a special token the chat template never renders); with no such token in the
+/// vocabulary the error lists the special tokens and why each is taken.
+#[test]
+fn a_target_without_a_pad_token_trains_without_mask_token_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("mistral");
+    std::fs::create_dir(&model).unwrap();
+    let fixture = common::root().join("tests/fixtures/target_mistral");
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let name = entry.unwrap().file_name();
+        if name != "reference.safetensors" {
+            std::fs::copy(fixture.join(&name), model.join(&name)).unwrap();
+        }
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    assert!(config["pad_token_id"].is_null(), "the fixture has a pad token");
+    // Mistral's layout in the fixture's words: t1 BOS, t2 and t61 its `[INST]` `[/INST]`, t63 EOS;
+    // t62 a special token nothing renders.
+    let template = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}t2 {{ m['content'] }} t61 \
+                    {% else %}{{ m['content'] }} t63 {% endif %}{% endfor %}";
+    std::fs::write(
+        model.join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": template, "bos_token": "t1", "eos_token": "t63"}).to_string(),
+    )
+    .unwrap();
+    let plain = std::fs::read_to_string(model.join("tokenizer.json")).unwrap();
+    let mut tokenizer: serde_json::Value = serde_json::from_str(&plain).unwrap();
+    tokenizer["added_tokens"] = [0, 1, 2, 61, 62, 63]
+        .iter()
+        .map(|&id| {
+            serde_json::json!({"id": id, "content": format!("t{id}"), "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    std::fs::write(model.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    std::fs::write(dir.path().join("chats.jsonl"), common::tiny_chats(12)).unwrap();
+    let run = common::tiny_hf_config("name = \"nopad\"", "path = \"mistral\"", "chats.jsonl");
+    let run = run.replace("mask_token_id = 62\n", "");
+    assert!(!run.contains("mask_token_id"));
+    std::fs::write(dir.path().join("run.toml"), &run).unwrap();
+    let train = |exp: &str| {
+        Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+            .args(["train", "--config", "run.toml", "--exp-dir", exp])
+            .current_dir(dir.path())
+            .env("DFLASH_CACHE", cache())
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .unwrap()
+    };
+    let out = train("exp");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains(
+            "[drafter] mask_token_id = 62 (`t62`): the target has no pad token; a special token its chat \
+                      template never renders"
+        ),
+        "{err}"
+    );
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("exp/manifest.json")).unwrap()).unwrap();
+    assert_eq!(
+        (manifest["mask_token"]["id"].as_u64(), manifest["mask_token"]["token"].as_str()),
+        (Some(62), Some("t62"))
+    );
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("exp/checkpoints/step-4/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(saved["dflash_config"]["mask_token_id"], 62);
+
+    // The fixture's own tokenizer declares no special token: one line says so and what to set.
+    std::fs::write(model.join("tokenizer.json"), plain).unwrap();
+    let out = train("exp2");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.contains("field `mask_token_id`: not set")
+            && line.contains("its tokenizer declares no special tokens")
+            && line.contains("set `mask_token_id` to a token id the training data never contains"),
+        "{line}"
+    );
+}

@@ -131,7 +131,7 @@ fn eval_is_lossless_and_reports_acceptance() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let exp = dir.path().join("exp");
     let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
-        .args(["eval", "--limit", "3", "--max-new-tokens", "12", "--time-split", "--exp-dir"])
+        .args(["eval", "--limit", "3", "--max-new-tokens", "12", "--time-split", "--keep-tokens", "--exp-dir"])
         .arg(&exp)
         .env("DFLASH_CACHE", cache())
         .env_remove("RUST_BACKTRACE")
@@ -147,6 +147,19 @@ fn eval_is_lossless_and_reports_acceptance() {
         serde_json::from_str(&std::fs::read_to_string(exp.join("eval.json")).unwrap()).unwrap();
     assert_eq!(report["prompts"], 3);
     assert_eq!(report["lossless"], true);
+    // What it measured: the decode settings, and with --keep-tokens the token ids per prompt.
+    assert_eq!((report["max_new_tokens"].as_u64(), report["decoding"].as_str()), (Some(12), Some("greedy")));
+    assert_eq!(report["tokens_file"], "eval.tokens.jsonl");
+    let kept = std::fs::read_to_string(exp.join("eval.tokens.jsonl")).unwrap();
+    let kept: Vec<serde_json::Value> = kept.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(kept.len(), 3);
+    for (i, k) in kept.iter().enumerate() {
+        let (target, spec) = (k["target_ids"].as_array().unwrap(), k["speculative_ids"].as_array().unwrap());
+        assert_eq!(k["prompt"], i);
+        assert!(!k["prompt_ids"].as_array().unwrap().is_empty() && target == spec && target.len() <= 12, "{k}");
+    }
+    let new_tokens: usize = kept.iter().map(|k| k["speculative_ids"].as_array().unwrap().len()).sum();
+    assert_eq!(report["new_tokens"].as_u64(), Some(new_tokens as u64));
     // z-lab's tau (every cycle whole), the tokens kept per cycle and the pooled one: all within a
     // block (4).
     for key in ["tau", "tau_kept", "tau_pooled"] {
@@ -167,6 +180,10 @@ fn eval_is_lossless_and_reports_acceptance() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The target was a GGUF file: the printed lines hold a placeholder and say what to put there.
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(printed.contains("vllm serve HF_CHECKPOINT_OF_THE_TARGET \\\n"), "{printed}");
+    assert!(printed.contains("no HF checkpoint of it is known: put the hub id or the folder"), "{printed}");
     // Each config states the dtype of the weights beside it; the model card says how to serve.
     let dtype = |p: &std::path::Path| {
         serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(p).unwrap()).unwrap()["dtype"].clone()
@@ -184,6 +201,7 @@ fn eval_is_lossless_and_reports_acceptance() {
         "\"method\": \"dflash\"",
         "\"num_speculative_tokens\": 3",
         "verify cycles",
+        "greedy decoding of at most 12 new tokens each",
     ] {
         assert!(card.contains(want), "model card lacks {want:?}:\n{card}");
     }
@@ -786,10 +804,40 @@ fn a_hub_name_trains_distils_evaluates_and_exports_from_the_hf_cache() {
     assert_eq!((report["prompts"].as_u64(), report["lossless"].as_bool()), (Some(2), Some(true)), "{report}");
 
     let drafter = dir.path().join("drafter");
-    ok(common::host(&["export", "--exp-dir", &s(&exp), "--out", &s(&drafter)], &env), "export");
+    let out = common::host(&["export", "--exp-dir", &s(&exp), "--out", &s(&drafter)], &env);
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+    ok(out, "export");
     let card = std::fs::read_to_string(drafter.join("README.md")).unwrap();
     assert!(card.contains("# DFlash drafter for `Org/Tiny`"), "{card}");
     assert!(card.contains("--model-path Org/Tiny --revision v1"), "{card}");
+    // The printed lines name the hub id and revision the manifest records.
+    assert!(printed.contains("vllm serve Org/Tiny --revision v1 \\\n"), "{printed}");
+
+    // The same run with its target in a plain folder (no hub record): the printed lines name the
+    // folder by its absolute path, which exists, not by its bare name (a hub lookup to vLLM).
+    let folder = dir.path().join("tiny-model");
+    std::fs::create_dir_all(&folder).unwrap();
+    for entry in std::fs::read_dir(&snapshot).unwrap() {
+        let entry = entry.unwrap().path();
+        std::fs::copy(&entry, folder.join(entry.file_name().unwrap())).unwrap();
+    }
+    let local = dir.path().join("exp-local");
+    std::fs::create_dir_all(&local).unwrap();
+    let status = Command::new("cp").arg("-r").arg(exp.join("checkpoints")).arg(&local).status().unwrap();
+    assert!(status.success());
+    let mut m = manifest.clone();
+    m["target_source"] = s(&folder).into();
+    m.as_object_mut().unwrap().remove("target_hub");
+    std::fs::write(local.join("manifest.json"), serde_json::to_string_pretty(&m).unwrap()).unwrap();
+    let config = std::fs::read_to_string(exp.join("config.toml")).unwrap();
+    let config = config.replace("path = \"Org/Tiny\"", &format!("path = {:?}", s(&folder)));
+    std::fs::write(local.join("config.toml"), config.replace("revision = \"v1\"\n", "")).unwrap();
+    let out = common::host(&["export", "--exp-dir", &s(&local), "--out", &s(&dir.path().join("drafter2"))], &env);
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+    ok(out, "export of the folder's run");
+    let at = folder.canonicalize().unwrap();
+    assert!(at.is_dir() && printed.contains(&format!("vllm serve {} \\\n", at.display())), "{printed}");
+    assert!(printed.contains(&format!("--model-path {} \\\n", at.display())), "{printed}");
 
     // A revision the cache lacks: one line naming the name, the revision, the local path tried
     // and the cache folder, before the target loads or the experiment folder is made.

@@ -134,6 +134,13 @@ fn a_fork_stopped_midway_resumes_exactly_and_refuses_a_changed_config() {
     ok(host(&["train", "--resume"], &[&exp]));
     assert_eq!(losses_after(&exp, 0), losses_after(parent, AT));
     assert_eq!(weights(&exp, STEPS), weights(parent, STEPS));
+    // The summary's wall time (compare's `wall total`) counts every process: the parent's up to
+    // the fork, the stopped one and the resumed one, so never less than the training time the
+    // metrics count over them (the last process alone trained 3 of the 12 steps).
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exp.join("summary.json")).unwrap()).unwrap();
+    let elapsed = common::metrics(&exp, &["elapsed_s"]).last().unwrap()["elapsed_s"].as_f64().unwrap();
+    assert!(summary["wall_s"].as_f64().unwrap() >= elapsed, "{summary} vs elapsed_s {elapsed}");
     // A fork's folder is taken: a second fork into it is refused.
     let out = fork(parent, &exp, &[]);
     assert!(!out.status.success());
@@ -170,19 +177,74 @@ fn a_fork_switches_adamw_to_muon_with_a_fresh_state() {
     assert_ne!(weights(&exp, STEPS), weights(parent, STEPS));
 }
 
+/// The optimizer switched from the command line both ways, as a user types it: AdamW to Muon with
+/// a table, then that Muon run back to AdamW, whose Muon fields are dropped (not refused as
+/// unknown); each fork prints the effective section, saying which values were kept, set or
+/// defaulted, and the learning rate carries over.
+#[test]
+fn a_fork_switches_the_optimizer_both_ways_printing_the_effective_section() {
+    let parent = parent();
+    let dir = tempfile::tempdir().unwrap();
+    let muon = dir.path().join("muon");
+    let stop = (AT + 1).to_string();
+    let table = "optimizer={plugin=\"muon\", momentum=0.9}";
+    let out = ok(fork(parent, &muon, &["--set", table, "--stop-at", &stop]));
+    let section = |out: &str| -> Vec<String> {
+        let from = out.find("[optimizer] switched from").unwrap_or_else(|| panic!("no effective section:\n{out}"));
+        out[from..].lines().skip(1).take_while(|l| l.starts_with("  ")).map(|l| l.trim().to_string()).collect()
+    };
+    let rows = section(&out);
+    let row = |rows: &[String], field: &str| -> String {
+        rows.iter()
+            .find(|r| r.starts_with(&format!("{field} =")))
+            .cloned()
+            .unwrap_or_else(|| panic!("{field}: {rows:#?}"))
+    };
+    assert!(out.contains("[optimizer] switched from `adamw` to `muon`; the effective section:"), "{out}");
+    assert!(row(&rows, "lr").contains("0.003") && row(&rows, "lr").ends_with("# kept from `adamw`"), "{rows:#?}");
+    assert!(row(&rows, "momentum").ends_with(&format!("# set by --set {table}")), "{rows:#?}");
+    assert!(row(&rows, "adjust_lr").contains("match_rms_adamw") && row(&rows, "adjust_lr").ends_with("# default"));
+    assert!(row(&rows, "weight_decay").contains("0.0"), "{rows:#?}");
+    assert!(row(&rows, "adamw.lr").contains("the section's `lr`"), "{rows:#?}");
+    let saved = std::fs::read_to_string(muon.join("config.toml")).unwrap();
+    let saved: toml::Table = toml::from_str(&saved).unwrap();
+    assert_eq!(saved["optimizer"]["plugin"].as_str(), Some("muon"));
+    assert_eq!(saved["optimizer"]["momentum"].as_float(), Some(0.9));
+
+    // Back to AdamW: Muon's `momentum` is dropped, the lr kept.
+    let back = dir.path().join("back");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dflash-host"));
+    cmd.arg("fork").arg(&muon).args(["--at", &stop, "--exp-dir"]).arg(&back);
+    cmd.args(["--set", "optimizer.plugin=adamw", "--stop-at", &(AT + 2).to_string()]);
+    let out = ok(cmd.env("DFLASH_CACHE", cache()).env_remove("RUST_BACKTRACE").output().unwrap());
+    let rows = section(&out);
+    assert!(out.contains("[optimizer] switched from `muon` to `adamw`"), "{out}");
+    assert!(row(&rows, "lr").contains("0.003") && row(&rows, "lr").ends_with("# kept from `muon`"), "{rows:#?}");
+    assert!(row(&rows, "betas").ends_with("# default") && !rows.iter().any(|r| r.starts_with("momentum")));
+    let p = &manifest(&back)["parent"];
+    assert_eq!((p["optimizer_then"].as_str(), p["optimizer_now"].as_str()), (Some("muon"), Some("adamw")));
+    let saved: toml::Table = toml::from_str(&std::fs::read_to_string(back.join("config.toml")).unwrap()).unwrap();
+    let want: toml::Table = toml::from_str("plugin = \"adamw\"\nlr = 3e-3").unwrap();
+    assert_eq!(saved["optimizer"].as_table(), Some(&want));
+    assert_eq!(losses_after(&back, 0).len(), 1);
+}
+
 #[test]
 fn report_names_the_bound_stage_of_a_real_run() {
     let out = ok(host(&["report"], &[parent()]));
+    let done = format!("finished: all {STEPS} steps done");
     for want in [
         "batches/s per worker",
         "bound by",
         "queue q_hs",
         "what if        2x faster drafter step",
-        "ETA",
-        "epochs         in epoch",
+        done.as_str(),
+        "epochs         ",
     ] {
         assert!(out.contains(want), "no `{want}` in:\n{out}");
     }
+    // A finished run has no ETA to give (not "ETA 0 s").
+    assert!(!out.contains("ETA"), "{out}");
     assert!(out.contains(&format!("steps          {STEPS} of {STEPS}")), "{out}");
 }
 

@@ -279,6 +279,11 @@ pub struct EvalArgs {
     /// after each: slows decoding slightly.
     #[arg(long)]
     pub time_split: bool,
+    /// Keep the decoded token ids: per prompt its ids, the target's greedy reply and the
+    /// speculative one, as JSON lines beside the results (`eval.json` -> `eval.tokens.jsonl`),
+    /// to compare with a serving engine's output without decoding again.
+    #[arg(long)]
+    pub keep_tokens: bool,
     /// Start N local ranks (a target replica over N ranks, `[target] tensor_parallel = N`):
     /// rank 0 evaluates, the others serve its target.
     #[arg(long, value_name = "N", value_parser = nproc)]
@@ -425,7 +430,10 @@ pub enum PluginsCommand {
 pub struct ConfigOverrides {
     /// Set a config field (repeatable), typed as in the file, e.g. `--set data.max_len=512`; a
     /// table sets the fields it lists (`--set 'train={steps=400, log_every=5}'`), a relative path
-    /// is against the working folder.
+    /// is against the working folder. `--set optimizer.plugin=adamw` (or `--set
+    /// 'optimizer={plugin="adamw", eps=1e-6}'`) switches the section to another plugin: the old
+    /// plugin's fields are dropped, `lr` and `weight_decay` kept unless set, and the effective
+    /// section is printed.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
     /// The run's device (`cpu`, `cuda`, `cuda:N`).

@@ -62,8 +62,9 @@ pub fn export_experiment(
     let ckpt = checkpoint::find(exp_dir, step)?;
     let card = card::model_card(exp_dir, &ckpt, out, registry)?;
     write(&ckpt, out, force, Some(&card.text), &[], registry)?;
-    // The card's lines with the drafter at `--out` itself, as a shell takes them (no code fences).
-    let lines = card.serving.lines(&abs.display().to_string());
+    // The card's lines as they run here: the drafter at `--out` itself, the target where the
+    // servers find it from this machine, as a shell takes them (no code fences).
+    let lines = card.serving.lines_here(&abs.display().to_string());
     let serving = lines.lines().filter(|l| !l.starts_with("```")).collect::<Vec<_>>().join("\n");
     Ok(Exported { checkpoint: ckpt.dir, out: abs, serving })
 }

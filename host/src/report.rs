@@ -253,24 +253,41 @@ pub fn lines(r: &Report) -> Vec<String> {
             100.0 * r.q_hs_empty_share,
             r.wait_s
         ),
-        format!("step           {:.3} s measured; ETA {} to step {}", r.step_s, duration(r.eta_s), r.steps_total),
-        epoch_line(&r.epochs),
     ];
-    for w in &r.what_if {
+    // A finished run has nothing left to estimate: it says so, and the what-ifs say what each
+    // speed-up would have saved.
+    let finished = r.steps_done >= r.steps_total;
+    if finished {
+        out.push(format!("step           {:.3} s measured; finished: all {} steps done", r.step_s, r.steps_total));
+    } else {
         out.push(format!(
-            "what if        {}x faster {}: {:.3} s a step, ETA {} ({:.0}% less)",
+            "step           {:.3} s measured; ETA {} to step {}",
+            r.step_s,
+            duration(r.eta_s),
+            r.steps_total
+        ));
+    }
+    out.push(epoch_line(&r.epochs, finished));
+    for w in &r.what_if {
+        let eta = if finished { String::new() } else { format!(", ETA {}", duration(w.eta_s)) };
+        let less = if finished { "a step less" } else { "less" };
+        out.push(format!(
+            "what if        {}x faster {}: {:.3} s a step{eta} ({:.0}% {less})",
             w.k,
             w.what,
             w.step_s,
-            duration(w.eta_s),
             100.0 * w.saves
         ));
     }
     out
 }
 
-fn epoch_line(e: &Epochs) -> String {
+fn epoch_line(e: &Epochs, finished: bool) -> String {
     match (e.steps_per_epoch, e.configured, e.eta_epoch_end_s) {
+        (Some(n), Some(total), _) if finished => format!(
+            "epochs         {total:.2} epochs of ~{n:.0} steps each (ended in epoch {})",
+            e.current
+        ),
         (Some(n), Some(total), Some(eta)) => format!(
             "epochs         in epoch {} ({} completed, ~{n:.0} steps each): the configured steps make {total:.2} epochs; ETA {} to the end of epoch {}",
             e.current,
@@ -337,6 +354,10 @@ mod tests {
         assert!((r.bound_ratio - 3.0).abs() < 1e-9);
         assert!(r.q_hs_empty_share == 0.0 && r.q_hs_empty_share.is_sign_positive()); // printed "0%", not "-0%"
         assert_eq!(r.eta_s, 0.0);
+        // Finished: no ETA of 0 s, the run says it is done.
+        let printed = lines(&r).join("\n");
+        assert!(printed.contains("finished: all 20 steps done") && !printed.contains("ETA"), "{printed}");
+        assert!(printed.contains("2x faster drafter step: 2.000 s a step (33% a step less)"), "{printed}");
         let find = |what: &str, k: f64| r.what_if.iter().find(|w| w.what == what && w.k == k).unwrap().clone();
         // 2x drafter step: 1 + 1 = 2 s (a third less); 4x: 0.5 + 1 = 1.5 s.
         assert!((find("drafter step", 2.0).step_s - 2.0).abs() < 1e-9);

@@ -101,7 +101,7 @@ impl Fixture {
     }
 }
 
-static BUILDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+pub static BUILDS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Build an out-of-tree plugin crate into the workspace's target dir (sharing its compiled
 /// dependencies) and copy the library to a name of its own.

@@ -1,7 +1,8 @@
 //! `[eval]` in an A/B: after a run, real tau by speculative decoding of its newest checkpoint,
-//! in this process, into the files `eval` would write: `eval-validation.json` on the validation
-//! prompts (every run: a sweep may choose by it) and `eval.json` on the test prompts (the runs
-//! compared). A file already there is kept, so a rerun of the A/B does not redo it.
+//! in this process, into the files `eval` would write: `eval.json` on the test prompts (the runs
+//! compared) and `eval-validation.json` on the validation prompts where `select = "val_tau"`
+//! chooses by it (every run then; nothing else reads it). A file already there is kept, so a
+//! rerun of the A/B does not redo it.
 
 use super::EvalSpec;
 use crate::{

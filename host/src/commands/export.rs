@@ -10,5 +10,13 @@ pub fn run(args: ExportArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
     let done = crate::export::export_experiment(&exp_dir, checkpoint, &out, force, &registry)?;
     say!("exported {} -> {}", done.checkpoint.display(), done.out.display());
     say!("serve it with (see {}):\n\n{}", done.out.join("README.md").display(), done.serving);
+    if done.serving.contains(crate::export::card::NO_HF_CHECKPOINT) {
+        say!(
+            "\nthe target was a GGUF file, which the servers do not load, and no HF checkpoint of it is known: put the \
+             hub id or the folder of the same model's HF checkpoint (the full-precision weights the GGUF was made \
+             from) in place of {}",
+            crate::export::card::NO_HF_CHECKPOINT
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }

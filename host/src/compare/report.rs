@@ -594,7 +594,7 @@ pub fn render_markdown(
 tau_hat is the expected acceptance length implied by the per-position accuracies.\n\
 - **best loss**, **best tau_hat**: lowest loss / highest tau_hat among the records up to T and the value at T.\n\
 - **wall @T**: training seconds (`elapsed_s`) to reach T; **tok/s**: T / wall @T.\n\
-- **final tokens**, **wall total**: the run's own end (`summary.json`'s `wall_s`, else the last `elapsed_s`).\n\
+- **final tokens**, **wall total**: the run's own end (`summary.json`'s `wall_s`, every process of a resumed run counted, else the last `elapsed_s`).\n\
 - **tau (eval)**, **test tau (eval)**: measured acceptance length on the test prompts, from the run's `eval.json` \
 (`tau`), — when none; **val tau (eval)**: the same on the validation prompts (`eval-validation.json`).\n\
 - **val loss**, **val tau_hat**: the validation split's scores at the run's last evaluation (`train.eval_every`).\n\

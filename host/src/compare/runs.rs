@@ -151,6 +151,40 @@ pub struct Run {
     pub val_eval_tau: Option<f64>,
     /// The A/B arm the manifest names.
     pub arm: Option<String>,
+    /// What the run trained under, for grouping by name: its config's fields by dotted key
+    /// (values as TOML writes them), without those a repeat varies or that say where it runs
+    /// ([`NOT_GROUPING`]).
+    pub settings: Option<std::collections::BTreeMap<String, String>>,
+    /// Grouped by the config's `name` (no arm, no `--group-by`): runs of one name under different
+    /// settings (a run and its fork) are split apart.
+    pub grouped_by_name: bool,
+}
+
+/// Config fields that do not make two runs of one name different experiments: the seed (repeats
+/// vary it), the name, and where and how long it runs.
+const NOT_GROUPING: &[&str] = &["name", "seed", "device", "dtype", "pipeline", "train.steps", "train.keep_checkpoints"];
+
+/// The config's fields by dotted key, without [`NOT_GROUPING`].
+fn settings_of(config: &toml::Value) -> std::collections::BTreeMap<String, String> {
+    fn walk(prefix: &str, v: &toml::Value, out: &mut std::collections::BTreeMap<String, String>) {
+        if NOT_GROUPING.contains(&prefix) {
+            return;
+        }
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    walk(&key, v, out);
+                }
+            }
+            v => {
+                out.insert(prefix.to_string(), v.to_string());
+            }
+        }
+    }
+    let mut out = Default::default();
+    walk("", config, &mut out);
+    out
 }
 
 /// One `eval*.json`: what it measured and on what.
@@ -220,6 +254,8 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
         val: Vec::new(),
         val_eval_tau: None,
         arm: None,
+        settings: None,
+        grouped_by_name: false,
     };
     if !dir.is_dir() {
         run.notes.push(if dir.exists() { "not a directory".into() } else { "does not exist".into() });
@@ -255,7 +291,9 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
         run.group = arm;
     } else if let Some(name) = config.as_ref().and_then(|c| toml_lookup(c, "name")) {
         run.group = name;
+        run.grouped_by_name = true;
     }
+    run.settings = config.as_ref().map(settings_of);
 
     // 2. Metrics: whole lines only (a last line that does not parse is a write in progress), each
     //    line capped, values beyond any real run's treated as missing (plots stay finite).
@@ -416,7 +454,37 @@ pub fn load_runs(dirs: &[PathBuf], group_by: Option<&str>) -> Vec<Run> {
             run.label = parts.into_iter().rev().collect::<Vec<_>>().join("/");
         }
     }
+    split_by_settings(&mut runs);
     runs
+}
+
+/// Runs grouped by one name that trained under different settings (a run and its fork to
+/// another optimizer; one name reused for another experiment) are different experiments: each
+/// setting after the first (in the order given) is its own group, named by what differs from
+/// the first (`fork (optimizer.plugin=muon, optimizer.momentum=0.9)`).
+fn split_by_settings(runs: &mut [Run]) {
+    let mut groups: Vec<String> = runs.iter().filter(|r| r.grouped_by_name).map(|r| r.group.clone()).collect();
+    groups.sort();
+    groups.dedup();
+    for group in groups {
+        let members: Vec<usize> =
+            (0..runs.len()).filter(|&i| runs[i].grouped_by_name && runs[i].group == group).collect();
+        let Some(first) = members.iter().find_map(|&i| runs[i].settings.clone()) else { continue };
+        for &i in &members {
+            let Some(settings) = &runs[i].settings else { continue };
+            if *settings == first {
+                continue;
+            }
+            let keys: std::collections::BTreeSet<&String> = settings.keys().chain(first.keys()).collect();
+            let mut differs: Vec<&String> = keys.into_iter().filter(|k| settings.get(*k) != first.get(*k)).collect();
+            differs.sort_by_key(|k| !k.ends_with(".plugin")); // a plugin switched says most
+            let differs: Vec<String> =
+                differs.iter().map(|k| format!("{k}={}", settings.get(*k).map_or("-", String::as_str))).collect();
+            let shown =
+                if differs.len() > 3 { format!("{}, ...", differs[..3].join(", ")) } else { differs.join(", ") };
+            runs[i].group = format!("{group} ({shown})");
+        }
+    }
 }
 
 /// Read and parse a file that may be absent (None, no note) or broken (None, a note).

@@ -134,6 +134,27 @@ fn mean_and_sample_std() {
     assert_eq!(fmt_tokens_short(12_500.0), "12.5k");
 }
 
+/// A run and its fork to another optimizer share a name: grouped apart, the fork's group named by
+/// what differs (the plugin first); repeats that differ only in their seed stay one group.
+#[test]
+fn runs_of_one_name_under_different_configs_are_grouped_apart() {
+    let root = tempfile::tempdir().unwrap();
+    let parent = fake_run(root.path(), "fork-parent", "fork", None, &rows(1.0, 5000), true);
+    let repeat = fake_run(root.path(), "fork-s1", "fork", None, &rows(1.1, 5000), true);
+    fs::write(repeat.join("config.toml"), "name = \"fork\"\nseed = 1\n\n[optimizer]\nlr = 0.0006\n").unwrap();
+    let child = fake_run(root.path(), "fork-muon", "fork", None, &rows(0.8, 5000), true);
+    fs::write(
+        child.join("config.toml"),
+        "name = \"fork\"\nseed = 0\n\n[optimizer]\nplugin = \"muon\"\nlr = 0.0006\nmomentum = 0.9\n",
+    )
+    .unwrap();
+    let runs = load_runs(&[parent, repeat, child], None);
+    let groups: Vec<&str> = runs.iter().map(|r| r.group.as_str()).collect();
+    assert_eq!(groups, ["fork", "fork", "fork (optimizer.plugin=\"muon\", optimizer.momentum=0.9)"]);
+    let cmp = compare(&runs);
+    assert_eq!(cmp.groups.iter().map(|g| g.members.clone()).collect::<Vec<_>>(), [vec![0, 1], vec![2]]);
+}
+
 #[test]
 fn groups_by_arm_then_name_then_config_key() {
     let root = tempfile::tempdir().unwrap();

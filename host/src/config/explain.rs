@@ -299,7 +299,7 @@ mod tests {
             "| `distill_max_new_tokens` | integer | 64 | in 1..=(max_len - 8) |",
             "| `pattern` | string | required |  | The parameters the rule applies to",
             "| `attention` | \"split\" \\| \"masked\" | \"split\" |",
-            "| `adjust_lr` | \"original\" \\| \"match_rms_adamw\" | \"original\" |",
+            "| `adjust_lr` | \"original\" \\| \"match_rms_adamw\" | \"match_rms_adamw\" |",
             "The families it loads",
         ] {
             assert!(md.contains(want), "{want}\n{md}");

@@ -3,18 +3,21 @@
 //! plugin's own config, which the plugin parses and validates.
 //!
 //! Files: the top level and plugin sections here; the host's own sections (`[train]`,
-//! `[pipeline]`) in `sections.rs`; `--set` / `--device` overrides in `overrides.rs`; where in the
-//! file an error points in `locate.rs`.
+//! `[pipeline]`) in `sections.rs`; `--set` / `--device` overrides in `overrides.rs`, a plugin
+//! section switched to another plugin by one in `switch.rs`; where in the file an error points in
+//! `locate.rs`.
 
 pub mod explain;
 mod locate;
 mod overrides;
 pub mod preflight;
 mod sections;
+mod switch;
 
 pub use locate::{locate_key, locate_plugin_error, toml_error};
 pub use overrides::{set_dotted, Override};
 pub use sections::{AnchorRule, LossGamma, LossNormalization, PipelineConfig, TrainConfig};
+pub use switch::{effective_section, PluginSwitch};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -51,6 +54,9 @@ pub struct RunConfig {
     /// them set name the argument instead of the file's line).
     #[serde(skip)]
     pub overrides: Vec<Override>,
+    /// The plugin sections the overrides switched to another plugin.
+    #[serde(skip)]
+    pub switches: Vec<PluginSwitch>,
 }
 
 fn default_device() -> String {
@@ -124,6 +130,7 @@ impl RunConfig {
     pub fn from_toml_with(path: &Path, text: &str, overrides: &[Override]) -> Result<Self> {
         let file_error = |e: toml::de::Error| anyhow::anyhow!("{}", toml_error(path, text, &e));
         unknown_host_field(path, text, overrides)?;
+        let mut switches = Vec::new();
         let mut cfg: RunConfig = if overrides.is_empty() {
             toml::from_str(text).map_err(file_error)?
         } else {
@@ -132,6 +139,9 @@ impl RunConfig {
             for o in overrides {
                 o.apply(&mut table)?;
             }
+            let now = switch::PLUGIN_SECTIONS.map(|s| (s, table.get(s).and_then(toml::Value::as_table)));
+            let now: Vec<_> = now.iter().filter_map(|(s, t)| Some((*s, (*t)?))).collect();
+            switches = switch::switches(&base, &now);
             match toml::Value::Table(table).try_into::<RunConfig>() {
                 Ok(cfg) => cfg,
                 Err(e) => {
@@ -149,6 +159,7 @@ impl RunConfig {
             }
         };
         cfg.overrides = overrides.to_vec();
+        cfg.switches = switches;
         // `cuda` is the first GPU, as in torch.
         for d in std::iter::once(&mut cfg.device)
             .chain(cfg.pipeline.targets.iter_mut())

@@ -1,13 +1,16 @@
 //! `--set KEY=VALUE` and `--device`: command-line changes to the config, applied to its text
 //! before it is typed, so they are checked like the file.
 //!
-//! Three rules beyond "set this field": a table given for a key that holds one (`--set
-//! 'train={steps=1}'`) is refused, naming the key, since it would drop the section's other
-//! fields; an integer TOML cannot hold is refused as out of range, not
-//! read as a string; and a relative path given on the command line is relative to the working
-//! folder, as with every command-line tool (a path in the config file stays relative to the
-//! file's folder): it is made absolute, so the experiment records where it pointed.
+//! Four rules beyond "set this field": a table given for a key that holds one (`--set
+//! 'train={steps=1}'`) sets the fields it lists and keeps the others; a plugin section's `plugin`
+//! set to another plugin switches the section (the old plugin's fields dropped, `lr` and
+//! `weight_decay` kept unless set, the new plugin's defaults for the rest); an integer TOML
+//! cannot hold is refused as out of range, not read as a string; and a relative path given on
+//! the command line is relative to the working folder, as with every command-line tool (a path
+//! in the config file stays relative to the file's folder): it is made absolute, so the
+//! experiment records where it pointed.
 
+use super::switch::{switch_plugin, PLUGIN_SECTIONS};
 use anyhow::{bail, Result};
 use std::path::Path;
 
@@ -119,9 +122,34 @@ impl Override {
         Self { arg: format!("--device {device}"), key: "device".into(), value: toml::Value::String(device.into()) }
     }
 
-    /// Set the value in the config's TOML table, creating the tables on the way.
+    /// Set the value in the config's TOML table, creating the tables on the way: a table over a
+    /// table sets the fields it lists; `SECTION.plugin` (or a table's `plugin`) naming another
+    /// plugin first switches the section ([`switch_plugin`]).
     pub(crate) fn apply(&self, table: &mut toml::Table) -> Result<()> {
-        set_dotted(table, &self.key, self.value.clone()).map_err(|e| anyhow::anyhow!(e.message(&self.arg)))
+        let section = self.key.split('.').next().unwrap_or("");
+        if PLUGIN_SECTIONS.contains(&section) {
+            let plugin = match (&self.value, self.key == section) {
+                (toml::Value::Table(t), true) => t.get("plugin"),
+                (value, false) if self.key == format!("{section}.plugin") => Some(value),
+                _ => None,
+            };
+            if let Some(toml::Value::String(plugin)) = plugin {
+                switch_plugin(table, section, plugin);
+            }
+        }
+        let mut result = Ok(());
+        leaves(&self.key, &self.value, &mut |key, value| {
+            if result.is_ok() {
+                result = set_dotted(table, key, value.clone());
+            }
+        });
+        if self.value.as_table().is_some_and(toml::Table::is_empty) {
+            result = set_dotted(table, &self.key, self.value.clone()).or_else(|e| match e {
+                SetError::TableOverTable(_) => Ok(()), // `{}` over a section: nothing to set
+                e => Err(e),
+            });
+        }
+        result.map_err(|e| anyhow::anyhow!(e.message(&self.arg)))
     }
 
     /// The dotted fields this override sets: its key, or for a table each field within.

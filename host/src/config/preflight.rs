@@ -54,6 +54,9 @@ pub fn check(cfg: &RunConfig, config_path: &Path, ctx: &HostContext, registry: &
             if let Some(e) = unknown_field(doc, table) {
                 return Err(fail(e));
             }
+            if let Some(switch) = cfg.switches.iter().find(|s| s.section == kind) {
+                crate::say!("{}", config::effective_section(switch, doc, table, &cfg.overrides));
+            }
         }
         // 2. The plugin's own check, or an optimizer created.
         let checked = match (&doc, plugin_kind) {

@@ -101,35 +101,60 @@ fn overrides_are_typed_like_the_file_and_errors_name_them() {
     assert!(e.unwrap_err().to_string().starts_with("cfg.toml:4:"));
 }
 
-/// `--set 'train={steps=7}'` would replace the section, dropping the fields it does not list:
-/// refused, naming the key and the way to set a field. A table for a key that holds none yet
-/// (`data.template_kwargs`) is set as given, and a value that is no table replaces what is there.
+/// `--set 'train={steps=7}'` sets the fields it lists and keeps the section's others, as
+/// `--set train.steps=7` would; a table for a key that holds none yet (`data.template_kwargs`)
+/// is set as given, a second one adds its fields, and a value that is no table replaces what is
+/// there.
 #[test]
-fn a_table_given_to_set_for_a_section_is_refused() {
+fn a_table_given_to_set_sets_the_fields_it_lists() {
     let text = GOOD.replace("steps = 3", "steps = 3\nlog_every = 5");
     let o = |a: &str| Override::parse_set(a).unwrap();
-    for (arg, key) in [("train={steps=7}", "train"), ("data={path=\"x.jsonl\"}", "data")] {
-        let e = RunConfig::from_toml_with(Path::new("cfg.toml"), &text, &[o(arg)]).unwrap_err().to_string();
-        assert!(
-            e.starts_with(&format!(
-                "--set {arg}: `{key}` is a section; set its fields one by one (e.g. `--set {key}.FIELD=VALUE`)"
-            )),
-            "{e}"
-        );
-    }
+    let cfg = RunConfig::from_toml_with(Path::new("cfg.toml"), &text, &[o("train={steps=7}")]).unwrap();
+    assert_eq!((cfg.train.steps, cfg.train.log_every), (7, 5));
     let cfg = RunConfig::from_toml_with(
         Path::new("cfg.toml"),
         &text,
-        &[o("data.template_kwargs={enable_thinking=false}"), o("pipeline.targets=[\"cpu\"]")],
+        &[
+            o("data.template_kwargs={enable_thinking=false}"),
+            o("data.template_kwargs={b=2}"),
+            o("pipeline.targets=[\"cpu\"]"),
+        ],
     )
     .unwrap();
     assert_eq!(cfg.data["template_kwargs"]["enable_thinking"].as_bool(), Some(false));
+    assert_eq!(cfg.data["template_kwargs"]["b"].as_integer(), Some(2));
     assert_eq!((cfg.train.steps, cfg.train.log_every), (3, 5));
     assert_eq!(cfg.pipeline.targets, ["cpu"]);
-    // Set twice: the second table would replace the first, so it is refused too.
-    let twice = [o("data.template_kwargs={a=1}"), o("data.template_kwargs={b=2}")];
-    let e = RunConfig::from_toml_with(Path::new("cfg.toml"), &text, &twice).unwrap_err().to_string();
-    assert!(e.contains("`data.template_kwargs` is a section"), "{e}");
+    assert!(cfg.switches.is_empty());
+}
+
+/// A plugin section switched to another plugin drops the old plugin's fields, keeps `lr` and
+/// `weight_decay` unless set, and records the switch; a table with `plugin` switches too and then
+/// sets its fields; naming the same plugin changes nothing.
+#[test]
+fn switching_a_sections_plugin_drops_the_old_plugins_fields_and_keeps_lr() {
+    let text = GOOD.replace(
+        "plugin = \"adamw\"\nlr = 1e-3",
+        "plugin = \"muon\"\nlr = 3e-3\nweight_decay = 0.0\nmomentum = 0.9\nadamw = { lr = 3e-3, betas = [0.9, 0.999] }",
+    );
+    let o = |a: &str| Override::parse_set(a).unwrap();
+    let load = |args: &[&str]| {
+        RunConfig::from_toml_with(Path::new("cfg.toml"), &text, &args.iter().map(|a| o(a)).collect::<Vec<_>>()).unwrap()
+    };
+    let cfg = load(&["optimizer.plugin=adamw"]);
+    assert_eq!(cfg.optimizer, toml::from_str("plugin = \"adamw\"\nlr = 3e-3\nweight_decay = 0.0").unwrap());
+    assert_eq!(cfg.switches, [PluginSwitch { section: "optimizer".into(), from: "muon".into(), to: "adamw".into() }]);
+    // A field set after the switch (or before it: the switch keeps it only if it is kept) wins.
+    let cfg = load(&["optimizer.plugin=adamw", "optimizer.lr=1e-2", "optimizer.betas=[0.9, 0.95]"]);
+    assert_eq!(cfg.optimizer["lr"].as_float(), Some(1e-2));
+    assert_eq!(cfg.optimizer["betas"].as_array().map(Vec::len), Some(2));
+    let cfg = load(&["optimizer={plugin=\"adamw\", eps=1e-6}"]);
+    assert_eq!(cfg.optimizer, toml::from_str("plugin = \"adamw\"\nlr = 3e-3\nweight_decay = 0.0\neps = 1e-6").unwrap());
+    // The same plugin: a table merges into the section.
+    let cfg = load(&["optimizer={plugin=\"muon\", adamw={betas=[0.9, 0.95]}}"]);
+    assert_eq!(cfg.optimizer["momentum"].as_float(), Some(0.9));
+    assert_eq!(cfg.optimizer["adamw"]["lr"].as_float(), Some(3e-3));
+    assert!(cfg.switches.is_empty());
 }
 
 /// An integer TOML cannot hold is out of range, naming the field and the bound, never a string

@@ -71,6 +71,11 @@ pub struct EvalReport {
     pub source: String,
     pub prompts: usize,
     pub block_size: usize,
+    /// How both decodings ran (the target alone, then speculatively): greedy (argmax), at most
+    /// `max_new_tokens` new tokens a prompt, ending at a stop token (included).
+    pub decoding: &'static str,
+    pub max_new_tokens: u32,
+    pub stop_token_ids: Vec<u32>,
     /// z-lab's benchmark's acceptance length: per response the mean of accepted drafts + 1 over
     /// its cycles (the last one whole), then the mean over responses.
     pub tau: f64,
@@ -97,6 +102,19 @@ pub struct EvalReport {
     /// Every response equal to the target's own greedy output.
     pub lossless: bool,
     pub mismatches: Vec<usize>,
+    /// Per prompt: its token ids, the target's greedy reply and the speculative one (written
+    /// beside the results with `--keep-tokens`).
+    #[serde(skip)]
+    pub tokens: Vec<PromptTokens>,
+}
+
+/// One prompt's token ids and the two decodings' new tokens.
+#[derive(Debug, Clone, Serialize)]
+pub struct PromptTokens {
+    pub prompt: usize,
+    pub prompt_ids: Vec<u32>,
+    pub target_ids: Vec<u32>,
+    pub speculative_ids: Vec<u32>,
 }
 
 /// Mean milliseconds per cycle spent drafting, verifying and on the bookkeeping between.
@@ -139,6 +157,7 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
     let (mut t_target, mut t_spec, mut n_target, mut n_spec) = (0.0, 0.0, 0usize, 0usize);
     let mut taus = Vec::new();
     let mut mismatches = Vec::new();
+    let mut tokens = Vec::new();
     let mut accepted_at = vec![0usize; shared.block_size - 1];
     let (mut all_cycles, mut all_accepted, mut all_kept) = (0usize, 0usize, 0usize);
     let mut times = PhaseTimes::default();
@@ -172,6 +191,12 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
                 .suspend(|| tracing::debug!("prompt {i}: speculative output differs from the target's greedy output"));
             mismatches.push(i);
         }
+        tokens.push(PromptTokens {
+            prompt: i,
+            prompt_ids: prompt.to_vec(),
+            target_ids: base.to_vec(),
+            speculative_ids: spec.to_vec(),
+        });
         // tau per response (z-lab): accepted + 1 per cycle (the prefill's first token is no cycle).
         taus.extend(response_tau(&cycles));
         all_cycles += cycles.len();
@@ -203,6 +228,9 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
         source: opts.source.clone(),
         prompts: prompts.len(),
         block_size: shared.block_size,
+        decoding: "greedy",
+        max_new_tokens: opts.max_new_tokens,
+        stop_token_ids: stop.to_vec(),
         tau: mean(&taus),
         tau_kept: all_kept as f64 / all_cycles as f64,
         tau_pooled: all_accepted as f64 / all_cycles as f64,
@@ -223,6 +251,7 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
         }),
         lossless: mismatches.is_empty(),
         mismatches,
+        tokens,
     })
 }
 
@@ -354,6 +383,12 @@ pub fn command(args: &crate::cli::EvalArgs, plugin_paths: &[PathBuf]) -> Result<
             format!("NO ({} of {} responses)", report.mismatches.len(), report.prompts)
         }
     );
+    if args.keep_tokens {
+        let file = tokens_file(&written);
+        json["tokens_file"] = file.file_name().map(|n| n.to_string_lossy().to_string()).into();
+        write_tokens(&file, &report.tokens)?;
+        say!("tokens       {} (per prompt: its ids, the target's reply, the speculative one)", file.display());
+    }
     experiment::write_json_atomic(&written, &json)?;
     say!("written      {}", written.display());
     if !report.lossless {
@@ -386,6 +421,22 @@ pub fn results_json(
     json["loadavg_before"] = load_before.into();
     json["loadavg_after"] = load_after.into();
     Ok(json)
+}
+
+/// The decoded token ids beside a results file: `eval.json` -> `eval.tokens.jsonl`.
+pub fn tokens_file(results: &Path) -> PathBuf {
+    let stem = results.file_stem().map_or("eval".into(), |s| s.to_string_lossy().to_string());
+    results.with_file_name(format!("{stem}.tokens.jsonl"))
+}
+
+/// One JSON line per prompt, written whole (a temporary file renamed over).
+fn write_tokens(path: &Path, tokens: &[PromptTokens]) -> Result<()> {
+    let mut text = String::new();
+    for t in tokens {
+        text += &serde_json::to_string(t)?;
+        text.push('\n');
+    }
+    crate::atomic_write::write_atomic(path, text.as_bytes())
 }
 
 /// The results of the newest checkpoint on the validation prompts.

@@ -60,6 +60,10 @@ pub struct Manifest {
     /// The run this one was forked from (`fork`): absent for a run started from a config.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<ParentRecord>,
+    /// The drafter's mask token where the host picked it (the config sets no `mask_token_id` and
+    /// the target has no pad token): its id, its text and why it is free.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_token: Option<crate::pipeline::mask_token::MaskToken>,
 }
 
 /// Where a fork started: the parent experiment, the checkpoint's step and its weights' SHA-256,

@@ -116,7 +116,7 @@ impl Target {
                 Some(r) => format!("{hub} --revision {r}"),
                 None => hub.clone(),
             },
-            (None, Some(_)) => "HF_CHECKPOINT_OF_THE_TARGET".into(),
+            (None, Some(_)) => NO_HF_CHECKPOINT.into(),
             (None, None) => self.name.clone(),
         }
     }
@@ -152,7 +152,13 @@ pub fn serving_lines(target: &str, drafter: &str, block: u64, kind: Option<Targe
 /// What serving an export takes: the target the servers load, and the drafter's shape.
 #[derive(Debug, Clone)]
 pub struct Serving {
+    /// The target as the model card names it (a hub name, else the folder's name: no path of
+    /// this machine in a card that travels with the drafter).
     pub target: String,
+    /// The target as the servers load it on this machine: the hub name (and revision) the
+    /// manifest records, else the folder's absolute path, else (a GGUF target)
+    /// [`NO_HF_CHECKPOINT`].
+    pub target_here: String,
     pub block: u64,
     pub kind: Option<TargetKind>,
     pub sliding: bool,
@@ -163,7 +169,16 @@ impl Serving {
     pub fn lines(&self, drafter: &str) -> String {
         serving_lines(&self.target, drafter, self.block, self.kind, self.sliding)
     }
+
+    /// The lines as they run on this machine, the target at [`Serving::target_here`].
+    pub fn lines_here(&self, drafter: &str) -> String {
+        serving_lines(&self.target_here, drafter, self.block, self.kind, self.sliding)
+    }
 }
+
+/// What stands for the target in the serving lines when it was a GGUF file: no HF checkpoint of it
+/// is known, and the servers load one.
+pub const NO_HF_CHECKPOINT: &str = "HF_CHECKPOINT_OF_THE_TARGET";
 
 /// An export's model card and what serving it takes.
 pub struct Card {
@@ -213,8 +228,14 @@ pub fn model_card(exp_dir: &Path, ckpt: &Opened, out: &Path, registry: &Registry
         Some(e) => {
             let at =
                 e["evaluated"]["checkpoint_step"].as_u64().map_or(String::new(), |s| format!(", checkpoint step-{s}"));
+            let decoding = match e["max_new_tokens"].as_u64() {
+                Some(n) => {
+                    format!(", {} decoding of at most {n} new tokens each", e["decoding"].as_str().unwrap_or("greedy"))
+                }
+                None => String::new(),
+            };
             format!(
-                "τ {:.3} per response, {:.3} over {} verify cycles (accepted + 1 per cycle), on {} prompts ({}{at}); lossless: {}",
+                "τ {:.3} per response, {:.3} over {} verify cycles (accepted + 1 per cycle), on {} prompts ({}{at}){decoding}; lossless: {}",
                 e["tau"].as_f64().unwrap_or(f64::NAN),
                 e["tau_pooled"].as_f64().unwrap_or(f64::NAN),
                 e["cycles"],
@@ -301,7 +322,15 @@ pub fn model_card(exp_dir: &Path, ckpt: &Opened, out: &Path, registry: &Registry
     } else if target.hub.is_none() {
         card += &format!("`{}` is the folder the target was read from.\n\n", target.name);
     }
-    let serving = Serving { target: target.served(), block, kind: target.kind, sliding };
+    let target_here = match (&target.hub, &target.gguf_quantised) {
+        (None, None) => {
+            let source = Path::new(&manifest.target_source);
+            let abs = source.canonicalize().or_else(|_| std::path::absolute(source));
+            abs.map_or(manifest.target_source.clone(), |p| p.display().to_string())
+        }
+        _ => target.served(),
+    };
+    let serving = Serving { target: target.served(), target_here, block, kind: target.kind, sliding };
     card += &serving.lines(&drafter);
     card += "\n## Transformers\n\n";
     card += &format!(

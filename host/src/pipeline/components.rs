@@ -2,7 +2,8 @@
 //! `eval` and `bench` alike), each behind a handle whose errors name the plugin and the call.
 
 use crate::{
-    config::RunConfig,
+    config::{PluginSection, RunConfig},
+    pipeline::mask_token,
     plugins::{DataHandle, DrafterHandle, OptimizerHandle, PluginRecord, Registry, TargetHandle},
 };
 use anyhow::{anyhow, Result};
@@ -23,6 +24,9 @@ pub struct Components {
     pub records: Vec<PluginRecord>,
     /// The dtype they run in (`f32`, `bf16`, ..): the target's replies depend on it.
     pub dtype: String,
+    /// The drafter's mask token, where the host picked it (no `mask_token_id` in the config and
+    /// no pad token in the target).
+    pub mask_token: Option<crate::pipeline::mask_token::MaskToken>,
 }
 
 /// The config's target plugin, one instance a target device (`pipeline.targets`), each told its
@@ -92,10 +96,9 @@ pub fn build_components(
     let ctx_on = |device: &str| crate::plugins::host_context(device, cfg.dtype(), cfg.seed, config_dir, cache_dir);
     let (mut targets, target_record) = create_targets(cfg, registry, config_dir, cache_dir)?;
     let mut records = vec![target_record];
-    let mut create = |kind: PluginKind, ctx: &HostContext| -> Result<PluginInstance> {
-        let section = cfg.section(kind.as_str());
+    let mut create = |kind: PluginKind, section: &PluginSection, ctx: &HostContext| -> Result<PluginInstance> {
         tracing::info!("creating {kind} plugin `{}` on {}", section.plugin, ctx.device);
-        let (instance, record) = registry.create(kind, &section, ctx)?;
+        let (instance, record) = registry.create(kind, section, ctx)?;
         if !records.iter().any(|r: &PluginRecord| r.kind == record.kind) {
             records.push(record);
         }
@@ -103,15 +106,27 @@ pub fn build_components(
     };
     let wrong = |kind: PluginKind| anyhow!("plugin for [{kind}] did not create a {kind}");
     let target = targets.remove(0);
+    let spec = target.spec()?;
     let mut ctx = ctx_on(cfg.drafter_device());
-    ctx.target = RSome(target.spec()?);
-    let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &ctx)? else {
+    ctx.target = RSome(spec.clone());
+    // A target without a pad token: the drafter's mask token picked from its vocabulary.
+    let mut drafter_section = cfg.section("drafter");
+    let describes = registry.find(PluginKind::Drafter, &drafter_section.plugin)?.describe()?.is_some_and(|d| {
+        d.tables.iter().any(|t| t.path.is_empty() && t.fields.iter().any(|f| f.name == "mask_token_id"))
+    });
+    let mask_token = if describes && spec.pad_token_id.into_option().is_none_or(|p| p == spec.eos_token_id) {
+        let templates = mask_token::templates(&spec, &cfg.data, config_dir);
+        mask_token::fill(&mut drafter_section, describes, &spec, &target.tokenizer_json()?, &templates)?
+    } else {
+        None
+    };
+    let PluginInstance::Drafter(drafter) = create(PluginKind::Drafter, &drafter_section, &ctx)? else {
         return Err(wrong(PluginKind::Drafter));
     };
-    let PluginInstance::Optimizer(optimizer) = create(PluginKind::Optimizer, &ctx)? else {
+    let PluginInstance::Optimizer(optimizer) = create(PluginKind::Optimizer, &cfg.section("optimizer"), &ctx)? else {
         return Err(wrong(PluginKind::Optimizer));
     };
-    let PluginInstance::DataLoader(data) = create(PluginKind::DataLoader, &ctx)? else {
+    let PluginInstance::DataLoader(data) = create(PluginKind::DataLoader, &cfg.section("data"), &ctx)? else {
         return Err(wrong(PluginKind::DataLoader));
     };
     let name = |kind: &str| cfg.section(kind).plugin;
@@ -123,5 +138,6 @@ pub fn build_components(
         data: DataHandle::new(data, &name("data")),
         records,
         dtype: cfg.dtype().to_string(),
+        mask_token,
     })
 }

@@ -8,6 +8,7 @@ pub mod capture;
 pub mod components;
 pub mod distill;
 pub mod hidden_cache;
+pub mod mask_token;
 pub mod replicas;
 pub mod scheduler;
 pub mod stages;

@@ -113,6 +113,7 @@ pub(super) fn fresh_manifest(
         ab: None,
         arm: None,
         parent: None,
+        mask_token: components.mask_token.clone(),
     })
 }
 
@@ -145,9 +146,9 @@ pub(super) fn connect(
         tracing::info!("rank {}: served {calls} target calls of replica {}", env.rank, layout.index);
         return Ok(None);
     };
-    let Components { target, extra_targets, drafter, optimizer, data, records, dtype } = components;
+    let Components { target, extra_targets, drafter, optimizer, data, records, dtype, mask_token } = components;
     let target = dist::replica::lead(target, &layout, store);
-    let components = Components { target, extra_targets, drafter, optimizer, data, records, dtype };
+    let components = Components { target, extra_targets, drafter, optimizer, data, records, dtype, mask_token };
     Ok(Some((Some(Box::new(comm)), components)))
 }
 

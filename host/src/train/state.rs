@@ -91,6 +91,10 @@ pub struct TrainerState {
     pub window: WindowSums,
     #[serde(default)]
     pub elapsed_s: f64,
+    /// Wall seconds of every process of the run up to this state (validation included; what a
+    /// process spent loading before its first step left out).
+    #[serde(default)]
+    pub wall_s: f64,
     /// A fork's schedule from the step it was forked at (absent for a run that is no fork, or a
     /// fork that continues its parent's schedule unchanged).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -112,6 +116,7 @@ impl TrainerState {
             seed,
             window: WindowSums::new(block_size),
             elapsed_s: 0.0,
+            wall_s: 0.0,
             fork: None,
         }
     }
@@ -176,6 +181,7 @@ pub struct TrainSummary {
     pub experiment: String,
     pub steps: u64,
     pub tokens: u64,
+    /// Wall seconds of the whole run, every process of a resumed one included.
     pub wall_s: f64,
     pub first: Option<StepMetrics>,
     pub last: Option<StepMetrics>,

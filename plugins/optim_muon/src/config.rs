@@ -8,11 +8,12 @@ use plugin_api::{
 use serde::Deserialize;
 
 /// Muon's hyper-parameters plus the AdamW group's. `Default` is torch.optim.Muon 2.11's for the
-/// Muon group (lr 1e-3, weight_decay 0.1, momentum 0.95, Nesterov, 5 steps, eps 1e-7, "original"
-/// shape scaling) and torch.optim.AdamW's for the AdamW group.
-///
-/// With `adjust_lr = "original"` KellerJordan's runs use lr ~0.02; with `"match_rms_adamw"` the
-/// update RMS is AdamW's, so AdamW's lr (1e-3-ish) and weight decay carry over.
+/// Muon group (momentum 0.95, Nesterov, 5 steps, eps 1e-7) but for three values, the ones every
+/// config of this project uses: `adjust_lr = "match_rms_adamw"` (torch: "original"),
+/// `weight_decay = 0.0` (torch: 0.1), and an AdamW group whose lr and weight decay are the
+/// section's (torch.optim.AdamW's otherwise). With `"match_rms_adamw"` the update RMS is AdamW's,
+/// so one learning rate serves both groups and a run switched from AdamW keeps its `lr`; with
+/// `"original"` (KellerJordan's) runs use lr ~0.02.
 #[derive(Debug, Clone, PartialEq, Deserialize, plugin_api::Describe)]
 #[serde(deny_unknown_fields, default)]
 pub struct MuonConfig {
@@ -38,7 +39,7 @@ pub struct MuonConfig {
     /// Dtype Newton-Schulz computes in.
     pub ns_dtype: NsDtype,
     /// The AdamW group's hyper-parameters (its lr is scaled by the schedule too).
-    pub adamw: ParamsAdamW,
+    pub adamw: AdamWGroup,
     /// Names (`*` wildcards) forced to AdamW. Tensors with fewer than 2 dims, or with a size-1 dim
     /// (depthwise conv kernels like GDN's [C, 1, 4]), always go to AdamW.
     pub adamw_patterns: Vec<String>,
@@ -56,14 +57,42 @@ impl Default for MuonConfig {
             nesterov: true,
             ns_steps: 5,
             eps: 1e-7,
-            weight_decay: 0.1,
-            adjust_lr: AdjustLr::Original,
+            weight_decay: 0.0,
+            adjust_lr: AdjustLr::MatchRmsAdamw,
             ns_dtype: NsDtype::Auto,
-            adamw: ParamsAdamW::default(),
+            adamw: AdamWGroup::default(),
             adamw_patterns: vec!["*embed*".into(), "*lm_head*".into()],
             no_decay_patterns: vec!["*A_log".into(), "*dt_bias".into()],
             split: Vec::new(),
         }
+    }
+}
+
+/// The AdamW group's section (`adamw = { ... }`): AdamW's fields, with `lr` and `weight_decay`
+/// the Muon section's unless given.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, plugin_api::Describe)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdamWGroup {
+    /// Peak learning rate of the AdamW group (the host's schedule multiplies it).
+    #[describe(range = "> 0", default = "the section's `lr`")]
+    pub lr: Option<f64>,
+    /// Decay rates of the first and second moment averages.
+    #[describe(range = "in [0, 1)")]
+    pub betas: [f64; 2],
+    /// Added to the denominator's square root.
+    #[describe(range = "> 0")]
+    pub eps: f64,
+    /// Decoupled weight decay: p *= 1 - lr * weight_decay each step.
+    #[describe(range = ">= 0", default = "the section's `weight_decay`")]
+    pub weight_decay: Option<f64>,
+    /// On CUDA, update every tensor in one fused kernel (torch's `AdamW(fused=True)`).
+    pub fused: bool,
+}
+
+impl Default for AdamWGroup {
+    fn default() -> Self {
+        let p = ParamsAdamW::default();
+        Self { lr: None, betas: p.betas, eps: p.eps, weight_decay: None, fused: p.fused }
     }
 }
 
@@ -107,6 +136,18 @@ impl MuonConfig {
         Ok(c)
     }
 
+    /// The AdamW group's hyper-parameters, `lr` and `weight_decay` the section's where unset.
+    pub fn adamw_params(&self) -> ParamsAdamW {
+        let g = &self.adamw;
+        ParamsAdamW {
+            lr: g.lr.unwrap_or(self.lr),
+            betas: g.betas,
+            eps: g.eps,
+            weight_decay: g.weight_decay.unwrap_or(self.weight_decay),
+            fused: g.fused,
+        }
+    }
+
     /// Range checks; errors name the field.
     pub fn validate(&self) -> Result<(), PluginError> {
         let bad = |field: &str, why: String| Err(PluginError::new(format!("field `{field}`: {why}")));
@@ -125,7 +166,7 @@ impl MuonConfig {
         if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
             return bad("weight_decay", format!("must be >= 0, got {}", self.weight_decay));
         }
-        self.adamw.validate_in("adamw.")?;
+        self.adamw_params().validate_in("adamw.")?;
         for (field, patterns) in
             [("adamw_patterns", &self.adamw_patterns), ("no_decay_patterns", &self.no_decay_patterns)]
         {
@@ -242,7 +283,7 @@ split = [{ pattern = "*qkv_proj.weight", parts = [64, 16, 16] }]
         assert_eq!(c.lr, 0.02);
         assert_eq!(c.adjust_lr, AdjustLr::MatchRmsAdamw);
         assert_eq!(c.ns_dtype, NsDtype::Bf16);
-        assert_eq!(c.adamw.lr, 3e-3);
+        assert_eq!(c.adamw_params().lr, 3e-3);
         assert_eq!(c.split[0].parts, vec![64, 16, 16]);
         assert_eq!(MuonConfig::from_toml("").unwrap(), MuonConfig::default());
     }

@@ -231,15 +231,16 @@ impl Muon {
                 s.param.copy_(master);
             }
         }
-        let adamw_lr = c.adamw.lr * lr_scale;
-        let no_decay = ParamsAdamW { weight_decay: 0.0, ..c.adamw };
+        let adamw = c.adamw_params();
+        let adamw_lr = adamw.lr * lr_scale;
+        let no_decay = ParamsAdamW { weight_decay: 0.0, ..adamw };
         for s in &mut self.adamw {
             let grad = s.param.grad();
             if !grad.defined() {
                 continue;
             }
             let grad = grad.to_kind(Kind::Float);
-            let h = if s.decay { &c.adamw } else { &no_decay };
+            let h = if s.decay { &adamw } else { &no_decay };
             let p = s.master.as_mut().unwrap_or(&mut s.param);
             adamw_update(p, &grad, &mut s.exp_avg, &mut s.exp_avg_sq, self.step, adamw_lr, h);
             if let Some(master) = &s.master {

@@ -97,7 +97,7 @@ fn groups_by_name_and_shape() {
 /// Muon-group ones as wd then `adjusted_lr * NS(nesterov direction)`.
 #[test]
 fn each_group_gets_its_update() {
-    let text = "lr = 0.02\nweight_decay = 0.1\nns_dtype = \"f32\"\nadamw = { lr = 3e-3, weight_decay = 0.05 }";
+    let text = "lr = 0.02\nweight_decay = 0.1\nadjust_lr = \"original\"\nns_dtype = \"f32\"\nadamw = { lr = 3e-3, weight_decay = 0.05 }";
     let c = cfg(text);
     let ps = params(SHAPES, 1);
     let before = deep_copy(&ps);
@@ -133,7 +133,7 @@ fn each_group_gets_its_update() {
 /// (scaled by that part's shape), not a slice of NS of the whole.
 #[test]
 fn split_parts_are_orthogonalised_separately() {
-    let text = "lr = 0.1\nweight_decay = 0.0\nns_dtype = \"f32\"\nsplit = [{ pattern = \"*qkv_proj.weight\", parts = [6, 3, 3] }]";
+    let text = "lr = 0.1\nweight_decay = 0.0\nadjust_lr = \"original\"\nns_dtype = \"f32\"\nsplit = [{ pattern = \"*qkv_proj.weight\", parts = [6, 3, 3] }]";
     let ps = params(&[("layers.0.self_attn.qkv_proj.weight", &[12, 5])], 2);
     let p0 = ps[0].1.detach().copy();
     let mut opt = new_opt(text, &ps);
@@ -312,7 +312,7 @@ fn plugin_info_and_create() {
 fn higher_rank_matrices_are_flattened() {
     let ps = params(&[("w", &[4, 3, 5])], 9);
     let p0 = ps[0].1.detach().copy();
-    let mut opt = new_opt("lr = 0.1\nweight_decay = 0.0\nns_dtype = \"f32\"", &ps);
+    let mut opt = new_opt("lr = 0.1\nweight_decay = 0.0\nadjust_lr = \"original\"\nns_dtype = \"f32\"", &ps);
     assert_eq!(opt.groups(), vec![("w".to_string(), Group::Muon)]);
     let g = Tensor::randn([4, 3, 5], F32);
     set_grads(&ps, std::slice::from_ref(&g));

@@ -124,7 +124,7 @@ pub fn train(
         cfg,
         runner,
         validation: Validation { set: side.validation, total_s: 0.0, count: 0 },
-        clock: Clock::new(state.elapsed_s),
+        clock: Clock::new(state.elapsed_s, state.wall_s),
         outputs: Outputs { observers: observers(exp, &bar, gpus, t, lead)?, bar, first: None, last: None },
         control: Control { stop: StopSignal::install()?, stop_at: opts.stop_at, interrupted: None, stopped_at: None },
         run: RunFacts {
@@ -208,6 +208,8 @@ struct Validation {
 struct Clock {
     started: Instant,
     elapsed_before: f64,
+    /// The run's wall seconds before this process (from the checkpoint it resumed).
+    wall_before: f64,
     /// Seconds per step (validation left out).
     pace: Pace,
     times: WindowTimes,
@@ -217,10 +219,11 @@ struct Clock {
 }
 
 impl Clock {
-    fn new(elapsed_before: f64) -> Self {
+    fn new(elapsed_before: f64, wall_before: f64) -> Self {
         Clock {
             started: Instant::now(),
             elapsed_before,
+            wall_before,
             pace: Pace::new(WARMUP_STEPS, PACE_WINDOW),
             times: WindowTimes::default(),
             busy_before: Vec::new(),
@@ -435,6 +438,11 @@ impl Trainer<'_> {
     /// `3m05s elapsed, ETA 12m00s`: this process's wall time and [`eta_s`](Self::eta_s).
     fn timing(&self, step: u64) -> String {
         elapsed_eta(self.clock.started.elapsed().as_secs_f64(), self.eta_s(step))
+    }
+
+    /// Wall seconds so far, over every process of the run.
+    fn wall_s(&self) -> f64 {
+        self.clock.wall_before + self.clock.started.elapsed().as_secs_f64()
     }
 
     /// Training seconds so far, over every process of the run (validation left out).

@@ -90,6 +90,7 @@ impl Trainer<'_> {
                 .suspend(|| tracing::warn!("step {step}: drafter weights are not finite; checkpoint not written"));
         } else if decision == Checkpoint::Write && self.run.lead {
             self.state.elapsed_s = self.train_elapsed_s();
+            self.state.wall_s = self.wall_s();
             let r = &self.runner;
             let (weights, config_json, optimizer_state) =
                 (r.drafter.parameters()?, r.drafter.config_json()?, r.optimizer.state()?);
@@ -117,7 +118,7 @@ impl Trainer<'_> {
             experiment: self.exp.dir.display().to_string(),
             steps: self.state.step,
             tokens: self.state.tokens,
-            wall_s: self.clock.started.elapsed().as_secs_f64(),
+            wall_s: self.wall_s(),
             first: self.outputs.first,
             last: self.outputs.last,
             last_checkpoint: self.last_ckpt,
