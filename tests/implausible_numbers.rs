@@ -120,7 +120,8 @@ fn a_checkpoint_claiming_a_step_it_is_not_is_refused_naming_the_file() {
     claim(&ckpts.join("step-9"), 9);
     let out9 = dir.path().join("zlab9");
     let line = refused(export(&["--checkpoint", "9"], &out9));
-    let want = format!("{}: step 9 is beyond the run's train.steps (2)", ckpts.join("step-9/trainer_state.json").display());
+    let want =
+        format!("{}: step 9 is beyond the run's train.steps (2)", ckpts.join("step-9/trainer_state.json").display());
     assert!(line.contains(&want), "{line}");
     assert!(!out9.exists());
 }
@@ -152,15 +153,25 @@ fn report_refuses_absurd_numbers_and_prints_long_runs_sanely() {
         (steps, line(10, "1e300"), format!("{metrics}:1: `drafter_s` is 1e300, not in 0..=86400")),
         (steps, line(10, "-2"), format!("{metrics}:1: `drafter_s` is -2, not in 0..=86400")),
         (steps, line(u64::MAX, "1"), format!("{metrics}:1: `step` is 18446744073709551615, beyond any run's steps")),
-        (steps, format!("{}\n{}", line(10, "1"), line(400, "1")), format!("{metrics}:2: step 400 is beyond the run's train.steps (100)")),
+        (
+            steps,
+            format!("{}\n{}", line(10, "1"), line(400, "1")),
+            format!("{metrics}:2: step 400 is beyond the run's train.steps (100)"),
+        ),
         ("[train]\nsteps = -1\n", line(10, "1"), format!("{config}: train.steps is -1, not a count in 1..=")),
-        ("[train]\nsteps = 100\ngrad_accum = 0\n", line(10, "1"), format!("{config}: train.grad_accum is 0, not a count")),
+        (
+            "[train]\nsteps = 100\ngrad_accum = 0\n",
+            line(10, "1"),
+            format!("{config}: train.grad_accum is 0, not a count"),
+        ),
     ] {
         let got = refused(report(cfg, &text));
         assert!(got.contains(&want), "{want:?} not in {got}");
     }
     // 80,000 s a step for 10,000 steps: days, and no NaN or inf anywhere.
-    let slow = format!(r#"{{"step": 1, "loss": 1.0, "target_s": 80000.0, "drafter_s": 80000.0, "optim_s": 0.0, "wait_s": 0.0, "target_busy": [1.0], "q_hs": 0.0, "q_hs_now": 0}}"#);
+    let slow = format!(
+        r#"{{"step": 1, "loss": 1.0, "target_s": 80000.0, "drafter_s": 80000.0, "optim_s": 0.0, "wait_s": 0.0, "target_busy": [1.0], "q_hs": 0.0, "q_hs_now": 0}}"#
+    );
     let out = report("[train]\nsteps = 10000\n", &slow);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);

@@ -128,7 +128,7 @@ fn parse(text: &str, file: &str) -> Result<Vec<Window>> {
         let v: serde_json::Value =
             serde_json::from_str(line).with_context(|| format!("{file}:{}: not a JSON line", i + 1))?;
         let Some(target_s) = v.get("target_s").and_then(|x| x.as_f64()) else { continue }; // not a step line
-        // Every number in its range, so no sum, ratio or ETA below overflows or reads NaN.
+                                                                                           // Every number in its range, so no sum, ratio or ETA below overflows or reads NaN.
         let within = |k: &str, x: f64, max: f64| {
             if x.is_finite() && (0.0..=max).contains(&x) {
                 Ok(x)
@@ -154,7 +154,8 @@ fn parse(text: &str, file: &str) -> Result<Vec<Window>> {
             wait_s: seconds("wait_s")?,
             workers: v.get("target_busy").and_then(|x| x.as_array()).map_or(1, |a| a.len().max(1)),
             q_hs: within("q_hs", num("q_hs")?, MAX_QUEUE)?,
-            q_hs_now: within("q_hs_now", v.get("q_hs_now").and_then(|x| x.as_f64()).unwrap_or(0.0), MAX_QUEUE)? as usize,
+            q_hs_now: within("q_hs_now", v.get("q_hs_now").and_then(|x| x.as_f64()).unwrap_or(0.0), MAX_QUEUE)?
+                as usize,
         });
     }
     Ok(out)
@@ -172,7 +173,12 @@ pub fn from_metrics(text: &str, file: &str, steps_total: u64, grad_accum: u64) -
             bail!("{file}:{}: step {} is beyond the run's train.steps ({steps_total})", w.line, w.step);
         }
         if w.epoch > w.step.saturating_mul(grad_accum) {
-            bail!("{file}:{}: epoch {} after {} micro-batches (at most one an epoch)", w.line, w.epoch, w.step * grad_accum);
+            bail!(
+                "{file}:{}: epoch {} after {} micro-batches (at most one an epoch)",
+                w.line,
+                w.epoch,
+                w.step * grad_accum
+            );
         }
     }
     // Each window's length in steps; the first (start-up) only when it is the only one.

@@ -402,7 +402,8 @@ fn the_reply_budget_must_leave_a_prompt_room_with_distillation_off_too() {
     };
     for max_len in [64, 32] {
         for distill in ["false", "\"last\""] {
-            let e = section(&format!("max_len = {max_len}\ndistill = {distill}\ndistill_max_new_tokens = 64")).unwrap_err();
+            let e =
+                section(&format!("max_len = {max_len}\ndistill = {distill}\ndistill_max_new_tokens = 64")).unwrap_err();
             assert!(
                 e.contains("field `distill_max_new_tokens`") && e.contains(&format!("got 64 with max_len {max_len}")),
                 "{e}"

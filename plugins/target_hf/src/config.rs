@@ -1080,9 +1080,7 @@ fn one_spelling(c: &mut serde_json::Value) -> Result<(), String> {
                 }
                 Some(w) if same(w, &v) => {}
                 Some(w) => {
-                    return Err(format!(
-                        "`{name}` is {w} but `{other}` is {v}: two spellings of one field must agree"
-                    ))
+                    return Err(format!("`{name}` is {w} but `{other}` is {v}: two spellings of one field must agree"))
                 }
             }
         }
