@@ -307,7 +307,7 @@ fn check_step(dir: &Path, state: &serde_json::Value, file: &Path) -> Result<()> 
 /// does not say.
 fn configured_steps(dir: &Path) -> Option<u64> {
     let exp = dir.parent()?.parent()?;
-    let mut f = input_files::open_regular(&exp.join(super::CONFIG)).ok()?;
+    let f = input_files::open_regular(&exp.join(super::CONFIG)).ok()?;
     let mut text = String::new();
     f.take(MAX_JSON_BYTES).read_to_string(&mut text).ok()?;
     let table: toml::Table = toml::from_str(&text).ok()?;

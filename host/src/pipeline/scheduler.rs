@@ -318,7 +318,8 @@ mod tests {
         fn wait_for(&self, e: Event) {
             let limit = Duration::from_secs(if self.stuck.load(Ordering::Relaxed) { 0 } else { 60 });
             let seen = self.seen.lock().unwrap();
-            let (_, waited) = self.changed.wait_timeout_while(seen, limit, |s| !s.contains(&e)).unwrap();
+            let (seen, waited) = self.changed.wait_timeout_while(seen, limit, |s| !s.contains(&e)).unwrap();
+            drop(seen);
             if waited.timed_out() {
                 self.stuck.store(true, Ordering::Relaxed);
             }
@@ -359,7 +360,7 @@ mod tests {
                             }
                             events.push(TargetEnd(k));
                             Ok(k)
-                        }) as Box<dyn FnMut(u64) -> Result<u64> + Send>,
+                        }) as Box<dyn FnMut(u64) -> Result<u64> + Send + '_>,
                     }
                 })
                 .collect();
