@@ -49,14 +49,21 @@ pub fn read_bench(path: &Path) -> Result<StageTimes> {
         .find(|l| l.trim_start().starts_with('{'))
         .with_context(|| format!("{file}: no JSON object (write one with `bench train --json FILE`)"))?;
     let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{file}: not valid JSON"))?;
+    // Seconds a step in 1 ns..=1 day, and shapes below 2^24, so no rate or token count the plan
+    // derives overflows or reads inf.
     let num = |phase: &str, key: &str| {
         v.get(phase)
             .and_then(|p| p.get(key))
             .and_then(|x| x.as_f64())
-            .filter(|x| *x > 0.0)
-            .with_context(|| format!("{file}: no positive `{phase}.{key}` (is it `bench train`'s JSON?)"))
+            .filter(|x| (1e-9..=86_400.0).contains(x))
+            .with_context(|| format!("{file}: no `{phase}.{key}` in 1e-9..=86400 s (is it `bench train`'s JSON?)"))
     };
-    let int = |key: &str| v.get(key).and_then(|x| x.as_u64()).with_context(|| format!("{file}: no `{key}`"));
+    let int = |key: &str| {
+        v.get(key)
+            .and_then(|x| x.as_u64())
+            .filter(|n| (1..1 << 24).contains(n))
+            .with_context(|| format!("{file}: no `{key}` in 1..{}", 1 << 24))
+    };
     Ok(StageTimes {
         target_s: num("target_features", "step_s")?,
         drafter_s: num("drafter_step", "step_s")?,
@@ -207,6 +214,18 @@ mod tests {
         assert_eq!(t, StageTimes { target_s: 0.3, drafter_s: 0.1, colocated_s: 0.42, batch_size: 4, seq_len: 512 });
         std::fs::write(&path, "{\"batch_size\": 4}").unwrap();
         let e = read_bench(&path).unwrap_err();
-        assert!(format!("{e:#}").contains("bench.json: no positive `target_features.step_s`"), "{e:#}");
+        assert!(format!("{e:#}").contains("bench.json: no `target_features.step_s` in 1e-9..=86400 s"), "{e:#}");
+        // Absurd figures are refused, not planned with (no inf rate, no overflowing token count).
+        for (key, value, want) in [
+            ("target_features", serde_json::json!({"step_s": 1e-300}), "no `target_features.step_s` in"),
+            ("drafter_step", serde_json::json!({"step_s": 1e300}), "no `drafter_step.step_s` in"),
+            ("batch_size", serde_json::json!(u64::MAX), "no `batch_size` in 1..16777216"),
+        ] {
+            let mut bad = json.clone();
+            bad[key] = value;
+            std::fs::write(&path, bad.to_string()).unwrap();
+            let e = format!("{:#}", read_bench(&path).unwrap_err());
+            assert!(e.contains(want), "{key}: {e}");
+        }
     }
 }

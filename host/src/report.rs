@@ -5,7 +5,10 @@
 //! drafter's thread, so a step takes at least the slower of target_s / workers and
 //! drafter_s + optim_s; the report models a faster drafter step or optimizer on that.
 
-use crate::experiment::{self, metrics::METRICS};
+use crate::{
+    config::MAX_STEPS,
+    experiment::{self, metrics::METRICS},
+};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::path::Path;
@@ -81,9 +84,16 @@ pub fn report(exp: &Path) -> Result<Report> {
     let text = input_files::read_to_string_capped(&cfg_path, 16 << 20)?;
     let cfg: toml::Table = toml::from_str(&text).with_context(|| format!("{}: not valid TOML", cfg_path.display()))?;
     let train = cfg.get("train").and_then(|t| t.as_table());
-    let int = |key: &str| train.and_then(|t| t.get(key)).and_then(|v| v.as_integer()).map(|v| v as u64);
-    let steps = int("steps").with_context(|| format!("{}: no train.steps", cfg_path.display()))?;
-    let grad_accum = int("grad_accum").unwrap_or(1);
+    // A count the run could have been given (1..=MAX_STEPS), or a refusal naming the field.
+    let count = |key: &str| -> Result<Option<u64>> {
+        let Some(v) = train.and_then(|t| t.get(key)) else { return Ok(None) };
+        match v.as_integer().and_then(|n| u64::try_from(n).ok()).filter(|n| (1..=MAX_STEPS).contains(n)) {
+            Some(n) => Ok(Some(n)),
+            None => bail!("{}: train.{key} is {v}, not a count in 1..={MAX_STEPS}", cfg_path.display()),
+        }
+    };
+    let steps = count("steps")?.with_context(|| format!("{}: no train.steps", cfg_path.display()))?;
+    let grad_accum = count("grad_accum")?.unwrap_or(1);
     // Line by line through the cap every reader of metrics.jsonl uses: a corrupt line is refused
     // before it is held whole.
     let path = exp.join(METRICS);
@@ -92,8 +102,15 @@ pub fn report(exp: &Path) -> Result<Report> {
     from_windows(windows, &file, steps, grad_accum)
 }
 
+/// Most seconds a stage's time a step may read (a day): beyond it the line is not a measurement.
+const MAX_STEP_SECONDS: f64 = 86_400.0;
+/// Most batches the hidden-state queue may read as holding.
+const MAX_QUEUE: f64 = (1u64 << 20) as f64;
+
 /// One window of metrics.jsonl, as far as the report needs it.
 struct Window {
+    /// Its line in the file (from 1), for errors.
+    line: usize,
     step: u64,
     epoch: u64,
     target_s: f64,
@@ -115,18 +132,34 @@ fn parse(lines: impl Iterator<Item = Result<String>>, file: &str) -> Result<Vec<
         let v: serde_json::Value =
             serde_json::from_str(&line).with_context(|| format!("{file}:{}: not a JSON line", i + 1))?;
         let Some(target_s) = v.get("target_s").and_then(|x| x.as_f64()) else { continue }; // not a step line
+        // Every number in its range, so no sum, ratio or ETA below overflows or reads NaN.
+        let within = |k: &str, x: f64, max: f64| {
+            if x.is_finite() && (0.0..=max).contains(&x) {
+                Ok(x)
+            } else {
+                let shown = if x.abs() >= 1e9 { format!("{x:e}") } else { x.to_string() };
+                Err(anyhow::anyhow!("{file}:{}: `{k}` is {shown}, not in 0..={max}", i + 1))
+            }
+        };
         let num =
             |k: &str| v.get(k).and_then(|x| x.as_f64()).with_context(|| format!("{file}:{}: no number `{k}`", i + 1));
+        let seconds = |k: &str| within(k, num(k)?, MAX_STEP_SECONDS);
+        let step = v.get("step").and_then(|x| x.as_u64()).with_context(|| format!("{file}:{}: no `step`", i + 1))?;
+        if step > MAX_STEPS {
+            bail!("{file}:{}: `step` is {step}, beyond any run's steps ({MAX_STEPS})", i + 1);
+        }
         out.push(Window {
-            step: v.get("step").and_then(|x| x.as_u64()).with_context(|| format!("{file}:{}: no `step`", i + 1))?,
+            line: i + 1,
+            step,
             epoch: v.get("epoch").and_then(|x| x.as_u64()).unwrap_or(0),
-            target_s,
-            drafter_s: num("drafter_s")?,
-            optim_s: num("optim_s")?,
-            wait_s: num("wait_s")?,
+            target_s: within("target_s", target_s, MAX_STEP_SECONDS)?,
+            drafter_s: seconds("drafter_s")?,
+            optim_s: seconds("optim_s")?,
+            wait_s: seconds("wait_s")?,
             workers: v.get("target_busy").and_then(|x| x.as_array()).map_or(1, |a| a.len().max(1)),
-            q_hs: num("q_hs")?,
-            q_hs_now: v.get("q_hs_now").and_then(|x| x.as_u64()).unwrap_or(0) as usize,
+            q_hs: within("q_hs", num("q_hs")?, MAX_QUEUE)?,
+            q_hs_now: within("q_hs_now", v.get("q_hs_now").and_then(|x| x.as_f64()).unwrap_or(0.0), MAX_QUEUE)?
+                as usize,
         });
     }
     Ok(out)
@@ -140,6 +173,20 @@ pub fn from_metrics(text: &str, file: &str, steps_total: u64, grad_accum: u64) -
 fn from_windows(windows: Vec<Window>, file: &str, steps_total: u64, grad_accum: u64) -> Result<Report> {
     if windows.is_empty() {
         bail!("{file}: no step lines yet (the first comes after train.log_every steps)");
+    }
+    // The run's lines are of its own steps, and its data loader's epochs are at most one a batch.
+    for w in &windows {
+        if w.step > steps_total {
+            bail!("{file}:{}: step {} is beyond the run's train.steps ({steps_total})", w.line, w.step);
+        }
+        if w.epoch > w.step.saturating_mul(grad_accum) {
+            bail!(
+                "{file}:{}: epoch {} after {} micro-batches (at most one an epoch)",
+                w.line,
+                w.epoch,
+                w.step * grad_accum
+            );
+        }
     }
     // Each window's length in steps; the first (start-up) only when it is the only one.
     let mut weighted: Vec<(f64, &Window)> = Vec::new();
@@ -158,11 +205,13 @@ fn from_windows(windows: Vec<Window>, file: &str, steps_total: u64, grad_accum: 
     let workers = windows.last().map_or(1, |w| w.workers);
     let target_stage = target_s / workers as f64;
     let drafter_stage = drafter_s + optim_s;
-    let (bound_by, bound_ratio) = if target_stage >= drafter_stage {
-        ("target", target_stage / drafter_stage.max(1e-12))
+    // The slower stage over the faster (1 when both took no time; infinite when only the faster did).
+    let (bound_by, slower, faster) = if target_stage >= drafter_stage {
+        ("target", target_stage, drafter_stage)
     } else {
-        ("drafter", drafter_stage / target_stage.max(1e-12))
+        ("drafter", drafter_stage, target_stage)
     };
+    let bound_ratio = if slower == 0.0 { 1.0 } else { slower / faster };
     let step_s = drafter_s + optim_s + wait_s;
     let steps_done = windows.last().map_or(0, |w| w.step);
     let left = steps_total.saturating_sub(steps_done) as f64;
@@ -227,23 +276,23 @@ pub fn lines(r: &Report) -> Vec<String> {
     let mut out = vec![
         format!("steps          {} of {} (grad_accum {})", r.steps_done, r.steps_total, r.grad_accum),
         format!(
-            "target         {:.3} batches/s per worker ({} worker{}; {:.3} s of target work a step)",
-            r.target_batches_per_s_per_worker,
+            "target         {} batches/s per worker ({} worker{}; {:.3} s of target work a step)",
+            rate(r.target_batches_per_s_per_worker),
             r.target_workers,
             if r.target_workers == 1 { "" } else { "s" },
             r.target_s
         ),
         format!(
-            "drafter        {:.3} batches/s ({:.3} s forward + backward, {:.3} s optimizer a step: optimizer {:.0}%)",
-            r.drafter_batches_per_s,
+            "drafter        {} batches/s ({:.3} s forward + backward, {:.3} s optimizer a step: optimizer {:.0}%)",
+            rate(r.drafter_batches_per_s),
             r.drafter_s,
             r.optim_s,
             100.0 * r.optimizer_share
         ),
         format!(
-            "bound by       the {} stage, {:.2}x the other{}",
+            "bound by       the {} stage, {} the other{}",
             r.bound_by,
-            r.bound_ratio,
+            if r.bound_ratio.is_finite() { format!("{:.2}x", r.bound_ratio) } else { "while no time was measured for".into() },
             if r.bound_by == "target" { " (more target workers would help)" } else { "" }
         ),
         format!(
@@ -299,12 +348,28 @@ fn epoch_line(e: &Epochs, finished: bool) -> String {
     }
 }
 
+/// A rate, or `-` where no time was measured to divide by.
+fn rate(per_s: f64) -> String {
+    if per_s.is_finite() {
+        format!("{per_s:.3}")
+    } else {
+        "-".into()
+    }
+}
+
+/// Seconds as a person reads them: `42 s`, `3m05s`, `27h40m`, `412 days`, at most
+/// `more than 1000 years` (never a count of hours no one can read).
 fn duration(s: f64) -> String {
+    const DAY: f64 = 86_400.0;
+    if !(s < 1000.0 * 365.25 * DAY) {
+        return "more than 1000 years".into();
+    }
     let s = s.max(0.0).round() as u64;
     match s {
         0..=59 => format!("{s} s"),
         60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
-        _ => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+        3600..=359_999 => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+        _ => format!("{} days", s / 86_400),
     }
 }
 
@@ -405,5 +470,39 @@ mod tests {
         let e = from_metrics("not json\n", "m.jsonl", 10, 1).unwrap_err();
         assert!(format!("{e:#}").contains("m.jsonl:1"), "{e:#}");
         assert!(from_metrics("", "m.jsonl", 10, 1).is_err());
+    }
+
+    /// Numbers no run writes are refused naming the file, line and field, so no ETA of
+    /// "5124095576030431h", ratio of "NaNx" or "step 4 of 18446744073709551615" is printed.
+    #[test]
+    fn absurd_numbers_are_refused_or_read_sanely() {
+        let with = |k: &str, x: serde_json::Value| {
+            let mut v: serde_json::Value = serde_json::from_str(&line(10, 1.0, 1, 1.0, 0.5, 0.0, 1.0)).unwrap();
+            v[k] = x;
+            v.to_string() + "\n"
+        };
+        for (k, x, want) in [
+            ("drafter_s", serde_json::json!(1e300), "m.jsonl:1: `drafter_s` is 1e300, not in 0..=86400"),
+            ("target_s", serde_json::json!(-1.0), "m.jsonl:1: `target_s` is -1, not in 0..=86400"),
+            ("q_hs", serde_json::json!(1e30), "m.jsonl:1: `q_hs` is 1e30, not in 0..="),
+            ("step", serde_json::json!(u64::MAX), "m.jsonl:1: `step` is 18446744073709551615, beyond any run's steps"),
+            ("step", serde_json::json!(200), "m.jsonl:1: step 200 is beyond the run's train.steps (100)"),
+            ("epoch", serde_json::json!(u64::MAX), "m.jsonl:1: epoch 18446744073709551615 after 10 micro-batches"),
+        ] {
+            let e = format!("{:#}", from_metrics(&with(k, x), "m.jsonl", 100, 1).unwrap_err());
+            assert!(e.contains(want), "{k}: {e}");
+        }
+        // A long run reads in days, a longer one is capped; no stage time gives no NaN.
+        assert_eq!(duration(86_400.0 * 412.0), "412 days");
+        assert_eq!(duration(3600.0 * 27.0 + 40.0 * 60.0), "27h40m");
+        assert_eq!(duration(f64::MAX), "more than 1000 years");
+        assert_eq!(duration(f64::NAN), "more than 1000 years");
+        let idle = from_metrics(&line(10, 0.0, 1, 0.0, 0.0, 0.0, 0.0), "m.jsonl", (1u64 << 40) - 1, 1).unwrap();
+        let text = lines(&idle).join("\n");
+        assert!(!text.contains("NaN") && !text.contains("inf"), "{text}");
+        assert!(text.contains("1.00x the other") && text.contains("ETA 0 s"), "{text}");
+        let slow = from_metrics(&line(10, 80_000.0, 1, 80_000.0, 0.0, 0.0, 0.0), "m.jsonl", 1u64 << 40, 1).unwrap();
+        let text = lines(&slow).join("\n");
+        assert!(text.contains("ETA more than 1000 years"), "{text}");
     }
 }

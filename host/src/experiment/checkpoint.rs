@@ -258,6 +258,7 @@ fn open(c: &Checkpoint, with_optimizer: bool) -> Result<Opened, OpenError> {
             bail!("{}: not a JSON object", path("config.json").display());
         }
         let (_, trainer_state) = read_open_json(&mut state, &path("trainer_state.json"))?;
+        check_step(&c.dir, &trainer_state, &path("trainer_state.json"))?;
         let weights = tensors::read(&mut model, &path("model.safetensors"))?;
         if let Some(w) = weights.iter().find(|w| !tensors::is_float(w.tensor.tensor().kind())) {
             bail!(
@@ -280,6 +281,37 @@ fn open(c: &Checkpoint, with_optimizer: bool) -> Result<Opened, OpenError> {
         })
     };
     read().map_err(OpenError::Bad)
+}
+
+/// The step `trainer_state.json` (at `file`, read as `state`) claims, checked: a whole number, the
+/// one its folder `step-N` is named after, and not beyond the run's `train.steps` (which a fork
+/// and an extended resume raise before they train past it). A resume counts on it and every
+/// reader reports it, so a claim of step 2^64-1 in the checkpoint of step 2 is refused here.
+fn check_step(dir: &Path, state: &serde_json::Value, file: &Path) -> Result<()> {
+    let Some(claimed) = state.get("step") else { return Ok(()) };
+    let Some(step) = claimed.as_u64() else {
+        bail!("{}: `step` is {claimed}, not a step number", file.display());
+    };
+    let named = dir.file_name().and_then(|n| n.to_str()?.strip_prefix("step-")?.parse::<u64>().ok());
+    if let Some(n) = named.filter(|&n| n != step) {
+        bail!("{}: step {step}, but the checkpoint is step-{n}", file.display());
+    }
+    if let Some(last) = named.and_then(|_| configured_steps(dir)).filter(|&last| step > last) {
+        bail!("{}: step {step} is beyond the run's train.steps ({last})", file.display());
+    }
+    Ok(())
+}
+
+/// `train.steps` of the experiment that holds the checkpoint folder `dir`
+/// (`EXP/checkpoints/step-N`), from `EXP/config.toml`; None where there is no such config or it
+/// does not say.
+fn configured_steps(dir: &Path) -> Option<u64> {
+    let exp = dir.parent()?.parent()?;
+    let f = input_files::open_regular(&exp.join(super::CONFIG)).ok()?;
+    let mut text = String::new();
+    f.take(MAX_JSON_BYTES).read_to_string(&mut text).ok()?;
+    let table: toml::Table = toml::from_str(&text).ok()?;
+    u64::try_from(table.get("train")?.get("steps")?.as_integer()?).ok()
 }
 
 /// The checkpoint folder `dir` opened for use (a folder named `step-N`, or any other: step 0).

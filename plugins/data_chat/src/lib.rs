@@ -162,6 +162,12 @@ fn default_distill() -> Distill {
 }
 
 impl ChatSection {
+    /// The tokens of `max_len` a prompt may take, leaving `distill_max_new_tokens` for its reply
+    /// (None when the reply alone does not fit).
+    fn prompt_budget(&self) -> Option<usize> {
+        self.max_len.checked_sub(self.distill_max_new_tokens)
+    }
+
     /// Ranges and combinations of fields; run by `create` and, before the target loads, by the
     /// host's checks of the config.
     pub fn validate(&self) -> Result<(), PluginError> {
@@ -175,12 +181,20 @@ impl ChatSection {
         if self.max_len < 16 {
             return bad("max_len", format!("must be >= 16, got {}", self.max_len));
         }
-        if self.distill != Distill::Off
-            && (self.distill_max_new_tokens == 0 || self.distill_max_new_tokens + 8 > self.max_len)
-        {
+        // Checked whatever `distill` says: eval's prompts leave room for a reply of this length
+        // too, and a prompt needs a few tokens of `max_len` left over.
+        if self.distill_max_new_tokens == 0 || self.prompt_budget().is_none_or(|room| room < 8) {
+            let why = if self.distill == Distill::Off {
+                " (with distill = false it still sets the room eval's prompts leave for the reply)"
+            } else {
+                ""
+            };
             return bad(
                 "distill_max_new_tokens",
-                format!("must be in 1..=(max_len - 8), got {} (max_len {})", self.distill_max_new_tokens, self.max_len),
+                format!(
+                    "must be in 1..=(max_len - 8), got {} with max_len {}{why}: lower distill_max_new_tokens or raise max_len",
+                    self.distill_max_new_tokens, self.max_len
+                ),
             );
         }
         if !(self.distill_temperature.is_finite() && self.distill_temperature >= 0.0) {
@@ -470,7 +484,12 @@ impl ChatData {
         msgs: &[Message],
         end: usize,
     ) -> Result<Option<(usize, Vec<Message>, EncodedChat)>, PluginError> {
-        let budget = self.cfg.max_len - self.cfg.distill_max_new_tokens;
+        let budget = self.cfg.prompt_budget().ok_or_else(|| {
+            PluginError::new(format!(
+                "field `distill_max_new_tokens`: {} leaves no room for a prompt in max_len {}",
+                self.cfg.distill_max_new_tokens, self.cfg.max_len
+            ))
+        })?;
         let system: Vec<Message> = msgs.iter().take(1).filter(|m| m.role == Role::System).cloned().collect();
         earliest_fit(&window_starts(msgs, system.len(), end), budget, |start| {
             let window: Vec<Message> = system.iter().cloned().chain(msgs[start..end].iter().cloned()).collect();

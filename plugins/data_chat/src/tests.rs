@@ -390,3 +390,27 @@ fn validation_records_are_self_distilled_with_the_training_ones() {
     assert_eq!(data.eval_prompts_impl("validation", 1).unwrap(), vec![req.prompts[3].clone().into_vec()]);
     assert_eq!(data.distilled_records().unwrap().len(), 3);
 }
+
+/// The reply budget leaves a prompt room in `max_len` whatever `distill` says (eval's prompts
+/// leave room for a reply of that length too): no wrap-around below the budget, both fields
+/// named.
+#[test]
+fn the_reply_budget_must_leave_a_prompt_room_with_distillation_off_too() {
+    let section = |extra: &str| {
+        let cfg: ChatSection = plugin_api::parse_section(&format!("path = \"x\"\n{extra}")).unwrap();
+        cfg.validate().map_err(|e| e.to_string())
+    };
+    for max_len in [64, 32] {
+        for distill in ["false", "\"last\""] {
+            let e =
+                section(&format!("max_len = {max_len}\ndistill = {distill}\ndistill_max_new_tokens = 64")).unwrap_err();
+            assert!(
+                e.contains("field `distill_max_new_tokens`") && e.contains(&format!("got 64 with max_len {max_len}")),
+                "{e}"
+            );
+            assert_eq!(e.contains("with distill = false it still sets"), distill == "false", "{e}");
+        }
+    }
+    section("max_len = 72\ndistill = false\ndistill_max_new_tokens = 64").unwrap();
+    section("max_len = 16\ndistill = false\ndistill_max_new_tokens = 8").unwrap();
+}

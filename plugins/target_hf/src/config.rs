@@ -9,7 +9,8 @@
 //! [`DecoderConfig::from_hf_json`] reads that one. Some families name a field their own way
 //! (LFM2's `norm_eps`, `block_ff_dim`; LongCat-Flash's `ffn_hidden_size`, `moe_topk`,
 //! `expert_ffn_hidden_size`, `num_layers`; DeepSeek's `n_routed_experts`): they read into the
-//! common field.
+//! common field ([`SPELLINGS`]); a config giving both spellings is read when they agree and
+//! refused, naming both, when they differ.
 
 pub use crate::families::Arch;
 use crate::families::{self, Family};
@@ -51,7 +52,7 @@ pub struct DecoderConfig {
     pub hidden_size: usize,
     /// The dense MLP's width (absent in Qwen3.5-MoE configs: every layer is sparse; gpt-oss's is
     /// its experts' width).
-    #[serde(default, alias = "ffn_hidden_size")]
+    #[serde(default)]
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
@@ -60,7 +61,7 @@ pub struct DecoderConfig {
     #[serde(default)]
     pub head_dim: Option<usize>,
     pub vocab_size: usize,
-    #[serde(default = "default_eps", alias = "norm_eps")]
+    #[serde(default = "default_eps")]
     pub rms_norm_eps: f64,
     /// Absent: transformers' default for the model type ([`hf_default_theta`]), logged.
     #[serde(default = "default_theta")]
@@ -166,11 +167,11 @@ pub struct DecoderConfig {
     pub num_layers: Option<usize>,
 
     // Mixture of experts. transformers 5 writes qwen3_moe's count as `num_local_experts`.
-    #[serde(default, alias = "num_local_experts", alias = "n_routed_experts", skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_experts: Option<usize>,
-    #[serde(default, alias = "moe_topk", skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_experts_per_tok: Option<usize>,
-    #[serde(default, alias = "expert_ffn_hidden_size", skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe_intermediate_size: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_expert_intermediate_size: Option<usize>,
@@ -364,6 +365,7 @@ impl DecoderConfig {
                 }
             }
         }
+        one_spelling(&mut inner)?;
         family_keys(&mut inner)?;
         let theta_given = inner.get("rope_theta").is_some_and(|t| !t.is_null());
         let mut cfg: Self = serde_json::from_value(inner).map_err(|e| e.to_string())?;
@@ -1016,6 +1018,48 @@ impl DecoderConfig {
 /// layer count (`num_layers`; transformers' `num_hidden_layers` counts sublayers); Gemma 3's
 /// RoPE settings per layer kind (the global layers' become `rope_theta` and `rope_parameters`,
 /// the sliding layers' base `rope_local_base_freq`).
+/// Fields a config.json may spell more than one way, with the families that do (`*`: any): the
+/// field read, then its other spellings.
+const SPELLINGS: &[(&str, &str, &[&str])] = &[
+    ("*", "intermediate_size", &["ffn_hidden_size"]),
+    ("lfm2", "intermediate_size", &["block_ff_dim"]),
+    ("*", "rms_norm_eps", &["norm_eps"]),
+    ("*", "num_experts", &["num_local_experts", "n_routed_experts"]),
+    ("*", "num_experts_per_tok", &["moe_topk"]),
+    ("*", "moe_intermediate_size", &["expert_ffn_hidden_size"]),
+    ("lfm2", "tie_word_embeddings", &["tie_embedding"]),
+];
+
+/// Each field of [`SPELLINGS`] under its one name: another spelling is moved there, or dropped
+/// when both are given and agree (numbers by value: `1e-5` is `0.00001`); when they differ the
+/// config is refused naming both keys and values (null counts as absent).
+fn one_spelling(c: &mut serde_json::Value) -> Result<(), String> {
+    let Some(o) = c.as_object_mut() else { return Ok(()) };
+    let model_type = o.get("model_type").and_then(|t| t.as_str()).unwrap_or("").to_string();
+    let same = |a: &serde_json::Value, b: &serde_json::Value| match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => x == y,
+        _ => a == b,
+    };
+    for (family, name, others) in SPELLINGS {
+        if *family != "*" && *family != model_type {
+            continue;
+        }
+        for other in *others {
+            let Some(v) = o.remove(*other).filter(|v| !v.is_null()) else { continue };
+            match o.get(*name).filter(|w| !w.is_null()) {
+                None => {
+                    o.insert(name.to_string(), v);
+                }
+                Some(w) if same(w, &v) => {}
+                Some(w) => {
+                    return Err(format!("`{name}` is {w} but `{other}` is {v}: two spellings of one field must agree"))
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn family_keys(c: &mut serde_json::Value) -> Result<(), String> {
     let Some(o) = c.as_object_mut() else { return Ok(()) };
     let model_type = o.get("model_type").and_then(|t| t.as_str()).unwrap_or("").to_string();
@@ -1029,14 +1073,6 @@ fn family_keys(c: &mut serde_json::Value) -> Result<(), String> {
         o.entry("sliding_window").or_insert(w.into());
     }
     match model_type.as_str() {
-        "lfm2" => {
-            if let Some(width) = o.remove("block_ff_dim") {
-                o.insert("intermediate_size".into(), width);
-            }
-            if let Some(tie) = o.remove("tie_embedding") {
-                o.entry("tie_word_embeddings").or_insert(tie);
-            }
-        }
         "longcat_flash" => {
             if let Some(n) = o.get("num_layers").cloned() {
                 o.insert("num_hidden_layers".into(), n);
@@ -1074,6 +1110,50 @@ fn family_keys(c: &mut serde_json::Value) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every field spelled two ways (LongCat-Flash's, LFM2's, DeepSeek's and transformers 5's
+    /// names beside HF's usual ones): both given and equal reads as one; different, the config
+    /// is refused naming both keys and values.
+    #[test]
+    fn both_spellings_of_a_field_are_read_when_they_agree() {
+        let base = r#""hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 8"#;
+        for (model_type, name, other, value, differing) in [
+            ("llama", "intermediate_size", "ffn_hidden_size", "48", "64"),
+            ("lfm2", "intermediate_size", "block_ff_dim", "48", "64"),
+            ("llama", "rms_norm_eps", "norm_eps", "1e-5", "1e-6"),
+            ("qwen3_moe", "num_experts", "num_local_experts", "8", "16"),
+            ("deepseek_v3", "num_experts", "n_routed_experts", "8", "16"),
+            ("qwen3_moe", "num_experts_per_tok", "moe_topk", "2", "3"),
+            ("qwen3_moe", "moe_intermediate_size", "expert_ffn_hidden_size", "8", "16"),
+            ("lfm2", "tie_word_embeddings", "tie_embedding", "true", "false"),
+        ] {
+            let json = |a: &str, b: &str| {
+                format!(r#"{{"model_type": "{model_type}", {base}, "{name}": {a}, "{other}": {b}}}"#)
+            };
+            let alone = format!(r#"{{"model_type": "{model_type}", {base}, "{other}": {value}}}"#);
+            let (want, _) = DecoderConfig::from_hf_json(&alone).unwrap_or_else(|e| panic!("{other}: {e}"));
+            let (both, _) = DecoderConfig::from_hf_json(&json(value, value)).unwrap_or_else(|e| panic!("{other}: {e}"));
+            assert_eq!(both, want, "{name} and {other} agreeing");
+            let e = DecoderConfig::from_hf_json(&json(value, differing)).unwrap_err();
+            assert!(
+                e.contains(&format!("`{name}` is")) && e.contains(&format!("`{other}` is {differing}")),
+                "{name} / {other}: {e}"
+            );
+        }
+        // Numbers agree by value, whatever their spelling in the file.
+        let (c, _) = DecoderConfig::from_hf_json(&format!(
+            r#"{{"model_type": "llama", {base}, "rms_norm_eps": 0.00001, "norm_eps": 1e-5, "intermediate_size": 48,
+                "ffn_hidden_size": 48.0}}"#
+        ))
+        .unwrap();
+        assert_eq!((c.rms_norm_eps, c.intermediate_size), (1e-5, 48));
+        // Three spellings of the expert count: each pair must agree.
+        let e = DecoderConfig::from_hf_json(&format!(
+            r#"{{"model_type": "qwen3_moe", {base}, "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 4}}"#
+        ))
+        .unwrap_err();
+        assert!(e.contains("`num_experts` is 8 but `n_routed_experts` is 4"), "{e}");
+    }
 
     #[test]
     fn zero_heads_are_refused_not_divided_by() {

@@ -196,7 +196,9 @@ impl Decoder {
     /// - `cache` extended in place when given;
     /// - `upto`: run only layers `0..upto` (the features needed), skipping the rest;
     /// - returns the output of each layer run ([B, L, H] each) and, if all layers ran, the
-    ///   final-normed hidden states.
+    ///   final-normed hidden states. As in transformers' `hidden_states[1..]`, which DFlash's
+    ///   `hidden_states[id + 1]` reads, the last layer's output is taken after the final norm
+    ///   (the LM head's input).
     pub fn run(
         &self,
         ids: &Tensor,
@@ -242,6 +244,9 @@ impl Decoder {
             c.extended(l);
         }
         let normed = (upto >= self.blocks.len()).then(|| rms_norm(&x, &self.norm, self.cfg.rms_norm_eps));
+        if let (Some(n), Some(last)) = (&normed, outs.last_mut()) {
+            *last = n.shallow_clone();
+        }
         (outs, normed)
     }
 

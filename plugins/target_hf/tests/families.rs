@@ -8,7 +8,7 @@
 //! GLM-4.5 (partial RoPE) and LongCat-Flash (sublayers, zero-computation experts). Checked, in
 //! f32 on the CPU:
 //! - every layer's output and the logits on fixed ids, within 1e-4 of transformers (relative to
-//!   the largest entry);
+//!   the largest entry); the last layer's feature is `hidden_states[n]`, after the final norm;
 //! - greedy generation with the KV / recurrent cache equals transformers' `generate` and, batched
 //!   with left padding, each prompt generated alone;
 //! - the speculative-decoding session: extending the cache, cutting it back into the last
@@ -74,12 +74,25 @@ fn every_layer_and_the_logits_match_transformers() {
         let h = t.spec.hidden_size as i64;
         let all: Vec<u32> = (0..n).collect();
         let (hidden, logits) = t.features(&r["in.input_ids"], &all, true).unwrap();
-        for i in 0..n as i64 {
+        for i in 0..n as i64 - 1 {
             let err = rel_err(&hidden.narrow(2, i * h, h), &r[&format!("out.layer.{i}")]);
             assert!(err < 1e-4, "{arch} layer {i}: relative error {err:.2e}");
         }
-        let err = rel_err(&logits.unwrap(), &r["out.logits"]);
+        let logits = logits.unwrap();
+        let err = rel_err(&logits, &r["out.logits"]);
         assert!(err < 1e-4, "{arch} logits: relative error {err:.2e}");
+        // The last layer's feature is transformers' `hidden_states[n]` (DFlash's
+        // `hidden_states[id + 1]`), taken after the final norm: the LM head's input, so the head
+        // applied to it gives transformers' logits, and it is not the layer's raw output.
+        let last = hidden.narrow(2, (n as i64 - 1) * h, h);
+        assert!(t.model.logits(&last).equal(&logits), "{arch}: the last layer's feature is not the LM head's input");
+        let err = rel_err(&t.model.logits(&last), &r["out.logits"]);
+        assert!(err < 1e-4, "{arch} logits from the last feature: relative error {err:.2e}");
+        let raw = rel_err(&last, &r[&format!("out.layer.{}", n - 1)]);
+        assert!(raw > 1e-2, "{arch}: the last layer's feature is its output before the final norm");
+        // Asked for alone, without logits, it is the same.
+        let (alone, _) = t.features(&r["in.input_ids"], &[n - 1], false).unwrap();
+        assert!(alone.equal(&last), "{arch}: the last layer's feature differs when asked for alone");
         eprintln!("{arch}: logits within {err:.1e} of transformers'");
         // Only the layers up to the deepest feature run; their outputs are the same.
         let (first, none) = t.features(&r["in.input_ids"], &[0], false).unwrap();

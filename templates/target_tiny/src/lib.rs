@@ -141,7 +141,7 @@ impl TinyLm {
     }
 
     /// Run `ids` [B, L] after the cached positions (causally), extending `cache`: the output of
-    /// every layer [B, L, H] each, and the logits [B, L, V].
+    /// every layer [B, L, H] each (the last one's after the final norm), and the logits [B, L, V].
     fn run(&self, ids: &Tensor, cache: &mut Cache) -> (Vec<Tensor>, Tensor) {
         let _guard = tch::no_grad_guard();
         let (b, l) = (ids.size()[0], ids.size()[1]);
@@ -172,8 +172,11 @@ impl TinyLm {
             x = &x + xn.linear::<&Tensor>(&layer.up, None).silu().linear::<&Tensor>(&layer.down, None);
             outputs.push(x.shallow_clone());
         }
-        let logits = x.rms_norm([h], Some(&self.norm), EPS).matmul(&self.embedding.tr());
-        (outputs, logits)
+        // As in transformers' `hidden_states`, the last layer's output is taken after the final
+        // norm: the LM head's input.
+        let normed = x.rms_norm([h], Some(&self.norm), EPS);
+        *outputs.last_mut().expect("at least one layer") = normed.shallow_clone();
+        (outputs, normed.matmul(&self.embedding.tr()))
     }
 
     /// The outputs of `layer_ids`, concatenated on the last dim.
