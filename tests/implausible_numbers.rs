@@ -169,10 +169,8 @@ fn report_refuses_absurd_numbers_and_prints_long_runs_sanely() {
         assert!(got.contains(&want), "{want:?} not in {got}");
     }
     // 80,000 s a step for 10,000 steps: days, and no NaN or inf anywhere.
-    let slow = format!(
-        r#"{{"step": 1, "loss": 1.0, "target_s": 80000.0, "drafter_s": 80000.0, "optim_s": 0.0, "wait_s": 0.0, "target_busy": [1.0], "q_hs": 0.0, "q_hs_now": 0}}"#
-    );
-    let out = report("[train]\nsteps = 10000\n", &slow);
+    let slow = r#"{"step": 1, "loss": 1.0, "target_s": 80000.0, "drafter_s": 80000.0, "optim_s": 0.0, "wait_s": 0.0, "target_busy": [1.0], "q_hs": 0.0, "q_hs_now": 0}"#;
+    let out = report("[train]\nsteps = 10000\n", slow);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(text.contains("ETA 9258 days to step 10000"), "{text}");

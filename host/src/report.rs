@@ -131,7 +131,8 @@ fn parse(lines: impl Iterator<Item = Result<String>>, file: &str) -> Result<Vec<
         }
         let v: serde_json::Value =
             serde_json::from_str(&line).with_context(|| format!("{file}:{}: not a JSON line", i + 1))?;
-        let Some(target_s) = v.get("target_s").and_then(|x| x.as_f64()) else { continue }; // not a step line
+        // Not a step line: skipped.
+        let Some(target_s) = v.get("target_s").and_then(|x| x.as_f64()) else { continue };
         // Every number in its range, so no sum, ratio or ETA below overflows or reads NaN.
         let within = |k: &str, x: f64, max: f64| {
             if x.is_finite() && (0.0..=max).contains(&x) {
@@ -361,7 +362,8 @@ fn rate(per_s: f64) -> String {
 /// `more than 1000 years` (never a count of hours no one can read).
 fn duration(s: f64) -> String {
     const DAY: f64 = 86_400.0;
-    if !(s < 1000.0 * 365.25 * DAY) {
+    // NaN reads as too long too.
+    if s.is_nan() || s >= 1000.0 * 365.25 * DAY {
         return "more than 1000 years".into();
     }
     let s = s.max(0.0).round() as u64;
