@@ -42,10 +42,10 @@ pub fn run(what: BenchCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
             json_line(&report, json.as_ref())?;
         }
         BenchCommand::Fp8 { args, json } => {
-            guard_outputs(json.as_deref(), None)?;
+            let json = guard_outputs(json.as_deref(), None, None)?;
             let report = crate::bench::fp8::fp8(&args)?;
             crate::bench::fp8::print(&report);
-            json_line(&report, json.as_deref())?;
+            json_line(&report, json.as_ref())?;
         }
     }
     Ok(ExitCode::SUCCESS)
