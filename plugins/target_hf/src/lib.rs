@@ -349,6 +349,7 @@ pub fn check_compute(compute: linear::Compute, device: Device) -> Result<(), Plu
     if compute == linear::Compute::Fp8 && !kernels::fp8::gemm_supported(device) {
         let on = match device {
             Device::Cuda(i) => format!("CUDA device {i}, which is not of compute capability 9.x (Hopper)"),
+            Device::Cpu => "the CPU".to_string(),
             other => format!("{other:?}"),
         };
         return Err(PluginError::new(format!(
