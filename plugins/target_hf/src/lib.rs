@@ -68,13 +68,13 @@ pub struct TargetSection {
     #[describe(range = ">= 1")]
     #[serde(default = "one")]
     pub expert_parallel: usize,
-    /// The precision of the target's dense projections (attention's q|k|v and o, the gated MLPs,
-    /// the Gated DeltaNet layers' projections): `bf16` runs them in the model's dtype (a
+    /// The precision of the target's dense projections (attention's q|k|v and o, latent
+    /// attention's, the gated MLPs, the Gated DeltaNet layers' projections): `bf16` runs them in the model's dtype (a
     /// quantised checkpoint dequantised on load); `fp8` as FP8 block-scaled GEMMs, the way
     /// serving engines run FP8 checkpoints on Hopper (a CUDA device of compute capability 9.x
     /// only): an FP8 block-scaled checkpoint's weights stay FP8, others are quantised at load in
-    /// 128x128 blocks. Embeddings, LM head, norms, routers, routed experts and latent attention
-    /// stay in the model's dtype.
+    /// 128x128 blocks. Embeddings, LM head, norms, routers and routed experts stay in the model's
+    /// dtype.
     #[serde(default)]
     pub compute: linear::Compute,
 }

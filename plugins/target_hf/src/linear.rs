@@ -2,7 +2,7 @@
 //!
 //! With `compute = "bf16"` a projection is the model's dtype's `x.linear(w, b)`, as always. With
 //! `compute = "fp8"` (a CUDA device of compute capability 9.x) the projections of attention
-//! (q|k|v and o), of the gated MLPs (dense layers and shared experts) and of the Gated DeltaNet
+//! (q|k|v and o; latent attention's q, kv_a, kv_b and o), of the gated MLPs (dense layers and shared experts) and of the Gated DeltaNet
 //! layers run as FP8 block-scaled GEMMs ([`kernels::fp8`]): weights e4m3 with a scale per 128x128
 //! block, activations quantised per token per 128 channels, as SGLang and vLLM serve FP8
 //! checkpoints. An FP8 block-scaled checkpoint's weights stay as stored (values and block scales)
@@ -10,8 +10,8 @@
 //! tensor-parallel rank's slice where it keeps whole blocks); any other weight (bf16/f32
 //! checkpoints, random weights, other block sizes, slices cutting blocks) is quantised at load in
 //! 128x128 blocks (SGLang's `--quantization fp8`), and the load says how many were. Embeddings,
-//! the LM head, norms, routers, the routed experts (grouped GEMMs), latent attention (MLA) and
-//! short convolutions stay in the model's dtype.
+//! the LM head, norms, routers, the routed experts (grouped GEMMs) and LFM2's short
+//! convolutions stay in the model's dtype.
 
 use crate::quant::{Fp8Part, Read};
 use kernels::fp8::Fp8Linear;
