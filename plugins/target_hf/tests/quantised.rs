@@ -173,9 +173,10 @@ fn fp8_compute_is_close_to_the_dequantised_forward_on_the_cpu() {
 #[test]
 #[ignore = "needs a CUDA device of compute capability 9.x: make gpu-test"]
 fn cuda_fp8_compute_is_close_to_the_dequantised_forward() {
-    assert!(kernels::fp8::gemm_supported(Device::Cuda(0)), "needs sm_90");
-    fp8_against_bf16("qwen3_fp8", Device::Cuda(0), 4, 4);
-    fp8_against_bf16("deepseek_v3_fp8", Device::Cuda(0), 3, 1);
+    let dev = kernels::cuda_test_device();
+    assert!(kernels::fp8::gemm_supported(dev), "needs sm_90");
+    fp8_against_bf16("qwen3_fp8", dev, 4, 4);
+    fp8_against_bf16("deepseek_v3_fp8", dev, 3, 1);
 }
 
 /// `compute = "fp8"` anywhere but Hopper is refused in one line naming the field.
