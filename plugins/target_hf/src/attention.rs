@@ -11,6 +11,7 @@
 use crate::{
     common::{causal_mask, rms_norm},
     config::DecoderConfig,
+    linear::Linear,
     rope::apply_rope,
     tp::rows,
     weights::Loader,
@@ -98,10 +99,8 @@ fn attend_in_the_open(
 }
 
 pub struct Attention {
-    qkv: Tensor,
-    qkv_bias: Option<Tensor>,
-    o_proj: Tensor,
-    o_bias: Option<Tensor>,
+    qkv: Linear,
+    o_proj: Linear,
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
     gated: bool,
@@ -126,16 +125,17 @@ impl Attention {
             ("k_proj", nkv * d, rows(&kv, d)),
             ("v_proj", nkv * d, rows(&kv, d)),
         ];
-        let qkv = ld.fused(&names.clone().map(|(n, r, keep)| (format!("{p}.{n}.weight"), r, vec![keep])), h)?;
-        let qkv_bias = if cfg.qkv_bias() {
+        let weights = names.clone().map(|(n, r, keep)| (format!("{p}.{n}.weight"), r, vec![keep]));
+        let qkv = ld.linear(&weights, h, |ld| {
+            if !cfg.qkv_bias() {
+                return Ok(None);
+            }
             let b = names
                 .iter()
                 .map(|(n, r, keep)| ld.get_selected(&format!("{p}.{n}.bias"), &[*r], &[vec![keep.clone()]]))
                 .collect::<Result<Vec<_>, _>>()?;
-            Some(Tensor::cat(&b, 0))
-        } else {
-            None
-        };
+            Ok(Some(Tensor::cat(&b, 0)))
+        })?;
         let (q_norm, k_norm) = if cfg.qk_norm() {
             let centred = cfg.centred_norms();
             let (qn, kn) = if cfg.arch() == crate::config::Arch::Lfm2 {
@@ -151,8 +151,14 @@ impl Attention {
             (None, None)
         };
         let o = if cfg.arch() == crate::config::Arch::Lfm2 { "out_proj" } else { "o_proj" };
-        let o_proj = ld.get_selected(&format!("{p}.{o}.weight"), &[h, nh * d], &[vec![], vec![rows(&heads, d)]])?;
-        let o_bias = if cfg.o_bias() { ld.row_bias(&format!("{p}.{o}.bias"), h)? } else { None };
+        let o_proj =
+            ld.linear_selected(&format!("{p}.{o}.weight"), &[h, nh * d], &[vec![], vec![rows(&heads, d)]], |ld| {
+                if cfg.o_bias() {
+                    ld.row_bias(&format!("{p}.{o}.bias"), h)
+                } else {
+                    Ok(None)
+                }
+            })?;
         let sinks = if cfg.arch() == crate::config::Arch::GptOss {
             Some(ld.get_selected(&format!("{p}.sinks"), &[nh], &[vec![heads.clone()]])?)
         } else {
@@ -160,19 +166,7 @@ impl Attention {
         };
         let (nh, nkv) = (heads.end - heads.start, kv.end - kv.start);
         let scores = Scores { scale: cfg.attention_scale(), softcap: cfg.attn_logit_softcapping, sinks };
-        Ok(Self {
-            qkv,
-            qkv_bias,
-            o_proj,
-            o_bias,
-            q_norm,
-            k_norm,
-            gated,
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: d,
-            scores,
-        })
+        Ok(Self { qkv, o_proj, q_norm, k_norm, gated, num_heads: nh, num_kv_heads: nkv, head_dim: d, scores })
     }
 
     /// x [B, L, H] (normed) -> [B, L, H]; `mask` as [`attend`]'s (a sliding layer's with its
@@ -190,7 +184,7 @@ impl Attention {
         let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         // 1. Project, split, (Qwen3.5) split q from its gate, normalise per head,
         //    (B, L, H, D) -> (B, H, L, D), rotate.
-        let qkv = x.linear(&self.qkv, self.qkv_bias.as_ref());
+        let qkv = self.qkv.forward(x);
         let q_rows = if self.gated { 2 * nh * d } else { nh * d };
         let (mut q, gate) = if self.gated {
             let qg = qkv.narrow(2, 0, q_rows).view([b, l, nh, 2 * d]);
@@ -215,7 +209,7 @@ impl Attention {
             Some(g) => o * g.sigmoid(),
             None => o,
         };
-        o.reshape([b, l, nh * d]).linear(&self.o_proj, self.o_bias.as_ref())
+        self.o_proj.forward(&o.reshape([b, l, nh * d]))
     }
 }
 

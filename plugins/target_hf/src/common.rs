@@ -1,7 +1,12 @@
 //! What every family's layers share: HF's RMSNorm, the gated MLP, and the [`Context`] of one
 //! forward (RoPE tables, masks, padding, the tensor-parallel group).
 
-use crate::{config::Activation, tp::TpGroup, weights::Loader};
+use crate::{config::Activation, linear::Linear, tp::TpGroup, weights::Loader};
+
+/// No bias (`Loader::linear`'s).
+pub(crate) fn none(_: &mut Loader) -> Result<Option<Tensor>, String> {
+    Ok(None)
+}
 use plugin_api::tch::{Device, Kind, Tensor};
 
 /// HF's RMSNorm (fp32 statistics); libtorch's `rms_norm` is one fused kernel on CUDA.
@@ -11,9 +16,9 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
 
 /// A gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or Gemma's tanh GELU.
 pub struct Mlp {
-    gate_proj: Tensor,
-    up_proj: Tensor,
-    down_proj: Tensor,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
     act: Activation,
 }
 
@@ -35,20 +40,35 @@ impl Mlp {
         // gate/up column-parallel, down row-parallel (`tp.rs`).
         let part = ld.shard.split(width, "the MLP's intermediate size")?;
         Ok(Self {
-            gate_proj: ld.get_selected(&format!("{p}.{}.weight", names[0]), &[width, hidden], &[vec![part.clone()]])?,
-            up_proj: ld.get_selected(&format!("{p}.{}.weight", names[1]), &[width, hidden], &[vec![part.clone()]])?,
-            down_proj: ld.get_selected(&format!("{p}.{}.weight", names[2]), &[hidden, width], &[vec![], vec![part]])?,
+            gate_proj: ld.linear_selected(
+                &format!("{p}.{}.weight", names[0]),
+                &[width, hidden],
+                &[vec![part.clone()]],
+                none,
+            )?,
+            up_proj: ld.linear_selected(
+                &format!("{p}.{}.weight", names[1]),
+                &[width, hidden],
+                &[vec![part.clone()]],
+                none,
+            )?,
+            down_proj: ld.linear_selected(
+                &format!("{p}.{}.weight", names[2]),
+                &[hidden, width],
+                &[vec![], vec![part]],
+                none,
+            )?,
             act,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        let gate = x.linear::<&Tensor>(&self.gate_proj, None);
+        let gate = self.gate_proj.forward(x);
         let gate = match self.act {
             Activation::Silu => gate.silu(),
             Activation::GeluTanh => gate.gelu("tanh"),
         };
-        (gate * x.linear::<&Tensor>(&self.up_proj, None)).linear::<&Tensor>(&self.down_proj, None)
+        self.down_proj.forward(&(gate * self.up_proj.forward(x)))
     }
 }
 

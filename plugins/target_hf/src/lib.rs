@@ -15,6 +15,7 @@ pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod hub;
 pub mod layer;
+pub mod linear;
 pub mod load;
 mod longcat;
 pub mod memory;
@@ -68,6 +69,15 @@ pub struct TargetSection {
     #[describe(range = ">= 1")]
     #[serde(default = "one")]
     pub expert_parallel: usize,
+    /// The precision of the target's dense projections (attention's q|k|v and o, latent
+    /// attention's, the gated MLPs, the Gated DeltaNet layers' projections): `bf16` runs them in the model's dtype (a
+    /// quantised checkpoint dequantised on load); `fp8` as FP8 block-scaled GEMMs, the way
+    /// serving engines run FP8 checkpoints on Hopper (a CUDA device of compute capability 9.x
+    /// only): an FP8 block-scaled checkpoint's weights stay FP8, others are quantised at load in
+    /// 128x128 blocks. Embeddings, LM head, norms, routers and routed experts stay in the model's
+    /// dtype.
+    #[serde(default)]
+    pub compute: linear::Compute,
 }
 
 fn one() -> usize {
@@ -110,8 +120,21 @@ impl HfTarget {
         shard: tp::Shard,
         tp: Option<tp::TpGroup>,
     ) -> Result<Self, String> {
+        Self::load_shard_with(path, device, kind, generate_batch_size, shard, tp, linear::Compute::Bf16)
+    }
+
+    /// [`load_shard`](Self::load_shard) with the projections in `compute`'s precision.
+    pub fn load_shard_with(
+        path: &Path,
+        device: Device,
+        kind: Kind,
+        generate_batch_size: usize,
+        shard: tp::Shard,
+        tp: Option<tp::TpGroup>,
+        compute: linear::Compute,
+    ) -> Result<Self, String> {
         let load::Loaded { cfg, weights, tokenizer, chat_template } = load::load(path)?;
-        let model = Decoder::new_shard(&cfg, weights, device, kind, shard, tp)?;
+        let model = Decoder::new_shard_with(&cfg, weights, device, kind, shard, tp, compute)?;
         Self::new(model, tokenizer, chat_template, path, generate_batch_size)
     }
 
@@ -124,8 +147,21 @@ impl HfTarget {
         shard: tp::Shard,
         tp: Option<tp::TpGroup>,
     ) -> Result<Self, String> {
+        Self::random_shard_with(path, device, kind, generate_batch_size, shard, tp, linear::Compute::Bf16)
+    }
+
+    /// [`random_shard`](Self::random_shard) with the projections in `compute`'s precision.
+    pub fn random_shard_with(
+        path: &Path,
+        device: Device,
+        kind: Kind,
+        generate_batch_size: usize,
+        shard: tp::Shard,
+        tp: Option<tp::TpGroup>,
+        compute: linear::Compute,
+    ) -> Result<Self, String> {
         let (cfg, tokenizer) = random::config_and_tokenizer(path)?;
-        let model = Decoder::random_shard(&cfg, device, kind, shard, tp)?;
+        let model = Decoder::random_shard_with(&cfg, device, kind, shard, tp, compute)?;
         Self::new(model, tokenizer, String::new(), path, generate_batch_size)
     }
 
@@ -300,12 +336,29 @@ fn create(config: &str, ctx: &HostContext) -> Result<PluginInstance, PluginError
     let path = hub::target_path(&section.path, ctx.resolve_path(&section.path), section.revision.as_deref())
         .map_err(PluginError::new)?;
     let (device, kind) = (ctx.tch_device()?, ctx.tch_kind()?);
+    check_compute(section.compute, device)?;
     let (shard, rendezvous) = replica(&section, ctx)?;
-    let build = if section.random_init { HfTarget::random_shard } else { HfTarget::load_shard };
-    let mut target = build(&path, device, kind, section.generate_batch_size, shard, None)
+    let build = if section.random_init { HfTarget::random_shard_with } else { HfTarget::load_shard_with };
+    let mut target = build(&path, device, kind, section.generate_batch_size, shard, None, section.compute)
         .map_err(|e| PluginError::new(if e.starts_with("field `") { e } else { format!("field `path`: {e}") }))?;
     target.pending_group = rendezvous;
     Ok(PluginInstance::target(target))
+}
+
+/// `compute = "fp8"` needs the block-scaled FP8 GEMM: a CUDA device of compute capability 9.x.
+pub fn check_compute(compute: linear::Compute, device: Device) -> Result<(), PluginError> {
+    if compute == linear::Compute::Fp8 && !kernels::fp8::gemm_supported(device) {
+        let on = match device {
+            Device::Cuda(i) => format!("CUDA device {i}, which is not of compute capability 9.x (Hopper)"),
+            Device::Cpu => "the CPU".to_string(),
+            other => format!("{other:?}"),
+        };
+        return Err(PluginError::new(format!(
+            "field `compute` = \"fp8\": FP8 GEMMs run on a CUDA device of compute capability 9.x (Hopper) only; \
+             this run is on {on}: use compute = \"bf16\""
+        )));
+    }
+    Ok(())
 }
 
 /// This rank's part of the target and where its replica meets, from `tensor_parallel` /

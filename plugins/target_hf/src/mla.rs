@@ -18,8 +18,9 @@
 
 use crate::{
     attention::{append, attend, Scores},
-    common::rms_norm,
+    common::{none, rms_norm},
     config::DecoderConfig,
+    linear::Linear,
     rope::apply_rope,
     tp::rows,
     weights::Loader,
@@ -30,18 +31,16 @@ use plugin_api::tch::Tensor;
 const LORA_NORM_EPS: f64 = 1e-6;
 
 enum QProj {
-    Full(Tensor),
-    Lora { a: Tensor, a_bias: Option<Tensor>, norm: Tensor, b: Tensor },
+    Full(Linear),
+    Lora { a: Linear, norm: Tensor, b: Linear },
 }
 
 pub struct Mla {
     q: QProj,
-    kv_a: Tensor,
-    kv_a_bias: Option<Tensor>,
+    kv_a: Linear,
     kv_a_norm: Tensor,
-    kv_b: Tensor,
-    o_proj: Tensor,
-    o_bias: Option<Tensor>,
+    kv_b: Linear,
+    o_proj: Linear,
     heads: i64,
     kv_rank: i64,
     nope: i64,
@@ -68,17 +67,18 @@ impl Mla {
             Some(r) => {
                 let r = r as i64;
                 QProj::Lora {
-                    a: ld.get(&format!("{p}.q_a_proj.weight"), &[r, h])?,
-                    a_bias: if bias { Some(ld.get(&format!("{p}.q_a_proj.bias"), &[r])?) } else { None },
+                    a: ld.linear_selected(&format!("{p}.q_a_proj.weight"), &[r, h], &[], |ld| {
+                        bias.then(|| ld.get(&format!("{p}.q_a_proj.bias"), &[r])).transpose()
+                    })?,
                     norm: ld.norm(&format!("{p}.q_a_layernorm.weight"), r, false)?,
-                    b: ld.get_selected(&format!("{p}.q_b_proj.weight"), &[q_rows, r], &[q_keep])?,
+                    b: ld.linear_selected(&format!("{p}.q_b_proj.weight"), &[q_rows, r], &[q_keep], none)?,
                 }
             }
-            None => QProj::Full(ld.get_selected(&format!("{p}.q_proj.weight"), &[q_rows, h], &[q_keep])?),
+            None => QProj::Full(ld.linear_selected(&format!("{p}.q_proj.weight"), &[q_rows, h], &[q_keep], none)?),
         };
-        let kv_a = ld.get(&format!("{p}.kv_a_proj_with_mqa.weight"), &[rank + rope, h])?;
-        let kv_a_bias =
-            if bias { Some(ld.get(&format!("{p}.kv_a_proj_with_mqa.bias"), &[rank + rope])?) } else { None };
+        let kv_a = ld.linear_selected(&format!("{p}.kv_a_proj_with_mqa.weight"), &[rank + rope, h], &[], |ld| {
+            bias.then(|| ld.get(&format!("{p}.kv_a_proj_with_mqa.bias"), &[rank + rope])).transpose()
+        })?;
         let lora_scales = (cfg.arch() == crate::config::Arch::LongcatFlash).then(|| {
             let q_rank = m.q_lora_rank.unwrap_or(cfg.hidden_size) as f64;
             ((cfg.hidden_size as f64 / q_rank).sqrt(), (cfg.hidden_size as f64 / rank as f64).sqrt())
@@ -86,19 +86,19 @@ impl Mla {
         Ok(Self {
             q,
             kv_a,
-            kv_a_bias,
             kv_a_norm: ld.norm(&format!("{p}.kv_a_layernorm.weight"), rank, false)?,
-            kv_b: ld.get_selected(
+            kv_b: ld.linear_selected(
                 &format!("{p}.kv_b_proj.weight"),
                 &[nh * (nope + v_dim), rank],
                 &[vec![rows(&heads, nope + v_dim)]],
+                none,
             )?,
-            o_proj: ld.get_selected(
+            o_proj: ld.linear_selected(
                 &format!("{p}.o_proj.weight"),
                 &[h, nh * v_dim],
                 &[vec![], vec![rows(&heads, v_dim)]],
+                |ld| if bias { ld.row_bias(&format!("{p}.o_proj.bias"), h) } else { Ok(None) },
             )?,
-            o_bias: if bias { ld.row_bias(&format!("{p}.o_proj.bias"), h)? } else { None },
             heads: heads.end - heads.start,
             kv_rank: rank,
             nope,
@@ -123,14 +123,12 @@ impl Mla {
         let (nh, dn, dr, dv) = (self.heads, self.nope, self.rope, self.v_dim);
         // 1. Queries [B, nh, L, dn + dr], split into the parts without and with RoPE.
         let q = match &self.q {
-            QProj::Full(w) => x.linear::<&Tensor>(w, None),
-            QProj::Lora { a, a_bias, norm, b } => {
-                rms_norm(&x.linear(a, a_bias.as_ref()), norm, LORA_NORM_EPS).linear::<&Tensor>(b, None)
-            }
+            QProj::Full(w) => w.forward(x),
+            QProj::Lora { a, norm, b } => b.forward(&rms_norm(&a.forward(x), norm, LORA_NORM_EPS)),
         };
         let mut q = q.view([b, l, nh, dn + dr]).transpose(1, 2);
         // 2. The latent (normed) and the shared rotary key part.
-        let kv = x.linear(&self.kv_a, self.kv_a_bias.as_ref());
+        let kv = self.kv_a.forward(x);
         let mut latent = rms_norm(&kv.narrow(2, 0, self.kv_rank), &self.kv_a_norm, LORA_NORM_EPS);
         if let Some((q_scale, kv_scale)) = self.lora_scales {
             q = q * q_scale;
@@ -138,7 +136,7 @@ impl Mla {
         }
         let k_rot = kv.narrow(2, self.kv_rank, dr).view([b, l, 1, dr]).transpose(1, 2);
         // 3. Each head's key part and value from the latent: [B, nh, L, dn], [B, nh, L, dv].
-        let kv = latent.linear::<&Tensor>(&self.kv_b, None).view([b, l, nh, dn + dv]).transpose(1, 2);
+        let kv = self.kv_b.forward(&latent).view([b, l, nh, dn + dv]).transpose(1, 2);
         let (k_nope, v) = (kv.narrow(3, 0, dn), kv.narrow(3, dn, dv));
         // 4. RoPE on the rotary parts (de-interleaved first where the checkpoint interleaves).
         let rotate = |t: &Tensor| {
@@ -151,7 +149,7 @@ impl Mla {
         // 5. The cache, attention over the heads' keys, o_proj.
         let (k, v) = append(cache, k, v.contiguous());
         let o = attend(&q, &k, &v, mask, &self.scores);
-        o.transpose(1, 2).reshape([b, l, nh * dv]).linear(&self.o_proj, self.o_bias.as_ref())
+        self.o_proj.forward(&o.transpose(1, 2).reshape([b, l, nh * dv]))
     }
 }
 

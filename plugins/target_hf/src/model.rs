@@ -29,6 +29,7 @@ use crate::{
     common::{causal_mask, rms_norm, window_mask, Context},
     config::{Arch, DecoderConfig, LayerKind},
     layer::{Layer, LayerPaths, TokenMixer},
+    linear::Compute,
     longcat,
     rope::{rope_cos_sin, Rope},
     short_conv,
@@ -91,13 +92,26 @@ impl Decoder {
     /// theirs at the same time.
     pub fn new_shard(
         cfg: &DecoderConfig,
-        mut w: Weights,
+        w: Weights,
         device: Device,
         kind: Kind,
         shard: Shard,
         tp: Option<TpGroup>,
     ) -> Result<Self, String> {
-        Self::build_shard(cfg, &mut Loader { shard, ..Loader::new(&mut w, device, kind) }, tp)
+        Self::new_shard_with(cfg, w, device, kind, shard, tp, Compute::Bf16)
+    }
+
+    /// [`new_shard`](Self::new_shard) with the projections in `compute`'s precision (`linear.rs`).
+    pub fn new_shard_with(
+        cfg: &DecoderConfig,
+        mut w: Weights,
+        device: Device,
+        kind: Kind,
+        shard: Shard,
+        tp: Option<TpGroup>,
+        compute: Compute,
+    ) -> Result<Self, String> {
+        Self::build_shard(cfg, &mut Loader { shard, compute, ..Loader::new(&mut w, device, kind) }, tp)
     }
 
     /// Random weights at `cfg`'s shapes, drawn as each is looked up (`random::draw`), this rank's
@@ -109,8 +123,20 @@ impl Decoder {
         shard: Shard,
         tp: Option<TpGroup>,
     ) -> Result<Self, String> {
+        Self::random_shard_with(cfg, device, kind, shard, tp, Compute::Bf16)
+    }
+
+    /// [`random_shard`](Self::random_shard) with the projections in `compute`'s precision.
+    pub fn random_shard_with(
+        cfg: &DecoderConfig,
+        device: Device,
+        kind: Kind,
+        shard: Shard,
+        tp: Option<TpGroup>,
+        compute: Compute,
+    ) -> Result<Self, String> {
         let mut w = Weights::in_memory(HashMap::new(), "random_init");
-        Self::build_shard(cfg, &mut Loader { random: true, shard, ..Loader::new(&mut w, device, kind) }, tp)
+        Self::build_shard(cfg, &mut Loader { random: true, shard, compute, ..Loader::new(&mut w, device, kind) }, tp)
     }
 
     fn build_shard(cfg: &DecoderConfig, ld: &mut Loader, tp: Option<TpGroup>) -> Result<Self, String> {
@@ -122,6 +148,14 @@ impl Decoder {
         }
         let mut model = Self::build(cfg, ld)?;
         model.tp = tp;
+        if ld.quantised_at_load > 0 && !ld.random {
+            eprintln!(
+                "target: compute = \"fp8\": {} projection weights were not stored as FP8 in 128x128 blocks \
+                 this rank can keep (a bf16/f32 checkpoint, another block size, or a tensor-parallel slice \
+                 cutting blocks): quantised at load in 128x128 blocks",
+                ld.quantised_at_load
+            );
+        }
         Ok(model)
     }
 

@@ -13,7 +13,9 @@
 
 use crate::{
     cache::{conv_tail, LinearState, Undo},
+    common::none,
     config::DecoderConfig,
+    linear::Linear,
     tp::rows,
     weights::Loader,
 };
@@ -26,7 +28,7 @@ pub const CHUNK: i64 = 64;
 
 pub struct GatedDeltaNet {
     /// in_proj_qkv | in_proj_z | in_proj_b | in_proj_a in one matrix: one GEMM for all four.
-    in_proj: Tensor,
+    in_proj: Linear,
     /// [C, K], the model's dtype.
     conv: Tensor,
     /// -exp(A_log) [nv], fp32.
@@ -35,7 +37,7 @@ pub struct GatedDeltaNet {
     dt_bias: Tensor,
     /// [dv], fp32.
     norm: Tensor,
-    out_proj: Tensor,
+    out_proj: Linear,
     key_heads: i64,
     value_heads: i64,
     key_dim: i64,
@@ -67,12 +69,12 @@ impl GatedDeltaNet {
             ("in_proj_a", nv, vec![vh.clone()]),
         ];
         let fused: Vec<_> = parts.into_iter().map(|(n, r, keep)| (format!("{p}.{n}.weight"), r, keep)).collect();
-        let in_proj = ld.fused(&fused, h)?;
+        let in_proj = ld.linear(&fused, h, none)?;
         let conv = ld.get_selected(&format!("{p}.conv1d.weight"), &[c, 1, k], &[channels])?.squeeze_dim(1);
         // transformers: `-self.A_log.float().exp()`.
         let neg_a = -ld.get_f32_selected(&format!("{p}.A_log"), &[nv], &[vec![vh.clone()]])?.exp();
         let out_proj =
-            ld.get_selected(&format!("{p}.out_proj.weight"), &[h, nv * dv], &[vec![], vec![rows(&vh, dv)]])?;
+            ld.linear_selected(&format!("{p}.out_proj.weight"), &[h, nv * dv], &[vec![], vec![rows(&vh, dv)]], none)?;
         let (nk, nv) = (kh.end - kh.start, vh.end - vh.start);
         Ok(Self {
             in_proj,
@@ -115,7 +117,7 @@ impl GatedDeltaNet {
             None => x.shallow_clone(),
         };
         // 1. The four input projections in one GEMM: q|k|v (pre-conv), z, b, a.
-        let proj = x.linear::<&Tensor>(&self.in_proj, None);
+        let proj = self.in_proj.forward(&x);
         let mixed = proj.narrow(2, 0, c);
         let z = proj.narrow(2, c, nv * dv);
         let b_in = proj.narrow(2, c + nv * dv, nv);
@@ -136,7 +138,8 @@ impl GatedDeltaNet {
         let o = o.transpose(1, 2); // [B, L, nv, dv]
         let z = z.reshape([b, l, nv, dv]);
         let gated = o.rms_norm([dv], Some(&self.norm), self.eps) * z.silu();
-        let out = gated.to_kind(x.kind()).reshape([b, l, nv * dv]).linear::<&Tensor>(&self.out_proj, None);
+        let out = gated.to_kind(x.kind()).reshape([b, l, nv * dv]);
+        let out = self.out_proj.forward(&out);
         // 6. The cache: the last K-1 pre-conv rows, the final state (and the undo record).
         if let Some(slot) = state {
             let undo = keep_undo.then(|| Undo {

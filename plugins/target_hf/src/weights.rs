@@ -4,6 +4,7 @@
 
 use crate::{
     gguf::GgufFile,
+    linear::{Compute, Linear},
     quant::{Read, Stored},
     tp::Shard,
 };
@@ -123,6 +124,10 @@ pub(crate) struct Loader<'a> {
     pub drawn: Option<HashMap<String, Tensor>>,
     pub shard: Shard,
     pub held: WeightBytes,
+    /// The precision of the dense projections ([`linear`](Self::linear)).
+    pub compute: Compute,
+    /// Projections quantised to FP8 at load (not as stored), with `compute = "fp8"`.
+    pub quantised_at_load: usize,
 }
 
 /// Bytes of the weights a model holds (as stored): those read whole (embeddings, norms,
@@ -141,7 +146,17 @@ impl WeightBytes {
 
 impl<'a> Loader<'a> {
     pub fn new(w: &'a mut Weights, device: Device, kind: Kind) -> Self {
-        Self { w, device, kind, random: false, drawn: None, shard: Shard::WHOLE, held: WeightBytes::default() }
+        Self {
+            w,
+            device,
+            kind,
+            random: false,
+            drawn: None,
+            shard: Shard::WHOLE,
+            held: WeightBytes::default(),
+            compute: Compute::Bf16,
+            quantised_at_load: 0,
+        }
     }
 
     fn take_or(
@@ -151,29 +166,37 @@ impl<'a> Loader<'a> {
         sel: &Selection,
         draw: impl FnOnce(&[i64]) -> Tensor,
     ) -> Result<Tensor, String> {
+        // A quantised weight is dequantised here, on the model's device.
+        Ok(self.take_read(name, shape, sel, draw)?.dequantise(self.device))
+    }
+
+    /// `name` as stored (counted as such), or drawn.
+    fn take_read(
+        &mut self,
+        name: &str,
+        shape: &[i64],
+        sel: &Selection,
+        draw: impl FnOnce(&[i64]) -> Tensor,
+    ) -> Result<Read, String> {
         let stored = !self.random || self.w.contains(name);
-        // A quantised weight is dequantised here, on the model's device, and counted as stored.
-        let (t, bytes) = if stored {
+        let (read, bytes) = if stored {
             let read = self.w.take_stored(name, shape, sel)?;
             let bytes = read.bytes();
-            (read.dequantise(self.device), bytes)
+            (read, bytes)
         } else {
             let t = draw(&selected_shape(shape, sel));
             let bytes = t.numel() * t.kind().elt_size_in_bytes();
-            (t, bytes)
+            if let Some(d) = self.drawn.as_mut() {
+                d.insert(name.to_string(), t.shallow_clone());
+            }
+            (Read::Plain(t), bytes)
         };
         if sel.iter().all(|r| r.is_empty()) {
             self.held.whole += bytes;
         } else {
             self.held.part += bytes;
         }
-        if stored {
-            return Ok(t);
-        }
-        if let Some(d) = self.drawn.as_mut() {
-            d.insert(name.to_string(), t.shallow_clone());
-        }
-        Ok(t)
+        Ok(read)
     }
 
     fn take(&mut self, name: &str, shape: &[i64], sel: &Selection) -> Result<Tensor, String> {
@@ -212,15 +235,44 @@ impl<'a> Loader<'a> {
         Ok(self.take(name, shape, sel)?.to_device(self.device).to_kind(Kind::Float))
     }
 
-    /// Several [out_i, in] matrices stacked into one [sum out_i, in]: one GEMM where the
-    /// checkpoint has several (q|k|v, a GDN layer's four input projections); of each, the rows
-    /// its selection keeps.
-    pub fn fused(&mut self, parts: &[(String, i64, Vec<Range<i64>>)], inp: i64) -> Result<Tensor, String> {
-        let ts = parts
+    /// A projection of `compute`'s precision (`linear.rs`): the weight [sum out_i, in] of several
+    /// [out_i, in] parts stacked (one GEMM where the checkpoint has several: q|k|v, a GDN
+    /// layer's four input projections), the rows each selection keeps of each part, and the bias [sum out_i] `bias` reads after the
+    /// weight (the order random weights are drawn in).
+    pub fn linear(
+        &mut self,
+        parts: &[(String, i64, Vec<Range<i64>>)],
+        inp: i64,
+        bias: impl FnOnce(&mut Self) -> Result<Option<Tensor>, String>,
+    ) -> Result<Linear, String> {
+        let (device, kind) = (self.device, self.kind);
+        let reads = parts
             .iter()
-            .map(|(n, out, rows)| self.get_selected(n, &[*out, inp], std::slice::from_ref(rows)))
+            .map(|(n, out, rows)| {
+                self.take_read(n, &[*out, inp], std::slice::from_ref(rows), |s| draw(n, s, device, kind))
+            })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(if ts.len() == 1 { ts.into_iter().next().expect("one part") } else { Tensor::cat(&ts, 0) })
+        let bias = bias(self)?;
+        let (l, quantised) = crate::linear::build(reads, bias, self.compute, device, kind)?;
+        self.quantised_at_load += quantised as usize;
+        Ok(l)
+    }
+
+    /// One projection `name` [`shape`], the part `sel` keeps (rows and columns), of `compute`'s
+    /// precision.
+    pub fn linear_selected(
+        &mut self,
+        name: &str,
+        shape: &[i64],
+        sel: &Selection,
+        bias: impl FnOnce(&mut Self) -> Result<Option<Tensor>, String>,
+    ) -> Result<Linear, String> {
+        let (device, kind) = (self.device, self.kind);
+        let read = self.take_read(name, shape, sel, |s| draw(name, s, device, kind))?;
+        let bias = bias(self)?;
+        let (l, quantised) = crate::linear::build(vec![read], bias, self.compute, device, kind)?;
+        self.quantised_at_load += quantised as usize;
+        Ok(l)
     }
 
     /// An RMSNorm's effective gain: `w`, or `1 + w` for centred norms (Qwen3.5's, Gemma's; in
