@@ -433,6 +433,43 @@ mod tests {
     }
 
     #[test]
+    fn a_link_planted_in_the_capture_folder_is_replaced_never_written_through() {
+        let root = tempfile::tempdir().unwrap();
+        let (outside, dir) = (root.path().join("weights.safetensors"), root.path().join("capture"));
+        fs::write(&outside, "not a shard").unwrap();
+        fs::create_dir(&dir).unwrap();
+        std::os::unix::fs::symlink(&outside, dir.join("shard-00000.safetensors")).unwrap();
+        let out = OutDir::create("--out", &dir, Vec::new()).unwrap();
+        let mut index = CaptureIndex {
+            version: 1,
+            target_source: "t".into(),
+            target_sha256: "abc".into(),
+            layer_ids: vec![1],
+            hidden_size: 2,
+            dtype: StoredDtype::Bf16,
+            batches: vec![BatchEntry { shard: 0, epoch: 0, index: 1 }],
+            shards: Vec::new(),
+            shard_crc32c: Vec::new(),
+        };
+        let hidden = Tensor::from_slice(&[1.5f32, -2.0]).to_kind(Kind::BFloat16);
+        let mut shard = vec![
+            ("b0.hidden".to_string(), hidden.shallow_clone()),
+            ("b0.lengths".to_string(), Tensor::from_slice(&[2i64])),
+        ];
+        write_shard(&out, &mut index, &mut shard).unwrap();
+        assert_eq!(fs::read_to_string(&outside).unwrap(), "not a shard");
+        let path = dir.join("shard-00000.safetensors");
+        assert!(fs::symlink_metadata(&path).unwrap().is_file(), "still a link");
+        // The bytes are the safetensors tch reads back, and the index's checksum is theirs.
+        let back = Tensor::read_safetensors(&path).unwrap();
+        let got = |n: &str| back.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+        assert!(got("b0.hidden").equal(&hidden) && got("b0.lengths").equal(&Tensor::from_slice(&[2i64])));
+        assert_eq!(index.shard_crc32c, [format!("{:08x}", crc32c::crc32c(&fs::read(&path).unwrap()))]);
+        let names: Vec<_> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["shard-00000.safetensors"], "no temporary file left");
+    }
+
+    #[test]
     fn fp8_round_trip_keeps_rows_within_e4m3_precision() {
         plugin_api::tch::manual_seed(0);
         let h = Tensor::randn([2, 5, 64], (Kind::Float, Device::Cpu))
