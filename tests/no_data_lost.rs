@@ -1,6 +1,6 @@
 //! Outputs that never destroy data, and refusals before anything is written, through the binary
 //! as a user runs it (docs/RELIABILITY.md): an output is never one of the command's inputs nor
-//! written through a link planted in it; an experiment moved into `export --out` while the
+//! written through a link planted in it (`compare`'s, `capture`'s); an experiment moved into `export --out` while the
 //! export runs is kept; a checkpoints folder is known wherever it is; a fork or a run refused
 //! for its data, its optimizer state or its chat template leaves no folder behind; forks
 //! started at once with the default name each take their own.
@@ -134,6 +134,37 @@ fn an_output_is_never_an_input_nor_written_through_a_link() {
         assert!(meta.is_file(), "{name} is still a link");
     }
     assert!(std::fs::read_to_string(report.join("report.md")).unwrap().contains('|'));
+}
+
+/// `capture --out D` wrote its shards and index to `.NAME.tmp` paths, following a link planted
+/// there into the file it points at. Now a temporary is created exclusively, without following
+/// links: such links, and one planted as a shard's own name, leave the files outside as they were.
+#[test]
+fn a_capture_replaces_a_link_planted_in_its_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let cfg = project(root, 8, "");
+    std::fs::write(root.join("keep.bin"), "outside the capture").unwrap();
+    let features = root.join("features");
+    std::fs::create_dir(&features).unwrap();
+    let planted = [".shard-00000.safetensors.tmp", ".index.json.tmp", "shard-00000.safetensors"];
+    for name in planted {
+        std::os::unix::fs::symlink(root.join("keep.bin"), features.join(name)).unwrap();
+    }
+    ok(host()
+        .args(["capture", "--config"])
+        .arg(&cfg)
+        .arg("--out")
+        .arg(&features)
+        .args(["--batches", "2"])
+        .output()
+        .unwrap());
+    assert_eq!(std::fs::read_to_string(root.join("keep.bin")).unwrap(), "outside the capture");
+    assert!(std::fs::symlink_metadata(features.join("shard-00000.safetensors")).unwrap().is_file(), "still a link");
+    assert_eq!(
+        names(&features),
+        [".index.json.tmp", ".shard-00000.safetensors.tmp", "index.json", "shard-00000.safetensors"]
+    );
 }
 
 /// A checkpoints folder (or one checkpoint) outside its experiment, as a bind mount shows it, is

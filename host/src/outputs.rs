@@ -1,5 +1,5 @@
-//! Where commands' outputs are written: a folder ([`OutDir`]: `compare --out`, `ab --out`) or a
-//! file ([`OutFile`]: `distill --out`, `bench --json`). Each is checked
+//! Where commands' outputs are written: a folder ([`OutDir`]: `compare --out`, `ab --out`,
+//! `capture --out`, `plugins new --out`) or a file ([`OutFile`]: `distill --out`, `bench --json`). Each is checked
 //! by the output guard ([`crate::experiment::guard`]: never part of an experiment, never one of
 //! the command's inputs) before any work, then opened without following symbolic links: the
 //! folder that will hold the output is opened once and every file is written in it as a
@@ -193,6 +193,36 @@ impl OutDir {
         })?;
         Ok(shown)
     }
+
+    /// The subfolder `name` of the folder, created where missing and opened without following a
+    /// link: a link planted under that name is refused, never written through.
+    pub fn subdir(&self, name: &str) -> Result<OutDir> {
+        let path = self.path.join(name);
+        if name.contains('/') || name == ".." || name == "." || name.is_empty() {
+            bail!("{}: not a folder name", path.display());
+        }
+        let c = cstr(name.as_ref())?;
+        let fd = self.dir.as_raw_fd();
+        // SAFETY: an open folder and a NUL-terminated name.
+        if unsafe { libc::mkdirat(fd, c.as_ptr(), 0o755) } != 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() != std::io::ErrorKind::AlreadyExists {
+                return Err(err).with_context(|| format!("creating {}", path.display()));
+            }
+        }
+        // SAFETY: as above; the descriptor returned is owned below.
+        let sub = unsafe {
+            libc::openat(fd, c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        };
+        if sub < 0 {
+            return Err(std::io::Error::last_os_error()).with_context(|| format!("opening {}", path.display()));
+        }
+        // SAFETY: a descriptor just opened and owned by nothing else.
+        let dir = unsafe { File::from_raw_fd(sub) };
+        let out = OutDir { flag: self.flag.clone(), given: path.clone(), path, dir, inputs: self.inputs.clone() };
+        out.recheck()?;
+        Ok(out)
+    }
 }
 
 /// An output file, checked (before any work) and written whole later, into its folder held open.
@@ -314,6 +344,21 @@ mod tests {
         assert_eq!(fs::read_to_string(r.join("out/report.md")).unwrap(), "# report\n");
         let names: Vec<_> = fs::read_dir(r.join("out")).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, ["report.md"], "no temporary file left");
+    }
+
+    #[test]
+    fn a_subfolder_is_written_in_place_and_a_link_under_its_name_is_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        fs::create_dir_all(r.join("elsewhere")).unwrap();
+        fs::create_dir(r.join("out")).unwrap();
+        std::os::unix::fs::symlink(r.join("elsewhere"), r.join("out/.cargo")).unwrap();
+        let out = OutDir::create("--out", &r.join("out"), Vec::new()).unwrap();
+        out.subdir("src").unwrap().write("lib.rs", b"// lib\n").unwrap();
+        assert_eq!(fs::read_to_string(r.join("out/src/lib.rs")).unwrap(), "// lib\n");
+        let err = format!("{:#}", out.subdir(".cargo").err().unwrap());
+        assert!(err.contains("out/.cargo"), "{err}");
+        assert!(fs::read_dir(r.join("elsewhere")).unwrap().next().is_none(), "written through the link");
     }
 
     #[test]

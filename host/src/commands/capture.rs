@@ -6,7 +6,6 @@ use crate::{
     config::{self, Override, RunConfig},
     dist::launch,
     environment::cache_dir,
-    experiment,
     memory_estimate::Work,
     pipeline::{
         assemble::build_for,
@@ -64,10 +63,10 @@ fn capture(
         return Ok(None);
     }
     let inputs = crate::outputs::run_inputs(cfg, config_path, &config_dir, registry)?;
-    experiment::guard::check_out_folder("--out", out, &inputs)?;
+    let out_dir = crate::outputs::OutDir::create("--out", out, inputs)?;
     let components = build_for(Work::Target, cfg, config_path, &config_dir, registry)?;
     // The components (the target's last call) go inside `capture`, before the heartbeat the
     // replica's other ranks watch.
     let (components, _held) = replicas::drive(cfg, components, out, "capture")?;
-    crate::pipeline::capture::capture(cfg, components, out, &cache_dir(), opts).map(Some)
+    crate::pipeline::capture::capture(cfg, components, &out_dir, &cache_dir(), opts).map(Some)
 }

@@ -15,6 +15,7 @@ use super::{
     scheduler::{self, Job, PipelineOptions, Worker},
     stages::{feature_bytes_per_token, next_batch, target_workers, HostBatch, Micro},
 };
+use crate::outputs::OutDir;
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use memmap2::Mmap;
@@ -24,7 +25,6 @@ use plugin_api::{
 };
 use serde::{Deserialize, Serialize};
 use std::{
-    fs,
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -75,14 +75,13 @@ pub struct CaptureOptions {
 pub fn capture(
     cfg: &crate::config::RunConfig,
     mut c: Components,
-    out: &Path,
+    out: &OutDir,
     cache_dir: &Path,
     opts: &CaptureOptions,
 ) -> Result<CaptureIndex> {
-    if out.join("index.json").exists() {
-        bail!("{}: a capture is already there", out.display());
+    if out.path.join("index.json").exists() {
+        bail!("{}: a capture is already there", out.path.display());
     }
-    fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let _ = distill::prepare_data(&mut c, cache_dir)?;
     let spec = c.target.spec()?;
     let layer_ids: Vec<u32> = c.drafter.target_layer_ids()?;
@@ -146,9 +145,7 @@ pub fn capture(
     })?;
     bar.finish_and_clear();
     // The index last: a capture without one is unfinished and is refused by `train`.
-    let tmp = out.join(".index.json.tmp");
-    fs::write(&tmp, serde_json::to_string_pretty(&index)? + "\n")?;
-    fs::rename(&tmp, out.join("index.json"))?;
+    out.write("index.json", (serde_json::to_string_pretty(&index)? + "\n").as_bytes())?;
     Ok(index)
 }
 
@@ -188,17 +185,58 @@ pub fn fp8_dequantize(q: &Tensor, scale: &Tensor) -> Tensor {
     q.view_dtype(Kind::Float8e4m3fn).to_kind(Kind::Float) * scale
 }
 
-fn write_shard(out: &Path, index: &mut CaptureIndex, shard: &mut Vec<(String, Tensor)>) -> Result<()> {
+/// Write the shard's tensors as the next `shard-NNNNN.safetensors` in `out`, its checksum in the
+/// index.
+fn write_shard(out: &OutDir, index: &mut CaptureIndex, shard: &mut Vec<(String, Tensor)>) -> Result<()> {
     let name = format!("shard-{:05}.safetensors", index.shards.len());
-    let tmp = out.join(format!(".{name}.tmp"));
-    Tensor::write_safetensors(shard, &tmp).with_context(|| format!("writing {}", tmp.display()))?;
-    let bytes = fs::read(&tmp).with_context(|| format!("reading {}", tmp.display()))?;
-    fs::File::open(&tmp).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", tmp.display()))?;
-    fs::rename(&tmp, out.join(&name)).with_context(|| format!("renaming {}", tmp.display()))?;
+    let views = shard.iter().map(|(n, t)| StoredTensor::new(t).map(|v| (n.as_str(), v))).collect::<Result<Vec<_>>>()?;
+    let bytes = safetensors::serialize(views, None).with_context(|| format!("serialising {name}"))?;
+    out.write(&name, &bytes)?;
     index.shard_crc32c.push(format!("{:08x}", crc32c::crc32c(&bytes)));
     index.shards.push(name);
     shard.clear();
     Ok(())
+}
+
+/// A contiguous CPU tensor as safetensors serialises it (tch writes safetensors only to a path).
+struct StoredTensor<'a> {
+    tensor: &'a Tensor,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+}
+
+impl<'a> StoredTensor<'a> {
+    fn new(tensor: &'a Tensor) -> Result<Self> {
+        let dtype = match tensor.kind() {
+            Kind::Float => safetensors::Dtype::F32,
+            Kind::BFloat16 => safetensors::Dtype::BF16,
+            Kind::Int64 => safetensors::Dtype::I64,
+            Kind::Uint8 => safetensors::Dtype::U8,
+            kind => bail!("a capture stores no {kind:?} tensor"),
+        };
+        let shape = tensor.size().iter().map(|&d| d as usize).collect();
+        Ok(Self { tensor, dtype, shape })
+    }
+}
+
+impl safetensors::View for StoredTensor<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        let mut bytes = vec![0; self.data_len()];
+        self.tensor.copy_data_u8(&mut bytes, self.tensor.numel());
+        bytes.into()
+    }
+
+    fn data_len(&self) -> usize {
+        self.tensor.numel() * self.tensor.kind().elt_size_in_bytes()
+    }
 }
 
 /// A capture opened for training: shards memory-mapped, micro-batches read by number.
@@ -360,6 +398,7 @@ impl CaptureReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
 
     #[test]
     fn a_corrupt_shard_is_refused_naming_it() {
@@ -379,7 +418,8 @@ mod tests {
         };
         let mut shard =
             vec![("b0.hidden".to_string(), Tensor::ones([1, 2, 4], (Kind::Float, plugin_api::tch::Device::Cpu)))];
-        write_shard(dir.path(), &mut index, &mut shard).unwrap();
+        let out = OutDir::create("--out", dir.path(), Vec::new()).unwrap();
+        write_shard(&out, &mut index, &mut shard).unwrap();
         fs::write(dir.path().join("index.json"), serde_json::to_string(&index).unwrap()).unwrap();
         CaptureReader::open(dir.path(), &spec).unwrap();
         // One weight turned NaN: the file still parses, and was read as a non-finite step.
@@ -390,6 +430,43 @@ mod tests {
         fs::write(&path, bytes).unwrap();
         let err = format!("{:#}", CaptureReader::open(dir.path(), &spec).err().unwrap());
         assert!(err.contains("shard-00000.safetensors: checksum mismatch"), "{err}");
+    }
+
+    #[test]
+    fn a_link_planted_in_the_capture_folder_is_replaced_never_written_through() {
+        let root = tempfile::tempdir().unwrap();
+        let (outside, dir) = (root.path().join("weights.safetensors"), root.path().join("capture"));
+        fs::write(&outside, "not a shard").unwrap();
+        fs::create_dir(&dir).unwrap();
+        std::os::unix::fs::symlink(&outside, dir.join("shard-00000.safetensors")).unwrap();
+        let out = OutDir::create("--out", &dir, Vec::new()).unwrap();
+        let mut index = CaptureIndex {
+            version: 1,
+            target_source: "t".into(),
+            target_sha256: "abc".into(),
+            layer_ids: vec![1],
+            hidden_size: 2,
+            dtype: StoredDtype::Bf16,
+            batches: vec![BatchEntry { shard: 0, epoch: 0, index: 1 }],
+            shards: Vec::new(),
+            shard_crc32c: Vec::new(),
+        };
+        let hidden = Tensor::from_slice(&[1.5f32, -2.0]).to_kind(Kind::BFloat16);
+        let mut shard = vec![
+            ("b0.hidden".to_string(), hidden.shallow_clone()),
+            ("b0.lengths".to_string(), Tensor::from_slice(&[2i64])),
+        ];
+        write_shard(&out, &mut index, &mut shard).unwrap();
+        assert_eq!(fs::read_to_string(&outside).unwrap(), "not a shard");
+        let path = dir.join("shard-00000.safetensors");
+        assert!(fs::symlink_metadata(&path).unwrap().is_file(), "still a link");
+        // The bytes are the safetensors tch reads back, and the index's checksum is theirs.
+        let back = Tensor::read_safetensors(&path).unwrap();
+        let got = |n: &str| back.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+        assert!(got("b0.hidden").equal(&hidden) && got("b0.lengths").equal(&Tensor::from_slice(&[2i64])));
+        assert_eq!(index.shard_crc32c, [format!("{:08x}", crc32c::crc32c(&fs::read(&path).unwrap()))]);
+        let names: Vec<_> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["shard-00000.safetensors"], "no temporary file left");
     }
 
     #[test]

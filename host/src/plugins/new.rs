@@ -218,17 +218,13 @@ pub fn run(args: NewArgs) -> Result<ExitCode> {
         bail!("template without a plugin-api dependency")
     };
     let cargo_toml = cargo_toml.replace(dep, &format!("plugin-api = {{ path = {:?} }}", api.display().to_string()));
-    std::fs::create_dir_all(out.join("src")).with_context(|| format!("creating {}", out.display()))?;
-    std::fs::write(out.join("Cargo.toml"), cargo_toml)
-        .with_context(|| format!("writing {}", out.join("Cargo.toml").display()))?;
-    std::fs::write(out.join("src/lib.rs"), rename(t.lib_rs))
-        .with_context(|| format!("writing {}", out.join("src/lib.rs").display()))?;
-    std::fs::write(out.join(".gitignore"), "target/\n")?;
-    std::fs::write(out.join("Cargo.lock"), CARGO_LOCK)?;
+    let folder = crate::outputs::OutDir::create("--out", &out, Vec::new())?;
+    folder.write("Cargo.toml", cargo_toml.as_bytes())?;
+    folder.subdir("src")?.write("lib.rs", rename(t.lib_rs).as_bytes())?;
+    folder.write(".gitignore", b"target/\n")?;
+    folder.write("Cargo.lock", CARGO_LOCK.as_bytes())?;
     let (libtorch, target) = (libtorch_in_use(), host_target_dir());
-    std::fs::create_dir_all(out.join(".cargo"))?;
-    std::fs::write(out.join(".cargo/config.toml"), cargo_config(libtorch.as_deref(), target.as_deref()))
-        .with_context(|| format!("writing {}", out.join(".cargo/config.toml").display()))?;
+    folder.subdir(".cargo")?.write("config.toml", cargo_config(libtorch.as_deref(), target.as_deref()).as_bytes())?;
     crate::say!("wrote {} {} plugin `{name}` to {}", article(&args.kind), args.kind, out.display());
     if libtorch.is_none() {
         crate::say!(
