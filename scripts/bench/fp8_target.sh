@@ -22,10 +22,7 @@ set -u
 RESULTS=$(realpath -m "${1:-$(dirname "$0")/../../bench-results/fp8_target}")
 cd "$(dirname "$0")/../.."
 source scripts/bench/lib.sh
-# A carried binary has no RUNPATH to the GPU machine's libtorch: the Python torch's libraries.
-if TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2> /dev/null); then
-    export LD_LIBRARY_PATH=$TORCH_LIB/lib:$(dirname "$TORCH_LIB")/nvidia/cu13/lib:$LD_LIBRARY_PATH
-fi
+use_python_torch_libraries
 export PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 sample_clocks

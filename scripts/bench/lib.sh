@@ -31,3 +31,13 @@ sample_clocks() {
     local pid=$!
     trap "kill $pid 2> /dev/null" EXIT
 }
+
+# use_python_torch_libraries: put the Python torch's libraries (where `python3` has torch, as on the
+# GPU machine) ahead on LD_LIBRARY_PATH, for a test binary or a carried binary whose RUNPATH does
+# not reach that libtorch.
+use_python_torch_libraries() {
+    local torch_dir
+    if torch_dir=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2> /dev/null); then
+        export LD_LIBRARY_PATH=$torch_dir/lib:$(dirname "$torch_dir")/nvidia/cu13/lib:$LD_LIBRARY_PATH
+    fi
+}
