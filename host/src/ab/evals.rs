@@ -4,7 +4,7 @@
 //! chooses by it (every run then; nothing else reads it). A file already there is kept, so a
 //! rerun of the A/B does not redo it.
 
-use super::EvalSpec;
+use super::plan::EvalSpec;
 use crate::{
     eval::{self, EvalOptions, Evaluated, PromptFormat},
     experiment,

@@ -3,7 +3,7 @@
 //! run's last step), never on the test prompts or training metrics; the best value is the
 //! arm's, and `selection.json` records every score and the choice.
 
-use super::Plan;
+use super::plan::Plan;
 use crate::compare::{ArmSweep, Selection, SweepScore, SELECTION_FILE};
 use crate::config::RunConfig;
 use anyhow::{bail, Result};
@@ -101,7 +101,7 @@ pub fn choose(plan: &Plan) -> Result<Selection> {
             );
         };
         let folder =
-            |r: &super::ArmRun| r.dir.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+            |r: &super::plan::ArmRun| r.dir.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
         let points = a
             .points
             .iter()
