@@ -206,6 +206,33 @@ pub fn merge(base: &mut toml::Table, arm: &toml::Table) {
 /// Read an A/B file and expand it into runs under `root/<name>/`: every arm, every value it
 /// sweeps, every seed, each config typed and checked now (a bad value is refused before any run).
 pub fn plan(path: &Path, seeds: Option<u64>, root: &Path, registry: &Registry) -> Result<Plan> {
+    let (ab, seeds) = read_ab(path, seeds)?;
+    let (base_path, base) = read_base(path, &ab)?;
+    let dir = root.join(&ab.name);
+    let sweeps = ab.arms.values().any(|a| a.contains_key("sweep"));
+    let select = match (sweeps, ab.select, &ab.eval) {
+        (false, _, _) => None,
+        (true, Some(s), _) => Some(s),
+        (true, None, Some(_)) => Some(Select::ValTau),
+        (true, None, None) => Some(Select::ValTauHat),
+    };
+    let expand = Expand {
+        path,
+        ab: &ab,
+        seeds: &seeds,
+        base_dir: crate::config::config_dir(&base_path),
+        base_path: &base_path,
+        base: &base,
+        dir: &dir,
+        select,
+        registry,
+    };
+    let arms = ab.arms.iter().map(|(arm, changes)| expand.arm(arm, changes)).collect::<Result<Vec<_>>>()?;
+    Ok(Plan { name: ab.name, dir, select, eval: ab.eval, arms })
+}
+
+/// The A/B file, parsed and checked, and its seeds (`--seeds N`: 0..N instead of the file's).
+fn read_ab(path: &Path, seeds: Option<u64>) -> Result<(AbConfig, Vec<u64>)> {
     let text = input_files::read_to_string_capped(path, crate::config::MAX_CONFIG_BYTES)
         .with_context(|| format!("reading {}", path.display()))?;
     let ab: AbConfig =
@@ -227,6 +254,11 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path, registry: &Registry) -
             bail!("{}: [eval]: `limit` and `max_new_tokens` must be >= 1", path.display());
         }
     }
+    Ok((ab, seeds))
+}
+
+/// The run config every arm starts from: `base`, or with `[fork]` the parent's config.
+fn read_base(path: &Path, ab: &AbConfig) -> Result<(PathBuf, toml::Table)> {
     let base_path = match (&ab.base, &ab.fork) {
         (Some(base), None) => crate::config::config_dir(path).join(base),
         (None, Some(f)) => f.exp.join(crate::experiment::CONFIG),
@@ -235,25 +267,37 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path, registry: &Registry) -
         }
         (None, None) => bail!("{}: give `base` (a run config) or [fork] (a run's checkpoint)", path.display()),
     };
-    let base_dir = crate::config::config_dir(&base_path);
     let base_text = input_files::read_to_string_capped(&base_path, crate::config::MAX_CONFIG_BYTES)
         .with_context(|| format!("reading base config {}", base_path.display()))?;
     let base: toml::Table = toml::from_str(&base_text)
         .map_err(|e| anyhow::anyhow!("{}", crate::config::toml_error(&base_path, &base_text, &e)))?;
-    let dir = root.join(&ab.name);
-    let sweeps = ab.arms.values().any(|a| a.contains_key("sweep"));
-    let select = match (sweeps, ab.select, &ab.eval) {
-        (false, _, _) => None,
-        (true, Some(s), _) => Some(s),
-        (true, None, Some(_)) => Some(Select::ValTau),
-        (true, None, None) => Some(Select::ValTauHat),
-    };
-    let mut arms = Vec::new();
-    for (arm, changes) in &ab.arms {
-        let bad = |e: &dyn std::fmt::Display| anyhow::anyhow!("{}: arm `{arm}`: {e}", path.display());
+    Ok((base_path, base))
+}
+
+/// What every arm's expansion reads: the A/B file, its seeds, the base config and where runs go.
+struct Expand<'a> {
+    path: &'a Path,
+    ab: &'a AbConfig,
+    seeds: &'a [u64],
+    base_dir: PathBuf,
+    base_path: &'a Path,
+    base: &'a toml::Table,
+    dir: &'a Path,
+    select: Option<Select>,
+    registry: &'a Registry,
+}
+
+impl Expand<'_> {
+    fn bad(&self, arm: &str, e: &dyn std::fmt::Display) -> anyhow::Error {
+        anyhow::anyhow!("{}: arm `{arm}`: {e}", self.path.display())
+    }
+
+    /// One arm: the checkpoint it forks, the values it sweeps, a run per value and seed.
+    fn arm(&self, arm: &String, changes: &toml::Table) -> Result<ArmPlan> {
+        let bad = |e: &dyn std::fmt::Display| self.bad(arm, e);
         validate_name(arm).map_err(|e| bad(&e))?;
         let mut changes = changes.clone();
-        let fork = match (changes.remove("fork"), &ab.fork) {
+        let fork = match (changes.remove("fork"), &self.ab.fork) {
             (None, None) => None,
             (Some(_), None) => return Err(bad(&"`fork` needs the A/B's [fork] (the run to fork)")),
             (choices, Some(f)) => {
@@ -271,52 +315,65 @@ pub fn plan(path: &Path, seeds: Option<u64>, root: &Path, registry: &Registry) -
             }
             None => (Vec::new(), vec![None]),
         };
-        let mut table = base.clone();
-        merge(&mut table, &ab.common);
+        let mut table = self.base.clone();
+        merge(&mut table, &self.ab.common);
         merge(&mut table, &changes);
         let mut point_runs = Vec::new();
         for point in points {
             let mut runs = Vec::new();
-            for &seed in &seeds {
-                let mut t = table.clone();
-                if let Some(p) = &point {
-                    sweep::apply(&mut t, p).map_err(|e| bad(&e))?;
-                }
-                let folder = match &point {
-                    Some(p) => format!("{arm}-{}-s{seed}", p.label),
-                    None => format!("{arm}-s{seed}"),
-                };
-                // The run's name holds what its folder does (`=` is no name character).
-                t.insert("name".into(), toml::Value::String(format!("{}-{}", ab.name, folder.replace('=', "_"))));
-                t.insert("seed".into(), toml::Value::Integer(seed as i64));
-                let config: RunConfig = t.try_into().map_err(|e: toml::de::Error| bad(&e.message()))?;
-                config.validate().map_err(|e| bad(&e))?;
-                if let Some(f) = &fork {
-                    if f.at >= config.train.steps {
-                        return Err(bad(&format!("[fork] at = {}: train.steps is {}", f.at, config.train.steps)));
-                    }
-                }
-                if ab.eval.is_some() {
-                    evals::check(data_splits(&config, &base_dir, registry)).map_err(|e| bad(&e))?;
-                }
-                if let (Some(select), Some(p)) = (select, &point) {
-                    select
-                        .check(&config, data_splits(&config, &base_dir, registry), ab.eval.is_some())
-                        .map_err(|e| bad(&format!("{}: {e}", p.label)))?;
-                }
-                runs.push(ArmRun {
-                    arm: arm.clone(),
-                    point: point.as_ref().map(|p| p.label.clone()),
-                    seed,
-                    config,
-                    base_path: base_path.clone(),
-                    dir: dir.join(folder),
-                    fork: fork.clone(),
-                });
+            for &seed in self.seeds {
+                runs.push(self.run(arm, &table, point.as_ref(), seed, &fork)?);
             }
             point_runs.push(PointRuns { point, runs });
         }
-        arms.push(ArmPlan { arm: arm.clone(), fields, points: point_runs });
+        Ok(ArmPlan { arm: arm.clone(), fields, points: point_runs })
     }
-    Ok(Plan { name: ab.name, dir, select, eval: ab.eval, arms })
+
+    /// One run: the arm's config at the swept value with the seed, typed and checked, its folder.
+    fn run(
+        &self,
+        arm: &String,
+        table: &toml::Table,
+        point: Option<&SweepPoint>,
+        seed: u64,
+        fork: &Option<ForkRun>,
+    ) -> Result<ArmRun> {
+        let (ab, registry, base_dir) = (self.ab, self.registry, &self.base_dir);
+        let bad = |e: &dyn std::fmt::Display| self.bad(arm, e);
+        let mut t = table.clone();
+        if let Some(p) = &point {
+            sweep::apply(&mut t, p).map_err(|e| bad(&e))?;
+        }
+        let folder = match &point {
+            Some(p) => format!("{arm}-{}-s{seed}", p.label),
+            None => format!("{arm}-s{seed}"),
+        };
+        // The run's name holds what its folder does (`=` is no name character).
+        t.insert("name".into(), toml::Value::String(format!("{}-{}", ab.name, folder.replace('=', "_"))));
+        t.insert("seed".into(), toml::Value::Integer(seed as i64));
+        let config: RunConfig = t.try_into().map_err(|e: toml::de::Error| bad(&e.message()))?;
+        config.validate().map_err(|e| bad(&e))?;
+        if let Some(f) = &fork {
+            if f.at >= config.train.steps {
+                return Err(bad(&format!("[fork] at = {}: train.steps is {}", f.at, config.train.steps)));
+            }
+        }
+        if ab.eval.is_some() {
+            evals::check(data_splits(&config, base_dir, registry)).map_err(|e| bad(&e))?;
+        }
+        if let (Some(select), Some(p)) = (self.select, &point) {
+            select
+                .check(&config, data_splits(&config, base_dir, registry), ab.eval.is_some())
+                .map_err(|e| bad(&format!("{}: {e}", p.label)))?;
+        }
+        Ok(ArmRun {
+            arm: arm.clone(),
+            point: point.map(|p| p.label.clone()),
+            seed,
+            config,
+            base_path: self.base_path.to_path_buf(),
+            dir: self.dir.join(folder),
+            fork: fork.clone(),
+        })
+    }
 }
