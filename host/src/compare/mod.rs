@@ -12,7 +12,7 @@
 //! Files: `runs.rs` reads the folders, `sweep.rs` the sweeps, `stats.rs` compares them at equal
 //! tokens and time, `report.rs` writes the tables, `plot.rs` the plots; this file runs the command.
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::Result;
 use serde_json::Value;
 use std::{
     fmt::Write as _,
