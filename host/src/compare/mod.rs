@@ -20,12 +20,14 @@ use std::{
     path::{Path, PathBuf},
 };
 
+mod format;
 mod plot;
 mod report;
 mod runs;
 mod stats;
 mod sweep;
 
+use format::*;
 use plot::*;
 use report::*;
 pub use runs::*;

@@ -3,7 +3,7 @@
 
 use super::draw::{draw_legend, plot_err, Figure, LogAxis, COLORS, FONT};
 use crate::compare::{
-    report::{fmt_tokens_short, tick_decimals, trim_decimals},
+    format::{fmt_tokens_short, tick_decimals, trim_decimals},
     runs::{Record, Run, Status, MAX_ABS},
     stats::{lerp, Comparison},
 };

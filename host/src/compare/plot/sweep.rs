@@ -2,7 +2,7 @@
 
 use super::draw::{draw_legend, plot_err, Figure, LogAxis, COLORS, FONT};
 use crate::compare::{
-    report::{tick_decimals, trim_decimals},
+    format::{tick_decimals, trim_decimals},
     sweep::{ArmSweep, Selection},
 };
 use anyhow::Result;
