@@ -111,49 +111,9 @@ pub fn render_markdown(
               cycles (as serving engines report it).\n\n";
         s += &evals.markdown();
     }
-    if sweeps.arms().next().is_some() || !sweeps.notes.is_empty() {
-        s +=
-            "\n## Sweeps\n\nEach swept arm's values, run with the first seed and scored on the validation split only. \
-              The other columns are shown for reading, not for choosing.\n";
-        for (dir, sel, arm) in sweeps.arms() {
-            let _ = write!(s, "\n### {}\n\n{}\n\n", arm.arm, sweep_sentence(sel, arm));
-            s += &sweep_table(sweeps, dir, sel, arm).markdown();
-            let stem = sweep_plot_stem(&arm.arm);
-            if plots.iter().any(|(p, _)| *p == stem) {
-                let _ = write!(s, "\n![{} sweep]({stem}.png)\n\n[SVG]({stem}.svg)\n", arm.arm);
-            }
-        }
-        for n in &sweeps.notes {
-            let _ = writeln!(s, "\n- {n}");
-        }
-    }
+    markdown_sweeps(&mut s, sweeps, plots);
     let _ = writeln!(s, "\n## Equal-token comparison\n\n{}\n", comparison_sentence(runs, cmp));
-    if !cmp.groups.is_empty() {
-        let over = if cmp.from_complete { "complete runs" } else { "runs (none has finished)" };
-        let _ = write!(
-            s,
-            "## Groups\n\nMean ± sample standard deviation (n−1) over each group's {over} at T; a value alone is one \
-             run; `(n=k)` marks a column only k of the group's runs have.\n\n"
-        );
-        s += &group_table(cmp).markdown();
-        s.push('\n');
-        if has_held_out(cmp) {
-            s += "## Held-out data\n\nThe validation split at each run's end (`train.eval_every`: loss and tau_hat on its \
-                  fixed anchors; `eval --prompts validation`: real tau on its prompts) and real tau on the test prompts \
-                  (`eval.json`), mean ± std over the group's runs.\n\n";
-            s += &held_out_table(cmp).markdown();
-            s.push('\n');
-        }
-        if let Some(w) = cmp.wall {
-            let _ = write!(
-                s,
-                "## Equal wall time\n\nEvery run read after **W = {w:.1} training seconds** (`elapsed_s`, validation time left \
-                 out; the smallest final time among the runs T comes from), linearly interpolated.\n\n"
-            );
-            s += &wall_table(cmp).markdown();
-            s.push('\n');
-        }
-    }
+    markdown_groups(&mut s, cmp);
     s += "## Runs\n\n";
     s += &run_table(runs, cmp).markdown();
     s += "\n";
@@ -187,7 +147,62 @@ pub fn render_markdown(
         }
         s.push('\n');
     }
-    s += "## Columns\n\n\
+    s += COLUMNS;
+    s
+}
+
+/// The sweeps section: each swept arm's values, its table and its figure.
+fn markdown_sweeps(s: &mut String, sweeps: &Sweeps, plots: &[(String, String)]) {
+    if sweeps.arms().next().is_some() || !sweeps.notes.is_empty() {
+        *s +=
+            "\n## Sweeps\n\nEach swept arm's values, run with the first seed and scored on the validation split only. \
+              The other columns are shown for reading, not for choosing.\n";
+        for (dir, sel, arm) in sweeps.arms() {
+            let _ = write!(s, "\n### {}\n\n{}\n\n", arm.arm, sweep_sentence(sel, arm));
+            *s += &sweep_table(sweeps, dir, sel, arm).markdown();
+            let stem = sweep_plot_stem(&arm.arm);
+            if plots.iter().any(|(p, _)| *p == stem) {
+                let _ = write!(s, "\n![{} sweep]({stem}.png)\n\n[SVG]({stem}.svg)\n", arm.arm);
+            }
+        }
+        for n in &sweeps.notes {
+            let _ = writeln!(s, "\n- {n}");
+        }
+    }
+}
+
+/// The groups at T, on held-out data, and at W.
+fn markdown_groups(s: &mut String, cmp: &Comparison) {
+    if !cmp.groups.is_empty() {
+        let over = if cmp.from_complete { "complete runs" } else { "runs (none has finished)" };
+        let _ = write!(
+            s,
+            "## Groups\n\nMean ± sample standard deviation (n−1) over each group's {over} at T; a value alone is one \
+             run; `(n=k)` marks a column only k of the group's runs have.\n\n"
+        );
+        *s += &group_table(cmp).markdown();
+        s.push('\n');
+        if has_held_out(cmp) {
+            *s += "## Held-out data\n\nThe validation split at each run's end (`train.eval_every`: loss and tau_hat on its \
+                  fixed anchors; `eval --prompts validation`: real tau on its prompts) and real tau on the test prompts \
+                  (`eval.json`), mean ± std over the group's runs.\n\n";
+            *s += &held_out_table(cmp).markdown();
+            s.push('\n');
+        }
+        if let Some(w) = cmp.wall {
+            let _ = write!(
+                s,
+                "## Equal wall time\n\nEvery run read after **W = {w:.1} training seconds** (`elapsed_s`, validation time left \
+                 out; the smallest final time among the runs T comes from), linearly interpolated.\n\n"
+            );
+            *s += &wall_table(cmp).markdown();
+            s.push('\n');
+        }
+    }
+}
+
+/// What each column means.
+const COLUMNS: &str = "## Columns\n\n\
 - **loss @T**, **tau_hat @T**, **acc@1 @T**: the logged window values (`metrics.jsonl`) interpolated to T. \
 tau_hat is the expected acceptance length implied by the per-position accuracies.\n\
 - **best loss**, **best tau_hat**: lowest loss / highest tau_hat among the records up to T and the value at T.\n\
@@ -198,5 +213,3 @@ tau_hat is the expected acceptance length implied by the per-position accuracies
 - **val loss**, **val tau_hat**: the validation split's scores at the run's last evaluation (`train.eval_every`).\n\
 - **@W**: after W training seconds, interpolated between the records around W.\n\
 - Group statistics cover complete runs only; an unfinished run that reached T is listed with its values at T.\n";
-    s
-}
