@@ -240,23 +240,7 @@ impl Run {
 
 /// Read one directory. Never fails: problems become `status` and `notes`.
 pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
-    let label = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
-    let mut run = Run {
-        dir: dir.to_path_buf(),
-        label: label.clone(),
-        group: label,
-        status: Status::NotExperiment,
-        records: Vec::new(),
-        notes: Vec::new(),
-        summary_wall_s: None,
-        eval_tau: None,
-        evals: Vec::new(),
-        val: Vec::new(),
-        val_eval_tau: None,
-        arm: None,
-        settings: None,
-        grouped_by_name: false,
-    };
+    let mut run = unread(dir);
     if !dir.is_dir() {
         run.notes.push(if dir.exists() { "not a directory".into() } else { "does not exist".into() });
         return run;
@@ -272,11 +256,42 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
         return run;
     }
 
-    // 1. Config and manifest: only for the group key.
+    let manifest = read_group(&mut run, &config_path, &manifest_path, group_by);
+    if !read_metrics(&mut run, &metrics_path, manifest.as_ref()) {
+        return run;
+    }
+    read_end(&mut run, dir);
+    read_evals(&mut run, dir);
+    run
+}
+
+/// A run before anything of its folder is read: named after the folder, not an experiment.
+fn unread(dir: &Path) -> Run {
+    let label = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    Run {
+        dir: dir.to_path_buf(),
+        label: label.clone(),
+        group: label,
+        status: Status::NotExperiment,
+        records: Vec::new(),
+        notes: Vec::new(),
+        summary_wall_s: None,
+        eval_tau: None,
+        evals: Vec::new(),
+        val: Vec::new(),
+        val_eval_tau: None,
+        arm: None,
+        settings: None,
+        grouped_by_name: false,
+    }
+}
+
+/// The config and the manifest, only for the group key. Returns the manifest (a fork's parent).
+fn read_group(run: &mut Run, config_path: &Path, manifest_path: &Path, group_by: Option<&str>) -> Option<Value> {
     let config =
-        read_optional(&config_path, &mut run.notes, |s| toml::from_str::<toml::Value>(s).map_err(|e| e.to_string()));
+        read_optional(config_path, &mut run.notes, |s| toml::from_str::<toml::Value>(s).map_err(|e| e.to_string()));
     let manifest =
-        read_optional(&manifest_path, &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
+        read_optional(manifest_path, &mut run.notes, |s| serde_json::from_str::<Value>(s).map_err(|e| e.to_string()));
     run.arm = manifest.as_ref().and_then(|m| json_lookup(m, "arm"));
     if let Some(key) = group_by {
         let value = config
@@ -294,20 +309,24 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
         run.grouped_by_name = true;
     }
     run.settings = config.as_ref().map(settings_of);
+    manifest
+}
 
-    // 2. Metrics: whole lines only (a last line that does not parse is a write in progress), each
-    //    line capped, values beyond any real run's treated as missing (plots stay finite).
+/// The metrics: whole lines only (a last line that does not parse is a write in progress), each
+/// line capped, values beyond any real run's treated as missing (plots stay finite); a fork's
+/// curve from its parent's up to the fork. False when there are none to read.
+fn read_metrics(run: &mut Run, metrics_path: &Path, manifest: Option<&Value>) -> bool {
     if !metrics_path.exists() {
         run.status = Status::NoMetrics;
         run.notes.push("no metrics.jsonl".into());
-        return run;
+        return false;
     }
-    let lines = match crate::experiment::metrics::lines(&metrics_path) {
+    let lines = match crate::experiment::metrics::lines(metrics_path) {
         Ok(lines) => lines,
         Err(e) => {
             run.status = Status::NoMetrics;
             run.notes.push(format!("metrics.jsonl unreadable: {e}"));
-            return run;
+            return false;
         }
     };
     let mut lines = lines.enumerate().peekable();
@@ -335,8 +354,8 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
             Err(e) => run.notes.push(format!("metrics.jsonl line {} skipped: {e}", i + 1)),
         }
     }
-    if let Some((parent, at)) = manifest.as_ref().and_then(parent_of) {
-        prepend_parent(&mut run, &parent, at);
+    if let Some((parent, at)) = manifest.and_then(parent_of) {
+        prepend_parent(run, &parent, at);
     }
     if absurd > 0 {
         run.notes
@@ -346,8 +365,11 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
         run.notes.push("tokens decrease somewhere in metrics.jsonl (appended runs?); records sorted by tokens".into());
         run.records.sort_by(|a, b| a.tokens.total_cmp(&b.tokens));
     }
+    true
+}
 
-    // 3. Finished? Then the eval hook.
+/// Finished? Then the eval hook.
+fn read_end(run: &mut Run, dir: &Path) {
     let summary = read_optional(&dir.join("summary.json"), &mut run.notes, |s| {
         serde_json::from_str::<Value>(s).map_err(|e| e.to_string())
     });
@@ -374,7 +396,10 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
             run.notes.push("eval.json has no numeric `tau`".into());
         }
     }
-    // 4. Every eval*.json, by name (eval.json first).
+}
+
+/// Every eval*.json, by name (eval.json first).
+fn read_evals(run: &mut Run, dir: &Path) {
     let mut files: Vec<String> = fs::read_dir(dir)
         .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
         .unwrap_or_default();
@@ -392,7 +417,6 @@ pub fn load_run(dir: &Path, group_by: Option<&str>) -> Run {
         }
         run.notes.extend(notes);
     }
-    run
 }
 
 /// The run folders among `dirs`: an experiment is itself; an A/B folder (no config.toml of its
