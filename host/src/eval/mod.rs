@@ -6,9 +6,13 @@
 
 mod decode;
 mod prompts;
+mod report;
+mod results;
 
 pub use decode::{response_tau, speculative_decode, Cycle, PhaseTimes, Shared};
 pub use prompts::{convert_prompts, PromptFormat};
+pub use report::{CycleMs, EvalReport, PromptTokens};
+pub use results::{load_warning, loadavg, results_json, tokens_file, Evaluated, VALIDATION_FILE};
 
 use crate::{
     experiment::{self, checkpoint},
@@ -20,7 +24,7 @@ use crate::{
 use anyhow::{anyhow, bail, Result};
 use plugin_api::tch::{Device, Kind, Tensor};
 use prompts::{prompts_name, tempfile_dir};
-use serde::Serialize;
+use results::write_tokens;
 use std::{
     path::{Path, PathBuf},
     time::Instant,
@@ -64,65 +68,6 @@ impl EvalOptions {
         }
         Ok(())
     }
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct EvalReport {
-    pub source: String,
-    pub prompts: usize,
-    pub block_size: usize,
-    /// How both decodings ran (the target alone, then speculatively): greedy (argmax), at most
-    /// `max_new_tokens` new tokens a prompt, ending at a stop token (included).
-    pub decoding: &'static str,
-    pub max_new_tokens: u32,
-    pub stop_token_ids: Vec<u32>,
-    /// z-lab's benchmark's acceptance length: per response the mean of accepted drafts + 1 over
-    /// its cycles (the last one whole), then the mean over responses.
-    pub tau: f64,
-    pub tau_per_response: Vec<f64>,
-    /// SGLang's accept length: the tokens kept (cut at the stop token and the length cap) over
-    /// all verify cycles, pooled over responses.
-    pub tau_kept: f64,
-    /// vLLM's mean acceptance length: all accepted drafts + 1 over all verify cycles, pooled over
-    /// responses.
-    pub tau_pooled: f64,
-    /// Share of cycles whose k-th drafted token was accepted, k = 1..B-1.
-    pub acceptance_per_position: Vec<f64>,
-    pub cycles: usize,
-    pub new_tokens: usize,
-    /// Target-only greedy decoding vs speculative decoding, one sequence at a time.
-    pub target_tok_per_s: f64,
-    pub spec_tok_per_s: f64,
-    pub speedup: f64,
-    /// Where it ran (`cpu`, `cuda:0`).
-    pub device: String,
-    /// Milliseconds per cycle in each phase, with `--time-split`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cycle_ms: Option<CycleMs>,
-    /// Every response equal to the target's own greedy output.
-    pub lossless: bool,
-    pub mismatches: Vec<usize>,
-    /// Per prompt: its token ids, the target's greedy reply and the speculative one (written
-    /// beside the results with `--keep-tokens`).
-    #[serde(skip)]
-    pub tokens: Vec<PromptTokens>,
-}
-
-/// One prompt's token ids and the two decodings' new tokens.
-#[derive(Debug, Clone, Serialize)]
-pub struct PromptTokens {
-    pub prompt: usize,
-    pub prompt_ids: Vec<u32>,
-    pub target_ids: Vec<u32>,
-    pub speculative_ids: Vec<u32>,
-}
-
-/// Mean milliseconds per cycle spent drafting, verifying and on the bookkeeping between.
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct CycleMs {
-    pub draft: f64,
-    pub verify: f64,
-    pub bookkeeping: f64,
 }
 
 pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
@@ -405,94 +350,9 @@ pub fn command(args: &crate::cli::EvalArgs, plugin_paths: &[PathBuf]) -> Result<
     Ok(())
 }
 
-/// What a results file holds: the report, the training tau-hat beside it, what was evaluated,
-/// and the machine's load before and after the timing.
-pub fn results_json(
-    report: &EvalReport,
-    evaluated: &Evaluated,
-    exp_dir: &Path,
-    format: PromptFormat,
-    (load_before, load_after): (Option<f64>, Option<f64>),
-) -> Result<serde_json::Value> {
-    let mut json = serde_json::to_value(report)?;
-    json["tau_hat"] = experiment::metrics::last_number(exp_dir, "tau_hat").into();
-    json["evaluated"] = serde_json::to_value(evaluated)?;
-    json["prompt_format"] = format!("{format:?}").to_lowercase().into();
-    json["loadavg_before"] = load_before.into();
-    json["loadavg_after"] = load_after.into();
-    Ok(json)
-}
-
-/// The decoded token ids beside a results file: `eval.json` -> `eval.tokens.jsonl`.
-pub fn tokens_file(results: &Path) -> PathBuf {
-    let stem = results.file_stem().map_or("eval".into(), |s| s.to_string_lossy().to_string());
-    results.with_file_name(format!("{stem}.tokens.jsonl"))
-}
-
-/// One JSON line per prompt, written whole (a temporary file renamed over).
-fn write_tokens(path: &Path, tokens: &[PromptTokens]) -> Result<()> {
-    let mut text = String::new();
-    for t in tokens {
-        text += &serde_json::to_string(t)?;
-        text.push('\n');
-    }
-    crate::atomic_write::write_atomic(path, text.as_bytes())
-}
-
-/// The results of the newest checkpoint on the validation prompts.
-pub const VALIDATION_FILE: &str = "eval-validation.json";
-
 /// Prompt sets the data plugin knows by name (anything else is a file).
 fn is_named_set(source: &str) -> bool {
     matches!(source, "holdout" | "validation" | "humaneval")
-}
-
-/// What was evaluated: a checkpoint of the run, or a z-lab drafter folder and its weights' hash.
-#[derive(Debug, Clone, Serialize)]
-pub struct Evaluated {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub checkpoint_step: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub drafter: Option<String>,
-    /// SHA-256 of the drafter's model.safetensors (the checkpoint's or the folder's).
-    pub drafter_sha256: String,
-}
-
-impl Evaluated {
-    /// A checkpoint of the run (opened by [`checkpoint::find`]) and its weights' hash.
-    pub fn checkpoint(ckpt: &checkpoint::Opened) -> Self {
-        Evaluated { checkpoint_step: Some(ckpt.step), drafter: None, drafter_sha256: ckpt.weights_sha256.clone() }
-    }
-
-    /// The results file: `eval.json` for the run's newest checkpoint on its held-out test
-    /// records (`eval-validation.json` on its validation records), else named after the prompt
-    /// set and the checkpoint or drafter, so no result overwrites another's.
-    pub fn file_name(&self, set: Option<&str>, newest_step: Option<u64>) -> String {
-        let what = match (self.checkpoint_step, &self.drafter) {
-            (Some(s), _) if set.is_none() && Some(s) == newest_step => return "eval.json".into(),
-            (Some(s), _) if set == Some("validation") && Some(s) == newest_step => return VALIDATION_FILE.into(),
-            (Some(s), _) => format!("step-{s}"),
-            (None, _) => format!("drafter-{}", &self.drafter_sha256[..12]),
-        };
-        match set {
-            Some(set) => format!("eval-{set}-{what}.json"),
-            None => format!("eval-{what}.json"),
-        }
-    }
-}
-
-/// The 1-minute load average (Linux), to tell whether the machine was as busy after the
-/// measurement as before it.
-pub fn loadavg() -> Option<f64> {
-    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
-}
-
-/// A warning when the load moved by more than 1 or a quarter during the timing.
-pub fn load_warning(before: Option<f64>, after: Option<f64>) -> Option<String> {
-    let (b, a) = (before?, after?);
-    ((a - b).abs() > 1.0_f64.max(0.25 * b.max(a))).then(|| {
-        format!("the machine's load moved from {b:.2} to {a:.2} during the measurement: the speed-up is unreliable (measure on an idle machine)")
-    })
 }
 
 #[cfg(test)]

@@ -1,0 +1,97 @@
+//! The results file: the report with what was evaluated (a checkpoint or a drafter folder, and
+//! its weights' hash), named so that no result overwrites another's; the decoded tokens beside
+//! it; the machine's load around the timing.
+
+use super::{
+    prompts::PromptFormat,
+    report::{EvalReport, PromptTokens},
+};
+use crate::experiment::{self, checkpoint};
+use anyhow::Result;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// What a results file holds: the report, the training tau-hat beside it, what was evaluated,
+/// and the machine's load before and after the timing.
+pub fn results_json(
+    report: &EvalReport,
+    evaluated: &Evaluated,
+    exp_dir: &Path,
+    format: PromptFormat,
+    (load_before, load_after): (Option<f64>, Option<f64>),
+) -> Result<serde_json::Value> {
+    let mut json = serde_json::to_value(report)?;
+    json["tau_hat"] = experiment::metrics::last_number(exp_dir, "tau_hat").into();
+    json["evaluated"] = serde_json::to_value(evaluated)?;
+    json["prompt_format"] = format!("{format:?}").to_lowercase().into();
+    json["loadavg_before"] = load_before.into();
+    json["loadavg_after"] = load_after.into();
+    Ok(json)
+}
+
+/// The decoded token ids beside a results file: `eval.json` -> `eval.tokens.jsonl`.
+pub fn tokens_file(results: &Path) -> PathBuf {
+    let stem = results.file_stem().map_or("eval".into(), |s| s.to_string_lossy().to_string());
+    results.with_file_name(format!("{stem}.tokens.jsonl"))
+}
+
+/// One JSON line per prompt, written whole (a temporary file renamed over).
+pub(super) fn write_tokens(path: &Path, tokens: &[PromptTokens]) -> Result<()> {
+    let mut text = String::new();
+    for t in tokens {
+        text += &serde_json::to_string(t)?;
+        text.push('\n');
+    }
+    crate::atomic_write::write_atomic(path, text.as_bytes())
+}
+
+/// The results of the newest checkpoint on the validation prompts.
+pub const VALIDATION_FILE: &str = "eval-validation.json";
+
+/// What was evaluated: a checkpoint of the run, or a z-lab drafter folder and its weights' hash.
+#[derive(Debug, Clone, Serialize)]
+pub struct Evaluated {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_step: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drafter: Option<String>,
+    /// SHA-256 of the drafter's model.safetensors (the checkpoint's or the folder's).
+    pub drafter_sha256: String,
+}
+
+impl Evaluated {
+    /// A checkpoint of the run (opened by [`checkpoint::find`]) and its weights' hash.
+    pub fn checkpoint(ckpt: &checkpoint::Opened) -> Self {
+        Evaluated { checkpoint_step: Some(ckpt.step), drafter: None, drafter_sha256: ckpt.weights_sha256.clone() }
+    }
+
+    /// The results file: `eval.json` for the run's newest checkpoint on its held-out test
+    /// records (`eval-validation.json` on its validation records), else named after the prompt
+    /// set and the checkpoint or drafter, so no result overwrites another's.
+    pub fn file_name(&self, set: Option<&str>, newest_step: Option<u64>) -> String {
+        let what = match (self.checkpoint_step, &self.drafter) {
+            (Some(s), _) if set.is_none() && Some(s) == newest_step => return "eval.json".into(),
+            (Some(s), _) if set == Some("validation") && Some(s) == newest_step => return VALIDATION_FILE.into(),
+            (Some(s), _) => format!("step-{s}"),
+            (None, _) => format!("drafter-{}", &self.drafter_sha256[..12]),
+        };
+        match set {
+            Some(set) => format!("eval-{set}-{what}.json"),
+            None => format!("eval-{what}.json"),
+        }
+    }
+}
+
+/// The 1-minute load average (Linux), to tell whether the machine was as busy after the
+/// measurement as before it.
+pub fn loadavg() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+}
+
+/// A warning when the load moved by more than 1 or a quarter during the timing.
+pub fn load_warning(before: Option<f64>, after: Option<f64>) -> Option<String> {
+    let (b, a) = (before?, after?);
+    ((a - b).abs() > 1.0_f64.max(0.25 * b.max(a))).then(|| {
+        format!("the machine's load moved from {b:.2} to {a:.2} during the measurement: the speed-up is unreliable (measure on an idle machine)")
+    })
+}
