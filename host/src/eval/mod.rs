@@ -88,23 +88,10 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
     if prompts.is_empty() {
         bail!("no evaluation prompts from `{}`", opts.source);
     }
-    let (embedding, block_size) = (c.target.embedding()?, c.drafter.block_size()? as usize);
-    let device = embedding.device();
-    let shared = Shared {
-        mask_ids: Tensor::full([1, block_size as i64 - 1], c.drafter.mask_token_id()? as i64, (Kind::Int64, device)),
-        embedding,
-        lm_head: c.target.lm_head()?,
-        layer_ids: c.drafter.target_layer_ids()?,
-        block_size,
-        time_split: opts.time_split,
-    };
+    let shared = shared_inputs(c, opts.time_split)?;
+    let device = shared.embedding.device();
     let stop = [c.target.spec()?.eos_token_id];
-    let (mut t_target, mut t_spec, mut n_target, mut n_spec) = (0.0, 0.0, 0usize, 0usize);
-    let mut taus = Vec::new();
-    let mut mismatches = Vec::new();
-    let mut tokens = Vec::new();
-    let mut accepted_at = vec![0usize; shared.block_size - 1];
-    let (mut all_cycles, mut all_accepted, mut all_kept) = (0usize, 0usize, 0usize);
+    let mut tally = Tally::new(shared.block_size);
     let mut times = PhaseTimes::default();
     // Decoding gives attention a new key length every call: no per-shape cuDNN plans.
     let _no_cudnn = kernels::CudnnAttentionOff::new();
@@ -125,79 +112,163 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
     for (i, prompt) in prompts.iter().enumerate() {
         let t0 = Instant::now();
         let base = c.target.generate(vec![prompt.clone()], opts.max_new_tokens, &stop)?.remove(0);
-        t_target += t0.elapsed().as_secs_f64();
-        n_target += base.len();
+        tally.t_target += t0.elapsed().as_secs_f64();
+        tally.n_target += base.len();
         let t1 = Instant::now();
         let (spec, cycles) = speculative_decode(c, prompt, opts.max_new_tokens as usize, &stop, &shared, &mut times)?;
-        t_spec += t1.elapsed().as_secs_f64();
-        n_spec += spec.len();
+        tally.t_spec += t1.elapsed().as_secs_f64();
+        tally.n_spec += spec.len();
         if spec != base {
             progress
                 .suspend(|| tracing::debug!("prompt {i}: speculative output differs from the target's greedy output"));
-            mismatches.push(i);
+            tally.mismatches.push(i);
         }
-        tokens.push(PromptTokens {
+        tally.tokens.push(PromptTokens {
             prompt: i,
             prompt_ids: prompt.to_vec(),
             target_ids: base.to_vec(),
             speculative_ids: spec.to_vec(),
         });
+        tally.add_cycles(&cycles);
+        pace.record(t0.elapsed().as_secs_f64());
+        progress.update(i as u64 + 1, &tally.status(), pace.eta((prompts.len() - i - 1) as u64));
+    }
+    progress.finish();
+    tally.report(opts, prompts.len(), &shared, &stop, device, &times)
+}
+
+/// What every decoding of the evaluation uses: the target's embedding and LM head, the
+/// drafter's block, mask token and target layers.
+fn shared_inputs(c: &mut Components, time_split: bool) -> Result<Shared> {
+    let (embedding, block_size) = (c.target.embedding()?, c.drafter.block_size()? as usize);
+    let device = embedding.device();
+    Ok(Shared {
+        mask_ids: Tensor::full([1, block_size as i64 - 1], c.drafter.mask_token_id()? as i64, (Kind::Int64, device)),
+        embedding,
+        lm_head: c.target.lm_head()?,
+        layer_ids: c.drafter.target_layer_ids()?,
+        block_size,
+        time_split,
+    })
+}
+
+/// What the prompts' two decodings add up to: times and tokens of each, the verify cycles and
+/// what they accepted, the responses that differ.
+struct Tally {
+    t_target: f64,
+    t_spec: f64,
+    n_target: usize,
+    n_spec: usize,
+    taus: Vec<f64>,
+    mismatches: Vec<usize>,
+    tokens: Vec<PromptTokens>,
+    accepted_at: Vec<usize>,
+    all_cycles: usize,
+    all_accepted: usize,
+    all_kept: usize,
+}
+
+impl Tally {
+    fn new(block_size: usize) -> Self {
+        Tally {
+            t_target: 0.0,
+            t_spec: 0.0,
+            n_target: 0,
+            n_spec: 0,
+            taus: Vec::new(),
+            mismatches: Vec::new(),
+            tokens: Vec::new(),
+            accepted_at: vec![0usize; block_size - 1],
+            all_cycles: 0,
+            all_accepted: 0,
+            all_kept: 0,
+        }
+    }
+
+    /// One response's verify cycles.
+    fn add_cycles(&mut self, cycles: &[Cycle]) {
         // tau per response (z-lab): accepted + 1 per cycle (the prefill's first token is no cycle).
-        taus.extend(response_tau(&cycles));
-        all_cycles += cycles.len();
-        all_accepted += cycles.iter().map(|c| c.accepted + 1).sum::<usize>();
-        all_kept += cycles.iter().map(|c| c.produced).sum::<usize>();
-        for cy in &cycles {
-            for slot in accepted_at.iter_mut().take(cy.accepted) {
+        self.taus.extend(response_tau(cycles));
+        self.all_cycles += cycles.len();
+        self.all_accepted += cycles.iter().map(|c| c.accepted + 1).sum::<usize>();
+        self.all_kept += cycles.iter().map(|c| c.produced).sum::<usize>();
+        for cy in cycles {
+            for slot in self.accepted_at.iter_mut().take(cy.accepted) {
                 *slot += 1;
             }
         }
-        pace.record(t0.elapsed().as_secs_f64());
-        let status = format!(
-            "τ {:.3} pooled over {all_cycles} cycles  {:.1} tok/s speculative, {:.1} target-only",
-            all_accepted as f64 / all_cycles.max(1) as f64,
-            n_spec as f64 / t_spec.max(1e-9),
-            n_target as f64 / t_target.max(1e-9),
-        );
-        progress.update(i as u64 + 1, &status, pace.eta((prompts.len() - i - 1) as u64));
     }
-    progress.finish();
-    if all_cycles == 0 {
-        bail!(
-            "no draft was verified: every response ended at the target's first token (a stop token); \
-             no acceptance to measure on these prompts"
-        );
+
+    /// The progress line: tau so far and both speeds.
+    fn status(&self) -> String {
+        format!(
+            "τ {:.3} pooled over {} cycles  {:.1} tok/s speculative, {:.1} target-only",
+            self.all_accepted as f64 / self.all_cycles.max(1) as f64,
+            self.all_cycles,
+            self.n_spec as f64 / self.t_spec.max(1e-9),
+            self.n_target as f64 / self.t_target.max(1e-9),
+        )
     }
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-    Ok(EvalReport {
-        source: opts.source.clone(),
-        prompts: prompts.len(),
-        block_size: shared.block_size,
-        decoding: "greedy",
-        max_new_tokens: opts.max_new_tokens,
-        stop_token_ids: stop.to_vec(),
-        tau: mean(&taus),
-        tau_kept: all_kept as f64 / all_cycles as f64,
-        tau_pooled: all_accepted as f64 / all_cycles as f64,
-        tau_per_response: taus,
-        acceptance_per_position: accepted_at.iter().map(|&n| n as f64 / all_cycles as f64).collect(),
-        cycles: all_cycles,
-        new_tokens: n_spec,
-        target_tok_per_s: n_target as f64 / t_target,
-        spec_tok_per_s: n_spec as f64 / t_spec,
-        speedup: t_target / t_spec * (n_spec as f64 / n_target.max(1) as f64),
-        device: match device {
-            Device::Cuda(i) => format!("cuda:{i}"),
-            other => format!("{other:?}").to_lowercase(),
-        },
-        cycle_ms: opts.time_split.then(|| {
-            let per = |t: f64| 1e3 * t / all_cycles.max(1) as f64;
-            CycleMs { draft: per(times.draft), verify: per(times.verify), bookkeeping: per(times.bookkeeping) }
-        }),
-        lossless: mismatches.is_empty(),
-        mismatches,
-        tokens,
-    })
+
+    fn report(
+        self,
+        opts: &EvalOptions,
+        prompts: usize,
+        shared: &Shared,
+        stop: &[u32],
+        device: Device,
+        times: &PhaseTimes,
+    ) -> Result<EvalReport> {
+        let Tally {
+            t_target,
+            t_spec,
+            n_target,
+            n_spec,
+            taus,
+            mismatches,
+            tokens,
+            accepted_at,
+            all_cycles,
+            all_accepted,
+            all_kept,
+        } = self;
+        if all_cycles == 0 {
+            bail!(
+                "no draft was verified: every response ended at the target's first token (a stop token); \
+                 no acceptance to measure on these prompts"
+            );
+        }
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        Ok(EvalReport {
+            source: opts.source.clone(),
+            prompts,
+            block_size: shared.block_size,
+            decoding: "greedy",
+            max_new_tokens: opts.max_new_tokens,
+            stop_token_ids: stop.to_vec(),
+            tau: mean(&taus),
+            tau_kept: all_kept as f64 / all_cycles as f64,
+            tau_pooled: all_accepted as f64 / all_cycles as f64,
+            tau_per_response: taus,
+            acceptance_per_position: accepted_at.iter().map(|&n| n as f64 / all_cycles as f64).collect(),
+            cycles: all_cycles,
+            new_tokens: n_spec,
+            target_tok_per_s: n_target as f64 / t_target,
+            spec_tok_per_s: n_spec as f64 / t_spec,
+            speedup: t_target / t_spec * (n_spec as f64 / n_target.max(1) as f64),
+            device: match device {
+                Device::Cuda(i) => format!("cuda:{i}"),
+                other => format!("{other:?}").to_lowercase(),
+            },
+            cycle_ms: opts.time_split.then(|| {
+                let per = |t: f64| 1e3 * t / all_cycles.max(1) as f64;
+                CycleMs { draft: per(times.draft), verify: per(times.verify), bookkeeping: per(times.bookkeeping) }
+            }),
+            lossless: mismatches.is_empty(),
+            mismatches,
+            tokens,
+        })
+    }
 }
 
 /// `dflash-host eval`: check the arguments, load the experiment with the checkpoint or drafter,
