@@ -302,23 +302,7 @@ pub fn command(args: &crate::cli::EvalArgs, plugin_paths: &[PathBuf]) -> Result<
     }
     // The checkpoint is opened once, here: its files are read from those handles, so a training
     // run pruning it meanwhile cannot take it away.
-    let (evaluated, from) = match &args.drafter {
-        Some(d) => {
-            // Its config is checked here too, so a FIFO or device there is named before the
-            // target loads (the drafter plugin reads both through `input_files` again).
-            input_files::open_regular(&d.join("config.json")).map_err(|e| anyhow!("--drafter {}: {e}", d.display()))?;
-            let weights = d.join("model.safetensors");
-            let sha = crate::plugins::sha256_file(&weights).map_err(|e| anyhow!("--drafter {}: {e:#}", d.display()))?;
-            let shown = d.canonicalize().unwrap_or_else(|_| d.clone());
-            let evaluated =
-                Evaluated { checkpoint_step: None, drafter: Some(shown.display().to_string()), drafter_sha256: sha };
-            (evaluated, crate::pipeline::assemble::DrafterFrom::Folder(d))
-        }
-        None => {
-            let ckpt = checkpoint::find(exp_dir, args.checkpoint)?;
-            (Evaluated::checkpoint(&ckpt), crate::pipeline::assemble::DrafterFrom::Checkpoint(ckpt))
-        }
-    };
+    let (evaluated, from) = what_is_evaluated(exp_dir, args.drafter.as_deref(), args.checkpoint)?;
     let newest = checkpoint::newest_good(exp_dir).0.map(|c| c.step);
     let written = exp_dir.join(evaluated.file_name(prompts_name(&opts.source).as_deref(), newest));
     crate::atomic_write::check_writable(&written)?;
@@ -348,40 +332,7 @@ pub fn command(args: &crate::cli::EvalArgs, plugin_paths: &[PathBuf]) -> Result<
     let mut json = results_json(&report, &evaluated, exp_dir, args.prompt_format, (load_before, load_after))?;
     let tau_hat = json["tau_hat"].as_f64();
     // 4. Print, then write the results whole.
-    match (&evaluated.drafter, evaluated.checkpoint_step) {
-        (Some(d), _) => say!("drafter      {d} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16]),
-        (None, Some(s)) => {
-            say!("checkpoint   step-{s} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16])
-        }
-        (None, None) => {}
-    }
-    say!("prompts      {} ({})", report.prompts, report.source);
-    say!(
-        "tau          {:.3}   per response (z-lab's benchmark: accepted + 1 per cycle, the mean over responses)",
-        report.tau
-    );
-    say!(
-        "tau_pooled   {:.3}   accepted + 1 over all {} verify cycles (vLLM's mean acceptance length)",
-        report.tau_pooled,
-        report.cycles
-    );
-    say!(
-        "tau_kept     {:.3}   tokens kept over all cycles (SGLang's accept length); tau_hat from training {}",
-        report.tau_kept,
-        tau_hat.map_or("-".into(), |t| format!("{t:.3}"))
-    );
-    let acc: Vec<String> = report.acceptance_per_position.iter().map(|a| format!("{a:.2}")).collect();
-    say!("acceptance   {}", acc.join(" "));
-    say!(
-        "speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only, {})",
-        report.speedup,
-        report.spec_tok_per_s,
-        report.target_tok_per_s,
-        report.device
-    );
-    if let Some(ms) = report.cycle_ms {
-        say!("cycle        {:.2} ms draft, {:.2} ms verify, {:.2} ms bookkeeping", ms.draft, ms.verify, ms.bookkeeping);
-    }
+    results::print(&report, &evaluated, tau_hat);
     if let Some(w) = load_warning(load_before, load_after) {
         tracing::warn!("{w}");
         json["warning"] = w.into();
@@ -419,6 +370,31 @@ pub fn command(args: &crate::cli::EvalArgs, plugin_paths: &[PathBuf]) -> Result<
         );
     }
     Ok(())
+}
+
+/// What is evaluated, a drafter folder or a checkpoint of the run, and where the drafter comes from.
+fn what_is_evaluated<'a>(
+    exp_dir: &Path,
+    drafter: Option<&'a Path>,
+    checkpoint: Option<u64>,
+) -> Result<(Evaluated, crate::pipeline::assemble::DrafterFrom<'a>)> {
+    Ok(match drafter {
+        Some(d) => {
+            // Its config is checked here too, so a FIFO or device there is named before the
+            // target loads (the drafter plugin reads both through `input_files` again).
+            input_files::open_regular(&d.join("config.json")).map_err(|e| anyhow!("--drafter {}: {e}", d.display()))?;
+            let weights = d.join("model.safetensors");
+            let sha = crate::plugins::sha256_file(&weights).map_err(|e| anyhow!("--drafter {}: {e:#}", d.display()))?;
+            let shown = d.canonicalize().unwrap_or_else(|_| d.to_path_buf());
+            let evaluated =
+                Evaluated { checkpoint_step: None, drafter: Some(shown.display().to_string()), drafter_sha256: sha };
+            (evaluated, crate::pipeline::assemble::DrafterFrom::Folder(d))
+        }
+        None => {
+            let ckpt = checkpoint::find(exp_dir, checkpoint)?;
+            (Evaluated::checkpoint(&ckpt), crate::pipeline::assemble::DrafterFrom::Checkpoint(ckpt))
+        }
+    })
 }
 
 /// Prompt sets the data plugin knows by name (anything else is a file).

@@ -1,4 +1,4 @@
-//! The results file: the report with what was evaluated (a checkpoint or a drafter folder, and
+//! The results, printed and as a file: the report with what was evaluated (a checkpoint or a drafter folder, and
 //! its weights' hash), named so that no result overwrites another's; the decoded tokens beside
 //! it; the machine's load around the timing.
 
@@ -6,7 +6,10 @@ use super::{
     prompts::PromptFormat,
     report::{EvalReport, PromptTokens},
 };
-use crate::experiment::{self, checkpoint};
+use crate::{
+    experiment::{self, checkpoint},
+    say,
+};
 use anyhow::Result;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -94,4 +97,43 @@ pub fn load_warning(before: Option<f64>, after: Option<f64>) -> Option<String> {
     ((a - b).abs() > 1.0_f64.max(0.25 * b.max(a))).then(|| {
         format!("the machine's load moved from {b:.2} to {a:.2} during the measurement: the speed-up is unreliable (measure on an idle machine)")
     })
+}
+
+/// The report on the terminal: what was evaluated, tau three ways, acceptance per position, the
+/// speed-up and, with `--time-split`, each phase of a cycle.
+pub(super) fn print(report: &EvalReport, evaluated: &Evaluated, tau_hat: Option<f64>) {
+    match (&evaluated.drafter, evaluated.checkpoint_step) {
+        (Some(d), _) => say!("drafter      {d} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16]),
+        (None, Some(s)) => {
+            say!("checkpoint   step-{s} (model.safetensors SHA-256 {})", &evaluated.drafter_sha256[..16])
+        }
+        (None, None) => {}
+    }
+    say!("prompts      {} ({})", report.prompts, report.source);
+    say!(
+        "tau          {:.3}   per response (z-lab's benchmark: accepted + 1 per cycle, the mean over responses)",
+        report.tau
+    );
+    say!(
+        "tau_pooled   {:.3}   accepted + 1 over all {} verify cycles (vLLM's mean acceptance length)",
+        report.tau_pooled,
+        report.cycles
+    );
+    say!(
+        "tau_kept     {:.3}   tokens kept over all cycles (SGLang's accept length); tau_hat from training {}",
+        report.tau_kept,
+        tau_hat.map_or("-".into(), |t| format!("{t:.3}"))
+    );
+    let acc: Vec<String> = report.acceptance_per_position.iter().map(|a| format!("{a:.2}")).collect();
+    say!("acceptance   {}", acc.join(" "));
+    say!(
+        "speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only, {})",
+        report.speedup,
+        report.spec_tok_per_s,
+        report.target_tok_per_s,
+        report.device
+    );
+    if let Some(ms) = report.cycle_ms {
+        say!("cycle        {:.2} ms draft, {:.2} ms verify, {:.2} ms bookkeeping", ms.draft, ms.verify, ms.bookkeeping);
+    }
 }
