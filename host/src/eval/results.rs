@@ -1,6 +1,6 @@
-//! The results, printed and as a file: the report with what was evaluated (a checkpoint or a drafter folder, and
-//! its weights' hash), named so that no result overwrites another's; the decoded tokens beside
-//! it; the machine's load around the timing.
+//! The results, printed and as a file: the report with what was evaluated (a checkpoint or a
+//! drafter folder, and its weights' hash), named so that no result overwrites another's; the
+//! decoded tokens beside it; the machine's load around the timing.
 
 use super::{
     prompts::PromptFormat,
