@@ -223,63 +223,17 @@ pub fn model_card(exp_dir: &Path, ckpt: &Opened, out: &Path, registry: &Registry
     let id = |k: &str| if cfg[k].is_null() { "none".to_string() } else { cfg[k].to_string() };
     let drafter = out.file_name().map_or("DRAFTER".into(), |n| n.to_string_lossy().to_string());
     let sliding = cfg["layer_types"].as_array().is_some_and(|t| t.iter().any(|l| l == "sliding_attention"));
-    let eval = experiment::read_json::<serde_json::Value>(&exp_dir.join("eval.json")).ok();
-    let tau = match &eval {
-        Some(e) => {
-            let at =
-                e["evaluated"]["checkpoint_step"].as_u64().map_or(String::new(), |s| format!(", checkpoint step-{s}"));
-            let decoding = match e["max_new_tokens"].as_u64() {
-                Some(n) => {
-                    format!(", {} decoding of at most {n} new tokens each", e["decoding"].as_str().unwrap_or("greedy"))
-                }
-                None => String::new(),
-            };
-            format!(
-                "τ {:.3} per response, {:.3} over {} verify cycles (accepted + 1 per cycle), on {} prompts ({}{at}){decoding}; lossless: {}",
-                e["tau"].as_f64().unwrap_or(f64::NAN),
-                e["tau_pooled"].as_f64().unwrap_or(f64::NAN),
-                e["cycles"],
-                e["prompts"],
-                e["source"].as_str().unwrap_or("?"),
-                e["lossless"]
-            )
-        }
-        None => "not measured (run `dflash-host eval --exp-dir EXP`, then export again)".into(),
-    };
+    let tau = acceptance(exp_dir);
 
     // 1. Hugging Face metadata.
-    let mut card = "---\nlibrary_name: transformers\n".to_string();
-    if let Some(hub) = &target.hub {
-        card += &format!("base_model: {hub}\n");
-    }
-    if let Some(license) = &target.license {
-        card += &format!("license: {license}\n");
-    }
-    card += "tags:\n- dflash\n- speculative-decoding\n- block-diffusion\n- draft-model\n---\n\n";
+    let mut card = hf_metadata(&target);
     // 2. What it is, how it was trained.
     card += &format!("# DFlash drafter for `{}`\n\n", target.name);
     card +=
         "A block-diffusion speculative-decoding drafter (DFlash): it reads the target's hidden states and drafts a \
              block of tokens in one forward; the target verifies them, so the output is the target's own. It borrows \
              the target's embedding and LM head and works only with this target.\n\n";
-    if let Some(Some(types)) = &target.gguf_quantised {
-        if !types.is_empty() {
-            card += &format!(
-                "> **Warning:** this drafter learned from a quantised target, the GGUF file `{}` ({} weights): it read \
-                 that model's hidden states. Next to the full-precision checkpoint its acceptance can be lower than \
-                 measured here; serve it with the same quantised model, or train on the full-precision target.\n\n",
-                target.name,
-                types.join(", ")
-            );
-        }
-    } else if let Some(None) = &target.gguf_quantised {
-        card += &format!(
-            "> **Warning:** this drafter learned from the GGUF file `{}`, which could not be read at export to say \
-             whether its weights are quantised; a drafter that learned from a quantised model's hidden states can \
-             accept less next to the full-precision checkpoint.\n\n",
-            target.name
-        );
-    }
+    card += &quantised_warning(&target);
     card += "| | |\n| --- | --- |\n";
     let kind = target.kind.map_or(String::new(), |k| format!(", {}", k.words()));
     card += &format!("| target | `{}`{kind} (SHA-256 `{}`) |\n", target.name, manifest.target_sha256);
@@ -305,6 +259,84 @@ pub fn model_card(exp_dir: &Path, ckpt: &Opened, out: &Path, registry: &Registry
     card += "| weights | bfloat16 (`model.safetensors`) |\n";
     card += &format!("| acceptance length | {tau} |\n\n");
     // 3. Serving.
+    let (serving_text, serving) = serving_section(&target, &manifest, &drafter, block, sliding);
+    card += &serving_text;
+    card += &transformers_section(&drafter, block, &cfg);
+    Ok(Card { text: card, serving })
+}
+
+/// The acceptance length `eval.json` measured, in words, or how to measure it.
+fn acceptance(exp_dir: &Path) -> String {
+    let eval = experiment::read_json::<serde_json::Value>(&exp_dir.join("eval.json")).ok();
+    match &eval {
+        Some(e) => {
+            let at =
+                e["evaluated"]["checkpoint_step"].as_u64().map_or(String::new(), |s| format!(", checkpoint step-{s}"));
+            let decoding = match e["max_new_tokens"].as_u64() {
+                Some(n) => {
+                    format!(", {} decoding of at most {n} new tokens each", e["decoding"].as_str().unwrap_or("greedy"))
+                }
+                None => String::new(),
+            };
+            format!(
+                "τ {:.3} per response, {:.3} over {} verify cycles (accepted + 1 per cycle), on {} prompts ({}{at}){decoding}; lossless: {}",
+                e["tau"].as_f64().unwrap_or(f64::NAN),
+                e["tau_pooled"].as_f64().unwrap_or(f64::NAN),
+                e["cycles"],
+                e["prompts"],
+                e["source"].as_str().unwrap_or("?"),
+                e["lossless"]
+            )
+        }
+        None => "not measured (run `dflash-host eval --exp-dir EXP`, then export again)".into(),
+    }
+}
+
+/// The Hugging Face metadata: the YAML front matter.
+fn hf_metadata(target: &Target) -> String {
+    let mut card = "---\nlibrary_name: transformers\n".to_string();
+    if let Some(hub) = &target.hub {
+        card += &format!("base_model: {hub}\n");
+    }
+    if let Some(license) = &target.license {
+        card += &format!("license: {license}\n");
+    }
+    card += "tags:\n- dflash\n- speculative-decoding\n- block-diffusion\n- draft-model\n---\n\n";
+    card
+}
+
+/// A warning when the target was a GGUF file whose weights are quantised, or could not be read.
+fn quantised_warning(target: &Target) -> String {
+    if let Some(Some(types)) = &target.gguf_quantised {
+        if !types.is_empty() {
+            return format!(
+                "> **Warning:** this drafter learned from a quantised target, the GGUF file `{}` ({} weights): it read \
+                 that model's hidden states. Next to the full-precision checkpoint its acceptance can be lower than \
+                 measured here; serve it with the same quantised model, or train on the full-precision target.\n\n",
+                target.name,
+                types.join(", ")
+            );
+        }
+    } else if let Some(None) = &target.gguf_quantised {
+        return format!(
+            "> **Warning:** this drafter learned from the GGUF file `{}`, which could not be read at export to say \
+             whether its weights are quantised; a drafter that learned from a quantised model's hidden states can \
+             accept less next to the full-precision checkpoint.\n\n",
+            target.name
+        );
+    }
+    String::new()
+}
+
+/// How to serve it: SGLang's and vLLM's command lines, with the target they load.
+fn serving_section(
+    target: &Target,
+    manifest: &experiment::Manifest,
+    drafter: &str,
+    block: u64,
+    sliding: bool,
+) -> (String, Serving) {
+    let mut card = String::new();
     card += "## Serving\n\n";
     card += &format!(
         "`{drafter}` below is this folder: give its path, or its hub id once uploaded. The lines are those of the \
@@ -331,7 +363,13 @@ pub fn model_card(exp_dir: &Path, ckpt: &Opened, out: &Path, registry: &Registry
         _ => target.served(),
     };
     let serving = Serving { target: target.served(), target_here, block, kind: target.kind, sliding };
-    card += &serving.lines(&drafter);
+    card += &serving.lines(drafter);
+    (card, serving)
+}
+
+/// Loading it with transformers, and the shapes its forward takes.
+fn transformers_section(drafter: &str, block: u64, cfg: &serde_json::Value) -> String {
+    let mut card = String::new();
     card += "\n## Transformers\n\n";
     card += &format!(
         "```python\nfrom transformers import AutoModel\n\ndrafter = AutoModel.from_pretrained(\"{drafter}\", \
@@ -340,7 +378,7 @@ pub fn model_card(exp_dir: &Path, ckpt: &Opened, out: &Path, registry: &Registry
          LM head\n```\n\n`dflash.py` holds the drafter's forward (the z-lab layout, written for this export).\n",
         n = cfg["dflash_config"]["target_layer_ids"].as_array().map_or(0, Vec::len)
     );
-    Ok(Card { text: card, serving })
+    card
 }
 
 #[cfg(test)]
