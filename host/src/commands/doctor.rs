@@ -87,19 +87,7 @@ pub fn loaded_libtorch(maps: &str) -> Option<PathBuf> {
 fn diagnose(libtorch: &Path) -> Result<ExitCode> {
     let mut missing: Vec<String> = Vec::new();
     crate::say!("dflash-host doctor");
-    let (version, cuda) =
-        std::fs::read_to_string(libtorch.join("version.py")).map(|t| parse_torch_version(&t)).unwrap_or((None, None));
-    match &version {
-        Some(v) => crate::say!(
-            "  libtorch     {v}{} at {}",
-            cuda.as_ref().map(|c| format!(" (built for CUDA {c})")).unwrap_or_default(),
-            libtorch.display()
-        ),
-        None => {
-            crate::say!("  libtorch     no version.py at {} (LIBTORCH points elsewhere?)", libtorch.display());
-            missing.push("libtorch".into());
-        }
-    }
+    let version = libtorch_line(libtorch, &mut missing);
     crate::say!("  tch          0.24.0, plugin ABI {}", plugin_api::ABI_VERSION);
 
     // The driver: libcuda.so.1 comes with it, never with a wheel.
@@ -107,45 +95,13 @@ fn diagnose(libtorch: &Path) -> Result<ExitCode> {
     let cuda_lib = libtorch.join("lib/libtorch_cuda.so");
     let needed = ldd(&cuda_lib).unwrap_or_default();
     let cpu_needed = ldd(&libtorch.join("lib/libtorch_cpu.so")).unwrap_or_default();
-    let runtime = find(&needed, "libcudart.so").or_else(|| find(&cpu_needed, "libcudart.so"));
-    let runtime_v =
-        runtime.and_then(|n| n.path.as_deref()).and_then(|p| kernels::ffi::int_version(p, b"cudaRuntimeGetVersion\0"));
-    let nvrtc = nvrtc_version(libtorch);
-    crate::say!(
-        "  CUDA         {}; runtime {}; NVRTC {}",
-        driver.map_or("no driver (libcuda.so.1 not found)".to_string(), |v| format!(
-            "driver {}",
-            split_version(v, 1000, 1)
-        )),
-        runtime_v.map_or_else(
-            || "missing".to_string(),
-            |v| format!("{} ({})", split_version(v, 1000, 1), runtime.map(|n| n.name.as_str()).unwrap_or(""))
-        ),
-        nvrtc.map_or_else(
-            || "missing (kernels/ cannot compile its CUDA sources)".to_string(),
-            |(name, v)| format!("{v} ({name})")
-        ),
-    );
+    cuda_line(libtorch, driver, &needed, &cpu_needed);
     let cudnn = find(&needed, "libcudnn.so");
     let cudnn_v = cudnn.and_then(|n| n.path.as_deref()).and_then(kernels::ffi::cudnn_version);
-    crate::say!(
-        "  cuDNN        {}",
-        match (cudnn, cudnn_v) {
-            (Some(n), Some(v)) => format!("{} ({})", split_version(v, 10000, 100), n.name),
-            (Some(n), None) => format!("missing ({})", n.name),
-            (None, _) => "not linked".into(),
-        }
-    );
+    crate::say!("  cuDNN        {}", linked(cudnn, cudnn_v));
     let nccl = find(&needed, "libnccl.so");
     let nccl_v = nccl.and_then(|n| n.path.as_deref()).and_then(|p| kernels::ffi::int_version(p, b"ncclGetVersion\0"));
-    crate::say!(
-        "  NCCL         {}",
-        match (nccl, nccl_v) {
-            (Some(n), Some(v)) => format!("{} ({})", split_version(v, 10000, 100), n.name),
-            (Some(n), None) => format!("missing ({})", n.name),
-            (None, _) => "not linked".into(),
-        }
-    );
+    crate::say!("  NCCL         {}", linked(nccl, nccl_v));
     let gpus = gpus();
     match &gpus {
         Ok(list) if list.is_empty() => crate::say!("  GPUs         none"),
@@ -179,25 +135,79 @@ fn diagnose(libtorch: &Path) -> Result<ExitCode> {
     }
     let gpu_here = driver.is_some() || gpus.as_ref().is_ok_and(|g| !g.is_empty());
     let complete = missing.is_empty() && loads.is_ok();
+    Ok(verdict(gpu_here, complete, devices, version.as_deref()))
+}
+
+/// The libtorch line: its version and the CUDA it was built for, from its `version.py`; returns
+/// the version (None, and `libtorch` missing, without one).
+fn libtorch_line(libtorch: &Path, missing: &mut Vec<String>) -> Option<String> {
+    let (version, cuda) =
+        std::fs::read_to_string(libtorch.join("version.py")).map(|t| parse_torch_version(&t)).unwrap_or((None, None));
+    match &version {
+        Some(v) => crate::say!(
+            "  libtorch     {v}{} at {}",
+            cuda.as_ref().map(|c| format!(" (built for CUDA {c})")).unwrap_or_default(),
+            libtorch.display()
+        ),
+        None => {
+            crate::say!("  libtorch     no version.py at {} (LIBTORCH points elsewhere?)", libtorch.display());
+            missing.push("libtorch".into());
+        }
+    }
+    version
+}
+
+/// The CUDA line: the driver, the runtime libtorch links, NVRTC for kernels/.
+fn cuda_line(libtorch: &Path, driver: Option<i64>, needed: &[Needed], cpu_needed: &[Needed]) {
+    let runtime = find(needed, "libcudart.so").or_else(|| find(cpu_needed, "libcudart.so"));
+    let runtime_v =
+        runtime.and_then(|n| n.path.as_deref()).and_then(|p| kernels::ffi::int_version(p, b"cudaRuntimeGetVersion\0"));
+    let nvrtc = nvrtc_version(libtorch);
+    crate::say!(
+        "  CUDA         {}; runtime {}; NVRTC {}",
+        driver.map_or("no driver (libcuda.so.1 not found)".to_string(), |v| format!(
+            "driver {}",
+            split_version(v, 1000, 1)
+        )),
+        runtime_v.map_or_else(
+            || "missing".to_string(),
+            |v| format!("{} ({})", split_version(v, 1000, 1), runtime.map(|n| n.name.as_str()).unwrap_or(""))
+        ),
+        nvrtc.map_or_else(
+            || "missing (kernels/ cannot compile its CUDA sources)".to_string(),
+            |(name, v)| format!("{v} ({name})")
+        ),
+    );
+}
+
+/// A library libtorch_cuda links (cuDNN, NCCL): its version and file, missing, or not linked.
+fn linked(lib: Option<&Needed>, version: Option<i64>) -> String {
+    match (lib, version) {
+        (Some(n), Some(v)) => format!("{} ({})", split_version(v, 10000, 100), n.name),
+        (Some(n), None) => format!("missing ({})", n.name),
+        (None, _) => "not linked".into(),
+    }
+}
+
+/// What the machine is ready for, and what to do when a GPU is here but libtorch cannot use it
+/// (exit 1).
+fn verdict(gpu_here: bool, complete: bool, devices: i64, version: Option<&str>) -> ExitCode {
     if gpu_here && complete && devices > 0 {
         crate::say!("  => ready for device = \"cpu\" and \"cuda\" ({devices} GPU(s))");
-        Ok(ExitCode::SUCCESS)
+        ExitCode::SUCCESS
     } else if gpu_here {
         crate::say!(
             "  => an NVIDIA driver is here but libtorch cannot use it: run `make setup` (or `GPU=1 make setup`),"
         );
-        crate::say!(
-            "     which installs the NVIDIA wheels the torch {} wheel requires",
-            version.as_deref().unwrap_or("2.11.0")
-        );
-        Ok(ExitCode::from(1))
+        crate::say!("     which installs the NVIDIA wheels the torch {} wheel requires", version.unwrap_or("2.11.0"));
+        ExitCode::from(1)
     } else if complete {
         crate::say!("  => ready for device = \"cpu\"; libtorch's GPU libraries are all here, device = \"cuda\" needs an NVIDIA driver");
-        Ok(ExitCode::SUCCESS)
+        ExitCode::SUCCESS
     } else {
         crate::say!("  => ready for device = \"cpu\"; no NVIDIA driver here, so the GPU libraries are not needed");
         crate::say!("     (on a GPU machine `make setup` installs them; `GPU=1 make setup` forces it)");
-        Ok(ExitCode::SUCCESS)
+        ExitCode::SUCCESS
     }
 }
 
