@@ -59,30 +59,6 @@ impl Kit<'_> {
     }
 
     pub(super) fn optimizer(&self) -> Result<Vec<Clause>> {
-        // Two matrices, a vector; fixed values, gradients from a seeded generator.
-        let params = || -> Vec<(String, Tensor)> {
-            tch::manual_seed(1);
-            ["layers.0.mlp.up_proj.weight", "layers.0.self_attn.o_proj.weight", "norm.weight"]
-                .iter()
-                .zip([&[8i64, 4][..], &[4, 8], &[4]])
-                .map(|(n, s)| (n.to_string(), Tensor::randn(s, CPU).set_requires_grad(true)))
-                .collect()
-        };
-        let set_grads = |ps: &[(String, Tensor)], seed: i64, scale: f64| {
-            tch::manual_seed(seed);
-            for (_, p) in ps {
-                if !p.grad().defined() {
-                    (p * 0.0).sum(Kind::Float).backward(); // creates a (zero) .grad
-                }
-                p.grad().copy_(&(Tensor::randn(p.size(), CPU) * scale));
-            }
-        };
-        let named = |ps: &[(String, Tensor)]| -> plugin_api::abi_stable::std_types::RVec<NamedTensor> {
-            ps.iter().map(|(n, p)| NamedTensor::new(n.clone(), p.shallow_clone())).collect()
-        };
-        let copy = |ps: &[(String, Tensor)]| -> Vec<(String, Tensor)> {
-            ps.iter().map(|(n, p)| (n.clone(), p.detach().copy().set_requires_grad(true))).collect()
-        };
         let mut out = Vec::new();
         out.push(self.clause("state save/load round trip gives identical next steps", || {
             let a_params = params();
@@ -94,7 +70,7 @@ impl Kit<'_> {
             }
             let state: Vec<(String, Tensor)> =
                 a.state()?.iter().map(|nt| (nt.name.to_string(), nt.tensor.tensor().copy())).collect();
-            let b_params = copy(&a_params);
+            let b_params = copy_params(&a_params);
             let mut b = self.optimizer_box()?;
             b.init(named(&b_params))?;
             b.load_state(state.iter().map(|(n, t)| NamedTensor::new(n.clone(), t.shallow_clone())).collect())?;
@@ -122,7 +98,7 @@ impl Kit<'_> {
             }
             // An optimizer that exports nothing has nothing to hold here (it cannot be carried).
             let Some(first) = a.export_state()? else { return Ok(()) };
-            let b_params = copy(&a_params);
+            let b_params = copy_params(&a_params);
             let mut b = self.optimizer_box()?;
             b.init(named(&b_params))?;
             b.import_state(deep_copy(&first))?.ok_or_else(|| anyhow!("it exports its state but cannot import it"))?;
@@ -131,7 +107,7 @@ impl Kit<'_> {
         }));
         out.push(self.clause("zero gradients leave weights unchanged (but for weight decay)", || {
             let ps = params();
-            let before = copy(&ps);
+            let before = copy_params(&ps);
             let mut o = self.optimizer_box()?;
             o.init(named(&ps))?;
             set_grads(&ps, 30, 0.0);
@@ -152,7 +128,7 @@ impl Kit<'_> {
         }));
         out.push(self.clause("parameters without gradients are skipped", || {
             let ps = params();
-            let before = copy(&ps);
+            let before = copy_params(&ps);
             let mut o = self.optimizer_box()?;
             o.init(named(&ps))?;
             set_grads(&ps[..1], 40, 1.0);
@@ -169,4 +145,33 @@ impl Kit<'_> {
         }));
         Ok(out)
     }
+}
+
+// The fixture: two matrices and a vector; fixed values, gradients from a seeded generator.
+
+fn params() -> Vec<(String, Tensor)> {
+    tch::manual_seed(1);
+    ["layers.0.mlp.up_proj.weight", "layers.0.self_attn.o_proj.weight", "norm.weight"]
+        .iter()
+        .zip([&[8i64, 4][..], &[4, 8], &[4]])
+        .map(|(n, s)| (n.to_string(), Tensor::randn(s, CPU).set_requires_grad(true)))
+        .collect()
+}
+
+fn set_grads(ps: &[(String, Tensor)], seed: i64, scale: f64) {
+    tch::manual_seed(seed);
+    for (_, p) in ps {
+        if !p.grad().defined() {
+            (p * 0.0).sum(Kind::Float).backward(); // creates a (zero) .grad
+        }
+        p.grad().copy_(&(Tensor::randn(p.size(), CPU) * scale));
+    }
+}
+
+fn named(ps: &[(String, Tensor)]) -> plugin_api::abi_stable::std_types::RVec<NamedTensor> {
+    ps.iter().map(|(n, p)| NamedTensor::new(n.clone(), p.shallow_clone())).collect()
+}
+
+fn copy_params(ps: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    ps.iter().map(|(n, p)| (n.clone(), p.detach().copy().set_requires_grad(true))).collect()
 }
