@@ -98,8 +98,6 @@ pub fn dflash_loss(x: &LossInput) -> LossOut {
 /// backpropagates exactly `g` into the hidden states. The head is frozen, so no other gradient
 /// is needed. Without grad (evaluation) the gradients are skipped.
 pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
-    let (b, s) = (x.input_ids.size()[0], x.input_ids.size()[1]);
-    let a = x.anchors.size()[1];
     let bk = x.block_size;
     let device = x.block_hidden.device();
     let hidden = *x.block_hidden.size().last().expect("hidden dim");
@@ -110,26 +108,7 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let meta = x.input_ids.device();
     let on_device = |t: Tensor| kernels::autograd::to_device_async(&t, device);
 
-    // 1. Labels: block position k of anchor a predicts token[a + k].
-    let k = Tensor::arange(bk, (Kind::Int64, meta));
-    let pos = x.anchors.to_device(meta).unsqueeze(-1) + &k; // [B, A, Bk]
-    let in_range = pos.lt(s);
-    let pos_flat = pos.clamp_max(s - 1).view([b, a * bk]);
-    let labels = x.input_ids.gather(1, &pos_flat, false).view([b, a, bk]);
-    let in_response = x.loss_mask.to_device(meta).gather(1, &pos_flat, false).view([b, a, bk]).gt(0);
-    let valid = x
-        .anchor_valid
-        .to_device(meta)
-        .unsqueeze(-1)
-        .logical_and(&in_range)
-        .logical_and(&in_response)
-        .logical_and(&k.gt(0).view([1, 1, bk])); // position 0 is the anchor itself
-
-    // 2. Weights exp(-(k-1)/gamma) (or 1) on every counted position.
-    let weights = match x.gamma {
-        Some(gamma) => valid.to_kind(Kind::Float) * ((k.to_kind(Kind::Float) - 1.0) / -gamma).exp().view([1, 1, bk]),
-        None => valid.to_kind(Kind::Float),
-    };
+    let (labels, valid, weights) = labels_and_weights(x, meta);
 
     // 3. Counted positions only.
     let idx = valid.flatten(0, -1).nonzero().squeeze_dim(-1);
@@ -198,6 +177,35 @@ pub fn dflash_loss_chunked(x: &LossInput, chunk: i64) -> LossOut {
     let correct = Tensor::zeros([bk], (Kind::Int64, device)).index_add(0, &kk, &hit);
     let count = Tensor::zeros([bk], (Kind::Int64, device)).index_add(0, &kk, &Tensor::ones_like(&kk));
     LossOut { loss, weight_sum: wsum, counts: Tensor::stack(&[correct, count], 0).narrow(1, 1, bk - 1) }
+}
+
+/// Steps 1-2 of the loss: each block position's label, whether it counts, and its weight
+/// ([B, A, Bk] each), computed where the token ids are (`meta`).
+fn labels_and_weights(x: &LossInput, meta: tch::Device) -> (Tensor, Tensor, Tensor) {
+    let (b, s) = (x.input_ids.size()[0], x.input_ids.size()[1]);
+    let a = x.anchors.size()[1];
+    let bk = x.block_size;
+    // 1. Labels: block position k of anchor a predicts token[a + k].
+    let k = Tensor::arange(bk, (Kind::Int64, meta));
+    let pos = x.anchors.to_device(meta).unsqueeze(-1) + &k; // [B, A, Bk]
+    let in_range = pos.lt(s);
+    let pos_flat = pos.clamp_max(s - 1).view([b, a * bk]);
+    let labels = x.input_ids.gather(1, &pos_flat, false).view([b, a, bk]);
+    let in_response = x.loss_mask.to_device(meta).gather(1, &pos_flat, false).view([b, a, bk]).gt(0);
+    let valid = x
+        .anchor_valid
+        .to_device(meta)
+        .unsqueeze(-1)
+        .logical_and(&in_range)
+        .logical_and(&in_response)
+        .logical_and(&k.gt(0).view([1, 1, bk])); // position 0 is the anchor itself
+
+    // 2. Weights exp(-(k-1)/gamma) (or 1) on every counted position.
+    let weights = match x.gamma {
+        Some(gamma) => valid.to_kind(Kind::Float) * ((k.to_kind(Kind::Float) - 1.0) / -gamma).exp().view([1, 1, bk]),
+        None => valid.to_kind(Kind::Float),
+    };
+    (labels, valid, weights)
 }
 
 /// Per row of logits z [c, V] against `labels` [c]: the label's log-probability (fp32), whether
