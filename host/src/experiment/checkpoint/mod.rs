@@ -8,15 +8,18 @@
 //! touching the one just written; corrupt ones or ones past a resume point are moved aside to
 //! `checkpoints/corrupt/`, never used and never silently deleted.
 
+mod checksums;
+mod declared;
+
+pub use declared::{check_declared, declared_by};
+
+use checksums::{checksum_mismatch, crc_of, file_crc, recorded};
+
 use super::{read_json, tensors, write_json, MAX_JSON_BYTES};
 use crate::atomic_write::{sync_dir, write_synced};
-use anyhow::{anyhow, bail, Context, Result};
-use plugin_api::{
-    tch::{Kind, Tensor},
-    NamedTensor,
-};
+use anyhow::{bail, Context, Result};
+use plugin_api::{tch::Tensor, NamedTensor};
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 use std::{
     fs::{self, File},
     io::{Read, Seek, SeekFrom},
@@ -110,40 +113,6 @@ fn write_safetensors(path: &Path, tensors: &[NamedTensor]) -> Result<()> {
         .collect();
     Tensor::write_safetensors(&owned, path).with_context(|| format!("writing {}", path.display()))?;
     File::open(path).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", path.display()))
-}
-
-/// CRC-32C of an open file from its start (and its SHA-256 when `sha` is asked), streamed: a
-/// checkpoint of a large drafter is not read into memory for it.
-fn crc_of(f: &mut File, path: &Path, sha: bool) -> Result<(u32, Option<String>)> {
-    f.seek(SeekFrom::Start(0)).with_context(|| format!("reading {}", path.display()))?;
-    let mut buf = vec![0u8; 1 << 20];
-    let (mut crc, mut digest) = (0u32, sha.then(Sha256::new));
-    loop {
-        let n = f.read(&mut buf).with_context(|| format!("reading {}", path.display()))?;
-        if n == 0 {
-            return Ok((crc, digest.map(|d| format!("{:x}", d.finalize()))));
-        }
-        crc = crc32c::crc32c_append(crc, &buf[..n]);
-        if let Some(d) = digest.as_mut() {
-            d.update(&buf[..n]);
-        }
-    }
-}
-
-fn file_crc(path: &Path) -> Result<u32> {
-    Ok(crc_of(&mut input_files::open_regular(path)?, path, false)?.0)
-}
-
-fn checksum_mismatch(path: &Path, got: u32, want: &str) -> anyhow::Error {
-    anyhow!(
-        "{}: checksum mismatch (CRC-32C {got:08x}, recorded {want}): the file is truncated or corrupt",
-        path.display()
-    )
-}
-
-/// The checksum `checksums.json` records for `file`.
-fn recorded<'a>(sums: &'a serde_json::Map<String, serde_json::Value>, sums_path: &Path, file: &str) -> Result<&'a str> {
-    sums.get(file).and_then(|v| v.as_str()).with_context(|| format!("{}: no checksum for {file}", sums_path.display()))
 }
 
 /// Check a checkpoint folder against its `checksums.json`: every file present, none changed.
@@ -435,45 +404,6 @@ pub fn open_step(exp_dir: &Path, n: u64, with_optimizer: bool) -> Result<Opened>
         ),
         Err(OpenError::Bad(e)) => Err(e.context(format!("checkpoint step-{n} is not usable"))),
     }
-}
-
-/// Check `weights` (read from `file`) against what the drafter declares, `declared` (each
-/// parameter's name, shape and kind, e.g. from [`declared_by`]): every declared tensor present
-/// with its shape, floating-point where the parameter is, nothing else. Each refusal is one line
-/// naming the file, the tensor and what was expected.
-pub fn check_declared(file: &Path, weights: &[NamedTensor], declared: &[(String, Vec<i64>, Kind)]) -> Result<()> {
-    let given: std::collections::HashMap<&str, Tensor> =
-        weights.iter().map(|w| (w.name.as_str(), w.tensor.tensor())).collect();
-    for (name, shape, kind) in declared {
-        let Some(t) = given.get(name.as_str()) else {
-            bail!(
-                "{}: no tensor `{name}` (the drafter declares {} {shape:?})",
-                file.display(),
-                tensors::dtype_name(*kind)
-            );
-        };
-        if t.size() != *shape {
-            bail!("{}: tensor `{name}` has shape {:?}, the drafter declares {shape:?}", file.display(), t.size());
-        }
-        if tensors::is_float(*kind) != tensors::is_float(t.kind()) {
-            bail!(
-                "{}: tensor `{name}` is {}, the drafter declares {} (a {} dtype)",
-                file.display(),
-                tensors::dtype_name(t.kind()),
-                tensors::dtype_name(*kind),
-                if tensors::is_float(*kind) { "floating-point" } else { "non-floating-point" }
-            );
-        }
-    }
-    if let Some(w) = weights.iter().find(|w| !declared.iter().any(|(n, ..)| n == w.name.as_str())) {
-        bail!("{}: tensor `{}` is not one the drafter declares", file.display(), w.name);
-    }
-    Ok(())
-}
-
-/// What a drafter declares: its parameters' names, shapes and kinds.
-pub fn declared_by(parameters: &[NamedTensor]) -> Vec<(String, Vec<i64>, Kind)> {
-    parameters.iter().map(|p| (p.name.to_string(), p.tensor.tensor().size(), p.tensor.tensor().kind())).collect()
 }
 
 /// Move every checkpoint after `step` (corrupt ones a resume passed over, or ones a run wrote
