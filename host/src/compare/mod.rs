@@ -10,7 +10,8 @@
 //! chosen value are compared. Broken or unfinished runs are reported, never fatal.
 //!
 //! Files: `runs.rs` reads the folders, `sweep.rs` the sweeps, `stats.rs` compares them at equal
-//! tokens and time, `report.rs` writes the tables, `plot.rs` the plots; this file runs the command.
+//! tokens and time, `report/` writes the tables, `plot/` the plots, `format.rs` the numbers both
+//! show; this file runs the command.
 
 use anyhow::Result;
 use serde_json::Value;
