@@ -4,14 +4,34 @@
 //! chooses by it (every run then; nothing else reads it). A file already there is kept, so a
 //! rerun of the A/B does not redo it.
 
-use super::plan::EvalSpec;
 use crate::{
     eval::{self, EvalOptions, Evaluated, PromptFormat},
     experiment,
     plugins::Registry,
 };
 use anyhow::{Context, Result};
+use serde::Deserialize;
 use std::path::Path;
+
+/// `[eval]`: after each run, real tau by speculative decoding of the newest checkpoint on the
+/// validation prompts (`eval-validation.json`, when `select = "val_tau"` chooses by it) and, for
+/// the runs compared, on the test prompts (`eval.json`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EvalSpec {
+    /// Prompts per set.
+    #[serde(default = "default_eval_limit")]
+    pub limit: u32,
+    #[serde(default = "default_eval_tokens")]
+    pub max_new_tokens: u32,
+}
+
+fn default_eval_limit() -> u32 {
+    32
+}
+fn default_eval_tokens() -> u32 {
+    64
+}
 
 /// A prompt set an A/B evaluates on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -56,7 +56,8 @@ mod runs;
 mod select;
 mod sweep;
 
-pub use plan::{merge, plan, AbConfig, ArmFork, ArmPlan, ArmRun, EvalSpec, ForkFrom, ForkRun, Plan, PointRuns};
+pub use evals::EvalSpec;
+pub use plan::{merge, plan, AbConfig, ArmFork, ArmPlan, ArmRun, ForkFrom, ForkRun, Plan, PointRuns};
 pub use runs::{arm_state, ArmState};
 pub use select::{choose, Select};
 pub use sweep::SweepPoint;

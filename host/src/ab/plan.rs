@@ -1,7 +1,12 @@
 //! An A/B file read and expanded into its plan: every arm, every value it sweeps, every seed,
 //! each run's config typed and checked before any run starts.
 
-use super::{evals, select::Select, sweep, sweep::SweepPoint};
+use super::{
+    evals::{self, EvalSpec},
+    select::Select,
+    sweep,
+    sweep::SweepPoint,
+};
 use crate::{
     config::{validate_name, RunConfig},
     plugins::Registry,
@@ -72,26 +77,6 @@ pub struct ForkRun {
 
 fn default_seeds() -> Vec<u64> {
     vec![0]
-}
-
-/// `[eval]`: after each run, real tau by speculative decoding of the newest checkpoint on the
-/// validation prompts (`eval-validation.json`, when `select = "val_tau"` chooses by it) and, for
-/// the runs compared, on the test prompts (`eval.json`).
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct EvalSpec {
-    /// Prompts per set.
-    #[serde(default = "default_eval_limit")]
-    pub limit: u32,
-    #[serde(default = "default_eval_tokens")]
-    pub max_new_tokens: u32,
-}
-
-fn default_eval_limit() -> u32 {
-    32
-}
-fn default_eval_tokens() -> u32 {
-    64
 }
 
 /// One run of the plan.
