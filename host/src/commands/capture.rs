@@ -2,9 +2,8 @@
 //! `pipeline.capture` to train from.
 
 use crate::{
-    cli::CaptureArgs,
-    config::{self, Override, RunConfig},
-    dist::launch,
+    config::{self, ConfigOverrides, Override, RunConfig},
+    dist::launch::{self, nproc},
     environment::cache_dir,
     memory_estimate::Work,
     pipeline::{
@@ -16,6 +15,7 @@ use crate::{
     say,
 };
 use anyhow::{Context, Result};
+use clap::Args;
 use std::{
     path::{Path, PathBuf},
     process::ExitCode,

@@ -2,9 +2,8 @@
 //! to train on.
 
 use crate::{
-    cli::DistillArgs,
-    config::{self, Override, RunConfig},
-    dist::launch,
+    config::{self, ConfigOverrides, Override, RunConfig},
+    dist::launch::{self, nproc},
     environment::cache_dir,
     outputs::{self, OutFile},
     pipeline::{assemble::build, distill::DistillStats, replicas},
@@ -12,6 +11,7 @@ use crate::{
     say,
 };
 use anyhow::{Context, Result};
+use clap::Args;
 use std::{
     path::{Path, PathBuf},
     process::ExitCode,

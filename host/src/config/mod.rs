@@ -15,7 +15,7 @@ mod sections;
 mod switch;
 
 pub use locate::{locate_key, locate_plugin_error, toml_error};
-pub use overrides::{set_dotted, Override};
+pub use overrides::{set_dotted, ConfigOverrides, Override};
 pub use sections::{AnchorRule, LossGamma, LossNormalization, PipelineConfig, TrainConfig};
 pub use switch::{effective_section, PluginSwitch};
 

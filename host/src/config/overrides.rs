@@ -12,6 +12,7 @@
 
 use super::switch::{switch_plugin, PLUGIN_SECTIONS};
 use anyhow::{bail, Result};
+use clap::Args;
 use std::path::Path;
 
 /// Why a dotted key could not be set.
@@ -227,4 +228,20 @@ fn is_integer_literal(raw: &str) -> bool {
     !digits.is_empty()
         && digits.chars().next().is_some_and(|c| c.is_digit(radix))
         && digits.chars().all(|c| c == '_' || c.is_digit(radix))
+}
+
+/// `--set` and `--device` of the commands that read a config besides `train`.
+#[derive(Args)]
+pub struct ConfigOverrides {
+    /// Set a config field (repeatable), typed as in the file, e.g. `--set data.max_len=512`; a
+    /// table sets the fields it lists (`--set 'train={steps=400, log_every=5}'`), a relative path
+    /// is against the working folder. `--set optimizer.plugin=adamw` (or `--set
+    /// 'optimizer={plugin="adamw", eps=1e-6}'`) switches the section to another plugin: the old
+    /// plugin's fields are dropped, `lr` and `weight_decay` kept unless set, and the effective
+    /// section is printed.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// The run's device (`cpu`, `cuda`, `cuda:N`).
+    #[arg(long)]
+    pub device: Option<String>,
 }
