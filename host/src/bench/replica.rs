@@ -34,7 +34,7 @@ pub struct RankFigures {
 /// rank r is `cuda:r`).
 pub fn device(configured: &str) -> Result<String> {
     let given = [configured.to_string()];
-    Ok(crate::train::start::rank_devices(&given)?.map_or_else(|| configured.to_string(), |(_, mut d)| d.remove(0)))
+    Ok(crate::pipeline::ranks::rank_devices(&given)?.map_or_else(|| configured.to_string(), |(_, mut d)| d.remove(0)))
 }
 
 /// What the replica's ranks compare when they meet: the bench config (without the device each
@@ -42,7 +42,7 @@ pub fn device(configured: &str) -> Result<String> {
 pub fn identity(table: &toml::Table, config: &std::path::Path) -> Result<Identity> {
     let mut table = table.clone();
     table.remove("device");
-    let build = crate::train::start::build_id(&[])?;
+    let build = crate::pipeline::ranks::build_id(&[])?;
     Ok(Identity::new(toml::to_string(&table)?, build, config.display().to_string()))
 }
 

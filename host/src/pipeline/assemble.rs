@@ -111,7 +111,7 @@ pub fn experiment_config(exp_dir: &Path, folder: Option<&Path>) -> Result<(RunCo
         t.insert("init_from".into(), abs.display().to_string().into());
         cfg.drafter = t;
     }
-    Ok((crate::train::start::place_rank(&cfg)?, PathBuf::from(&manifest.config_dir)))
+    Ok((super::ranks::place_rank(&cfg)?, PathBuf::from(&manifest.config_dir)))
 }
 
 #[cfg(test)]
