@@ -66,7 +66,7 @@ pub fn serve(
             rank: env.rank,
             device: device_name.to_string(),
             built_mem_gib,
-            mem_gib: super::train::mem(device),
+            mem_gib: super::memory::mem(device),
             served_calls: calls,
         };
         let bytes = serde_json::to_vec(&figures)?;

@@ -16,7 +16,7 @@
 
 use super::{
     flops::{self, DrafterWork, Shape},
-    memory,
+    memory::{self, mem},
     replica::{self, RankFigures},
 };
 use crate::{
@@ -80,13 +80,6 @@ fn time(device: Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Resu
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
-}
-
-pub(crate) fn mem(device: Device) -> Option<f64> {
-    match device {
-        Device::Cuda(i) => memory::device_used_bytes(i).map(memory::gib),
-        _ => None,
-    }
 }
 
 /// TFLOP/s of an n^3 matmul in `kind`, random operands (zeros run faster: METHOD.md).
