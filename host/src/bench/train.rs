@@ -26,8 +26,8 @@ use crate::{
     train::{
         anchors::{AnchorRule, AnchorSampler},
         loss::{default_gamma, dflash_loss, LossInput, Reduction},
-        state::NonFiniteGuard,
         step::{self, LossNormalization},
+        step_runner::NonFiniteGuard,
         DraftLoss, StepRunner,
     },
 };

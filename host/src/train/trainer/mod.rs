@@ -7,11 +7,11 @@ use super::{
     loss::{resolve_gamma, tau_hat},
     schedule::lr_factor,
     state::{
-        all_finite, DistillSummary, NonFiniteGuard, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState,
-        WindowSums, WindowTimes,
+        all_finite, DistillSummary, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState, WindowSums,
+        WindowTimes,
     },
     step::{trainable_parameters, DraftLoss},
-    step_runner::{Reduced, StepAccum, StepRunner},
+    step_runner::{NonFiniteGuard, Reduced, StepAccum, StepRunner},
     validation::{ValidationScores, ValidationSet},
 };
 use crate::{
