@@ -8,7 +8,10 @@
 //! touching the one just written; corrupt ones or ones past a resume point are moved aside to
 //! `checkpoints/corrupt/`, never used and never silently deleted.
 
-use super::{read_json, tensors, write_json, MAX_JSON_BYTES};
+use super::{
+    files::{read_json, write_json, MAX_JSON_BYTES},
+    tensors,
+};
 use crate::atomic_write::{sync_dir, write_synced};
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
@@ -307,7 +310,7 @@ fn check_step(dir: &Path, state: &serde_json::Value, file: &Path) -> Result<()> 
 /// does not say.
 fn configured_steps(dir: &Path) -> Option<u64> {
     let exp = dir.parent()?.parent()?;
-    let f = input_files::open_regular(&exp.join(super::CONFIG)).ok()?;
+    let f = input_files::open_regular(&exp.join(super::files::CONFIG)).ok()?;
     let mut text = String::new();
     f.take(MAX_JSON_BYTES).read_to_string(&mut text).ok()?;
     let table: toml::Table = toml::from_str(&text).ok()?;
