@@ -6,10 +6,11 @@
 use crate::{
     dist::{
         self,
+        group::C10dCommunicator,
         replica::{self, Layout},
-        C10dCommunicator, DistEnv, Identity,
+        DistEnv, Identity,
     },
-    plugins::TargetHandle,
+    plugins::handles::TargetHandle,
 };
 use anyhow::{anyhow, Result};
 use c10d::Store;
@@ -60,7 +61,7 @@ pub fn serve(
 ) -> Result<u64> {
     let (_, store) = C10dCommunicator::connect_replicas(env, device, identity, layout)?;
     tracing::info!("rank {}: serving the target of the benchmarked replica", env.rank);
-    let beat = dist::lead_beat_key(layout.index);
+    let beat = dist::group::lead_beat_key(layout.index);
     let calls = replica::serve_then(&mut target, layout, store, &beat, |store, calls| {
         let figures = RankFigures {
             rank: env.rank,

@@ -22,7 +22,10 @@ use super::{
 use crate::{
     config::{Override, PluginSection},
     pipeline::stages::Micro,
-    plugins::{DrafterHandle, OptimizerHandle, Registry, TargetHandle},
+    plugins::{
+        handles::{DrafterHandle, OptimizerHandle, TargetHandle},
+        Registry,
+    },
     train::{
         anchors::{AnchorRule, AnchorSampler},
         loss::{default_gamma, dflash_loss, LossInput, Reduction},

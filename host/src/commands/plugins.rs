@@ -50,7 +50,7 @@ pub fn run(command: PluginsCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode
         PluginsCommand::Inspect { path } => {
             let path = plugins::find_library(&path)?;
             let (_, sha256) = plugins::check_file(&path)?;
-            let record = plugins::probe(&path, &sha256)?;
+            let record = plugins::probe::probe(&path, &sha256)?;
             print_plugins(std::iter::once(&record));
             Ok(ExitCode::SUCCESS)
         }

@@ -7,7 +7,7 @@ use crate::{
     experiment::{self, checkpoint, manifest, Manifest},
     memory_estimate::{self, Work},
     pipeline::components::{build_components, Components},
-    plugins::{PluginRecord, Registry, TargetHandle},
+    plugins::{handles::TargetHandle, PluginRecord, Registry},
 };
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};

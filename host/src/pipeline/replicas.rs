@@ -6,8 +6,9 @@ use crate::{
     config::{self, RunConfig},
     dist::{
         self,
+        group::C10dCommunicator,
         replica::{self, Layout},
-        C10dCommunicator, DistEnv,
+        DistEnv,
     },
     pipeline::{assemble::build_target, components::Components},
     plugins::Registry,
@@ -73,7 +74,7 @@ pub fn serve(
     let identity = super::ranks::identity(cfg, &records, name)?;
     let device = config::parse_device(cfg.drafter_device())?;
     let (_, store) = C10dCommunicator::connect_replicas(&env, device, &identity, &layout)?;
-    let calls = replica::serve(&mut target, &layout, store, &dist::lead_beat_key(layout.index))?;
+    let calls = replica::serve(&mut target, &layout, store, &dist::group::lead_beat_key(layout.index))?;
     tracing::info!("rank {}: served {calls} target calls of replica {}", env.rank, layout.index);
     Ok(calls)
 }

@@ -6,7 +6,10 @@
 //! another plugin), the config's target supplies the spec and tokenizer a drafter and a data
 //! loader need. Inputs are small (a few tokens, 8x4 matrices): the kit takes seconds.
 
-use super::{DataHandle, DrafterHandle, OptimizerHandle, PluginRecord, Registry, TargetHandle};
+use super::{
+    handles::{DataHandle, DrafterHandle, OptimizerHandle, TargetHandle},
+    PluginRecord, Registry,
+};
 use crate::config::{PluginSection, RunConfig};
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{

@@ -142,12 +142,15 @@ pub(super) fn connect(
     let device = config::parse_device(cfg.drafter_device())?;
     let identity = identity(cfg, &components.records, exp_dir)?;
     let Some(layout) = dist::replica::Layout::of(&cfg.target, Some(&env))? else {
-        return Ok(Some((Some(Box::new(dist::C10dCommunicator::connect(&env, device, &identity)?)), components)));
+        return Ok(Some((
+            Some(Box::new(dist::group::C10dCommunicator::connect(&env, device, &identity)?)),
+            components,
+        )));
     };
-    let (comm, store) = dist::C10dCommunicator::connect_replicas(&env, device, &identity, &layout)?;
+    let (comm, store) = dist::group::C10dCommunicator::connect_replicas(&env, device, &identity, &layout)?;
     let Some(comm) = comm else {
         let mut target = components.target;
-        let calls = dist::replica::serve(&mut target, &layout, store, &dist::lead_beat_key(layout.index))?;
+        let calls = dist::replica::serve(&mut target, &layout, store, &dist::group::lead_beat_key(layout.index))?;
         tracing::info!("rank {}: served {calls} target calls of replica {}", env.rank, layout.index);
         return Ok(None);
     };

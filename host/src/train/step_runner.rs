@@ -7,7 +7,7 @@ use super::step::{clip_grad_norm, normalize_gradients, DraftLoss, Drafted, StepS
 use crate::{
     dist::Communicator,
     pipeline::stages::Micro,
-    plugins::{DrafterHandle, OptimizerHandle},
+    plugins::handles::{DrafterHandle, OptimizerHandle},
 };
 use anyhow::{anyhow, bail, Result};
 use kernels::profiler;
