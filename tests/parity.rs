@@ -5,8 +5,8 @@
 //! steps with a changing learning rate.
 
 use dflash_host::{
-    dist::{C10dCommunicator, Communicator, DistEnv, Identity},
-    plugins::DrafterHandle,
+    dist::{group::C10dCommunicator, Communicator, DistEnv, Identity},
+    plugins::handles::DrafterHandle,
     train::{
         anchors::{block_token_ids, AnchorRule, AnchorSampler},
         loss::{dflash_loss, tau_hat, LossInput, Reduction},

@@ -78,6 +78,16 @@ fn watch_outputs() {
     });
 }
 
+/// A message's lines joined into one (blank ones dropped).
+pub fn one_line(s: &str) -> String {
+    s.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
+}
+
+/// A message's first non-blank line.
+pub fn first_line(s: &str) -> String {
+    s.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
+}
+
 /// One line to stdout (use [`say!`](crate::say)); after the first failed write, nothing more.
 pub fn write_line(args: std::fmt::Arguments) {
     if STDOUT_CLOSED.load(Ordering::Relaxed) {

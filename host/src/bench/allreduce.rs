@@ -8,8 +8,11 @@
 
 use super::train::{plugin_name, section, BenchConfig};
 use crate::{
-    dist::{C10dCommunicator, Communicator, DistEnv, Identity},
-    plugins::{DrafterHandle, Registry, TargetHandle},
+    dist::{group::C10dCommunicator, Communicator, DistEnv, Identity},
+    plugins::{
+        handles::{DrafterHandle, TargetHandle},
+        Registry,
+    },
 };
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{

@@ -3,6 +3,8 @@
 //! until the process ends, so the memory in use after a phase is the peak that phase reserved
 //! (plus the CUDA context and library workspaces).
 
+use plugin_api::tch::Device;
+
 /// Bytes in use on CUDA device `index` (every process's), or None without a CUDA runtime.
 pub fn device_used_bytes(index: usize) -> Option<u64> {
     kernels::ffi::cuda_mem_used(index)
@@ -10,6 +12,14 @@ pub fn device_used_bytes(index: usize) -> Option<u64> {
 
 pub fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
+}
+
+/// GiB in use on `device` (every process's), or None off CUDA.
+pub(crate) fn mem(device: Device) -> Option<f64> {
+    match device {
+        Device::Cuda(i) => device_used_bytes(i).map(gib),
+        _ => None,
+    }
 }
 
 /// `bench train`'s device memory by part: the estimate made before anything loaded

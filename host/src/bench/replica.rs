@@ -6,10 +6,11 @@
 use crate::{
     dist::{
         self,
+        group::C10dCommunicator,
         replica::{self, Layout},
-        C10dCommunicator, DistEnv, Identity,
+        DistEnv, Identity,
     },
-    plugins::TargetHandle,
+    plugins::handles::TargetHandle,
 };
 use anyhow::{anyhow, Result};
 use c10d::Store;
@@ -34,7 +35,7 @@ pub struct RankFigures {
 /// rank r is `cuda:r`).
 pub fn device(configured: &str) -> Result<String> {
     let given = [configured.to_string()];
-    Ok(crate::train::start::rank_devices(&given)?.map_or_else(|| configured.to_string(), |(_, mut d)| d.remove(0)))
+    Ok(crate::pipeline::ranks::rank_devices(&given)?.map_or_else(|| configured.to_string(), |(_, mut d)| d.remove(0)))
 }
 
 /// What the replica's ranks compare when they meet: the bench config (without the device each
@@ -42,7 +43,7 @@ pub fn device(configured: &str) -> Result<String> {
 pub fn identity(table: &toml::Table, config: &std::path::Path) -> Result<Identity> {
     let mut table = table.clone();
     table.remove("device");
-    let build = crate::train::start::build_id(&[])?;
+    let build = crate::pipeline::ranks::build_id(&[])?;
     Ok(Identity::new(toml::to_string(&table)?, build, config.display().to_string()))
 }
 
@@ -60,13 +61,13 @@ pub fn serve(
 ) -> Result<u64> {
     let (_, store) = C10dCommunicator::connect_replicas(env, device, identity, layout)?;
     tracing::info!("rank {}: serving the target of the benchmarked replica", env.rank);
-    let beat = dist::lead_beat_key(layout.index);
+    let beat = dist::group::lead_beat_key(layout.index);
     let calls = replica::serve_then(&mut target, layout, store, &beat, |store, calls| {
         let figures = RankFigures {
             rank: env.rank,
             device: device_name.to_string(),
             built_mem_gib,
-            mem_gib: super::train::mem(device),
+            mem_gib: super::memory::mem(device),
             served_calls: calls,
         };
         let bytes = serde_json::to_vec(&figures)?;

@@ -16,18 +16,21 @@
 
 use super::{
     flops::{self, DrafterWork, Shape},
-    memory,
+    memory::{self, mem},
     replica::{self, RankFigures},
 };
 use crate::{
     config::{Override, PluginSection},
     pipeline::stages::Micro,
-    plugins::{DrafterHandle, OptimizerHandle, Registry, TargetHandle},
+    plugins::{
+        handles::{DrafterHandle, OptimizerHandle, TargetHandle},
+        Registry,
+    },
     train::{
         anchors::{AnchorRule, AnchorSampler},
         loss::{default_gamma, dflash_loss, LossInput, Reduction},
-        state::NonFiniteGuard,
         step::{self, LossNormalization},
+        step_runner::NonFiniteGuard,
         DraftLoss, StepRunner,
     },
 };
@@ -80,13 +83,6 @@ fn time(device: Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Resu
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
-}
-
-pub(crate) fn mem(device: Device) -> Option<f64> {
-    match device {
-        Device::Cuda(i) => memory::device_used_bytes(i).map(memory::gib),
-        _ => None,
-    }
 }
 
 /// TFLOP/s of an n^3 matmul in `kind`, random operands (zeros run faster: METHOD.md).

@@ -2,9 +2,8 @@
 //! `pipeline.capture` to train from.
 
 use crate::{
-    cli::CaptureArgs,
-    config::{self, Override, RunConfig},
-    dist::launch,
+    config::{self, ConfigOverrides, Override, RunConfig},
+    dist::launch::{self, nproc},
     environment::cache_dir,
     memory_estimate::Work,
     pipeline::{
@@ -16,10 +15,34 @@ use crate::{
     say,
 };
 use anyhow::{Context, Result};
+use clap::Args;
 use std::{
     path::{Path, PathBuf},
     process::ExitCode,
 };
+
+#[derive(Args)]
+pub struct CaptureArgs {
+    #[arg(long)]
+    pub config: PathBuf,
+    #[command(flatten)]
+    pub overrides: ConfigOverrides,
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Stored precision of the features (default: the run's dtype).
+    #[arg(long, value_enum)]
+    pub dtype: Option<crate::pipeline::capture::StoredDtype>,
+    /// Micro-batches to capture (default: steps x grad_accum).
+    #[arg(long)]
+    pub batches: Option<u64>,
+    /// Shard size in MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub shard_mb: usize,
+    /// Start N local ranks (a target replica over N ranks, `[target] tensor_parallel = N`):
+    /// rank 0 captures, the others serve its target.
+    #[arg(long, value_name = "N", value_parser = nproc)]
+    pub nproc: Option<usize>,
+}
 
 pub fn run(args: CaptureArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
     let CaptureArgs { config, out, dtype, batches, shard_mb, overrides, nproc } = args;
@@ -27,7 +50,7 @@ pub fn run(args: CaptureArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
         return Ok(code);
     }
     let cfg = RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
-    let cfg = crate::train::start::place_rank(&cfg)?;
+    let cfg = crate::pipeline::ranks::place_rank(&cfg)?;
     let registry = Registry::new(plugin_paths)?;
     let run_dtype = if cfg.dtype() == "bf16" { StoredDtype::Bf16 } else { StoredDtype::F32 };
     let opts = CaptureOptions {

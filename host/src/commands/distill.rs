@@ -2,9 +2,8 @@
 //! to train on.
 
 use crate::{
-    cli::DistillArgs,
-    config::{self, Override, RunConfig},
-    dist::launch,
+    config::{self, ConfigOverrides, Override, RunConfig},
+    dist::launch::{self, nproc},
     environment::cache_dir,
     outputs::{self, OutFile},
     pipeline::{assemble::build, distill::DistillStats, replicas},
@@ -12,10 +11,26 @@ use crate::{
     say,
 };
 use anyhow::{Context, Result};
+use clap::Args;
 use std::{
     path::{Path, PathBuf},
     process::ExitCode,
 };
+
+#[derive(Args)]
+pub struct DistillArgs {
+    #[arg(long)]
+    pub config: PathBuf,
+    #[command(flatten)]
+    pub overrides: ConfigOverrides,
+    /// The JSONL file to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Start N local ranks (a target replica over N ranks, `[target] tensor_parallel = N`):
+    /// rank 0 distils, the others serve its target.
+    #[arg(long, value_name = "N", value_parser = nproc)]
+    pub nproc: Option<usize>,
+}
 
 pub fn run(args: DistillArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
     let DistillArgs { config, out, overrides, nproc } = args;
@@ -23,7 +38,7 @@ pub fn run(args: DistillArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
         return Ok(code);
     }
     let cfg = RunConfig::load_with(&config, &Override::from_args(&overrides.set, overrides.device.as_deref())?)?;
-    let cfg = crate::train::start::place_rank(&cfg)?;
+    let cfg = crate::pipeline::ranks::place_rank(&cfg)?;
     let registry = Registry::new(plugin_paths)?;
     let Some((written, stats)) = distill(&cfg, &config, &out, &registry)? else { return Ok(ExitCode::SUCCESS) };
     for line in crate::pipeline::distill::export_summary(&stats, &written, &out) {

@@ -1,6 +1,6 @@
 //! `dflash-host eval`: speculative decoding with a trained drafter against greedy decoding.
 
-use crate::cli::EvalArgs;
+pub use crate::eval::args::EvalArgs;
 use anyhow::Result;
 use std::{path::PathBuf, process::ExitCode};
 

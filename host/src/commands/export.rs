@@ -1,8 +1,24 @@
 //! `dflash-host export`: a checkpoint as a drafter folder that vLLM and SGLang serve.
 
-use crate::{cli::ExportArgs, say};
+use crate::say;
 use anyhow::Result;
+use clap::Args;
 use std::{path::PathBuf, process::ExitCode};
+
+#[derive(Args)]
+pub struct ExportArgs {
+    #[arg(long)]
+    pub exp_dir: PathBuf,
+    /// Checkpoint step (default: the newest that verifies).
+    #[arg(long)]
+    pub checkpoint: Option<u64>,
+    /// A new or empty folder outside the experiment.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Replace `--out` if it is a non-empty folder.
+    #[arg(long)]
+    pub force: bool,
+}
 
 pub fn run(args: ExportArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
     let ExportArgs { exp_dir, checkpoint, out, force } = args;

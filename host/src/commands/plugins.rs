@@ -1,13 +1,44 @@
 //! `dflash-host plugins list | inspect | doc | check | new | probe`.
 
 use crate::{
-    cli::PluginsCommand,
     config::explain,
     plugins::{self, PluginRecord, Registry},
     say,
 };
 use anyhow::Result;
+use clap::Subcommand;
 use std::{path::PathBuf, process::ExitCode};
+
+#[derive(Subcommand)]
+pub enum PluginsCommand {
+    /// Built-in and loaded (`--plugin PATH`) plugins: name, kind, version, ABI, origin, SHA-256.
+    List,
+    /// Check one plugin library and show its metadata (it is loaded in a child process only:
+    /// none of its code runs in this one).
+    Inspect {
+        /// The shared library.
+        path: PathBuf,
+    },
+    /// Load one library in this process and print its record as JSON (what `inspect`, `list` and
+    /// `--plugin` run in a child process).
+    #[command(hide = true)]
+    Probe {
+        path: PathBuf,
+        /// The SHA-256 the library was checked with: other bytes are refused, not loaded.
+        #[arg(long)]
+        sha256: Option<String>,
+    },
+    /// A plugin's config reference: every field of its section with type, default, range and
+    /// meaning, as the plugin describes it (a library is checked first, then loaded to ask it).
+    Doc {
+        /// A plugin library (`.so`), or the name of a built-in plugin.
+        plugin: String,
+    },
+    /// Run the contract of a plugin's kind against it: pass / FAIL per clause.
+    Check(crate::plugins::check::CheckArgs),
+    /// Write a plugin crate from a template (build it with `cargo build --release`).
+    New(crate::plugins::new::NewArgs),
+}
 
 pub fn run(command: PluginsCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
     match command {
@@ -19,7 +50,7 @@ pub fn run(command: PluginsCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode
         PluginsCommand::Inspect { path } => {
             let path = plugins::find_library(&path)?;
             let (_, sha256) = plugins::check_file(&path)?;
-            let record = plugins::probe(&path, &sha256)?;
+            let record = plugins::probe::probe(&path, &sha256)?;
             print_plugins(std::iter::once(&record));
             Ok(ExitCode::SUCCESS)
         }

@@ -1,9 +1,8 @@
 //! `dflash-host train`: a fresh run from a config, a resumed one, or N local ranks of either.
 
 use crate::{
-    cli::{ConfigOverrides, TrainArgs},
-    config::{Override, RunConfig},
-    dist::launch,
+    config::{ConfigOverrides, Override, RunConfig},
+    dist::launch::{self, nproc},
     experiment,
     plugins::Registry,
     say,
@@ -13,10 +12,52 @@ use crate::{
     },
 };
 use anyhow::Result;
+use clap::Args;
 use std::{
     path::{Path, PathBuf},
     process::ExitCode,
 };
+
+#[derive(Args)]
+pub struct TrainArgs {
+    /// The run config (TOML).
+    #[arg(long, required_unless_present = "resume")]
+    pub config: Option<PathBuf>,
+    /// Experiment directory (default: experiments/<name>, or <name>-N if that exists).
+    #[arg(long, conflicts_with = "resume")]
+    pub exp_dir: Option<PathBuf>,
+    /// Set `train.steps` (= `--set train.steps=N`). With --resume: extend a finished or
+    /// interrupted run to N steps (its learning-rate schedule then spans N), recorded in the
+    /// manifest's `changes`.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=crate::config::MAX_STEPS))]
+    pub steps: Option<u64>,
+    /// `--set train.steps=400 --set optimizer.lr=1e-3 --set 'data.template_kwargs={
+    /// enable_thinking = false }'`: the experiment's config.toml records the result. With
+    /// --resume, a field other than `train.steps` that changes is refused unless
+    /// `--allow-change FIELD` is given too.
+    #[command(flatten)]
+    pub overrides: ConfigOverrides,
+    /// Continue this experiment from its newest good checkpoint, with its own config (and
+    /// the --steps / --set / --device changes, checked as `--allow-change` says).
+    #[arg(long, value_name = "EXP_DIR", conflicts_with = "config")]
+    pub resume: Option<PathBuf>,
+    /// Resume even if a plugin library differs from the one the run started with.
+    #[arg(long, requires = "resume")]
+    pub allow_plugin_change: bool,
+    /// Resume although this config field (dotted, e.g. `train.steps`; a section name allows
+    /// all its fields) or the file it names changed since the run started (repeatable).
+    #[arg(long, value_name = "FIELD", requires = "resume")]
+    pub allow_change: Vec<String>,
+    /// Stop after this step with a checkpoint, as if interrupted (resume later); must lie
+    /// ahead of the step the run is at.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub stop_at: Option<u64>,
+    /// Data-parallel: start N local ranks of this command (as `torchrun --nproc-per-node N
+    /// --no-python dflash-host train ...` would); each rank's GPUs are the config's offset by
+    /// its local rank. N = 1 runs one rank through the same collectives.
+    #[arg(long, value_name = "N", value_parser = nproc)]
+    pub nproc: Option<usize>,
+}
 
 pub fn run(args: TrainArgs, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
     match args {

@@ -15,9 +15,9 @@ mod sections;
 mod switch;
 
 pub use locate::{locate_key, locate_plugin_error, toml_error};
-pub use overrides::{set_dotted, Override};
+pub use overrides::{effective_section, set_dotted, ConfigOverrides, Override};
 pub use sections::{AnchorRule, LossGamma, LossNormalization, PipelineConfig, TrainConfig};
-pub use switch::{effective_section, PluginSwitch};
+pub use switch::PluginSwitch;
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};

@@ -10,8 +10,10 @@
 //! in the config file stays relative to the file's folder): it is made absolute, so the
 //! experiment records where it pointed.
 
-use super::switch::{switch_plugin, PLUGIN_SECTIONS};
+use super::switch::{switch_plugin, PluginSwitch, PLUGIN_SECTIONS};
 use anyhow::{bail, Result};
+use clap::Args;
+use plugin_api::describe::SectionDoc;
 use std::path::Path;
 
 /// Why a dotted key could not be set.
@@ -227,4 +229,73 @@ fn is_integer_literal(raw: &str) -> bool {
     !digits.is_empty()
         && digits.chars().next().is_some_and(|c| c.is_digit(radix))
         && digits.chars().all(|c| c == '_' || c.is_digit(radix))
+}
+
+/// `--set` and `--device` of the commands that read a config besides `train`.
+#[derive(Args)]
+pub struct ConfigOverrides {
+    /// Set a config field (repeatable), typed as in the file, e.g. `--set data.max_len=512`; a
+    /// table sets the fields it lists (`--set 'train={steps=400, log_every=5}'`), a relative path
+    /// is against the working folder. `--set optimizer.plugin=adamw` (or `--set
+    /// 'optimizer={plugin="adamw", eps=1e-6}'`) switches the section to another plugin: the old
+    /// plugin's fields are dropped, `lr` and `weight_decay` kept unless set, and the effective
+    /// section is printed.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// The run's device (`cpu`, `cuda`, `cuda:N`).
+    #[arg(long)]
+    pub device: Option<String>,
+}
+
+/// The effective section after a switch, one field a line with where its value came from:
+/// `set by --set ...`, `kept from <old plugin>` or `default`. Tables within the section
+/// (`adamw.lr`) are listed by their dotted names; arrays of tables by their field's default.
+pub fn effective_section(
+    switch: &PluginSwitch,
+    doc: &SectionDoc,
+    table: &toml::Table,
+    overrides: &[Override],
+) -> String {
+    let section = &switch.section;
+    let mut rows = vec![(format!("plugin = {:?}", switch.to), set_by(overrides, &format!("{section}.plugin")))];
+    for t in doc.tables.iter().filter(|t| !t.array) {
+        for f in t.fields.iter().filter(|f| f.ty.as_str() != "table") {
+            let name = if t.path.is_empty() { f.name.to_string() } else { format!("{}.{}", t.path, f.name) };
+            let row = match lookup(table, &name) {
+                Some(v) => {
+                    let from = set_by(overrides, &format!("{section}.{name}"))
+                        .unwrap_or_else(|| format!("kept from `{}`", switch.from));
+                    (format!("{name} = {v}"), Some(from))
+                }
+                _ if t.path.is_empty() && doc.tables.iter().any(|s| s.path == f.name) => continue,
+                _ => (format!("{name} = {}", f.default), Some("default".into())),
+            };
+            rows.push(row);
+        }
+    }
+    let width = rows.iter().map(|(r, _)| r.len()).max().unwrap_or(0);
+    let mut out = format!("[{section}] switched from `{}` to `{}`; the effective section:", switch.from, switch.to);
+    for (row, from) in rows {
+        out.push_str(&format!("\n  {row:<width$}  # {}", from.unwrap_or_else(|| "the file".into())));
+    }
+    out
+}
+
+/// The `--set` argument that set `dotted`, as `set by --set ...`.
+fn set_by(overrides: &[Override], dotted: &str) -> Option<String> {
+    overrides.iter().rev().find(|o| o.fields().iter().any(|f| f == dotted)).map(|o| format!("set by {}", o.arg))
+}
+
+/// The value at `dotted` in `table`, as TOML writes it.
+fn lookup(table: &toml::Table, dotted: &str) -> Option<String> {
+    let mut parts = dotted.split('.').peekable();
+    let mut t = table;
+    while let Some(k) = parts.next() {
+        let v = t.get(k)?;
+        if parts.peek().is_none() {
+            return Some(v.to_string());
+        }
+        t = v.as_table()?;
+    }
+    None
 }

@@ -3,9 +3,6 @@
 //! mean nothing to the new one and are dropped, the learning rate and weight decay are kept
 //! unless set, the new plugin's defaults fill the rest, and the effective section is printed.
 
-use super::Override;
-use plugin_api::describe::SectionDoc;
-
 /// The sections a plugin reads, each naming it in `plugin`.
 pub const PLUGIN_SECTIONS: [&str; 4] = ["target", "drafter", "optimizer", "data"];
 
@@ -54,57 +51,4 @@ pub fn switches(base: &toml::Table, now: &[(&str, &toml::Table)]) -> Vec<PluginS
             (from != to).then(|| PluginSwitch { section: section.to_string(), from, to })
         })
         .collect()
-}
-
-/// The effective section after a switch, one field a line with where its value came from:
-/// `set by --set ...`, `kept from <old plugin>` or `default`. Tables within the section
-/// (`adamw.lr`) are listed by their dotted names; arrays of tables by their field's default.
-pub fn effective_section(
-    switch: &PluginSwitch,
-    doc: &SectionDoc,
-    table: &toml::Table,
-    overrides: &[Override],
-) -> String {
-    let section = &switch.section;
-    let mut rows = vec![(format!("plugin = {:?}", switch.to), set_by(overrides, &format!("{section}.plugin")))];
-    for t in doc.tables.iter().filter(|t| !t.array) {
-        for f in t.fields.iter().filter(|f| f.ty.as_str() != "table") {
-            let name = if t.path.is_empty() { f.name.to_string() } else { format!("{}.{}", t.path, f.name) };
-            let row = match lookup(table, &name) {
-                Some(v) => {
-                    let from = set_by(overrides, &format!("{section}.{name}"))
-                        .unwrap_or_else(|| format!("kept from `{}`", switch.from));
-                    (format!("{name} = {v}"), Some(from))
-                }
-                _ if t.path.is_empty() && doc.tables.iter().any(|s| s.path == f.name) => continue,
-                _ => (format!("{name} = {}", f.default), Some("default".into())),
-            };
-            rows.push(row);
-        }
-    }
-    let width = rows.iter().map(|(r, _)| r.len()).max().unwrap_or(0);
-    let mut out = format!("[{section}] switched from `{}` to `{}`; the effective section:", switch.from, switch.to);
-    for (row, from) in rows {
-        out.push_str(&format!("\n  {row:<width$}  # {}", from.unwrap_or_else(|| "the file".into())));
-    }
-    out
-}
-
-/// The `--set` argument that set `dotted`, as `set by --set ...`.
-fn set_by(overrides: &[Override], dotted: &str) -> Option<String> {
-    overrides.iter().rev().find(|o| o.fields().iter().any(|f| f == dotted)).map(|o| format!("set by {}", o.arg))
-}
-
-/// The value at `dotted` in `table`, as TOML writes it.
-fn lookup(table: &toml::Table, dotted: &str) -> Option<String> {
-    let mut parts = dotted.split('.').peekable();
-    let mut t = table;
-    while let Some(k) = parts.next() {
-        let v = t.get(k)?;
-        if parts.peek().is_none() {
-            return Some(v.to_string());
-        }
-        t = v.as_table()?;
-    }
-    None
 }

@@ -16,6 +16,11 @@ use std::sync::{
 };
 use std::time::Instant;
 
+/// The store key the lead of replica `index` beats (its rank in the leads' group).
+pub fn lead_beat_key(index: usize) -> String {
+    beat_key(index)
+}
+
 /// How often each rank beats its counter in the store, and how many beats a rank may miss
 /// before it is named as gone.
 const HEARTBEAT: Duration = Duration::from_secs(1);

@@ -18,6 +18,19 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// The most local ranks `--nproc` starts: each is a process with the whole pipeline (or a part
+/// of the target) and its own device context; a machine has far fewer GPUs.
+pub const MAX_NPROC: usize = 1024;
+
+/// `--nproc N`: a number of ranks from 1 to [`MAX_NPROC`].
+pub fn nproc(s: &str) -> Result<usize, String> {
+    let n: usize = s.trim().parse().map_err(|e| format!("`{s}`: {e}"))?;
+    if !(1..=MAX_NPROC).contains(&n) {
+        return Err(format!("{n} ranks: from 1 to {MAX_NPROC}"));
+    }
+    Ok(n)
+}
+
 /// How long the other ranks get to stop on their own after one failed.
 pub const GRACE: Duration = Duration::from_secs(60);
 

@@ -19,16 +19,10 @@ use plugin_api::{
 };
 use std::time::Duration;
 
-mod group;
+pub mod group;
 pub mod launch;
 mod rendezvous;
 pub mod replica;
-pub use group::{C10dCommunicator, DEFAULT_BUCKET_BYTES};
-
-/// The store key the lead of replica `index` beats (its rank in the leads' group).
-pub fn lead_beat_key(index: usize) -> String {
-    group::beat_key(index)
-}
 
 /// How long a collective or the rendezvous may wait for a peer (torch.distributed's default);
 /// `DFLASH_DIST_TIMEOUT` (seconds) overrides it.
@@ -209,6 +203,7 @@ pub fn rank_devices(devices: &[String], local_rank: usize, visible: usize) -> Re
 
 #[cfg(test)]
 mod tests {
+    use super::group::C10dCommunicator;
     use super::*;
     use plugin_api::{tch::Kind, TensorHandle};
     use std::time::Instant;

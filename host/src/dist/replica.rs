@@ -8,7 +8,7 @@
 //! it with the same arguments.
 
 use super::DistEnv;
-use crate::plugins::TargetHandle;
+use crate::plugins::handles::TargetHandle;
 use anyhow::{anyhow, bail, Result};
 use c10d::Store;
 use plugin_api::{

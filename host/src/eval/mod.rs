@@ -4,6 +4,7 @@
 //! ways: z-lab's per response (`tau`), vLLM's pooled (`tau_pooled`) and SGLang's pooled
 //! (`tau_kept`). Progress (prompts, τ so far, tokens/s, ETA) goes to stderr as it runs.
 
+pub mod args;
 mod decode;
 mod prompts;
 mod report;
@@ -273,7 +274,7 @@ impl Tally {
 
 /// `dflash-host eval`: check the arguments, load the experiment with the checkpoint or drafter,
 /// evaluate, print, and write the results file named after what was evaluated.
-pub fn command(args: &crate::cli::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
+pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
     let exp_dir = &args.exp_dir;
     let mut opts = EvalOptions {
         source: args.prompts.clone(),

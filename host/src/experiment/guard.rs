@@ -15,7 +15,7 @@
 //! and so is a checkpoint (`checksums.json` and `trainer_state.json`), so one mounted or linked
 //! elsewhere is still part of an experiment.
 
-use super::{manifest::MANIFEST, CONFIG};
+use super::{files::CONFIG, manifest::MANIFEST};
 use anyhow::{bail, Context, Result};
 use std::{
     os::unix::fs::MetadataExt,

@@ -2,7 +2,7 @@
 //! resolved config (its text and SHA-256), every input file a config value names (SHA-256), the
 //! target's weights, the plugin libraries. [`drift`] lists what differs, each by its field.
 
-use super::{read_json, write_json_atomic};
+use super::files::{read_json, write_json_atomic};
 use crate::{
     config::RunConfig,
     plugins::{PluginRecord, Registry},

@@ -5,6 +5,7 @@
 //! output folder or file goes through the [`guard`] (never into or over an experiment).
 
 pub mod checkpoint;
+mod files;
 pub mod guard;
 pub mod lock;
 pub mod manifest;
@@ -12,23 +13,22 @@ pub mod metrics;
 pub mod tensors;
 
 pub use checkpoint::{read_safetensors, verify as verify_checkpoint, Checkpoint, CHECKPOINT_FILES};
+use files::write_json;
+pub use files::{read_json, write_json_atomic, CONFIG};
 pub use lock::ExperimentLock;
 pub use manifest::Manifest;
 
-use crate::atomic_write::{sync_dir, write_atomic, write_synced};
+use crate::atomic_write::{sync_dir, write_synced};
 use anyhow::{Context, Result};
 use plugin_api::NamedTensor;
-use serde::{de::DeserializeOwned, Serialize};
+use serde::Serialize;
 use std::{
     fs::{self, File},
     io::Write,
     path::{Path, PathBuf},
 };
 
-pub const CONFIG: &str = "config.toml";
 pub const SUMMARY: &str = "summary.json";
-/// JSON files the host writes (manifest, summaries, states) are far below this.
-pub(crate) const MAX_JSON_BYTES: u64 = 64 << 20;
 
 pub struct Experiment {
     pub dir: PathBuf,
@@ -326,23 +326,6 @@ fn remove_abandoned_starts(parent: &Path, name: &str) {
             let _ = fs::remove_dir_all(e.path());
         }
     }
-}
-
-/// A JSON file the host wrote, read back (a regular file, size capped), errors naming it.
-pub fn read_json<T: DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = input_files::read_to_string_capped(path, MAX_JSON_BYTES)?;
-    serde_json::from_str(&text).with_context(|| format!("{}: not valid", path.display()))
-}
-
-fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
-    let text = serde_json::to_string_pretty(value)? + "\n";
-    write_synced(path, text.as_bytes())
-}
-
-/// Replace `path` whole: a temporary file beside it, fsynced, renamed over it.
-pub fn write_json_atomic(path: &Path, value: &impl Serialize) -> Result<()> {
-    let text = serde_json::to_string_pretty(value)? + "\n";
-    write_atomic(path, text.as_bytes())
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use crate::{
     experiment::{self, checkpoint, manifest, Manifest},
     memory_estimate::{self, Work},
     pipeline::components::{build_components, Components},
-    plugins::{PluginRecord, Registry, TargetHandle},
+    plugins::{handles::TargetHandle, PluginRecord, Registry},
 };
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
@@ -111,7 +111,7 @@ pub fn experiment_config(exp_dir: &Path, folder: Option<&Path>) -> Result<(RunCo
         t.insert("init_from".into(), abs.display().to_string().into());
         cfg.drafter = t;
     }
-    Ok((crate::train::start::place_rank(&cfg)?, PathBuf::from(&manifest.config_dir)))
+    Ok((super::ranks::place_rank(&cfg)?, PathBuf::from(&manifest.config_dir)))
 }
 
 #[cfg(test)]

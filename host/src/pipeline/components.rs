@@ -4,7 +4,10 @@
 use crate::{
     config::{PluginSection, RunConfig},
     pipeline::mask_token,
-    plugins::{DataHandle, DrafterHandle, OptimizerHandle, PluginRecord, Registry, TargetHandle},
+    plugins::{
+        handles::{DataHandle, DrafterHandle, OptimizerHandle, TargetHandle},
+        PluginRecord, Registry,
+    },
 };
 use anyhow::{anyhow, Result};
 use plugin_api::{

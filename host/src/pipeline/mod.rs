@@ -9,6 +9,7 @@ pub mod components;
 pub mod distill;
 pub mod hidden_cache;
 pub mod mask_token;
+pub mod ranks;
 pub mod replicas;
 pub mod scheduler;
 pub mod stages;

@@ -6,8 +6,9 @@ use crate::{
     config::{self, RunConfig},
     dist::{
         self,
+        group::C10dCommunicator,
         replica::{self, Layout},
-        C10dCommunicator, DistEnv,
+        DistEnv,
     },
     pipeline::{assemble::build_target, components::Components},
     plugins::Registry,
@@ -70,10 +71,10 @@ pub fn serve(
         env.rank,
         layout.index
     );
-    let identity = crate::train::start::identity(cfg, &records, name)?;
+    let identity = super::ranks::identity(cfg, &records, name)?;
     let device = config::parse_device(cfg.drafter_device())?;
     let (_, store) = C10dCommunicator::connect_replicas(&env, device, &identity, &layout)?;
-    let calls = replica::serve(&mut target, &layout, store, &dist::lead_beat_key(layout.index))?;
+    let calls = replica::serve(&mut target, &layout, store, &dist::group::lead_beat_key(layout.index))?;
     tracing::info!("rank {}: served {calls} target calls of replica {}", env.rank, layout.index);
     Ok(calls)
 }
@@ -88,7 +89,7 @@ pub fn drive(
     what: &str,
 ) -> Result<(Components, Option<C10dCommunicator>)> {
     let Some((env, layout)) = one_replica(&cfg.target, what)? else { return Ok((components, None)) };
-    let identity = crate::train::start::identity(cfg, &components.records, name)?;
+    let identity = super::ranks::identity(cfg, &components.records, name)?;
     let device = config::parse_device(cfg.drafter_device())?;
     let (comm, store) = C10dCommunicator::connect_replicas(&env, device, &identity, &layout)?;
     let Some(comm) = comm else { bail!("rank {}: {what} runs on the replica's lead only", env.rank) };

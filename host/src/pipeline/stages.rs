@@ -7,7 +7,7 @@ use super::{
 };
 use crate::{
     config::RunConfig,
-    plugins::{DataHandle, TargetHandle},
+    plugins::handles::{DataHandle, TargetHandle},
 };
 use anyhow::{bail, Context, Result};
 use plugin_api::{

@@ -19,12 +19,15 @@ pub mod builtins;
 pub mod check;
 pub mod handles;
 pub mod new;
-mod probe;
+pub mod probe;
+mod record;
 
-pub use handles::{DataHandle, DrafterHandle, OptimizerHandle, TargetHandle};
-pub use probe::probe;
+pub use record::PluginRecord;
 
-use crate::config::PluginSection;
+use crate::{
+    config::PluginSection,
+    out::{first_line, one_line},
+};
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
     abi_major,
@@ -38,7 +41,6 @@ use plugin_api::{
     describe::{FlopsPart, FlopsQuery, SectionCheck, SectionDoc},
     HostContext, PluginInfo, PluginInstance, PluginKind, PluginModule_Ref, ABI_VERSION,
 };
-use serde::Serialize;
 use sha2::{Digest, Sha256};
 use std::{
     path::{Path, PathBuf},
@@ -53,20 +55,6 @@ pub fn kind_of_section(section: &str) -> PluginKind {
         "optimizer" => PluginKind::Optimizer,
         _ => PluginKind::DataLoader,
     }
-}
-
-/// What a plugin is and where it came from, for `plugins list` and manifests.
-#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
-pub struct PluginRecord {
-    pub name: String,
-    pub kind: String,
-    pub version: String,
-    pub description: String,
-    /// Plugin ABI version it was built against.
-    pub abi: String,
-    /// `builtin` or the shared library's path.
-    pub origin: String,
-    pub sha256: Option<String>,
 }
 
 pub struct Plugin {
@@ -202,7 +190,7 @@ impl Registry {
             let (_, sha) = check_file(path)?;
             gate(path, &sha)?;
             let plugin = Plugin {
-                record: probe(path, &sha)?,
+                record: probe::probe(path, &sha)?,
                 source: Source::Library { path: path.clone(), module: OnceLock::new() },
             };
             let (kind, name) = (&plugin.record.kind, &plugin.record.name);
@@ -525,14 +513,6 @@ fn checked_info(module: PluginModule_Ref, who: &str) -> Result<PluginInfo> {
 }
 
 /// Every non-empty line of `s`, trimmed, on one line.
-fn one_line(s: &str) -> String {
-    s.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
-}
-
-fn first_line(s: &str) -> String {
-    s.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
-}
-
 /// The context a plugin is created with: where it runs, in which dtype, the run's seed, and the
 /// folders its config's paths resolve against. The target's facts are added once the target is
 /// built, for the plugins created after it.

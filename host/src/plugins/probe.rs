@@ -12,7 +12,8 @@
 //!
 //! Its death by a signal is one line naming the library and the signal.
 
-use super::PluginRecord;
+use super::record::PluginRecord;
+use crate::out::first_line;
 use anyhow::{anyhow, bail, Context, Result};
 use std::{
     io::Read,
@@ -103,7 +104,7 @@ pub fn probe(path: &Path, sha256: &str) -> Result<PluginRecord> {
         let message = lines.next().unwrap_or("");
         bail!("plugin {shown}: loading it crashed the probe process (a panic: {message}); refused");
     }
-    bail!("plugin {shown}: its probe process failed ({status}): {}", super::first_line(&err))
+    bail!("plugin {shown}: its probe process failed ({status}): {}", first_line(&err))
 }
 
 fn signal_name(sig: i32) -> String {

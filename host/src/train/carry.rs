@@ -6,7 +6,7 @@
 use crate::{
     config::{PluginSection, RunConfig},
     experiment::manifest::CarryRecord,
-    plugins::{host_context, OptimizerHandle, Registry},
+    plugins::{handles::OptimizerHandle, host_context, Registry},
 };
 use anyhow::{anyhow, bail, Result};
 use plugin_api::{abi_stable::std_types::RVec, HostContext, NamedTensor, PluginInstance, PluginKind};

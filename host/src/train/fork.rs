@@ -5,12 +5,12 @@
 //! Its manifest records the parent, the step and the weights' SHA-256; its steps continue the
 //! parent's count.
 
-use super::start::{check_stop_at, connect, follower_rank, fresh_manifest, place_rank, served};
+use super::start::{check_stop_at, connect, follower_rank, fresh_manifest, served};
 use crate::{
     config::{self, RunConfig},
     environment::cache_dir,
     experiment::{self, checkpoint, manifest::ParentRecord, Experiment, Manifest},
-    pipeline::{assemble::build, replicas},
+    pipeline::{assemble::build, ranks::place_rank, replicas},
     plugins::Registry,
     train::{self, carry, schedule::ForkSchedule, ResumeFrom, TrainSummary, TrainerState},
 };

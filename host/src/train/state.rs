@@ -1,7 +1,6 @@
 //! What the trainer keeps between steps: the metrics record and its window, the checkpointed
-//! trainer state, the non-finite guard, the stop signal, and what a resume starts from.
+//! trainer state (a step's reductions counted in), the stop signal, and what a resume starts from.
 
-use anyhow::{bail, Result};
 use plugin_api::{tch::Tensor, NamedTensor};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -146,32 +145,6 @@ impl TrainerState {
     }
 }
 
-/// Skips steps whose loss or gradient is not finite, and stops the run after `max` in a row
-/// (a diverged run does not recover by itself; its last good checkpoint is kept).
-pub struct NonFiniteGuard {
-    pub max: u64,
-    pub consecutive: u64,
-}
-
-impl NonFiniteGuard {
-    /// Ok(true): apply the step; Ok(false): skip it; Err: stop the run.
-    pub fn check(&mut self, step: u64, loss: f64, grad_norm: f64) -> Result<bool> {
-        if loss.is_finite() && grad_norm.is_finite() {
-            self.consecutive = 0;
-            return Ok(true);
-        }
-        self.consecutive += 1;
-        tracing::warn!(
-            "step {step}: loss {loss}, gradient norm {grad_norm}: step skipped ({} in a row)",
-            self.consecutive
-        );
-        if self.consecutive >= self.max {
-            bail!("{} consecutive steps with a non-finite loss or gradient (up to step {step})", self.consecutive);
-        }
-        Ok(false)
-    }
-}
-
 pub(super) fn all_finite(params: &[Tensor]) -> bool {
     params.iter().all(|p| p.isfinite().all().int64_value(&[]) != 0)
 }
@@ -253,22 +226,4 @@ pub struct ResumeFrom {
     pub weights: Vec<NamedTensor>,
     pub optimizer_state: Vec<NamedTensor>,
     pub checkpoint: String,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_guard_skips_then_stops_after_max_in_a_row() {
-        let mut g = NonFiniteGuard { max: 3, consecutive: 0 };
-        assert!(g.check(1, 2.0, 1.0).unwrap());
-        assert!(!g.check(2, f64::NAN, 1.0).unwrap());
-        assert!(!g.check(3, 2.0, f64::INFINITY).unwrap());
-        assert!(g.check(4, 2.0, 1.0).unwrap(), "a good step resets the count");
-        assert!(!g.check(5, f64::NAN, 1.0).unwrap());
-        assert!(!g.check(6, f64::NAN, 1.0).unwrap());
-        let err = g.check(7, f64::NAN, f64::NAN).unwrap_err().to_string();
-        assert!(err.contains("3 consecutive steps") && err.contains("step 7"), "{err}");
-    }
 }

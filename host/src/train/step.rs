@@ -16,7 +16,7 @@ use super::{
 pub use crate::config::LossNormalization;
 use crate::{
     dist::Communicator,
-    plugins::{DrafterHandle, TargetHandle},
+    plugins::handles::{DrafterHandle, TargetHandle},
 };
 use anyhow::Result;
 use kernels::autograd::to_device_async;

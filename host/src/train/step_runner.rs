@@ -3,16 +3,13 @@
 //! clipped, the step's one synchronisation, the replicas' sums), the non-finite guard and the
 //! optimizer. Each phase is a named profiler range.
 
-use super::{
-    state::NonFiniteGuard,
-    step::{clip_grad_norm, normalize_gradients, DraftLoss, Drafted, StepSums},
-};
+use super::step::{clip_grad_norm, normalize_gradients, DraftLoss, Drafted, StepSums};
 use crate::{
     dist::Communicator,
     pipeline::stages::Micro,
-    plugins::{DrafterHandle, OptimizerHandle},
+    plugins::handles::{DrafterHandle, OptimizerHandle},
 };
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 use kernels::profiler;
 use plugin_api::{
     tch::{Device, Kind, Tensor},
@@ -150,5 +147,49 @@ impl StepRunner<'_> {
             kernels::autograd::clear_grad(p);
         }
         Ok(applied)
+    }
+}
+
+/// Skips steps whose loss or gradient is not finite, and stops the run after `max` in a row
+/// (a diverged run does not recover by itself; its last good checkpoint is kept).
+pub struct NonFiniteGuard {
+    pub max: u64,
+    pub consecutive: u64,
+}
+
+impl NonFiniteGuard {
+    /// Ok(true): apply the step; Ok(false): skip it; Err: stop the run.
+    pub fn check(&mut self, step: u64, loss: f64, grad_norm: f64) -> Result<bool> {
+        if loss.is_finite() && grad_norm.is_finite() {
+            self.consecutive = 0;
+            return Ok(true);
+        }
+        self.consecutive += 1;
+        tracing::warn!(
+            "step {step}: loss {loss}, gradient norm {grad_norm}: step skipped ({} in a row)",
+            self.consecutive
+        );
+        if self.consecutive >= self.max {
+            bail!("{} consecutive steps with a non-finite loss or gradient (up to step {step})", self.consecutive);
+        }
+        Ok(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_guard_skips_then_stops_after_max_in_a_row() {
+        let mut g = NonFiniteGuard { max: 3, consecutive: 0 };
+        assert!(g.check(1, 2.0, 1.0).unwrap());
+        assert!(!g.check(2, f64::NAN, 1.0).unwrap());
+        assert!(!g.check(3, 2.0, f64::INFINITY).unwrap());
+        assert!(g.check(4, 2.0, 1.0).unwrap(), "a good step resets the count");
+        assert!(!g.check(5, f64::NAN, 1.0).unwrap());
+        assert!(!g.check(6, f64::NAN, 1.0).unwrap());
+        let err = g.check(7, f64::NAN, f64::NAN).unwrap_err().to_string();
+        assert!(err.contains("3 consecutive steps") && err.contains("step 7"), "{err}");
     }
 }

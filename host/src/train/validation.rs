@@ -9,7 +9,7 @@ use super::{
     loss::{accuracy, tau_hat, Reduction},
     step::DraftLoss,
 };
-use crate::{pipeline::components::Components, plugins::DrafterHandle};
+use crate::{pipeline::components::Components, plugins::handles::DrafterHandle};
 use anyhow::{bail, Context, Result};
 use plugin_api::{
     tch::{self, Device, Kind, Tensor},

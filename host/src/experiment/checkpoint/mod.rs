@@ -15,7 +15,10 @@ pub use declared::{check_declared, declared_by};
 
 use checksums::{checksum_mismatch, crc_of, file_crc, recorded};
 
-use super::{read_json, tensors, write_json, MAX_JSON_BYTES};
+use super::{
+    files::{read_json, write_json, MAX_JSON_BYTES},
+    tensors,
+};
 use crate::atomic_write::{sync_dir, write_synced};
 use anyhow::{bail, Context, Result};
 use plugin_api::{tch::Tensor, NamedTensor};
@@ -276,7 +279,7 @@ fn check_step(dir: &Path, state: &serde_json::Value, file: &Path) -> Result<()> 
 /// does not say.
 fn configured_steps(dir: &Path) -> Option<u64> {
     let exp = dir.parent()?.parent()?;
-    let f = input_files::open_regular(&exp.join(super::CONFIG)).ok()?;
+    let f = input_files::open_regular(&exp.join(super::files::CONFIG)).ok()?;
     let mut text = String::new();
     f.take(MAX_JSON_BYTES).read_to_string(&mut text).ok()?;
     let table: toml::Table = toml::from_str(&text).ok()?;

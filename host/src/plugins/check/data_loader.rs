@@ -1,7 +1,7 @@
 //! A data loader's clauses: seeking to a saved position, the loss mask.
 
 use super::kit::{Clause, Kit};
-use crate::plugins::DataHandle;
+use crate::plugins::handles::DataHandle;
 use anyhow::{bail, Result};
 use plugin_api::{tch::Tensor, DataPosition, PluginInstance, PluginKind};
 

@@ -2,7 +2,7 @@
 //! weights re-creating it.
 
 use super::kit::{max_diff, Clause, Kit, CPU};
-use crate::plugins::DrafterHandle;
+use crate::plugins::handles::DrafterHandle;
 use anyhow::{anyhow, bail, Result};
 use plugin_api::{
     tch::{self, Device, Kind, Tensor},

@@ -2,7 +2,7 @@
 //! creates instances from them, and a clause's outcome (a panic in it is a failure, not a crash).
 
 use crate::config::{PluginSection, RunConfig};
-use crate::plugins::{Registry, TargetHandle};
+use crate::plugins::{handles::TargetHandle, Registry};
 use anyhow::{anyhow, Context, Result};
 use plugin_api::{
     abi_stable::std_types::RSome,

@@ -2,7 +2,7 @@
 //! zero gradients, parameters without gradients.
 
 use super::kit::{max_diff, Clause, Kit, CPU};
-use crate::plugins::OptimizerHandle;
+use crate::plugins::handles::OptimizerHandle;
 use anyhow::{anyhow, bail, Result};
 use plugin_api::{
     tch::{self, Kind, Tensor},

@@ -1,7 +1,7 @@
 //! Every kind: the section's description and check (ABI `describe`, `check`).
 
 use super::kit::{Clause, Kit};
-use crate::plugins::TargetHandle;
+use crate::plugins::handles::TargetHandle;
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{PluginInstance, PluginKind};
 

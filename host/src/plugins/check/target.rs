@@ -1,7 +1,7 @@
 //! A target's clauses: the requested layers' features, the KV cache against recomputation.
 
 use super::kit::{max_diff, Clause, Kit};
-use crate::plugins::TargetHandle;
+use crate::plugins::handles::TargetHandle;
 use anyhow::{anyhow, bail, Result};
 use plugin_api::{tch::Tensor, PluginInstance, PluginKind, TensorHandle};
 

@@ -3,15 +3,13 @@
 //! clipping, warm-up + cosine schedule, metrics, checkpoints and exact resume.
 
 use super::{
-    anchors::AnchorSampler,
-    loss::{resolve_gamma, tau_hat},
+    loss::tau_hat,
     schedule::lr_factor,
     state::{
-        all_finite, DistillSummary, NonFiniteGuard, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState,
-        WindowSums, WindowTimes,
+        all_finite, DistillSummary, ResumeFrom, StepMetrics, StopSignal, TrainSummary, TrainerState, WindowSums,
+        WindowTimes,
     },
-    step::{trainable_parameters, DraftLoss},
-    step_runner::{Reduced, StepAccum, StepRunner},
+    step_runner::{NonFiniteGuard, Reduced, StepAccum, StepRunner},
     validation::{ValidationScores, ValidationSet},
 };
 use crate::{
@@ -19,21 +17,18 @@ use crate::{
     dist::Communicator,
     experiment::Experiment,
     pipeline::{
-        capture::CaptureReader,
         components::Components,
-        distill,
         hidden_cache::HiddenStateCache,
-        stages::{feature_bytes_per_token, next_batch, target_workers, HostBatch, Micro},
+        stages::{feature_bytes_per_token, target_workers, HostBatch, Micro},
         Feed, PipelineOptions, Worker,
     },
     progress::{elapsed_eta, Pace},
     sysinfo::{peak_rss_mb, GpuMonitor},
     tensorboard,
 };
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use observers::{GpuSampler, MetricsFile, Observer, Progress, StepValues, TensorBoard};
-use plugin_api::{tch::Tensor, DataPosition};
 use setup::{DrafterSide, Draws, FeatureSource};
 use std::{path::Path, sync::Arc, time::Instant};
 

@@ -6,7 +6,7 @@ use crate::{
     experiment::MetricsLog,
     sysinfo::GpuMonitor,
     tensorboard::{self, EventWriter},
-    train::StepMetrics,
+    train::state::StepMetrics,
 };
 use anyhow::Result;
 use indicatif::ProgressBar;

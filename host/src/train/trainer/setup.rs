@@ -2,8 +2,29 @@
 //! from (data through the target, or a capture), the drafter's side (its loss, parameters,
 //! optimizer and validation split), the state a resume starts from, and the pipeline's producer.
 
-use super::*;
-use crate::{pipeline::Job, plugins::DataHandle};
+use crate::{
+    config::RunConfig,
+    dist::Communicator,
+    pipeline::{
+        capture::CaptureReader,
+        components::Components,
+        distill,
+        hidden_cache::HiddenStateCache,
+        stages::{next_batch, HostBatch},
+        Job,
+    },
+    plugins::handles::DataHandle,
+    train::{
+        anchors::AnchorSampler,
+        loss::resolve_gamma,
+        state::{DistillSummary, ResumeFrom, TrainerState},
+        step::{trainable_parameters, DraftLoss},
+        validation::ValidationSet,
+    },
+};
+use anyhow::{bail, Result};
+use plugin_api::{tch::Tensor, DataPosition};
+use std::{path::Path, sync::Arc};
 
 /// Where the target features come from: the data loader through the target workers (after
 /// self-distillation where the data asks for it), or a capture's files.

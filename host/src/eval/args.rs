@@ -1,0 +1,45 @@
+//! `dflash-host eval`'s arguments, read by [`super::command`].
+
+use crate::dist::launch::nproc;
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct EvalArgs {
+    #[arg(long)]
+    pub exp_dir: PathBuf,
+    /// Checkpoint step (default: the newest).
+    #[arg(long)]
+    pub checkpoint: Option<u64>,
+    /// Evaluate this z-lab format drafter folder instead of a checkpoint.
+    #[arg(long)]
+    pub drafter: Option<PathBuf>,
+    /// `holdout` (the test records the config holds out; never trained on), `validation`
+    /// (its validation records, `validation` in [data]), `humaneval`, or a file (chat
+    /// records, or a benchmark's: see --prompt-format).
+    #[arg(long, default_value = "holdout")]
+    pub prompts: String,
+    /// How the --prompts file is laid out: chat records as [data] reads them, MT-Bench
+    /// (`turns`), GSM8K (`question`) or Alpaca (`instruction` / `input`).
+    #[arg(long, value_enum, default_value = "chat")]
+    pub prompt_format: super::prompts::PromptFormat,
+    /// Prompts to evaluate.
+    #[arg(long, default_value_t = 32)]
+    pub limit: u32,
+    /// Tokens to decode a prompt, at most 131072.
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: u32,
+    /// Also time each cycle's phases (draft, verify, bookkeeping), waiting for the device
+    /// after each: slows decoding slightly.
+    #[arg(long)]
+    pub time_split: bool,
+    /// Keep the decoded token ids: per prompt its ids, the target's greedy reply and the
+    /// speculative one, as JSON lines beside the results (`eval.json` -> `eval.tokens.jsonl`),
+    /// to compare with a serving engine's output without decoding again.
+    #[arg(long)]
+    pub keep_tokens: bool,
+    /// Start N local ranks (a target replica over N ranks, `[target] tensor_parallel = N`):
+    /// rank 0 evaluates, the others serve its target.
+    #[arg(long, value_name = "N", value_parser = nproc)]
+    pub nproc: Option<usize>,
+}
