@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use arrow_array::RecordBatch;
 use serde_json::Value;
 
-use crate::records::{DataError, OnError, ReadReport, Schema};
+use crate::schema::{DataError, OnError, ReadReport, Schema};
 
 /// Reads a Parquet file, an Arrow file or a `save_to_disk` folder.
 pub fn read(path: &Path, schema: &Schema, on_error: OnError) -> Result<ReadReport, DataError> {

@@ -7,6 +7,7 @@
 pub mod chitchat;
 pub mod columnar;
 pub mod records;
+pub mod schema;
 pub mod template;
 
 use std::collections::BTreeMap;

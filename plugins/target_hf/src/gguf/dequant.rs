@@ -1,7 +1,7 @@
 //! Per-block dequantisers: llama.cpp's dequantize_row_* for one block, same arithmetic order
 //! (as candle keeps k_quants.rs apart from gguf_file.rs).
 
-use super::*;
+use half::{bf16, f16};
 
 pub(super) fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()

@@ -1,7 +1,18 @@
 //! Parsing the header, metadata and tensor infos from the file's bytes, every length and count
 //! checked against the bytes that remain before anything is allocated.
 
-use super::*;
+use super::{
+    types::GgmlType,
+    value::{GgufValue, TensorInfo},
+};
+use std::collections::HashMap;
+
+const MAGIC: &[u8; 4] = b"GGUF";
+const DEFAULT_ALIGNMENT: usize = 32;
+/// ggml tensors have at most 4 dims (GGML_MAX_DIMS).
+const MAX_DIMS: usize = 4;
+/// Real files nest arrays at most once; a deeper nest is corrupt (and could exhaust the stack).
+const MAX_ARRAY_DEPTH: usize = 4;
 
 /// Bounds-checked little-endian reader; errors are plain descriptions, the caller adds where.
 pub(super) struct Cursor<'a> {

@@ -3,6 +3,7 @@
 use super::parse::*;
 use super::types::*;
 use super::*;
+use half::f16;
 
 // The GGUF writer (also used by gguf_tokenizer's and config's tests) is test_support's.
 pub(crate) use test_support::gguf::{gguf_bytes, write_temp, WTensor, V as W};
