@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The figures of scripts/bench/pipeline_h200.sh from its results folder: training tokens/s of
+"""The figures of scripts/bench/pipeline_27b.sh from its results folder: training tokens/s of
 the run (exp/metrics.jsonl, the steps after --skip), where a step's time goes (target worker,
-drafter, optimizer, the drafter's wait for features), the GPU memory in use at its peak
+drafter, optimizer, the drafter's wait for features), the hidden-state buffer's depth, the GPU memory in use at its peak
 (clocks.csv's samples and the metrics lines' NVML reading), the stages alone (stages.json) and
 the figure per GPU beside a reference system. Writes summary.json and summary.txt there.
 
@@ -59,6 +59,8 @@ s = {
     "wait_s_median": med("wait_s"),
     "target_busy_median": statistics.median(sum(m["target_busy"]) for m in steps),
     "drafter_busy_median": med("drafter_busy"),
+    # Micro-batches of features waiting in the hidden-state buffer when the drafter took one.
+    "buffer_depth_median": med("q_hs"),
     "peak_gpu_mem_gib": max(x for x in [mem_metrics, mem_samples] if x is not None) / 1024
     if (mem_metrics or mem_samples) else None,
     "peak_rss_mb": max(m["peak_rss_mb"] for m in lines),

@@ -26,6 +26,24 @@ pub struct Args {
     /// `cuda:N` (default cuda:0).
     #[arg(long, default_value = "cuda:0")]
     pub device: String,
+    /// Accuracy instead of speed (fp8_accuracy.rs): `--config`'s target run over the first
+    /// `--records` sequences of its data with `compute = "bf16"` then `"fp8"`, the relative error
+    /// of every layer's features and of the logits, and the logits' top-1 agreement.
+    #[arg(long, requires = "config")]
+    pub accuracy: bool,
+    /// The run config (TOML) whose target and data `--accuracy` measures.
+    #[arg(long, requires = "accuracy")]
+    pub config: Option<std::path::PathBuf>,
+    /// With `--accuracy`: measure this bench config's target instead (random weights at its
+    /// shape, e.g. configs/bench/qwen3-8b.toml), on the run config's token ids.
+    #[arg(long, requires = "accuracy")]
+    pub shape: Option<std::path::PathBuf>,
+    /// With `--accuracy`: the sequences measured.
+    #[arg(long, default_value_t = 16)]
+    pub records: usize,
+    /// With `--accuracy`: set a field of the run config, as `train --set` does (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE", requires = "accuracy")]
+    pub set: Vec<String>,
 }
 
 /// One linear layer kind of a model: (name, out features, in features, layers that have it).

@@ -54,15 +54,16 @@ pub struct Measured {
     pub outside_allocator: u64,
 }
 
-use crate::memory_estimate::{Estimate, Part};
+use crate::memory_estimate::{Estimate, Part, Phase};
 use plugin_api::describe::MemoryScale;
 
 fn is_context(p: &Part) -> bool {
     p.name == "CUDA context and workspaces"
 }
 
-fn in_step(p: &Part) -> bool {
-    p.name.contains("gradients") || (p.drafter && matches!(p.scale, MemoryScale::Batch | MemoryScale::BatchAnchors))
+/// The forward's own parts (its working set) and what it returns (the drafter's input).
+fn in_forward(p: &Part) -> bool {
+    (!p.drafter && p.scale == MemoryScale::Batch) || p.name == "target features"
 }
 
 /// The estimate's parts grouped as the bench measures them, the measured beside each (None on
@@ -71,9 +72,9 @@ fn in_step(p: &Part) -> bool {
 pub fn rows(e: &Estimate, m: Option<Measured>) -> Vec<MemoryRow> {
     let sum = |keep: &dyn Fn(&Part) -> bool| e.parts.iter().filter(|p| keep(p)).map(|p| p.bytes).sum::<u64>();
     let weights = sum(&|p| p.scale == MemoryScale::TargetWeights);
-    let built = sum(&|p| p.scale == MemoryScale::Fixed && !is_context(p) && !in_step(p));
-    let step = sum(&in_step);
-    let forward = sum(&|p| !p.drafter && p.scale == MemoryScale::Batch);
+    let built = sum(&|p| p.phase() == Phase::Always && p.scale == MemoryScale::Fixed && !is_context(p));
+    let step = e.step_peak();
+    let forward = sum(&in_forward);
     let context = sum(&is_context);
     let one_at_a_time = weights + built + context + step.max(forward);
     let row = |part: &str, est: u64, measured: Option<u64>| MemoryRow {

@@ -121,6 +121,12 @@ pub fn run(what: BenchCommand, plugin_paths: &[PathBuf]) -> Result<ExitCode> {
             crate::bench::attention::print(&report);
             json_line(&report, json.as_ref())?;
         }
+        BenchCommand::Fp8 { args, json } if args.accuracy => {
+            let json = guard_outputs(json.as_deref(), None, args.config.as_deref())?;
+            let report = crate::bench::fp8_accuracy::accuracy(&Registry::new(plugin_paths)?, &args)?;
+            crate::bench::fp8_accuracy::print(&report);
+            json_line(&report, json.as_ref())?;
+        }
         BenchCommand::Fp8 { args, json } => {
             let json = guard_outputs(json.as_deref(), None, None)?;
             let report = crate::bench::fp8::fp8(&args)?;

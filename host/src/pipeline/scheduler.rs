@@ -247,7 +247,14 @@ pub fn run<'a, J: Send, T: Send, R>(
                         break;
                     }
                     let started = Instant::now();
-                    let out = catch_unwind(AssertUnwindSafe(|| (w.work)(job)));
+                    // A CUDA out-of-memory panic of the host's own calls becomes the error's one
+                    // paragraph (printed once, where the run's error is); any other panic is caught
+                    // here.
+                    let place = format!("target worker {i} ({})", w.name);
+                    let work = &mut w.work;
+                    let out = catch_unwind(AssertUnwindSafe(|| {
+                        crate::memory_estimate::catch_host_panic(&place, || work(job))
+                    }));
                     busy[i].fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     let sent = match out {
                         Ok(Ok(item)) => tx.send(Ok(Ready { seq, worker: i, item, _slot: slot })).is_ok(),

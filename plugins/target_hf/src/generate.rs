@@ -47,7 +47,7 @@ fn greedy_batch(model: &Decoder, prompts: &[&[u32]], max_new: usize, stop: &[u32
     let mask = (causal.logical_and(&key_valid.unsqueeze(1))).logical_or(&eye).unsqueeze(1);
     let mut cache = model.new_cache(false);
     let n = model.cfg.num_hidden_layers;
-    let (_, normed) = model.run(&ids, &positions, Some(&mask), Some(&key_valid), Some(&mut cache), n);
+    let (_, normed) = model.run(&ids, &positions, Some(&mask), Some(&key_valid), Some(&mut cache), n, &[]);
     let mut next = model.logits(&normed.expect("all layers ran").select(1, l - 1)).argmax(-1, false); // [B]
     let mut pos = positions.select(1, l - 1) + 1;
     // 3. Decode one token a step for every row until each has stopped.
@@ -68,7 +68,7 @@ fn greedy_batch(model: &Decoder, prompts: &[&[u32]], max_new: usize, stop: &[u32
         }
         key_valid = Tensor::cat(&[&key_valid, &Tensor::ones([b, 1], (Kind::Bool, device))], 1);
         let mask = key_valid.unsqueeze(1).unsqueeze(1); // [B, 1, 1, T]
-        let (_, normed) = model.run(&next.unsqueeze(1), &pos.unsqueeze(1), Some(&mask), None, Some(&mut cache), n);
+        let (_, normed) = model.run(&next.unsqueeze(1), &pos.unsqueeze(1), Some(&mask), None, Some(&mut cache), n, &[]);
         next = model.logits(&normed.expect("all layers ran").select(1, 0)).argmax(-1, false);
         pos += 1;
     }

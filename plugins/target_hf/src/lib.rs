@@ -213,9 +213,7 @@ impl HfTarget {
         let positions = Tensor::arange(s, (Kind::Int64, ids.device())).unsqueeze(0).expand([b, s], false);
         // Only the layers up to the deepest feature are needed unless logits are.
         let upto = if want_logits { n } else { layer_ids.iter().max().map_or(0, |&m| m as usize + 1) };
-        let (outs, normed) = self.model.run(&ids, &positions, None, None, None, upto);
-        let feats: Vec<&Tensor> = layer_ids.iter().map(|&i| &outs[i as usize]).collect();
-        let hidden = Tensor::cat(&feats, -1);
+        let (hidden, normed) = self.model.run(&ids, &positions, None, None, None, upto, layer_ids);
         let logits = normed.map(|h| self.model.logits(&h));
         self.check_group()?;
         Ok((hidden, logits))
@@ -238,10 +236,10 @@ impl HfTarget {
         let q = Tensor::arange_start(past, past + l, (Kind::Int64, device)).unsqueeze(1);
         let k = Tensor::arange(past + l, (Kind::Int64, device)).unsqueeze(0);
         let mask = k.le_tensor(&q).unsqueeze(0).unsqueeze(0);
-        let (outs, normed) = self.model.run(&ids, &positions, Some(&mask), None, Some(&mut self.session), n);
+        let (hidden, normed) =
+            self.model.run(&ids, &positions, Some(&mask), None, Some(&mut self.session), n, layer_ids);
         self.check_group()?;
-        let feats: Vec<&Tensor> = layer_ids.iter().map(|&i| &outs[i as usize]).collect();
-        Ok((Tensor::cat(&feats, -1), self.model.logits(&normed.expect("all layers ran"))))
+        Ok((hidden, self.model.logits(&normed.expect("all layers ran"))))
     }
 }
 
@@ -527,10 +525,10 @@ impl plugin_api::Section for TargetSection {
             Kind::Float => 4.0,
             _ => 2.0,
         };
-        let tp = self.tensor_parallel;
-        let weights = memory::parameters(&cfg).per_rank(tp) * elem;
+        let (tp, fp8) = (self.tensor_parallel, self.compute == linear::Compute::Fp8);
+        let weights = memory::weight_bytes(&cfg, tp, elem, fp8);
         let (shape, layers) = ((q.batch as usize, q.seq_len as usize), q.layers as usize);
-        let working = memory::forward_working_set(&cfg, shape, layers, q.logits, tp, elem);
+        let working = memory::forward_working_set(&cfg, shape, layers, q.logits, tp, (elem, fp8));
         Ok(Some(SectionMemory {
             parts: vec![
                 MemoryPart::new("target weights", weights, MemoryScale::TargetWeights),

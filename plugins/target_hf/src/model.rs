@@ -229,8 +229,8 @@ impl Decoder {
     ///   all valid;
     /// - `cache` extended in place when given;
     /// - `upto`: run only layers `0..upto` (the features needed), skipping the rest;
-    /// - returns the output of each layer run ([B, L, H] each) and, if all layers ran, the
-    ///   final-normed hidden states. As in transformers' `hidden_states[1..]`, which DFlash's
+    /// - returns the outputs of the layers `keep` names concatenated in its order ([B, L, n*H]; each
+    ///   id below `upto`) and, if all layers ran, the final-normed hidden states. As in transformers' `hidden_states[1..]`, which DFlash's
     ///   `hidden_states[id + 1]` reads, the last layer's output is taken after the final norm
     ///   (the LM head's input).
     pub fn run(
@@ -241,7 +241,8 @@ impl Decoder {
         valid: Option<&Tensor>,
         mut cache: Option<&mut Cache>,
         upto: usize,
-    ) -> (Vec<Tensor>, Option<Tensor>) {
+        keep: &[u32],
+    ) -> (Tensor, Option<Tensor>) {
         let (l, device) = (ids.size()[1], ids.device());
         let past = cache.as_ref().map_or(0, |c| c.len());
         // Causal attention after cached keys needs its mask written out.
@@ -267,21 +268,29 @@ impl Decoder {
         if let Some(scale) = self.embed_scale {
             x = x * Tensor::from(scale).to_kind(self.kind()).to_device(device);
         }
-        let mut outs = Vec::with_capacity(upto);
+        // Each kept layer's output is copied into its slot as the layer ends, so no other layer's
+        // output outlives the next layer (the features' bytes, not every layer's, at the peak).
+        let h = x.size()[2];
+        let features = Tensor::empty([x.size()[0], l, keep.len() as i64 * h], (x.kind(), device));
+        let slots_of = |i: usize| keep.iter().enumerate().filter(move |&(_, &k)| k as usize == i).map(|(j, _)| j as i64);
         for (i, block) in self.blocks.iter().take(upto).enumerate() {
             let n = block.layers().len();
             let slots = cache.as_deref_mut().map(|c| &mut c.slots[self.slot_start[i]..self.slot_start[i] + n]);
             x = block.forward(&x, &ctx, slots);
-            outs.push(x.shallow_clone());
+            if i + 1 < self.blocks.len() {
+                for j in slots_of(i) {
+                    features.narrow(2, j * h, h).copy_(&x);
+                }
+            }
         }
         if let Some(c) = cache {
             c.extended(l);
         }
         let normed = (upto >= self.blocks.len()).then(|| rms_norm(&x, &self.norm, self.cfg.rms_norm_eps));
-        if let (Some(n), Some(last)) = (&normed, outs.last_mut()) {
-            *last = n.shallow_clone();
+        for j in slots_of(self.blocks.len() - 1) {
+            features.narrow(2, j * h, h).copy_(normed.as_ref().expect("the last layer ran"));
         }
-        (outs, normed)
+        (features, normed)
     }
 
     pub fn logits(&self, normed: &Tensor) -> Tensor {
@@ -405,7 +414,7 @@ mod tests {
             for _ in 0..6 {
                 let x = Tensor::from_slice(&ids.iter().map(|&i| i as i64).collect::<Vec<_>>()).unsqueeze(0);
                 let pos = Tensor::arange(ids.len() as i64, (Kind::Int64, Device::Cpu)).unsqueeze(0);
-                let (_, normed) = model.run(&x, &pos, None, None, None, 3);
+                let (_, normed) = model.run(&x, &pos, None, None, None, 3, &[]);
                 let next = model.logits(&normed.unwrap()).select(1, ids.len() as i64 - 1).argmax(-1, false);
                 ids.push(next.int64_value(&[0]) as u32);
             }

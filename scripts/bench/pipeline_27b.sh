@@ -1,33 +1,37 @@
 #!/usr/bin/env bash
-# Training through the whole pipeline at Qwen3.6-27B's shapes on one GPU with at least 120 GiB (an
-# H200 there): the random hybrid target (configs/bench/qwen3.6-27b-config.json, bf16) and the
-# published drafter preset (configs/presets/qwen3.6-27b.toml: 5 layers, 4 of them sliding-window,
-# sequences of 4096, 8 micro-batches of one sequence a step, AdamW), the target worker and the
-# drafter trainer sharing the GPU through the hidden-state buffer, as `dflash-host train` runs
-# them. The data are random words of a word-level tokenizer (scripts/bench/synthetic_chat.py), so
-# every sequence is 4096 tokens and no self-distillation runs. First `bench train` times the two
-# stages alone at one sequence of 4096 (the bound of a pipeline whose stages share one GPU is their
-# sum); then `train` runs for STEPS logged steps after two warm-up steps and is stopped (no
+# Training through the whole pipeline at Qwen3.6-27B's shapes on one 80 GB GPU (an H100): the
+# random hybrid target (configs/bench/qwen3.6-27b-config.json) with `[target] compute = "fp8"`
+# (its projections' weights one byte each, quantised at load in 128x128 blocks; Hopper only) and
+# the published drafter preset (configs/presets/qwen3.6-27b.toml: 5 layers, 4 of them
+# sliding-window, sequences of 4096, 8 micro-batches of one sequence a step, AdamW), the target
+# worker and the drafter trainer sharing the GPU through the hidden-state buffer, as
+# `dflash-host train` runs them. The data are random words of a word-level tokenizer
+# (scripts/bench/synthetic_chat.py), so every sequence is 4096 tokens and no self-distillation
+# runs. First `bench train` times the two stages alone at one sequence of 4096 (the bound of a
+# pipeline whose stages share one GPU is their sum) and measures each part's memory beside the
+# estimate; then `train` runs for STEPS logged steps after two warm-up steps and is stopped (no
 # checkpoint); scripts/bench/pipeline_summary.py reads its metrics.jsonl.
 #
 #   make build
-#   scripts/bench/pipeline_h200.sh [RESULTS]     # default bench-results/pipeline, about 6 minutes
+#   scripts/bench/pipeline_27b.sh [RESULTS]     # default bench-results/pipeline, about 6 minutes
 #
 # RESULTS gets log.txt, the stage bench's JSON, the run's folder (exp/), summary.json and
 # clocks.csv (with the GPU's memory in use). PARTS="train summary" runs only the parts named.
-# PRESET, TARGET_CONFIG, BENCH_CONFIG, DEVICE and STEPS change what runs (the script's own check on
-# the CPU uses a tiny config).
+# COMPUTE (fp8; bf16 needs a GPU with more than 80 GB: the target alone is 54 GB), PRESET,
+# TARGET_CONFIG, BENCH_CONFIG, DEVICE and STEPS change what runs (the script's own check on the
+# CPU uses a tiny config and COMPUTE=bf16).
 set -u
 RESULTS=$(realpath -m "${1:-$(dirname "$0")/../../bench-results/pipeline}")
 cd "$(dirname "$0")/../.."
 source scripts/bench/lib.sh
 export PYTHONUNBUFFERED=1
-# The 27B target (54 GB) and the drafter's step share the card: fewer stranded blocks.
+# The 27B target and the drafter's step share the card: fewer stranded blocks.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 PRESET=${PRESET:-configs/presets/qwen3.6-27b.toml}
 TARGET_CONFIG=${TARGET_CONFIG:-configs/bench/qwen3.6-27b-config.json}
 BENCH_CONFIG=${BENCH_CONFIG:-configs/bench/qwen3.6-27b.toml}
 DEVICE=${DEVICE:-cuda:0}
+COMPUTE=${COMPUTE:-fp8}
 STEPS=${STEPS:-8}
 WARMUP_STEPS=2
 DATA=$RESULTS/data
@@ -47,14 +51,14 @@ part data python3 scripts/bench/synthetic_chat.py --config "$TARGET_CONFIG" --ou
 # The two stages alone, at the pipeline's micro-batch and with its drafter.
 part stages "$B" bench train --config "$BENCH_CONFIG" --device "$DEVICE" --set bench.batch_size=1 \
     --set bench.seq_len="$MAX_LEN" --set "drafter.layer_types=$LAYER_TYPES" --set drafter.sliding_window="$WINDOW" \
-    --json "$RESULTS/stages.json"
+    --set target.compute="$COMPUTE" --json "$RESULTS/stages.json"
 
 # train until STEPS steps after the warm-up are logged, then stop it (a kill: no checkpoint of the
 # 1.7B-parameter drafter and its optimizer state is written).
 train_steps() {
     rm -rf "$RESULTS/exp"
     "$B" train --config "$PRESET" --exp-dir "$RESULTS/exp" --device "$DEVICE" \
-        --set target.path="$DATA/target" --set target.random_init=true \
+        --set target.path="$DATA/target" --set target.random_init=true --set target.compute="$COMPUTE" \
         --set data.path="$DATA/chat.jsonl" --set data.distill=false \
         --set train.log_every=1 --set train.hidden_cache_mb=0 --set train.checkpoint_every=0 &
     local pid=$! want=$((STEPS + WARMUP_STEPS)) lines=0
