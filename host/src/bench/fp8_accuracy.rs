@@ -16,7 +16,7 @@
 use super::train::{plugin_name, section};
 use crate::{
     config::{Override, RunConfig},
-    plugins::{Registry, TargetHandle},
+    plugins::{handles::TargetHandle, Registry},
 };
 use anyhow::{anyhow, bail, Context, Result};
 use plugin_api::{
@@ -181,7 +181,7 @@ fn read_batches(
     else {
         bail!("[data] made no data loader")
     };
-    let mut data = crate::plugins::DataHandle::new(data, &cfg.section("data").plugin);
+    let mut data = crate::plugins::handles::DataHandle::new(data, &cfg.section("data").plugin);
     data.open(&tokens_from.tokenizer_json()?)?;
     if !data.distill_request()?.prompts.is_empty() {
         bail!("[data] asks for self-distilled replies: measure on the data as it is (`--set data.distill=false`)");
