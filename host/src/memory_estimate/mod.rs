@@ -28,14 +28,12 @@ pub use oom::{catch_host_panic, install_oom_hook, is_oom, is_oom_error, oom_para
 
 use crate::{config::PluginSection, plugins::Registry};
 use anyhow::{bail, Result};
+use oom::ADVICE;
 use plugin_api::{
     describe::{MemoryQuery, MemoryScale, SectionMemory},
     HostContext, PluginKind,
 };
-use std::sync::{
-    atomic::{AtomicBool, Ordering},
-    Mutex,
-};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The CUDA context, cuBLAS / cuDNN workspaces and the run-time compiled kernels: in use before the
 /// first tensor (about 0.5 GiB for the context on an H100, the rest the libraries').
@@ -45,9 +43,6 @@ pub const CUDA_OVERHEAD: u64 = 3 << 28;
 pub const DEVICE_MEMORY_VAR: &str = "DFLASH_DEVICE_MEMORY_BYTES";
 
 static SKIP: AtomicBool = AtomicBool::new(false);
-
-/// The advice of the last estimate, for an out-of-memory error at run time.
-static ADVICE: Mutex<Option<String>> = Mutex::new(None);
 
 /// `--no-memory-check`: a config that cannot fit is run anyway (the estimate is still logged).
 pub fn skip_refusal(skip: bool) {
@@ -346,4 +341,3 @@ pub fn check(e: &Estimate, device_name: &str) -> Result<()> {
     }
     Ok(())
 }
-

@@ -1,5 +1,8 @@
-use super::ADVICE;
 use anyhow::{bail, Result};
+use std::sync::Mutex;
+
+/// The advice of the last estimate, for an out-of-memory error at run time.
+pub(super) static ADVICE: Mutex<Option<String>> = Mutex::new(None);
 
 /// Whether an error message is a CUDA out-of-memory (libtorch's `CUDA out of memory`, the CUDA
 /// runtime's `out of memory`).
@@ -73,4 +76,3 @@ pub fn catch_host_panic<T>(place: &str, f: impl FnOnce() -> Result<T>) -> Result
         Err(payload) => std::panic::resume_unwind(payload),
     }
 }
-
