@@ -13,8 +13,11 @@ import re
 import sys
 from pathlib import Path
 
-# Comments, raw and plain strings, char literals: nothing in them is a path.
-NOT_CODE = re.compile(r'//[^\n]*|/\*.*?\*/|\bb?r(#*)".*?"\1|"(?:\\.|[^"\\])*"|\'(?:\\.|[^\\\'])\'', re.S)
+# Comments, raw and plain strings, char literals: nothing in them is a path. Nor is a visibility's
+# `pub(in crate::a)`: it names an ancestor the item is seen from, not a module the file uses.
+NOT_CODE = re.compile(
+    r'//[^\n]*|/\*.*?\*/|\bb?r(#*)".*?"\1|"(?:\\.|[^"\\])*"|\'(?:\\.|[^\\\'])\'|\bpub\s*\(\s*in\s[^)]*\)', re.S
+)
 PATH = re.compile(r"\b[A-Za-z_]\w*(?:\s*::\s*[A-Za-z_]\w*)+")
 
 
