@@ -14,12 +14,7 @@
 //! show; this file runs the command.
 
 use anyhow::Result;
-use serde_json::Value;
-use std::{
-    fmt::Write as _,
-    fs,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
 
 mod format;
 mod plot;
@@ -28,7 +23,6 @@ mod runs;
 mod stats;
 mod sweep;
 
-use format::*;
 use plot::*;
 use report::*;
 pub use runs::*;
@@ -37,32 +31,6 @@ pub use sweep::*;
 
 // ---------------------------------------------------------------------------------------------
 // Entry point
-
-fn unix_now() -> f64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// UTC `YYYYMMDD-HHMMSS` (folder names) or `YYYY-MM-DD HH:MM:SS` (text), from Unix seconds.
-fn utc_timestamp(secs: f64, readable: bool) -> String {
-    let secs = secs as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil date from days since 1970-01-01 (proleptic Gregorian; eras of 400 years).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    let (hh, mm, ss) = (rem / 3600, rem % 3600 / 60, rem % 60);
-    if readable {
-        format!("{y:04}-{m:02}-{d:02} {hh:02}:{mm:02}:{ss:02}")
-    } else {
-        format!("{y:04}{m:02}{d:02}-{hh:02}{mm:02}{ss:02}")
-    }
-}
 
 /// Default output, one folder reused by every comparison of the same runs: an A/B folder's
 /// `report/` when one A/B folder is given, else `compare/` beside the first run.

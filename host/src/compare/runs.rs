@@ -1,7 +1,11 @@
 //! Reading experiment folders: each run's config, manifest, metrics, summary and eval files, an
 //! A/B parent folder expanded into its runs; broken or unfinished runs are noted, never fatal.
 
-use super::*;
+use serde_json::Value;
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
 
 /// The fields of one `metrics.jsonl` line (`train::StepMetrics`) the report uses.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,7 +1,7 @@
 //! The equal-token comparison: every run read at one token count T (linear interpolation
 //! between logged records), then each group's mean and spread.
 
-use super::*;
+use super::runs::{Record, Run, Status};
 
 /// One run's metrics at T.
 #[derive(Debug, Clone, PartialEq)]

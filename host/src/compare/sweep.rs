@@ -2,9 +2,12 @@
 //! each swept arm was run at and chosen on the validation split; the runs at the other values
 //! are shown as the arm's sweep curve and left out of the comparison of the arms.
 
-use super::*;
+use super::runs::Run;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
 
 pub const SELECTION_FILE: &str = "selection.json";
 

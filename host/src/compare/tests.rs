@@ -1,4 +1,6 @@
+use super::format::{fmt_count, fmt_stat, fmt_tokens_short, DASH};
 use super::*;
+use std::fs;
 
 /// An A/B folder stands for its runs; every eval*.json is read; lr and gradient norm are read
 /// and plotted, eval tau too when evals name their checkpoints; final values come per run.

@@ -8,8 +8,14 @@ mod curves;
 mod draw;
 mod sweep;
 
-use super::*;
+use super::{
+    format::fmt_tokens_short,
+    runs::{Record, Run},
+    stats::Comparison,
+    sweep::{sweep_plot_stem, Sweeps},
+};
 use crate::outputs::OutDir;
+use anyhow::Result;
 use curves::{AccFigure, CurveFigure};
 use draw::save;
 #[cfg(test)]

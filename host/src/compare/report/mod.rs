@@ -4,11 +4,43 @@
 
 mod tables;
 
-use super::*;
+use super::{
+    format::fmt_count,
+    runs::{Run, Status},
+    stats::Comparison,
+    sweep::{sweep_plot_stem, Sweeps},
+};
+use std::fmt::Write as _;
 use tables::{
     acc_tables, eval_table, final_table, group_table, has_held_out, held_out_table, run_table, sweep_sentence,
     sweep_table, wall_table,
 };
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// UTC `YYYYMMDD-HHMMSS` (folder names) or `YYYY-MM-DD HH:MM:SS` (text), from Unix seconds.
+pub(super) fn utc_timestamp(secs: f64, readable: bool) -> String {
+    let secs = secs as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (proleptic Gregorian; eras of 400 years).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let (hh, mm, ss) = (rem / 3600, rem % 3600 / 60, rem % 60);
+    if readable {
+        format!("{y:04}-{m:02}-{d:02} {hh:02}:{mm:02}:{ss:02}")
+    } else {
+        format!("{y:04}{m:02}{d:02}-{hh:02}{mm:02}{ss:02}")
+    }
+}
 
 pub(super) fn comparison_sentence(runs: &[Run], cmp: &Comparison) -> String {
     let Some(t) = cmp.tokens else { return "No run has metrics: nothing to compare.".into() };
