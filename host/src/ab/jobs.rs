@@ -6,7 +6,7 @@
 //! stops), no new run starts, and the phase is not done (the A/B exits with the signal's code and
 //! a rerun resumes); the runs die with this process. A run that fails starts no new one either.
 
-use super::{plan::ArmRun, How, Stage};
+use super::plan::{ArmRun, How, Stage};
 use anyhow::{bail, Context, Result};
 use std::{
     ffi::OsString,

@@ -51,15 +51,17 @@
 
 mod evals;
 mod jobs;
+mod measure;
 mod plan;
 mod runs;
 mod select;
 mod sweep;
 
 pub use evals::EvalSpec;
-pub use plan::{merge, plan, AbConfig, ArmFork, ArmPlan, ArmRun, ForkFrom, ForkRun, Plan, PointRuns};
+pub use measure::Select;
+pub use plan::{merge, plan, AbConfig, ArmFork, ArmPlan, ArmRun, ForkFrom, ForkRun, How, Plan, PointRuns, Stage};
 pub use runs::{arm_state, ArmState};
-pub use select::{choose, Select};
+pub use select::choose;
 pub use sweep::SweepPoint;
 
 use crate::plugins::Registry;
@@ -190,33 +192,6 @@ fn compared_evals(plan: &Plan, r: &ArmRun, registry: &Registry) -> Result<()> {
         evals::ensure(&r.dir, registry, spec, sets)?;
     }
     Ok(())
-}
-
-/// How an A/B runs: the seeds and device given on the command line, and how many runs of a
-/// phase train at once (`--jobs`: more than 1 runs each in its own process, `ab --only`).
-pub struct How {
-    pub seeds: Option<u64>,
-    pub device: Option<String>,
-    pub jobs: usize,
-}
-
-impl How {
-    fn plan(&self, config: &Path, registry: &Registry) -> Result<Plan> {
-        let plan = plan(config, self.seeds, Path::new("experiments"), registry)?;
-        Ok(match &self.device {
-            Some(d) => plan.on_device(d),
-            None => plan,
-        })
-    }
-}
-
-/// Which phase a run belongs to, for what is evaluated after it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Stage {
-    /// Phase 1: every arm's first seed at every value it sweeps.
-    First,
-    /// Phase 2: the compared runs.
-    Compared,
 }
 
 /// `ab --only RUN --stage S`: one run of the plan (its folder's name) and the evaluations its

@@ -1,9 +1,10 @@
 //! An A/B file read and expanded into its plan: every arm, every value it sweeps, every seed,
-//! each run's config typed and checked before any run starts.
+//! each run's config typed and checked before any run starts; how the command runs it ([`How`]) and
+//! its phases ([`Stage`]).
 
 use super::{
     evals::{self, EvalSpec},
-    select::Select,
+    measure::Select,
     sweep,
     sweep::SweepPoint,
 };
@@ -161,6 +162,33 @@ impl Plan {
 /// Records the run's data loader holds out, by split, as its plugin's check says (ABI `check`):
 /// `(validation, holdout)`. None when the plugin does not say, or refuses the section (the run
 /// reports why when it starts).
+/// How an A/B runs: the seeds and device given on the command line, and how many runs of a
+/// phase train at once (`--jobs`: more than 1 runs each in its own process, `ab --only`).
+pub struct How {
+    pub seeds: Option<u64>,
+    pub device: Option<String>,
+    pub jobs: usize,
+}
+
+impl How {
+    pub(super) fn plan(&self, config: &Path, registry: &Registry) -> Result<Plan> {
+        let plan = plan(config, self.seeds, Path::new("experiments"), registry)?;
+        Ok(match &self.device {
+            Some(d) => plan.on_device(d),
+            None => plan,
+        })
+    }
+}
+
+/// Which phase a run belongs to, for what is evaluated after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Stage {
+    /// Phase 1: every arm's first seed at every value it sweeps.
+    First,
+    /// Phase 2: the compared runs.
+    Compared,
+}
+
 fn data_splits(cfg: &RunConfig, config_dir: &Path, registry: &Registry) -> Option<(u64, u64)> {
     let section = cfg.section("data");
     let plugin = registry.find(plugin_api::PluginKind::DataLoader, &section.plugin).ok()?;
