@@ -91,8 +91,7 @@ pub fn load_experiment(exp_dir: &Path, registry: &Registry, drafter: DrafterFrom
     memory_estimate::check_run(&cfg, registry, &ctx, Work::Eval)?;
     let mut c = build_components(&cfg, registry, &config_dir, &cache_dir())?;
     if let DrafterFrom::Checkpoint(ckpt) = drafter {
-        let declared = checkpoint::declared_by(&c.drafter.parameters()?);
-        checkpoint::check_declared(&ckpt.weights_file(), &ckpt.weights, &declared)?;
+        ckpt.check_weights_for(&c.drafter.parameters()?)?;
         c.drafter.load_weights(ckpt.weights.into())?;
         tracing::info!("drafter weights from {}", ckpt.dir.display());
     }

@@ -72,6 +72,23 @@ enum Source {
 }
 
 impl Plugin {
+    /// An instance for a config section that names this plugin; it must be of the section's kind.
+    pub fn create(&self, kind: PluginKind, section: &PluginSection, ctx: &HostContext) -> Result<PluginInstance> {
+        let instance = (self.module()?.create())(section.config_toml.as_str().into(), ctx)
+            .into_result()
+            .map_err(|e| anyhow!("[{}] plugin `{}`: {e}", section.kind, section.plugin))?;
+        let made = match &instance {
+            PluginInstance::Target(_) => PluginKind::Target,
+            PluginInstance::Drafter(_) => PluginKind::Drafter,
+            PluginInstance::Optimizer(_) => PluginKind::Optimizer,
+            PluginInstance::DataLoader(_) => PluginKind::DataLoader,
+        };
+        if made != kind {
+            bail!("[{}] plugin `{}` says it is a {kind} plugin but created a {made}", section.kind, section.plugin);
+        }
+        Ok(instance)
+    }
+
     /// The plugin's root module, loading its library now if it is not loaded yet.
     pub fn module(&self) -> Result<PluginModule_Ref> {
         match &self.source {
@@ -229,19 +246,7 @@ impl Registry {
         ctx: &HostContext,
     ) -> Result<(PluginInstance, PluginRecord)> {
         let plugin = self.find(kind, &section.plugin).map_err(|e| anyhow!("[{}] {e}", section.kind))?;
-        let instance = (plugin.module()?.create())(section.config_toml.as_str().into(), ctx)
-            .into_result()
-            .map_err(|e| anyhow!("[{}] plugin `{}`: {e}", section.kind, section.plugin))?;
-        let made = match &instance {
-            PluginInstance::Target(_) => PluginKind::Target,
-            PluginInstance::Drafter(_) => PluginKind::Drafter,
-            PluginInstance::Optimizer(_) => PluginKind::Optimizer,
-            PluginInstance::DataLoader(_) => PluginKind::DataLoader,
-        };
-        if made != kind {
-            bail!("[{}] plugin `{}` says it is a {kind} plugin but created a {made}", section.kind, section.plugin);
-        }
-        Ok((instance, plugin.record.clone()))
+        Ok((plugin.create(kind, section, ctx)?, plugin.record.clone()))
     }
 }
 

@@ -289,10 +289,7 @@ pub fn resume_with(
     // 3. Where it resumes, and whether there is anything left to do.
     let (good, _corrupt) = checkpoint::newest_usable(exp_dir, true);
     let state: Option<TrainerState> = match &good {
-        Some(c) => Some(
-            serde_json::from_value(c.trainer_state.clone())
-                .with_context(|| format!("{}: not valid", c.dir.join("trainer_state.json").display()))?,
-        ),
+        Some(c) => Some(trainer_state(c)?),
         None if manifest.parent.is_some() => bail!(
             "cannot resume {}: a fork starts from its first checkpoint, and none of its checkpoints is usable; fork \
              its parent again",
@@ -397,11 +394,16 @@ pub fn resume_with(
     train::train(&cfg, components, folder, &cache, train::TrainOptions { resume: from, stop_at: opts.stop_at, comm })
 }
 
+/// The trainer state a checkpoint holds.
+pub(super) fn trainer_state(c: &checkpoint::Opened) -> Result<TrainerState> {
+    serde_json::from_value(c.trainer_state.clone())
+        .with_context(|| format!("{}: not valid", c.dir.join("trainer_state.json").display()))
+}
+
 /// What a resume starts from: the opened checkpoint, its weights checked against what the
 /// drafter declares.
 fn resume_from(c: checkpoint::Opened, state: TrainerState, components: &Components) -> Result<train::ResumeFrom> {
-    let declared = checkpoint::declared_by(&components.drafter.parameters()?);
-    checkpoint::check_declared(&c.weights_file(), &c.weights, &declared)?;
+    c.check_weights_for(&components.drafter.parameters()?)?;
     Ok(train::ResumeFrom {
         state,
         weights: c.weights,

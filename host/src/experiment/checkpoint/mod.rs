@@ -163,6 +163,12 @@ impl Opened {
     pub fn weights_file(&self) -> PathBuf {
         self.dir.join("model.safetensors")
     }
+
+    /// The weights checked against what a drafter with these `parameters` declares
+    /// ([`check_declared`]).
+    pub fn check_weights_for(&self, parameters: &[NamedTensor]) -> Result<()> {
+        check_declared(&self.weights_file(), &self.weights, &declared_by(parameters))
+    }
 }
 
 /// Why a checkpoint was not opened.
