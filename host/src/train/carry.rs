@@ -6,7 +6,7 @@
 use crate::{
     config::{PluginSection, RunConfig},
     experiment::manifest::CarryRecord,
-    plugins::{handles::OptimizerHandle, host_context, Registry},
+    plugins::{handles::OptimizerHandle, host_context, Plugin, Registry},
 };
 use anyhow::{anyhow, bail, Result};
 use plugin_api::{abi_stable::std_types::RVec, HostContext, NamedTensor, PluginInstance, PluginKind};
@@ -27,19 +27,22 @@ pub struct Carried {
     pub record: CarryRecord,
 }
 
-/// Carry `from` into the fork's optimizer (`cfg`'s section), on the CPU. `trainable`: the names
-/// of the drafter's trainable parameters, in the order the run gives them to its optimizer.
+/// Carry `from` into the fork's optimizer (`to`, its section of `cfg`), on the CPU. `trainable`:
+/// the names of the drafter's trainable parameters, in the order the run gives them to its
+/// optimizer. Each optimizer plugin is found once, its ABI checked, then made from it.
 pub fn carry(
     from: CarryFrom,
+    to: &PluginSection,
     cfg: &RunConfig,
     trainable: &[String],
     registry: &Registry,
     config_dir: &Path,
     cache_dir: &Path,
 ) -> Result<Carried> {
-    let to = cfg.section("optimizer");
-    for section in [&from.section, &to] {
-        let record = &registry.find(PluginKind::Optimizer, &section.plugin)?.record;
+    let mut plugins = Vec::with_capacity(2);
+    for section in [&from.section, to] {
+        let plugin = registry.find(PluginKind::Optimizer, &section.plugin)?;
+        let record = &plugin.record;
         if crate::plugins::abi_minor(&record.abi) < 1 {
             bail!(
                 "field `fork.optimizer_state` (--optimizer-state) is carry, but optimizer plugin `{}` was built against \
@@ -50,6 +53,7 @@ pub fn carry(
                 plugin_api::ABI_VERSION
             );
         }
+        plugins.push(plugin);
     }
     let ctx = host_context("cpu", cfg.dtype(), cfg.seed, config_dir, cache_dir);
     let params = || -> Result<RVec<NamedTensor>> {
@@ -62,12 +66,12 @@ pub fn carry(
             })
             .collect()
     };
-    let mut parent = optimizer(registry, &from.section, &ctx)?;
+    let mut parent = optimizer(plugins[0], &from.section, &ctx)?;
     parent.init(params()?)?;
     parent.load_state(from.state.into())?;
     let exported = parent.export_state()?.ok_or_else(|| cannot(&from.section.plugin, "export"))?;
     let exported_params = exported.params.len() as u64;
-    let mut fork = optimizer(registry, &to, &ctx)?;
+    let mut fork = optimizer(plugins[1], to, &ctx)?;
     fork.init(params()?)?;
     let report = fork.import_state(exported)?.ok_or_else(|| cannot(&to.plugin, "import"))?;
     // Owned copies: the instance that holds them goes when this returns.
@@ -83,8 +87,8 @@ pub fn carry(
     Ok(Carried { state, record })
 }
 
-fn optimizer(registry: &Registry, section: &PluginSection, ctx: &HostContext) -> Result<OptimizerHandle> {
-    match registry.create(PluginKind::Optimizer, section, ctx)?.0 {
+fn optimizer(plugin: &Plugin, section: &PluginSection, ctx: &HostContext) -> Result<OptimizerHandle> {
+    match plugin.create(PluginKind::Optimizer, section, ctx)? {
         PluginInstance::Optimizer(o) => Ok(OptimizerHandle::new(o, &section.plugin)),
         _ => unreachable!("Registry::create checks the kind"),
     }

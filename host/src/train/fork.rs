@@ -5,16 +5,21 @@
 //! Its manifest records the parent, the step and the weights' SHA-256; its steps continue the
 //! parent's count.
 
-use super::start::{check_stop_at, connect, follower_rank, fresh_manifest, served};
+use super::start::{check_stop_at, connect, follower_rank, fresh_manifest, served, trainer_state};
 use crate::{
-    config::{self, RunConfig},
+    config::{self, PluginSection, RunConfig},
     environment::cache_dir,
-    experiment::{self, checkpoint, manifest::ParentRecord, Experiment, Manifest},
-    pipeline::{assemble::build, ranks::place_rank, replicas},
+    experiment::{
+        self, checkpoint,
+        manifest::{CarryRecord, ParentRecord},
+        Experiment, Manifest,
+    },
+    pipeline::{assemble::build, components::Components, ranks::place_rank, replicas},
     plugins::Registry,
     train::{self, carry, schedule::ForkSchedule, ResumeFrom, TrainSummary, TrainerState},
 };
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
+use plugin_api::NamedTensor;
 use std::path::{Path, PathBuf};
 
 /// What the fork does with the parent's optimizer state.
@@ -96,186 +101,46 @@ fn default_name(parent: &Path, at: u64) -> (PathBuf, String) {
     (root.to_path_buf(), format!("{name}-fork-{at}"))
 }
 
-/// Fork `spec.parent` at `spec.at` and train the fork to its configured steps.
+/// Fork `spec.parent` at `spec.at` and train the fork to its configured steps: the parent
+/// resolved once, the fork's config and folder, the changes applied (the optimizer state, the
+/// schedule), the child's first checkpoint and manifest, then the trainer as for a resume.
 pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
-    let parent = spec.parent;
-    let at = spec.at;
-    let parent_cfg = parent.join(experiment::CONFIG);
-    if !parent_cfg.is_file() {
-        bail!("{}: not an experiment directory (no config.toml)", parent.display());
-    }
-    let then = Manifest::read(parent)?;
-    let cfg = match spec.config.clone() {
-        Some(cfg) => cfg,
-        None => RunConfig::load_with(&parent_cfg, &spec.overrides)?,
-    };
-    let cfg = place_rank(&cfg)?;
-    if at >= cfg.train.steps {
-        bail!(
-            "cannot fork {} at step {at}: train.steps is {}; give `--set train.steps=N` with N > {at}",
-            parent.display(),
-            cfg.train.steps
-        );
-    }
-    check_stop_at(spec.stop_at, at)?;
-    // Under a launcher every rank must name the same folder (`--nproc` gives them one).
-    let launched = crate::dist::DistEnv::from_env()?.is_some_and(|e| e.world > 1);
-    // Without --exp-dir the fork takes the first free one of `<parent>-fork-<STEP>`, `-2`, ...
-    // when its folder appears (forks started at once each get their own).
-    let numbered = match spec.exp_dir.clone() {
-        Some(_) => None,
-        None if launched => {
-            bail!("fork over several ranks: give the fork's folder with --exp-dir (one for every rank)")
-        }
-        None => Some(default_name(parent, at)),
-    };
-    let exp_dir = match &numbered {
-        Some((root, name)) => root.join(name),
-        None => spec.exp_dir.clone().expect("given"),
-    };
-    let config_dir = PathBuf::from(&then.config_dir);
+    // 1. Resolve the parent, the fork's config and its folder.
+    let parent = Parent::resolve(spec.parent)?;
+    let cfg = fork_config(&spec, &parent)?;
+    let dir = ChildDir::choose(&spec)?;
     // A rank of a target replica other than its lead builds the target alone and serves it.
     if let Some(follower) = replicas::follower(&cfg)? {
-        replicas::serve(&cfg, &parent_cfg, &config_dir, spec.registry, &exp_dir, follower)?;
-        return Ok(served(&exp_dir));
+        replicas::serve(&cfg, &parent.config_path, &parent.config_dir, spec.registry, &dir.path, follower)?;
+        return Ok(served(&dir.path));
     }
     // Rank 0 writes the fork's folder; every other rank that trains (a data-parallel rank, the
     // lead of another replica) reads the parent's checkpoint as rank 0 does.
     let writes = !follower_rank()?;
-    if writes && numbered.is_none() {
-        config::preflight::check_exp_dir(&exp_dir)?;
+    if writes && dir.numbered.is_none() {
+        config::preflight::check_exp_dir(&dir.path)?;
     }
+    let (ckpt, mut state) = parent.checkpoint(spec.at)?;
 
-    // The checkpoint: every file opened once and checked against its checksum, read from those
-    // handles (a parent still training may prune the folder meanwhile).
-    let ckpt = checkpoint::open_step(parent, at, true)?;
-    let state_path = ckpt.dir.join("trainer_state.json");
-    let mut state: TrainerState = serde_json::from_value(ckpt.trainer_state.clone())
-        .with_context(|| format!("{}: not valid", state_path.display()))?;
-    if state.step != at {
-        bail!("{}: records step {}, the folder is step-{at}", state_path.display(), state.step);
+    // 2. Apply the changes: the optimizer state and the schedule, then the plugins under the
+    // fork's config and what only they know.
+    let changes = Changes::choose(&spec, &parent, &cfg)?;
+    if let Some(schedule) = changes.schedule(&spec) {
+        state.fork = Some(schedule);
     }
-
-    // The optimizer state and the schedule.
-    let plugin_of = |kind: &str| then.plugins.iter().find(|p| p.kind == kind).map(|p| p.name.clone());
-    let optimizer_then = plugin_of("optimizer").unwrap_or_default();
-    let optimizer_now = cfg.section("optimizer").plugin;
-    let switched = optimizer_then != optimizer_now;
-    let choice =
-        spec.optimizer_state.unwrap_or(if switched { OptimizerStateChoice::Fresh } else { OptimizerStateChoice::Keep });
-    if switched && choice == OptimizerStateChoice::Keep {
-        bail!(
-            "field `fork.optimizer_state` (--optimizer-state) is keep, but the checkpoint holds `{optimizer_then}`'s \
-             state and the fork's optimizer is `{optimizer_now}`; give --optimizer-state fresh (a new state) or carry \
-             (what maps taken over)"
-        );
-    }
-    let t = &cfg.train;
-    let warmup = (t.warmup_frac * t.steps as f64).round() as u64;
-    let rewarm = spec.rewarm.unwrap_or(match (choice, spec.schedule) {
-        (OptimizerStateChoice::Fresh, ScheduleChoice::Continue) => warmup,
-        _ => 0,
-    });
-    if spec.schedule == ScheduleChoice::Restart || rewarm > 0 {
-        state.fork = Some(ForkSchedule { at, restart: spec.schedule == ScheduleChoice::Restart, rewarm });
-    }
-
-    // The plugins under the fork's config, and what only they know.
     let cache = cache_dir();
-    let components = build(&cfg, &parent_cfg, &config_dir, spec.registry)?;
-    let parent_state = || ckpt.optimizer_state.clone().expect("opened with the optimizer state");
-    let (optimizer_state, carried) = match choice {
-        OptimizerStateChoice::Keep => (parent_state(), None),
-        OptimizerStateChoice::Fresh => (Vec::new(), None),
-        OptimizerStateChoice::Carry => {
-            let from = carry::CarryFrom {
-                section: RunConfig::load(&parent_cfg)?.section("optimizer"),
-                state: parent_state(),
-                weights: &ckpt.weights,
-            };
-            let trainable: Vec<String> = components.drafter.parameters()?.iter().map(|p| p.name.to_string()).collect();
-            let c = carry::carry(from, &cfg, &trainable, spec.registry, &config_dir, &cache)?;
-            (c.state, Some(c.record))
-        }
-    };
-    let positions = components.drafter.block_size()?.saturating_sub(1) as usize;
-    if state.window.positions() != positions {
-        bail!(
-            "cannot fork {} at step {at}: its checkpoint has statistics for {} block positions, the fork's drafter has \
-             {positions} (block_size changed)",
-            parent.display(),
-            state.window.positions()
-        );
-    }
-    let declared = checkpoint::declared_by(&components.drafter.parameters()?);
-    checkpoint::check_declared(&ckpt.weights_file(), &ckpt.weights, &declared)?;
+    let components = build(&cfg, &parent.config_path, &parent.config_dir, spec.registry)?;
+    let (optimizer_state, carried) = changes.optimizer_state(&spec, &parent, &ckpt, &cfg, &components, &cache)?;
+    check_drafter(&spec, &state, &ckpt, &components)?;
 
-    let manifest = Manifest {
-        parent: Some(ParentRecord {
-            path: parent.canonicalize().unwrap_or_else(|_| parent.to_path_buf()).display().to_string(),
-            step: at,
-            checkpoint_sha256: ckpt.weights_sha256.clone(),
-            optimizer_then,
-            optimizer_now,
-            optimizer_state: choice.name().into(),
-            schedule: spec.schedule.name().into(),
-            rewarm,
-            carried: carried.clone(),
-        }),
-        ab: spec.ab.map(|(name, _)| name.to_string()),
-        arm: spec.ab.map(|(_, arm)| arm.to_string()),
-        ..fresh_manifest(&cfg, spec.registry, &config_dir, &cache, &components)?
+    // 3. Write the child: its manifest, then its folder with the parent's checkpoint as its first.
+    let manifest = child_manifest(&spec, &parent, &ckpt, &changes, carried, &cfg, &components, &cache)?;
+    let keep = cfg.train.keep_checkpoints;
+    let folder = match writes {
+        true => child_folder(&spec, dir.clone(), &ckpt, &optimizer_state, &state, manifest, keep),
+        false => train::RunFolder::Open(Experiment::detached(&dir.path)),
     };
-    let resolved = manifest.config_toml.clone().expect("a fresh manifest holds its config");
-    let ckpt_config_json = ckpt.config_json.clone();
-
-    // The fork's folder, with the checkpoint it starts from as its own first one (written before
-    // the folder appears): killed at any moment, the fork resumes from there at the latest. It is
-    // made once everything was checked: the data read (and its position in it taken), the
-    // optimizer state loaded; a refused fork leaves no folder.
-    let first_weights = ckpt.weights.clone();
-    let first_optimizer = optimizer_state.clone();
-    let first_state = state.clone();
-    let keep = t.keep_checkpoints;
-    let said = format!(
-        "(optimizer {} -> {}, state {}, schedule {}, re-warm {rewarm} steps)",
-        manifest.parent.as_ref().map_or("", |p| p.optimizer_then.as_str()),
-        manifest.parent.as_ref().map_or("", |p| p.optimizer_now.as_str()),
-        choice.name(),
-        spec.schedule.name()
-    );
-    let carried_said = carried.as_ref().map(|c| {
-        format!(
-            "carried the optimizer state {} -> {}: {}",
-            manifest.parent.as_ref().map_or("", |p| p.optimizer_then.as_str()),
-            manifest.parent.as_ref().map_or("", |p| p.optimizer_now.as_str()),
-            c.summary()
-        )
-    });
-    let folder = if writes {
-        let exp_dir = exp_dir.clone();
-        train::RunFolder::New(Box::new(move || {
-            let first = checkpoint::CheckpointData {
-                weights: &first_weights,
-                drafter_config_json: &ckpt_config_json,
-                optimizer_state: &first_optimizer,
-                trainer_state: &first_state,
-            };
-            let fill = |tmp: &Path| checkpoint::write(tmp, at, &first, keep).map(|_| ());
-            let exp = match numbered {
-                Some((root, name)) => Experiment::create_numbered(&root, &name, &resolved, &manifest, fill)?,
-                None => Experiment::create_with(&exp_dir, &resolved, &manifest, fill)?,
-            };
-            tracing::info!("forked {} at step {at} into {} {said}", parent.display(), exp.dir.display());
-            if let Some(c) = carried_said {
-                tracing::info!("{c}");
-            }
-            Ok(exp)
-        }))
-    } else {
-        train::RunFolder::Open(Experiment::detached(&exp_dir))
-    };
-    let Some((comm, components)) = connect(&cfg, components, &exp_dir)? else { return Ok(served(&exp_dir)) };
+    let Some((comm, components)) = connect(&cfg, components, &dir.path)? else { return Ok(served(&dir.path)) };
     let from = ResumeFrom { state, weights: ckpt.weights, optimizer_state, checkpoint: ckpt.dir.display().to_string() };
     train::train(
         &cfg,
@@ -284,4 +149,269 @@ pub fn fork(spec: ForkSpec) -> Result<TrainSummary> {
         &cache,
         train::TrainOptions { resume: Some(from), stop_at: spec.stop_at, comm },
     )
+}
+
+/// The parent as the fork reads it, resolved once and handed to every phase: it is only read
+/// (it may still be training; its lock is not taken).
+struct Parent<'a> {
+    dir: &'a Path,
+    /// Its `config.toml`: the fork's config unless one is given, and where errors point.
+    config_path: PathBuf,
+    /// The folder its config's relative paths resolve from (its manifest's).
+    config_dir: PathBuf,
+    /// The optimizer plugin it trained with (its manifest's record; empty if none).
+    optimizer: String,
+}
+
+impl<'a> Parent<'a> {
+    fn resolve(dir: &'a Path) -> Result<Self> {
+        let config_path = dir.join(experiment::CONFIG);
+        if !config_path.is_file() {
+            bail!("{}: not an experiment directory (no config.toml)", dir.display());
+        }
+        let manifest = Manifest::read(dir)?;
+        let optimizer = manifest.plugins.iter().find(|p| p.kind == "optimizer").map(|p| p.name.clone());
+        Ok(Parent {
+            dir,
+            config_path,
+            config_dir: PathBuf::from(&manifest.config_dir),
+            optimizer: optimizer.unwrap_or_default(),
+        })
+    }
+
+    /// Its checkpoint at `at`: every file opened once and checked against its checksum, read
+    /// from those handles (a parent still training may prune the folder meanwhile); and the
+    /// trainer state it holds.
+    fn checkpoint(&self, at: u64) -> Result<(checkpoint::Opened, TrainerState)> {
+        let ckpt = checkpoint::open_step(self.dir, at, true)?;
+        let state = trainer_state(&ckpt)?;
+        if state.step != at {
+            let path = ckpt.dir.join("trainer_state.json");
+            bail!("{}: records step {}, the folder is step-{at}", path.display(), state.step);
+        }
+        Ok((ckpt, state))
+    }
+
+    /// Its folder as the manifest records it.
+    fn path(&self) -> String {
+        self.dir.canonicalize().unwrap_or_else(|_| self.dir.to_path_buf()).display().to_string()
+    }
+}
+
+/// The fork's config: the one given, or the parent's with the overrides; this rank's devices;
+/// steps left after the fork.
+fn fork_config(spec: &ForkSpec, parent: &Parent) -> Result<RunConfig> {
+    let cfg = match spec.config.clone() {
+        Some(cfg) => cfg,
+        None => RunConfig::load_with(&parent.config_path, &spec.overrides)?,
+    };
+    let cfg = place_rank(&cfg)?;
+    let at = spec.at;
+    if at >= cfg.train.steps {
+        bail!(
+            "cannot fork {} at step {at}: train.steps is {}; give `--set train.steps=N` with N > {at}",
+            parent.dir.display(),
+            cfg.train.steps
+        );
+    }
+    check_stop_at(spec.stop_at, at)?;
+    Ok(cfg)
+}
+
+/// The fork's folder.
+#[derive(Clone)]
+struct ChildDir {
+    path: PathBuf,
+    /// Without `--exp-dir`: the root and name the fork claims the first free one of
+    /// (`<parent>-fork-<STEP>`, `-2`, ...) when its folder appears.
+    numbered: Option<(PathBuf, String)>,
+}
+
+impl ChildDir {
+    fn choose(spec: &ForkSpec) -> Result<Self> {
+        // Under a launcher every rank must name the same folder (`--nproc` gives them one).
+        let launched = crate::dist::DistEnv::from_env()?.is_some_and(|e| e.world > 1);
+        // Forks started at once each get their own numbered folder.
+        let numbered = match spec.exp_dir.clone() {
+            Some(_) => None,
+            None if launched => {
+                bail!("fork over several ranks: give the fork's folder with --exp-dir (one for every rank)")
+            }
+            None => Some(default_name(spec.parent, spec.at)),
+        };
+        let path = match &numbered {
+            Some((root, name)) => root.join(name),
+            None => spec.exp_dir.clone().expect("given"),
+        };
+        Ok(ChildDir { path, numbered })
+    }
+}
+
+/// What the fork changes against its parent: the optimizer (then and now), what becomes of its
+/// state, the re-warm-up.
+struct Changes {
+    optimizer_then: String,
+    optimizer_now: PluginSection,
+    choice: OptimizerStateChoice,
+    rewarm: u64,
+}
+
+impl Changes {
+    fn choose(spec: &ForkSpec, parent: &Parent, cfg: &RunConfig) -> Result<Self> {
+        let optimizer_then = parent.optimizer.clone();
+        let optimizer_now = cfg.section("optimizer");
+        let switched = optimizer_then != optimizer_now.plugin;
+        let choice = spec.optimizer_state.unwrap_or(if switched {
+            OptimizerStateChoice::Fresh
+        } else {
+            OptimizerStateChoice::Keep
+        });
+        if switched && choice == OptimizerStateChoice::Keep {
+            bail!(
+                "field `fork.optimizer_state` (--optimizer-state) is keep, but the checkpoint holds `{optimizer_then}`'s \
+                 state and the fork's optimizer is `{}`; give --optimizer-state fresh (a new state) or carry (what maps \
+                 taken over)",
+                optimizer_now.plugin
+            );
+        }
+        let t = &cfg.train;
+        let warmup = (t.warmup_frac * t.steps as f64).round() as u64;
+        let rewarm = spec.rewarm.unwrap_or(match (choice, spec.schedule) {
+            (OptimizerStateChoice::Fresh, ScheduleChoice::Continue) => warmup,
+            _ => 0,
+        });
+        Ok(Changes { optimizer_then, optimizer_now, choice, rewarm })
+    }
+
+    /// The schedule the trainer state keeps, where it is not the parent's.
+    fn schedule(&self, spec: &ForkSpec) -> Option<ForkSchedule> {
+        let restart = spec.schedule == ScheduleChoice::Restart;
+        (restart || self.rewarm > 0).then_some(ForkSchedule { at: spec.at, restart, rewarm: self.rewarm })
+    }
+
+    /// The fork's optimizer state: the parent's, a new one, or what carries over into the fork's
+    /// optimizer (with the record of it).
+    fn optimizer_state(
+        &self,
+        spec: &ForkSpec,
+        parent: &Parent,
+        ckpt: &checkpoint::Opened,
+        cfg: &RunConfig,
+        components: &Components,
+        cache: &Path,
+    ) -> Result<(Vec<NamedTensor>, Option<CarryRecord>)> {
+        let parent_state = || ckpt.optimizer_state.clone().expect("opened with the optimizer state");
+        Ok(match self.choice {
+            OptimizerStateChoice::Keep => (parent_state(), None),
+            OptimizerStateChoice::Fresh => (Vec::new(), None),
+            OptimizerStateChoice::Carry => {
+                let from = carry::CarryFrom {
+                    section: RunConfig::load(&parent.config_path)?.section("optimizer"),
+                    state: parent_state(),
+                    weights: &ckpt.weights,
+                };
+                let trainable: Vec<String> =
+                    components.drafter.parameters()?.iter().map(|p| p.name.to_string()).collect();
+                let to = &self.optimizer_now;
+                let c = carry::carry(from, to, cfg, &trainable, spec.registry, &parent.config_dir, cache)?;
+                (c.state, Some(c.record))
+            }
+        })
+    }
+}
+
+/// The fork's drafter must take the checkpoint: its block positions and its weights.
+fn check_drafter(
+    spec: &ForkSpec,
+    state: &TrainerState,
+    ckpt: &checkpoint::Opened,
+    components: &Components,
+) -> Result<()> {
+    let positions = components.drafter.block_size()?.saturating_sub(1) as usize;
+    if state.window.positions() != positions {
+        bail!(
+            "cannot fork {} at step {}: its checkpoint has statistics for {} block positions, the fork's drafter has \
+             {positions} (block_size changed)",
+            spec.parent.display(),
+            spec.at,
+            state.window.positions()
+        );
+    }
+    ckpt.check_weights_for(&components.drafter.parameters()?)
+}
+
+/// The fork's manifest: a fresh one under its config, with its parent, the A/B it is a run of.
+#[allow(clippy::too_many_arguments)]
+fn child_manifest(
+    spec: &ForkSpec,
+    parent: &Parent,
+    ckpt: &checkpoint::Opened,
+    changes: &Changes,
+    carried: Option<CarryRecord>,
+    cfg: &RunConfig,
+    components: &Components,
+    cache: &Path,
+) -> Result<Manifest> {
+    Ok(Manifest {
+        parent: Some(ParentRecord {
+            path: parent.path(),
+            step: spec.at,
+            checkpoint_sha256: ckpt.weights_sha256.clone(),
+            optimizer_then: changes.optimizer_then.clone(),
+            optimizer_now: changes.optimizer_now.plugin.clone(),
+            optimizer_state: changes.choice.name().into(),
+            schedule: spec.schedule.name().into(),
+            rewarm: changes.rewarm,
+            carried,
+        }),
+        ab: spec.ab.map(|(name, _)| name.to_string()),
+        arm: spec.ab.map(|(_, arm)| arm.to_string()),
+        ..fresh_manifest(cfg, spec.registry, &parent.config_dir, cache, components)?
+    })
+}
+
+/// The fork's folder, with the checkpoint it starts from as its own first one (written before
+/// the folder appears): killed at any moment, the fork resumes from there at the latest. It is
+/// made once everything was checked: the data read (and its position in it taken), the
+/// optimizer state loaded; a refused fork leaves no folder.
+fn child_folder(
+    spec: &ForkSpec,
+    dir: ChildDir,
+    ckpt: &checkpoint::Opened,
+    optimizer_state: &[NamedTensor],
+    state: &TrainerState,
+    manifest: Manifest,
+    keep: usize,
+) -> train::RunFolder<'static> {
+    let at = spec.at;
+    let parent = spec.parent.to_path_buf();
+    let resolved = manifest.config_toml.clone().expect("a fresh manifest holds its config");
+    let (first_weights, ckpt_config_json) = (ckpt.weights.clone(), ckpt.config_json.clone());
+    let (first_optimizer, first_state) = (optimizer_state.to_vec(), state.clone());
+    let record = manifest.parent.as_ref().expect("a fork's manifest names its parent");
+    let (then, now) = (&record.optimizer_then, &record.optimizer_now);
+    let said = format!(
+        "(optimizer {then} -> {now}, state {}, schedule {}, re-warm {} steps)",
+        record.optimizer_state, record.schedule, record.rewarm
+    );
+    let carried_said =
+        record.carried.as_ref().map(|c| format!("carried the optimizer state {then} -> {now}: {}", c.summary()));
+    train::RunFolder::New(Box::new(move || {
+        let first = checkpoint::CheckpointData {
+            weights: &first_weights,
+            drafter_config_json: &ckpt_config_json,
+            optimizer_state: &first_optimizer,
+            trainer_state: &first_state,
+        };
+        let fill = |tmp: &Path| checkpoint::write(tmp, at, &first, keep).map(|_| ());
+        let exp = match dir.numbered {
+            Some((root, name)) => Experiment::create_numbered(&root, &name, &resolved, &manifest, fill)?,
+            None => Experiment::create_with(&dir.path, &resolved, &manifest, fill)?,
+        };
+        tracing::info!("forked {} at step {at} into {} {said}", parent.display(), exp.dir.display());
+        if let Some(c) = carried_said {
+            tracing::info!("{c}");
+        }
+        Ok(exp)
+    }))
 }
