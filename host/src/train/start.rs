@@ -21,7 +21,7 @@ use crate::{
     train::{self, RunFolder, TrainSummary, TrainerState},
 };
 use anyhow::{bail, Context, Result};
-use plugin_api::PluginKind;
+use plugin_api::{PluginKind, TargetSpec};
 use std::path::{Path, PathBuf};
 
 /// `--stop-at N` must lie ahead of the step the run is at.
@@ -234,164 +234,253 @@ pub fn resume_with(
         None if follower_rank()? => None,
         None => Some(ExperimentLock::acquire(exp_dir)?),
     };
-    let cfg_path = exp_dir.join(experiment::CONFIG);
-    let cfg = RunConfig::load_with(&cfg_path, &opts.overrides)?;
-    let mut manifest = Manifest::read(exp_dir)?;
-    let config_dir = PathBuf::from(&manifest.config_dir);
-    let cache = cache_dir();
-    let resolved = toml::to_string(&cfg)?;
+    // 1. Read the checkpoint's run: its config now, what its manifest recorded.
+    let mut run = Resuming::read(exp_dir, opts)?;
 
-    // 1. Config and input files, before anything is built.
-    let mut drifts = match &manifest.config_toml {
-        Some(then) => manifest::config_drift(then, &resolved),
-        None => {
-            tracing::warn!(
-                "{}: the manifest predates config records; config changes cannot be checked",
-                exp_dir.display()
-            );
-            Vec::new()
-        }
-    };
-    let target_source = PathBuf::from(&manifest.target_source);
-    let is_target = |p: &Path| same_file(p, &target_source);
-    let inputs_now = manifest::hash_inputs(&cfg, registry, &config_dir, &cache, &|_| None, &is_target)?;
-    drifts.extend(manifest::input_drift(&manifest.inputs, &inputs_now));
-    // `--steps N` (or `--set train.steps=N`) extends the run: that change needs no --allow-change.
-    let extend = opts.overrides.iter().rev().find(|o| o.fields().iter().any(|f| f == "train.steps"));
-    let (extended, drifts): (Vec<Drift>, Vec<Drift>) =
-        drifts.into_iter().partition(|d| extend.is_some() && d.what == DriftKind::Config && d.field == "train.steps");
-    let mut allowed = manifest::refuse_drift(exp_dir, drifts, &opts.allow_change)?;
-    if let (Some(o), Some(d)) = (extend, extended.first()) {
-        tracing::info!(
-            "{}: train.steps {} -> {}; the learning-rate schedule now spans {} steps",
-            o.arg,
-            d.then,
-            d.now,
-            d.now
-        );
-    }
-    allowed.extend(extended);
-
-    // 2. Plugins: what each section picks now against what the run used (no library loaded yet).
-    let picked: Vec<PluginRecord> =
-        [PluginKind::Target, PluginKind::Drafter, PluginKind::Optimizer, PluginKind::DataLoader]
-            .into_iter()
-            .map(|k| {
-                Ok(registry
-                    .find(k, &cfg.section(k.as_str()).plugin)
-                    .map_err(|e| anyhow::anyhow!("[{k}] {e}"))?
-                    .record
-                    .clone())
-            })
-            .collect::<Result<_>>()?;
-    let plugin_changes = check_plugins(&manifest.plugins, &picked, opts.allow_plugin_change)?;
-
-    // 3. Where it resumes, and whether there is anything left to do.
-    let (good, _corrupt) = checkpoint::newest_usable(exp_dir, true);
-    let state: Option<TrainerState> = match &good {
-        Some(c) => Some(trainer_state(c)?),
-        None if manifest.parent.is_some() => bail!(
-            "cannot resume {}: a fork starts from its first checkpoint, and none of its checkpoints is usable; fork \
-             its parent again",
-            exp_dir.display()
-        ),
-        None => {
-            tracing::warn!("{}: no usable checkpoint; starting from step 0", exp_dir.display());
-            None
-        }
-    };
+    // 2. Check compatibility before anything is built: the config and input files, the plugins
+    // each section picks now (no library loaded yet), where it resumes and what is left to do.
+    let mut allowed = run.config_changes(registry, opts)?;
+    let picked = picked_plugins(&run.cfg, registry)?;
+    let plugin_changes = check_plugins(&run.manifest.plugins, &picked, opts.allow_plugin_change)?;
+    let (good, state) = run.resume_point()?;
     let at = state.as_ref().map_or(0, |s| s.step);
-    if at >= cfg.train.steps {
+    if at >= run.cfg.train.steps {
         bail!(
             "nothing to do: the run is at step {at} of {}; extend it with `train --resume {} --steps N` (N > {at})",
-            cfg.train.steps,
+            run.cfg.train.steps,
             exp_dir.display()
         );
     }
     check_stop_at(opts.stop_at, at)?;
 
-    // 4. The plugins (on this rank's devices), then what only they know: the target's weights,
+    // 3. The plugins (on this rank's devices), then what only they know: the target's weights,
     // the drafter's shape.
-    let cfg = place_rank(&cfg)?;
+    let cfg = place_rank(&run.cfg)?;
     if let Some(follower) = replicas::follower(&cfg)? {
-        replicas::serve(&cfg, &cfg_path, &config_dir, registry, exp_dir, follower)?;
+        replicas::serve(&cfg, &run.cfg_path, &run.config_dir, registry, exp_dir, follower)?;
         return Ok(served(exp_dir));
     }
-    let components = build(&cfg, &cfg_path, &config_dir, registry)?;
-    let spec = components.target.spec()?;
-    if spec.source_sha256.as_str() != manifest.target_sha256 {
-        let field = manifest
-            .inputs
-            .iter()
-            .find(|i| is_target(Path::new(&i.path)))
-            .map_or("target".to_string(), |i| i.field.clone());
-        let sha = |s: &str| format!("SHA-256 {}", &s[..16.min(s.len())]);
-        let drift = Drift {
-            field,
-            then: format!("{} ({})", manifest.target_source, sha(&manifest.target_sha256)),
-            now: format!("{} ({})", spec.source, sha(&spec.source_sha256)),
-            what: DriftKind::Input,
-        };
-        allowed.extend(manifest::refuse_drift(exp_dir, vec![drift], &opts.allow_change)?);
-    }
-    if let Some(s) = &state {
-        let positions = components.drafter.block_size()?.saturating_sub(1) as usize;
-        if s.window.positions() != positions {
-            bail!(
-                "cannot resume {}: its checkpoint has statistics for {} block positions, the drafter now has {positions} \
-                 (block_size changed); start a new run instead",
-                exp_dir.display(),
-                s.window.positions()
-            );
-        }
-    }
-    let from = match good {
-        Some(c) => Some(resume_from(c, state.expect("read with the checkpoint"), &components)?),
-        None => None,
+    let components = build(&cfg, &run.cfg_path, &run.config_dir, registry)?;
+    let target = components.target.spec()?;
+    allowed.extend(run.target_change(&target, opts)?);
+    let from = match (good, state) {
+        (Some(c), Some(state)) => Some(run.resume_from(c, state, &components)?),
+        _ => None,
     };
 
-    // 5. Every check passed: now change the folder.
+    // 4. Every check passed: now rebuild the folder's state.
     let exp = match lock {
         None => Experiment::detached(exp_dir),
         Some(lock) => {
-            checkpoint::set_aside_after(exp_dir, at)?;
-            if !opts.overrides.is_empty() {
-                // The command line changed the config: the experiment's config.toml says what runs.
-                crate::atomic_write::write_atomic(&cfg_path, resolved.as_bytes())?;
-            }
-            if !allowed.is_empty() || !plugin_changes.is_empty() || manifest.config_toml.is_none() {
-                for d in &allowed {
-                    manifest.changes.push(ChangeRecord {
-                        at_step: at,
-                        field: d.field.clone(),
-                        then: d.then.clone(),
-                        now: d.now.clone(),
-                    });
-                }
-                for (kind, then, now) in &plugin_changes {
-                    manifest.changes.push(ChangeRecord {
-                        at_step: at,
-                        field: format!("plugins.{kind}"),
-                        then: then.clone(),
-                        now: now.clone(),
-                    });
-                }
-                manifest.plugins = picked.clone();
-                manifest.config_sha256 = Some(manifest::sha256_hex(resolved.as_bytes()));
-                manifest.config_toml = Some(resolved.clone());
-                let known = |p: &Path| is_target(p).then(|| spec.source_sha256.to_string());
-                manifest.inputs = manifest::hash_inputs(&cfg, registry, &config_dir, &cache, &known, &|_| false)?;
-                manifest.target_sha256 = spec.source_sha256.to_string();
-                manifest.target_source = spec.source.to_string();
-                manifest.target_hub = manifest::target_hub(&cfg, registry, &config_dir, &cache);
-                manifest.write(exp_dir)?;
-            }
-            Experiment::reopen(exp_dir, lock, at)?
+            let changes = Changes { allowed, plugins: plugin_changes, picked };
+            run.rewrite(lock, at, &cfg, registry, &target, changes, opts)?
         }
     };
     let Some((comm, components)) = connect(&cfg, components, exp_dir)? else { return Ok(served(exp_dir)) };
     let folder = RunFolder::Open(exp);
-    train::train(&cfg, components, folder, &cache, train::TrainOptions { resume: from, stop_at: opts.stop_at, comm })
+    train::train(
+        &cfg,
+        components,
+        folder,
+        &run.cache,
+        train::TrainOptions { resume: from, stop_at: opts.stop_at, comm },
+    )
+}
+
+/// What each plugin section picks now, by the record the registry has of it.
+fn picked_plugins(cfg: &RunConfig, registry: &Registry) -> Result<Vec<PluginRecord>> {
+    [PluginKind::Target, PluginKind::Drafter, PluginKind::Optimizer, PluginKind::DataLoader]
+        .into_iter()
+        .map(|k| {
+            Ok(registry
+                .find(k, &cfg.section(k.as_str()).plugin)
+                .map_err(|e| anyhow::anyhow!("[{k}] {e}"))?
+                .record
+                .clone())
+        })
+        .collect()
+}
+
+/// An experiment being resumed, read once and handed to each phase.
+struct Resuming<'a> {
+    exp_dir: &'a Path,
+    cfg_path: PathBuf,
+    /// The experiment's config with the command line's overrides (before this rank's devices).
+    cfg: RunConfig,
+    /// `cfg` as TOML, what the manifest's config is compared with.
+    resolved: String,
+    manifest: Manifest,
+    config_dir: PathBuf,
+    cache: PathBuf,
+    /// The target the run started with (the manifest's, as it was read).
+    target_source: PathBuf,
+}
+
+/// What a resume let change: config fields and input files, plugins (kind, then, now), and the
+/// plugins it runs with now.
+struct Changes {
+    allowed: Vec<Drift>,
+    plugins: Vec<(String, String, String)>,
+    picked: Vec<PluginRecord>,
+}
+
+impl<'a> Resuming<'a> {
+    fn read(exp_dir: &'a Path, opts: &ResumeOptions) -> Result<Self> {
+        let cfg_path = exp_dir.join(experiment::CONFIG);
+        let cfg = RunConfig::load_with(&cfg_path, &opts.overrides)?;
+        let manifest = Manifest::read(exp_dir)?;
+        let config_dir = PathBuf::from(&manifest.config_dir);
+        let resolved = toml::to_string(&cfg)?;
+        let target_source = PathBuf::from(&manifest.target_source);
+        Ok(Resuming { exp_dir, cfg_path, cfg, resolved, manifest, config_dir, cache: cache_dir(), target_source })
+    }
+
+    fn is_target(&self, p: &Path) -> bool {
+        same_file(p, &self.target_source)
+    }
+
+    /// The config's fields and the input files against the run's record: the changes let through
+    /// (`--allow-change`, and `train.steps` when the command line extends the run).
+    fn config_changes(&self, registry: &Registry, opts: &ResumeOptions) -> Result<Vec<Drift>> {
+        let exp_dir = self.exp_dir;
+        let mut drifts = match &self.manifest.config_toml {
+            Some(then) => manifest::config_drift(then, &self.resolved),
+            None => {
+                tracing::warn!(
+                    "{}: the manifest predates config records; config changes cannot be checked",
+                    exp_dir.display()
+                );
+                Vec::new()
+            }
+        };
+        let is_target = |p: &Path| self.is_target(p);
+        let inputs_now =
+            manifest::hash_inputs(&self.cfg, registry, &self.config_dir, &self.cache, &|_| None, &is_target)?;
+        drifts.extend(manifest::input_drift(&self.manifest.inputs, &inputs_now));
+        // `--steps N` (or `--set train.steps=N`) extends the run: that change needs no --allow-change.
+        let extend = opts.overrides.iter().rev().find(|o| o.fields().iter().any(|f| f == "train.steps"));
+        let (extended, drifts): (Vec<Drift>, Vec<Drift>) = drifts
+            .into_iter()
+            .partition(|d| extend.is_some() && d.what == DriftKind::Config && d.field == "train.steps");
+        let mut allowed = manifest::refuse_drift(exp_dir, drifts, &opts.allow_change)?;
+        if let (Some(o), Some(d)) = (extend, extended.first()) {
+            tracing::info!(
+                "{}: train.steps {} -> {}; the learning-rate schedule now spans {} steps",
+                o.arg,
+                d.then,
+                d.now,
+                d.now
+            );
+        }
+        allowed.extend(extended);
+        Ok(allowed)
+    }
+
+    /// The newest usable checkpoint and its trainer state; none: from the start (never for a
+    /// fork, which starts from its first checkpoint).
+    fn resume_point(&self) -> Result<(Option<checkpoint::Opened>, Option<TrainerState>)> {
+        let exp_dir = self.exp_dir;
+        let (good, _corrupt) = checkpoint::newest_usable(exp_dir, true);
+        let state = match &good {
+            Some(c) => Some(trainer_state(c)?),
+            None if self.manifest.parent.is_some() => bail!(
+                "cannot resume {}: a fork starts from its first checkpoint, and none of its checkpoints is usable; \
+                 fork its parent again",
+                exp_dir.display()
+            ),
+            None => {
+                tracing::warn!("{}: no usable checkpoint; starting from step 0", exp_dir.display());
+                None
+            }
+        };
+        Ok((good, state))
+    }
+
+    /// The target's weights against the run's record: the change let through, if any.
+    fn target_change(&self, spec: &TargetSpec, opts: &ResumeOptions) -> Result<Vec<Drift>> {
+        if spec.source_sha256.as_str() == self.manifest.target_sha256 {
+            return Ok(Vec::new());
+        }
+        let field = self
+            .manifest
+            .inputs
+            .iter()
+            .find(|i| self.is_target(Path::new(&i.path)))
+            .map_or("target".to_string(), |i| i.field.clone());
+        let sha = |s: &str| format!("SHA-256 {}", &s[..16.min(s.len())]);
+        let drift = Drift {
+            field,
+            then: format!("{} ({})", self.manifest.target_source, sha(&self.manifest.target_sha256)),
+            now: format!("{} ({})", spec.source, sha(&spec.source_sha256)),
+            what: DriftKind::Input,
+        };
+        manifest::refuse_drift(self.exp_dir, vec![drift], &opts.allow_change)
+    }
+
+    /// What the resume starts from: the drafter must take the checkpoint's block positions and
+    /// its weights.
+    fn resume_from(
+        &self,
+        c: checkpoint::Opened,
+        state: TrainerState,
+        components: &Components,
+    ) -> Result<train::ResumeFrom> {
+        let positions = components.drafter.block_size()?.saturating_sub(1) as usize;
+        if state.window.positions() != positions {
+            bail!(
+                "cannot resume {}: its checkpoint has statistics for {} block positions, the drafter now has \
+                 {positions} (block_size changed); start a new run instead",
+                self.exp_dir.display(),
+                state.window.positions()
+            );
+        }
+        resume_from(c, state, components)
+    }
+
+    /// The folder brought to the step resumed from: later checkpoints set aside, the config the
+    /// command line changed written, the manifest's record of the changes; then reopened.
+    #[allow(clippy::too_many_arguments)]
+    fn rewrite(
+        &mut self,
+        lock: ExperimentLock,
+        at: u64,
+        cfg: &RunConfig,
+        registry: &Registry,
+        spec: &TargetSpec,
+        changes: Changes,
+        opts: &ResumeOptions,
+    ) -> Result<Experiment> {
+        let exp_dir = self.exp_dir;
+        checkpoint::set_aside_after(exp_dir, at)?;
+        if !opts.overrides.is_empty() {
+            // The command line changed the config: the experiment's config.toml says what runs.
+            crate::atomic_write::write_atomic(&self.cfg_path, self.resolved.as_bytes())?;
+        }
+        let Changes { allowed, plugins, picked } = changes;
+        if !allowed.is_empty() || !plugins.is_empty() || self.manifest.config_toml.is_none() {
+            let target_source = self.target_source.clone();
+            let manifest = &mut self.manifest;
+            for d in &allowed {
+                let (field, then, now) = (d.field.clone(), d.then.clone(), d.now.clone());
+                manifest.changes.push(ChangeRecord { at_step: at, field, then, now });
+            }
+            for (kind, then, now) in &plugins {
+                let (field, then, now) = (format!("plugins.{kind}"), then.clone(), now.clone());
+                manifest.changes.push(ChangeRecord { at_step: at, field, then, now });
+            }
+            manifest.plugins = picked;
+            manifest.config_sha256 = Some(manifest::sha256_hex(self.resolved.as_bytes()));
+            manifest.config_toml = Some(self.resolved.clone());
+            let known = |p: &Path| same_file(p, &target_source).then(|| spec.source_sha256.to_string());
+            let (config_dir, cache) = (&self.config_dir, &self.cache);
+            manifest.inputs = manifest::hash_inputs(cfg, registry, config_dir, cache, &known, &|_| false)?;
+            manifest.target_sha256 = spec.source_sha256.to_string();
+            manifest.target_source = spec.source.to_string();
+            manifest.target_hub = manifest::target_hub(cfg, registry, config_dir, cache);
+            manifest.write(exp_dir)?;
+        }
+        Experiment::reopen(exp_dir, lock, at)
+    }
 }
 
 /// The trainer state a checkpoint holds.
