@@ -13,5 +13,6 @@ pub mod memory;
 pub mod replica;
 pub mod train;
 mod train_report;
+mod train_step;
 
 pub use abi::abi;
