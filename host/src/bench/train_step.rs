@@ -2,7 +2,10 @@
 //! synthetic target features, what it counted (for its FLOPs), the fused loss checked against
 //! libtorch's, and the drafter's layer shape where its config says it.
 
-use super::{flops::Shape, train_report::BenchShape};
+use super::{
+    flops::{self, DrafterWork, Shape},
+    train_report::BenchShape,
+};
 use crate::{
     pipeline::stages::Micro,
     plugins::handles::DrafterHandle,
@@ -146,4 +149,37 @@ pub(super) fn drafter_layout(drafter: &DrafterHandle, spec: &TargetSpec) -> Opti
         vocab: spec.vocab_size as f64,
     };
     dflash.then_some((shape, cfg["num_hidden_layers"].as_u64()? as usize))
+}
+
+/// The drafter step's FLOPs: exact where the drafter's layout is known (z-lab DFlash), else
+/// estimated from its parameter count; and which.
+pub(super) fn drafter_flop(
+    layout: Option<(Shape, usize)>,
+    layer_ids: &[u32],
+    block_size: i64,
+    n_params: f64,
+    c: &StepCounts,
+    spec: &TargetSpec,
+    sh: &BenchShape,
+) -> (f64, bool) {
+    match layout {
+        Some((shape, layers)) => {
+            let work = DrafterWork {
+                shape,
+                layers,
+                features: layer_ids.len(),
+                batch: sh.batch_size,
+                seq: sh.seq_len,
+                block_size: block_size as usize,
+                anchors: c.anchors,
+                anchor_pos_sum: c.anchor_pos_sum,
+                counted: c.counted,
+            };
+            (work.step(), true)
+        }
+        None => {
+            let draft = (c.anchors as i64 * block_size) as f64;
+            (flops::drafter_step_estimate(n_params, draft, c.counted as f64, &Shape::of_target(spec)), false)
+        }
+    }
 }
