@@ -20,10 +20,17 @@ build: setup
 run: build
 	./target/release/dflash-host train --config $(CONFIG)
 
-# Format and lint, as CI checks them before the tests. Clippy compiles against libtorch (setup);
-# `--release` reuses the release profile's build-script outputs (torch-sys's C++ is not rebuilt).
+# Format and lint, as CI checks them before the tests. The two checkers hold the code's shape:
+# imports go one way (no circle among the host's files, nor among a plugin's modules or files:
+# shared types live in a module the others use and that uses none of them), and no host file
+# is over 600 lines nor any function over 100 (tests aside). Clippy compiles against libtorch
+# (setup); `--release` reuses the release profile's build-script outputs (torch-sys's C++ is not
+# rebuilt).
 lint: setup
 	$(CARGO) fmt --all --check
+	python3 scripts/check/module_cycles.py --files host/src
+	for src in plugins/*/src; do python3 scripts/check/module_cycles.py $$src && python3 scripts/check/module_cycles.py --files $$src || exit 1; done
+	python3 scripts/check/long_items.py
 	$(CARGO) clippy --workspace --release --all-targets -- -D warnings
 
 test: build
