@@ -26,7 +26,7 @@ pub struct Args {
     /// `cuda:N` (default cuda:0).
     #[arg(long, default_value = "cuda:0")]
     pub device: String,
-    /// Accuracy instead of speed (fp8_accuracy.rs): `--config`'s target run over the first
+    /// Accuracy instead of speed: `--config`'s target run over the first
     /// `--records` sequences of its data with `compute = "bf16"` then `"fp8"`, the relative error
     /// of every layer's features and of the logits, and the logits' top-1 agreement.
     #[arg(long, requires = "config")]

@@ -74,7 +74,8 @@ fn compare(registry: &Registry, args: &super::fp8::Args, compute: &str) -> Resul
     let (target, target_ctx, seed) = match &args.shape {
         Some(shape) => {
             let text = std::fs::read_to_string(shape).with_context(|| format!("reading {}", shape.display()))?;
-            let bench: super::train::BenchConfig = toml::from_str(&text).with_context(|| shape.display().to_string())?;
+            let bench: super::train::BenchConfig =
+                toml::from_str(&text).with_context(|| shape.display().to_string())?;
             let dir = shape.parent().unwrap_or(Path::new("."));
             let ctx = crate::plugins::host_context(&cfg.device, cfg.dtype(), bench.seed, dir, &cache);
             (bench.target, ctx, bench.seed)

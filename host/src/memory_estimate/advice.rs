@@ -80,7 +80,12 @@ impl Estimate {
         let mut e = self.clone();
         e.parts.retain(|p| !(p.drafter && matches!(p.scale, MemoryScale::Batch | MemoryScale::BatchAnchors)));
         let scale = MemoryScale::BatchAnchors;
-        e.parts.push(Part { name: "drafter activations (checkpointed)".into(), bytes: checkpointed, scale, drafter: true });
+        e.parts.push(Part {
+            name: "drafter activations (checkpointed)".into(),
+            bytes: checkpointed,
+            scale,
+            drafter: true,
+        });
         Some(e.total())
     }
 

@@ -189,7 +189,8 @@ pub fn forward_working_set(
     });
     // FP8: a projection's input quantised, one byte an element of its widest input, padded.
     let projections = if fp8 { fp8_projections(cfg) } else { Vec::new() };
-    let quantised = projections.iter().map(|&(_, k)| (k / 512.0).ceil() * 512.0 * (1.0 + 4.0 / 128.0)).fold(0.0, f64::max);
+    let quantised =
+        projections.iter().map(|&(_, k)| (k / 512.0).ceil() * 512.0 * (1.0 + 4.0 / 128.0)).fold(0.0, f64::max);
     let mut peak: f64 = 0.0;
     for (i, mixer) in cfg.mixers().iter().enumerate().take(layers) {
         let mixer_rows = match mixer {
@@ -258,7 +259,9 @@ mod tests {
                 "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
                 "tie_word_embeddings": true}"#,
         );
-        let layer = fp8_bytes((960.0, 576.0)) + fp8_bytes((576.0, 576.0)) + 2.0 * fp8_bytes((1536.0, 576.0))
+        let layer = fp8_bytes((960.0, 576.0))
+            + fp8_bytes((576.0, 576.0))
+            + 2.0 * fp8_bytes((1536.0, 576.0))
             + fp8_bytes((576.0, 1536.0));
         assert_eq!(fp8_bytes((960.0, 576.0)), 960.0 * 1024.0 + 4.0 * 8.0 * 8.0);
         let p = parameters(&c);

@@ -230,9 +230,10 @@ impl Decoder {
     /// - `cache` extended in place when given;
     /// - `upto`: run only layers `0..upto` (the features needed), skipping the rest;
     /// - returns the outputs of the layers `keep` names concatenated in its order ([B, L, n*H]; each
-    ///   id below `upto`) and, if all layers ran, the final-normed hidden states. As in transformers' `hidden_states[1..]`, which DFlash's
-    ///   `hidden_states[id + 1]` reads, the last layer's output is taken after the final norm
-    ///   (the LM head's input).
+    ///   id below `upto`) and, if all layers ran, the final-normed hidden states. As in
+    ///   transformers' `hidden_states[1..]`, which DFlash's `hidden_states[id + 1]` reads, the last
+    ///   layer's output is taken after the final norm (the LM head's input).
+    #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,
         ids: &Tensor,
@@ -272,7 +273,8 @@ impl Decoder {
         // output outlives the next layer (the features' bytes, not every layer's, at the peak).
         let h = x.size()[2];
         let features = Tensor::empty([x.size()[0], l, keep.len() as i64 * h], (x.kind(), device));
-        let slots_of = |i: usize| keep.iter().enumerate().filter(move |&(_, &k)| k as usize == i).map(|(j, _)| j as i64);
+        let slots_of =
+            |i: usize| keep.iter().enumerate().filter(move |&(_, &k)| k as usize == i).map(|(j, _)| j as i64);
         for (i, block) in self.blocks.iter().take(upto).enumerate() {
             let n = block.layers().len();
             let slots = cache.as_deref_mut().map(|c| &mut c.slots[self.slot_start[i]..self.slot_start[i] + n]);
