@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A drafter trained on FP8 features against one trained on bf16 features, on one Hopper GPU (an
 # H100 is enough): `dflash-host ab --config configs/ab-fp8-vs-bf16.toml` (the embedded default,
-# SmolLM2-135M on chitchat, its target's projections in bf16 or FP8, three seeds each), after the
-# self-distilled replies both arms train on are made once by the bf16 target (the reply cache is
-# keyed by the target's weights and dtype, not by `compute`). Then a Markdown table: real tau on
+# SmolLM2-135M on chitchat, its target's projections in bf16 or FP8, three seeds each), after each
+# arm's target has self-distilled its replies once (the reply cache is keyed by `compute` too, so
+# the FP8 arm trains on the FP8 target's own replies). Then a Markdown table: real tau on
 # the test prompts per arm and seed, each arm's mean and spread, and the validation tau-hat and
 # loss at the last step.
 #
@@ -23,9 +23,14 @@ AB=configs/ab-fp8-vs-bf16.toml
 NAME=fp8-vs-bf16
 
 part gpu nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit,memory.used --format=csv
-# The default's 1,024 training and 64 validation conversations, replied to by the bf16 target.
-part distill "$B" distill --config configs/smollm2-chitchat.toml --device cuda:0 --set 'dtype="bf16"' \
-    --out "$RESULTS/distilled.jsonl"
+# The default's 1,024 training and 64 validation conversations, replied to by each arm's target.
+distill_both() {
+    for compute in bf16 fp8; do
+        "$B" distill --config configs/smollm2-chitchat.toml --device cuda:0 --set 'dtype="bf16"' \
+            --set "target.compute=\"$compute\"" --out "$RESULTS/distilled_$compute.jsonl" || return 1
+    done
+}
+part distill distill_both
 part ab "$B" ab --config "$AB" --jobs "${JOBS:-3}" --out "$RESULTS/report"
 table() {
     for run in experiments/$NAME/*-s*; do

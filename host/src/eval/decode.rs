@@ -85,8 +85,9 @@ pub fn speculative_decode(
     c.target.cache_reset()?;
     // 1. Prefill: the prompt's features, and the target's first token (kept on the device).
     let (mut context, logits) = extend(c, ids_tensor(prompt), layers)?;
-    let mut anchor = logits.narrow(1, prompt.len() as i64 - 1, 1).argmax(-1, false).to_device(device); // [1, 1]
-                                                                                                       // `context`: the features the drafter has not been given yet (all of them while it keeps none).
+    // The target's first token [1, 1]; `context`: the features the drafter has not been given yet
+    // (all of them while it keeps none).
+    let mut anchor = logits.narrow(1, prompt.len() as i64 - 1, 1).argmax(-1, false).to_device(device);
     let mut keeps_context = true;
     let mut held = 0usize;
     let mut anchor_pos = prompt.len();

@@ -25,11 +25,21 @@ pub struct Components {
     pub optimizer: OptimizerHandle,
     pub data: DataHandle,
     pub records: Vec<PluginRecord>,
-    /// The dtype they run in (`f32`, `bf16`, ..): the target's replies depend on it.
-    pub dtype: String,
+    /// What the target's replies depend on besides its weights ([`numerics`]).
+    pub numerics: String,
     /// The drafter's mask token, where the host picked it (no `mask_token_id` in the config and
     /// no pad token in the target).
     pub mask_token: Option<crate::pipeline::mask_token::MaskToken>,
+}
+
+/// The dtype the target runs in (`f32`, `bf16`, ..) and, where its projections run otherwise
+/// (`[target] compute = "fp8"`), that too: its replies depend on both, so self-distilled replies
+/// are cached by them.
+pub fn numerics(cfg: &RunConfig) -> String {
+    match cfg.target.get("compute").and_then(|v| v.as_str()) {
+        Some(compute) if compute != "bf16" => format!("{} compute={compute}", cfg.dtype()),
+        _ => cfg.dtype().to_string(),
+    }
 }
 
 /// The config's target plugin, one instance a target device (`pipeline.targets`), each told its
@@ -140,7 +150,29 @@ pub fn build_components(
         optimizer: OptimizerHandle::new(optimizer, &name("optimizer")),
         data: DataHandle::new(data, &name("data")),
         records,
-        dtype: cfg.dtype().to_string(),
+        numerics: numerics(cfg),
         mask_token,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Replies distilled by an FP8 target are cached apart from a bf16 one's; `compute = "bf16"`
+    /// (the default) keys them as a config without `compute` does, so caches made before stay
+    /// valid.
+    #[test]
+    fn replies_are_keyed_by_the_targets_compute_where_it_is_not_bf16() {
+        let cfg = |target_extra: &str| {
+            let text = format!(
+                "name = \"t\"\ndtype = \"bf16\"\n[train]\nsteps = 1\n[target]\nplugin = \"hf\"\npath = \"x.gguf\"\n\
+                 {target_extra}\n[drafter]\nplugin = \"dflash\"\n[optimizer]\nplugin = \"adamw\"\n[data]\nplugin = \"chat\"\n"
+            );
+            numerics(&RunConfig::from_toml(Path::new("cfg.toml"), &text).unwrap())
+        };
+        assert_eq!(cfg(""), "bf16");
+        assert_eq!(cfg("compute = \"bf16\""), "bf16");
+        assert_eq!(cfg("compute = \"fp8\""), "bf16 compute=fp8");
+    }
 }

@@ -6,8 +6,8 @@
 //! appended and flushed after every chunk: a run that crashes or is stopped resumes where it
 //! stopped, and later runs (other seeds of an A/B, a changed `max_records`) reuse every reply
 //! whose prompt they share. `<settings>` hashes what else decides a reply: the target's weights,
-//! the dtype it runs in, the reply cap, the stop tokens, the temperature and the sampling seed. A gzipped copy beside
-//! it, `<settings>.jsonl.gz`, is read as well: replies shipped with a project (the default run's
+//! the dtype it runs in (and `[target] compute` where it is not bf16), the reply cap, the stop
+//! tokens, the temperature and the sampling seed. A gzipped copy beside it, `<settings>.jsonl.gz`, is read as well: replies shipped with a project (the default run's
 //! are in `data/distill/`, which `make setup` links here) so nobody regenerates them.
 
 use super::components::Components;
@@ -58,7 +58,7 @@ pub fn run(c: &mut Components, cache_dir: &Path) -> Result<Option<(DataSummary, 
     }
     let opts = c.data.distill_options()?;
     let started = Instant::now();
-    let mut cache = ReplyCache::open(cache_dir, &c.target.spec()?.source_sha256, &c.dtype, &first, &opts)?;
+    let mut cache = ReplyCache::open(cache_dir, &c.target.spec()?.source_sha256, &c.numerics, &first, &opts)?;
     let total = opts.replies_total.max(first.prompts.len() as u64);
     let known = first.prompts.iter().filter(|p| cache.get(p).is_some()).count();
     tracing::info!(
@@ -199,15 +199,15 @@ impl ReplyCache {
     fn open(
         cache_dir: &Path,
         target_sha: &str,
-        dtype: &str,
+        numerics: &str,
         req: &DistillRequest,
         opts: &DistillOptions,
     ) -> Result<Self> {
         let mut h = Sha256::new();
         h.update(b"dflash distill cache v3");
         h.update(target_sha.as_bytes());
-        // bf16 greedy replies part from f32 ones after a few tokens.
-        h.update(dtype.as_bytes());
+        // bf16 greedy replies part from f32 ones after a few tokens, FP8 ones from bf16 sooner.
+        h.update(numerics.as_bytes());
         h.update([0u8]);
         h.update(req.max_new_tokens.to_le_bytes());
         for t in req.stop_tokens.iter() {

@@ -93,7 +93,7 @@ pub fn drive(
     let device = config::parse_device(cfg.drafter_device())?;
     let (comm, store) = C10dCommunicator::connect_replicas(&env, device, &identity, &layout)?;
     let Some(comm) = comm else { bail!("rank {}: {what} runs on the replica's lead only", env.rank) };
-    let Components { target, extra_targets, drafter, optimizer, data, records, dtype, mask_token } = components;
+    let Components { target, extra_targets, drafter, optimizer, data, records, numerics, mask_token } = components;
     let target = replica::lead(target, &layout, store);
-    Ok((Components { target, extra_targets, drafter, optimizer, data, records, dtype, mask_token }, Some(comm)))
+    Ok((Components { target, extra_targets, drafter, optimizer, data, records, numerics, mask_token }, Some(comm)))
 }

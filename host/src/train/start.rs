@@ -154,9 +154,9 @@ pub(super) fn connect(
         tracing::info!("rank {}: served {calls} target calls of replica {}", env.rank, layout.index);
         return Ok(None);
     };
-    let Components { target, extra_targets, drafter, optimizer, data, records, dtype, mask_token } = components;
+    let Components { target, extra_targets, drafter, optimizer, data, records, numerics, mask_token } = components;
     let target = dist::replica::lead(target, &layout, store);
-    let components = Components { target, extra_targets, drafter, optimizer, data, records, dtype, mask_token };
+    let components = Components { target, extra_targets, drafter, optimizer, data, records, numerics, mask_token };
     Ok(Some((Some(Box::new(comm)), components)))
 }
 
