@@ -167,6 +167,7 @@ fn eval_is_lossless_and_reports_acceptance() {
         assert!((1.0..=4.0).contains(&tau), "{key} {tau}");
     }
     assert_eq!(report["acceptance_per_position"].as_array().unwrap().len(), 3);
+    assert_eq!((report["block_size"].as_u64(), report["draft_tokens"].as_u64()), (Some(4), Some(3)));
     assert!(report["speedup"].as_f64().unwrap() > 0.0 && report["tau_hat"].is_number());
     assert!(report["cycle_ms"]["verify"].as_f64().unwrap() > 0.0 && report["device"] == "cpu", "{report}");
 
@@ -206,7 +207,7 @@ fn eval_is_lossless_and_reports_acceptance() {
         assert!(card.contains(want), "model card lacks {want:?}:\n{card}");
     }
     let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
-        .args(["eval", "--limit", "2", "--max-new-tokens", "8", "--exp-dir"])
+        .args(["eval", "--limit", "2", "--max-new-tokens", "8", "--draft-tokens", "1", "--exp-dir"])
         .arg(&exp)
         .arg("--drafter")
         .arg(&zlab)
@@ -229,6 +230,17 @@ fn eval_is_lossless_and_reports_acceptance() {
     let theirs: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     assert_eq!(theirs["evaluated"]["drafter_sha256"], sha.as_str());
     assert!(theirs["cycles"].as_u64().unwrap() > 0 && theirs["loadavg_before"].is_number());
+    // Verifying only the first of the block's drafts (`--draft-tokens 1`) is lossless too.
+    assert_eq!(theirs["draft_tokens"], 1);
+    assert_eq!(theirs["acceptance_per_position"].as_array().unwrap().len(), 1);
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(["eval", "--limit", "1", "--max-new-tokens", "4", "--draft-tokens", "4", "--exp-dir"])
+        .arg(&exp)
+        .env("DFLASH_CACHE", cache())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--draft-tokens 4: the drafter proposes 3 a block"), "{err}");
 
     // An MT-Bench file (first turns, prompt-only) by its format name, into its own file.
     std::fs::write(dir.path().join("question.jsonl"), "{\"question_id\": 81, \"category\": \"writing\", \"turns\": [\"Say hello to a friend.\", \"Shorter.\"]}\n{\"question_id\": 82, \"turns\": [\"Name a colour.\", \"Another.\"]}\n").unwrap();

@@ -91,6 +91,7 @@ pub fn ensure(dir: &Path, registry: &Registry, spec: &EvalSpec, sets: &[PromptSe
             limit: spec.limit,
             max_new_tokens: spec.max_new_tokens,
             time_split: false,
+            draft_tokens: None,
         };
         let loads = eval::loadavg();
         let report = eval::evaluate_opened(&mut c, &opts)

@@ -33,6 +33,12 @@ pub struct EvalArgs {
     /// after each: slows decoding slightly.
     #[arg(long)]
     pub time_split: bool,
+    /// Draft tokens verified a cycle: the first N of the block's B-1 proposals (default: all).
+    /// Fewer make the verify forward and the drafter's head cheaper where the target's cost grows
+    /// with the tokens it verifies, as on a CPU; serving engines take the same number (vLLM's and
+    /// SGLang's speculative tokens), with the drafter unchanged.
+    #[arg(long, value_name = "N")]
+    pub draft_tokens: Option<u32>,
     /// Keep the decoded token ids: per prompt its ids, the target's greedy reply and the
     /// speculative one, as JSON lines beside the results (`eval.json` -> `eval.tokens.jsonl`),
     /// to compare with a serving engine's output without decoding again.

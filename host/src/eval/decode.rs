@@ -30,6 +30,8 @@ pub struct Shared {
     pub lm_head: Tensor,
     pub layer_ids: Vec<u32>,
     pub block_size: usize,
+    /// Drafts verified a cycle: the first of the block's B-1 proposals.
+    pub draft_tokens: usize,
     /// The block's masked positions' token ids [1, B-1], on the device.
     pub mask_ids: Tensor,
     /// Wait for the device at the end of each phase, to time them apart (`--time-split`).
@@ -96,7 +98,6 @@ pub fn speculative_decode(
     let mut cycles = Vec::new();
     // As the engines stop a request: not once max_new tokens are out or a stop token is.
     while !finished(&all, max_new, stop) {
-        let b = shared.block_size as i64;
         // 2. Draft: [anchor, MASK x (B-1)] over the context strictly before the anchor.
         let block = Tensor::cat(&[&anchor, &shared.mask_ids], 1);
         let embeds = Tensor::embedding(&shared.embedding, &block, -1, false, false);
@@ -127,16 +128,17 @@ pub fn speculative_decode(
                 c.drafter.forward(&input)?
             }
         };
-        let drafts = hidden.narrow(1, 1, b - 1).matmul(&shared.lm_head.tr()).argmax(-1, false); // [1, B-1]
+        let k = shared.draft_tokens;
+        let drafts = hidden.narrow(1, 1, k as i64).matmul(&shared.lm_head.tr()).argmax(-1, false); // [1, k]
         times.draft += clock.lap();
         // 3. Verify [anchor, drafts] in one target forward.
         let (block_hidden, logits) = extend(c, Tensor::cat(&[&anchor, &drafts], 1), layers)?;
-        let posterior = logits.argmax(-1, false).to_device(device); // [1, B]
+        let posterior = logits.argmax(-1, false).to_device(device); // [1, k + 1]
         times.verify += clock.lap();
         // 4. One wait for the device: the drafts and the verdict together. Keep the accepted
         //    drafts and the bonus token; crop the cache; the next context is their features.
         let both = to_ids(&Tensor::cat(&[&drafts, &posterior], 1));
-        let (drafts, verdict) = both.split_at(b as usize - 1);
+        let (drafts, verdict) = both.split_at(k);
         let accepted = drafts.iter().zip(verdict).take_while(|(d, p)| d == p).count();
         let kept = (anchor_pos + accepted + 1) as u32;
         c.target.cache_truncate(kept)?;
@@ -234,6 +236,7 @@ mod tests {
             lm_head: c.target.lm_head().unwrap(),
             layer_ids: c.drafter.target_layer_ids().unwrap(),
             block_size: 4,
+            draft_tokens: 3,
             mask_ids: Tensor::zeros([1, 3], (Kind::Int64, Device::Cpu)),
             time_split: false,
         }

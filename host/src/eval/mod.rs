@@ -39,6 +39,8 @@ pub struct EvalOptions {
     /// Wait for the device after each phase of a cycle to time the phases apart (the waits
     /// slow decoding a little, so the speed-up is best read without them).
     pub time_split: bool,
+    /// Draft tokens verified a cycle (`--draft-tokens`); None: all of the block's B-1.
+    pub draft_tokens: Option<u32>,
 }
 
 /// The most `--max-new-tokens` a prompt: the longest context of the targets in use (128K).
@@ -89,10 +91,10 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
     if prompts.is_empty() {
         bail!("no evaluation prompts from `{}`", opts.source);
     }
-    let shared = shared_inputs(c, opts.time_split)?;
+    let shared = shared_inputs(c, opts)?;
     let device = shared.embedding.device();
     let stop = [c.target.spec()?.eos_token_id];
-    let mut tally = Tally::new(shared.block_size);
+    let mut tally = Tally::new(shared.draft_tokens);
     let mut times = PhaseTimes::default();
     // Decoding gives attention a new key length every call: no per-shape cuDNN plans.
     let _no_cudnn = kernels::CudnnAttentionOff::new();
@@ -140,16 +142,24 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
 
 /// What every decoding of the evaluation uses: the target's embedding and LM head, the
 /// drafter's block, mask token and target layers.
-fn shared_inputs(c: &mut Components, time_split: bool) -> Result<Shared> {
+fn shared_inputs(c: &mut Components, opts: &EvalOptions) -> Result<Shared> {
     let (embedding, block_size) = (c.target.embedding()?, c.drafter.block_size()? as usize);
     let device = embedding.device();
+    let draft_tokens = opts.draft_tokens.map_or(block_size - 1, |n| n as usize);
+    if !(1..block_size).contains(&draft_tokens) {
+        bail!(
+            "--draft-tokens {draft_tokens}: the drafter proposes {} a block (block_size {block_size})",
+            block_size - 1
+        );
+    }
     Ok(Shared {
         mask_ids: Tensor::full([1, block_size as i64 - 1], c.drafter.mask_token_id()? as i64, (Kind::Int64, device)),
         embedding,
         lm_head: c.target.lm_head()?,
         layer_ids: c.drafter.target_layer_ids()?,
         block_size,
-        time_split,
+        draft_tokens,
+        time_split: opts.time_split,
     })
 }
 
@@ -170,7 +180,8 @@ struct Tally {
 }
 
 impl Tally {
-    fn new(block_size: usize) -> Self {
+    /// `draft_tokens`: the drafts verified a cycle, each position's acceptance counted.
+    fn new(draft_tokens: usize) -> Self {
         Tally {
             t_target: 0.0,
             t_spec: 0.0,
@@ -179,7 +190,7 @@ impl Tally {
             taus: Vec::new(),
             mismatches: Vec::new(),
             tokens: Vec::new(),
-            accepted_at: vec![0usize; block_size - 1],
+            accepted_at: vec![0usize; draft_tokens],
             all_cycles: 0,
             all_accepted: 0,
             all_kept: 0,
@@ -244,6 +255,7 @@ impl Tally {
             source: opts.source.clone(),
             prompts,
             block_size: shared.block_size,
+            draft_tokens: shared.draft_tokens,
             decoding: "greedy",
             max_new_tokens: opts.max_new_tokens,
             stop_token_ids: stop.to_vec(),
@@ -281,6 +293,7 @@ pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
         limit: args.limit,
         max_new_tokens: args.max_new_tokens,
         time_split: args.time_split,
+        draft_tokens: args.draft_tokens,
     };
     opts.validate()?;
     if !exp_dir.join(experiment::CONFIG).is_file() {
@@ -414,6 +427,7 @@ mod tests {
             limit,
             max_new_tokens,
             time_split: false,
+            draft_tokens: None,
         };
         opts("holdout", 32, 64).validate().unwrap();
         opts("validation", 32, 64).validate().unwrap();

@@ -8,6 +8,8 @@ pub struct EvalReport {
     pub source: String,
     pub prompts: usize,
     pub block_size: usize,
+    /// Draft tokens verified a cycle (`--draft-tokens`; block_size - 1 unless fewer were asked).
+    pub draft_tokens: usize,
     /// How both decodings ran (the target alone, then speculatively): greedy (argmax), at most
     /// `max_new_tokens` new tokens a prompt, ending at a stop token (included).
     pub decoding: &'static str,
@@ -23,7 +25,7 @@ pub struct EvalReport {
     /// vLLM's mean acceptance length: all accepted drafts + 1 over all verify cycles, pooled over
     /// responses.
     pub tau_pooled: f64,
-    /// Share of cycles whose k-th drafted token was accepted, k = 1..B-1.
+    /// Share of cycles whose k-th drafted token was accepted, k = 1..draft_tokens.
     pub acceptance_per_position: Vec<f64>,
     pub cycles: usize,
     pub new_tokens: usize,

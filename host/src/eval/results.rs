@@ -125,7 +125,12 @@ pub(super) fn print(report: &EvalReport, evaluated: &Evaluated, tau_hat: Option<
         tau_hat.map_or("-".into(), |t| format!("{t:.3}"))
     );
     let acc: Vec<String> = report.acceptance_per_position.iter().map(|a| format!("{a:.2}")).collect();
-    say!("acceptance   {}", acc.join(" "));
+    let verified = if report.draft_tokens + 1 < report.block_size {
+        format!("   ({} of the block's {} drafts verified a cycle)", report.draft_tokens, report.block_size - 1)
+    } else {
+        String::new()
+    };
+    say!("acceptance   {}{verified}", acc.join(" "));
     say!(
         "speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only, {})",
         report.speedup,
