@@ -5,10 +5,15 @@ use nvml_wrapper::Nvml;
 
 /// The process's peak resident set size (VmHWM) in MiB; 0 where /proc is missing.
 pub fn peak_rss_mb() -> f64 {
+    status_mb("VmHWM:")
+}
+
+/// A memory line of /proc/self/status (given in kB) in MiB; 0 where /proc is missing.
+fn status_mb(key: &str) -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
-            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+            s.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
         })
         .map_or(0.0, |kb| kb / 1024.0)
 }
@@ -61,17 +66,10 @@ mod tests {
     fn peak_rss_is_read_and_cpu_runs_have_no_gpu_sample() {
         // The peak is the process's, and the tests beside this one raise it too: allocate past it.
         let before = peak_rss_mb();
-        let now = procfs_rss_mb();
+        let now = status_mb("VmRSS:");
         let big = vec![1u8; ((before - now).max(0.0) as usize + 64) << 20];
         std::hint::black_box(&big);
         assert!(peak_rss_mb() >= before + 60.0, "{before} -> {}", peak_rss_mb());
         assert!(GpuMonitor::new(["cpu"].into_iter()).sample().is_none());
-    }
-
-    /// The resident set now (VmRSS), in MB.
-    fn procfs_rss_mb() -> f64 {
-        let status = std::fs::read_to_string("/proc/self/status").unwrap();
-        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-        line.split_whitespace().nth(1).unwrap().parse::<f64>().unwrap() / 1024.0
     }
 }
