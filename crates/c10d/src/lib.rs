@@ -387,6 +387,21 @@ pub enum ReduceOp {
     Max,
 }
 
+/// libtorch's flight recorder (a trace of recent collectives, for debugging hangs) adds each
+/// group to a map outside its lock when the group's first collective starts; with two groups in
+/// one process (a replica's ranks on threads, a target's group beside the drafter's) that can
+/// corrupt the map and crash. The ranks gone are named from the heartbeats here, so it is off
+/// unless `TORCH_FR_BUFFER_SIZE` or `TORCH_NCCL_TRACE_BUFFER_SIZE` asks for it. libtorch reads
+/// the variable when the first group starts, after this.
+pub fn flight_recorder_off_by_default() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if ["TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"].iter().all(|v| std::env::var_os(v).is_none()) {
+            std::env::set_var("TORCH_FR_BUFFER_SIZE", "0");
+        }
+    });
+}
+
 /// A c10d process group: `world` ranks that run the same collectives in the same order.
 pub struct ProcessGroup {
     raw: *mut c_void,
@@ -411,6 +426,7 @@ impl ProcessGroup {
         world: usize,
         timeout: Duration,
     ) -> Result<Self> {
+        flight_recorder_off_by_default();
         let p = cstr(prefix);
         let ms = timeout.as_millis() as i64;
         let raw = match backend {
@@ -595,6 +611,14 @@ mod tests {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         })
+    }
+
+    /// Making a group turns libtorch's flight recorder off where this process set neither
+    /// variable (see [`flight_recorder_off_by_default`]).
+    #[test]
+    fn the_flight_recorder_is_off_once_a_group_is_made() {
+        ranks(1, Duration::from_secs(30), |_, _, _| ());
+        assert_eq!(std::env::var("TORCH_FR_BUFFER_SIZE").as_deref(), Ok("0"));
     }
 
     #[test]

@@ -90,8 +90,10 @@ impl DistEnv {
 }
 
 /// NVLink multicast (NVLS) off unless the user chose: it can take a host's GPUs, which others
-/// may share, out of service. Call before any thread starts (it sets an environment variable).
+/// may share, out of service; and libtorch's flight recorder off (see c10d). Call before any
+/// thread starts (it sets environment variables).
 pub fn set_nccl_defaults() {
+    c10d::flight_recorder_off_by_default();
     if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
         std::env::set_var("NCCL_NVLS_ENABLE", "0");
     }
