@@ -170,6 +170,7 @@ fn eval_is_lossless_and_reports_acceptance() {
     assert_eq!((report["block_size"].as_u64(), report["draft_tokens"].as_u64()), (Some(4), Some(3)));
     assert!(report["speedup"].as_f64().unwrap() > 0.0 && report["tau_hat"].is_number());
     assert!(report["cycle_ms"]["verify"].as_f64().unwrap() > 0.0 && report["device"] == "cpu", "{report}");
+    assert!(report["prefill_ms"].as_f64().unwrap() > 0.0 && stdout.contains(" ms a prompt"), "{report}");
 
     // Export, then evaluate the exported z-lab folder: the same drafter up to bf16 rounding.
     let zlab = dir.path().join("zlab");
@@ -207,7 +208,18 @@ fn eval_is_lossless_and_reports_acceptance() {
         assert!(card.contains(want), "model card lacks {want:?}:\n{card}");
     }
     let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
-        .args(["eval", "--limit", "2", "--max-new-tokens", "8", "--draft-tokens", "1", "--exp-dir"])
+        .args([
+            "eval",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--draft-tokens",
+            "1",
+            "--draft-vocab",
+            "3",
+            "--exp-dir",
+        ])
         .arg(&exp)
         .arg("--drafter")
         .arg(&zlab)
@@ -230,8 +242,11 @@ fn eval_is_lossless_and_reports_acceptance() {
     let theirs: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     assert_eq!(theirs["evaluated"]["drafter_sha256"], sha.as_str());
     assert!(theirs["cycles"].as_u64().unwrap() > 0 && theirs["loadavg_before"].is_number());
-    // Verifying only the first of the block's drafts (`--draft-tokens 1`) is lossless too.
+    // Verifying only the first of the block's drafts (`--draft-tokens 1`), drafted among the 3
+    // tokens most often predicted in training (`--draft-vocab 3`), is lossless too.
     assert_eq!(theirs["draft_tokens"], 1);
+    let coverage = theirs["draft_vocab"]["coverage"].as_f64().unwrap();
+    assert!(theirs["draft_vocab"]["tokens"] == 3 && coverage > 0.0 && coverage <= 1.0, "{theirs}");
     assert_eq!(theirs["acceptance_per_position"].as_array().unwrap().len(), 1);
     let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
         .args(["eval", "--limit", "1", "--max-new-tokens", "4", "--draft-tokens", "4", "--exp-dir"])

@@ -92,9 +92,10 @@ pub fn ensure(dir: &Path, registry: &Registry, spec: &EvalSpec, sets: &[PromptSe
             max_new_tokens: spec.max_new_tokens,
             time_split: false,
             draft_tokens: None,
+            draft_vocab: None,
         };
         let loads = eval::loadavg();
-        let report = eval::evaluate_opened(&mut c, &opts)
+        let report = eval::evaluate_opened(&mut c, &opts, None)
             .with_context(|| format!("[eval] of {} on its {} prompts", dir.display(), set.source()))?;
         let json = eval::results_json(&report, &evaluated, dir, PromptFormat::Chat, (loads, eval::loadavg()))?;
         experiment::write_json_atomic(&dir.join(set.file()), &json)?;

@@ -29,8 +29,8 @@ pub struct EvalArgs {
     /// Tokens to decode a prompt, at most 131072.
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: u32,
-    /// Also time each cycle's phases (draft, verify, bookkeeping), waiting for the device
-    /// after each: slows decoding slightly.
+    /// Also time each prompt's prefill and each cycle's phases (draft, verify, bookkeeping),
+    /// waiting for the device after each: slows decoding slightly.
     #[arg(long)]
     pub time_split: bool,
     /// Draft tokens verified a cycle: the first N of the block's B-1 proposals (default: all).
@@ -39,6 +39,12 @@ pub struct EvalArgs {
     /// SGLang's speculative tokens), with the drafter unchanged.
     #[arg(long, value_name = "N")]
     pub draft_tokens: Option<u32>,
+    /// Draft only among the K tokens the drafter was trained to predict most often (from one
+    /// pass over the training split): its LM head cut to those rows, a cheaper draft where the
+    /// head is much of it, as on a CPU. The target verifies against its whole vocabulary, so the
+    /// output is unchanged; the exported drafter is not affected.
+    #[arg(long, value_name = "K")]
+    pub draft_vocab: Option<u32>,
     /// Keep the decoded token ids: per prompt its ids, the target's greedy reply and the
     /// speculative one, as JSON lines beside the results (`eval.json` -> `eval.tokens.jsonl`),
     /// to compare with a serving engine's output without decoding again.

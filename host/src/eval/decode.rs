@@ -27,7 +27,7 @@ use std::time::Instant;
 /// Frozen tensors and drafter facts every cycle needs.
 pub struct Shared {
     pub embedding: Tensor,
-    pub lm_head: Tensor,
+    pub draft_head: DraftHead,
     pub layer_ids: Vec<u32>,
     pub block_size: usize,
     /// Drafts verified a cycle: the first of the block's B-1 proposals.
@@ -36,6 +36,40 @@ pub struct Shared {
     pub mask_ids: Tensor,
     /// Wait for the device at the end of each phase, to time them apart (`--time-split`).
     pub time_split: bool,
+}
+
+/// The LM head drafts are read from: the target's whole one, or its rows of a draft vocabulary.
+pub struct DraftHead {
+    /// [V or K, H].
+    weight: Tensor,
+    /// The token id of each row [K], with a draft vocabulary.
+    ids: Option<Tensor>,
+}
+
+impl DraftHead {
+    pub fn new(lm_head: Tensor, vocab: Option<&super::draft_vocab::DraftVocab>) -> Self {
+        match vocab {
+            Some(v) => {
+                let ids = v.ids.to_device(lm_head.device());
+                Self { weight: lm_head.index_select(0, &ids), ids: Some(ids) }
+            }
+            None => Self { weight: lm_head, ids: None },
+        }
+    }
+
+    /// The greedy token ids [1, k] of block hidden states [1, k, H].
+    fn argmax(&self, hidden: &Tensor) -> Tensor {
+        let best = hidden.matmul(&self.weight.tr()).argmax(-1, false);
+        match &self.ids {
+            Some(ids) => ids.index_select(0, &best.view([-1])).view_as(&best),
+            None => best,
+        }
+    }
+
+    /// Rows in the head: the draft vocabulary's size.
+    pub fn rows(&self) -> usize {
+        self.weight.size()[0] as usize
+    }
 }
 
 /// One draft-verify cycle.
@@ -48,9 +82,12 @@ pub struct Cycle {
     pub produced: usize,
 }
 
-/// Seconds spent per phase over the cycles (measured only with `Shared::time_split`).
+/// Seconds spent per phase (measured only with `Shared::time_split`): the prompts' prefills, and
+/// over the cycles each cycle's phases.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PhaseTimes {
+    /// The target's forward over the prompt and its first token, once a prompt.
+    pub prefill: f64,
     pub draft: f64,
     pub verify: f64,
     /// Reading the verdict, cropping the cache, keeping the accepted features.
@@ -90,6 +127,7 @@ pub fn speculative_decode(
     // The target's first token [1, 1]; `context`: the features the drafter has not been given yet
     // (all of them while it keeps none).
     let mut anchor = logits.narrow(1, prompt.len() as i64 - 1, 1).argmax(-1, false).to_device(device);
+    times.prefill += clock.lap();
     let mut keeps_context = true;
     let mut held = 0usize;
     let mut anchor_pos = prompt.len();
@@ -129,7 +167,7 @@ pub fn speculative_decode(
             }
         };
         let k = shared.draft_tokens;
-        let drafts = hidden.narrow(1, 1, k as i64).matmul(&shared.lm_head.tr()).argmax(-1, false); // [1, k]
+        let drafts = shared.draft_head.argmax(&hidden.narrow(1, 1, k as i64)); // [1, k]
         times.draft += clock.lap();
         // 3. Verify [anchor, drafts] in one target forward.
         let (block_hidden, logits) = extend(c, Tensor::cat(&[&anchor, &drafts], 1), layers)?;
@@ -233,7 +271,7 @@ mod tests {
     fn shared(c: &Components) -> Shared {
         Shared {
             embedding: c.target.embedding().unwrap(),
-            lm_head: c.target.lm_head().unwrap(),
+            draft_head: DraftHead::new(c.target.lm_head().unwrap(), None),
             layer_ids: c.drafter.target_layer_ids().unwrap(),
             block_size: 4,
             draft_tokens: 3,
@@ -246,6 +284,23 @@ mod tests {
     /// cycle (vLLM and SGLang stop the request there), nor does one whose prefill token is a
     /// stop token. (A random target repeats one token and a random drafter seldom guesses it:
     /// the cycles here keep one token each; `finished` is checked on its own below.)
+    /// Drafts from a draft vocabulary are the best of its rows, named by their token ids, where
+    /// a token outside it scores higher.
+    #[test]
+    fn a_draft_vocabulary_drafts_its_best_token_by_id() {
+        // Six tokens of dimension 2; token 5 scores highest for both hidden states.
+        let lm_head = Tensor::from_slice(&[1f32, 0., 0., 1., -1., 0., 0., -1., 0.6, 0.6, 2., 1.]).view([6, 2]);
+        let hidden = Tensor::from_slice(&[1f32, 1., 1., -0.2]).view([1, 2, 2]);
+        let whole = DraftHead::new(lm_head.shallow_clone(), None);
+        assert_eq!(Vec::<i64>::try_from(whole.argmax(&hidden).view([-1])).unwrap(), [5, 5]);
+        // Among tokens 4, 1 and 0: 4 scores 1.2 for the first (1 for the others), 0 scores 1 for
+        // the second (4: 0.48, 1: -0.2).
+        let vocab = super::super::draft_vocab::DraftVocab { ids: Tensor::from_slice(&[4i64, 1, 0]), coverage: 0.9 };
+        let reduced = DraftHead::new(lm_head, Some(&vocab));
+        assert_eq!(reduced.rows(), 3);
+        assert_eq!(Vec::<i64>::try_from(reduced.argmax(&hidden).view([-1])).unwrap(), [4, 0]);
+    }
+
     #[test]
     fn decoding_stops_where_the_engines_stop() {
         let dir = tempfile::tempdir().unwrap();

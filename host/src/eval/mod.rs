@@ -6,13 +6,15 @@
 
 pub mod args;
 mod decode;
+mod draft_vocab;
 mod prompts;
 mod report;
 mod results;
 
-pub use decode::{response_tau, speculative_decode, Cycle, PhaseTimes, Shared};
+pub use decode::{response_tau, speculative_decode, Cycle, DraftHead, PhaseTimes, Shared};
+pub use draft_vocab::DraftVocab;
 pub use prompts::{convert_prompts, PromptFormat};
-pub use report::{CycleMs, EvalReport, PromptTokens};
+pub use report::{CycleMs, DraftVocabReport, EvalReport, PromptTokens};
 pub use results::{load_warning, loadavg, results_json, tokens_file, Evaluated, VALIDATION_FILE};
 
 use crate::{
@@ -41,6 +43,8 @@ pub struct EvalOptions {
     pub time_split: bool,
     /// Draft tokens verified a cycle (`--draft-tokens`); None: all of the block's B-1.
     pub draft_tokens: Option<u32>,
+    /// Draft among the training split's K most frequent predicted tokens (`--draft-vocab`).
+    pub draft_vocab: Option<u32>,
 }
 
 /// The most `--max-new-tokens` a prompt: the longest context of the targets in use (128K).
@@ -60,6 +64,9 @@ impl EvalOptions {
                 self.max_new_tokens
             );
         }
+        if self.draft_vocab == Some(0) {
+            bail!("--draft-vocab 0: draft among at least one token");
+        }
         if self.max_new_tokens > MAX_NEW_TOKENS {
             bail!(
                 "--max-new-tokens {}: at most {MAX_NEW_TOKENS} (a reply that long is beyond any target's context)",
@@ -73,9 +80,25 @@ impl EvalOptions {
     }
 }
 
+/// Open the data (as training does where a draft vocabulary is counted from it), then
+/// [`evaluate_opened`].
 pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
-    open_data(c)?;
-    evaluate_opened(c, opts)
+    let vocab = match opts.draft_vocab {
+        Some(k) => {
+            let vocab = c.target.lm_head()?.size()[0] as usize;
+            let v = draft_vocab::most_frequent(c, k as usize, vocab)?;
+            tracing::info!(
+                "draft vocabulary: the {k} tokens most often predicted in the training split ({:.2}% of them)",
+                100.0 * v.coverage
+            );
+            Some(v)
+        }
+        None => {
+            open_data(c)?;
+            None
+        }
+    };
+    evaluate_opened(c, opts, vocab.as_ref())
 }
 
 /// Open the data plugin with the target's tokenizer (once for any number of prompt sets).
@@ -85,13 +108,13 @@ pub fn open_data(c: &mut Components) -> Result<()> {
     Ok(())
 }
 
-/// [`evaluate`] with the data plugin opened already.
-pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
+/// [`evaluate`] with the data plugin opened already, drafting among `vocab` where given.
+pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions, vocab: Option<&DraftVocab>) -> Result<EvalReport> {
     let prompts = c.data.eval_prompts(&opts.source, opts.limit)?;
     if prompts.is_empty() {
         bail!("no evaluation prompts from `{}`", opts.source);
     }
-    let shared = shared_inputs(c, opts)?;
+    let shared = shared_inputs(c, opts, vocab)?;
     let device = shared.embedding.device();
     let stop = [c.target.spec()?.eos_token_id];
     let mut tally = Tally::new(shared.draft_tokens);
@@ -137,12 +160,14 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions) -> Result<EvalRep
         progress.update(i as u64 + 1, &tally.status(), pace.eta((prompts.len() - i - 1) as u64));
     }
     progress.finish();
-    tally.report(opts, prompts.len(), &shared, &stop, device, &times)
+    let mut report = tally.report(opts, prompts.len(), &shared, &stop, device, &times)?;
+    report.draft_vocab = vocab.map(|v| DraftVocabReport { tokens: shared.draft_head.rows(), coverage: v.coverage });
+    Ok(report)
 }
 
-/// What every decoding of the evaluation uses: the target's embedding and LM head, the
-/// drafter's block, mask token and target layers.
-fn shared_inputs(c: &mut Components, opts: &EvalOptions) -> Result<Shared> {
+/// What every decoding of the evaluation uses: the target's embedding and LM head (its rows of
+/// the draft vocabulary where there is one), the drafter's block, mask token and target layers.
+fn shared_inputs(c: &mut Components, opts: &EvalOptions, vocab: Option<&DraftVocab>) -> Result<Shared> {
     let (embedding, block_size) = (c.target.embedding()?, c.drafter.block_size()? as usize);
     let device = embedding.device();
     let draft_tokens = opts.draft_tokens.map_or(block_size - 1, |n| n as usize);
@@ -155,7 +180,7 @@ fn shared_inputs(c: &mut Components, opts: &EvalOptions) -> Result<Shared> {
     Ok(Shared {
         mask_ids: Tensor::full([1, block_size as i64 - 1], c.drafter.mask_token_id()? as i64, (Kind::Int64, device)),
         embedding,
-        lm_head: c.target.lm_head()?,
+        draft_head: DraftHead::new(c.target.lm_head()?, vocab),
         layer_ids: c.drafter.target_layer_ids()?,
         block_size,
         draft_tokens,
@@ -256,6 +281,7 @@ impl Tally {
             prompts,
             block_size: shared.block_size,
             draft_tokens: shared.draft_tokens,
+            draft_vocab: None,
             decoding: "greedy",
             max_new_tokens: opts.max_new_tokens,
             stop_token_ids: stop.to_vec(),
@@ -277,6 +303,7 @@ impl Tally {
                 let per = |t: f64| 1e3 * t / all_cycles.max(1) as f64;
                 CycleMs { draft: per(times.draft), verify: per(times.verify), bookkeeping: per(times.bookkeeping) }
             }),
+            prefill_ms: opts.time_split.then(|| 1e3 * times.prefill / prompts.max(1) as f64),
             lossless: mismatches.is_empty(),
             mismatches,
             tokens,
@@ -294,6 +321,7 @@ pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
         max_new_tokens: args.max_new_tokens,
         time_split: args.time_split,
         draft_tokens: args.draft_tokens,
+        draft_vocab: args.draft_vocab,
     };
     opts.validate()?;
     if !exp_dir.join(experiment::CONFIG).is_file() {
@@ -428,6 +456,7 @@ mod tests {
             max_new_tokens,
             time_split: false,
             draft_tokens: None,
+            draft_vocab: None,
         };
         opts("holdout", 32, 64).validate().unwrap();
         opts("validation", 32, 64).validate().unwrap();
@@ -444,6 +473,8 @@ mod tests {
         assert_eq!(err, "--prompts /dev/zero: not a regular file (a character device)");
         let err = opts("nope.jsonl", 32, 64).validate().unwrap_err().to_string();
         assert_eq!(err, "--prompts nope.jsonl: no such file");
+        let none = EvalOptions { draft_vocab: Some(0), ..opts("holdout", 32, 64) };
+        assert_eq!(none.validate().unwrap_err().to_string(), "--draft-vocab 0: draft among at least one token");
     }
 
     #[test]

@@ -10,6 +10,10 @@ pub struct EvalReport {
     pub block_size: usize,
     /// Draft tokens verified a cycle (`--draft-tokens`; block_size - 1 unless fewer were asked).
     pub draft_tokens: usize,
+    /// With `--draft-vocab`: the tokens drafts were chosen among, and the share of the training
+    /// split's predicted tokens they cover.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub draft_vocab: Option<DraftVocabReport>,
     /// How both decodings ran (the target alone, then speculatively): greedy (argmax), at most
     /// `max_new_tokens` new tokens a prompt, ending at a stop token (included).
     pub decoding: &'static str,
@@ -38,6 +42,10 @@ pub struct EvalReport {
     /// Milliseconds per cycle in each phase, with `--time-split`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cycle_ms: Option<CycleMs>,
+    /// Milliseconds per prompt in the target's prefill (the prompt and its first token), with
+    /// `--time-split`: outside the cycles.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_ms: Option<f64>,
     /// Every response equal to the target's own greedy output.
     pub lossless: bool,
     pub mismatches: Vec<usize>,
@@ -54,6 +62,12 @@ pub struct PromptTokens {
     pub prompt_ids: Vec<u32>,
     pub target_ids: Vec<u32>,
     pub speculative_ids: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct DraftVocabReport {
+    pub tokens: usize,
+    pub coverage: f64,
 }
 
 /// Mean milliseconds per cycle spent drafting, verifying and on the bookkeeping between.

@@ -131,6 +131,13 @@ pub(super) fn print(report: &EvalReport, evaluated: &Evaluated, tau_hat: Option<
         String::new()
     };
     say!("acceptance   {}{verified}", acc.join(" "));
+    if let Some(v) = report.draft_vocab {
+        say!(
+            "draft vocab  {} tokens ({:.2}% of the training split's predicted tokens; the target verifies against all)",
+            v.tokens,
+            100.0 * v.coverage
+        );
+    }
     say!(
         "speed-up     {:.2}x  ({:.1} vs {:.1} tok/s target-only, {})",
         report.speedup,
@@ -140,5 +147,8 @@ pub(super) fn print(report: &EvalReport, evaluated: &Evaluated, tau_hat: Option<
     );
     if let Some(ms) = report.cycle_ms {
         say!("cycle        {:.2} ms draft, {:.2} ms verify, {:.2} ms bookkeeping", ms.draft, ms.verify, ms.bookkeeping);
+    }
+    if let Some(ms) = report.prefill_ms {
+        say!("prefill      {ms:.2} ms a prompt (the target over the prompt, before the first cycle)");
     }
 }
