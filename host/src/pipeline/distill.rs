@@ -8,7 +8,7 @@
 //! whose prompt they share. `<settings>` hashes what else decides a reply: the target's weights,
 //! the dtype it runs in (and `[target] compute` where it is not bf16), the reply cap, the stop
 //! tokens, the temperature and the sampling seed. A gzipped copy beside it, `<settings>.jsonl.gz`, is read as well: replies shipped with a project (the default run's
-//! are in `data/distill/`, which `make setup` links here) so nobody regenerates them.
+//! are in `data/distill/`, which `make setup` copies here) so nobody regenerates them.
 
 use super::components::Components;
 use crate::progress::clock;
