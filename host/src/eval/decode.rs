@@ -280,10 +280,6 @@ mod tests {
         }
     }
 
-    /// A response that reaches max_new_tokens exactly at the end of a cycle runs no further
-    /// cycle (vLLM and SGLang stop the request there), nor does one whose prefill token is a
-    /// stop token. (A random target repeats one token and a random drafter seldom guesses it:
-    /// the cycles here keep one token each; `finished` is checked on its own below.)
     /// Drafts from a draft vocabulary are the best of its rows, named by their token ids, where
     /// a token outside it scores higher.
     #[test]
@@ -301,6 +297,10 @@ mod tests {
         assert_eq!(Vec::<i64>::try_from(reduced.argmax(&hidden).view([-1])).unwrap(), [4, 0]);
     }
 
+    /// A response that reaches max_new_tokens exactly at the end of a cycle runs no further
+    /// cycle (vLLM and SGLang stop the request there), nor does one whose prefill token is a
+    /// stop token. (A random target repeats one token and a random drafter seldom guesses it:
+    /// the cycles here keep one token each; `finished` is checked on its own below.)
     #[test]
     fn decoding_stops_where_the_engines_stop() {
         let dir = tempfile::tempdir().unwrap();

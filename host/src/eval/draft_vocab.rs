@@ -19,8 +19,8 @@ pub struct DraftVocab {
 /// The `k` most frequent predicted tokens of one epoch of the training split, of a vocabulary of
 /// `vocab`. Opens the data as training does (replies from the self-distillation cache).
 pub fn most_frequent(c: &mut Components, k: usize, vocab: usize) -> Result<DraftVocab> {
-    if k == 0 || k > vocab {
-        bail!("--draft-vocab {k}: give 1 to the target's vocabulary size ({vocab})");
+    if k > vocab {
+        bail!("--draft-vocab {k}: more than the target's vocabulary ({vocab} tokens)");
     }
     distill::prepare_data(c, &environment::cache_dir())?;
     let counts = predicted_token_counts(c, vocab)?;

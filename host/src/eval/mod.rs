@@ -11,10 +11,10 @@ mod prompts;
 mod report;
 mod results;
 
-pub use decode::{response_tau, speculative_decode, Cycle, DraftHead, PhaseTimes, Shared};
+pub use decode::{response_tau, speculative_decode, Cycle, PhaseTimes, Shared};
 pub use draft_vocab::DraftVocab;
 pub use prompts::{convert_prompts, PromptFormat};
-pub use report::{CycleMs, DraftVocabReport, EvalReport, PromptTokens};
+pub use report::{CycleMs, EvalReport, PromptTokens};
 pub use results::{load_warning, loadavg, results_json, tokens_file, Evaluated, VALIDATION_FILE};
 
 use crate::{
@@ -25,8 +25,10 @@ use crate::{
     say,
 };
 use anyhow::{anyhow, bail, Result};
+use decode::DraftHead;
 use plugin_api::tch::{Device, Kind, Tensor};
 use prompts::{prompts_name, tempfile_dir};
+use report::DraftVocabReport;
 use results::write_tokens;
 use std::{
     path::{Path, PathBuf},
@@ -85,8 +87,7 @@ impl EvalOptions {
 pub fn evaluate(c: &mut Components, opts: &EvalOptions) -> Result<EvalReport> {
     let vocab = match opts.draft_vocab {
         Some(k) => {
-            let vocab = c.target.lm_head()?.size()[0] as usize;
-            let v = draft_vocab::most_frequent(c, k as usize, vocab)?;
+            let v = draft_vocab::most_frequent(c, k as usize, c.target.spec()?.vocab_size as usize)?;
             tracing::info!(
                 "draft vocabulary: the {k} tokens most often predicted in the training split ({:.2}% of them)",
                 100.0 * v.coverage
@@ -160,9 +161,7 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions, vocab: Option<&Dr
         progress.update(i as u64 + 1, &tally.status(), pace.eta((prompts.len() - i - 1) as u64));
     }
     progress.finish();
-    let mut report = tally.report(opts, prompts.len(), &shared, &stop, device, &times)?;
-    report.draft_vocab = vocab.map(|v| DraftVocabReport { tokens: shared.draft_head.rows(), coverage: v.coverage });
-    Ok(report)
+    tally.report(opts, prompts.len(), &shared, vocab, &stop, &times)
 }
 
 /// What every decoding of the evaluation uses: the target's embedding and LM head (its rows of
@@ -252,8 +251,8 @@ impl Tally {
         opts: &EvalOptions,
         prompts: usize,
         shared: &Shared,
+        vocab: Option<&DraftVocab>,
         stop: &[u32],
-        device: Device,
         times: &PhaseTimes,
     ) -> Result<EvalReport> {
         let Tally {
@@ -281,7 +280,7 @@ impl Tally {
             prompts,
             block_size: shared.block_size,
             draft_tokens: shared.draft_tokens,
-            draft_vocab: None,
+            draft_vocab: vocab.map(|v| DraftVocabReport { tokens: shared.draft_head.rows(), coverage: v.coverage }),
             decoding: "greedy",
             max_new_tokens: opts.max_new_tokens,
             stop_token_ids: stop.to_vec(),
@@ -295,7 +294,7 @@ impl Tally {
             target_tok_per_s: n_target as f64 / t_target,
             spec_tok_per_s: n_spec as f64 / t_spec,
             speedup: t_target / t_spec * (n_spec as f64 / n_target.max(1) as f64),
-            device: match device {
+            device: match shared.embedding.device() {
                 Device::Cuda(i) => format!("cuda:{i}"),
                 other => format!("{other:?}").to_lowercase(),
             },
