@@ -13,6 +13,7 @@
 //! - `context_tail`: the context part's staircase tails, the keys a block sees past its range's
 //!   unbiased prefix, on tensor cores, one launch each way for every range (CUDA).
 //! - `cross_entropy`: the loss's row statistics and softmax gradient in two passes (CUDA).
+//! - `cross_entropy_cpu`: the same in three passes a row over the CPU's threads.
 //! - `fp8`: FP8 block-scaled linear layers as served on Hopper: weight and activation quantisers
 //!   (the activations' in one pass, CUDA) and the layer through libtorch's block-scaled GEMM.
 //! - `gdn_scan`: the chunked gated delta rule's scan over chunks in one kernel, forward (CUDA).
@@ -31,6 +32,7 @@ pub mod block_part;
 pub mod causal_conv;
 pub mod context_tail;
 pub mod cross_entropy;
+pub mod cross_entropy_cpu;
 #[cfg(test)]
 mod cuda_tests;
 pub mod ffi;
