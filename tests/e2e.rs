@@ -248,6 +248,20 @@ fn eval_is_lossless_and_reports_acceptance() {
     let coverage = theirs["draft_vocab"]["coverage"].as_f64().unwrap();
     assert!(theirs["draft_vocab"]["tokens"] == 3 && coverage > 0.0 && coverage <= 1.0, "{theirs}");
     assert_eq!(theirs["acceptance_per_position"].as_array().unwrap().len(), 1);
+    assert_eq!(report["dtype"], "f32");
+    // Decoded in another precision than the run's (`--dtype bf16`): said in the results; bf16's
+    // block verify may round a near-tie the other way, which warns instead of failing.
+    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+        .args(["eval", "--limit", "1", "--max-new-tokens", "4", "--dtype", "bf16", "--exp-dir"])
+        .arg(&exp)
+        .arg("--drafter")
+        .arg(&zlab)
+        .env("DFLASH_CACHE", cache())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bf16: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!((bf16["dtype"].as_str(), bf16["prompts"].as_u64()), (Some("bf16"), Some(1)), "{bf16}");
     let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
         .args(["eval", "--limit", "1", "--max-new-tokens", "4", "--draft-tokens", "4", "--exp-dir"])
         .arg(&exp)

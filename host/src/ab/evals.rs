@@ -83,6 +83,7 @@ pub fn ensure(dir: &Path, registry: &Registry, spec: &EvalSpec, sets: &[PromptSe
         dir,
         registry,
         crate::pipeline::assemble::DrafterFrom::Checkpoint(ckpt),
+        None,
     )?;
     eval::open_data(&mut c)?;
     for set in missing {
@@ -97,7 +98,8 @@ pub fn ensure(dir: &Path, registry: &Registry, spec: &EvalSpec, sets: &[PromptSe
         let loads = eval::loadavg();
         let report = eval::evaluate_opened(&mut c, &opts, None)
             .with_context(|| format!("[eval] of {} on its {} prompts", dir.display(), set.source()))?;
-        let json = eval::results_json(&report, &evaluated, dir, PromptFormat::Chat, (loads, eval::loadavg()))?;
+        let json =
+            eval::results_json(&report, &evaluated, dir, PromptFormat::Chat, cfg.dtype(), (loads, eval::loadavg()))?;
         experiment::write_json_atomic(&dir.join(set.file()), &json)?;
         tracing::info!(
             "{}: tau {:.3} on {} {} prompts (step {}){}",

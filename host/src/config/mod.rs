@@ -34,7 +34,8 @@ pub struct RunConfig {
     /// `cpu`, `cuda` (= `cuda:0`) or `cuda:N`.
     #[serde(default = "default_device")]
     pub device: String,
-    /// `f32` or `bf16`; default f32 on CPU, bf16 on CUDA.
+    /// `f32` or `bf16`; default f32 on CPU, bf16 on CUDA. A CPU with bf16 matrix units (AMX) trains
+    /// about twice as fast in bf16; `eval --dtype f32` then checks exactness.
     #[serde(default)]
     pub dtype: Option<String>,
     /// Steps, batch shape, loss, schedule and checkpoints.

@@ -45,6 +45,11 @@ pub struct EvalArgs {
     /// output is unchanged; the exported drafter is not affected.
     #[arg(long, value_name = "K")]
     pub draft_vocab: Option<u32>,
+    /// Decode in this precision instead of the run's `dtype`: `f32` checks exactness (in bf16 the
+    /// verify forward over a block rounds differently from one token at a time, so near-ties can
+    /// flip), e.g. for a drafter trained in bf16 on a CPU with bf16 matrix units.
+    #[arg(long, value_parser = ["f32", "bf16"])]
+    pub dtype: Option<String>,
     /// Keep the decoded token ids: per prompt its ids, the target's greedy reply and the
     /// speculative one, as JSON lines beside the results (`eval.json` -> `eval.tokens.jsonl`),
     /// to compare with a serving engine's output without decoding again.

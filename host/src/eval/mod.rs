@@ -329,7 +329,8 @@ pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
     // Under a launcher, a target replica over several ranks: rank 0 evaluates, the others serve
     // its target.
     if crate::dist::DistEnv::from_env()?.is_some() {
-        let (cfg, config_dir) = crate::pipeline::assemble::experiment_config(exp_dir, args.drafter.as_deref())?;
+        let (cfg, config_dir) =
+            crate::pipeline::assemble::experiment_config(exp_dir, args.drafter.as_deref(), args.dtype.as_deref())?;
         if let Some(follower) = replicas::one_replica(&cfg.target, "eval")?.filter(|(_, l)| !l.is_lead()) {
             let registry = Registry::new(plugin_paths)?;
             let config_path = exp_dir.join(experiment::CONFIG);
@@ -360,7 +361,7 @@ pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
     }
     // 3. Evaluate, with the machine's load before and after the timing.
     let registry = Registry::new(plugin_paths)?;
-    let (cfg, c) = crate::pipeline::assemble::load_experiment(exp_dir, &registry, from)?;
+    let (cfg, c) = crate::pipeline::assemble::load_experiment(exp_dir, &registry, from, args.dtype.as_deref())?;
     let (mut c, held) = replicas::drive(&cfg, c, exp_dir, "eval")?;
     let load_before = loadavg();
     let mut report = evaluate(&mut c, &opts)?;
@@ -370,7 +371,8 @@ pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
     drop(held);
     let _ = std::fs::remove_dir_all(&converted);
     report.source = args.prompts.clone();
-    let mut json = results_json(&report, &evaluated, exp_dir, args.prompt_format, (load_before, load_after))?;
+    let mut json =
+        results_json(&report, &evaluated, exp_dir, args.prompt_format, cfg.dtype(), (load_before, load_after))?;
     let tau_hat = json["tau_hat"].as_f64();
     // 4. Print, then write the results whole.
     results::print(&report, &evaluated, tau_hat);
@@ -406,7 +408,7 @@ pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
         }
         tracing::warn!(
             "speculative decoding differed from one-token greedy decoding on {which}: in {} the block's verify forward rounds differently, \
-             which can flip near-ties; evaluate with dtype = \"f32\" to check exactness",
+             which can flip near-ties; evaluate with --dtype f32 to check exactness",
             cfg.dtype()
         );
     }

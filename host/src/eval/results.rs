@@ -21,9 +21,11 @@ pub fn results_json(
     evaluated: &Evaluated,
     exp_dir: &Path,
     format: PromptFormat,
+    dtype: &str,
     (load_before, load_after): (Option<f64>, Option<f64>),
 ) -> Result<serde_json::Value> {
     let mut json = serde_json::to_value(report)?;
+    json["dtype"] = dtype.into();
     json["tau_hat"] = experiment::metrics::last_number(exp_dir, "tau_hat").into();
     json["evaluated"] = serde_json::to_value(evaluated)?;
     json["prompt_format"] = format!("{format:?}").to_lowercase().into();

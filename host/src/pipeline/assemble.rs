@@ -21,7 +21,23 @@ pub fn ensure_device(cfg: &RunConfig) -> Result<()> {
             anyhow::bail!("device `{d}` asked for, but libtorch's CUDA libraries could not be loaded");
         }
     }
+    let on_cpu = devices.iter().map(String::as_str).chain([cfg.drafter_device()]).any(|d| d == "cpu");
+    if on_cpu && cfg.dtype() == "bf16" && !cpu_has_bf16_units() {
+        tracing::warn!(
+            "dtype = \"bf16\" on a CPU without bf16 matrix instructions (AVX512-BF16, AMX): libtorch emulates them, \
+             slower than f32 here; set dtype = \"f32\" (or --set dtype='\"f32\"')"
+        );
+    }
     Ok(())
+}
+
+/// Whether this CPU multiplies bf16 matrices natively (x86: AVX512-BF16, which every CPU with
+/// AMX also has); elsewhere assumed.
+fn cpu_has_bf16_units() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::is_x86_feature_detected!("avx512bf16");
+    #[cfg(not(target_arch = "x86_64"))]
+    true
 }
 
 /// The run's components; plugin config errors point at the config line (or `--set` argument)
@@ -78,18 +94,27 @@ pub enum DrafterFrom<'a> {
     Folder(&'a Path),
 }
 
-/// Rebuild a finished experiment's plugins (eval): its resolved config, with the drafter from a
-/// checkpoint (its weights checked against what the drafter declares) or from a z-lab folder.
-pub fn load_experiment(exp_dir: &Path, registry: &Registry, drafter: DrafterFrom) -> Result<(RunConfig, Components)> {
+/// Rebuild a finished experiment's plugins (eval): its resolved config, in `dtype` where given
+/// instead of the run's, with the drafter from a checkpoint (its weights checked against what the
+/// drafter declares) or from a z-lab folder.
+pub fn load_experiment(
+    exp_dir: &Path,
+    registry: &Registry,
+    drafter: DrafterFrom,
+    dtype: Option<&str>,
+) -> Result<(RunConfig, Components)> {
     let folder = match &drafter {
         DrafterFrom::Folder(d) => Some(*d),
         DrafterFrom::Checkpoint(_) => None,
     };
-    let (cfg, config_dir) = experiment_config(exp_dir, folder)?;
+    let (cfg, config_dir) = experiment_config(exp_dir, folder, dtype)?;
     ensure_device(&cfg)?;
     let ctx = manifest::plugin_context(&cfg, &config_dir, &cache_dir());
     memory_estimate::check_run(&cfg, registry, &ctx, Work::Eval)?;
     let mut c = build_components(&cfg, registry, &config_dir, &cache_dir())?;
+    // The replies the run trained on (a draft vocabulary is counted over them) are those of the
+    // dtype it trained in, whatever the dtype it is decoded in.
+    c.numerics = crate::pipeline::components::numerics(&experiment_config(exp_dir, folder, None)?.0);
     if let DrafterFrom::Checkpoint(ckpt) = drafter {
         ckpt.check_weights_for(&c.drafter.parameters()?)?;
         c.drafter.load_weights(ckpt.weights.into())?;
@@ -99,9 +124,13 @@ pub fn load_experiment(exp_dir: &Path, registry: &Registry, drafter: DrafterFrom
 }
 
 /// A finished experiment's resolved config as eval runs it (the drafter from a z-lab `folder`
-/// when given; this rank's devices under a launcher), and the folder its paths resolve from.
-pub fn experiment_config(exp_dir: &Path, folder: Option<&Path>) -> Result<(RunConfig, PathBuf)> {
+/// when given; in `dtype` when given; this rank's devices under a launcher), and the folder its
+/// paths resolve from.
+pub fn experiment_config(exp_dir: &Path, folder: Option<&Path>, dtype: Option<&str>) -> Result<(RunConfig, PathBuf)> {
     let mut cfg = RunConfig::load(&exp_dir.join(experiment::CONFIG))?;
+    if let Some(d) = dtype {
+        cfg.dtype = Some(d.into());
+    }
     let manifest = Manifest::read(exp_dir)?;
     if let Some(d) = folder {
         let abs = d.canonicalize().with_context(|| format!("{}", d.display()))?;
