@@ -26,7 +26,7 @@ part gpu nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.li
 # The default's 1,024 training and 64 validation conversations, replied to by each arm's target.
 distill_both() {
     for compute in bf16 fp8; do
-        "$B" distill --config configs/smollm2-chitchat.toml --device cuda:0 --set 'dtype="bf16"' \
+        "$B" distill --config configs/smollm2-chitchat-f32.toml --device cuda:0 --set 'dtype="bf16"' \
             --set "target.compute=\"$compute\"" --out "$RESULTS/distilled_$compute.jsonl" || return 1
     done
 }

@@ -100,7 +100,8 @@ impl Default for AdamWGroup {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, plugin_api::Describe)]
 #[serde(rename_all = "snake_case")]
 pub enum NsDtype {
-    /// bf16 on CUDA (as KellerJordan and torch), f32 on the CPU (bf16 matmuls are slow there).
+    /// bf16 on CUDA (as KellerJordan and torch), f32 on the CPU (bf16 matmuls are slow on a CPU
+    /// without bf16 matrix units; with AMX, `bf16` runs the default drafter's 2.7x faster).
     #[default]
     Auto,
     F32,
