@@ -380,11 +380,6 @@ pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
         tracing::warn!("{w}");
         json["warning"] = w.into();
     }
-    // In 16-bit floats the verify forward over a block rounds differently from decoding one
-    // token at a time, so a near-tie between two tokens can fall the other way: a difference
-    // there is no fault of the drafter or the cache (both runs are the target's own greedy
-    // choices), and only an f32 run checks exactness.
-    let exact = cfg.dtype() == "f32";
     say!(
         "lossless     {}",
         if report.lossless {
@@ -401,17 +396,25 @@ pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
     }
     experiment::write_json_atomic(&written, &json)?;
     say!("written      {}", written.display());
-    if !report.lossless {
-        let which = format!("prompts {:?}", report.mismatches);
-        if exact {
-            bail!("speculative decoding differed from the target's greedy output on {which}");
-        }
-        tracing::warn!(
-            "speculative decoding differed from one-token greedy decoding on {which}: in {} the block's verify forward rounds differently, \
-             which can flip near-ties; evaluate with --dtype f32 to check exactness",
-            cfg.dtype()
-        );
+    if report.lossless {
+        return Ok(());
     }
+    mismatch(&report.mismatches, cfg.dtype())
+}
+
+/// Speculative output that differs from greedy decoding: an error in f32; in 16-bit floats a
+/// warning, since the verify forward over a block rounds differently from decoding one token at
+/// a time, so a near-tie between two tokens can fall the other way (no fault of the drafter or
+/// the cache: both runs are the target's own greedy choices).
+fn mismatch(prompts: &[usize], dtype: &str) -> Result<()> {
+    let which = format!("prompts {prompts:?}");
+    if dtype == "f32" {
+        bail!("speculative decoding differed from the target's greedy output on {which}");
+    }
+    tracing::warn!(
+        "speculative decoding differed from one-token greedy decoding on {which}: in {dtype} the block's verify forward rounds differently, \
+         which can flip near-ties; evaluate with --dtype f32 to check exactness"
+    );
     Ok(())
 }
 
