@@ -207,25 +207,20 @@ fn eval_is_lossless_and_reports_acceptance() {
     ] {
         assert!(card.contains(want), "model card lacks {want:?}:\n{card}");
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
-        .args([
-            "eval",
-            "--limit",
-            "2",
-            "--max-new-tokens",
-            "8",
-            "--draft-tokens",
-            "1",
-            "--draft-vocab",
-            "3",
-            "--exp-dir",
-        ])
-        .arg(&exp)
-        .arg("--drafter")
-        .arg(&zlab)
-        .env("DFLASH_CACHE", cache())
-        .output()
-        .unwrap();
+    // `eval` of the exported folder, with these arguments.
+    let eval_exported = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_dflash-host"))
+            .arg("eval")
+            .args(args)
+            .arg("--exp-dir")
+            .arg(&exp)
+            .arg("--drafter")
+            .arg(&zlab)
+            .env("DFLASH_CACHE", cache())
+            .output()
+            .unwrap()
+    };
+    let out = eval_exported(&["--limit", "2", "--max-new-tokens", "8", "--draft-tokens", "1", "--draft-vocab", "3"]);
     assert!(
         out.status.success() && String::from_utf8_lossy(&out.stdout).contains("lossless     yes"),
         "{}",
@@ -251,14 +246,7 @@ fn eval_is_lossless_and_reports_acceptance() {
     assert_eq!(report["dtype"], "f32");
     // Decoded in another precision than the run's (`--dtype bf16`): said in the results; bf16's
     // block verify may round a near-tie the other way, which warns instead of failing.
-    let out = Command::new(env!("CARGO_BIN_EXE_dflash-host"))
-        .args(["eval", "--limit", "1", "--max-new-tokens", "4", "--dtype", "bf16", "--exp-dir"])
-        .arg(&exp)
-        .arg("--drafter")
-        .arg(&zlab)
-        .env("DFLASH_CACHE", cache())
-        .output()
-        .unwrap();
+    let out = eval_exported(&["--limit", "1", "--max-new-tokens", "4", "--dtype", "bf16"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let bf16: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
     assert_eq!((bf16["dtype"].as_str(), bf16["prompts"].as_u64()), (Some("bf16"), Some(1)), "{bf16}");

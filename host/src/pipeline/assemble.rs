@@ -107,14 +107,18 @@ pub fn load_experiment(
         DrafterFrom::Folder(d) => Some(*d),
         DrafterFrom::Checkpoint(_) => None,
     };
-    let (cfg, config_dir) = experiment_config(exp_dir, folder, dtype)?;
+    let (mut cfg, config_dir) = experiment_config(exp_dir, folder, None)?;
+    // The replies the run trained on (a draft vocabulary is counted over them) are those of the
+    // dtype it trained in, whatever the dtype it is decoded in.
+    let trained_numerics = crate::pipeline::components::numerics(&cfg);
+    if let Some(d) = dtype {
+        cfg.dtype = Some(d.into());
+    }
     ensure_device(&cfg)?;
     let ctx = manifest::plugin_context(&cfg, &config_dir, &cache_dir());
     memory_estimate::check_run(&cfg, registry, &ctx, Work::Eval)?;
     let mut c = build_components(&cfg, registry, &config_dir, &cache_dir())?;
-    // The replies the run trained on (a draft vocabulary is counted over them) are those of the
-    // dtype it trained in, whatever the dtype it is decoded in.
-    c.numerics = crate::pipeline::components::numerics(&experiment_config(exp_dir, folder, None)?.0);
+    c.numerics = trained_numerics;
     if let DrafterFrom::Checkpoint(ckpt) = drafter {
         ckpt.check_weights_for(&c.drafter.parameters()?)?;
         c.drafter.load_weights(ckpt.weights.into())?;

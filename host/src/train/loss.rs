@@ -211,9 +211,9 @@ fn labels_and_weights(x: &LossInput, meta: tch::Device) -> (Tensor, Tensor, Tens
 /// Per row of logits z [c, V] against `labels` [c]: the label's log-probability (fp32), whether
 /// the argmax is the label, and with `grad` = (kind, row scale [c]) the gradient (softmax -
 /// onehot) times each row's scale, in that kind. On CUDA two passes over the logits
-/// (`kernels::cross_entropy`), on the CPU three (`kernels::cross_entropy_cpu`); elsewhere libtorch's ops: one log-softmax in fp32, then exp
-/// written straight into the kind, each label's entry expm1(logp) from fp32 (p - 1 near 1 would
-/// round away), then the scale.
+/// (`kernels::cross_entropy`), on the CPU three (`kernels::cross_entropy_cpu`); elsewhere
+/// libtorch's ops: one log-softmax in fp32, then exp written straight into the kind, each label's
+/// entry expm1(logp) from fp32 (p - 1 near 1 would round away), then the scale.
 fn cross_entropy_rows(z: Tensor, labels: &Tensor, grad: Option<(Kind, &Tensor)>) -> (Tensor, Tensor, Option<Tensor>) {
     let z = match kernels::cross_entropy::rows(z, labels, grad) {
         Ok(r) => return (r.logp_label, r.hit, r.grad),
