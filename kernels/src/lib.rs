@@ -16,6 +16,8 @@
 //! - `cross_entropy_cpu`: the same in three passes a row over the CPU's threads.
 //! - `fp8`: FP8 block-scaled linear layers as served on Hopper: weight and activation quantisers
 //!   (the activations' in one pass, CUDA) and the layer through libtorch's block-scaled GEMM.
+//! - `gdn_prep`: a Gated DeltaNet layer's chunk quantities built on chip from its conv output, and
+//!   its gated RMSNorm, forward (CUDA).
 //! - `gdn_scan`: the chunked gated delta rule's scan over chunks in one kernel, forward (CUDA).
 //! - `norm_rope`: an attention's q/k RMSNorm and rotary embedding in one pass each way (CUDA).
 //! - `nvrtc`: compile CUDA C++ at run time and launch it on libtorch's stream (cudarc).
@@ -37,6 +39,7 @@ pub mod cross_entropy_cpu;
 mod cuda_tests;
 pub mod ffi;
 pub mod fp8;
+pub mod gdn_prep;
 pub mod gdn_scan;
 pub mod norm_rope;
 pub mod nvrtc;

@@ -4,15 +4,19 @@
 //!   batched matmuls a chunk, used for any sequence longer than a step) and the state after any
 //!   prefix;
 //! - [`conv`]: the short causal depthwise conv that feeds it;
-//! - [`l2norm`]: the q/k normalisation FLA and transformers apply before the rule.
+//! - [`l2norm`]: the q/k normalisation FLA and transformers apply before the rule;
+//! - [`fused`]: a hybrid target's layer on a GPU, the rule straight from the conv output and the
+//!   output's gated RMSNorm as kernels.
 //!
 //! Layouts, gates and the recurrence are described in docs/GDN.md.
 
 pub mod conv;
 pub mod delta_rule;
+pub mod fused;
 
 pub use conv::{causal_conv, conv_silu, depthwise_conv};
 pub use delta_rule::{chunked, chunked_with, naive, states_at, unit_lower_inverse, Precision};
+pub use fused::{chunked_from_conv, gated_rms_norm};
 
 use tch::{Kind, Tensor};
 
