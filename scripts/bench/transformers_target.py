@@ -72,8 +72,14 @@ report = {
 if model_type.startswith("qwen3_5"):
     import importlib
 
-    mod = importlib.import_module(f"transformers.models.{'qwen3_5_moe' if 'moe' in model_type else 'qwen3_5'}.modeling_{'qwen3_5_moe' if 'moe' in model_type else 'qwen3_5'}")
-    report["gdn_kernels"] = "fla" if mod.chunk_gated_delta_rule is not None else "torch fallback"
+    # The function a Gated DeltaNet layer took at its construction (transformers' versions keep
+    # it as an attribute of the layer or of the module).
+    gdn = next((m for m in model.modules() if hasattr(m, "chunk_gated_delta_rule")), None)
+    fn = getattr(gdn, "chunk_gated_delta_rule", None)
+    if gdn is None:
+        mod = importlib.import_module(type(model).__module__)
+        fn = getattr(mod, "chunk_gated_delta_rule", None)
+    report["gdn_kernels"] = "fla" if fn is not None and (getattr(fn, "__module__", "") or "").startswith("fla") else "torch fallback"
 if hasattr(config, "experts_implementation") or hasattr(config, "_experts_implementation"):
     report["experts_implementation"] = str(getattr(config, "_experts_implementation", None))
 

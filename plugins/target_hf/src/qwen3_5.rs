@@ -19,7 +19,7 @@ use crate::{
     tp::rows,
     weights::Loader,
 };
-use gated_deltanet::{chunked_with, conv_silu, l2norm, Precision};
+use gated_deltanet::{chunked_from_conv, chunked_with, conv_silu, fused::Heads, gated_rms_norm, l2norm, Precision};
 use plugin_api::tch::{Kind, Tensor};
 use std::ops::Range;
 
@@ -109,7 +109,7 @@ impl GatedDeltaNet {
         state: Option<&mut Option<LinearState>>,
         keep_undo: bool,
     ) -> Tensor {
-        let (b, l) = (x.size()[0], x.size()[1]);
+        let b = x.size()[0];
         let (nv, dv) = (self.value_heads, self.value_dim);
         let c = self.conv_channels();
         let x = match valid {
@@ -128,17 +128,14 @@ impl GatedDeltaNet {
             Some(s) => s.conv.shallow_clone(),
             None => Tensor::zeros([b, self.kernel - 1, c], (x.kind(), x.device())),
         };
-        let (q, k, v) = self.heads(&conv_silu(&history, &mixed, &self.conv));
+        let conv = conv_silu(&history, &mixed, &self.conv);
         // 3. Gates, fp32: [B, L, nv] -> [B, nv, L].
         let (g, beta) = self.gates(&a_in, &b_in);
         // 4. The delta rule from the cached state (zeros at the start), chunked.
         let initial = prev.map(|s| s.state.shallow_clone());
-        let (o, last) = chunked_with(&q, &k, &v, &g, &beta, initial.as_ref(), CHUNK, self.precision);
+        let (o, last) = self.rule(&conv, &g, &beta, initial.as_ref());
         // 5. Gated RMSNorm per value head, norm(o) * w * silu(z), then out_proj.
-        let o = o.transpose(1, 2); // [B, L, nv, dv]
-        let z = z.reshape([b, l, nv, dv]);
-        let gated = o.rms_norm([dv], Some(&self.norm), self.eps) * z.silu();
-        let out = gated.to_kind(x.kind()).reshape([b, l, nv * dv]);
+        let out = gated_rms_norm(&o, &z.to_kind(x.kind()), &self.norm, self.eps);
         let out = self.out_proj.forward(&out);
         // 6. The cache: the last K-1 pre-conv rows, the final state (and the undo record).
         if let Some(slot) = state {
@@ -166,10 +163,29 @@ impl GatedDeltaNet {
         } else {
             // As the forward computes it (the fused kernel on a GPU), so a rewound state equals
             // the one a forward over the kept positions leaves.
-            let (_, k, v) = self.heads(&conv_silu(&u.conv, &kept, &self.conv));
+            let conv = conv_silu(&u.conv, &kept, &self.conv);
             let (g, beta) = (u.g.narrow(2, 0, keep), u.beta.narrow(2, 0, keep));
-            chunked_with(&k, &k, &v, &g, &beta, u.state.as_ref(), CHUNK, self.precision).1
+            self.rule(&conv, &g, &beta, u.state.as_ref()).1
         };
+    }
+
+    /// The delta rule over the conv output `conv` [B, L, C] from `initial`: outputs fp32 [B, nv, L,
+    /// dv] and the final state. In bf16 on a GPU, kernels straight from the conv output; else the
+    /// heads laid out fp32 and the chunked composite.
+    fn rule(&self, conv: &Tensor, g: &Tensor, beta: &Tensor, initial: Option<&Tensor>) -> (Tensor, Tensor) {
+        if self.precision == Precision::Bf16 {
+            let heads = Heads {
+                key_heads: self.key_heads,
+                value_heads: self.value_heads,
+                key_dim: self.key_dim,
+                value_dim: self.value_dim,
+            };
+            if let Some(out) = chunked_from_conv(conv, &heads, g, beta, initial) {
+                return out;
+            }
+        }
+        let (q, k, v) = self.heads(conv);
+        chunked_with(&q, &k, &v, g, beta, initial, CHUNK, self.precision)
     }
 
     /// conv output [B, L, C] -> q, k [B, nv, L, dk] (L2-normalised, each key head repeated to its
