@@ -55,9 +55,9 @@ fn cuda_gdn_kernels_match_the_composites_in_a_hybrid_target() {
     eprintln!("kernels vs composites, bf16: features by layer [{}], logits {logits:.2e}", shown.join(", "));
     // bf16 rounding in different places (a wrong layout or gate is off by order 1).
     for (i, e) in by_layer.iter().enumerate() {
-        assert!(*e < 3e-2, "layer {i}: features off by {e:.2e}");
+        assert!(*e < 5e-2, "layer {i}: features off by {e:.2e}");
     }
-    assert!(logits < 3e-2, "logits off by {logits:.2e}");
+    assert!(logits < 5e-2, "logits off by {logits:.2e}");
     assert!(!h_on.equal(&h_off), "the kernels did not run (bit-identical to the composites)");
 
     // Extend by a prompt then a block, roll back into the block, extend again: the logits equal
@@ -76,5 +76,5 @@ fn cuda_gdn_kernels_match_the_composites_in_a_hybrid_target() {
     let want = full.unwrap().narrow(1, (100 + kept) as i64, more.len() as i64);
     let err = rel_norm(&logits, &want);
     eprintln!("logits after a rollback against one forward: {err:.2e}");
-    assert!(err < 3e-2, "logits after the rollback off by {err:.2e}");
+    assert!(err < 5e-2, "logits after the rollback off by {err:.2e}");
 }
