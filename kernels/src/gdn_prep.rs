@@ -156,6 +156,7 @@ pub fn gated_norm(o: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) -> Result<T
         return gated_norm(&dense, z, &weight, eps);
     }
     let lp = sh / dv;
+    // The norm reads only DV; the module's DK is any the source compiles with.
     let m = nvrtc::module(ordinal, SRC, &[("DK", 64), ("DV", dv)], &[PREP, NORM])?;
     let (p_o, p_z, p_w, p_y) =
         (o.data_ptr() as u64, z.data_ptr() as u64, weight.data_ptr() as u64, y.data_ptr() as u64);
