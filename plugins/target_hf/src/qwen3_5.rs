@@ -135,7 +135,7 @@ impl GatedDeltaNet {
         let initial = prev.map(|s| s.state.shallow_clone());
         let (o, last) = self.rule(&conv, &g, &beta, initial.as_ref());
         // 5. Gated RMSNorm per value head, norm(o) * w * silu(z), then out_proj.
-        let out = gated_rms_norm(&o, &z.to_kind(x.kind()), &self.norm, self.eps);
+        let out = gated_rms_norm(&o, &z, &self.norm, self.eps); // in z's dtype, the model's
         let out = self.out_proj.forward(&out);
         // 6. The cache: the last K-1 pre-conv rows, the final state (and the undo record).
         if let Some(slot) = state {
