@@ -1,5 +1,5 @@
-//! A Gated DeltaNet layer's work around the chunked scan as two CUDA kernels (csrc/gdn_prep.cu),
-//! forward only, bf16: what a hybrid target's layer runs on a GPU without autograd.
+//! A Gated DeltaNet layer's work around the chunked scan as two CUDA kernels (csrc/gdn_prep.cu,
+//! csrc/gdn_gated_norm.cu), forward only, bf16: what a hybrid target's layer runs on a GPU without autograd.
 //! - [`chunks`]: the per-chunk quantities the scan (`gdn_scan`) reads, built on chip from the conv
 //!   output, in place of the L2 norms, the key heads' repeat, the head-first fp32 layouts, the
 //!   decay mask, the WY inverse and its batched matmuls;
@@ -10,6 +10,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use tch::{Device, Kind, Tensor};
 
 const SRC: &str = concat!(include_str!("../csrc/mma.cuh"), include_str!("../csrc/gdn_prep.cu"));
+const SRC_NORM: &str = concat!(include_str!("../csrc/mma.cuh"), include_str!("../csrc/gdn_gated_norm.cu"));
 const PREP: &str = "gdn_chunk_prep";
 const NORM: &str = "gdn_gated_norm";
 const CHUNK: i64 = gdn_scan::CHUNK;
@@ -88,6 +89,9 @@ pub fn chunks(qkv: &Tensor, heads: &Heads, g: &Tensor, beta: &Tensor) -> Result<
     let (g, beta) = (gates("g", g)?, gates("beta", beta)?);
     let qkv = qkv.contiguous();
     let (bh, n) = (b * nv, (l + CHUNK - 1) / CHUNK);
+    if bh > 65_535 {
+        return Err(format!("{bh} sequence heads: over a launch's 65,535"));
+    }
     let empty = |shape: &[i64], kind: Kind| Tensor::empty(shape, (kind, qkv.device()));
     let out = Chunks {
         u: empty(&[bh, n, CHUNK, dv], Kind::Float),
@@ -100,7 +104,7 @@ pub fn chunks(qkv: &Tensor, heads: &Heads, g: &Tensor, beta: &Tensor) -> Result<
     if bh == 0 || n == 0 {
         return Ok(out);
     }
-    let m = nvrtc::module(ordinal, SRC, &[("DK", dk), ("DV", dv)], &[PREP, NORM])?;
+    let m = nvrtc::module(ordinal, SRC, &[("DK", dk), ("DV", dv)], &[PREP])?;
     let ptr = |t: &Tensor| t.data_ptr() as u64;
     let (p_qkv, p_g, p_beta) = (ptr(&qkv), ptr(&g), ptr(&beta));
     let (p_u, p_w, p_qd, p_intra, p_kte, p_decay) =
@@ -114,9 +118,6 @@ pub fn chunks(qkv: &Tensor, heads: &Heads, g: &Tensor, beta: &Tensor) -> Result<
     launch.arg(&p_qkv).arg(&row).arg(&q_off).arg(&k_off).arg(&v_off).arg(&heads32).arg(&rep);
     launch.arg(&p_g).arg(&p_beta).arg(&l32).arg(&n32).arg(&scale);
     launch.arg(&p_u).arg(&p_w).arg(&p_qd).arg(&p_intra).arg(&p_kte).arg(&p_decay);
-    if bh > 65_535 {
-        return Err(format!("{bh} sequence heads: over a launch's 65,535"));
-    }
     let grid = (u32::try_from(n).map_err(|e| e.to_string())?, bh as u32, 1);
     let config = LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's signature; qkv, g and beta are dense with the
@@ -156,8 +157,7 @@ pub fn gated_norm(o: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) -> Result<T
         return gated_norm(&dense, z, &weight, eps);
     }
     let lp = sh / dv;
-    // The norm reads only DV; the module's DK is any the source compiles with.
-    let m = nvrtc::module(ordinal, SRC, &[("DK", 64), ("DV", dv)], &[PREP, NORM])?;
+    let m = nvrtc::module(ordinal, SRC_NORM, &[("DV", dv)], &[NORM])?;
     let (p_o, p_z, p_w, p_y) =
         (o.data_ptr() as u64, z.data_ptr() as u64, weight.data_ptr() as u64, y.data_ptr() as u64);
     let int = |x: i64| i32::try_from(x).map_err(|e| format!("{x}: {e}"));
@@ -180,8 +180,10 @@ mod tests {
         for (dk, dv) in [(128, 128), (64, 64), (64, 128)] {
             let ptx = super::nvrtc::compile(super::SRC, &[("DK", dk), ("DV", dv)]);
             let ptx = ptx.unwrap_or_else(|e| panic!("DK {dk} DV {dv}: {e}")).to_src();
-            assert!(ptx.contains(".entry gdn_chunk_prep") && ptx.contains(".entry gdn_gated_norm"));
+            assert!(ptx.contains(".entry gdn_chunk_prep"));
             assert!(ptx.contains("mma.sync.aligned.m16n8k16") && ptx.contains("ldmatrix.sync.aligned.m8n8.x2.trans"));
+            let ptx = super::nvrtc::compile(super::SRC_NORM, &[("DV", dv)]);
+            assert!(ptx.unwrap_or_else(|e| panic!("DV {dv}: {e}")).to_src().contains(".entry gdn_gated_norm"));
         }
     }
 
