@@ -64,7 +64,8 @@ pub fn master_step(
     let [pg, pm, pa, ps, pp] = [grad, master, exp_avg, exp_avg_sq, param].map(|t| t.data_ptr() as u64);
     // Groups of 4 elements where every tensor starts 16-byte aligned (libtorch's allocations do).
     let n4 = if [pg, pm, pa, ps, pp].iter().all(|p| p % 16 == 0) { n / 4 } else { 0 };
-    let mut launch = m.stream.launch_builder(m.function(STEP));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(STEP));
     launch.arg(&pg).arg(&pm).arg(&pa).arg(&ps).arg(&pp).arg(&n).arg(&n4);
     launch.arg(&lr).arg(&b1).arg(&b2).arg(&wd).arg(&eps).arg(&step_size).arg(&bc2_sqrt);
     let config = nvrtc::grid_stride(if n4 > 0 { n4 } else { n } as u64, THREADS as u64, THREADS);

@@ -196,7 +196,8 @@ pub fn forward(
     let m = module(q, k, block, kernels)?;
     let (p_anchors, p_lse) = (anchors.data_ptr() as u64, lse.data_ptr() as u64);
     let (nh32, n32, s32, w32, scale32) = (nh as i32, n as i32, s as i32, window_arg(window)?, scale as f32);
-    let mut launch = m.stream.launch_builder(m.function(FORWARD));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(FORWARD));
     for a in [&aq, &ak, &av] {
         a.push(&mut launch);
     }
@@ -245,7 +246,8 @@ pub fn backward(
     let kernels = kernels(q, k, block, &[&aq, &ak, &av, &ad, &ao, &ag, &adk, &adv]);
     let m = module(q, k, block, kernels)?;
     let (nh32, n32, s32, w32, scale32) = (nh as i32, n as i32, s as i32, window_arg(window)?, scale as f32);
-    let mut launch = m.stream.launch_builder(m.function(BACKWARD));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(BACKWARD));
     for a in [&aq, &ak, &av, &ad, &ao] {
         a.push(&mut launch);
     }

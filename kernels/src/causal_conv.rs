@@ -45,7 +45,8 @@ pub fn forward(history: &Tensor, x: &Tensor, w: &Tensor) -> Result<Tensor, Strin
         (hist.data_ptr() as u64, x.data_ptr() as u64, w.data_ptr() as u64, out.data_ptr() as u64);
     let (xb, xt) = (x.stride()[0], x.stride()[1]);
     let (l32, c32) = (l as i32, c as i32);
-    let mut launch = m.stream.launch_builder(m.function(FORWARD));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(FORWARD));
     launch.arg(&p_hist).arg(&p_x).arg(&xb).arg(&xt).arg(&p_w).arg(&p_out).arg(&l32).arg(&c32);
     let grid = ((c as u32).div_ceil(THREADS), ((l + STEPS - 1) / STEPS) as u32, b as u32);
     let config = LaunchConfig { grid_dim: grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };

@@ -137,7 +137,8 @@ pub fn forward(
     let (p_anchors, ab, p_lse, lb, lh) =
         (anchors.data_ptr() as u64, anchors.stride()[0], lse.data_ptr() as u64, lse.stride()[0], lse.stride()[1]);
     let scale32 = scale as f32;
-    let mut launch = m.stream.launch_builder(m.function(FORWARD));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(FORWARD));
     for a in [&aq, &ak, &av] {
         a.push(&mut launch);
     }
@@ -184,7 +185,8 @@ pub fn backward(
     let (p_anchors, ab, p_dv) = (anchors.data_ptr() as u64, anchors.stride()[0], dv.data_ptr() as u64);
     let scale32 = scale as f32;
 
-    let mut launch = m.stream.launch_builder(m.function(BACKWARD_DQ));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(BACKWARD_DQ));
     for a in [&aq, &ak, &av, &ad, &ao] {
         a.push(&mut launch);
     }
@@ -195,7 +197,8 @@ pub fn backward(
     unsafe { launch.launch(query_grid(q, k, anchors.size()[1])) }.map_err(|e| format!("{BACKWARD_DQ}: {e}"))?;
 
     if table.tiles() > 0 {
-        let mut launch = m.stream.launch_builder(m.function(BACKWARD_DKV));
+        let stream = m.stream();
+        let mut launch = stream.launch_builder(m.function(BACKWARD_DKV));
         for a in [&aq, &ak, &av, &ad] {
             a.push(&mut launch);
         }

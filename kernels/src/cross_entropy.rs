@@ -71,7 +71,8 @@ fn launch(
     let hit = Tensor::empty([c], (Kind::Bool, z.device()));
     let (pz, ld, v32, pl) = (z.data_ptr() as u64, z.stride()[0], v as i32, labels.data_ptr() as u64);
     let (p_lse, p_logp, p_hit) = (lse.data_ptr() as u64, logp_label.data_ptr() as u64, hit.data_ptr() as u64);
-    let mut stats = m.stream.launch_builder(m.function(stats_fn));
+    let stream = m.stream();
+    let mut stats = stream.launch_builder(m.function(stats_fn));
     stats.arg(&pz).arg(&ld).arg(&v32).arg(&pl).arg(&p_lse).arg(&p_logp).arg(&p_hit);
     let cfg = LaunchConfig { grid_dim: (c as u32, 1, 1), block_dim: (STATS_THREADS, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: arguments as the kernel declares them; z is [c, V] of the kernel's type with row
@@ -86,7 +87,8 @@ fn launch(
             _ => Tensor::empty([c, v], (Kind::BFloat16, z.device())),
         };
         let (p_scale, po, ldo) = (scale.data_ptr() as u64, out.data_ptr() as u64, out.stride()[0]);
-        let mut g = m.stream.launch_builder(m.function(grad_fn));
+        let stream = m.stream();
+        let mut g = stream.launch_builder(m.function(grad_fn));
         g.arg(&pz).arg(&ld).arg(&v32).arg(&pl).arg(&p_lse).arg(&p_scale).arg(&po).arg(&ldo);
         let loads = (v / lanes) as u32;
         let cfg = LaunchConfig {

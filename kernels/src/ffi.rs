@@ -5,6 +5,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::Path;
+use std::sync::OnceLock;
 
 extern "C" {
     // csrc/autograd.cpp
@@ -188,4 +189,59 @@ pub fn cuda_device_name(ordinal: usize) -> Option<String> {
         return None;
     }
     cudarc::driver::CudaContext::new(ordinal).and_then(|c| c.name()).ok()
+}
+
+// csrc/cuda_graph.cpp, a library of its own (it links libtorch_cuda): built with this crate,
+// embedded, and loaded at the first graph; empty when the build found no CUDA headers.
+static GRAPH_LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libdflash_cuda_graph.so"));
+
+type New = unsafe extern "C" fn(*mut *mut c_void, *mut c_char, usize) -> c_int;
+type Free = unsafe extern "C" fn(*mut c_void);
+type Enter = unsafe extern "C" fn(*mut c_void, c_int, *mut *mut c_void, *mut c_char, usize) -> c_int;
+type Step = unsafe extern "C" fn(*mut c_void, *mut c_char, usize) -> c_int;
+
+pub(crate) struct GraphShim {
+    pub new: New,
+    pub free: Free,
+    pub enter: Enter,
+    pub exit: Step,
+    pub capture_begin: Step,
+    pub capture_end: Step,
+    pub replay: Step,
+}
+
+pub(crate) fn graph_shim() -> Result<&'static GraphShim, String> {
+    static SHIM: OnceLock<Result<GraphShim, String>> = OnceLock::new();
+    SHIM.get_or_init(|| {
+        if GRAPH_LIBRARY.is_empty() {
+            return Err("this build has no CUDA graphs: it was compiled without the CUDA runtime's headers \
+                        (`make setup` installs them into $DFLASH_CACHE/cuda-headers; rebuild)"
+                .into());
+        }
+        crate::load_libtorch_cuda()?;
+        let lib = crate::embedded_library::open(GRAPH_LIBRARY, "dflash-cuda-graph")?;
+        // SAFETY: the symbols are the shim's, with these signatures; the library stays loaded.
+        let shim = unsafe {
+            let get = |name: &[u8]| -> Result<*const c_void, String> {
+                lib.get::<*const c_void>(name).map(|s| *s).map_err(|e| e.to_string())
+            };
+            GraphShim {
+                new: std::mem::transmute::<*const c_void, New>(get(b"dflash_graph_new\0")?),
+                free: std::mem::transmute::<*const c_void, Free>(get(b"dflash_graph_free\0")?),
+                enter: std::mem::transmute::<*const c_void, Enter>(get(b"dflash_graph_enter\0")?),
+                exit: std::mem::transmute::<*const c_void, Step>(get(b"dflash_graph_exit\0")?),
+                capture_begin: std::mem::transmute::<*const c_void, Step>(get(b"dflash_graph_capture_begin\0")?),
+                capture_end: std::mem::transmute::<*const c_void, Step>(get(b"dflash_graph_capture_end\0")?),
+                replay: std::mem::transmute::<*const c_void, Step>(get(b"dflash_graph_replay\0")?),
+            }
+        };
+        std::mem::forget(lib);
+        Ok(shim)
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+pub(crate) fn graph_shim_built() -> bool {
+    !GRAPH_LIBRARY.is_empty()
 }

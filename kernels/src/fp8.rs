@@ -204,7 +204,8 @@ fn launch(x: &Tensor, m_p: i64, k_p: i64) -> std::result::Result<(Tensor, Tensor
     let (m, k) = (x.size()[0] as i32, x.size()[1] as i32);
     let (px, ldx, pq, ps) = (x.data_ptr() as u64, x.stride()[0], q.data_ptr() as u64, scales.data_ptr() as u64);
     let (m_p32, groups32) = (m_p as i32, groups as i32);
-    let mut launch = module.stream.launch_builder(module.function(KERNEL));
+    let stream = module.stream();
+    let mut launch = stream.launch_builder(module.function(KERNEL));
     launch.arg(&px).arg(&ldx).arg(&m).arg(&k).arg(&pq).arg(&ps).arg(&m_p32).arg(&groups32);
     // 16 threads a group: 16 groups a CTA of 256.
     let config = nvrtc::grid_stride((groups * m_p) as u64, (THREADS / 16) as u64, THREADS);

@@ -114,7 +114,8 @@ pub fn chunks(qkv: &Tensor, heads: &Heads, g: &Tensor, beta: &Tensor) -> Result<
     let (q_off, k_off, v_off) = (0i32, int(nk * dk)?, int(2 * nk * dk)?);
     let (heads32, rep, l32, n32) = (int(nv)?, int(nv / nk)?, int(l)?, int(n)?);
     let scale = (dk as f32).powf(-0.5);
-    let mut launch = m.stream.launch_builder(m.function(PREP));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(PREP));
     launch.arg(&p_qkv).arg(&row).arg(&q_off).arg(&k_off).arg(&v_off).arg(&heads32).arg(&rep);
     launch.arg(&p_g).arg(&p_beta).arg(&l32).arg(&n32).arg(&scale);
     launch.arg(&p_u).arg(&p_w).arg(&p_qd).arg(&p_intra).arg(&p_kte).arg(&p_decay);
@@ -162,7 +163,8 @@ pub fn gated_norm(o: &Tensor, z: &Tensor, weight: &Tensor, eps: f64) -> Result<T
         (o.data_ptr() as u64, z.data_ptr() as u64, weight.data_ptr() as u64, y.data_ptr() as u64);
     let int = |x: i64| i32::try_from(x).map_err(|e| format!("{x}: {e}"));
     let (z_row, l32, lp32, h32, eps32) = (z.stride()[1], int(l)?, int(lp)?, int(h)?, eps as f32);
-    let mut launch = m.stream.launch_builder(m.function(NORM));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(NORM));
     launch.arg(&p_o).arg(&p_z).arg(&z_row).arg(&p_w).arg(&p_y).arg(&l32).arg(&lp32).arg(&h32).arg(&rows).arg(&eps32);
     let config = nvrtc::grid_stride(rows as u64, 4, 128);
     // SAFETY: the arguments match the kernel's signature; o is read as [B * H, Lp, dv] rows (its

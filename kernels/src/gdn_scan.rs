@@ -70,7 +70,8 @@ pub fn forward(x: &ScanInputs) -> Result<(Tensor, Tensor), String> {
     let (pu, pw, pq, pi, pk, pd, ps, po) =
         (ptr(&u), ptr(&w), ptr(&qd), ptr(&intra), ptr(&kte), ptr(&decay), ptr(&state), ptr(&o));
     let (n32, dv32) = (i32::try_from(n).map_err(|e| e.to_string())?, dv as i32);
-    let mut launch = m.stream.launch_builder(m.function(FORWARD));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(FORWARD));
     launch.arg(&pu).arg(&pw).arg(&pq).arg(&pi).arg(&pk).arg(&pd).arg(&ps).arg(&po).arg(&n32).arg(&dv32);
     let config =
         LaunchConfig { grid_dim: (bh as u32, (dv / dvt) as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };

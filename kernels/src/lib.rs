@@ -14,6 +14,8 @@
 //!   unbiased prefix, on tensor cores, one launch each way for every range (CUDA).
 //! - `cross_entropy`: the loss's row statistics and softmax gradient in two passes (CUDA).
 //! - `cross_entropy_cpu`: the same in three passes a row over the CPU's threads.
+//! - `cuda_graph`: libtorch's work recorded once as a CUDA graph and replayed (decoding).
+//! - `embedded_library`: open a shared library a crate embeds (the shims that link libtorch_cuda).
 //! - `fp8`: FP8 block-scaled linear layers as served on Hopper: weight and activation quantisers
 //!   (the activations' in one pass, CUDA) and the layer through libtorch's block-scaled GEMM.
 //! - `gdn_prep`: a Gated DeltaNet layer's chunk quantities built on chip from its conv output, and
@@ -35,8 +37,10 @@ pub mod causal_conv;
 pub mod context_tail;
 pub mod cross_entropy;
 pub mod cross_entropy_cpu;
+pub mod cuda_graph;
 #[cfg(test)]
 mod cuda_tests;
+pub mod embedded_library;
 pub mod ffi;
 pub mod fp8;
 pub mod gdn_prep;

@@ -53,7 +53,8 @@ pub fn forward(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, ssin: &Tensor) ->
     let (rows, heads) = (s[0] * s[1] * s[2], s[2] as i32);
     let [px, pw, pc, ps, py] = [x, &w, &cos, &ssin, &y].map(|t| t.data_ptr() as u64);
     let eps32 = eps as f32;
-    let mut launch = m.stream.launch_builder(m.function(FORWARD));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(FORWARD));
     launch.arg(&px).arg(&pw).arg(&pc).arg(&ps).arg(&py).arg(&rows).arg(&heads).arg(&eps32);
     // SAFETY: x, the tables and y are dense bf16 of the shapes `applies` checked, w has D
     // elements, all on this device; the launch is ordered on libtorch's stream.
@@ -94,7 +95,8 @@ pub fn backward(
     let dw_part = Tensor::empty([grid as i64, s[3]], (Kind::Float, x.device()));
     let [px, pw, pc, ps, pdy, pdx, pdw] = [x, &w, &cos, &ssin, dy, &dx, &dw_part].map(|t| t.data_ptr() as u64);
     let (db, dl, dh, eps32) = (st[0], st[1], st[2], eps as f32);
-    let mut launch = m.stream.launch_builder(m.function(BACKWARD));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(BACKWARD));
     launch.arg(&px).arg(&pw).arg(&pc).arg(&ps).arg(&pdy).arg(&db).arg(&dl).arg(&dh);
     launch.arg(&pdx).arg(&pdw).arg(&rows).arg(&heads).arg(&len).arg(&eps32);
     // SAFETY: as in `forward`; dy has x's shape and is read through its checked strides, dw_part

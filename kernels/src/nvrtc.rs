@@ -2,8 +2,9 @@
 //!
 //! libtorch runs its kernels on the device's legacy default (null) stream unless a caller sets
 //! another, which tch never does; cudarc's `default_stream` is that stream, so a launch here is
-//! ordered with the tensor ops around it, without synchronising. `CudaContext::new` retains the
-//! primary context libtorch uses, so `data_ptr()`s are valid device pointers.
+//! ordered with the tensor ops around it, without synchronising. While a CUDA graph records, the
+//! launches go to its stream instead (`Module::stream`). `CudaContext::new` retains the primary
+//! context libtorch uses, so `data_ptr()`s are valid device pointers.
 
 use cudarc::{
     driver::{CudaContext, CudaFunction, CudaStream},
@@ -80,13 +81,24 @@ static STATE: AtomicU8 = AtomicU8::new(UNSET);
 /// A compiled module's functions on one device, with the stream to launch them on.
 #[derive(Clone)]
 pub struct Module {
-    pub stream: Arc<CudaStream>,
+    default_stream: Arc<CudaStream>,
     functions: HashMap<String, CudaFunction>,
 }
 
 impl Module {
     pub fn function(&self, name: &str) -> &CudaFunction {
         &self.functions[name]
+    }
+
+    /// The stream to launch on: libtorch's, or the one a CUDA graph is recording libtorch's work
+    /// on (`cuda_graph`), so that the graph holds these kernels too.
+    pub fn stream(&self) -> Arc<CudaStream> {
+        match crate::cuda_graph::recording_stream() {
+            // SAFETY: libtorch's stream from the pool, alive for the process; the recording
+            // orders work on it as libtorch's ops are ordered.
+            Some(raw) => unsafe { self.default_stream.context().wrap_borrowed_stream(raw as _) },
+            None => self.default_stream.clone(),
+        }
     }
 }
 
@@ -131,7 +143,7 @@ fn load(
             module.load_function(name).map(|f| (name.to_string(), f)).map_err(|e| format!("function `{name}`: {e}"))
         })
         .collect::<Result<_, _>>()?;
-    Ok(Module { stream: ctx.default_stream(), functions })
+    Ok(Module { default_stream: ctx.default_stream(), functions })
 }
 
 /// The virtual architecture the kernels are compiled for unless they ask for another.

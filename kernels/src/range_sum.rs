@@ -79,7 +79,8 @@ pub fn sum_into(out: &Tensor, runs: &[(Tensor, i64)]) -> Result<(), String> {
     }
     let st = out.stride();
     let (po, ob, oh, ol, rows32) = (out.data_ptr() as u64, st[0], st[1], st[2], rows as i32);
-    let mut launch = m.stream.launch_builder(m.function(KERNEL));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(KERNEL));
     launch.arg(&p).arg(&po).arg(&ob).arg(&oh).arg(&ol).arg(&rows32);
     let rows_a_cta = THREADS as i64 / (d / 8);
     let grid = (((rows + rows_a_cta - 1) / rows_a_cta) as u32, h as u32, b as u32);

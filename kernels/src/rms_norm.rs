@@ -42,7 +42,7 @@ fn module(x: &Tensor) -> Result<nvrtc::Module, String> {
 /// them): a second, partial wave would leave most SMs idle while it runs.
 fn config(m: &nvrtc::Module, function: &str, rows: i64, h: i64) -> Result<LaunchConfig, String> {
     let sms = m
-        .stream
+        .stream()
         .context()
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|e| e.to_string())?;
@@ -79,7 +79,8 @@ pub fn add_forward(x: &Tensor, delta: &Tensor, w: &Tensor, eps: f64) -> Result<(
     let rows = x.numel() as i64 / x.size().last().expect("a last dim");
     let [px, pd, pw, ps, py] = [x, &delta, &w, &sum, &y].map(|t| t.data_ptr() as u64);
     let eps32 = eps as f32;
-    let mut launch = m.stream.launch_builder(m.function(FORWARD));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(FORWARD));
     launch.arg(&px).arg(&pd).arg(&pw).arg(&ps).arg(&py).arg(&rows).arg(&eps32);
     let cfg = config(&m, FORWARD, rows, *x.size().last().expect("a last dim"))?;
     // SAFETY: x, delta, sum and y are dense, aligned bf16 of `rows` rows of H (checked above and
@@ -104,7 +105,8 @@ pub fn backward_add(x: &Tensor, w: &Tensor, eps: f64, dy: &Tensor, g: &Tensor) -
     let dw_part = Tensor::empty([cfg.grid_dim.0 as i64, h], (Kind::Float, x.device()));
     let [px, pw, pdy, pg, pdx, pdw] = [x, &w, &dy, &g, &dx, &dw_part].map(|t| t.data_ptr() as u64);
     let eps32 = eps as f32;
-    let mut launch = m.stream.launch_builder(m.function(BACKWARD));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(BACKWARD));
     launch.arg(&px).arg(&pw).arg(&pdy).arg(&pg).arg(&pdx).arg(&pdw).arg(&rows).arg(&eps32);
     // SAFETY: as in `add_forward`; dw_part holds a row of H for each of the grid's CTAs.
     unsafe { launch.launch(cfg) }.map_err(|e| format!("{BACKWARD}: {e}"))?;

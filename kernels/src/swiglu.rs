@@ -65,7 +65,8 @@ fn launch_forward(gate: &Tensor, up: &Tensor) -> Result<Tensor, String> {
     let h = Tensor::empty(gate.size(), (Kind::BFloat16, gate.device()));
     let (p_gate, p_up, p_h, n) =
         (gate.data_ptr() as u64, up.data_ptr() as u64, h.data_ptr() as u64, gate.numel() as i64);
-    let mut launch = m.stream.launch_builder(m.function(FORWARD));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(FORWARD));
     launch.arg(&p_gate).arg(&p_up).arg(&p_h).arg(&n);
     // SAFETY: dense bf16 tensors of n elements on this device (checked by `applies`), 16-byte
     // aligned; the launch is ordered on libtorch's stream.
@@ -82,7 +83,8 @@ fn launch_backward(gate: &Tensor, up: &Tensor, dh: &Tensor) -> Result<(Tensor, T
     let (h, d_gate, d_up) = (new(), new(), new());
     let [p_gate, p_up, p_dh, p_h, p_dg, p_du] = [gate, up, dh, &h, &d_gate, &d_up].map(|t| t.data_ptr() as u64);
     let n = gate.numel() as i64;
-    let mut launch = m.stream.launch_builder(m.function(BACKWARD));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(BACKWARD));
     launch.arg(&p_gate).arg(&p_up).arg(&p_dh).arg(&p_h).arg(&p_dg).arg(&p_du).arg(&n);
     // SAFETY: as in `launch_forward`; dh is dense with gate's shape (the caller made it so).
     unsafe { launch.launch(config(n)) }.map_err(|e| format!("{BACKWARD}: {e}"))?;

@@ -35,7 +35,8 @@ pub fn forward(a: &Tensor) -> Result<Tensor, String> {
     }
     let m = nvrtc::module(ordinal, SRC, &[("C", c)], &[FORWARD])?;
     let (pa, px) = (a.data_ptr() as u64, x.data_ptr() as u64);
-    let mut launch = m.stream.launch_builder(m.function(FORWARD));
+    let stream = m.stream();
+    let mut launch = stream.launch_builder(m.function(FORWARD));
     launch.arg(&pa).arg(&px);
     let blocks = u32::try_from(n).map_err(|_| format!("{n} matrices: too many for one launch"))?;
     let config = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (c as u32, 1, 1), shared_mem_bytes: 0 };

@@ -11,7 +11,6 @@
 
 use std::{
     ffi::{c_char, c_int, c_void, CStr, CString},
-    path::PathBuf,
     sync::{Arc, OnceLock},
     time::Duration,
 };
@@ -541,16 +540,8 @@ fn nccl_library() -> Result<&'static Nccl> {
         if NCCL_LIBRARY.is_empty() {
             return Err("this build has no NCCL process group: it was compiled without NCCL's headers (`make setup` installs them into $DFLASH_CACHE/cuda-headers; rebuild)".into());
         }
-        use sha2::Digest;
-        let hash: String = sha2::Sha256::digest(NCCL_LIBRARY).iter().take(8).map(|b| format!("{b:02x}")).collect();
-        let path: PathBuf = std::env::temp_dir().join(format!("dflash-c10d-nccl-{hash}.so"));
-        if std::fs::metadata(&path).map(|m| m.len() as usize).ok() != Some(NCCL_LIBRARY.len()) {
-            let tmp = path.with_extension(format!("so.{}", std::process::id()));
-            std::fs::write(&tmp, NCCL_LIBRARY).and_then(|_| std::fs::rename(&tmp, &path)).map_err(|e| format!("writing {}: {e}", path.display()))?;
-        }
-        use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
-        // SAFETY: our own library; it stays loaded for the process's life.
-        let lib = unsafe { Library::open(Some(&path), RTLD_NOW | RTLD_LOCAL) }.map_err(|e| format!("loading the NCCL process group ({}): {e}", path.display()))?;
+        let lib = kernels::embedded_library::open(NCCL_LIBRARY, "dflash-c10d-nccl")
+            .map_err(|e| format!("the NCCL process group: {e}"))?;
         let nccl = unsafe {
             Nccl {
                 new: *lib.get::<NcclNew>(b"dflash_c10d_nccl_new\0").map_err(|e| e.to_string())?,
