@@ -9,6 +9,7 @@
 //!   is dropped), an output bias (gpt-oss).
 
 use crate::{
+    cache::StaticWrite,
     common::{causal_mask, rms_norm},
     config::DecoderConfig,
     linear::Linear,
@@ -170,7 +171,8 @@ impl Attention {
     }
 
     /// x [B, L, H] (normed) -> [B, L, H]; `mask` as [`attend`]'s (a sliding layer's with its
-    /// window); `cache` extended in place.
+    /// window); `cache` extended in place (a static cache's at `write_at`, see [`append`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         x: &Tensor,
@@ -178,6 +180,7 @@ impl Attention {
         sin: &Tensor,
         mask: Option<&Tensor>,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
+        write_at: Option<&StaticWrite>,
         eps: f64,
     ) -> Tensor {
         let (b, l) = (x.size()[0], x.size()[1]);
@@ -201,7 +204,7 @@ impl Attention {
         let q = apply_rope(&q.transpose(1, 2), cos, sin);
         let k = apply_rope(&k.transpose(1, 2), cos, sin);
         // 2. Append to the cache.
-        let (k, v) = append(cache, k, v.transpose(1, 2));
+        let (k, v) = append(cache, k, v.transpose(1, 2), write_at);
         // 3. Attention (GQA by head groups), (B, H, L, D) -> (B, L, H*D), (Qwen3.5) times
         //    sigmoid(gate), o_proj.
         let o = attend(&q, &k, &v, mask, &self.scores).transpose(1, 2);
@@ -213,9 +216,27 @@ impl Attention {
     }
 }
 
-/// Keys and values [B, Hkv, L, D] after the cached ones, the cache then holding all of them.
-pub(crate) fn append(cache: Option<&mut Option<(Tensor, Tensor)>>, k: Tensor, v: Tensor) -> (Tensor, Tensor) {
+/// Keys and values [B, Hkv, L, D] after the cached ones, the cache then holding all of them. A
+/// static cache (`at`) holds buffers of `capacity` positions, made at its first write, written in
+/// place at the new positions and returned whole: their addresses never change, which a CUDA
+/// graph of the forward needs.
+pub(crate) fn append(
+    cache: Option<&mut Option<(Tensor, Tensor)>>,
+    k: Tensor,
+    v: Tensor,
+    at: Option<&StaticWrite>,
+) -> (Tensor, Tensor) {
     let Some(slot) = cache else { return (k, v) };
+    if let Some(at) = at {
+        let buffer = |x: &Tensor| {
+            let s = x.size();
+            Tensor::zeros([s[0], s[1], at.capacity, s[3]], (x.kind(), x.device()))
+        };
+        let (kb, vb) = slot.get_or_insert_with(|| (buffer(&k), buffer(&v)));
+        let _ = kb.index_copy_(2, &at.positions, &k);
+        let _ = vb.index_copy_(2, &at.positions, &v);
+        return (kb.shallow_clone(), vb.shallow_clone());
+    }
     let (k, v) = match slot.as_ref() {
         Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2), Tensor::cat(&[pv, &v], 2)),
         None => (k, v),

@@ -15,6 +15,13 @@
 use crate::config::Mixer;
 use plugin_api::tch::Tensor;
 
+/// Where a static cache's buffers take the new keys and values: every row's positions [L] (int64,
+/// on the device), and the buffers' length (the keys attention then sees, masked by position).
+pub struct StaticWrite {
+    pub positions: Tensor,
+    pub capacity: i64,
+}
+
 /// A Gated DeltaNet layer's decoding state.
 pub struct LinearState {
     /// The last K-1 pre-conv rows (the conv's history): [B, K-1, C], the model's dtype.
@@ -54,6 +61,9 @@ pub struct Cache {
     pub slots: Vec<Slot>,
     /// Keep what a rollback into the last extension needs.
     pub rollback: bool,
+    /// A static cache's buffer length: keys and values sit in buffers of this many positions,
+    /// written in place (`attention::append`), so a rollback only moves `len` (`decode_graph.rs`).
+    pub capacity: Option<i64>,
     len: i64,
     last_start: i64,
 }
@@ -69,7 +79,7 @@ impl Cache {
                 Mixer::ShortConv => Slot::Conv(None),
             })
             .collect();
-        Self { slots, rollback, len: 0, last_start: 0 }
+        Self { slots, rollback, capacity: None, len: 0, last_start: 0 }
     }
 
     /// Positions cached (the padded length for a batch).

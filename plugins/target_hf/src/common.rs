@@ -82,6 +82,8 @@ pub(crate) struct Context<'a> {
     pub(crate) windowed: Vec<(i64, Option<Tensor>)>,
     pub(crate) valid: Option<&'a Tensor>,
     pub(crate) rollback: bool,
+    /// Where a static cache takes the new keys and values (`decode_graph.rs`).
+    pub(crate) static_write: Option<crate::cache::StaticWrite>,
     /// The replica's group (tensor parallelism): row-parallel outputs are summed over it.
     pub(crate) tp: Option<&'a TpGroup>,
 }

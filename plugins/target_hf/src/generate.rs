@@ -1,6 +1,6 @@
 //! Batched greedy generation with a KV / recurrent cache (self-distillation, eval baselines).
 
-use crate::model::Decoder;
+use crate::{decode_graph::StaticDecoding, model::Decoder};
 use plugin_api::tch::{Kind, Tensor};
 
 /// Greedy continuation of each prompt, up to `max_new` tokens or a stop token (kept). Prompts
@@ -73,4 +73,32 @@ fn greedy_batch(model: &Decoder, prompts: &[&[u32]], max_new: usize, stop: &[u32
         pos += 1;
     }
     replies
+}
+
+/// Greedy continuation of one prompt on a static-cache session (`decode_graph.rs`): the prompt's
+/// forward, then one recorded forward a token. The same tokens as [`greedy`] up to rounding.
+pub fn greedy_static(
+    model: &Decoder,
+    session: &mut StaticDecoding,
+    prompt: &[u32],
+    max_new: usize,
+    stop: &[u32],
+) -> Result<Vec<u32>, String> {
+    let _guard = plugin_api::tch::no_grad_guard();
+    let _no_cudnn = kernels::CudnnAttentionOff::new();
+    session.reset();
+    let ids = Tensor::from_slice(&prompt.iter().map(|&t| t as i64).collect::<Vec<_>>()).unsqueeze(0);
+    let (_, logits) = session.extend(model, &ids, &[])?;
+    let mut next = logits.select(1, -1).argmax(-1, true); // [1, 1]
+    let mut reply = Vec::new();
+    while reply.len() < max_new {
+        let token = next.int64_value(&[0, 0]) as u32;
+        reply.push(token);
+        if stop.contains(&token) || reply.len() == max_new {
+            break;
+        }
+        let (_, logits) = session.extend(model, &next, &[])?;
+        next = logits.select(1, 0).argmax(-1, true);
+    }
+    Ok(reply)
 }

@@ -148,7 +148,7 @@ impl Layer {
         let out = match &self.mixer {
             TokenMixer::Attention(a) => {
                 let _r = crate::common::range("attention");
-                a.forward(&h, cos, sin, mask, slot.map(cache::kv), ctx.eps)
+                a.forward(&h, cos, sin, mask, slot.map(cache::kv), ctx.static_write.as_ref(), ctx.eps)
             }
             TokenMixer::Mla(m) => {
                 let _r = crate::common::range("attention");

@@ -8,6 +8,7 @@ pub mod attention;
 pub mod cache;
 pub mod common;
 pub mod config;
+pub mod decode_graph;
 pub mod families;
 pub mod flops;
 pub mod generate;
@@ -95,6 +96,10 @@ pub struct HfTarget {
     pub generate_batch_size: usize,
     /// The incremental-decoding session (`cache_*`), able to roll back into its last extension.
     pub session: cache::Cache,
+    /// The session on a static cache with CUDA graphs (`decode_graph.rs`), made at the first
+    /// decoding call on a CUDA device where the model can keep one; it then serves `cache_*` and
+    /// single-prompt `generate`. `Err`: why not (said once).
+    graphed: Option<Result<decode_graph::StaticDecoding, String>>,
     /// Where the replica's group is made, at the first forward (every rank has loaded by then).
     pub pending_group: Option<tp::Rendezvous>,
 }
@@ -192,7 +197,7 @@ impl HfTarget {
             ..model.cfg.target_spec().ok_or_else(|| format!("{}: no EOS token id", path.display()))?
         };
         let session = model.new_cache(true);
-        Ok(Self { model, tokenizer, spec, generate_batch_size, session, pending_group: None })
+        Ok(Self { model, tokenizer, spec, generate_batch_size, session, graphed: None, pending_group: None })
     }
 
     /// Features of `layer_ids` concatenated [B, S, n*H] and optionally logits, for right-padded
@@ -221,6 +226,22 @@ impl HfTarget {
 }
 
 impl HfTarget {
+    /// The static-cache session, where decoding runs on one (a CUDA device, graphs not turned
+    /// off, a model that can keep one).
+    fn graphed(&mut self) -> Option<(&Decoder, &mut decode_graph::StaticDecoding)> {
+        if self.graphed.is_none() && self.model.device().is_cuda() && kernels::cuda_graph::enabled() {
+            let made = decode_graph::StaticDecoding::new(&self.model, true);
+            if let Err(why) = &made {
+                eprintln!("target: decoding runs op by op, without CUDA graphs: {why}");
+            }
+            self.graphed = Some(made);
+        }
+        match &mut self.graphed {
+            Some(Ok(g)) => Some((&self.model, g)),
+            _ => None,
+        }
+    }
+
     /// Extend the session's cache by `ids` [1, L]: features of `layer_ids` and logits.
     pub fn extend(&mut self, ids: &Tensor, layer_ids: &[u32]) -> Result<(Tensor, Tensor), String> {
         let n = self.model.cfg.num_hidden_layers;
@@ -228,6 +249,9 @@ impl HfTarget {
             return Err(format!("layer id {bad} out of range (the target has {n} layers)"));
         }
         let _guard = plugin_api::tch::no_grad_guard();
+        if let Some((model, g)) = self.graphed() {
+            return g.extend(model, ids, layer_ids);
+        }
         let device = self.model.device();
         let ids = ids.to_device(device);
         let (past, l) = (self.session.len(), ids.size()[1]);
@@ -297,6 +321,10 @@ impl TargetPlugin for HfTarget {
         stop_tokens: &[u32],
     ) -> Result<Vec<Vec<u32>>, PluginError> {
         self.join_group()?;
+        if let ([prompt], Some((model, g))) = (prompts.as_slice(), self.graphed()) {
+            let reply = generate::greedy_static(model, g, prompt, max_new_tokens as usize, stop_tokens);
+            return Ok(vec![reply.map_err(PluginError::new)?]);
+        }
         let replies =
             generate::greedy(&self.model, &prompts, max_new_tokens as usize, stop_tokens, self.generate_batch_size);
         self.check_group().map_err(PluginError::new)?;
@@ -304,7 +332,10 @@ impl TargetPlugin for HfTarget {
     }
 
     fn cache_reset(&mut self) {
-        self.session = self.model.new_cache(true);
+        match self.graphed() {
+            Some((_, g)) => g.reset(),
+            None => self.session = self.model.new_cache(true),
+        }
     }
 
     fn cache_extend(&mut self, input_ids: &Tensor, layer_ids: &[u32]) -> Result<(Tensor, Tensor), PluginError> {
@@ -313,7 +344,11 @@ impl TargetPlugin for HfTarget {
     }
 
     fn cache_truncate(&mut self, len: u32) -> Result<(), PluginError> {
-        self.model.truncate(&mut self.session, len as i64).map_err(PluginError::new)
+        match self.graphed.as_mut().and_then(|g| g.as_mut().ok()) {
+            Some(g) => g.truncate(len as i64),
+            None => self.model.truncate(&mut self.session, len as i64),
+        }
+        .map_err(PluginError::new)
     }
 }
 

@@ -147,7 +147,7 @@ impl Mla {
         let k_rot = rotate(&k_rot).expand([b, nh, l, dr], false);
         let k = Tensor::cat(&[&k_nope, &k_rot], 3);
         // 5. The cache, attention over the heads' keys, o_proj.
-        let (k, v) = append(cache, k, v.contiguous());
+        let (k, v) = append(cache, k, v.contiguous(), None);
         let o = attend(&q, &k, &v, mask, &self.scores);
         self.o_proj.forward(&o.transpose(1, 2).reshape([b, l, nh * dv]))
     }

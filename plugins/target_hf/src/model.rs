@@ -220,6 +220,26 @@ impl Decoder {
         Cache::new(&self.mixers().map(TokenMixer::kind).collect::<Vec<_>>(), rollback)
     }
 
+    /// A cache whose keys and values sit in buffers of `capacity` positions (`decode_graph.rs`),
+    /// or why this model cannot keep one: only softmax attention without a window keeps nothing
+    /// but keys and values, and a replica split over ranks talks to its group in a forward.
+    pub fn new_static_cache(&self, capacity: i64) -> Result<Cache, String> {
+        if self.tp.is_some() {
+            return Err("the model is split over ranks".into());
+        }
+        for layer in self.blocks.iter().flat_map(Block::layers) {
+            if !matches!(layer.mixer, TokenMixer::Attention(_)) {
+                return Err(format!("its {:?} layers keep more than keys and values", layer.mixer.kind()));
+            }
+            if layer.window.is_some() {
+                return Err("it has sliding-window layers".into());
+            }
+        }
+        let mut cache = self.new_cache(false);
+        cache.capacity = Some(capacity);
+        Ok(cache)
+    }
+
     /// Run the decoder.
     /// - `ids` [B, L] int64, `positions` [B, L] int64 (RoPE positions);
     /// - `mask` [B, 1, L, T] bool over all keys (cache + new), true = visible; None = causal;
@@ -263,6 +283,10 @@ impl Decoder {
             full,
             valid,
             rollback: cache.as_ref().is_some_and(|c| c.rollback),
+            static_write: cache
+                .as_ref()
+                .and_then(|c| c.capacity)
+                .map(|capacity| crate::cache::StaticWrite { positions: positions.select(0, 0), capacity }),
             tp: self.tp.as_ref(),
         };
         let mut x = Tensor::embedding(&self.embed_tokens, ids, -1, false, false);
@@ -315,7 +339,7 @@ impl Decoder {
         if len == cache.len() {
             return Ok(());
         }
-        if len == 0 {
+        if len == 0 && cache.capacity.is_none() {
             *cache = self.new_cache(cache.rollback);
             return Ok(());
         }
@@ -330,6 +354,9 @@ impl Decoder {
         }
         for (mixer, slot) in self.mixers().zip(cache.slots.iter_mut()) {
             match (mixer, slot) {
+                // Static buffers keep their length: positions past `len` are rewritten before
+                // any query sees them.
+                (_, Slot::Kv(_)) if cache.capacity.is_some() => {}
                 (_, Slot::Kv(kv)) => {
                     if let Some((k, v)) = kv.as_mut() {
                         *k = k.narrow(2, 0, len);
