@@ -6,6 +6,7 @@
 //! target and its exported `config.json` says what SpecForge's would.
 
 pub mod config;
+pub mod decode_graph;
 pub mod memory;
 pub mod model;
 
@@ -222,6 +223,9 @@ pub struct DFlashPlugin {
     host_anchors: Option<plugin_api::tch::Tensor>,
     /// The sequence being decoded (`decode_block`).
     decoding: model::DecodeCache,
+    /// Drafting on static buffers with CUDA graphs (`decode_graph.rs`), made at the first draft
+    /// on a CUDA device; `Err`: why not (said once).
+    graphed: Option<Result<decode_graph::StaticDrafting, String>>,
 }
 
 impl DFlashPlugin {
@@ -234,6 +238,7 @@ impl DFlashPlugin {
             pending: None,
             host_anchors: None,
             decoding: Default::default(),
+            graphed: None,
         }
     }
 
@@ -298,7 +303,17 @@ impl DrafterPlugin for DFlashPlugin {
         block_embeds: &Tensor,
     ) -> Result<Option<Tensor>, PluginError> {
         let _guard = plugin_api::tch::no_grad_guard();
-        let out = self.model.decode_block(&mut self.decoding, new_context, context_start as i64, block_embeds);
+        if self.graphed.is_none() && block_embeds.device().is_cuda() && kernels::cuda_graph::enabled() {
+            let made = decode_graph::StaticDrafting::new(&self.model, true);
+            if let Err(why) = &made {
+                eprintln!("drafter: drafting runs op by op, without CUDA graphs: {why}");
+            }
+            self.graphed = Some(made);
+        }
+        let out = match &mut self.graphed {
+            Some(Ok(g)) => g.draft(&self.model, new_context, context_start as i64, block_embeds),
+            _ => self.model.decode_block(&mut self.decoding, new_context, context_start as i64, block_embeds),
+        };
         out.map(Some).map_err(PluginError::new)
     }
 

@@ -227,6 +227,66 @@ impl DFlashDrafter {
         Ok(self.norm.forward(&x))
     }
 
+    /// [`decode_block`](Self::decode_block) on static buffers (`decode_graph.rs`): each layer's
+    /// context keys and values sit in `buffers` [1, Hkv, C, D], the new context's written at
+    /// positions `start` [1] (int64, on the device) onwards, and the block attends to them masked
+    /// to the positions before its anchor, and to itself. Its shapes and addresses stay the same
+    /// from call to call for one context length, so a CUDA graph can replay it. Full-attention
+    /// layers only ([`static_buffers`](Self::static_buffers) says so).
+    pub fn decode_block_static(
+        &self,
+        buffers: &mut [(Tensor, Tensor)],
+        new_context: &Tensor,
+        start: &Tensor,
+        block_embeds: &Tensor,
+    ) -> Tensor {
+        let shape = self.cfg.dense_shape();
+        let (kind, device) = (block_embeds.kind(), block_embeds.device());
+        let rope = |positions: &Tensor| {
+            rope_cos_sin(&positions.unsqueeze(0), shape.head_dim, shape.rope_theta, &shape.rope_scaling, kind)
+        };
+        let (n, bk, capacity) = (new_context.size()[1], block_embeds.size()[1], buffers[0].0.size()[2]);
+        // 1. The new context's keys and values into the buffers.
+        let at = start + Tensor::arange(n, (Kind::Int64, device));
+        let fused = self.hidden_norm.forward(&self.fc.forward(new_context));
+        let (cos, sin) = rope(&at);
+        for (layer, (k_kept, v_kept)) in self.layers.iter().zip(buffers.iter_mut()) {
+            let (k, v) = layer.self_attn.keys_values(&fused, &cos, &sin);
+            let _ = k_kept.index_copy_(2, &at, &k);
+            let _ = v_kept.index_copy_(2, &at, &v);
+        }
+        // 2. The block at the anchor (position start + n): the context before it, and itself.
+        let anchor = start + n;
+        let (cos, sin) = rope(&(&anchor + Tensor::arange(bk, (Kind::Int64, device))));
+        let before = Tensor::arange(capacity, (Kind::Int64, device)).lt_tensor(&anchor);
+        let mask = Tensor::cat(
+            &[before.view([1, capacity]).expand([bk, capacity], false), Tensor::ones([bk, bk], (Kind::Bool, device))],
+            1,
+        )
+        .view([1, 1, bk, capacity + bk]);
+        let mut x = block_embeds.shallow_clone();
+        for (layer, context) in self.layers.iter().zip(buffers.iter()) {
+            x = layer.forward_decode(&x, context, &cos, &sin, Some(&mask));
+        }
+        self.norm.forward(&x)
+    }
+
+    /// Empty key and value buffers of `capacity` positions for
+    /// [`decode_block_static`](Self::decode_block_static), a pair a layer; Err where a sliding
+    /// layer's window would need a mask of its own.
+    pub fn static_buffers(&self, capacity: i64, kind: Kind, device: Device) -> Result<Vec<(Tensor, Tensor)>, String> {
+        if self.cfg.window().is_some() {
+            return Err("it has sliding-window layers".into());
+        }
+        let shape = self.cfg.dense_shape();
+        let size = [1, shape.num_key_value_heads as i64, capacity, shape.head_dim as i64];
+        Ok(self
+            .layers
+            .iter()
+            .map(|_| (Tensor::zeros(size, (kind, device)), Tensor::zeros(size, (kind, device))))
+            .collect())
+    }
+
     /// The training forward when the drafter runs its own backward (`mode` asks for split
     /// attention or layer checkpointing): the output is a leaf, and [`backward`](Self::backward)
     /// takes the tape. The graph is cut into one segment per layer (with split attention, a
