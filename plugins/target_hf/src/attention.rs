@@ -46,6 +46,25 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, s: &Sco
     }
     let Some(sinks) = &s.sinks else {
         let causal = mask.is_none() && l > 1;
+        // On CUDA, with a mask, grouped heads would leave only the unfused math kernel (flash
+        // attention takes no mask, the memory-efficient kernel no groups): give every query head
+        // its keys and values, and the memory-efficient kernel takes it.
+        if mask.is_some() && q.device().is_cuda() && k.size()[1] < h {
+            let every_head = |x: &Tensor| {
+                let s = x.size();
+                x.unsqueeze(2).expand([s[0], s[1], h / s[1], s[2], s[3]], false).reshape([s[0], h, s[2], s[3]])
+            };
+            return Tensor::scaled_dot_product_attention(
+                q,
+                &every_head(k),
+                &every_head(v),
+                mask,
+                0.0,
+                false,
+                Some(s.scale),
+                false,
+            );
+        }
         return Tensor::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, Some(s.scale), true);
     };
     let (hkv, dv) = (k.size()[1], v.size()[3]);
@@ -295,5 +314,24 @@ mod tests {
         let plain = attend(&q, &k, &v, None, &Scores { scale, ..Default::default() });
         let sunk = attend(&q, &k, &v, None, &Scores { scale, softcap: None, sinks: Some(sinks) });
         assert!((plain - sunk).abs().max().double_value(&[]) > 1e-2);
+    }
+
+    /// On CUDA a masked attention over grouped heads (every query head given its group's keys)
+    /// equals the CPU's.
+    #[test]
+    #[ignore = "needs a CUDA device: make gpu-test"]
+    fn cuda_masked_grouped_attention_equals_the_cpus() {
+        let device = kernels::cuda_test_device();
+        plugin_api::tch::manual_seed(9);
+        let r = |s: &[i64]| Tensor::randn(s, (Kind::Float, Device::Cpu));
+        let (q, k, v) = (r(&[1, 6, 3, 16]), r(&[1, 2, 40, 16]), r(&[1, 2, 40, 16]));
+        let keys = Tensor::arange(40, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+        let mask = keys.le_tensor(&Tensor::from_slice(&[20i64, 21, 22]).view([3, 1])).view([1, 1, 3, 40]);
+        let s = Scores { scale: 0.25, ..Default::default() };
+        let cpu = attend(&q, &k, &v, Some(&mask), &s);
+        let on = |x: &Tensor| x.to_device(device);
+        let gpu = attend(&on(&q), &on(&k), &on(&v), Some(&on(&mask)), &s).to_device(Device::Cpu);
+        let err = (gpu - cpu).abs().max().double_value(&[]);
+        assert!(err < 1e-5, "{err:.2e}");
     }
 }
