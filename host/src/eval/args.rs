@@ -50,6 +50,12 @@ pub struct EvalArgs {
     /// flip), e.g. for a drafter trained in bf16 on a CPU with bf16 matrix units.
     #[arg(long, value_parser = ["f32", "bf16"])]
     pub dtype: Option<String>,
+    /// Run every decoding forward op by op. By default decoding on a CUDA device keeps keys and
+    /// values in static buffers and replays each forward shape as a CUDA graph, as serving
+    /// engines do (the target alone and speculatively alike; families of softmax attention
+    /// without sliding windows, on one rank). The same as `DFLASH_CUDA_GRAPHS=0`.
+    #[arg(long)]
+    pub eager: bool,
     /// Keep the decoded token ids: per prompt its ids, the target's greedy reply and the
     /// speculative one, as JSON lines beside the results (`eval.json` -> `eval.tokens.jsonl`),
     /// to compare with a serving engine's output without decoding again.

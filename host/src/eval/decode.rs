@@ -246,12 +246,12 @@ pub fn response_tau(cycles: &[Cycle]) -> Option<f64> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::{config::RunConfig, pipeline::components::build_components, plugins::Registry};
 
     /// A random two-layer target (vocabulary 32) and a random drafter with blocks of 4.
-    fn tiny_components(dir: &std::path::Path) -> Components {
+    pub(in crate::eval) fn tiny_components(dir: &std::path::Path) -> Components {
         let tiny = r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
             "num_attention_heads": 2, "vocab_size": 32, "eos_token_id": 1}"#;
         std::fs::write(dir.join("tiny.json"), tiny).unwrap();

@@ -6,6 +6,7 @@
 
 pub mod args;
 mod decode;
+mod divergence;
 mod draft_vocab;
 mod prompts;
 mod report;
@@ -28,6 +29,7 @@ use anyhow::{anyhow, bail, Result};
 use decode::DraftHead;
 use plugin_api::tch::{Device, Kind, Tensor};
 use prompts::{prompts_name, tempfile_dir};
+use report::Divergence;
 use report::DraftVocabReport;
 use results::write_tokens;
 use std::{
@@ -161,7 +163,14 @@ pub fn evaluate_opened(c: &mut Components, opts: &EvalOptions, vocab: Option<&Dr
         progress.update(i as u64 + 1, &tally.status(), pace.eta((prompts.len() - i - 1) as u64));
     }
     progress.finish();
-    tally.report(opts, prompts.len(), &shared, vocab, &stop, &times)
+    // Untimed: where each differing response parts from the target's, and how near a tie.
+    let mut divergences = Vec::new();
+    for t in tally.tokens.iter().filter(|t| tally.mismatches.contains(&t.prompt)) {
+        divergences.extend(Divergence::find(c, t)?);
+    }
+    let mut report = tally.report(opts, prompts.len(), &shared, vocab, &stop, &times)?;
+    report.divergences = divergences;
+    Ok(report)
 }
 
 /// What every decoding of the evaluation uses: the target's embedding and LM head (its rows of
@@ -305,6 +314,7 @@ impl Tally {
             prefill_ms: opts.time_split.then(|| 1e3 * times.prefill / prompts.max(1) as f64),
             lossless: mismatches.is_empty(),
             mismatches,
+            divergences: Vec::new(),
             tokens,
         })
     }
@@ -323,6 +333,10 @@ pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
         draft_vocab: args.draft_vocab,
     };
     opts.validate()?;
+    if args.eager {
+        // Read by the plugins when they first decode (their own copies of `kernels` included).
+        std::env::set_var("DFLASH_CUDA_GRAPHS", "0");
+    }
     if !exp_dir.join(experiment::CONFIG).is_file() {
         bail!("{}: not an experiment directory (no config.toml)", exp_dir.display());
     }
@@ -373,6 +387,7 @@ pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
     report.source = args.prompts.clone();
     let mut json =
         results_json(&report, &evaluated, exp_dir, args.prompt_format, cfg.dtype(), (load_before, load_after))?;
+    json["cuda_graphs"] = (cfg.drafter_device().starts_with("cuda") && kernels::cuda_graph::enabled()).into();
     let tau_hat = json["tau_hat"].as_f64();
     // 4. Print, then write the results whole.
     results::print(&report, &evaluated, tau_hat);
@@ -399,15 +414,18 @@ pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
     if report.lossless {
         return Ok(());
     }
-    mismatch(&report.mismatches, cfg.dtype())
+    mismatch(&report.divergences, cfg.dtype())
 }
 
 /// Speculative output that differs from greedy decoding: an error in f32; in 16-bit floats a
 /// warning, since the verify forward over a block rounds differently from decoding one token at
 /// a time, so a near-tie between two tokens can fall the other way (no fault of the drafter or
 /// the cache: both runs are the target's own greedy choices).
-fn mismatch(prompts: &[usize], dtype: &str) -> Result<()> {
-    let which = format!("prompts {prompts:?}");
+fn mismatch(divergences: &[Divergence], dtype: &str) -> Result<()> {
+    if divergences.is_empty() {
+        return Ok(());
+    }
+    let which = divergences.iter().map(Divergence::describe).collect::<Vec<_>>().join(", ");
     if dtype == "f32" {
         bail!("speculative decoding differed from the target's greedy output on {which}");
     }

@@ -49,6 +49,8 @@ pub struct EvalReport {
     /// Every response equal to the target's own greedy output.
     pub lossless: bool,
     pub mismatches: Vec<usize>,
+    /// Where each differing response first differs, and how near a tie the target had there.
+    pub divergences: Vec<Divergence>,
     /// Per prompt: its token ids, the target's greedy reply and the speculative one (written
     /// beside the results with `--keep-tokens`).
     #[serde(skip)]
@@ -76,4 +78,18 @@ pub struct CycleMs {
     pub draft: f64,
     pub verify: f64,
     pub bookkeeping: f64,
+}
+
+/// The first new token where the two responses differ.
+#[derive(Debug, Clone, Serialize)]
+pub struct Divergence {
+    pub prompt: usize,
+    /// Its index among the new tokens (0 = the target's first).
+    pub token: usize,
+    /// The token each chose there; None where that response had already ended.
+    pub target_id: Option<u32>,
+    pub speculative_id: Option<u32>,
+    /// The target's two largest logits there, from one forward over the prompt and the tokens
+    /// both responses share (a third rounding: the gap, not which token leads, is the point).
+    pub top_logits: [f64; 2],
 }
