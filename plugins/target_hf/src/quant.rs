@@ -555,7 +555,7 @@ mod tests {
     /// value times the scale of its block, whole or for a rank's rows and columns.
     #[test]
     fn fp8_values_take_the_scale_of_their_block() {
-        let bytes: Vec<u8> = (0..30u8).map(|i| (i * 37) % 0x70).collect(); // finite e4m3 codes
+        let bytes: Vec<u8> = (0..30u8).map(|i| i.wrapping_mul(37) % 0x70).collect(); // finite e4m3 codes
         let scales: Vec<f32> = vec![0.5, 2.0, -1.0, 3.0, 0.25, 8.0];
         let f32_bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
         let mut w = stored(&[
