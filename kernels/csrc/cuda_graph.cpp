@@ -6,6 +6,7 @@
 // Capture cannot use the legacy default stream libtorch otherwise runs on: `enter` makes a side
 // stream current (after the work queued so far) and hands its handle out for the kernels launched
 // outside libtorch; `exit` makes the old stream current again, after the side stream's work.
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAException.h>
@@ -16,9 +17,17 @@
 #include <optional>
 
 namespace {
-struct Graph {
-  at::cuda::CUDAGraph graph;
+struct Graph : at::cuda::CUDAGraph {
   std::optional<c10::cuda::CUDAStream> outer;
+
+  // A capture that fails ends before CUDAGraph hands the generators it put in capture mode back:
+  // left so, each would refuse every later random draw ("Offset increment outside graph
+  // capture"). This is what their capture epilogue does.
+  void release_generators() {
+    for (auto& entry : captured_generator_states_) {
+      entry.first->capturing_ = false;
+    }
+  }
 };
 
 // `waiter` waits for the work queued on `first` so far.
@@ -82,7 +91,7 @@ extern "C" int dflash_graph_exit(void* g, char* err, size_t err_len) {
 // Thread-local capture: another thread's CUDA calls do not invalidate it.
 extern "C" int dflash_graph_capture_begin(void* g, char* err, size_t err_len) {
   try {
-    static_cast<Graph*>(g)->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+    static_cast<Graph*>(g)->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     return 0;
   } catch (const std::exception& e) {
     return fail(e, err, err_len);
@@ -90,17 +99,19 @@ extern "C" int dflash_graph_capture_begin(void* g, char* err, size_t err_len) {
 }
 
 extern "C" int dflash_graph_capture_end(void* g, char* err, size_t err_len) {
+  auto* graph = static_cast<Graph*>(g);
   try {
-    static_cast<Graph*>(g)->graph.capture_end();
+    graph->capture_end();
     return 0;
   } catch (const std::exception& e) {
+    graph->release_generators();
     return fail(e, err, err_len);
   }
 }
 
 extern "C" int dflash_graph_replay(void* g, char* err, size_t err_len) {
   try {
-    static_cast<Graph*>(g)->graph.replay();
+    static_cast<Graph*>(g)->replay();
     return 0;
   } catch (const std::exception& e) {
     return fail(e, err, err_len);

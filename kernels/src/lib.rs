@@ -26,6 +26,7 @@
 //! - `optim`: libtorch's fused multi-tensor AdamW.
 //! - `profiler`: libtorch's Kineto profiler (Chrome traces with named ranges), for the benches.
 //! - `range_sum`: the context part's gradients summed over its runs in one pass (CUDA).
+//! - `sdpa`: libtorch's attention over grouped heads kept on a fused kernel when masked.
 //! - `swiglu`: an MLP's silu(gate) * up in one pass each way (CUDA).
 //! - `unit_lower_inverse`: the delta rule's WY systems inverted on chip, a matrix a CTA (CUDA).
 
@@ -51,6 +52,7 @@ pub mod optim;
 pub mod profiler;
 pub mod range_sum;
 pub mod rms_norm;
+pub mod sdpa;
 pub mod swiglu;
 pub mod unit_lower_inverse;
 

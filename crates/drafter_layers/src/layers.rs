@@ -405,7 +405,7 @@ impl Attention {
         let (k, v) = self.keys_values(x, cos, sin);
         let k = Tensor::cat(&[&context.0, &k], 2);
         let v = Tensor::cat(&[&context.1, &v], 2);
-        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, mask, 0.0, false, Some(self.scale()), true);
+        let o = kernels::sdpa::grouped(&q, &k, &v, mask, false, self.scale());
         self.output(&o)
     }
 

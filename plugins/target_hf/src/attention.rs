@@ -33,7 +33,7 @@ pub struct Scores {
 /// Hkv, T, Dv] -> [B, H, L, Dv]. `mask` [B or 1, 1, L, T] bool, true = visible; None = causal
 /// (L = T).
 ///
-/// Plain scores run libtorch's fused attention. Sinks do too: a sink is one more key every query
+/// Plain scores run libtorch's fused attention (`kernels::sdpa`). Sinks do too: a sink is one more key every query
 /// sees, with value 0 and score s_h for head h, so q gains a dim holding s_h / scale and k the
 /// dim 1 on the sink key and 0 elsewhere (grouped heads share keys, and the sink is per query
 /// head: it has to ride on q); the extra dims are padded to a multiple of 8 with zeros, which
@@ -46,26 +46,7 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, s: &Sco
     }
     let Some(sinks) = &s.sinks else {
         let causal = mask.is_none() && l > 1;
-        // On CUDA, with a mask, grouped heads would leave only the unfused math kernel (flash
-        // attention takes no mask, the memory-efficient kernel no groups): give every query head
-        // its keys and values, and the memory-efficient kernel takes it.
-        if mask.is_some() && q.device().is_cuda() && k.size()[1] < h {
-            let every_head = |x: &Tensor| {
-                let s = x.size();
-                x.unsqueeze(2).expand([s[0], s[1], h / s[1], s[2], s[3]], false).reshape([s[0], h, s[2], s[3]])
-            };
-            return Tensor::scaled_dot_product_attention(
-                q,
-                &every_head(k),
-                &every_head(v),
-                mask,
-                0.0,
-                false,
-                Some(s.scale),
-                false,
-            );
-        }
-        return Tensor::scaled_dot_product_attention(q, k, v, mask, 0.0, causal, Some(s.scale), true);
+        return kernels::sdpa::grouped(q, k, v, mask, causal, s.scale);
     };
     let (hkv, dv) = (k.size()[1], v.size()[3]);
     let extra = 8;
