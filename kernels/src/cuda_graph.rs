@@ -18,16 +18,17 @@ use std::{
     ffi::{c_int, c_void},
     hash::Hash,
     panic::{catch_unwind, AssertUnwindSafe},
-    sync::Mutex,
+    sync::atomic::{AtomicUsize, Ordering},
 };
 use tch::{Device, Tensor};
 
-/// The stream a call is being recorded on (its raw `cudaStream_t`), while one is.
-static RECORDING: Mutex<Option<usize>> = Mutex::new(None);
+/// The stream a call is being recorded on (its raw `cudaStream_t`) while one is, else 0: read at
+/// every launch of this crate's kernels.
+static RECORDING: AtomicUsize = AtomicUsize::new(0);
 
 /// The raw stream this crate's kernels must launch on while a call is recorded.
 pub(crate) fn recording_stream() -> Option<usize> {
-    *RECORDING.lock().unwrap_or_else(|p| p.into_inner())
+    Some(RECORDING.load(Ordering::Relaxed)).filter(|&s| s != 0)
 }
 
 /// A recorded call, replayed on the stream current at [`replay`](Self::replay).
@@ -55,7 +56,7 @@ impl CudaGraph {
         let mut stream = std::ptr::null_mut();
         // SAFETY: a live graph; the shim writes the side stream's handle into `stream`.
         with_error_buffer(|e, l| unsafe { (shim.enter)(graph.raw, device as c_int, &mut stream, e, l) })?;
-        *RECORDING.lock().unwrap_or_else(|p| p.into_inner()) = Some(stream as usize);
+        RECORDING.store(stream as usize, Ordering::Relaxed);
         let recorded = catch_unwind(AssertUnwindSafe(|| {
             let warm = call();
             // SAFETY: a live graph, its side stream current.
@@ -67,7 +68,7 @@ impl CudaGraph {
             let out = out.map_err(|p| panic_text(&p))?;
             ended.map(|_| (warm, out))
         }));
-        *RECORDING.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        RECORDING.store(0, Ordering::Relaxed);
         // SAFETY: a live graph; makes the outer stream current again.
         let exited = with_error_buffer(|e, l| unsafe { (shim.exit)(graph.raw, e, l) });
         let (warm, out) = recorded.map_err(|p| panic_text(&p))??;
@@ -96,11 +97,6 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "the recorded call panicked".into())
 }
 
-/// Whether this build can record graphs at all (it was compiled with the CUDA headers).
-pub fn built() -> bool {
-    crate::ffi::graph_shim_built()
-}
-
 /// Whether decoding may record its forwards as CUDA graphs: `DFLASH_CUDA_GRAPHS=0` (which `eval
 /// --eager` sets) runs them op by op. An environment variable, so that it reaches plugins built
 /// apart, whose copies of this crate are their own.
@@ -113,7 +109,7 @@ pub fn enabled() -> bool {
 /// tensors that stay where they are (weights, static caches), and return fresh outputs.
 pub struct Replays<K> {
     recorded: HashMap<K, Recorded>,
-    /// Record calls (no recording failed yet).
+    /// Record calls on CUDA devices (no recording failed yet).
     record: bool,
     /// What is recorded, for the one warning where it cannot be ("the target's forward").
     what: &'static str,
@@ -126,9 +122,9 @@ struct Recorded {
 }
 
 impl<K: Eq + Hash> Replays<K> {
-    /// `record`: record calls on CUDA devices (else every call runs as usual).
-    pub fn new(record: bool, what: &'static str) -> Self {
-        Self { recorded: HashMap::new(), record, what }
+    /// Calls on CUDA devices are recorded; elsewhere each runs as usual.
+    pub fn new(what: &'static str) -> Self {
+        Self { recorded: HashMap::new(), record: true, what }
     }
 
     /// Forget the recordings (the tensors they read have moved).
@@ -193,7 +189,7 @@ mod tests {
     #[test]
     fn replays_run_every_call_on_the_cpu() {
         let w = Tensor::randn([4, 3], (Kind::Float, Device::Cpu));
-        let mut replays = Replays::new(true, "a test call");
+        let mut replays = Replays::new("a test call");
         for _ in 0..2 {
             let (x, y) =
                 (Tensor::randn([2, 4], (Kind::Float, Device::Cpu)), Tensor::ones([5], (Kind::Float, Device::Cpu)));
@@ -211,7 +207,7 @@ mod tests {
     fn cuda_replays_rerun_the_recorded_kernels_on_new_inputs() {
         let device = crate::cuda_test_device();
         let w = Tensor::randn([4, 3], (Kind::Float, device));
-        let mut replays = Replays::new(true, "a test call");
+        let mut replays = Replays::new("a test call");
         let mut kept = Vec::new();
         for i in 0..4 {
             let x = Tensor::randn([2, 4], (Kind::Float, device));

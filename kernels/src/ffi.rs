@@ -222,17 +222,14 @@ pub(crate) fn graph_shim() -> Result<&'static GraphShim, String> {
         let lib = crate::embedded_library::open(GRAPH_LIBRARY, "dflash-cuda-graph")?;
         // SAFETY: the symbols are the shim's, with these signatures; the library stays loaded.
         let shim = unsafe {
-            let get = |name: &[u8]| -> Result<*const c_void, String> {
-                lib.get::<*const c_void>(name).map(|s| *s).map_err(|e| e.to_string())
-            };
             GraphShim {
-                new: std::mem::transmute::<*const c_void, New>(get(b"dflash_graph_new\0")?),
-                free: std::mem::transmute::<*const c_void, Free>(get(b"dflash_graph_free\0")?),
-                enter: std::mem::transmute::<*const c_void, Enter>(get(b"dflash_graph_enter\0")?),
-                exit: std::mem::transmute::<*const c_void, Step>(get(b"dflash_graph_exit\0")?),
-                capture_begin: std::mem::transmute::<*const c_void, Step>(get(b"dflash_graph_capture_begin\0")?),
-                capture_end: std::mem::transmute::<*const c_void, Step>(get(b"dflash_graph_capture_end\0")?),
-                replay: std::mem::transmute::<*const c_void, Step>(get(b"dflash_graph_replay\0")?),
+                new: *lib.get::<New>(b"dflash_graph_new\0").map_err(|e| e.to_string())?,
+                free: *lib.get::<Free>(b"dflash_graph_free\0").map_err(|e| e.to_string())?,
+                enter: *lib.get::<Enter>(b"dflash_graph_enter\0").map_err(|e| e.to_string())?,
+                exit: *lib.get::<Step>(b"dflash_graph_exit\0").map_err(|e| e.to_string())?,
+                capture_begin: *lib.get::<Step>(b"dflash_graph_capture_begin\0").map_err(|e| e.to_string())?,
+                capture_end: *lib.get::<Step>(b"dflash_graph_capture_end\0").map_err(|e| e.to_string())?,
+                replay: *lib.get::<Step>(b"dflash_graph_replay\0").map_err(|e| e.to_string())?,
             }
         };
         std::mem::forget(lib);
@@ -240,8 +237,4 @@ pub(crate) fn graph_shim() -> Result<&'static GraphShim, String> {
     })
     .as_ref()
     .map_err(Clone::clone)
-}
-
-pub(crate) fn graph_shim_built() -> bool {
-    !GRAPH_LIBRARY.is_empty()
 }

@@ -422,9 +422,6 @@ pub fn command(args: &args::EvalArgs, plugin_paths: &[PathBuf]) -> Result<()> {
 /// a time, so a near-tie between two tokens can fall the other way (no fault of the drafter or
 /// the cache: both runs are the target's own greedy choices).
 fn mismatch(divergences: &[Divergence], dtype: &str) -> Result<()> {
-    if divergences.is_empty() {
-        return Ok(());
-    }
     let which = divergences.iter().map(Divergence::describe).collect::<Vec<_>>().join(", ");
     if dtype == "f32" {
         bail!("speculative decoding differed from the target's greedy output on {which}");

@@ -13,7 +13,7 @@
 
 use crate::model::DFlashDrafter;
 use kernels::cuda_graph::Replays;
-use plugin_api::tch::{Device, Kind, Tensor};
+use plugin_api::tch::{Kind, Tensor};
 
 /// The most new context rows a recorded draft takes.
 pub const MAX_RECORDED: i64 = 16;
@@ -32,15 +32,15 @@ pub struct StaticDrafting {
 }
 
 impl StaticDrafting {
-    /// Buffers for `drafter`, its drafts recorded as CUDA graphs when `record` (on a CUDA
-    /// device), or why the drafter cannot keep them.
-    pub fn new(drafter: &DFlashDrafter, record: bool) -> Result<Self, String> {
-        Self::with_capacity(drafter, record, FIRST_CAPACITY)
+    /// Buffers for `drafter`, its drafts recorded as CUDA graphs on a CUDA device, or why the
+    /// drafter cannot keep them.
+    pub fn new(drafter: &DFlashDrafter) -> Result<Self, String> {
+        Self::with_capacity(drafter, FIRST_CAPACITY)
     }
 
-    fn with_capacity(drafter: &DFlashDrafter, record: bool, first_capacity: i64) -> Result<Self, String> {
-        drafter.static_buffers(0, Kind::Float, Device::Cpu)?;
-        let replays = Replays::new(record, "the drafter's block");
+    fn with_capacity(drafter: &DFlashDrafter, first_capacity: i64) -> Result<Self, String> {
+        drafter.static_support()?;
+        let replays = Replays::new("the drafter's block");
         Ok(Self { buffers: Vec::new(), capacity: 0, first_capacity, len: 0, replays })
     }
 
@@ -63,7 +63,7 @@ impl StaticDrafting {
             ));
         }
         let (n, bk) = (new_context.size()[1], block_embeds.size()[1]);
-        self.reserve(drafter, start + n, block_embeds)?;
+        self.reserve(drafter, start + n, block_embeds);
         let start_at = Tensor::full([1], start, (Kind::Int64, block_embeds.device()));
         let buffers = &mut self.buffers;
         let mut call =
@@ -79,12 +79,12 @@ impl StaticDrafting {
 
     /// Buffers for at least `needed` context positions: made, or doubled with the kept keys
     /// copied and the drafts recorded on the old ones dropped.
-    fn reserve(&mut self, drafter: &DFlashDrafter, needed: i64, block: &Tensor) -> Result<(), String> {
+    fn reserve(&mut self, drafter: &DFlashDrafter, needed: i64, block: &Tensor) {
         if needed <= self.capacity {
-            return Ok(());
+            return;
         }
         let grown = (2 * self.capacity).max(self.first_capacity).max((needed + 255) / 256 * 256);
-        let mut buffers = drafter.static_buffers(grown, block.kind(), block.device())?;
+        let mut buffers = drafter.static_buffers(grown, block.kind(), block.device());
         for ((k, v), (k_new, v_new)) in self.buffers.iter().zip(buffers.iter_mut()) {
             k_new.narrow(2, 0, self.capacity).copy_(k);
             v_new.narrow(2, 0, self.capacity).copy_(v);
@@ -92,7 +92,6 @@ impl StaticDrafting {
         self.replays.clear();
         self.buffers = buffers;
         self.capacity = grown;
-        Ok(())
     }
 }
 
@@ -100,6 +99,7 @@ impl StaticDrafting {
 mod tests {
     use super::*;
     use crate::{model::DecodeCache, DrafterSection};
+    use plugin_api::tch::Device;
     use plugin_api::TargetSpec;
     use test_support::TinySpec;
 
@@ -117,9 +117,9 @@ mod tests {
     /// and on the drafter's own cache, over the drafts of speculative decoding: a prompt's
     /// context, then cycles adding 1 to 4 rows (lengths repeat: replays where graphs record),
     /// then a new sequence.
-    fn largest_gap(d: &DFlashDrafter, device: Device, kind: Kind, record: bool, capacity: i64) -> f64 {
+    fn largest_gap(d: &DFlashDrafter, device: Device, kind: Kind, capacity: i64) -> f64 {
         let _guard = plugin_api::tch::no_grad_guard();
-        let mut graphed = StaticDrafting::with_capacity(d, record, capacity).unwrap();
+        let mut graphed = StaticDrafting::with_capacity(d, capacity).unwrap();
         let mut plain = DecodeCache::default();
         let width = 2 * d.cfg.hidden_size as i64;
         let h = d.cfg.hidden_size as i64;
@@ -144,7 +144,7 @@ mod tests {
     #[test]
     fn static_buffers_draft_as_the_growing_cache() {
         let d = drafter(Device::Cpu, Kind::Float);
-        let gap = largest_gap(&d, Device::Cpu, Kind::Float, false, 40);
+        let gap = largest_gap(&d, Device::Cpu, Kind::Float, 40);
         assert!(gap < 1e-5, "{gap:.2e}");
     }
 
@@ -156,7 +156,7 @@ mod tests {
         let device = kernels::cuda_test_device();
         for (kind, tol) in [(Kind::Float, 1e-4), (Kind::BFloat16, 0.1)] {
             let d = drafter(device, kind);
-            let gap = largest_gap(&d, device, kind, true, 40);
+            let gap = largest_gap(&d, device, kind, 40);
             assert!(gap < tol, "{kind:?}: {gap:.2e}");
         }
     }

@@ -304,7 +304,7 @@ impl DrafterPlugin for DFlashPlugin {
     ) -> Result<Option<Tensor>, PluginError> {
         let _guard = plugin_api::tch::no_grad_guard();
         if self.graphed.is_none() && block_embeds.device().is_cuda() && kernels::cuda_graph::enabled() {
-            let made = decode_graph::StaticDrafting::new(&self.model, true);
+            let made = decode_graph::StaticDrafting::new(&self.model);
             if let Err(why) = &made {
                 eprintln!("drafter: drafting runs op by op, without CUDA graphs: {why}");
             }

@@ -232,7 +232,7 @@ impl DFlashDrafter {
     /// positions `start` [1] (int64, on the device) onwards, and the block attends to them masked
     /// to the positions before its anchor, and to itself. Its shapes and addresses stay the same
     /// from call to call for one context length, so a CUDA graph can replay it. Full-attention
-    /// layers only ([`static_buffers`](Self::static_buffers) says so).
+    /// layers only ([`static_support`](Self::static_support)).
     pub fn decode_block_static(
         &self,
         buffers: &mut [(Tensor, Tensor)],
@@ -271,20 +271,21 @@ impl DFlashDrafter {
         self.norm.forward(&x)
     }
 
-    /// Empty key and value buffers of `capacity` positions for
-    /// [`decode_block_static`](Self::decode_block_static), a pair a layer; Err where a sliding
-    /// layer's window would need a mask of its own.
-    pub fn static_buffers(&self, capacity: i64, kind: Kind, device: Device) -> Result<Vec<(Tensor, Tensor)>, String> {
-        if self.cfg.window().is_some() {
-            return Err("it has sliding-window layers".into());
+    /// Whether [`decode_block_static`](Self::decode_block_static) computes this drafter: not
+    /// where a sliding layer's window would need a mask of its own.
+    pub fn static_support(&self) -> Result<(), String> {
+        match self.cfg.window() {
+            Some(_) => Err("it has sliding-window layers".into()),
+            None => Ok(()),
         }
+    }
+
+    /// Empty key and value buffers of `capacity` positions for
+    /// [`decode_block_static`](Self::decode_block_static), a pair a layer.
+    pub fn static_buffers(&self, capacity: i64, kind: Kind, device: Device) -> Vec<(Tensor, Tensor)> {
         let shape = self.cfg.dense_shape();
         let size = [1, shape.num_key_value_heads as i64, capacity, shape.head_dim as i64];
-        Ok(self
-            .layers
-            .iter()
-            .map(|_| (Tensor::zeros(size, (kind, device)), Tensor::zeros(size, (kind, device))))
-            .collect())
+        self.layers.iter().map(|_| (Tensor::zeros(size, (kind, device)), Tensor::zeros(size, (kind, device)))).collect()
     }
 
     /// The training forward when the drafter runs its own backward (`mode` asks for split

@@ -31,15 +31,14 @@ pub struct StaticDecoding {
 }
 
 impl StaticDecoding {
-    /// A static cache for `model`, its forwards recorded as CUDA graphs when `record` (on a CUDA
-    /// device), or why the model cannot keep one.
-    pub fn new(model: &Decoder, record: bool) -> Result<Self, String> {
-        Self::with_capacity(model, record, FIRST_CAPACITY)
+    /// A static cache for `model`, its forwards recorded as CUDA graphs on a CUDA device, or why
+    /// the model cannot keep one.
+    pub fn new(model: &Decoder) -> Result<Self, String> {
+        Self::with_capacity(model, FIRST_CAPACITY)
     }
 
-    fn with_capacity(model: &Decoder, record: bool, capacity: i64) -> Result<Self, String> {
-        let replays = Replays::new(record, "the target's forward");
-        Ok(Self { cache: model.new_static_cache(capacity)?, replays })
+    fn with_capacity(model: &Decoder, capacity: i64) -> Result<Self, String> {
+        Ok(Self { cache: model.new_static_cache(capacity)?, replays: Replays::new("the target's forward") })
     }
 
     pub fn len(&self) -> i64 {
@@ -54,12 +53,9 @@ impl StaticDecoding {
         self.cache.set_len(0);
     }
 
-    pub fn truncate(&mut self, len: i64) -> Result<(), String> {
-        if len > self.cache.len() {
-            return Err(format!("cache_truncate({len}) beyond the cache ({})", self.cache.len()));
-        }
-        self.cache.set_len(len);
-        Ok(())
+    /// Keep the first `len` positions (`Decoder::truncate`: on static buffers, only the length).
+    pub fn truncate(&mut self, model: &Decoder, len: i64) -> Result<(), String> {
+        model.truncate(&mut self.cache, len)
     }
 
     /// Run `ids` [1, L] after the cached positions: the features of `layer_ids` [1, L, n*H] and
@@ -159,9 +155,9 @@ mod tests {
     /// model's own cache, over the calls of speculative decoding: a prompt, verify blocks cut
     /// back to what was kept, a block at a length seen before (a replay where graphs record),
     /// single tokens, a reset and a second prompt.
-    fn largest_gap(model: &Decoder, record: bool, capacity: i64) -> f64 {
+    fn largest_gap(model: &Decoder, capacity: i64) -> f64 {
         let _guard = plugin_api::tch::no_grad_guard();
-        let mut graphed = StaticDecoding::with_capacity(model, record, capacity).unwrap();
+        let mut graphed = StaticDecoding::with_capacity(model, capacity).unwrap();
         let mut plain = model.new_cache(true);
         let layers = [0u32, 2];
         let ids = |t: &[i64]| Tensor::from_slice(t).unsqueeze(0);
@@ -173,7 +169,7 @@ mod tests {
                 gap = gap.max((a.to_kind(Kind::Float) - b.to_kind(Kind::Float)).abs().max().double_value(&[]));
             }
             if let Some(len) = keep {
-                graphed.truncate(len).unwrap();
+                graphed.truncate(model, len).unwrap();
                 model.truncate(plain, len).unwrap();
             }
         };
@@ -211,7 +207,7 @@ mod tests {
     fn a_static_cache_decodes_as_the_dynamic_one() {
         for family in ["llama", "qwen3"] {
             let model = tiny(family, Device::Cpu, Kind::Float);
-            let gap = largest_gap(&model, false, 16);
+            let gap = largest_gap(&model, 16);
             assert!(gap < 1e-5, "{family}: {gap:.2e}");
         }
     }
@@ -227,7 +223,7 @@ mod tests {
         .unwrap();
         cfg.rms_norm_eps = 1e-6;
         let model = Decoder::random_shard(&cfg, Device::Cpu, Kind::Float, Shard::WHOLE, None).unwrap();
-        let err = StaticDecoding::new(&model, false).err().unwrap();
+        let err = StaticDecoding::new(&model).err().unwrap();
         assert!(err.contains("ShortConv"), "{err}");
     }
 
@@ -240,9 +236,9 @@ mod tests {
         let device = kernels::cuda_test_device();
         for (kind, tol) in [(Kind::Float, 1e-4), (Kind::BFloat16, 0.1)] {
             let model = tiny("qwen3", device, kind);
-            let gap = largest_gap(&model, true, 48);
+            let gap = largest_gap(&model, 48);
             assert!(gap < tol, "{kind:?}: {gap:.2e}");
-            let mut graphed = StaticDecoding::new(&model, true).unwrap();
+            let mut graphed = StaticDecoding::new(&model).unwrap();
             let _ = graphed.extend(&model, &Tensor::from_slice(&[1i64, 2, 3]).unsqueeze(0), &[]).unwrap();
             let _ = graphed.extend(&model, &Tensor::from_slice(&[4i64, 5]).unsqueeze(0), &[]).unwrap();
             assert_eq!(graphed.replays.len(), 2, "both forwards recorded");

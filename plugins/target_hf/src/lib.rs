@@ -230,7 +230,7 @@ impl HfTarget {
     /// off, a model that can keep one).
     fn graphed(&mut self) -> Option<(&Decoder, &mut decode_graph::StaticDecoding)> {
         if self.graphed.is_none() && self.model.device().is_cuda() && kernels::cuda_graph::enabled() {
-            let made = decode_graph::StaticDecoding::new(&self.model, true);
+            let made = decode_graph::StaticDecoding::new(&self.model);
             if let Err(why) = &made {
                 eprintln!("target: decoding runs op by op, without CUDA graphs: {why}");
             }
@@ -345,7 +345,7 @@ impl TargetPlugin for HfTarget {
 
     fn cache_truncate(&mut self, len: u32) -> Result<(), PluginError> {
         match self.graphed.as_mut().and_then(|g| g.as_mut().ok()) {
-            Some(g) => g.truncate(len as i64),
+            Some(g) => g.truncate(&self.model, len as i64),
             None => self.model.truncate(&mut self.session, len as i64),
         }
         .map_err(PluginError::new)
